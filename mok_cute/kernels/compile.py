@@ -1,0 +1,124 @@
+"""Compile CuTe DSL kernels for a target arch, with an in-memory cache and PTX inspection.
+
+Everything that imports ``cutlass`` goes through :func:`dsl` so that ``import mok_cute``
+never needs the DSL (or a GPU). Compilation needs no GPU: the target is passed as
+``--gpu-arch`` (``sm_90a``, ``sm_100a``, ``sm_103a``).
+
+Cache contract: ``compile_cached(key, build)`` compiles once per key for the life of the
+process. The key must hold everything that changes the generated code (kernel name, arch,
+dtypes, tile shapes, flags); dims that vary per step (token counts) stay symbolic in the
+compiled kernel and are *not* part of the key, so a training step never recompiles.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+_lock = threading.Lock()
+_cache: dict[Hashable, Any] = {}
+_stats = {"compiles": 0, "hits": 0}
+
+
+def dsl():
+    """Import and return ``(cutlass, cute)``; artifacts go to a private temp dir."""
+    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="mok_cute_dsl_"))
+    import cutlass  # noqa: PLC0415 (lazy on purpose)
+    import cutlass.cute as cute  # noqa: PLC0415
+
+    return cutlass, cute
+
+
+def arch_of_device(device=None) -> str:
+    """The ``--gpu-arch`` string for a CUDA device (``sm_90a`` for capability 9.0)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+@dataclass
+class CompileReport:
+    """What ptxas said about one compiled module (all kernels in it)."""
+
+    arch: str
+    ptx: str
+    log: str
+    registers: dict[str, int] = field(default_factory=dict)
+    spill_bytes: dict[str, int] = field(default_factory=dict)
+    stack_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def max_registers(self) -> int:
+        return max(self.registers.values(), default=0)
+
+    @property
+    def total_spill_bytes(self) -> int:
+        return sum(self.spill_bytes.values())
+
+    def has(self, instruction: str) -> bool:
+        """True if the PTX contains ``instruction`` (a substring such as ``wgmma.mma_async``)."""
+        return instruction in self.ptx
+
+
+_ENTRY = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _parse_ptxas(log: str, arch: str, ptx: str) -> CompileReport:
+    rep = CompileReport(arch=arch, ptx=ptx, log=log)
+    current = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = m.group(1)
+        elif current and (m := _FRAME.search(line)):
+            rep.stack_bytes[current] = int(m.group(1))
+            rep.spill_bytes[current] = int(m.group(2)) + int(m.group(3))
+        elif current and (m := _REGS.search(line)):
+            rep.registers[current] = int(m.group(1))
+    return rep
+
+
+def compile_kernel(fn: Callable, *args, arch: str, inspect: bool = False, **kwargs):
+    """``cute.compile(fn, *args)`` for ``arch``; returns ``(compiled, CompileReport | None)``.
+
+    With ``inspect`` the PTX is kept and the ptxas resource report is captured.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    _, cute = dsl()
+    opts = f"--gpu-arch {arch}"
+    if not inspect:
+        return cute.compile(fn, *args, options=opts, **kwargs), None
+    buf, old = io.StringIO(), sys.stderr
+    sys.stderr = buf
+    try:
+        compiled = cute.compile(fn, *args, options=opts + " --keep-ptx remarks{ptx}", **kwargs)
+    finally:
+        sys.stderr = old
+    return compiled, _parse_ptxas(buf.getvalue(), arch, compiled.__ptx__ or "")
+
+
+def compile_cached(key: Hashable, build: Callable[[], Any]) -> Any:
+    """Return the compiled object for ``key``, calling ``build()`` only on the first request."""
+    with _lock:
+        if key in _cache:
+            _stats["hits"] += 1
+            return _cache[key]
+        obj = build()
+        _cache[key] = obj
+        _stats["compiles"] += 1
+        return obj
+
+
+def cache_stats() -> dict[str, int]:
+    """Counts of compiles and cache hits in this process (a step should add only hits)."""
+    return dict(_stats, entries=len(_cache))
