@@ -1,0 +1,477 @@
+"""Pure-torch reference MoE layer: the executable specification every kernel must meet.
+
+Runs on CPU and GPU, is bitwise deterministic, and imports no kernel.
+
+Layer (per rank; EP = world size of ``group``, rank p owns experts [p*E/EP, (p+1)*E/EP)):
+    x [T, H] bf16, topk_idx [T, k] int (global expert id, -1 = no expert), topk_w [T, k] fp32,
+    w_gate/w_up [E_local, I, H] bf16, w_down [E_local, H, I] bf16,
+    optional shared expert ws_gate/ws_up [I_s, H], ws_down [H, I_s] (every token).
+
+Numerics (precision "bf16"; "where rounding happens" is the contract):
+    * Every GEMM multiplies its operands exactly and sums in fp64, then rounds to fp32
+      (an order-free stand-in for fp32 accumulation; kernels accumulate in fp32 and are
+      compared with tolerances).
+    * GEMM1: g = bf16(x.Wg^T), u = bf16(x.Wu^T) (these bf16 values are what backward reads).
+    * SwiGLU in fp32 from the bf16 g, u: with limit L, g <- min(g, L), u <- clamp(u, -L, L);
+      h = bf16(silu(g) * u).
+    * GEMM2: r = bf16(h.Wd^T), one row per routed (token, slot).
+    * Combine: acc = fp32(shared(x)[t]) (or 0); for j = 0..k-1 with topk_idx[t, j] >= 0:
+      acc = acc + topk_w[t, j] * fp32(r_j) (an fp32 multiply, then an fp32 add);
+      y = bf16(acc). Slots with -1 are skipped (not added as zeros).
+    Backward (dy [T, H] bf16):
+    * Routed dy row of slot j: dyj = bf16(fp32(dy) * topk_w[t, j]); the shared expert's is dy.
+    * d topk_w[t, j] = fp32(sum_h dy[t, h] * r_j[t, h]) (fp64 sum), 0 for -1 slots.
+    * dh = dyj.Wd in fp32 (never rounded); dSwiGLU with gc, uc the clamped g, u, s = sigmoid(gc):
+      dg = dh * uc * s * (1 + gc * (1 - s)) * [g <= L],  du = dh * (gc * s) * [-L <= u <= L];
+      dgu = bf16([dg, du]).
+    * dx_j = bf16(dgu.[Wg; Wu]) (one sum over 2I); dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j))
+      in slot order, -1 slots skipped.
+    * dWd = bf16(dyj^T.h), dWg = bf16(dg^T.x), dWu = bf16(du^T.x) per expert over its tokens.
+    Token order inside an expert: by source rank, then token index, then slot.
+
+MXFP8 (precision "mxfp8"): E4M3 elements, one E8M0 scale per 32 elements along the GEMM's
+reduction dim (see :func:`mxfp8_quantize`). Every GEMM operand above is quantized, then the
+GEMM runs on the dequantized (exact) values; rounding points stay as in bf16. Axes:
+    forward  GEMM1  x        along H (rows)      Wg, Wu   along H (rows of [I, H])
+    forward  GEMM2  h        along I (rows)      Wd       along I (rows of [H, I])
+    dgrad    GEMM2  dyj      along H (rows)      Wd       along H (columns of [H, I])
+    dgrad    GEMM1  dgu      along I (rows)      Wg, Wu   along I (columns of [I, H])
+    wgrad    GEMM2  dyj, h   along tokens (columns), blocks of 32 from each expert's first row
+    wgrad    GEMM1  dgu, x   along tokens (columns), same blocking
+A partial last token block is zero-padded. The shared expert is one more group (all T tokens).
+
+Precision "exact" (float64 inputs, no rounding, no quantization) is the same math for
+gradient checks against torch.autograd.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PRECISIONS = ("bf16", "mxfp8")
+MX_BLOCK = 32
+FP8_MAX = 448.0
+
+
+# ----------------------------------------------------------------------------- MXFP8
+def _pow2_f32(k: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2^k for integer k in [-127, 127], built from the bit pattern."""
+    k = k.to(torch.int32)
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 0x00400000))
+    return bits.view(torch.float32)
+
+
+def _blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """View a 2-D ``x`` as [..., 32] blocks along ``dim`` (the block axis moved last)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    dim = dim % 2
+    if x.shape[dim] % MX_BLOCK:
+        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be a multiple of {MX_BLOCK}")
+    xt = x if dim == 1 else x.t()
+    return xt.reshape(xt.shape[0], xt.shape[1] // MX_BLOCK, MX_BLOCK)
+
+
+def mxfp8_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D bf16/fp32 tensor to MXFP8 along ``dim``.
+
+    Returns ``(data, scales)``: data float8_e4m3fn with x's shape; scales uint8 E8M0 (bias
+    127) with x's shape except size(dim) / 32. Per block of 32: amax = max |x|;
+    exponent e = ceil(log2(amax / 448)) clamped below at -127 (computed exactly from amax's
+    bits: byte = max(E - 8 + [mantissa > 0x600000], 0)); data = e4m3(x * 2^-e), round to
+    nearest even (never saturates). A block holding NaN or Inf gets scale 0xFF and NaN data.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    xb = _blocks(x.float(), dim)
+    bits = xb.view(torch.int32) & 0x7FFFFFFF
+    amax_bits = bits.amax(dim=-1)
+    nonfinite = amax_bits >= 0x7F800000
+    biased = amax_bits >> 23
+    mant = amax_bits & 0x7FFFFF
+    byte = (biased - 8 + (mant > 0x600000).to(torch.int32)).clamp(min=0)
+    scaled = xb * _pow2_f32(127 - byte)[..., None]
+    data = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.where(nonfinite[..., None], torch.full_like(data, 0x7F), data)
+    byte = torch.where(nonfinite, torch.full_like(byte, 0xFF), byte).to(torch.uint8)
+    data = data.reshape(xb.shape[0], -1).view(torch.float8_e4m3fn)
+    if dim % 2 == 0:
+        return data.t().contiguous(), byte.t().contiguous()
+    return data.contiguous(), byte.contiguous()
+
+
+def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`mxfp8_quantize`: fp32 values data * 2^(scale - 127) (NaN for 0xFF)."""
+    if data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"data must be float8_e4m3fn, got {data.dtype}")
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"scales must be uint8, got {scales.dtype}")
+    vals = _blocks(data.float(), dim)
+    byte = (scales if dim % 2 == 1 else scales.t()).to(torch.int32)
+    mult = torch.where(byte == 0xFF, torch.full(byte.shape, float("nan")), _pow2_f32(byte.clamp(max=254) - 127))
+    out = (vals * mult.to(vals.device)[..., None]).reshape(vals.shape[0], -1)
+    return out.t().contiguous() if dim % 2 == 0 else out
+
+
+def mx_round_trip(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The fp32 values a GEMM sees after MXFP8 quantization of ``x`` along ``dim``."""
+    return mxfp8_dequantize(*mxfp8_quantize(x, dim), dim=dim)
+
+
+def _mx_round_trip_groups(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """MXFP8 round trip along dim 0 in blocks of 32 rows starting at each group's start."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        n = hi - lo
+        if n == 0:
+            continue
+        pad = (-n) % MX_BLOCK
+        xp = F.pad(x[lo:hi].float(), (0, 0, 0, pad))
+        out[lo:hi] = mx_round_trip(xp, 0)[:n]
+    return out
+
+
+# ----------------------------------------------------------------------------- numerics
+@dataclass(frozen=True)
+class Numerics:
+    """Rounding policy: ``precision`` in bf16 | mxfp8 | exact (float64, nothing rounded)."""
+
+    precision: str = "bf16"
+
+    @property
+    def exact(self) -> bool:
+        return self.precision == "exact"
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """Round an activation / GEMM output to its storage type (bf16)."""
+        return x if self.exact else x.to(torch.bfloat16)
+
+    def f32(self, x: torch.Tensor) -> torch.Tensor:
+        """Upcast for fp32 math (float64 in exact mode)."""
+        return x.double() if self.exact else x.float()
+
+    def q(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Operand as the GEMM reads it (MXFP8 round trip along ``dim`` when mxfp8)."""
+        return mx_round_trip(x, dim) if self.precision == "mxfp8" else x
+
+    def q_tokens(self, x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+        """Wgrad operand quantized along tokens, per group."""
+        return _mx_round_trip_groups(x, offsets) if self.precision == "mxfp8" else x
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [M, K] . b[N, K]^T with an fp64 sum, rounded to fp32 (fp64 in exact mode)."""
+        out = a.double() @ b.double().t()
+        return out if self.exact else out.float()
+
+
+def _num(precision: str) -> Numerics:
+    if precision not in PRECISIONS + ("exact",):
+        raise ValueError(f"precision must be one of {PRECISIONS + ('exact',)}, got {precision!r}")
+    return Numerics(precision)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(min(g, L)) * clamp(u, -L, L) in the inputs' dtype (fp32 or fp64)."""
+    if limit is not None:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return F.silu(g) * u
+
+
+def dswiglu(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: float | None):
+    """(dg, du) of :func:`swiglu` at (g, u) for upstream dh; clamped inputs get zero grad."""
+    gc, uc = g, u
+    if limit is not None:
+        gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+    s = torch.sigmoid(gc)
+    dg = dh * uc * s * (1 + gc * (1 - s))
+    du = dh * (gc * s)
+    if limit is not None:
+        dg = torch.where(g <= limit, dg, torch.zeros_like(dg))
+        du = torch.where((u >= -limit) & (u <= limit), du, torch.zeros_like(du))
+    return dg, du
+
+
+# ----------------------------------------------------------------------------- grouped expert math
+def _offs(offsets) -> list[int]:
+    return [int(v) for v in (offsets.tolist() if torch.is_tensor(offsets) else offsets)]
+
+
+def grouped_gemm(a, offsets, w, precision: str = "bf16") -> torch.Tensor:
+    """out[rows of e] = round(a_e . w[e]^T); a [M, K], w [E, N, K] -> [M, N]."""
+    num, offs = _num(precision), _offs(offsets)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi > lo:
+            out[lo:hi] = num.act(num.mm(num.q(a[lo:hi], -1), num.q(w[e], -1)))
+    return out
+
+
+def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, precision: str = "bf16"):
+    """GEMM1 + SwiGLU: returns (gu [M, 2I] = [g | u] rounded, h [M, I] rounded)."""
+    num = _num(precision)
+    w1 = torch.cat([w_gate, w_up], dim=1)  # [E, 2I, H]
+    gu = grouped_gemm(x, offsets, w1, precision)
+    inter = w_gate.shape[1]
+    h = num.act(swiglu(num.f32(gu[:, :inter]), num.f32(gu[:, inter:]), limit))
+    return gu, h
+
+
+def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, precision: str = "bf16"):
+    """dh = dy_e . Wd_e (fp32, unrounded), then dSwiGLU -> dgu [M, 2I] rounded."""
+    num, offs = _num(precision), _offs(offsets)
+    inter = w_down.shape[2]
+    dh = torch.zeros(dy.shape[0], inter, dtype=torch.float64 if num.exact else torch.float32,
+                     device=dy.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi > lo:
+            dh[lo:hi] = num.mm(num.q(dy[lo:hi], -1), num.q(w_down[e], 0).t())
+    dg, du = dswiglu(dh, num.f32(gu[:, :inter]), num.f32(gu[:, inter:]), limit)
+    return num.act(torch.cat([dg, du], dim=1))
+
+
+def grouped_dgrad1(dgu, offsets, w_gate, w_up, precision: str = "bf16"):
+    """dx rows = round(dgu_e . [Wg_e; Wu_e]) (one sum over 2I) -> [M, H]."""
+    w1t = torch.cat([w_gate, w_up], dim=1)  # [E, 2I, H]
+    num, offs = _num(precision), _offs(offsets)
+    out = torch.zeros(dgu.shape[0], w1t.shape[2], dtype=dgu.dtype, device=dgu.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi > lo:
+            out[lo:hi] = num.act(num.mm(num.q(dgu[lo:hi], -1), num.q(w1t[e], 0).t()))
+    return out
+
+
+def grouped_wgrad(a, b, offsets, precision: str = "bf16"):
+    """dW[e] = round(a_e^T . b_e) over expert e's rows (tokens): a [M, Na], b [M, Nb] -> [E, Na, Nb]."""
+    num, offs = _num(precision), _offs(offsets)
+    aq, bq = num.q_tokens(a, offs), num.q_tokens(b, offs)
+    out = torch.zeros(len(offs) - 1, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi > lo:
+            out[e] = num.act(num.mm(aq[lo:hi].t(), bq[lo:hi].t()))
+    return out
+
+
+@dataclass
+class ExpertSaved:
+    """What an expert group's backward reads: inputs x, gu = [g | u], h, offsets."""
+
+    x: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+    offsets: list[int]
+
+
+def experts_forward(x, offsets, w_gate, w_up, w_down, limit, precision):
+    """Grouped expert MLP forward: rows r [M, H] and what backward needs."""
+    gu, h = grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit, precision)
+    r = grouped_gemm(h, offsets, w_down, precision)
+    return r, ExpertSaved(x, gu, h, _offs(offsets))
+
+
+def experts_backward(saved: ExpertSaved, dy_rows, w_gate, w_up, w_down, limit, precision):
+    """Grouped expert MLP backward for routed dy rows [M, H]: (dx rows, dWg, dWu, dWd)."""
+    inter = w_gate.shape[1]
+    dgu = grouped_dswiglu_dgrad(dy_rows, saved.offsets, w_down, saved.gu, limit, precision)
+    dx = grouped_dgrad1(dgu, saved.offsets, w_gate, w_up, precision)
+    dwd = grouped_wgrad(dy_rows, saved.h, saved.offsets, precision)
+    dwg = grouped_wgrad(dgu[:, :inter], saved.x, saved.offsets, precision)
+    dwu = grouped_wgrad(dgu[:, inter:], saved.x, saved.offsets, precision)
+    return dx, dwg, dwu, dwd
+
+
+# ----------------------------------------------------------------------------- routing
+@dataclass
+class Routing:
+    """Rows received by this rank's experts from the global problem.
+
+    ``src`` [M] source rank, ``tok`` [M] token index on that rank, ``slot`` [M], all int64 in
+    expert-grouped order (by source rank, token, slot); ``offsets`` [E_local + 1].
+    """
+
+    src: torch.Tensor
+    tok: torch.Tensor
+    slot: torch.Tensor
+    offsets: list[int]
+
+
+def plan_routing(topk_idx_all: list[torch.Tensor], num_experts: int, ep: int, rank: int) -> Routing:
+    """Which (source rank, token, slot) rows each of ``rank``'s local experts receives."""
+    e_local = num_experts // ep
+    srcs, toks, slots, eids = [], [], [], []
+    for p, idx in enumerate(topk_idx_all):
+        t, j = torch.nonzero(idx >= 0, as_tuple=True)
+        e = idx[t, j].long()
+        keep = (e >= rank * e_local) & (e < (rank + 1) * e_local)
+        srcs.append(torch.full_like(t[keep], p))
+        toks.append(t[keep])
+        slots.append(j[keep])
+        eids.append(e[keep] - rank * e_local)
+    src, tok, slot, eid = (torch.cat(v).cpu() for v in (srcs, toks, slots, eids))
+    order = torch.argsort(eid, stable=True)  # inputs are already in (rank, token, slot) order
+    counts = torch.bincount(eid, minlength=e_local)
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    return Routing(src[order], tok[order], slot[order], offsets)
+
+
+def _world(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_gather(t: torch.Tensor, group, ep: int) -> list[torch.Tensor]:
+    """All-gather tensors whose first dim may differ per rank."""
+    if ep == 1:
+        return [t]
+    import torch.distributed as dist
+
+    n = torch.tensor([t.shape[0]], device=t.device)
+    ns = [torch.zeros_like(n) for _ in range(ep)]
+    dist.all_gather(ns, n, group=group)
+    ns = [int(v) for v in ns]
+    pad = torch.zeros((max(ns),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    pad[: t.shape[0]] = t
+    outs = [torch.empty_like(pad) for _ in range(ep)]
+    dist.all_gather(outs, pad, group=group)
+    return [o[:m] for o, m in zip(outs, ns)]
+
+
+# ----------------------------------------------------------------------------- the layer
+def _deliver(rows, routing: Routing, t_all: list[int], k: int, topk_idx, e_local: int, group,
+             ep: int, rank: int) -> torch.Tensor:
+    """Send rows computed by this rank's experts back to their source ranks; return the
+    [T, k, width] rows of this rank's own tokens (zeros for -1 slots)."""
+    width = rows.shape[1]
+    per_src = []
+    for p, tp in enumerate(t_all):
+        buf = torch.zeros(tp * k, width, dtype=rows.dtype, device=rows.device)
+        sel = (routing.src == p).to(rows.device)
+        buf[(routing.tok * k + routing.slot).to(rows.device)[sel]] = rows[sel]
+        per_src.append(buf.view(tp, k, width))
+    if ep == 1:
+        return per_src[0]
+    mine = None
+    for p in range(ep):  # every rank joins each gather; only the source keeps the result
+        got = _all_gather(per_src[p], group, ep)
+        if p == rank:
+            mine = got
+    idx = topk_idx.long().to(rows.device)
+    out = torch.zeros(t_all[rank], k, width, dtype=rows.dtype, device=rows.device)
+    for q in range(ep):
+        owned = (idx >= q * e_local) & (idx < (q + 1) * e_local)
+        out[owned] = mine[q][owned]
+    return out
+
+
+# ----------------------------------------------------------------------------- the layer
+@dataclass
+class MoESaved:
+    """Forward state the reference backward reads."""
+
+    num: Numerics
+    limit: float | None
+    group: object
+    ep: int
+    rank: int
+    e_local: int
+    topk_idx: torch.Tensor
+    slot_w: torch.Tensor  # [M] router weight of each received row
+    routing: Routing
+    gather_idx: torch.Tensor  # [M] row of each received token in the gathered x
+    t_all: list[int]
+    weights: tuple  # (w_gate, w_up, w_down)
+    shared: tuple | None  # (ws_gate, ws_up, ws_down)
+    routed: ExpertSaved
+    shared_saved: ExpertSaved | None
+    slot_out: torch.Tensor  # [T, k, H] routed output rows r_j of this rank's tokens
+
+
+def _slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scale=None):
+    """acc + sum_j (scale_j *) rows[:, j] in slot order, skipping -1 slots."""
+    for j in range(rows.shape[1]):
+        term = rows[:, j].to(acc.dtype)
+        if scale is not None:
+            term = scale[:, j : j + 1].to(acc.dtype) * term
+        acc = torch.where((topk_idx[:, j] >= 0)[:, None].to(acc.device), acc + term, acc)
+    return acc
+
+
+def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
+                precision: str = "bf16", group=None):
+    """The layer forward on this rank (see the module docstring). Returns (y [T, H], saved)."""
+    num = _num(precision)
+    ep, rank = _world(group)
+    e_local = w_gate.shape[0]
+    k = topk_idx.shape[1]
+    x_all = _all_gather(x, group, ep)
+    idx_all = _all_gather(topk_idx, group, ep)
+    w_all = _all_gather(topk_w, group, ep)
+    t_all = [t.shape[0] for t in x_all]
+    routing = plan_routing(idx_all, e_local * ep, ep, rank)
+    base = torch.tensor([0] + t_all[:-1]).cumsum(0)
+    gather_idx = (base[routing.src] + routing.tok).to(x.device)
+    slot_w = torch.cat(w_all)[gather_idx, routing.slot.to(x.device)]
+    r, routed = experts_forward(torch.cat(x_all)[gather_idx], routing.offsets, w_gate, w_up,
+                                w_down, swiglu_limit, precision)
+    slot_out = _deliver(r, routing, t_all, k, topk_idx, e_local, group, ep, rank)
+    acc = torch.zeros(x.shape, dtype=torch.float64 if num.exact else torch.float32, device=x.device)
+    shared_saved = None
+    if shared is not None:
+        s, shared_saved = experts_forward(x, [0, x.shape[0]], *(w[None] for w in shared),
+                                          swiglu_limit, precision)
+        acc = num.f32(s)
+    y = num.act(_slot_sum(acc, slot_out, topk_idx, topk_w))
+    saved = MoESaved(num, swiglu_limit, group, ep, rank, e_local, topk_idx, slot_w, routing,
+                     gather_idx, t_all, (w_gate, w_up, w_down), shared, routed, shared_saved,
+                     slot_out)
+    return y, saved
+
+
+@dataclass
+class MoEGrads:
+    """Gradients of the layer: dx [T, H], d_topk_w [T, k] fp32, routed weight grads
+    (local slice), and the shared expert's (ws_gate, ws_up, ws_down) grads or None."""
+
+    dx: torch.Tensor
+    d_topk_w: torch.Tensor
+    d_w_gate: torch.Tensor
+    d_w_up: torch.Tensor
+    d_w_down: torch.Tensor
+    d_shared: tuple | None
+
+
+def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
+    """The layer backward for upstream dy [T, H] (see the module docstring)."""
+    num, ep = saved.num, saved.ep
+    precision = num.precision
+    dy_rows = torch.cat(_all_gather(dy, saved.group, ep))[saved.gather_idx]
+    dy_rows = num.act(num.f32(dy_rows) * saved.slot_w.to(num.f32(dy).dtype)[:, None])
+    dxr, dwg, dwu, dwd = experts_backward(saved.routed, dy_rows, *saved.weights, saved.limit,
+                                          precision)
+    dx_slots = _deliver(dxr, saved.routing, saved.t_all, saved.topk_idx.shape[1],
+                        saved.topk_idx, saved.e_local, saved.group, ep, saved.rank)
+    acc = torch.zeros(dy.shape, dtype=num.f32(dy).dtype, device=dy.device)
+    d_shared = None
+    if saved.shared is not None:
+        dxs, *dws = experts_backward(saved.shared_saved, dy, *(w[None] for w in saved.shared),
+                                     saved.limit, precision)
+        acc = num.f32(dxs)
+        d_shared = tuple(d[0] for d in dws)
+    dx = num.act(_slot_sum(acc, dx_slots, saved.topk_idx))
+    dtw = (dy.double()[:, None, :] * saved.slot_out.double()).sum(-1)
+    dtw = torch.where(saved.topk_idx >= 0, dtw, torch.zeros_like(dtw))
+    dtw = dtw if num.exact else dtw.float()
+    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)
+
+
+def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
+        precision: str = "bf16", group=None) -> torch.Tensor:
+    """Forward only: y [T, H]."""
+    return moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit,
+                       precision, group)[0]
