@@ -1,0 +1,103 @@
+"""Backend selection and the backends behind :func:`mok_cute.moe`.
+
+A backend has ``forward(inputs, config, group) -> (y, state)`` and ``backward(state, dy) ->
+reference.MoEGrads``. Selection: MOK_CUTE_BACKEND, else ``config.backend``, else by device:
+CPU -> reference (announced once), capability 9.0 -> sm90, 10.x -> sm100, others -> reference.
+A GPU backend whose kernels are missing raises NotImplementedError: it never silently falls
+back on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .config import BACKENDS, MoKConfig
+
+ENV = "MOK_CUTE_BACKEND"
+_announced: set[str] = set()
+
+
+@dataclass
+class MoEInputs:
+    """The arguments of one layer call (weights are this rank's local slice)."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    shared: tuple | None
+    swiglu_limit: float | None
+
+
+def select_backend(device: torch.device, config: MoKConfig) -> str:
+    """Name of the backend that runs on ``device`` under ``config`` and the environment."""
+    choice = os.environ.get(ENV) or config.backend
+    if choice not in BACKENDS:
+        raise ValueError(f"{ENV} must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        if device.type != "cuda":
+            _announce("no CUDA device: mok_cute runs the pure-torch reference backend")
+            return "reference"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major == 9:
+            return "sm90"
+        if major == 10:
+            return "sm100"
+        _announce(f"capability {major}.x has no mok_cute kernels: running the reference backend")
+        return "reference"
+    if choice in ("sm90", "sm100") and device.type != "cuda":
+        raise ValueError(f"backend {choice!r} needs CUDA tensors, got tensors on {device}")
+    return choice
+
+
+def _announce(msg: str) -> None:
+    if msg not in _announced:
+        _announced.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+class ReferenceBackend:
+    """The executable specification (mok_cute.reference), any device, bf16 and mxfp8."""
+
+    name = "reference"
+
+    def forward(self, inp: MoEInputs, config: MoKConfig, group):
+        return reference.moe_forward(inp.x, inp.topk_idx, inp.topk_w, inp.w_gate, inp.w_up,
+                                     inp.w_down, inp.shared, inp.swiglu_limit, config.precision,
+                                     group)
+
+    def backward(self, state, dy: torch.Tensor) -> reference.MoEGrads:
+        return reference.moe_backward(state, dy)
+
+
+class MissingKernelsBackend:
+    """A GPU backend whose fused kernels are not built yet: raises, never falls back."""
+
+    def __init__(self, name: str, missing: str):
+        self.name, self.missing = name, missing
+
+    def forward(self, inp, config, group):
+        raise NotImplementedError(
+            f"mok_cute backend {self.name!r}: {self.missing} not built yet. "
+            f"Use MoKConfig(backend='reference') or {ENV}=reference to run the pure-torch reference.")
+
+    def backward(self, state, dy):
+        raise NotImplementedError(f"mok_cute backend {self.name!r}: {self.missing} not built yet")
+
+
+_BACKENDS = {
+    "reference": ReferenceBackend(),
+    "sm90": MissingKernelsBackend("sm90", "the fused SM90 MoE kernels (expert GEMMs, dispatch/combine) are"),
+    "sm100": MissingKernelsBackend("sm100", "the fused SM100 MoE kernels (tcgen05 expert GEMMs) are"),
+}
+
+
+def get_backend(name: str):
+    """The backend object registered under ``name``."""
+    return _BACKENDS[name]

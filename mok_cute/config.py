@@ -1,0 +1,69 @@
+"""MoKConfig: every knob of the fused MoE layer, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "mxfp8")
+BACKENDS = ("auto", "reference", "sm90", "sm100")
+TILE_M = (64, 128, 256)
+TILE_N = (64, 128, 192, 256)
+TILE_K = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Configuration of :func:`mok_cute.moe`.
+
+    precision: "bf16" or "mxfp8" (E4M3 + E8M0 per 32 along K; see mok_cute.reference).
+    minibatch_tokens: tokens per overlap unit of the megakernel; a multiple of 256.
+    comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2.
+    tile_m / tile_n / tile_k: GEMM tile shape (M = tokens, N = output features, K = reduction).
+    backend: "auto" (by device capability), "reference" (pure torch), "sm90", "sm100";
+        the environment variable MOK_CUTE_BACKEND overrides it.
+    device_timeout_s: bound on any device-side wait for a peer; exceeding it raises
+        RuntimeError on the host instead of hanging.
+    validate_routing: check topk_idx values on the device before the step (one host sync;
+        turn off for CUDA-graph capture once the routing is trusted).
+    """
+
+    precision: str = "bf16"
+    minibatch_tokens: int = 4096
+    comm_sms_fwd: int = 40
+    comm_sms_bwd: int = 28
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    backend: str = "auto"
+    device_timeout_s: float = 30.0
+    validate_routing: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("backend", self.backend, BACKENDS)
+        _int("minibatch_tokens", self.minibatch_tokens)
+        if self.minibatch_tokens < 256 or self.minibatch_tokens % 256:
+            raise ValueError(f"minibatch_tokens must be a positive multiple of 256, got {self.minibatch_tokens}")
+        for name in ("comm_sms_fwd", "comm_sms_bwd"):
+            v = getattr(self, name)
+            _int(name, v)
+            if v < 2 or v % 2:
+                raise ValueError(f"{name} must be an even integer >= 2, got {v}")
+        for name, allowed in (("tile_m", TILE_M), ("tile_n", TILE_N), ("tile_k", TILE_K)):
+            _int(name, getattr(self, name))
+            _choice(name, getattr(self, name), allowed)
+        t = self.device_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"device_timeout_s must be a positive finite number of seconds, got {t!r}")
+        if not isinstance(self.validate_routing, bool):
+            raise TypeError(f"validate_routing must be a bool, got {type(self.validate_routing).__name__}")
+
+
+def _int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+
+
+def _choice(name: str, v, allowed) -> None:
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {v!r}")

@@ -1,0 +1,69 @@
+"""MoELayer: an nn.Module owning this rank's routed experts, an optional shared expert and
+an optional top-k softmax router."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import MoKConfig
+from .ops import moe
+from .reference import _world
+from .validate import check_num_experts
+
+
+class MoELayer(nn.Module):
+    """MoE layer over ``num_experts`` experts split across the expert-parallel ``group``.
+
+    Parameters (bf16 unless said): w_gate, w_up [E_local, I, H]; w_down [E_local, H, I];
+    with ``shared_intermediate_size`` I_s: ws_gate, ws_up [I_s, H], ws_down [H, I_s];
+    with ``router=True``: router_weight [E, H] fp32 (logits = x . router_weight^T in fp32,
+    top-k of the logits, softmax over the k kept values; its gradient flows through topk_w).
+    Init: N(0, 1) * fan_in^-0.5. ``forward(x)`` routes itself; ``forward(x, topk_idx, topk_w)``
+    takes external routing (required when ``router=False``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 shared_intermediate_size: int | None = None, router: bool = True,
+                 swiglu_limit: float | None = None, config: MoKConfig | None = None, group=None,
+                 device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        ep, rank = _world(group)
+        e_local = check_num_experts(num_experts, ep)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
+        if dtype != torch.bfloat16:
+            raise TypeError(f"dtype must be torch.bfloat16 (expert weights), got {dtype}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.ep, self.rank = num_experts, top_k, ep, rank
+        self.swiglu_limit, self.config, self.group = swiglu_limit, config or MoKConfig(), group
+        h, i = hidden_size, intermediate_size
+
+        def param(*shape, fan_in, dt=dtype):
+            return nn.Parameter((torch.randn(*shape, device=device) * fan_in ** -0.5).to(dt))
+
+        self.w_gate = param(e_local, i, h, fan_in=h)
+        self.w_up = param(e_local, i, h, fan_in=h)
+        self.w_down = param(e_local, h, i, fan_in=i)
+        self.ws_gate = self.ws_up = self.ws_down = None
+        if shared_intermediate_size is not None:
+            s = shared_intermediate_size
+            self.ws_gate = param(s, h, fan_in=h)
+            self.ws_up = param(s, h, fan_in=h)
+            self.ws_down = param(h, s, fan_in=s)
+        self.router_weight = param(num_experts, h, fan_in=h, dt=torch.float32) if router else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_idx [T, k] int64, topk_w [T, k] fp32) from the router."""
+        logits = x.float() @ self.router_weight.t()
+        vals, idx = logits.topk(self.top_k, dim=-1)
+        return idx, torch.softmax(vals, dim=-1)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                topk_w: torch.Tensor | None = None) -> torch.Tensor:
+        if topk_idx is None or topk_w is None:
+            if self.router_weight is None:
+                raise ValueError("this MoELayer has no router: pass topk_idx and topk_w")
+            topk_idx, topk_w = self.route(x)
+        shared = None if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
+        return moe(x, topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared=shared,
+                   swiglu_limit=self.swiglu_limit, config=self.config, group=self.group)

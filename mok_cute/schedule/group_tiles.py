@@ -1,0 +1,110 @@
+"""Persistent tile schedule over grouped (per-expert) GEMM tiles, read from device offsets.
+
+Tile space: experts in order; expert ``e`` owns rows ``offsets[e]..offsets[e+1]`` and
+``ceil(rows_e / tile_m) * n_tiles`` tiles, numbered m-tile fastest
+(``local = n_tile * m_tiles_e + m_tile``). Linear tile ``t`` of the whole space belongs to
+the expert whose tile range holds it. CTA ``c`` of ``num_ctas`` runs tiles
+``c, c + num_ctas, c + 2 * num_ctas, ...`` until the space is exhausted, so no SM idles
+while another expert still has tiles (one hot expert is spread over all CTAs).
+
+Device side: the cursor ``(expert, base)`` — the expert being scanned and the linear index
+of its first tile — only moves forward, so a CTA scans the offsets once in total
+(O(E + tiles) per CTA), with no host sync and no dependence on token counts at compile
+time. This module imports no GEMM code.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+# ---------------------------------------------------------------- pure-Python mirror
+def expert_tiles(offsets, tile_m: int, n_tiles: int) -> list[int]:
+    """Tiles of each expert: ``ceil(rows_e / tile_m) * n_tiles``."""
+    offs = [int(o) for o in offsets]
+    return [-(-(offs[e + 1] - offs[e]) // tile_m) * n_tiles for e in range(len(offs) - 1)]
+
+
+def total_tiles(offsets, tile_m: int, n_tiles: int) -> int:
+    """Size of the linear tile space."""
+    return sum(expert_tiles(offsets, tile_m, n_tiles))
+
+
+def cta_tiles(offsets, tile_m: int, n_tiles: int, cta: int, num_ctas: int) -> list[tuple[int, int, int, int, int]]:
+    """Mirror of the device walk for one CTA: ``[(expert, m_tile, n_tile, row0, rows)]``.
+
+    ``row0`` is the first global row of the tile, ``rows`` how many of its ``tile_m`` rows
+    belong to the expert (the store mask).
+    """
+    offs = [int(o) for o in offsets]
+    num_experts = len(offs) - 1
+    out = []
+    expert, base, linear = 0, 0, cta
+    while True:
+        expert, base = _seek(offs, num_experts, tile_m, n_tiles, linear, expert, base)
+        if expert >= num_experts:
+            return out
+        out.append(_coords(offs, tile_m, linear, expert, base))
+        linear += num_ctas
+
+
+def _seek(offs, num_experts, tile_m, n_tiles, linear, expert, base):
+    while expert < num_experts:
+        nt = -(-(offs[expert + 1] - offs[expert]) // tile_m) * n_tiles
+        if linear < base + nt:
+            break
+        base += nt
+        expert += 1
+    return expert, base
+
+
+def _coords(offs, tile_m, linear, expert, base):
+    m_tiles = -(-(offs[expert + 1] - offs[expert]) // tile_m)
+    local = linear - base
+    m_tile, n_tile = local % m_tiles, local // m_tiles
+    row0 = offs[expert] + m_tile * tile_m
+    return expert, m_tile, n_tile, row0, min(tile_m, offs[expert + 1] - row0)
+
+
+# ---------------------------------------------------------------- device functions
+@cute.jit
+def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n_tiles: Int32,
+         linear: Int32, expert: Int32, base: Int32):
+    """Advance the cursor ``(expert, base)`` until expert's tiles hold ``linear``.
+
+    ``offsets``: int32 gmem tensor [E+1]. ``linear`` must not be below ``base`` (indices
+    only grow). Returns the new ``(expert, base)``; ``expert == num_experts`` means
+    ``linear`` is past the last tile (the CTA is done).
+    """
+    e = expert
+    b = base
+    searching = e < num_experts
+    while searching:
+        lo = offsets[e]
+        hi = offsets[e + 1]
+        nt = (hi - lo + (tile_m - 1)) // tile_m * n_tiles
+        if linear < b + nt:
+            searching = False
+        else:
+            b = b + nt
+            e = e + 1
+            searching = e < num_experts
+    return e, b
+
+
+@cute.jit
+def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: Int32, expert: Int32, base: Int32):
+    """``(m_tile, n_tile, row0, rows)`` of ``linear`` inside ``expert`` (cursor from :func:`seek`).
+
+    ``row0``: first global row of the tile; ``rows``: rows of the tile inside the expert.
+    """
+    lo = offsets[expert]
+    hi = offsets[expert + 1]
+    m_tiles = (hi - lo + (tile_m - 1)) // tile_m
+    local = linear - base
+    m_tile = local % m_tiles
+    n_tile = local // m_tiles
+    row0 = lo + m_tile * tile_m
+    rows = cutlass.min(hi - row0, tile_m)
+    return m_tile, n_tile, row0, rows

@@ -1,0 +1,96 @@
+"""Input checks for the public API: clear TypeError/ValueError before any kernel runs.
+
+Alignment the kernels need: H, I (and the shared expert's I_s) are multiples of 64
+(MXFP8 blocks of 32 along H and I, 16-byte TMA row strides, whole 64-wide K tiles).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALIGN = 64
+
+
+def _tensor(name: str, t, dtypes: tuple, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+
+
+def _shape(name: str, t: torch.Tensor, want: tuple, what: str) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} must have shape {what} = {want}, got {tuple(t.shape)}")
+
+
+def _aligned(name: str, v: int) -> None:
+    if v % ALIGN:
+        raise ValueError(f"{name} = {v} must be a multiple of {ALIGN} (MXFP8 blocks, TMA alignment, K tiles)")
+
+
+def check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, ep: int,
+                     check_values: bool = True) -> None:
+    """Validate the arguments of :func:`mok_cute.moe` (weights are the local slice; E = E_local * ep)."""
+    bf16 = (torch.bfloat16,)
+    _tensor("x", x, bf16, 2)
+    _tensor("topk_idx", topk_idx, (torch.int32, torch.int64), 2)
+    _tensor("topk_w", topk_w, (torch.float32,), 2)
+    _tensor("w_gate", w_gate, bf16, 3)
+    _tensor("w_up", w_up, bf16, 3)
+    _tensor("w_down", w_down, bf16, 3)
+    t, h = x.shape
+    e_local, inter, _ = w_gate.shape
+    k = topk_idx.shape[1]
+    n_exp = e_local * ep
+    _shape("topk_idx", topk_idx, (t, k), "[T, k]")
+    _shape("topk_w", topk_w, (t, k), "[T, k]")
+    _shape("w_gate", w_gate, (e_local, inter, h), "[E_local, I, H]")
+    _shape("w_up", w_up, (e_local, inter, h), "[E_local, I, H]")
+    _shape("w_down", w_down, (e_local, h, inter), "[E_local, H, I]")
+    if k > n_exp:
+        raise ValueError(f"topk_idx has k = {k} slots but there are only E = {n_exp} experts (k <= E)")
+    _aligned("hidden size H", h)
+    _aligned("intermediate size I", inter)
+    tensors = [("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w), ("w_gate", w_gate),
+               ("w_up", w_up), ("w_down", w_down)]
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+            raise TypeError("shared must be None or a tuple (ws_gate, ws_up, ws_down)")
+        names = ("shared[0] (ws_gate)", "shared[1] (ws_up)", "shared[2] (ws_down)")
+        for n, w in zip(names, shared):
+            _tensor(n, w, bf16, 2)
+        i_s = shared[0].shape[0]
+        _shape(names[0], shared[0], (i_s, h), "[I_s, H]")
+        _shape(names[1], shared[1], (i_s, h), "[I_s, H]")
+        _shape(names[2], shared[2], (h, i_s), "[H, I_s]")
+        _aligned("shared intermediate size I_s", i_s)
+        tensors += list(zip(names, shared))
+    if swiglu_limit is not None:
+        if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+            raise TypeError(f"swiglu_limit must be None or a float, got {type(swiglu_limit).__name__}")
+        if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
+            raise ValueError(f"swiglu_limit must be a positive finite float, got {swiglu_limit}")
+    dev = x.device
+    for n, tt in tensors:
+        if tt.device != dev:
+            raise ValueError(f"{n} is on {tt.device} but x is on {dev}: all tensors must share a device")
+    if check_values:
+        bad = (topk_idx < -1) | (topk_idx >= n_exp)
+        if bool(bad.any()):
+            v = int(topk_idx[bad][0])
+            raise ValueError(f"topk_idx holds expert id {v}; ids must be -1 (no expert) or in [0, E = {n_exp})")
+
+
+def check_num_experts(num_experts: int, ep: int) -> int:
+    """E_local for E experts over ``ep`` ranks; E must be divisible by EP."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % ep:
+        raise ValueError(f"num_experts E = {num_experts} must be divisible by the expert-parallel size EP = {ep}")
+    return num_experts // ep
