@@ -1,0 +1,37 @@
+"""Shared test fixtures: random MoE problems (never zeros) in the MoK test-suite style."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("MOK_CUTE_BACKEND", "")
+
+
+def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.bfloat16,
+                 minus_one=True, idx=None):
+    """Random layer inputs: logits ~ N(0,1), top-k, softmax over the k values; weights
+    N(0,1) * fan_in^-0.5. With ``minus_one``, a few slots (and one whole token) are -1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    vals, top = logits.topk(k, dim=-1)
+    topk_w = torch.softmax(vals, dim=-1)
+    if idx is not None:
+        top = idx
+    elif minus_one and T > 2 and k > 1:
+        top[1, k - 1] = -1
+        top[T // 2, :] = -1
+    w = lambda *s, fan: (torch.randn(*s, generator=g) * fan ** -0.5).to(dtype)
+    wg, wu, wd = w(E, I, H, fan=H), w(E, I, H, fan=H), w(E, H, I, fan=I)
+    shared = None
+    if shared_I:
+        shared = (w(shared_I, H, fan=H), w(shared_I, H, fan=H), w(H, shared_I, fan=shared_I))
+    dy = torch.randn(T, H, generator=g).to(dtype)
+    return dict(x=x, topk_idx=top, topk_w=topk_w, w_gate=wg, w_up=wu, w_down=wd, shared=shared), dy
+
+
+@pytest.fixture
+def problem():
+    return make_problem
