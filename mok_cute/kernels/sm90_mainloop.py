@@ -1,0 +1,232 @@
+"""Warp-specialized Hopper (sm_90a) GEMM mainloop: one output tile at a time.
+
+Roles (384 threads): warpgroup 0 is the producer (warp 0 issues TMA loads of A and B
+k-tiles into a ring of ``stages`` shared-memory buffers guarded by a PipelineTmaAsync
+mbarrier pipeline; the warpgroup gives registers back with ``setmaxnreg``); warpgroups 1-2
+are the consumers (``wgmma``, operands from shared memory, FP32 accumulators, each
+warpgroup owns 64 of the tile's ``tile_m = 128`` rows; they take registers with
+``setmaxnreg``).
+
+The building blocks are per tile, so any persistent driver (a grouped GEMM, a future
+megakernel) picks the tile coordinates and the epilogue:
+
+* :meth:`Sm90Mainloop.load_tile` (producer warp) streams the k-tiles of one (A tile,
+  B tile) pair into the ring;
+* :meth:`Sm90Mainloop.mma_tile` (consumer warpgroups) accumulates them into registers;
+* :func:`acc_to_smem` converts the accumulators and stages the whole tile in shared memory,
+  where a pluggable epilogue reads it back (see ``sm90_grouped_gemm``).
+
+A and B are K-major: A tile ``(tile_m, tile_k)`` rows of a [M, K] tensor, B tile
+``(tile_n, tile_k)`` rows of a [N, K] tensor; the tile is ``A @ B^T``. The producer and
+consumers must walk the same tile sequence (each reads the same pipeline in order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+SMEM_BYTES = utils.get_smem_capacity_in_bytes("sm_90")
+THREADS_PER_WG = 128
+NUM_CONSUMER_WG = 2
+NUM_THREADS = THREADS_PER_WG * (1 + NUM_CONSUMER_WG)
+NUM_CONSUMER_THREADS = THREADS_PER_WG * NUM_CONSUMER_WG
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+_BARRIER_BYTES = 1024  # mbarriers and struct padding
+
+
+@dataclass(frozen=True)
+class MainloopConfig:
+    """Compile-time shape of the mainloop.
+
+    ``tile_m`` is 128 (two consumer warpgroups of 64 rows); ``tile_n`` a multiple of 16 up
+    to 256; ``tile_k`` 64 for 16-bit operands (128 bytes: one swizzle atom). ``stages`` 0
+    picks as many ring buffers as fit beside the epilogue's shared memory.
+    ``cluster_mn`` is carried for later multicast work; only (1, 1) is implemented.
+    ``ab_dtype`` is the operand type (``cutlass.BFloat16``; FP8 e4m3 later).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 0
+    cluster_mn: tuple[int, int] = (1, 1)
+    ab_dtype: type = cutlass.BFloat16
+    acc_dtype: type = cutlass.Float32
+
+    def validate(self) -> None:
+        if self.tile_m != 128:
+            raise ValueError(f"tile_m must be 128, got {self.tile_m}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.tile_k * self.ab_dtype.width != 1024:
+            raise ValueError(f"tile_k must span 128 bytes ({1024 // self.ab_dtype.width} elements), got {self.tile_k}")
+        if tuple(self.cluster_mn) != (1, 1):
+            raise ValueError(f"cluster_mn {self.cluster_mn} not implemented, only (1, 1)")
+        if self.ab_dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise ValueError(f"ab_dtype {self.ab_dtype} not implemented (BFloat16, Float16)")
+
+    def stage_bytes(self) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
+
+    def num_stages(self, epi_smem_bytes: int) -> int:
+        """Ring depth: ``stages`` if set, else as many as fit next to the epilogue."""
+        if self.stages:
+            return self.stages
+        return (SMEM_BYTES - _BARRIER_BYTES - epi_smem_bytes) // self.stage_bytes()
+
+    def key(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.tile_k, self.stages, tuple(self.cluster_mn),
+                self.ab_dtype.__name__, self.acc_dtype.__name__)
+
+
+class Sm90Mainloop:
+    """Layouts, TMA atoms, pipeline and per-tile device loops for one :class:`MainloopConfig`.
+
+    Construct on the host; call :meth:`setup` inside the ``@cute.jit`` launcher (it builds
+    MLIR layouts). ``epi_smem_bytes`` is what the epilogue needs beside the ring.
+    """
+
+    def __init__(self, cfg: MainloopConfig, epi_smem_bytes: int):
+        cfg.validate()
+        self.cfg = cfg
+        self.stages = cfg.num_stages(epi_smem_bytes)
+        if self.stages < 2:
+            raise ValueError(f"only {self.stages} pipeline stage(s) fit in shared memory")
+        if self.stages * cfg.stage_bytes() + epi_smem_bytes + _BARRIER_BYTES > SMEM_BYTES:
+            raise ValueError(f"{self.stages} stages + {epi_smem_bytes} epilogue bytes exceed shared memory")
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.smem_bytes = self.stages * cfg.stage_bytes() + epi_smem_bytes
+
+    def setup(self):
+        """Build the tiled MMA and the staged shared-memory layouts (call inside jit)."""
+        cfg = self.cfg
+        self.tiled_mma = sm90.make_trivial_tiled_mma(
+            cfg.ab_dtype, cfg.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cfg.tile_n))
+        self.a_smem_staged = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, cfg.ab_dtype, self.stages)
+        self.b_smem_staged = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, cfg.ab_dtype, self.stages)
+        self.tx_bytes = cfg.stage_bytes()
+
+    def make_tma(self, mA: cute.Tensor, mB: cute.Tensor):
+        """TMA load atoms for A ([M, K], K-major) and B ([N, K, L], K-major).
+
+        Returns ``(atom_a, coord_a, atom_b, coord_b)``; the coordinate tensors are what
+        the producer tiles (``domain_offset`` them for per-group row starts).
+        """
+        cfg = self.cfg
+        atom_a, coord_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a_smem_staged, (None, None, 0)),
+            (cfg.tile_m, cfg.tile_k))
+        atom_b, coord_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(self.b_smem_staged, (None, None, 0)),
+            (cfg.tile_n, cfg.tile_k))
+        return atom_a, coord_a, atom_b, coord_b
+
+    def make_pipeline(self, barrier_ptr):
+        """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64)."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barrier_ptr,
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+
+    def producer_state(self):
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+
+    def consumer_state(self):
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+    @cute.jit
+    def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
+                  atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32):
+        """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
+
+        ``gA``: TMA coordinates (tile_m, tile_k, k_tiles); ``gB``: (tile_n, tile_k, k_tiles);
+        ``sA``/``sB``: the staged ring tensors.
+        """
+        tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        for k in cutlass.range(k_tiles, unroll=1):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            pipe.producer_commit(state)
+            state.advance()
+        return state
+
+    def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):
+        """``(thr_mma, tCrA, tCrB, acc)`` for consumer thread ``consumer_tid`` (0..255)."""
+        thr_mma = self.tiled_mma.get_slice(consumer_tid)
+        tCrA = self.tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = self.tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_shape = thr_mma.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n))
+        acc = cute.make_rmem_tensor(acc_shape, self.cfg.acc_dtype)
+        return thr_mma, tCrA, tCrB, acc
+
+    @cute.jit
+    def mma_tile(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
+                 k_tiles: cutlass.Int32):
+        """Consumer warpgroups: ``acc = A_tile @ B_tile^T`` over ``k_tiles`` (>= 1) ring slots.
+
+        One wgmma batch stays in flight; a slot is released once the batch reading it
+        retired. Returns the advanced state; all slots of the tile are released on return.
+        """
+        release = state.clone()
+        k_blocks = cute.size(tCrA, mode=[2])
+        warpgroup.fence()
+        # first k-tile: the first k-block overwrites the accumulators (no zero fill)
+        pipe.consumer_wait(state)
+        for kb in cutlass.range_constexpr(k_blocks):
+            self.tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, state.index)],
+                      tCrB[(None, None, kb, state.index)], acc)
+        warpgroup.commit_group()
+        state.advance()
+        for _ in cutlass.range(k_tiles - 1, unroll=1):
+            pipe.consumer_wait(state)
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, state.index)],
+                          tCrB[(None, None, kb, state.index)], acc)
+            warpgroup.commit_group()
+            state.advance()
+            warpgroup.wait_group(1)
+            pipe.consumer_release(release)
+            release.advance()
+        warpgroup.wait_group(0)
+        pipe.consumer_release(release)
+        return state
+
+
+@cute.jit
+def acc_to_smem(thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor):
+    """Round the FP32 accumulators to ``sC``'s dtype and store this thread's part of the tile."""
+    tCsC = thr_mma.partition_C(sC)
+    rC = cute.make_rmem_tensor_like(acc, sC.element_type)
+    rC.store(acc.load().to(sC.element_type))
+    cute.autovec_copy(rC, tCsC)
+
+
+def consumer_barrier():
+    """Named barrier over the two consumer warpgroups only (id 1)."""
+    cute.arch.barrier(barrier_id=1, number_of_threads=NUM_CONSUMER_THREADS)
+
+
+def epi_smem_layout(dtype, tile_m: int, tile_n: int):
+    """Swizzled K-contiguous (row-major) shared layout for a whole (tile_m, tile_n) tile."""
+    staged = sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (tile_m, tile_n), 1)
+    return cute.slice_(staged, (None, None, 0))
