@@ -1,0 +1,192 @@
+"""Public API: config validation, bad inputs (one test per case), backend selection, the
+autograd path and MoELayer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok_cute
+from mok_cute import MoELayer, MoKConfig, moe
+from mok_cute import backend as B
+from mok_cute import reference as R
+from conftest import make_problem
+
+
+def call(p, **kw):
+    return moe(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"],
+               shared=p["shared"], **kw)
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(precision="fp16"), ValueError, "precision"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(minibatch_tokens=1000), ValueError, "minibatch_tokens"),
+    (dict(minibatch_tokens=4096.0), TypeError, "minibatch_tokens"),
+    (dict(comm_sms_fwd=3), ValueError, "comm_sms_fwd"),
+    (dict(comm_sms_bwd=0), ValueError, "comm_sms_bwd"),
+    (dict(tile_m=96), ValueError, "tile_m"),
+    (dict(tile_n=100), ValueError, "tile_n"),
+    (dict(tile_k=16), ValueError, "tile_k"),
+    (dict(device_timeout_s=0), ValueError, "device_timeout_s"),
+    (dict(device_timeout_s=float("inf")), ValueError, "device_timeout_s"),
+    (dict(validate_routing=1), TypeError, "validate_routing"),
+])
+def test_config_rejects(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        MoKConfig(**kw)
+
+
+def test_config_defaults():
+    c = MoKConfig()
+    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 4096, 40, 28)
+
+
+# ---------------------------------------------------------------- bad inputs
+def _bad(mutate):
+    p, _ = make_problem(T=8, H=128, I=64, E=4, k=2, shared_I=64, seed=3)
+    mutate(p)
+    return p
+
+
+BAD = {
+    "x_dtype": (lambda p: p.update(x=p["x"].float()), TypeError, "x must have dtype bfloat16"),
+    "x_not_tensor": (lambda p: p.update(x=p["x"].tolist()), TypeError, "x must be a torch.Tensor"),
+    "x_ndim": (lambda p: p.update(x=p["x"][None]), ValueError, "x must be 2-D"),
+    "x_empty": (lambda p: p.update(x=p["x"][:0]), ValueError, "x must not be empty"),
+    "idx_dtype": (lambda p: p.update(topk_idx=p["topk_idx"].float()), TypeError, "topk_idx must have dtype int32 or int64"),
+    "idx_shape": (lambda p: p.update(topk_idx=p["topk_idx"][:4]), ValueError, r"topk_idx must have shape \[T, k\]"),
+    "idx_too_big": (lambda p: p["topk_idx"].__setitem__((0, 0), 4), ValueError, "expert id 4"),
+    "idx_below_minus_one": (lambda p: p["topk_idx"].__setitem__((0, 0), -2), ValueError, "expert id -2"),
+    "k_gt_E": (lambda p: p.update(topk_idx=torch.zeros(8, 5, dtype=torch.long), topk_w=torch.rand(8, 5)), ValueError, "k <= E"),
+    "w_dtype": (lambda p: p.update(topk_w=p["topk_w"].bfloat16()), TypeError, "topk_w must have dtype float32"),
+    "w_shape": (lambda p: p.update(topk_w=p["topk_w"][:, :1]), ValueError, r"topk_w must have shape \[T, k\]"),
+    "w_gate_dtype": (lambda p: p.update(w_gate=p["w_gate"].float()), TypeError, "w_gate must have dtype bfloat16"),
+    "w_up_shape": (lambda p: p.update(w_up=p["w_up"][:, :, :32]), ValueError, r"w_up must have shape \[E_local, I, H\]"),
+    "w_down_shape": (lambda p: p.update(w_down=p["w_down"].transpose(1, 2)), ValueError, r"w_down must have shape \[E_local, H, I\]"),
+    "w_down_experts": (lambda p: p.update(w_down=p["w_down"][:3]), ValueError, "w_down must have shape"),
+    "H_unaligned": (lambda p: p.update(x=p["x"][:, :96], w_gate=p["w_gate"][:, :, :96], w_up=p["w_up"][:, :, :96], w_down=p["w_down"][:, :96], shared=None), ValueError, "hidden size H = 96 must be a multiple of 64"),
+    "I_unaligned": (lambda p: p.update(w_gate=p["w_gate"][:, :40], w_up=p["w_up"][:, :40], w_down=p["w_down"][:, :, :40]), ValueError, "intermediate size I = 40 must be a multiple of 64"),
+    "shared_not_tuple": (lambda p: p.update(shared=p["shared"][0]), TypeError, "shared must be None or a tuple"),
+    "shared_dtype": (lambda p: p.update(shared=(p["shared"][0].float(),) + p["shared"][1:]), TypeError, "ws_gate"),
+    "shared_shape": (lambda p: p.update(shared=p["shared"][:2] + (p["shared"][2].t(),)), ValueError, "ws_down"),
+    "limit_negative": (lambda p: p.update(limit=-1.0), ValueError, "swiglu_limit must be a positive"),
+    "limit_type": (lambda p: p.update(limit="4"), TypeError, "swiglu_limit must be None or a float"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_raises(case):
+    mutate, exc, msg = BAD[case]
+    p = _bad(mutate)
+    limit = p.pop("limit", None)
+    with pytest.raises(exc, match=msg):
+        call(p, swiglu_limit=limit, config=MoKConfig(backend="reference"))
+
+
+def test_bad_config_type():
+    p, _ = make_problem(T=4)
+    with pytest.raises(TypeError, match="config must be a MoKConfig"):
+        call(p, config={"precision": "bf16"})
+
+
+def test_num_experts_not_divisible_by_ep():
+    from mok_cute.validate import check_num_experts
+
+    with pytest.raises(ValueError, match="divisible by the expert-parallel size EP = 4"):
+        check_num_experts(6, 4)
+    assert check_num_experts(8, 4) == 2
+
+
+# ---------------------------------------------------------------- backends
+def test_backend_auto_on_cpu_is_reference_and_announced_once(monkeypatch):
+    monkeypatch.delenv(B.ENV, raising=False)
+    B._announced.clear()
+    with pytest.warns(UserWarning, match="reference backend"):
+        assert B.select_backend(torch.device("cpu"), MoKConfig()) == "reference"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert B.select_backend(torch.device("cpu"), MoKConfig()) == "reference"
+
+
+def test_backend_env_override(monkeypatch):
+    monkeypatch.setenv(B.ENV, "reference")
+    assert B.select_backend(torch.device("cpu"), MoKConfig(backend="sm90")) == "reference"
+    monkeypatch.setenv(B.ENV, "tpu")
+    with pytest.raises(ValueError, match="MOK_CUTE_BACKEND"):
+        B.select_backend(torch.device("cpu"), MoKConfig())
+
+
+def test_gpu_backend_on_cpu_tensors_rejected(monkeypatch):
+    monkeypatch.delenv(B.ENV, raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        B.select_backend(torch.device("cpu"), MoKConfig(backend="sm90"))
+
+
+def test_backend_by_capability(monkeypatch):
+    monkeypatch.delenv(B.ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    for cap, want in [((9, 0), "sm90"), ((10, 0), "sm100"), ((10, 3), "sm100"), ((8, 0), "reference")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert B.select_backend(cuda, MoKConfig()) == want
+
+
+# ---------------------------------------------------------------- autograd path
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_moe_autograd_equals_reference(precision):
+    p, dy = make_problem(T=16, H=64, I=64, E=4, k=2, shared_I=64, seed=9)
+    leaves = [p["x"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], *p["shared"]]
+    for t in leaves:
+        t.requires_grad_()
+    y = call(p, swiglu_limit=4.0, config=MoKConfig(backend="reference", precision=precision))
+    grads = torch.autograd.grad(y, leaves, dy)
+    ry, rs = R.moe_forward(**{k: v.detach() if torch.is_tensor(v) else v for k, v in p.items() if k != "shared"},
+                           shared=tuple(s.detach() for s in p["shared"]), swiglu_limit=4.0, precision=precision)
+    rg = R.moe_backward(rs, dy)
+    assert torch.equal(y, ry)
+    for a, b in zip(grads, [rg.dx, rg.d_topk_w, rg.d_w_gate, rg.d_w_up, rg.d_w_down, *rg.d_shared]):
+        assert torch.equal(a, b)
+
+
+def test_moe_without_shared_and_int32_idx():
+    p, dy = make_problem(T=8, seed=10)
+    p["topk_idx"] = p["topk_idx"].int()
+    p["x"].requires_grad_()
+    y = call(p, config=MoKConfig(backend="reference"))
+    y.backward(dy)
+    assert p["x"].grad is not None and p["x"].grad.dtype == torch.bfloat16
+
+
+def test_layer_router_gradient_flows(monkeypatch):
+    monkeypatch.setenv(B.ENV, "reference")
+    torch.manual_seed(0)
+    layer = MoELayer(64, 64, 8, 2, shared_intermediate_size=64, swiglu_limit=4.0)
+    assert layer.w_gate.shape == (8, 64, 64) and layer.w_down.shape == (8, 64, 64)
+    x = torch.randn(12, 64, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().pow(2).sum().backward()
+    for prm in (layer.router_weight, layer.w_gate, layer.w_up, layer.w_down, layer.ws_gate, x):
+        assert prm.grad is not None and prm.grad.abs().sum() > 0
+
+
+def test_layer_without_router_needs_routing():
+    layer = MoELayer(64, 64, 4, 2, router=False)
+    with pytest.raises(ValueError, match="no router"):
+        layer(torch.randn(4, 64, dtype=torch.bfloat16))
+
+
+def test_layer_rejects_bad_top_k():
+    with pytest.raises(ValueError, match="top_k"):
+        MoELayer(64, 64, 4, 5)
+
+
+def test_import_needs_no_gpu_or_dsl():
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, mok_cute; assert 'cutlass' not in sys.modules; print(mok_cute.__all__)"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
