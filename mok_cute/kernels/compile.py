@@ -27,9 +27,11 @@ _cache: dict[Hashable, Any] = {}
 _stats = {"compiles": 0, "hits": 0}
 
 
+_dump_dir = tempfile.mkdtemp(prefix="mok_cute_dsl_")
+
+
 def dsl():
-    """Import and return ``(cutlass, cute)``; artifacts go to a private temp dir."""
-    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="mok_cute_dsl_"))
+    """Import and return ``(cutlass, cute)``."""
     import cutlass  # noqa: PLC0415 (lazy on purpose)
     import cutlass.cute as cute  # noqa: PLC0415
 
@@ -101,7 +103,8 @@ def compile_kernel(fn: Callable, *args, arch: str, inspect: bool = False, **kwar
     buf, old = io.StringIO(), sys.stderr
     sys.stderr = buf
     try:
-        compiled = cute.compile(fn, *args, options=opts + " --keep-ptx remarks{ptx}", **kwargs)
+        compiled = cute.compile(
+            fn, *args, options=f"{opts} --keep-ptx --dump-dir {_dump_dir} remarks{{ptx}}", **kwargs)
     finally:
         sys.stderr = old
     return compiled, _parse_ptxas(buf.getvalue(), arch, compiled.__ptx__ or "")
