@@ -190,3 +190,22 @@ def test_import_needs_no_gpu_or_dsl():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
+
+
+def test_quickstart_runs_and_matches_readme():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "quickstart.py").read_text()
+    body = script.split('"""', 2)[2].strip()
+    assert body.split("\n", 2)[2] in (root / "README.md").read_text()  # README shows this code
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("MOK_CUTE_BACKEND", None)
+    out = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py")],
+                         capture_output=True, text=True, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert "torch.Size([512, 256])" in out.stdout
+    assert out.stderr.count("reference backend") == 1
