@@ -20,15 +20,19 @@ Epilogues:
 """
 from __future__ import annotations
 
+import math
+
 import cuda.bindings.driver as cuda
+import torch
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 from cutlass import Float32, Int32
+from cutlass.cute.runtime import from_dlpack
 
-from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
@@ -171,7 +175,7 @@ class GroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
         sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
         sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
@@ -245,3 +249,129 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
     stream = cute.runtime.make_fake_stream()
     return compile_kernel(op, mA, mB, offs, out0, out1, Float32(0.0), Int32(1), stream,
                           arch=arch, inspect=inspect)
+
+
+# ---------------------------------------------------------------- host wrappers
+DEFAULT_CONFIG = MainloopConfig()
+_sm_count: dict[int, int] = {}
+
+
+def interleave_gate_up(w_gate, w_up, tile_n: int = DEFAULT_CONFIG.tile_n):
+    """[E, I, H] gate and up weights -> [E, 2I, H] with blocks of ``tile_n/2`` rows alternating
+    gate, up (so one ``tile_n``-wide output tile holds matching gate and up columns)."""
+    e, inter, h = w_gate.shape
+    half = tile_n // 2
+    if inter % half:
+        raise ValueError(f"w_gate: I={inter} must be a multiple of tile_n/2={half}")
+    blocks = (w_gate.reshape(e, inter // half, 1, half, h), w_up.reshape(e, inter // half, 1, half, h))
+    return torch.cat(blocks, dim=2).reshape(e, 2 * inter, h)
+
+
+def _check_tensor(name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _check_devices(**tensors):
+    """All tensors on one CUDA device (checked after shapes so CPU tests reach shape errors)."""
+    first = None
+    for name, t in tensors.items():
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"{name} is on {t.device} but {first[0]} is on {first[1]}")
+
+
+def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
+    """Validate A [M, K], offsets [E+1], weights [E, N, K] (not devices); returns (M, K, E)."""
+    _check_tensor(a_name, a, 2, (torch.bfloat16,))
+    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
+    m, k = a.shape
+    if k % _VEC or k == 0:
+        raise ValueError(f"{a_name}: K={k} must be a positive multiple of {_VEC}")
+    if not a.is_contiguous() or a.data_ptr() % 16:
+        raise ValueError(f"{a_name} must be contiguous (row-major, K contiguous) and 16-byte aligned")
+    e = offsets.numel() - 1
+    if e < 1:
+        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
+    for name, w in weights.items():
+        _check_tensor(name, w, 3, (torch.bfloat16,))
+        if w.shape[0] != e or w.shape[2] != k:
+            raise ValueError(f"{name} must be [E={e}, N, K={k}], got {tuple(w.shape)}")
+        if not w.is_contiguous() or w.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous ([E, N, K], K contiguous) and 16-byte aligned")
+    return m, k, e
+
+
+def _cute_tensor(t, align=16):
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int):
+    arch = arch_of_device(a.device)
+    if arch != "sm_90a":
+        raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
+    compiled = compile_cached(("sm90_grouped_gemm", arch, epilogue, clamp, cfg.key()),
+                              lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, arch=arch)[0])
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if dev not in _sm_count:
+        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    m, e = a.shape[0], offsets.numel() - 1
+    tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    num_ctas = max(1, min(_sm_count[dev], tiles_bound))
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    compiled(_cute_tensor(a), _cute_tensor(w), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0),
+             _cute_tensor(out1), Float32(limit), Int32(num_ctas), stream)
+
+
+def grouped_gemm(a, offsets, w, *, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
+
+    a [M, K] bf16 contiguous; offsets [E+1] int32/int64 on the device (0, non-decreasing,
+    last = M; not checked); w [E, N, K] bf16 contiguous, N a multiple of ``cfg.tile_n``.
+    """
+    m, _, _ = _check_operands(a, offsets, {"w": w})
+    n = w.shape[1]
+    if n % cfg.tile_n:
+        raise ValueError(f"w: N={n} must be a multiple of tile_n={cfg.tile_n}")
+    _check_devices(a=a, offsets=offsets, w=w)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m:
+        _launch("plain", False, cfg, a, w, offsets, out, out, 0.0, n)
+    return out
+
+
+def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """(gu [M, 2I], h [M, I]) bf16 for expert rows of x [M, H]: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T)
+    (gate in columns [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u,
+    with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given.
+
+    w_gate, w_up [E, I, H] bf16, I a multiple of ``cfg.tile_n / 2``. The weights are
+    interleaved into one [E, 2I, H] copy per call (:func:`interleave_gate_up`).
+    """
+    m, _, _ = _check_operands(x, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
+    inter = w_gate.shape[1]
+    if inter % (cfg.tile_n // 2):
+        raise ValueError(f"w_gate: I={inter} must be a multiple of tile_n/2={cfg.tile_n // 2}")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"limit must be finite and > 0, got {limit}")
+    _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up)
+    gu = torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(m, inter, dtype=torch.bfloat16, device=x.device)
+    if m:
+        w = interleave_gate_up(w_gate, w_up, cfg.tile_n)
+        _launch("swiglu", limit is not None, cfg, x, w, offsets, gu.view(m, 2, inter), h,
+                0.0 if limit is None else float(limit), 2 * inter)
+    return gu, h
