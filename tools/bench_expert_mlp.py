@@ -1,0 +1,103 @@
+"""Expert-MLP benchmark on one GPU (tokens already grouped by expert).
+
+    source .gpu-node/activate.sh && python3 tools/bench_expert_mlp.py [--quick]
+
+For each shape (E experts, routed tokens, H, I) and routing (uniform, skewed), times forward,
+backward and forward+backward of:
+  * torch: F.grouped_mm GEMM1 -> torch SwiGLU -> F.grouped_mm GEMM2, autograd backward;
+  * dense: one cuBLAS bf16 matmul with the same FLOPs (the ceiling);
+and prints TFLOP/s (FLOPs: 6*M*H*I forward, 12*M*H*I backward, M = routed tokens).
+Prints one table, last; --json PATH writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks.common import bench_us  # noqa: E402
+
+SHAPES = [  # (experts, routed tokens, H, I)
+    (8, 32768, 7168, 3072),
+    (16, 16384, 7168, 2048),
+    (32, 16384, 4096, 1024),
+    (8, 4096, 4096, 1024),
+]
+
+
+def counts_for(m: int, e: int, skew: bool, gen: torch.Generator) -> torch.Tensor:
+    """Tokens per expert: uniform, or skewed (half the tokens to expert 0, two experts empty,
+    the rest random and not multiples of 128)."""
+    if not skew:
+        return torch.full((e,), m // e, dtype=torch.int64)
+    c = torch.zeros(e, dtype=torch.int64)
+    c[0] = m // 2
+    rest = torch.rand(e - 3, generator=gen)
+    c[3:] = (rest / rest.sum() * (m - c[0])).long()
+    c[0] += m - c.sum()
+    return c
+
+
+def torch_mlp(x, offs, w1t, wdt, inter):
+    gu = F.grouped_mm(x, w1t, offs=offs)
+    h = F.silu(gu[:, :inter]) * gu[:, inter:]
+    return F.grouped_mm(h, wdt, offs=offs)
+
+
+def run_shape(e, m, h, inter, skew, dev, gen):
+    counts = counts_for(m, e, skew, gen)
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(e, 2 * inter, h, device=dev) * h ** -0.5).bfloat16().requires_grad_()
+    wd = (torch.randn(e, h, inter, device=dev) * inter ** -0.5).bfloat16().requires_grad_()
+    dy = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
+
+    def fwd():
+        return torch_mlp(x, offs, w1.transpose(1, 2), wd.transpose(1, 2), inter)
+
+    def fwd_bwd():
+        torch.autograd.backward(fwd(), dy)
+
+    with torch.no_grad():
+        t_f = bench_us(fwd)
+    t_fb = bench_us(fwd_bwd)
+    n = max(256, int(round(((fwd_flop + bwd_flop) / 2) ** (1 / 3) / 256)) * 256)
+    a, b = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    t_d = bench_us(lambda: a @ b)
+    tf = lambda flop, us: flop / us / 1e6
+    return dict(shape=f"E{e} M{m} H{h} I{inter}", routing="skew" if skew else "uniform",
+                torch_fwd_us=t_f, torch_bwd_us=t_fb - t_f, torch_fwdbwd_us=t_fb,
+                torch_fwd_tflops=tf(fwd_flop, t_f), torch_fwdbwd_tflops=tf(fwd_flop + bwd_flop, t_fb),
+                dense_tflops=tf(2 * n ** 3, t_d))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the smallest shape")
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
+    rows = []
+    for shape in SHAPES[-1:] if args.quick else SHAPES:
+        for skew in (False, True):
+            rows.append(run_shape(*shape, skew, dev, gen))
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
+    print(f"{'shape':26s} {'routing':8s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} {'f+b_TF':>7s} {'dense_TF':>8s}")
+    for r in rows:
+        print(f"{r['shape']:26s} {r['routing']:8s} {r['torch_fwd_us']:9.0f} {r['torch_bwd_us']:9.0f} "
+              f"{r['torch_fwdbwd_us']:9.0f} {r['torch_fwd_tflops']:7.0f} {r['torch_fwdbwd_tflops']:7.0f} {r['dense_tflops']:8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
