@@ -19,7 +19,6 @@ rank's ``topk_idx`` alone: counts are exchanged through symmetric memory, the pr
 run in a fixed order, and each source pushes its packed indices to the receiving ranks.
 No host sync, no NCCL; the result is bitwise :meth:`RoutingPlan.rank_view`.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 
@@ -142,3 +141,223 @@ def plan_routing(topk_idx_per_rank: list[torch.Tensor], E: int, EP: int) -> Rout
     i32 = torch.int32
     return RoutingPlan(E, EP, T, k, counts.to(i32), offsets.to(i32), [s.to(i32) for s in recv_src],
                        dest_rank.view(EP, T, k).to(i32), dest_row.view(EP, T, k).to(i32))
+
+
+# ---------------------------------------------------------------------------------------
+# Device planner (one CTA of 1024 threads = 32 warps; built lazily: needs the CuTe DSL)
+#
+# Warp w owns a contiguous chunk of this rank's N = T*k routes. Pass 1 counts routes per
+# (warp, expert) with match.any (leaders add the group size); a per-expert exclusive scan
+# over warps gives each warp's first rank within the expert and this rank's counts row,
+# which is pushed to every peer (CNT). After all rows arrived, fixed-order sums give each
+# expert's start in its owner's buffer plus the rows of lower source ranks; pass 2 walks
+# the chunks again to give every route its row (stable: warp, then group, then lane order
+# = route order), writes dest_rank/dest_row, and pushes the packed index to the owner's
+# recv scratch (META). The owner copies its scratch out and releases it (META_FREE).
+# ---------------------------------------------------------------------------------------
+PLAN_THREADS = 1024
+PLAN_MAX_EXPERTS = 1024
+
+
+def _plan_launcher():
+    from mok_cute.comm import protocol as P
+    from mok_cute.comm.protocol import cute, cutlass, gptr
+    from cutlass import Constexpr, Int32, Int64
+
+    if hasattr(_plan_launcher, "fn"):
+        return _plan_launcher.fn
+    warps = PLAN_THREADS // 32
+
+    @cute.kernel
+    def plan_kernel(peer_bases: cute.Pointer, status: cute.Pointer, topk: cute.Pointer,
+                    counts_out: cute.Pointer, offsets_out: cute.Pointer, recv_out: cute.Pointer,
+                    dest_rank_out: cute.Pointer, dest_row_out: cute.Pointer, cap: Int32,
+                    me: Int32, ep: Int32, n: Int32, counts_off: Int64, recv_off: Int64,
+                    flags_off: Int64, epoch: Int32, timeout_ns: Int64, E: Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        local = pb[me]
+        e_local = E // ep
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(warps * E), byte_alignment=16)
+        base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        total = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        misc = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        tk = cute.make_tensor(topk, cute.make_layout(n))
+        chunk = (n + PLAN_THREADS - 1) // PLAN_THREADS * 32
+        c0 = w * chunk
+        c1 = cutlass.min(c0 + chunk, n)
+        lt = cute.arch.lanemask_lt()
+        if tidx == 0:
+            P.wait_all(local + flags_off, Int32(P.META_FREE), ep, epoch - 1, timeout_ns, status)
+        for x in range(tidx, warps * E, PLAN_THREADS):
+            hist[x] = Int32(0)
+        cute.arch.barrier()
+        # pass 1: per-(warp, expert) counts
+        g = c0
+        while g < c1:
+            i = g + lane
+            e = Int32(-1)
+            if i < c1:
+                e = tk[i]
+                if e < -1 or e >= E:
+                    P.report(status, Int32(P.BAD_EXPERT), me, Int32(P.CNT), epoch)
+                    e = Int32(-1)
+            m = cute.arch.match_sync(0xFFFFFFFF, e)
+            if e >= 0:
+                if (m & lt) == 0:
+                    hist[w * E + e] += Int32(cute.arch.popc(m))
+            cute.arch.sync_warp()
+            g += 32
+        cute.arch.barrier()
+        # exclusive scan over warps per expert; push this rank's counts row to every rank
+        for e in range(tidx, E, PLAN_THREADS):
+            run = Int32(0)
+            for ww in range(warps):
+                c = hist[ww * E + e]
+                hist[ww * E + e] = run
+                run += c
+            if not P.failed(status):
+                for q in range(ep):
+                    cute.arch.store(gptr(Int32, pb[q] + counts_off + Int64(me * E + e) * 4), run)
+        cute.arch.barrier()
+        if tidx == 0:
+            if not P.failed(status):
+                P.signal_all(pb, flags_off, Int32(P.CNT), me, ep, epoch)
+                P.wait_all(local + flags_off, Int32(P.CNT), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            counts = cute.make_tensor(gptr(Int32, local + counts_off), cute.make_layout(ep * E))
+            cout = cute.make_tensor(counts_out, cute.make_layout(ep * E))
+            for e in range(tidx, E, PLAN_THREADS):
+                tot = Int32(0)
+                before = Int32(0)
+                for q in range(ep):
+                    c = counts[q * E + e]
+                    cout[q * E + e] = c
+                    tot += c
+                    if q < me:
+                        before += c
+                total[e] = tot
+                base[e] = before
+            cute.arch.barrier()
+            offs = cute.make_tensor(offsets_out, cute.make_layout(e_local + 1))
+            if tidx < ep:
+                run = Int32(0)
+                for le in range(e_local):
+                    e = tidx * e_local + le
+                    if tidx == me:
+                        offs[le] = run
+                    base[e] = base[e] + run
+                    run += total[e]
+                if tidx == me:
+                    offs[e_local] = run
+                    misc[0] = run
+            cute.arch.barrier()
+            # pass 2: rows, dest metadata, packed indices pushed to the owners
+            drk = cute.make_tensor(dest_rank_out, cute.make_layout(n))
+            drw = cute.make_tensor(dest_row_out, cute.make_layout(n))
+            g = c0
+            while g < c1:
+                i = g + lane
+                e = Int32(-1)
+                if i < c1:
+                    e = tk[i]
+                    if e < -1 or e >= E:
+                        e = Int32(-1)
+                m = cute.arch.match_sync(0xFFFFFFFF, e)
+                if e >= 0:
+                    row = base[e] + hist[w * E + e] + Int32(cute.arch.popc(m & lt))
+                    d = e // e_local
+                    drk[i] = d
+                    drw[i] = row
+                    cute.arch.store(gptr(Int32, pb[d] + recv_off + Int64(row) * 4), me * n + i)
+                else:
+                    if i < c1:
+                        drk[i] = Int32(-1)
+                        drw[i] = Int32(-1)
+                cute.arch.sync_warp()
+                if e >= 0:
+                    if (m & lt) == 0:
+                        hist[w * E + e] += Int32(cute.arch.popc(m))
+                cute.arch.sync_warp()
+                g += 32
+            cute.arch.barrier()
+            if tidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.META), me, ep, epoch)
+                P.wait_all(local + flags_off, Int32(P.META), ep, epoch, timeout_ns, status)
+            cute.arch.barrier()
+            if not P.failed(status):
+                mrecv = misc[0]
+                if mrecv > cap:
+                    if tidx == 0:
+                        P.report(status, Int32(P.OVERFLOW), mrecv, Int32(P.META), epoch)
+                    mrecv = cap
+                scratch = cute.make_tensor(gptr(Int32, local + recv_off), cute.make_layout(cap))
+                rout = cute.make_tensor(recv_out, cute.make_layout(cap))
+                for x in range(tidx, mrecv, PLAN_THREADS):
+                    rout[x] = scratch[x]
+                cute.arch.barrier()
+                if tidx == 0:
+                    P.signal_all(pb, flags_off, Int32(P.META_FREE), me, ep, epoch)
+
+    @cute.jit
+    def plan_host(peer_bases: cute.Pointer, status: cute.Pointer, topk: cute.Pointer,
+                  counts_out: cute.Pointer, offsets_out: cute.Pointer, recv_out: cute.Pointer,
+                  dest_rank_out: cute.Pointer, dest_row_out: cute.Pointer, cap: Int32,
+                  me: Int32, ep: Int32, n: Int32, counts_off: Int64, recv_off: Int64,
+                  flags_off: Int64, epoch: Int32, timeout_ns: Int64, stream, E: Constexpr):
+        plan_kernel(peer_bases, status, topk, counts_out, offsets_out, recv_out, dest_rank_out,
+                    dest_row_out, cap, me, ep, n, counts_off, recv_off, flags_off, epoch,
+                    timeout_ns, E).launch(grid=[1, 1, 1], block=[PLAN_THREADS, 1, 1],
+                                          smem=(warps + 2) * E * 4 + 64, stream=stream)
+
+    _plan_launcher.fn = plan_host
+    return plan_host
+
+
+def compile_plan(arch: str, E: int, inspect: bool = False):
+    """Compile the device planner for ``arch`` and E experts; ``(compiled, report | None)``."""
+    from cutlass import Int32, Int64
+
+    from mok_cute.comm.workspace import _fake_ptr, fake_stream
+    from mok_cute.kernels.compile import compile_kernel
+
+    if not 1 <= E <= PLAN_MAX_EXPERTS:
+        raise ValueError(f"E must be in [1, {PLAN_MAX_EXPERTS}], got {E}")
+    i32 = _fake_ptr("i32")
+    return compile_kernel(_plan_launcher(), _fake_ptr("i64"), i32, i32, i32, i32, i32, i32, i32,
+                          Int32(1), Int32(0), Int32(1), Int32(1), Int64(0), Int64(0), Int64(0),
+                          Int32(1), Int64(1), fake_stream(), E, arch=arch, inspect=inspect)
+
+
+def plan_routing_device(ws, topk_idx: torch.Tensor) -> RankPlan:
+    """This rank's :class:`RankPlan` computed on the GPU from its ``topk_idx`` [T, k]
+    (int32/int64, -1 = no expert). Collective over ``ws`` (a :class:`CommWorkspace`);
+    launches on the current stream, no host sync. ``recv_src`` has ``ws.recv_capacity``
+    rows. Out-of-range ids and capacity overflow are reported by ``ws.check_status()``."""
+    from cutlass import Int32, Int64
+
+    from mok_cute.comm.workspace import check_tensor, current_stream, dptr
+    from mok_cute.kernels.compile import compile_cached
+
+    validate_routing(topk_idx, ws.E, ws.EP)
+    check_tensor("topk_idx", topk_idx, topk_idx.dtype, (ws.T, ws.k), ws.device)
+    fn = compile_cached(("comm.plan", ws.arch, ws.E), lambda: compile_plan(ws.arch, ws.E)[0])
+    idx = topk_idx.to(torch.int32).contiguous()
+    dev, i32 = ws.device, torch.int32
+    plan = RankPlan(ws.me, ws.E, ws.EP, ws.T, ws.k,
+                    counts=torch.empty(ws.EP, ws.E, dtype=i32, device=dev),
+                    offsets=torch.empty(ws.E // ws.EP + 1, dtype=i32, device=dev),
+                    recv_src=torch.empty(ws.recv_capacity, dtype=i32, device=dev),
+                    dest_rank=torch.empty(ws.T, ws.k, dtype=i32, device=dev),
+                    dest_row=torch.empty(ws.T, ws.k, dtype=i32, device=dev))
+    epoch = ws.next_epoch("plan")
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(idx), dptr(plan.counts), dptr(plan.offsets),
+       dptr(plan.recv_src), dptr(plan.dest_rank), dptr(plan.dest_row), Int32(ws.recv_capacity),
+       Int32(ws.me), Int32(ws.EP), Int32(ws.T * ws.k), Int64(ws.offsets["counts"]),
+       Int64(ws.offsets["recv"]), Int64(ws.offsets["flags"]), Int32(epoch),
+       Int64(ws.timeout_ns), current_stream())
+    return plan

@@ -1,0 +1,198 @@
+"""Push of expert rows back to their source ranks, then a fixed-order per-token sum:
+forward combine and reverse dispatch.
+
+Expert side: grouped row ``i < M = offsets[-1]`` (``recv_src[i] = p*T*k + t*k + j``) of
+``rows`` ([>= M, H] bf16, plan order) is stored into rank p's symmetric slot buffer
+``slots[t*k + j]`` ([T*k, H] bf16). Source side, once every peer signalled, for each token t:
+
+  acc = fp32(start[t]) if start is given else 0
+  for j in 0..k-1 with dest_rank[t, j] >= 0:   acc = acc + w[t, j] * fp32(slots[t*k + j])
+  out[t] = bf16(acc)                           (round to nearest even)
+
+with a separate fp32 multiply and add (``mul.rn``/``add.rn``: never fused into an FMA).
+Combine: ``w = topk_w``, ``start = shared expert output``; reverse dispatch: no weight
+(``acc = acc + fp32(slot)``), ``start = dx of the shared expert``.
+
+Protocol per call (push epoch e): every CTA waits FREE >= e-1 from every peer (the peer
+finished reading its slots of the previous push), pushes its rows with plain 16-byte
+stores, the last CTA signals DATA = e to every peer; every CTA waits DATA >= e from every
+peer, reduces its tokens, and the last CTA signals FREE = e.
+"""
+from __future__ import annotations
+
+import torch
+
+from mok_cute.comm import protocol as P
+from mok_cute.comm.protocol import cute, cutlass, gptr
+from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
+                                     check_tensor, current_stream, dptr, fake_stream)
+from mok_cute.kernels.compile import compile_cached, compile_kernel
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
+
+THREADS = 1024
+
+
+@cute.jit
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+@cute.kernel
+def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                        recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                        in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                        start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                        k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                        epoch: Int32, timeout_ns: Int64, nctas: Int32,
+                        has_w: Constexpr, has_start: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    flags_local = pb[me] + flags_off
+    tk = T * k
+    if tidx == 0:
+        P.wait_all(flags_local, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
+    cute.arch.barrier()
+    # push: grouped rows -> source ranks' slot buffers
+    if not P.failed(status):
+        offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
+        m = offs[e_local]
+        if m > in_rows:
+            if bidx == 0:
+                if tidx == 0:
+                    P.report(status, Int32(P.OVERFLOW), m, Int32(P.DATA), epoch)
+            m = in_rows
+        rs = cute.make_tensor(recv_src, cute.make_layout(in_rows))
+        src = cute.make_tensor(rows, cute.make_layout((in_rows * V, 8), stride=(8, 1)))
+        n = m * V
+        i = bidx * THREADS + tidx
+        while i < n:
+            row = i // V
+            s = rs[row]
+            p = s // tk
+            dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
+                                   cute.make_layout((tk * V, 8), stride=(8, 1)))
+            dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
+            i += nctas * THREADS
+    cute.arch.barrier()
+    if tidx == 0:
+        if P.arrive_last(counters, nctas):
+            if not P.failed(status):
+                P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
+        P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
+    cute.arch.barrier()
+    # reduce: fixed slot order per token
+    if not P.failed(status):
+        slots = cute.make_tensor(gptr(BFloat16, flags_local - flags_off + slots_off, 16),
+                                 cute.make_layout((tk * V, 8), stride=(8, 1)))
+        dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
+        wt = cute.make_tensor(weights, cute.make_layout(tk))
+        st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
+        dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
+        acc = cute.make_rmem_tensor((8,), Float32)
+        xf = cute.make_rmem_tensor((8,), Float32)
+        n = T * V
+        i = bidx * THREADS + tidx
+        while i < n:
+            t = i // V
+            v = i - t * V
+            if cutlass.const_expr(has_start):
+                acc.store(st[i, None].load().to(Float32))
+            else:
+                acc.fill(0.0)
+            for j in range(k):
+                r = t * k + j
+                if dr[r] >= 0:
+                    xf.store(slots[r * V + v, None].load().to(Float32))
+                    if cutlass.const_expr(has_w):
+                        w = wt[r]
+                        for e in cutlass.range_constexpr(8):
+                            acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
+                    else:
+                        for e in cutlass.range_constexpr(8):
+                            acc[e] = add_rn(acc[e], xf[e])
+            dst[i, None].store(acc.load().to(BFloat16))
+            i += nctas * THREADS
+    cute.arch.barrier()
+    if tidx == 0:
+        if P.arrive_last(counters + 1, nctas):
+            cute.arch.store(counters, Int32(0))
+            cute.arch.store(counters + 1, Int32(0))
+            if not P.failed(status):
+                P.signal_all(pb, flags_off, Int32(P.FREE), me, ep, epoch)
+
+
+@cute.jit
+def push_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                     recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                     in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                     start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                     k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                     epoch: Int32, timeout_ns: Int64, nctas: Int32, stream,
+                     has_w: Constexpr, has_start: Constexpr):
+    """Launch the push-and-reduce kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
+    _push_reduce_kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank,
+                        weights, start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch,
+                        timeout_ns, nctas, has_w, has_start).launch(
+        grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
+    """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``."""
+    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
+    return compile_kernel(push_reduce_host, _fake_ptr("i64"), i32, i32, i32, i32, bf, Int32(1),
+                          i32, _fake_ptr("f32"), bf, bf, Int32(0), Int32(1), Int32(1), Int32(1),
+                          Int32(1), Int32(1), Int64(0), Int64(0), Int32(1), Int64(1), Int32(1),
+                          fake_stream(), has_w, has_start, arch=arch, inspect=inspect)
+
+
+def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas, name,
+                 start_name) -> torch.Tensor:
+    check_plan(ws, plan)
+    check_tensor(name, rows, torch.bfloat16, (None, ws.H), ws.device)
+    if weights is not None:
+        check_tensor("topk_w", weights, torch.float32, (ws.T, ws.k), ws.device)
+    if start is not None:
+        check_tensor(start_name, start, torch.bfloat16, (ws.T, ws.H), ws.device)
+    nctas = ws.num_ctas if num_ctas is None else num_ctas
+    check_num_ctas(nctas)
+    has_w, has_start = weights is not None, start is not None
+    fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start),
+                        lambda: compile_push_reduce(ws.arch, has_w, has_start)[0])
+    out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
+    in_rows = min(rows.shape[0], plan.recv_src.shape[0])
+    epoch = ws.next_epoch("push")
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[1:3]), dptr(plan.recv_src),
+       dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank),
+       dptr(weights if has_w else ws.status, Float32),
+       dptr(start if has_start else out), dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
+       Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["slots"]),
+       Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
+       current_stream())
+    return out
+
+
+def combine(ws: CommWorkspace, expert_out: torch.Tensor, topk_w: torch.Tensor, plan,
+            shared_out: torch.Tensor | None = None, *, num_ctas: int | None = None) -> torch.Tensor:
+    """Forward combine by push: ``expert_out`` [>= M, H] bf16 (this rank's expert outputs in
+    plan order) goes to the source ranks; returns this rank's ``y`` [T, H] bf16 =
+    bf16(fp32(shared_out or 0) + sum_j topk_w[t, j] * fp32(slot_j)). ``topk_w`` [T, k] fp32.
+    Collective; current stream, no host sync."""
+    return _push_reduce(ws, expert_out, plan, topk_w, shared_out, num_ctas, "expert_out",
+                        "shared_out")
+
+
+def reverse_dispatch(ws: CommWorkspace, dx_expert: torch.Tensor, plan,
+                     dx_shared: torch.Tensor | None = None, *,
+                     num_ctas: int | None = None) -> torch.Tensor:
+    """Backward of dispatch by push: ``dx_expert`` [>= M, H] bf16 (input grads of this rank's
+    expert rows, plan order) goes to the source ranks; returns this rank's ``dx`` [T, H] bf16
+    = bf16(fp32(dx_shared or 0) + sum_j fp32(slot_j)). Collective; current stream."""
+    return _push_reduce(ws, dx_expert, plan, None, dx_shared, num_ctas, "dx_expert", "dx_shared")

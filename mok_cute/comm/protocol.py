@@ -1,0 +1,142 @@
+"""Device-side signalling between ranks: epoch flags, bounded waits, error status.
+
+Flags live in the symmetric workspace as an int32 array ``[NUM_CHANNELS, EP]`` on every
+rank. ``flags[ch][q]`` on rank r is written only by rank q (a remote release store at
+system scope) and read only by rank r (acquire loads at system scope), so every wait
+polls local memory. Values are epochs: each operation bumps a host-side counter and a
+wait is ``flag >= epoch``; nothing is ever reset between steps.
+
+Channels (who writes -> meaning):
+  CNT       source q -> "my per-expert counts row is in your counts buffer"
+  META      source q -> "my packed source indices are in your recv buffer"
+  META_FREE rank q   -> "I copied out the plan scratch you pushed to me"
+  READY     source q -> "my pull-source buffer (x or dy) holds this epoch's rows"
+  DONE      rank q   -> "I finished pulling from your source buffer"
+  DATA      rank q   -> "my rows for this epoch are in your slot buffer"
+  FREE      rank q   -> "I finished reading my slot buffer, you may overwrite it"
+
+Every wait is bounded by ``timeout_ns`` of ``%globaltimer``. On timeout the waiting
+thread records ``(TIMEOUT, peer, channel, epoch)`` in the local status tensor (int32[4],
+first error wins) and the kernel skips the rest of its work; any wait also gives up
+once the status holds an error. The host reads the status with
+:meth:`CommWorkspace.check_status` and raises ``RuntimeError``.
+"""
+from __future__ import annotations
+
+from mok_cute.kernels.compile import dsl
+
+cutlass, cute = dsl()
+from cutlass import Boolean, Int32, Int64  # noqa: E402
+
+CNT, META, META_FREE, READY, DONE, DATA, FREE = range(7)
+NUM_CHANNELS = 7
+CHANNEL_NAMES = ("CNT", "META", "META_FREE", "READY", "DONE", "DATA", "FREE")
+
+OK, TIMEOUT, BAD_EXPERT, OVERFLOW = 0, 1, 2, 3
+STATUS_WORDS = 4  # code, peer, channel, epoch
+NUM_COUNTERS = 4  # grid-arrival counters used by the comm kernels (reset by the last CTA)
+
+
+def describe_status(words: list[int], timeout_s: float) -> str | None:
+    """Human-readable error for a status tensor's contents, None when it holds no error."""
+    code, peer, ch, epoch = words
+    if code == OK:
+        return None
+    name = CHANNEL_NAMES[ch] if 0 <= ch < NUM_CHANNELS else str(ch)
+    if code == TIMEOUT:
+        return (f"mok_cute comm: peer rank {peer} did not arrive within the timeout of "
+                f"{timeout_s:g} s (channel {name}, epoch {epoch})")
+    if code == BAD_EXPERT:
+        return f"mok_cute comm: topk_idx holds an expert id outside [-1, E) (epoch {epoch})"
+    if code == OVERFLOW:
+        return (f"mok_cute comm: {peer} routed rows exceed the receive capacity / expert "
+                f"output rows (epoch {epoch})")
+    return f"mok_cute comm: unknown error code {code}"
+
+
+def gptr(dtype, addr: Int64, align: int = 4):
+    """Global pointer of ``dtype`` at integer address ``addr``."""
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def report(status: cute.Pointer, code: Int32, peer: Int32, channel: Int32, epoch: Int32):
+    """Record an error in ``status`` (int32[4]) unless one is recorded already."""
+    old = cute.arch.atomic_cas(status, cmp=Int32(0), val=code, sem="relaxed", scope="gpu")
+    if old == 0:
+        cute.arch.store(status + 1, peer)
+        cute.arch.store(status + 2, channel)
+        cute.arch.store(status + 3, epoch)
+        cute.arch.fence_acq_rel_gpu()
+
+
+@cute.jit
+def failed(status: cute.Pointer) -> Boolean:
+    """True once any error is recorded (relaxed load, GPU scope)."""
+    return cute.arch.load(status, Int32, sem="relaxed", scope="gpu") != 0
+
+
+@cute.jit
+def wait_geq(flag: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer,
+             peer: Int32, channel: Int32) -> Boolean:
+    """Spin (acquire, system scope) until ``*flag >= target``; False on timeout or error."""
+    start = cute.arch.globaltimer()
+    v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
+    ok = Boolean(True)
+    while v - target < 0 and ok:
+        if cute.arch.globaltimer() - start > timeout_ns:
+            report(status, Int32(TIMEOUT), peer, channel, target)
+            ok = Boolean(False)
+        else:
+            if failed(status):
+                ok = Boolean(False)
+            else:
+                v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
+    return ok
+
+
+@cute.jit
+def wait_all(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
+             status: cute.Pointer) -> Boolean:
+    """One thread: wait until every rank q has set ``flags[channel][q] >= target`` here."""
+    row = gptr(Int32, flags_local + Int64(channel * ep) * 4)
+    ok = Boolean(True)
+    for q in range(ep):
+        if ok:
+            ok = wait_geq(row + q, target, timeout_ns, status, q, channel)
+    return ok
+
+
+@cute.jit
+def signal_all(peer_bases: cute.Tensor, flags_off: Int64, channel: Int32, me: Int32, ep: Int32,
+               epoch: Int32):
+    """One thread: ``flags[channel][me] = epoch`` on every rank (release, system scope),
+    after a system-scope fence that orders this CTA's earlier writes before the flags."""
+    cute.arch.fence_acq_rel_sys()
+    for q in range(ep):
+        addr = peer_bases[q] + flags_off + Int64(channel * ep + me) * 4
+        cute.arch.store(gptr(Int32, addr), epoch, sem="release", scope="sys")
+
+
+@cute.jit
+def arrive_last(counter: cute.Pointer, nctas: Int32) -> Boolean:
+    """One thread per CTA, after a CTA barrier: True for the last CTA to arrive."""
+    cute.arch.fence_acq_rel_gpu()
+    old = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+    return old == nctas - 1
+
+
+@cute.kernel
+def _wait_kernel(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
+                 status: cute.Pointer):
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        wait_all(flags_local, channel, ep, target, timeout_ns, status)
+
+
+@cute.jit
+def wait_flags_host(flags_local: Int64, channel: Int32, ep: Int32, target: Int32,
+                    timeout_ns: Int64, status: cute.Pointer, stream):
+    """Launch one thread that waits for ``flags[channel][q] >= target`` for all q."""
+    _wait_kernel(flags_local, channel, ep, target, timeout_ns, status).launch(
+        grid=[1, 1, 1], block=[32, 1, 1], stream=stream)

@@ -1,0 +1,220 @@
+"""Symmetric-memory workspace of the expert-parallel communication kernels.
+
+One symmetric allocation per (group, T, H, k, E, dtype, capacity, timeout), made once
+(collective: every rank of the group must call :func:`get_workspace` with the same
+arguments) and reused by every step. Sections, each 256-byte aligned, same offsets on
+every rank (peer address = ``peer_bases[q] + offset``):
+
+  flags   int32 [NUM_CHANNELS, EP]  epoch flags (see :mod:`mok_cute.comm.protocol`)
+  counts  int32 [EP, E]             per-source per-expert route counts (plan exchange)
+  recv    int32 [EP*T*k]            packed source indices pushed by the sources (plan)
+  src     bf16  [T, H]              pull source: x (dispatch) or dy (reverse combine)
+  slots   bf16  [T*k, H]            push target: combine / reverse-dispatch rows
+
+Local (not symmetric): ``status`` int32[4] (error code, peer, channel, epoch),
+``counters`` int32[4] (CTA arrival counters), ``peer_bases`` int64 [EP] (device).
+Epochs are host-side counters bumped identically on every rank by each operation, so
+ranks must issue the same sequence of operations on a workspace.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mok_cute.comm import protocol as P
+from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel, dsl
+
+_ALIGN = 256
+_cache: dict = {}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def current_stream():
+    """The current torch stream as a ``cuda.CUstream`` for compiled CuTe functions."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def dptr(t: torch.Tensor, dtype=None, align: int = 16):
+    """Runtime ``cute.Pointer`` to a device tensor's data (dtype from the tensor by default)."""
+    cutlass, cute = dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    m = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32,
+         torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
+    return make_ptr(dtype or m[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+class CommWorkspace:
+    """Symmetric buffers, flags and status of one EP group for fixed (T, H, k, E).
+
+    ``recv_capacity``: rows of the expert-grouped buffers (default EP*T*k, the worst case).
+    ``timeout_s``: bound of every device-side wait. ``num_ctas``: default comm CTAs (4..32).
+    """
+
+    def __init__(self, group, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
+                 recv_capacity: int | None = None, timeout_s: float = 10.0, num_ctas: int = 32):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group
+        self.me, self.EP = dist.get_rank(group), dist.get_world_size(group)
+        if E % self.EP:
+            raise ValueError(f"E ({E}) must be a multiple of the group size ({self.EP})")
+        if H % 8:
+            raise ValueError(f"H ({H}) must be a multiple of 8 (16-byte rows)")
+        if dtype != torch.bfloat16:
+            raise TypeError(f"only bf16 payloads are supported, got {dtype}")
+        if T * k * H >= 2**31:
+            raise ValueError("T*k*H must be < 2**31")
+        check_num_ctas(num_ctas)
+        self.T, self.H, self.k, self.E, self.dtype = T, H, k, E, dtype
+        self.recv_capacity = recv_capacity if recv_capacity is not None else self.EP * T * k
+        self.timeout_s, self.num_ctas = float(timeout_s), num_ctas
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.arch = arch_of_device(self.device)
+        sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
+                 "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2}
+        self.offsets, off = {}, 0
+        for name, n in sizes.items():
+            self.offsets[name] = off
+            off += _align(n)
+        self.sym_bytes = off
+        self.buf = symm_mem.empty(off, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.buf.zero_()
+        self.peer_bases = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
+        self.counters = torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
+        self.epoch = {"plan": 0, "pull": 0, "push": 0}
+        self.poisoned: str | None = None
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group)  # flags are zero everywhere before any peer signals
+
+    def view(self, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """Local view of a symmetric section."""
+        n = 1
+        for s in shape:
+            n *= s
+        off = self.offsets[name]
+        return self.buf[off:off + n * dtype.itemsize].view(dtype).view(shape)
+
+    @property
+    def local_base(self) -> int:
+        return self.handle.buffer_ptrs[self.me]
+
+    def nbytes(self) -> int:
+        """Device bytes held: symmetric buffer plus local status/counters/pointer table."""
+        return self.sym_bytes + self.status.nbytes + self.counters.nbytes + self.peer_bases.nbytes
+
+    def next_epoch(self, kind: str) -> int:
+        """Bump and return the epoch of ``kind`` ('plan', 'pull' or 'push')."""
+        if self.poisoned:
+            raise RuntimeError(f"workspace unusable after an earlier error: {self.poisoned}")
+        self.epoch[kind] += 1
+        return self.epoch[kind]
+
+    def wait_flags(self, channel: int, target: int) -> None:
+        """Enqueue a device wait until every rank set ``flags[channel] >= target`` here."""
+        _, cute = dsl()
+        from cutlass import Int32, Int64
+
+        fn = compile_cached(("comm.wait", self.arch), lambda: compile_kernel(
+            P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0),
+            _fake_ptr("i32"), fake_stream(), arch=self.arch)[0])
+        fn(Int64(self.local_base + self.offsets["flags"]), Int32(channel), Int32(self.EP),
+           Int32(target), Int64(self.timeout_ns), dptr(self.status), current_stream())
+
+    def acquire_src(self) -> torch.Tensor:
+        """The local pull-source buffer [T, H] bf16, once every peer finished the previous
+        pull from it (device-side wait on the stream). Write x or dy here, then pull."""
+        if self.poisoned:
+            raise RuntimeError(f"workspace unusable after an earlier error: {self.poisoned}")
+        self.wait_flags(P.DONE, self.epoch["pull"])
+        return self.view("src", torch.bfloat16, (self.T, self.H))
+
+    def stage_src(self, x: torch.Tensor) -> None:
+        """Put ``x`` [T, H] bf16 in the source buffer. If ``x`` already is that buffer, it
+        must come from :meth:`acquire_src` for this step (no copy then)."""
+        if x.data_ptr() != self.local_base + self.offsets["src"]:
+            self.acquire_src().copy_(x)
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    def check_status(self) -> None:
+        """Synchronize the current stream and raise RuntimeError if a comm kernel failed
+        (peer timeout naming the peer, bad expert id, capacity overflow)."""
+        torch.cuda.current_stream().synchronize()
+        msg = P.describe_status(self.status.tolist(), self.timeout_s)
+        if msg:
+            self.poisoned = msg
+            raise RuntimeError(msg)
+
+
+def check_num_ctas(n: int) -> None:
+    if not isinstance(n, int) or not 1 <= n <= 132:
+        raise ValueError(f"num_ctas must be an int in [1, 132] (4..32 recommended), got {n!r}")
+
+
+def fake_stream():
+    """Compile-time placeholder stream (no GPU needed)."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(0)
+
+
+def _fake_ptr(kind: str):
+    """Compile-time placeholder pointer ('bf16', 'f32', 'i32', 'i64')."""
+    cutlass, cute = dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    dt = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32,
+          "i64": cutlass.Int64}[kind]
+    return make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
+                  recv_capacity: int | None = None, timeout_s: float = 10.0,
+                  num_ctas: int = 32) -> CommWorkspace:
+    """The cached :class:`CommWorkspace` for these arguments (collective on first use)."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
+    ws = _cache.get(key)
+    if ws is None:
+        ws = _cache[key] = CommWorkspace(group, T, H, k, E, dtype, recv_capacity, timeout_s, num_ctas)
+    return ws
+
+
+def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    """TypeError/ValueError unless ``t`` is a contiguous ``dtype`` tensor of ``shape`` on
+    ``device`` (a ``None`` entry in ``shape`` accepts any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_plan(ws: CommWorkspace, plan) -> None:
+    """ValueError/TypeError unless ``plan`` is this rank's device plan for ``ws``'s shapes."""
+    from mok_cute.schedule.plan import RankPlan
+
+    if not isinstance(plan, RankPlan):
+        raise TypeError(f"plan must be a RankPlan, got {type(plan).__name__}")
+    want = (ws.me, ws.E, ws.EP, ws.T, ws.k)
+    got = (plan.rank, plan.E, plan.EP, plan.T, plan.k)
+    if got != want:
+        raise ValueError(f"plan (rank, E, EP, T, k) = {got} does not match the workspace {want}")
+    check_tensor("plan.offsets", plan.offsets, torch.int32, (ws.E // ws.EP + 1,), ws.device)
+    check_tensor("plan.recv_src", plan.recv_src, torch.int32, (None,), ws.device)
+    check_tensor("plan.dest_rank", plan.dest_rank, torch.int32, (ws.T, ws.k), ws.device)
