@@ -331,30 +331,41 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
              _cute_tensor(out1), Float32(limit), Int32(num_ctas), stream)
 
 
-def grouped_gemm(a, offsets, w, *, cfg: MainloopConfig = DEFAULT_CONFIG):
+def _check_out(name, t, shape, device):
+    if t is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    _check_tensor(name, t, len(shape), (torch.bfloat16,))
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous with shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
 
     a [M, K] bf16 contiguous; offsets [E+1] int32/int64 on the device (0, non-decreasing,
-    last = M; not checked); w [E, N, K] bf16 contiguous, N a multiple of ``cfg.tile_n``.
+    last = M; not checked); w [E, N, K] bf16 contiguous, N a multiple of ``cfg.tile_n``;
+    ``out``: optional preallocated [M, N] bf16 result (every row is written).
     """
     m, _, _ = _check_operands(a, offsets, {"w": w})
     n = w.shape[1]
     if n % cfg.tile_n:
         raise ValueError(f"w: N={n} must be a multiple of tile_n={cfg.tile_n}")
-    _check_devices(a=a, offsets=offsets, w=w)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, offsets=offsets, w=w, out=out)
     if m:
         _launch("plain", False, cfg, a, w, offsets, out, out, 0.0, n)
     return out
 
 
-def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, cfg: MainloopConfig = DEFAULT_CONFIG):
+def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """(gu [M, 2I], h [M, I]) bf16 for expert rows of x [M, H]: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T)
     (gate in columns [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u,
     with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given.
 
     w_gate, w_up [E, I, H] bf16, I a multiple of ``cfg.tile_n / 2``. The weights are
     interleaved into one [E, 2I, H] copy per call (:func:`interleave_gate_up`).
+    ``out``: optional preallocated ``(gu, h)``.
     """
     m, _, _ = _check_operands(x, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
     if w_gate.shape != w_up.shape:
@@ -367,9 +378,10 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, cfg: MainloopC
             raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
         if not (math.isfinite(limit) and limit > 0):
             raise ValueError(f"limit must be finite and > 0, got {limit}")
-    _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up)
-    gu = torch.empty(m, 2 * inter, dtype=torch.bfloat16, device=x.device)
-    h = torch.empty(m, inter, dtype=torch.bfloat16, device=x.device)
+    gu, h = (None, None) if out is None else out
+    gu = _check_out("gu", gu, (m, 2 * inter), x.device)
+    h = _check_out("h", h, (m, inter), x.device)
+    _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
     if m:
         w = interleave_gate_up(w_gate, w_up, cfg.tile_n)
         _launch("swiglu", limit is not None, cfg, x, w, offsets, gu.view(m, 2, inter), h,
