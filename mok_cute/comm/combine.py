@@ -169,7 +169,7 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     in_rows = min(rows.shape[0], plan.recv_src.shape[0])
     epoch = ws.next_epoch("push")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[1:3]), dptr(plan.recv_src),
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:6]), dptr(plan.recv_src),
        dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank),
        dptr(weights if has_w else ws.status, Float32),
        dptr(start if has_start else out), dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T),

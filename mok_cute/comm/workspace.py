@@ -203,6 +203,8 @@ def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.d
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address")
 
 
 def check_plan(ws: CommWorkspace, plan) -> None:

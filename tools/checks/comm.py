@@ -1,0 +1,226 @@
+"""Device check of the EP communication kernels (plan, dispatch, combine, reverse paths).
+
+Run with ``torchrun --nproc_per_node=2 tools/gpu_check.py comm`` (or 1 process). Every
+rank builds every rank's inputs from fixed seeds, so each rank computes its references
+locally: plan == the pure-torch mirror, pulls == torch gathers in plan order, pushes ==
+the fixed-order formula in torch; all bitwise, repeated, and across CTA counts. Then a
+stalled peer must raise RuntimeError within the timeout, and dispatch/combine are timed
+at 4096 tokens x H 7168 x k 8.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from checks.common import Ctx, Row, bench_us
+from mok_cute.comm import protocol as P
+from mok_cute.comm.combine import combine, reverse_dispatch
+from mok_cute.comm.dispatch import dispatch, reverse_combine
+from mok_cute.comm.workspace import get_workspace
+from mok_cute.schedule.plan import plan_routing, plan_routing_device
+
+BF16 = torch.bfloat16
+
+
+def _init(ctx: Ctx) -> None:
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ.setdefault("RANK", str(ctx.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ctx.world))
+    dist.init_process_group("nccl", device_id=ctx.device)
+
+
+def _gen(seed: int, dev):
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
+def _routing(case: str, p: int, T: int, k: int, E: int, dev) -> torch.Tensor:
+    g = _gen(1000 + p, dev)
+    if case == "hot":
+        return torch.full((T, k), E - 1, dtype=torch.int64, device=dev)
+    if case == "rank0_empty" and p == 0:
+        return torch.full((T, k), -1, dtype=torch.int64, device=dev)
+    idx = torch.rand(T, E, generator=g, device=dev).topk(k, dim=1).indices
+    drop = torch.rand(T, k, generator=g, device=dev) < 0.1
+    return torch.where(drop, -1, idx)
+
+
+def _randn(seed: int, shape, dev, dtype=BF16):
+    return torch.randn(*shape, generator=_gen(seed, dev), device=dev, dtype=torch.float32).to(dtype)
+
+
+def _ref_reduce(slots, valid, w, start):
+    """Fixed-order reference: acc = fp32(start) or 0; acc = acc + w_j * fp32(slot_j)."""
+    T, k, H = slots.shape
+    acc = start.float() if start is not None else torch.zeros(T, H, device=slots.device)
+    for j in range(k):
+        term = slots[:, j].float()
+        if w is not None:
+            term = w[:, j:j + 1] * term
+        acc = torch.where(valid[:, j:j + 1], acc + term, acc)
+    return acc.to(BF16)
+
+
+def _eq(name, got, ref, note="") -> Row:
+    same = got.shape == ref.shape and torch.equal(got, ref)
+    err = None
+    if got.shape == ref.shape and got.is_floating_point() and got.numel():
+        err = float((got.float() - ref.float()).abs().nan_to_num(float("inf")).max())
+    return Row(name, max_err=err, bitwise=same, ok=same, note=note)
+
+
+def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Row]:
+    me, EP, dev = ctx.rank, ctx.world, ctx.device
+    ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=8)
+    idx_all = [_routing(case, p, T, k, E, dev) for p in range(EP)]
+    spec = plan_routing(idx_all, E, EP)
+    view = spec.rank_view(me)
+    M = int(view.offsets[-1])
+    tag = f"comm[{case} T{T} H{H} k{k} E{E}]"
+    rows = []
+
+    plan = plan_routing_device(ws, idx_all[me])
+    ws.check_status()
+    ok = all(torch.equal(a.cpu(), b) for a, b in [
+        (plan.counts, view.counts), (plan.offsets, view.offsets), (plan.recv_src[:M], view.recv_src),
+        (plan.dest_rank, view.dest_rank), (plan.dest_row, view.dest_row)])
+    rows.append(Row(f"{tag} plan==mirror", bitwise=ok, ok=ok, note=f"M_recv={M}"))
+
+    trip = spec.recv_triples(me).to(dev)
+    x_all = [_randn(10 + p, (T, H), dev) for p in range(EP)]
+    cap = ws.recv_capacity
+    eo_all = [_randn(20 + r, (cap, H), dev) for r in range(EP)]
+    w_all = [torch.rand(T, k, generator=_gen(30 + p, dev), device=dev) for p in range(EP)]
+    sh_all = [_randn(40 + p, (T, H), dev) for p in range(EP)]
+    dy_all = [_randn(50 + p, (T, H), dev) for p in range(EP)]
+    dxe_all = [_randn(60 + r, (cap, H), dev) for r in range(EP)]
+
+    def gather(src_all):
+        return torch.stack(src_all)[trip[:, 0], trip[:, 1]]
+
+    dr, dw = view.dest_rank.to(dev).long(), view.dest_row.to(dev).long()
+    valid = dr >= 0
+
+    def slots_of(rows_all):
+        stack = torch.stack(rows_all)                               # [EP, cap, H]
+        return stack[dr.clamp(min=0), dw.clamp(min=0)]              # [T, k, H]
+
+    refs = {
+        "dispatch": gather(x_all),
+        "combine": _ref_reduce(slots_of(eo_all), valid, w_all[me], None),
+        "combine+shared": _ref_reduce(slots_of(eo_all), valid, w_all[me], sh_all[me]),
+        "reverse_combine": gather(dy_all),
+        "reverse_dispatch": _ref_reduce(slots_of(dxe_all), valid, None, sh_all[me]),
+    }
+
+    def step(num_ctas):
+        return {
+            "dispatch": dispatch(ws, x_all[me], plan, num_ctas=num_ctas)[:M],
+            "combine": combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas),
+            "combine+shared": combine(ws, eo_all[me], w_all[me], plan, sh_all[me], num_ctas=num_ctas),
+            "reverse_combine": reverse_combine(ws, dy_all[me], plan, num_ctas=num_ctas)[:M],
+            "reverse_dispatch": reverse_dispatch(ws, dxe_all[me], plan, sh_all[me], num_ctas=num_ctas),
+        }
+
+    first = step(8)
+    ws.check_status()
+    for name, ref in refs.items():
+        rows.append(_eq(f"{tag} {name}", first[name], ref))
+    same = True
+    for rep in range(5):
+        out = step([4, 8, 16, 32, 8][rep])
+        ws.check_status()
+        same &= all(torch.equal(out[n], first[n]) for n in first)
+    plan2 = plan_routing_device(ws, idx_all[me])
+    ws.check_status()
+    same &= torch.equal(plan2.recv_src[:M], plan.recv_src[:M]) and torch.equal(plan2.dest_row, plan.dest_row)
+    rows.append(Row(f"{tag} 5 repeats, 4..32 CTAs", bitwise=same, ok=same))
+    return rows
+
+
+def _stall(ctx: Ctx) -> Row:
+    """One rank skips a step: the others must raise RuntimeError naming it within the timeout."""
+    timeout = 2.0
+    ws = get_workspace(T=16, H=64, k=2, E=2 * ctx.world, timeout_s=timeout, num_ctas=4)
+    dev = ctx.device
+    if ctx.world == 1:  # nobody can stall: wait for a flag no one will set
+        t0 = time.time()
+        try:
+            ws.wait_flags(P.READY, ws.epoch["pull"] + 5)
+            ws.check_status()
+            return Row("comm stalled peer (1 rank: unset flag)", ok=False, note="no error raised")
+        except RuntimeError as e:
+            dt = time.time() - t0
+            ok = "peer rank 0" in str(e) and dt < timeout + 5
+            return Row("comm stalled peer (1 rank: unset flag)", time_us=dt * 1e6, ok=ok, note=str(e)[:60])
+    idx = _routing("random", ctx.rank, 16, 2, 2 * ctx.world, dev)
+    plan = plan_routing_device(ws, idx)
+    ws.check_status()
+    x = torch.zeros(16, 64, dtype=BF16, device=dev)
+    stalled = 1
+    row = Row(f"comm stalled peer (rank {stalled} skips)", ok=True, note="skipped the step")
+    if ctx.rank != stalled:
+        t0 = time.time()
+        try:
+            dispatch(ws, x, plan)
+            ws.check_status()
+            row = Row(f"comm stalled peer (rank {stalled} skips)", ok=False, note="no error raised")
+        except RuntimeError as e:
+            dt = time.time() - t0
+            ok = f"peer rank {stalled}" in str(e) and dt < timeout + 5
+            row = Row(f"comm stalled peer (rank {stalled} skips)", time_us=dt * 1e6, ok=ok,
+                      note=str(e)[:60])
+    torch.cuda.synchronize()
+    dist.barrier()
+    return row
+
+
+def _timing(ctx: Ctx) -> list[Row]:
+    me, EP, dev = ctx.rank, ctx.world, ctx.device
+    T, H, k, E = 4096, 7168, 8, 32 * EP
+    ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=32)
+    idx_all = [_routing("random", p, T, k, E, dev) for p in range(EP)]
+    spec = plan_routing(idx_all, E, EP)
+    srcs = spec.recv_triples(me)[:, 0]
+    pulled_remote = int((srcs != me).sum()) * H * 2
+    pushed_remote = pulled_remote  # the rows we pull are the rows we push back
+    plan = plan_routing_device(ws, idx_all[me])
+    x = _randn(10 + me, (T, H), dev)
+    eo = _randn(20 + me, (ws.recv_capacity, H), dev)
+    w = torch.rand(T, k, generator=_gen(30 + me, dev), device=dev)
+    ws.check_status()
+    rows = []
+    t_plan = bench_us(lambda: plan_routing_device(ws, idx_all[me]))
+    rows.append(Row("comm plan T4096 k8", time_us=t_plan, note=f"E={E}"))
+    src = ws.acquire_src()
+    src.copy_(x)
+    for nctas in (8, 16, 32):
+        t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas))
+        rows.append(Row(f"comm dispatch pull {nctas} CTAs", time_us=t,
+                        note=f"{pulled_remote / t / 1e3:.0f} GB/s in (remote rows)"))
+        t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas))
+        rows.append(Row(f"comm combine push+reduce {nctas} CTAs", time_us=t,
+                        note=f"{pushed_remote / t / 1e3:.0f} GB/s out (remote rows)"))
+    t = bench_us(lambda: dispatch(ws, x, plan))
+    rows.append(Row("comm dispatch incl. staging copy", time_us=t,
+                    note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
+    ws.check_status()
+    return rows
+
+
+def run(ctx: Ctx) -> list[Row]:
+    _init(ctx)
+    EP = ctx.world
+    rows = []
+    rows += _correctness(ctx, "random", 256, 512, 4, 8 * EP)
+    rows += _correctness(ctx, "hot", 64, 256, 4, 4 * EP)
+    rows += _correctness(ctx, "rank0_empty", 64, 256, 2, 4 * EP)
+    rows += _correctness(ctx, "random", 1, 64, 2 * EP, 2 * EP)   # T = 1, k = E
+    rows.append(_stall(ctx))
+    rows += _timing(ctx)
+    return rows
