@@ -1,0 +1,274 @@
+"""MXFP8 quantize kernels (CuTe DSL): bf16/fp32 [M, N] -> e4m3 data + E8M0 scales.
+
+Contract (bitwise equal to :func:`mok_cute.reference.mxfp8_quantize`): blocks of 32
+consecutive elements along ``dim``; amax is taken on the |x| bit patterns (subnormals kept);
+scale byte = max(E - 8 + [mantissa > 0x600000], 0) from amax's fp32 exponent E; data =
+e4m3(x * 2^(127 - byte)) with ``mul.rn.f32`` (no FTZ) and ``cvt.rn.satfinite.e4m3x2.f32``.
+A block holding NaN or Inf gets scale 0xFF and data 0x7F.
+
+Kernels work on 32-bit words: a 16-byte *chunk* holds C = 8 bf16 (or 4 fp32) elements of
+one row; its output is C e4m3 bytes (OW = C / 4 words).
+
+- ``row`` (dim=-1): lane-contiguous chunks, so each warp load is 512 coalesced bytes; the
+  L = 32 / C lanes holding one block combine their amax with butterfly shuffles. Each
+  thread owns ``_ROW_UNROLL`` chunks (loads issued before any math).
+- ``col`` (dim=0): one thread per (32-row group, chunk column): 32 loads of 16 bytes down
+  the column (consecutive lanes take consecutive chunks, so every load is coalesced along N),
+  C per-column amaxes and scales, 32 stores of C bytes, one C-byte scale store.
+
+Dims are runtime ``Int32`` arguments: one compiled kernel per (kind, arch, dtype) serves
+every shape; the wrapper requires numel < 2^31.
+"""
+
+import torch
+
+from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+
+KINDS = ("row", "col")
+DTYPES = (torch.bfloat16, torch.float32)
+_ROW_THREADS = 256
+_ROW_UNROLL = 4
+_COL_THREADS = 128
+_MAX_NUMEL = 2**31 - 1
+
+
+def _dims(x: torch.Tensor, dim: int) -> int:
+    """Validate ``x``/``dim`` (no CUDA calls); return dim normalised to 0 or 1."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must have dtype torch.bfloat16 or torch.float32, got {x.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if dim not in (-2, -1, 0, 1):
+        raise ValueError(f"dim must be -1/1 (row-wise) or 0/-2 (column-wise), got {dim}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, N], got shape {tuple(x.shape)}")
+    dim %= 2
+    if x.shape[dim] % 32:
+        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be a multiple of 32 (the MX block)")
+    per16 = 16 // x.element_size()
+    if x.shape[1] % per16:
+        raise ValueError(f"x.shape[1] = {x.shape[1]} must be a multiple of {per16} (16-byte rows)")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (row-major)")
+    if x.numel() > _MAX_NUMEL:
+        raise ValueError(f"x.numel() = {x.numel()} must be < 2^31")
+    if x.data_ptr() % 16:
+        raise ValueError("x.data_ptr() must be 16-byte aligned")
+    if x.device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor, got device {x.device}")
+    return dim
+
+
+def _build(kind: str, dtype: torch.dtype, arch: str):
+    """Trace and compile one kernel; returns ``(compiled, CompileReport)``."""
+    cutlass, cute = dsl()
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    Int32, Uint32, Uint8 = cutlass.Int32, cutlass.Uint32, cutlass.Uint8
+    bf16 = dtype == torch.bfloat16
+    C = 8 if bf16 else 4  # elements per 16-byte chunk
+    OW = C // 4  # output words per chunk
+    L = 32 // C  # lanes (chunks) per row-wise block
+
+    def umax(a, b):
+        return cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
+                                    write_only_types=[Uint32], read_only_args=[a, b])
+
+    def amax_acc(acc, w):
+        """Running max of |x| bits; bf16 words hold two lanes, compared as u16 pairs."""
+        if bf16:
+            w = w & Uint32(0x7FFF7FFF)
+            if acc is None:
+                return w
+            return cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
+                                        write_only_types=[Uint32], read_only_args=[acc, w])
+        w = w & Uint32(0x7FFFFFFF)
+        return w if acc is None else umax(acc, w)
+
+    def scale_of(a):
+        """amax |x| bits (bf16 or fp32 pattern) -> (scale byte, 2^-e fp32 bits, nonfinite mask)."""
+        A = Int32(a) << 16 if bf16 else Int32(a)
+        b = cutlass.max((A >> 23) - 8 + Int32((A & 0x7FFFFF) > 0x600000), 0)
+        nonfinite = Uint32(0) - Uint32(A >= 0x7F800000)  # 0xFFFFFFFF or 0
+        # b <= 247 for finite input, so 254 - b is a normal exponent field (>= 7).
+        return (Uint32(b) | nonfinite) & Uint32(0xFF), Uint32((254 - b) << 23), nonfinite
+
+    def fp8x4(f, s, nan_mask):
+        """e4m3(f[i] * s[i]) for 4 fp32 bit patterns -> one word (f[0] in the low byte);
+        bytes selected by ``nan_mask`` become 0x7F."""
+        q = cute.arch.inline_ptx(
+            "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi;\n"
+            "mul.rn.f32 p0, {$r0}, {$r4};\n"
+            "mul.rn.f32 p1, {$r1}, {$r5};\n"
+            "mul.rn.f32 p2, {$r2}, {$r6};\n"
+            "mul.rn.f32 p3, {$r3}, {$r7};\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2;\n"
+            "mov.b32 {$w0}, {lo, hi}; }",
+            write_only_types=[Uint32], read_only_args=[*f, *s])
+        return (q & ~nan_mask) | (Uint32(0x7F7F7F7F) & nan_mask)
+
+    def elems(v):
+        """The C fp32 bit patterns of a chunk's 4 input words."""
+        words = [v[j] for j in range(4)]  # (a TensorSSA is not iterable)
+        if not bf16:
+            return words
+        out = []
+        for w in words:
+            out += [w << 16, w & Uint32(0xFFFF0000)]
+        return out
+
+    if kind == "row":
+        @cute.kernel
+        def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            lane = tid % 32
+            base = (bid * _ROW_THREADS + tid - lane) * _ROW_UNROLL + lane
+            vs = []
+            for u in cutlass.range_constexpr(_ROW_UNROLL):
+                # Out-of-range lanes reload the last chunk (whole L-lane groups, so the
+                # shuffles only ever mix valid data or only clamped data) and store nothing.
+                i = cutlass.min(base + u * 32, n - 1)
+                vs.append(x[i, None].load())
+            for u in cutlass.range_constexpr(_ROW_UNROLL):
+                v = vs[u]
+                acc = None
+                for j in cutlass.range_constexpr(4):
+                    acc = amax_acc(acc, v[j])
+                a = umax(acc & Uint32(0xFFFF), acc >> 16) if bf16 else acc
+                for k in cutlass.range_constexpr(L.bit_length() - 1):
+                    a = umax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << k))
+                byte, sc, nf = scale_of(a)
+                f = elems(v)
+                o = cute.make_rmem_tensor((OW,), Uint32)
+                for w in cutlass.range_constexpr(OW):
+                    o[w] = fp8x4(f[4 * w:4 * w + 4], [sc] * 4, nf)
+                i = base + u * 32
+                if i < n:
+                    q[i, None].store(o.load())
+                    if lane % L == 0:
+                        s[i // L] = Uint8(byte)
+
+        @cute.jit
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, n_chunks: Int32,
+                   stream: cuda.CUstream):
+            x = cute.make_tensor(xp, cute.make_layout((n_chunks, 4), stride=(4, 1)))
+            q = cute.make_tensor(qp, cute.make_layout((n_chunks, OW), stride=(OW, 1)))
+            s = cute.make_tensor(sp, cute.make_layout((n_chunks // L,)))
+            per_cta = _ROW_THREADS * _ROW_UNROLL
+            row_kernel(x, q, s, n_chunks).launch(
+                grid=[(n_chunks + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
+                stream=stream)
+    else:
+        @cute.kernel
+        def col_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, items: Int32, nc: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            t = bid * _COL_THREADS + tid
+            tc = cutlass.min(t, items - 1)  # out-of-range threads reload the last item
+            g = tc // nc
+            c = tc - g * nc
+            row0 = g * 32 * nc + c
+            xs = cute.make_tensor(x[row0, None].iterator, cute.make_layout(
+                (32, 4), stride=(cute.assume(nc * 4, divby=4), 1)))
+            qs = cute.make_tensor(q[row0, None].iterator, cute.make_layout(
+                (32, OW), stride=(cute.assume(nc * OW, divby=OW), 1)))
+            vs = [xs[r, None].load() for r in range(32)]  # unrolled at trace time
+            accs = [None] * 4
+            for r in cutlass.range_constexpr(32):
+                for j in cutlass.range_constexpr(4):
+                    accs[j] = amax_acc(accs[j], vs[r][j])
+            amaxes = []
+            for j in cutlass.range_constexpr(4):
+                amaxes += [accs[j] & Uint32(0xFFFF), accs[j] >> 16] if bf16 else [accs[j]]
+            cols = [scale_of(a) for a in amaxes]  # C x (byte, scale bits, nonfinite)
+            sw = cute.make_rmem_tensor((OW,), Uint32)
+            masks = []
+            for w in cutlass.range_constexpr(OW):
+                word = Uint32(0)
+                mask = Uint32(0)
+                for k in cutlass.range_constexpr(4):
+                    word = word | (cols[4 * w + k][0] << (8 * k))
+                    mask = mask | (cols[4 * w + k][2] & Uint32(0xFF << (8 * k)))
+                sw[w] = word
+                masks.append(mask)
+            if t < items:
+                for r in cutlass.range_constexpr(32):
+                    f = elems(vs[r])
+                    o = cute.make_rmem_tensor((OW,), Uint32)
+                    for w in cutlass.range_constexpr(OW):
+                        o[w] = fp8x4(f[4 * w:4 * w + 4], [cols[4 * w + k][1] for k in range(4)],
+                                     masks[w])
+                    qs[r, None].store(o.load())
+                s[tc, None].store(sw.load())
+
+        @cute.jit
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, m: Int32, nc: Int32,
+                   stream: cuda.CUstream):
+            # Chunk-indexed views (static inner strides keep the 16-byte vector accesses).
+            items = (m // 32) * nc
+            x = cute.make_tensor(xp, cute.make_layout((m * nc, 4), stride=(4, 1)))
+            q = cute.make_tensor(qp, cute.make_layout((m * nc, OW), stride=(OW, 1)))
+            s = cute.make_tensor(sp, cute.make_layout((items, OW), stride=(OW, 1)))
+            col_kernel(x, q, s, items, nc).launch(
+                grid=[(items + _COL_THREADS - 1) // _COL_THREADS, 1, 1],
+                block=[_COL_THREADS, 1, 1], stream=stream)
+
+    dims = (Int32(1),) if kind == "row" else (Int32(32), Int32(1))
+    return compile_kernel(launch, *_pointers(kind, dtype, 0, 0, 0), *dims,
+                          cuda.CUstream(0), arch=arch, inspect=True)
+
+
+def _pointers(kind: str, dtype: torch.dtype, x: int, data: int, scales: int):
+    """Kernel pointer arguments: x, data and col scales as 32-bit words, row scales as bytes.
+
+    Raw int addresses must not be passed to the compiled function: 4.8.1 converts them to
+    Int32 when the kernel was compiled with ``Pointer`` objects."""
+    cutlass, cute = dsl()
+    gmem, make_ptr = cute.AddressSpace.gmem, cute.runtime.make_ptr
+    out_align = 2 if dtype == torch.bfloat16 else 1  # C / 4 words per chunk
+    return (make_ptr(cutlass.Uint32, x, gmem, assumed_align=16),
+            make_ptr(cutlass.Uint32, data, gmem, assumed_align=4 * out_align),
+            make_ptr(cutlass.Uint8, scales, gmem, assumed_align=1) if kind == "row"
+            else make_ptr(cutlass.Uint32, scales, gmem, assumed_align=4 * out_align))
+
+
+def compiled_quantize(kind: str, arch: str, dtype: torch.dtype = torch.bfloat16):
+    """The cached ``(compiled, CompileReport)`` for ``kind`` in KINDS, an arch in
+    ``compile.ARCHS`` and an input dtype in DTYPES (compiled on first request)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return compile_cached(("mxfp8_quantize", kind, arch, dtype), lambda: _build(kind, dtype, arch))
+
+
+def quantize_mxfp8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8-quantize a contiguous CUDA bf16/fp32 [M, N] tensor along ``dim`` on the current stream.
+
+    Requires size(dim) % 32 == 0, N * x.element_size() % 16 == 0, numel < 2^31 and a
+    16-byte aligned data pointer. Returns ``(data, scales)``: data float8_e4m3fn [M, N]
+    (row-major); scales uint8 E8M0, [M, N/32] for dim=-1/1 or [M/32, N] for dim=0/-2,
+    contiguous. Bitwise equal to ``mok_cute.reference.mxfp8_quantize(x, dim)``.
+    """
+    d = _dims(x, dim)
+    M, N = x.shape
+    data = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((M, N // 32) if d == 1 else (M // 32, N), dtype=torch.uint8,
+                         device=x.device)
+    if x.numel() == 0:
+        return data, scales
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    kind = "row" if d == 1 else "col"
+    fn, _ = compiled_quantize(kind, arch_of_device(x.device), x.dtype)
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    chunks_per_row = N * x.element_size() // 16
+    dims = (M * chunks_per_row,) if kind == "row" else (M, chunks_per_row)
+    ptrs = _pointers(kind, x.dtype, x.data_ptr(), data.data_ptr(), scales.data_ptr())
+    with torch.cuda.device(x.device):
+        fn(*ptrs, *dims, stream)
+    return data, scales

@@ -1,0 +1,106 @@
+"""CPU tests of the MXFP8 quantize kernels: compile for every arch, inspect PTX/ptxas, validate
+arguments before any launch, compile cache. Numerics are checked on the GPU by
+tools/checks/quantize.py."""
+import re
+
+import pytest
+import torch
+
+from mok_cute.kernels import compile as kc
+from mok_cute.kernels import quantize as kq
+
+# Per thread: row kernel 4 chunks, col kernel 32 chunks; a chunk is 16 input bytes.
+CHUNKS = {"row": 4, "col": 32}
+ELEMS_PER_CHUNK = {torch.bfloat16: 8, torch.float32: 4}
+CASES = [(kind, arch, dt) for kind in kq.KINDS for arch in kc.ARCHS for dt in kq.DTYPES]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Compile each (kind, arch, dtype) once for the whole module."""
+    return {case: kq.compiled_quantize(*case)[1] for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+def test_compiles_without_spills(reports, case):
+    rep = reports[case]
+    assert rep.arch == case[1]
+    assert len(rep.registers) == 1, rep.log
+    assert rep.total_spill_bytes == 0
+    assert all(v == 0 for v in rep.stack_bytes.values())
+    # row: full occupancy needs <= 32 regs/thread; col: >= 3 CTAs of 128 threads per SM.
+    assert rep.max_registers <= (32 if case[0] == "row" else 168), rep.registers
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+def test_ptx_instructions(reports, case):
+    kind, _, dt = case
+    ptx = reports[case].ptx
+    elems = CHUNKS[kind] * ELEMS_PER_CHUNK[dt]
+    # every element is scaled by exactly one non-FTZ fp32 multiply ...
+    assert len(re.findall(r"\bmul\.rn\.f32\b", ptx)) == elems
+    assert not re.search(r"\bmul(\.\w+)*\.ftz", ptx)
+    assert not re.search(r"\bmul(\.rz|\.rm|\.rp)?\.f32\b", ptx)
+    assert ".ftz" not in ptx
+    # ... and converted pairwise by the round-to-nearest-even satfinite e4m3 cvt
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == elems // 2
+    # 16-byte loads, one per chunk
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == CHUNKS[kind]
+    assert "max.u16x2" in ptx if dt == torch.bfloat16 else "max.u32" in ptx
+
+
+def test_compile_cache_hits(reports):
+    before = kc.cache_stats()
+    first = kq.compiled_quantize("row", "sm_90a", torch.bfloat16)
+    again = kq.compiled_quantize("row", "sm_90a", torch.bfloat16)
+    after = kc.cache_stats()
+    assert first is again
+    assert after["compiles"] == before["compiles"]
+    assert after["hits"] == before["hits"] + 2
+
+
+def test_compiled_quantize_rejects_bad_keys():
+    with pytest.raises(ValueError, match="kind"):
+        kq.compiled_quantize("diag", "sm_90a")
+    with pytest.raises(TypeError, match="dtype"):
+        kq.compiled_quantize("row", "sm_90a", torch.float16)
+    with pytest.raises(ValueError, match="arch"):
+        kq.compiled_quantize("row", "sm_80", torch.bfloat16)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Make any step past validation fail loudly (compile, device query)."""
+    def boom(*a, **k):
+        raise AssertionError("reached the launch path")
+    monkeypatch.setattr(kq, "compiled_quantize", boom)
+    monkeypatch.setattr(kq, "arch_of_device", boom)
+
+
+def _misaligned():
+    return torch.zeros(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(64, 64)
+
+
+@pytest.mark.parametrize("x, dim, exc, match", [
+    ([[1.0] * 32], -1, TypeError, "torch.Tensor"),
+    (torch.zeros(64, 64, dtype=torch.float16), -1, TypeError, "bfloat16 or torch.float32"),
+    (torch.zeros(64, 64, dtype=torch.int32), 0, TypeError, "bfloat16 or torch.float32"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), 1.0, TypeError, "dim must be an int"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), True, TypeError, "dim must be an int"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), 2, ValueError, "dim must be"),
+    (torch.zeros(64, dtype=torch.bfloat16), -1, ValueError, "2-D"),
+    (torch.zeros(2, 64, 64, dtype=torch.bfloat16), -1, ValueError, "2-D"),
+    (torch.zeros(64, 48, dtype=torch.bfloat16), -1, ValueError, r"x.shape\[1\] = 48 .* multiple of 32"),
+    (torch.zeros(48, 64, dtype=torch.bfloat16), 0, ValueError, r"x.shape\[0\] = 48 .* multiple of 32"),
+    (torch.zeros(64, 36, dtype=torch.bfloat16), 0, ValueError, r"x.shape\[1\] = 36 .* multiple of 8"),
+    (torch.zeros(64, 6, dtype=torch.float32), -2, ValueError, r"x.shape\[1\] = 6 .* multiple of 4"),
+    (torch.empty(2**16, 2**15 + 32, dtype=torch.bfloat16, device="meta"), -1, ValueError, "2\\^31"),
+    (torch.zeros(64, 128, dtype=torch.bfloat16).t(), -1, ValueError, "contiguous"),
+    (torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64], 1, ValueError, "contiguous"),
+    (_misaligned(), -1, ValueError, "16-byte aligned"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), -1, ValueError, "CUDA"),
+    (torch.zeros(64, 64, dtype=torch.float32), 0, ValueError, "CUDA"),
+])
+def test_validation_before_launch(no_launch, x, dim, exc, match):
+    with pytest.raises(exc, match=match):
+        kq.quantize_mxfp8(x, dim)

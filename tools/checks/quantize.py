@@ -1,0 +1,131 @@
+"""Device check of the MXFP8 quantize kernels (mok_cute.kernels.quantize.quantize_mxfp8).
+
+Bitwise comparison with mok_cute.reference.mxfp8_quantize on the CPU copy of each input
+(data compared as uint8, scales as uint8), for row-wise (dim=-1) and column-wise (dim=0):
+random bf16/fp32 with per-block magnitudes 2^-140..2^120, and an edge-case tensor (zero and
+-0.0 blocks, amax exactly 448*2^e, powers of two, mantissas around 1.75, subnormals, ties,
+NaN/Inf, bf16 max). Then the time on 16384 x 7168 bf16 (GB/s counts bytes read + written)
+and on a tiny tensor (host launch overhead).
+"""
+import time
+
+import torch
+
+from checks.common import Row, bench_us
+
+HBM_GBS = 4300.0  # measured H200 copy bandwidth
+DIMS = {"row": -1, "col": 0}
+
+
+def _random(shape, dim, dtype, gen, device):
+    """randn * 2^k with one k in [-140, 120] per 32-block along ``dim``."""
+    M, N = shape
+    bshape = (M, N // 32) if dim == -1 else (M // 32, N)
+    k = torch.randint(-140, 121, bshape, generator=gen, device="cpu").float()
+    mag = torch.exp2(k).repeat_interleave(32, dim=1 if dim == -1 else 0)
+    x = torch.randn(shape, generator=gen, device="cpu") * mag
+    return x.to(dtype).to(device)
+
+
+def _edge_blocks(gen) -> torch.Tensor:
+    """[nblocks, 32] fp32 values that are exact in bf16, one edge case per block."""
+    def rnd():
+        return torch.randn(32, generator=gen).to(torch.bfloat16).float()
+
+    def pow2(e):
+        return float(2.0 ** e)
+
+    blocks = [torch.zeros(32), -torch.zeros(32), torch.where(torch.arange(32) % 2 == 0, 0.0, -0.0)]
+    for e in (-133, -126, -120, -60, -9, 0, 7, 60, 119):
+        b = rnd().clamp(-1, 1) * 300 * pow2(e)
+        b[5] = 448 * pow2(e)  # amax exactly 448 * 2^e
+        blocks.append(b)
+        b = rnd().clamp(-1, 1) * 0.5 * pow2(e)
+        b[17] = -pow2(e)  # amax a power of two
+        blocks.append(b)
+        for mant in (0x60, 0x61, 0x5F, 0x7F, 0x00):  # mantissa around 1.75 (bf16 7-bit field)
+            b = rnd().clamp(-1, 1) * pow2(e)
+            b[3] = torch.tensor([((127 + e) << 7 | mant) if -126 <= e <= 127 else 0x0080],
+                                dtype=torch.int16).view(torch.bfloat16).float()
+            blocks.append(b)
+    sub = torch.randint(1, 0x80, (4, 32), generator=gen, dtype=torch.int16)  # bf16 subnormals
+    sub = sub * torch.where(torch.rand(4, 32, generator=gen) < 0.5, 1, -1).to(torch.int16)
+    sub = torch.where(sub < 0, (-sub) | -0x8000, sub).view(torch.bfloat16).float()
+    blocks += list(sub)
+    mixed = sub[0].clone()
+    mixed[0] = 1.0  # one normal value among subnormals
+    blocks.append(mixed)
+    ties = (torch.arange(32) / 16.0 + 1.0) * torch.where(torch.arange(32) % 3 == 0, -1.0, 1.0)
+    ties[31] = 448.0  # scale 2^0: x/16 steps hit e4m3 round-to-even ties
+    blocks.append(ties)
+    big = rnd()
+    big[9] = float(torch.finfo(torch.bfloat16).max)
+    blocks.append(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        b = rnd()
+        b[11] = bad
+        blocks.append(b)
+    nan_big = rnd()
+    nan_big[0], nan_big[1] = float("nan"), 1e30
+    blocks.append(nan_big)
+    while len(blocks) % 64:  # column layout needs N = nblocks / 8 to be a multiple of 8
+        blocks.append(rnd())
+    return torch.stack(blocks)
+
+
+def _edge(dim, dtype, gen, device):
+    """Edge blocks laid out as 32-element blocks along ``dim`` (8 blocks per row / column)."""
+    b = _edge_blocks(gen)  # [nb, 32]
+    rows = b.reshape(-1, 8 * 32)  # row-wise blocks: [nb/8, 256]
+    x = rows if dim == -1 else rows.t().contiguous()  # column blocks: [256, nb/8]
+    return x.to(dtype).to(device)
+
+
+def _compare(name, x, dim, quantize, reference) -> Row:
+    data, scales = quantize(x, dim)
+    torch.cuda.synchronize()
+    ref_data, ref_scales = reference(x.cpu(), dim)
+    assert data.shape == ref_data.shape and scales.shape == ref_scales.shape, (
+        f"{name}: shapes {tuple(data.shape)}/{tuple(scales.shape)} vs "
+        f"{tuple(ref_data.shape)}/{tuple(ref_scales.shape)}")
+    bad_d = (data.cpu().view(torch.uint8) != ref_data.view(torch.uint8)).sum().item()
+    bad_s = (scales.cpu() != ref_scales).sum().item()
+    ok = bad_d == 0 and bad_s == 0
+    return Row(name, bitwise=ok, ok=ok,
+               note=f"{tuple(x.shape)}; mismatched data bytes {bad_d}, scale bytes {bad_s}")
+
+
+def run(ctx) -> list[Row]:
+    from mok_cute.kernels.quantize import quantize_mxfp8
+    from mok_cute.reference import mxfp8_quantize
+
+    dev = ctx.device
+    gen = torch.Generator().manual_seed(1234)
+    rows = []
+    for kind, dim in DIMS.items():
+        t0 = time.time()
+        quantize_mxfp8(torch.zeros(32, 256, dtype=torch.bfloat16, device=dev), dim)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            for shape in ((256, 7168), (1056, 2336), (96, 160), (32, 32)):
+                x = _random(shape, dim, dtype, gen, dev)
+                rows.append(_compare(f"mxfp8 {kind} random {tag} {shape[0]}x{shape[1]}", x, dim,
+                                     quantize_mxfp8, mxfp8_quantize))
+            rows.append(_compare(f"mxfp8 {kind} edge cases {tag}", _edge(dim, dtype, gen, dev), dim,
+                                 quantize_mxfp8, mxfp8_quantize))
+        M, N = 16384, 7168
+        x = _random((M, N), dim, torch.bfloat16, gen, dev)
+        rows.append(_compare(f"mxfp8 {kind} random bf16 {M}x{N}", x, dim, quantize_mxfp8,
+                             mxfp8_quantize))
+        us = bench_us(lambda: quantize_mxfp8(x, dim), warmup=10, iters=50)
+        nbytes = M * N * 2 + M * N + M * N // 32
+        gbs = nbytes / us / 1e3
+        rows.append(Row(f"mxfp8 {kind} time bf16 {M}x{N}", time_us=us, ok=True,
+                        note=f"{gbs:.0f} GB/s = {100 * gbs / HBM_GBS:.0f}% of {HBM_GBS:.0f}; "
+                             f"first call {first:.1f}s"))
+        tiny = torch.randn(32, 256, device=dev).to(torch.bfloat16)
+        us = bench_us(lambda: quantize_mxfp8(tiny, dim), warmup=10, iters=50)
+        rows.append(Row(f"mxfp8 {kind} time bf16 32x256", time_us=us, ok=True,
+                        note="host launch overhead bound"))
+    return rows
