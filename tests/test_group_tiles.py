@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from mok_cute.schedule.group_tiles import cta_tiles, expert_tiles, total_tiles
+from mok_cute.schedule.group_tiles import cta_tiles, expert_tiles, total_tiles, wgrad_cta_tiles
 
 
 def brute_force(offsets, tile_m, n_tiles):
@@ -75,3 +75,13 @@ def test_no_idle_cta_with_hot_expert():
     offs = offsets_from([8192, 1, 0, 3])
     busy = [len(cta_tiles(offs, 128, 16, c, 132)) for c in range(132)]
     assert min(busy) >= 7 and max(busy) - min(busy) <= 1
+
+
+@pytest.mark.parametrize("experts, m_tiles, n_tiles, num_ctas", [(8, 16, 28, 132), (1, 1, 1, 132), (3, 2, 5, 1),
+                                                                 (5, 3, 1, 7)])
+def test_wgrad_schedule_covers_every_tile_once(experts, m_tiles, n_tiles, num_ctas):
+    seen = [t for c in range(num_ctas) for t in wgrad_cta_tiles(experts, m_tiles, n_tiles, c, num_ctas)]
+    want = [(e, m, n) for e in range(experts) for m in range(m_tiles) for n in range(n_tiles)]
+    assert sorted(seen) == want
+    busy = [len(wgrad_cta_tiles(experts, m_tiles, n_tiles, c, num_ctas)) for c in range(num_ctas)]
+    assert max(busy) - min(busy) <= 1

@@ -1,24 +1,32 @@
-"""SM90 grouped GEMM kernels compile for sm_90a (CPU only) and the host wrappers validate inputs."""
+"""SM90 grouped GEMM kernels (forward and backward) compile for sm_90a (CPU only) and the
+host wrappers validate inputs."""
 import pytest
 import torch
 
+from mok_cute.kernels.sm90_expert_bwd import (
+    compile_grouped_wgrad, grouped_dgrad1, grouped_dswiglu_dgrad, grouped_wgrad,
+)
 from mok_cute.kernels.sm90_grouped_gemm import (
     compile_grouped_gemm, grouped_gemm, grouped_gemm1_swiglu, interleave_gate_up,
 )
-from mok_cute.kernels.sm90_mainloop import NUM_THREADS, MainloopConfig
+from mok_cute.kernels.sm90_mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
 
-VARIANTS = [
-    ("plain", False, MainloopConfig()),
-    ("swiglu", False, MainloopConfig()),
-    ("swiglu", True, MainloopConfig()),
-    ("plain", False, MainloopConfig(tile_n=128)),
-]
+VARIANTS = {
+    "plain-n256": lambda: compile_grouped_gemm("plain", inspect=True),
+    "swiglu": lambda: compile_grouped_gemm("swiglu", inspect=True),
+    "swiglu-clamp": lambda: compile_grouped_gemm("swiglu", clamp=True, inspect=True),
+    "plain-n128": lambda: compile_grouped_gemm("plain", cfg=MainloopConfig(tile_n=128), inspect=True),
+    # backward: GEMM2 dgrad + dSwiGLU (B N-major), GEMM1 dgrad (B split along K), wgrad
+    "dswiglu": lambda: compile_grouped_gemm("dswiglu", b_major=MN_MAJOR, inspect=True),
+    "dswiglu-clamp": lambda: compile_grouped_gemm("dswiglu", clamp=True, b_major=MN_MAJOR, inspect=True),
+    "dgrad1": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
+    "wgrad": lambda: compile_grouped_wgrad(inspect=True),
+}
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-clamp{int(v[1])}-n{v[2].tile_n}")
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def report(request):
-    epilogue, clamp, cfg = request.param
-    _, rep = compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, inspect=True)
+    _, rep = VARIANTS[request.param]()
     return rep
 
 
@@ -34,6 +42,11 @@ def test_no_spills_and_registers_fit(report):
     assert report.total_spill_bytes == 0
     # the launch register count must leave room for 384 threads (setmaxnreg redistributes)
     assert report.max_registers * NUM_THREADS <= 65536
+
+
+def test_majorness_validated():
+    with pytest.raises(ValueError, match="a_major"):
+        Sm90Mainloop(MainloopConfig(), 0, a_major="m")
 
 
 def test_interleave_gate_up():
@@ -88,3 +101,69 @@ def test_swiglu_validation(kwargs, exc, name):
     args.update(kwargs)
     with pytest.raises(exc, match=name):
         grouped_gemm1_swiglu(**args)
+
+
+def _bwd_inputs(m=300, e=3, hid=64, inter=256):
+    bf = torch.bfloat16
+    return dict(dy=torch.zeros(m, hid, dtype=bf), offsets=torch.tensor([0, 100, 100, m], dtype=torch.int32)[: e + 1],
+                w_down=torch.zeros(e, hid, inter, dtype=bf), gu=torch.zeros(m, 2 * inter, dtype=bf))
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(dy="x"), TypeError, "dy"),
+    (dict(dy=torch.zeros(300, 64)), TypeError, "dy"),
+    (dict(dy=torch.zeros(300, 60, dtype=torch.bfloat16)), ValueError, "dy"),
+    (dict(offsets=torch.zeros(4)), TypeError, "offsets"),
+    (dict(w_down=torch.zeros(3, 64, 200, dtype=torch.bfloat16)), ValueError, "w_down"),
+    (dict(w_down=torch.zeros(2, 64, 256, dtype=torch.bfloat16)), ValueError, "w_down"),
+    (dict(w_down=torch.zeros(3, 256, 64, dtype=torch.bfloat16).transpose(1, 2)), ValueError, "w_down"),
+    (dict(gu=torch.zeros(300, 256, dtype=torch.bfloat16)), ValueError, "gu"),
+    (dict(limit=0.0), ValueError, "limit"),
+    (dict(limit="4"), TypeError, "limit"),
+    (dict(limit=4.0), ValueError, "CUDA"),  # valid but on the CPU
+])
+def test_dswiglu_dgrad_validation(kwargs, exc, name):
+    args = _bwd_inputs()
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        grouped_dswiglu_dgrad(**args)
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(dgu=torch.zeros(300, 512)), TypeError, "dgu"),
+    (dict(dgu=torch.zeros(300, 192, dtype=torch.bfloat16)), ValueError, "w_gate"),  # I mismatch
+    (dict(dgu=torch.zeros(300, 64, dtype=torch.bfloat16), w_gate=torch.zeros(3, 32, 256, dtype=torch.bfloat16),
+          w_up=torch.zeros(3, 32, 256, dtype=torch.bfloat16)), ValueError, "tile_k"),
+    (dict(w_up=torch.zeros(3, 256, 128, dtype=torch.bfloat16)), ValueError, "w_up"),
+    (dict(w_gate=torch.zeros(3, 256, 128, dtype=torch.bfloat16),
+          w_up=torch.zeros(3, 256, 128, dtype=torch.bfloat16)), ValueError, "tile_n"),
+    (dict(out=torch.zeros(300, 256)), TypeError, "out"),
+    (dict(), ValueError, "CUDA"),
+])
+def test_dgrad1_validation(kwargs, exc, name):
+    bf = torch.bfloat16
+    args = dict(dgu=torch.zeros(300, 512, dtype=bf), offsets=torch.tensor([0, 100, 100, 300], dtype=torch.int32),
+                w_gate=torch.zeros(3, 256, 256, dtype=bf), w_up=torch.zeros(3, 256, 256, dtype=bf))
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        grouped_dgrad1(**args)
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(a=torch.zeros(300, 64)), TypeError, "a"),
+    (dict(b=torch.zeros(299, 256, dtype=torch.bfloat16)), ValueError, "b"),
+    (dict(b=torch.zeros(300, 200, dtype=torch.bfloat16)), ValueError, "tile_n"),
+    (dict(a=torch.zeros(64, 300, dtype=torch.bfloat16).t()), ValueError, "a"),  # column-major
+    (dict(a=torch.zeros(300, 70, dtype=torch.bfloat16)[:, 1:65]), ValueError, "a"),  # misaligned slice
+    (dict(offsets=torch.tensor([0], dtype=torch.int32)), ValueError, "offsets"),
+    (dict(out=torch.zeros(3, 64, 128, dtype=torch.bfloat16)), ValueError, "out"),
+    (dict(), ValueError, "CUDA"),
+    (dict(a=torch.zeros(300, 512, dtype=torch.bfloat16)[:, 256:]), ValueError, "CUDA"),  # column slice is fine
+])
+def test_wgrad_validation(kwargs, exc, name):
+    bf = torch.bfloat16
+    args = dict(a=torch.zeros(300, 64, dtype=bf), b=torch.zeros(300, 256, dtype=bf),
+                offsets=torch.tensor([0, 100, 100, 300], dtype=torch.int32))
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        grouped_wgrad(**args)

@@ -1,22 +1,30 @@
 """Hopper (sm_90a) persistent grouped expert GEMMs: variable rows per expert, no host sync.
 
-Operands (all K-major, BF16):
-  A   [M_total, K]  tokens grouped by expert; expert e owns rows offsets[e]..offsets[e+1]
-  B   [E, N, K]     per-expert weights; tile = A_e @ B_e^T
+Operands (BF16):
+  A   [M_total, K]  K-major, tokens grouped by expert; expert e owns rows offsets[e]..offsets[e+1]
+  B   per-expert weights, either ``b_major="k"``: [E, N, K] (tile = A_e @ B_e^T) or
+      ``b_major="mn"``: [E, K, N] (tile = A_e @ B_e, read N-contiguous, no transpose copy);
+      optionally split along K into two tensors B1 (first K1 of K) and B2 (the rest), each
+      with its own TMA descriptor (K1 a multiple of tile_k).
   offsets int32 [E+1] on the device, offsets[0] = 0, non-decreasing, offsets[E] = M_total
     (trusted, not checked: checking needs a host sync).
 One compiled kernel serves every token count (M_total and the offsets are runtime values);
-the compile cache key holds only what changes code (arch, dtypes, tile shape, epilogue,
-clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
-(:mod:`mok_cute.schedule.group_tiles`). Each tile is staged in shared memory as BF16 and
-written back with row-masked 16-byte stores, so rows past an expert's end are never written.
+the compile cache key holds only what changes code (arch, dtypes, tile shape, majorness,
+epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
+(:mod:`mok_cute.schedule.group_tiles`). Rows past an expert's end are read by the A tile
+(they belong to the next expert or are TMA zero fill) but never written: every store is
+row-masked (16-byte vectors).
 
 Epilogues:
-  ``plain``:  out [M_total, N] = bf16(A_e @ B_e^T)
-  ``swiglu``: B = :func:`interleave_gate_up` (w_gate, w_up) [E, 2I, H]; writes
-              gu [M_total, 2I] (gate in [0, I), up in [I, 2I)) and
-              h [M_total, I] = bf16(silu(g) * u) from the BF16-rounded g, u in FP32, with
-              optional clamp L: g = min(g, L), u = clamp(u, -L, L).
+  ``plain``:   out [M_total, N] = bf16(A_e @ B_e)
+  ``swiglu``:  B = :func:`interleave_gate_up` (w_gate, w_up) [E, 2I, H]; writes
+               gu [M_total, 2I] (gate in [0, I), up in [I, 2I)) and
+               h [M_total, I] = bf16(silu(g) * u) from the BF16-rounded g, u in FP32, with
+               optional clamp L: g = min(g, L), u = clamp(u, -L, L).
+  ``dswiglu``: N = I; the FP32 accumulator dh (never rounded) meets g, u read from
+               gu [M_total, 2I]: gc = min(g, L), uc = clamp(u, -L, L), s = sigmoid(gc),
+               dg = dh * uc * s * (1 + gc * (1 - s)) (0 where g > L),
+               du = dh * (gc * s) (0 where |u| > L); writes dgu = bf16([dg | du]).
 """
 from __future__ import annotations
 
@@ -34,12 +42,12 @@ from cutlass.cute.runtime import from_dlpack
 
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90_mainloop import (
-    CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
+    CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
 )
 from mok_cute.schedule.group_tiles import seek, tile_coords
 
-EPILOGUES = ("plain", "swiglu")
+EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
 
 
@@ -73,7 +81,44 @@ def _store_rows(tiled_copy: cute.TiledCopy, tid: Int32, r: cute.Tensor, coords: 
                 cute.copy(tiled_copy, r[(None, m, n)], tD[(None, m, n)])
 
 
-class PlainEpilogue:
+@cute.jit
+def _fetch_rows(width: cutlass.Constexpr[int], tid: Int32, g_tile: cute.Tensor, s_tile: cute.Tensor, rows: Int32):
+    """Issue cp.async 16-byte copies of rows ``< rows`` of a gmem (rows, width) tile into the
+    shared tile (other rows are left as they are); the caller commits and waits."""
+    tpr = width // _VEC
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
+    thr = cute.make_layout((NUM_CONSUMER_THREADS // tpr, tpr), stride=(tpr, 1))
+    tiled_copy = cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, _VEC)))
+    thr_copy = tiled_copy.get_slice(tid)
+    tG = thr_copy.partition_S(g_tile)
+    tS = thr_copy.partition_D(s_tile)
+    coords = thr_copy.partition_S(cute.make_identity_tensor(cute.product_each(s_tile.shape)))
+    for m in cutlass.range_constexpr(cute.size(tG, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(tG, mode=[2])):
+            if coords[(0, m, n)][0] < rows:
+                cute.copy(tiled_copy, tG[(None, m, n)], tS[(None, m, n)])
+
+
+class _StagedEpilogue:
+    """Epilogues that read the tile rounded to BF16 and staged whole in shared memory."""
+
+    def smem_elems(self) -> int:
+        return self.tile_m * self.tile_n
+
+    def smem_tensor(self, region):
+        layout = epi_smem_layout(cutlass.BFloat16, self.tile_m, self.tile_n)
+        return region.get_tensor(layout.outer, swizzle=layout.inner)
+
+    @cute.jit
+    def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
+            row0: Int32, rows: Int32, n_tile: Int32, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
+        acc_to_smem(thr_mma, acc, sC)
+        consumer_barrier()
+        self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
+        consumer_barrier()
+
+
+class PlainEpilogue(_StagedEpilogue):
     """out[row0 + r, n_tile * tile_n + c] = tile[r, c] for r < rows."""
 
     def __init__(self, tile_m: int, tile_n: int):
@@ -88,12 +133,12 @@ class PlainEpilogue:
         _store_rows(copy, tid, r, coords, g, rows)
 
 
-class SwigluEpilogue:
+class SwigluEpilogue(_StagedEpilogue):
     """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, for intermediate columns
     ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped)."""
 
     def __init__(self, tile_m: int, tile_n: int, clamp: bool):
-        self.tile_m, self.half, self.clamp = tile_m, tile_n // 2, clamp
+        self.tile_m, self.tile_n, self.half, self.clamp = tile_m, tile_n, tile_n // 2, clamp
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
@@ -123,69 +168,181 @@ class SwigluEpilogue:
         _store_rows(copy, tid, rh, coords, h_tile, rows)
 
 
+class DSwigluEpilogue:
+    """dSwiGLU on the FP32 accumulator dh of intermediate columns ``n_tile * tile_n + c``.
+
+    ``mDGU`` (out) and ``mGU`` (in) are [M, 2, I] views of dgu / gu (gate half, up half).
+    The tile is done in two column halves: the g and u halves are fetched (cp.async) into
+    two row-padded (conflict-free for the accumulator layout, unswizzled so addresses are
+    a per-thread base plus constants) shared buffers (half 0 by :meth:`prefetch` before
+    the mainloop), each thread turns its accumulator elements of that half into bf16 dg /
+    du in place (same shared positions), then rows ``< rows`` are stored. Thread-to-column ownership is that of the wgmma accumulator layout, where
+    one thread's columns differ by less than 8 from thread 0's for the same element index,
+    so an element's half is a compile-time fact (taken from thread 0's coordinates).
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool):
+        if tile_n % 16:
+            raise ValueError(f"dswiglu needs tile_n a multiple of 16, got {tile_n}")
+        self.tile_m, self.tile_n, self.half, self.clamp = tile_m, tile_n, tile_n // 2, clamp
+        self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
+
+    def smem_elems(self) -> int:
+        return 2 * self.tile_m * self.pitch
+
+    def smem_tensor(self, region):
+        """(tile_m, half, 2): the g and u buffers."""
+        return region.get_tensor(cute.make_layout((self.tile_m, self.half, 2),
+                                                  stride=(self.pitch, 1, self.tile_m * self.pitch)))
+
+    def _bufs(self, sC: cute.Tensor):
+        return sC[(None, None, 0)], sC[(None, None, 1)]  # g, u
+
+    @cute.jit
+    def _fetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
+               h: cutlass.Constexpr[int]):
+        """Start the cp.async loads of column half ``h`` of the tile's g and u."""
+        bufs = self._bufs(sC)
+        for j in cutlass.range_constexpr(2):  # 0: gate half of gu, 1: up half
+            src = cute.domain_offset((row0, 0), mGU[(None, j, None)])
+            _fetch_rows(self.half, tid, cute.local_tile(src, (self.tile_m, self.half), (0, 2 * n_tile + h)),
+                        bufs[j], rows)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def prefetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor):
+        """Before the mainloop (the buffer is free, the accumulators not yet live): fetch half 0."""
+        self._fetch(sC, tid, row0, rows, n_tile, mGU, 0)
+
+    @cute.jit
+    def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
+            row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor, mGU: cute.Tensor, limit: Float32):
+        shape = (self.tile_m, self.half)
+        bufs = self._bufs(sC)
+        # a (tile_m, tile_n) view whose column c lands on buffer column c % half
+        alias = cute.make_layout((self.tile_m, (self.half, 2)), stride=(self.pitch, (1, 0)))
+        tG = thr_mma.partition_C(cute.make_tensor(bufs[0].iterator, alias))
+        tU = thr_mma.partition_C(cute.make_tensor(bufs[1].iterator, alias))
+        cols = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        copy = _row_copy(self.half)
+        for h in cutlass.range_constexpr(2):
+            if cutlass.const_expr(h == 1):
+                self._fetch(sC, tid, row0, rows, n_tile, mGU, 1)
+            cute.arch.cp_async_wait_group(0)
+            consumer_barrier()
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cutlass.const_expr(i % 16 == 0):
+                    # scheduling fence: stops ptxas hoisting every shared load of the half
+                    # above the math (with 128 accumulators live that spilled)
+                    cute.arch.sync_warp()
+                if cutlass.const_expr(cols[i][1] // self.half == h):
+                    dg, du = self._dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit)
+                    tG[i] = dg.to(cutlass.BFloat16)
+                    tU[i] = du.to(cutlass.BFloat16)
+            consumer_barrier()
+            for j in cutlass.range_constexpr(2):
+                r, coords = _load_rows(copy, tid, bufs[j])
+                dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
+                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
+            consumer_barrier()
+
+    @cute.jit
+    def _dswiglu(self, dh: Float32, g: Float32, u: Float32, limit: Float32):
+        gc = g
+        uc = u
+        if cutlass.const_expr(self.clamp):
+            gc = cutlass.min(g, limit)
+            uc = cutlass.max(cutlass.min(u, limit), -limit)
+        s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gc, fastmath=True))
+        dg = dh * uc * s * (Float32(1.0) + gc * (Float32(1.0) - s))
+        du = dh * (gc * s)
+        if cutlass.const_expr(self.clamp):
+            dg = Float32(cutlass.select_(g > limit, Float32(0.0), dg))
+            du = Float32(cutlass.select_((u < -limit) | (u > limit), Float32(0.0), du))
+        return dg, du
+
+
 class GroupedGemmSm90:
     """Persistent warp-specialized grouped GEMM: mainloop per tile + pluggable epilogue.
 
-    Call (jit): ``(mA [M, K], mB [E, N, K], mOffsets [E+1] int32, mOut0, mOut1, limit,
-    num_ctas, stream)``. plain: ``mOut0`` = out [M, N] (``mOut1`` ignored, pass mOut0);
-    swiglu: ``mOut0`` = gu [M, N], ``mOut1`` = h [M, N/2]. N must be a multiple of tile_n.
+    Call (jit): ``(mA [M, K], mB, mB2, mOffsets [E+1] int32, mOut0, mOut1, limit, num_ctas,
+    stream)``. ``mB``: [E, N, K] (``b_major="k"``) or [E, K1, N] (``"mn"``); ``mB2``: None,
+    or (``split_b``) the [E, K - K1, N] second part of B along K. plain: ``mOut0`` = out
+    [M, N] (``mOut1`` ignored, pass mOut0); swiglu: ``mOut0`` = gu [M, N], ``mOut1`` = h
+    [M, N/2]; dswiglu: ``mOut0`` = dgu, ``mOut1`` = gu, both [M, 2, N]. N must be a multiple
+    of tile_n; K1 of tile_k.
     """
 
-    def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False):
+    def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
+                 split_b: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-        self.cfg = cfg
-        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=cfg.tile_m * cfg.tile_n * 2)
+        if split_b and b_major != MN_MAJOR:
+            raise ValueError("split_b needs b_major='mn'")
+        self.cfg, self.b_major, self.split_b = cfg, b_major, split_b
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
-        else:
+        elif epilogue == "swiglu":
             self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        else:
+            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
+
+    def _nkl(self, mB: cute.Tensor) -> cute.Tensor:
+        """B as (N, K, E) whatever its storage order."""
+        modes = [1, 2, 0] if self.b_major == K_MAJOR else [2, 1, 0]
+        return cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=modes))
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffsets: cute.Tensor, mOut0: cute.Tensor,
-                 mOut1: cute.Tensor, limit: Float32, num_ctas: Int32, stream: cuda.CUstream):
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mOffsets: cute.Tensor,
+                 mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        mB_nkl = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, mB_nkl)
-        c_layout = epi_smem_layout(cutlass.BFloat16, self.cfg.tile_m, self.cfg.tile_n)
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nkl(mB))
+        atom_b2, coord_b2 = None, None
+        if cutlass.const_expr(self.split_b):
+            _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nkl(mB2))
 
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, 2 * ml.stages]
             sA: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut0, mOut1, limit).launch(
+        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, limit).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom,
-               coord_b: cute.Tensor, mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor,
-               limit: Float32):
+               coord_b: cute.Tensor, atom_b2: cute.CopyAtom, coord_b2: cute.Tensor, mOffsets: cute.Tensor,
+               mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
         cfg = self.cfg
         self.mainloop.setup()
-        c_layout = epi_smem_layout(cutlass.BFloat16, cfg.tile_m, cfg.tile_n)
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
+            if cutlass.const_expr(self.split_b):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom_b2)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
         sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
         sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
-        sC = storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
+        sC = self.epi.smem_tensor(storage.sC)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
 
         num_experts = mOffsets.shape[0] - 1
         n_tiles = coord_b.shape[0] // cfg.tile_n
         k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        k_tiles1 = k_tiles
+        if cutlass.const_expr(self.split_b):
+            k_tiles1 = coord_b.shape[1] // cfg.tile_k
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         linear = Int32(bidx)
@@ -199,7 +356,12 @@ class GroupedGemmSm90:
                     _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                     gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
                     gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+                    if cutlass.const_expr(self.split_b):
+                        gB2 = cute.local_tile(coord_b2[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles1,
+                                                        atom_b2, gB2, k_tiles - k_tiles1)
+                    else:
+                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
                     linear = linear + grid
                     expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
                 pipe.producer_tail(state)
@@ -210,11 +372,10 @@ class GroupedGemmSm90:
             state = self.mainloop.consumer_state()
             while expert < num_experts:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
+                    self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
-                acc_to_smem(thr_mma, acc, sC)
-                consumer_barrier()
-                self.epi.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
-                consumer_barrier()
+                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
 
@@ -225,29 +386,36 @@ def _fake_2d(dtype, rows, cols):
                                          assumed_align=16)
 
 
+def _fake_3d(dtype, d0, d1, d2):
+    stride = (cute.sym_int64(divisibility=_VEC), cute.sym_int64(divisibility=_VEC), 1)
+    return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
+
+
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
-                         arch: str = "sm_90a", inspect: bool = False):
+                         b_major: str = K_MAJOR, split_b: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
-    mB = cute.runtime.make_fake_tensor(ab, (e, n, k), stride=(cute.sym_int64(divisibility=_VEC),
-                                                              cute.sym_int64(divisibility=_VEC), 1),
-                                       assumed_align=16)
+    mB2 = None
+    if b_major == K_MAJOR:
+        mB = _fake_3d(ab, e, n, k)
+    else:
+        mB = _fake_3d(ab, e, cute.sym_int(divisibility=_VEC), n)
+        if split_b:
+            mB2 = _fake_3d(ab, e, cute.sym_int(divisibility=_VEC), n)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    out0 = _fake_2d(cutlass.BFloat16, m, n)
+    out0 = out1 = _fake_2d(cutlass.BFloat16, m, n)
     if epilogue == "swiglu":  # gu as [M, 2, I], h as [M, I]
         inter = cute.sym_int(divisibility=_VEC)
-        out0 = cute.runtime.make_fake_tensor(cutlass.BFloat16, (m, 2, inter), assumed_align=16, stride=(
-            cute.sym_int64(divisibility=_VEC), cute.sym_int64(divisibility=_VEC), 1))
-        out1 = _fake_2d(cutlass.BFloat16, m, inter)
-    else:
-        out1 = out0
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, inter), _fake_2d(cutlass.BFloat16, m, inter)
+    elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, n), _fake_3d(cutlass.BFloat16, m, 2, n)
     stream = cute.runtime.make_fake_stream()
-    return compile_kernel(op, mA, mB, offs, out0, out1, Float32(0.0), Int32(1), stream,
+    return compile_kernel(op, mA, mB, mB2, offs, out0, out1, Float32(0.0), Int32(1), stream,
                           arch=arch, inspect=inspect)
 
 
@@ -313,22 +481,43 @@ def _cute_tensor(t, align=16):
     return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int):
+def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
+            b_major: str = K_MAJOR, w2=None):
+    """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
+    the N extent tiled by ``cfg.tile_n``."""
     arch = arch_of_device(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
-    compiled = compile_cached(("sm90_grouped_gemm", arch, epilogue, clamp, cfg.key()),
-                              lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, arch=arch)[0])
-    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if dev not in _sm_count:
-        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    split_b = w2 is not None
+    compiled = compile_cached(
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
+        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_b=split_b,
+                                     arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
-    num_ctas = max(1, min(_sm_count[dev], tiles_bound))
+    num_ctas = max(1, min(sm_count(a.device), tiles_bound))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    compiled(_cute_tensor(a), _cute_tensor(w), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0),
-             _cute_tensor(out1), Float32(limit), Int32(num_ctas), stream)
+    compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
+             _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
+             Int32(num_ctas), stream)
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _sm_count:
+        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _sm_count[dev]
+
+
+def _check_limit(limit):
+    """``limit``: None (no clamp) or a finite float > 0."""
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"limit must be finite and > 0, got {limit}")
 
 
 def _check_out(name, t, shape, device):
@@ -373,11 +562,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     inter = w_gate.shape[1]
     if inter % (cfg.tile_n // 2):
         raise ValueError(f"w_gate: I={inter} must be a multiple of tile_n/2={cfg.tile_n // 2}")
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-            raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
-        if not (math.isfinite(limit) and limit > 0):
-            raise ValueError(f"limit must be finite and > 0, got {limit}")
+    _check_limit(limit)
     gu, h = (None, None) if out is None else out
     gu = _check_out("gu", gu, (m, 2 * inter), x.device)
     h = _check_out("h", h, (m, inter), x.device)

@@ -16,9 +16,13 @@ megakernel) picks the tile coordinates and the epilogue:
 * :func:`acc_to_smem` converts the accumulators and stages the whole tile in shared memory,
   where a pluggable epilogue reads it back (see ``sm90_grouped_gemm``).
 
-A and B are K-major: A tile ``(tile_m, tile_k)`` rows of a [M, K] tensor, B tile
-``(tile_n, tile_k)`` rows of a [N, K] tensor; the tile is ``A @ B^T``. The producer and
-consumers must walk the same tile sequence (each reads the same pipeline in order).
+Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
+K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:
+a [K, M] / [K, N] tensor seen transposed), chosen per operand (``a_major``/``b_major``,
+:data:`K_MAJOR` or :data:`MN_MAJOR`). MN-major operands get MN-contiguous swizzled shared
+layouts that wgmma reads directly (BF16/FP16 only), so no transpose copy is ever made.
+The producer and consumers must walk the same tile sequence (each reads the same pipeline
+in order).
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ NUM_CONSUMER_THREADS = THREADS_PER_WG * NUM_CONSUMER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 _BARRIER_BYTES = 1024  # mbarriers and struct padding
+K_MAJOR = "k"
+MN_MAJOR = "mn"
+_LAYOUT = {K_MAJOR: LayoutEnum.ROW_MAJOR, MN_MAJOR: LayoutEnum.COL_MAJOR}
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,18 @@ class Sm90Mainloop:
     """Layouts, TMA atoms, pipeline and per-tile device loops for one :class:`MainloopConfig`.
 
     Construct on the host; call :meth:`setup` inside the ``@cute.jit`` launcher (it builds
-    MLIR layouts). ``epi_smem_bytes`` is what the epilogue needs beside the ring.
+    MLIR layouts). ``epi_smem_bytes`` is what the epilogue needs beside the ring;
+    ``a_major``/``b_major`` (:data:`K_MAJOR` or :data:`MN_MAJOR`) say which of A's (M, K)
+    and B's (N, K) modes is contiguous in global memory.
     """
 
-    def __init__(self, cfg: MainloopConfig, epi_smem_bytes: int):
+    def __init__(self, cfg: MainloopConfig, epi_smem_bytes: int, a_major: str = K_MAJOR, b_major: str = K_MAJOR):
         cfg.validate()
+        for name, major in (("a_major", a_major), ("b_major", b_major)):
+            if major not in _LAYOUT:
+                raise ValueError(f"{name} must be {K_MAJOR!r} or {MN_MAJOR!r}, got {major!r}")
         self.cfg = cfg
+        self.a_layout, self.b_layout = _LAYOUT[a_major], _LAYOUT[b_major]
         self.stages = cfg.num_stages(epi_smem_bytes)
         if self.stages < 2:
             raise ValueError(f"only {self.stages} pipeline stage(s) fit in shared memory")
@@ -109,14 +122,15 @@ class Sm90Mainloop:
         """Build the tiled MMA and the staged shared-memory layouts (call inside jit)."""
         cfg = self.cfg
         self.tiled_mma = sm90.make_trivial_tiled_mma(
-            cfg.ab_dtype, cfg.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cfg.ab_dtype, cfg.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cfg.tile_n))
-        self.a_smem_staged = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, cfg.ab_dtype, self.stages)
-        self.b_smem_staged = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, cfg.ab_dtype, self.stages)
+        self.a_smem_staged = sm90.make_smem_layout_a(self.a_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
+        self.b_smem_staged = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
         self.tx_bytes = cfg.stage_bytes()
 
     def make_tma(self, mA: cute.Tensor, mB: cute.Tensor):
-        """TMA load atoms for A ([M, K], K-major) and B ([N, K, L], K-major).
+        """TMA load atoms for A (M, K, ...) and B (N, K, ...) with the declared majorness
+        (extra modes, e.g. an expert mode L, are addressed by the coordinate tensors).
 
         Returns ``(atom_a, coord_a, atom_b, coord_b)``; the coordinate tensors are what
         the producer tiles (``domain_offset`` them for per-group row starts).
@@ -150,11 +164,14 @@ class Sm90Mainloop:
 
     @cute.jit
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
-                  atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32):
+                  atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
+                  atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
-        ``gA``: TMA coordinates (tile_m, tile_k, k_tiles); ``gB``: (tile_n, tile_k, k_tiles);
-        ``sA``/``sB``: the staged ring tensors.
+        ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ k_tiles2]); ``gB``: (tile_n, tile_k,
+        k_tiles); ``sA``/``sB``: the staged ring tensors. With ``atom_b2``/``gB2`` the B
+        operand is the concatenation along K of two tensors: k-tiles ``k_tiles ..
+        k_tiles + k_tiles2 - 1`` of A pair with k-tiles ``0 .. k_tiles2 - 1`` of ``gB2``.
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -167,6 +184,16 @@ class Sm90Mainloop:
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
+        if cutlass.const_expr(gB2 is not None):
+            _, tBgB2 = cpasync.tma_partition(atom_b2, 0, cute.make_layout(1),
+                                             cute.group_modes(sB, 0, 2), cute.group_modes(gB2, 0, 2))
+            for k in cutlass.range(k_tiles2, unroll=1):
+                pipe.producer_acquire(state)
+                bar = pipe.producer_get_barrier(state)
+                cute.copy(atom_a, tAgA[(None, k_tiles + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(atom_b2, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                pipe.producer_commit(state)
+                state.advance()
         return state
 
     def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):

@@ -7,6 +7,14 @@ the expert whose tile range holds it. CTA ``c`` of ``num_ctas`` runs tiles
 ``c, c + num_ctas, c + 2 * num_ctas, ...`` until the space is exhausted, so no SM idles
 while another expert still has tiles (one hot expert is spread over all CTAs).
 
+Weight-gradient schedule (K = an expert's tokens): every expert owns the same
+``m_tiles * n_tiles`` output tiles whatever its token count (an expert with no tokens
+still has tiles: they are written as zeros). Linear tile ``t`` is expert
+``t // (m_tiles * n_tiles)``, m-tile fastest inside it; CTAs stride over all tiles the
+same way (:func:`wgrad_tile`, mirror :func:`wgrad_cta_tiles`). Consecutive CTAs share an
+expert's token panel, and every CTA samples every expert, so one hot expert does not
+leave SMs idle.
+
 Device side: the cursor ``(expert, base)`` — the expert being scanned and the linear index
 of its first tile — only moves forward, so a CTA scans the offsets once in total
 (O(E + tiles) per CTA), with no host sync and no dependence on token counts at compile
@@ -67,6 +75,16 @@ def _coords(offs, tile_m, linear, expert, base):
     return expert, m_tile, n_tile, row0, min(tile_m, offs[expert + 1] - row0)
 
 
+def wgrad_cta_tiles(num_experts: int, m_tiles: int, n_tiles: int, cta: int, num_ctas: int) -> list[tuple[int, int, int]]:
+    """Mirror of the weight-gradient walk for one CTA: ``[(expert, m_tile, n_tile)]``."""
+    per_expert = m_tiles * n_tiles
+    out = []
+    for linear in range(cta, num_experts * per_expert, num_ctas):
+        local = linear % per_expert
+        out.append((linear // per_expert, local % m_tiles, local // m_tiles))
+    return out
+
+
 # ---------------------------------------------------------------- device functions
 @cute.jit
 def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n_tiles: Int32,
@@ -108,3 +126,11 @@ def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: In
     row0 = lo + m_tile * tile_m
     rows = cutlass.min(hi - row0, tile_m)
     return m_tile, n_tile, row0, rows
+
+
+@cute.jit
+def wgrad_tile(linear: Int32, m_tiles: Int32, n_tiles: Int32):
+    """``(expert, m_tile, n_tile)`` of linear weight-gradient tile ``linear`` (see module doc)."""
+    per_expert = m_tiles * n_tiles
+    local = linear % per_expert
+    return linear // per_expert, local % m_tiles, local // m_tiles

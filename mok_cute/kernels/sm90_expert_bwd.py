@@ -1,0 +1,313 @@
+"""Hopper (sm_90a) backward GEMMs of the BF16 expert MLP, on the one warp-specialized mainloop.
+
+Contracts (numerics of :mod:`mok_cute.reference`; FP32 accumulation, fixed summation order,
+so every call is bitwise reproducible; offsets int32/int64 [E+1] on the device, trusted):
+
+* :func:`grouped_dswiglu_dgrad` — dgrad of GEMM2 with fused dSwiGLU: dh = dy_e . W_down_e
+  (B = W_down [E, H, I] read as (K=H, N=I), N-contiguous, no transpose copy), dh stays FP32
+  and meets g, u from gu in the epilogue (``GroupedGemmSm90`` epilogue ``dswiglu``).
+* :func:`grouped_dgrad1` — dgrad of GEMM1: dx = bf16(dgu_e . [Wg_e; Wu_e]), one FP32
+  accumulator over K = 2I; B is Wg [E, I, H] then Wu [E, I, H], each with its own TMA
+  descriptor, switched at k = I (no concatenated copy).
+* :func:`grouped_wgrad` — dW_e = bf16(A_e^T . B_e), K = expert e's tokens (any count).
+  Both operands are token-row-major, i.e. MN-major with K = rows. One CTA owns a whole
+  output tile and sums its tokens in order: no split-K, no atomics.
+
+Weight-gradient K extent (tokens of one expert). A plain TMA view of A [M, Na] would read
+the next expert's rows as the tail of an expert's last k-tile (they are in bounds), so the
+tail must be cut per expert. We use a ragged TMA view (the wrap-around trick of Triton's
+``ragged_tma`` / quack's varlen-K): the token mode gets the fixed extent ``R = 2^30``
+and two extra modes of extent ``2^31 - 1`` with element strides ``2^34 - s`` and ``s``
+(``s`` = row stride). Expert e (rows ``o .. o + L``) is addressed at token coordinate
+``R - L + k`` and extra coordinates ``(R, o + L)``: the address is
+``base + (R - L + k) s + R (2^34 - s) + (o + L) s = base + (o + k) s + 2^64`` (in
+elements; x2 in bytes, likewise a multiple of 2^64), i.e. row o + k modulo 2^64, while the
+bounds check ``R - L + k < R`` zero-fills exactly the rows ``k >= L``. So every k-tile is a
+plain TMA load, rows past the expert read as zeros and nothing outside the expert (nor
+past M) is ever read. An expert without tokens still runs one k-tile, which is entirely
+out of bounds: both operands are zero-filled and the tile is an exact +0 (no special
+case in the mainloop). Requirements: row strides multiples of 8 elements (TMA: 16-byte
+strides), pointers 16-byte aligned, M < 2^31.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64
+
+from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.sm90_grouped_gemm import (
+    _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
+    _cute_tensor, _fake_2d, _fake_3d, _launch, sm_count,
+)
+from mok_cute.kernels.sm90_mainloop import (
+    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+)
+from mok_cute.schedule.group_tiles import wgrad_tile
+
+_RAGGED = 2 ** 30  # fixed extent of the ragged token mode
+_EXTRA = 2 ** 31 - 1  # extent of the two address-selecting modes
+_WRAP = 2 ** 34  # _RAGGED * _WRAP = 2^64
+
+
+def _ragged_k(t: cute.Tensor) -> cute.Tensor:
+    """(N, K) tensor with strides (1, s) -> (N, R, X, X) ragged view (see module doc)."""
+    s = Int64(t.stride[1])
+    layout = cute.make_layout((t.shape[0], _RAGGED, _EXTRA, _EXTRA), stride=(1, s, Int64(_WRAP) - s, s))
+    return cute.make_tensor(t.iterator, layout)
+
+
+@cute.jit
+def _expert_k(coord: cute.Tensor, lo: Int32, length: Int32) -> cute.Tensor:
+    """(N, K) TMA coordinates of one expert's rows ``lo .. lo + length`` (K tail zero-filled)."""
+    return cute.domain_offset((None, _RAGGED - length), coord[(None, None, _RAGGED, lo + length)])
+
+
+class GroupedWgradSm90:
+    """Persistent warp-specialized weight-gradient GEMM over experts (both operands MN-major).
+
+    Call (jit): ``(mA [M, Na], mB [M, Nb], mOffsets [E+1] int32, mOut [E, Na, Nb], num_ctas,
+    stream)``; out[e] = bf16(A_e^T . B_e). Nb must be a multiple of tile_n; rows of a tile
+    past Na are masked.
+    """
+
+    def __init__(self, cfg: MainloopConfig):
+        self.cfg = cfg
+        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, a_major=MN_MAJOR,
+                                     b_major=MN_MAJOR)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor,
+                 num_ctas: Int32, stream: cuda.CUstream):
+        ml = self.mainloop
+        ml.setup()
+        a_mk = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 0]))
+        b_nk = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(a_mk), _ragged_k(b_nk))
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * ml.stages]
+            sA: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+               mOffsets: cute.Tensor, mOut: cute.Tensor):
+        cfg = self.cfg
+        self.mainloop.setup()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
+        sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
+        sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
+        sC = self.epi.smem_tensor(storage.sC)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
+
+        num_experts = mOffsets.shape[0] - 1
+        na = coord_a.shape[0]
+        m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        total = num_experts * m_tiles * n_tiles
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        linear = Int32(bidx)
+
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                state = self.mainloop.producer_state()
+                while linear < total:
+                    expert, m_tile, n_tile = wgrad_tile(linear, m_tiles, n_tiles)
+                    lo = mOffsets[expert]
+                    length = mOffsets[expert + 1] - lo
+                    k_tiles = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+                    gA = cute.local_tile(_expert_k(coord_a, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
+                    gB = cute.local_tile(_expert_k(coord_b, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+                    linear = linear + grid
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            tid = tidx - THREADS_PER_WG
+            thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
+            state = self.mainloop.consumer_state()
+            while linear < total:
+                expert, m_tile, n_tile = wgrad_tile(linear, m_tiles, n_tiles)
+                length = mOffsets[expert + 1] - mOffsets[expert]
+                k_tiles = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+                state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+                row0 = m_tile * cfg.tile_m
+                out_e = mOut[(expert, None, None)]
+                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, cutlass.min(na - row0, cfg.tile_m),
+                             n_tile, out_e, out_e, Float32(0.0))
+                linear = linear + grid
+
+
+# ---------------------------------------------------------------- compile
+def compile_grouped_wgrad(*, cfg: MainloopConfig = MainloopConfig(), arch: str = "sm_90a", inspect: bool = False):
+    """Compile the weight-gradient kernel with symbolic M, Na, Nb, E and row strides;
+    returns ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 grouped wgrad needs arch sm_90a, got {arch!r}")
+    op = GroupedWgradSm90(cfg)
+    m = cute.sym_int()
+    mA = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=_VEC))
+    mB = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=_VEC))
+    offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    out = _fake_3d(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int())
+    return compile_kernel(op, mA, mB, offs, out, Int32(1), cute.runtime.make_fake_stream(), arch=arch,
+                          inspect=inspect)
+
+
+# ---------------------------------------------------------------- host wrappers
+def _check_offsets(offsets):
+    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
+    if offsets.numel() < 2:
+        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
+    return offsets.numel() - 1
+
+
+def _check_rows(name, t, k_name="K"):
+    """A row-major [M, K] bf16 operand (contiguous, 16-byte aligned, K a positive multiple of 8)."""
+    _check_tensor(name, t, 2, (torch.bfloat16,))
+    if t.shape[1] % _VEC or t.shape[1] == 0:
+        raise ValueError(f"{name}: {k_name}={t.shape[1]} must be a positive multiple of {_VEC}")
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous (row-major) and 16-byte aligned")
+
+
+def _check_weight(name, w, shape):
+    _check_tensor(name, w, 3, (torch.bfloat16,))
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(w.shape)}")
+    if not w.is_contiguous() or w.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+
+
+def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """dgu [M, 2I] bf16 = bf16([dg | du]) with dh = dy_e . w_down[e] (FP32, never rounded) and
+    the dSwiGLU of :func:`mok_cute.reference.dswiglu` at the bf16 g = gu[:, :I], u = gu[:, I:]
+    (clamp ``limit`` as in the forward; clamped inputs get zero gradient).
+
+    dy [M, H] bf16 contiguous (routed rows, already scaled by topk_w); w_down [E, H, I] bf16
+    contiguous (read N-major in place); gu [M, 2I] bf16 contiguous; I a multiple of
+    ``cfg.tile_n``; ``out``: optional preallocated dgu (every row is written).
+    """
+    _check_rows("dy", dy, "H")
+    e = _check_offsets(offsets)
+    m, hid = dy.shape
+    _check_tensor("w_down", w_down, 3, (torch.bfloat16,))
+    inter = w_down.shape[2]
+    _check_weight("w_down", w_down, (e, hid, inter))
+    if inter % cfg.tile_n or inter == 0:
+        raise ValueError(f"w_down: I={inter} must be a positive multiple of tile_n={cfg.tile_n}")
+    _check_rows("gu", gu)
+    if tuple(gu.shape) != (m, 2 * inter):
+        raise ValueError(f"gu must have shape {(m, 2 * inter)}, got {tuple(gu.shape)}")
+    _check_limit(limit)
+    out = _check_out("out", out, (m, 2 * inter), dy.device)
+    _check_devices(dy=dy, offsets=offsets, w_down=w_down, gu=gu, out=out)
+    if m:
+        _launch("dswiglu", limit is not None, cfg, dy, w_down, offsets, out.view(m, 2, inter),
+                gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter, b_major=MN_MAJOR)
+    return out
+
+
+def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """dx [M, H] bf16 = bf16(dgu_e . [w_gate[e]; w_up[e]]): one FP32 sum over K = 2I
+    (gate rows first, then up rows).
+
+    dgu [M, 2I] bf16 contiguous; w_gate, w_up [E, I, H] bf16 contiguous (two separate
+    tensors or two halves of one [E, 2I, H]; read N-major in place); I a multiple of
+    ``cfg.tile_k``, H a multiple of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
+    """
+    _check_rows("dgu", dgu)
+    e = _check_offsets(offsets)
+    m, two_i = dgu.shape
+    _check_tensor("w_gate", w_gate, 3, (torch.bfloat16,))
+    hid = w_gate.shape[2]
+    _check_weight("w_gate", w_gate, (e, two_i // 2, hid))
+    _check_weight("w_up", w_up, (e, two_i // 2, hid))
+    if two_i % (2 * cfg.tile_k):
+        raise ValueError(f"dgu: 2I={two_i} must be a multiple of 2 * tile_k={2 * cfg.tile_k}")
+    if hid % cfg.tile_n or hid == 0:
+        raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
+    out = _check_out("out", out, (m, hid), dgu.device)
+    _check_devices(dgu=dgu, offsets=offsets, w_gate=w_gate, w_up=w_up, out=out)
+    if m:
+        _launch("plain", False, cfg, dgu, w_gate, offsets, out, out, 0.0, hid, b_major=MN_MAJOR, w2=w_up)
+    return out
+
+
+def _check_token_operand(name, t, m):
+    """[M, N] bf16 with unit column stride, row stride a multiple of 8, 16-byte aligned
+    (a column slice of a wider row-major tensor is fine)."""
+    _check_tensor(name, t, 2, (torch.bfloat16,))
+    if t.shape[0] != m:
+        raise ValueError(f"{name} must have {m} rows (as a), got {t.shape[0]}")
+    if t.shape[1] % _VEC or t.shape[1] == 0:
+        raise ValueError(f"{name}: columns={t.shape[1]} must be a positive multiple of {_VEC}")
+    if t.stride(1) != 1 or t.stride(0) % _VEC or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be row-major with unit column stride, a row stride that is a multiple "
+                         f"of {_VEC} and 16-byte alignment, got strides {t.stride()}")
+
+
+def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """dW [E, Na, Nb] bf16: dW[e] = bf16(a_e^T . b_e) over expert e's rows
+    offsets[e]..offsets[e+1], tokens summed in order in FP32 (bitwise reproducible);
+    experts without rows get zeros.
+
+    a [M, Na], b [M, Nb] bf16, row-major with unit column stride (column slices such as
+    ``dgu[:, :I]`` are read in place); Na a multiple of 8, Nb a multiple of ``cfg.tile_n``;
+    ``out``: optional preallocated contiguous [E, Na, Nb].
+    """
+    _check_tensor("a", a, 2, (torch.bfloat16,))
+    m = a.shape[0]
+    _check_token_operand("a", a, m)
+    _check_token_operand("b", b, m)
+    e = _check_offsets(offsets)
+    na, nb = a.shape[1], b.shape[1]
+    if nb % cfg.tile_n:
+        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={cfg.tile_n}")
+    if m >= 2 ** 31:
+        raise ValueError(f"a: M={m} rows must be < 2^31")
+    if out is None:
+        out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
+    else:
+        _check_tensor("out", out, 3, (torch.bfloat16,))
+        if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
+    _check_devices(a=a, b=b, offsets=offsets, out=out)
+    arch = arch_of_device(a.device)
+    if arch != "sm_90a":
+        raise ValueError(f"a: the SM90 grouped wgrad needs an sm_90a device, got {arch}")
+    if m == 0:
+        return out.zero_()
+    compiled = compile_cached(("sm90_grouped_wgrad", arch, cfg.key()),
+                              lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
+    tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
+    num_ctas = max(1, min(sm_count(a.device), tiles))
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    compiled(_cute_tensor(a), _cute_tensor(b), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out),
+             Int32(num_ctas), stream)
+    return out
