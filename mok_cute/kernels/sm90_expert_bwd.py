@@ -196,11 +196,14 @@ def _check_rows(name, t, k_name="K"):
 
 
 def _check_weight(name, w, shape):
+    """[E, R, C] bf16 with unit column stride, other strides multiples of 8 elements, 16-byte
+    aligned (contiguous, or e.g. one half of a stacked [E, 2R, C] tensor)."""
     _check_tensor(name, w, 3, (torch.bfloat16,))
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(w.shape)}")
-    if not w.is_contiguous() or w.data_ptr() % 16:
-        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+    if w.stride(2) != 1 or w.stride(1) % _VEC or w.stride(0) % _VEC or w.data_ptr() % 16:
+        raise ValueError(f"{name} must have unit last stride, other strides multiples of {_VEC} and 16-byte "
+                         f"alignment, got strides {w.stride()}")
 
 
 def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
@@ -209,7 +212,7 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg:
     (clamp ``limit`` as in the forward; clamped inputs get zero gradient).
 
     dy [M, H] bf16 contiguous (routed rows, already scaled by topk_w); w_down [E, H, I] bf16
-    contiguous (read N-major in place); gu [M, 2I] bf16 contiguous; I a multiple of
+    with unit last stride (read N-major in place); gu [M, 2I] bf16 contiguous; I a multiple of
     ``cfg.tile_n``; ``out``: optional preallocated dgu (every row is written).
     """
     _check_rows("dy", dy, "H")
@@ -236,8 +239,9 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, out=None, cfg: MainloopConfig 
     """dx [M, H] bf16 = bf16(dgu_e . [w_gate[e]; w_up[e]]): one FP32 sum over K = 2I
     (gate rows first, then up rows).
 
-    dgu [M, 2I] bf16 contiguous; w_gate, w_up [E, I, H] bf16 contiguous (two separate
-    tensors or two halves of one [E, 2I, H]; read N-major in place); I a multiple of
+    dgu [M, 2I] bf16 contiguous; w_gate, w_up [E, I, H] bf16 with unit last stride (two
+    separate tensors, or the halves ``w[:, :I]``, ``w[:, I:]`` of one stacked [E, 2I, H];
+    read N-major in place, each through its own TMA descriptor); I a multiple of
     ``cfg.tile_k``, H a multiple of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
     """
     _check_rows("dgu", dgu)

@@ -1,11 +1,17 @@
-"""Device check: SM90 grouped expert GEMMs (plain, GEMM1+SwiGLU) vs mok_cute.reference.
+"""Device check: SM90 grouped expert GEMMs vs mok_cute.reference (functions of the same names).
 
+Forward: plain, GEMM1+SwiGLU. Backward (mok_cute.kernels.sm90_expert_bwd): GEMM2 dgrad with
+fused dSwiGLU, GEMM1 dgrad (B split along K), grouped wgrad (K = tokens, ragged TMA;
+column-slice operands as used for dWg / dWu).
 Per kernel and routing (uniform / skewed: one expert with most rows, empty experts, counts
-not multiples of the 128-row tile): fresh random inputs (weights randn * fan_in^-0.5),
-outputs poisoned with NaN before the launch (catches unwritten rows), max-abs and rel-L1
-against the reference computed on the GPU (tolerance: rel-L1 <= 1e-2, finite), and
-bitwise equality over 5 repeats. Then one big shape is timed (TFLOP/s in the note) and the
-compile cache is checked to grow only per kernel variant, never per token count.
+not multiples of the 128-row / 64-token tiles): fresh random inputs (weights randn *
+fan_in^-0.5), outputs poisoned with NaN before the launch (catches unwritten rows), max-abs
+and rel-L1 against the reference computed on the GPU (tolerance: rel-L1 <= 1e-2, finite),
+and bitwise equality over 5 repeats. Wgrad also checks exact zeros for empty experts and
+that an expert's K tail never reads the next expert's rows (a NaN planted in the first row
+of one expert must not reach any other expert). Then one big shape (8 experts x 4096
+rows, H=7168, I=2048) is timed per kernel (TFLOP/s in the note) and the compile cache is
+checked to grow only per kernel variant, never per token count.
 """
 from __future__ import annotations
 
@@ -96,18 +102,109 @@ def _check_swiglu(gg, ref, dev, gen, routing, limit):
                 f"h-vs-own-gu relL1={rel_own:.1e} M={m}")
 
 
-def _check_zero_rows(gg, dev):
+def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
+    counts = _counts(routing, 3000, gen)
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    dy = (torch.randn(m, H, device=dev) * 0.1).bfloat16()
+    wd = (torch.randn(E, H, INTER, device=dev) * H ** -0.5).bfloat16()
+    gu = (torch.randn(m, 2 * INTER, device=dev) * 3).bfloat16()  # |.| > 4 often: clamps engage
+    want = ref.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=limit)
+    outs = []
+    for _ in range(REPEATS):
+        (out,) = _poisoned((m, 2 * INTER), device=dev)
+        outs.append(bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=limit, out=out))
+    torch.cuda.synchronize()
+    same = all(torch.equal(outs[0], o) for o in outs[1:])
+    return _row(f"dswiglu dgrad {routing} L={limit}", [outs[0]], [want], same, f"M={m}")
+
+
+def _check_dgrad1(bwd, ref, dev, gen, routing):
+    counts = _counts(routing, 3000, gen)
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    dgu = (torch.randn(m, 2 * INTER, device=dev) * 0.1).bfloat16()
+    w_gu = (torch.randn(E, 2 * INTER, H, device=dev) * (2 * INTER) ** -0.5).bfloat16()
+    wg, wu = w_gu[:, :INTER], w_gu[:, INTER:]  # two halves of one stacked tensor
+    wg2, wu2 = wg.contiguous(), wu.contiguous()  # and two separate tensors
+    want = ref.grouped_dgrad1(dgu, offs, wg2, wu2)
+    outs = []
+    for i in range(REPEATS):
+        (out,) = _poisoned((m, H), device=dev)
+        outs.append(bwd.grouped_dgrad1(dgu, offs, *((wg, wu) if i % 2 else (wg2, wu2)), out=out))
+    torch.cuda.synchronize()
+    same = all(torch.equal(outs[0], o) for o in outs[1:])
+    return _row(f"dgrad1 {routing}", [outs[0]], [want], same, f"M={m} (stacked and separate weights)")
+
+
+def _check_wgrad(bwd, ref, dev, gen, routing, sliced):
+    counts = _counts(routing, 3000, gen)
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    if sliced:  # dWg = wgrad(dgu[:, :I], x): A is a column slice with row stride 2I
+        dgu = torch.randn(m, 2 * INTER, device=dev).bfloat16()
+        a, b, name = dgu[:, :INTER], torch.randn(m, H, device=dev).bfloat16(), "wgrad dWg-like (slice)"
+    else:  # dWd = wgrad(dy, h)
+        a, b, name = torch.randn(m, H, device=dev).bfloat16(), torch.randn(m, INTER, device=dev).bfloat16(), \
+            "wgrad dWd-like"
+    want = ref.grouped_wgrad(a, b, offs)
+    outs = []
+    for _ in range(REPEATS):
+        (out,) = _poisoned((E, a.shape[1], b.shape[1]), device=dev)
+        outs.append(bwd.grouped_wgrad(a, b, offs, out=out))
+    torch.cuda.synchronize()
+    same = all(torch.equal(outs[0], o) for o in outs[1:])
+    empty = [e for e, c in enumerate(counts) if c == 0]
+    zeros_ok = all(bool((outs[0][e] == 0).all()) for e in empty)
+    row = _row(f"{name} {routing}", [outs[0]], [want], same, f"M={m} empty={empty} zeros_ok={zeros_ok}")
+    row.ok = row.ok and zeros_ok
+    return row
+
+
+def _check_wgrad_isolation(bwd, dev):
+    """A NaN in the first row of expert p stays in dW[p]: the K tail of expert p-1 (count
+    not a multiple of 64) must be zero-filled, not read from expert p's rows."""
+    counts = [100, 37, 0, 300, 1, 65, 250, 5]
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    a = torch.randn(m, INTER, device=dev).bfloat16()
+    b = torch.randn(m, 256, device=dev).bfloat16()
+    poisoned = [1, 3, 5, 6]  # each follows an expert whose count is not a multiple of 64 (or 0)
+    for p in poisoned:
+        a[sum(counts[:p])] = float("nan")
+    out = bwd.grouped_wgrad(a, b, offs)
+    torch.cuda.synchronize()
+    clean = [e for e in range(E) if e not in poisoned]
+    ok = all(bool(torch.isfinite(out[e]).all()) for e in clean) and all(bool(out[p].isnan().any()) for p in poisoned)
+    return Row("wgrad K tail isolation (NaN rows)", ok=ok, note=f"counts={counts} NaN row in experts {poisoned}")
+
+
+def _guarded(name, fn, *args):
+    """Run one check; a crash becomes a failed row so the other checks still report."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        return Row(f"{name}: crashed", ok=False, note=f"{type(exc).__name__}: {exc}"[:160])
+
+
+def _check_zero_rows(gg, bwd, dev):
     offs = torch.zeros(E + 1, dtype=torch.int32, device=dev)
     a = torch.zeros(0, INTER, dtype=torch.bfloat16, device=dev)
     w = torch.zeros(E, H, INTER, dtype=torch.bfloat16, device=dev)
     out = gg.grouped_gemm(a, offs, w)
     gu, h = gg.grouped_gemm1_swiglu(torch.zeros(0, H, dtype=torch.bfloat16, device=dev), offs,
                                     w.new_zeros(E, INTER, H), w.new_zeros(E, INTER, H))
-    ok = out.shape == (0, H) and gu.shape == (0, 2 * INTER) and h.shape == (0, INTER)
-    return Row("zero total rows", ok=ok)
+    dy = torch.zeros(0, H, dtype=torch.bfloat16, device=dev)
+    dgu = bwd.grouped_dswiglu_dgrad(dy, offs, w, gu, limit=4.0)
+    dx = bwd.grouped_dgrad1(dgu, offs, w.new_zeros(E, INTER, H), w.new_zeros(E, INTER, H))
+    dw = bwd.grouped_wgrad(dy, a, offs, out=torch.full((E, H, INTER), float("nan"), dtype=torch.bfloat16,
+                                                         device=dev))
+    ok = (out.shape == (0, H) and gu.shape == (0, 2 * INTER) and h.shape == (0, INTER)
+          and dgu.shape == (0, 2 * INTER) and dx.shape == (0, H) and bool((dw == 0).all()))
+    return Row("zero total rows (fwd + bwd)", ok=ok)
 
 
-def _bench(gg, dev):
+def _bench(gg, bwd, dev):
     e, rows, hid, inter = 8, 4096, 7168, 2048
     m = e * rows
     offs = _offsets([rows] * e, dev)
@@ -117,6 +214,9 @@ def _bench(gg, dev):
     wd = (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).bfloat16()
     w1 = gg.interleave_gate_up(wg, wu)
     h = torch.randn(m, inter, device=dev).bfloat16()
+    dy = torch.randn(m, hid, device=dev).bfloat16()
+    gu = torch.randn(m, 2 * inter, device=dev).bfloat16()
+    dgu = torch.randn(m, 2 * inter, device=dev).bfloat16()
     rows_out = []
     flops1 = 2.0 * m * hid * 2 * inter
     flops2 = 2.0 * m * inter * hid
@@ -124,6 +224,10 @@ def _bench(gg, dev):
         ("bench gemm1 mainloop (plain, w_gu)", lambda: gg.grouped_gemm(x, offs, w1), flops1),
         ("bench gemm1+swiglu (incl interleave)", lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0), flops1),
         ("bench gemm2 plain", lambda: gg.grouped_gemm(h, offs, wd), flops2),
+        ("bench dgrad2+dswiglu L=4", lambda: bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=4.0), flops2),
+        ("bench dgrad1 (K=2I, split B)", lambda: bwd.grouped_dgrad1(dgu, offs, wg, wu), flops1),
+        ("bench wgrad dWd = wgrad(dy, h)", lambda: bwd.grouped_wgrad(dy, h, offs), flops2),
+        ("bench wgrad dWg = wgrad(dgu[:, :I], x)", lambda: bwd.grouped_wgrad(dgu[:, :inter], x, offs), flops2),
     ]:
         t = bench_us(fn)
         rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s ({e}x{rows} rows, H={hid}, I={inter})"))
@@ -134,6 +238,7 @@ def run(ctx) -> list[Row]:
     if torch.cuda.get_device_capability(ctx.device) != (9, 0):
         return [Row("gemm_sm90: skipped", ok=True, note=f"needs sm_90, have {ctx.device_name}")]
     from mok_cute import reference as ref  # noqa: PLC0415 (lazy: written in parallel)
+    from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
     from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
     from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
 
@@ -146,10 +251,19 @@ def run(ctx) -> list[Row]:
         for limit in (None, 4.0):
             rows.append(_check_swiglu(gg, ref, dev, gen, routing, limit))
     rows.append(_check_plain(gg, ref, dev, gen, "skewed", torch.int64))
+    for routing in ("uniform", "skewed"):
+        for limit in (None, 4.0):
+            rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, routing, limit))
+        rows.append(_guarded("dgrad1", _check_dgrad1, bwd, ref, dev, gen, routing))
+        for sliced in (False, True):
+            rows.append(_guarded("wgrad", _check_wgrad, bwd, ref, dev, gen, routing, sliced))
+    rows.append(_guarded("wgrad isolation", _check_wgrad_isolation, bwd, dev))
     compiles = cache_stats()["compiles"]
     rows.append(_check_swiglu(gg, ref, dev, gen, "skewed", 1.5))  # new counts, new limit
-    rows.append(_check_zero_rows(gg, dev))
+    rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 1.5))
+    rows.append(_guarded("wgrad", _check_wgrad, bwd, ref, dev, gen, "skewed", True))
+    rows.append(_check_zero_rows(gg, bwd, dev))
     recompiled = cache_stats()["compiles"] - compiles
     rows.append(Row("no recompile for new counts/limit", ok=recompiled == 0, note=f"{recompiled} new compiles"))
-    rows += _bench(gg, dev)
+    rows += _bench(gg, bwd, dev)
     return rows
