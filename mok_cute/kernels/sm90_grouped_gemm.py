@@ -176,9 +176,10 @@ class DSwigluEpilogue:
     two row-padded (conflict-free for the accumulator layout, unswizzled so addresses are
     a per-thread base plus constants) shared buffers (half 0 by :meth:`prefetch` before
     the mainloop), each thread turns its accumulator elements of that half into bf16 dg /
-    du in place (same shared positions), then rows ``< rows`` are stored. Thread-to-column ownership is that of the wgmma accumulator layout, where
-    one thread's columns differ by less than 8 from thread 0's for the same element index,
-    so an element's half is a compile-time fact (taken from thread 0's coordinates).
+    du in place (same shared positions), then rows ``< rows`` are stored. In the wgmma
+    accumulator layout a thread's column for element i differs from thread 0's by less
+    than 8 (within one 8-column group), so an element's half is a compile-time fact
+    (taken from thread 0's coordinates; checked for every 5th thread, tile_n 128 and 256).
     """
 
     def __init__(self, tile_m: int, tile_n: int, clamp: bool):
