@@ -16,6 +16,7 @@ import torch
 
 from . import reference
 from .config import BACKENDS, MoKConfig
+from .sm90_backend import Sm90Backend
 
 ENV = "MOK_CUTE_BACKEND"
 _announced: set[str] = set()
@@ -93,7 +94,7 @@ class MissingKernelsBackend:
 
 _BACKENDS = {
     "reference": ReferenceBackend(),
-    "sm90": MissingKernelsBackend("sm90", "the fused SM90 MoE kernels (expert GEMMs, dispatch/combine) are"),
+    "sm90": Sm90Backend(),
     "sm100": MissingKernelsBackend("sm100", "the fused SM100 MoE kernels (tcgen05 expert GEMMs) are"),
 }
 

@@ -392,7 +392,7 @@ class MoESaved:
     slot_out: torch.Tensor  # [T, k, H] routed output rows r_j of this rank's tokens
 
 
-def _slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scale=None):
+def slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scale=None):
     """acc + sum_j (scale_j *) rows[:, j] in slot order, skipping -1 slots."""
     for j in range(rows.shape[1]):
         term = rows[:, j].to(acc.dtype)
@@ -426,7 +426,7 @@ def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_l
         s, shared_saved = experts_forward(x, [0, x.shape[0]], *(w[None] for w in shared),
                                           swiglu_limit, precision)
         acc = num.f32(s)
-    y = num.act(_slot_sum(acc, slot_out, topk_idx, topk_w))
+    y = num.act(slot_sum(acc, slot_out, topk_idx, topk_w))
     saved = MoESaved(num, swiglu_limit, group, ep, rank, e_local, topk_idx, slot_w, routing,
                      gather_idx, t_all, (w_gate, w_up, w_down), shared, routed, shared_saved,
                      slot_out)
@@ -463,7 +463,7 @@ def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
                                      saved.limit, precision)
         acc = num.f32(dxs)
         d_shared = tuple(d[0] for d in dws)
-    dx = num.act(_slot_sum(acc, dx_slots, saved.topk_idx))
+    dx = num.act(slot_sum(acc, dx_slots, saved.topk_idx))
     dtw = (dy.double()[:, None, :] * saved.slot_out.double()).sum(-1)
     dtw = torch.where(saved.topk_idx >= 0, dtw, torch.zeros_like(dtw))
     dtw = dtw if num.exact else dtw.float()

@@ -1,0 +1,86 @@
+"""Device check: the whole layer (mok_cute.moe, backend sm90, EP = 1) and the expert_mlp op
+against the reference backend, forward and backward.
+
+Tolerances (BF16, MoK's): max-abs <= 0.5 and rel-L1 <= 1e-2 per output and gradient;
+bitwise equality of everything over 5 repeats. Routings: uniform top-k, skewed (most routes
+to one expert, some experts empty, -1 slots); with and without the shared expert, SwiGLU
+clamped (L = 4) and not. Inputs are fresh random (MoK-style: logits N(0,1), softmax over the
+top-k values, weights N(0,1) * fan_in^-0.5).
+"""
+from __future__ import annotations
+
+import torch
+
+from checks.common import Row, bench_us
+
+MAX_ABS, REL_L1, REPEATS = 0.5, 1e-2, 5
+
+
+def _problem(t, h, inter, e, k, shared, skew, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(t, h, device=dev, generator=g).bfloat16()
+    logits = torch.randn(t, e, device=dev, generator=g)
+    if skew:
+        logits[:, 0] += 3.0
+        logits[:, 1:3] -= 100.0  # experts 1, 2 empty
+    vals, idx = logits.topk(k, dim=-1)
+    w = torch.softmax(vals, dim=-1)
+    if skew:
+        idx[::7, -1] = -1
+        idx[5] = -1
+    rnd = lambda *s, fan: (torch.randn(*s, device=dev, generator=g) * fan ** -0.5).bfloat16()
+    ws = (rnd(e, inter, h, fan=h), rnd(e, inter, h, fan=h), rnd(e, h, inter, fan=inter))
+    sh = (rnd(inter, h, fan=h), rnd(inter, h, fan=h), rnd(h, inter, fan=inter)) if shared else None
+    dy = torch.randn(t, h, device=dev, generator=g).bfloat16()
+    return x, idx, w, ws, sh, dy
+
+
+def _run(backend, x, idx, w, ws, sh, dy, limit):
+    import mok_cute
+
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
+    shl = [p.clone().requires_grad_() for p in sh] if sh else []
+    y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
+                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend))
+    grads = torch.autograd.grad(y, leaves + shl, dy)
+    return [y] + list(grads)
+
+
+def _compare(name, outs, refs, same):
+    worst_abs, worst_rel, finite = 0.0, 0.0, True
+    for o, r in zip(outs, refs):
+        finite &= bool(torch.isfinite(o.float()).all())
+        d = (o.float() - r.float()).abs()
+        worst_abs = max(worst_abs, float(d.max()))
+        worst_rel = max(worst_rel, float(d.sum() / r.float().abs().sum().clamp_min(1e-30)))
+    ok = finite and worst_abs <= MAX_ABS and worst_rel <= REL_L1 and same
+    return Row(name, max_err=worst_abs, bitwise=same, ok=ok, note=f"relL1={worst_rel:.2e} finite={finite}")
+
+
+def run(ctx) -> list[Row]:
+    dev = ctx.device
+    rows = []
+    cases = [("uniform", False, False, None), ("skew+shared", True, True, None),
+             ("skew+shared L=4", True, True, 4.0), ("uniform L=4", False, False, 4.0)]
+    for i, (name, skew, shared, limit) in enumerate(cases):
+        x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=100 + i)
+        ref = _run("reference", x, idx, w, ws, sh, dy, limit)
+        outs = [_run("sm90", x, idx, w, ws, sh, dy, limit) for _ in range(REPEATS)]
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+        rows.append(_compare(f"layer sm90 {name}", outs[0], ref, same))
+    # timing: one MoK-like shape scaled to one GPU
+    x, idx, w, ws, sh, dy = _problem(4096, 7168, 2048, 16, 8, True, False, dev, seed=7)
+    import mok_cute
+
+    cfg = mok_cute.MoKConfig(backend="sm90")
+    leaves = [x.requires_grad_(), w.requires_grad_()] + [p.requires_grad_() for p in ws + sh]
+    fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    fb = lambda: torch.autograd.backward(fwd(), dy)
+    with torch.no_grad():
+        t_f = bench_us(fwd, warmup=3, iters=10)
+    t_fb = bench_us(fb, warmup=3, iters=10)
+    flop = 6 * (4096 + 4096 * 8) * 7168 * 2048  # MoK's count: routed + shared
+    rows.append(Row("layer sm90 T4096 k8 E16 H7168 I2048 +shared", time_us=t_fb,
+                    note=f"fwd {t_f:.0f}us {flop / t_f / 1e6:.0f} TF/s; fwd+bwd {3 * flop / t_fb / 1e6:.0f} TF/s"))
+    return rows
