@@ -209,3 +209,50 @@ def test_quickstart_runs_and_matches_readme():
     assert out.returncode == 0, out.stderr
     assert "torch.Size([512, 256])" in out.stdout
     assert out.stderr.count("reference backend") == 1
+
+
+def test_gpu_backends_raise_for_missing_kernels():
+    p, _ = make_problem(T=4, H=256, I=256)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    with pytest.raises(NotImplementedError, match="sm100"):
+        B.get_backend("sm100").forward(inp, MoKConfig(), None)
+    with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
+        B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), None)
+    B.get_backend("sm90").check(inp, MoKConfig(), None)  # bf16, EP = 1, 256-aligned: runs
+    small, _ = make_problem(T=4, H=128, I=256)
+    inp2 = B.MoEInputs(small["x"], small["topk_idx"], small["topk_w"], small["w_gate"], small["w_up"],
+                       small["w_down"], None, None)
+    with pytest.raises(ValueError, match="H = 128 must be a multiple of 256"):
+        B.get_backend("sm90").check(inp2, MoKConfig(), None)
+
+
+def test_route_sort_matches_reference_order():
+    from mok_cute.sm90_backend import route_sort
+
+    p, _ = make_problem(T=20, E=5, k=3, seed=12)
+    order, offsets, valid = route_sort(p["topk_idx"], 5)
+    plan = R.plan_routing([p["topk_idx"]], 5, 1, 0)
+    assert offsets.tolist() == plan.offsets
+    n = plan.offsets[-1]
+    assert torch.equal(order[:n] // 3, plan.tok) and torch.equal(order[:n] % 3, plan.slot)
+    assert not valid[order[n:]].any()
+
+
+def test_expert_mlp_reference_path_gradients():
+    from mok_cute.ops import expert_mlp
+
+    g = torch.Generator().manual_seed(13)
+    E, H, I = 3, 64, 64
+    offs = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    x = torch.randn(12, H, generator=g).bfloat16().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) * 0.1).bfloat16().requires_grad_() for s in [(E, I, H), (E, I, H), (E, H, I)]]
+    d = torch.randn(12, H, generator=g).bfloat16()
+    out = expert_mlp(x, offs, *ws, swiglu_limit=4.0, config=MoKConfig(backend="reference"))
+    grads = torch.autograd.grad(out, [x, *ws], d)
+    r, saved = R.experts_forward(x.detach(), offs, *[w.detach() for w in ws], 4.0, "bf16")
+    want = R.experts_backward(saved, d, *[w.detach() for w in ws], 4.0, "bf16")
+    assert torch.equal(out, r)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="offsets"):
+        expert_mlp(x, offs[:-1], *ws, config=MoKConfig(backend="reference"))
