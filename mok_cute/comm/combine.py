@@ -73,13 +73,17 @@ def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters
         src = cute.make_tensor(rows, cute.make_layout((in_rows * V, 8), stride=(8, 1)))
         n = m * V
         i = bidx * THREADS + tidx
+        lim = ep * tk
         while i < n:
             row = i // V
             s = rs[row]
-            p = s // tk
-            dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
-                                   cute.make_layout((tk * V, 8), stride=(8, 1)))
-            dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
+            if s >= 0 and s < lim:
+                p = s // tk
+                dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
+                                       cute.make_layout((tk * V, 8), stride=(8, 1)))
+                dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
+            else:
+                P.report(status, Int32(P.BAD_INDEX), row, Int32(P.DATA), epoch)
             i += nctas * THREADS
     cute.arch.barrier()
     if tidx == 0:

@@ -56,14 +56,18 @@ def _pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.P
         tk = T * k
         n = m * V
         i = bidx * THREADS + tidx
+        lim = ep * tk
         while i < n:
             row = i // V
             s = rs[row]
-            p = s // tk
-            t = (s - p * tk) // k
-            src = cute.make_tensor(gptr(BFloat16, pb[p] + src_off, 16),
-                                   cute.make_layout((T * V, 8), stride=(8, 1)))
-            dst[i, None].store(src[t * V + (i - row * V), None].load())
+            if s >= 0 and s < lim:
+                p = s // tk
+                t = (s - p * tk) // k
+                src = cute.make_tensor(gptr(BFloat16, pb[p] + src_off, 16),
+                                       cute.make_layout((T * V, 8), stride=(8, 1)))
+                dst[i, None].store(src[t * V + (i - row * V), None].load())
+            else:
+                P.report(status, Int32(P.BAD_INDEX), row, Int32(P.READY), epoch)
             i += nctas * THREADS
     cute.arch.barrier()
     if tidx == 0:

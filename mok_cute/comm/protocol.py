@@ -32,7 +32,7 @@ CNT, META, META_FREE, READY, DONE, DATA, FREE = range(7)
 NUM_CHANNELS = 7
 CHANNEL_NAMES = ("CNT", "META", "META_FREE", "READY", "DONE", "DATA", "FREE")
 
-OK, TIMEOUT, BAD_EXPERT, OVERFLOW = 0, 1, 2, 3
+OK, TIMEOUT, BAD_EXPERT, OVERFLOW, BAD_INDEX = 0, 1, 2, 3, 4
 STATUS_WORDS = 4  # code, peer, channel, epoch
 NUM_COUNTERS = 8  # CTA-arrival counters: [0] pull, [4:6] push/reduce (16-byte aligned slots)
 
@@ -51,6 +51,9 @@ def describe_status(words: list[int], timeout_s: float) -> str | None:
     if code == OVERFLOW:
         return (f"mok_cute comm: {peer} routed rows exceed the receive capacity / expert "
                 f"output rows (epoch {epoch})")
+    if code == BAD_INDEX:
+        return (f"mok_cute comm: plan row {peer} holds a packed source index outside "
+                f"[0, EP*T*k) (channel {name}, epoch {epoch}): plan does not match the workspace")
     return f"mok_cute comm: unknown error code {code}"
 
 

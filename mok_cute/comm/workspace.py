@@ -86,13 +86,46 @@ class CommWorkspace:
         self.buf = symm_mem.empty(off, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.buf, group.group_name)
         self.buf.zero_()
-        self.peer_bases = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        self.peer_addrs = self._peer_addresses()
+        self.peer_bases = torch.tensor(self.peer_addrs, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
         self.counters = torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
         torch.cuda.synchronize(self.device)
         dist.barrier(group)  # flags are zero everywhere before any peer signals
+
+    def _peer_addresses(self) -> list[int]:
+        """Address of every rank's workspace tensor, valid in this process.
+
+        ``handle.buffer_ptrs[q]`` is the base of rank q's symmetric *allocation*; with
+        torch's pooled symmetric allocator a tensor can sit at an offset inside it
+        (``handle.offset``), and that offset need not be the same on every rank. Each
+        rank measures ``data_ptr - buffer_ptrs[me]`` and the offsets are exchanged."""
+        ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        mine = self.buf.data_ptr() - ptrs[self.me]
+        t = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        offs = torch.empty(self.EP, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(offs, t, group=self.group)
+        self.sym_offsets = [int(o) for o in offs.tolist()]
+        size = getattr(self.handle, "buffer_size", None)
+        for q, o in enumerate(self.sym_offsets):
+            if o < 0 or (size is not None and o + self.sym_bytes > int(size)):
+                raise RuntimeError(f"symmetric workspace of rank {q} at offset {o} does not fit "
+                                   f"its allocation ({size} bytes, need {self.sym_bytes})")
+        addrs = [p + o for p, o in zip(ptrs, self.sym_offsets)]
+        if addrs[self.me] != self.buf.data_ptr():
+            raise RuntimeError("symmetric workspace: local address mismatch")
+        return addrs
+
+    def describe(self) -> dict:
+        """Addresses and sizes, for debugging (ints)."""
+        h = self.handle
+        return {"rank": self.me, "data_ptr": hex(self.buf.data_ptr()),
+                "buffer_ptrs": [hex(int(p)) for p in h.buffer_ptrs],
+                "handle_offset": getattr(h, "offset", None), "sym_offsets": self.sym_offsets,
+                "buffer_size": getattr(h, "buffer_size", None), "sym_bytes": self.sym_bytes,
+                "sections": dict(self.offsets), "peer_addrs": [hex(a) for a in self.peer_addrs]}
 
     def view(self, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """Local view of a symmetric section."""
@@ -104,7 +137,7 @@ class CommWorkspace:
 
     @property
     def local_base(self) -> int:
-        return self.handle.buffer_ptrs[self.me]
+        return self.peer_addrs[self.me]
 
     def nbytes(self) -> int:
         """Device bytes held: symmetric buffer plus local status/counters/pointer table."""
