@@ -1,0 +1,477 @@
+"""Blackwell (sm_100a / sm_103a) persistent grouped expert GEMMs, BF16 and MXFP8, no host sync.
+
+Same operand and offsets contract as :mod:`mok_cute.kernels.sm90_grouped_gemm` and
+:mod:`mok_cute.kernels.sm90_expert_bwd` (offsets int32 [E+1] on the device, offsets[0] = 0,
+non-decreasing, offsets[E] = M_total, trusted), on the :mod:`sm100_mainloop` (TMA warp,
+tcgen05 MMA warp, TMEM accumulators, four epilogue warps). One compiled kernel serves every
+token count; the compile cache key holds arch, dtype, tile shape, majorness, epilogue, clamp.
+Tiles are scheduled by :mod:`mok_cute.schedule.group_tiles` (grid = SMs; with
+``cta_group::2`` a cluster of two CTAs takes one tile, clusters stride over the tiles).
+
+Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-major or
+``[E, K, N]`` MN-major):
+  ``plain``:   out [M, N] = bf16(A_e @ B_e)
+  ``swiglu``:  B = ``interleave_gate_up(w_gate, w_up, tile_n)``; gu [M, 2I] (gate cols [0, I),
+               up [I, 2I)) and h [M, I] = bf16(silu(g) * u) from the bf16 g, u in FP32,
+               optional clamp L: g = min(g, L), u = clamp(u, -L, L) (as the SM90 epilogue).
+  ``dswiglu``: N = I, the FP32 accumulator dh (never rounded) meets g, u read from gu:
+               dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
+Weight gradient: dW[e] = bf16(a_e^T . b_e), a [M, Na], b [M, Nb] token-row-major (read
+MN-major, K = the expert's tokens in order through the ragged TMA view of
+:mod:`sm90_expert_bwd`: no split-K, no atomics, bitwise reproducible; empty experts get 0).
+
+MXFP8 (``ab_dtype=Float8E4M3FN``): operands are e4m3 data plus flat uint8 E8M0 scale buffers
+in the layouts of :mod:`mok_cute.kernels.sm100_layouts`: token-row A scales grouped per
+expert (:func:`~sm100_layouts.pack_row_scales`), weight scales ``to_blocked`` per expert
+(B viewed (N, K): [E, N_pad * K_pad / 32]), wgrad scales along tokens
+(:func:`~sm100_layouts.pack_token_scales`). Stores are row-masked 16-byte vectors straight
+from registers (rows past an expert's end are computed, never written).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blockscaled_layout as blockscaled
+from cutlass import Float32, Int32
+
+from mok_cute.kernels import sm100_layouts as lay
+from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.sm90_expert_bwd import _expert_k, _ragged_k
+from mok_cute.kernels.sm90_grouped_gemm import (
+    _check_devices, _check_limit, _check_out, _check_tensor, _cute_tensor, interleave_gate_up, sm_count,
+)
+from mok_cute.kernels.sm100_mainloop import (
+    EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
+    Sm100Mainloop, epi_barrier,
+)
+from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
+
+ARCHS = ("sm_100a", "sm_103a")
+EPILOGUES = ("plain", "swiglu", "dswiglu")
+_VEC = 16  # byte alignment of rows / strides (TMA)
+
+
+def _bf16(r: cute.Tensor) -> cute.Tensor:
+    out = cute.make_rmem_tensor_like(r, cutlass.BFloat16)
+    out.store(r.load().to(cutlass.BFloat16))
+    return out
+
+
+class GroupedGemmSm100:
+    """Persistent warp-specialized grouped GEMM (``wgrad=False``) or weight gradient (``True``).
+
+    Call (jit), grouped: ``(mA [M, K], mB, mSFA, mSFB, mOffsets [E+1] int32, mOut0, mOut1,
+    limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N] (``"mn"``);
+    plain: ``mOut0`` = out [M, N] (``mOut1`` = mOut0); swiglu: gu [M, 2, N/2], h [M, N/2];
+    dswiglu: dgu, gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], mSFA, mSFB, mOffsets, mOut
+    [E, Na, Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale buffers
+    (MXFP8) or None. N (Nb) a multiple of tile_n; ``num_ctas`` a multiple of the cluster size.
+    """
+
+    def __init__(self, cfg: Sm100Config, epilogue: str = "plain", clamp: bool = False, b_major: str = K_MAJOR,
+                 wgrad: bool = False):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if wgrad and epilogue != "plain":
+            raise ValueError("wgrad has the plain epilogue only")
+        if epilogue == "swiglu" and (cfg.tile_n // 2) % EPI_N:
+            raise ValueError(f"swiglu needs tile_n a multiple of {2 * EPI_N}, got {cfg.tile_n}")
+        self.cfg, self.epilogue, self.clamp, self.wgrad = cfg, epilogue, clamp, wgrad
+        self.b_major = MN_MAJOR if wgrad else b_major
+        self.mainloop = Sm100Mainloop(cfg, a_major=MN_MAJOR if wgrad else K_MAJOR, b_major=self.b_major)
+
+    # ------------------------------------------------------------ launcher
+    def _views(self, mA, mB, mSFA, mSFB, num_experts):
+        """(M|N, K, L) operand views and, for MXFP8, the blocked scale tensors."""
+        cfg = self.cfg
+        sfa = sfb = None
+        if cutlass.const_expr(self.wgrad):
+            a = _ragged_k(cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 0])))
+            b = _ragged_k(cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0])))
+            if cutlass.const_expr(cfg.mx):
+                k_sf = (mA.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS * lay.SF_ATOM_ROWS \
+                    + lay.SF_ATOM_ROWS * num_experts
+                sfa = self._sf(mSFA, (mA.shape[1], k_sf, 1))
+                sfb = self._sf(mSFB, (mB.shape[1], k_sf, 1))
+        else:
+            a = cute.make_tensor(mA.iterator, cute.append(mA.layout, cute.make_layout(1)))
+            modes = [1, 2, 0] if self.b_major == K_MAJOR else [2, 1, 0]
+            b = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=modes))
+            if cutlass.const_expr(cfg.mx):
+                m_sf = (mA.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS * lay.SF_ATOM_ROWS \
+                    + lay.SF_ATOM_ROWS * num_experts
+                sfa = self._sf(mSFA, (m_sf, mA.shape[1], 1))
+                sfb = self._sf(mSFB, b.shape)
+        return a, b, sfa, sfb
+
+    @staticmethod
+    def _sf(flat: cute.Tensor, shape):
+        return cute.make_tensor(cute.recast_ptr(flat.iterator, dtype=SF_DTYPE),
+                                blockscaled.tile_atom_to_shape_SF(shape, lay.SF_VEC))
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
+                 mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32,
+                 stream: cuda.CUstream):
+        ml, cfg = self.mainloop, self.cfg
+        ml.setup()
+        tmas = ml.make_tma(*self._views(mA, mB, mSFA, mSFB, mOffsets.shape[0] - 1))
+        ab, stages, acc_stages = cfg.ab_dtype, ml.stages, ml.acc_stages
+        a_n, b_n = cute.cosize(ml.a_smem.outer), cute.cosize(ml.b_smem.outer)
+
+        if cutlass.const_expr(cfg.mx):
+            sfa_n, sfb_n = cute.cosize(ml.sfa_smem), cute.cosize(ml.sfb_smem)
+
+            @cute.struct
+            class SharedStorage:
+                ab_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                acc_bar: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
+                tmem_dealloc_bar: cutlass.Int64
+                tmem_ptr: cutlass.Int32
+                sA: cute.struct.Align[cute.struct.MemRange[ab, a_n], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[ab, b_n], 1024]
+                sSFA: cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sfa_n], 1024]
+                sSFB: cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sfb_n], 1024]
+        else:
+            @cute.struct
+            class SharedStorage:
+                ab_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                acc_bar: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
+                tmem_dealloc_bar: cutlass.Int64
+                tmem_ptr: cutlass.Int32
+                sA: cute.struct.Align[cute.struct.MemRange[ab, a_n], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[ab, b_n], 1024]
+
+        self.shared_storage = SharedStorage
+        atoms = [t[0] for t in tmas]
+        coords = [t[1] for t in tmas]
+        self.kernel(atoms, coords, mOffsets, mOut0, mOut1, limit).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[cfg.cta_group, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------ schedule
+    @cute.jit
+    def _advance(self, mOffsets: cute.Tensor, num_experts: Int32, n_tiles: Int32, total: Int32, linear: Int32,
+                 expert: Int32, base: Int32):
+        """Move the cursor to tile ``linear``; returns ``(expert, base, valid)``."""
+        if cutlass.const_expr(self.wgrad):
+            return expert, base, linear < total
+        e, b = seek(mOffsets, num_experts, self.cfg.tile_m, n_tiles, linear, expert, base)
+        return e, b, e < num_experts
+
+    @cute.jit
+    def _coords(self, mOffsets: cute.Tensor, linear: Int32, expert: Int32, base: Int32, m_tiles: Int32,
+                n_tiles: Int32, k_tiles: Int32, na: Int32):
+        """``(expert, m_tile, n_tile, row0, rows, k_tiles, sf_tile, lo, length)`` of a valid tile.
+
+        Grouped: row0/rows = the tile's first global token row and rows inside the expert,
+        ``sf_tile`` = the scale atom row of the tile (``o_e // 128 + e + m_tile``). Wgrad: row0/rows
+        = output rows of dW[e] (masked at Na), ``sf_tile`` = first scale atom column of the
+        expert's tokens, ``lo``/``length`` = the expert's token rows.
+        """
+        cfg = self.cfg
+        if cutlass.const_expr(self.wgrad):
+            e, m_tile, n_tile = wgrad_tile(linear, m_tiles, n_tiles)
+            lo = mOffsets[e]
+            length = mOffsets[e + 1] - lo
+            row0 = m_tile * cfg.tile_m
+            kt = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+            return e, m_tile, n_tile, row0, na - row0, kt, lo // lay.SF_ATOM_ROWS + e, lo, length
+        m_tile, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+        lo = mOffsets[expert]
+        return expert, m_tile, n_tile, row0, rows, k_tiles, lo // lay.SF_ATOM_ROWS + expert + m_tile, lo, rows
+
+    # ------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, atoms: list, coords: list, mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor,
+               limit: Float32):
+        cfg = self.cfg
+        self.mainloop.setup()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        cta_v = bidx % cfg.cta_group
+        if warp == TMA_WARP:
+            for atom in atoms:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        ab_pipe, acc_pipe = self.mainloop.make_pipelines(storage)
+        tmem = self.mainloop.make_tmem_allocator(storage)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(cfg.cta_group, 1), is_relaxed=True)
+        sA, sB, sSFA, sSFB = self.mainloop.smem_tensors(storage)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(cfg.cta_group, 1))
+
+        num_experts = mOffsets.shape[0] - 1
+        coord_b = coords[1]
+        na = Int32(0)
+        m_tiles = Int32(0)
+        total = Int32(0)
+        k_tiles = Int32(0)
+        if cutlass.const_expr(self.wgrad):
+            na = coords[0].shape[0]
+            m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
+        else:
+            k_tiles = (coords[0].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        if cutlass.const_expr(self.wgrad):
+            total = num_experts * m_tiles * n_tiles
+        linear0 = Int32(bidx // cfg.cta_group)
+        stride = Int32(grid // cfg.cta_group)
+
+        if warp == TMA_WARP:
+            masks = self.mainloop.mcast_masks(cta_v)
+            tiler_a = (cfg.tile_m, cfg.tile_k)
+            tiler_b = (cfg.tile_n, cfg.tile_k)
+            # grouped: B (and the scale tensors) tiled once, A per tile (row starts vary);
+            # wgrad: A and B per tile (the expert's token range is the K extent)
+            tBsB, tBgB_all = sB, None
+            if cutlass.const_expr(not self.wgrad):
+                tBsB, tBgB_all = self.mainloop.partition_b(atoms[1], cute.local_tile(coord_b, tiler_b, (None, None, None)), sB,
+                                                cta_v)
+            sf_src = None
+            if cutlass.const_expr(cfg.mx):
+                tAsSFA, tAgSFA_all = self.mainloop.partition_a(atoms[2], cute.local_tile(coords[2], tiler_a, (None, None, None)),
+                                                    sSFA, cta_v)
+                tBsSFB, tBgSFB_all = self.mainloop.partition_b(atoms[3], cute.local_tile(coords[3], tiler_b, (None, None, None)),
+                                                    sSFB, cta_v)
+                sf_src = (tAgSFA_all, tBgSFB_all)
+            state = self.mainloop.producer_state()
+            linear = linear0
+            expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, Int32(0), Int32(0))
+            while valid:
+                e, m_tile, n_tile, row0, _, kt, sf_tile, lo, length = self._coords(
+                    mOffsets, linear, expert, base, m_tiles, n_tiles, k_tiles, na)
+                if cutlass.const_expr(self.wgrad):
+                    gA = cute.local_tile(_expert_k(coords[0], lo, length), tiler_a, (m_tile, None))
+                    gB = cute.local_tile(_expert_k(coord_b, lo, length), tiler_b, (n_tile, None))
+                    tBsB, tBgB = self.mainloop.partition_b(atoms[1], gB, sB, cta_v)
+                else:
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
+                    tBgB = tBgB_all[(None, n_tile, None, e)]
+                tAsA, tAgA = self.mainloop.partition_a(atoms[0], gA, sA, cta_v)
+                if cutlass.const_expr(cfg.mx):
+                    if cutlass.const_expr(self.wgrad):
+                        srcs = (tAgA, tBgB, sf_src[0][(None, m_tile, None, 0)], sf_src[1][(None, n_tile, None, 0)])
+                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, tBsB, tAsSFA, tBsSFB), kt, sf_tile,
+                                             masks)
+                    else:
+                        srcs = (tAgA, tBgB, sf_src[0][(None, sf_tile, None, 0)], sf_src[1][(None, n_tile, None, e)])
+                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, tBsB, tAsSFA, tBsSFB), kt, Int32(0),
+                                             masks)
+                else:
+                    state = self.mainloop.load_tile(ab_pipe, state, atoms, (tAgA, tBgB), (tAsA, tBsB), kt, Int32(0), masks)
+                linear = linear + stride
+                expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
+            ab_pipe.producer_tail(state)
+
+        if warp == MMA_WARP:
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(Float32)
+            acc = self.mainloop.acc_tensor(acc_ptr)
+            tCrA, tCrB, sf = self.mainloop.mma_fragments(sA, sB, sSFA, sSFB, acc_ptr)
+            tiled_mma = self.mainloop.make_tiled_mma()
+            state = self.mainloop.consumer_state()
+            acc_state = self.mainloop.acc_producer_state()
+            linear = linear0
+            expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, Int32(0), Int32(0))
+            while valid:
+                _, _, _, _, _, kt, _, _, _ = self._coords(mOffsets, linear, expert, base, m_tiles, n_tiles, k_tiles, na)
+                if cta_v == 0:
+                    acc_pipe.producer_acquire(acc_state)
+                    state, tiled_mma = self.mainloop.mma_tile(tiled_mma, ab_pipe, state, tCrA, tCrB, sf,
+                                                              acc[(None, None, None, acc_state.index)], kt)
+                    acc_pipe.producer_commit(acc_state)
+                acc_state.advance()
+                linear = linear + stride
+                expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
+            acc_pipe.producer_tail(acc_state)
+
+        if warp < MMA_WARP:
+            tmem.allocate(self.mainloop.tmem_alloc)
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(Float32)
+            acc = self.mainloop.acc_tensor(acc_ptr)
+            acc_state = self.mainloop.acc_consumer_state()
+            linear = linear0
+            expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, Int32(0), Int32(0))
+            while valid:
+                e, _, n_tile, row0, rows, _, _, _, _ = self._coords(
+                    mOffsets, linear, expert, base, m_tiles, n_tiles, k_tiles, na)
+                acc_pipe.consumer_wait(acc_state)
+                chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
+                # this CTA's 128 rows of the tile
+                crow0 = row0 + cta_v * EPI_THREADS
+                crows = rows - cta_v * EPI_THREADS
+                if cutlass.const_expr(self.wgrad):
+                    out_e = mOut0[(e, None, None)]
+                    self._store_plain(chunks, crow0, crows, n_tile, out_e)
+                elif cutlass.const_expr(self.epilogue == "plain"):
+                    self._store_plain(chunks, crow0, crows, n_tile, mOut0)
+                elif cutlass.const_expr(self.epilogue == "swiglu"):
+                    self._store_swiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit)
+                else:
+                    self._store_dswiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit)
+                cute.arch.fence_view_async_tmem_load()
+                acc_pipe.consumer_release(acc_state)
+                acc_state.advance()
+                linear = linear + stride
+                expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
+            tmem.relinquish_alloc_permit()
+            epi_barrier()
+            tmem.free(acc_ptr)
+
+    # ------------------------------------------------------------ epilogues (epilogue warps)
+    @cute.jit
+    def _store_plain(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mOut: cute.Tensor):
+        """out[row0 + r, n_tile * tile_n + c] = bf16(acc[r, c]) for r < rows."""
+        row = chunks.row
+        g = cute.local_tile(cute.domain_offset((row0, 0), mOut), (EPI_THREADS, self.cfg.tile_n), (0, n_tile))
+        for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
+            r = _bf16(chunks.load(c))
+            dst = chunks.part(cute.local_tile(g, (EPI_THREADS, EPI_N), (0, c)))
+            if row < rows:
+                cute.autovec_copy(r, dst)
+
+    @cute.jit
+    def _store_swiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
+                      mH: cute.Tensor, limit: Float32):
+        """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, of intermediate columns
+        ``n_tile * tile_n/2 + c``: writes gu (gate, up halves of [M, 2, I]) and h."""
+        half = self.cfg.tile_n // 2
+        shape = (EPI_THREADS, half)
+        row = chunks.row
+        g_gate = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 0, None)]), shape, (0, n_tile))
+        g_up = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 1, None)]), shape, (0, n_tile))
+        g_h = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
+        for c in cutlass.range_constexpr(half // EPI_N):
+            rg = _bf16(chunks.load(c))
+            ru = _bf16(chunks.load(c + half // EPI_N))
+            g = cute.make_rmem_tensor_like(rg, Float32)
+            g.store(rg.load().to(Float32))
+            u = cute.make_rmem_tensor_like(ru, Float32)
+            u.store(ru.load().to(Float32))
+            for i in cutlass.range_constexpr(cute.size(g)):
+                gi = g[i]
+                ui = u[i]
+                if cutlass.const_expr(self.clamp):
+                    gi = cutlass.min(gi, limit)
+                    ui = cutlass.max(cutlass.min(ui, limit), -limit)
+                g[i] = gi / (Float32(1.0) + cute.math.exp(-gi)) * ui
+            rh = _bf16(g)
+            d_gate = chunks.part(cute.local_tile(g_gate, (EPI_THREADS, EPI_N), (0, c)))
+            d_up = chunks.part(cute.local_tile(g_up, (EPI_THREADS, EPI_N), (0, c)))
+            d_h = chunks.part(cute.local_tile(g_h, (EPI_THREADS, EPI_N), (0, c)))
+            if row < rows:
+                cute.autovec_copy(rg, d_gate)
+                cute.autovec_copy(ru, d_up)
+                cute.autovec_copy(rh, d_h)
+
+    @cute.jit
+    def _store_dswiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor,
+                       mGU: cute.Tensor, limit: Float32):
+        """dSwiGLU of the FP32 accumulator dh (intermediate columns ``n_tile * tile_n + c``)
+        with g, u read from gu [M, 2, I] (this thread's row); writes dgu [M, 2, I]."""
+        shape = (EPI_THREADS, self.cfg.tile_n)
+        row = chunks.row
+        tiles = [cute.local_tile(cute.domain_offset((row0, 0), t[(None, j, None)]), shape, (0, n_tile))
+                 for t in (mGU, mDGU) for j in (0, 1)]
+        for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
+            dh = chunks.load(c)
+            g = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
+            u = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
+            g.fill(0.0)
+            u.fill(0.0)
+            src_g, src_u, d_g, d_u = [chunks.part(cute.local_tile(t, (EPI_THREADS, EPI_N), (0, c))) for t in tiles]
+            if row < rows:
+                cute.autovec_copy(src_g, g)
+                cute.autovec_copy(src_u, u)
+            dg = cute.make_rmem_tensor_like(dh, Float32)
+            du = cute.make_rmem_tensor_like(dh, Float32)
+            for i in cutlass.range_constexpr(cute.size(dh)):
+                gf = g[i].to(Float32)
+                uf = u[i].to(Float32)
+                gc = gf
+                uc = uf
+                if cutlass.const_expr(self.clamp):
+                    gc = cutlass.min(gf, limit)
+                    uc = cutlass.max(cutlass.min(uf, limit), -limit)
+                s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gc, fastmath=True))
+                a = dh[i] * uc * s * (Float32(1.0) + gc * (Float32(1.0) - s))
+                b = dh[i] * (gc * s)
+                if cutlass.const_expr(self.clamp):
+                    a = Float32(cutlass.select_(gf > limit, Float32(0.0), a))
+                    b = Float32(cutlass.select_((uf < -limit) | (uf > limit), Float32(0.0), b))
+                dg[i] = a
+                du[i] = b
+            rdg = _bf16(dg)
+            rdu = _bf16(du)
+            if row < rows:
+                cute.autovec_copy(rdg, d_g)
+                cute.autovec_copy(rdu, d_u)
+
+
+# ---------------------------------------------------------------- compile
+def _fake_2d(dtype, rows, cols):
+    div = _VEC * 8 // dtype.width
+    return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(divisibility=div), 1),
+                                         assumed_align=16)
+
+
+def _fake_3d(dtype, d0, d1, d2):
+    div = _VEC * 8 // dtype.width
+    stride = (cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div), 1)
+    return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
+
+
+def _fake_sf(cfg: Sm100Config):
+    if not cfg.mx:
+        return None
+    return cute.runtime.make_fake_tensor(cutlass.Uint8, (cute.sym_int(divisibility=lay.SF_ATOM_BYTES),), stride=(1,),
+                                         assumed_align=16)
+
+
+def _check_arch(arch: str):
+    if arch not in ARCHS:
+        raise ValueError(f"the SM100 grouped GEMMs need arch in {ARCHS}, got {arch!r}")
+
+
+def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config = Sm100Config(),
+                         b_major: str = K_MAJOR, arch: str = "sm_100a", inspect: bool = False):
+    """Compile one grouped GEMM variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
+    _check_arch(arch)
+    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major)
+    ab = cfg.ab_dtype
+    div = _VEC * 8 // ab.width
+    m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=div), cute.sym_int(), cute.sym_int()
+    mA = _fake_2d(ab, m, k)
+    mB = _fake_3d(ab, e, n, k) if b_major == K_MAJOR else _fake_3d(ab, e, k, n)
+    offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    out0 = out1 = _fake_2d(cutlass.BFloat16, m, n)
+    if epilogue == "swiglu":  # gu as [M, 2, I], h as [M, I]
+        inter = cute.sym_int(divisibility=8)
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, inter), _fake_2d(cutlass.BFloat16, m, inter)
+    elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
+        out0 = out1 = _fake_3d(cutlass.BFloat16, m, 2, n)
+    return compile_kernel(op, mA, mB, _fake_sf(cfg), _fake_sf(cfg), offs, out0, out1, Float32(0.0), Int32(1),
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+
+
+def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_100a", inspect: bool = False):
+    """Compile the weight-gradient kernel with symbolic M, Na, Nb, E; returns ``(compiled, report)``."""
+    _check_arch(arch)
+    op = GroupedGemmSm100(cfg, wgrad=True)
+    div = _VEC * 8 // cfg.ab_dtype.width
+    m = cute.sym_int()
+    mA = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=div))
+    mB = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=div))
+    offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    out = _fake_3d(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int())
+    return compile_kernel(op, mA, mB, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, Float32(0.0), Int32(1),
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
