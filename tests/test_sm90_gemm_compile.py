@@ -167,3 +167,41 @@ def test_wgrad_validation(kwargs, exc, name):
     args.update(kwargs)
     with pytest.raises(exc, match=name):
         grouped_wgrad(**args)
+
+
+def test_runtime_tensors_match_fake_signature():
+    """The argument descriptor holds only dynamic modes: runtime tensors mark every shape mode
+    dynamic, so the compile-time fakes must not hold a static mode (a static 2 in gu's
+    [M, 2, I] fake made the kernel read gu's strides from the wrong fields)."""
+    from mok_cute.kernels.sm90_grouped_gemm import _cute_tensor, _fake_3d
+
+    t = _cute_tensor(torch.zeros(5, 2, 16, dtype=torch.bfloat16))
+    assert t.dynamic_shapes_mask == (1, 1, 1)
+    with pytest.raises(TypeError, match="symbolic"):
+        _fake_3d(None, 1, 2, 3)
+
+
+@pytest.mark.parametrize("t", [
+    torch.zeros(300, 512, dtype=torch.bfloat16),
+    torch.zeros(300, 1024, dtype=torch.bfloat16).view(300, 2, 512),
+    torch.zeros(300, 1024, dtype=torch.bfloat16)[:, 512:],
+    torch.zeros(8, 256, 64, dtype=torch.bfloat16)[:, 128:],
+    torch.zeros(1, 256, 64, dtype=torch.bfloat16),
+    torch.zeros(9, dtype=torch.int32),
+])
+def test_fast_descriptor_matches_dsl(t):
+    """_Desc packs the same argument descriptor bytes as the DSL's from_dlpack path."""
+    import ctypes
+
+    from mok_cute.kernels.sm90_grouped_gemm import _cute_tensor, _Desc
+
+    d = _Desc(t)
+    n = t.dim()
+    size = 8 + 4 * (n + n % 2) + 8 * (n - 1)
+    ct = _cute_tensor(t, 4 if t.dtype == torch.int32 else 16)  # keep alive: it owns the buffer
+    official = ctypes.string_at(ct.__c_pointers__()[0], size)
+    mine = d.raw()
+    if n % 2:  # the padding word is unspecified
+        pad_at = 8 + 4 * n
+        official, mine = official[:pad_at] + official[pad_at + 4:], mine[:pad_at] + mine[pad_at + 4:]
+    assert mine == official

@@ -5,14 +5,19 @@
 For each shape (E experts, routed tokens, H, I) and routing (uniform, skewed), times forward,
 backward and forward+backward of:
   * torch: F.grouped_mm GEMM1 -> torch SwiGLU -> F.grouped_mm GEMM2, autograd backward;
-  * dense: one cuBLAS bf16 matmul with the same FLOPs (the ceiling);
-and prints TFLOP/s (FLOPs: 6*M*H*I forward, 12*M*H*I backward, M = routed tokens).
-Prints one table, last; --json PATH writes the rows.
+  * ours: ``mok_cute.ops.expert_mlp`` (backend sm90: GEMM1+SwiGLU, GEMM2; backward dgrad2+dSwiGLU,
+    dgrad1, three wgrads), forward and forward+backward, separate w_gate / w_up leaves;
+  * dense: one cuBLAS bf16 matmul with half the fwd+bwd FLOPs (a ceiling at that size);
+and prints TFLOP/s (FLOPs: 6*M*H*I forward, 12*M*H*I backward, M = routed tokens), the
+speedup torch/ours per row and its geometric mean. ``relL1`` compares ours with torch
+(forward output, dx, dW_down) once per shape as a sanity check.
+Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -50,7 +55,47 @@ def torch_mlp(x, offs, w1t, wdt, inter):
     return F.grouped_mm(h, wdt, offs=offs)
 
 
-def run_shape(e, m, h, inter, skew, dev, gen):
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
+
+
+def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch):
+    """Time ``mok_cute.ops.expert_mlp`` (sm90) on the same problem; relL1 vs torch once."""
+    import mok_cute
+    from mok_cute.ops import expert_mlp
+
+    cfg = mok_cute.MoKConfig(backend="sm90")
+    offs0 = torch.cat([offs.new_zeros(1), offs])
+    xo = x.detach().clone().requires_grad_()
+    wg = w1.detach()[:, :inter].contiguous().requires_grad_()
+    wu = w1.detach()[:, inter:].contiguous().requires_grad_()
+    wdo = wd.detach().clone().requires_grad_()
+
+    def fwd():
+        return expert_mlp(xo, offs0, wg, wu, wdo, config=cfg)
+
+    def fwd_bwd():
+        torch.autograd.backward(fwd(), dy)
+
+    # sanity: ours vs torch (forward, dx, dW_down)
+    y = fwd()
+    y.backward(dy)
+    x.grad = wd.grad = None
+    y_t = torch_mlp(x, offs, w1.transpose(1, 2), wd.transpose(1, 2), inter)
+    y_t.backward(dy)
+    rel = max(_rel(y, y_t), _rel(xo.grad, x.grad), _rel(wdo.grad, wd.grad))
+    x.grad = w1.grad = wd.grad = xo.grad = wg.grad = wu.grad = wdo.grad = None
+    with torch.no_grad():
+        t_f = bench_us(fwd)
+    t_fb = bench_us(fwd_bwd)
+    fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
+    return dict(ours_fwd_us=t_f, ours_bwd_us=t_fb - t_f, ours_fwdbwd_us=t_fb,
+                ours_fwd_tflops=fwd_flop / t_f / 1e6, ours_fwdbwd_tflops=(fwd_flop + bwd_flop) / t_fb / 1e6,
+                speedup_fwd=t_f_torch / t_f, speedup_fwdbwd=t_fb_torch / t_fb, rel_l1_vs_torch=rel)
+
+
+def run_shape(e, m, h, inter, skew, dev, gen, ours=True):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
     x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -72,30 +117,46 @@ def run_shape(e, m, h, inter, skew, dev, gen):
     a, b = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     t_d = bench_us(lambda: a @ b)
     tf = lambda flop, us: flop / us / 1e6
-    return dict(shape=f"E{e} M{m} H{h} I{inter}", routing="skew" if skew else "uniform",
-                torch_fwd_us=t_f, torch_bwd_us=t_fb - t_f, torch_fwdbwd_us=t_fb,
-                torch_fwd_tflops=tf(fwd_flop, t_f), torch_fwdbwd_tflops=tf(fwd_flop + bwd_flop, t_fb),
-                dense_tflops=tf(2 * n ** 3, t_d))
+    row = dict(shape=f"E{e} M{m} H{h} I{inter}", routing="skew" if skew else "uniform",
+               torch_fwd_us=t_f, torch_bwd_us=t_fb - t_f, torch_fwdbwd_us=t_fb,
+               torch_fwd_tflops=tf(fwd_flop, t_f), torch_fwdbwd_tflops=tf(fwd_flop + bwd_flop, t_fb),
+               dense_tflops=tf(2 * n ** 3, t_d))
+    del a, b
+    if ours:
+        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb))
+    return row
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the smallest shape")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--no-ours", action="store_true", help="torch baseline only")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     rows = []
     for shape in SHAPES[-1:] if args.quick else SHAPES:
         for skew in (False, True):
-            rows.append(run_shape(*shape, skew, dev, gen))
+            rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours))
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
-    print(f"{'shape':26s} {'routing':8s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} {'f+b_TF':>7s} {'dense_TF':>8s}")
+    print(f"{'shape':26s} {'routing':8s} {'impl':5s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} "
+          f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s}")
     for r in rows:
-        print(f"{r['shape']:26s} {r['routing']:8s} {r['torch_fwd_us']:9.0f} {r['torch_bwd_us']:9.0f} "
+        print(f"{r['shape']:26s} {r['routing']:8s} torch {r['torch_fwd_us']:9.0f} {r['torch_bwd_us']:9.0f} "
               f"{r['torch_fwdbwd_us']:9.0f} {r['torch_fwd_tflops']:7.0f} {r['torch_fwdbwd_tflops']:7.0f} {r['dense_tflops']:8.0f}")
+        if "ours_fwd_us" in r:
+            print(f"{'':26s} {'':8s} ours  {r['ours_fwd_us']:9.0f} {r['ours_bwd_us']:9.0f} {r['ours_fwdbwd_us']:9.0f} "
+                  f"{r['ours_fwd_tflops']:7.0f} {r['ours_fwdbwd_tflops']:7.0f} {'':8s} {r['speedup_fwd']:6.2f} "
+                  f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e}")
+    ours = [r for r in rows if "ours_fwd_us" in r]
+    if ours:
+        geo = lambda key: math.exp(sum(math.log(r[key]) for r in ours) / len(ours))
+        print(f"geomean speedup torch/ours: fwd {geo('speedup_fwd'):.2f}x, fwd+bwd {geo('speedup_fwdbwd'):.2f}x; "
+              f"min fwd+bwd {min(r['speedup_fwdbwd'] for r in ours):.2f}x; largest shape fwd+bwd "
+              f"{ours[0]['ours_fwdbwd_tflops']:.0f} TF/s = {ours[0]['ours_fwdbwd_tflops'] / 788 * 100:.0f}% of 788")
     return 0
 
 

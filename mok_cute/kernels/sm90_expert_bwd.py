@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90_grouped_gemm import (
     _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
-    _cute_tensor, _fake_2d, _fake_3d, _launch, sm_count,
+    _Desc, _fake_2d, _fake_3d, _launch, sm_count,
 )
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -312,6 +312,5 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
     num_ctas = max(1, min(sm_count(a.device), tiles))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    compiled(_cute_tensor(a), _cute_tensor(b), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out),
-             Int32(num_ctas), stream)
+    compiled(_Desc(a), _Desc(b), _Desc(offs32.contiguous()), _Desc(out), Int32(num_ctas), stream)
     return out

@@ -17,7 +17,9 @@ row-masked (16-byte vectors).
 
 Epilogues:
   ``plain``:   out [M_total, N] = bf16(A_e @ B_e)
-  ``swiglu``:  B = :func:`interleave_gate_up` (w_gate, w_up) [E, 2I, H]; writes
+  ``swiglu``:  B = w_gate [E, I, H] and B2 = w_up [E, I, H], K-major: each B tile is
+               stacked along N from tile_n/2 gate rows and the matching tile_n/2 up rows
+               (two TMA loads per k-tile, no interleaved weight copy); writes
                gu [M_total, 2I] (gate in [0, I), up in [I, 2I)) and
                h [M_total, I] = bf16(silu(g) * u) from the BF16-rounded g, u in FP32, with
                optional clamp L: g = min(g, L), u = clamp(u, -L, L).
@@ -28,7 +30,9 @@ Epilogues:
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 
 import cuda.bindings.driver as cuda
 import torch
@@ -268,10 +272,11 @@ class GroupedGemmSm90:
 
     Call (jit): ``(mA [M, K], mB, mB2, mOffsets [E+1] int32, mOut0, mOut1, limit, num_ctas,
     stream)``. ``mB``: [E, N, K] (``b_major="k"``) or [E, K1, N] (``"mn"``); ``mB2``: None,
-    or (``split_b``) the [E, K - K1, N] second part of B along K. plain: ``mOut0`` = out
-    [M, N] (``mOut1`` ignored, pass mOut0); swiglu: ``mOut0`` = gu [M, N], ``mOut1`` = h
-    [M, N/2]; dswiglu: ``mOut0`` = dgu, ``mOut1`` = gu, both [M, 2, N]. N must be a multiple
-    of tile_n; K1 of tile_k.
+    or (``split_b``) the [E, K - K1, N] second part of B along K, or (swiglu) w_up [E, I, K]
+    stacked along N with ``mB`` = w_gate. plain: ``mOut0`` = out [M, N] (``mOut1`` ignored,
+    pass mOut0); swiglu: ``mOut0`` = gu [M, 2, I], ``mOut1`` = h [M, I]; dswiglu: ``mOut0``
+    = dgu, ``mOut1`` = gu, both [M, 2, N]. N (I for swiglu) must be a multiple of tile_n
+    (tile_n/2); K1 of tile_k.
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
@@ -281,6 +286,9 @@ class GroupedGemmSm90:
         if split_b and b_major != MN_MAJOR:
             raise ValueError("split_b needs b_major='mn'")
         self.cfg, self.b_major, self.split_b = cfg, b_major, split_b
+        self.stack_n = epilogue == "swiglu"  # B tile = [w_gate rows; w_up rows]
+        if self.stack_n and (b_major != K_MAJOR or split_b):
+            raise ValueError("swiglu needs b_major='k' and no split_b")
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         elif epilogue == "swiglu":
@@ -299,10 +307,10 @@ class GroupedGemmSm90:
                  mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nkl(mB))
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nkl(mB), b_half=self.stack_n)
         atom_b2, coord_b2 = None, None
-        if cutlass.const_expr(self.split_b):
-            _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nkl(mB2))
+        if cutlass.const_expr(self.split_b or self.stack_n):
+            _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nkl(mB2), b_half=self.stack_n)
 
         @cute.struct
         class SharedStorage:
@@ -327,7 +335,7 @@ class GroupedGemmSm90:
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
-            if cutlass.const_expr(self.split_b):
+            if cutlass.const_expr(self.split_b or self.stack_n):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom_b2)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -339,7 +347,8 @@ class GroupedGemmSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
 
         num_experts = mOffsets.shape[0] - 1
-        n_tiles = coord_b.shape[0] // cfg.tile_n
+        b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
+        n_tiles = coord_b.shape[0] // b_rows
         k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
@@ -356,8 +365,12 @@ class GroupedGemmSm90:
                 while expert < num_experts:
                     _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                     gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
-                    gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                    if cutlass.const_expr(self.split_b):
+                    gB = cute.local_tile(coord_b[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
+                    if cutlass.const_expr(self.stack_n):
+                        gB_hi = cute.local_tile(coord_b2[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
+                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles,
+                                                        atom_b_hi=atom_b2, gB_hi=gB_hi)
+                    elif cutlass.const_expr(self.split_b):
                         gB2 = cute.local_tile(coord_b2[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
                         state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles1,
                                                         atom_b2, gB2, k_tiles - k_tiles1)
@@ -382,12 +395,23 @@ class GroupedGemmSm90:
 
 
 # ---------------------------------------------------------------- compile
+def _dynamic(*dims):
+    """Fake-tensor shapes must be symbolic: the runtime tensors (``_cute_tensor``) mark every
+    shape mode dynamic, and the argument descriptor holds only dynamic modes, so a static
+    mode in the fake shifts every later field (this made the kernel read gu's strides wrong)."""
+    for d in dims:
+        if isinstance(d, int):
+            raise TypeError(f"fake tensor dims must be symbolic (cute.sym_int), got the int {d}")
+
+
 def _fake_2d(dtype, rows, cols):
+    _dynamic(rows, cols)
     return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(divisibility=_VEC), 1),
                                          assumed_align=16)
 
 
 def _fake_3d(dtype, d0, d1, d2):
+    _dynamic(d0, d1, d2)
     stride = (cute.sym_int64(divisibility=_VEC), cute.sym_int64(divisibility=_VEC), 1)
     return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
 
@@ -402,7 +426,10 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
     mB2 = None
-    if b_major == K_MAJOR:
+    if epilogue == "swiglu":  # w_gate, w_up [E, I, K]
+        inter = cute.sym_int(divisibility=_VEC)
+        mB, mB2 = _fake_3d(ab, e, inter, k), _fake_3d(ab, e, inter, k)
+    elif b_major == K_MAJOR:
         mB = _fake_3d(ab, e, n, k)
     else:
         mB = _fake_3d(ab, e, cute.sym_int(divisibility=_VEC), n)
@@ -411,10 +438,10 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     out0 = out1 = _fake_2d(cutlass.BFloat16, m, n)
     if epilogue == "swiglu":  # gu as [M, 2, I], h as [M, I]
-        inter = cute.sym_int(divisibility=_VEC)
-        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, inter), _fake_2d(cutlass.BFloat16, m, inter)
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, cute.sym_int(), inter), _fake_2d(cutlass.BFloat16, m, inter)
     elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
-        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, n), _fake_3d(cutlass.BFloat16, m, 2, n)
+        two = cute.sym_int()
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, two, n), _fake_3d(cutlass.BFloat16, m, two, n)
     stream = cute.runtime.make_fake_stream()
     return compile_kernel(op, mA, mB, mB2, offs, out0, out1, Float32(0.0), Int32(1), stream,
                           arch=arch, inspect=inspect)
@@ -479,7 +506,33 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
 
 
 def _cute_tensor(t, align=16):
+    """The DSL's own runtime tensor (every shape mode dynamic, strides dynamic but the last = 1);
+    ~10 us per tensor on the host. Launches use :class:`_Desc` (same bytes, ~1 us)."""
     return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+class _Desc:
+    """Fast host-side kernel argument for a torch tensor: the ``{data, i32 shapes[n], i64
+    strides[n-1]}`` memref descriptor that :func:`_cute_tensor` builds (every shape mode
+    dynamic, last stride static 1), packed directly (tests check the bytes are equal).
+    The compiled function reads it through ``__c_pointers__``; the tensor is kept alive."""
+
+    __slots__ = ("_buf", "_keep")
+
+    def __init__(self, t: torch.Tensor):
+        n = t.dim()
+        if t.stride(-1) != 1:
+            raise ValueError(f"kernel tensor arguments need a unit last stride, got strides {t.stride()}")
+        pad = (0,) if n % 2 else ()  # the i64 strides start 8-byte aligned
+        fmt = "<Q" + "i" * (n + len(pad)) + "q" * (n - 1)
+        self._buf = ctypes.create_string_buffer(struct.pack(fmt, t.data_ptr(), *t.shape, *pad, *t.stride()[:-1]))
+        self._keep = t
+
+    def __c_pointers__(self):
+        return [ctypes.addressof(self._buf)]
+
+    def raw(self) -> bytes:
+        return self._buf.raw[:len(self._buf.raw) - 1]  # create_string_buffer adds a NUL
 
 
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
@@ -489,7 +542,7 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     arch = arch_of_device(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
-    split_b = w2 is not None
+    split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     compiled = compile_cached(
         ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
         lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_b=split_b,
@@ -499,9 +552,8 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     num_ctas = max(1, min(sm_count(a.device), tiles_bound))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
-             _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
-             Int32(num_ctas), stream)
+    compiled(_Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32.contiguous()), _Desc(out0),
+             _Desc(out1), Float32(limit), Int32(num_ctas), stream)
 
 
 def sm_count(device) -> int:
@@ -553,8 +605,8 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     (gate in columns [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u,
     with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given.
 
-    w_gate, w_up [E, I, H] bf16, I a multiple of ``cfg.tile_n / 2``. The weights are
-    interleaved into one [E, 2I, H] copy per call (:func:`interleave_gate_up`).
+    w_gate, w_up [E, I, H] bf16 contiguous, I a multiple of ``cfg.tile_n / 2``; read in place
+    (each B tile is tile_n/2 gate rows stacked on the matching up rows by two TMA loads).
     ``out``: optional preallocated ``(gu, h)``.
     """
     m, _, _ = _check_operands(x, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
@@ -569,7 +621,6 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     h = _check_out("h", h, (m, inter), x.device)
     _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
     if m:
-        w = interleave_gate_up(w_gate, w_up, cfg.tile_n)
-        _launch("swiglu", limit is not None, cfg, x, w, offsets, gu.view(m, 2, inter), h,
-                0.0 if limit is None else float(limit), 2 * inter)
+        _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, gu.view(m, 2, inter), h,
+                0.0 if limit is None else float(limit), 2 * inter, w2=w_up)
     return gu, h

@@ -128,10 +128,12 @@ class Sm90Mainloop:
         self.b_smem_staged = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
         self.tx_bytes = cfg.stage_bytes()
 
-    def make_tma(self, mA: cute.Tensor, mB: cute.Tensor):
+    def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, b_half: bool = False):
         """TMA load atoms for A (M, K, ...) and B (N, K, ...) with the declared majorness
         (extra modes, e.g. an expert mode L, are addressed by the coordinate tensors).
 
+        ``b_half``: the B atom loads half a tile (``tile_n / 2`` rows of N), for a B tile
+        stacked along N from two tensors (see :meth:`load_tile`).
         Returns ``(atom_a, coord_a, atom_b, coord_b)``; the coordinate tensors are what
         the producer tiles (``domain_offset`` them for per-group row starts).
         """
@@ -139,9 +141,12 @@ class Sm90Mainloop:
         atom_a, coord_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a_smem_staged, (None, None, 0)),
             (cfg.tile_m, cfg.tile_k))
+        b_n = cfg.tile_n // 2 if b_half else cfg.tile_n
+        b_smem = self.b_smem_staged
+        if b_half:
+            b_smem = sm90.make_smem_layout_b(self.b_layout, (cfg.tile_m, b_n, cfg.tile_k), cfg.ab_dtype, 1)
         atom_b, coord_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(self.b_smem_staged, (None, None, 0)),
-            (cfg.tile_n, cfg.tile_k))
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
 
     def make_pipeline(self, barrier_ptr):
@@ -165,23 +170,37 @@ class Sm90Mainloop:
     @cute.jit
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
                   atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
-                  atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None):
+                  atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None,
+                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
         ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ k_tiles2]); ``gB``: (tile_n, tile_k,
         k_tiles); ``sA``/``sB``: the staged ring tensors. With ``atom_b2``/``gB2`` the B
         operand is the concatenation along K of two tensors: k-tiles ``k_tiles ..
         k_tiles + k_tiles2 - 1`` of A pair with k-tiles ``0 .. k_tiles2 - 1`` of ``gB2``.
+        With ``atom_b_hi``/``gB_hi`` the B tile is stacked along N from two tensors: rows
+        ``[0, tile_n/2)`` of the ring slot come from ``gB`` (tile_n/2, tile_k, k_tiles), rows
+        ``[tile_n/2, tile_n)`` from ``gB_hi`` (atoms from ``make_tma(..., b_half=True)``).
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        sB_lo = sB
+        if cutlass.const_expr(gB_hi is not None):
+            half_tiler = (self.cfg.tile_n // 2, self.cfg.tile_k, self.stages)
+            sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
         tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
-                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                                           cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
+        if cutlass.const_expr(gB_hi is not None):
+            sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
+            tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
+                                                     cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
         for k in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
             cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(gB_hi is not None):
+                cute.copy(atom_b_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
         if cutlass.const_expr(gB2 is not None):

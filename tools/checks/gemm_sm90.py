@@ -49,13 +49,39 @@ def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
     return float(diff.max()) if diff.numel() else 0.0, rel, finite
 
 
-def _row(name, outs, refs, repeats_equal, note=""):
+def _nanmax(a: float, b: float) -> float:
+    """max that keeps NaN (Python's max(x, nan) silently drops it)."""
+    return float("nan") if a != a or b != b else max(a, b)
+
+
+def _span(idx: torch.Tensor) -> str:
+    if idx.numel() == 0:
+        return "-"
+    idx = idx.unique()
+    return f"{int(idx.min())}..{int(idx.max())} ({idx.numel()})"
+
+
+def nonfinite_where(name: str, t: torch.Tensor) -> str:
+    """Where a 2-D output is not finite: count, row span, column span (column blocks of 128)."""
+    bad = ~torch.isfinite(t.float())
+    n = int(bad.sum())
+    if n == 0:
+        return ""
+    rows, cols = bad.nonzero(as_tuple=True)
+    blocks = (cols // 128).unique().tolist()
+    return f"{name}: {n} nonfinite rows {_span(rows)} cols {_span(cols)} col-blocks/128 {blocks[:12]}"
+
+
+def _row(name, outs, refs, repeats_equal, note="", names=None):
     worst_abs, worst_rel, all_finite = 0.0, 0.0, True
-    for o, r in zip(outs, refs):
+    where = []
+    for i, (o, r) in enumerate(zip(outs, refs)):
         a, rel, fin = _errors(o, r)
-        worst_abs, worst_rel, all_finite = max(worst_abs, a), max(worst_rel, rel), all_finite and fin
+        worst_abs, worst_rel, all_finite = _nanmax(worst_abs, a), _nanmax(worst_rel, rel), all_finite and fin
+        if not fin and o.dim() == 2:
+            where.append(nonfinite_where(names[i] if names else f"out{i}", o))
     ok = all_finite and worst_rel <= REL_L1_TOL and repeats_equal
-    note = f"relL1={worst_rel:.2e} finite={all_finite} {note}".strip()
+    note = f"relL1={worst_rel:.2e} finite={all_finite} {note} {'; '.join(where)}".strip()
     return Row(name, max_err=worst_abs, bitwise=repeats_equal, ok=ok, note=note)
 
 
@@ -98,8 +124,9 @@ def _check_swiglu(gg, ref, dev, gen, routing, limit):
     # h from the kernel's own gu isolates the epilogue math from GEMM rounding differences
     h_own = ref.swiglu(gu[:, :INTER].float(), gu[:, INTER:].float(), limit).bfloat16()
     _, rel_own, _ = _errors(h, h_own)
+    rels = [f"{n} relL1={_errors(o, r)[1]:.1e}" for n, o, r in (("gu", gu, gu_ref), ("h", h, h_ref))]
     return _row(f"swiglu {routing} L={limit}", [gu, h], [gu_ref, h_ref], same,
-                f"h-vs-own-gu relL1={rel_own:.1e} M={m}")
+                f"{' '.join(rels)} h-vs-own-gu relL1={rel_own:.1e} M={m}", names=["gu", "h"])
 
 
 def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
@@ -212,22 +239,25 @@ def _bench(gg, bwd, dev):
     wg = (torch.randn(e, inter, hid, device=dev) * hid ** -0.5).bfloat16()
     wu = (torch.randn(e, inter, hid, device=dev) * hid ** -0.5).bfloat16()
     wd = (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).bfloat16()
-    w1 = gg.interleave_gate_up(wg, wu)
+    w1 = torch.cat([wg, wu], dim=1)  # same FLOPs as GEMM1 through the plain kernel
     h = torch.randn(m, inter, device=dev).bfloat16()
     dy = torch.randn(m, hid, device=dev).bfloat16()
     gu = torch.randn(m, 2 * inter, device=dev).bfloat16()
     dgu = torch.randn(m, 2 * inter, device=dev).bfloat16()
     rows_out = []
+    cfg128 = gg.MainloopConfig(tile_n=128)
     flops1 = 2.0 * m * hid * 2 * inter
     flops2 = 2.0 * m * inter * hid
     for name, fn, flops in [
         ("bench gemm1 mainloop (plain, w_gu)", lambda: gg.grouped_gemm(x, offs, w1), flops1),
-        ("bench gemm1+swiglu (incl interleave)", lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0), flops1),
+        ("bench gemm1+swiglu L=4", lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0), flops1),
         ("bench gemm2 plain", lambda: gg.grouped_gemm(h, offs, wd), flops2),
         ("bench dgrad2+dswiglu L=4", lambda: bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=4.0), flops2),
         ("bench dgrad1 (K=2I, split B)", lambda: bwd.grouped_dgrad1(dgu, offs, wg, wu), flops1),
         ("bench wgrad dWd = wgrad(dy, h)", lambda: bwd.grouped_wgrad(dy, h, offs), flops2),
         ("bench wgrad dWg = wgrad(dgu[:, :I], x)", lambda: bwd.grouped_wgrad(dgu[:, :inter], x, offs), flops2),
+        ("variant gemm1 plain tile_n=128", lambda: gg.grouped_gemm(x, offs, w1, cfg=cfg128), flops1),
+        ("variant gemm2 plain tile_n=128", lambda: gg.grouped_gemm(h, offs, wd, cfg=cfg128), flops2),
     ]:
         t = bench_us(fn)
         rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s ({e}x{rows} rows, H={hid}, I={inter})"))

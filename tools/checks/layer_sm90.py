@@ -46,15 +46,25 @@ def _run(backend, x, idx, w, ws, sh, dy, limit):
     return [y] + list(grads)
 
 
+OUT_NAMES = ["y", "dx", "dtopk_w", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"]
+
+
 def _compare(name, outs, refs, same):
     worst_abs, worst_rel, finite = 0.0, 0.0, True
-    for o, r in zip(outs, refs):
-        finite &= bool(torch.isfinite(o.float()).all())
+    bad = []  # the outputs over tolerance or not finite, named
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        fin = bool(torch.isfinite(o.float()).all())
         d = (o.float() - r.float()).abs()
-        worst_abs = max(worst_abs, float(d.max()))
-        worst_rel = max(worst_rel, float(d.sum() / r.float().abs().sum().clamp_min(1e-30)))
+        a = float(d.max()) if d.numel() else 0.0
+        rel = float(d.sum() / r.float().abs().sum().clamp_min(1e-30))
+        finite &= fin
+        worst_abs = a if (a != a or worst_abs != worst_abs) else max(worst_abs, a)  # keep NaN
+        worst_rel = rel if (rel != rel or worst_rel != worst_rel) else max(worst_rel, rel)
+        if not (fin and a <= MAX_ABS and rel <= REL_L1):
+            bad.append(f"{OUT_NAMES[i]}(abs={a:.2g},rel={rel:.1e},finite={fin})")
     ok = finite and worst_abs <= MAX_ABS and worst_rel <= REL_L1 and same
-    return Row(name, max_err=worst_abs, bitwise=same, ok=ok, note=f"relL1={worst_rel:.2e} finite={finite}")
+    note = f"relL1={worst_rel:.2e} finite={finite}" + (f" bad: {' '.join(bad)}" if bad else "")
+    return Row(name, max_err=worst_abs, bitwise=same, ok=ok, note=note)
 
 
 def run(ctx) -> list[Row]:
