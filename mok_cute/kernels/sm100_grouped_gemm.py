@@ -251,22 +251,23 @@ class GroupedGemmSm100:
                 if cutlass.const_expr(self.wgrad):
                     gA = cute.local_tile(_expert_k(coords[0], lo, length), tiler_a, (m_tile, None))
                     gB = cute.local_tile(_expert_k(coord_b, lo, length), tiler_b, (n_tile, None))
-                    tBsB, tBgB = self.mainloop.partition_b(atoms[1], gB, sB, cta_v)
+                    sB_t, tBgB = self.mainloop.partition_b(atoms[1], gB, sB, cta_v)
                 else:
+                    sB_t = tBsB
                     gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
                     tBgB = tBgB_all[(None, n_tile, None, e)]
                 tAsA, tAgA = self.mainloop.partition_a(atoms[0], gA, sA, cta_v)
                 if cutlass.const_expr(cfg.mx):
                     if cutlass.const_expr(self.wgrad):
                         srcs = (tAgA, tBgB, sf_src[0][(None, m_tile, None, 0)], sf_src[1][(None, n_tile, None, 0)])
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, tBsB, tAsSFA, tBsSFB), kt, sf_tile,
+                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, sB_t, tAsSFA, tBsSFB), kt, sf_tile,
                                              masks)
                     else:
                         srcs = (tAgA, tBgB, sf_src[0][(None, sf_tile, None, 0)], sf_src[1][(None, n_tile, None, e)])
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, tBsB, tAsSFA, tBsSFB), kt, Int32(0),
+                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, sB_t, tAsSFA, tBsSFB), kt, Int32(0),
                                              masks)
                 else:
-                    state = self.mainloop.load_tile(ab_pipe, state, atoms, (tAgA, tBgB), (tAsA, tBsB), kt, Int32(0), masks)
+                    state = self.mainloop.load_tile(ab_pipe, state, atoms, (tAgA, tBgB), (tAsA, sB_t), kt, Int32(0), masks)
                 linear = linear + stride
                 expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
             ab_pipe.producer_tail(state)

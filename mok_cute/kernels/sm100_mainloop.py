@@ -371,6 +371,7 @@ class AccChunks:
         src = self.src[(None, None, None, 0, c)]
         r = cute.make_rmem_tensor(self.reg_shape, cutlass.Float32)
         cute.copy(self.copy, src, r)
+        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
         return r
 
     def part(self, g_chunk: cute.Tensor) -> cute.Tensor:
