@@ -20,6 +20,8 @@ peer, reduces its tokens, and the last CTA signals FREE = e.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mok_cute.comm import protocol as P
@@ -30,6 +32,7 @@ from mok_cute.kernels.compile import compile_cached, compile_kernel
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 THREADS = 1024
+SPLIT_PHASES = os.environ.get("MOK_COMM_SPLIT", "0") == "1"  # debugging: two launches, synced
 
 
 @cute.jit
@@ -51,10 +54,27 @@ def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters
                         start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
                         k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
                         epoch: Int32, timeout_ns: Int64, nctas: Int32,
-                        has_w: Constexpr, has_start: Constexpr):
+                        has_w: Constexpr, has_start: Constexpr, phase: Constexpr = 3):
+    # phase (debugging aid): 1 = push half only, 2 = reduce half only, 3 = both
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    if cutlass.const_expr(phase & 1):
+        _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
+                   e_local, slots_off, flags_off, epoch, timeout_ns, nctas, phase)
+    if cutlass.const_expr(phase & 2):
+        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
+                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+
+
+@cute.jit
+def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
+               recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
+               me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
+               slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32,
+               phase: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
     flags_local = pb[me] + flags_off
     tk = T * k
     if tidx == 0:
@@ -88,8 +108,23 @@ def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters
     cute.arch.barrier()
     if tidx == 0:
         if P.arrive_last(counters, nctas):
+            if cutlass.const_expr(phase == 1):
+                cute.arch.store(counters, Int32(0))
             if not P.failed(status):
                 P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
+
+
+@cute.jit
+def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
+                 dest_rank: cute.Pointer, weights: cute.Pointer, start: cute.Pointer,
+                 out: cute.Pointer, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                 slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
+                 nctas: Int32, has_w: Constexpr, has_start: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    flags_local = pb[me] + flags_off
+    tk = T * k
+    if tidx == 0:
         P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
     cute.arch.barrier()
     # reduce: fixed slot order per token
@@ -140,21 +175,23 @@ def push_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: c
                      start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
                      k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
                      epoch: Int32, timeout_ns: Int64, nctas: Int32, stream,
-                     has_w: Constexpr, has_start: Constexpr):
+                     has_w: Constexpr, has_start: Constexpr, phase: Constexpr = 3):
     """Launch the push-and-reduce kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
     _push_reduce_kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank,
                         weights, start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch,
-                        timeout_ns, nctas, has_w, has_start).launch(
+                        timeout_ns, nctas, has_w, has_start, phase).launch(
         grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
-def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
-    """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``."""
+def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False,
+                        phase: int = 3):
+    """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
+    ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
     return compile_kernel(push_reduce_host, _fake_ptr("i64"), i32, i32, i32, i32, bf, Int32(1),
                           i32, _fake_ptr("f32"), bf, bf, Int32(0), Int32(1), Int32(1), Int32(1),
                           Int32(1), Int32(1), Int64(0), Int64(0), Int32(1), Int64(1), Int32(1),
-                          fake_stream(), has_w, has_start, arch=arch, inspect=inspect)
+                          fake_stream(), has_w, has_start, phase, arch=arch, inspect=inspect)
 
 
 def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas, name,
@@ -168,18 +205,23 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
     has_w, has_start = weights is not None, start is not None
-    fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start),
-                        lambda: compile_push_reduce(ws.arch, has_w, has_start)[0])
+    phases = (1, 2) if SPLIT_PHASES else (3,)
     out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     in_rows = min(rows.shape[0], plan.recv_src.shape[0])
     epoch = ws.next_epoch("push")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:6]), dptr(plan.recv_src),
-       dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank),
-       dptr(weights if has_w else ws.status, Float32),
-       dptr(start if has_start else out), dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
-       Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["slots"]),
-       Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
-       current_stream())
+    for ph in phases:
+        fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
+                            lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])
+        fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:6]), dptr(plan.recv_src),
+           dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank),
+           dptr(weights if has_w else ws.status, Float32),
+           dptr(start if has_start else out), dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
+           Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["slots"]),
+           Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
+           current_stream())
+        if SPLIT_PHASES:
+            torch.cuda.synchronize()
+            print(f"[comm rank {ws.me}] push_reduce phase {ph} (epoch {epoch}): ok", flush=True)
     return out
 
 

@@ -112,6 +112,27 @@ def _plan_diff(plan, view, M: int) -> list[str]:
     return bad
 
 
+def _probe(ctx: Ctx, ws) -> None:
+    """Debug: touch every byte of every rank's workspace through torch (handle.get_buffer):
+    read all, then zero the (still unused) slot section of every peer."""
+    so = ws.offsets["slots"]
+    bufs = [ws.handle.get_buffer(q, (ws.sym_bytes,), torch.uint8, ws.sym_offsets[q])
+            for q in range(ws.EP)]
+    for q, t in enumerate(bufs):
+        _log(ctx, f"probe rank {q}: torch ptr {t.data_ptr():#x} vs ours {ws.peer_addrs[q]:#x}")
+        int(t[:so].sum())
+        torch.cuda.synchronize()
+        int(t[so:].sum())
+        torch.cuda.synchronize()
+        _log(ctx, f"probe rank {q}: read all {ws.sym_bytes} bytes ok")
+    dist.barrier()
+    for q, t in enumerate(bufs):
+        t[so:].zero_()
+        torch.cuda.synchronize()
+        _log(ctx, f"probe rank {q}: wrote slots ok")
+    dist.barrier()
+
+
 def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Row]:
     me, EP, dev = ctx.rank, ctx.world, ctx.device
     ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=8)
@@ -132,6 +153,8 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     if diff:  # keep testing the data paths with the correct plan
         _log(ctx, f"plan mismatch: {diff}")
         plan = _mirror_plan(ws, view)
+    if DEBUG:
+        _probe(ctx, ws)
 
     trip = spec.recv_triples(me).to(dev)
     x_all = [_randn(10 + p, (T, H), dev) for p in range(EP)]
