@@ -476,3 +476,267 @@ def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_1
     out = _fake_3d(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int())
     return compile_kernel(op, mA, mB, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, Float32(0.0), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+
+
+# ---------------------------------------------------------------- host wrappers
+DEFAULT_CONFIG = Sm100Config()
+MXFP8_CONFIG = Sm100Config(ab_dtype=cutlass.Float8E4M3FN)
+_FP8 = torch.float8_e4m3fn
+
+
+def _config(a, cfg):
+    """The config for operand dtype ``a.dtype`` (bf16 or float8_e4m3fn), checked against ``cfg``."""
+    mx = a.dtype == _FP8
+    cfg = cfg or (MXFP8_CONFIG if mx else DEFAULT_CONFIG)
+    if cfg.mx != mx:
+        raise ValueError(f"cfg.ab_dtype {cfg.ab_dtype.__name__} does not match operand dtype {a.dtype}")
+    return cfg
+
+
+def _check_rows(name, t, mx, k_name="K"):
+    """Row-major [M, K] operand: contiguous, 16-byte aligned, K a positive multiple of 16 bytes
+    (MXFP8: of 32 elements)."""
+    _check_tensor(name, t, 2, (_FP8,) if mx else (torch.bfloat16,))
+    mult = lay.SF_VEC if mx else 8
+    if t.shape[1] % mult or t.shape[1] == 0:
+        raise ValueError(f"{name}: {k_name}={t.shape[1]} must be a positive multiple of {mult}")
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous (row-major) and 16-byte aligned")
+
+
+def _check_weight(name, w, shape, mx):
+    _check_tensor(name, w, 3, (_FP8,) if mx else (torch.bfloat16,))
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(w.shape)}")
+    if not w.is_contiguous() or w.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+
+
+def _check_offsets(offsets):
+    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
+    if offsets.numel() < 2:
+        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
+    return offsets.numel() - 1
+
+
+def _check_scales(name, s, shape):
+    """MXFP8 scales: uint8 E8M0 of exactly ``shape``."""
+    if s is None:
+        raise ValueError(f"{name} is required for float8_e4m3fn operands")
+    _check_tensor(name, s, len(shape), (torch.uint8,))
+    if tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(s.shape)}")
+
+
+def _arch(device) -> str:
+    arch = arch_of_device(device)
+    if arch not in ARCHS:
+        raise ValueError(f"the SM100 grouped GEMMs need an sm_100a/sm_103a device, got {arch}")
+    return arch
+
+
+def _num_ctas(device, cfg: Sm100Config, tiles: int) -> int:
+    """Persistent grid: min(SMs, tiles) clusters' worth of CTAs (a multiple of the cluster size)."""
+    clusters = max(1, min(sm_count(device) // cfg.cta_group, tiles))
+    return clusters * cfg.cta_group
+
+
+def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_sf, w_sf, offsets, out0, out1,
+            limit: float, n: int):
+    """Compile (once per variant and arch) and launch one grouped GEMM on the current stream."""
+    arch = _arch(a.device)
+    compiled = compile_cached(
+        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, cfg.key()),
+        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, arch=arch)[0])
+    m, e = a.shape[0], offsets.numel() - 1
+    tiles = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    compiled(_cute_tensor(a), _cute_tensor(w), None if a_sf is None else _cute_tensor(a_sf),
+             None if w_sf is None else _cute_tensor(w_sf), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0),
+             _cute_tensor(out1), Float32(limit), Int32(_num_ctas(a.device, cfg, tiles)), stream)
+
+
+def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: Sm100Config | None = None):
+    """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
+
+    a [M, K] bf16 or float8_e4m3fn, contiguous; offsets [E+1] int32/int64 on the device (0,
+    non-decreasing, last = M; not checked); w [E, N, K] same dtype, N a multiple of
+    ``cfg.tile_n``. MXFP8: ``a_scales`` [M, K/32] and ``w_scales`` [E, N, K/32] uint8 E8M0
+    (``mxfp8_quantize`` along K), repacked on the device into the blocked layouts.
+    """
+    cfg = _config(a, cfg)
+    _check_rows("a", a, cfg.mx)
+    e = _check_offsets(offsets)
+    m, k = a.shape
+    _check_tensor("w", w, 3, (a.dtype,))
+    _check_weight("w", w, (e, w.shape[1], k), cfg.mx)
+    n = w.shape[1]
+    if n % cfg.tile_n or n == 0:
+        raise ValueError(f"w: N={n} must be a positive multiple of tile_n={cfg.tile_n}")
+    a_sf = w_sf = None
+    if cfg.mx:
+        _check_scales("a_scales", a_scales, (m, k // lay.SF_VEC))
+        _check_scales("w_scales", w_scales, (e, n, k // lay.SF_VEC))
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, offsets=offsets, w=w, out=out)
+    if m:
+        if cfg.mx:
+            a_sf, w_sf = lay.pack_row_scales(a_scales, offsets), lay.to_blocked(w_scales).reshape(-1)
+        _launch(cfg, "plain", False, K_MAJOR, a, w, a_sf, w_sf, offsets, out, out, 0.0, n)
+    return out
+
+
+def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None, w_scales=None, out=None,
+                         cfg: Sm100Config | None = None):
+    """(gu [M, 2I], h [M, I]) bf16: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T) (gate in columns
+    [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u, with g = min(g,
+    limit), u = clamp(u, -limit, limit) when ``limit`` is given.
+
+    x [M, H], w_gate/w_up [E, I, H] (bf16, or float8_e4m3fn with ``x_scales`` [M, H/32] and
+    ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of ``tile_n / 2``.
+    The weights (and scales) are interleaved into one [E, 2I, H] copy per call.
+    """
+    cfg = _config(x, cfg)
+    _check_rows("x", x, cfg.mx, "H")
+    e = _check_offsets(offsets)
+    m, hid = x.shape
+    _check_tensor("w_gate", w_gate, 3, (x.dtype,))
+    inter = w_gate.shape[1]
+    _check_weight("w_gate", w_gate, (e, inter, hid), cfg.mx)
+    _check_weight("w_up", w_up, (e, inter, hid), cfg.mx)
+    if inter % (cfg.tile_n // 2) or inter == 0:
+        raise ValueError(f"w_gate: I={inter} must be a positive multiple of tile_n/2={cfg.tile_n // 2}")
+    _check_limit(limit)
+    if cfg.mx:
+        _check_scales("x_scales", x_scales, (m, hid // lay.SF_VEC))
+        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
+            raise ValueError("w_scales must be (gate_scales, up_scales) for float8_e4m3fn weights")
+        _check_scales("w_scales[0]", w_scales[0], (e, inter, hid // lay.SF_VEC))
+        _check_scales("w_scales[1]", w_scales[1], (e, inter, hid // lay.SF_VEC))
+    gu, h = (None, None) if out is None else out
+    gu = _check_out("gu", gu, (m, 2 * inter), x.device)
+    h = _check_out("h", h, (m, inter), x.device)
+    _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
+    if m:
+        w = interleave_gate_up(w_gate, w_up, cfg.tile_n)
+        x_sf = w_sf = None
+        if cfg.mx:
+            x_sf = lay.pack_row_scales(x_scales, offsets)
+            w_sf = lay.to_blocked(interleave_gate_up(*w_scales, cfg.tile_n)).reshape(-1)
+        _launch(cfg, "swiglu", limit is not None, K_MAJOR, x, w, x_sf, w_sf, offsets, gu.view(m, 2, inter), h,
+                0.0 if limit is None else float(limit), 2 * inter)
+    return gu, h
+
+
+def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None, w_scales=None, out=None,
+                          cfg: Sm100Config | None = None):
+    """dgu [M, 2I] bf16 = bf16([dg | du]): dh = dy_e . w_down[e] in FP32 (never rounded), then
+    the dSwiGLU of :func:`mok_cute.reference.dswiglu` at the bf16 g = gu[:, :I], u = gu[:, I:].
+
+    dy [M, H] (routed rows, scaled by topk_w), w_down [E, H, I] contiguous (read N-major in
+    place), bf16 or float8_e4m3fn with ``dy_scales`` [M, H/32] and ``w_scales`` [E, H/32, I]
+    (w_down quantized along H); gu [M, 2I] bf16; I a multiple of ``tile_n``.
+    """
+    cfg = _config(dy, cfg)
+    _check_rows("dy", dy, cfg.mx, "H")
+    e = _check_offsets(offsets)
+    m, hid = dy.shape
+    _check_tensor("w_down", w_down, 3, (dy.dtype,))
+    inter = w_down.shape[2]
+    _check_weight("w_down", w_down, (e, hid, inter), cfg.mx)
+    if inter % cfg.tile_n or inter == 0:
+        raise ValueError(f"w_down: I={inter} must be a positive multiple of tile_n={cfg.tile_n}")
+    _check_tensor("gu", gu, 2, (torch.bfloat16,))
+    if tuple(gu.shape) != (m, 2 * inter) or not gu.is_contiguous():
+        raise ValueError(f"gu must be contiguous with shape {(m, 2 * inter)}, got {tuple(gu.shape)}")
+    _check_limit(limit)
+    if cfg.mx:
+        _check_scales("dy_scales", dy_scales, (m, hid // lay.SF_VEC))
+        _check_scales("w_scales", w_scales, (e, hid // lay.SF_VEC, inter))
+    out = _check_out("out", out, (m, 2 * inter), dy.device)
+    _check_devices(dy=dy, offsets=offsets, w_down=w_down, gu=gu, out=out)
+    if m:
+        dy_sf = w_sf = None
+        if cfg.mx:
+            dy_sf = lay.pack_row_scales(dy_scales, offsets)
+            w_sf = lay.to_blocked(w_scales.transpose(1, 2)).reshape(-1)
+        _launch(cfg, "dswiglu", limit is not None, MN_MAJOR, dy, w_down, dy_sf, w_sf, offsets,
+                out.view(m, 2, inter), gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter)
+    return out
+
+
+def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg: Sm100Config | None = None):
+    """dW [E, Na, Nb] bf16: dW[e] = bf16(a_e^T . b_e) over expert e's rows, tokens summed in
+    order in FP32 (no split-K, no atomics: bitwise reproducible); empty experts get zeros.
+
+    a [M, Na], b [M, Nb] contiguous, bf16 or float8_e4m3fn quantized along tokens per expert
+    (blocks of 32 from each expert's first row) with ``a_scales`` / ``b_scales`` already in
+    the grouped token layout (:func:`~mok_cute.kernels.sm100_layouts.pack_token_scales`:
+    flat uint8 of ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Nb a multiple of ``tile_n``.
+    """
+    cfg = _config(a, cfg)
+    _check_rows("a", a, cfg.mx, "Na")
+    _check_rows("b", b, cfg.mx, "Nb")
+    e = _check_offsets(offsets)
+    m, na = a.shape
+    nb = b.shape[1]
+    if b.shape[0] != m:
+        raise ValueError(f"b must have {m} rows (as a), got {b.shape[0]}")
+    if nb % cfg.tile_n:
+        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={cfg.tile_n}")
+    if m >= 2 ** 31:
+        raise ValueError(f"a: M={m} rows must be < 2^31")
+    if cfg.mx:
+        kbs = lay.grouped_sf_rows(m, e) // lay.SF_VEC
+        _check_scales("a_scales", a_scales, (lay.sf_bytes(na, kbs),))
+        _check_scales("b_scales", b_scales, (lay.sf_bytes(nb, kbs),))
+    if out is None:
+        out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
+    else:
+        _check_tensor("out", out, 3, (torch.bfloat16,))
+        if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
+    _check_devices(a=a, b=b, offsets=offsets, out=out)
+    arch = _arch(a.device)
+    if m == 0:
+        return out.zero_()
+    compiled = compile_cached(("sm100_grouped_wgrad", arch, cfg.key()),
+                              lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
+    tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    compiled(_cute_tensor(a), _cute_tensor(b), None if a_scales is None else _cute_tensor(a_scales),
+             None if b_scales is None else _cute_tensor(b_scales), _cute_tensor(offs32.contiguous(), 4),
+             _cute_tensor(out), _cute_tensor(out), Float32(0.0), Int32(_num_ctas(a.device, cfg, tiles)), stream)
+    return out
+
+
+# ---------------------------------------------------------------- variant registry (tests, readiness tool)
+_COMMON_PTX = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor", "mbarrier")
+_BF16_PTX = _COMMON_PTX + ("kind::f16",)
+_MX_PTX = _COMMON_PTX + ("kind::mxf8f6f4", "block_scale", "tcgen05.cp")
+
+
+def variants() -> dict:
+    """``name -> (compile(arch, inspect) -> (compiled, report), PTX substrings it must hold)``
+    for every SM100 kernel variant this module builds."""
+    mx = MXFP8_CONFIG
+
+    def gemm(epi, **kw):
+        return lambda arch, inspect=True: compile_grouped_gemm(epi, arch=arch, inspect=inspect, **kw)
+
+    def wgrad(**kw):
+        return lambda arch, inspect=True: compile_grouped_wgrad(arch=arch, inspect=inspect, **kw)
+
+    return {
+        "bf16-plain": (gemm("plain"), _BF16_PTX),
+        "bf16-swiglu-clamp": (gemm("swiglu", clamp=True), _BF16_PTX),
+        "bf16-dswiglu-clamp": (gemm("dswiglu", clamp=True, b_major=MN_MAJOR), _BF16_PTX),
+        "bf16-wgrad": (wgrad(), _BF16_PTX),
+        "bf16-plain-2cta": (gemm("plain", cfg=Sm100Config(tile_m=256)), _BF16_PTX + ("cta_group::2",)),
+        "mxfp8-plain": (gemm("plain", cfg=mx), _MX_PTX),
+        "mxfp8-swiglu-clamp": (gemm("swiglu", clamp=True, cfg=mx), _MX_PTX),
+        "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),
+        "mxfp8-wgrad": (wgrad(cfg=mx), _MX_PTX),
+    }

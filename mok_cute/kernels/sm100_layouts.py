@@ -60,15 +60,17 @@ def sf_bytes(rows: int, k_blocks: int) -> int:
 
 
 def to_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, KB] -> flat uint8 [sf_bytes(R, KB)] in the blocked layout (zero padding)."""
-    if scales.dtype != torch.uint8 or scales.dim() != 2:
-        raise ValueError(f"scales must be 2-D uint8, got {scales.dtype} {tuple(scales.shape)}")
-    rows, kbs = scales.shape
+    """uint8 [R, KB] -> flat uint8 [sf_bytes(R, KB)] in the blocked layout (zero padding);
+    a batch [B, R, KB] -> [B, sf_bytes(R, KB)] (e.g. per-expert weight scales)."""
+    if scales.dtype != torch.uint8 or scales.dim() not in (2, 3):
+        raise ValueError(f"scales must be 2-D or 3-D uint8, got {scales.dtype} {tuple(scales.shape)}")
+    batch = scales.shape[:-2]
+    rows, kbs = scales.shape[-2:]
     rb, cb = _ceil(rows, SF_ATOM_ROWS), _ceil(kbs, SF_ATOM_KBLOCKS)
-    padded = torch.zeros(rb * SF_ATOM_ROWS, cb * SF_ATOM_KBLOCKS, dtype=torch.uint8, device=scales.device)
-    padded[:rows, :kbs] = scales
-    atoms = padded.view(rb, 4, 32, cb, 4).permute(0, 3, 2, 1, 4)  # (rb, cb, r0, r1, kb)
-    return atoms.reshape(-1)
+    padded = torch.zeros(*batch, rb * SF_ATOM_ROWS, cb * SF_ATOM_KBLOCKS, dtype=torch.uint8, device=scales.device)
+    padded[..., :rows, :kbs] = scales
+    atoms = padded.view(-1, rb, 4, 32, cb, 4).permute(0, 1, 4, 3, 2, 5)  # (b, rb, cb, r0, r1, kb)
+    return atoms.reshape(*batch, -1)
 
 
 def grouped_sf_rows(m_total: int, num_experts: int) -> int:
@@ -81,15 +83,17 @@ def expert_sf_start(offsets, e: int) -> int:
     return SF_ATOM_ROWS * (int(offsets[e]) // SF_ATOM_ROWS + e)
 
 
-def pack_row_scales(scales: torch.Tensor, offsets) -> torch.Tensor:
+def pack_row_scales(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Token-row operand scales uint8 [M, K/32] (``mxfp8_quantize(x, -1)``) -> flat blocked
-    [sf_bytes(grouped_sf_rows(M, E), K/32)] with each expert at :func:`expert_sf_start`."""
-    offs = [int(o) for o in offsets]
+    [sf_bytes(grouped_sf_rows(M, E), K/32)] with each expert at :func:`expert_sf_start`.
+    ``offsets``: int tensor [E+1] on the scales' device (torch ops only: no host sync)."""
     m, kbs = scales.shape
-    grouped = torch.zeros(grouped_sf_rows(m, len(offs) - 1), kbs, dtype=torch.uint8, device=scales.device)
-    for e in range(len(offs) - 1):
-        s = expert_sf_start(offs, e)
-        grouped[s:s + offs[e + 1] - offs[e]] = scales[offs[e]:offs[e + 1]]
+    offs = offsets.to(device=scales.device, dtype=torch.int64)
+    rows = torch.arange(m, device=scales.device)
+    e = torch.searchsorted(offs[1:], rows, right=True)  # expert of each token row
+    dest = SF_ATOM_ROWS * (offs[e] // SF_ATOM_ROWS + e) + rows - offs[e]
+    grouped = torch.zeros(grouped_sf_rows(m, offs.numel() - 1), kbs, dtype=torch.uint8, device=scales.device)
+    grouped[dest] = scales
     return to_blocked(grouped)
 
 

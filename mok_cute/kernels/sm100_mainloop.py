@@ -366,8 +366,8 @@ class AccChunks:
         return cute.size(self.chunks, mode=[3])
 
     @cute.jit
-    def load(self, c: cutlass.Constexpr[int]) -> cute.Tensor:
-        """FP32 registers of chunk ``c`` (this thread's row, EPI_N columns)."""
+    def load(self, c) -> cute.Tensor:
+        """FP32 registers of chunk ``c`` (this thread's row, EPI_N columns; ``c`` static or dynamic)."""
         src = self.src[(None, None, None, 0, c)]
         r = cute.make_rmem_tensor(self.reg_shape, cutlass.Float32)
         cute.copy(self.copy, src, r)
