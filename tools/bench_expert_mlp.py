@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 import sys
 from pathlib import Path
 
@@ -57,10 +58,42 @@ def torch_mlp(x, offs, w1t, wdt, inter):
 
 def _rel(a, b) -> float:
     a, b = a.float(), b.float()
-    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
+    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))  # callers pass detached tensors
 
 
-def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch):
+def pipelined_us(fn, n: int = 20) -> tuple[float, float]:
+    """(device us per call, host us per call) for ``n`` calls queued back to back: the
+    first is max(host, device) per call, the second the host's enqueue cost."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    host = (time.perf_counter() - t0) / n * 1e6
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / n, host
+
+
+def profile_table(fn, path: str, title: str) -> None:
+    """Append a torch.profiler kernel table (3 calls of ``fn``) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"== {title} (3 calls) ==\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        f.write("\n")
+
+
+def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, profile_path=None, title=""):
     """Time ``mok_cute.ops.expert_mlp`` (sm90) on the same problem; relL1 vs torch once."""
     import mok_cute
     from mok_cute.ops import expert_mlp
@@ -84,18 +117,22 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch):
     x.grad = wd.grad = None
     y_t = torch_mlp(x, offs, w1.transpose(1, 2), wd.transpose(1, 2), inter)
     y_t.backward(dy)
-    rel = max(_rel(y, y_t), _rel(xo.grad, x.grad), _rel(wdo.grad, wd.grad))
+    with torch.no_grad():
+        rel = max(_rel(y, y_t), _rel(xo.grad, x.grad), _rel(wdo.grad, wd.grad))
     x.grad = w1.grad = wd.grad = xo.grad = wg.grad = wu.grad = wdo.grad = None
     with torch.no_grad():
         t_f = bench_us(fwd)
     t_fb = bench_us(fwd_bwd)
+    pipe_fb, host_fb = pipelined_us(fwd_bwd)
+    if profile_path:
+        profile_table(fwd_bwd, profile_path, f"ours fwd+bwd {title}")
     fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
-    return dict(ours_fwd_us=t_f, ours_bwd_us=t_fb - t_f, ours_fwdbwd_us=t_fb,
+    return dict(ours_pipe_fb_us=pipe_fb, ours_host_fb_us=host_fb, ours_fwd_us=t_f, ours_bwd_us=t_fb - t_f, ours_fwdbwd_us=t_fb,
                 ours_fwd_tflops=fwd_flop / t_f / 1e6, ours_fwdbwd_tflops=(fwd_flop + bwd_flop) / t_fb / 1e6,
                 speedup_fwd=t_f_torch / t_f, speedup_fwdbwd=t_fb_torch / t_fb, rel_l1_vs_torch=rel)
 
 
-def run_shape(e, m, h, inter, skew, dev, gen, ours=True):
+def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
     x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -122,8 +159,12 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True):
                torch_fwd_tflops=tf(fwd_flop, t_f), torch_fwdbwd_tflops=tf(fwd_flop + bwd_flop, t_fb),
                dense_tflops=tf(2 * n ** 3, t_d))
     del a, b
+    row["torch_pipe_fb_us"], row["torch_host_fb_us"] = pipelined_us(fwd_bwd)
+    if profile_path and not skew:
+        profile_table(fwd_bwd, profile_path, f"torch fwd+bwd {row['shape']}")
     if ours:
-        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb))
+        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb,
+                            profile_path if not skew else None, row["shape"]))
     return row
 
 
@@ -132,25 +173,27 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the smallest shape")
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--no-ours", action="store_true", help="torch baseline only")
+    ap.add_argument("--profile", type=str, default=None, help="append torch.profiler kernel tables (uniform rows) here")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     rows = []
     for shape in SHAPES[-1:] if args.quick else SHAPES:
         for skew in (False, True):
-            rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours))
+            rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile))
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
     print(f"{'shape':26s} {'routing':8s} {'impl':5s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} "
-          f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s}")
+          f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s} {'pipe_f+b':>9s} {'host_f+b':>9s}")
     for r in rows:
         print(f"{r['shape']:26s} {r['routing']:8s} torch {r['torch_fwd_us']:9.0f} {r['torch_bwd_us']:9.0f} "
-              f"{r['torch_fwdbwd_us']:9.0f} {r['torch_fwd_tflops']:7.0f} {r['torch_fwdbwd_tflops']:7.0f} {r['dense_tflops']:8.0f}")
+              f"{r['torch_fwdbwd_us']:9.0f} {r['torch_fwd_tflops']:7.0f} {r['torch_fwdbwd_tflops']:7.0f} {r['dense_tflops']:8.0f}"
+              f" {'':6s} {'':6s} {'':8s} {r['torch_pipe_fb_us']:9.0f} {r['torch_host_fb_us']:9.0f}")
         if "ours_fwd_us" in r:
             print(f"{'':26s} {'':8s} ours  {r['ours_fwd_us']:9.0f} {r['ours_bwd_us']:9.0f} {r['ours_fwdbwd_us']:9.0f} "
                   f"{r['ours_fwd_tflops']:7.0f} {r['ours_fwdbwd_tflops']:7.0f} {'':8s} {r['speedup_fwd']:6.2f} "
-                  f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e}")
+                  f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e} {r['ours_pipe_fb_us']:9.0f} {r['ours_host_fb_us']:9.0f}")
     ours = [r for r in rows if "ours_fwd_us" in r]
     if ours:
         geo = lambda key: math.exp(sum(math.log(r[key]) for r in ours) / len(ours))

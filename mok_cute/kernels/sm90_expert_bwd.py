@@ -40,10 +40,10 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.sm90_grouped_gemm import (
     _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
-    _Desc, _fake_2d, _fake_3d, _launch, sm_count,
+    _Desc, _fake_2d, _fake_3d, _launch, current_stream, device_arch, sm_count,
 )
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -301,7 +301,7 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
         if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
             raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
     _check_devices(a=a, b=b, offsets=offsets, out=out)
-    arch = arch_of_device(a.device)
+    dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped wgrad needs an sm_90a device, got {arch}")
     if m == 0:
@@ -309,8 +309,8 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
     compiled = compile_cached(("sm90_grouped_wgrad", arch, cfg.key()),
                               lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
-    num_ctas = max(1, min(sm_count(a.device), tiles))
+    num_ctas = max(1, min(sm_count(dev), tiles))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    stream = current_stream(dev)
     compiled(_Desc(a), _Desc(b), _Desc(offs32.contiguous()), _Desc(out), Int32(num_ctas), stream)
     return out

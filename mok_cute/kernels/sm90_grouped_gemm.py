@@ -535,11 +535,28 @@ class _Desc:
         return self._buf.raw[:len(self._buf.raw) - 1]  # create_string_buffer adds a NUL
 
 
+_arch_of: dict[int, str] = {}
+
+
+def device_arch(device) -> tuple[int, str]:
+    """(device index, ``--gpu-arch``) of a CUDA device, cached (host launch overhead)."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch_of.get(dev)
+    if arch is None:
+        arch = _arch_of[dev] = arch_of_device(dev)
+    return dev, arch
+
+
+def current_stream(dev: int):
+    """The current torch stream of device ``dev`` as a driver handle (cheap raw-handle path)."""
+    return cuda.CUstream(torch._C._cuda_getCurrentRawStream(dev))
+
+
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
             b_major: str = K_MAJOR, w2=None):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
     the N extent tiled by ``cfg.tile_n``."""
-    arch = arch_of_device(a.device)
+    dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
@@ -549,16 +566,17 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
                                      arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
-    num_ctas = max(1, min(sm_count(a.device), tiles_bound))
+    num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    stream = current_stream(dev)
     compiled(_Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32.contiguous()), _Desc(out0),
              _Desc(out1), Float32(limit), Int32(num_ctas), stream)
 
 
 def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached)."""
-    dev = device.index if device.index is not None else torch.cuda.current_device()
+    """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
+    dev = device if isinstance(device, int) else (
+        device.index if device.index is not None else torch.cuda.current_device())
     if dev not in _sm_count:
         _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     return _sm_count[dev]
