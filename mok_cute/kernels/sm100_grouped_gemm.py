@@ -484,8 +484,9 @@ MXFP8_CONFIG = Sm100Config(ab_dtype=cutlass.Float8E4M3FN)
 _FP8 = torch.float8_e4m3fn
 
 
-def _config(a, cfg):
+def _config(a, cfg, name="a"):
     """The config for operand dtype ``a.dtype`` (bf16 or float8_e4m3fn), checked against ``cfg``."""
+    _check_tensor(name, a, 2, (torch.bfloat16, _FP8))
     mx = a.dtype == _FP8
     cfg = cfg or (MXFP8_CONFIG if mx else DEFAULT_CONFIG)
     if cfg.mx != mx:
@@ -597,7 +598,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of ``tile_n / 2``.
     The weights (and scales) are interleaved into one [E, 2I, H] copy per call.
     """
-    cfg = _config(x, cfg)
+    cfg = _config(x, cfg, "x")
     _check_rows("x", x, cfg.mx, "H")
     e = _check_offsets(offsets)
     m, hid = x.shape
@@ -638,7 +639,7 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
     place), bf16 or float8_e4m3fn with ``dy_scales`` [M, H/32] and ``w_scales`` [E, H/32, I]
     (w_down quantized along H); gu [M, 2I] bf16; I a multiple of ``tile_n``.
     """
-    cfg = _config(dy, cfg)
+    cfg = _config(dy, cfg, "dy")
     _check_rows("dy", dy, cfg.mx, "H")
     e = _check_offsets(offsets)
     m, hid = dy.shape

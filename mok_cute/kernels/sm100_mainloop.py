@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
@@ -223,7 +223,7 @@ class Sm100Mainloop:
         return ab, acc
 
     def make_tmem_allocator(self, storage):
-        return utils.TmemAllocator(
+        return cutlass.memory.TmemAllocator(
             storage.tmem_ptr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_BARRIER, num_threads=32 * (EPI_WARPS + 1)),
             allocator_warp_id=0, is_two_cta=self.cfg.cta_group == 2,
