@@ -97,3 +97,19 @@ def test_validation_before_launch():
         combine(ws, rows[:, :8], torch.zeros(4, 2), plan)
     with pytest.raises(ValueError):
         reverse_dispatch(ws, rows, plan, dx_shared=torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("has_w,has_start", [(True, False), (False, True)])
+def test_pull_reduce_compiles(arch, has_w, has_start):
+    from mok_cute.comm.combine import compile_pull_reduce
+
+    _, rep = compile_pull_reduce(arch, has_w, has_start, inspect=True)
+    assert_sys_ordering(rep)
+    assert not rep.has("fma.rn.f32") and rep.has("add.rn.f32")
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_push_reduce_halves_compile(phase):
+    _, rep = compile_push_reduce("sm_90a", True, True, inspect=True, phase=phase)
+    assert rep.total_spill_bytes == 0 and rep.has("st.release.sys")

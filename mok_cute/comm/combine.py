@@ -33,6 +33,10 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 THREADS = 1024
 SPLIT_PHASES = os.environ.get("MOK_COMM_SPLIT", "0") == "1"  # debugging: two launches, synced
+# combine transport: "push" (rows stored into the source rank's slots) or "pull" (the source
+# rank reads its rows from the expert rank's staged output and reduces them on the fly)
+COMBINE_MODE = os.environ.get("MOK_COMM_COMBINE", "push")
+PUSH_STORE = os.environ.get("MOK_COMM_PUSH_STORE", "v4")  # "v4": 16-byte stores, "b32": 4-byte
 
 
 @cute.jit
@@ -91,6 +95,8 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
             m = in_rows
         rs = cute.make_tensor(recv_src, cute.make_layout(in_rows))
         src = cute.make_tensor(rows, cute.make_layout((in_rows * V, 8), stride=(8, 1)))
+        s32 = cute.make_tensor(cute.recast_ptr(rows, dtype=Int32),
+                               cute.make_layout((in_rows * V, 4), stride=(4, 1)))
         n = m * V
         i = bidx * THREADS + tidx
         lim = ep * tk
@@ -99,9 +105,17 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
             s = rs[row]
             if s >= 0 and s < lim:
                 p = s // tk
-                dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
-                                       cute.make_layout((tk * V, 8), stride=(8, 1)))
-                dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
+                if cutlass.const_expr(PUSH_STORE == "b32"):
+                    d32 = cute.make_tensor(gptr(Int32, pb[p] + slots_off, 16),
+                                           cute.make_layout((tk * V, 4), stride=(4, 1)))
+                    r4 = cute.make_rmem_tensor((4,), Int32)
+                    r4.store(s32[i, None].load())
+                    for e in cutlass.range_constexpr(4):
+                        d32[(s - p * tk) * V + (i - row * V), e] = r4[e]
+                else:
+                    dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
+                                           cute.make_layout((tk * V, 8), stride=(8, 1)))
+                    dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
             else:
                 P.report(status, Int32(P.BAD_INDEX), row, Int32(P.DATA), epoch)
             i += nctas * THREADS
@@ -204,6 +218,8 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
         check_tensor(start_name, start, torch.bfloat16, (ws.T, ws.H), ws.device)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
+    if COMBINE_MODE == "pull":
+        return _pull_reduce(ws, rows, plan, weights, start, nctas)
     has_w, has_start = weights is not None, start is not None
     phases = (1, 2) if SPLIT_PHASES else (3,)
     out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
@@ -222,6 +238,111 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
         if SPLIT_PHASES:
             torch.cuda.synchronize()
             print(f"[comm rank {ws.me}] push_reduce phase {ph} (epoch {epoch}): ok", flush=True)
+    return out
+
+
+@cute.kernel
+def _pull_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                        dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
+                        start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32,
+                        ep: Int32, T: Int32, k: Int32, V: Int32, eo_off: Int64, flags_off: Int64,
+                        epoch: Int32, timeout_ns: Int64, nctas: Int32,
+                        has_w: Constexpr, has_start: Constexpr):
+    """Combine by pull: every expert rank staged its rows (plan order) in its symmetric
+    ``eo`` section and signalled DATA; this rank reads row ``dest_row[t, j]`` of rank
+    ``dest_rank[t, j]`` straight into the fixed-order sum, then signals FREE."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    flags_local = pb[me] + flags_off
+    if tidx == 0:
+        if bidx == 0:
+            P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
+        P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
+    cute.arch.barrier()
+    if not P.failed(status):
+        tk = T * k
+        dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
+        dw = cute.make_tensor(dest_row, cute.make_layout(tk))
+        wt = cute.make_tensor(weights, cute.make_layout(tk))
+        st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
+        dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
+        acc = cute.make_rmem_tensor((8,), Float32)
+        xf = cute.make_rmem_tensor((8,), Float32)
+        n = T * V
+        i = bidx * THREADS + tidx
+        while i < n:
+            t = i // V
+            v = i - t * V
+            if cutlass.const_expr(has_start):
+                acc.store(st[i, None].load().to(Float32))
+            else:
+                acc.fill(0.0)
+            for j in range(k):
+                r = t * k + j
+                d = dr[r]
+                if d >= 0:
+                    row = dw[r]
+                    if d < ep and row >= 0 and row < eo_rows:
+                        src = cute.make_tensor(gptr(BFloat16, pb[d] + eo_off, 16),
+                                               cute.make_layout((eo_rows * V, 8), stride=(8, 1)))
+                        xf.store(src[row * V + v, None].load().to(Float32))
+                        if cutlass.const_expr(has_w):
+                            w = wt[r]
+                            for e in cutlass.range_constexpr(8):
+                                acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
+                        else:
+                            for e in cutlass.range_constexpr(8):
+                                acc[e] = add_rn(acc[e], xf[e])
+                    else:
+                        P.report(status, Int32(P.OVERFLOW), row, Int32(P.DATA), epoch)
+            dst[i, None].store(acc.load().to(BFloat16))
+            i += nctas * THREADS
+    cute.arch.barrier()
+    if tidx == 0:
+        if P.arrive_last(counters, nctas):
+            cute.arch.store(counters, Int32(0))
+            if not P.failed(status):
+                P.signal_all(pb, flags_off, Int32(P.FREE), me, ep, epoch)
+
+
+@cute.jit
+def pull_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                     dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
+                     start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32, ep: Int32,
+                     T: Int32, k: Int32, V: Int32, eo_off: Int64, flags_off: Int64, epoch: Int32,
+                     timeout_ns: Int64, nctas: Int32, stream, has_w: Constexpr,
+                     has_start: Constexpr):
+    """Launch the pull-and-reduce combine: ``nctas`` CTAs of 1024 threads on ``stream``."""
+    _pull_reduce_kernel(peer_bases, status, counters, dest_rank, dest_row, weights, start, out,
+                        eo_rows, me, ep, T, k, V, eo_off, flags_off, epoch, timeout_ns, nctas,
+                        has_w, has_start).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1],
+                                                 stream=stream)
+
+
+def compile_pull_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
+    """Compile one pull-combine variant for ``arch``; ``(compiled, CompileReport | None)``."""
+    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
+    return compile_kernel(pull_reduce_host, _fake_ptr("i64"), i32, i32, i32, i32, _fake_ptr("f32"),
+                          bf, bf, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
+                          Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
+                          has_w, has_start, arch=arch, inspect=inspect)
+
+
+def _pull_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas) -> torch.Tensor:
+    nctas = ws.num_ctas if num_ctas is None else num_ctas
+    has_w, has_start = weights is not None, start is not None
+    fn = compile_cached(("comm.pull_reduce", ws.arch, has_w, has_start),
+                        lambda: compile_pull_reduce(ws.arch, has_w, has_start)[0])
+    out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
+    ws.stage_eo(rows)
+    epoch = ws.next_epoch("push")
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:5]), dptr(plan.dest_rank),
+       dptr(plan.dest_row), dptr(weights if has_w else ws.status, Float32),
+       dptr(start if has_start else out), dptr(out), Int32(ws.recv_capacity), Int32(ws.me),
+       Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(ws.H // 8), Int64(ws.offsets["eo"]),
+       Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
+       current_stream())
     return out
 
 

@@ -73,11 +73,16 @@ class CommWorkspace:
         check_num_ctas(num_ctas)
         self.T, self.H, self.k, self.E, self.dtype = T, H, k, E, dtype
         self.recv_capacity = recv_capacity if recv_capacity is not None else self.EP * T * k
+        if self.recv_capacity * H >= 2**31:
+            raise ValueError("recv_capacity*H must be < 2**31")
         self.timeout_s, self.num_ctas = float(timeout_s), num_ctas
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = arch_of_device(self.device)
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
                  "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2}
+        import os
+        if os.environ.get("MOK_COMM_COMBINE", "push") == "pull":  # staged expert rows
+            sizes["eo"] = self.recv_capacity * H * 2
         self.offsets, off = {}, 0
         for name, n in sizes.items():
             self.offsets[name] = off
@@ -174,6 +179,15 @@ class CommWorkspace:
         must come from :meth:`acquire_src` for this step (no copy then)."""
         if x.data_ptr() != self.local_base + self.offsets["src"]:
             self.acquire_src().copy_(x)
+
+    def stage_eo(self, rows: torch.Tensor) -> None:
+        """Pull-combine mode: copy this rank's expert rows (plan order) into the symmetric
+        ``eo`` section once every peer finished reading the previous ones (device wait)."""
+        self.wait_flags(P.FREE, self.epoch["push"])
+        n = min(rows.shape[0], self.recv_capacity)
+        eo = self.view("eo", torch.bfloat16, (self.recv_capacity, self.H))
+        if rows.data_ptr() != eo.data_ptr():
+            eo[:n].copy_(rows[:n])
 
     @property
     def timeout_ns(self) -> int:
