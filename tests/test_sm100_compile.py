@@ -1,14 +1,18 @@
 """SM100 expert GEMMs compile for sm_100a and sm_103a (CPU only, never run: no Blackwell GPU)
-with the tcgen05 / TMA / mbarrier instructions in the PTX and no spills; the host wrappers
-validate inputs before any launch."""
+with the tcgen05 / TMA / mbarrier instructions in the PTX, the expected TMA descriptors, no
+spills and register headroom; the host wrappers validate inputs before any launch."""
+import re
+
 import pytest
 import torch
 
 import cutlass
 from mok_cute.kernels import sm100_grouped_gemm as g
+from mok_cute.kernels import sm100_layouts as lay
 from mok_cute.kernels.sm100_mainloop import NUM_THREADS, Sm100Config, Sm100Mainloop
 
 VARIANTS = g.variants()
+MAX_REGISTERS = 200  # headroom below 255 so epilogue changes surface before they spill
 
 
 @pytest.fixture(scope="module", params=[(v, a) for v in VARIANTS for a in g.ARCHS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -16,20 +20,28 @@ def compiled(request):
     name, arch = request.param
     build, needed = VARIANTS[name]
     _, rep = build(arch)
-    return rep, needed
+    return name, rep, needed
 
 
 def test_ptx_instructions(compiled):
-    rep, needed = compiled
+    _, rep, needed = compiled
     missing = [i for i in needed if not rep.has(i)]
     assert not missing, missing
 
 
 def test_no_spills_and_registers_fit(compiled):
-    rep, _ = compiled
+    _, rep, _ = compiled
     assert rep.registers, rep.log[-2000:]
     assert rep.total_spill_bytes == 0
-    assert rep.max_registers <= 255 and rep.max_registers * NUM_THREADS <= 65536
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+
+
+def test_tma_descriptors(compiled):
+    """One CUtensorMap kernel parameter (128 bytes, 64-aligned) per TMA operand: A, B, (MXFP8)
+    SFA, SFB, and (dgrad1) the second part of B along K: w_gate and w_up are read in place."""
+    name, rep, _ = compiled
+    expect = 2 + 2 * name.startswith("mxfp8") + ("dgrad1" in name)
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == expect
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -51,11 +63,23 @@ def test_majorness_and_epilogue_validated():
         Sm100Mainloop(Sm100Config(), a_major="m")
     with pytest.raises(ValueError, match="epilogue"):
         g.GroupedGemmSm100(Sm100Config(), "relu")
+    with pytest.raises(ValueError, match="split_b"):
+        g.GroupedGemmSm100(Sm100Config(), split_b=True)  # K-major B
     with pytest.raises(ValueError, match="arch"):
         g.compile_grouped_gemm("plain", arch="sm_90a")
 
 
+def test_fake_tensors_are_symbolic():
+    """Runtime tensors mark every shape mode dynamic; a static mode in a compile-time fake
+    (e.g. the 2 of gu's [M, 2, I]) would shift the argument descriptor's fields."""
+    with pytest.raises(TypeError, match="symbolic"):
+        g._fake_3d(cutlass.BFloat16, 1, 2, 3)
+
+
 bf, f8, u8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
+
+
+_KBS = lay.grouped_sf_rows(300, 3) // lay.SF_VEC  # wgrad token scale blocks for _offs()
 
 
 def _offs():
@@ -117,7 +141,41 @@ def test_dswiglu_validation(kwargs, exc, name):
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(w_gate=torch.zeros(3, 128, 256, dtype=bf)), ValueError, "w_gate"),
+    (dict(w_up=torch.zeros(3, 256, 512, dtype=bf)[:, :, 1:257]), ValueError, "w_up"),  # misaligned
+    (dict(w_up=torch.zeros(3, 256, 256, dtype=f8)), TypeError, "w_up"),
+    (dict(dgu=torch.zeros(300, 448, dtype=bf), w_gate=torch.zeros(3, 224, 256, dtype=bf),
+          w_up=torch.zeros(3, 224, 256, dtype=bf)), ValueError, "tile_k"),
+    (dict(w_gate=torch.zeros(3, 256, 192, dtype=bf), w_up=torch.zeros(3, 256, 192, dtype=bf)), ValueError, "tile_n"),
+    (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
+          w_up=torch.zeros(3, 256, 256, dtype=f8)), ValueError, "dgu_scales"),
+    (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
+          w_up=torch.zeros(3, 256, 256, dtype=f8), dgu_scales=torch.zeros(300, 16, dtype=u8),
+          w_scales=torch.zeros(3, 8, 256, dtype=u8)), ValueError, "gate_scales, up_scales"),
+    (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
+          w_up=torch.zeros(3, 256, 256, dtype=f8), dgu_scales=torch.zeros(300, 16, dtype=u8),
+          w_scales=(torch.zeros(3, 8, 256, dtype=u8), torch.zeros(3, 256, 8, dtype=u8))), ValueError, "w_scales"),
+    (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
+          w_up=torch.zeros(3, 256, 256, dtype=f8), dgu_scales=torch.zeros(300, 16, dtype=u8),
+          w_scales=(torch.zeros(3, 8, 256, dtype=u8),) * 2), ValueError, "CUDA"),
+    (dict(out=torch.zeros(300, 512, dtype=bf)), ValueError, "out"),
+    (dict(), ValueError, "CUDA"),
+    (dict(w_gate=torch.zeros(3, 512, 256, dtype=bf)[:, :256], w_up=torch.zeros(3, 512, 256, dtype=bf)[:, 256:]),
+     ValueError, "CUDA"),  # halves of a stacked [E, 2I, H] are read in place
+])
+def test_dgrad1_validation(kwargs, exc, name):
+    args = dict(dgu=torch.zeros(300, 512, dtype=bf), offsets=_offs(), w_gate=torch.zeros(3, 256, 256, dtype=bf),
+                w_up=torch.zeros(3, 256, 256, dtype=bf))
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        g.grouped_dgrad1(**args)
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
     (dict(a=torch.zeros(300, 64)), TypeError, "a"),
+    (dict(a=torch.zeros(64, 300, dtype=bf).t()), ValueError, "a"),  # column-major
+    (dict(a=torch.zeros(300, 70, dtype=bf)[:, 1:65]), ValueError, "a"),  # misaligned slice
+    (dict(b=torch.zeros(300, 260, dtype=bf)[:, :256]), ValueError, "b"),  # row stride not 16 bytes
     (dict(b=torch.zeros(299, 256, dtype=bf)), ValueError, "b"),
     (dict(b=torch.zeros(300, 200, dtype=bf)), ValueError, "tile_n"),
     (dict(a=torch.zeros(300, 64, dtype=f8), b=torch.zeros(300, 256, dtype=f8)), ValueError, "a_scales"),
@@ -125,6 +183,12 @@ def test_dswiglu_validation(kwargs, exc, name):
           a_scales=torch.zeros(10, dtype=u8), b_scales=torch.zeros(10, dtype=u8)), ValueError, "a_scales"),
     (dict(out=torch.zeros(3, 64, 128, dtype=bf)), ValueError, "out"),
     (dict(), ValueError, "CUDA"),
+    (dict(a=torch.zeros(300, 512, dtype=bf)[:, 256:320], b=torch.zeros(300, 512, dtype=bf)[:, 256:]),
+     ValueError, "CUDA"),  # column slices (dgu[:, I:]) are read in place
+    (dict(a=torch.zeros(300, 128, dtype=f8)[:, 64:], b=torch.zeros(300, 512, dtype=f8)[:, :256],
+          a_scales=torch.zeros(lay.sf_bytes(64, _KBS), dtype=u8),
+          b_scales=torch.zeros(lay.sf_bytes(256, _KBS), dtype=u8)),
+     ValueError, "CUDA"),
 ])
 def test_wgrad_validation(kwargs, exc, name):
     args = dict(a=torch.zeros(300, 64, dtype=bf), b=torch.zeros(300, 256, dtype=bf), offsets=_offs())

@@ -87,6 +87,24 @@ def test_token_scales_from_quantize():
                 assert packed[lay.sf_offset(col, c0 + j, kbs)] == s[j, col]
 
 
+def test_kn_weight_scales_split_k():
+    """dgrad1 B = [Wg; Wu] along K (I each), quantized along I (rows of [I, H]): the two parts'
+    scales packed together equal the blocked (H, 2I/32) matrix of the reference's quantization
+    of the concatenated [2I, H] weight (blocks never straddle the halves: I % 32 == 0)."""
+    e, inter, hid = 2, 128, 160
+    wg, wu = torch.randn(e, inter, hid), torch.randn(e, inter, hid)
+    parts = [torch.stack([reference.mxfp8_quantize(w[x], 0)[1] for x in range(e)]) for w in (wg, wu)]
+    packed = lay.pack_kn_weight_scales(*parts)
+    kbs = 2 * inter // 32
+    per_expert = lay.sf_bytes(hid, kbs)
+    assert packed.shape == (e * per_expert,)
+    for x in range(e):
+        full = reference.mxfp8_quantize(torch.cat([wg[x], wu[x]]), 0)[1]  # [2I/32, H]
+        for h in range(hid):
+            for kb in range(kbs):
+                assert packed[x * per_expert + lay.sf_offset(h, kb, kbs)] == full[kb, h]
+
+
 def test_grouped_regions_never_overlap():
     rng = random.Random(0)
     for _ in range(200):

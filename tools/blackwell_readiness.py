@@ -1,5 +1,6 @@
 """Compile every SM100 expert-GEMM kernel for sm_100a and sm_103a (CPU only) and print a
-readiness table: compiled per arch, key PTX instructions, registers, spills, shared memory.
+readiness table: compiled per arch, key PTX instructions, TMA descriptors (kernel
+CUtensorMap parameters), registers, spills, shared memory.
 
 Nothing here runs a kernel: no Blackwell GPU was available, so everything at run time
 (numerics, barrier protocol, TMEM/scale-factor layouts on hardware, performance) stays
@@ -7,6 +8,7 @@ unverified. Usage: ``python tools/blackwell_readiness.py``.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -17,7 +19,8 @@ UNVERIFIED = (
     "run-time numerics vs mok_cute.reference (no Blackwell GPU)",
     "mbarrier / TMEM alloc protocol on hardware (hangs, races), cta_group::2 cluster pairing",
     "scale-factor TMEM placement (tcgen05.cp) and the grouped 128x4 SF layouts on hardware",
-    "TMA ragged-K wrap-around (wgrad) on sm_100a",
+    "TMA ragged-K wrap-around (wgrad, incl. column-slice operands) on sm_100a",
+    "dgrad1's switch between the w_gate / w_up descriptors at k = I on hardware",
     "performance (stores are per-row 16-byte vectors, no TMA store; no multicast)",
 )
 
@@ -25,8 +28,7 @@ UNVERIFIED = (
 def main() -> int:
     rows, failed = [], 0
     for name, (build, needed) in variants().items():
-        cells = [name]
-        info = ""
+        cells, regs, spills, info = [name], [], [], ""
         for arch in ARCHS:
             t0 = time.time()
             try:
@@ -39,10 +41,13 @@ def main() -> int:
             ok = not missing and rep.total_spill_bytes == 0 and rep.registers
             failed += not ok
             cells.append(f"yes {time.time() - t0:.1f}s" + ("" if ok else f" MISSING {missing}"))
-            info = (f"{rep.max_registers} | {rep.total_spill_bytes} | {', '.join(i for i in needed if rep.has(i))}")
-        rows.append(cells + [info])
-    print("| kernel | sm_100a | sm_103a | registers | spill bytes | PTX found |")
-    print("|---|---|---|---|---|---|")
+            regs.append(str(rep.max_registers))
+            spills.append(str(rep.total_spill_bytes))
+            tma = len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx))
+            info = f"{tma} | {', '.join(i for i in needed if rep.has(i))}"
+        rows.append(cells + ["/".join(regs), "/".join(spills), info])
+    print("| kernel | sm_100a | sm_103a | registers (100a/103a) | spill bytes | TMA descriptors | PTX found |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print("\nShared memory per CTA (host budget, sm100_layouts; checked against CuTe at trace time):")

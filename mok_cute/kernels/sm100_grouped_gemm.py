@@ -4,26 +4,31 @@ Same operand and offsets contract as :mod:`mok_cute.kernels.sm90_grouped_gemm` a
 :mod:`mok_cute.kernels.sm90_expert_bwd` (offsets int32 [E+1] on the device, offsets[0] = 0,
 non-decreasing, offsets[E] = M_total, trusted), on the :mod:`sm100_mainloop` (TMA warp,
 tcgen05 MMA warp, TMEM accumulators, four epilogue warps). One compiled kernel serves every
-token count; the compile cache key holds arch, dtype, tile shape, majorness, epilogue, clamp.
+token count; the compile cache key holds arch, dtype, tile shape, majorness, split B,
+epilogue, clamp.
 Tiles are scheduled by :mod:`mok_cute.schedule.group_tiles` (grid = SMs; with
 ``cta_group::2`` a cluster of two CTAs takes one tile, clusters stride over the tiles).
 
 Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-major or
 ``[E, K, N]`` MN-major):
-  ``plain``:   out [M, N] = bf16(A_e @ B_e)
+  ``plain``:   out [M, N] = bf16(A_e @ B_e); with split B (dgrad1: B = [w_gate; w_up] along
+               K, MN-major) B's two parts have their own TMA descriptors, switched at k = K1,
+               into one FP32 TMEM accumulator (no concatenated copy).
   ``swiglu``:  B = ``interleave_gate_up(w_gate, w_up, tile_n)``; gu [M, 2I] (gate cols [0, I),
                up [I, 2I)) and h [M, I] = bf16(silu(g) * u) from the bf16 g, u in FP32,
                optional clamp L: g = min(g, L), u = clamp(u, -L, L) (as the SM90 epilogue).
   ``dswiglu``: N = I, the FP32 accumulator dh (never rounded) meets g, u read from gu:
                dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
-Weight gradient: dW[e] = bf16(a_e^T . b_e), a [M, Na], b [M, Nb] token-row-major (read
-MN-major, K = the expert's tokens in order through the ragged TMA view of
+Weight gradient: dW[e] = bf16(a_e^T . b_e), a [M, Na], b [M, Nb] token-row-major, column
+slices allowed (read MN-major, K = the expert's tokens in order through the ragged TMA view of
 :mod:`sm90_expert_bwd`: no split-K, no atomics, bitwise reproducible; empty experts get 0).
 
 MXFP8 (``ab_dtype=Float8E4M3FN``): operands are e4m3 data plus flat uint8 E8M0 scale buffers
 in the layouts of :mod:`mok_cute.kernels.sm100_layouts`: token-row A scales grouped per
 expert (:func:`~sm100_layouts.pack_row_scales`), weight scales ``to_blocked`` per expert
-(B viewed (N, K): [E, N_pad * K_pad / 32]), wgrad scales along tokens
+(B viewed (N, K): [E, N_pad * K_pad / 32]; MN-major weights via
+:func:`~sm100_layouts.pack_kn_weight_scales`, one matrix over both parts of a split B),
+wgrad scales along tokens
 (:func:`~sm100_layouts.pack_token_scales`). Stores are row-masked 16-byte vectors straight
 from registers (rows past an expert's end are computed, never written).
 """
@@ -43,11 +48,11 @@ from mok_cute.kernels import sm100_layouts as lay
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90_expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90_grouped_gemm import (
-    _check_devices, _check_limit, _check_out, _check_tensor, _cute_tensor, interleave_gate_up, sm_count,
+    _check_devices, _check_limit, _check_out, _check_tensor, _cute_tensor, _dynamic, interleave_gate_up, sm_count,
 )
 from mok_cute.kernels.sm100_mainloop import (
     EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
-    Sm100Mainloop, epi_barrier,
+    Sm100Mainloop, epi_barrier, tmem_load,
 )
 from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
 
@@ -65,29 +70,34 @@ def _bf16(r: cute.Tensor) -> cute.Tensor:
 class GroupedGemmSm100:
     """Persistent warp-specialized grouped GEMM (``wgrad=False``) or weight gradient (``True``).
 
-    Call (jit), grouped: ``(mA [M, K], mB, mSFA, mSFB, mOffsets [E+1] int32, mOut0, mOut1,
-    limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N] (``"mn"``);
+    Call (jit), grouped: ``(mA [M, K], mB, mB2, mSFA, mSFB, mOffsets [E+1] int32, mOut0,
+    mOut1, limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N]
+    (``"mn"``); ``split_b``: ``mB`` [E, K1, N] holds B's first K1 rows along K and ``mB2``
+    [E, K - K1, N] the rest (K1 a multiple of tile_k; two TMA descriptors), else ``mB2`` None;
     plain: ``mOut0`` = out [M, N] (``mOut1`` = mOut0); swiglu: gu [M, 2, N/2], h [M, N/2];
-    dswiglu: dgu, gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], mSFA, mSFB, mOffsets, mOut
-    [E, Na, Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale buffers
-    (MXFP8) or None. N (Nb) a multiple of tile_n; ``num_ctas`` a multiple of the cluster size.
+    dswiglu: dgu, gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], None, mSFA, mSFB, mOffsets,
+    mOut [E, Na, Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale
+    buffers (MXFP8; SFB over the whole K) or None. N (Nb) a multiple of tile_n; ``num_ctas`` a
+    multiple of the cluster size.
     """
 
     def __init__(self, cfg: Sm100Config, epilogue: str = "plain", clamp: bool = False, b_major: str = K_MAJOR,
-                 wgrad: bool = False):
+                 wgrad: bool = False, split_b: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if wgrad and epilogue != "plain":
             raise ValueError("wgrad has the plain epilogue only")
+        if split_b and (wgrad or b_major != MN_MAJOR):
+            raise ValueError("split_b needs b_major='mn' (and no wgrad)")
         if epilogue == "swiglu" and (cfg.tile_n // 2) % EPI_N:
             raise ValueError(f"swiglu needs tile_n a multiple of {2 * EPI_N}, got {cfg.tile_n}")
-        self.cfg, self.epilogue, self.clamp, self.wgrad = cfg, epilogue, clamp, wgrad
+        self.cfg, self.epilogue, self.clamp, self.wgrad, self.split_b = cfg, epilogue, clamp, wgrad, split_b
         self.b_major = MN_MAJOR if wgrad else b_major
         self.mainloop = Sm100Mainloop(cfg, a_major=MN_MAJOR if wgrad else K_MAJOR, b_major=self.b_major)
 
     # ------------------------------------------------------------ launcher
     def _views(self, mA, mB, mSFA, mSFB, num_experts):
-        """(M|N, K, L) operand views and, for MXFP8, the blocked scale tensors."""
+        """(M|N, K, L) views of A, B and, for MXFP8, the blocked scale tensors (SFB over A's K)."""
         cfg = self.cfg
         sfa = sfb = None
         if cutlass.const_expr(self.wgrad):
@@ -106,7 +116,7 @@ class GroupedGemmSm100:
                 m_sf = (mA.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS * lay.SF_ATOM_ROWS \
                     + lay.SF_ATOM_ROWS * num_experts
                 sfa = self._sf(mSFA, (m_sf, mA.shape[1], 1))
-                sfb = self._sf(mSFB, b.shape)
+                sfb = self._sf(mSFB, (b.shape[0], mA.shape[1], b.shape[2]))
         return a, b, sfa, sfb
 
     @staticmethod
@@ -115,12 +125,15 @@ class GroupedGemmSm100:
                                 blockscaled.tile_atom_to_shape_SF(shape, lay.SF_VEC))
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
                  mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32,
                  stream: cuda.CUstream):
         ml, cfg = self.mainloop, self.cfg
         ml.setup()
-        tmas = ml.make_tma(*self._views(mA, mB, mSFA, mSFB, mOffsets.shape[0] - 1))
+        b2 = None
+        if cutlass.const_expr(self.split_b):
+            b2 = cute.make_tensor(mB2.iterator, cute.select(mB2.layout, mode=[2, 1, 0]))
+        tmas = ml.make_tma(*self._views(mA, mB, mSFA, mSFB, mOffsets.shape[0] - 1), mB2=b2)
         ab, stages, acc_stages = cfg.ab_dtype, ml.stages, ml.acc_stages
         a_n, b_n = cute.cosize(ml.a_smem.outer), cute.cosize(ml.b_smem.outer)
 
@@ -200,6 +213,10 @@ class GroupedGemmSm100:
         if warp == TMA_WARP:
             for atom in atoms:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        atom_b2 = coord_b2 = None
+        if cutlass.const_expr(self.split_b):  # B's second part along K: last in the lists
+            atom_b2, coord_b2 = atoms[-1], coords[-1]
+            atoms, coords = atoms[:-1], coords[:-1]
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         ab_pipe, acc_pipe = self.mainloop.make_pipelines(storage)
@@ -233,14 +250,19 @@ class GroupedGemmSm100:
             # wgrad: A and B per tile (the expert's token range is the K extent)
             tBsB, tBgB_all = sB, None
             if cutlass.const_expr(not self.wgrad):
-                tBsB, tBgB_all = self.mainloop.partition_b(atoms[1], cute.local_tile(coord_b, tiler_b, (None, None, None)), sB,
-                                                cta_v)
+                tBsB, tBgB_all = self.mainloop.partition_b(
+                    atoms[1], cute.local_tile(coord_b, tiler_b, (None, None, None)), sB, cta_v)
+            tBgB2_all = k_tiles1 = None
+            if cutlass.const_expr(self.split_b):
+                _, tBgB2_all = self.mainloop.partition_b(
+                    atom_b2, cute.local_tile(coord_b2, tiler_b, (None, None, None)), sB, cta_v)
+                k_tiles1 = coord_b.shape[1] // cfg.tile_k
             sf_src = None
             if cutlass.const_expr(cfg.mx):
-                tAsSFA, tAgSFA_all = self.mainloop.partition_a(atoms[2], cute.local_tile(coords[2], tiler_a, (None, None, None)),
-                                                    sSFA, cta_v)
-                tBsSFB, tBgSFB_all = self.mainloop.partition_b(atoms[3], cute.local_tile(coords[3], tiler_b, (None, None, None)),
-                                                    sSFB, cta_v)
+                tAsSFA, tAgSFA_all = self.mainloop.partition_a(
+                    atoms[2], cute.local_tile(coords[2], tiler_a, (None, None, None)), sSFA, cta_v)
+                tBsSFB, tBgSFB_all = self.mainloop.partition_b(
+                    atoms[3], cute.local_tile(coords[3], tiler_b, (None, None, None)), sSFB, cta_v)
                 sf_src = (tAgSFA_all, tBgSFB_all)
             state = self.mainloop.producer_state()
             linear = linear0
@@ -248,6 +270,7 @@ class GroupedGemmSm100:
             while valid:
                 e, m_tile, n_tile, row0, _, kt, sf_tile, lo, length = self._coords(
                     mOffsets, linear, expert, base, m_tiles, n_tiles, k_tiles, na)
+                b2 = None
                 if cutlass.const_expr(self.wgrad):
                     gA = cute.local_tile(_expert_k(coords[0], lo, length), tiler_a, (m_tile, None))
                     gB = cute.local_tile(_expert_k(coord_b, lo, length), tiler_b, (n_tile, None))
@@ -256,18 +279,18 @@ class GroupedGemmSm100:
                     sB_t = tBsB
                     gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
                     tBgB = tBgB_all[(None, n_tile, None, e)]
+                    if cutlass.const_expr(self.split_b):
+                        b2 = (atom_b2, tBgB2_all[(None, n_tile, None, e)], k_tiles1)
                 tAsA, tAgA = self.mainloop.partition_a(atoms[0], gA, sA, cta_v)
+                srcs, dsts, sf_k0 = (tAgA, tBgB), (tAsA, sB_t), Int32(0)
                 if cutlass.const_expr(cfg.mx):
-                    if cutlass.const_expr(self.wgrad):
-                        srcs = (tAgA, tBgB, sf_src[0][(None, m_tile, None, 0)], sf_src[1][(None, n_tile, None, 0)])
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, sB_t, tAsSFA, tBsSFB), kt, sf_tile,
-                                             masks)
-                    else:
-                        srcs = (tAgA, tBgB, sf_src[0][(None, sf_tile, None, 0)], sf_src[1][(None, n_tile, None, e)])
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, (tAsA, sB_t, tAsSFA, tBsSFB), kt, Int32(0),
-                                             masks)
-                else:
-                    state = self.mainloop.load_tile(ab_pipe, state, atoms, (tAgA, tBgB), (tAsA, sB_t), kt, Int32(0), masks)
+                    dsts = dsts + (tAsSFA, tBsSFB)
+                    if cutlass.const_expr(self.wgrad):  # sf_tile: the expert's first scale k-tile
+                        srcs = srcs + (sf_src[0][(None, m_tile, None, 0)], sf_src[1][(None, n_tile, None, 0)])
+                        sf_k0 = sf_tile
+                    else:  # sf_tile: the tile's scale atom row
+                        srcs = srcs + (sf_src[0][(None, sf_tile, None, 0)], sf_src[1][(None, n_tile, None, e)])
+                state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, dsts, kt, sf_k0, masks, b2)
                 linear = linear + stride
                 expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
             ab_pipe.producer_tail(state)
@@ -381,18 +404,21 @@ class GroupedGemmSm100:
         with g, u read from gu [M, 2, I] (this thread's row); writes dgu [M, 2, I]."""
         shape = (EPI_THREADS, self.cfg.tile_n)
         row = chunks.row
-        tiles = [cute.local_tile(cute.domain_offset((row0, 0), t[(None, j, None)]), shape, (0, n_tile))
-                 for t in (mGU, mDGU) for j in (0, 1)]
-        for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
-            dh = chunks.load(c)
+        copy, src, reg_shape = chunks.copy, chunks.src, chunks.reg_shape
+        src_g, src_u, dst_g, dst_u = [
+            chunks.part_all(cute.local_tile(cute.domain_offset((row0, 0), t[(None, j, None)]), shape, (0, n_tile)))
+            for t in (mGU, mDGU) for j in (0, 1)]
+        for c in cutlass.range(self.cfg.tile_n // EPI_N, unroll=2):
+            dh = tmem_load(copy, src[(None, None, None, 0, c)], reg_shape)
             g = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
             u = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
             g.fill(0.0)
             u.fill(0.0)
-            src_g, src_u, d_g, d_u = [chunks.part(cute.local_tile(t, (EPI_THREADS, EPI_N), (0, c))) for t in tiles]
+            d_g = dst_g[(None, None, None, 0, c)]
+            d_u = dst_u[(None, None, None, 0, c)]
             if row < rows:
-                cute.autovec_copy(src_g, g)
-                cute.autovec_copy(src_u, u)
+                cute.autovec_copy(src_g[(None, None, None, 0, c)], g)
+                cute.autovec_copy(src_u[(None, None, None, 0, c)], u)
             dg = cute.make_rmem_tensor_like(dh, Float32)
             du = cute.make_rmem_tensor_like(dh, Float32)
             for i in cutlass.range_constexpr(cute.size(dh)):
@@ -420,12 +446,14 @@ class GroupedGemmSm100:
 
 # ---------------------------------------------------------------- compile
 def _fake_2d(dtype, rows, cols):
+    _dynamic(rows, cols)
     div = _VEC * 8 // dtype.width
     return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(divisibility=div), 1),
                                          assumed_align=16)
 
 
 def _fake_3d(dtype, d0, d1, d2):
+    _dynamic(d0, d1, d2)
     div = _VEC * 8 // dtype.width
     stride = (cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div), 1)
     return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
@@ -444,28 +472,38 @@ def _check_arch(arch: str):
 
 
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config = Sm100Config(),
-                         b_major: str = K_MAJOR, arch: str = "sm_100a", inspect: bool = False):
-    """Compile one grouped GEMM variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
+                         b_major: str = K_MAJOR, split_b: bool = False, arch: str = "sm_100a",
+                         inspect: bool = False):
+    """Compile one grouped GEMM variant with symbolic M_total, N, K, E (and strides; ``split_b``:
+    B = [E, K1, N] + [E, K - K1, N]); returns ``(compiled, report)``."""
     _check_arch(arch)
-    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major)
+    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_b=split_b)
     ab = cfg.ab_dtype
     div = _VEC * 8 // ab.width
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=div), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
-    mB = _fake_3d(ab, e, n, k) if b_major == K_MAJOR else _fake_3d(ab, e, k, n)
+    mB2 = None
+    if b_major == K_MAJOR:
+        mB = _fake_3d(ab, e, n, k)
+    elif split_b:
+        mB, mB2 = _fake_3d(ab, e, cute.sym_int(divisibility=div), n), _fake_3d(ab, e, cute.sym_int(divisibility=div), n)
+    else:
+        mB = _fake_3d(ab, e, k, n)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     out0 = out1 = _fake_2d(cutlass.BFloat16, m, n)
     if epilogue == "swiglu":  # gu as [M, 2, I], h as [M, I]
         inter = cute.sym_int(divisibility=8)
-        out0, out1 = _fake_3d(cutlass.BFloat16, m, 2, inter), _fake_2d(cutlass.BFloat16, m, inter)
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, cute.sym_int(), inter), _fake_2d(cutlass.BFloat16, m, inter)
     elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
-        out0 = out1 = _fake_3d(cutlass.BFloat16, m, 2, n)
-    return compile_kernel(op, mA, mB, _fake_sf(cfg), _fake_sf(cfg), offs, out0, out1, Float32(0.0), Int32(1),
+        two = cute.sym_int()
+        out0, out1 = _fake_3d(cutlass.BFloat16, m, two, n), _fake_3d(cutlass.BFloat16, m, two, n)
+    return compile_kernel(op, mA, mB, mB2, _fake_sf(cfg), _fake_sf(cfg), offs, out0, out1, Float32(0.0), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_100a", inspect: bool = False):
-    """Compile the weight-gradient kernel with symbolic M, Na, Nb, E; returns ``(compiled, report)``."""
+    """Compile the weight-gradient kernel with symbolic M, Na, Nb, E and row strides; returns
+    ``(compiled, report)``."""
     _check_arch(arch)
     op = GroupedGemmSm100(cfg, wgrad=True)
     div = _VEC * 8 // cfg.ab_dtype.width
@@ -474,7 +512,7 @@ def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_1
     mB = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=div))
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     out = _fake_3d(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int())
-    return compile_kernel(op, mA, mB, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, Float32(0.0), Int32(1),
+    return compile_kernel(op, mA, mB, None, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, Float32(0.0), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -505,12 +543,34 @@ def _check_rows(name, t, mx, k_name="K"):
         raise ValueError(f"{name} must be contiguous (row-major) and 16-byte aligned")
 
 
-def _check_weight(name, w, shape, mx):
+def _check_weight(name, w, shape, mx, strided=False):
+    """[E, R, C] weight of exactly ``shape``: contiguous, or (``strided``) with unit last stride
+    and the other strides multiples of 16 bytes (e.g. one half of a stacked [E, 2R, C]); 16-byte
+    aligned."""
     _check_tensor(name, w, 3, (_FP8,) if mx else (torch.bfloat16,))
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(w.shape)}")
-    if not w.is_contiguous() or w.data_ptr() % 16:
+    vec = _VEC // w.element_size()
+    if strided:
+        if w.stride(2) != 1 or w.stride(1) % vec or w.stride(0) % vec or w.data_ptr() % 16:
+            raise ValueError(f"{name} must have unit last stride, other strides multiples of {vec} and 16-byte "
+                             f"alignment, got strides {w.stride()}")
+    elif not w.is_contiguous() or w.data_ptr() % 16:
         raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+
+
+def _check_token_operand(name, t, m, mx):
+    """Wgrad operand [M, N]: unit column stride, row stride >= N, row stride and N multiples of
+    16 bytes, 16-byte aligned (a column slice such as ``dgu[:, :I]`` is read in place)."""
+    _check_tensor(name, t, 2, (_FP8,) if mx else (torch.bfloat16,))
+    if t.shape[0] != m:
+        raise ValueError(f"{name} must have {m} rows (as a), got {t.shape[0]}")
+    vec = _VEC // t.element_size()
+    if t.shape[1] % vec or t.shape[1] == 0:
+        raise ValueError(f"{name}: columns={t.shape[1]} must be a positive multiple of {vec}")
+    if t.stride(1) != 1 or t.stride(0) % vec or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be row-major with unit column stride, a row stride that is a multiple "
+                         f"of {vec} and 16-byte alignment, got strides {t.stride()}")
 
 
 def _check_offsets(offsets):
@@ -543,19 +603,23 @@ def _num_ctas(device, cfg: Sm100Config, tiles: int) -> int:
 
 
 def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_sf, w_sf, offsets, out0, out1,
-            limit: float, n: int):
-    """Compile (once per variant and arch) and launch one grouped GEMM on the current stream."""
+            limit: float, n: int, w2=None):
+    """Compile (once per variant and arch) and launch one grouped GEMM on the current stream
+    (``w2``: B's second part along K, split B)."""
     arch = _arch(a.device)
+    split_b = w2 is not None
     compiled = compile_cached(
-        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, cfg.key()),
-        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, arch=arch)[0])
+        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
+        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_b=split_b,
+                                     arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    compiled(_cute_tensor(a), _cute_tensor(w), None if a_sf is None else _cute_tensor(a_sf),
-             None if w_sf is None else _cute_tensor(w_sf), _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0),
-             _cute_tensor(out1), Float32(limit), Int32(_num_ctas(a.device, cfg, tiles)), stream)
+    compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
+             None if a_sf is None else _cute_tensor(a_sf), None if w_sf is None else _cute_tensor(w_sf),
+             _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
+             Int32(_num_ctas(a.device, cfg, tiles)), stream)
 
 
 def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: Sm100Config | None = None):
@@ -661,9 +725,52 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
         dy_sf = w_sf = None
         if cfg.mx:
             dy_sf = lay.pack_row_scales(dy_scales, offsets)
-            w_sf = lay.to_blocked(w_scales.transpose(1, 2)).reshape(-1)
+            w_sf = lay.pack_kn_weight_scales(w_scales)
         _launch(cfg, "dswiglu", limit is not None, MN_MAJOR, dy, w_down, dy_sf, w_sf, offsets,
                 out.view(m, 2, inter), gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter)
+    return out
+
+
+def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None, out=None,
+                   cfg: Sm100Config | None = None):
+    """dx [M, H] bf16 = bf16(dgu_e . [w_gate[e]; w_up[e]]): one FP32 TMEM accumulator over
+    K = 2I (gate rows first, then up rows).
+
+    dgu [M, 2I] contiguous; w_gate, w_up [E, I, H] with unit last stride and the other strides
+    multiples of 16 bytes (two tensors, or the halves ``w[:, :I]``, ``w[:, I:]`` of one stacked
+    [E, 2I, H]), read MN-major in place through two TMA descriptors switched at k = I; bf16, or
+    float8_e4m3fn with ``dgu_scales`` [M, 2I/32] (dgu quantized along I) and ``w_scales =
+    (gate_scales, up_scales)`` each [E, I/32, H] (quantized along I, the columns of [I, H]),
+    repacked on the device into the blocked layouts (one [E, H, 2I/32] weight scale matrix).
+    I a multiple of ``cfg.tile_k``, H of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
+    """
+    cfg = _config(dgu, cfg, "dgu")
+    _check_rows("dgu", dgu, cfg.mx, "2I")
+    e = _check_offsets(offsets)
+    m, two_i = dgu.shape
+    inter = two_i // 2
+    _check_tensor("w_gate", w_gate, 3, (dgu.dtype,))
+    hid = w_gate.shape[2]
+    _check_weight("w_gate", w_gate, (e, inter, hid), cfg.mx, strided=True)
+    _check_weight("w_up", w_up, (e, inter, hid), cfg.mx, strided=True)
+    if two_i % (2 * cfg.tile_k):
+        raise ValueError(f"dgu: 2I={two_i} must be a multiple of 2 * tile_k={2 * cfg.tile_k}")
+    if hid % cfg.tile_n or hid == 0:
+        raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
+    if cfg.mx:
+        _check_scales("dgu_scales", dgu_scales, (m, two_i // lay.SF_VEC))
+        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
+            raise ValueError("w_scales must be (gate_scales, up_scales) for float8_e4m3fn weights")
+        _check_scales("w_scales[0]", w_scales[0], (e, inter // lay.SF_VEC, hid))
+        _check_scales("w_scales[1]", w_scales[1], (e, inter // lay.SF_VEC, hid))
+    out = _check_out("out", out, (m, hid), dgu.device)
+    _check_devices(dgu=dgu, offsets=offsets, w_gate=w_gate, w_up=w_up, out=out)
+    if m:
+        dgu_sf = w_sf = None
+        if cfg.mx:
+            dgu_sf = lay.pack_row_scales(dgu_scales, offsets)
+            w_sf = lay.pack_kn_weight_scales(*w_scales)
+        _launch(cfg, "plain", False, MN_MAJOR, dgu, w_gate, dgu_sf, w_sf, offsets, out, out, 0.0, hid, w2=w_up)
     return out
 
 
@@ -671,19 +778,19 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     """dW [E, Na, Nb] bf16: dW[e] = bf16(a_e^T . b_e) over expert e's rows, tokens summed in
     order in FP32 (no split-K, no atomics: bitwise reproducible); empty experts get zeros.
 
-    a [M, Na], b [M, Nb] contiguous, bf16 or float8_e4m3fn quantized along tokens per expert
-    (blocks of 32 from each expert's first row) with ``a_scales`` / ``b_scales`` already in
-    the grouped token layout (:func:`~mok_cute.kernels.sm100_layouts.pack_token_scales`:
-    flat uint8 of ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Nb a multiple of ``tile_n``.
+    a [M, Na], b [M, Nb] row-major with unit column stride and row strides multiples of 16
+    bytes (column slices such as ``dgu[:, :I]`` are read in place), bf16 or float8_e4m3fn
+    quantized along tokens per expert (blocks of 32 from each expert's first row) with
+    ``a_scales`` / ``b_scales`` already in the grouped token layout
+    (:func:`~mok_cute.kernels.sm100_layouts.pack_token_scales`: flat uint8 of
+    ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Na, Nb multiples of 16 bytes, Nb of ``tile_n``.
     """
     cfg = _config(a, cfg)
-    _check_rows("a", a, cfg.mx, "Na")
-    _check_rows("b", b, cfg.mx, "Nb")
-    e = _check_offsets(offsets)
     m, na = a.shape
+    _check_token_operand("a", a, m, cfg.mx)
+    _check_token_operand("b", b, m, cfg.mx)
+    e = _check_offsets(offsets)
     nb = b.shape[1]
-    if b.shape[0] != m:
-        raise ValueError(f"b must have {m} rows (as a), got {b.shape[0]}")
     if nb % cfg.tile_n:
         raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={cfg.tile_n}")
     if m >= 2 ** 31:
@@ -707,7 +814,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    compiled(_cute_tensor(a), _cute_tensor(b), None if a_scales is None else _cute_tensor(a_scales),
+    compiled(_cute_tensor(a), _cute_tensor(b), None, None if a_scales is None else _cute_tensor(a_scales),
              None if b_scales is None else _cute_tensor(b_scales), _cute_tensor(offs32.contiguous(), 4),
              _cute_tensor(out), _cute_tensor(out), Float32(0.0), Int32(_num_ctas(a.device, cfg, tiles)), stream)
     return out
@@ -734,10 +841,12 @@ def variants() -> dict:
         "bf16-plain": (gemm("plain"), _BF16_PTX),
         "bf16-swiglu-clamp": (gemm("swiglu", clamp=True), _BF16_PTX),
         "bf16-dswiglu-clamp": (gemm("dswiglu", clamp=True, b_major=MN_MAJOR), _BF16_PTX),
+        "bf16-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_b=True), _BF16_PTX),
         "bf16-wgrad": (wgrad(), _BF16_PTX),
         "bf16-plain-2cta": (gemm("plain", cfg=Sm100Config(tile_m=256)), _BF16_PTX + ("cta_group::2",)),
         "mxfp8-plain": (gemm("plain", cfg=mx), _MX_PTX),
         "mxfp8-swiglu-clamp": (gemm("swiglu", clamp=True, cfg=mx), _MX_PTX),
         "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),
+        "mxfp8-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=mx), _MX_PTX),
         "mxfp8-wgrad": (wgrad(cfg=mx), _MX_PTX),
     }

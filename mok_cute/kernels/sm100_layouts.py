@@ -97,6 +97,13 @@ def pack_row_scales(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     return to_blocked(grouped)
 
 
+def pack_kn_weight_scales(*parts: torch.Tensor) -> torch.Tensor:
+    """Scales of a weight stored [E, K, N] and read as B (N, K), quantized along K (its rows,
+    ``mxfp8_quantize(w[e], 0)``): ``parts`` uint8 [E, K_i/32, N], consecutive pieces of K
+    (dgrad1: gate then up) -> flat blocked [E * sf_bytes(N, K/32)] of the (N, K/32) matrices."""
+    return to_blocked(torch.cat(parts, dim=1).transpose(1, 2)).reshape(-1)
+
+
 def pack_token_scales(expert_scales: list[torch.Tensor], offsets, n: int) -> torch.Tensor:
     """Wgrad operand scales: ``expert_scales[e]`` uint8 [ceil(L_e / 32), N] (expert e's tokens
     quantized along tokens, zero-padded last block) -> flat blocked [sf_bytes(N,

@@ -168,9 +168,12 @@ class Sm100Mainloop:
         return sm100.make_trivial_tiled_mma(
             cfg.ab_dtype, cfg.ab_dtype, self.a_major, self.b_major, cutlass.Float32, group, (cfg.tile_m, cfg.tile_n))
 
-    def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor = None, mSFB: cute.Tensor = None):
-        """TMA load atoms for A (M, K, ...), B (N, K, ...) and (MXFP8) their scale tensors,
-        shaped like A and B. Returns ``[(atom, coords)]`` for A, B[, SFA, SFB]."""
+    def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor = None, mSFB: cute.Tensor = None,
+                 mB2: cute.Tensor = None):
+        """TMA load atoms for A (M, K, ...), B (N, K, ...), (MXFP8) their scale tensors, shaped
+        like A and B, and optionally a second B (N, K2, ...) holding B's k-tiles past B's K
+        (same smem layout: :meth:`load_tile` ``b2``). Returns ``[(atom, coords)]`` for A, B[,
+        SFA, SFB][, B2]."""
         cfg = self.cfg
         cl = self.cluster_vmnk.shape
         op_a = sm100.cluster_shape_to_tma_atom_A((cfg.cta_group, 1), self.tiled_mma.thr_id)
@@ -188,15 +191,10 @@ class Sm100Mainloop:
             out.append(cute.nvgpu.make_tiled_tma_atom_B(
                 op_b, mSFB, cute.slice_(self.sfb_smem, (None, None, None, 0)), self.mma_tiler, self.tiled_mma, cl,
                 internal_type=cutlass.Int16))
+        if cutlass.const_expr(mB2 is not None):
+            out.append(cute.nvgpu.make_tiled_tma_atom_B(op_b, mB2, cute.slice_(self.b_smem, (None, None, None, 0)),
+                                                        self.mma_tiler, self.tiled_mma, cl))
         return out
-
-    def smem_fields(self):
-        """``(name, dtype, elems)`` of the 1024-byte aligned shared buffers."""
-        cfg = self.cfg
-        fields = [("sA", cfg.ab_dtype, cute.cosize(self.a_smem.outer)), ("sB", cfg.ab_dtype, cute.cosize(self.b_smem.outer))]
-        if cutlass.const_expr(cfg.mx):
-            fields += [("sSFA", SF_DTYPE, cute.cosize(self.sfa_smem)), ("sSFB", SF_DTYPE, cute.cosize(self.sfb_smem))]
-        return fields
 
     # ------------------------------------------------------------ in-kernel construction
     def smem_tensors(self, storage):
@@ -273,20 +271,30 @@ class Sm100Mainloop:
                 cute.nvgpu.cpasync.create_tma_multicast_mask(self.cluster_vmnk, coord, mcast_mode=1))
 
     @cute.jit
-    def load_tile(self, pipe, state, atoms, srcs, dsts, k_tiles: cutlass.Int32, sf_k0: cutlass.Int32, masks):
+    def load_tile(self, pipe, state, atoms, srcs, dsts, k_tiles: cutlass.Int32, sf_k0: cutlass.Int32, masks,
+                  b2=None):
         """TMA warp: load k-tiles ``0 .. k_tiles-1`` of one tile into the ring; returns the state.
 
         ``atoms``/``srcs``/``dsts``: A, B[, SFA, SFB] atoms, per-tile gmem TMA partitions
         ((atom_v), k) and staged smem partitions ((atom_v), stage). Scale k-tile ``k`` is read
-        at ``sf_k0 + k`` (wgrad: the expert's first scale atom column; else 0).
+        at ``sf_k0 + k`` (wgrad: the expert's first scale atom column; else 0). ``b2``: None or
+        ``(atom, src, k1)``: B k-tiles ``k >= k1`` are ``src`` k-tile ``k - k1`` (split B).
         """
         for k in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
             for i in cutlass.range_constexpr(len(atoms)):
                 kk = k if i < 2 else sf_k0 + k
-                cute.copy(atoms[i], srcs[i][(None, kk)], dsts[i][(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=masks[i % 2])
+                if cutlass.const_expr(i == 1 and b2 is not None):
+                    if k < b2[2]:
+                        cute.copy(atoms[1], srcs[1][(None, k)], dsts[1][(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=masks[1])
+                    else:
+                        cute.copy(b2[0], b2[1][(None, k - b2[2])], dsts[1][(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=masks[1])
+                else:
+                    cute.copy(atoms[i], srcs[i][(None, kk)], dsts[i][(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=masks[i % 2])
             pipe.producer_commit(state)
             state.advance()
         return state
@@ -365,18 +373,29 @@ class AccChunks:
     def num_chunks(self) -> int:
         return cute.size(self.chunks, mode=[3])
 
-    @cute.jit
     def load(self, c) -> cute.Tensor:
-        """FP32 registers of chunk ``c`` (this thread's row, EPI_N columns; ``c`` static or dynamic)."""
-        src = self.src[(None, None, None, 0, c)]
-        r = cute.make_rmem_tensor(self.reg_shape, cutlass.Float32)
-        cute.copy(self.copy, src, r)
-        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
-        return r
+        """FP32 registers of chunk ``c`` (this thread's row, EPI_N columns; ``c`` static)."""
+        return tmem_load(self.copy, self.src[(None, None, None, 0, c)], self.reg_shape)
 
     def part(self, g_chunk: cute.Tensor) -> cute.Tensor:
         """This thread's elements (its row) of a (128, EPI_N) gmem tile, shaped like :meth:`load`."""
         return self.thr.partition_D(g_chunk)
+
+    def part_all(self, g_tile: cute.Tensor) -> cute.Tensor:
+        """This thread's elements of a (128, tile_n) gmem tile; ``[(None, None, None, 0, c)]``
+        is chunk c (for loops over a dynamic ``c``, where :meth:`load`/:meth:`part` cannot be
+        called: the DSL would carry this object through the loop)."""
+        return self.thr.partition_D(cute.flat_divide(g_tile, (EPI_THREADS, EPI_N)))
+
+
+@cute.jit
+def tmem_load(copy: cute.TiledCopy, src: cute.Tensor, reg_shape: cutlass.Constexpr) -> cute.Tensor:
+    """``tcgen05.ld`` of one accumulator chunk (``AccChunks.src[..., c]``) into FP32 registers,
+    then ``tcgen05.wait::ld`` so they can be read."""
+    r = cute.make_rmem_tensor(reg_shape, cutlass.Float32)
+    cute.copy(copy, src, r)
+    cute.arch.fence_view_async_tmem_load()
+    return r
 
 
 def epi_barrier():
