@@ -62,18 +62,53 @@ def route_sort(topk_idx: torch.Tensor, num_experts: int):
     return order, offsets, valid
 
 
+def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
+    """Validate, once, everything the expert MLP's seven launches need (the kernels then run
+    unchecked): x [M, H], w_gate/w_up [E, I, H], w_down [E, H, I] bf16 contiguous and 16-byte
+    aligned on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n."""
+    cfg = fwd.DEFAULT_CONFIG
+    m, hid, e = fwd._check_operands(x_rows, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
+    inter = w_gate.shape[1]
+    fwd._check_tensor("w_down", w_down, 3, (torch.bfloat16,))
+    if tuple(w_down.shape) != (e, hid, inter) or not w_down.is_contiguous() or w_down.data_ptr() % 16:
+        raise ValueError(f"w_down must be contiguous [E, H, I] = {(e, hid, inter)} and 16-byte aligned, "
+                         f"got {tuple(w_down.shape)}")
+    for name, v in (("H", hid), ("I", inter)):
+        if v % cfg.tile_n or v == 0:
+            raise ValueError(f"expert MLP: {name} = {v} must be a positive multiple of tile_n = {cfg.tile_n}")
+    if m >= 2 ** 31:
+        raise ValueError(f"x: M = {m} rows must be < 2^31")
+    fwd._check_limit(limit)
+    fwd._check_devices(x=x_rows, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down)
+
+
+def _check_dy(fwd, g: "_Group", dy_rows):
+    """The backward's one new input: dy [M, H] bf16 contiguous, 16-byte aligned, x's device."""
+    fwd._check_tensor("dy", dy_rows, 2, (torch.bfloat16,))
+    if dy_rows.shape != g.x.shape or not dy_rows.is_contiguous() or dy_rows.data_ptr() % 16:
+        raise ValueError(f"dy must be contiguous {tuple(g.x.shape)} and 16-byte aligned, got {tuple(dy_rows.shape)}")
+    fwd._check_devices(x=g.x, dy=dy_rows)
+
+
 def _mlp_forward(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
-    gu, h = fwd.grouped_gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
-    return fwd.grouped_gemm(h, offsets, w_down), _Group(x_rows, offsets, gu, h)
+    _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
+    gu, h = fwd._run_gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
+    return fwd._run_gemm(h, offsets, w_down), _Group(x_rows, offsets, gu, h)
 
 
 def _mlp_backward(bwd, g: _Group, dy_rows, w_gate, w_up, w_down, limit):
+    """Backward of :func:`_mlp_forward` (its operands were validated there; only dy is new)."""
+    from .kernels import sm90_grouped_gemm as fwd
+
+    _check_dy(fwd, g, dy_rows)
     inter = w_gate.shape[1]
-    dgu = bwd.grouped_dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
-    dx = bwd.grouped_dgrad1(dgu, g.offsets, w_gate, w_up)
-    dwd = bwd.grouped_wgrad(dy_rows, g.h, g.offsets)
-    dwg = bwd.grouped_wgrad(dgu[:, :inter], g.x, g.offsets)
-    dwu = bwd.grouped_wgrad(dgu[:, inter:], g.x, g.offsets)
+    dgu = bwd._run_dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
+    dx = bwd._run_dgrad1(dgu, g.offsets, w_gate, w_up)
+    dwd = bwd._run_wgrad(dy_rows, g.h, g.offsets)
+    dwg = bwd._run_wgrad(dgu[:, :inter], g.x, g.offsets)
+    dwu = bwd._run_wgrad(dgu[:, inter:], g.x, g.offsets)
     return dx, dwg, dwu, dwd
 
 

@@ -205,3 +205,58 @@ def test_fast_descriptor_matches_dsl(t):
         pad_at = 8 + 4 * n
         official, mine = official[:pad_at] + official[pad_at + 4:], mine[:pad_at] + mine[pad_at + 4:]
     assert mine == official
+
+
+def test_graph_launcher_paths(monkeypatch):
+    """GraphLauncher: first launch through the DSL (module load), then one capture per
+    argument key and replays; capturing callers and failed captures use the DSL path."""
+    from mok_cute.kernels import sm90_launch as L
+
+    calls = []
+    ok = (L.cuda.CUresult.CUDA_SUCCESS,)
+
+    class FakeCuda:
+        CUresult = L.cuda.CUresult
+        CUstream = staticmethod(lambda s: ("stream", int(s)))
+
+        @staticmethod
+        def cuGraphLaunch(g, s):
+            calls.append(("replay", g, s))
+            return ok
+
+        @staticmethod
+        def cuGraphExecDestroy(g):
+            return ok
+
+    captures = []
+
+    def capture(self, dev, make_args):
+        captures.append(make_args("side"))
+        return f"exec{len(captures)}"
+
+    monkeypatch.setattr(L, "cuda", FakeCuda)
+    monkeypatch.setattr(L, "_enabled", True)
+    monkeypatch.setattr(L.GraphLauncher, "_capture", capture)
+    monkeypatch.setattr(L.torch.cuda, "is_current_stream_capturing", lambda: False)
+    launcher = L.GraphLauncher(lambda *args: calls.append(("dsl", args)))
+    make = lambda s: (1, 2, s)  # noqa: E731
+    launcher.launch(0, 7, "k1", make)  # first: DSL (loads the module)
+    launcher.launch(0, 7, "k1", make)  # capture + replay
+    launcher.launch(0, 8, "k1", make)  # replay on another stream
+    launcher.launch(0, 7, "k2", make)  # new key: capture + replay
+    assert calls[0] == ("dsl", (1, 2, ("stream", 7)))
+    assert calls[1:] == [("replay", "exec1", ("stream", 7)), ("replay", "exec1", ("stream", 8)),
+                         ("replay", "exec2", ("stream", 7))]
+    assert captures == [(1, 2, "side"), (1, 2, "side")]
+    monkeypatch.setattr(L.torch.cuda, "is_current_stream_capturing", lambda: True)
+    launcher.launch(0, 7, "k1", make)  # the caller is capturing: plain DSL launch
+    assert calls[-1] == ("dsl", (1, 2, ("stream", 7)))
+    monkeypatch.setattr(L.torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken(self, dev, make_args):
+        raise RuntimeError("capture unsupported")
+
+    monkeypatch.setattr(L.GraphLauncher, "_capture", broken)
+    with pytest.warns(UserWarning, match="graph launch path disabled"):
+        launcher.launch(0, 7, "k3", make)
+    assert calls[-1] == ("dsl", (1, 2, ("stream", 7))) and L._enabled is False

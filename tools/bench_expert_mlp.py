@@ -11,6 +11,9 @@ backward and forward+backward of:
 and prints TFLOP/s (FLOPs: 6*M*H*I forward, 12*M*H*I backward, M = routed tokens), the
 speedup torch/ours per row and its geometric mean. ``relL1`` compares ours with torch
 (forward output, dx, dW_down) once per shape as a sanity check.
+Also per row: pipe_f+b / host_f+b (20 calls queued back to back: device us per call and the
+host's enqueue us per call) and graph_f+b (one CUDA-graph replay of fwd+bwd, both
+implementations captured the same way; x_graph = torch / ours).
 Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
 """
 from __future__ import annotations
@@ -77,6 +80,31 @@ def pipelined_us(fn, n: int = 20) -> tuple[float, float]:
     return a.elapsed_time(b) * 1e3 / n, host
 
 
+def graph_us(fn, warmup: int = 3) -> float:
+    """Median us of one replay of ``fn`` captured in a CUDA graph (warm-up on a side stream
+    first, as torch.cuda.graph asks); NaN if capture fails. What a training step run as a
+    graph sees: no host launch cost for either implementation."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        t = bench_us(g.replay)
+        del g
+        return t
+    except Exception as exc:  # noqa: BLE001 (report, keep benchmarking)
+        print(f"graph capture failed: {exc!r}"[:300], file=sys.stderr)
+        torch.cuda.synchronize()
+        return float("nan")
+
+
 def profile_table(fn, path: str, title: str) -> None:
     """Append a torch.profiler kernel table (3 calls of ``fn``) to ``path``."""
     from torch.profiler import ProfilerActivity, profile
@@ -93,7 +121,7 @@ def profile_table(fn, path: str, title: str) -> None:
         f.write("\n")
 
 
-def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, profile_path=None, title=""):
+def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph_torch, profile_path=None, title=""):
     """Time ``mok_cute.ops.expert_mlp`` (sm90) on the same problem; relL1 vs torch once."""
     import mok_cute
     from mok_cute.ops import expert_mlp
@@ -124,10 +152,11 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, profile
         t_f = bench_us(fwd)
     t_fb = bench_us(fwd_bwd)
     pipe_fb, host_fb = pipelined_us(fwd_bwd)
+    graph_fb = graph_us(fwd_bwd)
     if profile_path:
         profile_table(fwd_bwd, profile_path, f"ours fwd+bwd {title}")
     fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
-    return dict(ours_pipe_fb_us=pipe_fb, ours_host_fb_us=host_fb, ours_fwd_us=t_f, ours_bwd_us=t_fb - t_f, ours_fwdbwd_us=t_fb,
+    return dict(ours_graph_fb_us=graph_fb, speedup_graph_fb=t_graph_torch / graph_fb, ours_pipe_fb_us=pipe_fb, ours_host_fb_us=host_fb, ours_fwd_us=t_f, ours_bwd_us=t_fb - t_f, ours_fwdbwd_us=t_fb,
                 ours_fwd_tflops=fwd_flop / t_f / 1e6, ours_fwdbwd_tflops=(fwd_flop + bwd_flop) / t_fb / 1e6,
                 speedup_fwd=t_f_torch / t_f, speedup_fwdbwd=t_fb_torch / t_fb, rel_l1_vs_torch=rel)
 
@@ -160,10 +189,11 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
                dense_tflops=tf(2 * n ** 3, t_d))
     del a, b
     row["torch_pipe_fb_us"], row["torch_host_fb_us"] = pipelined_us(fwd_bwd)
+    row["torch_graph_fb_us"] = graph_us(fwd_bwd)
     if profile_path and not skew:
         profile_table(fwd_bwd, profile_path, f"torch fwd+bwd {row['shape']}")
     if ours:
-        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb,
+        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"],
                             profile_path if not skew else None, row["shape"]))
     return row
 
@@ -185,21 +215,34 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
     print(f"{'shape':26s} {'routing':8s} {'impl':5s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} "
-          f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s} {'pipe_f+b':>9s} {'host_f+b':>9s}")
+          f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s} {'pipe_f+b':>9s} {'host_f+b':>9s} "
+          f"{'graph_f+b':>9s} {'x_graph':>7s}")
     for r in rows:
         print(f"{r['shape']:26s} {r['routing']:8s} torch {r['torch_fwd_us']:9.0f} {r['torch_bwd_us']:9.0f} "
               f"{r['torch_fwdbwd_us']:9.0f} {r['torch_fwd_tflops']:7.0f} {r['torch_fwdbwd_tflops']:7.0f} {r['dense_tflops']:8.0f}"
-              f" {'':6s} {'':6s} {'':8s} {r['torch_pipe_fb_us']:9.0f} {r['torch_host_fb_us']:9.0f}")
+              f" {'':6s} {'':6s} {'':8s} {r['torch_pipe_fb_us']:9.0f} {r['torch_host_fb_us']:9.0f}"
+              f" {r['torch_graph_fb_us']:9.0f}")
         if "ours_fwd_us" in r:
             print(f"{'':26s} {'':8s} ours  {r['ours_fwd_us']:9.0f} {r['ours_bwd_us']:9.0f} {r['ours_fwdbwd_us']:9.0f} "
                   f"{r['ours_fwd_tflops']:7.0f} {r['ours_fwdbwd_tflops']:7.0f} {'':8s} {r['speedup_fwd']:6.2f} "
-                  f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e} {r['ours_pipe_fb_us']:9.0f} {r['ours_host_fb_us']:9.0f}")
+                  f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e} {r['ours_pipe_fb_us']:9.0f} {r['ours_host_fb_us']:9.0f} "
+                  f"{r['ours_graph_fb_us']:9.0f} {r['speedup_graph_fb']:7.2f}")
     ours = [r for r in rows if "ours_fwd_us" in r]
     if ours:
         geo = lambda key: math.exp(sum(math.log(r[key]) for r in ours) / len(ours))
         print(f"geomean speedup torch/ours: fwd {geo('speedup_fwd'):.2f}x, fwd+bwd {geo('speedup_fwdbwd'):.2f}x; "
               f"min fwd+bwd {min(r['speedup_fwdbwd'] for r in ours):.2f}x; largest shape fwd+bwd "
               f"{ours[0]['ours_fwdbwd_tflops']:.0f} TF/s = {ours[0]['ours_fwdbwd_tflops'] / 788 * 100:.0f}% of 788")
+        graphs = [r["speedup_graph_fb"] for r in ours if math.isfinite(r["speedup_graph_fb"])]
+        if graphs:
+            print(f"CUDA-graph replay f+b, torch/ours: geomean "
+                  f"{math.exp(sum(math.log(v) for v in graphs) / len(graphs)):.2f}x, min {min(graphs):.2f}x "
+                  f"({len(graphs)}/{len(ours)} rows captured)")
+        try:
+            from mok_cute.kernels import sm90_launch
+            print(f"sm90 launch paths: {sm90_launch.stats()}")
+        except ImportError:
+            pass
     return 0
 
 

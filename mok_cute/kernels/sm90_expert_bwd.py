@@ -41,6 +41,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_grouped_gemm import (
     _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
     _Desc, _fake_2d, _fake_3d, _launch, current_stream, device_arch, sm_count,
@@ -229,6 +230,14 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg:
     _check_limit(limit)
     out = _check_out("out", out, (m, 2 * inter), dy.device)
     _check_devices(dy=dy, offsets=offsets, w_down=w_down, gu=gu, out=out)
+    return _run_dswiglu_dgrad(dy, offsets, w_down, gu, limit, out, cfg)
+
+
+def _run_dswiglu_dgrad(dy, offsets, w_down, gu, limit, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """:func:`grouped_dswiglu_dgrad` on operands already validated (no checks)."""
+    m, inter = dy.shape[0], w_down.shape[2]
+    if out is None:
+        out = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=dy.device)
     if m:
         _launch("dswiglu", limit is not None, cfg, dy, w_down, offsets, out.view(m, 2, inter),
                 gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter, b_major=MN_MAJOR)
@@ -257,6 +266,14 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, out=None, cfg: MainloopConfig 
         raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
     out = _check_out("out", out, (m, hid), dgu.device)
     _check_devices(dgu=dgu, offsets=offsets, w_gate=w_gate, w_up=w_up, out=out)
+    return _run_dgrad1(dgu, offsets, w_gate, w_up, out, cfg)
+
+
+def _run_dgrad1(dgu, offsets, w_gate, w_up, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """:func:`grouped_dgrad1` on operands already validated (no checks)."""
+    m, hid = dgu.shape[0], w_gate.shape[2]
+    if out is None:
+        out = torch.empty((m, hid), dtype=torch.bfloat16, device=dgu.device)
     if m:
         _launch("plain", False, cfg, dgu, w_gate, offsets, out, out, 0.0, hid, b_major=MN_MAJOR, w2=w_up)
     return out
@@ -301,16 +318,27 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
         if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
             raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
     _check_devices(a=a, b=b, offsets=offsets, out=out)
+    return _run_wgrad(a, b, offsets, out, cfg)
+
+
+def _run_wgrad(a, b, offsets, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """:func:`grouped_wgrad` on operands already validated (no checks but the device arch)."""
+    m, na, nb, e = a.shape[0], a.shape[1], b.shape[1], offsets.shape[0] - 1
+    if out is None:
+        out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped wgrad needs an sm_90a device, got {arch}")
     if m == 0:
         return out.zero_()
-    compiled = compile_cached(("sm90_grouped_wgrad", arch, cfg.key()),
-                              lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
+    launcher = compile_cached(("sm90_grouped_wgrad", arch, cfg.key()),
+                              lambda: GraphLauncher(compile_grouped_wgrad(cfg=cfg, arch=arch)[0]))
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    stream = current_stream(dev)
-    compiled(_Desc(a), _Desc(b), _Desc(offs32.contiguous()), _Desc(out), Int32(num_ctas), stream)
+    if not offs32.is_contiguous():
+        offs32 = offs32.contiguous()
+    key = (tensor_key(a), tensor_key(b), offs32.data_ptr(), offs32.shape, tensor_key(out), num_ctas)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
+        _Desc(a), _Desc(b), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
     return out

@@ -45,6 +45,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.runtime import from_dlpack
 
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
@@ -555,22 +556,27 @@ def current_stream(dev: int):
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
             b_major: str = K_MAJOR, w2=None):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
-    the N extent tiled by ``cfg.tile_n``."""
+    the N extent tiled by ``cfg.tile_n``. Launches replay a captured graph per argument set
+    (:mod:`mok_cute.kernels.sm90_launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
-    compiled = compile_cached(
+    launcher = compile_cached(
         ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
-        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_b=split_b,
-                                     arch=arch)[0])
+        lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
+                                                   split_b=split_b, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    stream = current_stream(dev)
-    compiled(_Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32.contiguous()), _Desc(out0),
-             _Desc(out1), Float32(limit), Int32(num_ctas), stream)
+    if not offs32.is_contiguous():
+        offs32 = offs32.contiguous()
+    key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
+           tensor_key(out0), tensor_key(out1), limit, num_ctas)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
+        _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32), _Desc(out0), _Desc(out1),
+        Float32(limit), Int32(num_ctas), stream))
 
 
 def sm_count(device) -> int:
@@ -613,6 +619,14 @@ def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFI
         raise ValueError(f"w: N={n} must be a multiple of tile_n={cfg.tile_n}")
     out = _check_out("out", out, (m, n), a.device)
     _check_devices(a=a, offsets=offsets, w=w, out=out)
+    return _run_gemm(a, offsets, w, out, cfg)
+
+
+def _run_gemm(a, offsets, w, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """:func:`grouped_gemm` on operands already validated (no checks; ``out`` None allocates)."""
+    m, n = a.shape[0], w.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m:
         _launch("plain", False, cfg, a, w, offsets, out, out, 0.0, n)
     return out
@@ -638,6 +652,16 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     gu = _check_out("gu", gu, (m, 2 * inter), x.device)
     h = _check_out("h", h, (m, inter), x.device)
     _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
+    return _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu, h, cfg)
+
+
+def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """:func:`grouped_gemm1_swiglu` on operands already validated (no checks)."""
+    m, inter = x.shape[0], w_gate.shape[1]
+    if gu is None:
+        gu = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=x.device)
+    if h is None:
+        h = torch.empty((m, inter), dtype=torch.bfloat16, device=x.device)
     if m:
         _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, gu.view(m, 2, inter), h,
                 0.0 if limit is None else float(limit), 2 * inter, w2=w_up)

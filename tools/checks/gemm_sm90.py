@@ -231,6 +231,52 @@ def _check_zero_rows(gg, bwd, dev):
     return Row("zero total rows (fwd + bwd)", ok=ok)
 
 
+def _check_launch_paths(gg, bwd, dev, gen):
+    """Graph replays (sm90_launch) vs the DSL call path: each kernel writes a NaN-poisoned
+    preallocated output through the DSL path, then three times through the graph path
+    (capture, replay, replay; the output refilled with NaN before each): all bitwise equal."""
+    from mok_cute.kernels import sm90_launch  # noqa: PLC0415
+
+    counts = _counts("skewed", 3000, gen)
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    x = torch.randn(m, H, device=dev).bfloat16()
+    wg, wu = ((torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16() for _ in range(2))
+    wd = (torch.randn(E, H, INTER, device=dev) * INTER ** -0.5).bfloat16()
+    gu, h = gg.grouped_gemm1_swiglu(x, offs, wg, wu)
+    dy = torch.randn(m, H, device=dev).bfloat16()
+    dgu = bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=4.0)
+    h2 = torch.empty_like(h)
+    cases = [
+        ("swiglu", (m, 2 * INTER), lambda o: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0, out=(o, h2))),
+        ("plain", (m, H), lambda o: gg.grouped_gemm(h, offs, wd, out=o)),
+        ("dswiglu", (m, 2 * INTER), lambda o: bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=4.0, out=o)),
+        ("dgrad1", (m, H), lambda o: bwd.grouped_dgrad1(dgu, offs, wg, wu, out=o)),
+        ("wgrad", (E, INTER, H), lambda o: bwd.grouped_wgrad(dgu[:, :INTER], x, offs, out=o)),
+    ]
+    bad = []
+    before = sm90_launch.stats()
+    was = sm90_launch._enabled
+    for name, shape, fn in cases:
+        out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
+        sm90_launch._enabled = False
+        fn(out)
+        torch.cuda.synchronize()
+        want = out.clone()
+        sm90_launch._enabled = was
+        for i in range(3):
+            out.fill_(float("nan"))
+            fn(out)
+            torch.cuda.synchronize()
+            if not torch.equal(out, want) or not bool(torch.isfinite(want).all()):
+                bad.append(f"{name}#{i}")
+    after = sm90_launch.stats()
+    delta = {k: after[k] - before[k] for k in after}
+    ok = not bad and (not was or delta["graph"] >= 3 * len(cases))
+    return Row("launch paths: graph replay == DSL launch", bitwise=not bad, ok=ok,
+               note=f"mismatch {bad} paths {delta} graph_path={'on' if was else 'off'}")
+
+
 def _bench(gg, bwd, dev):
     e, rows, hid, inter = 8, 4096, 7168, 2048
     m = e * rows
@@ -293,6 +339,7 @@ def run(ctx) -> list[Row]:
     rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 1.5))
     rows.append(_guarded("wgrad", _check_wgrad, bwd, ref, dev, gen, "skewed", True))
     rows.append(_check_zero_rows(gg, bwd, dev))
+    rows.append(_guarded("launch paths", _check_launch_paths, gg, bwd, dev, gen))
     recompiled = cache_stats()["compiles"] - compiles
     rows.append(Row("no recompile for new counts/limit", ok=recompiled == 0, note=f"{recompiled} new compiles"))
     rows += _bench(gg, bwd, dev)
