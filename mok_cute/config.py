@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PRECISIONS = ("bf16", "mxfp8")
+PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 BACKENDS = ("auto", "reference", "sm90", "sm100")
 TILE_M = (64, 128, 256)
 TILE_N = (64, 128, 192, 256)
@@ -15,7 +15,8 @@ TILE_K = (32, 64, 128)
 class MoKConfig:
     """Configuration of :func:`mok_cute.moe`.
 
-    precision: "bf16" or "mxfp8" (E4M3 + E8M0 per 32 along K; see mok_cute.reference).
+    precision: "bf16", "mxfp8" (E4M3 + E8M0 per 32 along K) or "fp8_block" (E4M3 + fp32
+        scales per 1x128 activation tile and 128x128 weight block); see mok_cute.reference.
     minibatch_tokens: tokens per overlap unit of the megakernel; a multiple of 256.
     comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2.
     tile_m / tile_n / tile_k: GEMM tile shape (M = tokens, N = output features, K = reduction).

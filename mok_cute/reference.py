@@ -40,6 +40,20 @@ GEMM runs on the dequantized (exact) values; rounding points stay as in bf16. Ax
     wgrad    GEMM1  dgu, x   along tokens (columns), same blocking
 A partial last token block is zero-padded. The shared expert is one more group (all T tokens).
 
+FP8 blockwise (precision "fp8_block", the DeepSeek-V3 recipe; see :func:`fp8_block_quantize_act`):
+E4M3 elements with fp32 scales, activations/gradients in 1x128 tiles along the GEMM's
+reduction dim, weights in 128x128 blocks (one block set serves forward and dgrad: the
+blocks of W^T are the blocks of W). Every GEMM operand is quantized, then the GEMM runs on
+the dequantized values data * scale (exact in fp64); rounding points stay as in bf16. A
+kernel applies the scales per 128-K block to fp32 partial sums (promotion). Axes:
+    forward  GEMM1  x        1x128 along H       Wg, Wu   128x128 blocks of [I, H]
+    forward  GEMM2  h        1x128 along I       Wd       128x128 blocks of [H, I]
+    dgrad    GEMM2  dyj      1x128 along H       Wd       same blocks (read as [I, H] = Wd^T)
+    dgrad    GEMM1  dgu      1x128 along 2I      Wg, Wu   same blocks (read as [H, 2I])
+    wgrad    GEMM2  dyj, h   128x1 along tokens (columns), tiles of 128 from each expert's first row
+    wgrad    GEMM1  dgu, x   128x1 along tokens (columns), same tiling
+H, I (and I_s) must be multiples of 128; a partial last token tile is zero-padded.
+
 Precision "exact" (float64 inputs, no rounding, no quantization) is the same math for
 gradient checks against torch.autograd.
 """
@@ -50,7 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-PRECISIONS = ("bf16", "mxfp8")
+PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 MX_BLOCK = 32
 FP8_MAX = 448.0
 
@@ -133,10 +147,182 @@ def _mx_round_trip_groups(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     return out
 
 
+# ----------------------------------------------------------------------------- FP8 blockwise
+FP8_BLOCK = 128
+FP8_AMAX_MIN = 2.0 ** -100  # amax floor: keeps 448 / amax finite (see fp8_block_quantize_act)
+
+
+def _tiles_1x128(x: torch.Tensor, name: str) -> torch.Tensor:
+    """View a 2-D ``x`` as fp32 [M, K/128, 128] tiles along its last dim."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} must be a bfloat16 or float32 tensor")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    if x.shape[1] % FP8_BLOCK:
+        raise ValueError(f"{name}.shape[1] = {x.shape[1]} must be a multiple of {FP8_BLOCK}")
+    return x.float().reshape(x.shape[0], x.shape[1] // FP8_BLOCK, FP8_BLOCK)
+
+
+def _fp8_block_tiles(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize fp32 tiles [..., n] (one scale per tile): returns (e4m3 [..., n], fp32 [...])."""
+    bits = t.view(torch.int32) & 0x7FFFFFFF
+    amax_bits = bits.amax(dim=-1)
+    nonfinite = amax_bits >= 0x7F800000
+    amax = amax_bits.view(torch.float32).clamp(min=FP8_AMAX_MIN)
+    amax = torch.where(nonfinite, torch.ones_like(amax), amax)
+    inv = torch.full_like(amax, FP8_MAX) / amax  # fp32, round to nearest
+    scale = amax / FP8_MAX  # fp32, round to nearest
+    data = (t * inv[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.where(nonfinite[..., None], torch.full_like(data, 0x7F), data)
+    scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
+    return data.view(torch.float8_e4m3fn), scale
+
+
+def fp8_block_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 blockwise quantization of an activation / gradient along its last dim (K).
+
+    x [M, K] bf16/fp32, K a multiple of 128. Per 1x128 tile, all in fp32 with IEEE
+    round-to-nearest-even:
+        amax  = max |x| (taken on the bit patterns: subnormals kept, NaN/Inf detected)
+        a     = max(amax, 2^-100)          (all-zero tiles: data 0, keeps 448 / a finite)
+        inv   = 448 / a                    (one fp32 division, div.rn.f32 on the GPU)
+        scale = a / 448                    (one fp32 division)
+        data  = e4m3(x * inv)              (fp32 multiply, then RNE to e4m3; |x * inv| <=
+                                            448 (1 + 2^-24) rounds to <= 448: never saturates)
+    The two divisions are DeepSeek-V3's (DeepGEMM ``x * (448 / amax)``, scale ``amax / 448``)
+    without its 1e-4 amax floor (gradients are often smaller). A tile holding NaN or Inf
+    gets scale NaN (bits 0x7FC00000) and data 0x7F (NaN); -0.0 stays 0x80. Dequantized value:
+    data * scale.
+    Returns (data float8_e4m3fn [M, K], scales float32 [M, K/128]).
+    """
+    data, scale = _fp8_block_tiles(_tiles_1x128(x, "x"))
+    return data.reshape(x.shape).contiguous(), scale.contiguous()
+
+
+def fp8_block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 blockwise quantization of a weight [N, K] in 128x128 blocks (same fp32 ops as
+    :func:`fp8_block_quantize_act`, amax over the 16384 elements of a block).
+    Returns (data float8_e4m3fn [N, K], scales float32 [N/128, K/128])."""
+    t = _tiles_1x128(w, "w")  # [N, K/128, 128]
+    n, kb = t.shape[0], t.shape[1]
+    if n % FP8_BLOCK:
+        raise ValueError(f"w.shape[0] = {n} must be a multiple of {FP8_BLOCK}")
+    blocks = t.reshape(n // FP8_BLOCK, FP8_BLOCK, kb, FP8_BLOCK).permute(0, 2, 1, 3)
+    data, scale = _fp8_block_tiles(blocks.reshape(n // FP8_BLOCK, kb, FP8_BLOCK * FP8_BLOCK))
+    data = data.reshape(n // FP8_BLOCK, kb, FP8_BLOCK, FP8_BLOCK).permute(0, 2, 1, 3)
+    return data.reshape(w.shape).contiguous(), scale.contiguous()
+
+
+def fp8_block_dequantize_act(data: torch.Tensor, scales: torch.Tensor,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data [M, K] * scales [M, K/128] (broadcast over each 1x128 tile) in ``dtype``;
+    exact in float64, one rounding per element in float32."""
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError("data must be float8_e4m3fn and scales float32")
+    m, k = data.shape
+    if tuple(scales.shape) != (m, k // FP8_BLOCK) or k % FP8_BLOCK:
+        raise ValueError(f"scales shape {tuple(scales.shape)} does not match data {tuple(data.shape)}")
+    vals = data.to(dtype).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+    return (vals * scales.to(dtype)[..., None]).reshape(m, k)
+
+
+def fp8_block_dequantize_weight(data: torch.Tensor, scales: torch.Tensor,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data [N, K] * scales [N/128, K/128] (broadcast over each 128x128 block) in ``dtype``."""
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError("data must be float8_e4m3fn and scales float32")
+    n, k = data.shape
+    if n % FP8_BLOCK or k % FP8_BLOCK or tuple(scales.shape) != (n // FP8_BLOCK, k // FP8_BLOCK):
+        raise ValueError(f"scales shape {tuple(scales.shape)} does not match data {tuple(data.shape)}")
+    full = scales.to(dtype).repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return data.to(dtype) * full
+
+
+def token_tile_bases(offsets, rows: int, block: int = FP8_BLOCK) -> list[int]:
+    """Token-wise (wgrad) layouts give group e the tile slots starting at
+    ``offsets[e] // block + e``, never below the previous group's end (so a kernel needs
+    no prefix sum); the last entry is the slot count ``rows // block + E``."""
+    offs = _offs(offsets)
+    return [o // block + e for e, o in enumerate(offs[:-1])] + [rows // block + len(offs) - 1]
+
+
+def _quantize_tokens(x, offsets, block: int, quantize, scale_dtype):
+    """Shared body of the token-wise quantizers (see :func:`fp8_block_quantize_tokens`)."""
+    offs = _offs(offsets)
+    m, n = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if offs[0] != 0 or offs[-1] > m or any(b < a for a, b in zip(offs[:-1], offs[1:])):
+        raise ValueError(f"offsets must start at 0, not decrease and end <= {m}, got {offs}")
+    base = token_tile_bases(offs, m, block)
+    data_t = torch.zeros(n, base[-1] * block, dtype=torch.uint8, device=x.device)
+    scales = torch.zeros(base[-1], n, dtype=scale_dtype, device=x.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi == lo:
+            continue
+        pad = (-(hi - lo)) % block
+        d, sc = quantize(F.pad(x[lo:hi].float(), (0, 0, 0, pad)))  # [padded, N], [tiles, N]
+        c0 = base[e] * block
+        data_t[:, c0: c0 + d.shape[0]] = d.view(torch.uint8).t()
+        scales[base[e]: base[e] + sc.shape[0]] = sc
+    return data_t.view(torch.float8_e4m3fn), scales
+
+
+def fp8_block_quantize_tokens(x: torch.Tensor, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wgrad operand: quantize x [M, N] along tokens (dim 0) in 128x1 tiles starting at each
+    group's first row, written transposed and tile-aligned for a K-major FP8 GEMM operand.
+
+    Group e's tiles occupy slots ``j = offsets[e] // 128 + e + t`` (:func:`token_tile_bases`),
+    S = M // 128 + E slots in all. Returns (data_t float8_e4m3fn [N, 128 S]: column
+    128 j + r of feature n holds token offsets[e] + 128 t + r (quantized with the fp32 ops
+    of :func:`fp8_block_quantize_act`); scales float32 [S, N]). Rows past a group's end
+    (zero padding: amax unchanged) and slots no group uses are 0 in both; rows at or past
+    offsets[E] belong to no group. The wgrad GEMM of group e runs whole 128-token k-tiles
+    over its slots: padding contributes exact zeros.
+    """
+    def quantize(xp):
+        d, sc = fp8_block_quantize_act(xp.t().contiguous())
+        return d.t(), sc.t()
+    return _quantize_tokens(x, offsets, FP8_BLOCK, quantize, torch.float32)
+
+
+def mxfp8_quantize_tokens(x: torch.Tensor, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 wgrad operand: :func:`mxfp8_quantize` along tokens in blocks of 32 from each
+    group's first row, in the transposed tile-aligned layout of
+    :func:`fp8_block_quantize_tokens` with 32-token slots: (data_t float8_e4m3fn
+    [N, 32 S], scales uint8 E8M0 [S, N]), S = M // 32 + E; unused slots 0."""
+    return _quantize_tokens(x, offsets, MX_BLOCK, lambda xp: mxfp8_quantize(xp, 0), torch.uint8)
+
+
+def _fp8_round_trip_groups(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """float64 values of x after 128x1 token-wise quantization per group (wgrad operands)."""
+    out = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        if hi == lo:
+            continue
+        pad = (-(hi - lo)) % FP8_BLOCK
+        xt = F.pad(x[lo:hi].float(), (0, 0, 0, pad)).t().contiguous()
+        d, s = fp8_block_quantize_act(xt)
+        out[lo:hi] = fp8_block_dequantize_act(d, s, torch.float64).t()[: hi - lo]
+    return out
+
+
+def fp8_round_trip_act(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """float64 values a GEMM sees after 1x128 quantization of ``x`` along ``dim``."""
+    if dim % 2 == 0:
+        return fp8_round_trip_act(x.t().contiguous(), -1).t()
+    return fp8_block_dequantize_act(*fp8_block_quantize_act(x), dtype=torch.float64)
+
+
+def fp8_round_trip_weight(w: torch.Tensor) -> torch.Tensor:
+    """float64 values a GEMM sees after 128x128 block quantization of ``w`` (either orientation)."""
+    return fp8_block_dequantize_weight(*fp8_block_quantize_weight(w), dtype=torch.float64)
+
+
 # ----------------------------------------------------------------------------- numerics
 @dataclass(frozen=True)
 class Numerics:
-    """Rounding policy: ``precision`` in bf16 | mxfp8 | exact (float64, nothing rounded)."""
+    """Rounding policy: ``precision`` in bf16 | mxfp8 | fp8_block | exact (float64, nothing rounded)."""
 
     precision: str = "bf16"
 
@@ -153,11 +339,21 @@ class Numerics:
         return x.double() if self.exact else x.float()
 
     def q(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Operand as the GEMM reads it (MXFP8 round trip along ``dim`` when mxfp8)."""
+        """Activation operand as the GEMM reads it (MXFP8 round trip along ``dim`` when
+        mxfp8, 1x128 FP8 blockwise along ``dim`` when fp8_block)."""
+        if self.precision == "fp8_block":
+            return fp8_round_trip_act(x, dim)
         return mx_round_trip(x, dim) if self.precision == "mxfp8" else x
+
+    def q_weight(self, w: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weight operand as the GEMM reads it: 128x128 blocks when fp8_block (``dim`` does not
+        matter), else as :meth:`q`."""
+        return fp8_round_trip_weight(w) if self.precision == "fp8_block" else self.q(w, dim)
 
     def q_tokens(self, x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
         """Wgrad operand quantized along tokens, per group."""
+        if self.precision == "fp8_block":
+            return _fp8_round_trip_groups(x, offsets)
         return _mx_round_trip_groups(x, offsets) if self.precision == "mxfp8" else x
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -206,7 +402,7 @@ def grouped_gemm(a, offsets, w, precision: str = "bf16") -> torch.Tensor:
     out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
     for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
         if hi > lo:
-            out[lo:hi] = num.act(num.mm(num.q(a[lo:hi], -1), num.q(w[e], -1)))
+            out[lo:hi] = num.act(num.mm(num.q(a[lo:hi], -1), num.q_weight(w[e], -1)))
     return out
 
 
@@ -228,7 +424,7 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, precision: str = 
                      device=dy.device)
     for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
         if hi > lo:
-            dh[lo:hi] = num.mm(num.q(dy[lo:hi], -1), num.q(w_down[e], 0).t())
+            dh[lo:hi] = num.mm(num.q(dy[lo:hi], -1), num.q_weight(w_down[e], 0).t())
     dg, du = dswiglu(dh, num.f32(gu[:, :inter]), num.f32(gu[:, inter:]), limit)
     return num.act(torch.cat([dg, du], dim=1))
 
@@ -240,7 +436,7 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, precision: str = "bf16"):
     out = torch.zeros(dgu.shape[0], w1t.shape[2], dtype=dgu.dtype, device=dgu.device)
     for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
         if hi > lo:
-            out[lo:hi] = num.act(num.mm(num.q(dgu[lo:hi], -1), num.q(w1t[e], 0).t()))
+            out[lo:hi] = num.act(num.mm(num.q(dgu[lo:hi], -1), num.q_weight(w1t[e], 0).t()))
     return out
 
 

@@ -6,6 +6,12 @@ random bf16/fp32 with per-block magnitudes 2^-140..2^120, and an edge-case tenso
 -0.0 blocks, amax exactly 448*2^e, powers of two, mantissas around 1.75, subnormals, ties,
 NaN/Inf, bf16 max). Then the time on 16384 x 7168 bf16 (GB/s counts bytes read + written)
 and on a tiny tensor (host launch overhead).
+
+FP8 rows (mok_cute.kernels.quantize_fp8): the fp8_block 1x128 row quantizer vs
+reference.fp8_block_quantize_act (scales compared as fp32 bit patterns, NaN included), and
+the token-wise transposed wgrad quantizers (fp8_block and MXFP8) vs
+reference.fp8_block_quantize_tokens / mxfp8_quantize_tokens on expert-grouped rows
+(ragged, empty and 128-aligned groups, rows past offsets[E]), bitwise; GB/s on 16384 x 7168.
 """
 import time
 
@@ -95,7 +101,7 @@ def _compare(name, x, dim, quantize, reference) -> Row:
                note=f"{tuple(x.shape)}; mismatched data bytes {bad_d}, scale bytes {bad_s}")
 
 
-def run(ctx) -> list[Row]:
+def run(ctx) -> list[Row]:  # MXFP8 rows, then run_fp8's
     from mok_cute.kernels.quantize import quantize_mxfp8
     from mok_cute.reference import mxfp8_quantize
 
@@ -128,4 +134,74 @@ def run(ctx) -> list[Row]:
         us = bench_us(lambda: quantize_mxfp8(tiny, dim), warmup=10, iters=50)
         rows.append(Row(f"mxfp8 {kind} time bf16 32x256", time_us=us, ok=True,
                         note="host launch overhead bound"))
+    return rows + run_fp8(ctx, gen)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().cpu()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def _compare_bits(name, got, ref, shape) -> Row:
+    bad = []
+    for g, r in zip(got, ref):
+        if tuple(g.shape) != tuple(r.shape):
+            return Row(name, bitwise=False, ok=False, note=f"shape {tuple(g.shape)} vs {tuple(r.shape)}")
+        bad.append(int((_bits(g) != _bits(r)).sum()))
+    ok = not any(bad)
+    return Row(name, bitwise=ok, ok=ok, note=f"{shape}; mismatched data {bad[0]}, scales {bad[1]}")
+
+
+def _groups(m, e, gen, kind):
+    """int32 offsets [E+1] of M rows: random ragged (some empty), 128-aligned, or one group."""
+    if kind == "one":
+        return torch.tensor([0, m], dtype=torch.int32)
+    if kind == "aligned":
+        cuts = torch.sort(torch.randint(0, m // 128 + 1, (e - 1,), generator=gen)).values * 128
+    else:
+        cuts = torch.sort(torch.randint(0, m - 4, (e - 1,), generator=gen)).values
+        cuts[: e // 4] = cuts[0]  # a few empty experts
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([m - 5 if kind == "ragged" else m])]).to(torch.int32)
+
+
+def run_fp8(ctx, gen) -> list[Row]:
+    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_act, quantize_tokens
+    from mok_cute.reference import (fp8_block_quantize_act, fp8_block_quantize_tokens,
+                                    mxfp8_quantize_tokens)
+
+    dev = ctx.device
+    rows = []
+    for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for shape in ((256, 7168), (1056, 2304), (96, 128)):
+            x = _random(shape, -1, dtype, gen, dev)
+            got = quantize_fp8_block_act(x)
+            rows.append(_compare_bits(f"fp8_block row random {tag} {shape[0]}x{shape[1]}", got,
+                                      fp8_block_quantize_act(x.cpu()), shape))
+        x = _edge(-1, dtype, gen, dev)  # 8 MX blocks per row = two 1x128 tiles
+        rows.append(_compare_bits(f"fp8_block row edge cases {tag}", quantize_fp8_block_act(x),
+                                  fp8_block_quantize_act(x.cpu()), tuple(x.shape)))
+        for fmt, ref in (("fp8_block", fp8_block_quantize_tokens), ("mxfp8", mxfp8_quantize_tokens)):
+            for (m, n, e), kind in (((1000, 512, 8), "ragged"), ((1024, 256, 4), "aligned"),
+                                    ((300, 128, 1), "one"), ((4096, 2048, 32), "ragged")):
+                x = _random((m, n), -1, dtype, gen, dev)
+                offs = _groups(m, e, gen, kind)
+                got = quantize_tokens(x, offs.to(dev), fmt)
+                rows.append(_compare_bits(f"{fmt} tokens {kind} {tag} {m}x{n} E={e}", got,
+                                          ref(x.cpu(), offs), (m, n)))
+            x = _edge(0, dtype, gen, dev)  # column blocks of 32 tokens
+            offs = torch.tensor([0, 37, 37, x.shape[0]], dtype=torch.int32)
+            rows.append(_compare_bits(f"{fmt} tokens edge cases {tag}", quantize_tokens(x, offs.to(dev), fmt),
+                                      ref(x.cpu(), offs), tuple(x.shape)))
+    M, N = 16384, 7168
+    x = _random((M, N), -1, torch.bfloat16, gen, dev)
+    us = bench_us(lambda: quantize_fp8_block_act(x), warmup=10, iters=50)
+    gbs = (M * N * 3 + M * N // 32) / us / 1e3
+    rows.append(Row(f"fp8_block row time bf16 {M}x{N}", time_us=us, ok=True,
+                    note=f"{gbs:.0f} GB/s = {100 * gbs / HBM_GBS:.0f}% of {HBM_GBS:.0f}"))
+    offs = _groups(M, 32, gen, "ragged").to(dev)
+    for fmt, sbytes in (("fp8_block", 4 / 128), ("mxfp8", 1 / 32)):
+        us = bench_us(lambda: quantize_tokens(x, offs, fmt), warmup=10, iters=50)
+        gbs = M * N * (3 + sbytes) / us / 1e3
+        rows.append(Row(f"{fmt} tokens time bf16 {M}x{N} E=32", time_us=us, ok=True,
+                        note=f"{gbs:.0f} GB/s = {100 * gbs / HBM_GBS:.0f}% of {HBM_GBS:.0f}"))
     return rows

@@ -1,0 +1,377 @@
+"""FP8 quantize kernels (CuTe DSL) for the FP8 expert GEMMs: FP8 blockwise ("fp8_block",
+DeepSeek-V3 recipe) row-wise, and token-wise transposed copies for wgrad (fp8_block and MXFP8).
+
+Contracts (bitwise equal to :mod:`mok_cute.reference`, by construction: same fp32 ops):
+
+* ``row`` — :func:`quantize_fp8_block_act` = ``reference.fp8_block_quantize_act``: x [M, K]
+  bf16/fp32, 1x128 tiles along K. Per tile: amax on the |x| bit patterns (u16x2 / u32 max:
+  subnormals kept, NaN/Inf detected as bits >= 0x7F800000); a = max(amax, 2^-100) (integer
+  max on the bits); ``inv = div.rn.f32(448, a)``, ``scale = div.rn.f32(a, 448)`` (IEEE
+  divisions, never ``div.approx``/``div.full``); data = ``cvt.rn.satfinite.e4m3x2.f32`` of
+  ``mul.rn.f32(x, inv)`` (no FTZ). Non-finite tile: scale NaN (0x7FC00000), data 0x7F.
+  Scales are stored MN-major, [K/128, M] contiguous (what the GEMM's per-k-tile promotion
+  reads: the 128 row scales of one k-block are contiguous); the wrapper returns the
+  [M, K/128] view (``.t()``), value-equal to the reference.
+* ``tokens`` — :func:`quantize_tokens` = ``reference.fp8_block_quantize_tokens`` (block 128,
+  fp32 scales) or ``reference.mxfp8_quantize_tokens`` (block 32, E8M0 scales, the MXFP8
+  ops of :mod:`mok_cute.kernels.quantize`): x [M, N] token rows grouped by expert
+  (offsets [E+1] int32 on the device, no host sync), quantized along tokens per group and
+  written transposed, tile-aligned: data_t [N, B*S] (group e's tokens from column
+  B*(offsets[e] // B + e)), scales [S, N], S = M // B + E. Every slot is written (padding
+  rows and unused slots as 0), so the output is fully defined without a memset.
+
+Thread work (``tokens``): one thread = 32 token rows x one 16-byte column chunk (C = 8 bf16
+or 4 fp32 features); the B/32 threads of one B-token tile are adjacent lanes and combine
+per-column amaxes with butterfly shuffles; each feature's 32 bytes go out as two 16-byte
+stores (the transposed layout is tile-aligned, so these are aligned). A slot finds its
+group by binary search on offsets (base(e) = offsets[e] // B + e is non-decreasing).
+
+Dims are runtime ``Int32``: one compiled kernel per (kind, fmt, arch, dtype).
+"""
+
+import torch
+
+from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+
+KINDS = ("row", "tokens")
+FORMATS = ("fp8_block", "mxfp8")
+DTYPES = (torch.bfloat16, torch.float32)
+BLOCK = {"fp8_block": 128, "mxfp8": 32}
+_ROW_THREADS = 256
+_ROW_UNROLL = 4
+_TOK_THREADS = 128
+_MAX_NUMEL = 2**31 - 1
+F448 = 0x43E00000  # 448.0f
+AMAX_MIN_BITS = 0x0D800000  # 2^-100 (reference.FP8_AMAX_MIN)
+NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (what torch writes)
+
+
+def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
+    """Trace and compile one kernel; returns ``(compiled, CompileReport)``."""
+    cutlass, cute = dsl()
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    Int32, Uint32 = cutlass.Int32, cutlass.Uint32
+    bf16 = dtype == torch.bfloat16
+    C = 8 if bf16 else 4  # elements per 16-byte chunk
+    OW = C // 4  # output words per chunk (row kernel)
+
+    def umax(a, b):
+        return cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
+                                    write_only_types=[Uint32], read_only_args=[a, b])
+
+    def amax_acc(acc, w):
+        """Running max of |x| bits; bf16 words hold two elements, compared as u16 pairs."""
+        if bf16:
+            w = w & Uint32(0x7FFF7FFF)
+            if acc is None:
+                return w
+            return cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
+                                        write_only_types=[Uint32], read_only_args=[acc, w])
+        w = w & Uint32(0x7FFFFFFF)
+        return w if acc is None else umax(acc, w)
+
+    def block_scale(a32):
+        """fp8_block: amax fp32 bits -> (inv bits, scale bits, nonfinite mask)."""
+        nonfinite = Uint32(0) - Uint32(a32 >= Uint32(0x7F800000))
+        inv, sc = cute.arch.inline_ptx(
+            "{ .reg .b32 a;\n"
+            f"max.u32 a, {{$r0}}, {AMAX_MIN_BITS};\n"
+            f"div.rn.f32 {{$w0}}, 0f{F448:08X}, a;\n"
+            f"div.rn.f32 {{$w1}}, a, 0f{F448:08X}; }}",
+            write_only_types=[Uint32, Uint32], read_only_args=[a32])
+        return inv, (sc & ~nonfinite) | (Uint32(NAN_BITS) & nonfinite), nonfinite
+
+    def mx_scale(a32):
+        """mxfp8: amax fp32 bits -> (2^-e bits, scale byte, nonfinite mask) (see quantize.py)."""
+        A = Int32(a32)
+        b = cutlass.max((A >> 23) - 8 + Int32((A & 0x7FFFFF) > 0x600000), 0)
+        nonfinite = Uint32(0) - Uint32(A >= 0x7F800000)
+        return Uint32((254 - b) << 23), (Uint32(b) | nonfinite) & Uint32(0xFF), nonfinite
+
+    def fp8x4(f, s, nan_mask):
+        """e4m3(f[i] * s[i]) for 4 fp32 bit patterns -> one word (f[0] in the low byte);
+        bytes selected by ``nan_mask`` become 0x7F."""
+        q = cute.arch.inline_ptx(
+            "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi;\n"
+            "mul.rn.f32 p0, {$r0}, {$r4};\n"
+            "mul.rn.f32 p1, {$r1}, {$r5};\n"
+            "mul.rn.f32 p2, {$r2}, {$r6};\n"
+            "mul.rn.f32 p3, {$r3}, {$r7};\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2;\n"
+            "mov.b32 {$w0}, {lo, hi}; }",
+            write_only_types=[Uint32], read_only_args=[*f, *s])
+        return (q & ~nan_mask) | (Uint32(0x7F7F7F7F) & nan_mask)
+
+    def elems(words):
+        """The C fp32 bit patterns of a chunk's 4 input words."""
+        if not bf16:
+            return list(words)
+        out = []
+        for w in words:
+            out += [w << 16, w & Uint32(0xFFFF0000)]
+        return out
+
+    def col_amaxes(accs):
+        """4 running-max words -> C per-element amax fp32 bit patterns."""
+        out = []
+        for a in accs:
+            out += [(a & Uint32(0xFFFF)) << 16, a & Uint32(0xFFFF0000)] if bf16 else [a]
+        return out
+
+    if kind == "row":
+        L = 128 // C  # lanes (chunks) per 1x128 tile
+
+        @cute.kernel
+        def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32, m: Int32, kt: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            lane = tid % 32
+            base = (bid * _ROW_THREADS + tid - lane) * _ROW_UNROLL + lane
+            vs = []
+            for u in cutlass.range_constexpr(_ROW_UNROLL):
+                # out-of-range lanes reload the last chunk (whole L-lane groups) and store nothing
+                i = cutlass.min(base + u * 32, n - 1)
+                vs.append(x[i, None].load())
+            for u in cutlass.range_constexpr(_ROW_UNROLL):
+                v = vs[u]
+                acc = None
+                for j in cutlass.range_constexpr(4):
+                    acc = amax_acc(acc, v[j])
+                a = umax(acc & Uint32(0xFFFF), acc >> 16) << 16 if bf16 else acc
+                for k in cutlass.range_constexpr(L.bit_length() - 1):
+                    a = umax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << k))
+                inv, sc, nf = block_scale(a)
+                f = elems([v[j] for j in range(4)])
+                o = cute.make_rmem_tensor((OW,), Uint32)
+                for w in cutlass.range_constexpr(OW):
+                    o[w] = fp8x4(f[4 * w:4 * w + 4], [inv] * 4, nf)
+                i = base + u * 32
+                if i < n:
+                    q[i, None].store(o.load())
+                    if lane % L == 0:
+                        t = i // L
+                        row = t // kt
+                        s[(t - row * kt) * m + row] = sc
+
+        @cute.jit
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, n_chunks: Int32, m: Int32,
+                   kt: Int32, stream: cuda.CUstream):
+            x = cute.make_tensor(xp, cute.make_layout((n_chunks, 4), stride=(4, 1)))
+            q = cute.make_tensor(qp, cute.make_layout((n_chunks, OW), stride=(OW, 1)))
+            s = cute.make_tensor(sp, cute.make_layout((m * kt,)))
+            per_cta = _ROW_THREADS * _ROW_UNROLL
+            row_kernel(x, q, s, n_chunks, m, kt).launch(
+                grid=[(n_chunks + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
+                stream=stream)
+
+        args = (Int32(1), Int32(1), Int32(1))
+    else:
+        B = BLOCK[fmt]
+        SUB = B // 32  # threads per (tile, chunk)
+        SW = C if fmt == "fp8_block" else C // 4  # scale words per chunk
+
+        @cute.kernel
+        def tok_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, offs: cute.Tensor, items: Int32,
+                       nc: Int32, m: Int32, num_e: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            t = bid * _TOK_THREADS + tid
+            tc = cutlass.min(t, items * SUB - 1)  # out-of-range threads redo the last item
+            sub = tc % SUB
+            item = tc // SUB
+            slot = item // nc
+            c = item - slot * nc
+            # group of this slot: the largest e in [0, E] with offs[e] // B + e <= slot
+            lo = Int32(0)
+            hi = num_e
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if offs[mid] // B + mid <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            e = lo
+            g_lo = offs[e]
+            g_hi = offs[cutlass.min(e + 1, num_e)]
+            row0 = g_lo + (slot - (g_lo // B + e)) * B
+            tile_rows = cutlass.max(cutlass.min(g_hi - row0, B), 0)
+            if e >= num_e:
+                tile_rows = Int32(0)
+            valid = tile_rows - sub * 32
+            r0 = row0 + sub * 32
+            vs = []
+            for r in cutlass.range_constexpr(32):
+                # rows past the tile (or the whole tile of an unused slot) read a valid row
+                # and are masked to +0: zero padding
+                v = x[cutlass.max(cutlass.min(r0 + r, m - 1), 0), c, None].load()
+                keep = Uint32(0) - Uint32(r < valid)
+                vs.append([v[j] & keep for j in range(4)])
+            accs = [None] * 4
+            for r in cutlass.range_constexpr(32):
+                for j in cutlass.range_constexpr(4):
+                    accs[j] = amax_acc(accs[j], vs[r][j])
+            for k in cutlass.range_constexpr(SUB.bit_length() - 1):
+                for j in cutlass.range_constexpr(4):
+                    accs[j] = umax(accs[j], cute.arch.shuffle_sync_bfly(accs[j], offset=1 << k))
+            amaxes = col_amaxes(accs)
+            if cutlass.const_expr(fmt == "fp8_block"):
+                cols = [block_scale(a) for a in amaxes]  # (inv, scale bits, mask)
+                used = Uint32(0) - Uint32(tile_rows > 0)
+                sw = cute.make_rmem_tensor((SW,), Uint32)
+                for i in cutlass.range_constexpr(C):
+                    sw[i] = cols[i][1] & used
+            else:
+                cols = [mx_scale(a) for a in amaxes]  # (2^-e, byte, mask)
+                sw = cute.make_rmem_tensor((SW,), Uint32)
+                for w in cutlass.range_constexpr(SW):
+                    word = Uint32(0)
+                    for k in cutlass.range_constexpr(4):
+                        word = word | (cols[4 * w + k][1] << (8 * k))
+                    sw[w] = word
+            if t < items * SUB:
+                for i in cutlass.range_constexpr(C):
+                    f = [elems(vs[r])[i] for r in range(32)]
+                    o = cute.make_rmem_tensor((8,), Uint32)
+                    for w in cutlass.range_constexpr(8):
+                        o[w] = fp8x4(f[4 * w:4 * w + 4], [cols[i][0]] * 4, cols[i][2])
+                    q[c * C + i, slot * SUB + sub, None].store(o.load())
+                if sub == 0:
+                    s[slot, c, None].store(sw.load())
+
+        @cute.jit
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, op: cute.Pointer, m: Int32,
+                   nc: Int32, num_e: Int32, stream: cuda.CUstream):
+            slots = m // B + num_e
+            items = slots * nc
+            x = cute.make_tensor(xp, cute.make_layout((m, nc, 4), stride=(cute.assume(nc * 4, divby=4), 4, 1)))
+            # data_t [N, B * slots] as 32-byte groups of 8 words: (feature, 32-token group, word)
+            qw = slots * B // 4
+            q = cute.make_tensor(qp, cute.make_layout((nc * C, slots * SUB, 8),
+                                                      stride=(cute.assume(qw, divby=8), 8, 1)))
+            s = cute.make_tensor(sp, cute.make_layout((slots, nc, SW),
+                                                      stride=(cute.assume(nc * SW, divby=SW), SW, 1)))
+            offs = cute.make_tensor(op, cute.make_layout((num_e + 1,)))
+            threads = items * SUB
+            tok_kernel(x, q, s, offs, items, nc, m, num_e).launch(
+                grid=[(threads + _TOK_THREADS - 1) // _TOK_THREADS, 1, 1], block=[_TOK_THREADS, 1, 1],
+                stream=stream)
+
+        args = (Int32(128), Int32(1), Int32(1))
+    return compile_kernel(launch, *_pointers(kind, fmt, 0, 0, 0, 0), *args, cuda.CUstream(0), arch=arch,
+                          inspect=True)
+
+
+def _pointers(kind: str, fmt: str, x: int, data: int, scales: int, offsets: int):
+    """Kernel pointer arguments (32-bit words; see quantize.py on raw int addresses)."""
+    cutlass, cute = dsl()
+    gmem, make_ptr = cute.AddressSpace.gmem, cute.runtime.make_ptr
+    u32 = cutlass.Uint32
+    if kind == "row":
+        return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=4),
+                make_ptr(u32, scales, gmem, assumed_align=4))
+    return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=16),
+            make_ptr(u32, scales, gmem, assumed_align=16 if fmt == "fp8_block" else 4),
+            make_ptr(cutlass.Int32, offsets, gmem, assumed_align=4))
+
+
+def compiled_quantize_fp8(kind: str, fmt: str, arch: str, dtype: torch.dtype = torch.bfloat16):
+    """The cached ``(compiled, CompileReport)`` for ``kind`` in KINDS, ``fmt`` in FORMATS
+    (``row`` is fp8_block only; MXFP8 row/col kernels are in quantize.py), an arch in
+    ``compile.ARCHS`` and an input dtype in DTYPES."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if fmt not in FORMATS or (kind == "row" and fmt != "fp8_block"):
+        raise ValueError(f"fmt must be one of {FORMATS} ('fp8_block' for kind 'row'), got {fmt!r}")
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return compile_cached(("fp8_quantize", kind, fmt, arch, dtype), lambda: _build(kind, fmt, dtype, arch))
+
+
+def _check_x(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name} must have dtype torch.bfloat16 or torch.float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    per16 = 16 // x.element_size()
+    if x.shape[1] % per16:
+        raise ValueError(f"{name}.shape[1] = {x.shape[1]} must be a multiple of {per16} (16-byte rows)")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major)")
+    if x.numel() > _MAX_NUMEL:
+        raise ValueError(f"{name}.numel() = {x.numel()} must be < 2^31")
+    if x.data_ptr() % 16:
+        raise ValueError(f"{name}.data_ptr() must be 16-byte aligned")
+
+
+def _stream(device):
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def quantize_fp8_block_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 blockwise 1x128 quantization of a contiguous CUDA bf16/fp32 x [M, K] (K % 128 == 0).
+
+    Returns ``(data float8_e4m3fn [M, K], scales float32 [M, K/128])``; ``scales`` is the
+    transposed view of a contiguous [K/128, M] buffer (``scales.t()`` is what the FP8 GEMM
+    takes). Bitwise equal to ``reference.fp8_block_quantize_act(x)``.
+    """
+    _check_x(x)
+    m, k = x.shape
+    if k % 128:
+        raise ValueError(f"x.shape[1] = {k} must be a multiple of 128 (the 1x128 tile)")
+    if x.device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor, got device {x.device}")
+    data = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales_t = torch.empty((k // 128, m), dtype=torch.float32, device=x.device)
+    if x.numel():
+        fn, _ = compiled_quantize_fp8("row", "fp8_block", arch_of_device(x.device), x.dtype)
+        n_chunks = m * k * x.element_size() // 16
+        with torch.cuda.device(x.device):
+            fn(*_pointers("row", "fp8_block", x.data_ptr(), data.data_ptr(), scales_t.data_ptr(), 0),
+               n_chunks, m, k // 128, _stream(x.device))
+    return data, scales_t.t()
+
+
+def quantize_tokens(x: torch.Tensor, offsets: torch.Tensor, fmt: str = "fp8_block"):
+    """Token-wise (wgrad) quantization of expert-grouped rows x [M, N] (contiguous CUDA
+    bf16/fp32, N * element size a multiple of 16) with offsets int32 [E+1] on the device
+    (0, non-decreasing, offsets[E] <= M; trusted: checking needs a host sync).
+
+    ``fmt`` "fp8_block": returns (data_t float8_e4m3fn [N, 128 S], scales float32 [S, N]),
+    S = M // 128 + E, bitwise equal to ``reference.fp8_block_quantize_tokens(x, offsets)``;
+    "mxfp8": (data_t [N, 32 S], scales uint8 [S, N]), S = M // 32 + E, equal to
+    ``reference.mxfp8_quantize_tokens``. No host sync.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    _check_x(x)
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.dim() != 1:
+        raise TypeError("offsets must be a 1-D torch.int32 tensor [E+1]")
+    if offsets.numel() < 2 or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be contiguous with E+1 >= 2 entries, got {offsets.numel()}")
+    if x.device.type != "cuda" or offsets.device != x.device:
+        raise ValueError(f"x and offsets must be on one CUDA device, got {x.device} and {offsets.device}")
+    m, n = x.shape
+    e = offsets.numel() - 1
+    b = BLOCK[fmt]
+    slots = m // b + e
+    if slots * b * n > _MAX_NUMEL:
+        raise ValueError("the transposed output must hold < 2^31 elements")
+    data_t = torch.empty((n, slots * b), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((slots, n), dtype=torch.float32 if fmt == "fp8_block" else torch.uint8,
+                         device=x.device)
+    if n and m:
+        fn, _ = compiled_quantize_fp8("tokens", fmt, arch_of_device(x.device), x.dtype)
+        nc = n * x.element_size() // 16
+        with torch.cuda.device(x.device):
+            fn(*_pointers("tokens", fmt, x.data_ptr(), data_t.data_ptr(), scales.data_ptr(), offsets.data_ptr()),
+               m, nc, e, _stream(x.device))
+    elif n:
+        data_t.zero_()
+        scales.zero_()
+    return data_t, scales

@@ -1,0 +1,297 @@
+"""Hopper (sm_90a) FP8 grouped expert GEMM on the shared mainloop: FP8 blockwise
+(precision "fp8_block", DeepSeek-V3 recipe) with per-128-K promotion into an FP32 accumulator.
+
+Operands (both K-major, as FP8 ``wgmma.mma_async ... .e4m3.e4m3`` requires):
+  A   data [M_total, K] float8_e4m3fn, tokens grouped by expert (offsets int32 [E+1] on the
+      device, trusted); scales fp32 stored [K/128, M_total] (MN-major: the 128 row scales of
+      one k-block are contiguous), i.e. ``quantize_fp8.quantize_fp8_block_act``'s output.
+  B   data [E, N, K] float8_e4m3fn; scales fp32 [E, N/128, K/128] (128x128 blocks,
+      ``reference.fp8_block_quantize_weight`` per expert).
+  out [M_total, N] bf16: rows of expert e = bf16(sum_kb sa[m, kb] sb[e, n/128, kb] P_kb[m, n]),
+      P_kb the e4m3 partial product over k-block kb.
+
+Mainloop: the producer is ``Sm90Mainloop.load_tile`` unchanged (TMA of A and B k-tiles;
+tile_k = 128 e4m3 = 128 bytes = one swizzle atom = one scale block). The consumer is this
+module's :meth:`Fp8BlockGroupedGemm.mma_tile_promoted` (the "2xacc" pattern): per k-tile the
+4 wgmma k-blocks (k = 32 each) accumulate into a temporary FP32 fragment (the first
+overwrites it), the thread loads its 2 row scales and the tile's block scale while they
+run, waits, frees the ring slot, and promotes ``acc = fma(tmp, sa[row] * sb, acc)`` (one
+FMA per accumulator element per 128 K, one multiply per row). Hopper's FP8 wgmma adds
+with reduced internal precision, which is why partial sums are promoted every 128 K.
+Two FP32 fragments live per thread, so tile_n <= 128 (2 x 64 registers at tile_n = 128).
+
+MXFP8 on SM90 (not built; the arithmetic for the choice). Promotion per 32 K costs per
+accumulator element one FMA plus a per-element scale (the column scale 2^eb varies along N,
+the row scale 2^ea along M: ~2 CUDA-core ops) for every 64 tensor-core FLOP (one k = 32
+block). H200: ~1979 TFLOP/s dense FP8 vs ~67 TFLOP/s FP32 FMA, i.e. the promotion alone
+takes ~2 * 1979 / 64 / 67 ~ 0.9x the wgmma time, plus a wgmma wait every 32 K (4x as many
+as here): expect <= ~50% of FP8 peak. Dequantizing MXFP8 tiles to BF16 in shared memory
+(a dequant warpgroup: ~1 op per operand element per k-tile, (128 + 128) x 128 per
+128x128x128 tile = 1/256 of the MMA FLOPs) then BF16 wgmma is bounded by BF16 peak (~50%
+of FP8) with no promotion waits. e4m3 x 2^e is exact in bf16 unless the product leaves
+bf16's normal range (|value| > bf16 max needs e > 127 - 8; results below 2^-133 lose bits):
+scale bytes near the extremes, detectable per block by the dequant warpgroup (flag and
+round, or scale the block into range and fold the factor into the epilogue). Both are
+near 50% of FP8 peak on paper; dequant is simpler (reuses the BF16 mainloop unchanged) and
+overlaps better, so build it first and measure both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.kernels.sm90_grouped_gemm import (
+    PlainEpilogue, _check_devices, _check_out, _check_tensor, _Desc, current_stream, device_arch, sm_count,
+)
+from mok_cute.kernels.sm90_mainloop import (
+    CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+)
+from mok_cute.schedule.group_tiles import seek, tile_coords
+
+SCALE_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Fp8MainloopConfig(MainloopConfig):
+    """:class:`MainloopConfig` for e4m3 operands: tile_k = 128 (one scale block), tile_n 64
+    or 128 (two FP32 fragments per thread; 128 matches the 128-wide B scale block)."""
+
+    tile_n: int = 128
+    tile_k: int = 128
+    ab_dtype: type = cutlass.Float8E4M3FN
+
+    def validate(self) -> None:
+        if self.tile_m != 128:
+            raise ValueError(f"tile_m must be 128, got {self.tile_m}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"tile_n must be 64 or 128 for the promoted FP8 GEMM, got {self.tile_n}")
+        if self.tile_k != SCALE_BLOCK:
+            raise ValueError(f"tile_k must be {SCALE_BLOCK} (one scale block), got {self.tile_k}")
+        if tuple(self.cluster_mn) != (1, 1):
+            raise ValueError(f"cluster_mn {self.cluster_mn} not implemented, only (1, 1)")
+        if self.ab_dtype is not cutlass.Float8E4M3FN:
+            raise ValueError(f"ab_dtype must be Float8E4M3FN, got {self.ab_dtype}")
+
+
+class Fp8BlockGroupedGemm:
+    """Persistent warp-specialized grouped FP8 GEMM with per-k-tile scale promotion.
+
+    Call (jit): ``(mA [M, K] e4m3, mSA [K/128, M] f32, mB [E, N, K] e4m3, mSB [E, N/128, K/128]
+    f32, mOffsets [E+1] int32, mOut [M, N] bf16, num_ctas, stream)``; N a multiple of tile_n.
+    """
+
+    def __init__(self, cfg: Fp8MainloopConfig):
+        self.cfg = cfg
+        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
+                 mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        ml = self.mainloop
+        ml.setup()
+        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, b_nke)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * ml.stages]
+            sA: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
+
+    @cute.jit
+    def mma_tile_promoted(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
+                          tmp: cute.Tensor, k_tiles: Int32, row_scales, mSA: cute.Tensor, mSB: cute.Tensor,
+                          rows_a, expert: Int32, n_blk: Int32):
+        """acc = sum over k-tiles of (A_kt @ B_kt^T) * sa[row, kt] * sb[expert, n_blk, kt].
+
+        ``rows_a``: this thread's distinct global A rows (clamped into [0, M)), one per entry
+        of ``row_scales`` (compile-time list: accumulator element i uses ``row_scales[i]``).
+        """
+        k_blocks = cute.size(tCrA, mode=[2])
+        # a private tiled MMA: its ACCUMULATE field is toggled inside the dynamic k loop, so
+        # it must not be the mainloop's (whose fragments the epilogue partitions after it)
+        ml = self.mainloop
+        mma = sm90.make_trivial_tiled_mma(
+            self.cfg.ab_dtype, self.cfg.ab_dtype, ml.a_layout.sm90_mma_major_mode(),
+            ml.b_layout.sm90_mma_major_mode(), self.cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1),
+            tiler_mn=(64, self.cfg.tile_n))
+        acc.fill(0.0)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            pipe.consumer_wait(state)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(mma, tmp, tCrA[(None, None, kb, state.index)],
+                          tCrB[(None, None, kb, state.index)], tmp)
+            warpgroup.commit_group()
+            sb = mSB[expert, n_blk, kt]
+            sa = [mSA[kt, r] for r in rows_a]  # issued while the wgmma batch runs
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            state.advance()
+            s = [a * sb for a in sa]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = tmp[i] * s[row_scales[i]] + acc[i]  # contracted to one FMA
+        return state
+
+    @cute.kernel
+    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
+        cfg = self.cfg
+        self.mainloop.setup()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
+        sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
+        sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
+        sC = self.epi.smem_tensor(storage.sC)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
+
+        num_experts = mOffsets.shape[0] - 1
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        m_total = coord_a.shape[0]
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        linear = Int32(bidx)
+        expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
+
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                state = self.mainloop.producer_state()
+                while expert < num_experts:
+                    _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
+                    gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+                    linear = linear + grid
+                    expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            tid = tidx - THREADS_PER_WG
+            thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
+            tmp = cute.make_rmem_tensor_like(acc)
+            # accumulator element i sits in row (this thread's first row) + off[i], off[i]
+            # compile-time (thread 0's coordinates; the C layout is thread part + value part)
+            ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+            t0 = self.mainloop.tiled_mma.get_slice(0).partition_C(ident)
+            mine = thr_mma.partition_C(ident)
+            offs = [t0[i][0] - t0[0][0] for i in range(cute.size(acc))]
+            distinct = sorted(set(offs))
+            row_scales = [distinct.index(o) for o in offs]
+            state = self.mainloop.consumer_state()
+            while expert < num_experts:
+                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                first = row0 + mine[0][0]
+                rows_a = [cutlass.min(first + o, m_total - 1) for o in distinct]
+                n_blk = (n_tile * cfg.tile_n) // SCALE_BLOCK
+                state = self.mma_tile_promoted(pipe, state, tCrA, tCrB, acc, tmp, k_tiles, row_scales, mSA, mSB,
+                                               rows_a, expert, n_blk)
+                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut, Float32(0.0))
+                linear = linear + grid
+                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+
+
+# ---------------------------------------------------------------- compile
+def _fake(dtype, shape, align_elems):
+    """Fake row-major tensor with symbolic dims and strides (last stride 1)."""
+    strides = tuple(cute.sym_int64(divisibility=align_elems) for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=16 if align_elems > 1 else 4)
+
+
+def compile_fp8_block_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(), arch: str = "sm_90a", inspect: bool = False):
+    """Compile the fp8_block grouped GEMM with symbolic M, N, K, E; returns ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 FP8 GEMM needs arch sm_90a, got {arch!r}")
+    op = Fp8BlockGroupedGemm(cfg)
+    f8 = cutlass.Float8E4M3FN
+    m, n, e = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    k = cute.sym_int(divisibility=16)
+    kt, nb = cute.sym_int(), cute.sym_int()
+    mA = _fake(f8, (m, k), 16)
+    mSA = _fake(Float32, (kt, m), 1)
+    mB = _fake(f8, (e, n, k), 16)
+    mSB = _fake(Float32, (e, nb, kt), 1)
+    offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    out = _fake(cutlass.BFloat16, (m, n), 8)
+    return compile_kernel(op, mA, mSA, mB, mSB, offs, out, Int32(1), cute.runtime.make_fake_stream(),
+                          arch=arch, inspect=inspect)
+
+
+# ---------------------------------------------------------------- host wrapper
+DEFAULT_FP8_CONFIG = Fp8MainloopConfig()
+
+
+def grouped_gemm_fp8_block(a, a_scales, offsets, w, w_scales, *, out=None, cfg: Fp8MainloopConfig = DEFAULT_FP8_CONFIG):
+    """out [M, N] bf16: rows of expert e = bf16(dequant(a_e) @ dequant(w[e])^T), FP8 blockwise.
+
+    a [M, K] float8_e4m3fn contiguous, K a multiple of 128; a_scales fp32 [M, K/128] (the
+    view ``quantize_fp8_block_act`` returns; any other strides are copied to the [K/128, M]
+    storage the kernel reads); offsets int32/int64 [E+1] on the device (trusted); w [E, N, K]
+    float8_e4m3fn contiguous, N a multiple of ``cfg.tile_n`` and of 128; w_scales fp32
+    [E, N/128, K/128]. Bitwise reproducible (fixed k order per tile).
+    """
+    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
+    _check_tensor("w", w, 3, (torch.float8_e4m3fn,))
+    _check_tensor("a_scales", a_scales, 2, (torch.float32,))
+    _check_tensor("w_scales", w_scales, 3, (torch.float32,))
+    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
+    m, k = a.shape
+    e, n = w.shape[0], w.shape[1]
+    if k % SCALE_BLOCK or k == 0:
+        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
+    if n % SCALE_BLOCK or n % cfg.tile_n or n == 0:
+        raise ValueError(f"w: N={n} must be a positive multiple of {SCALE_BLOCK} and tile_n={cfg.tile_n}")
+    if offsets.numel() != e + 1:
+        raise ValueError(f"offsets must hold E+1 = {e + 1} entries, got {offsets.numel()}")
+    if w.shape[2] != k:
+        raise ValueError(f"w must be [E, N, K={k}], got {tuple(w.shape)}")
+    if tuple(a_scales.shape) != (m, k // SCALE_BLOCK):
+        raise ValueError(f"a_scales must be [M, K/128] = {(m, k // SCALE_BLOCK)}, got {tuple(a_scales.shape)}")
+    if tuple(w_scales.shape) != (e, n // SCALE_BLOCK, k // SCALE_BLOCK):
+        raise ValueError(f"w_scales must be [E, N/128, K/128] = {(e, n // SCALE_BLOCK, k // SCALE_BLOCK)}, "
+                         f"got {tuple(w_scales.shape)}")
+    for name, t in (("a", a), ("w", w)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    if m == 0:
+        return out
+    dev, arch = device_arch(a.device)
+    if arch != "sm_90a":
+        raise ValueError(f"a: the SM90 FP8 GEMM needs an sm_90a device, got {arch}")
+    compiled = compile_cached(("sm90_fp8_block_gemm", arch, cfg.key()),
+                              lambda: compile_fp8_block_gemm(cfg, arch)[0])
+    sa_t = a_scales.t() if a_scales.t().is_contiguous() else a_scales.t().contiguous()
+    tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    num_ctas = max(1, min(sm_count(dev), tiles_bound))
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    compiled(_Desc(a), _Desc(sa_t), _Desc(w), _Desc(w_scales.contiguous()), _Desc(offs32.contiguous()),
+             _Desc(out), Int32(num_ctas), current_stream(dev))
+    return out
