@@ -83,7 +83,9 @@ def pipelined_us(fn, n: int = 20) -> tuple[float, float]:
 def graph_us(fn, warmup: int = 3) -> float:
     """Median us of one replay of ``fn`` captured in a CUDA graph (warm-up on a side stream
     first, as torch.cuda.graph asks); NaN if capture fails. What a training step run as a
-    graph sees: no host launch cost for either implementation."""
+    graph sees: no host launch cost for either implementation. ``fn`` computes the grads
+    with torch.autograd.grad (no AccumulateGrad: leaves made outside the capture stream
+    would sync with the default stream and invalidate the capture)."""
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -152,7 +154,8 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
         t_f = bench_us(fwd)
     t_fb = bench_us(fwd_bwd)
     pipe_fb, host_fb = pipelined_us(fwd_bwd)
-    graph_fb = graph_us(fwd_bwd)
+    leaves = (xo, wg, wu, wdo)
+    graph_fb = graph_us(lambda: torch.autograd.grad(fwd(), leaves, dy))
     if profile_path:
         profile_table(fwd_bwd, profile_path, f"ours fwd+bwd {title}")
     fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
@@ -164,10 +167,11 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
 def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
-    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(e, 2 * inter, h, device=dev) * h ** -0.5).bfloat16().requires_grad_()
-    wd = (torch.randn(e, h, inter, device=dev) * inter ** -0.5).bfloat16().requires_grad_()
-    dy = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    dg = torch.Generator(device=dev).manual_seed(1000 * e + m + skew)  # not the default generator
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=dg).requires_grad_()
+    w1 = (torch.randn(e, 2 * inter, h, device=dev, generator=dg) * h ** -0.5).bfloat16().requires_grad_()
+    wd = (torch.randn(e, h, inter, device=dev, generator=dg) * inter ** -0.5).bfloat16().requires_grad_()
+    dy = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=dg)
     fwd_flop, bwd_flop = 6 * m * h * inter, 12 * m * h * inter
 
     def fwd():
@@ -180,7 +184,8 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
         t_f = bench_us(fwd)
     t_fb = bench_us(fwd_bwd)
     n = max(256, int(round(((fwd_flop + bwd_flop) / 2) ** (1 / 3) / 256)) * 256)
-    a, b = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16, generator=dg)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16, generator=dg)
     t_d = bench_us(lambda: a @ b)
     tf = lambda flop, us: flop / us / 1e6
     row = dict(shape=f"E{e} M{m} H{h} I{inter}", routing="skew" if skew else "uniform",
@@ -189,7 +194,7 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
                dense_tflops=tf(2 * n ** 3, t_d))
     del a, b
     row["torch_pipe_fb_us"], row["torch_host_fb_us"] = pipelined_us(fwd_bwd)
-    row["torch_graph_fb_us"] = graph_us(fwd_bwd)
+    row["torch_graph_fb_us"] = graph_us(lambda: torch.autograd.grad(fwd(), (x, w1, wd), dy))
     if profile_path and not skew:
         profile_table(fwd_bwd, profile_path, f"torch fwd+bwd {row['shape']}")
     if ours:
@@ -210,6 +215,10 @@ def main() -> int:
     for shape in SHAPES[-1:] if args.quick else SHAPES:
         for skew in (False, True):
             rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile))
+            r = rows[-1]
+            print(f"[row] {r['shape']} {r['routing']}: torch f+b {r['torch_fwdbwd_us']:.0f} us, ours "
+                  f"{r.get('ours_fwdbwd_us', float('nan')):.0f} us, graph torch {r['torch_graph_fb_us']:.0f} "
+                  f"ours {r.get('ours_graph_fb_us', float('nan')):.0f}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
