@@ -26,12 +26,12 @@ import torch
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
+from mok_cute.comm.rows import THREADS, copy_routed_rows
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
-THREADS = 1024
 SPLIT_PHASES = os.environ.get("MOK_COMM_SPLIT", "0") == "1"  # debugging: two launches, synced
 # combine transport: "push" (rows stored into the source rank's slots) or "pull" (the source
 # rank reads its rows from the expert rank's staged output and reduces them on the fly)
@@ -51,6 +51,65 @@ def add_rn(a: Float32, b: Float32) -> Float32:
                                 read_only_args=[a, b])
 
 
+@cute.jit
+def _reduce_tokens(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
+                   dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
+                   start: cute.Pointer, out: cute.Pointer, slots: cute.Tensor, eo_rows: Int32,
+                   ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32, eo_off: Int64, epoch: Int32,
+                   nctas: Int32, has_w: Constexpr, has_start: Constexpr, pull: Constexpr):
+    """Grid-stride over this rank's (token, vector) pairs: ``out[t] = bf16(start[t] + sum_j
+    w[t, j] * slot_j)`` in slot order j with separate mul.rn/add.rn. Slot j of token t
+    (``dest_rank[t, j] >= 0``) is local ``slots[t*k + j]``, or (``pull``) row
+    ``dest_row[t, j]`` of rank ``dest_rank[t, j]``'s ``eo`` section ``[eo_rows, H]`` at
+    ``eo_off`` (out of range: OVERFLOW); ``tk = T*k``."""
+    dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
+    dw = cute.make_tensor(dest_row, cute.make_layout(tk)) if cutlass.const_expr(pull) else None
+    wt = cute.make_tensor(weights, cute.make_layout(tk))
+    st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
+    dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
+    acc = cute.make_rmem_tensor((8,), Float32)
+    xf = cute.make_rmem_tensor((8,), Float32)
+    n = T * V
+    i = bidx * THREADS + tidx
+    while i < n:
+        t = i // V
+        v = i - t * V
+        if cutlass.const_expr(has_start):
+            acc.store(st[i, None].load().to(Float32))
+        else:
+            acc.fill(0.0)
+        for j in range(k):
+            r = t * k + j
+            d = dr[r]
+            if d >= 0:
+                if cutlass.const_expr(pull):
+                    row = dw[r]
+                    if d < ep and row >= 0 and row < eo_rows:
+                        src = cute.make_tensor(gptr(BFloat16, pb[d] + eo_off, 16),
+                                               cute.make_layout((eo_rows * V, 8), stride=(8, 1)))
+                        xf.store(src[row * V + v, None].load().to(Float32))
+                        _accumulate(acc, xf, wt, r, has_w)
+                    else:
+                        P.report(status, Int32(P.OVERFLOW), row, Int32(P.DATA), epoch)
+                else:
+                    xf.store(slots[r * V + v, None].load().to(Float32))
+                    _accumulate(acc, xf, wt, r, has_w)
+        dst[i, None].store(acc.load().to(BFloat16))
+        i += nctas * THREADS
+
+
+@cute.jit
+def _accumulate(acc: cute.Tensor, xf: cute.Tensor, wt: cute.Tensor, r: Int32, has_w: Constexpr):
+    """``acc += wt[r] * xf`` (``acc += xf`` without weights), element by element."""
+    if cutlass.const_expr(has_w):
+        w = wt[r]
+        for e in cutlass.range_constexpr(8):
+            acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
+    else:
+        for e in cutlass.range_constexpr(8):
+            acc[e] = add_rn(acc[e], xf[e])
+
+
 @cute.kernel
 def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
                         recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
@@ -60,8 +119,6 @@ def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters
                         epoch: Int32, timeout_ns: Int64, nctas: Int32,
                         has_w: Constexpr, has_start: Constexpr, phase: Constexpr = 3):
     # phase (debugging aid): 1 = push half only, 2 = reduce half only, 3 = both
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
     pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
     if cutlass.const_expr(phase & 1):
         _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
@@ -86,46 +143,12 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
     cute.arch.barrier()
     # push: grouped rows -> source ranks' slot buffers
     if not P.failed(status):
-        offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-        m = offs[e_local]
-        if m > in_rows:
-            if bidx == 0:
-                if tidx == 0:
-                    P.report(status, Int32(P.OVERFLOW), m, Int32(P.DATA), epoch)
-            m = in_rows
-        rs = cute.make_tensor(recv_src, cute.make_layout(in_rows))
-        src = cute.make_tensor(rows, cute.make_layout((in_rows * V, 8), stride=(8, 1)))
-        s32 = cute.make_tensor(cute.recast_ptr(rows, dtype=Int32),
-                               cute.make_layout((in_rows * V, 4), stride=(4, 1)))
-        n = m * V
-        i = bidx * THREADS + tidx
-        lim = ep * tk
-        while i < n:
-            row = i // V
-            s = rs[row]
-            if s >= 0 and s < lim:
-                p = s // tk
-                if cutlass.const_expr(PUSH_STORE == "b32"):
-                    d32 = cute.make_tensor(gptr(Int32, pb[p] + slots_off, 16),
-                                           cute.make_layout((tk * V, 4), stride=(4, 1)))
-                    r4 = cute.make_rmem_tensor((4,), Int32)
-                    r4.store(s32[i, None].load())
-                    for e in cutlass.range_constexpr(4):
-                        d32[(s - p * tk) * V + (i - row * V), e] = r4[e]
-                else:
-                    dst = cute.make_tensor(gptr(BFloat16, pb[p] + slots_off, 16),
-                                           cute.make_layout((tk * V, 8), stride=(8, 1)))
-                    dst[(s - p * tk) * V + (i - row * V), None].store(src[i, None].load())
-            else:
-                P.report(status, Int32(P.BAD_INDEX), row, Int32(P.DATA), epoch)
-            i += nctas * THREADS
+        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, tk, V,
+                         e_local, slots_off, Int32(P.DATA), epoch, nctas, True, PUSH_STORE == "b32")
     cute.arch.barrier()
-    if tidx == 0:
-        if P.arrive_last(counters, nctas):
-            if cutlass.const_expr(phase == 1):
-                cute.arch.store(counters, Int32(0))
-            if not P.failed(status):
-                P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
+    if tidx == 0:  # launched alone (phase 1) it resets its counter, else the reduce half does
+        P.arrive_and_signal(pb, status, counters, counters, int(phase == 1), flags_off,
+                            Int32(P.DATA), me, ep, epoch, nctas)
 
 
 @cute.jit
@@ -145,41 +168,12 @@ def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
     if not P.failed(status):
         slots = cute.make_tensor(gptr(BFloat16, flags_local - flags_off + slots_off, 16),
                                  cute.make_layout((tk * V, 8), stride=(8, 1)))
-        dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
-        wt = cute.make_tensor(weights, cute.make_layout(tk))
-        st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
-        dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
-        acc = cute.make_rmem_tensor((8,), Float32)
-        xf = cute.make_rmem_tensor((8,), Float32)
-        n = T * V
-        i = bidx * THREADS + tidx
-        while i < n:
-            t = i // V
-            v = i - t * V
-            if cutlass.const_expr(has_start):
-                acc.store(st[i, None].load().to(Float32))
-            else:
-                acc.fill(0.0)
-            for j in range(k):
-                r = t * k + j
-                if dr[r] >= 0:
-                    xf.store(slots[r * V + v, None].load().to(Float32))
-                    if cutlass.const_expr(has_w):
-                        w = wt[r]
-                        for e in cutlass.range_constexpr(8):
-                            acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
-                    else:
-                        for e in cutlass.range_constexpr(8):
-                            acc[e] = add_rn(acc[e], xf[e])
-            dst[i, None].store(acc.load().to(BFloat16))
-            i += nctas * THREADS
+        _reduce_tokens(tidx, bidx, pb, status, dest_rank, None, weights, start, out, slots, Int32(0),
+                       ep, T, k, tk, V, Int64(0), epoch, nctas, has_w, has_start, False)
     cute.arch.barrier()
     if tidx == 0:
-        if P.arrive_last(counters + 1, nctas):
-            cute.arch.store(counters, Int32(0))
-            cute.arch.store(counters + 1, Int32(0))
-            if not P.failed(status):
-                P.signal_all(pb, flags_off, Int32(P.FREE), me, ep, epoch)
+        P.arrive_and_signal(pb, status, counters + 1, counters, 2, flags_off, Int32(P.FREE), me, ep,
+                            epoch, nctas)
 
 
 @cute.jit
@@ -261,49 +255,12 @@ def _pull_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters
         P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
-        tk = T * k
-        dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
-        dw = cute.make_tensor(dest_row, cute.make_layout(tk))
-        wt = cute.make_tensor(weights, cute.make_layout(tk))
-        st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
-        dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
-        acc = cute.make_rmem_tensor((8,), Float32)
-        xf = cute.make_rmem_tensor((8,), Float32)
-        n = T * V
-        i = bidx * THREADS + tidx
-        while i < n:
-            t = i // V
-            v = i - t * V
-            if cutlass.const_expr(has_start):
-                acc.store(st[i, None].load().to(Float32))
-            else:
-                acc.fill(0.0)
-            for j in range(k):
-                r = t * k + j
-                d = dr[r]
-                if d >= 0:
-                    row = dw[r]
-                    if d < ep and row >= 0 and row < eo_rows:
-                        src = cute.make_tensor(gptr(BFloat16, pb[d] + eo_off, 16),
-                                               cute.make_layout((eo_rows * V, 8), stride=(8, 1)))
-                        xf.store(src[row * V + v, None].load().to(Float32))
-                        if cutlass.const_expr(has_w):
-                            w = wt[r]
-                            for e in cutlass.range_constexpr(8):
-                                acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
-                        else:
-                            for e in cutlass.range_constexpr(8):
-                                acc[e] = add_rn(acc[e], xf[e])
-                    else:
-                        P.report(status, Int32(P.OVERFLOW), row, Int32(P.DATA), epoch)
-            dst[i, None].store(acc.load().to(BFloat16))
-            i += nctas * THREADS
+        _reduce_tokens(tidx, bidx, pb, status, dest_rank, dest_row, weights, start, out, None,
+                       eo_rows, ep, T, k, T * k, V, eo_off, epoch, nctas, has_w, has_start, True)
     cute.arch.barrier()
     if tidx == 0:
-        if P.arrive_last(counters, nctas):
-            cute.arch.store(counters, Int32(0))
-            if not P.failed(status):
-                P.signal_all(pb, flags_off, Int32(P.FREE), me, ep, epoch)
+        P.arrive_and_signal(pb, status, counters, counters, 1, flags_off, Int32(P.FREE), me, ep,
+                            epoch, nctas)
 
 
 @cute.jit

@@ -21,13 +21,12 @@ from __future__ import annotations
 import torch
 
 from mok_cute.comm import protocol as P
-from mok_cute.comm.protocol import cute, gptr
+from mok_cute.comm.protocol import cute
+from mok_cute.comm.rows import THREADS, copy_routed_rows
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
-from cutlass import BFloat16, Int32, Int64
-
-THREADS = 1024
+from cutlass import Int32, Int64
 
 
 @cute.kernel
@@ -44,37 +43,12 @@ def _pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.P
         P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
-        offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-        m = offs[e_local]
-        if m > out_rows:
-            if bidx == 0:
-                if tidx == 0:
-                    P.report(status, Int32(P.OVERFLOW), m, Int32(P.READY), epoch)
-            m = out_rows
-        rs = cute.make_tensor(recv_src, cute.make_layout(out_rows))
-        dst = cute.make_tensor(out, cute.make_layout((out_rows * V, 8), stride=(8, 1)))
-        tk = T * k
-        n = m * V
-        i = bidx * THREADS + tidx
-        lim = ep * tk
-        while i < n:
-            row = i // V
-            s = rs[row]
-            if s >= 0 and s < lim:
-                p = s // tk
-                t = (s - p * tk) // k
-                src = cute.make_tensor(gptr(BFloat16, pb[p] + src_off, 16),
-                                       cute.make_layout((T * V, 8), stride=(8, 1)))
-                dst[i, None].store(src[t * V + (i - row * V), None].load())
-            else:
-                P.report(status, Int32(P.BAD_INDEX), row, Int32(P.READY), epoch)
-            i += nctas * THREADS
+        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V,
+                         e_local, src_off, Int32(P.READY), epoch, nctas, False)
     cute.arch.barrier()
     if tidx == 0:
-        if P.arrive_last(counter, nctas):
-            cute.arch.store(counter, Int32(0))
-            if not P.failed(status):
-                P.signal_all(pb, flags_off, Int32(P.DONE), me, ep, epoch)
+        P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep, epoch,
+                            nctas)
 
 
 @cute.jit

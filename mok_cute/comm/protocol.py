@@ -129,6 +129,19 @@ def arrive_last(counter: cute.Pointer, nctas: Int32) -> Boolean:
     return old == nctas - 1
 
 
+@cute.jit
+def arrive_and_signal(peer_bases: cute.Tensor, status: cute.Pointer, arrive: cute.Pointer,
+                      counters: cute.Pointer, resets: cutlass.Constexpr, flags_off: Int64,
+                      channel: Int32, me: Int32, ep: Int32, epoch: Int32, nctas: Int32):
+    """One thread per CTA, after a CTA barrier: the last CTA to arrive on ``arrive`` zeroes
+    the first ``resets`` counters and, unless an error is recorded, signals ``channel``."""
+    if arrive_last(arrive, nctas):
+        for c in cutlass.range_constexpr(resets):
+            cute.arch.store(counters + c, Int32(0))
+        if not failed(status):
+            signal_all(peer_bases, flags_off, channel, me, ep, epoch)
+
+
 @cute.kernel
 def _wait_kernel(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
                  status: cute.Pointer):
