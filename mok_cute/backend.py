@@ -3,8 +3,8 @@
 A backend has ``forward(inputs, config, group) -> (y, state)`` and ``backward(state, dy) ->
 reference.MoEGrads``. Selection: MOK_CUTE_BACKEND, else ``config.backend``, else by device:
 CPU -> reference (announced once), capability 9.0 -> sm90, 10.x -> sm100, others -> reference.
-A GPU backend whose kernels are missing raises NotImplementedError: it never silently falls
-back on a GPU.
+A GPU backend asked for what it does not run yet (EP > 1, a precision not wired) raises
+NotImplementedError: it never silently falls back on a GPU.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 
 from . import reference
 from .config import BACKENDS, MoKConfig
-from .sm90_backend import Sm90Backend
+from .grouped_backend import GroupedExpertBackend
+from .sm90_backend import Sm90ExpertMLP
+from .sm100_backend import Sm100ExpertMLP
 
 ENV = "MOK_CUTE_BACKEND"
 _announced: set[str] = set()
@@ -77,25 +79,10 @@ class ReferenceBackend:
         return reference.moe_backward(state, dy)
 
 
-class MissingKernelsBackend:
-    """A GPU backend whose fused kernels are not built yet: raises, never falls back."""
-
-    def __init__(self, name: str, missing: str):
-        self.name, self.missing = name, missing
-
-    def forward(self, inp, config, group):
-        raise NotImplementedError(
-            f"mok_cute backend {self.name!r}: {self.missing} not built yet. "
-            f"Use MoKConfig(backend='reference') or {ENV}=reference to run the pure-torch reference.")
-
-    def backward(self, state, dy):
-        raise NotImplementedError(f"mok_cute backend {self.name!r}: {self.missing} not built yet")
-
-
 _BACKENDS = {
     "reference": ReferenceBackend(),
-    "sm90": Sm90Backend(),
-    "sm100": MissingKernelsBackend("sm100", "the fused SM100 MoE kernels (tcgen05 expert GEMMs) are"),
+    "sm90": GroupedExpertBackend(Sm90ExpertMLP()),
+    "sm100": GroupedExpertBackend(Sm100ExpertMLP()),
 }
 
 

@@ -59,10 +59,8 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
 class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, limit, x_rows, offsets, w_gate, w_up, w_down):
-        if backend == "sm90":
-            from .sm90_backend import _kernels, _mlp_forward
-
-            out, saved = _mlp_forward(_kernels()[0], x_rows, offsets, w_gate, w_up, w_down, limit)
+        if backend != "reference":
+            out, saved = get_backend(backend).mlp.forward(x_rows, offsets, w_gate, w_up, w_down, limit)
         else:
             out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, limit, "bf16")
         ctx.backend, ctx.limit, ctx.saved, ctx.weights = backend, limit, saved, (w_gate, w_up, w_down)
@@ -72,10 +70,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         d_out = d_out.contiguous()
-        if ctx.backend == "sm90":
-            from .sm90_backend import _kernels, _mlp_backward
-
-            grads = _mlp_backward(_kernels()[1], ctx.saved, d_out, *ctx.weights, ctx.limit)
+        if ctx.backend != "reference":
+            grads = get_backend(ctx.backend).mlp.backward(ctx.saved, d_out, *ctx.weights, ctx.limit)
         else:
             grads = reference.experts_backward(ctx.saved, d_out, *ctx.weights, ctx.limit, "bf16")
         ctx.saved = None
@@ -89,13 +85,11 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     x's device, non-decreasing, offsets[0] = 0, offsets[E] <= M; rows past offsets[E] are
     ignored); w_gate, w_up [E, I, H], w_down [E, H, I] bf16. Returns out [M, H] bf16 with
     out[rows of e] = bf16(swiglu(x.Wg^T, x.Wu^T) . Wd^T) (numerics of mok_cute.reference);
-    rows past offsets[E] are unspecified. Backend: sm90 kernels on capability 9.0, the
-    reference elsewhere (config / MOK_CUTE_BACKEND override as for :func:`moe`).
+    rows past offsets[E] are unspecified. Backend: sm90 kernels on capability 9.0, sm100 on
+    10.x (compile-verified only), the reference elsewhere (config / MOK_CUTE_BACKEND override as for :func:`moe`).
     """
     config = config if config is not None else MoKConfig()
     name = select_backend(x_rows.device, config)
-    if name not in ("reference", "sm90"):
-        raise NotImplementedError(f"expert_mlp: backend {name!r} has no expert MLP kernels yet")
     for arg, t, nd in (("x_rows", x_rows, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3), ("w_down", w_down, 3)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != nd:
             raise TypeError(f"{arg} must be a {nd}-D bfloat16 tensor")

@@ -214,8 +214,8 @@ def test_quickstart_runs_and_matches_readme():
 def test_gpu_backends_raise_for_missing_kernels():
     p, _ = make_problem(T=4, H=256, I=256)
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
-    with pytest.raises(NotImplementedError, match="sm100"):
-        B.get_backend("sm100").forward(inp, MoKConfig(), None)
+    with pytest.raises(NotImplementedError, match="'sm100': precision 'mxfp8'"):
+        B.get_backend("sm100").check(inp, MoKConfig(precision="mxfp8"), None)
     with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
         B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), None)
     B.get_backend("sm90").check(inp, MoKConfig(), None)  # bf16, EP = 1, 256-aligned: runs
@@ -223,11 +223,13 @@ def test_gpu_backends_raise_for_missing_kernels():
     inp2 = B.MoEInputs(small["x"], small["topk_idx"], small["topk_w"], small["w_gate"], small["w_up"],
                        small["w_down"], None, None)
     with pytest.raises(ValueError, match="H = 128 must be a multiple of 256"):
+        B.get_backend("sm100").check(inp2, MoKConfig(), None)
+    with pytest.raises(ValueError, match="H = 128 must be a multiple of 256"):
         B.get_backend("sm90").check(inp2, MoKConfig(), None)
 
 
 def test_route_sort_matches_reference_order():
-    from mok_cute.sm90_backend import route_sort
+    from mok_cute.grouped_backend import route_sort
 
     p, _ = make_problem(T=20, E=5, k=3, seed=12)
     order, offsets, valid = route_sort(p["topk_idx"], 5)

@@ -1,0 +1,126 @@
+"""Layer backends built on grouped expert-MLP kernels (EP = 1): sm90 and sm100.
+
+Unfused stages, no host sync (CUDA-graph friendly): a stable sort of the T*k (token, slot)
+routes by expert gives expert-grouped rows in the reference's order (token, then slot) and
+device-side offsets; an arch's expert MLP (grouped GEMM kernels) runs over a fixed
+[T*k, ...] row buffer (rows past offsets[E] belong to -1 slots and are never read); the
+shared expert runs through the same kernels as one more group; the combine is the
+reference's fixed-order slot sum. Numerics follow mok_cute.reference except that the GEMMs
+accumulate in fp32 and d topk_w sums in fp32 (compared with tolerances).
+
+An expert MLP implementation has ``arch``, ``tile_n``, ``precisions``,
+``forward(x_rows, offsets, w_gate, w_up, w_down, limit) -> (rows, ExpertGroup)`` and
+``backward(group, dy_rows, w_gate, w_up, w_down, limit) -> (dx_rows, dWg, dWu, dWd)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .reference import MoEGrads, _world, slot_sum
+
+
+@dataclass
+class ExpertGroup:
+    """One expert group's forward state: rows x, offsets, gu = [g | u], h."""
+
+    x: torch.Tensor
+    offsets: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+
+
+@dataclass
+class _State:
+    limit: float | None
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    order: torch.Tensor  # [T*k] route index (t*k + j) of each grouped row
+    valid: torch.Tensor  # [T*k] route is not -1
+    weights: tuple
+    shared: tuple | None
+    routed: ExpertGroup
+    shared_group: ExpertGroup | None
+    slot_out: torch.Tensor  # [T, k, H] routed rows per slot (zero for -1 slots)
+
+
+def route_sort(topk_idx: torch.Tensor, num_experts: int):
+    """(order [T*k] int64, offsets [E+1] int32, valid [T*k] bool) on the device, no sync:
+    routes sorted stably by expert id (-1 routes last), i.e. by expert, token, slot."""
+    flat = topk_idx.reshape(-1).long()
+    valid = flat >= 0
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0)
+    return order, offsets, valid
+
+
+def _scatter_slots(rows, order, valid, t, k):
+    """Grouped rows back to [T, k, width] slot order; -1 slots are zero."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    out = torch.where(valid[:, None], out, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return out.view(t, k, rows.shape[1])
+
+
+class GroupedExpertBackend:
+    """EP = 1 layer backend over an arch's expert MLP (forward and backward)."""
+
+    def __init__(self, mlp):
+        self.mlp, self.name = mlp, mlp.arch
+
+    def check(self, inp, config, group) -> None:
+        """Raise for what this backend does not run yet, before any kernel."""
+        ep, _ = _world(group)
+        if ep != 1:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
+                                      "symmetric-memory dispatch/combine path, not built yet")
+        if config.precision not in self.mlp.precisions:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: precision {config.precision!r} "
+                                      f"is not wired yet ({', '.join(self.mlp.precisions)} only)")
+        h, inter = inp.x.shape[1], inp.w_gate.shape[1]
+        sizes = [("H", h), ("I", inter)] + ([("I_s", inp.shared[0].shape[0])] if inp.shared else [])
+        for name, v in sizes:
+            if v % self.mlp.tile_n:
+                raise ValueError(f"backend {self.name!r}: {name} = {v} must be a multiple of "
+                                 f"{self.mlp.tile_n} (the output tile width of its GEMMs)")
+
+    def forward(self, inp, config, group):
+        self.check(inp, config, group)
+        x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+        t, k = idx.shape
+        order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
+        x_rows = x.index_select(0, order // k)
+        r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
+        slot_out = _scatter_slots(r, order, valid, t, k)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        shared_group = None
+        if inp.shared is not None:
+            offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
+            s, shared_group = self.mlp.forward(x, offs, *(w[None] for w in inp.shared), limit)
+            acc = s.float()
+        y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
+        state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),
+                       inp.shared, routed, shared_group, slot_out)
+        return y, state
+
+    def backward(self, st: _State, dy: torch.Tensor) -> MoEGrads:
+        t, k = st.topk_idx.shape
+        w_rows = st.topk_w.reshape(-1)[st.order]
+        dy_rows = (dy.index_select(0, st.order // k).float() * w_rows[:, None]).to(torch.bfloat16)
+        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
+        dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
+        acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device)
+        d_shared = None
+        if st.shared is not None:
+            dxs, *dws = self.mlp.backward(st.shared_group, dy, *(w[None] for w in st.shared), st.limit)
+            acc = dxs.float()
+            d_shared = tuple(d[0] for d in dws)
+        dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
+        dtw = (dy.float()[:, None, :] * st.slot_out.float()).sum(-1)
+        dtw = torch.where(st.topk_idx >= 0, dtw, torch.zeros_like(dtw))
+        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)
