@@ -23,21 +23,19 @@ every shape; the wrapper requires numel < 2^31.
 import torch
 
 from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+from .fp8_ops import Fp8Ops
+from .host import FLOAT_INPUTS, check_float_input, check_rows16, current_stream
 
 KINDS = ("row", "col")
-DTYPES = (torch.bfloat16, torch.float32)
+DTYPES = FLOAT_INPUTS
 _ROW_THREADS = 256
 _ROW_UNROLL = 4
 _COL_THREADS = 128
-_MAX_NUMEL = 2**31 - 1
 
 
 def _dims(x: torch.Tensor, dim: int) -> int:
     """Validate ``x``/``dim`` (no CUDA calls); return dim normalised to 0 or 1."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x must have dtype torch.bfloat16 or torch.float32, got {x.dtype}")
+    check_float_input(x, "x")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if dim not in (-2, -1, 0, 1):
@@ -47,15 +45,7 @@ def _dims(x: torch.Tensor, dim: int) -> int:
     dim %= 2
     if x.shape[dim] % 32:
         raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be a multiple of 32 (the MX block)")
-    per16 = 16 // x.element_size()
-    if x.shape[1] % per16:
-        raise ValueError(f"x.shape[1] = {x.shape[1]} must be a multiple of {per16} (16-byte rows)")
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous (row-major)")
-    if x.numel() > _MAX_NUMEL:
-        raise ValueError(f"x.numel() = {x.numel()} must be < 2^31")
-    if x.data_ptr() % 16:
-        raise ValueError("x.data_ptr() must be 16-byte aligned")
+    check_rows16(x, "x")
     if x.device.type != "cuda":
         raise ValueError(f"x must be a CUDA tensor, got device {x.device}")
     return dim
@@ -72,80 +62,21 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
     OW = C // 4  # output words per chunk
     L = 32 // C  # lanes (chunks) per row-wise block
 
-    def umax(a, b):
-        return cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
-                                    write_only_types=[Uint32], read_only_args=[a, b])
-
-    def amax_acc(acc, w):
-        """Running max of |x| bits; bf16 words hold two lanes, compared as u16 pairs."""
-        if bf16:
-            w = w & Uint32(0x7FFF7FFF)
-            if acc is None:
-                return w
-            return cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
-                                        write_only_types=[Uint32], read_only_args=[acc, w])
-        w = w & Uint32(0x7FFFFFFF)
-        return w if acc is None else umax(acc, w)
+    ops = Fp8Ops(bf16)
 
     def scale_of(a):
-        """amax |x| bits (bf16 or fp32 pattern) -> (scale byte, 2^-e fp32 bits, nonfinite mask)."""
-        A = Int32(a) << 16 if bf16 else Int32(a)
-        b = cutlass.max((A >> 23) - 8 + Int32((A & 0x7FFFFF) > 0x600000), 0)
-        nonfinite = Uint32(0) - Uint32(A >= 0x7F800000)  # 0xFFFFFFFF or 0
-        # b <= 247 for finite input, so 254 - b is a normal exponent field (>= 7).
-        return (Uint32(b) | nonfinite) & Uint32(0xFF), Uint32((254 - b) << 23), nonfinite
-
-    def fp8x4(f, s, nan_mask):
-        """e4m3(f[i] * s[i]) for 4 fp32 bit patterns -> one word (f[0] in the low byte);
-        bytes selected by ``nan_mask`` become 0x7F."""
-        q = cute.arch.inline_ptx(
-            "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi;\n"
-            "mul.rn.f32 p0, {$r0}, {$r4};\n"
-            "mul.rn.f32 p1, {$r1}, {$r5};\n"
-            "mul.rn.f32 p2, {$r2}, {$r6};\n"
-            "mul.rn.f32 p3, {$r3}, {$r7};\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2;\n"
-            "mov.b32 {$w0}, {lo, hi}; }",
-            write_only_types=[Uint32], read_only_args=[*f, *s])
-        return (q & ~nan_mask) | (Uint32(0x7F7F7F7F) & nan_mask)
-
-    def elems(v):
-        """The C fp32 bit patterns of a chunk's 4 input words."""
-        words = [v[j] for j in range(4)]  # (a TensorSSA is not iterable)
-        if not bf16:
-            return words
-        out = []
-        for w in words:
-            out += [w << 16, w & Uint32(0xFFFF0000)]
-        return out
+        """amax |x| bits (bf16 or fp32 pattern) -> (2^-e fp32 bits, scale byte, nonfinite mask)."""
+        return ops.e8m0(Int32(a) << 16 if bf16 else Int32(a))
 
     if kind == "row":
         @cute.kernel
         def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32):
-            tid, _, _ = cute.arch.thread_idx()
-            bid, _, _ = cute.arch.block_idx()
-            lane = tid % 32
-            base = (bid * _ROW_THREADS + tid - lane) * _ROW_UNROLL + lane
-            vs = []
-            for u in cutlass.range_constexpr(_ROW_UNROLL):
-                # Out-of-range lanes reload the last chunk (whole L-lane groups, so the
-                # shuffles only ever mix valid data or only clamped data) and store nothing.
-                i = cutlass.min(base + u * 32, n - 1)
-                vs.append(x[i, None].load())
+            lane, base, vs = ops.row_loads(x, n, _ROW_THREADS, _ROW_UNROLL)
             for u in cutlass.range_constexpr(_ROW_UNROLL):
                 v = vs[u]
-                acc = None
-                for j in cutlass.range_constexpr(4):
-                    acc = amax_acc(acc, v[j])
-                a = umax(acc & Uint32(0xFFFF), acc >> 16) if bf16 else acc
-                for k in cutlass.range_constexpr(L.bit_length() - 1):
-                    a = umax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << k))
-                byte, sc, nf = scale_of(a)
-                f = elems(v)
-                o = cute.make_rmem_tensor((OW,), Uint32)
-                for w in cutlass.range_constexpr(OW):
-                    o[w] = fp8x4(f[4 * w:4 * w + 4], [sc] * 4, nf)
+                a = ops.block_amax(v, L, fp32_bits=False)
+                sc, byte, nf = scale_of(a)
+                o = ops.fp8_words(ops.elems(v), [sc] * C, [nf] * OW)
                 i = base + u * 32
                 if i < n:
                     q[i, None].store(o.load())
@@ -177,31 +108,24 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
             qs = cute.make_tensor(q[row0, None].iterator, cute.make_layout(
                 (32, OW), stride=(cute.assume(nc * OW, divby=OW), 1)))
             vs = [xs[r, None].load() for r in range(32)]  # unrolled at trace time
-            accs = [None] * 4
-            for r in cutlass.range_constexpr(32):
-                for j in cutlass.range_constexpr(4):
-                    accs[j] = amax_acc(accs[j], vs[r][j])
+            accs = ops.column_amax(vs)
             amaxes = []
             for j in cutlass.range_constexpr(4):
                 amaxes += [accs[j] & Uint32(0xFFFF), accs[j] >> 16] if bf16 else [accs[j]]
-            cols = [scale_of(a) for a in amaxes]  # C x (byte, scale bits, nonfinite)
+            cols = [scale_of(a) for a in amaxes]  # C x (scale bits, byte, nonfinite)
             sw = cute.make_rmem_tensor((OW,), Uint32)
             masks = []
             for w in cutlass.range_constexpr(OW):
                 word = Uint32(0)
                 mask = Uint32(0)
                 for k in cutlass.range_constexpr(4):
-                    word = word | (cols[4 * w + k][0] << (8 * k))
+                    word = word | (cols[4 * w + k][1] << (8 * k))
                     mask = mask | (cols[4 * w + k][2] & Uint32(0xFF << (8 * k)))
                 sw[w] = word
                 masks.append(mask)
             if t < items:
                 for r in cutlass.range_constexpr(32):
-                    f = elems(vs[r])
-                    o = cute.make_rmem_tensor((OW,), Uint32)
-                    for w in cutlass.range_constexpr(OW):
-                        o[w] = fp8x4(f[4 * w:4 * w + 4], [cols[4 * w + k][1] for k in range(4)],
-                                     masks[w])
+                    o = ops.fp8_words(ops.elems(vs[r]), [col[0] for col in cols], masks)
                     qs[r, None].store(o.load())
                 s[tc, None].store(sw.load())
 
@@ -261,11 +185,9 @@ def quantize_mxfp8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
                          device=x.device)
     if x.numel() == 0:
         return data, scales
-    import cuda.bindings.driver as cuda  # noqa: PLC0415
-
     kind = "row" if d == 1 else "col"
     fn, _ = compiled_quantize(kind, arch_of_device(x.device), x.dtype)
-    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    stream = current_stream(x.device)
     chunks_per_row = N * x.element_size() // 16
     dims = (M * chunks_per_row,) if kind == "row" else (M, chunks_per_row)
     ptrs = _pointers(kind, x.dtype, x.data_ptr(), data.data_ptr(), scales.data_ptr())

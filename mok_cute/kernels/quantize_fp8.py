@@ -32,15 +32,16 @@ Dims are runtime ``Int32``: one compiled kernel per (kind, fmt, arch, dtype).
 import torch
 
 from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+from .fp8_ops import Fp8Ops
+from .host import FLOAT_INPUTS, MAX_NUMEL, check_float_input, check_rows16, current_stream
 
 KINDS = ("row", "tokens")
 FORMATS = ("fp8_block", "mxfp8")
-DTYPES = (torch.bfloat16, torch.float32)
+DTYPES = FLOAT_INPUTS
 BLOCK = {"fp8_block": 128, "mxfp8": 32}
 _ROW_THREADS = 256
 _ROW_UNROLL = 4
 _TOK_THREADS = 128
-_MAX_NUMEL = 2**31 - 1
 F448 = 0x43E00000  # 448.0f
 AMAX_MIN_BITS = 0x0D800000  # 2^-100 (reference.FP8_AMAX_MIN)
 NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (what torch writes)
@@ -56,20 +57,7 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
     C = 8 if bf16 else 4  # elements per 16-byte chunk
     OW = C // 4  # output words per chunk (row kernel)
 
-    def umax(a, b):
-        return cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
-                                    write_only_types=[Uint32], read_only_args=[a, b])
-
-    def amax_acc(acc, w):
-        """Running max of |x| bits; bf16 words hold two elements, compared as u16 pairs."""
-        if bf16:
-            w = w & Uint32(0x7FFF7FFF)
-            if acc is None:
-                return w
-            return cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
-                                        write_only_types=[Uint32], read_only_args=[acc, w])
-        w = w & Uint32(0x7FFFFFFF)
-        return w if acc is None else umax(acc, w)
+    ops = Fp8Ops(bf16)
 
     def block_scale(a32):
         """fp8_block: amax fp32 bits -> (inv bits, scale bits, nonfinite mask)."""
@@ -81,37 +69,6 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
             f"div.rn.f32 {{$w1}}, a, 0f{F448:08X}; }}",
             write_only_types=[Uint32, Uint32], read_only_args=[a32])
         return inv, (sc & ~nonfinite) | (Uint32(NAN_BITS) & nonfinite), nonfinite
-
-    def mx_scale(a32):
-        """mxfp8: amax fp32 bits -> (2^-e bits, scale byte, nonfinite mask) (see quantize.py)."""
-        A = Int32(a32)
-        b = cutlass.max((A >> 23) - 8 + Int32((A & 0x7FFFFF) > 0x600000), 0)
-        nonfinite = Uint32(0) - Uint32(A >= 0x7F800000)
-        return Uint32((254 - b) << 23), (Uint32(b) | nonfinite) & Uint32(0xFF), nonfinite
-
-    def fp8x4(f, s, nan_mask):
-        """e4m3(f[i] * s[i]) for 4 fp32 bit patterns -> one word (f[0] in the low byte);
-        bytes selected by ``nan_mask`` become 0x7F."""
-        q = cute.arch.inline_ptx(
-            "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi;\n"
-            "mul.rn.f32 p0, {$r0}, {$r4};\n"
-            "mul.rn.f32 p1, {$r1}, {$r5};\n"
-            "mul.rn.f32 p2, {$r2}, {$r6};\n"
-            "mul.rn.f32 p3, {$r3}, {$r7};\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2;\n"
-            "mov.b32 {$w0}, {lo, hi}; }",
-            write_only_types=[Uint32], read_only_args=[*f, *s])
-        return (q & ~nan_mask) | (Uint32(0x7F7F7F7F) & nan_mask)
-
-    def elems(words):
-        """The C fp32 bit patterns of a chunk's 4 input words."""
-        if not bf16:
-            return list(words)
-        out = []
-        for w in words:
-            out += [w << 16, w & Uint32(0xFFFF0000)]
-        return out
 
     def col_amaxes(accs):
         """4 running-max words -> C per-element amax fp32 bit patterns."""
@@ -125,28 +82,12 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
 
         @cute.kernel
         def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32, m: Int32, kt: Int32):
-            tid, _, _ = cute.arch.thread_idx()
-            bid, _, _ = cute.arch.block_idx()
-            lane = tid % 32
-            base = (bid * _ROW_THREADS + tid - lane) * _ROW_UNROLL + lane
-            vs = []
-            for u in cutlass.range_constexpr(_ROW_UNROLL):
-                # out-of-range lanes reload the last chunk (whole L-lane groups) and store nothing
-                i = cutlass.min(base + u * 32, n - 1)
-                vs.append(x[i, None].load())
+            lane, base, vs = ops.row_loads(x, n, _ROW_THREADS, _ROW_UNROLL)
             for u in cutlass.range_constexpr(_ROW_UNROLL):
                 v = vs[u]
-                acc = None
-                for j in cutlass.range_constexpr(4):
-                    acc = amax_acc(acc, v[j])
-                a = umax(acc & Uint32(0xFFFF), acc >> 16) << 16 if bf16 else acc
-                for k in cutlass.range_constexpr(L.bit_length() - 1):
-                    a = umax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << k))
+                a = ops.block_amax(v, L, fp32_bits=True)
                 inv, sc, nf = block_scale(a)
-                f = elems([v[j] for j in range(4)])
-                o = cute.make_rmem_tensor((OW,), Uint32)
-                for w in cutlass.range_constexpr(OW):
-                    o[w] = fp8x4(f[4 * w:4 * w + 4], [inv] * 4, nf)
+                o = ops.fp8_words(ops.elems(v), [inv] * C, [nf] * OW)
                 i = base + u * 32
                 if i < n:
                     q[i, None].store(o.load())
@@ -208,13 +149,10 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                 v = x[cutlass.max(cutlass.min(r0 + r, m - 1), 0), c, None].load()
                 keep = Uint32(0) - Uint32(r < valid)
                 vs.append([v[j] & keep for j in range(4)])
-            accs = [None] * 4
-            for r in cutlass.range_constexpr(32):
-                for j in cutlass.range_constexpr(4):
-                    accs[j] = amax_acc(accs[j], vs[r][j])
+            accs = ops.column_amax(vs)
             for k in cutlass.range_constexpr(SUB.bit_length() - 1):
                 for j in cutlass.range_constexpr(4):
-                    accs[j] = umax(accs[j], cute.arch.shuffle_sync_bfly(accs[j], offset=1 << k))
+                    accs[j] = ops.umax(accs[j], cute.arch.shuffle_sync_bfly(accs[j], offset=1 << k))
             amaxes = col_amaxes(accs)
             if cutlass.const_expr(fmt == "fp8_block"):
                 cols = [block_scale(a) for a in amaxes]  # (inv, scale bits, mask)
@@ -223,7 +161,7 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                 for i in cutlass.range_constexpr(C):
                     sw[i] = cols[i][1] & used
             else:
-                cols = [mx_scale(a) for a in amaxes]  # (2^-e, byte, mask)
+                cols = [ops.e8m0(Int32(a)) for a in amaxes]  # (2^-e, byte, mask)
                 sw = cute.make_rmem_tensor((SW,), Uint32)
                 for w in cutlass.range_constexpr(SW):
                     word = Uint32(0)
@@ -232,10 +170,8 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                     sw[w] = word
             if t < items * SUB:
                 for i in cutlass.range_constexpr(C):
-                    f = [elems(vs[r])[i] for r in range(32)]
-                    o = cute.make_rmem_tensor((8,), Uint32)
-                    for w in cutlass.range_constexpr(8):
-                        o[w] = fp8x4(f[4 * w:4 * w + 4], [cols[i][0]] * 4, cols[i][2])
+                    f = [ops.elems(vs[r])[i] for r in range(32)]
+                    o = ops.fp8_words(f, [cols[i][0]] * 32, [cols[i][2]] * 8)
                     q[c * C + i, slot * SUB + sub, None].store(o.load())
                 if sub == 0:
                     s[slot, c, None].store(sw.load())
@@ -289,28 +225,11 @@ def compiled_quantize_fp8(kind: str, fmt: str, arch: str, dtype: torch.dtype = t
     return compile_cached(("fp8_quantize", kind, fmt, arch, dtype), lambda: _build(kind, fmt, dtype, arch))
 
 
-def _check_x(x: torch.Tensor, name: str = "x") -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"{name} must have dtype torch.bfloat16 or torch.float32, got {x.dtype}")
+def _check_x(x: torch.Tensor) -> None:
+    check_float_input(x, "x")
     if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
-    per16 = 16 // x.element_size()
-    if x.shape[1] % per16:
-        raise ValueError(f"{name}.shape[1] = {x.shape[1]} must be a multiple of {per16} (16-byte rows)")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (row-major)")
-    if x.numel() > _MAX_NUMEL:
-        raise ValueError(f"{name}.numel() = {x.numel()} must be < 2^31")
-    if x.data_ptr() % 16:
-        raise ValueError(f"{name}.data_ptr() must be 16-byte aligned")
-
-
-def _stream(device):
-    import cuda.bindings.driver as cuda  # noqa: PLC0415
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    check_rows16(x, "x")
 
 
 def quantize_fp8_block_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +252,7 @@ def quantize_fp8_block_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         n_chunks = m * k * x.element_size() // 16
         with torch.cuda.device(x.device):
             fn(*_pointers("row", "fp8_block", x.data_ptr(), data.data_ptr(), scales_t.data_ptr(), 0),
-               n_chunks, m, k // 128, _stream(x.device))
+               n_chunks, m, k // 128, current_stream(x.device))
     return data, scales_t.t()
 
 
@@ -360,7 +279,7 @@ def quantize_tokens(x: torch.Tensor, offsets: torch.Tensor, fmt: str = "fp8_bloc
     e = offsets.numel() - 1
     b = BLOCK[fmt]
     slots = m // b + e
-    if slots * b * n > _MAX_NUMEL:
+    if slots * b * n > MAX_NUMEL:
         raise ValueError("the transposed output must hold < 2^31 elements")
     data_t = torch.empty((n, slots * b), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((slots, n), dtype=torch.float32 if fmt == "fp8_block" else torch.uint8,
@@ -370,7 +289,7 @@ def quantize_tokens(x: torch.Tensor, offsets: torch.Tensor, fmt: str = "fp8_bloc
         nc = n * x.element_size() // 16
         with torch.cuda.device(x.device):
             fn(*_pointers("tokens", fmt, x.data_ptr(), data_t.data_ptr(), scales.data_ptr(), offsets.data_ptr()),
-               m, nc, e, _stream(x.device))
+               m, nc, e, current_stream(x.device))
     elif n:
         data_t.zero_()
         scales.zero_()

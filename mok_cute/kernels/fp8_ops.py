@@ -1,0 +1,119 @@
+"""Trace-time building blocks of the FP8 quantize kernels (:mod:`quantize`, :mod:`quantize_fp8`).
+
+Inputs are handled as 32-bit words of bf16 (two elements, low half first) or fp32 (one) bit
+patterns; an amax is the max of the |x| bit patterns (integer max: subnormals kept, NaN/Inf
+are the patterns >= 0x7F800000). Every method emits the instructions at the call site.
+"""
+
+from .compile import dsl
+
+
+class Fp8Ops:
+    """Word ops for inputs of bf16 (``bf16=True``) or fp32 elements."""
+
+    def __init__(self, bf16: bool):
+        self.cutlass, self.cute = dsl()
+        self.bf16 = bf16
+
+    def umax(self, a, b):
+        return self.cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
+                                         write_only_types=[self.cutlass.Uint32], read_only_args=[a, b])
+
+    def amax_acc(self, acc, w):
+        """Running max of |x| bits (``acc`` None: start); bf16 words hold two elements,
+        compared as u16 pairs."""
+        Uint32 = self.cutlass.Uint32
+        if self.bf16:
+            w = w & Uint32(0x7FFF7FFF)
+            if acc is None:
+                return w
+            return self.cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
+                                             write_only_types=[Uint32], read_only_args=[acc, w])
+        w = w & Uint32(0x7FFFFFFF)
+        return w if acc is None else self.umax(acc, w)
+
+    def row_loads(self, x, n, threads: int, unroll: int):
+        """Row kernels (``threads`` per CTA, x viewed as [n, 4] words): ``(lane, base, vs)``,
+        chunk ``base + 32 u`` of this thread loaded into ``vs[u]`` (u < ``unroll``, all loads
+        issued first). Out-of-range lanes reload the last chunk (whole blocks of lanes, so
+        the shuffles mix only valid or only clamped data) and must store nothing."""
+        cutlass, cute = self.cutlass, self.cute
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        base = (bid * threads + tid - lane) * unroll + lane
+        vs = []
+        for u in range(unroll):
+            i = cutlass.min(base + u * 32, n - 1)
+            vs.append(x[i, None].load())
+        return lane, base, vs
+
+    def block_amax(self, v, lanes: int, fp32_bits: bool):
+        """amax bits of a block held by ``lanes`` adjacent lanes (butterfly shuffles), chunk
+        ``v`` (4 words) each; for bf16 the 16-bit pattern, or with ``fp32_bits`` shifted to
+        the fp32 one before the shuffles."""
+        Uint32 = self.cutlass.Uint32
+        acc = None
+        for j in range(4):
+            acc = self.amax_acc(acc, v[j])
+        a = acc
+        if self.bf16:
+            a = self.umax(acc & Uint32(0xFFFF), acc >> 16)
+            if fp32_bits:
+                a = a << 16
+        for k in range(lanes.bit_length() - 1):
+            a = self.umax(a, self.cute.arch.shuffle_sync_bfly(a, offset=1 << k))
+        return a
+
+    def column_amax(self, vs):
+        """The 4 running-max words (per word position) over the rows' chunks ``vs``."""
+        accs = [None] * 4
+        for v in vs:
+            for j in range(4):
+                accs[j] = self.amax_acc(accs[j], v[j])
+        return accs
+
+    def e8m0(self, A):
+        """MXFP8 scale of amax fp32 bits ``A`` (Int32): ``(2^-e fp32 bits, scale byte, nonfinite
+        mask)``; byte = max(E - 8 + [mantissa > 0x600000], 0), 0xFF for NaN/Inf."""
+        cutlass, Int32, Uint32 = self.cutlass, self.cutlass.Int32, self.cutlass.Uint32
+        b = cutlass.max((A >> 23) - 8 + Int32((A & 0x7FFFFF) > 0x600000), 0)
+        nonfinite = Uint32(0) - Uint32(A >= 0x7F800000)  # 0xFFFFFFFF or 0
+        # b <= 247 for finite input, so 254 - b is a normal exponent field (>= 7).
+        return Uint32((254 - b) << 23), (Uint32(b) | nonfinite) & Uint32(0xFF), nonfinite
+
+    def fp8x4(self, f, s, nan_mask):
+        """e4m3(f[i] * s[i]) for 4 fp32 bit patterns -> one word (f[0] in the low byte), with
+        ``mul.rn.f32`` (no FTZ) and ``cvt.rn.satfinite``; bytes selected by ``nan_mask`` become
+        0x7F."""
+        Uint32 = self.cutlass.Uint32
+        q = self.cute.arch.inline_ptx(
+            "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi;\n"
+            "mul.rn.f32 p0, {$r0}, {$r4};\n"
+            "mul.rn.f32 p1, {$r1}, {$r5};\n"
+            "mul.rn.f32 p2, {$r2}, {$r6};\n"
+            "mul.rn.f32 p3, {$r3}, {$r7};\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2;\n"
+            "mov.b32 {$w0}, {lo, hi}; }",
+            write_only_types=[Uint32], read_only_args=[*f, *s])
+        return (q & ~nan_mask) | (Uint32(0x7F7F7F7F) & nan_mask)
+
+    def fp8_words(self, f, scales, masks):
+        """Register tensor of ``len(f) / 4`` words: word w = :meth:`fp8x4` of ``f[4w:4w+4]``
+        times ``scales[4w:4w+4]`` (fp32 bit patterns), NaN bytes from ``masks[w]``."""
+        o = self.cute.make_rmem_tensor((len(f) // 4,), self.cutlass.Uint32)
+        for w in range(len(f) // 4):
+            o[w] = self.fp8x4(f[4 * w:4 * w + 4], scales[4 * w:4 * w + 4], masks[w])
+        return o
+
+    def elems(self, v):
+        """The fp32 bit patterns (8 for bf16, 4 for fp32) of a 16-byte chunk's 4 input words
+        (a list or a TensorSSA)."""
+        words = [v[j] for j in range(4)]  # (a TensorSSA is not iterable)
+        if not self.bf16:
+            return words
+        out = []
+        for w in words:
+            out += [w << 16, w & self.cutlass.Uint32(0xFFFF0000)]
+        return out
