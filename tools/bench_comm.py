@@ -30,6 +30,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from checks.common import bench_us as median_us  # noqa: E402
 from mok_cute.comm.combine import combine  # noqa: E402
 from mok_cute.comm.dispatch import dispatch  # noqa: E402
 from mok_cute.comm.workspace import get_workspace  # noqa: E402
@@ -40,20 +41,7 @@ BF16 = torch.bfloat16
 
 def bench_us(fn, warmup=5, iters=20) -> float:
     """Median per-rank time (us), then the max over ranks (the slowest rank)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    t = torch.tensor([ts[len(ts) // 2]], device="cuda")
+    t = torch.tensor([median_us(fn, warmup, iters, barrier=dist.barrier)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

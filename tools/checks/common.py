@@ -50,11 +50,14 @@ class Ctx:
         return Ctx(rank, world, dev, torch.cuda.get_device_name(dev))
 
 
-def bench_us(fn, warmup: int = 5, iters: int = 20) -> float:
-    """Median time of ``fn()`` in microseconds, timed with CUDA events."""
+def bench_us(fn, warmup: int = 5, iters: int = 20, barrier=None) -> float:
+    """Median time of ``fn()`` in microseconds, timed with CUDA events; ``barrier`` (e.g.
+    ``dist.barrier``) is called between the warm-up and the timed runs."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
