@@ -168,6 +168,28 @@ def _plan_launcher():
         return _plan_launcher.fn
     warps = PLAN_THREADS // 32
 
+    @cute.jit
+    def route_expert(tk: cute.Tensor, i: Int32, c1: Int32, E: Constexpr, status: cute.Pointer,
+                     me: Int32, epoch: Int32, report: Constexpr) -> Int32:
+        """Expert of route ``i`` (-1 past ``c1`` or outside [0, E); ``report``: ids outside
+        [-1, E) are recorded as BAD_EXPERT)."""
+        e = Int32(-1)
+        if i < c1:
+            e = tk[i]
+            if e < -1 or e >= E:
+                if cutlass.const_expr(report):
+                    P.report(status, Int32(P.BAD_EXPERT), me, Int32(P.CNT), epoch)
+                e = Int32(-1)
+        return e
+
+    @cute.jit
+    def count_group(hist: cute.Tensor, w: Int32, E: Constexpr, e: Int32, m: Int32, lt: Int32):
+        """The lowest lane of each match group (mask ``m``, expert ``e`` >= 0) adds the group
+        size to warp ``w``'s count ``hist[w * E + e]``."""
+        if e >= 0:
+            if (m & lt) == 0:
+                hist[w * E + e] += Int32(cute.arch.popc(m))
+
     @cute.kernel
     def plan_kernel(peer_bases: cute.Pointer, status: cute.Pointer, topk: cute.Pointer,
                     counts_out: cute.Pointer, offsets_out: cute.Pointer, recv_out: cute.Pointer,
@@ -198,17 +220,9 @@ def _plan_launcher():
         # pass 1: per-(warp, expert) counts
         g = c0
         while g < c1:
-            i = g + lane
-            e = Int32(-1)
-            if i < c1:
-                e = tk[i]
-                if e < -1 or e >= E:
-                    P.report(status, Int32(P.BAD_EXPERT), me, Int32(P.CNT), epoch)
-                    e = Int32(-1)
+            e = route_expert(tk, g + lane, c1, E, status, me, epoch, True)
             m = cute.arch.match_sync(0xFFFFFFFF, e)
-            if e >= 0:
-                if (m & lt) == 0:
-                    hist[w * E + e] += Int32(cute.arch.popc(m))
+            count_group(hist, w, E, e, m, lt)
             cute.arch.sync_warp()
             g += 32
         cute.arch.barrier()
@@ -262,11 +276,7 @@ def _plan_launcher():
             g = c0
             while g < c1:
                 i = g + lane
-                e = Int32(-1)
-                if i < c1:
-                    e = tk[i]
-                    if e < -1 or e >= E:
-                        e = Int32(-1)
+                e = route_expert(tk, i, c1, E, status, me, epoch, False)
                 m = cute.arch.match_sync(0xFFFFFFFF, e)
                 if e >= 0:
                     row = base[e] + hist[w * E + e] + Int32(cute.arch.popc(m & lt))
@@ -279,9 +289,7 @@ def _plan_launcher():
                         drk[i] = Int32(-1)
                         drw[i] = Int32(-1)
                 cute.arch.sync_warp()
-                if e >= 0:
-                    if (m & lt) == 0:
-                        hist[w * E + e] += Int32(cute.arch.popc(m))
+                count_group(hist, w, E, e, m, lt)
                 cute.arch.sync_warp()
                 g += 32
             cute.arch.barrier()
