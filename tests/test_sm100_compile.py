@@ -76,6 +76,12 @@ def test_fake_tensors_are_symbolic():
         g._fake_3d(cutlass.BFloat16, 1, 2, 3)
 
 
+def _raises(fn, args, kwargs, exc, name):
+    """``fn(**args)`` with ``kwargs`` replacing some arguments raises ``exc`` matching ``name``."""
+    with pytest.raises(exc, match=name):
+        fn(**dict(args, **kwargs))
+
+
 bf, f8, u8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 
 
@@ -103,9 +109,7 @@ def _offs():
 ])
 def test_grouped_gemm_validation(kwargs, exc, name):
     args = dict(a=torch.zeros(300, 64, dtype=bf), offsets=_offs(), w=torch.zeros(3, 256, 64, dtype=bf))
-    args.update(kwargs)
-    with pytest.raises(exc, match=name):
-        g.grouped_gemm(**args)
+    _raises(g.grouped_gemm, args, kwargs, exc, name)
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
@@ -120,9 +124,7 @@ def test_grouped_gemm_validation(kwargs, exc, name):
 def test_swiglu_validation(kwargs, exc, name):
     args = dict(x=torch.zeros(300, 64, dtype=bf), offsets=_offs(), w_gate=torch.zeros(3, 256, 64, dtype=bf),
                 w_up=torch.zeros(3, 256, 64, dtype=bf))
-    args.update(kwargs)
-    with pytest.raises(exc, match=name):
-        g.grouped_gemm1_swiglu(**args)
+    _raises(g.grouped_gemm1_swiglu, args, kwargs, exc, name)
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
@@ -135,9 +137,7 @@ def test_swiglu_validation(kwargs, exc, name):
 def test_dswiglu_validation(kwargs, exc, name):
     args = dict(dy=torch.zeros(300, 64, dtype=bf), offsets=_offs(), w_down=torch.zeros(3, 64, 256, dtype=bf),
                 gu=torch.zeros(300, 512, dtype=bf))
-    args.update(kwargs)
-    with pytest.raises(exc, match=name):
-        g.grouped_dswiglu_dgrad(**args)
+    _raises(g.grouped_dswiglu_dgrad, args, kwargs, exc, name)
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
@@ -166,9 +166,7 @@ def test_dswiglu_validation(kwargs, exc, name):
 def test_dgrad1_validation(kwargs, exc, name):
     args = dict(dgu=torch.zeros(300, 512, dtype=bf), offsets=_offs(), w_gate=torch.zeros(3, 256, 256, dtype=bf),
                 w_up=torch.zeros(3, 256, 256, dtype=bf))
-    args.update(kwargs)
-    with pytest.raises(exc, match=name):
-        g.grouped_dgrad1(**args)
+    _raises(g.grouped_dgrad1, args, kwargs, exc, name)
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
@@ -192,6 +190,4 @@ def test_dgrad1_validation(kwargs, exc, name):
 ])
 def test_wgrad_validation(kwargs, exc, name):
     args = dict(a=torch.zeros(300, 64, dtype=bf), b=torch.zeros(300, 256, dtype=bf), offsets=_offs())
-    args.update(kwargs)
-    with pytest.raises(exc, match=name):
-        g.grouped_wgrad(**args)
+    _raises(g.grouped_wgrad, args, kwargs, exc, name)

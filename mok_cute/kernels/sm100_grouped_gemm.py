@@ -67,6 +67,23 @@ def _bf16(r: cute.Tensor) -> cute.Tensor:
     return out
 
 
+def _shared_storage(ab, stages: int, acc_stages: int, a_n: int, b_n: int, sf_n=None):
+    """The kernel's shared storage struct: pipeline barriers, the TMEM pointer, 1024-aligned
+    A/B stages and, for MXFP8 (``sf_n`` = (SFA, SFB) sizes), the scale factor stages."""
+    fields = {
+        "ab_bar": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        "acc_bar": cute.struct.MemRange[cutlass.Int64, 2 * acc_stages],
+        "tmem_dealloc_bar": cutlass.Int64,
+        "tmem_ptr": cutlass.Int32,
+        "sA": cute.struct.Align[cute.struct.MemRange[ab, a_n], 1024],
+        "sB": cute.struct.Align[cute.struct.MemRange[ab, b_n], 1024],
+    }
+    if sf_n is not None:
+        fields["sSFA"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sf_n[0]], 1024]
+        fields["sSFB"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sf_n[1]], 1024]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
 class GroupedGemmSm100:
     """Persistent warp-specialized grouped GEMM (``wgrad=False``) or weight gradient (``True``).
 
@@ -137,30 +154,10 @@ class GroupedGemmSm100:
         ab, stages, acc_stages = cfg.ab_dtype, ml.stages, ml.acc_stages
         a_n, b_n = cute.cosize(ml.a_smem.outer), cute.cosize(ml.b_smem.outer)
 
+        sf_n = None
         if cutlass.const_expr(cfg.mx):
-            sfa_n, sfb_n = cute.cosize(ml.sfa_smem), cute.cosize(ml.sfb_smem)
-
-            @cute.struct
-            class SharedStorage:
-                ab_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                acc_bar: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
-                tmem_dealloc_bar: cutlass.Int64
-                tmem_ptr: cutlass.Int32
-                sA: cute.struct.Align[cute.struct.MemRange[ab, a_n], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[ab, b_n], 1024]
-                sSFA: cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sfa_n], 1024]
-                sSFB: cute.struct.Align[cute.struct.MemRange[SF_DTYPE, sfb_n], 1024]
-        else:
-            @cute.struct
-            class SharedStorage:
-                ab_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                acc_bar: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
-                tmem_dealloc_bar: cutlass.Int64
-                tmem_ptr: cutlass.Int32
-                sA: cute.struct.Align[cute.struct.MemRange[ab, a_n], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[ab, b_n], 1024]
-
-        self.shared_storage = SharedStorage
+            sf_n = (cute.cosize(ml.sfa_smem), cute.cosize(ml.sfb_smem))
+        self.shared_storage = _shared_storage(ab, stages, acc_stages, a_n, b_n, sf_n)
         atoms = [t[0] for t in tmas]
         coords = [t[1] for t in tmas]
         self.kernel(atoms, coords, mOffsets, mOut0, mOut1, limit).launch(
@@ -543,6 +540,14 @@ def _check_rows(name, t, mx, k_name="K"):
         raise ValueError(f"{name} must be contiguous (row-major) and 16-byte aligned")
 
 
+def _row_operand(name, t, offsets, cfg, k_name="K"):
+    """``(cfg, E)`` for a grouped GEMM's row operand ``t`` (checked as :func:`_check_rows`)
+    and its offsets."""
+    cfg = _config(t, cfg, name)
+    _check_rows(name, t, cfg.mx, k_name)
+    return cfg, _check_offsets(offsets)
+
+
 def _check_weight(name, w, shape, mx, strided=False):
     """[E, R, C] weight of exactly ``shape``: contiguous, or (``strided``) with unit last stride
     and the other strides multiples of 16 bytes (e.g. one half of a stacked [E, 2R, C]); 16-byte
@@ -589,6 +594,14 @@ def _check_scales(name, s, shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(s.shape)}")
 
 
+def _check_gate_up_scales(w_scales, shape):
+    """MXFP8 ``w_scales = (gate_scales, up_scales)``, each uint8 of exactly ``shape``."""
+    if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
+        raise ValueError("w_scales must be (gate_scales, up_scales) for float8_e4m3fn weights")
+    _check_scales("w_scales[0]", w_scales[0], shape)
+    _check_scales("w_scales[1]", w_scales[1], shape)
+
+
 def _arch(device) -> str:
     arch = arch_of_device(device)
     if arch not in ARCHS:
@@ -630,9 +643,7 @@ def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: 
     ``cfg.tile_n``. MXFP8: ``a_scales`` [M, K/32] and ``w_scales`` [E, N, K/32] uint8 E8M0
     (``mxfp8_quantize`` along K), repacked on the device into the blocked layouts.
     """
-    cfg = _config(a, cfg)
-    _check_rows("a", a, cfg.mx)
-    e = _check_offsets(offsets)
+    cfg, e = _row_operand("a", a, offsets, cfg)
     m, k = a.shape
     _check_tensor("w", w, 3, (a.dtype,))
     _check_weight("w", w, (e, w.shape[1], k), cfg.mx)
@@ -662,9 +673,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of ``tile_n / 2``.
     The weights (and scales) are interleaved into one [E, 2I, H] copy per call.
     """
-    cfg = _config(x, cfg, "x")
-    _check_rows("x", x, cfg.mx, "H")
-    e = _check_offsets(offsets)
+    cfg, e = _row_operand("x", x, offsets, cfg, "H")
     m, hid = x.shape
     _check_tensor("w_gate", w_gate, 3, (x.dtype,))
     inter = w_gate.shape[1]
@@ -675,10 +684,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     _check_limit(limit)
     if cfg.mx:
         _check_scales("x_scales", x_scales, (m, hid // lay.SF_VEC))
-        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
-            raise ValueError("w_scales must be (gate_scales, up_scales) for float8_e4m3fn weights")
-        _check_scales("w_scales[0]", w_scales[0], (e, inter, hid // lay.SF_VEC))
-        _check_scales("w_scales[1]", w_scales[1], (e, inter, hid // lay.SF_VEC))
+        _check_gate_up_scales(w_scales, (e, inter, hid // lay.SF_VEC))
     gu, h = (None, None) if out is None else out
     gu = _check_out("gu", gu, (m, 2 * inter), x.device)
     h = _check_out("h", h, (m, inter), x.device)
@@ -703,9 +709,7 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
     place), bf16 or float8_e4m3fn with ``dy_scales`` [M, H/32] and ``w_scales`` [E, H/32, I]
     (w_down quantized along H); gu [M, 2I] bf16; I a multiple of ``tile_n``.
     """
-    cfg = _config(dy, cfg, "dy")
-    _check_rows("dy", dy, cfg.mx, "H")
-    e = _check_offsets(offsets)
+    cfg, e = _row_operand("dy", dy, offsets, cfg, "H")
     m, hid = dy.shape
     _check_tensor("w_down", w_down, 3, (dy.dtype,))
     inter = w_down.shape[2]
@@ -744,9 +748,7 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
     repacked on the device into the blocked layouts (one [E, H, 2I/32] weight scale matrix).
     I a multiple of ``cfg.tile_k``, H of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
     """
-    cfg = _config(dgu, cfg, "dgu")
-    _check_rows("dgu", dgu, cfg.mx, "2I")
-    e = _check_offsets(offsets)
+    cfg, e = _row_operand("dgu", dgu, offsets, cfg, "2I")
     m, two_i = dgu.shape
     inter = two_i // 2
     _check_tensor("w_gate", w_gate, 3, (dgu.dtype,))
@@ -759,10 +761,7 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
         raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
     if cfg.mx:
         _check_scales("dgu_scales", dgu_scales, (m, two_i // lay.SF_VEC))
-        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
-            raise ValueError("w_scales must be (gate_scales, up_scales) for float8_e4m3fn weights")
-        _check_scales("w_scales[0]", w_scales[0], (e, inter // lay.SF_VEC, hid))
-        _check_scales("w_scales[1]", w_scales[1], (e, inter // lay.SF_VEC, hid))
+        _check_gate_up_scales(w_scales, (e, inter // lay.SF_VEC, hid))
     out = _check_out("out", out, (m, hid), dgu.device)
     _check_devices(dgu=dgu, offsets=offsets, w_gate=w_gate, w_up=w_up, out=out)
     if m:

@@ -115,6 +115,13 @@ class Sm100Config:
         return (self.tile_m, self.tile_n, self.stages, self.acc_stages, self.ab_dtype.__name__)
 
 
+def _tma_partition(atom, smem, tCg):
+    """``(smem, gmem)`` TMA views of a shared tile and its MMA-partitioned coordinates."""
+    s, g = cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 3),
+                                            cute.group_modes(tCg, 0, 3))
+    return cute.filter_zeros(s), cute.filter_zeros(g)
+
+
 class Sm100Mainloop:
     """Tiled MMA, shared/tensor memory layouts, TMA atoms, pipelines and per-tile loops.
 
@@ -249,18 +256,12 @@ class Sm100Mainloop:
     @cute.jit
     def partition_a(self, atom: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor, cta_v: cutlass.Int32):
         """``(tAsA, tAgA)`` of a (tile_m, tile_k, ...) tiled A (or SFA) coordinate tensor."""
-        tCgA = self.tiled_mma.get_slice(cta_v).partition_A(gA)
-        s, g = cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
-                                                cute.group_modes(tCgA, 0, 3))
-        return cute.filter_zeros(s), cute.filter_zeros(g)
+        return _tma_partition(atom, sA, self.tiled_mma.get_slice(cta_v).partition_A(gA))
 
     @cute.jit
     def partition_b(self, atom: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, cta_v: cutlass.Int32):
         """``(tBsB, tBgB)`` of a (tile_n, tile_k, ...) tiled B (or SFB) coordinate tensor."""
-        tCgB = self.tiled_mma.get_slice(cta_v).partition_B(gB)
-        s, g = cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
-                                                cute.group_modes(tCgB, 0, 3))
-        return cute.filter_zeros(s), cute.filter_zeros(g)
+        return _tma_partition(atom, sB, self.tiled_mma.get_slice(cta_v).partition_B(gB))
 
     def mcast_masks(self, cta_v):
         """TMA multicast masks for cta_group::2 (both CTAs' loads signal the leader), else None."""
