@@ -35,3 +35,15 @@ def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.
 @pytest.fixture
 def problem():
     return make_problem
+
+
+@pytest.fixture
+def forbid(monkeypatch):
+    """``forbid(module, *names)``: calling those attributes of ``module`` fails the test (for
+    validation tests that must raise before any compile, device query or launch)."""
+    def apply(module, *names):
+        def boom(*a, **k):
+            raise AssertionError("reached the launch path")
+        for name in names:
+            monkeypatch.setattr(module, name, boom)
+    return apply

@@ -59,11 +59,9 @@ def test_bad_keys():
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("reached the launch path")
-    monkeypatch.setattr(qf, "compiled_quantize_fp8", boom)
-    monkeypatch.setattr(qf, "arch_of_device", boom)
+def no_launch(forbid):
+    """Make any step past validation fail loudly (compile, device query)."""
+    forbid(qf, "compiled_quantize_fp8", "arch_of_device")
 
 
 @pytest.mark.parametrize("x, match", [
