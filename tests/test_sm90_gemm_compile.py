@@ -1,5 +1,7 @@
 """SM90 grouped GEMM kernels (forward and backward) compile for sm_90a (CPU only) and the
 host wrappers validate inputs."""
+import functools
+
 import pytest
 import torch
 
@@ -22,12 +24,54 @@ VARIANTS = {
     "dgrad1": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
     "wgrad": lambda: compile_grouped_wgrad(inspect=True),
 }
+TMA = MainloopConfig(tma_store=True)
+# opt-in TMA-store epilogues (cfg.tma_store): plain (GEMM2, dgrad1), wgrad, swiglu
+TMA_VARIANTS = {
+    "plain-n256-tma": lambda: compile_grouped_gemm("plain", cfg=TMA, inspect=True),
+    "plain-n128-tma": lambda: compile_grouped_gemm("plain", cfg=MainloopConfig(tile_n=128, tma_store=True),
+                                                   inspect=True),
+    "dgrad1-tma": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=TMA, inspect=True),
+    "wgrad-tma": lambda: compile_grouped_wgrad(cfg=TMA, inspect=True),
+    "swiglu-tma": lambda: compile_grouped_gemm("swiglu", cfg=TMA, inspect=True),
+    "swiglu-clamp-n128-tma": lambda: compile_grouped_gemm("swiglu", clamp=True,
+                                                          cfg=MainloopConfig(tile_n=128, tma_store=True), inspect=True),
+}
+VARIANTS.update(TMA_VARIANTS)
+_TMA_STORE = "cp.async.bulk.tensor"  # + ".<n>d.global.shared::cta" (the store direction)
+
+
+@functools.cache
+def _compiled(name):
+    return VARIANTS[name]()[1]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def report(request):
-    _, rep = VARIANTS[request.param]()
-    return rep
+    return _compiled(request.param)
+
+
+def _tma_stores(rep):
+    return [ln for ln in rep.ptx.splitlines() if _TMA_STORE in ln and ".global.shared::cta" in ln]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_tma_store_only_when_opted_in(name):
+    """tma_store variants store through TMA (async bulk groups, fenced, waited before reuse);
+    the default variants keep the masked 16-byte stores (no TMA store in their PTX)."""
+    rep = _compiled(name)
+    stores = _tma_stores(rep)
+    if name in TMA_VARIANTS:
+        assert stores and all(".bulk_group" in ln for ln in stores), stores
+        assert rep.has("cp.async.bulk.commit_group")
+        assert rep.has("cp.async.bulk.wait_group.read")
+        assert rep.has("fence.proxy.async.shared::cta")
+    else:
+        assert not stores, stores
+
+
+def test_tma_store_in_compile_key():
+    assert MainloopConfig().key() == (128, 256, 64, 0, (1, 1), "BFloat16", "Float32")
+    assert MainloopConfig(tma_store=True).key() != MainloopConfig().key()
 
 
 def test_ptx_has_wgmma_and_setmaxnreg(report):
@@ -260,3 +304,18 @@ def test_graph_launcher_paths(monkeypatch):
     with pytest.warns(UserWarning, match="graph launch path disabled"):
         launcher.launch(0, 7, "k3", make)
     assert calls[-1] == ("dsl", (1, 2, ("stream", 7))) and L._enabled is False
+
+
+def test_process_wide_tma_store_override():
+    from mok_cute.kernels import sm90_grouped_gemm as gg
+
+    cfg = MainloopConfig(tile_n=128)
+    prev = gg.set_tma_store(False)
+    try:
+        assert gg.effective_config(cfg) is cfg
+        gg.set_tma_store(True)
+        on = gg.effective_config(cfg)
+        assert on.tma_store and on.tile_n == 128 and gg.effective_config(cfg) is on
+        assert gg.effective_config(on) is on
+    finally:
+        gg.set_tma_store(prev)

@@ -15,6 +15,10 @@ Also per row: pipe_f+b / host_f+b (20 calls queued back to back: device us per c
 host's enqueue us per call) and graph_f+b (one CUDA-graph replay of fwd+bwd, both
 implementations captured the same way; x_graph = torch / ours).
 Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
+--tma-store on|both: ours with the opt-in SM90 TMA-store epilogues (GEMM1+SwiGLU, GEMM2,
+dgrad1, wgrads; ``mok_cute.kernels.sm90_grouped_gemm.set_tma_store``; same as
+MOK_CUTE_SM90_TMA_STORE=1); ``both`` times ours twice per row (default, then TMA store:
+an extra ``tma`` line, x_* = ours default / ours TMA store).
 """
 from __future__ import annotations
 
@@ -172,7 +176,13 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
                 speedup_fwd=t_f_torch / t_f, speedup_fwdbwd=t_fb_torch / t_fb, rel_l1_vs_torch=rel)
 
 
-def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
+def _set_tma_store(on: bool) -> bool:
+    from mok_cute.kernels import sm90_grouped_gemm
+
+    return sm90_grouped_gemm.set_tma_store(on)
+
+
+def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_store="off"):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
     dg = torch.Generator(device=dev).manual_seed(1000 * e + m + skew)  # not the default generator
@@ -206,8 +216,16 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None):
     if profile_path and not skew:
         profile_table(fwd_bwd, profile_path, f"torch fwd+bwd {row['shape']}")
     if ours:
-        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"],
-                            profile_path if not skew else None, row["shape"]))
+        prev = _set_tma_store(tma_store == "on")
+        try:
+            row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"],
+                                profile_path if not skew else None, row["shape"]))
+            if tma_store == "both":
+                _set_tma_store(True)
+                tma = run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"])
+                row.update({"tma_" + k: v for k, v in tma.items()})
+        finally:
+            _set_tma_store(prev)
     return row
 
 
@@ -217,12 +235,15 @@ def main() -> int:
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--no-ours", action="store_true", help="torch baseline only")
     ap.add_argument("--profile", type=str, default=None, help="append torch.profiler kernel tables (uniform rows) here")
+    ap.add_argument("--tma-store", choices=("off", "on", "both"), default="off",
+                    help="ours with the opt-in SM90 TMA-store epilogues (both: default and TMA store per row)")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     rows = []
     for shape in SHAPES[-1:] if args.quick else SHAPES:
         for skew in (False, True):
-            rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile))
+            rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile,
+                                  tma_store=args.tma_store))
             r = rows[-1]
             print(f"[row] {r['shape']} {r['routing']}: torch f+b {r['torch_fwdbwd_us']:.0f} us, ours "
                   f"{r.get('ours_fwdbwd_us', float('nan')):.0f} us, graph torch {r['torch_graph_fb_us']:.0f} "
@@ -230,7 +251,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
+    print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) "
+          f"tma_store={args.tma_store} ==")
     print(f"{'shape':26s} {'routing':8s} {'impl':5s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} "
           f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s} {'pipe_f+b':>9s} {'host_f+b':>9s} "
           f"{'graph_f+b':>9s} {'x_graph':>7s}")
@@ -244,12 +266,25 @@ def main() -> int:
                   f"{r['ours_fwd_tflops']:7.0f} {r['ours_fwdbwd_tflops']:7.0f} {'':8s} {r['speedup_fwd']:6.2f} "
                   f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e} {r['ours_pipe_fb_us']:9.0f} {r['ours_host_fb_us']:9.0f} "
                   f"{r['ours_graph_fb_us']:9.0f} {r['speedup_graph_fb']:7.2f}")
+        if "tma_ours_fwd_us" in r:  # x_* columns: ours default / ours TMA store
+            t = lambda k: r["tma_ours_" + k]
+            print(f"{'':26s} {'':8s} tma   {t('fwd_us'):9.0f} {t('bwd_us'):9.0f} {t('fwdbwd_us'):9.0f} "
+                  f"{t('fwd_tflops'):7.0f} {t('fwdbwd_tflops'):7.0f} {'':8s} {r['ours_fwd_us'] / t('fwd_us'):6.3f} "
+                  f"{r['ours_fwdbwd_us'] / t('fwdbwd_us'):6.3f} {r['tma_rel_l1_vs_torch']:8.1e} {t('pipe_fb_us'):9.0f} "
+                  f"{t('host_fb_us'):9.0f} {t('graph_fb_us'):9.0f} {r['ours_graph_fb_us'] / t('graph_fb_us'):7.3f}")
     ours = [r for r in rows if "ours_fwd_us" in r]
     if ours:
         geo = lambda key: math.exp(sum(math.log(r[key]) for r in ours) / len(ours))
         print(f"geomean speedup torch/ours: fwd {geo('speedup_fwd'):.2f}x, fwd+bwd {geo('speedup_fwdbwd'):.2f}x; "
               f"min fwd+bwd {min(r['speedup_fwdbwd'] for r in ours):.2f}x; largest shape fwd+bwd "
               f"{ours[0]['ours_fwdbwd_tflops']:.0f} TF/s = {ours[0]['ours_fwdbwd_tflops'] / 788 * 100:.0f}% of 788")
+        both = [r for r in ours if "tma_ours_fwdbwd_us" in r]
+        if both:
+            g = lambda f: math.exp(sum(math.log(f(r)) for r in both) / len(both))
+            print(f"TMA-store epilogue, ours default / ours TMA store: geomean fwd "
+                  f"{g(lambda r: r['ours_fwd_us'] / r['tma_ours_fwd_us']):.3f}x, fwd+bwd "
+                  f"{g(lambda r: r['ours_fwdbwd_us'] / r['tma_ours_fwdbwd_us']):.3f}x, bwd "
+                  f"{g(lambda r: r['ours_bwd_us'] / r['tma_ours_bwd_us']):.3f}x ({len(both)} rows)")
         graphs = [r["speedup_graph_fb"] for r in ours if math.isfinite(r["speedup_graph_fb"])]
         if graphs:
             print(f"CUDA-graph replay f+b, torch/ours: geomean "

@@ -44,7 +44,8 @@ from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_grouped_gemm import (
     _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
-    _Desc, _fake_2d, _fake_3d, _launch, current_stream, device_arch, sm_count,
+    _Desc, _fake_2d, _fake_3d, _launch, current_stream, device_arch, effective_config, make_tma_store, sm_count,
+    tma_store_drain, tma_store_tile,
 )
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -74,7 +75,8 @@ class GroupedWgradSm90:
 
     Call (jit): ``(mA [M, Na], mB [M, Nb], mOffsets [E+1] int32, mOut [E, Na, Nb], num_ctas,
     stream)``; out[e] = bf16(A_e^T . B_e). Nb must be a multiple of tile_n; rows of a tile
-    past Na are masked.
+    past Na are masked (``cfg.tma_store``: one TMA store per tile, rows past Na clipped by
+    the TMA unit).
     """
 
     def __init__(self, cfg: MainloopConfig):
@@ -91,6 +93,10 @@ class GroupedWgradSm90:
         a_mk = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 0]))
         b_nk = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
         atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(a_mk), _ragged_k(b_nk))
+        atom_c, coord_c = None, None
+        if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
+            out_nne = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 2, 0]))
+            atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
 
         @cute.struct
         class SharedStorage:
@@ -100,13 +106,13 @@ class GroupedWgradSm90:
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut).launch(
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-               mOffsets: cute.Tensor, mOut: cute.Tensor):
+               mOffsets: cute.Tensor, mOut: cute.Tensor, atom_c: cute.CopyAtom, coord_c: cute.Tensor):
         cfg = self.cfg
         self.mainloop.setup()
         tidx, _, _ = cute.arch.thread_idx()
@@ -114,6 +120,8 @@ class GroupedWgradSm90:
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
+            if cutlass.const_expr(cfg.tma_store):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
@@ -156,11 +164,17 @@ class GroupedWgradSm90:
                 length = mOffsets[expert + 1] - mOffsets[expert]
                 k_tiles = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
-                row0 = m_tile * cfg.tile_m
-                out_e = mOut[(expert, None, None)]
-                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, cutlass.min(na - row0, cfg.tile_m),
-                             n_tile, out_e, out_e, Float32(0.0))
+                if cutlass.const_expr(cfg.tma_store):
+                    gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
+                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+                else:
+                    row0 = m_tile * cfg.tile_m
+                    out_e = mOut[(expert, None, None)]
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
+                                 cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
                 linear = linear + grid
+            if cutlass.const_expr(cfg.tma_store):
+                tma_store_drain(tid)
 
 
 # ---------------------------------------------------------------- compile
@@ -324,6 +338,7 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
 def _run_wgrad(a, b, offsets, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """:func:`grouped_wgrad` on operands already validated (no checks but the device arch)."""
     m, na, nb, e = a.shape[0], a.shape[1], b.shape[1], offsets.shape[0] - 1
+    cfg = effective_config(cfg)
     if out is None:
         out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
     dev, arch = device_arch(a.device)

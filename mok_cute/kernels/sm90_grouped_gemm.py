@@ -15,6 +15,17 @@ epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
 (they belong to the next expert or are TMA zero fill) but never written: every store is
 row-masked (16-byte vectors).
 
+Opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``, or process-wide with
+:func:`set_tma_store` / ``MOK_CUTE_SM90_TMA_STORE=1``; part of the compile key; not yet
+device-verified, off by default): ``plain`` and ``swiglu`` stage the BF16 tile in shared
+memory as before, then one consumer warp issues ``cp.async.bulk.tensor`` stores (after a
+``fence.proxy.async.shared::cta`` and a consumer barrier) and commits them as a bulk group;
+the consumers go straight back to the next tile's MMA and wait
+(``cp.async.bulk.wait_group.read``) only before the staging buffer is rewritten. Row
+masking is done by the TMA unit: the output is seen through a per-expert row-bounded view
+(the wrap-around trick of the ragged-K wgrad loads, :func:`_ragged_rows`), so rows past
+the expert's last row are clipped. ``dswiglu`` keeps the masked stores.
+
 Epilogues:
   ``plain``:   out [M_total, N] = bf16(A_e @ B_e)
   ``swiglu``:  B = w_gate [E, I, H] and B2 = w_up [E, I, H], K-major: each B tile is
@@ -31,7 +42,9 @@ Epilogues:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
+import os
 import struct
 
 import cuda.bindings.driver as cuda
@@ -42,6 +55,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import from_dlpack
 
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
@@ -138,6 +152,98 @@ class PlainEpilogue(_StagedEpilogue):
         _store_rows(copy, tid, r, coords, g, rows)
 
 
+# ---------------------------------------------------------------- TMA-store epilogue
+# Per-expert row bound for the output (the wrap-around trick of the ragged-K wgrad loads,
+# see ``sm90_expert_bwd``): the [M, N] output (row stride s) is seen as (R, N, X, X) with
+# strides (s, 1, 2^34 - s, s). Rows ``row0 .. row0 + tile_m`` of an expert ending at row
+# ``hi`` are addressed at row coordinate ``R - hi + row0`` and extra coordinates (R, hi):
+# address (row0 + r) s + 2^64 (mod 2^64: row row0 + r), in bounds iff row0 + r < hi, so
+# the TMA unit drops every row past the expert (the next expert's rows, or past M).
+_RAGGED = 2 ** 30
+_EXTRA = 2 ** 31 - 1
+_WRAP = 2 ** 34
+
+
+def _ragged_rows(t: cute.Tensor) -> cute.Tensor:
+    """(M, N) tensor with strides (s, 1) -> (R, N, X, X) row-bounded view (see above)."""
+    s = cutlass.Int64(t.stride[0])
+    layout = cute.make_layout((_RAGGED, t.shape[1], _EXTRA, _EXTRA), stride=(s, 1, cutlass.Int64(_WRAP) - s, s))
+    return cute.make_tensor(t.iterator, layout)
+
+
+def _ragged_gu(t: cute.Tensor) -> cute.Tensor:
+    """(M, 2, I) tensor with strides (s, s1, 1) -> (R, I, 2, X, X) row-bounded view."""
+    s = cutlass.Int64(t.stride[0])
+    layout = cute.make_layout((_RAGGED, t.shape[2], 2, _EXTRA, _EXTRA),
+                              stride=(s, 1, cutlass.Int64(t.stride[1]), cutlass.Int64(_WRAP) - s, s))
+    return cute.make_tensor(t.iterator, layout)
+
+
+@cute.jit
+def _expert_rows(coord: cute.Tensor, row0: Int32, hi: Int32) -> cute.Tensor:
+    """(rows, N) TMA coordinates starting at row ``row0`` with rows ``>= hi`` out of bounds
+    (``coord``: a :func:`_ragged_rows` coordinate tensor)."""
+    return _bounded(coord[(None, None, _RAGGED, hi)], row0, hi)
+
+
+@cute.jit
+def _bounded(coord_rn: cute.Tensor, row0: Int32, hi: Int32) -> cute.Tensor:
+    """Shift the (R, N) mode pair of a ragged coordinate tensor, already sliced at extra
+    coordinates (R, hi), so that its row 0 is global row ``row0``."""
+    return cute.domain_offset((_RAGGED - hi + row0, 0), coord_rn)
+
+
+def make_tma_store(mOut: cute.Tensor, tile_m: int, tile_n: int):
+    """TMA store atom and coordinate tensor of a (rows, N, ...) BF16 output from the staged
+    (tile_m, tile_n) shared tile (:func:`epi_smem_layout`)."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOut,
+                                       epi_smem_layout(cutlass.BFloat16, tile_m, tile_n), (tile_m, tile_n))
+
+
+@cute.jit
+def _store_warp(tid: Int32):
+    """The consumer warp that issues, commits and waits for the TMA stores (bulk groups are
+    per thread, so it must always be the same one)."""
+    return tid // 32 == 0
+
+
+@cute.jit
+def tma_store_tile(thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, atom_c: cute.CopyAtom,
+                   gC: cute.Tensor):
+    """Stage the BF16 tile in ``sC`` and store it to the (tile_m, tile_n) TMA coordinates ``gC``
+    asynchronously; returns as soon as the store is issued.
+
+    Before writing ``sC`` the store warp waits until the previous tile's store has finished
+    READING it (``cp.async.bulk.wait_group.read 0``; by then a whole mainloop has run, so
+    this rarely blocks); after writing, every thread fences its generic-proxy shared writes
+    against the async proxy, and after the barrier one warp issues the store and commits it.
+    """
+    if _store_warp(tid):
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+    consumer_barrier()
+    acc_to_smem(thr_mma, acc, sC)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    consumer_barrier()
+    if _store_warp(tid):
+        _tma_store(atom_c, sC, gC)
+        cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def _tma_store(atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cute.Tensor):
+    """Issue the TMA store of a whole shared tile to its coordinate tile (store warp; no commit)."""
+    tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
+                                     cute.group_modes(g_tile, 0, 2))
+    cute.copy(atom, tSs, tGg)
+
+
+@cute.jit
+def tma_store_drain(tid: Int32):
+    """After the last tile: wait for this CTA's outstanding TMA stores."""
+    if _store_warp(tid):
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
 class SwigluEpilogue(_StagedEpilogue):
     """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, for intermediate columns
     ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped)."""
@@ -171,6 +277,57 @@ class SwigluEpilogue(_StagedEpilogue):
         rh.store(g.load().to(cutlass.BFloat16))
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
         _store_rows(copy, tid, rh, coords, h_tile, rows)
+
+    @cute.jit
+    def _h(self, rg: cute.Tensor, ru: cute.Tensor, limit: Float32):
+        """h = silu(g) * u (optionally clamped) in FP32 from BF16 register vectors, as BF16."""
+        g = cute.make_rmem_tensor_like(rg, Float32)
+        u = cute.make_rmem_tensor_like(ru, Float32)
+        g.store(rg.load().to(Float32))
+        u.store(ru.load().to(Float32))
+        for i in cutlass.range_constexpr(cute.size(g)):
+            gi = g[i]
+            ui = u[i]
+            if cutlass.const_expr(self.clamp):
+                gi = cutlass.min(gi, limit)
+                ui = cutlass.max(cutlass.min(ui, limit), -limit)
+            g[i] = gi / (Float32(1.0) + cute.math.exp(-gi)) * ui
+        rh = cute.make_rmem_tensor_like(rg)
+        rh.store(g.load().to(cutlass.BFloat16))
+        return rh
+
+    @cute.jit
+    def run_tma(self, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, atom_gu: cute.CopyAtom,
+                gGate: cute.Tensor, gUp: cute.Tensor, atom_h: cute.CopyAtom, gH: cute.Tensor, limit: Float32):
+        """TMA-store variant (``cfg.tma_store``): the gate and up halves of the staged tile go
+        to gu by two TMA stores; h is computed from them, written over the gate half once
+        the gu stores have read it, and stored by a third (all row-bounded per expert)."""
+        shape = (self.tile_m, self.half)
+        s_gate = cute.local_tile(sC, shape, (0, 0))
+        s_up = cute.local_tile(sC, shape, (0, 1))
+        if _store_warp(tid):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous tile's h store
+        consumer_barrier()
+        acc_to_smem(thr_mma, acc, sC)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumer_barrier()
+        if _store_warp(tid):
+            _tma_store(atom_gu, s_gate, gGate)
+            _tma_store(atom_gu, s_up, gUp)
+            cute.arch.cp_async_bulk_commit_group()
+        copy = _row_copy(self.half)
+        rg, _ = _load_rows(copy, tid, s_gate)
+        ru, _ = _load_rows(copy, tid, s_up)
+        rh = self._h(rg, ru, limit)
+        if _store_warp(tid):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the gu stores have read the tile
+        consumer_barrier()
+        cute.copy(copy, rh, copy.get_slice(tid).partition_D(s_gate))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumer_barrier()
+        if _store_warp(tid):
+            _tma_store(atom_h, s_gate, gH)
+            cute.arch.cp_async_bulk_commit_group()
 
 
 class DSwigluEpilogue:
@@ -296,6 +453,7 @@ class GroupedGemmSm90:
             self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
     def _nkl(self, mB: cute.Tensor) -> cute.Tensor:
@@ -312,6 +470,13 @@ class GroupedGemmSm90:
         atom_b2, coord_b2 = None, None
         if cutlass.const_expr(self.split_b or self.stack_n):
             _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nkl(mB2), b_half=self.stack_n)
+        atom_c, coord_c = None, None
+        atom_h, coord_h = None, None
+        if cutlass.const_expr(self.tma_store and self.stack_n):  # gu [M, 2, I] and h [M, I]
+            atom_c, coord_c = make_tma_store(_ragged_gu(mOut0), self.cfg.tile_m, self.cfg.tile_n // 2)
+            atom_h, coord_h = make_tma_store(_ragged_rows(mOut1), self.cfg.tile_m, self.cfg.tile_n // 2)
+        elif cutlass.const_expr(self.tma_store):
+            atom_c, coord_c = make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n)
 
         @cute.struct
         class SharedStorage:
@@ -321,14 +486,16 @@ class GroupedGemmSm90:
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, limit).launch(
+        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, limit,
+                    atom_c, coord_c, atom_h, coord_h).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom,
                coord_b: cute.Tensor, atom_b2: cute.CopyAtom, coord_b2: cute.Tensor, mOffsets: cute.Tensor,
-               mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
+               mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, atom_c: cute.CopyAtom,
+               coord_c: cute.Tensor, atom_h: cute.CopyAtom, coord_h: cute.Tensor):
         cfg = self.cfg
         self.mainloop.setup()
         tidx, _, _ = cute.arch.thread_idx()
@@ -338,6 +505,10 @@ class GroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
             if cutlass.const_expr(self.split_b or self.stack_n):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom_b2)
+            if cutlass.const_expr(self.tma_store):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom_c)
+                if cutlass.const_expr(self.stack_n):
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom_h)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
@@ -390,9 +561,26 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
-                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
+                if cutlass.const_expr(self.tma_store and self.stack_n):
+                    hi = row0 + rows
+                    half = (cfg.tile_m, cfg.tile_n // 2)
+                    g_gate = cute.local_tile(_bounded(coord_c[(None, None, 0, _RAGGED, hi)], row0, hi), half,
+                                             (0, n_tile))
+                    g_up = cute.local_tile(_bounded(coord_c[(None, None, 1, _RAGGED, hi)], row0, hi), half,
+                                           (0, n_tile))
+                    g_h = cute.local_tile(_expert_rows(coord_h, row0, hi), half, (0, n_tile))
+                    self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit)
+                elif cutlass.const_expr(self.tma_store):
+                    gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
+                                         (0, n_tile))
+                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+                else:
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
+                                 limit)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+            if cutlass.const_expr(self.tma_store):
+                tma_store_drain(tid)
 
 
 # ---------------------------------------------------------------- compile
@@ -451,6 +639,29 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_CONFIG = MainloopConfig()
 _sm_count: dict[int, int] = {}
+# Process-wide opt-in for the (not yet device-verified) TMA-store epilogues: while on, every
+# launch whose config has ``tma_store=False`` runs with ``tma_store=True`` instead (so callers
+# that use the default config, e.g. the sm90 backend, can be compared in one process).
+# Initial value from ``MOK_CUTE_SM90_TMA_STORE=1``; see :func:`set_tma_store`.
+_tma_store_all = os.environ.get("MOK_CUTE_SM90_TMA_STORE", "0") == "1"
+_with_tma: dict[MainloopConfig, MainloopConfig] = {}
+
+
+def set_tma_store(on: bool) -> bool:
+    """Turn the process-wide TMA-store override on or off; returns the previous setting."""
+    global _tma_store_all
+    prev, _tma_store_all = _tma_store_all, bool(on)
+    return prev
+
+
+def effective_config(cfg: MainloopConfig) -> MainloopConfig:
+    """``cfg``, or ``cfg`` with ``tma_store=True`` while the process-wide override is on."""
+    if not _tma_store_all or cfg.tma_store:
+        return cfg
+    out = _with_tma.get(cfg)
+    if out is None:
+        out = _with_tma[cfg] = dataclasses.replace(cfg, tma_store=True)
+    return out
 
 
 def interleave_gate_up(w_gate, w_up, tile_n: int = DEFAULT_CONFIG.tile_n):
@@ -561,6 +772,8 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
+    if epilogue != "dswiglu":  # dswiglu has no TMA-store variant (masked stores)
+        cfg = effective_config(cfg)
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     launcher = compile_cached(
         ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),

@@ -58,6 +58,10 @@ class MainloopConfig:
     picks as many ring buffers as fit beside the epilogue's shared memory.
     ``cluster_mn`` is carried for later multicast work; only (1, 1) is implemented.
     ``ab_dtype`` is the operand type (``cutlass.BFloat16``; FP8 e4m3 later).
+    ``tma_store`` (opt-in, not yet device-verified): epilogues that support it (``plain``,
+    wgrad) store the staged tile with one asynchronous TMA store (``cp.async.bulk.tensor``)
+    instead of row-masked 16-byte stores, and wait for it only before the staging buffer
+    is reused by the next tile (other epilogues ignore it).
     """
 
     tile_m: int = 128
@@ -67,6 +71,7 @@ class MainloopConfig:
     cluster_mn: tuple[int, int] = (1, 1)
     ab_dtype: type = cutlass.BFloat16
     acc_dtype: type = cutlass.Float32
+    tma_store: bool = False
 
     def validate(self) -> None:
         if self.tile_m != 128:
@@ -91,7 +96,7 @@ class MainloopConfig:
 
     def key(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, tuple(self.cluster_mn),
-                self.ab_dtype.__name__, self.acc_dtype.__name__)
+                self.ab_dtype.__name__, self.acc_dtype.__name__) + (("tma_store",) if self.tma_store else ())
 
 
 class Sm90Mainloop:

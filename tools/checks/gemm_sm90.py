@@ -12,6 +12,10 @@ that an expert's K tail never reads the next expert's rows (a NaN planted in the
 of one expert must not reach any other expert). Then one big shape (8 experts x 4096
 rows, H=7168, I=2048) is timed per kernel (TFLOP/s in the note) and the compile cache is
 checked to grow only per kernel variant, never per token count.
+Outputs are heads of larger buffers whose tails hold a sentinel that must survive (no write
+past the last row). The opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``:
+plain, swiglu, dgrad1, wgrad) gets the same correctness rows (tagged ``[tma_store]``), and
+``tma_store ...`` timing rows beside the default ones (``x`` = default time / TMA time).
 """
 from __future__ import annotations
 
@@ -89,24 +93,53 @@ def _poisoned(*shapes, device):
     return [torch.full(s, float("nan"), dtype=torch.bfloat16, device=device) for s in shapes]
 
 
-def _check_plain(gg, ref, dev, gen, routing, offs_dtype):
+SENTINEL = 12352.0  # exact in bf16
+
+
+def _guarded_out(shape, device, pad=128):
+    """A NaN-poisoned output that is the head of a larger buffer whose tail (``pad`` more
+    entries of dim 0 past the end) holds SENTINEL: returns (out, tail); the tail must survive
+    any launch (a TMA store whose row bound failed would write past the last expert's rows)."""
+    big = torch.full((shape[0] + pad, *shape[1:]), SENTINEL, dtype=torch.bfloat16, device=device)
+    out = big[:shape[0]]
+    out.fill_(float("nan"))
+    return out, big[shape[0]:]
+
+
+def _tail_ok(tails) -> bool:
+    return all(bool((t == SENTINEL).all()) for t in tails)
+
+
+def _tag(cfg) -> str:
+    return " [tma_store]" if cfg is not None and cfg.tma_store else ""
+
+
+def _kw(cfg) -> dict:
+    return {} if cfg is None else {"cfg": cfg}
+
+
+def _check_plain(gg, ref, dev, gen, routing, offs_dtype, cfg=None):
     counts = _counts(routing, 3000, gen)
     m = sum(counts)
     offs = _offsets(counts, dev, offs_dtype)
     a = torch.randn(m, INTER, device=dev).bfloat16()
     w = (torch.randn(E, H, INTER, device=dev) * INTER ** -0.5).bfloat16()
     want = ref.grouped_gemm(a, offs, w)
-    outs = []
+    outs, tails = [], []
     for _ in range(REPEATS):
-        (out,) = _poisoned((m, H), device=dev)
-        outs.append(gg.grouped_gemm(a, offs, w, out=out))
+        out, tail = _guarded_out((m, H), dev)
+        tails.append(tail)
+        outs.append(gg.grouped_gemm(a, offs, w, out=out, **_kw(cfg)))
     torch.cuda.synchronize()
     same = all(torch.equal(outs[0], o) for o in outs[1:])
-    return _row(f"plain {routing} {offs_dtype}".replace("torch.", ""), [outs[0]], [want], same,
-                f"M={m} counts={counts}")
+    tail_ok = _tail_ok(tails)
+    row = _row(f"plain {routing} {offs_dtype}{_tag(cfg)}".replace("torch.", ""), [outs[0]], [want], same,
+               f"M={m} counts={counts} rows_past_M_untouched={tail_ok}")
+    row.ok = row.ok and tail_ok
+    return row
 
 
-def _check_swiglu(gg, ref, dev, gen, routing, limit):
+def _check_swiglu(gg, ref, dev, gen, routing, limit, cfg=None):
     counts = _counts(routing, 3000, gen)
     m = sum(counts)
     offs = _offsets(counts, dev)
@@ -114,19 +147,24 @@ def _check_swiglu(gg, ref, dev, gen, routing, limit):
     wg = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
     wu = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
     gu_ref, h_ref = ref.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
-    results = []
+    results, tails = [], []
     for _ in range(REPEATS):
-        out = tuple(_poisoned((m, 2 * INTER), (m, INTER), device=dev))
-        results.append(gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit, out=out))
+        (gu_o, gu_t), (h_o, h_t) = _guarded_out((m, 2 * INTER), dev), _guarded_out((m, INTER), dev)
+        tails += [gu_t, h_t]
+        results.append(gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit, out=(gu_o, h_o), **_kw(cfg)))
     torch.cuda.synchronize()
+    tail_ok = _tail_ok(tails)
     same = all(torch.equal(results[0][0], gu) and torch.equal(results[0][1], h) for gu, h in results[1:])
     gu, h = results[0]
     # h from the kernel's own gu isolates the epilogue math from GEMM rounding differences
     h_own = ref.swiglu(gu[:, :INTER].float(), gu[:, INTER:].float(), limit).bfloat16()
     _, rel_own, _ = _errors(h, h_own)
     rels = [f"{n} relL1={_errors(o, r)[1]:.1e}" for n, o, r in (("gu", gu, gu_ref), ("h", h, h_ref))]
-    return _row(f"swiglu {routing} L={limit}", [gu, h], [gu_ref, h_ref], same,
-                f"{' '.join(rels)} h-vs-own-gu relL1={rel_own:.1e} M={m}", names=["gu", "h"])
+    row = _row(f"swiglu {routing} L={limit}{_tag(cfg)}", [gu, h], [gu_ref, h_ref], same,
+               f"{' '.join(rels)} h-vs-own-gu relL1={rel_own:.1e} M={m} rows_past_M_untouched={tail_ok}",
+               names=["gu", "h"])
+    row.ok = row.ok and tail_ok
+    return row
 
 
 def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
@@ -146,7 +184,7 @@ def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
     return _row(f"dswiglu dgrad {routing} L={limit}", [outs[0]], [want], same, f"M={m}")
 
 
-def _check_dgrad1(bwd, ref, dev, gen, routing):
+def _check_dgrad1(bwd, ref, dev, gen, routing, cfg=None):
     counts = _counts(routing, 3000, gen)
     m = sum(counts)
     offs = _offsets(counts, dev)
@@ -155,36 +193,47 @@ def _check_dgrad1(bwd, ref, dev, gen, routing):
     wg, wu = w_gu[:, :INTER], w_gu[:, INTER:]  # two halves of one stacked tensor
     wg2, wu2 = wg.contiguous(), wu.contiguous()  # and two separate tensors
     want = ref.grouped_dgrad1(dgu, offs, wg2, wu2)
-    outs = []
+    outs, tails = [], []
     for i in range(REPEATS):
-        (out,) = _poisoned((m, H), device=dev)
-        outs.append(bwd.grouped_dgrad1(dgu, offs, *((wg, wu) if i % 2 else (wg2, wu2)), out=out))
+        out, tail = _guarded_out((m, H), dev)
+        tails.append(tail)
+        outs.append(bwd.grouped_dgrad1(dgu, offs, *((wg, wu) if i % 2 else (wg2, wu2)), out=out, **_kw(cfg)))
     torch.cuda.synchronize()
     same = all(torch.equal(outs[0], o) for o in outs[1:])
-    return _row(f"dgrad1 {routing}", [outs[0]], [want], same, f"M={m} (stacked and separate weights)")
+    tail_ok = _tail_ok(tails)
+    row = _row(f"dgrad1 {routing}{_tag(cfg)}", [outs[0]], [want], same,
+               f"M={m} (stacked and separate weights) rows_past_M_untouched={tail_ok}")
+    row.ok = row.ok and tail_ok
+    return row
 
 
-def _check_wgrad(bwd, ref, dev, gen, routing, sliced):
+def _check_wgrad(bwd, ref, dev, gen, routing, sliced, cfg=None, na=None):
     counts = _counts(routing, 3000, gen)
     m = sum(counts)
     offs = _offsets(counts, dev)
-    if sliced:  # dWg = wgrad(dgu[:, :I], x): A is a column slice with row stride 2I
+    if na is not None:  # Na not a multiple of tile_m: the last m-tile of each expert is partial
+        a, b, name = torch.randn(m, na, device=dev).bfloat16(), torch.randn(m, INTER, device=dev).bfloat16(), \
+            f"wgrad Na={na}"
+    elif sliced:  # dWg = wgrad(dgu[:, :I], x): A is a column slice with row stride 2I
         dgu = torch.randn(m, 2 * INTER, device=dev).bfloat16()
         a, b, name = dgu[:, :INTER], torch.randn(m, H, device=dev).bfloat16(), "wgrad dWg-like (slice)"
     else:  # dWd = wgrad(dy, h)
         a, b, name = torch.randn(m, H, device=dev).bfloat16(), torch.randn(m, INTER, device=dev).bfloat16(), \
             "wgrad dWd-like"
     want = ref.grouped_wgrad(a, b, offs)
-    outs = []
+    outs, tails = [], []
     for _ in range(REPEATS):
-        (out,) = _poisoned((E, a.shape[1], b.shape[1]), device=dev)
-        outs.append(bwd.grouped_wgrad(a, b, offs, out=out))
+        out, tail = _guarded_out((E, a.shape[1], b.shape[1]), dev, pad=1)
+        tails.append(tail)
+        outs.append(bwd.grouped_wgrad(a, b, offs, out=out, **_kw(cfg)))
     torch.cuda.synchronize()
     same = all(torch.equal(outs[0], o) for o in outs[1:])
     empty = [e for e, c in enumerate(counts) if c == 0]
     zeros_ok = all(bool((outs[0][e] == 0).all()) for e in empty)
-    row = _row(f"{name} {routing}", [outs[0]], [want], same, f"M={m} empty={empty} zeros_ok={zeros_ok}")
-    row.ok = row.ok and zeros_ok
+    tail_ok = _tail_ok(tails)
+    row = _row(f"{name} {routing}{_tag(cfg)}", [outs[0]], [want], same,
+               f"M={m} empty={empty} zeros_ok={zeros_ok} past_end_untouched={tail_ok}")
+    row.ok = row.ok and zeros_ok and tail_ok
     return row
 
 
@@ -307,6 +356,33 @@ def _bench(gg, bwd, dev):
     ]:
         t = bench_us(fn)
         rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s ({e}x{rows} rows, H={hid}, I={inter})"))
+    # the opt-in TMA-store epilogue, same shapes, right after the default rows above
+    tma, tma128 = gg.MainloopConfig(tma_store=True), gg.MainloopConfig(tile_n=128, tma_store=True)
+    base = {r.name: r.time_us for r in rows_out}
+    for name, ref_name, fn, flops in [
+        ("tma_store gemm1 mainloop (plain, w_gu)", "bench gemm1 mainloop (plain, w_gu)",
+         lambda: gg.grouped_gemm(x, offs, w1, cfg=tma), flops1),
+        ("tma_store gemm1+swiglu L=4", "bench gemm1+swiglu L=4",
+         lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0, cfg=tma), flops1),
+        ("tma_store gemm2 plain", "bench gemm2 plain", lambda: gg.grouped_gemm(h, offs, wd, cfg=tma), flops2),
+        ("tma_store dgrad1 (K=2I, split B)", "bench dgrad1 (K=2I, split B)",
+         lambda: bwd.grouped_dgrad1(dgu, offs, wg, wu, cfg=tma), flops1),
+        ("tma_store wgrad dWd = wgrad(dy, h)", "bench wgrad dWd = wgrad(dy, h)",
+         lambda: bwd.grouped_wgrad(dy, h, offs, cfg=tma), flops2),
+        ("tma_store wgrad dWg = wgrad(dgu[:, :I], x)", "bench wgrad dWg = wgrad(dgu[:, :I], x)",
+         lambda: bwd.grouped_wgrad(dgu[:, :inter], x, offs, cfg=tma), flops2),
+        ("tma_store gemm1 plain tile_n=128", "variant gemm1 plain tile_n=128",
+         lambda: gg.grouped_gemm(x, offs, w1, cfg=tma128), flops1),
+        ("tma_store gemm2 plain tile_n=128", "variant gemm2 plain tile_n=128",
+         lambda: gg.grouped_gemm(h, offs, wd, cfg=tma128), flops2),
+    ]:
+        try:
+            t = bench_us(fn)
+        except Exception as exc:  # noqa: BLE001 (opt-in variant: report, keep going)
+            rows_out.append(Row(f"{name}: crashed", ok=False, note=f"{type(exc).__name__}: {exc}"[:160]))
+            continue
+        rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s, x{base[ref_name] / t:.3f} vs "
+                                                   f"default ({e}x{rows} rows, H={hid}, I={inter})"))
     return rows_out
 
 
@@ -334,6 +410,19 @@ def run(ctx) -> list[Row]:
         for sliced in (False, True):
             rows.append(_guarded("wgrad", _check_wgrad, bwd, ref, dev, gen, routing, sliced))
     rows.append(_guarded("wgrad isolation", _check_wgrad_isolation, bwd, dev))
+    rows.append(_guarded("wgrad Na=200", _check_wgrad, bwd, ref, dev, gen, "skewed", False, None, 200))
+    # opt-in TMA-store epilogues (plain: GEMM2 / dgrad1, swiglu, wgrad), same checks
+    tma = gg.MainloopConfig(tma_store=True)
+    for routing in ("uniform", "skewed"):
+        rows.append(_guarded("plain [tma_store]", _check_plain, gg, ref, dev, gen, routing, torch.int32, tma))
+        for limit in (None, 4.0):
+            rows.append(_guarded("swiglu [tma_store]", _check_swiglu, gg, ref, dev, gen, routing, limit, tma))
+        rows.append(_guarded("dgrad1 [tma_store]", _check_dgrad1, bwd, ref, dev, gen, routing, tma))
+        for sliced in (False, True):
+            rows.append(_guarded("wgrad [tma_store]", _check_wgrad, bwd, ref, dev, gen, routing, sliced, tma))
+    rows.append(_guarded("plain [tma_store]", _check_plain, gg, ref, dev, gen, "skewed", torch.int64,
+                         gg.MainloopConfig(tile_n=128, tma_store=True)))
+    rows.append(_guarded("wgrad Na=200 [tma_store]", _check_wgrad, bwd, ref, dev, gen, "skewed", False, tma, 200))
     compiles = cache_stats()["compiles"]
     rows.append(_check_swiglu(gg, ref, dev, gen, "skewed", 1.5))  # new counts, new limit
     rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 1.5))
