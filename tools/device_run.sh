@@ -15,9 +15,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     MOK_COMM_QUICK=1 timeout 120 torchrun --nproc_per_node=2 tools/gpu_check.py comm > "$out/comm.log" 2>&1
     echo "comm rc=$?" >> "$out/summary.txt"
 fi
-timeout 240 python3 tools/bench_expert_mlp.py > "$out/bench.log" 2>&1
+timeout 260 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/summary.txt"
 grep -A200 "== gpu_check" "$out/check.log" | grep -v "^\s*$"
 [ -f "$out/comm.log" ] && grep -A40 "== gpu_check" "$out/comm.log" | head -30
-tail -16 "$out/bench.log"
+tail -24 "$out/bench.log"
 cat "$out/summary.txt"
