@@ -4,6 +4,7 @@
 # Runs the device checks, the quickstart, the 2-GPU comm check (when 2 GPUs are present),
 # and the expert-MLP benchmark; logs go to $OUT (or /tmp/mok-out); the summary prints last.
 set -u
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
 checks=${*:-quantize gemm_sm90 gemm_fp8 layer_sm90}
