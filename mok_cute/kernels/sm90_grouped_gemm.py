@@ -15,9 +15,9 @@ epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
 (they belong to the next expert or are TMA zero fill) but never written: every store is
 row-masked (16-byte vectors).
 
-Opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``, or process-wide with
-:func:`set_tma_store` / ``MOK_CUTE_SM90_TMA_STORE=1``; part of the compile key; not yet
-device-verified, off by default): ``plain`` and ``swiglu`` stage the BF16 tile in shared
+TMA-store epilogue (``MainloopConfig(tma_store=True)``; process-wide through
+:func:`set_tma_store`, on by default, ``MOK_CUTE_SM90_TMA_STORE=0`` turns it off; part of the
+compile key; verified on an H200, +3% on the expert MLP fwd+bwd): ``plain`` and ``swiglu`` stage the BF16 tile in shared
 memory as before, then one consumer warp issues ``cp.async.bulk.tensor`` stores (after a
 ``fence.proxy.async.shared::cta`` and a consumer barrier) and commits them as a bulk group;
 the consumers go straight back to the next tile's MMA and wait
@@ -643,7 +643,7 @@ _sm_count: dict[int, int] = {}
 # launch whose config has ``tma_store=False`` runs with ``tma_store=True`` instead (so callers
 # that use the default config, e.g. the sm90 backend, can be compared in one process).
 # Initial value from ``MOK_CUTE_SM90_TMA_STORE=1``; see :func:`set_tma_store`.
-_tma_store_all = os.environ.get("MOK_CUTE_SM90_TMA_STORE", "0") == "1"
+_tma_store_all = os.environ.get("MOK_CUTE_SM90_TMA_STORE", "1") == "1"
 _with_tma: dict[MainloopConfig, MainloopConfig] = {}
 
 
