@@ -113,3 +113,27 @@ def test_pull_reduce_compiles(arch, has_w, has_start):
 def test_push_reduce_halves_compile(phase):
     _, rep = compile_push_reduce("sm_90a", True, True, inspect=True, phase=phase)
     assert rep.total_spill_bytes == 0 and rep.has("st.release.sys")
+
+
+@pytest.mark.parametrize("has_w,has_start,phase", [(True, True, 3), (False, False, 3), (True, False, 1),
+                                                   (False, True, 2)])
+def test_push_reduce_kernel_shape(has_w, has_start, phase):
+    """The launched kernel takes only int64/int32/bf16 pointers and scalars (weights as int32
+    bits, no Constexpr parameters), fits 64 registers at 1024 threads, 16-byte vectors."""
+    _, rep = compile_push_reduce("sm_90a", has_w, has_start, inspect=True, phase=phase)
+    assert rep.registers and all("ptrf32" not in name for name in rep.registers)
+    assert rep.max_registers <= 64 and rep.total_spill_bytes == 0
+    assert rep.has(".reqntid 1024, 1, 1") and rep.has("st.global.v4")
+
+
+def test_pull_reduce_kernel_shape():
+    from mok_cute.comm.combine import compile_pull_reduce
+
+    _, rep = compile_pull_reduce("sm_90a", True, True, inspect=True)
+    assert rep.registers and all("ptrf32" not in name for name in rep.registers)
+    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+
+
+def test_pull_kernel_registers():
+    _, rep = compile_pull("sm_90a", inspect=True)
+    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")

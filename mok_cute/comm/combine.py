@@ -54,18 +54,18 @@ def add_rn(a: Float32, b: Float32) -> Float32:
 @cute.jit
 def _reduce_tokens(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
                    dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
-                   start: cute.Pointer, out: cute.Pointer, slots: cute.Tensor, eo_rows: Int32,
+                   start: cute.Pointer, out: cute.Pointer, slots_base: Int64, eo_rows: Int32,
                    ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32, eo_off: Int64, epoch: Int32,
                    nctas: Int32, has_w: Constexpr, has_start: Constexpr, pull: Constexpr):
     """Grid-stride over this rank's (token, vector) pairs: ``out[t] = bf16(start[t] + sum_j
     w[t, j] * slot_j)`` in slot order j with separate mul.rn/add.rn. Slot j of token t
-    (``dest_rank[t, j] >= 0``) is local ``slots[t*k + j]``, or (``pull``) row
-    ``dest_row[t, j]`` of rank ``dest_rank[t, j]``'s ``eo`` section ``[eo_rows, H]`` at
-    ``eo_off`` (out of range: OVERFLOW); ``tk = T*k``."""
+    (``dest_rank[t, j] >= 0``) is local slot ``t*k + j`` of the slot buffer at address
+    ``slots_base``, or (``pull``) row ``dest_row[t, j]`` of rank ``dest_rank[t, j]``'s ``eo``
+    section ``[eo_rows, H]`` at ``eo_off`` (out of range: OVERFLOW); ``tk = T*k``.
+    ``weights`` is the int32 view of the fp32 ``topk_w`` (read only with ``has_w``),
+    ``start`` is read only with ``has_start``, ``dest_row`` only with ``pull``. Slot and
+    peer addresses are computed in 64 bits."""
     dr = cute.make_tensor(dest_rank, cute.make_layout(tk))
-    dw = cute.make_tensor(dest_row, cute.make_layout(tk)) if cutlass.const_expr(pull) else None
-    wt = cute.make_tensor(weights, cute.make_layout(tk))
-    st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
     dst = cute.make_tensor(out, cute.make_layout((T * V, 8), stride=(8, 1)))
     acc = cute.make_rmem_tensor((8,), Float32)
     xf = cute.make_rmem_tensor((8,), Float32)
@@ -75,6 +75,7 @@ def _reduce_tokens(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Point
         t = i // V
         v = i - t * V
         if cutlass.const_expr(has_start):
+            st = cute.make_tensor(start, cute.make_layout((T * V, 8), stride=(8, 1)))
             acc.store(st[i, None].load().to(Float32))
         else:
             acc.fill(0.0)
@@ -83,25 +84,31 @@ def _reduce_tokens(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Point
             d = dr[r]
             if d >= 0:
                 if cutlass.const_expr(pull):
+                    dw = cute.make_tensor(dest_row, cute.make_layout(tk))
                     row = dw[r]
                     if d < ep and row >= 0 and row < eo_rows:
-                        src = cute.make_tensor(gptr(BFloat16, pb[d] + eo_off, 16),
-                                               cute.make_layout((eo_rows * V, 8), stride=(8, 1)))
-                        xf.store(src[row * V + v, None].load().to(Float32))
-                        _accumulate(acc, xf, wt, r, has_w)
+                        addr = pb[d] + eo_off + (Int64(row) * Int64(V) + Int64(v)) * 16
+                        src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                        xf.store(src.load().to(Float32))
+                        _accumulate(acc, xf, weights, r, tk, has_w)
                     else:
                         P.report(status, Int32(P.OVERFLOW), row, Int32(P.DATA), epoch)
                 else:
-                    xf.store(slots[r * V + v, None].load().to(Float32))
-                    _accumulate(acc, xf, wt, r, has_w)
+                    addr = slots_base + (Int64(r) * Int64(V) + Int64(v)) * 16
+                    src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                    xf.store(src.load().to(Float32))
+                    _accumulate(acc, xf, weights, r, tk, has_w)
         dst[i, None].store(acc.load().to(BFloat16))
         i += nctas * THREADS
 
 
 @cute.jit
-def _accumulate(acc: cute.Tensor, xf: cute.Tensor, wt: cute.Tensor, r: Int32, has_w: Constexpr):
-    """``acc += wt[r] * xf`` (``acc += xf`` without weights), element by element."""
+def _accumulate(acc: cute.Tensor, xf: cute.Tensor, weights: cute.Pointer, r: Int32, tk: Int32,
+                has_w: Constexpr):
+    """``acc += w[r] * xf`` (``acc += xf`` without weights), element by element; ``weights``
+    is the int32 view of fp32 ``topk_w``, bit-cast back to fp32 here."""
     if cutlass.const_expr(has_w):
+        wt = cute.make_tensor(cute.recast_ptr(weights, dtype=Float32), cute.make_layout(tk))
         w = wt[r]
         for e in cutlass.range_constexpr(8):
             acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
@@ -110,45 +117,29 @@ def _accumulate(acc: cute.Tensor, xf: cute.Tensor, wt: cute.Tensor, r: Int32, ha
             acc[e] = add_rn(acc[e], xf[e])
 
 
-@cute.kernel
-def _push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                        recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
-                        in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
-                        start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
-                        k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
-                        epoch: Int32, timeout_ns: Int64, nctas: Int32,
-                        has_w: Constexpr, has_start: Constexpr, phase: Constexpr = 3):
-    # phase (debugging aid): 1 = push half only, 2 = reduce half only, 3 = both
-    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-    if cutlass.const_expr(phase & 1):
-        _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
-                   e_local, slots_off, flags_off, epoch, timeout_ns, nctas, phase)
-    if cutlass.const_expr(phase & 2):
-        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
-                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
-
-
 @cute.jit
 def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
                me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
                slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32,
-               phase: Constexpr):
+               resets: Constexpr):
+    """Wait FREE >= epoch-1, push the grouped rows into the source ranks' slot buffers, and
+    arrive on ``counters[0]`` (the last CTA zeroes the first ``resets`` counters, then
+    signals DATA = epoch). Plan memory (offsets, recv_src) is local and complete before
+    the launch (same stream), so reading it does not depend on the wait."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    flags_local = pb[me] + flags_off
-    tk = T * k
     if tidx == 0:
-        P.wait_all(flags_local, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
+        P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
     cute.arch.barrier()
-    # push: grouped rows -> source ranks' slot buffers
     if not P.failed(status):
-        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, tk, V,
-                         e_local, slots_off, Int32(P.DATA), epoch, nctas, True, PUSH_STORE == "b32")
+        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
+                         V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
+                         PUSH_STORE == "b32")
     cute.arch.barrier()
-    if tidx == 0:  # launched alone (phase 1) it resets its counter, else the reduce half does
-        P.arrive_and_signal(pb, status, counters, counters, int(phase == 1), flags_off,
-                            Int32(P.DATA), me, ep, epoch, nctas)
+    if tidx == 0:
+        P.arrive_and_signal(pb, status, counters, counters, resets, flags_off, Int32(P.DATA), me,
+                            ep, epoch, nctas)
 
 
 @cute.jit
@@ -157,38 +148,73 @@ def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                  out: cute.Pointer, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                  slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
                  nctas: Int32, has_w: Constexpr, has_start: Constexpr):
+    """Wait DATA >= epoch, reduce the local slots (their address is only dereferenced after
+    the acquire + CTA barrier), arrive on ``counters[1]``; the last CTA zeroes counters 0
+    and 1 and signals FREE = epoch."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    flags_local = pb[me] + flags_off
-    tk = T * k
     if tidx == 0:
-        P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
+        P.wait_all(pb[me] + flags_off, Int32(P.DATA), ep, epoch, timeout_ns, status)
     cute.arch.barrier()
-    # reduce: fixed slot order per token
     if not P.failed(status):
-        slots = cute.make_tensor(gptr(BFloat16, flags_local - flags_off + slots_off, 16),
-                                 cute.make_layout((tk * V, 8), stride=(8, 1)))
-        _reduce_tokens(tidx, bidx, pb, status, dest_rank, None, weights, start, out, slots, Int32(0),
-                       ep, T, k, tk, V, Int64(0), epoch, nctas, has_w, has_start, False)
+        _reduce_tokens(tidx, bidx, pb, status, dest_rank, dest_rank, weights, start, out,
+                       pb[me] + slots_off, Int32(0), ep, T, k, T * k, V, Int64(0), epoch, nctas,
+                       has_w, has_start, False)
     cute.arch.barrier()
     if tidx == 0:
         P.arrive_and_signal(pb, status, counters + 1, counters, 2, flags_off, Int32(P.FREE), me, ep,
                             epoch, nctas)
 
 
-@cute.jit
-def push_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                     recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
-                     in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
-                     start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
-                     k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
-                     epoch: Int32, timeout_ns: Int64, nctas: Int32, stream,
-                     has_w: Constexpr, has_start: Constexpr, phase: Constexpr = 3):
-    """Launch the push-and-reduce kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
-    _push_reduce_kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank,
-                        weights, start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch,
-                        timeout_ns, nctas, has_w, has_start, phase).launch(
-        grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+_launchers: dict = {}
+
+
+def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
+    """The ``@cute.jit`` launcher of one push-and-reduce variant, built once per variant.
+
+    The variant (``has_w``, ``has_start``, ``phase``: 1 = push half only, 2 = reduce half
+    only, 3 = both) is fixed by Python closure at build time: the launched kernel has no
+    Constexpr parameters and the argument kinds of the pull
+    kernel (int64/int32/bf16 pointers, Int32/Int64 scalars). ``weights`` is passed as an
+    int32 pointer (the fp32 ``topk_w`` bits) and ``start`` is always a real buffer (the
+    workspace's zero ``dummy`` when absent: never read, never aliases ``out``)."""
+    key = ("push_reduce", bool(has_w), bool(has_start), int(phase))
+    if key in _launchers:
+        return _launchers[key]
+    has_w, has_start, phase = bool(has_w), bool(has_start), int(phase)
+    do_push, do_reduce = (phase & 1) != 0, (phase & 2) != 0
+    push_resets = 1 if phase == 1 else 0  # launched alone the push half resets its counter
+
+    @cute.kernel
+    def push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                           recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                           in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                           start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                           k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                           epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if cutlass.const_expr(do_push):
+            _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
+                       e_local, slots_off, flags_off, epoch, timeout_ns, nctas, push_resets)
+        if cutlass.const_expr(do_reduce):
+            _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
+                         slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+
+    kernel = push_reduce_kernel
+
+    @cute.jit
+    def push_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                         recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                         in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                         start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                         k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                         epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
+               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
+               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers[key] = host = push_reduce_host
+    return host
 
 
 def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False,
@@ -196,10 +222,18 @@ def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool =
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
     ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(push_reduce_host, _fake_ptr("i64"), i32, i32, i32, i32, bf, Int32(1),
-                          i32, _fake_ptr("f32"), bf, bf, Int32(0), Int32(1), Int32(1), Int32(1),
-                          Int32(1), Int32(1), Int64(0), Int64(0), Int32(1), Int64(1), Int32(1),
-                          fake_stream(), has_w, has_start, phase, arch=arch, inspect=inspect)
+    return compile_kernel(push_reduce_launcher(has_w, has_start, phase), _fake_ptr("i64"), i32,
+                          i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
+                          Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
+                          Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
+
+
+def _optional_inputs(ws: CommWorkspace, weights, start):
+    """Pointers for the optional inputs: fp32 ``topk_w`` as int32 bits, bf16 ``start``; the
+    workspace's zero ``dummy`` buffer (never read) when absent."""
+    w = dptr(weights if weights is not None else ws.dummy, Int32)
+    s = dptr(start if start is not None else ws.dummy, BFloat16)
+    return w, s
 
 
 def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas, name,
@@ -219,71 +253,78 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     in_rows = min(rows.shape[0], plan.recv_src.shape[0])
     epoch = ws.next_epoch("push")
+    w_ptr, s_ptr = _optional_inputs(ws, weights, start)
     for ph in phases:
         fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
                             lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])
-        fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:6]), dptr(plan.recv_src),
-           dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank),
-           dptr(weights if has_w else ws.status, Float32),
-           dptr(start if has_start else out), dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
-           Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["slots"]),
-           Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
-           current_stream())
+        fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["push"]), dptr(plan.recv_src),
+           dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank), w_ptr, s_ptr,
+           dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(ws.H // 8),
+           Int32(ws.E // ws.EP), Int64(ws.offsets["slots"]), Int64(ws.offsets["flags"]),
+           Int32(epoch), Int64(ws.timeout_ns), Int32(nctas), current_stream())
         if SPLIT_PHASES:
             torch.cuda.synchronize()
             print(f"[comm rank {ws.me}] push_reduce phase {ph} (epoch {epoch}): ok", flush=True)
     return out
 
 
-@cute.kernel
-def _pull_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                        dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
-                        start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32,
-                        ep: Int32, T: Int32, k: Int32, V: Int32, eo_off: Int64, flags_off: Int64,
-                        epoch: Int32, timeout_ns: Int64, nctas: Int32,
-                        has_w: Constexpr, has_start: Constexpr):
-    """Combine by pull: every expert rank staged its rows (plan order) in its symmetric
-    ``eo`` section and signalled DATA; this rank reads row ``dest_row[t, j]`` of rank
-    ``dest_rank[t, j]`` straight into the fixed-order sum, then signals FREE."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-    flags_local = pb[me] + flags_off
-    if tidx == 0:
-        if bidx == 0:
-            P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
-        P.wait_all(flags_local, Int32(P.DATA), ep, epoch, timeout_ns, status)
-    cute.arch.barrier()
-    if not P.failed(status):
-        _reduce_tokens(tidx, bidx, pb, status, dest_rank, dest_row, weights, start, out, None,
-                       eo_rows, ep, T, k, T * k, V, eo_off, epoch, nctas, has_w, has_start, True)
-    cute.arch.barrier()
-    if tidx == 0:
-        P.arrive_and_signal(pb, status, counters, counters, 1, flags_off, Int32(P.FREE), me, ep,
-                            epoch, nctas)
+def pull_reduce_launcher(has_w: bool, has_start: bool):
+    """The ``@cute.jit`` launcher of one pull-combine variant (closure-specialized like
+    :func:`push_reduce_launcher`: no Constexpr kernel parameters)."""
+    key = ("pull_reduce", bool(has_w), bool(has_start))
+    if key in _launchers:
+        return _launchers[key]
+    has_w, has_start = bool(has_w), bool(has_start)
 
+    @cute.kernel
+    def pull_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                           dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
+                           start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32,
+                           ep: Int32, T: Int32, k: Int32, V: Int32, eo_off: Int64,
+                           flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        """Combine by pull: every expert rank staged its rows (plan order) in its symmetric
+        ``eo`` section and signalled DATA; this rank reads row ``dest_row[t, j]`` of rank
+        ``dest_rank[t, j]`` straight into the fixed-order sum, then signals FREE."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if tidx == 0:
+            if bidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
+            P.wait_all(pb[me] + flags_off, Int32(P.DATA), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            _reduce_tokens(tidx, bidx, pb, status, dest_rank, dest_row, weights, start, out,
+                           Int64(0), eo_rows, ep, T, k, T * k, V, eo_off, epoch, nctas, has_w,
+                           has_start, True)
+        cute.arch.barrier()
+        if tidx == 0:
+            P.arrive_and_signal(pb, status, counters, counters, 1, flags_off, Int32(P.FREE), me,
+                                ep, epoch, nctas)
 
-@cute.jit
-def pull_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                     dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
-                     start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32, ep: Int32,
-                     T: Int32, k: Int32, V: Int32, eo_off: Int64, flags_off: Int64, epoch: Int32,
-                     timeout_ns: Int64, nctas: Int32, stream, has_w: Constexpr,
-                     has_start: Constexpr):
-    """Launch the pull-and-reduce combine: ``nctas`` CTAs of 1024 threads on ``stream``."""
-    _pull_reduce_kernel(peer_bases, status, counters, dest_rank, dest_row, weights, start, out,
-                        eo_rows, me, ep, T, k, V, eo_off, flags_off, epoch, timeout_ns, nctas,
-                        has_w, has_start).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1],
-                                                 stream=stream)
+    kernel = pull_reduce_kernel
+
+    @cute.jit
+    def pull_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                         dest_rank: cute.Pointer, dest_row: cute.Pointer, weights: cute.Pointer,
+                         start: cute.Pointer, out: cute.Pointer, eo_rows: Int32, me: Int32,
+                         ep: Int32, T: Int32, k: Int32, V: Int32, eo_off: Int64, flags_off: Int64,
+                         epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counters, dest_rank, dest_row, weights, start, out, eo_rows, me,
+               ep, T, k, V, eo_off, flags_off, epoch, timeout_ns, nctas).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers[key] = host = pull_reduce_host
+    return host
 
 
 def compile_pull_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
     """Compile one pull-combine variant for ``arch``; ``(compiled, CompileReport | None)``."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(pull_reduce_host, _fake_ptr("i64"), i32, i32, i32, i32, _fake_ptr("f32"),
-                          bf, bf, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
-                          Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
-                          has_w, has_start, arch=arch, inspect=inspect)
+    return compile_kernel(pull_reduce_launcher(has_w, has_start), _fake_ptr("i64"), i32, i32, i32,
+                          i32, i32, bf, bf, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
+                          Int32(1), Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
+                          arch=arch, inspect=inspect)
 
 
 def _pull_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas) -> torch.Tensor:
@@ -294,9 +335,9 @@ def _pull_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     out = torch.empty(ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     ws.stage_eo(rows)
     epoch = ws.next_epoch("push")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[4:5]), dptr(plan.dest_rank),
-       dptr(plan.dest_row), dptr(weights if has_w else ws.status, Float32),
-       dptr(start if has_start else out), dptr(out), Int32(ws.recv_capacity), Int32(ws.me),
+    w_ptr, s_ptr = _optional_inputs(ws, weights, start)
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull_reduce"]), dptr(plan.dest_rank),
+       dptr(plan.dest_row), w_ptr, s_ptr, dptr(out), Int32(ws.recv_capacity), Int32(ws.me),
        Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(ws.H // 8), Int64(ws.offsets["eo"]),
        Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
        current_stream())

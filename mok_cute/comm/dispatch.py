@@ -85,7 +85,7 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
     fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
     ws.stage_src(rows)
     epoch = ws.next_epoch("pull")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters[0:1]), dptr(plan.recv_src),
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
        dptr(plan.offsets), dptr(out), Int32(out_rows), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
        Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["src"]),
        Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),

@@ -34,7 +34,7 @@ CHANNEL_NAMES = ("CNT", "META", "META_FREE", "READY", "DONE", "DATA", "FREE")
 
 OK, TIMEOUT, BAD_EXPERT, OVERFLOW, BAD_INDEX = 0, 1, 2, 3, 4
 STATUS_WORDS = 4  # code, peer, channel, epoch
-NUM_COUNTERS = 8  # CTA-arrival counters: [0] pull, [4:6] push/reduce (16-byte aligned slots)
+NUM_COUNTERS = 4  # CTA-arrival counters per kernel kind (own allocation, used from offset 0)
 
 
 def describe_status(words: list[int], timeout_s: float) -> str | None:

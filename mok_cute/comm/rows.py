@@ -51,17 +51,18 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
                 src = cute.make_tensor(gptr(BFloat16, pb[p] + peer_off, 16),
                                        cute.make_layout((T * V, 8), stride=(8, 1)))
                 local[i, None].store(src[t * V + (i - row * V), None].load())
-            elif cutlass.const_expr(store32):
-                d32 = cute.make_tensor(gptr(Int32, pb[p] + peer_off, 16),
-                                       cute.make_layout((tk * V, 4), stride=(4, 1)))
-                r4 = cute.make_rmem_tensor((4,), Int32)
-                r4.store(local32[i, None].load())
-                for e in cutlass.range_constexpr(4):
-                    d32[(s - p * tk) * V + (i - row * V), e] = r4[e]
             else:
-                dst = cute.make_tensor(gptr(BFloat16, pb[p] + peer_off, 16),
-                                       cute.make_layout((tk * V, 8), stride=(8, 1)))
-                dst[(s - p * tk) * V + (i - row * V), None].store(local[i, None].load())
+                # 64-bit address of the 16-byte slot vector on rank p (no 32-bit byte offsets)
+                addr = pb[p] + peer_off + (Int64(s - p * tk) * Int64(V) + Int64(i - row * V)) * 16
+                if cutlass.const_expr(store32):
+                    d32 = cute.make_tensor(gptr(Int32, addr, 16), cute.make_layout(4))
+                    r4 = cute.make_rmem_tensor((4,), Int32)
+                    r4.store(local32[i, None].load())
+                    for e in cutlass.range_constexpr(4):
+                        d32[e] = r4[e]
+                else:
+                    dst = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                    dst.store(local[i, None].load())
         else:
             P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
         i += nctas * THREADS

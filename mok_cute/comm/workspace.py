@@ -12,7 +12,9 @@ every rank (peer address = ``peer_bases[q] + offset``):
   slots   bf16  [T*k, H]            push target: combine / reverse-dispatch rows
 
 Local (not symmetric): ``status`` int32[4] (error code, peer, channel, epoch),
-``counters`` int32[4] (CTA arrival counters), ``peer_bases`` int64 [EP] (device).
+``counters[kind]`` int32[4] per kernel kind ('pull', 'push', 'pull_reduce'; separate
+allocations, each kernel's counters at offset 0), ``dummy`` int32[16] of zeros (passed for
+an absent optional input; never aliases another argument), ``peer_bases`` int64 [EP].
 Epochs are host-side counters bumped identically on every rank by each operation, so
 ranks must issue the same sequence of operations on a workspace.
 """
@@ -94,7 +96,9 @@ class CommWorkspace:
         self.peer_addrs = self._peer_addresses()
         self.peer_bases = torch.tensor(self.peer_addrs, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
-        self.counters = torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
+        self.counters = {kind: torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
+                         for kind in ("pull", "push", "pull_reduce")}
+        self.dummy = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
         torch.cuda.synchronize(self.device)
@@ -146,7 +150,8 @@ class CommWorkspace:
 
     def nbytes(self) -> int:
         """Device bytes held: symmetric buffer plus local status/counters/pointer table."""
-        return self.sym_bytes + self.status.nbytes + self.counters.nbytes + self.peer_bases.nbytes
+        return (self.sym_bytes + self.status.nbytes + sum(c.nbytes for c in self.counters.values())
+                + self.dummy.nbytes + self.peer_bases.nbytes)
 
     def next_epoch(self, kind: str) -> int:
         """Bump and return the epoch of ``kind`` ('plan', 'pull' or 'push')."""

@@ -6,6 +6,13 @@ locally: plan == the pure-torch mirror, pulls == torch gathers in plan order, pu
 the fixed-order formula in torch; all bitwise, repeated, and across CTA counts. Then a
 stalled peer must raise RuntimeError within the timeout, and dispatch/combine are timed
 at 4096 tokens x H 7168 x k 8.
+
+Environment: ``MOK_COMM_QUICK=1`` (first case only), ``MOK_COMM_DEBUG=1`` (sync + status
+check after every kernel), ``MOK_COMM_EAGER=1`` (``CUDA_MODULE_LOADING=EAGER``). The
+driver reads CUDA_MODULE_LOADING once, at CUDA init, and tools/gpu_check.py initializes
+CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this module can
+(import time and first thing in :func:`run`) and warns when CUDA is already up; for a
+guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
 """
 from __future__ import annotations
 
@@ -23,6 +30,20 @@ from mok_cute.comm.workspace import get_workspace
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device
 
 BF16 = torch.bfloat16
+
+
+def _eager_loading() -> None:
+    """MOK_COMM_EAGER=1: CUDA_MODULE_LOADING=EAGER (effective only before CUDA init)."""
+    if os.environ.get("MOK_COMM_EAGER", "0") != "1":
+        return
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+    if torch.cuda.is_initialized():
+        print("[comm] MOK_COMM_EAGER=1 but CUDA is already initialized: module loading stays "
+              f"{os.environ.get('CUDA_MODULE_LOADING')!r} only if it was set in the command "
+              "(put CUDA_MODULE_LOADING=EAGER in the command line)", flush=True)
+
+
+_eager_loading()
 
 
 def _init(ctx: Ctx) -> None:
@@ -298,6 +319,7 @@ def _guard(ctx: Ctx, name: str, fn) -> list[Row]:
 
 
 def run(ctx: Ctx) -> list[Row]:
+    _eager_loading()
     _init(ctx)
     EP = ctx.world
     quick = os.environ.get("MOK_COMM_QUICK", "0") == "1"
