@@ -163,15 +163,34 @@ def _tiles_1x128(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.float().reshape(x.shape[0], x.shape[1] // FP8_BLOCK, FP8_BLOCK)
 
 
+_AMAX_MIN_BITS = 0x0D800000  # fp32 bit pattern of FP8_AMAX_MIN = 2^-100
+_ONE_BITS = 0x3F800000  # 1.0f
+
+
+def _div_rn_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IEEE fp32 a / b, round to nearest even (``div.rn.f32``), identical on every device.
+
+    Computed as one float64 division of the (exactly widened) fp32 operands, rounded once
+    to fp32: the float64 quotient carries 53 >= 2 * 24 + 2 bits, so this double rounding
+    is innocuous and gives the correctly rounded fp32 quotient (finite nonzero operands; here
+    a, b in [2^-100, 2^128), quotients in the fp32 normal range). The divisor must be a
+    tensor: torch's CUDA ``tensor / python_scalar`` is evaluated as ``tensor * (1 / scalar)``
+    (not a correctly rounded division; that was the reference's CPU/CUDA scale mismatch).
+    """
+    return torch.div(a.double(), b.double()).float()
+
+
 def _fp8_block_tiles(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize fp32 tiles [..., n] (one scale per tile): returns (e4m3 [..., n], fp32 [...])."""
     bits = t.view(torch.int32) & 0x7FFFFFFF
-    amax_bits = bits.amax(dim=-1)
+    amax_bits = bits.amax(dim=-1)  # integer max: exact, order-independent
     nonfinite = amax_bits >= 0x7F800000
-    amax = amax_bits.view(torch.float32).clamp(min=FP8_AMAX_MIN)
-    amax = torch.where(nonfinite, torch.ones_like(amax), amax)
-    inv = torch.full_like(amax, FP8_MAX) / amax  # fp32, round to nearest
-    scale = amax / FP8_MAX  # fp32, round to nearest
+    # a = max(amax, 2^-100) on the bit patterns (no float op: no FTZ / NaN semantics involved)
+    a_bits = torch.clamp(amax_bits, min=_AMAX_MIN_BITS)
+    a_bits = torch.where(nonfinite, torch.full_like(a_bits, _ONE_BITS), a_bits)
+    amax = a_bits.view(torch.float32)
+    inv = _div_rn_f32(torch.full_like(amax, FP8_MAX), amax)  # fp32 448 / a, correctly rounded
+    scale = _div_rn_f32(amax, torch.full_like(amax, FP8_MAX))  # fp32 a / 448, correctly rounded
     data = (t * inv[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
     data = torch.where(nonfinite[..., None], torch.full_like(data, 0x7F), data)
     scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
@@ -187,6 +206,10 @@ def fp8_block_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         a     = max(amax, 2^-100)          (all-zero tiles: data 0, keeps 448 / a finite)
         inv   = 448 / a                    (one fp32 division, div.rn.f32 on the GPU)
         scale = a / 448                    (one fp32 division)
+    Bitwise identical on CPU and CUDA: amax and the floor are integer ops on the bits, each
+    division is the correctly rounded fp32 quotient (:func:`_div_rn_f32`: float64 division
+    rounded once; never torch's CUDA ``tensor / scalar``, which multiplies by 1 / scalar),
+    and x * inv is one IEEE fp32 multiply.
         data  = e4m3(x * inv)              (fp32 multiply, then RNE to e4m3; |x * inv| <=
                                             448 (1 + 2^-24) rounds to <= 448: never saturates)
     The two divisions are DeepSeek-V3's (DeepGEMM ``x * (448 / amax)``, scale ``amax / 448``)

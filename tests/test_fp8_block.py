@@ -2,6 +2,8 @@
 hand-computed values, round-trip bounds, token-wise (wgrad) layout, the layer vs bf16."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -72,6 +74,89 @@ def test_nan_inf_tiles():
         assert (d.view(torch.uint8)[0, :128] == 0x7F).all()
         back = R.fp8_block_dequantize_act(d, s)
         assert torch.isnan(back[0, :128]).all() and torch.isfinite(back[0, 128:]).all()
+
+
+def _rn_f32_bits(q: Fraction) -> int:
+    """Bit pattern of the fp32 nearest to the positive rational q (ties to even; exact
+    integer arithmetic, normal range only: the quotients here are in [2^-109, 2^110])."""
+    e = q.numerator.bit_length() - q.denominator.bit_length()
+    if Fraction(2) ** e > q:
+        e -= 1
+    assert Fraction(2) ** e <= q < Fraction(2) ** (e + 1) and -126 <= e <= 127
+    m = q / Fraction(2) ** (e - 23)  # in [2^23, 2^24)
+    r = m.numerator // m.denominator
+    rem = m - r
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and r % 2):
+        r += 1
+    if r == 1 << 24:
+        r, e = 1 << 23, e + 1
+    return ((e + 127) << 23) | (r - (1 << 23))
+
+
+def _f32_from_bits(b: int) -> float:
+    return torch.tensor([b], dtype=torch.int32).view(torch.float32).item()
+
+
+def _amax_bits_cases(seed: int) -> list[int]:
+    """fp32 |x| patterns: random over [2^-100, 2^128) and edges (the floor, 448 * 2^k,
+    powers of two, all-ones mantissas, largest finite, just above / below the floor)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = 0x0D800000, 0x7F7FFFFF
+    rand = torch.randint(lo, hi + 1, (4000,), generator=g, dtype=torch.int64).tolist()
+    edge = [lo, lo + 1, hi, hi - 1, 0x3F800000, 0x3F800001, 0x3F7FFFFF, 0x43E00000, 0x43E00001, 0x43DFFFFF]
+    for k in range(-100, 119, 7):
+        for mant in (0, 1, 0x7FFFFF, 0x600000, 0x400000, 0x2AAAAB):
+            edge.append(((k + 127) << 23) | mant)
+    return edge + rand
+
+
+def test_scale_and_inverse_are_correctly_rounded_fp32_quotients():
+    """Pins the reference's divisions: scale = RN_f32(a / 448) and inv = RN_f32(448 / a)
+    (checked against exact rational rounding), on one-nonzero tiles with amax a."""
+    amax_bits = _amax_bits_cases(7)
+    a = torch.tensor(amax_bits, dtype=torch.int32).view(torch.float32)
+    t = torch.zeros(len(amax_bits), 1, 128)
+    t[:, 0, 5] = a
+    t[1::2, 0, 5] = -a[1::2]  # the sign does not matter
+    d, s = R._fp8_block_tiles(t)
+    got = s[:, 0].view(torch.int32).tolist()
+    for i, b in enumerate(amax_bits):
+        fa = Fraction(_f32_from_bits(b))
+        want_scale = _rn_f32_bits(fa / 448)
+        assert got[i] == want_scale, (hex(b), hex(got[i]), hex(want_scale))
+        inv = _f32_from_bits(_rn_f32_bits(Fraction(448) / fa))
+        assert inv == R._div_rn_f32(torch.tensor([448.0]), torch.tensor([_f32_from_bits(b)])).item()
+        # x * inv rounded to fp32, then e4m3: the amax element maps to exactly +-448
+        assert d.view(torch.uint8)[i, 0, 5].item() == (0xFE if i % 2 else 0x7E)
+    # the check has teeth: a * fp32(1/448) (what CUDA's tensor / scalar computes) often differs
+    recip = (a * torch.tensor(1 / 448, dtype=torch.float32)).view(torch.int32)
+    assert (recip != s[:, 0].view(torch.int32)).sum() > 100
+
+
+def test_div_rn_f32_matches_exact_rounding_on_random_operands():
+    g = torch.Generator().manual_seed(11)
+    n = 3000
+    # operands with exponents in [-60, 60]: every quotient is a normal fp32
+    ea = torch.randint(67, 188, (n,), generator=g, dtype=torch.int64)
+    eb = torch.randint(67, 188, (n,), generator=g, dtype=torch.int64)
+    ma = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int64)
+    mb = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int64)
+    a = ((ea << 23) | ma).to(torch.int32).view(torch.float32)
+    b = ((eb << 23) | mb).to(torch.int32).view(torch.float32)
+    q = R._div_rn_f32(a, b).view(torch.int32).tolist()
+    for i in range(n):
+        want = _rn_f32_bits(Fraction(a[i].item()) / Fraction(b[i].item()))
+        assert q[i] == want, (a[i].item(), b[i].item())
+
+
+def test_weight_scales_are_correctly_rounded():
+    w = _random((256, 256), 5, spread=40)
+    _, s = R.fp8_block_quantize_weight(w)
+    amax = w.float().reshape(2, 128, 2, 128).abs().amax(dim=(1, 3))
+    for i in range(2):
+        for j in range(2):
+            want = _rn_f32_bits(Fraction(amax[i, j].item()) / 448)
+            assert s[i, j].view(torch.int32).item() == want
 
 
 def _random(shape, seed, spread=30):

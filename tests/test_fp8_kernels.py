@@ -46,7 +46,17 @@ def test_quantizer_ptx(reports, case):
     assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == (4 if kind == "row" else 32)
     if kind == "tokens":  # each feature's 32 tokens: two aligned 16-byte stores
         assert len(re.findall(r"st\.global\.v4\.b32", ptx)) >= 2 * c
-        assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == (8 if fmt == "fp8_block" else 0)
+        shuffles = 8 if fmt == "fp8_block" else 0
+        assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == shuffles
+        # per-column amax words: 31 row maxes per word, then one per shuffle, all per element
+        # (bf16: max.u16x2 on the packed pairs; a max.u32 would mix the two halves)
+        n_u16x2 = len(re.findall(r"\bmax\.u16x2\b", ptx))
+        n_u32 = len(re.findall(r"\bmax\.u32\b", ptx))
+        floors = c if fmt == "fp8_block" else 0  # max(amax, 2^-100) per scale
+        if dt == torch.bfloat16:
+            assert n_u16x2 == 4 * 31 + shuffles and n_u32 == floors
+        else:
+            assert n_u16x2 == 0 and n_u32 == 4 * 31 + shuffles + floors
 
 
 def test_bad_keys():

@@ -19,6 +19,15 @@ class Fp8Ops:
         return self.cute.arch.inline_ptx("max.u32 {$w0}, {$r0}, {$r1};",
                                          write_only_types=[self.cutlass.Uint32], read_only_args=[a, b])
 
+    def wmax(self, a, b):
+        """Per-element max of two amax words (already |x| bits): u16 pairs for bf16
+        (``max.u16x2``: a whole-word ``max.u32`` would pick both halves from the word with
+        the larger high half), one u32 for fp32."""
+        if not self.bf16:
+            return self.umax(a, b)
+        return self.cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
+                                         write_only_types=[self.cutlass.Uint32], read_only_args=[a, b])
+
     def amax_acc(self, acc, w):
         """Running max of |x| bits (``acc`` None: start); bf16 words hold two elements,
         compared as u16 pairs."""
@@ -27,8 +36,7 @@ class Fp8Ops:
             w = w & Uint32(0x7FFF7FFF)
             if acc is None:
                 return w
-            return self.cute.arch.inline_ptx("max.u16x2 {$w0}, {$r0}, {$r1};",
-                                             write_only_types=[Uint32], read_only_args=[acc, w])
+            return self.wmax(acc, w)
         w = w & Uint32(0x7FFFFFFF)
         return w if acc is None else self.umax(acc, w)
 

@@ -152,7 +152,8 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
             accs = ops.column_amax(vs)
             for k in cutlass.range_constexpr(SUB.bit_length() - 1):
                 for j in cutlass.range_constexpr(4):
-                    accs[j] = ops.umax(accs[j], cute.arch.shuffle_sync_bfly(accs[j], offset=1 << k))
+                    # packed per-element max (bf16: u16 pairs), not a whole-word max.u32
+                    accs[j] = ops.wmax(accs[j], cute.arch.shuffle_sync_bfly(accs[j], offset=1 << k))
             amaxes = col_amaxes(accs)
             if cutlass.const_expr(fmt == "fp8_block"):
                 cols = [block_scale(a) for a in amaxes]  # (inv, scale bits, mask)

@@ -77,11 +77,16 @@ def _check_routing(fg, qf, ref, dev, gen, routing):
     wq_cpu, ws_cpu = _quantize_weights(ref, w.cpu())
     wq, ws = wq_cpu.to(dev), ws_cpu.to(dev)
     wq_gpu, ws_gpu = _quantize_weights(ref, w)
-    bad = [_mismatches(qa, ra), _mismatches(sa, rsa), _mismatches(wq, wq_gpu), _mismatches(ws, ws_gpu)]
+    ra_cpu, rsa_cpu = ref.fp8_block_quantize_act(x.cpu())
+    # scales compared by value (_bits copies the kernel's [M, K/128] view of its [K/128, M]
+    # buffer to row-major first); act also GPU ref vs CPU ref (the reference is device-independent)
+    bad = [_mismatches(qa, ra), _mismatches(sa, rsa), _mismatches(wq, wq_gpu), _mismatches(ws, ws_gpu),
+           _mismatches(ra.cpu(), ra_cpu), _mismatches(rsa.cpu(), rsa_cpu)]
     q_ok = not any(bad)
     q_row = Row(f"fp8 quantize act {routing}: kernel == ref", bitwise=q_ok, ok=q_ok,
                 note=f"M={m} K={K}; mismatched act data {bad[0]}, act scales {bad[1]}; "
-                     f"weight CPU ref vs GPU ref data {bad[2]}, scales {bad[3]} (-1: shape/dtype)")
+                     f"weight CPU ref vs GPU ref data {bad[2]}, scales {bad[3]}; "
+                     f"act CPU ref vs GPU ref data {bad[4]}, scales {bad[5]} (-1: shape/dtype)")
 
     def gemm():
         want = ref.grouped_gemm(x, offs, w, precision="fp8_block")
