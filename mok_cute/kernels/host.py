@@ -1,6 +1,8 @@
 """Host-side argument checks and launch helpers shared by the kernel wrappers (no CUDA calls
 in the checks, so they run, and raise, on CPU tensors too)."""
 
+import math
+
 import torch
 
 MAX_NUMEL = 2**31 - 1  # Int32 element indices
@@ -34,3 +36,104 @@ def current_stream(device):
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+# ---------------------------------------------------------------- grouped GEMM wrappers
+_FP8 = torch.float8_e4m3fn
+_sm_count: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
+    dev = device if isinstance(device, int) else (
+        device.index if device.index is not None else torch.cuda.current_device())
+    if dev not in _sm_count:
+        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _sm_count[dev]
+
+
+def _check_tensor(name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _check_devices(**tensors):
+    """All tensors on one CUDA device (checked after shapes so CPU tests reach shape errors)."""
+    first = None
+    for name, t in tensors.items():
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"{name} is on {t.device} but {first[0]} is on {first[1]}")
+
+
+def _check_limit(limit):
+    """``limit``: None (no clamp) or a finite float > 0."""
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"limit must be finite and > 0, got {limit}")
+
+
+def _check_out(name, t, shape, device):
+    if t is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    _check_tensor(name, t, len(shape), (torch.bfloat16,))
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous with shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def _check_offsets(offsets):
+    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
+    if offsets.numel() < 2:
+        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
+    return offsets.numel() - 1
+
+
+def _check_token_operand(name, t, m, mx=False):
+    """Wgrad operand [M, N] (bf16, or float8_e4m3fn with ``mx``): unit column stride, row
+    stride >= N, row stride and N multiples of 16 bytes, 16-byte aligned (a column slice such
+    as ``dgu[:, :I]`` is read in place)."""
+    _check_tensor(name, t, 2, (_FP8,) if mx else (torch.bfloat16,))
+    if t.shape[0] != m:
+        raise ValueError(f"{name} must have {m} rows (as a), got {t.shape[0]}")
+    vec = 16 // t.element_size()
+    if t.shape[1] % vec or t.shape[1] == 0:
+        raise ValueError(f"{name}: columns={t.shape[1]} must be a positive multiple of {vec}")
+    if t.stride(1) != 1 or t.stride(0) % vec or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be row-major with unit column stride, a row stride that is a multiple "
+                         f"of {vec} and 16-byte alignment, got strides {t.stride()}")
+
+
+def check_wgrad_operands(a, b, offsets, tile_n: int, mx: bool = False):
+    """Validate the weight gradient's a [M, Na], b [M, Nb] (:func:`_check_token_operand`) and
+    offsets; Nb a multiple of ``tile_n``, M < 2^31. Returns ``(M, Na, Nb, E)``."""
+    m, na = a.shape
+    _check_token_operand("a", a, m, mx)
+    _check_token_operand("b", b, m, mx)
+    e = _check_offsets(offsets)
+    nb = b.shape[1]
+    if nb % tile_n:
+        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={tile_n}")
+    if m >= 2 ** 31:
+        raise ValueError(f"a: M={m} rows must be < 2^31")
+    return m, na, nb, e
+
+
+def wgrad_out(out, shape, device):
+    """The weight gradient's output: a new [E, Na, Nb] bf16 tensor, or ``out`` checked
+    contiguous of that shape."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    _check_tensor("out", out, 3, (torch.bfloat16,))
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out

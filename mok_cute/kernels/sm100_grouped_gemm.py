@@ -47,13 +47,17 @@ from cutlass import Float32, Int32
 from mok_cute.kernels import sm100_layouts as lay
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90_expert_bwd import _expert_k, _ragged_k
-from mok_cute.kernels.sm90_grouped_gemm import (
-    _check_devices, _check_limit, _check_out, _check_tensor, _cute_tensor, _dynamic, interleave_gate_up, sm_count,
+from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d
+from mok_cute.kernels.host import (
+    _FP8, _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, sm_count,
+    wgrad_out,
 )
+from mok_cute.kernels.sm90_grouped_gemm import interleave_gate_up
 from mok_cute.kernels.sm100_mainloop import (
     EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
     Sm100Mainloop, epi_barrier, tmem_load,
 )
+from mok_cute.kernels.swiglu_math import swiglu_
 from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
 
 ARCHS = ("sm_100a", "sm_103a")
@@ -378,13 +382,7 @@ class GroupedGemmSm100:
             g.store(rg.load().to(Float32))
             u = cute.make_rmem_tensor_like(ru, Float32)
             u.store(ru.load().to(Float32))
-            for i in cutlass.range_constexpr(cute.size(g)):
-                gi = g[i]
-                ui = u[i]
-                if cutlass.const_expr(self.clamp):
-                    gi = cutlass.min(gi, limit)
-                    ui = cutlass.max(cutlass.min(ui, limit), -limit)
-                g[i] = gi / (Float32(1.0) + cute.math.exp(-gi)) * ui
+            swiglu_(g, u, limit, self.clamp)
             rh = _bf16(g)
             d_gate = chunks.part(cute.local_tile(g_gate, (EPI_THREADS, EPI_N), (0, c)))
             d_up = chunks.part(cute.local_tile(g_up, (EPI_THREADS, EPI_N), (0, c)))
@@ -442,20 +440,6 @@ class GroupedGemmSm100:
 
 
 # ---------------------------------------------------------------- compile
-def _fake_2d(dtype, rows, cols):
-    _dynamic(rows, cols)
-    div = _VEC * 8 // dtype.width
-    return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(divisibility=div), 1),
-                                         assumed_align=16)
-
-
-def _fake_3d(dtype, d0, d1, d2):
-    _dynamic(d0, d1, d2)
-    div = _VEC * 8 // dtype.width
-    stride = (cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div), 1)
-    return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
-
-
 def _fake_sf(cfg: Sm100Config):
     if not cfg.mx:
         return None
@@ -516,7 +500,6 @@ def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_1
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_CONFIG = Sm100Config()
 MXFP8_CONFIG = Sm100Config(ab_dtype=cutlass.Float8E4M3FN)
-_FP8 = torch.float8_e4m3fn
 
 
 def _config(a, cfg, name="a"):
@@ -562,27 +545,6 @@ def _check_weight(name, w, shape, mx, strided=False):
                              f"alignment, got strides {w.stride()}")
     elif not w.is_contiguous() or w.data_ptr() % 16:
         raise ValueError(f"{name} must be contiguous and 16-byte aligned")
-
-
-def _check_token_operand(name, t, m, mx):
-    """Wgrad operand [M, N]: unit column stride, row stride >= N, row stride and N multiples of
-    16 bytes, 16-byte aligned (a column slice such as ``dgu[:, :I]`` is read in place)."""
-    _check_tensor(name, t, 2, (_FP8,) if mx else (torch.bfloat16,))
-    if t.shape[0] != m:
-        raise ValueError(f"{name} must have {m} rows (as a), got {t.shape[0]}")
-    vec = _VEC // t.element_size()
-    if t.shape[1] % vec or t.shape[1] == 0:
-        raise ValueError(f"{name}: columns={t.shape[1]} must be a positive multiple of {vec}")
-    if t.stride(1) != 1 or t.stride(0) % vec or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
-        raise ValueError(f"{name} must be row-major with unit column stride, a row stride that is a multiple "
-                         f"of {vec} and 16-byte alignment, got strides {t.stride()}")
-
-
-def _check_offsets(offsets):
-    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
-    if offsets.numel() < 2:
-        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
-    return offsets.numel() - 1
 
 
 def _check_scales(name, s, shape):
@@ -785,25 +747,12 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Na, Nb multiples of 16 bytes, Nb of ``tile_n``.
     """
     cfg = _config(a, cfg)
-    m, na = a.shape
-    _check_token_operand("a", a, m, cfg.mx)
-    _check_token_operand("b", b, m, cfg.mx)
-    e = _check_offsets(offsets)
-    nb = b.shape[1]
-    if nb % cfg.tile_n:
-        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={cfg.tile_n}")
-    if m >= 2 ** 31:
-        raise ValueError(f"a: M={m} rows must be < 2^31")
+    m, na, nb, e = check_wgrad_operands(a, b, offsets, cfg.tile_n, cfg.mx)
     if cfg.mx:
         kbs = lay.grouped_sf_rows(m, e) // lay.SF_VEC
         _check_scales("a_scales", a_scales, (lay.sf_bytes(na, kbs),))
         _check_scales("b_scales", b_scales, (lay.sf_bytes(nb, kbs),))
-    if out is None:
-        out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
-    else:
-        _check_tensor("out", out, 3, (torch.bfloat16,))
-        if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
+    out = wgrad_out(out, (e, na, nb), a.device)
     _check_devices(a=a, b=b, offsets=offsets, out=out)
     arch = _arch(a.device)
     if m == 0:

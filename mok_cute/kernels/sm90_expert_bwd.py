@@ -36,15 +36,16 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
-import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
+from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
+from mok_cute.kernels.host import (
+    _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, sm_count, wgrad_out,
+)
 from mok_cute.kernels.sm90_grouped_gemm import (
-    _VEC, DEFAULT_CONFIG, PlainEpilogue, _check_devices, _check_limit, _check_out, _check_tensor,
-    _Desc, _fake_2d, _fake_3d, _launch, current_stream, device_arch, effective_config, make_tma_store, sm_count,
+    _VEC, DEFAULT_CONFIG, PlainEpilogue, _Desc, _launch, device_arch, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
 )
 from mok_cute.kernels.sm90_mainloop import (
@@ -98,14 +99,7 @@ class GroupedWgradSm90:
             out_nne = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 2, 0]))
             atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2 * ml.stages]
-            sA: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
@@ -114,22 +108,12 @@ class GroupedWgradSm90:
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
                mOffsets: cute.Tensor, mOut: cute.Tensor, atom_c: cute.CopyAtom, coord_c: cute.Tensor):
         cfg = self.cfg
-        self.mainloop.setup()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
-            if cutlass.const_expr(cfg.tma_store):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom_c)
+        atoms = [atom_a, atom_b]
+        if cutlass.const_expr(cfg.tma_store):
+            atoms.append(atom_c)
+        tidx, warp = self.mainloop.start(atoms)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
-        sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
-        sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
-        sC = self.epi.smem_tensor(storage.sC)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
+        pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
         num_experts = mOffsets.shape[0] - 1
         na = coord_a.shape[0]
@@ -194,13 +178,6 @@ def compile_grouped_wgrad(*, cfg: MainloopConfig = MainloopConfig(), arch: str =
 
 
 # ---------------------------------------------------------------- host wrappers
-def _check_offsets(offsets):
-    _check_tensor("offsets", offsets, 1, (torch.int32, torch.int64))
-    if offsets.numel() < 2:
-        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
-    return offsets.numel() - 1
-
-
 def _check_rows(name, t, k_name="K"):
     """A row-major [M, K] bf16 operand (contiguous, 16-byte aligned, K a positive multiple of 8)."""
     _check_tensor(name, t, 2, (torch.bfloat16,))
@@ -293,19 +270,6 @@ def _run_dgrad1(dgu, offsets, w_gate, w_up, out=None, cfg: MainloopConfig = DEFA
     return out
 
 
-def _check_token_operand(name, t, m):
-    """[M, N] bf16 with unit column stride, row stride a multiple of 8, 16-byte aligned
-    (a column slice of a wider row-major tensor is fine)."""
-    _check_tensor(name, t, 2, (torch.bfloat16,))
-    if t.shape[0] != m:
-        raise ValueError(f"{name} must have {m} rows (as a), got {t.shape[0]}")
-    if t.shape[1] % _VEC or t.shape[1] == 0:
-        raise ValueError(f"{name}: columns={t.shape[1]} must be a positive multiple of {_VEC}")
-    if t.stride(1) != 1 or t.stride(0) % _VEC or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
-        raise ValueError(f"{name} must be row-major with unit column stride, a row stride that is a multiple "
-                         f"of {_VEC} and 16-byte alignment, got strides {t.stride()}")
-
-
 def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """dW [E, Na, Nb] bf16: dW[e] = bf16(a_e^T . b_e) over expert e's rows
     offsets[e]..offsets[e+1], tokens summed in order in FP32 (bitwise reproducible);
@@ -316,21 +280,8 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
     ``out``: optional preallocated contiguous [E, Na, Nb].
     """
     _check_tensor("a", a, 2, (torch.bfloat16,))
-    m = a.shape[0]
-    _check_token_operand("a", a, m)
-    _check_token_operand("b", b, m)
-    e = _check_offsets(offsets)
-    na, nb = a.shape[1], b.shape[1]
-    if nb % cfg.tile_n:
-        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={cfg.tile_n}")
-    if m >= 2 ** 31:
-        raise ValueError(f"a: M={m} rows must be < 2^31")
-    if out is None:
-        out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
-    else:
-        _check_tensor("out", out, 3, (torch.bfloat16,))
-        if tuple(out.shape) != (e, na, nb) or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous with shape {(e, na, nb)}, got {tuple(out.shape)}")
+    _, na, nb, e = check_wgrad_operands(a, b, offsets, cfg.tile_n)
+    out = wgrad_out(out, (e, na, nb), a.device)
     _check_devices(a=a, b=b, offsets=offsets, out=out)
     return _run_wgrad(a, b, offsets, out, cfg)
 

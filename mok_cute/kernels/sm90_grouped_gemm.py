@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 import os
 import struct
 
@@ -52,13 +51,13 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
-import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cute.runtime import from_dlpack
 
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d  # noqa: F401 (_cute_tensor: tests)
+from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor, sm_count
+from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
@@ -218,15 +217,22 @@ def tma_store_tile(thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid:
     this rarely blocks); after writing, every thread fences its generic-proxy shared writes
     against the async proxy, and after the barrier one warp issues the store and commits it.
     """
+    _stage_for_tma(thr_mma, acc, sC, tid)
+    if _store_warp(tid):
+        _tma_store(atom_c, sC, gC)
+        cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def _stage_for_tma(thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32):
+    """Write the BF16 tile to ``sC`` once the previous TMA store has read it, fenced for the
+    async proxy, all consumers past the barrier (see :func:`tma_store_tile`)."""
     if _store_warp(tid):
         cute.arch.cp_async_bulk_wait_group(0, read=True)
     consumer_barrier()
     acc_to_smem(thr_mma, acc, sC)
     cute.arch.fence_proxy("async.shared", space="cta")
     consumer_barrier()
-    if _store_warp(tid):
-        _tma_store(atom_c, sC, gC)
-        cute.arch.cp_async_bulk_commit_group()
 
 
 @cute.jit
@@ -262,19 +268,7 @@ class SwigluEpilogue(_StagedEpilogue):
         up_rows = cute.domain_offset((row0, 0), mGU[(None, 1, None)])
         _store_rows(copy, tid, rg, coords, cute.local_tile(gate_rows, shape, (0, n_tile)), rows)
         _store_rows(copy, tid, ru, coords, cute.local_tile(up_rows, shape, (0, n_tile)), rows)
-        g = cute.make_rmem_tensor_like(rg, Float32)
-        u = cute.make_rmem_tensor_like(ru, Float32)
-        g.store(rg.load().to(Float32))
-        u.store(ru.load().to(Float32))
-        for i in cutlass.range_constexpr(cute.size(g)):
-            gi = g[i]
-            ui = u[i]
-            if cutlass.const_expr(self.clamp):
-                gi = cutlass.min(gi, limit)
-                ui = cutlass.max(cutlass.min(ui, limit), -limit)
-            g[i] = gi / (Float32(1.0) + cute.math.exp(-gi)) * ui
-        rh = cute.make_rmem_tensor_like(rg)
-        rh.store(g.load().to(cutlass.BFloat16))
+        rh = self._h(rg, ru, limit)
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
         _store_rows(copy, tid, rh, coords, h_tile, rows)
 
@@ -285,13 +279,7 @@ class SwigluEpilogue(_StagedEpilogue):
         u = cute.make_rmem_tensor_like(ru, Float32)
         g.store(rg.load().to(Float32))
         u.store(ru.load().to(Float32))
-        for i in cutlass.range_constexpr(cute.size(g)):
-            gi = g[i]
-            ui = u[i]
-            if cutlass.const_expr(self.clamp):
-                gi = cutlass.min(gi, limit)
-                ui = cutlass.max(cutlass.min(ui, limit), -limit)
-            g[i] = gi / (Float32(1.0) + cute.math.exp(-gi)) * ui
+        swiglu_(g, u, limit, self.clamp)
         rh = cute.make_rmem_tensor_like(rg)
         rh.store(g.load().to(cutlass.BFloat16))
         return rh
@@ -305,12 +293,7 @@ class SwigluEpilogue(_StagedEpilogue):
         shape = (self.tile_m, self.half)
         s_gate = cute.local_tile(sC, shape, (0, 0))
         s_up = cute.local_tile(sC, shape, (0, 1))
-        if _store_warp(tid):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous tile's h store
-        consumer_barrier()
-        acc_to_smem(thr_mma, acc, sC)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        consumer_barrier()
+        _stage_for_tma(thr_mma, acc, sC, tid)  # after the previous tile's h store has read sC
         if _store_warp(tid):
             _tma_store(atom_gu, s_gate, gGate)
             _tma_store(atom_gu, s_up, gUp)
@@ -399,7 +382,7 @@ class DSwigluEpilogue:
                     # above the math (with 128 accumulators live that spilled)
                     cute.arch.sync_warp()
                 if cutlass.const_expr(cols[i][1] // self.half == h):
-                    dg, du = self._dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit)
+                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp)
                     tG[i] = dg.to(cutlass.BFloat16)
                     tU[i] = du.to(cutlass.BFloat16)
             consumer_barrier()
@@ -408,21 +391,6 @@ class DSwigluEpilogue:
                 dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
                 _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
             consumer_barrier()
-
-    @cute.jit
-    def _dswiglu(self, dh: Float32, g: Float32, u: Float32, limit: Float32):
-        gc = g
-        uc = u
-        if cutlass.const_expr(self.clamp):
-            gc = cutlass.min(g, limit)
-            uc = cutlass.max(cutlass.min(u, limit), -limit)
-        s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gc, fastmath=True))
-        dg = dh * uc * s * (Float32(1.0) + gc * (Float32(1.0) - s))
-        du = dh * (gc * s)
-        if cutlass.const_expr(self.clamp):
-            dg = Float32(cutlass.select_(g > limit, Float32(0.0), dg))
-            du = Float32(cutlass.select_((u < -limit) | (u > limit), Float32(0.0), du))
-        return dg, du
 
 
 class GroupedGemmSm90:
@@ -478,14 +446,7 @@ class GroupedGemmSm90:
         elif cutlass.const_expr(self.tma_store):
             atom_c, coord_c = make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n)
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2 * ml.stages]
-            sA: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, limit,
                     atom_c, coord_c, atom_h, coord_h).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
@@ -497,26 +458,16 @@ class GroupedGemmSm90:
                mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, atom_c: cute.CopyAtom,
                coord_c: cute.Tensor, atom_h: cute.CopyAtom, coord_h: cute.Tensor):
         cfg = self.cfg
-        self.mainloop.setup()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(atom_b)
-            if cutlass.const_expr(self.split_b or self.stack_n):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom_b2)
-            if cutlass.const_expr(self.tma_store):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom_c)
-                if cutlass.const_expr(self.stack_n):
-                    cute.nvgpu.cpasync.prefetch_descriptor(atom_h)
+        atoms = [atom_a, atom_b]
+        if cutlass.const_expr(self.split_b or self.stack_n):
+            atoms.append(atom_b2)
+        if cutlass.const_expr(self.tma_store):
+            atoms.append(atom_c)
+            if cutlass.const_expr(self.stack_n):
+                atoms.append(atom_h)
+        tidx, warp = self.mainloop.start(atoms)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr())
-        sA = storage.sA.get_tensor(self.mainloop.a_smem_staged.outer, swizzle=self.mainloop.a_smem_staged.inner)
-        sB = storage.sB.get_tensor(self.mainloop.b_smem_staged.outer, swizzle=self.mainloop.b_smem_staged.inner)
-        sC = self.epi.smem_tensor(storage.sC)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
+        pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
         num_experts = mOffsets.shape[0] - 1
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
@@ -584,27 +535,6 @@ class GroupedGemmSm90:
 
 
 # ---------------------------------------------------------------- compile
-def _dynamic(*dims):
-    """Fake-tensor shapes must be symbolic: the runtime tensors (``_cute_tensor``) mark every
-    shape mode dynamic, and the argument descriptor holds only dynamic modes, so a static
-    mode in the fake shifts every later field (this made the kernel read gu's strides wrong)."""
-    for d in dims:
-        if isinstance(d, int):
-            raise TypeError(f"fake tensor dims must be symbolic (cute.sym_int), got the int {d}")
-
-
-def _fake_2d(dtype, rows, cols):
-    _dynamic(rows, cols)
-    return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(divisibility=_VEC), 1),
-                                         assumed_align=16)
-
-
-def _fake_3d(dtype, d0, d1, d2):
-    _dynamic(d0, d1, d2)
-    stride = (cute.sym_int64(divisibility=_VEC), cute.sym_int64(divisibility=_VEC), 1)
-    return cute.runtime.make_fake_tensor(dtype, (d0, d1, d2), stride=stride, assumed_align=16)
-
-
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
                          b_major: str = K_MAJOR, split_b: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
@@ -638,7 +568,6 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
 
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_CONFIG = MainloopConfig()
-_sm_count: dict[int, int] = {}
 # Process-wide opt-in for the (not yet device-verified) TMA-store epilogues: while on, every
 # launch whose config has ``tma_store=False`` runs with ``tma_store=True`` instead (so callers
 # that use the default config, e.g. the sm90 backend, can be compared in one process).
@@ -675,27 +604,6 @@ def interleave_gate_up(w_gate, w_up, tile_n: int = DEFAULT_CONFIG.tile_n):
     return torch.cat(blocks, dim=2).reshape(e, 2 * inter, h)
 
 
-def _check_tensor(name, t, ndim, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-
-
-def _check_devices(**tensors):
-    """All tensors on one CUDA device (checked after shapes so CPU tests reach shape errors)."""
-    first = None
-    for name, t in tensors.items():
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if first is None:
-            first = (name, t.device)
-        elif t.device != first[1]:
-            raise ValueError(f"{name} is on {t.device} but {first[0]} is on {first[1]}")
-
-
 def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     """Validate A [M, K], offsets [E+1], weights [E, N, K] (not devices); returns (M, K, E)."""
     _check_tensor(a_name, a, 2, (torch.bfloat16,))
@@ -715,12 +623,6 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
         if not w.is_contiguous() or w.data_ptr() % 16:
             raise ValueError(f"{name} must be contiguous ([E, N, K], K contiguous) and 16-byte aligned")
     return m, k, e
-
-
-def _cute_tensor(t, align=16):
-    """The DSL's own runtime tensor (every shape mode dynamic, strides dynamic but the last = 1);
-    ~10 us per tensor on the host. Launches use :class:`_Desc` (same bytes, ~1 us)."""
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 class _Desc:
@@ -790,33 +692,6 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32), _Desc(out0), _Desc(out1),
         Float32(limit), Int32(num_ctas), stream))
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
-    dev = device if isinstance(device, int) else (
-        device.index if device.index is not None else torch.cuda.current_device())
-    if dev not in _sm_count:
-        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _sm_count[dev]
-
-
-def _check_limit(limit):
-    """``limit``: None (no clamp) or a finite float > 0."""
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-            raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")
-        if not (math.isfinite(limit) and limit > 0):
-            raise ValueError(f"limit must be finite and > 0, got {limit}")
-
-
-def _check_out(name, t, shape, device):
-    if t is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=device)
-    _check_tensor(name, t, len(shape), (torch.bfloat16,))
-    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous with shape {tuple(shape)}, got {tuple(t.shape)}")
-    return t
 
 
 def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):

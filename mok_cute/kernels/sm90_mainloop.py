@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
@@ -165,6 +166,43 @@ class Sm90Mainloop:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
+
+    @cute.jit
+    def start(self, atoms: list):
+        """First thing in the kernel: build the layouts (:meth:`setup`) and let warp 0 prefetch
+        the TMA descriptors ``atoms``; returns ``(thread index, warp index)``."""
+        self.setup()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        return tidx, warp
+
+    def shared_storage(self, epi_elems: int):
+        """The kernel's shared storage struct: the ring's mbarriers, the A/B stages and a BF16
+        epilogue buffer of ``epi_elems`` elements (each 1024-byte aligned)."""
+        ab = self.cfg.ab_dtype
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
+            "sA": cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.a_smem_staged)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.b_smem_staged)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, epi_elems], 1024],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def allocate(self, shared_storage, epi):
+        """In the kernel: allocate ``shared_storage`` (:meth:`shared_storage`), build the ring's
+        pipeline and initialise its barriers; returns ``(pipe, sA, sB, sC)`` (``sC``: the
+        epilogue ``epi``'s view of its buffer)."""
+        storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
+        pipe = self.make_pipeline(storage.barriers.data_ptr())
+        sA = storage.sA.get_tensor(self.a_smem_staged.outer, swizzle=self.a_smem_staged.inner)
+        sB = storage.sB.get_tensor(self.b_smem_staged.outer, swizzle=self.b_smem_staged.inner)
+        sC = epi.smem_tensor(storage.sC)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
+        return pipe, sA, sB, sC
 
     def producer_state(self):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
