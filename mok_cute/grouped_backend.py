@@ -31,6 +31,26 @@ class ExpertGroup:
     h: torch.Tensor
 
 
+def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
+    """(rows [M, H], ExpertGroup): h = SwiGLU GEMM1 (gu, h), then GEMM2, through an arch's
+    grouped GEMM calls (``gemm1_swiglu(x, offsets, w_gate, w_up, limit) -> (gu, h)``,
+    ``gemm(a, offsets, w) -> out``)."""
+    gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
+    return gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+
+
+def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+    """(dx rows, dWg, dWu, dWd): dgrad2 + dSwiGLU, dgrad1 and the three weight gradients,
+    through an arch's grouped GEMM calls (argument order of ``sm90_expert_bwd``)."""
+    inter = w_gate.shape[1]
+    dgu = dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
+    dx = dgrad1(dgu, g.offsets, w_gate, w_up)
+    dwd = wgrad(dy_rows, g.h, g.offsets)
+    dwg = wgrad(dgu[:, :inter], g.x, g.offsets)
+    dwu = wgrad(dgu[:, inter:], g.x, g.offsets)
+    return dx, dwg, dwu, dwd
+
+
 @dataclass
 class _State:
     limit: float | None

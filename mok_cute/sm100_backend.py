@@ -7,7 +7,7 @@ wired; MXFP8 operands (quantize + blocked scales) are not yet.
 """
 from __future__ import annotations
 
-from .grouped_backend import ExpertGroup
+from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
 
 
 class Sm100ExpertMLP:
@@ -21,17 +21,11 @@ class Sm100ExpertMLP:
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
         from .kernels import sm100_grouped_gemm as k
 
-        gu, h = k.grouped_gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
-        return k.grouped_gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+        return mlp_forward(k.grouped_gemm1_swiglu, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd)."""
         from .kernels import sm100_grouped_gemm as k
 
-        inter = w_gate.shape[1]
-        dgu = k.grouped_dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
-        dx = k.grouped_dgrad1(dgu, g.offsets, w_gate, w_up)
-        dwd = k.grouped_wgrad(dy_rows, g.h, g.offsets)
-        dwg = k.grouped_wgrad(dgu[:, :inter], g.x, g.offsets)
-        dwu = k.grouped_wgrad(dgu[:, inter:], g.x, g.offsets)
-        return dx, dwg, dwu, dwd
+        return mlp_backward(k.grouped_dswiglu_dgrad, k.grouped_dgrad1, k.grouped_wgrad, g, dy_rows, w_gate, w_up,
+                            w_down, limit)

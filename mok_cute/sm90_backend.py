@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .grouped_backend import ExpertGroup
+from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
 
 
 class Sm90ExpertMLP:
@@ -23,8 +23,7 @@ class Sm90ExpertMLP:
         from .kernels import sm90_grouped_gemm as fwd
 
         _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
-        gu, h = fwd._run_gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
-        return fwd._run_gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+        return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd); operands were validated by forward, only dy is new."""
@@ -32,13 +31,8 @@ class Sm90ExpertMLP:
         from .kernels import sm90_grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
-        inter = w_gate.shape[1]
-        dgu = bwd._run_dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
-        dx = bwd._run_dgrad1(dgu, g.offsets, w_gate, w_up)
-        dwd = bwd._run_wgrad(dy_rows, g.h, g.offsets)
-        dwg = bwd._run_wgrad(dgu[:, :inter], g.x, g.offsets)
-        dwu = bwd._run_wgrad(dgu[:, inter:], g.x, g.offsets)
-        return dx, dwg, dwu, dwd
+        return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
+                            w_down, limit)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
