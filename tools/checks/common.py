@@ -68,3 +68,17 @@ def bench_us(fn, warmup: int = 5, iters: int = 20, barrier=None) -> float:
         times.append(a.elapsed_time(b) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def sm90_skip(ctx: Ctx, check: str) -> list[Row] | None:
+    """The one skipped row of ``check`` unless the device is an sm_90 GPU (None: run it)."""
+    if torch.cuda.get_device_capability(ctx.device) != (9, 0):
+        return [Row(f"{check}: skipped", ok=True, note=f"needs sm_90, have {ctx.device_name}")]
+    return None
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, after seeding torch's global RNG with it too."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    return gen

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us
+from checks.common import Row, bench_us, seeded, sm90_skip
 from checks.gemm_sm90 import _counts, _errors, _guarded, _offsets, _poisoned, _row
 
 REPEATS = 5
@@ -143,8 +143,8 @@ def _bench(fg, qf, gg, ref, dev):
 
 
 def run(ctx) -> list[Row]:
-    if torch.cuda.get_device_capability(ctx.device) != (9, 0):
-        return [Row("gemm_fp8: skipped", ok=True, note=f"needs sm_90, have {ctx.device_name}")]
+    if skipped := sm90_skip(ctx, "gemm_fp8"):
+        return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
     from mok_cute.kernels import quantize_fp8 as qf  # noqa: PLC0415
     from mok_cute.kernels import sm90_fp8_gemm as fg  # noqa: PLC0415
@@ -152,8 +152,7 @@ def run(ctx) -> list[Row]:
     from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
 
     dev = ctx.device
-    gen = torch.Generator().manual_seed(4321)
-    torch.manual_seed(4321)
+    gen = seeded(4321)
     rows = _rows(_guarded("fp8 uniform", _check_routing, fg, qf, ref, dev, gen, "uniform"))
     compiles = cache_stats()["compiles"]
     rows += _rows(_guarded("fp8 skewed", _check_routing, fg, qf, ref, dev, gen, "skewed"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us
+from checks.common import Row, bench_us, seeded, sm90_skip
 
 REL_L1_TOL = 1e-2
 REPEATS = 5
@@ -387,16 +387,15 @@ def _bench(gg, bwd, dev):
 
 
 def run(ctx) -> list[Row]:
-    if torch.cuda.get_device_capability(ctx.device) != (9, 0):
-        return [Row("gemm_sm90: skipped", ok=True, note=f"needs sm_90, have {ctx.device_name}")]
+    if skipped := sm90_skip(ctx, "gemm_sm90"):
+        return skipped
     from mok_cute import reference as ref  # noqa: PLC0415 (lazy: written in parallel)
     from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
     from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
     from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
 
     dev = ctx.device
-    gen = torch.Generator().manual_seed(1234)
-    torch.manual_seed(1234)
+    gen = seeded(1234)
     rows = []
     for routing in ("uniform", "skewed"):
         rows.append(_check_plain(gg, ref, dev, gen, routing, torch.int32))
