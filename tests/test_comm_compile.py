@@ -137,3 +137,17 @@ def test_pull_reduce_kernel_shape():
 def test_pull_kernel_registers():
     _, rep = compile_pull("sm_90a", inspect=True)
     assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+
+
+def test_pull_kernel_closure_and_64bit_peer_address():
+    """The pull kernel is built once by closure (like combine) and computes the peer source
+    vector address in 64 bits: the byte offset is widened before the *16 (shl.b64), not a
+    32-bit element index widened at the end."""
+    from mok_cute.comm.dispatch import pull_launcher
+
+    assert pull_launcher() is pull_launcher()
+    c, rep = compile_pull("sm_90a", inspect=True)
+    ptx = c.__ptx__
+    body = ptx[:ptx.index("ld.global.v4")]
+    assert "shl.b64" in body.splitlines()[-1] or "shl.b64" in "\n".join(body.splitlines()[-8:])
+    assert rep.max_registers <= 64 and rep.total_spill_bytes == 0

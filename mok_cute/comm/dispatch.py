@@ -29,44 +29,59 @@ from mok_cute.kernels.compile import compile_cached, compile_kernel
 from cutlass import Int32, Int64
 
 
-@cute.kernel
-def _pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                 recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer, out_rows: Int32,
-                 me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
-                 src_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-    if tidx == 0:
-        if bidx == 0:
-            P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-        P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-    cute.arch.barrier()
-    if not P.failed(status):
-        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V,
-                         e_local, src_off, Int32(P.READY), epoch, nctas, False)
-    cute.arch.barrier()
-    if tidx == 0:
-        P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep, epoch,
-                            nctas)
+_launchers: dict = {}
 
 
-@cute.jit
-def pull_rows_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                   recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer, out_rows: Int32,
-                   me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
-                   src_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
-                   nctas: Int32, stream):
-    """Launch the pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
-    _pull_kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
-                 e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
-        grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+def pull_launcher():
+    """The ``@cute.jit`` launcher of the pull kernel, built once by Python closure like
+    :func:`mok_cute.comm.combine.push_reduce_launcher`: no Constexpr kernel parameters,
+    int64/int32/bf16 pointers and Int32/Int64 scalars only, peer addresses in 64 bits."""
+    if "pull" in _launchers:
+        return _launchers["pull"]
+
+    @cute.kernel
+    def pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                    recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                    out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                    e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                    timeout_ns: Int64, nctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if tidx == 0:
+            if bidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
+            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
+                             T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False)
+        cute.arch.barrier()
+        if tidx == 0:
+            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
+                                epoch, nctas)
+
+    kernel = pull_kernel
+
+    @cute.jit
+    def pull_rows_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                       out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                       e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                       timeout_ns: Int64, nctas: Int32, stream):
+        """Launch the pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
+        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
+               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers["pull"] = host = pull_rows_host
+    return host
 
 
 def compile_pull(arch: str, inspect: bool = False):
     """Compile the pull launcher for ``arch``; returns ``(compiled, CompileReport | None)``."""
     i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    return compile_kernel(pull_rows_host, i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
+    return compile_kernel(pull_launcher(), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
                           Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)

@@ -48,9 +48,10 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
             p = s // tk
             if cutlass.const_expr(not push):
                 t = (s - p * tk) // k
-                src = cute.make_tensor(gptr(BFloat16, pb[p] + peer_off, 16),
-                                       cute.make_layout((T * V, 8), stride=(8, 1)))
-                local[i, None].store(src[t * V + (i - row * V), None].load())
+                # 64-bit address of the 16-byte source vector on rank p (as the push path)
+                addr = pb[p] + peer_off + (Int64(t) * Int64(V) + Int64(i - row * V)) * 16
+                src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                local[i, None].store(src.load())
             else:
                 # 64-bit address of the 16-byte slot vector on rank p (no 32-bit byte offsets)
                 addr = pb[p] + peer_off + (Int64(s - p * tk) * Int64(V) + Int64(i - row * V)) * 16

@@ -13,6 +13,8 @@ driver reads CUDA_MODULE_LOADING once, at CUDA init, and tools/gpu_check.py init
 CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this module can
 (import time and first thing in :func:`run`) and warns when CUDA is already up; for a
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
+``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
+kernel launched 3 times on one workspace, synced and checked after each), then stop.
 """
 from __future__ import annotations
 
@@ -96,6 +98,8 @@ def _eq(name, got, ref, note="") -> Row:
 
 
 DEBUG = os.environ.get("MOK_COMM_DEBUG", "0") == "1"
+# isolate the 2nd launch of the pull kernel: plan, dispatch, dispatch, reverse_combine, stop
+PULL_TWICE = os.environ.get("MOK_COMM_PULL_TWICE", "0") == "1"
 
 
 def _log(ctx: Ctx, msg: str) -> None:
@@ -203,6 +207,17 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         "reverse_combine": gather(dy_all),
         "reverse_dispatch": _ref_reduce(slots_of(dxe_all), valid, None, sh_all[me]),
     }
+
+    if PULL_TWICE:  # the pull kernel alone, launched 3 times in a row on one workspace
+        for n, (name, src_all) in enumerate([("dispatch", x_all), ("dispatch again", x_all),
+                                             ("reverse_combine", dy_all)]):
+            got = (dispatch if src_all is x_all else reverse_combine)(ws, src_all[me], plan,
+                                                                      num_ctas=8)[:M]
+            torch.cuda.synchronize()
+            ws.check_status()
+            _log(ctx, f"pull #{n + 1} {name} (epoch {ws.epoch['pull']}): ok")
+            rows.append(_eq(f"{tag} pull-twice #{n + 1} {name}", got, gather(src_all)))
+        return rows
 
     def step(num_ctas):
         ops = {
@@ -330,7 +345,7 @@ def run(ctx: Ctx) -> list[Row]:
     for c in cases[:1] if quick else cases:
         rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
                        lambda c=c: _correctness(ctx, *c))
-    if quick:
+    if quick or PULL_TWICE:
         return rows
     rows += _guard(ctx, "comm stalled peer", lambda: _stall(ctx))
     rows += _guard(ctx, "comm timing", lambda: _timing(ctx))
