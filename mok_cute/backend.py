@@ -3,7 +3,7 @@
 A backend has ``forward(inputs, config, group) -> (y, state)`` and ``backward(state, dy) ->
 reference.MoEGrads``. Selection: MOK_CUTE_BACKEND, else ``config.backend``, else by device:
 CPU -> reference (announced once), capability 9.0 -> sm90, 10.x -> sm100, others -> reference.
-A GPU backend asked for what it does not run yet (EP > 1, a precision not wired) raises
+A GPU backend asked for what it does not run yet (EP > 1 on sm100, a precision not wired) raises
 NotImplementedError: it never silently falls back on a GPU.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Layer backends built on grouped expert-MLP kernels (EP = 1): sm90 and sm100.
+"""Layer backends built on grouped expert-MLP kernels: sm90 and sm100 (EP = 1; EP > 1 for
+sm90 through the symmetric-memory comm kernels, see :mod:`mok_cute.ep_layer`).
 
 Unfused stages, no host sync (CUDA-graph friendly): a stable sort of the T*k (token, slot)
 routes by expert gives expert-grouped rows in the reference's order (token, then slot) and
@@ -88,7 +89,8 @@ def _scatter_slots(rows, order, valid, t, k):
 
 
 class GroupedExpertBackend:
-    """EP = 1 layer backend over an arch's expert MLP (forward and backward)."""
+    """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
+    through :mod:`mok_cute.ep_layer` when the MLP has ``expert_parallel = True`` (sm90)."""
 
     def __init__(self, mlp):
         self.mlp, self.name = mlp, mlp.arch
@@ -96,7 +98,7 @@ class GroupedExpertBackend:
     def check(self, inp, config, group) -> None:
         """Raise for what this backend does not run yet, before any kernel."""
         ep, _ = _world(group)
-        if ep != 1:
+        if ep != 1 and not getattr(self.mlp, "expert_parallel", False):
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
                                       "symmetric-memory dispatch/combine path, not built yet")
         if config.precision not in self.mlp.precisions:
@@ -111,6 +113,11 @@ class GroupedExpertBackend:
 
     def forward(self, inp, config, group):
         self.check(inp, config, group)
+        ep, _ = _world(group)
+        if ep != 1:
+            from . import ep_layer
+
+            return ep_layer.forward(self.mlp, inp, group, ep)
         x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
         t, k = idx.shape
         order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
@@ -128,7 +135,11 @@ class GroupedExpertBackend:
                        inp.shared, routed, shared_group, slot_out)
         return y, state
 
-    def backward(self, st: _State, dy: torch.Tensor) -> MoEGrads:
+    def backward(self, st, dy: torch.Tensor) -> MoEGrads:
+        if not isinstance(st, _State):
+            from . import ep_layer
+
+            return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
         w_rows = st.topk_w.reshape(-1)[st.order]
         dy_rows = (dy.index_select(0, st.order // k).float() * w_rows[:, None]).to(torch.bfloat16)

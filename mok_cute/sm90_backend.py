@@ -17,6 +17,7 @@ class Sm90ExpertMLP:
     arch = "sm90"
     tile_n = 256
     precisions = ("bf16",)
+    expert_parallel = True  # EP > 1 through mok_cute.ep_layer
 
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""

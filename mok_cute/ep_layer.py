@@ -1,0 +1,110 @@
+"""Unfused expert-parallel (EP > 1) layer over an arch's expert MLP and the comm kernels.
+
+Forward (no host sync before the status check): device plan (:func:`plan_routing_device`)
+-> dispatch by pull (this rank's expert-grouped rows, plan order: expert, source rank,
+token, slot) -> the arch's expert MLP over the [recv_capacity, H] row buffer with
+``plan.offsets`` (rows past ``offsets[-1]`` are never read) -> combine by push with the
+shared expert's output as the start (acc = fp32(shared) then + w_j * fp32(r_j) in slot
+order) -> a copy of the slot buffer (the routed rows r_j of this rank's tokens, needed by
+d topk_w) -> ``ws.check_status()``.
+
+Backward: reverse_combine pulls the dy rows of the routes this rank served, each scaled by
+its source slot's router weight, dyj = bf16(fp32(dy) * w), w from :func:`route_weights`
+over an NCCL all-gather of every rank's ``topk_w`` (made in the forward; a stopgap until
+the weights travel with the plan) -> the expert MLP backward -> reverse_dispatch (push dx
+rows, then dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j)) in slot order) -> d topk_w[t, j] =
+fp32 sum_h dy[t, h] * r_j[t, h] from the saved slot rows -> ``ws.check_status()``.
+
+Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
+the same sequence of layer calls. BF16 only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .reference import MoEGrads
+
+TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "30"))  # bound of every device-side wait
+
+
+@dataclass
+class EPState:
+    ws: object
+    plan: object
+    limit: float | None
+    topk_idx: torch.Tensor
+    w_rows: torch.Tensor  # [recv_capacity] fp32 router weight of each grouped row (0 past M)
+    weights: tuple
+    shared: tuple | None
+    routed: object
+    shared_group: object
+    slot_out: torch.Tensor  # [T, k, H] routed rows r_j of this rank's tokens (stale for -1 slots)
+
+
+def route_weights(recv_src: torch.Tensor, offsets: torch.Tensor, topk_w_all: torch.Tensor) -> torch.Tensor:
+    """[capacity] fp32 router weight of each grouped row: row i < offsets[-1] with packed
+    source ``recv_src[i] = p*T*k + t*k + j`` gets ``topk_w_all[p, t, j]`` (``topk_w_all``
+    [EP, T, k] or its flat view); rows at or past offsets[-1] (unspecified recv_src) get 0.
+    On the device, no host sync."""
+    flat = topk_w_all.reshape(-1)
+    rows = torch.arange(recv_src.shape[0], device=recv_src.device)
+    valid = rows < offsets[-1].to(rows.dtype)
+    src = torch.where(valid, recv_src.long(), torch.zeros((), dtype=torch.long, device=recv_src.device))
+    return torch.where(valid, flat[src], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def _gather_topk_w(topk_w: torch.Tensor, group, ep: int) -> torch.Tensor:
+    """[EP, T, k] fp32: every rank's topk_w (NCCL all-gather; same T on every rank)."""
+    import torch.distributed as dist
+
+    out = torch.empty((ep,) + tuple(topk_w.shape), dtype=topk_w.dtype, device=topk_w.device)
+    dist.all_gather_into_tensor(out, topk_w.contiguous(), group=group)
+    return out
+
+
+def forward(mlp, inp, group, ep: int):
+    from .comm.combine import combine
+    from .comm.dispatch import dispatch
+    from .comm.workspace import get_workspace
+    from .schedule.plan import plan_routing_device
+
+    x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+    t, k = idx.shape
+    h = x.shape[1]
+    ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=TIMEOUT_S)
+    plan = plan_routing_device(ws, idx)
+    w_rows = route_weights(plan.recv_src, plan.offsets, _gather_topk_w(inp.topk_w, group, ep))
+    x_rows = dispatch(ws, x, plan)
+    r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
+    s, shared_group = None, None
+    if inp.shared is not None:
+        offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
+        s, shared_group = mlp.forward(x, offs, *(w[None] for w in inp.shared), limit)
+    y = combine(ws, r, inp.topk_w, plan, shared_out=s)
+    slot_out = ws.view("slots", torch.bfloat16, (t, k, h)).clone()
+    ws.check_status()
+    state = EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
+                    routed, shared_group, slot_out)
+    return y, state
+
+
+def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
+    from .comm.combine import reverse_dispatch
+    from .comm.dispatch import reverse_combine
+
+    ws, plan = st.ws, st.plan
+    dyr = reverse_combine(ws, dy, plan)
+    dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
+    dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
+    dxs, d_shared = None, None
+    if st.shared is not None:
+        dxs, *dws = mlp.backward(st.shared_group, dy, *(w[None] for w in st.shared), st.limit)
+        d_shared = tuple(d[0] for d in dws)
+    dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs)
+    dtw = (dy.float()[:, None, :] * st.slot_out.float()).sum(-1)
+    dtw = torch.where(st.topk_idx >= 0, dtw, torch.zeros_like(dtw))
+    ws.check_status()
+    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

@@ -1,0 +1,155 @@
+"""CPU-testable pieces of the EP > 1 layer path (mok_cute.ep_layer): the router weight of
+each grouped row from the plan's packed sources, and which backends accept EP > 1."""
+import pytest
+import torch
+
+import mok_cute.backend as B
+import mok_cute.grouped_backend as G
+from mok_cute import reference as R
+from mok_cute.config import MoKConfig
+from mok_cute.ep_layer import route_weights
+from mok_cute.schedule.plan import plan_routing
+
+
+def _routing(EP, T, k, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = [torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32) for _ in range(EP)]
+    idx[0][:, 0] = 0  # a hot expert
+    w = torch.rand(EP, T, k, generator=g)
+    return idx, w
+
+
+@pytest.mark.parametrize("EP,T,k,E", [(2, 13, 3, 4), (4, 7, 4, 8), (2, 1, 2, 2)])
+def test_route_weights_match_reference_slot_weights(EP, T, k, E):
+    idx, w = _routing(EP, T, k, E, seed=EP * 100 + T)
+    spec = plan_routing(idx, E, EP)
+    cap = EP * T * k
+    for r in range(EP):
+        view = spec.rank_view(r)
+        m = int(view.offsets[-1])
+        # the device plan's recv_src has capacity rows, unspecified past M: fill with junk
+        recv = torch.full((cap,), 2 ** 30, dtype=torch.int32)
+        recv[m + 1:] = -7
+        recv[:m] = view.recv_src
+        got = route_weights(recv, view.offsets, w)
+        assert got.dtype == torch.float32 and got.shape == (cap,)
+        assert torch.equal(got[m:], torch.zeros(cap - m))
+        trip = spec.recv_triples(r)
+        assert torch.equal(got[:m], w[trip[:, 0], trip[:, 1], trip[:, 2]])
+        # the reference layer's per-row weights (its plan: same order)
+        ref = R.plan_routing(idx, E, EP, r)
+        assert ref.offsets == view.offsets.tolist()
+        assert torch.equal(got[:m], w[ref.src, ref.tok, ref.slot])
+        assert torch.equal(route_weights(recv, view.offsets, w.reshape(-1)), got)
+
+
+def test_ep_gate_sm90_only(monkeypatch):
+    from conftest import make_problem
+
+    p, _ = make_problem(T=4, H=256, I=256)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    monkeypatch.setattr(G, "_world", lambda group: (2, 0))
+    B.get_backend("sm90").check(inp, MoKConfig(), object())  # EP = 2 bf16: wired
+    with pytest.raises(NotImplementedError, match="'sm100': EP > 1"):
+        B.get_backend("sm100").check(inp, MoKConfig(), object())
+    with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
+        B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), object())
+
+
+class _MockWS:
+    """EP = 1 stand-in of a CommWorkspace: the slot buffer the combine 'pushes' into."""
+
+    def __init__(self, T, H, k):
+        self.T, self.H, self.k = T, H, k
+        self.slots = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16)
+        self.checked = 0
+
+    def view(self, name, dtype, shape):
+        assert name == "slots"
+        return self.slots.view(shape)
+
+    def check_status(self):
+        self.checked += 1
+
+
+class _RefMLP:
+    """The reference expert MLP behind the arch-MLP interface (rows past offsets[-1]: junk)."""
+
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+        offs = offsets.tolist()
+        out, saved = R.experts_forward(x_rows[:offs[-1]], offs, w_gate, w_up, w_down, limit, "bf16")
+        full = torch.full((x_rows.shape[0], out.shape[1]), float("nan"), dtype=out.dtype)
+        full[:offs[-1]] = out
+        return full, (saved, offs[-1], x_rows.shape[0])
+
+    def backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
+        saved, m, cap = g
+        dx, *dw = R.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, "bf16")
+        full = torch.full((cap, dx.shape[1]), float("nan"), dtype=dx.dtype)
+        full[:m] = dx
+        return (full, *dw)
+
+
+@pytest.mark.parametrize("shared,limit", [(None, None), (32, 4.0)])
+def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, limit):
+    """ep_layer.forward/backward with the comm ops replaced by torch mirrors (one rank, the
+    plan spec padded to capacity with junk) equals the reference layer bitwise."""
+    import mok_cute.comm.combine as C
+    import mok_cute.comm.dispatch as D
+    import mok_cute.comm.workspace as W
+    import mok_cute.ep_layer as L
+    import mok_cute.schedule.plan as PL
+    from conftest import make_problem
+
+    p, _ = make_problem(T=12, H=64, I=32, E=4, k=3, shared_I=shared, seed=5)
+    idx = p["topk_idx"].clone()
+    idx[2, 1] = -1
+    idx[7] = -1
+    T, k = idx.shape
+    ws = _MockWS(T, 64, k)
+    cap = T * k
+
+    def plan_dev(ws_, topk_idx):
+        v = plan_routing([topk_idx], 4, 1).rank_view(0)
+        recv = torch.full((cap,), 10 ** 6, dtype=torch.int32)
+        recv[:v.recv_src.shape[0]] = v.recv_src
+        v.recv_src = recv
+        return v
+
+    def pull(ws_, rows, plan):
+        m = int(plan.offsets[-1])
+        out = torch.full((cap, rows.shape[1]), float("nan"), dtype=rows.dtype)
+        out[:m] = rows[plan.recv_src[:m].long() // k]
+        return out
+
+    def push_reduce(ws_, rows, plan, w, start):
+        m = int(plan.offsets[-1])
+        ws_.slots[plan.recv_src[:m].long()] = rows[:m]
+        acc = start.float() if start is not None else torch.zeros(T, rows.shape[1])
+        return R.slot_sum(acc, ws_.slots.view(T, k, -1), plan.dest_rank, w).to(torch.bfloat16)
+
+    monkeypatch.setattr(W, "get_workspace", lambda *a, **kw: ws)
+    monkeypatch.setattr(PL, "plan_routing_device", plan_dev)
+    monkeypatch.setattr(D, "dispatch", pull)
+    monkeypatch.setattr(D, "reverse_combine", pull)
+    monkeypatch.setattr(C, "combine", lambda ws_, r, w, plan, shared_out=None: push_reduce(ws_, r, plan, w, shared_out))
+    monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None: push_reduce(ws_, r, plan, None, dx_shared))
+    monkeypatch.setattr(L, "_gather_topk_w", lambda w, group, ep: w[None])
+
+    sh = p.get("shared")
+    inp = B.MoEInputs(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
+    y, st = L.forward(_RefMLP(), inp, None, 1)
+    dy = torch.randn(T, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    g = L.backward(_RefMLP(), st, dy)
+    assert ws.checked == 2
+    y_ref, saved = R.moe_forward(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
+    g_ref = R.moe_backward(saved, dy)
+    assert torch.equal(y, y_ref)
+    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(g, name), getattr(g_ref, name)), name
+    # d topk_w: fp32 sum here, fp64 sum in the reference
+    torch.testing.assert_close(g.d_topk_w, g_ref.d_topk_w, rtol=1e-5, atol=1e-5)
+    assert bool((g.d_topk_w[idx < 0] == 0).all())
+    if sh is not None:
+        for a, b in zip(g.d_shared, g_ref.d_shared):
+            assert torch.equal(a, b)
