@@ -151,3 +151,70 @@ def test_pull_kernel_closure_and_64bit_peer_address():
     body = ptx[:ptx.index("ld.global.v4")]
     assert "shl.b64" in body.splitlines()[-1] or "shl.b64" in "\n".join(body.splitlines()[-8:])
     assert rep.max_registers <= 64 and rep.total_spill_bytes == 0
+
+
+# --- opt-in bulk-copy transport (MOK_COMM_TRANSPORT=bulk) -----------------------------------
+
+def assert_bulk(rep, ptx):
+    """cp.async.bulk peer/global -> shared on an mbarrier, shared -> global in bulk groups,
+    every store completed (wait_group 0) and proxy-fenced before the release flag."""
+    assert rep.total_spill_bytes == 0, rep.spill_bytes
+    assert rep.has("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert rep.has("cp.async.bulk.global.shared::cta.bulk_group")
+    assert rep.has("cp.async.bulk.commit_group") and rep.has("cp.async.bulk.wait_group.read")
+    assert rep.has("mbarrier.init.shared") and rep.has("mbarrier.arrive.expect_tx")
+    assert rep.has("mbarrier.try_wait.parity") and rep.has("fence.mbarrier_init")
+    done = ptx.index("cp.async.bulk.wait_group \t0") if "cp.async.bulk.wait_group \t0" in ptx \
+        else ptx.index("cp.async.bulk.wait_group 0")
+    assert "fence.proxy.async.global" in ptx[done:done + 200]
+    assert ptx.index("st.release.sys", done) > done
+    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+    assert rep.registers and all("ptrf32" not in name for name in rep.registers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pull_bulk_compiles(arch):
+    c, rep = compile_pull(arch, inspect=True, transport="bulk")
+    assert_sys_ordering(rep)
+    assert_bulk(rep, c.__ptx__)
+    assert not rep.has("ld.global.v4")  # rows move only by bulk copies
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("has_w,has_start", [(True, True), (False, True), (True, False),
+                                             (False, False)])
+def test_push_reduce_bulk_compiles(arch, has_w, has_start):
+    c, rep = compile_push_reduce(arch, has_w, has_start, inspect=True, transport="bulk")
+    assert_sys_ordering(rep)
+    assert_bulk(rep, c.__ptx__)
+    # the fixed-order reduce is the plain transport's code: same mul.rn/add.rn, no FMA
+    assert not rep.has("fma.rn.f32")
+    assert rep.has("add.rn.f32") and rep.has("mul.rn.f32") == has_w
+
+
+def test_bulk_push_half_compiles():
+    c, rep = compile_push_reduce("sm_90a", True, False, inspect=True, phase=1, transport="bulk")
+    assert_bulk(rep, c.__ptx__)
+
+
+def test_transport_selection(monkeypatch):
+    from mok_cute.comm.dispatch import pull_launcher
+    from mok_cute.comm.rows import transport_of
+
+    monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
+    assert transport_of(None) == "plain"
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk")
+    assert transport_of(None) == "bulk" and transport_of("plain") == "plain"
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "tma?")
+    with pytest.raises(ValueError):
+        transport_of(None)
+    assert pull_launcher("bulk") is pull_launcher("bulk")
+    assert pull_launcher("bulk") is not pull_launcher("plain")
+
+
+def test_plain_transport_unchanged():
+    """The default kernels carry no bulk copies (the verified plain transport)."""
+    _, rep = compile_pull("sm_90a", inspect=True)
+    assert not rep.has("cp.async.bulk") and not rep.has("mbarrier")
+    _, rep = compile_push_reduce("sm_90a", True, True, inspect=True)
+    assert not rep.has("cp.async.bulk") and not rep.has("mbarrier")
