@@ -117,6 +117,50 @@ def test_fp8_gemm_compiles_e4m3_wgmma(gemm_report):
     assert "cp.async.bulk.tensor" in rep.ptx
 
 
+@pytest.fixture(scope="module")
+def overlap_report():
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    return g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=True), inspect=True)[1]
+
+
+def test_fp8_gemm_default_promotion_unchanged(gemm_report):
+    ptx = gemm_report.ptx
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)) == {"0"}
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", ptx)
+
+
+def test_fp8_gemm_overlap_compiles(overlap_report):
+    """Opt-in overlapped promotion: the next k-tile's wgmma batch is issued into the second
+    temporary before waiting on the previous one (wait_group 1), 3 FP32 fragments without
+    spills (24 / 240 register split), no wgmma serialization by ptxas."""
+    rep = overlap_report
+    assert rep.arch == "sm_90a" and len(rep.registers) == 1, rep.log
+    assert rep.total_spill_bytes == 0 and all(v == 0 for v in rep.stack_bytes.values()), rep.log
+    assert "C7514" not in rep.log and "serialized" not in rep.log, rep.log  # wgmma serialization
+    assert "C7517" not in rep.log, rep.log  # ptxas-injected wait_group (accumulator read too early)
+    ptx = rep.ptx
+    kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx))
+    assert kinds == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+    # 4 k-blocks per batch: k-tile 0, the loop unrolled by two, the even-k_tiles tail
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 16
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits.count("1") == 3 and waits.count("0") == 2, waits
+    # promotions: 2 in the loop, 2 + 1 in the tails; 2 row-scale multiplies each
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == 5 * 64
+    assert len(re.findall(r"\bmul\.(rn\.)?f32\b", ptx)) == 5 * 2
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    assert "cp.async.bulk.tensor" in ptx
+
+
+def test_fp8_overlap_compile_key():
+    from mok_cute.kernels.sm90_fp8_gemm import DEFAULT_FP8_CONFIG, Fp8MainloopConfig
+    assert DEFAULT_FP8_CONFIG.overlap_promotion is False
+    assert Fp8MainloopConfig(overlap_promotion=True).key() != DEFAULT_FP8_CONFIG.key()
+    assert Fp8MainloopConfig().key() == DEFAULT_FP8_CONFIG.key()
+
+
 def test_fp8_config_validation():
     from mok_cute.kernels.sm90_fp8_gemm import Fp8MainloopConfig
     Fp8MainloopConfig().validate()

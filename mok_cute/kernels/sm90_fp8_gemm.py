@@ -20,6 +20,14 @@ FMA per accumulator element per 128 K, one multiply per row). Hopper's FP8 wgmma
 with reduced internal precision, which is why partial sums are promoted every 128 K.
 Two FP32 fragments live per thread, so tile_n <= 128 (2 x 64 registers at tile_n = 128).
 
+Opt-in (``Fp8MainloopConfig(overlap_promotion=True)``, part of the compile key; not yet
+device-verified): :meth:`Fp8BlockGroupedGemm.mma_tile_overlapped` keeps the tensor cores
+busy across promotion with two temporaries: k-tile j's batch is issued before waiting for
+batch j-1 (``wait_group(1)``), which is then released and promoted while batch j runs;
+the scales of k-tile j are loaded right after its batch is issued and used one batch later.
+Same arithmetic in the same order, so its output is bitwise the default's. Three FP32
+fragments (192 registers) need the 24 / 240 producer / consumer register split (0 spills).
+
 MXFP8 on SM90 (not built; the arithmetic for the choice). Promotion per 32 K costs per
 accumulator element one FMA plus a per-element scale (the column scale 2^eb varies along N,
 the row scale 2^ea along M: ~2 CUDA-core ops) for every 64 tensor-core FLOP (one k = 32
@@ -60,6 +68,11 @@ from mok_cute.kernels.sm90_mainloop import (
 from mok_cute.schedule.group_tiles import seek, tile_coords
 
 SCALE_BLOCK = 128
+# overlapped promotion (opt-in): 3 FP32 fragments per consumer thread (192 registers) do not
+# fit the shared mainloop's 232 without spills; the TMA producer warpgroup needs few
+# registers, so this kernel splits 24 / 240 (128 * 24 + 256 * 240 = 64512 <= 65536)
+OVERLAP_PRODUCER_REGS = 24
+OVERLAP_CONSUMER_REGS = 240
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class Fp8MainloopConfig(MainloopConfig):
     tile_n: int = 128
     tile_k: int = 128
     ab_dtype: type = cutlass.Float8E4M3FN
+    #: opt-in (not yet device-verified): overlapped promotion, see
+    #: :meth:`Fp8BlockGroupedGemm.mma_tile_overlapped` (part of the compile key)
+    overlap_promotion: bool = False
 
     def validate(self) -> None:
         if self.tile_m != 128:
@@ -82,6 +98,9 @@ class Fp8MainloopConfig(MainloopConfig):
             raise ValueError(f"cluster_mn {self.cluster_mn} not implemented, only (1, 1)")
         if self.ab_dtype is not cutlass.Float8E4M3FN:
             raise ValueError(f"ab_dtype must be Float8E4M3FN, got {self.ab_dtype}")
+
+    def key(self) -> tuple:
+        return super().key() + (("overlap_promotion",) if self.overlap_promotion else ())
 
 
 class Fp8BlockGroupedGemm:
@@ -152,6 +171,97 @@ class Fp8BlockGroupedGemm:
                 acc[i] = tmp[i] * s[row_scales[i]] + acc[i]  # contracted to one FMA
         return state
 
+    # ------------------------------------------------ overlapped promotion (opt-in)
+    def _issue(self, pipe, state, tCrA, tCrB, tmp):
+        """Wait for ring slot ``state`` and issue its 4 wgmma k-blocks into ``tmp`` (the first
+        overwrites it); one commit group. The tiled MMA is private to each call site: its
+        ACCUMULATE field is a staged value that must not leave the enclosing loop body."""
+        ml = self.mainloop
+        mma = sm90.make_trivial_tiled_mma(
+            self.cfg.ab_dtype, self.cfg.ab_dtype, ml.a_layout.sm90_mma_major_mode(),
+            ml.b_layout.sm90_mma_major_mode(), self.cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1),
+            tiler_mn=(64, self.cfg.tile_n))
+        pipe.consumer_wait(state)
+        warpgroup.fence()  # orders the promotion's earlier reads of tmp before the wgmma writes
+        for kb in range(cute.size(tCrA, mode=[2])):
+            mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma, tmp, tCrA[(None, None, kb, state.index)], tCrB[(None, None, kb, state.index)], tmp)
+        warpgroup.commit_group()
+
+    def _load_scales(self, sc, mSA, mSB, rows_a, expert, n_blk, kt):
+        """sc[i] = sa[rows_a[i], kt], sc[-1] = sb[expert, n_blk, kt] (consumed one batch later)."""
+        for i, r in enumerate(rows_a):
+            sc[i] = mSA[kt, r]
+        sc[len(rows_a)] = mSB[expert, n_blk, kt]
+
+    def _promote(self, acc, tmp, sc, row_scales, n_rows):
+        """acc = fma(tmp, sa[row] * sb, acc): the default's arithmetic, in the same order."""
+        sb = sc[n_rows]
+        s = [sc[i] * sb for i in range(n_rows)]
+        for i in range(cute.size(acc)):
+            acc[i] = tmp[i] * s[row_scales[i]] + acc[i]
+
+    @cute.jit
+    def mma_tile_overlapped(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
+                            tmp0: cute.Tensor, tmp1: cute.Tensor, k_tiles: Int32, row_scales, mSA: cute.Tensor,
+                            mSB: cute.Tensor, rows_a, expert: Int32, n_blk: Int32):
+        """Same result as :meth:`mma_tile_promoted` (bitwise: same wgmma, same FMA order), with
+        the tensor cores busy during promotion: k-tile j's wgmma batch goes into one of two
+        temporaries before the thread waits for batch j-1 (``wait_group(1)``), then k-tile
+        j-1's slot is released and its temporary promoted while batch j runs. The scales of
+        k-tile j are loaded into registers right after batch j is issued and used one batch
+        later, so their global-load latency is hidden behind a whole wgmma batch.
+
+        Temporaries alternate at compile time: the k loop is unrolled by two, then a dynamic
+        ``if`` on the parity of ``k_tiles`` drains one or two batches.
+        Registers per thread at 128x128: acc + 2 temporaries = 3 x 64 FP32.
+        """
+        n_rows = len(rows_a)
+        sc0 = cute.make_rmem_tensor((n_rows + 1,), Float32)
+        sc1 = cute.make_rmem_tensor((n_rows + 1,), Float32)
+        acc.fill(0.0)
+        release = state.clone()
+        # k-tile 0 into tmp0
+        self._issue(pipe, state, tCrA, tCrB, tmp0)
+        self._load_scales(sc0, mSA, mSB, rows_a, expert, n_blk, Int32(0))
+        state.advance()
+        # pairs: k-tile 2p+1 into tmp1 (promote 2p from tmp0), 2p+2 into tmp0 (promote 2p+1)
+        for p in cutlass.range((k_tiles - 1) // 2, unroll=1):
+            kt = 2 * p + 1
+            self._issue(pipe, state, tCrA, tCrB, tmp1)
+            self._load_scales(sc1, mSA, mSB, rows_a, expert, n_blk, kt)
+            state.advance()
+            warpgroup.wait_group(1)
+            pipe.consumer_release(release)
+            release.advance()
+            self._promote(acc, tmp0, sc0, row_scales, n_rows)
+            self._issue(pipe, state, tCrA, tCrB, tmp0)
+            self._load_scales(sc0, mSA, mSB, rows_a, expert, n_blk, kt + 1)
+            state.advance()
+            warpgroup.wait_group(1)
+            pipe.consumer_release(release)
+            release.advance()
+            self._promote(acc, tmp1, sc1, row_scales, n_rows)
+        # tails: tmp0 holds k-tile k_tiles - 2 (even k_tiles) or k_tiles - 1 (odd). Dynamic
+        # ifs, not loops of trip count 0/1: LLVM hoisted the loop-invariant tmp0 * s out of
+        # such a loop, above its wait_group (a read of in-flight wgmma registers, unfused)
+        if (k_tiles - 1) % 2 == 1:  # even k_tiles: the last k-tile into tmp1
+            self._issue(pipe, state, tCrA, tCrB, tmp1)
+            self._load_scales(sc1, mSA, mSB, rows_a, expert, n_blk, k_tiles - 1)
+            state.advance()
+            warpgroup.wait_group(1)
+            pipe.consumer_release(release)
+            release.advance()
+            self._promote(acc, tmp0, sc0, row_scales, n_rows)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(release)
+            self._promote(acc, tmp1, sc1, row_scales, n_rows)
+        else:
+            warpgroup.wait_group(0)
+            pipe.consumer_release(release)
+            self._promote(acc, tmp0, sc0, row_scales, n_rows)
+        return state
+
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
                mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
@@ -180,7 +290,8 @@ class Fp8BlockGroupedGemm:
         expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
 
         if warp < THREADS_PER_WG // 32:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(OVERLAP_PRODUCER_REGS if cutlass.const_expr(cfg.overlap_promotion)
+                                              else PRODUCER_REGS)
             if warp == 0:
                 state = self.mainloop.producer_state()
                 while expert < num_experts:
@@ -192,10 +303,12 @@ class Fp8BlockGroupedGemm:
                     expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
                 pipe.producer_tail(state)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(OVERLAP_CONSUMER_REGS if cutlass.const_expr(cfg.overlap_promotion)
+                                              else CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG
             thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
             tmp = cute.make_rmem_tensor_like(acc)
+            tmp1 = cute.make_rmem_tensor_like(acc) if cutlass.const_expr(cfg.overlap_promotion) else None
             # accumulator element i sits in row (this thread's first row) + off[i], off[i]
             # compile-time (thread 0's coordinates; the C layout is thread part + value part)
             ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
@@ -210,8 +323,12 @@ class Fp8BlockGroupedGemm:
                 first = row0 + mine[0][0]
                 rows_a = [cutlass.min(first + o, m_total - 1) for o in distinct]
                 n_blk = (n_tile * cfg.tile_n) // SCALE_BLOCK
-                state = self.mma_tile_promoted(pipe, state, tCrA, tCrB, acc, tmp, k_tiles, row_scales, mSA, mSB,
-                                               rows_a, expert, n_blk)
+                if cutlass.const_expr(cfg.overlap_promotion):
+                    state = self.mma_tile_overlapped(pipe, state, tCrA, tCrB, acc, tmp, tmp1, k_tiles, row_scales,
+                                                     mSA, mSB, rows_a, expert, n_blk)
+                else:
+                    state = self.mma_tile_promoted(pipe, state, tCrA, tCrB, acc, tmp, k_tiles, row_scales, mSA, mSB,
+                                                   rows_a, expert, n_blk)
                 self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut, Float32(0.0))
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)

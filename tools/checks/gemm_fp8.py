@@ -14,9 +14,12 @@ multiples of the 128-row tile), 8 experts, K = H = 1024, N = 1024:
     reference-quantized operands (contiguous [M, K/128] scales: the wrapper's copy path)
     bitwise equal to the first; vs the reference on the GPU tensors (same quantized
     operands, only the accumulation order differs): rel-L1 <= 1e-2 and finite.
-Then: zero total rows, no recompile for new counts, and one timed shape (8 experts x 4096
+Each GEMM row is repeated for the opt-in overlapped-promotion consumer
+(Fp8MainloopConfig(overlap_promotion=True)): the same checks, plus bitwise equality with the
+default kernel's output. Then: zero total rows, no recompile for new counts, and one timed shape (8 experts x 4096
 rows, K = H = 7168, N = 4096): FP8 GEMM time (operands pre-quantized), TFLOP/s, and the BF16
-plain grouped GEMM (sm90_grouped_gemm.grouped_gemm) at the same shape timed in the same row.
+plain grouped GEMM (sm90_grouped_gemm.grouped_gemm) at the same shape timed in the same row;
+a second row times the overlapped-promotion variant beside the default and BF16.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ REPEATS = 5
 E, K, N = 8, 1024, 1024  # correctness shape (E must match gemm_sm90._counts)
 BENCH = (8, 4096, 7168, 4096)  # experts, rows per expert, K (= H), N
 BLK = 128
+OVERLAP = None  # Fp8MainloopConfig(overlap_promotion=True), set in run() (imports the DSL lazily)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -102,9 +106,35 @@ def _check_routing(fg, qf, ref, dev, gen, routing):
         row = _row(f"fp8_block gemm {routing}", [outs[0]], [want], same,
                    f"ref-quantized operands bitwise={same_ref_ops} M={m} counts={counts}")
         row.ok = row.ok and same_ref_ops
+        return row, want, outs[0]
+
+    def gemm_overlap(want, default_out):
+        """The opt-in overlapped-promotion consumer: same checks, and bitwise equal to the
+        default (same wgmma batches, same FMA order by construction; a read of in-flight
+        wgmma registers would show here)."""
+        outs = []
+        for _ in range(REPEATS):
+            (out,) = _poisoned((m, N), device=dev)
+            outs.append(fg.grouped_gemm_fp8_block(qa, sa, offs, wq, ws, out=out, cfg=OVERLAP))
+        (out,) = _poisoned((m, N), device=dev)
+        via_ref = fg.grouped_gemm_fp8_block(ra, rsa, offs, wq, ws, out=out, cfg=OVERLAP)
+        torch.cuda.synchronize()
+        same = all(torch.equal(outs[0], o) for o in outs[1:])
+        same_ref_ops = torch.equal(outs[0], via_ref)
+        same_default = default_out is not None and torch.equal(outs[0], default_out)
+        row = _row(f"fp8_block gemm overlap {routing}", [outs[0]], [want], same,
+                   f"== default bitwise={same_default} ref-quantized operands bitwise={same_ref_ops} M={m}")
+        row.ok = row.ok and same_ref_ops and same_default
         return row
 
-    return [q_row, _guarded(f"fp8_block gemm {routing}", gemm)]
+    res = _guarded(f"fp8_block gemm {routing}", gemm)
+    if isinstance(res, Row):  # crashed: still run the overlap variant against the reference
+        want, default_out = ref.grouped_gemm(x, offs, w, precision="fp8_block"), None
+        rows = [q_row, res]
+    else:
+        row, want, default_out = res
+        rows = [q_row, row]
+    return rows + [_guarded(f"fp8_block gemm overlap {routing}", gemm_overlap, want, default_out)]
 
 
 def _check_zero_rows(fg, qf, dev):
@@ -129,17 +159,24 @@ def _bench(fg, qf, gg, ref, dev):
     wq, ws = _quantize_weights(ref, w)  # the reference on the GPU (values do not matter here)
     out8 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    out8o = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     t8 = bench_us(lambda: fg.grouped_gemm_fp8_block(qa, sa, offs, wq, ws, out=out8))
+    t8o = bench_us(lambda: fg.grouped_gemm_fp8_block(qa, sa, offs, wq, ws, out=out8o, cfg=OVERLAP))
     t16 = bench_us(lambda: gg.grouped_gemm(x, offs, w, out=out16))
     tq = bench_us(lambda: qf.quantize_fp8_block_act(x))
     torch.cuda.synchronize()
     flops = 2.0 * m * k * n
     finite = bool(torch.isfinite(out8.float()).all())
     _, rel, _ = _errors(out8, out16)  # quantization error, for information only
-    return Row(f"bench fp8_block gemm {e}x{rows} K={k} N={n}", time_us=t8, ok=finite,
-               note=f"{flops / t8 / 1e6:.0f} TFLOP/s; bf16 plain {t16:.1f} us {flops / t16 / 1e6:.0f} TFLOP/s; "
-                    f"speedup bf16/fp8 {t16 / t8:.2f}x; +act quantize {tq:.1f} us; "
-                    f"finite={finite} relL1 vs bf16 {rel:.1e}")
+    same = torch.equal(out8, out8o)
+    return [Row(f"bench fp8_block gemm {e}x{rows} K={k} N={n}", time_us=t8, ok=finite,
+                note=f"{flops / t8 / 1e6:.0f} TFLOP/s; bf16 plain {t16:.1f} us {flops / t16 / 1e6:.0f} TFLOP/s; "
+                     f"speedup bf16/fp8 {t16 / t8:.2f}x; +act quantize {tq:.1f} us; "
+                     f"finite={finite} relL1 vs bf16 {rel:.1e}"),
+            Row(f"bench fp8_block gemm overlap {e}x{rows} K={k} N={n}", time_us=t8o, bitwise=same, ok=same,
+                note=f"{flops / t8o / 1e6:.0f} TFLOP/s; default {t8:.1f} us {flops / t8 / 1e6:.0f} TFLOP/s "
+                     f"(overlap/default speedup {t8 / t8o:.2f}x); bf16 plain {t16:.1f} us; "
+                     f"speedup bf16/overlap {t16 / t8o:.2f}x; == default bitwise={same}")]
 
 
 def run(ctx) -> list[Row]:
@@ -151,6 +188,8 @@ def run(ctx) -> list[Row]:
     from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
     from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
 
+    global OVERLAP  # noqa: PLW0603
+    OVERLAP = fg.Fp8MainloopConfig(overlap_promotion=True)
     dev = ctx.device
     gen = seeded(4321)
     rows = _rows(_guarded("fp8 uniform", _check_routing, fg, qf, ref, dev, gen, "uniform"))
@@ -159,5 +198,5 @@ def run(ctx) -> list[Row]:
     rows.append(_guarded("fp8 zero rows", _check_zero_rows, fg, qf, dev))
     recompiled = cache_stats()["compiles"] - compiles
     rows.append(Row("fp8 no recompile for new counts", ok=recompiled == 0, note=f"{recompiled} new compiles"))
-    rows.append(_guarded("bench fp8_block gemm", _bench, fg, qf, gg, ref, dev))
+    rows += _rows(_guarded("bench fp8_block gemm", _bench, fg, qf, gg, ref, dev))
     return rows
