@@ -10,9 +10,7 @@ For each (tokens per rank T, hidden H, top-k k) with bf16 rows and E = 32 * EP e
   * baseline: the same jobs through NCCL as Megatron's all-to-all dispatcher does them
     (permute -> ``all_to_all_single`` -> sort by expert; and back: unsort ->
     ``all_to_all_single`` -> weighted sum over slots); splits exchanged beforehand;
-  * the comm-CTA sweep 4..32 for dispatch and combine;
-  * ``MOK_COMM_TRANSPORT`` = plain (default) | bulk (cp.async.bulk rows) | both: the mok rows
-    once per transport, side by side at each CTA count (names tagged ``[bulk]``).
+  * the comm-CTA sweep 4..32 for dispatch and combine.
 Times are medians of 20 iterations on the slowest rank (CUDA events). GB/s per direction
 counts only the bytes that cross NVLink (rows whose source rank differs from the expert
 rank). The peer copy rate is torch ``copy_`` of 256 MiB from the peer's symmetric buffer
@@ -35,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 from checks.common import bench_us as median_us  # noqa: E402
 from mok_cute.comm.combine import combine  # noqa: E402
 from mok_cute.comm.dispatch import dispatch  # noqa: E402
-from mok_cute.comm.rows import TRANSPORTS, transport_of  # noqa: E402
 from mok_cute.comm.workspace import get_workspace  # noqa: E402
 from mok_cute.schedule.plan import plan_routing, plan_routing_device  # noqa: E402
 
@@ -119,16 +116,7 @@ def routing(p, T, k, E, dev):
     return torch.rand(T, E, generator=g, device=dev).topk(k, dim=1).indices
 
 
-def transports() -> list[str]:
-    env = os.environ.get("MOK_COMM_TRANSPORT", "plain").strip().lower()
-    return list(TRANSPORTS) if env == "both" else [transport_of(env)]
-
-
-def _tag(tr: str) -> str:
-    return "" if tr == "plain" else f" [{tr}]"
-
-
-def bench_case(T, H, k, ctas, rows, sweep, trs=("plain",)):
+def bench_case(T, H, k, ctas, rows, sweep):
     me, EP, dev = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
     E = 32 * EP
     idx_all = [routing(p, T, k, E, dev) for p in range(EP)]
@@ -156,17 +144,10 @@ def bench_case(T, H, k, ctas, rows, sweep, trs=("plain",)):
         rows.append(dict(case=tag, name=name, us=t, GBps=nbytes / t / 1e3 if nbytes else None, **kw))
 
     for c in (sweep if sweep else [ctas]):
-        for tr in trs:
-            add(f"mok dispatch pull, {c} CTAs{_tag(tr)}", bench_us(
-                lambda: dispatch(ws, src, plan, num_ctas=c, out=out, transport=tr)), ctas=c,
-                transport=tr)
-        for tr in trs:
-            add(f"mok combine push+sum, {c} CTAs{_tag(tr)}", bench_us(
-                lambda: combine(ws, eo, w, plan, num_ctas=c, transport=tr)), ctas=c, transport=tr)
-    for tr in trs:
-        add(f"mok dispatch incl. staging, {ctas} CTAs{_tag(tr)}",
-            bench_us(lambda: dispatch(ws, x, plan, num_ctas=ctas, out=out, transport=tr)),
-            ctas=ctas, transport=tr)
+        add(f"mok dispatch pull, {c} CTAs", bench_us(lambda: dispatch(ws, src, plan, num_ctas=c, out=out)), ctas=c)
+        add(f"mok combine push+sum, {c} CTAs", bench_us(lambda: combine(ws, eo, w, plan, num_ctas=c)), ctas=c)
+    add(f"mok dispatch incl. staging, {ctas} CTAs",
+        bench_us(lambda: dispatch(ws, x, plan, num_ctas=ctas, out=out)), ctas=ctas)
     ws.check_status()
     base = Baseline(idx_all, me, T, k, E, EP, dev)
     add("nccl dispatch (permute+a2a+sort)", bench_us(lambda: base.dispatch(x, H)))
@@ -189,10 +170,9 @@ def main():
     cases = [(4096, 7168, 8), (8192, 7168, 8)] if quick else [
         (2048, 7168, 8), (4096, 7168, 8), (8192, 7168, 8), (16384, 7168, 8),
         (4096, 4096, 8), (8192, 4096, 8), (4096, 7168, 6), (8192, 7168, 6)]
-    trs = transports()
     for i, (T, H, k) in enumerate(cases):
         sweep = [4, 8, 16, 24, 32] if (T, H, k) in ((4096, 7168, 8), (8192, 7168, 8)) else [16, 32]
-        bench_case(T, H, k, 32, rows, sweep, trs)
+        bench_case(T, H, k, 32, rows, sweep)
         if me == 0:
             print(f"[bench_comm] done T{T} H{H} k{k}", flush=True)
     if me == 0:
@@ -204,13 +184,12 @@ def main():
         peer = min(pull_rate, push_rate)
         print(f"== bench_comm on 2x {torch.cuda.get_device_name()} (bf16, E=64 random top-k; "
               f"GB/s per direction over remote rows; slowest rank) ==")
-        print(f"transports: {', '.join(trs)}")
-        print(f"{'case':16s} {'what':52s} {'us':>9s} {'GB/s':>7s} {'%peer':>6s}")
+        print(f"{'case':16s} {'what':44s} {'us':>9s} {'GB/s':>7s} {'%peer':>6s}")
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             gb = "-" if r["GBps"] is None else f"{r['GBps']:.0f}"
             pc = "-" if r["GBps"] is None else f"{100 * r['GBps'] / peer:.0f}"
-            print(f"{r['case']:16s} {r['name'][:52]:52s} {us:>9s} {gb:>7s} {pc:>6s}")
+            print(f"{r['case']:16s} {r['name'][:44]:44s} {us:>9s} {gb:>7s} {pc:>6s}")
     dist.barrier()
     dist.destroy_process_group()
 

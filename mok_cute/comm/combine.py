@@ -26,7 +26,7 @@ import torch
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
-from mok_cute.comm.rows import BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows, transport_of
+from mok_cute.comm.rows import THREADS, copy_routed_rows
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
@@ -122,10 +122,8 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
                me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
                slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32,
-               resets: Constexpr, bulk: Constexpr = False):
-    """Wait FREE >= epoch-1, push the grouped rows into the source ranks' slot buffers (16-byte
-    stores, or with ``bulk`` cp.async.bulk rows through shared memory, completed before the
-    barrier), and
+               resets: Constexpr):
+    """Wait FREE >= epoch-1, push the grouped rows into the source ranks' slot buffers, and
     arrive on ``counters[0]`` (the last CTA zeroes the first ``resets`` counters, then
     signals DATA = epoch). Plan memory (offsets, recv_src) is local and complete before
     the launch (same stream), so reading it does not depend on the wait."""
@@ -135,13 +133,9 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
         P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
-        if cutlass.const_expr(bulk):
-            bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k,
-                             T * k, V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True)
-        else:
-            copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k,
-                             T * k, V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
-                             PUSH_STORE == "b32")
+        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
+                         V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
+                         PUSH_STORE == "b32")
     cute.arch.barrier()
     if tidx == 0:
         P.arrive_and_signal(pb, status, counters, counters, resets, flags_off, Int32(P.DATA), me,
@@ -175,7 +169,7 @@ def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
 _launchers: dict = {}
 
 
-def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, transport: str = "plain"):
+def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
     """The ``@cute.jit`` launcher of one push-and-reduce variant, built once per variant.
 
     The variant (``has_w``, ``has_start``, ``phase``: 1 = push half only, 2 = reduce half
@@ -183,20 +177,13 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, transport
     Constexpr parameters and the argument kinds of the pull
     kernel (int64/int32/bf16 pointers, Int32/Int64 scalars). ``weights`` is passed as an
     int32 pointer (the fp32 ``topk_w`` bits) and ``start`` is always a real buffer (the
-    workspace's zero ``dummy`` when absent: never read, never aliases ``out``).
-    ``transport`` "bulk": the push half moves whole rows by cp.async.bulk (the reduce half,
-    and so the fixed-order sum, is the same code for both transports)."""
-    transport = transport_of(transport)
+    workspace's zero ``dummy`` when absent: never read, never aliases ``out``)."""
     key = ("push_reduce", bool(has_w), bool(has_start), int(phase))
-    if transport != "plain":
-        key = key + (transport,)
     if key in _launchers:
         return _launchers[key]
     has_w, has_start, phase = bool(has_w), bool(has_start), int(phase)
     do_push, do_reduce = (phase & 1) != 0, (phase & 2) != 0
     push_resets = 1 if phase == 1 else 0  # launched alone the push half resets its counter
-    bulk = transport == "bulk"
-    smem_bytes = BULK_SMEM if (bulk and do_push) else 0
 
     @cute.kernel
     def push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
@@ -208,7 +195,7 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, transport
         pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
         if cutlass.const_expr(do_push):
             _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
-                       e_local, slots_off, flags_off, epoch, timeout_ns, nctas, push_resets, bulk)
+                       e_local, slots_off, flags_off, epoch, timeout_ns, nctas, push_resets)
         if cutlass.const_expr(do_reduce):
             _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
                          slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
@@ -224,19 +211,18 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, transport
                          epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
         kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
                start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
-               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes,
-                             stream=stream)
+               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     _launchers[key] = host = push_reduce_host
     return host
 
 
 def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False,
-                        phase: int = 3, transport: str = "plain"):
+                        phase: int = 3):
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
     ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(push_reduce_launcher(has_w, has_start, phase, transport), _fake_ptr("i64"), i32,
+    return compile_kernel(push_reduce_launcher(has_w, has_start, phase), _fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
                           Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
@@ -251,7 +237,7 @@ def _optional_inputs(ws: CommWorkspace, weights, start):
 
 
 def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, num_ctas, name,
-                 start_name, transport: str | None = None) -> torch.Tensor:
+                 start_name) -> torch.Tensor:
     check_plan(ws, plan)
     check_tensor(name, rows, torch.bfloat16, (None, ws.H), ws.device)
     if weights is not None:
@@ -260,7 +246,6 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
         check_tensor(start_name, start, torch.bfloat16, (ws.T, ws.H), ws.device)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
-    tr = transport_of(transport)
     if COMBINE_MODE == "pull":
         return _pull_reduce(ws, rows, plan, weights, start, nctas)
     has_w, has_start = weights is not None, start is not None
@@ -270,11 +255,8 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     epoch = ws.next_epoch("push")
     w_ptr, s_ptr = _optional_inputs(ws, weights, start)
     for ph in phases:
-        key = ("comm.push_reduce", ws.arch, has_w, has_start, ph)
-        if tr != "plain":
-            key = key + (tr,)
-        fn = compile_cached(key, lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph,
-                                                             transport=tr)[0])
+        fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
+                            lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])
         fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["push"]), dptr(plan.recv_src),
            dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank), w_ptr, s_ptr,
            dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(ws.H // 8),
@@ -363,23 +345,19 @@ def _pull_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
 
 
 def combine(ws: CommWorkspace, expert_out: torch.Tensor, topk_w: torch.Tensor, plan,
-            shared_out: torch.Tensor | None = None, *, num_ctas: int | None = None,
-            transport: str | None = None) -> torch.Tensor:
+            shared_out: torch.Tensor | None = None, *, num_ctas: int | None = None) -> torch.Tensor:
     """Forward combine by push: ``expert_out`` [>= M, H] bf16 (this rank's expert outputs in
     plan order) goes to the source ranks; returns this rank's ``y`` [T, H] bf16 =
     bf16(fp32(shared_out or 0) + sum_j topk_w[t, j] * fp32(slot_j)). ``topk_w`` [T, k] fp32.
-    Collective; current stream, no host sync. ``transport``: "plain" (default) or "bulk"
-    (cp.async.bulk push of whole rows); None reads ``MOK_COMM_TRANSPORT``."""
+    Collective; current stream, no host sync."""
     return _push_reduce(ws, expert_out, plan, topk_w, shared_out, num_ctas, "expert_out",
-                        "shared_out", transport)
+                        "shared_out")
 
 
 def reverse_dispatch(ws: CommWorkspace, dx_expert: torch.Tensor, plan,
                      dx_shared: torch.Tensor | None = None, *,
-                     num_ctas: int | None = None, transport: str | None = None) -> torch.Tensor:
+                     num_ctas: int | None = None) -> torch.Tensor:
     """Backward of dispatch by push: ``dx_expert`` [>= M, H] bf16 (input grads of this rank's
     expert rows, plan order) goes to the source ranks; returns this rank's ``dx`` [T, H] bf16
-    = bf16(fp32(dx_shared or 0) + sum_j fp32(slot_j)). Collective; current stream.
-    ``transport`` as in :func:`combine`."""
-    return _push_reduce(ws, dx_expert, plan, None, dx_shared, num_ctas, "dx_expert", "dx_shared",
-                        transport)
+    = bf16(fp32(dx_shared or 0) + sum_j fp32(slot_j)). Collective; current stream."""
+    return _push_reduce(ws, dx_expert, plan, None, dx_shared, num_ctas, "dx_expert", "dx_shared")

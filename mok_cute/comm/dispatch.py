@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from mok_cute.comm import protocol as P
-from mok_cute.comm.protocol import cute, cutlass
-from mok_cute.comm.rows import BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows, transport_of
+from mok_cute.comm.protocol import cute
+from mok_cute.comm.rows import THREADS, copy_routed_rows
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
@@ -32,18 +32,12 @@ from cutlass import Int32, Int64
 _launchers: dict = {}
 
 
-def pull_launcher(transport: str = "plain"):
-    """The ``@cute.jit`` launcher of the pull kernel, built once per transport by Python
-    closure like :func:`mok_cute.comm.combine.push_reduce_launcher`: no Constexpr kernel
-    parameters, int64/int32/bf16 pointers and Int32/Int64 scalars only, peer addresses in
-    64 bits. ``transport`` "plain": 16-byte peer loads by every thread; "bulk": whole rows
-    by ``cp.async.bulk`` peer -> shared -> ``out`` (:func:`bulk_routed_rows`)."""
-    transport = transport_of(transport)
-    key = "pull" if transport == "plain" else ("pull", transport)
-    if key in _launchers:
-        return _launchers[key]
-    bulk = transport == "bulk"
-    smem_bytes = BULK_SMEM if bulk else 0
+def pull_launcher():
+    """The ``@cute.jit`` launcher of the pull kernel, built once by Python closure like
+    :func:`mok_cute.comm.combine.push_reduce_launcher`: no Constexpr kernel parameters,
+    int64/int32/bf16 pointers and Int32/Int64 scalars only, peer addresses in 64 bits."""
+    if "pull" in _launchers:
+        return _launchers["pull"]
 
     @cute.kernel
     def pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
@@ -60,14 +54,8 @@ def pull_launcher(transport: str = "plain"):
             P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
         cute.arch.barrier()
         if not P.failed(status):
-            if cutlass.const_expr(bulk):
-                bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T,
-                                 k, T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas,
-                                 False)
-            else:
-                copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T,
-                                 k, T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas,
-                                 False)
+            copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
+                             T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False)
         cute.arch.barrier()
         if tidx == 0:
             P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
@@ -84,24 +72,23 @@ def pull_launcher(transport: str = "plain"):
         """Launch the pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
         kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
                e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream)
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    _launchers[key] = host = pull_rows_host
+    _launchers["pull"] = host = pull_rows_host
     return host
 
 
-def compile_pull(arch: str, inspect: bool = False, transport: str = "plain"):
-    """Compile the pull launcher of ``transport`` for ``arch``; returns
-    ``(compiled, CompileReport | None)``."""
+def compile_pull(arch: str, inspect: bool = False):
+    """Compile the pull launcher for ``arch``; returns ``(compiled, CompileReport | None)``."""
     i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    return compile_kernel(pull_launcher(transport), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
+    return compile_kernel(pull_launcher(), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
                           Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)
 
 
 def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
-          out: torch.Tensor | None, name: str, transport: str | None = None) -> torch.Tensor:
+          out: torch.Tensor | None, name: str) -> torch.Tensor:
     check_tensor(name, rows, torch.bfloat16, (ws.T, ws.H), ws.device)
     check_plan(ws, plan)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
@@ -110,9 +97,7 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
         out = torch.empty(ws.recv_capacity, ws.H, dtype=torch.bfloat16, device=ws.device)
     check_tensor("out", out, torch.bfloat16, (None, ws.H), ws.device)
     out_rows = min(out.shape[0], plan.recv_src.shape[0])
-    tr = transport_of(transport)
-    key = ("comm.pull", ws.arch) if tr == "plain" else ("comm.pull", ws.arch, tr)
-    fn = compile_cached(key, lambda: compile_pull(ws.arch, transport=tr)[0])
+    fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
     ws.stage_src(rows)
     epoch = ws.next_epoch("pull")
     fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
@@ -124,19 +109,16 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
 
 
 def dispatch(ws: CommWorkspace, x: torch.Tensor, plan, *, num_ctas: int | None = None,
-             out: torch.Tensor | None = None, transport: str | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """Forward dispatch by pull: ``x`` [T, H] bf16 (this rank's tokens) -> this rank's
     expert-grouped rows [capacity, H] bf16 (valid prefix ``plan.offsets[-1]``), in plan order.
-    Collective over the workspace group; launches on the current stream, no host sync.
-    ``transport``: "plain" (default) or "bulk" (cp.async.bulk rows); None reads
-    ``MOK_COMM_TRANSPORT``. Both ranks must use the same transport per call."""
-    return _pull(ws, x, plan, num_ctas, out, "x", transport)
+    Collective over the workspace group; launches on the current stream, no host sync."""
+    return _pull(ws, x, plan, num_ctas, out, "x")
 
 
 def reverse_combine(ws: CommWorkspace, dy: torch.Tensor, plan, *, num_ctas: int | None = None,
-                    out: torch.Tensor | None = None, transport: str | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Backward of combine by pull: ``dy`` [T, H] bf16 (this rank's output grads) -> dy rows
     of the routes this rank's experts served, [capacity, H] bf16 in plan order (unscaled:
-    the expert side applies topk_w). Collective; current stream, no host sync.
-    ``transport`` as in :func:`dispatch`."""
-    return _pull(ws, dy, plan, num_ctas, out, "dy", transport)
+    the expert side applies topk_w). Collective; current stream, no host sync."""
+    return _pull(ws, dy, plan, num_ctas, out, "dy")

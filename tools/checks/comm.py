@@ -15,8 +15,6 @@ CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this m
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
 kernel launched 3 times on one workspace, synced and checked after each), then stop.
-``MOK_COMM_TRANSPORT``: ``plain`` (default), ``bulk`` (cp.async.bulk rows) or ``both`` (every
-correctness case, the stalled peer and the timing run once per transport, rows tagged).
 """
 from __future__ import annotations
 
@@ -30,7 +28,6 @@ from checks.common import Ctx, Row, bench_us
 from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
-from mok_cute.comm.rows import TRANSPORTS, transport_of
 from mok_cute.comm.workspace import get_workspace
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device
 
@@ -105,16 +102,6 @@ DEBUG = os.environ.get("MOK_COMM_DEBUG", "0") == "1"
 PULL_TWICE = os.environ.get("MOK_COMM_PULL_TWICE", "0") == "1"
 
 
-def transports() -> list[str]:
-    """The transports to check: MOK_COMM_TRANSPORT=both -> plain and bulk, else the one named."""
-    env = os.environ.get("MOK_COMM_TRANSPORT", "plain").strip().lower()
-    return list(TRANSPORTS) if env == "both" else [transport_of(env)]
-
-
-def _tr_tag(tr: str) -> str:
-    return "" if tr == "plain" else f" [{tr}]"
-
-
 def _log(ctx: Ctx, msg: str) -> None:
     if DEBUG:
         print(f"[comm rank {ctx.rank}] {msg}", flush=True)
@@ -171,8 +158,7 @@ def _probe(ctx: Ctx, ws) -> None:
     dist.barrier()
 
 
-def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int,
-                 tr: str = "plain") -> list[Row]:
+def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Row]:
     me, EP, dev = ctx.rank, ctx.world, ctx.device
     ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=8)
     _log(ctx, f"workspace {ws.describe()}")
@@ -180,7 +166,7 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int,
     spec = plan_routing(idx_all, E, EP)
     view = spec.rank_view(me)
     M = int(view.offsets[-1])
-    tag = f"comm[{case} T{T} H{H} k{k} E{E}]{_tr_tag(tr)}"
+    tag = f"comm[{case} T{T} H{H} k{k} E{E}]"
     rows = []
 
     plan = plan_routing_device(ws, idx_all[me])
@@ -226,8 +212,7 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int,
         for n, (name, src_all) in enumerate([("dispatch", x_all), ("dispatch again", x_all),
                                              ("reverse_combine", dy_all)]):
             got = (dispatch if src_all is x_all else reverse_combine)(ws, src_all[me], plan,
-                                                                      num_ctas=8,
-                                                                      transport=tr)[:M]
+                                                                      num_ctas=8)[:M]
             torch.cuda.synchronize()
             ws.check_status()
             _log(ctx, f"pull #{n + 1} {name} (epoch {ws.epoch['pull']}): ok")
@@ -236,21 +221,18 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int,
 
     def step(num_ctas):
         ops = {
-            "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas,
-                                         transport=tr)[:M],
-            "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas,
-                                       transport=tr),
+            "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas)[:M],
+            "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas),
             "combine+shared": lambda: combine(ws, eo_all[me], w_all[me], plan, sh_all[me],
-                                              num_ctas=num_ctas, transport=tr),
-            "reverse_combine": lambda: reverse_combine(ws, dy_all[me], plan, num_ctas=num_ctas,
-                                                       transport=tr)[:M],
+                                              num_ctas=num_ctas),
+            "reverse_combine": lambda: reverse_combine(ws, dy_all[me], plan, num_ctas=num_ctas)[:M],
             "reverse_dispatch": lambda: reverse_dispatch(ws, dxe_all[me], plan, sh_all[me],
-                                                         num_ctas=num_ctas, transport=tr),
+                                                         num_ctas=num_ctas),
         }
         out = {}
         for name, op in ops.items():
             out[name] = op()
-            _sync(ctx, ws, f"{name} ({num_ctas} CTAs, {tr})")
+            _sync(ctx, ws, f"{name} ({num_ctas} CTAs)")
         return out
 
     first = step(8)
@@ -269,11 +251,10 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int,
     return rows
 
 
-def _stall(ctx: Ctx, tr: str = "plain") -> Row:
+def _stall(ctx: Ctx) -> Row:
     """One rank skips a step: the others must raise RuntimeError naming it within the timeout."""
     timeout = 2.0
-    T = 16 if tr == "plain" else 24  # a fresh workspace per transport (a timeout poisons it)
-    ws = get_workspace(T=T, H=64, k=2, E=2 * ctx.world, timeout_s=timeout, num_ctas=4)
+    ws = get_workspace(T=16, H=64, k=2, E=2 * ctx.world, timeout_s=timeout, num_ctas=4)
     dev = ctx.device
     if ctx.world == 1:  # nobody can stall: wait for a flag no one will set
         t0 = time.time()
@@ -285,29 +266,29 @@ def _stall(ctx: Ctx, tr: str = "plain") -> Row:
             dt = time.time() - t0
             ok = "peer rank 0" in str(e) and dt < timeout + 5
             return Row("comm stalled peer (1 rank: unset flag)", time_us=dt * 1e6, ok=ok, note=str(e)[:60])
-    idx = _routing("random", ctx.rank, T, 2, 2 * ctx.world, dev)
+    idx = _routing("random", ctx.rank, 16, 2, 2 * ctx.world, dev)
     plan = plan_routing_device(ws, idx)
     ws.check_status()
-    x = torch.zeros(T, 64, dtype=BF16, device=dev)
+    x = torch.zeros(16, 64, dtype=BF16, device=dev)
     stalled = 1
-    row = Row(f"comm stalled peer (rank {stalled} skips){_tr_tag(tr)}", ok=True, note="skipped the step")
+    row = Row(f"comm stalled peer (rank {stalled} skips)", ok=True, note="skipped the step")
     if ctx.rank != stalled:
         t0 = time.time()
         try:
-            dispatch(ws, x, plan, transport=tr)
+            dispatch(ws, x, plan)
             ws.check_status()
-            row = Row(f"comm stalled peer (rank {stalled} skips){_tr_tag(tr)}", ok=False, note="no error raised")
+            row = Row(f"comm stalled peer (rank {stalled} skips)", ok=False, note="no error raised")
         except RuntimeError as e:
             dt = time.time() - t0
             ok = f"peer rank {stalled}" in str(e) and dt < timeout + 5
-            row = Row(f"comm stalled peer (rank {stalled} skips){_tr_tag(tr)}", time_us=dt * 1e6, ok=ok,
+            row = Row(f"comm stalled peer (rank {stalled} skips)", time_us=dt * 1e6, ok=ok,
                       note=str(e)[:60])
     torch.cuda.synchronize()
     dist.barrier()
     return row
 
 
-def _timing(ctx: Ctx, trs: list[str] | None = None) -> list[Row]:
+def _timing(ctx: Ctx) -> list[Row]:
     me, EP, dev = ctx.rank, ctx.world, ctx.device
     T, H, k, E = 4096, 7168, 8, 32 * EP
     ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=32)
@@ -327,18 +308,15 @@ def _timing(ctx: Ctx, trs: list[str] | None = None) -> list[Row]:
     src = ws.acquire_src()
     src.copy_(x)
     for nctas in (8, 16, 32):
-        for tr in trs or ["plain"]:  # transports side by side per CTA count
-            t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas, transport=tr))
-            rows.append(Row(f"comm dispatch pull {nctas} CTAs{_tr_tag(tr)}", time_us=t,
-                            note=f"{pulled_remote / t / 1e3:.0f} GB/s in (remote rows)"))
-        for tr in trs or ["plain"]:
-            t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas, transport=tr))
-            rows.append(Row(f"comm combine push+reduce {nctas} CTAs{_tr_tag(tr)}", time_us=t,
-                            note=f"{pushed_remote / t / 1e3:.0f} GB/s out (remote rows)"))
-    for tr in trs or ["plain"]:
-        t = bench_us(lambda: dispatch(ws, x, plan, transport=tr))
-        rows.append(Row(f"comm dispatch incl. staging copy{_tr_tag(tr)}", time_us=t,
-                        note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
+        t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas))
+        rows.append(Row(f"comm dispatch pull {nctas} CTAs", time_us=t,
+                        note=f"{pulled_remote / t / 1e3:.0f} GB/s in (remote rows)"))
+        t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas))
+        rows.append(Row(f"comm combine push+reduce {nctas} CTAs", time_us=t,
+                        note=f"{pushed_remote / t / 1e3:.0f} GB/s out (remote rows)"))
+    t = bench_us(lambda: dispatch(ws, x, plan))
+    rows.append(Row("comm dispatch incl. staging copy", time_us=t,
+                    note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
     ws.check_status()
     return rows
 
@@ -364,14 +342,11 @@ def run(ctx: Ctx) -> list[Row]:
              ("rank0_empty", 64, 256, 2, 4 * EP), ("random", 1, 64, 2 * EP, 2 * EP),  # T=1, k=E
              ("random", 4096, 7168, 8, 32 * EP)]
     rows = []
-    trs = transports()
-    for tr in trs:
-        for c in cases[:1] if quick else cases:
-            rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]{_tr_tag(tr)}",
-                           lambda c=c, tr=tr: _correctness(ctx, *c, tr=tr))
+    for c in cases[:1] if quick else cases:
+        rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
+                       lambda c=c: _correctness(ctx, *c))
     if quick or PULL_TWICE:
         return rows
-    for tr in trs:
-        rows += _guard(ctx, f"comm stalled peer{_tr_tag(tr)}", lambda tr=tr: _stall(ctx, tr))
-    rows += _guard(ctx, "comm timing", lambda: _timing(ctx, trs))
+    rows += _guard(ctx, "comm stalled peer", lambda: _stall(ctx))
+    rows += _guard(ctx, "comm timing", lambda: _timing(ctx))
     return rows
