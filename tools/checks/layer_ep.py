@@ -4,7 +4,7 @@ against the reference backend on the same group, forward and backward.
 Run with ``torchrun --nproc_per_node=2 tools/gpu_check.py layer_ep``. Each rank draws its
 own tokens, routing (global expert ids) and local expert slice from seeds; the reference
 backend runs on the same GPU tensors (it all-gathers with NCCL). Tolerances (BF16, MoK's):
-max-abs <= 0.5 and rel-L1 <= 1e-2 per output and gradient; bitwise equality over 3
+max-abs <= 0.5 and rel-L1 <= 1e-2 per output and gradient; bitwise equality over 5
 repeats. Cases: uniform and skewed routing (hot expert, empty experts, -1 slots), with the
 shared expert, SwiGLU limit None and 4. Rows of every rank are gathered (name suffix
 ``r<rank>``). Timing: T = 4096 per rank, H 7168, I 2048, E 16, k 8, shared expert; MoK's
@@ -17,40 +17,15 @@ import torch.distributed as dist
 
 from checks.common import Row, bench_us, sm90_skip
 from checks.comm import _init
-from checks.layer_sm90 import _compare
+from checks.layer_sm90 import _compare, _run
+from checks.layer_sm90 import _problem as layer_problem
 
-REPEATS = 3
+REPEATS = 5
 
 
 def _problem(t, h, inter, e, k, ep, rank, shared, skew, dev, seed):
-    g = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
-    el = e // ep
-    x = torch.randn(t, h, device=dev, generator=g).bfloat16()
-    logits = torch.randn(t, e, device=dev, generator=g)
-    if skew:
-        logits[:, 0] += 3.0
-        logits[:, 1:3] -= 100.0  # experts 1, 2 empty
-    vals, idx = logits.topk(k, dim=-1)
-    w = torch.softmax(vals, dim=-1)
-    if skew:
-        idx[::7, -1] = -1
-        idx[5] = -1
-    rnd = lambda *s, fan: (torch.randn(*s, device=dev, generator=g) * fan ** -0.5).bfloat16()
-    ws = (rnd(el, inter, h, fan=h), rnd(el, inter, h, fan=h), rnd(el, h, inter, fan=inter))
-    sh = (rnd(inter, h, fan=h), rnd(inter, h, fan=h), rnd(h, inter, fan=inter)) if shared else None
-    dy = torch.randn(t, h, device=dev, generator=g).bfloat16()
-    return x, idx, w, ws, sh, dy
-
-
-def _run(backend, x, idx, w, ws, sh, dy, limit, group):
-    import mok_cute
-
-    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
-    shl = [p.clone().requires_grad_() for p in sh] if sh else []
-    y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
-                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend), group=group)
-    grads = torch.autograd.grad(y, leaves + shl, dy)
-    return [y] + list(grads)
+    """This rank's tokens and routing over E global experts, and its E/EP local experts."""
+    return layer_problem(t, h, inter, e, k, shared, skew, dev, seed * 1000 + rank, e_local=e // ep)
 
 
 def _all_rows(rows: list[Row], rank: int, world: int) -> list[Row]:

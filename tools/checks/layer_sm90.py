@@ -16,8 +16,10 @@ from checks.common import Row, bench_us
 MAX_ABS, REL_L1, REPEATS = 0.5, 1e-2, 5
 
 
-def _problem(t, h, inter, e, k, shared, skew, dev, seed):
+def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
+    """Layer inputs over E global experts, weights for ``e_local`` of them (default all)."""
     g = torch.Generator(device=dev).manual_seed(seed)
+    el = e if e_local is None else e_local
     x = torch.randn(t, h, device=dev, generator=g).bfloat16()
     logits = torch.randn(t, e, device=dev, generator=g)
     if skew:
@@ -29,19 +31,19 @@ def _problem(t, h, inter, e, k, shared, skew, dev, seed):
         idx[::7, -1] = -1
         idx[5] = -1
     rnd = lambda *s, fan: (torch.randn(*s, device=dev, generator=g) * fan ** -0.5).bfloat16()
-    ws = (rnd(e, inter, h, fan=h), rnd(e, inter, h, fan=h), rnd(e, h, inter, fan=inter))
+    ws = (rnd(el, inter, h, fan=h), rnd(el, inter, h, fan=h), rnd(el, h, inter, fan=inter))
     sh = (rnd(inter, h, fan=h), rnd(inter, h, fan=h), rnd(h, inter, fan=inter)) if shared else None
     dy = torch.randn(t, h, device=dev, generator=g).bfloat16()
     return x, idx, w, ws, sh, dy
 
 
-def _run(backend, x, idx, w, ws, sh, dy, limit):
+def _run(backend, x, idx, w, ws, sh, dy, limit, group=None):
     import mok_cute
 
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
     shl = [p.clone().requires_grad_() for p in sh] if sh else []
     y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
-                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend))
+                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend), group=group)
     grads = torch.autograd.grad(y, leaves + shl, dy)
     return [y] + list(grads)
 
