@@ -10,8 +10,10 @@ reference's fixed-order slot sum. Numerics follow mok_cute.reference except that
 accumulate in fp32 and d topk_w sums in fp32 (compared with tolerances).
 
 An expert MLP implementation has ``arch``, ``tile_n``, ``precisions``,
-``forward(x_rows, offsets, w_gate, w_up, w_down, limit) -> (rows, ExpertGroup)`` and
-``backward(group, dy_rows, w_gate, w_up, w_down, limit) -> (dx_rows, dWg, dWu, dWd)``.
+``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=]) -> (rows, ExpertGroup)``
+(``precision`` passed only when not "bf16") and
+``backward(group, dy_rows, w_gate, w_up, w_down, limit) -> (dx_rows, dWg, dWu, dWd)`` (in the
+group's precision). MXFP8 numerics: operands quantized as in the reference's table.
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from .reference import MoEGrads, _world, slot_sum
 
 @dataclass
 class ExpertGroup:
-    """One expert group's forward state: rows x, offsets, gu = [g | u], h."""
+    """One expert group's forward state: rows x, offsets, gu = [g | u], h, and the precision
+    the forward ran in (the backward runs in the same)."""
 
     x: torch.Tensor
     offsets: torch.Tensor
     gu: torch.Tensor
     h: torch.Tensor
+    precision: str = "bf16"
 
 
 def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
@@ -122,13 +126,14 @@ class GroupedExpertBackend:
         t, k = idx.shape
         order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
         x_rows = x.index_select(0, order // k)
-        r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
+        kw = {} if config.precision == "bf16" else {"precision": config.precision}
+        r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
         slot_out = _scatter_slots(r, order, valid, t, k)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         shared_group = None
         if inp.shared is not None:
             offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
-            s, shared_group = self.mlp.forward(x, offs, *(w[None] for w in inp.shared), limit)
+            s, shared_group = self.mlp.forward(x, offs, *(w[None] for w in inp.shared), limit, **kw)
             acc = s.float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),

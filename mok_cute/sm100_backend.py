@@ -2,30 +2,169 @@
 
 Compile-verified only: no Blackwell GPU is available to this project, so this path has
 never run. Forward: GEMM1 + SwiGLU (gu, h), GEMM2; backward: dgrad2 + dSwiGLU, dgrad1, three
-wgrads (mok_cute.kernels.sm100_grouped_gemm, whose wrappers validate every call). BF16 is
-wired; MXFP8 operands (quantize + blocked scales) are not yet.
+wgrads (mok_cute.kernels.sm100_grouped_gemm, whose wrappers validate every call).
+
+Precisions "bf16" and "mxfp8". MXFP8 quantizes every GEMM operand along the axes of the
+table in :mod:`mok_cute.reference` with the CuTe quantize kernels, then calls the MXFP8
+wrappers (e4m3 data + raw E8M0 scales; the wrappers repack scales into the blocked layouts):
+
+    GEMM1        x rows along H (``quantize_mxfp8(x, -1)``); Wg, Wu along H (rows of [E*I, H])
+    GEMM2        h rows along I; Wd along I (rows of [E*H, I])
+    dgrad2       dyj rows along H; Wd along H (``quantize_mxfp8([E*H, I], 0)``: H % 32 == 0, so
+                 no block straddles two experts)
+    dgrad1       dgu rows along 2I; Wg, Wu along I (``quantize_mxfp8([E*I, H], 0)``)
+    wgrads       dyj, h, dgu, x along tokens per expert (``quantize_tokens(., offsets,
+                 "mxfp8")``; dgu and x quantized once for dWg and dWu: token-wise blocks are per
+                 feature column); the transposed tile-aligned output is repacked on the device
+                 into what the wgrad kernel reads: data as token rows (:func:`token_rows`),
+                 scales in the grouped blocked layout (:func:`pack_token_scales_device`,
+                 equal to ``sm100_layouts.pack_token_scales``).
+
+No host sync in the step: offsets stay on the device, the packers are torch ops on device
+tensors. The quantize kernels are looked up at call time (``mok_cute.kernels.quantize.
+quantize_mxfp8``, ``mok_cute.kernels.quantize_fp8.quantize_tokens``) so CPU tests can swap in
+the reference quantizers.
 """
 from __future__ import annotations
 
+import torch
+
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
+from .kernels import sm100_layouts as lay
+
+MX_BLOCK = lay.SF_VEC
+
+
+def quantize_rows(x: torch.Tensor):
+    """(e4m3 [M, K], scales uint8 [M, K/32]): x quantized along its rows (K)."""
+    from .kernels import quantize
+
+    return quantize.quantize_mxfp8(x, -1)
+
+
+def quantize_weight(w: torch.Tensor, axis: int):
+    """MXFP8 of a 3-D weight [E, R, C] along ``axis`` 2 (C: scales [E, R, C/32]) or 1 (R:
+    scales [E, R/32, C]) through one 2-D [E*R, C] quantization (R % 32 == 0 for axis 1, so
+    no block straddles two experts). Returns (data [E, R, C], scales)."""
+    from .kernels import quantize
+
+    e, r, c = w.shape
+    if axis not in (1, 2):
+        raise ValueError(f"axis must be 1 or 2, got {axis}")
+    if axis == 1 and r % MX_BLOCK:
+        raise ValueError(f"weight dim {r} must be a multiple of {MX_BLOCK} to quantize along it")
+    data, scales = quantize.quantize_mxfp8(w.reshape(e * r, c), -1 if axis == 2 else 0)
+    shape = (e, r, c // MX_BLOCK) if axis == 2 else (e, r // MX_BLOCK, c)
+    return data.view(e, r, c), scales.view(shape)
+
+
+def token_rows(data_t: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """Token-wise quantized data in the transposed tile-aligned layout of ``quantize_tokens``
+    (data_t [N, 32 S]: token offsets[e] + t of expert e at column 32 (offsets[e] // 32 + e) + t)
+    -> token rows [m, N] e4m3 (row r = token r; rows at or past offsets[E] are 0). Device ops."""
+    offs = offsets.to(device=data_t.device, dtype=torch.int64)
+    rows = torch.arange(m, device=data_t.device)
+    e = torch.searchsorted(offs[1:], rows, right=True)  # expert of each row (E: past offsets[E])
+    valid = e < offs.numel() - 1
+    col = MX_BLOCK * (offs[e] // MX_BLOCK + e) + rows - offs[e]
+    col = torch.where(valid, col, torch.zeros_like(col))
+    raw = data_t.view(torch.uint8).index_select(1, col).t()
+    raw = torch.where(valid[:, None], raw, torch.zeros((), dtype=torch.uint8, device=raw.device))
+    return raw.contiguous().view(torch.float8_e4m3fn)
+
+
+def pack_token_scales_device(scales: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """Token-wise scales [S, N] of ``quantize_tokens(x [m, *], offsets, "mxfp8")`` (S = m // 32 +
+    E, expert e's blocks from slot offsets[e] // 32 + e; a column slice picks features) -> the
+    wgrad kernel's flat blocked layout, equal to ``sm100_layouts.pack_token_scales`` of the
+    per-expert scales: block j of expert e at column 4 (offsets[e] // 128 + e) + j of a
+    [N, grouped_sf_rows(m, E) / 32] matrix. Torch ops on device tensors, no host sync."""
+    s_n, n = scales.shape
+    dev = scales.device
+    offs = offsets.to(device=dev, dtype=torch.int64)
+    num_e = offs.numel() - 1
+    kbs = lay.grouped_sf_rows(m, num_e) // MX_BLOCK
+    base = offs[:-1] // MX_BLOCK + torch.arange(num_e, device=dev)  # strictly increasing, base[0] = 0
+    blocks = (offs[1:] - offs[:-1] + MX_BLOCK - 1) // MX_BLOCK
+    slot = torch.arange(s_n, device=dev)
+    e = (torch.searchsorted(base, slot, right=True) - 1).clamp(min=0)  # largest e with base[e] <= slot
+    j = slot - base[e]
+    dest = lay.SF_ATOM_KBLOCKS * (offs[:-1][e] // lay.SF_ATOM_ROWS + e) + j
+    dest = torch.where(j < blocks[e], dest, torch.full_like(dest, kbs))  # unused slots -> dump column
+    grouped = torch.zeros(n, kbs + 1, dtype=torch.uint8, device=dev)
+    grouped[:, dest] = scales.t()
+    return lay.to_blocked(grouped[:, :kbs])
+
+
+class TokenOperand:
+    """A wgrad operand x [M, N] quantized along tokens per expert, in the wgrad kernel's
+    layout: ``data`` e4m3 token rows [M, N]; :meth:`scales` packs a feature range."""
+
+    def __init__(self, x: torch.Tensor, offsets: torch.Tensor):
+        from .kernels import quantize_fp8
+
+        offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+        data_t, self._scales = quantize_fp8.quantize_tokens(x, offs32.contiguous(), "mxfp8")
+        self.m, self.offsets = x.shape[0], offsets
+        self.data = token_rows(data_t, offsets, self.m)
+
+    def scales(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return pack_token_scales_device(self._scales[:, lo:hi], self.offsets, self.m)
+
+
+def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit):
+    """MXFP8 forward through the sm100 wrappers ``k``: (rows [M, H], ExpertGroup)."""
+    xq, xs = quantize_rows(x_rows)
+    (gq, gs), (uq, us) = quantize_weight(w_gate, 2), quantize_weight(w_up, 2)
+    gu, h = k.grouped_gemm1_swiglu(xq, offsets, gq, uq, limit, x_scales=xs, w_scales=(gs, us))
+    hq, hs = quantize_rows(h)
+    dq, ds = quantize_weight(w_down, 2)
+    out = k.grouped_gemm(hq, offsets, dq, a_scales=hs, w_scales=ds)
+    return out, ExpertGroup(x_rows, offsets, gu, h, "mxfp8")
+
+
+def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+    """MXFP8 backward through the sm100 wrappers ``k``: (dx rows, dWg, dWu, dWd)."""
+    inter = w_gate.shape[1]
+    dyq, dys = quantize_rows(dy_rows)
+    wdq, wds = quantize_weight(w_down, 1)
+    dgu = k.grouped_dswiglu_dgrad(dyq, g.offsets, wdq, g.gu, limit, dy_scales=dys, w_scales=wds)
+    dguq, dgus = quantize_rows(dgu)
+    (gq, gs), (uq, us) = quantize_weight(w_gate, 1), quantize_weight(w_up, 1)
+    dx = k.grouped_dgrad1(dguq, g.offsets, gq, uq, dgu_scales=dgus, w_scales=(gs, us))
+    dy_t, h_t = TokenOperand(dy_rows, g.offsets), TokenOperand(g.h, g.offsets)
+    dgu_t, x_t = TokenOperand(dgu, g.offsets), TokenOperand(g.x, g.offsets)
+    x_s = x_t.scales()
+    dwd = k.grouped_wgrad(dy_t.data, h_t.data, g.offsets, a_scales=dy_t.scales(), b_scales=h_t.scales())
+    dwg = k.grouped_wgrad(dgu_t.data[:, :inter], x_t.data, g.offsets, a_scales=dgu_t.scales(0, inter),
+                          b_scales=x_s)
+    dwu = k.grouped_wgrad(dgu_t.data[:, inter:], x_t.data, g.offsets, a_scales=dgu_t.scales(inter),
+                          b_scales=x_s)
+    return dx, dwg, dwu, dwd
 
 
 class Sm100ExpertMLP:
-    """BF16 expert MLP on the SM100 kernels (output tile 256 wide)."""
+    """BF16 / MXFP8 expert MLP on the SM100 kernels (output tile 256 wide)."""
 
     arch = "sm100"
     tile_n = 256
-    precisions = ("bf16",)
+    precisions = ("bf16", "mxfp8")
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
         from .kernels import sm100_grouped_gemm as k
 
+        if precision == "mxfp8":
+            return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit)
+        if precision != "bf16":
+            raise NotImplementedError(f"sm100 expert MLP: precision {precision!r} is not wired")
         return mlp_forward(k.grouped_gemm1_swiglu, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-        """(dx rows, dWg, dWu, dWd)."""
+        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``."""
         from .kernels import sm100_grouped_gemm as k
 
+        if g.precision == "mxfp8":
+            return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit)
         return mlp_backward(k.grouped_dswiglu_dgrad, k.grouped_dgrad1, k.grouped_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)

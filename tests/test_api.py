@@ -211,11 +211,20 @@ def test_quickstart_runs_and_matches_readme():
     assert out.stderr.count("reference backend") == 1
 
 
-def test_gpu_backends_raise_for_missing_kernels():
+def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
     p, _ = make_problem(T=4, H=256, I=256)
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
-    with pytest.raises(NotImplementedError, match="'sm100': precision 'mxfp8'"):
-        B.get_backend("sm100").check(inp, MoKConfig(precision="mxfp8"), None)
+    B.get_backend("sm100").check(inp, MoKConfig(precision="mxfp8"), None)  # MXFP8 wired on sm100 (EP = 1)
+    B.get_backend("sm100").check(inp, MoKConfig(), None)
+    with pytest.raises(NotImplementedError, match="'sm100': precision 'fp8_block'"):
+        B.get_backend("sm100").check(inp, MoKConfig(precision="fp8_block"), None)
+    with monkeypatch.context() as mp:
+        from mok_cute import grouped_backend as G
+
+        mp.setattr(G, "_world", lambda group: (2, 0))
+        for precision in ("bf16", "mxfp8"):  # EP > 1 on sm100 still raises, in either precision
+            with pytest.raises(NotImplementedError, match="'sm100': EP > 1"):
+                B.get_backend("sm100").check(inp, MoKConfig(precision=precision), object())
     with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
         B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), None)
     B.get_backend("sm90").check(inp, MoKConfig(), None)  # bf16, EP = 1, 256-aligned: runs
