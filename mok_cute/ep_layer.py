@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grouped_backend import shared_backward, shared_forward, topk_w_grad
 from .reference import MoEGrads
 
 TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "30"))  # bound of every device-side wait
@@ -79,10 +80,7 @@ def forward(mlp, inp, group, ep: int):
     w_rows = route_weights(plan.recv_src, plan.offsets, _gather_topk_w(inp.topk_w, group, ep))
     x_rows = dispatch(ws, x, plan)
     r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
-    s, shared_group = None, None
-    if inp.shared is not None:
-        offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
-        s, shared_group = mlp.forward(x, offs, *(w[None] for w in inp.shared), limit)
+    s, shared_group = shared_forward(mlp, x, inp.shared, limit)
     y = combine(ws, r, inp.topk_w, plan, shared_out=s)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, h)).clone()
     ws.check_status()
@@ -99,12 +97,8 @@ def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
     dyr = reverse_combine(ws, dy, plan)
     dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
     dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
-    dxs, d_shared = None, None
-    if st.shared is not None:
-        dxs, *dws = mlp.backward(st.shared_group, dy, *(w[None] for w in st.shared), st.limit)
-        d_shared = tuple(d[0] for d in dws)
+    dxs, d_shared = shared_backward(mlp, st.shared_group, dy, st.shared, st.limit)
     dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs)
-    dtw = (dy.float()[:, None, :] * st.slot_out.float()).sum(-1)
-    dtw = torch.where(st.topk_idx >= 0, dtw, torch.zeros_like(dtw))
+    dtw = topk_w_grad(dy, st.slot_out, st.topk_idx)
     ws.check_status()
     return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

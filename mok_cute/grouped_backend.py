@@ -92,6 +92,29 @@ def _scatter_slots(rows, order, valid, t, k):
     return out.view(t, k, rows.shape[1])
 
 
+def shared_forward(mlp, x, shared, limit, **kw):
+    """The shared expert as one more group (all T tokens): (out [T, H], ExpertGroup), or
+    (None, None) without one."""
+    if shared is None:
+        return None, None
+    offs = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
+    return mlp.forward(x, offs, *(w[None] for w in shared), limit, **kw)
+
+
+def shared_backward(mlp, group, dy, shared, limit):
+    """(dx [T, H], (d ws_gate, d ws_up, d ws_down)) of the shared expert, or (None, None)."""
+    if shared is None:
+        return None, None
+    dxs, *dws = mlp.backward(group, dy, *(w[None] for w in shared), limit)
+    return dxs, tuple(d[0] for d in dws)
+
+
+def topk_w_grad(dy, slot_out, topk_idx):
+    """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots."""
+    dtw = (dy.float()[:, None, :] * slot_out.float()).sum(-1)
+    return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
+
+
 class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
     through :mod:`mok_cute.ep_layer` when the MLP has ``expert_parallel = True`` (sm90)."""
@@ -129,12 +152,8 @@ class GroupedExpertBackend:
         kw = {} if config.precision == "bf16" else {"precision": config.precision}
         r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
         slot_out = _scatter_slots(r, order, valid, t, k)
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        shared_group = None
-        if inp.shared is not None:
-            offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
-            s, shared_group = self.mlp.forward(x, offs, *(w[None] for w in inp.shared), limit, **kw)
-            acc = s.float()
+        s, shared_group = shared_forward(self.mlp, x, inp.shared, limit, **kw)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if s is None else s.float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),
                        inp.shared, routed, shared_group, slot_out)
@@ -150,13 +169,7 @@ class GroupedExpertBackend:
         dy_rows = (dy.index_select(0, st.order // k).float() * w_rows[:, None]).to(torch.bfloat16)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
-        acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device)
-        d_shared = None
-        if st.shared is not None:
-            dxs, *dws = self.mlp.backward(st.shared_group, dy, *(w[None] for w in st.shared), st.limit)
-            acc = dxs.float()
-            d_shared = tuple(d[0] for d in dws)
+        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+        acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
-        dtw = (dy.float()[:, None, :] * st.slot_out.float()).sum(-1)
-        dtw = torch.where(st.topk_idx >= 0, dtw, torch.zeros_like(dtw))
-        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)
+        return MoEGrads(dx, topk_w_grad(dy, st.slot_out, st.topk_idx), dwg, dwu, dwd, d_shared)
