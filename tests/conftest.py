@@ -1,12 +1,8 @@
 """Shared test fixtures: random MoE problems (never zeros) in the MoK test-suite style."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("MOK_CUTE_BACKEND", "")
 
 
 def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.bfloat16,
@@ -30,11 +26,6 @@ def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.
         shared = (w(shared_I, H, fan=H), w(shared_I, H, fan=H), w(H, shared_I, fan=shared_I))
     dy = torch.randn(T, H, generator=g).to(dtype)
     return dict(x=x, topk_idx=top, topk_w=topk_w, w_gate=wg, w_up=wu, w_down=wd, shared=shared), dy
-
-
-@pytest.fixture
-def problem():
-    return make_problem
 
 
 @pytest.fixture

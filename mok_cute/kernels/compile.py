@@ -12,7 +12,6 @@ compiled kernel and are *not* part of the key, so a training step never recompil
 from __future__ import annotations
 
 import io
-import os
 import re
 import sys
 import tempfile
@@ -27,7 +26,7 @@ _cache: dict[Hashable, Any] = {}
 _stats = {"compiles": 0, "hits": 0}
 
 
-_dump_dir = tempfile.mkdtemp(prefix="mok_cute_dsl_")
+_dump_dir: list[str] = []  # private PTX dump directory, made on the first inspected compile
 
 
 def dsl():
@@ -100,11 +99,13 @@ def compile_kernel(fn: Callable, *args, arch: str, inspect: bool = False, **kwar
     opts = f"--gpu-arch {arch}"
     if not inspect:
         return cute.compile(fn, *args, options=opts, **kwargs), None
+    if not _dump_dir:
+        _dump_dir.append(tempfile.mkdtemp(prefix="mok_cute_dsl_"))
     buf, old = io.StringIO(), sys.stderr
     sys.stderr = buf
     try:
         compiled = cute.compile(
-            fn, *args, options=f"{opts} --keep-ptx --dump-dir {_dump_dir} remarks{{ptx}}", **kwargs)
+            fn, *args, options=f"{opts} --keep-ptx --dump-dir {_dump_dir[0]} remarks{{ptx}}", **kwargs)
     finally:
         sys.stderr = old
     return compiled, _parse_ptxas(buf.getvalue(), arch, compiled.__ptx__ or "")
