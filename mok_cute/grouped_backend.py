@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import route_grad
 from .reference import MoEGrads, _world, slot_sum
 
 
@@ -67,7 +68,7 @@ class _State:
     shared: tuple | None
     routed: ExpertGroup
     shared_group: ExpertGroup | None
-    slot_out: torch.Tensor  # [T, k, H] routed rows per slot (zero for -1 slots)
+    rows: torch.Tensor  # [T*k, H] expert-grouped GEMM2 rows (d topk_w reads them in place)
 
 
 def route_sort(topk_idx: torch.Tensor, num_experts: int):
@@ -156,7 +157,7 @@ class GroupedExpertBackend:
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if s is None else s.float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),
-                       inp.shared, routed, shared_group, slot_out)
+                       inp.shared, routed, shared_group, r)
         return y, state
 
     def backward(self, st, dy: torch.Tensor) -> MoEGrads:
@@ -165,11 +166,10 @@ class GroupedExpertBackend:
 
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
-        w_rows = st.topk_w.reshape(-1)[st.order]
-        dy_rows = (dy.index_select(0, st.order // k).float() * w_rows[:, None]).to(torch.bfloat16)
+        dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
-        return MoEGrads(dx, topk_w_grad(dy, st.slot_out, st.topk_idx), dwg, dwu, dwd, d_shared)
+        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

@@ -1,0 +1,173 @@
+"""Routed-gradient prologue of the expert MLP backward (CuTe DSL), one pass over the routes:
+
+    dy_rows[p] = bf16(fp32(dy[t]) * topk_w[t, j])      (the routed dy row of slot j)
+    d_topk_w[t, j] = fp32 sum_h fp32(dy[t, h]) * fp32(r[p, h])
+
+for every expert-grouped row p < offsets[E] with route q = order[p] = t * k + j, and
+d_topk_w[q] = 0 for the rows p >= offsets[E] (routes whose slot is -1). ``r`` [M, H] are the
+forward's expert-grouped GEMM2 rows, so the backward reads them in place (no [T, k, H] slot
+copy, no fp32 temporaries). dy_rows is bitwise the reference's ``bf16(fp32(dy) * topk_w)``
+(one ``mul.rn.f32``, one ``cvt.rn.bf16x2.f32``); d topk_w is an fp32 sum (the reference sums
+in fp64: compared with a tolerance) in a fixed order — each lane FMAs its 16-byte chunks
+``lane, lane + 32, ...`` in order, then a fixed butterfly over the warp — so it is bitwise
+reproducible. Rows p >= offsets[E] of dy_rows are not written (no expert reads them).
+
+One warp per grouped row, 16-byte loads and stores; dims are runtime ``Int32`` (one compiled
+kernel per arch).
+"""
+
+import torch
+
+from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+from .host import MAX_NUMEL, current_stream
+
+_WARPS = 4  # rows per CTA
+
+
+def _build(arch: str):
+    cutlass, cute = dsl()
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    Int32, Int64, Uint32 = cutlass.Int32, cutlass.Int64, cutlass.Uint32
+
+    def ptx(text, *args):
+        return cute.arch.inline_ptx(text, write_only_types=[Uint32], read_only_args=list(args))
+
+    def scale_pair(word, w):
+        """bf16x2 word -> bf16x2 of (element * w) with mul.rn.f32 (``w`` fp32 bits)."""
+        return ptx("{ .reg .b32 lo, hi, p0, p1;\n"
+                   "shl.b32 lo, {$r0}, 16;\n"
+                   "and.b32 hi, {$r0}, 0xFFFF0000;\n"
+                   "mul.rn.f32 p0, lo, {$r1};\n"
+                   "mul.rn.f32 p1, hi, {$r1};\n"
+                   "cvt.rn.bf16x2.f32 {$w0}, p1, p0; }", word, w)
+
+    def dot_pair(acc, a, b):
+        """acc + a.lo * b.lo, then + a.hi * b.hi (two fma.rn.f32 on bf16x2 words)."""
+        return ptx("{ .reg .b32 al, ah, bl, bh, s;\n"
+                   "shl.b32 al, {$r1}, 16;\n"
+                   "and.b32 ah, {$r1}, 0xFFFF0000;\n"
+                   "shl.b32 bl, {$r2}, 16;\n"
+                   "and.b32 bh, {$r2}, 0xFFFF0000;\n"
+                   "fma.rn.f32 s, al, bl, {$r0};\n"
+                   "fma.rn.f32 {$w0}, ah, bh, s; }", acc, a, b)
+
+    @cute.kernel
+    def kernel(dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, order: cute.Tensor, w: cute.Tensor,
+               dtw: cute.Tensor, offs: cute.Tensor, e: Int32, m: Int32, k: Int32, hc: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        p = bid * _WARPS + tid // 32
+        if p < m:
+            q = Int32(order[p])
+            if p < offs[e]:
+                t = q // k
+                wq = w[q]
+                acc = Uint32(0)
+                for c in cutlass.range(lane, hc, 32, unroll=1):
+                    a = dy[t * hc + c, None].load()
+                    b = r[p * hc + c, None].load()
+                    o = cute.make_rmem_tensor((4,), Uint32)
+                    for j in cutlass.range_constexpr(4):
+                        o[j] = scale_pair(a[j], wq)
+                        acc = dot_pair(acc, a[j], b[j])
+                    out[p * hc + c, None].store(o.load())
+                for s in cutlass.range_constexpr(5):
+                    acc = ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", acc,
+                              cute.arch.shuffle_sync_bfly(acc, offset=16 >> s))
+                if lane == 0:
+                    dtw[q] = acc
+            else:
+                if lane == 0:
+                    dtw[q] = Uint32(0)
+
+    @cute.jit
+    def launch(dyp: cute.Pointer, rp: cute.Pointer, outp: cute.Pointer, orderp: cute.Pointer, wp: cute.Pointer,
+               dtwp: cute.Pointer, offp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32, hc: Int32,
+               stream: cuda.CUstream):
+        chunks = cute.make_layout
+        dy = cute.make_tensor(dyp, chunks((t * hc, 4), stride=(4, 1)))
+        r = cute.make_tensor(rp, chunks((m * hc, 4), stride=(4, 1)))
+        out = cute.make_tensor(outp, chunks((m * hc, 4), stride=(4, 1)))
+        order = cute.make_tensor(orderp, cute.make_layout((m,)))
+        w = cute.make_tensor(wp, cute.make_layout((t * k,)))
+        dtw = cute.make_tensor(dtwp, cute.make_layout((t * k,)))
+        offs = cute.make_tensor(offp, cute.make_layout((e + 1,)))
+        kernel(dy, r, out, order, w, dtw, offs, e, m, k, hc).launch(
+            grid=[(m + _WARPS - 1) // _WARPS, 1, 1], block=[32 * _WARPS, 1, 1], stream=stream)
+
+    return compile_kernel(launch, *_pointers(0, 0, 0, 0, 0, 0, 0), *(Int32(1),) * 5, cuda.CUstream(0),
+                          arch=arch, inspect=True)
+
+
+def _pointers(dy: int, r: int, out: int, order: int, w: int, dtw: int, offs: int):
+    """Kernel pointer arguments (rows as 32-bit words, order int64, weights as fp32 bits)."""
+    cutlass, cute = dsl()
+    gmem, make_ptr, u32 = cute.AddressSpace.gmem, cute.runtime.make_ptr, cutlass.Uint32
+    return (make_ptr(u32, dy, gmem, assumed_align=16), make_ptr(u32, r, gmem, assumed_align=16),
+            make_ptr(u32, out, gmem, assumed_align=16), make_ptr(cutlass.Int64, order, gmem, assumed_align=8),
+            make_ptr(u32, w, gmem, assumed_align=4), make_ptr(u32, dtw, gmem, assumed_align=4),
+            make_ptr(cutlass.Int32, offs, gmem, assumed_align=4))
+
+
+def compiled_route_grad(arch: str):
+    """The cached ``(compiled, CompileReport)`` for an arch in ``compile.ARCHS``."""
+    return compile_cached(("route_grad", arch), lambda: _build(arch))
+
+
+def _check(dy, r_rows, order, topk_w, offsets):
+    for name, t, dtype, nd in (("dy", dy, torch.bfloat16, 2), ("r_rows", r_rows, torch.bfloat16, 2),
+                               ("order", order, torch.int64, 1), ("topk_w", topk_w, torch.float32, 2),
+                               ("offsets", offsets, torch.int32, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != nd:
+            raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    (t, h), (k, m) = dy.shape, (topk_w.shape[1], r_rows.shape[0])
+    if h % 8 or h == 0:
+        raise ValueError(f"dy: H = {h} must be a positive multiple of 8")
+    if topk_w.shape[0] != t or r_rows.shape[1] != h or m != t * k or order.shape[0] != m:
+        raise ValueError(f"shapes must be dy [T, H], topk_w [T, k], r_rows and order [T*k, ...]: got dy "
+                         f"{tuple(dy.shape)}, topk_w {tuple(topk_w.shape)}, r_rows {tuple(r_rows.shape)}, "
+                         f"order {tuple(order.shape)}")
+    if offsets.numel() < 2:
+        raise ValueError(f"offsets must hold E+1 >= 2 entries, got {offsets.numel()}")
+    if max(dy.numel(), r_rows.numel()) > MAX_NUMEL:
+        raise ValueError("dy and r_rows must hold < 2^31 elements")
+
+
+def dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets):
+    """The same contract in torch ops (CPU path and test mirror); rows past offsets[E] of
+    dy_rows are zero here. Returns (dy_rows [T*k, H] bf16, d_topk_w [T, k] fp32)."""
+    t, k = topk_w.shape
+    w_rows = topk_w.reshape(-1)[order]
+    dy_g = dy.index_select(0, order // k)
+    valid = torch.arange(order.shape[0], device=dy.device) < offsets[-1]
+    dy_rows = torch.where(valid[:, None], (dy_g.float() * w_rows[:, None]).to(torch.bfloat16),
+                          torch.zeros((), dtype=torch.bfloat16, device=dy.device))
+    dtw = torch.where(valid, (dy_g.float() * r_rows.float()).sum(-1), torch.zeros((), device=dy.device))
+    out = torch.empty_like(dtw)
+    out[order] = dtw
+    return dy_rows, out.view(t, k)
+
+
+def dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets):
+    """(dy_rows [T*k, H] bf16, d_topk_w [T, k] fp32) per the module contract, on the device
+    (no host sync). dy [T, H] bf16, r_rows [T*k, H] bf16 (expert-grouped forward rows),
+    order [T*k] int64 (route of each grouped row), topk_w [T, k] fp32, offsets [E+1] int32;
+    all contiguous, on one CUDA device; CPU tensors take :func:`dy_rows_and_dtopk_w_torch`."""
+    _check(dy, r_rows, order, topk_w, offsets)
+    if not dy.is_cuda:
+        return dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets)
+    t, h = dy.shape
+    k, m = topk_w.shape[1], r_rows.shape[0]
+    out = torch.empty_like(r_rows)
+    dtw = torch.empty_like(topk_w)
+    if m:
+        fn, _ = compiled_route_grad(arch_of_device(dy.device))
+        with torch.cuda.device(dy.device):
+            fn(*_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), order.data_ptr(), topk_w.data_ptr(),
+                          dtw.data_ptr(), offsets.data_ptr()),
+               t, m, k, offsets.numel() - 1, h // 8, current_stream(dy.device))
+    return out, dtw
