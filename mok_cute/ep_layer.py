@@ -8,10 +8,12 @@ shared expert's output as the start (acc = fp32(shared) then + w_j * fp32(r_j) i
 order) -> a copy of the slot buffer (the routed rows r_j of this rank's tokens, needed by
 d topk_w) -> ``ws.check_status()``.
 
+The dispatch also pulls each grouped row's router weight (``topk_w`` of its source slot,
+fp32, 0 past offsets[-1]) on the device: no NCCL call in the step.
+
 Backward: reverse_combine pulls the dy rows of the routes this rank served, each scaled by
-its source slot's router weight, dyj = bf16(fp32(dy) * w), w from :func:`route_weights`
-over an NCCL all-gather of every rank's ``topk_w`` (made in the forward; a stopgap until
-the weights travel with the plan) -> the expert MLP backward -> reverse_dispatch (push dx
+its source slot's router weight from the forward's dispatch, dyj = bf16(fp32(dy) * w)
+-> the expert MLP backward -> reverse_dispatch (push dx
 rows, then dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j)) in slot order) -> d topk_w[t, j] =
 fp32 sum_h dy[t, h] * r_j[t, h] from the saved slot rows -> ``ws.check_status()``.
 
@@ -45,27 +47,6 @@ class EPState:
     slot_out: torch.Tensor  # [T, k, H] routed rows r_j of this rank's tokens (stale for -1 slots)
 
 
-def route_weights(recv_src: torch.Tensor, offsets: torch.Tensor, topk_w_all: torch.Tensor) -> torch.Tensor:
-    """[capacity] fp32 router weight of each grouped row: row i < offsets[-1] with packed
-    source ``recv_src[i] = p*T*k + t*k + j`` gets ``topk_w_all[p, t, j]`` (``topk_w_all``
-    [EP, T, k] or its flat view); rows at or past offsets[-1] (unspecified recv_src) get 0.
-    On the device, no host sync."""
-    flat = topk_w_all.reshape(-1)
-    rows = torch.arange(recv_src.shape[0], device=recv_src.device)
-    valid = rows < offsets[-1].to(rows.dtype)
-    src = torch.where(valid, recv_src.long(), torch.zeros((), dtype=torch.long, device=recv_src.device))
-    return torch.where(valid, flat[src], torch.zeros((), dtype=flat.dtype, device=flat.device))
-
-
-def _gather_topk_w(topk_w: torch.Tensor, group, ep: int) -> torch.Tensor:
-    """[EP, T, k] fp32: every rank's topk_w (NCCL all-gather; same T on every rank)."""
-    import torch.distributed as dist
-
-    out = torch.empty((ep,) + tuple(topk_w.shape), dtype=topk_w.dtype, device=topk_w.device)
-    dist.all_gather_into_tensor(out, topk_w.contiguous(), group=group)
-    return out
-
-
 def forward(mlp, inp, group, ep: int):
     from .comm.combine import combine
     from .comm.dispatch import dispatch
@@ -77,8 +58,7 @@ def forward(mlp, inp, group, ep: int):
     h = x.shape[1]
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=TIMEOUT_S)
     plan = plan_routing_device(ws, idx)
-    w_rows = route_weights(plan.recv_src, plan.offsets, _gather_topk_w(inp.topk_w, group, ep))
-    x_rows = dispatch(ws, x, plan)
+    x_rows, w_rows = dispatch(ws, x, plan, topk_w=inp.topk_w)
     r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
     s, shared_group = shared_forward(mlp, x, inp.shared, limit)
     y = combine(ws, r, inp.topk_w, plan, shared_out=s)

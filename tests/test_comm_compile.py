@@ -151,3 +151,59 @@ def test_pull_kernel_closure_and_64bit_peer_address():
     body = ptx[:ptx.index("ld.global.v4")]
     assert "shl.b64" in body.splitlines()[-1] or "shl.b64" in "\n".join(body.splitlines()[-8:])
     assert rep.max_registers <= 64 and rep.total_spill_bytes == 0
+
+
+# --- extended pull: MXFP8 payload (data + scales) and router weights ---------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("split,has_w", [(True, False), (False, True), (True, True)])
+def test_pull_ext_compiles(arch, split, has_w):
+    """Extended pull variants: same kernel rules as the bf16 pull (closure-built, int64/int32/
+    bf16 pointers only, 64-bit peer addresses, 1024 threads, no spills); MXFP8 stores data and
+    scales with 16-byte vectors (two v4 stores), the weight is one more 4-byte peer load."""
+    from mok_cute.comm.dispatch import compile_pull_ext, pull_ext_launcher
+
+    assert pull_ext_launcher(split, has_w) is pull_ext_launcher(split, has_w)
+    c, rep = compile_pull_ext(arch, split, has_w, inspect=True)
+    assert_sys_ordering(rep)
+    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+    assert rep.registers and all("ptrf32" not in n and "ptrf8" not in n for n in rep.registers)
+    ptx = c.__ptx__
+    _, base = compile_pull(arch, inspect=True)
+    assert ptx.count("st.global.v4.b32") == 1 + int(split)
+    assert ptx.count("ld.global.v4.b32") == 1 + int(split)
+    assert ptx.count("ld.global.b32") == base.ptx.count("ld.global.b32") + int(has_w)
+    assert "shl.b64" in ptx  # the peer byte offset (t*V + v)*16 in 64 bits
+
+
+def test_mxfp8_row_bytes():
+    from mok_cute.comm.workspace import mxfp8_row_bytes
+
+    assert mxfp8_row_bytes(7168) == 7168 + 224 and mxfp8_row_bytes(4096) == 4096 + 128
+    assert mxfp8_row_bytes(64) == 64 + 16 and mxfp8_row_bytes(256) == 256 + 16
+    for H in (32, 64, 256, 512, 4096, 7168):
+        assert mxfp8_row_bytes(H) % 16 == 0 and mxfp8_row_bytes(H) <= 2 * H  # fits src
+
+
+def test_dispatch_payload_validation():
+    ws, plan = fake_ws(H=64)
+    q = torch.zeros(4, 64, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(4, 2, dtype=torch.uint8)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="payload"):
+        dispatch(ws, x, plan, payload="fp8")
+    with pytest.raises(TypeError, match="pair"):
+        dispatch(ws, x, plan, payload="mxfp8")
+    with pytest.raises(TypeError, match="x_q"):
+        dispatch(ws, (q.view(torch.uint8), s), plan, payload="mxfp8")
+    with pytest.raises(ValueError, match="x_s"):
+        dispatch(ws, (q, s[:, :1]), plan, payload="mxfp8")
+    with pytest.raises(TypeError, match="x_s"):
+        dispatch(ws, (q, s.to(torch.int32)), plan, payload="mxfp8")
+    with pytest.raises(TypeError, match="topk_w"):
+        dispatch(ws, (q, s), plan, payload="mxfp8", topk_w=torch.zeros(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="topk_w"):
+        dispatch(ws, x, plan, topk_w=torch.zeros(4, 3))
+    ws16, plan16 = fake_ws(H=16)
+    with pytest.raises(ValueError, match="H % 32"):
+        dispatch(ws16, (q[:, :16], s[:, :0]), plan16, payload="mxfp8")

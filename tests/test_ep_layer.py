@@ -1,5 +1,6 @@
 """CPU-testable pieces of the EP > 1 layer path (mok_cute.ep_layer): the router weight of
-each grouped row from the plan's packed sources, and which backends accept EP > 1."""
+each grouped row from the plan's packed sources (the mirror of what the dispatch pulls),
+which backends accept EP > 1, and the layer glue with mirrored comm (no NCCL call)."""
 import pytest
 import torch
 
@@ -7,8 +8,7 @@ import mok_cute.backend as B
 import mok_cute.grouped_backend as G
 from mok_cute import reference as R
 from mok_cute.config import MoKConfig
-from mok_cute.ep_layer import route_weights
-from mok_cute.schedule.plan import plan_routing
+from mok_cute.schedule.plan import plan_routing, route_weights
 
 
 def _routing(EP, T, k, E, seed):
@@ -122,6 +122,14 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
         out[:m] = rows[plan.recv_src[:m].long() // k]
         return out
 
+    def dispatch(ws_, rows, plan, *, topk_w):
+        """Mirror of dispatch(..., topk_w=): rows and each row's weight (0 past M)."""
+        w = torch.zeros(cap)
+        m = int(plan.offsets[-1])
+        w[:m] = topk_w.reshape(-1)[plan.recv_src[:m].long()]
+        assert torch.equal(w, route_weights(plan.recv_src, plan.offsets, topk_w[None]))
+        return pull(ws_, rows, plan), w
+
     def push_reduce(ws_, rows, plan, w, start):
         m = int(plan.offsets[-1])
         ws_.slots[plan.recv_src[:m].long()] = rows[:m]
@@ -130,11 +138,14 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
 
     monkeypatch.setattr(W, "get_workspace", lambda *a, **kw: ws)
     monkeypatch.setattr(PL, "plan_routing_device", plan_dev)
-    monkeypatch.setattr(D, "dispatch", pull)
+    monkeypatch.setattr(D, "dispatch", dispatch)
     monkeypatch.setattr(D, "reverse_combine", pull)
     monkeypatch.setattr(C, "combine", lambda ws_, r, w, plan, shared_out=None: push_reduce(ws_, r, plan, w, shared_out))
     monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None: push_reduce(ws_, r, plan, None, dx_shared))
-    monkeypatch.setattr(L, "_gather_topk_w", lambda w, group, ep: w[None])
+    import torch.distributed as dist
+
+    for name in ("all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("NCCL call in the EP step"))
 
     sh = p.get("shared")
     inp = B.MoEInputs(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)

@@ -5,6 +5,12 @@ the row ``t`` of source rank ``p`` (``recv_src[i] = p*T*k + t*k + j``) from that
 symmetric source buffer (x in the forward pass, dy in the backward pass) straight into
 ``out[i]`` ([capacity, H] bf16; rows >= M are left untouched).
 
+Payloads (forward dispatch): ``"bf16"`` rows [T, H]; ``"mxfp8"`` e4m3 data [T, H] plus
+E8M0 scales [T, H/32] (uint8), staged per token as one row of :func:`mxfp8_row_bytes` bytes
+and split on arrival into data [capacity, H] and scales [capacity, H/32]. With ``topk_w``
+([T, k] fp32, staged in the workspace's ``w`` section) the route's router weight travels
+too: ``w_rows[i]`` = topk_w of source (p, t, j) for i < M, 0 past M. Reverse combine is bf16.
+
 Protocol per call (pull epoch e): the source stages its rows in the buffer (waiting for
 DONE >= e-1 from every peer first), the kernel's CTA 0 signals READY = e to every peer,
 every CTA waits READY >= e from every peer, the CTAs copy 16-byte vectors (plain peer
@@ -22,11 +28,14 @@ import torch
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute
-from mok_cute.comm.rows import THREADS, copy_routed_rows
+from mok_cute.comm.rows import THREADS, copy_routed_rows, pull_rows_ext
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
-                                     check_tensor, current_stream, dptr, fake_stream)
+                                     check_tensor, current_stream, dptr, fake_stream,
+                                     mxfp8_row_bytes)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
-from cutlass import Int32, Int64
+from cutlass import BFloat16, Int32, Int64
+
+PAYLOADS = ("bf16", "mxfp8")
 
 
 _launchers: dict = {}
@@ -87,15 +96,84 @@ def compile_pull(arch: str, inspect: bool = False):
                           arch=arch, inspect=inspect)
 
 
+def pull_ext_launcher(split: bool, has_w: bool):
+    """The launcher of one extended pull variant (:func:`mok_cute.comm.rows.pull_rows_ext`):
+    ``split`` = MXFP8 rows (data + scales), ``has_w`` = router weights too. Closure-built per
+    variant like :func:`pull_launcher` (no Constexpr kernel parameters; int64/int32/bf16
+    pointers and Int32/Int64 scalars only; ``out2`` / ``w_out`` are the workspace's zero
+    ``dummy`` when unused, never aliasing another argument). The bf16 pull without weights
+    is :func:`pull_launcher`, unchanged."""
+    key = ("pull_ext", bool(split), bool(has_w))
+    if key in _launchers:
+        return _launchers[key]
+    split, has_w = bool(split), bool(has_w)
+
+    @cute.kernel
+    def pull_ext_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                        recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                        out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
+                        ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
+                        e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
+                        epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if tidx == 0:
+            if bidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
+            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            pull_rows_ext(tidx, bidx, pb, status, recv_src, offsets, out, out2, w_out, out_rows,
+                          ep, T, k, T * k, V, Vd, Vs, e_local, src_off, w_off, Int32(P.READY),
+                          epoch, nctas, split, has_w)
+        cute.arch.barrier()
+        if tidx == 0:
+            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
+                                epoch, nctas)
+
+    kernel = pull_ext_kernel
+
+    @cute.jit
+    def pull_ext_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                      recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                      out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
+                      ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
+                      e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
+                      epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        """Launch the extended pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
+        kernel(peer_bases, status, counter, recv_src, offsets, out, out2, w_out, out_rows, me, ep,
+               T, k, V, Vd, Vs, e_local, src_off, w_off, flags_off, epoch, timeout_ns,
+               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers[key] = host = pull_ext_host
+    return host
+
+
+def compile_pull_ext(arch: str, split: bool, has_w: bool, inspect: bool = False):
+    """Compile one extended pull variant for ``arch``; ``(compiled, CompileReport | None)``."""
+    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
+    return compile_kernel(pull_ext_launcher(split, has_w), _fake_ptr("i64"), i32, i32, i32, i32,
+                          bf, bf, i32, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
+                          Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
+                          Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
+
+
+def _check_out(out, dtype, cols: int, ws: CommWorkspace, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(ws.recv_capacity, cols, dtype=dtype, device=ws.device)
+    check_tensor(name, out, dtype, (None, cols), ws.device)
+    return out
+
+
 def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
           out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """bf16 pull without weights: the verified :func:`pull_launcher` kernel."""
     check_tensor(name, rows, torch.bfloat16, (ws.T, ws.H), ws.device)
     check_plan(ws, plan)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
-    if out is None:
-        out = torch.empty(ws.recv_capacity, ws.H, dtype=torch.bfloat16, device=ws.device)
-    check_tensor("out", out, torch.bfloat16, (None, ws.H), ws.device)
+    out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
     out_rows = min(out.shape[0], plan.recv_src.shape[0])
     fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
     ws.stage_src(rows)
@@ -108,12 +186,93 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
     return out
 
 
-def dispatch(ws: CommWorkspace, x: torch.Tensor, plan, *, num_ctas: int | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """Forward dispatch by pull: ``x`` [T, H] bf16 (this rank's tokens) -> this rank's
-    expert-grouped rows [capacity, H] bf16 (valid prefix ``plan.offsets[-1]``), in plan order.
-    Collective over the workspace group; launches on the current stream, no host sync."""
-    return _pull(ws, x, plan, num_ctas, out, "x")
+def _check_mxfp8(ws: CommWorkspace, x) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise TypeError("x must be a pair (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8) for "
+                        "payload 'mxfp8'")
+    if ws.H % 32:
+        raise ValueError(f"payload 'mxfp8' needs H % 32 == 0, got H={ws.H}")
+    q, sc = x
+    check_tensor("x_q", q, torch.float8_e4m3fn, (ws.T, ws.H), ws.device)
+    check_tensor("x_s", sc, torch.uint8, (ws.T, ws.H // 32), ws.device)
+    return q, sc
+
+
+def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
+             topk_w: torch.Tensor | None = None, num_ctas: int | None = None, out=None,
+             w_out: torch.Tensor | None = None):
+    """Forward dispatch by pull: this rank's tokens -> its expert-grouped rows in plan order
+    (valid prefix ``M = plan.offsets[-1]`` of ``capacity`` rows; rows >= M untouched).
+
+    ``payload="bf16"``: ``x`` [T, H] bf16 -> rows [capacity, H] bf16.
+    ``payload="mxfp8"``: ``x = (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8 E8M0)`` ->
+    ``(q [capacity, H] float8_e4m3fn, s [capacity, H/32] uint8)``; ``s`` is a view of a
+    [capacity, pad16(H/32)] buffer (contiguous when H % 512 == 0). ``out``: optional
+    preallocated ``rows``, or for mxfp8 ``(q, s_padded [>= capacity, pad16(H/32)] uint8)``.
+    ``topk_w`` [T, k] fp32: also returns ``w_rows`` [capacity] fp32 (or into ``w_out``), the
+    router weight of each grouped row (0 past M); the result is then ``(rows, w_rows)`` /
+    ``(q, s, w_rows)``. Collective over the workspace group (every rank passes the same
+    payload and topk_w-or-not); launches on the current stream, no host sync."""
+    if payload not in PAYLOADS:
+        raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+    if payload == "bf16" and topk_w is None:
+        return _pull(ws, x, plan, num_ctas, out, "x")
+    split = payload == "mxfp8"
+    if split:
+        q, sc = _check_mxfp8(ws, x)
+    else:
+        check_tensor("x", x, torch.bfloat16, (ws.T, ws.H), ws.device)
+    if topk_w is not None:
+        check_tensor("topk_w", topk_w, torch.float32, (ws.T, ws.k), ws.device)
+    check_plan(ws, plan)
+    nctas = ws.num_ctas if num_ctas is None else num_ctas
+    check_num_ctas(nctas)
+    H, S = ws.H, ws.H // 32
+    if split:
+        rb = mxfp8_row_bytes(H)
+        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+            raise TypeError("out must be a pair (q, s_padded) for payload 'mxfp8'")
+        q_out = _check_out(None if out is None else out[0], torch.float8_e4m3fn, H, ws, "out[0]")
+        s_out = _check_out(None if out is None else out[1], torch.uint8, rb - H, ws, "out[1]")
+        rows_n = min(q_out.shape[0], s_out.shape[0])
+        V, Vd, Vs = rb // 16, H // 16, (rb - H) // 16
+        p_out, p_out2 = dptr(q_out, BFloat16), dptr(s_out, BFloat16)
+    else:
+        q_out = _check_out(out, torch.bfloat16, H, ws, "out")
+        rows_n = q_out.shape[0]
+        V = Vd = H // 8
+        Vs = 1  # unused without split
+        p_out, p_out2 = dptr(q_out), dptr(ws.dummy, BFloat16)
+    if topk_w is not None:
+        if w_out is None:
+            w_out = torch.zeros(ws.recv_capacity, dtype=torch.float32, device=ws.device)
+        else:
+            check_tensor("w_out", w_out, torch.float32, (None,), ws.device)
+            w_out.zero_()
+        rows_n = min(rows_n, w_out.shape[0])
+    p_w = dptr(w_out if topk_w is not None else ws.dummy, Int32)
+    rows_n = min(rows_n, plan.recv_src.shape[0])
+    has_w = topk_w is not None
+    fn = compile_cached(("comm.pull_ext", ws.arch, split, has_w),
+                        lambda: compile_pull_ext(ws.arch, split, has_w)[0])
+    if split:  # stage: waits DONE of the previous pull, then data and scales per token row
+        src = ws.acquire_src(rb)
+        src[:, :H].copy_(q.view(torch.uint8))
+        src[:, H:H + S].copy_(sc)
+    else:
+        ws.stage_src(x)
+    if has_w:  # after the DONE wait of stage_src / acquire_src for this step
+        ws.view("w", torch.float32, (ws.T, ws.k)).copy_(topk_w)
+    epoch = ws.next_epoch("pull")
+    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
+       dptr(plan.offsets), p_out, p_out2, p_w, Int32(rows_n), Int32(ws.me), Int32(ws.EP),
+       Int32(ws.T), Int32(ws.k), Int32(V), Int32(Vd), Int32(Vs), Int32(ws.E // ws.EP),
+       Int64(ws.offsets["src"]), Int64(ws.offsets["w"]), Int64(ws.offsets["flags"]),
+       Int32(epoch), Int64(ws.timeout_ns), Int32(nctas), current_stream())
+    res = (q_out, s_out[:, :S]) if split else (q_out,)
+    if has_w:
+        res = res + (w_out,)
+    return res if len(res) > 1 else res[0]
 
 
 def reverse_combine(ws: CommWorkspace, dy: torch.Tensor, plan, *, num_ctas: int | None = None,

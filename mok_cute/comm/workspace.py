@@ -10,6 +10,11 @@ every rank (peer address = ``peer_bases[q] + offset``):
   recv    int32 [EP*T*k]            packed source indices pushed by the sources (plan)
   src     bf16  [T, H]              pull source: x (dispatch) or dy (reverse combine)
   slots   bf16  [T*k, H]            push target: combine / reverse-dispatch rows
+  w       fp32  [T, k]              pull source of the router weights (dispatch with topk_w)
+
+The ``src`` section (T*H*2 bytes) also holds an MXFP8 dispatch's rows: per token
+``H`` e4m3 bytes then ``H/32`` E8M0 scale bytes, padded to ``row_bytes = H + pad16(H/32)``
+(:func:`mxfp8_row_bytes`; T*7392 bytes at H 7168, T*4224 at H 4096), within T*H*2 for H >= 32.
 
 Local (not symmetric): ``status`` int32[4] (error code, peer, channel, epoch),
 ``counters[kind]`` int32[4] per kernel kind ('pull', 'push', 'pull_reduce'; separate
@@ -81,7 +86,8 @@ class CommWorkspace:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = arch_of_device(self.device)
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
-                 "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2}
+                 "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2,
+                 "w": T * k * 4}
         import os
         if os.environ.get("MOK_COMM_COMBINE", "push") == "pull":  # staged expert rows
             sizes["eo"] = self.recv_capacity * H * 2
@@ -171,13 +177,19 @@ class CommWorkspace:
         fn(Int64(self.local_base + self.offsets["flags"]), Int32(channel), Int32(self.EP),
            Int32(target), Int64(self.timeout_ns), dptr(self.status), current_stream())
 
-    def acquire_src(self) -> torch.Tensor:
-        """The local pull-source buffer [T, H] bf16, once every peer finished the previous
-        pull from it (device-side wait on the stream). Write x or dy here, then pull."""
+    def acquire_src(self, row_bytes: int | None = None) -> torch.Tensor:
+        """The local pull-source buffer, once every peer finished the previous pull from it
+        (device-side wait on the stream): [T, H] bf16, or with ``row_bytes`` a uint8
+        [T, row_bytes] view (MXFP8 rows, :func:`mxfp8_row_bytes`). Write x or dy here, then
+        pull. The router-weight section may be written after this wait too."""
         if self.poisoned:
             raise RuntimeError(f"workspace unusable after an earlier error: {self.poisoned}")
         self.wait_flags(P.DONE, self.epoch["pull"])
-        return self.view("src", torch.bfloat16, (self.T, self.H))
+        if row_bytes is None:
+            return self.view("src", torch.bfloat16, (self.T, self.H))
+        if row_bytes % 16 or self.T * row_bytes > self.T * self.H * 2:
+            raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of 16 and <= 2*H")
+        return self.view("src", torch.uint8, (self.T, row_bytes))
 
     def stage_src(self, x: torch.Tensor) -> None:
         """Put ``x`` [T, H] bf16 in the source buffer. If ``x`` already is that buffer, it
@@ -206,6 +218,12 @@ class CommWorkspace:
         if msg:
             self.poisoned = msg
             raise RuntimeError(msg)
+
+
+def mxfp8_row_bytes(H: int) -> int:
+    """Bytes of one MXFP8 token row in the pull source: H e4m3 bytes + H/32 E8M0 scale bytes,
+    the scales padded to a multiple of 16 bytes."""
+    return H + (H // 32 + 15) // 16 * 16
 
 
 def check_num_ctas(n: int) -> None:

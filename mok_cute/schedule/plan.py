@@ -143,6 +143,20 @@ def plan_routing(topk_idx_per_rank: list[torch.Tensor], E: int, EP: int) -> Rout
                        dest_rank.view(EP, T, k).to(i32), dest_row.view(EP, T, k).to(i32))
 
 
+def route_weights(recv_src: torch.Tensor, offsets: torch.Tensor,
+                  topk_w_all: torch.Tensor) -> torch.Tensor:
+    """Torch mirror of the router weights that a dispatch with ``topk_w`` pulls: [capacity]
+    fp32 weight of each grouped row; row i < offsets[-1] with packed source ``recv_src[i] =
+    p*T*k + t*k + j`` gets ``topk_w_all[p, t, j]`` (``topk_w_all`` [EP, T, k] or its flat
+    view); rows at or past offsets[-1] (unspecified recv_src) get 0. No host sync."""
+    flat = topk_w_all.reshape(-1)
+    rows = torch.arange(recv_src.shape[0], device=recv_src.device)
+    valid = rows < offsets[-1].to(rows.dtype)
+    zero = torch.zeros((), dtype=torch.long, device=recv_src.device)
+    src = torch.where(valid, recv_src.long(), zero)
+    return torch.where(valid, flat[src], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
 # ---------------------------------------------------------------------------------------
 # Device planner (one CTA of 1024 threads = 32 warps; built lazily: needs the CuTe DSL)
 #

@@ -1,6 +1,7 @@
 """Device check of the EP communication kernels (plan, dispatch, combine, reverse paths).
 
-Run with ``torchrun --nproc_per_node=2 tools/gpu_check.py comm`` (or 1 process). Every
+Run with ``torchrun --nproc_per_node=2 tools/gpu_check.py comm``, or on one GPU without
+torchrun (``python3 tools/gpu_check.py comm``: EP = 1, a 1-rank group, same kernels). Every
 rank builds every rank's inputs from fixed seeds, so each rank computes its references
 locally: plan == the pure-torch mirror, pulls == torch gathers in plan order, pushes ==
 the fixed-order formula in torch; all bitwise, repeated, and across CTA counts. Then a
@@ -15,6 +16,11 @@ CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this m
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
 kernel launched 3 times on one workspace, synced and checked after each), then stop.
+
+Rows per case (names shortened: rnd = random routing, disp+w = dispatch with topk_w, mx =
+MXFP8 dispatch): plan==mirror; dispatch, disp+w rows / w_rows (route_weights mirror, 0 past
+M), mx data / scales (bytes == the torch gather of the same e4m3 / E8M0 bytes), mx+w;
+combine, combine+sh, rev_combine, rev_dispatch; 5 repeats at 4..32 CTAs bitwise.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
 from mok_cute.comm.workspace import get_workspace
-from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device
+from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
 
 BF16 = torch.bfloat16
 
@@ -48,11 +54,22 @@ def _eager_loading() -> None:
 _eager_loading()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _init(ctx: Ctx) -> None:
+    """Join (or, without torchrun, create) the process group: one process is a 1-rank group
+    (EP = 1: the same kernels, every route local)."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port() if ctx.world == 1 else 29561)
     os.environ.setdefault("RANK", str(ctx.rank))
     os.environ.setdefault("WORLD_SIZE", str(ctx.world))
     dist.init_process_group("nccl", device_id=ctx.device)
@@ -89,11 +106,33 @@ def _ref_reduce(slots, valid, w, start):
     return acc.to(BF16)
 
 
+# short row names (the table shows 44 characters of a name)
+_CASE = {"random": "rnd", "rank0_empty": "r0empty"}
+_LABEL = {"combine+shared": "combine+sh", "reverse_combine": "rev_combine",
+          "reverse_dispatch": "rev_dispatch", "dispatch+topk_w rows": "disp+w rows",
+          "dispatch+topk_w w_rows": "disp+w w_rows", "dispatch mxfp8 data": "mx data",
+          "dispatch mxfp8 scales": "mx scales", "dispatch mxfp8+topk_w data": "mx+w data",
+          "dispatch mxfp8+topk_w scales": "mx+w scales", "dispatch mxfp8+topk_w w_rows": "mx+w w"}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of a tensor (float8 has no torch.equal on every build)."""
+    return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _eq(name, got, ref, note="") -> Row:
+    got, ref = _bytes(got), _bytes(ref)
     same = got.shape == ref.shape and torch.equal(got, ref)
     err = None
     if got.shape == ref.shape and got.is_floating_point() and got.numel():
         err = float((got.float() - ref.float()).abs().nan_to_num(float("inf")).max())
+    if not same and got.shape == ref.shape and got.numel():
+        bad = (got != ref) if got.dim() < 2 else (got != ref).reshape(got.shape[0], -1).any(1)
+        rows_bad = bad.nonzero().flatten()
+        note = (f"{note} {int(rows_bad.numel())}/{got.shape[0]} rows differ, first at "
+                f"{rows_bad[:4].tolist()}").strip()
+    elif not same:
+        note = f"{note} shape {tuple(got.shape)} vs ref {tuple(ref.shape)}".strip()
     return Row(name, max_err=err, bitwise=same, ok=same, note=note)
 
 
@@ -166,7 +205,7 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     spec = plan_routing(idx_all, E, EP)
     view = spec.rank_view(me)
     M = int(view.offsets[-1])
-    tag = f"comm[{case} T{T} H{H} k{k} E{E}]"
+    tag = f"comm[{_CASE.get(case, case)} T{T} H{H} k{k} E{E}]"
     rows = []
 
     plan = plan_routing_device(ws, idx_all[me])
@@ -189,9 +228,14 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     sh_all = [_randn(40 + p, (T, H), dev) for p in range(EP)]
     dy_all = [_randn(50 + p, (T, H), dev) for p in range(EP)]
     dxe_all = [_randn(60 + r, (cap, H), dev) for r in range(EP)]
+    # MXFP8 payload: random e4m3 bytes and E8M0 scale bytes (moved, never interpreted)
+    q_all = [torch.randint(0, 256, (T, H), generator=_gen(70 + p, dev), device=dev,
+                           dtype=torch.uint8).view(torch.float8_e4m3fn) for p in range(EP)]
+    s_all = [torch.randint(0, 256, (T, H // 32), generator=_gen(80 + p, dev), device=dev,
+                           dtype=torch.uint8) for p in range(EP)]
 
     def gather(src_all):
-        return torch.stack(src_all)[trip[:, 0], trip[:, 1]]
+        return torch.stack([_bytes(t) for t in src_all])[trip[:, 0], trip[:, 1]]
 
     dr, dw = view.dest_rank.to(dev).long(), view.dest_row.to(dev).long()
     valid = dr >= 0
@@ -200,8 +244,17 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         stack = torch.stack(rows_all)                               # [EP, cap, H]
         return stack[dr.clamp(min=0), dw.clamp(min=0)]              # [T, k, H]
 
+    w_rows_ref = route_weights(view.recv_src.to(dev), view.offsets.to(dev), torch.stack(w_all))
+    w_rows_ref = torch.cat([w_rows_ref, torch.zeros(cap - M, device=dev)])
     refs = {
         "dispatch": gather(x_all),
+        "dispatch+topk_w rows": gather(x_all),
+        "dispatch+topk_w w_rows": w_rows_ref,
+        "dispatch mxfp8 data": gather(q_all),
+        "dispatch mxfp8 scales": gather(s_all),
+        "dispatch mxfp8+topk_w data": gather(q_all),
+        "dispatch mxfp8+topk_w scales": gather(s_all),
+        "dispatch mxfp8+topk_w w_rows": w_rows_ref,
         "combine": _ref_reduce(slots_of(eo_all), valid, w_all[me], None),
         "combine+shared": _ref_reduce(slots_of(eo_all), valid, w_all[me], sh_all[me]),
         "reverse_combine": gather(dy_all),
@@ -220,8 +273,17 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         return rows
 
     def step(num_ctas):
+        def mx(with_w):
+            res = dispatch(ws, (q_all[me], s_all[me]), plan, payload="mxfp8", num_ctas=num_ctas,
+                           topk_w=w_all[me] if with_w else None)
+            return (res[0][:M], res[1][:M]) + tuple(res[2:])
+
         ops = {
             "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas)[:M],
+            "dispatch+topk_w": lambda: (lambda r: (r[0][:M], r[1]))(
+                dispatch(ws, x_all[me], plan, topk_w=w_all[me], num_ctas=num_ctas)),
+            "dispatch mxfp8": lambda: mx(False),
+            "dispatch mxfp8+topk_w": lambda: mx(True),
             "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas),
             "combine+shared": lambda: combine(ws, eo_all[me], w_all[me], plan, sh_all[me],
                                               num_ctas=num_ctas),
@@ -229,16 +291,22 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
             "reverse_dispatch": lambda: reverse_dispatch(ws, dxe_all[me], plan, sh_all[me],
                                                          num_ctas=num_ctas),
         }
+        parts = {"dispatch+topk_w": ("rows", "w_rows"), "dispatch mxfp8": ("data", "scales"),
+                 "dispatch mxfp8+topk_w": ("data", "scales", "w_rows")}
         out = {}
         for name, op in ops.items():
-            out[name] = op()
+            res = op()
             _sync(ctx, ws, f"{name} ({num_ctas} CTAs)")
+            if name in parts:
+                out.update({f"{name} {part}": _bytes(t) for part, t in zip(parts[name], res)})
+            else:
+                out[name] = res
         return out
 
     first = step(8)
     ws.check_status()
     for name, ref in refs.items():
-        rows.append(_eq(f"{tag} {name}", first[name], ref))
+        rows.append(_eq(f"{tag} {_LABEL.get(name, name)}", first[name], ref))
     same = True
     for rep in range(5):
         out = step([4, 8, 16, 32, 8][rep])
@@ -247,7 +315,8 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     plan2 = plan_routing_device(ws, idx_all[me])
     ws.check_status()
     same &= torch.equal(plan2.recv_src[:M], plan.recv_src[:M]) and torch.equal(plan2.dest_row, plan.dest_row)
-    rows.append(Row(f"{tag} 5 repeats, 4..32 CTAs", bitwise=same, ok=same))
+    rows.append(Row(f"{tag} 5 reps 4..32CTA", bitwise=same, ok=same,
+                    note="every op above, bitwise == 1st run"))
     return rows
 
 
@@ -295,8 +364,11 @@ def _timing(ctx: Ctx) -> list[Row]:
     idx_all = [_routing("random", p, T, k, E, dev) for p in range(EP)]
     spec = plan_routing(idx_all, E, EP)
     srcs = spec.recv_triples(me)[:, 0]
-    pulled_remote = int((srcs != me).sum()) * H * 2
+    # bytes that cross NVLink; with one rank every row is local and counted instead
+    rows_moved = int((srcs != me).sum()) if EP > 1 else int(srcs.numel())
+    pulled_remote = rows_moved * H * 2
     pushed_remote = pulled_remote  # the rows we pull are the rows we push back
+    where = "remote rows" if EP > 1 else "local rows, EP=1"
     plan = plan_routing_device(ws, idx_all[me])
     x = _randn(10 + me, (T, H), dev)
     eo = _randn(20 + me, (ws.recv_capacity, H), dev)
@@ -310,12 +382,22 @@ def _timing(ctx: Ctx) -> list[Row]:
     for nctas in (8, 16, 32):
         t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas))
         rows.append(Row(f"comm dispatch pull {nctas} CTAs", time_us=t,
-                        note=f"{pulled_remote / t / 1e3:.0f} GB/s in (remote rows)"))
+                        note=f"{pulled_remote / t / 1e3:.0f} GB/s in ({where})"))
         t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas))
         rows.append(Row(f"comm combine push+reduce {nctas} CTAs", time_us=t,
-                        note=f"{pushed_remote / t / 1e3:.0f} GB/s out (remote rows)"))
+                        note=f"{pushed_remote / t / 1e3:.0f} GB/s out ({where})"))
     t = bench_us(lambda: dispatch(ws, x, plan))
     rows.append(Row("comm dispatch incl. staging copy", time_us=t,
+                    note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
+    xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    xs = torch.randint(0, 256, (T, H // 32), generator=_gen(80 + me, dev), device=dev,
+                       dtype=torch.uint8)
+    mx_bytes = rows_moved * (H + H // 32)
+    t = bench_us(lambda: dispatch(ws, (xq, xs), plan, payload="mxfp8"))
+    rows.append(Row("comm dispatch mxfp8 incl. staging", time_us=t,
+                    note=f"{mx_bytes / t / 1e3:.0f} GB/s in ({where})"))
+    t = bench_us(lambda: dispatch(ws, x, plan, topk_w=w))
+    rows.append(Row("comm dispatch +topk_w incl. staging", time_us=t,
                     note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
     ws.check_status()
     return rows
@@ -342,6 +424,9 @@ def run(ctx: Ctx) -> list[Row]:
              ("rank0_empty", 64, 256, 2, 4 * EP), ("random", 1, 64, 2 * EP, 2 * EP),  # T=1, k=E
              ("random", 4096, 7168, 8, 32 * EP)]
     rows = []
+    if EP == 1:
+        rows.append(Row("comm EP=1 (one process, 1-rank group)", ok=True,
+                        note="same kernels, every route local"))
     for c in cases[:1] if quick else cases:
         rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
                        lambda c=c: _correctness(ctx, *c))
