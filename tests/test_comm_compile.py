@@ -192,8 +192,10 @@ def test_dispatch_payload_validation():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="payload"):
         dispatch(ws, x, plan, payload="fp8")
-    with pytest.raises(TypeError, match="pair"):
+    with pytest.raises(TypeError, match="uint8"):
         dispatch(ws, x, plan, payload="mxfp8")
+    with pytest.raises(TypeError, match="pair"):
+        dispatch(ws, (q, s, s), plan, payload="mxfp8")
     with pytest.raises(TypeError, match="x_q"):
         dispatch(ws, (q.view(torch.uint8), s), plan, payload="mxfp8")
     with pytest.raises(ValueError, match="x_s"):
@@ -204,6 +206,12 @@ def test_dispatch_payload_validation():
         dispatch(ws, (q, s), plan, payload="mxfp8", topk_w=torch.zeros(4, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="topk_w"):
         dispatch(ws, x, plan, topk_w=torch.zeros(4, 3))
+    ws.local_base, ws.offsets = 1 << 20, {"src": 256}
+    staged = torch.zeros(4, 64 + 16, dtype=torch.uint8)  # right shape, not the src section
+    with pytest.raises(ValueError, match="acquire_src"):
+        dispatch(ws, staged, plan, payload="mxfp8")
+    with pytest.raises(ValueError, match="x"):
+        dispatch(ws, staged[:, :64], plan, payload="mxfp8")
     ws16, plan16 = fake_ws(H=16)
     with pytest.raises(ValueError, match="H % 32"):
         dispatch(ws16, (q[:, :16], s[:, :0]), plan16, payload="mxfp8")

@@ -2,26 +2,30 @@
 
     source .gpu-node/activate.sh && torchrun --nproc_per_node=2 tools/bench_comm.py [--quick]
 
-For each (tokens per rank T, hidden H, top-k k) with bf16 rows and E = 32 * EP experts
-(random top-k routing, no dropped slots):
-  * dispatch: pull of the routed rows into expert-grouped order (``mok dispatch``), timed
-    with x already in the source buffer (``pull``) and including the staging copy;
-  * combine: push of the expert rows + fixed-order weighted sum (``mok combine``);
-  * baseline: the same jobs through NCCL as Megatron's all-to-all dispatcher does them
-    (permute -> ``all_to_all_single`` -> sort by expert; and back: unsort ->
-    ``all_to_all_single`` -> weighted sum over slots); splits exchanged beforehand;
-  * the comm-CTA sweep 4..32 for dispatch and combine.
-Times are medians of 20 iterations on the slowest rank (CUDA events). GB/s per direction
-counts only the bytes that cross NVLink (rows whose source rank differs from the expert
-rank). The peer copy rate is torch ``copy_`` of 256 MiB from the peer's symmetric buffer
-while the peer does the same. The table is printed last (rank 0); JSON lines go to
-$OUT/bench_comm.jsonl when $OUT is set.
+Sweep (E = 32 * EP experts, random top-k routing, no dropped slots): tokens per rank T in
+2048, 4096, 8192, 16384; H in 4096, 7168; k in 6, 8; dispatch payload bf16 and MXFP8 (e4m3
+rows + E8M0 scale rows, H + H/32 bytes per row). Per (T, H, k, payload):
+  * mok dispatch: pull into expert-grouped order, with the rows already in the source buffer
+    (``staged``: the kernel alone) and including the staging copy;
+  * mok combine: push of the bf16 expert rows + fixed-order weighted sum (combine and the
+    reverse paths are bf16 in both recipes, so the MXFP8 line repeats the bf16 combine);
+  * NCCL baseline, as Megatron's all-to-all dispatcher does it: permute -> all_to_all_single
+    -> sort by expert (MXFP8: one packed uint8 row of data + scales); back: unsort ->
+    all_to_all_single -> weighted sum over slots; splits exchanged beforehand.
+Plus the comm-CTA sweep 4..32 at T 8192, H 7168, k 8, and the peer copy rate (torch
+``copy_`` of 256 MiB from / to the peer's symmetric buffer, both ranks at once).
+Times are medians on the slowest rank (CUDA events; 20 iterations, 10 for the largest
+shapes). GB/s per direction counts only the bytes that cross NVLink (rows whose source rank
+differs from the expert rank); %peer is against the slower peer copy direction. One compact
+table is printed last (rank 0); JSON lines go to $OUT/bench_comm.jsonl when $OUT is set.
+``--quick``: T 4096 and 8192 at H 7168, k 8, bf16 only, with the CTA sweep.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,19 +33,23 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 from checks.common import bench_us as median_us  # noqa: E402
 from mok_cute.comm.combine import combine  # noqa: E402
 from mok_cute.comm.dispatch import dispatch  # noqa: E402
-from mok_cute.comm.workspace import get_workspace  # noqa: E402
+from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes  # noqa: E402
 from mok_cute.schedule.plan import plan_routing, plan_routing_device  # noqa: E402
 
 BF16 = torch.bfloat16
+SWEEP_SHAPE = (8192, 7168, 8)
+SWEEP_CTAS = (4, 8, 16, 24, 32)
+CTAS = 32
 
 
-def bench_us(fn, warmup=5, iters=20) -> float:
+def bench_us(fn, iters=20) -> float:
     """Median per-rank time (us), then the max over ranks (the slowest rank)."""
-    t = torch.tensor([median_us(fn, warmup, iters, barrier=dist.barrier)], device="cuda")
+    t = torch.tensor([median_us(fn, 3, iters, barrier=dist.barrier)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -70,7 +78,7 @@ def peer_copy_rate(nbytes=256 << 20) -> tuple[float, float]:
 
 
 class Baseline:
-    """Megatron-style all-to-all dispatch/combine with precomputed splits (bf16)."""
+    """Megatron-style all-to-all dispatch/combine with precomputed splits."""
 
     def __init__(self, idx_all, me, T, k, E, EP, dev):
         El = E // EP
@@ -85,17 +93,17 @@ class Baseline:
         recv_e = []
         for p in range(EP):
             ip = idx_all[p].reshape(-1)
-            mine = ip[(ip // El) == me]
-            recv_e.append(mine)
+            recv_e.append(ip[(ip // El) == me])
         self.recv_splits = [int(r.numel()) for r in recv_e]
         re_ = torch.cat(recv_e)
         self.sort_idx = torch.sort(re_ * re_.numel() + torch.arange(re_.numel(), device=dev)).indices
         self.unsort_idx = torch.argsort(self.sort_idx)
         self.M = re_.numel()
 
-    def dispatch(self, x, H):
+    def dispatch(self, x):
+        """x [T, W] (bf16 rows, or uint8 packed MXFP8 rows) -> [M, W] expert-grouped."""
         send = x.index_select(0, self.send_tok)
-        recv = torch.empty(self.M, H, dtype=x.dtype, device=x.device)
+        recv = torch.empty(self.M, x.shape[1], dtype=x.dtype, device=x.device)
         dist.all_to_all_single(recv, send, self.recv_splits, self.send_splits)
         return recv.index_select(0, self.sort_idx)
 
@@ -116,80 +124,135 @@ def routing(p, T, k, E, dev):
     return torch.rand(T, E, generator=g, device=dev).topk(k, dim=1).indices
 
 
-def bench_case(T, H, k, ctas, rows, sweep):
+def bench_case(T, H, k, payloads, sweep, res):
+    """Time one (T, H, k) for each payload; appends result dicts to ``res``."""
     me, EP, dev = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
     E = 32 * EP
+    iters = 10 if T * H * k > 8192 * 7168 * 8 else 20
     idx_all = [routing(p, T, k, E, dev) for p in range(EP)]
     spec = plan_routing(idx_all, E, EP)
     srcs = spec.recv_triples(me)[:, 0]
     M = int(srcs.numel())
     remote = torch.tensor([int((srcs != me).sum())], device=dev)
     dist.all_reduce(remote, op=dist.ReduceOp.MIN)          # per direction, the smaller side
-    remote_bytes = int(remote) * H * 2
+    remote = int(remote)
     Mmax = torch.tensor([M], device=dev)
     dist.all_reduce(Mmax, op=dist.ReduceOp.MAX)
-    ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=32,
-                       recv_capacity=int(Mmax))
+    cap = int(Mmax)
+    ws = get_workspace(T=T, H=H, k=k, E=E, timeout_s=20.0, num_ctas=CTAS, recv_capacity=cap)
     plan = plan_routing_device(ws, idx_all[me])
     x = torch.randn(T, H, device=dev).to(BF16)
-    eo = torch.randn(int(Mmax), H, device=dev).to(BF16)
+    eo = torch.randn(cap, H, device=dev).to(BF16)
     w = torch.rand(T, k, device=dev)
-    out = torch.empty(int(Mmax), H, dtype=BF16, device=dev)
-    ws.check_status()
-    src = ws.acquire_src()
-    src.copy_(x)
-    tag = f"T{T} H{H} k{k}"
-
-    def add(name, t, nbytes=remote_bytes, **kw):
-        rows.append(dict(case=tag, name=name, us=t, GBps=nbytes / t / 1e3 if nbytes else None, **kw))
-
-    for c in (sweep if sweep else [ctas]):
-        add(f"mok dispatch pull, {c} CTAs", bench_us(lambda: dispatch(ws, src, plan, num_ctas=c, out=out)), ctas=c)
-        add(f"mok combine push+sum, {c} CTAs", bench_us(lambda: combine(ws, eo, w, plan, num_ctas=c)), ctas=c)
-    add(f"mok dispatch incl. staging, {ctas} CTAs",
-        bench_us(lambda: dispatch(ws, x, plan, num_ctas=ctas, out=out)), ctas=ctas)
-    ws.check_status()
     base = Baseline(idx_all, me, T, k, E, EP, dev)
-    add("nccl dispatch (permute+a2a+sort)", bench_us(lambda: base.dispatch(x, H)))
-    add("nccl combine (unsort+a2a+wsum)", bench_us(lambda: base.combine(eo, w, T, k, H)))
-    add("nccl a2a only (dispatch bytes)", bench_us(lambda: dist.all_to_all_single(
-        torch.empty(base.M, H, dtype=BF16, device=dev), x.index_select(0, base.send_tok),
-        base.recv_splits, base.send_splits)))
-    return ws
+    ws.check_status()
+    case = f"T{T} H{H} k{k}"
+    S, rb = H // 32, mxfp8_row_bytes(H)
+    r_comb = dict(us=bench_us(lambda: combine(ws, eo, w, plan, num_ctas=CTAS), iters),
+                  nccl_us=bench_us(lambda: base.combine(eo, w, T, k, H), iters))
+    for payload in payloads:
+        if payload == "bf16":
+            row_bytes = 2 * H
+            src = ws.acquire_src()
+            src.copy_(x)
+            out = torch.empty(cap, H, dtype=BF16, device=dev)
+            staged, full, packed = src, x, x
+
+            def run(inp, c):
+                return dispatch(ws, inp, plan, num_ctas=c, out=out)
+        else:
+            row_bytes = H + S
+            xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+            xs = torch.randint(0, 256, (T, S), device=dev, dtype=torch.uint8)
+            src = ws.acquire_src(rb)
+            src[:, :H].copy_(xq.view(torch.uint8))
+            src[:, H:H + S].copy_(xs)
+            out = (torch.empty(cap, H, dtype=torch.float8_e4m3fn, device=dev),
+                   torch.empty(cap, rb - H, dtype=torch.uint8, device=dev))
+            staged, full = src, (xq, xs)
+            packed = torch.cat([xq.view(torch.uint8), xs], dim=1)
+
+            def run(inp, c):
+                return dispatch(ws, inp, plan, payload="mxfp8", num_ctas=c, out=out)
+        nbytes = remote * row_bytes
+        r = dict(case=case, payload=payload, remote_rows=remote, disp_bytes=nbytes,
+                 comb_bytes=remote * 2 * H, ctas=CTAS)
+        r["disp_us"] = bench_us(lambda: run(staged, CTAS), iters)
+        r["disp_stage_us"] = bench_us(lambda: run(full, CTAS), iters)
+        r["nccl_disp_us"] = bench_us(lambda: base.dispatch(packed), iters)
+        r["comb_us"], r["nccl_comb_us"] = r_comb["us"], r_comb["nccl_us"]
+        ws.check_status()
+        res["cases"].append(r)
+        if sweep:
+            for c in SWEEP_CTAS:
+                s = dict(case=case, payload=payload, ctas=c, disp_bytes=nbytes,
+                         comb_bytes=remote * 2 * H)
+                s["disp_us"] = bench_us(lambda: run(staged, c), iters)
+                s["comb_us"] = (bench_us(lambda: combine(ws, eo, w, plan, num_ctas=c), iters)
+                                if payload == "bf16" else None)
+                res["sweep"].append(s)
+            ws.check_status()
+
+
+def _gbps(nbytes, us):
+    return nbytes / us / 1e3 if us else 0.0
+
+
+def print_table(res, pull_rate, push_rate):
+    peer = min(pull_rate, push_rate)
+    print(f"== bench_comm on {dist.get_world_size()}x {torch.cuda.get_device_name()}: E=32*EP "
+          f"random top-k, {CTAS} comm CTAs; GB/s per direction over remote rows, slowest rank; "
+          f"peer copy_ pull {pull_rate:.0f} / push {push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
+    print(f"{'case':17s} {'pay':5s} | {'disp us':>8s} {'GB/s':>5s} {'%pk':>4s} {'+stage':>8s} "
+          f"{'nccl us':>8s} {'GB/s':>5s} | {'comb us':>8s} {'GB/s':>5s} {'%pk':>4s} "
+          f"{'nccl us':>8s} {'GB/s':>5s}")
+    for r in res["cases"]:
+        d, c = _gbps(r["disp_bytes"], r["disp_us"]), _gbps(r["comb_bytes"], r["comb_us"])
+        print(f"{r['case']:17s} {r['payload']:5s} | {r['disp_us']:8.1f} {d:5.0f} "
+              f"{100 * d / peer:4.0f} {r['disp_stage_us']:8.1f} {r['nccl_disp_us']:8.1f} "
+              f"{_gbps(r['disp_bytes'], r['nccl_disp_us']):5.0f} | {r['comb_us']:8.1f} {c:5.0f} "
+              f"{100 * c / peer:4.0f} {r['nccl_comb_us']:8.1f} "
+              f"{_gbps(r['comb_bytes'], r['nccl_comb_us']):5.0f}")
+    if res["sweep"]:
+        print("CTA sweep (dispatch staged / combine; GB/s per direction, %pk):")
+        for s in res["sweep"]:
+            d = _gbps(s["disp_bytes"], s["disp_us"])
+            line = (f"  {s['case']:17s} {s['payload']:5s} {s['ctas']:3d} CTAs: dispatch "
+                    f"{s['disp_us']:8.1f} us {d:5.0f} GB/s {100 * d / peer:4.0f}%")
+            if s["comb_us"] is not None:
+                c = _gbps(s["comb_bytes"], s["comb_us"])
+                line += f" | combine {s['comb_us']:8.1f} us {c:5.0f} GB/s {100 * c / peer:4.0f}%"
+            print(line)
 
 
 def main():
     quick = "--quick" in sys.argv
+    t0 = time.time()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     me = dist.get_rank()
     pull_rate, push_rate = peer_copy_rate()
-    rows = [dict(case="-", name="torch copy_ peer->local (pull) 256MiB", us=None, GBps=pull_rate),
-            dict(case="-", name="torch copy_ local->peer (push) 256MiB", us=None, GBps=push_rate)]
-    cases = [(4096, 7168, 8), (8192, 7168, 8)] if quick else [
-        (2048, 7168, 8), (4096, 7168, 8), (8192, 7168, 8), (16384, 7168, 8),
-        (4096, 4096, 8), (8192, 4096, 8), (4096, 7168, 6), (8192, 7168, 6)]
-    for i, (T, H, k) in enumerate(cases):
-        sweep = [4, 8, 16, 24, 32] if (T, H, k) in ((4096, 7168, 8), (8192, 7168, 8)) else [16, 32]
-        bench_case(T, H, k, 32, rows, sweep)
+    if quick:
+        shapes, payloads = [(4096, 7168, 8), (8192, 7168, 8)], ("bf16",)
+    else:
+        shapes = [(T, H, k) for H in (4096, 7168) for k in (6, 8)
+                  for T in (2048, 4096, 8192, 16384)]
+        payloads = ("bf16", "mxfp8")
+    res = {"cases": [], "sweep": []}
+    for T, H, k in shapes:
+        bench_case(T, H, k, payloads, (T, H, k) == SWEEP_SHAPE, res)
         if me == 0:
-            print(f"[bench_comm] done T{T} H{H} k{k}", flush=True)
+            print(f"[bench_comm] done T{T} H{H} k{k} ({time.time() - t0:.0f} s)", flush=True)
     if me == 0:
         out = os.environ.get("OUT")
         if out:
             with open(Path(out) / "bench_comm.jsonl", "w") as f:
-                for r in rows:
+                f.write(json.dumps(dict(peer_pull_GBps=pull_rate, peer_push_GBps=push_rate)) + "\n")
+                for r in res["cases"] + res["sweep"]:
                     f.write(json.dumps(r) + "\n")
-        peer = min(pull_rate, push_rate)
-        print(f"== bench_comm on 2x {torch.cuda.get_device_name()} (bf16, E=64 random top-k; "
-              f"GB/s per direction over remote rows; slowest rank) ==")
-        print(f"{'case':16s} {'what':44s} {'us':>9s} {'GB/s':>7s} {'%peer':>6s}")
-        for r in rows:
-            us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            gb = "-" if r["GBps"] is None else f"{r['GBps']:.0f}"
-            pc = "-" if r["GBps"] is None else f"{100 * r['GBps'] / peer:.0f}"
-            print(f"{r['case']:16s} {r['name'][:44]:44s} {us:>9s} {gb:>7s} {pc:>6s}")
+        print(f"[bench_comm] total {time.time() - t0:.0f} s", flush=True)
+        print_table(res, pull_rate, push_rate)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -186,12 +186,20 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
     return out
 
 
-def _check_mxfp8(ws: CommWorkspace, x) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_mxfp8(ws: CommWorkspace, x):
+    """``(x_q, x_s)`` to stage, or None when ``x`` is the already staged source buffer."""
+    if ws.H % 32:
+        raise ValueError(f"payload 'mxfp8' needs H % 32 == 0, got H={ws.H}")
+    if isinstance(x, torch.Tensor):
+        rb = mxfp8_row_bytes(ws.H)
+        check_tensor("x", x, torch.uint8, (ws.T, rb), ws.device)
+        if x.data_ptr() != ws.local_base + ws.offsets["src"]:
+            raise ValueError("x as one uint8 tensor must be this step's "
+                             "ws.acquire_src(mxfp8_row_bytes(H)) (data then scales per row)")
+        return None
     if not isinstance(x, (tuple, list)) or len(x) != 2:
         raise TypeError("x must be a pair (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8) for "
                         "payload 'mxfp8'")
-    if ws.H % 32:
-        raise ValueError(f"payload 'mxfp8' needs H % 32 == 0, got H={ws.H}")
     q, sc = x
     check_tensor("x_q", q, torch.float8_e4m3fn, (ws.T, ws.H), ws.device)
     check_tensor("x_s", sc, torch.uint8, (ws.T, ws.H // 32), ws.device)
@@ -205,7 +213,9 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
     (valid prefix ``M = plan.offsets[-1]`` of ``capacity`` rows; rows >= M untouched).
 
     ``payload="bf16"``: ``x`` [T, H] bf16 -> rows [capacity, H] bf16.
-    ``payload="mxfp8"``: ``x = (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8 E8M0)`` ->
+    ``payload="mxfp8"``: ``x = (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8 E8M0)``, or
+    this step's ``ws.acquire_src(mxfp8_row_bytes(H))`` with ``[:, :H]`` = data bytes and
+    ``[:, H:H + H/32]`` = scales already written (no staging copy) ->
     ``(q [capacity, H] float8_e4m3fn, s [capacity, H/32] uint8)``; ``s`` is a view of a
     [capacity, pad16(H/32)] buffer (contiguous when H % 512 == 0). ``out``: optional
     preallocated ``rows``, or for mxfp8 ``(q, s_padded [>= capacity, pad16(H/32)] uint8)``.
@@ -219,7 +229,7 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
         return _pull(ws, x, plan, num_ctas, out, "x")
     split = payload == "mxfp8"
     if split:
-        q, sc = _check_mxfp8(ws, x)
+        staged = _check_mxfp8(ws, x)
     else:
         check_tensor("x", x, torch.bfloat16, (ws.T, ws.H), ws.device)
     if topk_w is not None:
@@ -256,12 +266,13 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
     fn = compile_cached(("comm.pull_ext", ws.arch, split, has_w),
                         lambda: compile_pull_ext(ws.arch, split, has_w)[0])
     if split:  # stage: waits DONE of the previous pull, then data and scales per token row
-        src = ws.acquire_src(rb)
-        src[:, :H].copy_(q.view(torch.uint8))
-        src[:, H:H + S].copy_(sc)
+        if staged is not None:
+            src = ws.acquire_src(rb)
+            src[:, :H].copy_(staged[0].view(torch.uint8))
+            src[:, H:H + S].copy_(staged[1])
     else:
         ws.stage_src(x)
-    if has_w:  # after the DONE wait of stage_src / acquire_src for this step
+    if has_w:  # after the DONE wait of the staging / acquire_src for this step
         ws.view("w", torch.float32, (ws.T, ws.k)).copy_(topk_w)
     epoch = ws.next_epoch("pull")
     fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
