@@ -1,0 +1,549 @@
+"""Hopper (sm_90a) FP8 GEMMs whose promotion scale varies per accumulator element: a row
+scale times a column scale per promotion block, on the shared mainloop
+(:class:`~mok_cute.kernels.sm90_mainloop.Sm90Mainloop`: TMA producer, ring pipeline,
+``consumer_fragments``; tile 128 x tile_n x 128 e4m3, both operands K-major).
+
+Kernels (one shared consumer, :meth:`_ScaledGemm.mma_tile_scaled`):
+
+* :func:`grouped_wgrad_fp8_block` — fp8_block weight gradient:
+  ``out[e] = bf16(sum_j (A_j^T B_j) * sa[j, row] * sb[j, col])`` over expert e's 128-token
+  k-tiles j (the token-wise operands of ``quantize_fp8.quantize_tokens(x, offsets,
+  "fp8_block")``: data_t [N, 128 S] K-major, scales fp32 [S, N]; group e's slots start at
+  ``offsets[e] // 128 + e``, ``ceil(rows_e / 128)`` of them, zero padded). One promotion per
+  k-tile: ``acc = fma(tmp * sa[row], sb[col], acc)``. Experts without tokens run no k-tile
+  and write zeros. One CTA owns a whole output tile, k-tiles in order: no split-K, no
+  atomics, bitwise repeatable.
+* :func:`grouped_gemm_mxfp8_promoted` — MXFP8 grouped GEMM (measurement variant of the SM90
+  MXFP8 path): every wgmma k-block of 32 goes into a temporary and is promoted with its
+  two E8M0 scales, ``acc = fma(tmp * 2^(sa - 127), 2^(sb - 127), acc)``.
+
+Shared consumer. Per k-tile, the 256 consumer threads stage the k-tile's promotion
+factors in shared memory (thread t < 128: the factor(s) of tile row t; thread 128 + c:
+those of tile column c; double-buffered, one consumer barrier per k-tile), from a scale
+word loaded one k-tile ahead into a register (its global latency hides behind a k-tile).
+Each thread then reads, per promotion, the factors of its 2 rows and tile_n / 4 columns
+(their positions come from partitioning an identity tensor at trace time, as in
+``sm90_fp8_gemm``). A k-tile is G promotion units (wgrad: 1 unit of 4 wgmma k-blocks;
+MXFP8: 4 units of 1 k-block); with G > 1 two temporaries alternate so that unit g + 1's
+wgmma runs while unit g is promoted (``wait_group(1)``), the k-tile's last unit is promoted
+after ``wait_group(0)`` (no overlap across k-tiles: the slot is released there).
+Registers: wgrad (tile_n = 128) acc + 1 temporary = 128 per thread under the mainloop's
+40 / 232 split; MXFP8 acc + 2 temporaries under sm90_fp8_gemm's 24 / 240 split: 96 at the
+default tile_n = 64 (0 spills), 192 at tile_n = 128 (ptxas spills 32 bytes).
+
+MXFP8 scale factors: 2^(s - 127) is built exactly from the bits (s in 1..254: s << 23;
+s = 0: 2^-127 = 0x00400000, subnormal; s = 0xFF: NaN 0x7FC00000, as the reference).
+The product of two scales is never formed: ``tmp * 2^(sa-127)`` is exact while it stays a
+normal fp32 (|tmp| is 0 or in [2^-18, 2^23.6] for e4m3 partial sums of 32, so for
+sa in [19, 231]), then one FMA rounds once: bitwise the correctly rounded
+``acc + tmp * 2^(sa+sb-254)``. Outside that sa range the intermediate is flushed toward
+the fp32 subnormals (loses bits) or overflows to Inf; the reference (fp64 dequantized
+products) would stay finite there. A result out of fp32 range is Inf / 0 in both.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.kernels.host import _check_devices, _check_offsets, _check_out, _check_tensor, sm_count, wgrad_out
+from mok_cute.kernels.sm90_fp8_gemm import (
+    OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
+)
+from mok_cute.kernels.sm90_grouped_gemm import PlainEpilogue, _Desc, device_arch
+from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
+from mok_cute.kernels.sm90_mainloop import (
+    CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
+)
+from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
+
+MX_BLOCK = 32
+_ROWS = 128  # tile_m: factor slots 0..127 are rows, 128.. columns
+
+
+class _ScaledGemm:
+    """Persistent warp-specialized FP8 GEMM with per-element promotion (base of both kernels).
+
+    ``cfg``: tile shape (tile_n 64 or 128; its ``overlap_promotion`` is sm90_fp8_gemm's and
+    ignored here). ``units``: promotion units per 128-K k-tile (1: one per k-tile, 4: one per wgmma
+    k-block); with more than one unit two temporaries alternate (overlapped promotion).
+    Subclasses load a scale word per consumer thread and k-tile (:meth:`_load_word`) and
+    turn it into factors in shared memory (:meth:`_store_factors`).
+    """
+
+    def __init__(self, cfg: Fp8MainloopConfig, units: int):
+        self.cfg = cfg
+        self.units = units
+        self.temps = 2 if units > 1 else 1
+        self.kb_per_unit = (SCALE_BLOCK // 32) // units
+        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.fac_slots = _ROWS + cfg.tile_n
+        fac_bytes = 2 * units * self.fac_slots * 4
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2 + fac_bytes)
+
+    def _storage(self):
+        ml, cfg = self.mainloop, self.cfg
+
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * ml.stages],
+            "sA": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024],
+            "sF": cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.units * self.fac_slots], 16],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _regs(self):
+        if self.temps == 2:
+            return OVERLAP_PRODUCER_REGS, OVERLAP_CONSUMER_REGS
+        return PRODUCER_REGS, CONSUMER_REGS
+
+    def _allocate(self):
+        """In the kernel (after ``mainloop.start``): shared storage, ring pipeline; returns
+        ``(pipe, sA, sB, sC, fac)`` (``fac``: the (slots, units, 2) factor buffers)."""
+        ml = self.mainloop
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe = ml.make_pipeline(storage.barriers.data_ptr())
+        sA = storage.sA.get_tensor(ml.a_smem_staged.outer, swizzle=ml.a_smem_staged.inner)
+        sB = storage.sB.get_tensor(ml.b_smem_staged.outer, swizzle=ml.b_smem_staged.inner)
+        sC = self.epi.smem_tensor(storage.sC)
+        fac = storage.sF.get_tensor(cute.make_layout((self.fac_slots, self.units, 2)))
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
+        return pipe, sA, sB, sC, fac
+
+    def _thread_elems(self, thr_mma):
+        """Trace time: this thread's accumulator rows / columns as ``(rows, cols, ri, ci)``:
+        ``rows``/``cols`` its distinct tile-local rows and factor slots of columns (dynamic),
+        ``ri[i]``/``ci[i]`` (compile-time) which of them accumulator element i uses."""
+        cfg = self.cfg
+        ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+        t0 = self.mainloop.tiled_mma.get_slice(0).partition_C(ident)
+        mine = thr_mma.partition_C(ident)
+        n = cute.size(t0)
+        roff = [t0[i][0] - t0[0][0] for i in range(n)]
+        coff = [t0[i][1] - t0[0][1] for i in range(n)]
+        dr, dc = sorted(set(roff)), sorted(set(coff))
+        rows = [mine[0][0] + o for o in dr]
+        cols = [_ROWS + mine[0][1] + o for o in dc]
+        return rows, cols, [dr.index(o) for o in roff], [dc.index(o) for o in coff]
+
+    def _issue(self, tCrA, tCrB, tmp, slot, unit: int):
+        """Issue the wgmma k-blocks of promotion unit ``unit`` of ring slot ``slot`` into
+        ``tmp`` (the first overwrites it); one commit group. The tiled MMA is private to the
+        call site (its ACCUMULATE field must not leave the enclosing loop body)."""
+        ml = self.mainloop
+        mma = sm90.make_trivial_tiled_mma(
+            self.cfg.ab_dtype, self.cfg.ab_dtype, ml.a_layout.sm90_mma_major_mode(),
+            ml.b_layout.sm90_mma_major_mode(), self.cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1),
+            tiler_mn=(64, self.cfg.tile_n))
+        warpgroup.fence()  # orders earlier promotion reads of tmp before the wgmma writes
+        for j in range(self.kb_per_unit):
+            kb = unit * self.kb_per_unit + j
+            mma.set(warpgroup.Field.ACCUMULATE, j != 0)
+            cute.gemm(mma, tmp, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], tmp)
+        warpgroup.commit_group()
+
+    def _promote(self, acc, tmp, fac, buf, unit: int, elems):
+        """acc[i] = fma(tmp[i] * row_factor, col_factor, acc[i]) with unit ``unit``'s factors,
+        column factors read in chunks of 8 (short live ranges: no spills at tile_n = 128)."""
+        rows, cols, ri, ci = elems
+        rf = [fac[r, unit, buf] for r in rows]
+        for c0 in range(0, len(cols), 8):
+            cf = {c: fac[cols[c], unit, buf] for c in range(c0, min(c0 + 8, len(cols)))}
+            for i in range(cute.size(acc)):
+                if ci[i] in cf:
+                    acc[i] = tmp[i] * rf[ri[i]] * cf[ci[i]] + acc[i]  # one mul, one FMA
+
+    @cute.jit
+    def mma_tile_scaled(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, tmps,
+                        k_tiles: Int32, fac: cute.Tensor, fb: Int32, t: Int32, elems, src):
+        """Consumer warpgroups: acc = sum over ``k_tiles`` (>= 0; 0 gives zeros) k-tiles and their
+        units of the unit's wgmma partial product times its per-element factors.
+
+        ``fb``: running k-tile count (selects the factor buffer; returned advanced), ``t``:
+        consumer thread index (0..255), ``elems``: :meth:`_thread_elems`, ``src``: the
+        subclass's scale sources for this tile. Returns ``(state, fb)``; every ring slot of
+        the tile is released and no wgmma is in flight on return.
+        """
+        acc.fill(0.0)
+        word = self._load_word(src, t, Int32(0))
+        for kt in cutlass.range(k_tiles, unroll=1):
+            buf = fb % 2
+            pipe.consumer_wait(state)
+            self._store_factors(fac, buf, t, word)
+            self._issue(tCrA, tCrB, tmps[0], state.index, 0)
+            if cutlass.const_expr(self.temps == 2):
+                self._issue(tCrA, tCrB, tmps[1], state.index, 1)
+            word = self._load_word(src, t, cutlass.min(kt + 1, k_tiles - 1))  # next k-tile's, one ahead
+            consumer_barrier()  # factors of this k-tile visible (and the other buffer free)
+            for u in cutlass.range_constexpr(self.units):
+                if cutlass.const_expr(u + 1 < self.units):
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(state)
+                self._promote(acc, tmps[u % self.temps], fac, buf, u, elems)
+                if cutlass.const_expr(u + 2 < self.units):
+                    self._issue(tCrA, tCrB, tmps[u % self.temps], state.index, u + 2)
+            state.advance()
+            fb = fb + 1
+        return state, fb
+
+    def _consumer_setup(self, sA, sB, tid):
+        """``(thr_mma, tCrA, tCrB, acc, tmps, elems)`` of consumer thread ``tid``."""
+        thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
+        tmps = [cute.make_rmem_tensor_like(acc) for _ in range(self.temps)]
+        return thr_mma, tCrA, tCrB, acc, tmps, self._thread_elems(thr_mma)
+
+
+# ---------------------------------------------------------------- fp8_block wgrad
+class Fp8BlockWgradSm90(_ScaledGemm):
+    """fp8_block grouped weight gradient (one promotion per 128-token k-tile).
+
+    Call (jit): ``(mA [Na, 128 S] e4m3, mSA [S, Na] f32, mB [Nb, 128 S] e4m3, mSB [S, Nb] f32,
+    mOffsets [E+1] int32, mOut [E, Na, Nb] bf16, num_ctas, stream)``; scale row strides
+    arbitrary (unit column stride); Nb a multiple of tile_n, rows past Na masked.
+    """
+
+    def __init__(self, cfg: Fp8MainloopConfig):
+        super().__init__(cfg, units=1)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
+                 mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        self.mainloop.setup()
+        atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, mB)
+        self.shared_storage = self._storage()
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
+
+    @cute.jit
+    def _load_word(self, src, t: Int32, kt: Int32):
+        """Thread t < 128: sa[slot, row t]; 128 <= t < 128 + tile_n: sb[slot, column t - 128]."""
+        mSA, mSB, base, m0, n0, na = src
+        w = Float32(0.0)
+        if t < _ROWS:
+            w = mSA[base + kt, cutlass.min(m0 + t, na - 1)]
+        elif t < self.fac_slots:
+            w = mSB[base + kt, n0 + t - _ROWS]
+        return w
+
+    @cute.jit
+    def _store_factors(self, fac: cute.Tensor, buf: Int32, t: Int32, w: Float32):
+        if t < self.fac_slots:
+            fac[t, 0, buf] = w
+
+    @cute.kernel
+    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
+        cfg = self.cfg
+        tidx, warp = self.mainloop.start([atom_a, atom_b])
+        pipe, sA, sB, sC, fac = self._allocate()
+        num_experts = mOffsets.shape[0] - 1
+        na = coord_a.shape[0]
+        m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        total = num_experts * m_tiles * n_tiles
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        linear = Int32(bidx)
+        producer_regs, consumer_regs = self._regs()
+
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(producer_regs)
+            if warp == 0:
+                state = self.mainloop.producer_state()
+                while linear < total:
+                    expert, m_tile, n_tile = wgrad_tile(linear, m_tiles, n_tiles)
+                    lo = mOffsets[expert]
+                    k_tiles = (mOffsets[expert + 1] - lo + (cfg.tile_k - 1)) // cfg.tile_k
+                    k0 = (lo // cfg.tile_k + expert) * cfg.tile_k
+                    gA = cute.local_tile(cute.domain_offset((0, k0), coord_a), (cfg.tile_m, cfg.tile_k),
+                                         (m_tile, None))
+                    gB = cute.local_tile(cute.domain_offset((0, k0), coord_b), (cfg.tile_n, cfg.tile_k),
+                                         (n_tile, None))
+                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+                    linear = linear + grid
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs)
+            tid = tidx - THREADS_PER_WG
+            thr_mma, tCrA, tCrB, acc, tmps, elems = self._consumer_setup(sA, sB, tid)
+            state = self.mainloop.consumer_state()
+            fb = Int32(0)
+            while linear < total:
+                expert, m_tile, n_tile = wgrad_tile(linear, m_tiles, n_tiles)
+                lo = mOffsets[expert]
+                k_tiles = (mOffsets[expert + 1] - lo + (cfg.tile_k - 1)) // cfg.tile_k
+                row0 = m_tile * cfg.tile_m
+                src = (mSA, mSB, lo // cfg.tile_k + expert, row0, n_tile * cfg.tile_n, na)
+                state, fb = self.mma_tile_scaled(pipe, state, tCrA, tCrB, acc, tmps, k_tiles, fac, fb, tid,
+                                                 elems, src)
+                out_e = mOut[(expert, None, None)]
+                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
+                             cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
+                linear = linear + grid
+
+
+# ---------------------------------------------------------------- MXFP8 promoted GEMM
+class Mxfp8PromotedGemmSm90(_ScaledGemm):
+    """MXFP8 grouped GEMM with per-32-K promotion (4 units per k-tile, two temporaries).
+
+    Call (jit): ``(mA [M, K] e4m3, mSA [M, K/128] int32, mB [E, N, K] e4m3, mSB [E, N, K/128]
+    int32, mOffsets [E+1] int32, mOut [M, N] bf16, num_ctas, stream)``: the scale tensors are
+    the uint8 E8M0 [.., K/32] scales seen as int32 words (byte b of word j = block 4 j + b).
+    """
+
+    def __init__(self, cfg: Fp8MainloopConfig):
+        super().__init__(cfg, units=SCALE_BLOCK // MX_BLOCK)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
+                 mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        self.mainloop.setup()
+        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+        atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, b_nke)
+        self.shared_storage = self._storage()
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
+
+    @cute.jit
+    def _load_word(self, src, t: Int32, kt: Int32):
+        """Thread t < 128: the 4 row-scale bytes of tile row t; 128 <= t < 128 + tile_n: the
+        4 column-scale bytes of column t - 128 (k-tile kt)."""
+        mSA, mSB, expert, row0, n0, m_total = src
+        w = Int32(0)
+        if t < _ROWS:
+            w = mSA[cutlass.min(row0 + t, m_total - 1), kt]
+        elif t < self.fac_slots:
+            w = mSB[expert, n0 + t - _ROWS, kt]
+        return w
+
+    @cute.jit
+    def _store_factors(self, fac: cute.Tensor, buf: Int32, t: Int32, w: Int32):
+        """fac[t, u] = 2^(byte u - 127) as exact fp32 bits (0 -> 2^-127, 0xFF -> NaN)."""
+        fi = cute.recast_tensor(fac, Int32)
+        if t < self.fac_slots:
+            for u in cutlass.range_constexpr(self.units):
+                b = (w >> (8 * u)) & 0xFF
+                fi[t, u, buf] = (b << 23) | ((Int32(b == 0) | Int32(b == 0xFF)) << 22)
+
+    @cute.kernel
+    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
+        cfg = self.cfg
+        tidx, warp = self.mainloop.start([atom_a, atom_b])
+        pipe, sA, sB, sC, fac = self._allocate()
+        num_experts = mOffsets.shape[0] - 1
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        m_total = coord_a.shape[0]
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        linear = Int32(bidx)
+        expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
+        producer_regs, consumer_regs = self._regs()
+
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(producer_regs)
+            if warp == 0:
+                state = self.mainloop.producer_state()
+                while expert < num_experts:
+                    _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
+                    gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+                    linear = linear + grid
+                    expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs)
+            tid = tidx - THREADS_PER_WG
+            thr_mma, tCrA, tCrB, acc, tmps, elems = self._consumer_setup(sA, sB, tid)
+            state = self.mainloop.consumer_state()
+            fb = Int32(0)
+            while expert < num_experts:
+                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                src = (mSA, mSB, expert, row0, n_tile * cfg.tile_n, m_total)
+                state, fb = self.mma_tile_scaled(pipe, state, tCrA, tCrB, acc, tmps, k_tiles, fac, fb, tid,
+                                                 elems, src)
+                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut,
+                             Float32(0.0))
+                linear = linear + grid
+                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+
+
+# ---------------------------------------------------------------- compile
+def _offs_fake():
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
+
+def compile_fp8_block_wgrad(cfg: Fp8MainloopConfig = Fp8MainloopConfig(tile_n=128), arch: str = "sm_90a",
+                            inspect: bool = False):
+    """Compile the fp8_block wgrad with symbolic Na, Nb, S, E and strides; ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 fp8_block wgrad needs arch sm_90a, got {arch!r}")
+    f8 = cutlass.Float8E4M3FN
+    na, nb, s, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    k = cute.sym_int(divisibility=16)
+    args = (_fake(f8, (na, k), 16), _fake(Float32, (s, na), 1), _fake(f8, (nb, k), 16), _fake(Float32, (s, nb), 1),
+            _offs_fake(), _fake(cutlass.BFloat16, (e, na, nb), 8))
+    return compile_kernel(Fp8BlockWgradSm90(cfg), *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch,
+                          inspect=inspect)
+
+
+def compile_mxfp8_promoted_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(tile_n=64), arch: str = "sm_90a",
+                                inspect: bool = False):
+    """Compile the per-32 promoted MXFP8 grouped GEMM with symbolic M, N, K, E; ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 MXFP8 promoted GEMM needs arch sm_90a, got {arch!r}")
+    f8 = cutlass.Float8E4M3FN
+    m, n, e, kw = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    k = cute.sym_int(divisibility=16)
+    args = (_fake(f8, (m, k), 16), _fake(Int32, (m, kw), 1), _fake(f8, (e, n, k), 16), _fake(Int32, (e, n, kw), 1),
+            _offs_fake(), _fake(cutlass.BFloat16, (m, n), 8))
+    return compile_kernel(Mxfp8PromotedGemmSm90(cfg), *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch,
+                          inspect=inspect)
+
+
+# ---------------------------------------------------------------- host wrappers
+DEFAULT_WGRAD_CONFIG = Fp8MainloopConfig(tile_n=128)
+#: tile_n = 64: acc + 2 temporaries = 96 registers; at 128 (192) ptxas spills 32 bytes
+DEFAULT_MXFP8_CONFIG = Fp8MainloopConfig(tile_n=64)
+
+
+def _check_fp8_rows(name, t):
+    """2-D e4m3 with unit column stride, row stride a multiple of 16 bytes, 16-byte aligned."""
+    _check_tensor(name, t, 2, (torch.float8_e4m3fn,))
+    if t.stride(1) != 1 or t.stride(0) % 16 or t.stride(0) < t.shape[1] or t.data_ptr() % 16:
+        raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of 16 and "
+                         f"16-byte alignment, got strides {t.stride()}")
+
+
+def _check_scales(name, t, shape):
+    _check_tensor(name, t, 2, (torch.float32,))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be fp32 {tuple(shape)}, got {tuple(t.shape)}")
+    if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        raise ValueError(f"{name} must have unit column stride (any row stride >= its columns), got {t.stride()}")
+
+
+def _offsets32(offsets):
+    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    return offs32 if offs32.is_contiguous() else offs32.contiguous()
+
+
+def _sm90(t, what):
+    dev, arch = device_arch(t.device)
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 {what} needs an sm_90a device, got {arch}")
+    return dev, arch
+
+
+def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
+                            cfg: Fp8MainloopConfig = DEFAULT_WGRAD_CONFIG):
+    """dW [E, Na, Nb] bf16: dW[e] = bf16(sum over expert e's 128-token k-tiles j of
+    (A_j^T B_j) * a_scales[j, row] * b_scales[j, col]), tiles in order, FP32 accumulation
+    (bitwise repeatable); experts without tokens get zeros.
+
+    Operands as ``quantize_fp8.quantize_tokens(x, offsets, "fp8_block")`` returns them:
+    a_t float8_e4m3fn [Na, 128 S] (unit column stride, row stride a multiple of 16,
+    16-byte aligned: e.g. the row slices ``dgu_t[:I]`` / ``dgu_t[I:]``), a_scales fp32
+    [S, Na] with unit column stride and any row stride (column slices such as
+    ``dgu_scales[:, :I]`` are read in place, not copied); b_t [Nb, 128 S], b_scales [S, Nb]
+    likewise; Nb a multiple of ``cfg.tile_n``. offsets int32/int64 [E+1] on the device
+    (0, non-decreasing, last = M with S = M // 128 + E; trusted, not checked: no host sync).
+    ``out``: optional preallocated contiguous [E, Na, Nb].
+    """
+    _check_fp8_rows("a_t", a_t)
+    _check_fp8_rows("b_t", b_t)
+    e = _check_offsets(offsets)
+    na, ka = a_t.shape
+    nb = b_t.shape[0]
+    if ka % SCALE_BLOCK or ka // SCALE_BLOCK < e:
+        raise ValueError(f"a_t must be [Na, 128 S] with S >= E={e} token slots, got {tuple(a_t.shape)}")
+    s = ka // SCALE_BLOCK
+    if b_t.shape[1] != ka:
+        raise ValueError(f"b_t must be [Nb, 128 S = {ka}] (as a_t), got {tuple(b_t.shape)}")
+    if na == 0 or nb == 0 or nb % cfg.tile_n:
+        raise ValueError(f"Na={na} must be positive and Nb={nb} a positive multiple of tile_n={cfg.tile_n}")
+    _check_scales("a_scales", a_scales, (s, na))
+    _check_scales("b_scales", b_scales, (s, nb))
+    out = wgrad_out(out, (e, na, nb), a_t.device)
+    _check_devices(a_t=a_t, a_scales=a_scales, b_t=b_t, b_scales=b_scales, offsets=offsets, out=out)
+    dev, arch = _sm90(a_t, "fp8_block wgrad")
+    launcher = compile_cached(("sm90_fp8_block_wgrad", arch, cfg.key()),
+                              lambda: GraphLauncher(compile_fp8_block_wgrad(cfg, arch)[0]))
+    tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
+    num_ctas = max(1, min(sm_count(dev), tiles))
+    offs32 = _offsets32(offsets)
+    key = (tensor_key(a_t), tensor_key(a_scales), tensor_key(b_t), tensor_key(b_scales), offs32.data_ptr(),
+           offs32.shape, tensor_key(out), num_ctas)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
+        _Desc(a_t), _Desc(a_scales), _Desc(b_t), _Desc(b_scales), _Desc(offs32), _Desc(out), Int32(num_ctas),
+        stream))
+    return out
+
+
+def _check_mx_scales(name, t, shape):
+    _check_tensor(name, t, len(shape), (torch.uint8,))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be uint8 E8M0 {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous() or t.data_ptr() % 4:
+        raise ValueError(f"{name} must be contiguous and 4-byte aligned")
+
+
+def grouped_gemm_mxfp8_promoted(a, a_scales, offsets, w, w_scales, *, out=None,
+                                cfg: Fp8MainloopConfig = DEFAULT_MXFP8_CONFIG):
+    """out [M, N] bf16: rows of expert e = bf16(sum over 32-K blocks kb of
+    (A_kb W[e]_kb^T) * 2^(a_scales[row, kb] - 127) * 2^(w_scales[e, col, kb] - 127)), each
+    block promoted into the FP32 accumulator on its own (see the module doc for the scale
+    arithmetic and its range); scale 0xFF is NaN. Bitwise repeatable.
+
+    a [M, K] float8_e4m3fn contiguous, K a positive multiple of 128; a_scales uint8 [M, K/32]
+    contiguous (``reference.mxfp8_quantize(x, -1)``); w [E, N, K] float8_e4m3fn contiguous,
+    N a multiple of ``cfg.tile_n``; w_scales uint8 [E, N, K/32] contiguous (per expert
+    along K); offsets int32/int64 [E+1] on the device (trusted). ``out``: optional [M, N].
+    """
+    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
+    _check_tensor("w", w, 3, (torch.float8_e4m3fn,))
+    e = _check_offsets(offsets)
+    m, k = a.shape
+    n = w.shape[1]
+    if k % SCALE_BLOCK or k == 0:
+        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
+    if tuple(w.shape) != (e, n, k) or n == 0 or n % cfg.tile_n:
+        raise ValueError(f"w must be [E={e}, N, K={k}] with N a positive multiple of tile_n={cfg.tile_n}, "
+                         f"got {tuple(w.shape)}")
+    for name, t in (("a", a), ("w", w)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
+    _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
+    _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    if m == 0:
+        return out
+    dev, arch = _sm90(a, "MXFP8 promoted GEMM")
+    launcher = compile_cached(("sm90_mxfp8_promoted_gemm", arch, cfg.key()),
+                              lambda: GraphLauncher(compile_mxfp8_promoted_gemm(cfg, arch)[0]))
+    tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    num_ctas = max(1, min(sm_count(dev), tiles_bound))
+    offs32 = _offsets32(offsets)
+    sa32, sw32 = a_scales.view(torch.int32), w_scales.view(torch.int32)
+    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), tensor_key(sw32), offs32.data_ptr(), offs32.shape,
+           tensor_key(out), num_ctas)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
+        _Desc(a), _Desc(sa32), _Desc(w), _Desc(sw32), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
+    return out
