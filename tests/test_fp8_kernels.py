@@ -98,50 +98,51 @@ def test_tokens_validation(no_launch, x, offs, fmt, match):
 
 
 # ---------------------------------------------------------------- FP8 GEMM
+WGMMA_E4M3 = {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+
+
+def _no_spills(rep):
+    assert rep.arch == "sm_90a" and len(rep.registers) == 1, rep.log
+    assert rep.total_spill_bytes == 0 and all(v == 0 for v in rep.stack_bytes.values()), rep.log
+    assert "C7514" not in rep.log and "serialized" not in rep.log, rep.log  # wgmma serialization
+    assert "C7517" not in rep.log, rep.log  # ptxas-injected wait_group (accumulator read too early)
+
+
+@pytest.fixture(scope="module")
+def serial_report():
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    return g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=False), inspect=True)[1]
+
+
 @pytest.fixture(scope="module")
 def gemm_report():
     from mok_cute.kernels import sm90_fp8_gemm as g
     return g.compile_fp8_block_gemm(inspect=True)[1]
 
 
-def test_fp8_gemm_compiles_e4m3_wgmma(gemm_report):
-    rep = gemm_report
-    assert rep.arch == "sm_90a" and len(rep.registers) == 1, rep.log
-    assert rep.total_spill_bytes == 0 and all(v == 0 for v in rep.stack_bytes.values())
-    kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", rep.ptx))
-    assert kinds == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+def test_fp8_gemm_serial_compiles_e4m3_wgmma(serial_report):
+    """overlap_promotion=False: one wgmma batch per k-tile, wait, promote."""
+    rep = serial_report
+    _no_spills(rep)
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", rep.ptx)) == WGMMA_E4M3
     assert len(re.findall(r"wgmma\.mma_async", rep.ptx)) == 4  # 4 k-blocks of 32 per 128-K tile
     # promotion: one FMA per accumulator element (64 per thread at 128x128), one multiply per row
     assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) == 64
     assert len(re.findall(r"\bmul\.(rn\.)?f32\b", rep.ptx)) == 2
     assert "cp.async.bulk.tensor" in rep.ptx
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", rep.ptx)) == {"0"}
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", rep.ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", rep.ptx)
 
 
-@pytest.fixture(scope="module")
-def overlap_report():
-    from mok_cute.kernels import sm90_fp8_gemm as g
-    return g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=True), inspect=True)[1]
-
-
-def test_fp8_gemm_default_promotion_unchanged(gemm_report):
-    ptx = gemm_report.ptx
-    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)) == {"0"}
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", ptx)
-
-
-def test_fp8_gemm_overlap_compiles(overlap_report):
-    """Opt-in overlapped promotion: the next k-tile's wgmma batch is issued into the second
+def test_fp8_gemm_default_overlap_compiles(gemm_report):
+    """Default (overlapped promotion): the next k-tile's wgmma batch is issued into the second
     temporary before waiting on the previous one (wait_group 1), 3 FP32 fragments without
     spills (24 / 240 register split), no wgmma serialization by ptxas."""
-    rep = overlap_report
-    assert rep.arch == "sm_90a" and len(rep.registers) == 1, rep.log
-    assert rep.total_spill_bytes == 0 and all(v == 0 for v in rep.stack_bytes.values()), rep.log
-    assert "C7514" not in rep.log and "serialized" not in rep.log, rep.log  # wgmma serialization
-    assert "C7517" not in rep.log, rep.log  # ptxas-injected wait_group (accumulator read too early)
+    rep = gemm_report
+    _no_spills(rep)
     ptx = rep.ptx
-    kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx))
-    assert kinds == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx)) == WGMMA_E4M3
     # 4 k-blocks per batch: k-tile 0, the loop unrolled by two, the even-k_tiles tail
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 16
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
@@ -156,8 +157,9 @@ def test_fp8_gemm_overlap_compiles(overlap_report):
 
 def test_fp8_overlap_compile_key():
     from mok_cute.kernels.sm90_fp8_gemm import DEFAULT_FP8_CONFIG, Fp8MainloopConfig
-    assert DEFAULT_FP8_CONFIG.overlap_promotion is False
-    assert Fp8MainloopConfig(overlap_promotion=True).key() != DEFAULT_FP8_CONFIG.key()
+    assert DEFAULT_FP8_CONFIG.overlap_promotion is True
+    assert Fp8MainloopConfig().overlap_promotion is True
+    assert Fp8MainloopConfig(overlap_promotion=False).key() != DEFAULT_FP8_CONFIG.key()
     assert Fp8MainloopConfig().key() == DEFAULT_FP8_CONFIG.key()
 
 
@@ -190,3 +192,132 @@ def test_fp8_gemm_validation(change, match):
     args = dict(_gemm_args(), **change)
     with pytest.raises((TypeError, ValueError), match=match):
         g.grouped_gemm_fp8_block(args["a"], args["a_scales"], args["offsets"], args["w"], args["w_scales"])
+
+
+# ---------------------------------------------------------------- FP8 expert-MLP GEMMs
+EXPERT_CASES = [("swiglu", False), ("swiglu", True), ("dswiglu", False), ("dswiglu", True)]
+
+
+@pytest.fixture(scope="module")
+def expert_reports():
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    return {c: g.compile_fp8_block_gemm(inspect=True, epilogue=c[0], clamp=c[1])[1] for c in EXPERT_CASES}
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"{c[0]}-clamp{int(c[1])}")
+def test_fp8_expert_kernels_compile(expert_reports, case):
+    """GEMM1+SwiGLU and dSwiGLU-dgrad variants (the default, overlapped consumer; dgrad1 is the
+    plain kernel above): e4m3 wgmma, the 24 / 240 register split, no spills. swiglu promotes
+    the gate and up halves with their own block scales: 2 rows x 2 halves = 4 scale products
+    per promotion (5 promotions), dswiglu 2."""
+    rep = expert_reports[case]
+    _no_spills(rep)
+    ptx = rep.ptx
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx)) == WGMMA_E4M3
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 16
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits.count("1") == 3 and waits.count("0") == 2, waits
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= 5 * 64
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    # TMA loads per k-tile: A (2-D) and B (3-D [N, K, E]): swiglu two B halves (gate, up)
+    b_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", ptx))
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)) == 1
+    assert b_loads == (2 if case[0] == "swiglu" else 1)
+    if case[0] == "dswiglu":  # dSwiGLU epilogue: g, u fetched with cp.async
+        assert "cp.async.ca.shared.global" in ptx
+
+
+def _expert_args(m=256, hid=256, inter=256, e=2):
+    f8 = torch.float8_e4m3fn
+    offs = torch.tensor([0, m // 2, m], dtype=torch.int32)
+    return dict(
+        gemm1=dict(xq=torch.zeros(m, hid, dtype=f8), x_scales=torch.ones(m, hid // 128), offsets=offs,
+                   wg_q=torch.zeros(e, inter, hid, dtype=f8), wg_s=torch.ones(e, inter // 128, hid // 128),
+                   wu_q=torch.zeros(e, inter, hid, dtype=f8), wu_s=torch.ones(e, inter // 128, hid // 128)),
+        dswiglu=dict(dyq=torch.zeros(m, hid, dtype=f8), dy_scales=torch.ones(m, hid // 128), offsets=offs,
+                     wdt_q=torch.zeros(e, inter, hid, dtype=f8), wdt_s=torch.ones(e, inter // 128, hid // 128),
+                     gu=torch.zeros(m, 2 * inter, dtype=torch.bfloat16)),
+        dgrad1=dict(dguq=torch.zeros(m, 2 * inter, dtype=f8), dgu_scales=torch.ones(m, 2 * inter // 128),
+                    offsets=offs, w1t_q=torch.zeros(e, hid, 2 * inter, dtype=f8),
+                    w1t_s=torch.ones(e, hid // 128, 2 * inter // 128)),
+    )
+
+
+F8 = torch.float8_e4m3fn
+EXPERT_BAD = [
+    ("gemm1", dict(xq=torch.zeros(256, 256, dtype=torch.bfloat16)), "xq must have dtype"),
+    ("gemm1", dict(xq=torch.zeros(256, 192, dtype=F8)), "xq: K=192"),
+    ("gemm1", dict(x_scales=torch.ones(256, 3)), "x_scales must be"),
+    ("gemm1", dict(wg_q=torch.zeros(2, 192, 256, dtype=F8)), "wg_q: dim 1 = 192"),
+    ("gemm1", dict(wu_q=torch.zeros(2, 128, 256, dtype=F8)), "wu_q must have shape"),
+    ("gemm1", dict(wg_s=torch.ones(2, 2, 3)), "wg_s must be"),
+    ("gemm1", dict(wu_s=torch.ones(2, 2, 2, dtype=torch.float64)), "wu_s must have dtype"),
+    ("gemm1", dict(offsets=torch.tensor([0, 256], dtype=torch.int32)), "wg_q must have shape"),
+    ("gemm1", dict(limit=-1.0), "limit"),
+    ("gemm1", dict(gu=torch.zeros(256, 256, dtype=torch.bfloat16)), "gu must be"),
+    ("gemm1", dict(h=torch.zeros(256, 256, dtype=torch.float32)), "h must have dtype"),
+    ("gemm1", {}, "CUDA"),
+    ("dswiglu", dict(dyq=torch.zeros(256, 256, dtype=torch.bfloat16)), "dyq must have dtype"),
+    ("dswiglu", dict(dy_scales=torch.ones(2, 256)), "dy_scales must be"),
+    ("dswiglu", dict(wdt_q=torch.zeros(2, 256, 128, dtype=F8)), "wdt_q must have shape"),
+    ("dswiglu", dict(wdt_s=torch.ones(2, 2, 1)), "wdt_s must be"),
+    ("dswiglu", dict(gu=torch.zeros(256, 256, dtype=torch.bfloat16)), "gu must be contiguous"),
+    ("dswiglu", dict(gu=torch.zeros(256, 512, dtype=F8)), "gu must have dtype"),
+    ("dswiglu", dict(out=torch.zeros(256, 256, dtype=torch.bfloat16)), "out must be"),
+    ("dswiglu", dict(limit="4"), "limit"),
+    ("dswiglu", {}, "CUDA"),
+    ("dgrad1", dict(dguq=torch.zeros(256, 512, dtype=torch.float16)), "dguq must have dtype"),
+    ("dgrad1", dict(dguq=torch.zeros(512, 256, dtype=F8).t()), "dguq must be contiguous"),
+    ("dgrad1", dict(w1t_q=torch.zeros(2, 256, 256, dtype=F8)), "w1t_q must have shape"),
+    ("dgrad1", dict(w1t_s=torch.ones(2, 2, 2)), "w1t_s must be"),
+    ("dgrad1", dict(offsets=torch.tensor([[0, 1, 2]], dtype=torch.int32)), "offsets must be 1-D"),
+    ("dgrad1", dict(out=torch.zeros(256, 128, dtype=torch.bfloat16)), "out must be"),
+    ("dgrad1", {}, "CUDA"),
+]
+
+
+@pytest.mark.parametrize("which, change, match", EXPERT_BAD, ids=lambda v: v if isinstance(v, str) else None)
+def test_fp8_expert_validation(forbid, which, change, match):
+    from mok_cute.kernels import sm90_fp8_expert as fx
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    forbid(fx, "launch_fp8_block")
+    forbid(g, "compile_fp8_block_gemm", "device_arch")
+    args = dict(_expert_args()[which], **change)
+    fn = {"gemm1": fx.grouped_gemm1_swiglu_fp8_block, "dswiglu": fx.grouped_dswiglu_dgrad_fp8_block,
+          "dgrad1": fx.grouped_dgrad1_fp8_block}[which]
+    with pytest.raises((TypeError, ValueError), match=match):
+        fn(**args)
+
+
+def test_transpose_weight_blocks_matches_reference():
+    """wdt / w1t from the per-expert quantizations equal the transposed dequantized weights
+    (values), i.e. exactly what reference.grouped_dswiglu_dgrad / grouped_dgrad1 read."""
+    from mok_cute import reference as ref
+    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+    gen = torch.Generator().manual_seed(7)
+    e, hid, inter = 2, 256, 384
+    blk = torch.exp2(torch.randint(-4, 5, (e, 2 * inter // 128, hid // 128), generator=gen).float())
+    blk = blk.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    wgu = (torch.randn(e, 2 * inter, hid, generator=gen) * blk).bfloat16()
+    wg, wu = wgu[:, :inter], wgu[:, inter:]
+    wd = (torch.randn(e, hid, inter, generator=gen) * 0.1).bfloat16()
+
+    def quant(w):
+        parts = [ref.fp8_block_quantize_weight(w[i]) for i in range(w.shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+    def deq(q, s):
+        return torch.stack([ref.fp8_block_dequantize_weight(q[i], s[i], torch.float64) for i in range(q.shape[0])])
+
+    wdt_q, wdt_s = transpose_weight_blocks(quant(wd))
+    assert wdt_q.dtype == torch.float8_e4m3fn and wdt_q.is_contiguous() and wdt_s.is_contiguous()
+    assert tuple(wdt_q.shape) == (e, inter, hid) and tuple(wdt_s.shape) == (e, inter // 128, hid // 128)
+    assert torch.equal(deq(wdt_q, wdt_s), deq(*quant(wd)).transpose(1, 2))
+    w1t_q, w1t_s = transpose_weight_blocks(quant(wg), quant(wu))
+    assert tuple(w1t_q.shape) == (e, hid, 2 * inter) and tuple(w1t_s.shape) == (e, hid // 128, 2 * inter // 128)
+    # the reference's dgrad1 operand: q_weight of cat([Wg, Wu]) per expert, transposed
+    want = torch.stack([ref.fp8_round_trip_weight(torch.cat([wg[i], wu[i]])).t() for i in range(e)])
+    assert torch.equal(deq(w1t_q, w1t_s), want)
+    with pytest.raises(ValueError, match="pairs\\[1\\] data"):
+        transpose_weight_blocks(quant(wg), quant(wd))
