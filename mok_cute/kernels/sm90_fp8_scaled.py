@@ -10,12 +10,12 @@ Kernels (one shared consumer, :meth:`_ScaledGemm.mma_tile_scaled`):
   k-tiles j (the token-wise operands of ``quantize_fp8.quantize_tokens(x, offsets,
   "fp8_block")``: data_t [N, 128 S] K-major, scales fp32 [S, N]; group e's slots start at
   ``offsets[e] // 128 + e``, ``ceil(rows_e / 128)`` of them, zero padded). One promotion per
-  k-tile: ``acc = fma(tmp * sa[row], sb[col], acc)``. Experts without tokens run no k-tile
+  k-tile: ``acc = fma(tmp, sa[row] * sb[col], acc)``. Experts without tokens run no k-tile
   and write zeros. One CTA owns a whole output tile, k-tiles in order: no split-K, no
   atomics, bitwise repeatable.
 * :func:`grouped_gemm_mxfp8_promoted` — MXFP8 grouped GEMM (measurement variant of the SM90
   MXFP8 path): every wgmma k-block of 32 goes into a temporary and is promoted with its
-  two E8M0 scales, ``acc = fma(tmp * 2^(sa - 127), 2^(sb - 127), acc)``.
+  two E8M0 scales, ``acc = fma(tmp, 2^(sa - 127) * 2^(sb - 127), acc)``.
 
 Shared consumer. Per k-tile, the 256 consumer threads stage the k-tile's promotion
 factors in shared memory (thread t < 128: the factor(s) of tile row t; thread 128 + c:
@@ -32,13 +32,16 @@ Registers: wgrad (tile_n = 128) acc + 1 temporary = 128 per thread under the mai
 default tile_n = 64 (0 spills), 192 at tile_n = 128 (ptxas spills 32 bytes).
 
 MXFP8 scale factors: 2^(s - 127) is built exactly from the bits (s in 1..254: s << 23;
-s = 0: 2^-127 = 0x00400000, subnormal; s = 0xFF: NaN 0x7FC00000, as the reference).
-The product of two scales is never formed: ``tmp * 2^(sa-127)`` is exact while it stays a
-normal fp32 (|tmp| is 0 or in [2^-18, 2^23.6] for e4m3 partial sums of 32, so for
-sa in [19, 231]), then one FMA rounds once: bitwise the correctly rounded
-``acc + tmp * 2^(sa+sb-254)``. Outside that sa range the intermediate is flushed toward
-the fp32 subnormals (loses bits) or overflows to Inf; the reference (fp64 dequantized
-products) would stay finite there. A result out of fp32 range is Inf / 0 in both.
+s = 0: 2^-127 = 0x00400000, subnormal; s = 0xFF: NaN 0x7FC00000, as the reference). Per
+element the two factors are multiplied first, ``2^(sa-127) * 2^(sb-127)``: a power of two,
+exact in fp32 (normal or subnormal) while sa + sb - 254 lies in [-149, 127]; the FMA
+``fma(tmp, f, acc)`` then rounds once, i.e. bitwise the correctly rounded
+``acc + tmp * 2^(sa+sb-254)`` (the reference's fp64 product rounded, up to the summation
+order). Out of that range (far outside quantizer output for finite data): sa + sb < 105
+flushes the factor to 0 (dropping products below ~2^-126, which the reference keeps),
+sa + sb > 381 overflows it to Inf (Inf / NaN where the reference may be finite).
+The fp8_block wgrad uses the same form with its fp32 scales, ``fma(tmp, sa * sb, acc)``
+(one rounding of the scale product, as sm90_fp8_gemm's ``sa * sb``).
 """
 from __future__ import annotations
 
@@ -153,15 +156,15 @@ class _ScaledGemm:
         warpgroup.commit_group()
 
     def _promote(self, acc, tmp, fac, buf, unit: int, elems):
-        """acc[i] = fma(tmp[i] * row_factor, col_factor, acc[i]) with unit ``unit``'s factors,
-        column factors read in chunks of 8 (short live ranges: no spills at tile_n = 128)."""
+        """acc[i] = fma(tmp[i], row_factor * col_factor, acc[i]) with unit ``unit``'s factors,
+        column factors read in chunks of 8 (short live ranges)."""
         rows, cols, ri, ci = elems
         rf = [fac[r, unit, buf] for r in rows]
         for c0 in range(0, len(cols), 8):
             cf = {c: fac[cols[c], unit, buf] for c in range(c0, min(c0 + 8, len(cols)))}
             for i in range(cute.size(acc)):
                 if ci[i] in cf:
-                    acc[i] = tmp[i] * rf[ri[i]] * cf[ci[i]] + acc[i]  # one mul, one FMA
+                    acc[i] = tmp[i] * (rf[ri[i]] * cf[ci[i]]) + acc[i]  # one mul, one FMA
 
     @cute.jit
     def mma_tile_scaled(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, tmps,
