@@ -129,6 +129,10 @@ class GroupedExpertBackend:
         if ep != 1 and not getattr(self.mlp, "expert_parallel", False):
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
                                       "symmetric-memory dispatch/combine path, not built yet")
+        if ep != 1 and config.precision not in self.mlp.ep_precisions:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.ep_layer) runs "
+                                      f"{', '.join(self.mlp.ep_precisions)} only, not precision "
+                                      f"{config.precision!r}: use EP = 1")
         if config.precision not in self.mlp.precisions:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: precision {config.precision!r} "
                                       f"is not wired yet ({', '.join(self.mlp.precisions)} only)")

@@ -1,45 +1,263 @@
-"""SM90 expert MLP: the five Hopper grouped GEMM kernels behind one validated call.
+"""SM90 expert MLP: the Hopper grouped GEMM kernels behind one validated call, in precisions
+"bf16", "mxfp8" and "fp8_block" (numerics: :mod:`mok_cute.reference`).
 
 Forward: GEMM1 + SwiGLU (gu, h), GEMM2. Backward: dgrad2 + dSwiGLU, dgrad1, three wgrads.
 Inputs are validated once per call here; the kernels then run unchecked
 (mok_cute.kernels.sm90_grouped_gemm / sm90_expert_bwd).
+
+MXFP8 (Hopper has no block-scaled MMA): every GEMM operand is quantized along the
+reference's axes by the CuTe quantizers (the table and glue of :mod:`mok_cute.sm100_backend`:
+rows along K, weights through 2-D views, wgrad operands token-wise per expert), dequantized
+to BF16 by :mod:`mok_cute.kernels.dequant_mxfp8` and fed to the BF16 kernels. The
+dequantized values are the reference's exactly (every scale byte >= 3; otherwise the
+rounded elements are counted on the device, :meth:`Sm90ExpertMLP.inexact_count`), so the
+layer equals the reference's mxfp8 layer up to fp32 accumulation order.
+
+FP8 blockwise: activations quantized 1x128 along K (``quantize_fp8_block_act``), wgrad
+operands 128x1 along tokens (``quantize_tokens(., offsets, "fp8_block")``), weights in
+128x128 blocks per expert (``reference.fp8_block_quantize_weight``, through one 2-D view:
+I, H multiples of 128, so no block straddles two experts), then the SM90 FP8 kernels
+(looked up by name at call time, :func:`fp8_kernel`).
+
+Weights: their quantizations (MXFP8: dequantized BF16 per axis; fp8_block: data + scales,
+and the transposed dgrad operands) are cached in :class:`WeightCache` while the weight is
+unchanged, so the forward and backward of a step (and the shared expert) quantize each
+weight once; an in-place update (optimizer step: ``_version`` bump) recomputes. The cache
+holds no reference to the weights; its entries live as long as their weights' storage
+(cost: one extra copy per cached form). Writes that bypass the version counter (``w.data``)
+are not seen.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
+from .sm100_backend import quantize_rows, quantize_weight
+
+FP8_BLOCK = 128
+# FP8 blockwise kernels (other modules' public API) and where each lives, looked up at call time
+_FP8_KERNELS = {
+    "grouped_gemm1_swiglu_fp8_block": ("sm90_fp8_expert",),
+    "grouped_gemm_fp8_block": ("sm90_fp8_gemm",),
+    "grouped_dswiglu_dgrad_fp8_block": ("sm90_fp8_expert",),
+    "grouped_dgrad1_fp8_block": ("sm90_fp8_expert",),
+    "transpose_weight_blocks": ("sm90_fp8_expert",),
+    "grouped_wgrad_fp8_block": ("sm90_fp8_scaled",),
+}
+
+
+def fp8_kernel(name: str):
+    """The FP8 blockwise kernel wrapper ``name`` (a key of ``_FP8_KERNELS``); NotImplementedError
+    if its module or function does not exist yet."""
+    for mod in _FP8_KERNELS[name]:
+        try:
+            m = importlib.import_module(f"mok_cute.kernels.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"mok_cute.kernels.{mod}":
+                raise
+            continue
+        fn = getattr(m, name, None)
+        if fn is not None:
+            return fn
+    raise NotImplementedError(f"sm90 fp8_block: kernel {name} is not built yet (looked in "
+                              f"{', '.join(_FP8_KERNELS[name])})")
+
+
+class WeightCache:
+    """Derived forms of weights (``build(*weights)``), reused while every source weight keeps
+    its storage, data pointer, shape, strides, dtype, device and ``_version``."""
+
+    def __init__(self):
+        self._entries = {}
+
+    @staticmethod
+    def _key(w: torch.Tensor):
+        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+    def get(self, kind, weights: tuple, build):
+        key = (kind,) + tuple(self._key(w) for w in weights)
+        stamp = tuple(w._version for w in weights)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == stamp and not any(r.expired() for r in hit[1]):
+            return hit[2]
+        self._entries = {k: v for k, v in self._entries.items() if not any(r.expired() for r in v[1])}
+        with torch.no_grad():
+            val = build(*weights)
+        self._entries[key] = (stamp, tuple(StorageWeakRef(w.untyped_storage()) for w in weights), val)
+        return val
+
+    def __len__(self):
+        return len(self._entries)
+
+
+# ----------------------------------------------------------------------------- MXFP8
+def _mx_dequant_weight(w, axis, counter):
+    """bf16 [E, R, C]: w's MXFP8 round trip along ``axis`` (2: C, 1: R)."""
+    from .kernels import dequant_mxfp8
+
+    e, r, c = w.shape
+    q, s = quantize_weight(w, axis)
+    return dequant_mxfp8.dequantize_mxfp8(q.view(e * r, c), s.view(e * r, -1) if axis == 2 else s.view(-1, c),
+                                          -1 if axis == 2 else 0, counter=counter).view(e, r, c)
+
+
+def _mx_rows(x, counter):
+    """bf16 [M, K]: x's MXFP8 round trip along its rows."""
+    from .kernels import dequant_mxfp8
+
+    return dequant_mxfp8.dequantize_mxfp8(*quantize_rows(x), -1, counter=counter)
+
+
+def _mx_tokens(x, offs32, counter):
+    """bf16 token rows [M, N]: x's MXFP8 round trip along tokens per expert (0 past offsets[E])."""
+    from .kernels import dequant_mxfp8, quantize_fp8
+
+    data_t, scales = quantize_fp8.quantize_tokens(x, offs32, "mxfp8")
+    return dequant_mxfp8.dequantize_mxfp8_tokens(data_t, scales, offs32, x.shape[0], counter=counter)
+
+
+def _offs32(offsets):
+    return (offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)).contiguous()
+
+
+# ----------------------------------------------------------------------------- FP8 blockwise
+def _fp8_weight(w):
+    """(data [E, R, C] e4m3, scales [E, R/128, C/128] fp32): 128x128 blocks per expert."""
+    from . import reference
+
+    e, r, c = w.shape
+    q, s = reference.fp8_block_quantize_weight(w.reshape(e * r, c))
+    return q.view(e, r, c), s.view(e, r // FP8_BLOCK, c // FP8_BLOCK)
+
+
+def _fp8_act(x):
+    from .kernels import quantize_fp8
+
+    return quantize_fp8.quantize_fp8_block_act(x)
+
+
+def _fp8_tokens(x, offs32):
+    from .kernels import quantize_fp8
+
+    return quantize_fp8.quantize_tokens(x, offs32, "fp8_block")
 
 
 class Sm90ExpertMLP:
-    """BF16 expert MLP on the SM90 kernels (output tile 256 wide)."""
+    """BF16 / MXFP8 / FP8-blockwise expert MLP on the SM90 kernels (output tile 256 wide)."""
 
     arch = "sm90"
     tile_n = 256
-    precisions = ("bf16",)
-    expert_parallel = True  # EP > 1 through mok_cute.ep_layer
+    precisions = ("bf16", "mxfp8", "fp8_block")
+    expert_parallel = True  # EP > 1 through mok_cute.ep_layer ...
+    ep_precisions = ("bf16",)  # ... in these precisions (checked by GroupedExpertBackend)
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
-        """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
+    def __init__(self):
+        self.weights = WeightCache()
+        self._counters = {}
+
+    def inexact_count(self, device) -> torch.Tensor:
+        """int32 [1] on ``device``: MXFP8 elements (operands and weights) whose dequantized value
+        bf16 could not hold exactly, summed over every call on that device (no host sync;
+        read it with ``.item()``). Nonzero only for scale bytes < 3 (values near 2^-127)."""
+        dev = torch.device(device)
+        if dev not in self._counters:
+            self._counters[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+        return self._counters[dev]
+
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
+        """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``."""
         from .kernels import sm90_grouped_gemm as fwd
 
+        if precision not in self.precisions:
+            raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
         _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
+        if precision == "mxfp8":
+            return self._mx_forward(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
+        if precision == "fp8_block":
+            return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
         return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-        """(dx rows, dWg, dWu, dWd); operands were validated by forward, only dy is new."""
+        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands
+        were validated by forward, only dy is new."""
         from .kernels import sm90_expert_bwd as bwd
         from .kernels import sm90_grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
+        if g.precision == "mxfp8":
+            return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
+        if g.precision == "fp8_block":
+            return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
+
+    # ------------------------------------------------------------------ MXFP8
+    def _mx_weight(self, w, axis, counter):
+        return self.weights.get(("mxfp8", axis), (w,), lambda t: _mx_dequant_weight(t, axis, counter))
+
+    def _mx_forward(self, fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
+        c = self.inexact_count(x_rows.device)
+        xd = _mx_rows(x_rows, c)
+        gu, h = fwd._run_gemm1_swiglu(xd, offsets, self._mx_weight(w_gate, 2, c), self._mx_weight(w_up, 2, c), limit)
+        out = fwd._run_gemm(_mx_rows(h, c), offsets, self._mx_weight(w_down, 2, c))
+        return out, ExpertGroup(x_rows, offsets, gu, h, "mxfp8")
+
+    def _mx_backward(self, bwd, g, dy_rows, w_gate, w_up, w_down, limit):
+        c = self.inexact_count(dy_rows.device)
+        inter = w_gate.shape[1]
+        dgu = bwd._run_dswiglu_dgrad(_mx_rows(dy_rows, c), g.offsets, self._mx_weight(w_down, 1, c), g.gu, limit)
+        dx = bwd._run_dgrad1(_mx_rows(dgu, c), g.offsets, self._mx_weight(w_gate, 1, c), self._mx_weight(w_up, 1, c))
+        offs32 = _offs32(g.offsets)
+        dy_t, h_t = _mx_tokens(dy_rows, offs32, c), _mx_tokens(g.h, offs32, c)
+        dgu_t, x_t = _mx_tokens(dgu, offs32, c), _mx_tokens(g.x, offs32, c)
+        dwd = bwd._run_wgrad(dy_t, h_t, g.offsets)
+        dwg = bwd._run_wgrad(dgu_t[:, :inter], x_t, g.offsets)
+        dwu = bwd._run_wgrad(dgu_t[:, inter:], x_t, g.offsets)
+        return dx, dwg, dwu, dwd
+
+    # ------------------------------------------------------------------ FP8 blockwise
+    def _fp8_weight(self, w):
+        return self.weights.get(("fp8_block",), (w,), _fp8_weight)
+
+    def _fp8_forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+        kernels = {name: fp8_kernel(name) for name in _FP8_KERNELS}  # all of them, before any launch
+        xq, xs = _fp8_act(x_rows)
+        (gq, gs), (uq, us) = self._fp8_weight(w_gate), self._fp8_weight(w_up)
+        gu, h = kernels["grouped_gemm1_swiglu_fp8_block"](xq, xs, offsets, gq, gs, uq, us, limit=limit)
+        hq, hs = _fp8_act(h)
+        dq, ds = self._fp8_weight(w_down)
+        out = kernels["grouped_gemm_fp8_block"](hq, hs, offsets, dq, ds)
+        return out, ExpertGroup(x_rows, offsets, gu, h, "fp8_block")
+
+    def _fp8_backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
+        k = {name: fp8_kernel(name) for name in _FP8_KERNELS}
+        inter = w_gate.shape[1]
+        tr = k["transpose_weight_blocks"]
+        wdt = self.weights.get(("fp8_block_t",), (w_down,), lambda w: tr(self._fp8_weight(w)))
+        w1t = self.weights.get(("fp8_block_t",), (w_gate, w_up),
+                               lambda wg, wu: tr(self._fp8_weight(wg), self._fp8_weight(wu)))
+        dyq, dys = _fp8_act(dy_rows)
+        dgu = k["grouped_dswiglu_dgrad_fp8_block"](dyq, dys, g.offsets, *wdt, g.gu, limit=limit)
+        dguq, dgus = _fp8_act(dgu)
+        dx = k["grouped_dgrad1_fp8_block"](dguq, dgus, g.offsets, *w1t)
+        offs32 = _offs32(g.offsets)
+        (dy_t, dy_s), (h_t, h_s) = _fp8_tokens(dy_rows, offs32), _fp8_tokens(g.h, offs32)
+        (dgu_t, dgu_s), (x_t, x_s) = _fp8_tokens(dgu, offs32), _fp8_tokens(g.x, offs32)
+        wgrad = k["grouped_wgrad_fp8_block"]
+        dwd = wgrad(dy_t, dy_s, h_t, h_s, g.offsets)
+        dwg = wgrad(dgu_t[:inter], dgu_s[:, :inter], x_t, x_s, g.offsets)
+        dwu = wgrad(dgu_t[inter:], dgu_s[:, inter:], x_t, x_s, g.offsets)
+        return dx, dwg, dwu, dwd
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
     """Validate, once, everything the expert MLP's seven launches need (the kernels then run
     unchecked): x [M, H], w_gate/w_up [E, I, H], w_down [E, H, I] bf16 contiguous and 16-byte
-    aligned on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n."""
+    aligned on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n (256:
+    also the 128 of the FP8 blocks and the 32 of the MX blocks)."""
     cfg = fwd.DEFAULT_CONFIG
     m, hid, e = fwd._check_operands(x_rows, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
     if w_gate.shape != w_up.shape:
@@ -64,5 +282,3 @@ def _check_dy(fwd, g: ExpertGroup, dy_rows):
     if dy_rows.shape != g.x.shape or not dy_rows.is_contiguous() or dy_rows.data_ptr() % 16:
         raise ValueError(f"dy must be contiguous {tuple(g.x.shape)} and 16-byte aligned, got {tuple(dy_rows.shape)}")
     fwd._check_devices(x=g.x, dy=dy_rows)
-
-

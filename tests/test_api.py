@@ -225,8 +225,8 @@ def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
         for precision in ("bf16", "mxfp8"):  # EP > 1 on sm100 still raises, in either precision
             with pytest.raises(NotImplementedError, match="'sm100': EP > 1"):
                 B.get_backend("sm100").check(inp, MoKConfig(precision=precision), object())
-    with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
-        B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), None)
+    for precision in ("mxfp8", "fp8_block"):  # wired on sm90 at EP = 1
+        B.get_backend("sm90").check(inp, MoKConfig(precision=precision), None)
     B.get_backend("sm90").check(inp, MoKConfig(), None)  # bf16, EP = 1, 256-aligned: runs
     small, _ = make_problem(T=4, H=128, I=256)
     inp2 = B.MoEInputs(small["x"], small["topk_idx"], small["topk_w"], small["w_gate"], small["w_up"],
