@@ -215,3 +215,84 @@ def test_dispatch_payload_validation():
     ws16, plan16 = fake_ws(H=16)
     with pytest.raises(ValueError, match="H % 32"):
         dispatch(ws16, (q[:, :16], s[:, :0]), plan16, payload="mxfp8")
+
+
+# --- opt-in bulk-copy transport (MOK_COMM_TRANSPORT=bulk) -----------------------------------
+
+def assert_bulk(rep, ptx):
+    """cp.async.bulk peer/global -> shared on an mbarrier, shared -> global in bulk groups,
+    every store completed (wait_group 0) and proxy-fenced before the release flag; the ring
+    and the mbarriers live in dynamic shared memory."""
+    assert rep.total_spill_bytes == 0, rep.spill_bytes
+    assert rep.has("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert rep.has("cp.async.bulk.global.shared::cta.bulk_group")
+    assert rep.has("cp.async.bulk.commit_group") and rep.has("cp.async.bulk.wait_group.read")
+    assert rep.has("mbarrier.init.shared") and rep.has("mbarrier.arrive.expect_tx")
+    assert rep.has("mbarrier.try_wait.parity") and rep.has("fence.mbarrier_init")
+    assert rep.has("__dynamic_shmem__")
+    i = ptx.index("cp.async.bulk.wait_group \t0") if "cp.async.bulk.wait_group \t0" in ptx \
+        else ptx.index("cp.async.bulk.wait_group 0")
+    assert "fence.proxy.async.global" in ptx[i:i + 200]
+    assert ptx.index("st.release.sys", i) > i
+    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+    assert rep.registers and all("ptrf32" not in name for name in rep.registers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pull_bulk_compiles(arch):
+    from mok_cute.comm.dispatch import compile_pull_bulk, pull_bulk_launcher
+
+    assert pull_bulk_launcher() is pull_bulk_launcher()
+    c, rep = compile_pull_bulk(arch, inspect=True)
+    assert_sys_ordering(rep)
+    assert_bulk(rep, c.__ptx__)
+    assert not rep.has("ld.global.v4")  # rows move only by bulk copies
+    assert all("pull_bulk_kernel" in name for name in rep.registers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("has_w,has_start", [(True, True), (False, True), (True, False),
+                                             (False, False)])
+def test_push_reduce_bulk_compiles(arch, has_w, has_start):
+    from mok_cute.comm.combine import compile_push_reduce_bulk
+
+    c, rep = compile_push_reduce_bulk(arch, has_w, has_start, inspect=True)
+    assert_sys_ordering(rep)
+    assert_bulk(rep, c.__ptx__)
+    # the fixed-order reduce is the plain transport's code: same mul.rn/add.rn, no FMA
+    assert not rep.has("fma.rn.f32")
+    assert rep.has("add.rn.f32") and rep.has("mul.rn.f32") == has_w
+    assert all("push_reduce_bulk_kernel" in name for name in rep.registers)
+
+
+def test_bulk_chunk_geometry():
+    """Bulk copies need 16-byte multiples and 16-byte aligned addresses: every row is V*16
+    bytes, chunks are BULK_CHUNK (a multiple of 16) apart, and the ring fits BULK_SMEM."""
+    from mok_cute.comm import rows as R
+
+    assert R.BULK_CHUNK % 16 == 0 and R.BULK_SMEM >= R.BULK_CHUNK * R.BULK_STAGES + 8 * R.BULK_STAGES
+    assert R.BULK_SMEM <= 227 * 1024
+    for H in (64, 256, 512, 4096, 7168, 16384):
+        rb = H * 2
+        sizes = [min(R.BULK_CHUNK, rb - off) for off in range(0, rb, R.BULK_CHUNK)]
+        assert all(s % 16 == 0 and 0 < s <= R.BULK_CHUNK for s in sizes) and sum(sizes) == rb
+
+
+def test_transport_selection(monkeypatch):
+    from mok_cute.comm.rows import transport_of
+
+    monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
+    assert transport_of() == "plain"
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk")
+    assert transport_of() == "bulk" and transport_of("plain") == "plain"
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "tma?")
+    with pytest.raises(ValueError, match="MOK_COMM_TRANSPORT"):
+        transport_of()
+
+
+def test_plain_transport_unchanged():
+    """The default kernels carry no bulk copies and no shared memory (the verified path)."""
+    for _, rep in (compile_pull("sm_90a", inspect=True),
+                   compile_push_reduce("sm_90a", True, True, inspect=True)):
+        assert not rep.has("cp.async.bulk") and not rep.has("mbarrier")
+        assert not rep.has("__dynamic_shmem__")

@@ -15,7 +15,8 @@ Combine: ``w = topk_w``, ``start = shared expert output``; reverse dispatch: no 
 
 Protocol per call (push epoch e): every CTA waits FREE >= e-1 from every peer (the peer
 finished reading its slots of the previous push), pushes its rows with plain 16-byte
-stores, the last CTA signals DATA = e to every peer; every CTA waits DATA >= e from every
+stores (``MOK_COMM_TRANSPORT=bulk``: the opt-in cp.async.bulk kernel
+:func:`push_reduce_bulk_launcher`, not yet run on a GPU), the last CTA signals DATA = e to every peer; every CTA waits DATA >= e from every
 peer, reduces its tokens, and the last CTA signals FREE = e.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
-from mok_cute.comm.rows import THREADS, copy_routed_rows
+from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
+                                transport_of)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
@@ -143,6 +145,29 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
 
 
 @cute.jit
+def _push_half_bulk(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
+                    recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                    in_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                    e_local: Int32, slots_off: Int64, flags_off: Int64, epoch: Int32,
+                    timeout_ns: Int64, nctas: Int32):
+    """:func:`_push_half` with the rows moved by cp.async.bulk (local row -> shared -> peer
+    slot, :func:`mok_cute.comm.rows.bulk_routed_rows`, every bulk store complete and
+    proxy-fenced before the CTA barrier and the DATA signal)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    if tidx == 0:
+        P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
+    cute.arch.barrier()
+    if not P.failed(status):
+        bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
+                         V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True)
+    cute.arch.barrier()
+    if tidx == 0:
+        P.arrive_and_signal(pb, status, counters, counters, 0, flags_off, Int32(P.DATA), me,
+                            ep, epoch, nctas)
+
+
+@cute.jit
 def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                  dest_rank: cute.Pointer, weights: cute.Pointer, start: cute.Pointer,
                  out: cute.Pointer, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
@@ -217,6 +242,58 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
     return host
 
 
+def push_reduce_bulk_launcher(has_w: bool, has_start: bool):
+    """The launcher of the opt-in bulk-copy push-and-reduce (``MOK_COMM_TRANSPORT=bulk``):
+    :func:`_push_half_bulk` then the same :func:`_reduce_half` (the fixed-order sum is the
+    plain transport's code). Its own closure and kernel name, the argument kinds of
+    :func:`push_reduce_launcher`, ``BULK_SMEM`` bytes of dynamic shared memory."""
+    key = ("push_reduce_bulk", bool(has_w), bool(has_start))
+    if key in _launchers:
+        return _launchers[key]
+    has_w, has_start = bool(has_w), bool(has_start)
+
+    @cute.kernel
+    def push_reduce_bulk_kernel(peer_bases: cute.Pointer, status: cute.Pointer,
+                                counters: cute.Pointer, recv_src: cute.Pointer,
+                                offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
+                                dest_rank: cute.Pointer, weights: cute.Pointer,
+                                start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32,
+                                T: Int32, k: Int32, V: Int32, e_local: Int32, slots_off: Int64,
+                                flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        _push_half_bulk(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
+                        e_local, slots_off, flags_off, epoch, timeout_ns, nctas)
+        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
+                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+
+    kernel = push_reduce_bulk_kernel
+
+    @cute.jit
+    def push_reduce_bulk_host(peer_bases: cute.Pointer, status: cute.Pointer,
+                              counters: cute.Pointer, recv_src: cute.Pointer,
+                              offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
+                              dest_rank: cute.Pointer, weights: cute.Pointer, start: cute.Pointer,
+                              out: cute.Pointer, me: Int32, ep: Int32, T: Int32, k: Int32,
+                              V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                              epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
+               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
+               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=BULK_SMEM,
+                             stream=stream)
+
+    _launchers[key] = host = push_reduce_bulk_host
+    return host
+
+
+def compile_push_reduce_bulk(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
+    """Compile one bulk-copy push-and-reduce variant; ``(compiled, CompileReport | None)``."""
+    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
+    return compile_kernel(push_reduce_bulk_launcher(has_w, has_start), _fake_ptr("i64"), i32,
+                          i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
+                          Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
+                          Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
+
+
 def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False,
                         phase: int = 3):
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
@@ -254,9 +331,14 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     in_rows = min(rows.shape[0], plan.recv_src.shape[0])
     epoch = ws.next_epoch("push")
     w_ptr, s_ptr = _optional_inputs(ws, weights, start)
+    bulk = transport_of() == "bulk" and not SPLIT_PHASES
     for ph in phases:
-        fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
-                            lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])
+        if bulk:
+            fn = compile_cached(("comm.push_reduce_bulk", ws.arch, has_w, has_start),
+                                lambda: compile_push_reduce_bulk(ws.arch, has_w, has_start)[0])
+        else:
+            fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
+                                lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])
         fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["push"]), dptr(plan.recv_src),
            dptr(plan.offsets), dptr(rows), Int32(in_rows), dptr(plan.dest_rank), w_ptr, s_ptr,
            dptr(out), Int32(ws.me), Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(ws.H // 8),

@@ -16,6 +16,11 @@ DONE >= e-1 from every peer first), the kernel's CTA 0 signals READY = e to ever
 every CTA waits READY >= e from every peer, the CTAs copy 16-byte vectors (plain peer
 loads, grid-stride over (row, vector)), and the last CTA to finish signals DONE = e.
 
+Transport: plain 16-byte loads by every thread (default, verified); ``MOK_COMM_TRANSPORT=bulk``
+switches the bf16 pull without weights (dispatch, reverse combine) to the opt-in
+cp.async.bulk kernel (:func:`pull_bulk_launcher`, not yet run on a GPU); the MXFP8 and
+weighted variants always use plain loads.
+
 Speed notes: plain 16-byte peer loads are latency-bound (~14 GB/s per 1024-thread CTA
 measured). Next steps: per-row bulk copies (cp.async.bulk global->shared, then
 shared->global) with a few rows in flight per CTA, or TMA with per-peer descriptors;
@@ -28,7 +33,8 @@ import torch
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute
-from mok_cute.comm.rows import THREADS, copy_routed_rows, pull_rows_ext
+from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
+                                pull_rows_ext, transport_of)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
@@ -159,6 +165,62 @@ def compile_pull_ext(arch: str, split: bool, has_w: bool, inspect: bool = False)
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
 
 
+def pull_bulk_launcher():
+    """The launcher of the opt-in bulk-copy pull (``MOK_COMM_TRANSPORT=bulk``, bf16 payload
+    without weights): the protocol of :func:`pull_launcher` with the rows moved by
+    :func:`mok_cute.comm.rows.bulk_routed_rows` (thread 0 of each CTA, cp.async.bulk peer ->
+    shared -> ``out``). Its own closure and kernel name (``pull_bulk_kernel``), same argument
+    kinds, ``BULK_SMEM`` bytes of dynamic shared memory; :func:`pull_launcher` is untouched."""
+    if "pull_bulk" in _launchers:
+        return _launchers["pull_bulk"]
+
+    @cute.kernel
+    def pull_bulk_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                         recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                         out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                         e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                         timeout_ns: Int64, nctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if tidx == 0:
+            if bidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
+            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
+                             T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False)
+        cute.arch.barrier()
+        if tidx == 0:
+            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
+                                epoch, nctas)
+
+    kernel = pull_bulk_kernel
+
+    @cute.jit
+    def pull_bulk_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                       out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                       e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                       timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
+               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=BULK_SMEM, stream=stream)
+
+    _launchers["pull_bulk"] = host = pull_bulk_host
+    return host
+
+
+def compile_pull_bulk(arch: str, inspect: bool = False):
+    """Compile the bulk-copy pull for ``arch``; ``(compiled, CompileReport | None)``."""
+    i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
+    return compile_kernel(pull_bulk_launcher(), i64, i32, i32, i32, i32, _fake_ptr("bf16"),
+                          Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                          Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
+                          arch=arch, inspect=inspect)
+
+
 def _check_out(out, dtype, cols: int, ws: CommWorkspace, name: str) -> torch.Tensor:
     if out is None:
         return torch.empty(ws.recv_capacity, cols, dtype=dtype, device=ws.device)
@@ -168,14 +230,18 @@ def _check_out(out, dtype, cols: int, ws: CommWorkspace, name: str) -> torch.Ten
 
 def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
           out: torch.Tensor | None, name: str) -> torch.Tensor:
-    """bf16 pull without weights: the verified :func:`pull_launcher` kernel."""
+    """bf16 pull without weights: the verified :func:`pull_launcher` kernel, or with
+    ``MOK_COMM_TRANSPORT=bulk`` the opt-in :func:`pull_bulk_launcher` (same arguments)."""
     check_tensor(name, rows, torch.bfloat16, (ws.T, ws.H), ws.device)
     check_plan(ws, plan)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
     out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
     out_rows = min(out.shape[0], plan.recv_src.shape[0])
-    fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
+    if transport_of() == "bulk":
+        fn = compile_cached(("comm.pull_bulk", ws.arch), lambda: compile_pull_bulk(ws.arch)[0])
+    else:
+        fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
     ws.stage_src(rows)
     epoch = ws.next_epoch("pull")
     fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),

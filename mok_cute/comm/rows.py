@@ -122,3 +122,158 @@ def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointe
         else:
             P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
         i += nctas * THREADS
+
+
+# ---------------------------------------------------------------------------------------------
+# Opt-in bulk-copy transport (MOK_COMM_TRANSPORT=bulk; never run on a GPU yet): whole rows
+# move as cp.async.bulk global->shared (mbarrier complete_tx) and shared->global (bulk_group)
+# through a ring of BULK_STAGES shared-memory chunks of BULK_CHUNK bytes, issued by thread 0
+# of each CTA. Used only by the separate bulk kernels (dispatch.pull_bulk_launcher,
+# combine.push_reduce_bulk_launcher); the default kernels never reference it.
+# Alignment: every row is V*16 bytes, chunks start at multiples of BULK_CHUNK (16 KiB) within
+# a row, so sizes and global addresses (16-byte aligned buffers / 256-byte aligned workspace
+# sections) stay 16-byte aligned; ring stages are 16 KiB apart from a 128-byte aligned base;
+# each stage's mbarrier expects exactly the bytes of its one copy.
+
+TRANSPORTS = ("plain", "bulk")
+BULK_CHUNK = 16384   # bytes per stage (a row of H*2 bytes moves as ceil(H*2 / BULK_CHUNK) chunks)
+BULK_STAGES = 8      # shared-memory ring depth (BULK_STAGES - 1 loads in flight per CTA)
+BULK_SMEM = BULK_CHUNK * BULK_STAGES + 8 * BULK_STAGES + 256  # dynamic shared memory per CTA
+
+
+def transport_of(transport: str | None = None) -> str:
+    """The transport to use: ``transport`` if given, else ``MOK_COMM_TRANSPORT`` (default
+    ``plain``, the verified 16-byte load/store path), read at every call."""
+    import os
+
+    t = transport if transport is not None else os.environ.get("MOK_COMM_TRANSPORT", "plain")
+    t = t.strip().lower() or "plain"
+    if t not in TRANSPORTS:
+        raise ValueError(f"comm transport must be one of {TRANSPORTS}, got {t!r} "
+                         "(MOK_COMM_TRANSPORT)")
+    return t
+
+
+@cute.jit
+def _bulk_g2s(smem_addr: Int32, gaddr: Int64, nbytes: Int32, mbar_addr: Int32):
+    """cp.async.bulk global -> shared of ``nbytes`` (multiple of 16), completing on the mbarrier."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[smem_addr, gaddr, nbytes, mbar_addr])
+
+
+@cute.jit
+def _bulk_s2g(gaddr: Int64, smem_addr: Int32, nbytes: Int32):
+    """cp.async.bulk shared -> global of ``nbytes`` in the current bulk group."""
+    cute.arch.inline_ptx("cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+                         read_only_args=[gaddr, smem_addr, nbytes])
+
+
+@cute.jit
+def _bulk_item(w: Int32, nch: Int32, rb: Int64, pb: cute.Tensor, rs: cute.Tensor, local_base: Int64,
+               peer_off: Int64, lim: Int32, tk: Int32, k: Int32, push: Constexpr):
+    """Item ``w`` = chunk ``c`` of grouped row ``row``: (valid, row, src, dst, nbytes)."""
+    row = w // nch
+    c = w - row * nch
+    off = Int64(c) * BULK_CHUNK
+    nb = rb - off
+    if nb > BULK_CHUNK:
+        nb = Int64(BULK_CHUNK)
+    s = rs[row]
+    ok = (s >= 0) & (s < lim)
+    src = Int64(0)
+    dst = Int64(0)
+    if ok:
+        p = s // tk
+        local = local_base + Int64(row) * rb + off
+        if cutlass.const_expr(not push):
+            t = (s - p * tk) // k
+            src = pb[p] + peer_off + Int64(t) * rb + off
+            dst = local
+        else:
+            src = local
+            dst = pb[p] + peer_off + Int64(s - p * tk) * rb + off
+    return ok, row, c, src, dst, Int32(nb)
+
+
+@cute.jit
+def _bulk_issue(j: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: cute.Tensor,
+                rs: cute.Tensor, local_base: Int64, peer_off: Int64, lim: Int32, tk: Int32,
+                k: Int32, ring: Int32, mbar: cute.Pointer, status: cute.Pointer, channel: Int32,
+                epoch: Int32, push: Constexpr):
+    """Issue the load of this CTA's ``j``-th item into stage ``j % BULK_STAGES`` (an invalid
+    route reports BAD_INDEX and only arrives, so the stage's phase still flips)."""
+    stage = j % BULK_STAGES
+    ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base, peer_off,
+                                          lim, tk, k, push)
+    if ok:
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nb)
+        _bulk_g2s(ring + stage * BULK_CHUNK, src, nb, (mbar + stage).toint())
+    else:
+        if c == 0:
+            P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
+        cute.arch.mbarrier_arrive(mbar + stage)
+
+
+@cute.jit
+def bulk_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
+                     recv_src: cute.Pointer, offsets: cute.Pointer, grouped: cute.Pointer,
+                     grouped_rows: Int32, ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32,
+                     e_local: Int32, peer_off: Int64, channel: Int32, epoch: Int32, nctas: Int32,
+                     push: Constexpr):
+    """The bulk-copy counterpart of :func:`copy_routed_rows` (same rows, same reports): thread
+    0 of each CTA moves its items (chunk ``c`` of grouped row ``row``, item ``row*nch + c``,
+    grid-stride over CTAs) with ``cp.async.bulk`` through the shared-memory ring; the other
+    threads only wait at the caller's barrier. Pull: peer row -> shared -> ``grouped[i]``;
+    push: ``grouped[i]`` -> shared -> peer slot. Returns after every bulk store completed
+    (``cp.async.bulk.wait_group 0``) and a ``fence.proxy.async.global``, so the caller's
+    barrier + release flag order the stores before the signal."""
+    smem = cutlass.memory.SmemAllocator()
+    ring_ptr = smem.allocate_array(cutlass.Int8, BULK_CHUNK * BULK_STAGES, byte_alignment=128)
+    mbar = smem.allocate_array(Int64, BULK_STAGES, byte_alignment=8)
+    if tidx == 0:
+        offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
+        m = offs[e_local]
+        if m > grouped_rows:
+            if bidx == 0:
+                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
+            m = grouped_rows
+        rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+        rb = Int64(V) * 16
+        nch = (V * 16 + BULK_CHUNK - 1) // BULK_CHUNK
+        n_items = m * nch
+        cnt = Int32(0)
+        if bidx < n_items:
+            cnt = (n_items - bidx + nctas - 1) // nctas
+        lim = ep * tk
+        local_base = grouped.toint()
+        ring = ring_ptr.toint()
+        for s in cutlass.range_constexpr(BULK_STAGES):
+            cute.arch.mbarrier_init(mbar + s, 1)
+        cute.arch.mbarrier_init_fence()
+        # order the peer's released generic writes (acquired before the caller's barrier)
+        # before this thread's async-proxy accesses
+        cute.arch.fence_proxy("async.global")
+        j = Int32(0)
+        while j < cnt and j < BULK_STAGES - 1:
+            _bulk_issue(j, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk, k, ring,
+                        mbar, status, channel, epoch, push)
+            j += 1
+        j = Int32(0)
+        while j < cnt:
+            stage = j % BULK_STAGES
+            cute.arch.mbarrier_wait(mbar + stage, (j // BULK_STAGES) % 2)
+            ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base,
+                                                  peer_off, lim, tk, k, push)
+            if ok:
+                _bulk_s2g(dst, ring + stage * BULK_CHUNK, nb)
+            cute.arch.cp_async_bulk_commit_group()
+            nxt = j + BULK_STAGES - 1
+            if nxt < cnt:
+                # stage of item nxt held item j-1: its store (group j-1) must have read it
+                cute.arch.cp_async_bulk_wait_group(1, read=True)
+                _bulk_issue(nxt, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk, k,
+                            ring, mbar, status, channel, epoch, push)
+            j += 1
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")

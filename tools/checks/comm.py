@@ -14,6 +14,12 @@ driver reads CUDA_MODULE_LOADING once, at CUDA init, and tools/gpu_check.py init
 CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this module can
 (import time and first thing in :func:`run`) and warns when CUDA is already up; for a
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
+``MOK_COMM_TRANSPORT=bulk`` (a separate invocation, so that a fault cannot take down the
+default checks): the same rows with the opt-in cp.async.bulk kernels for the bf16 dispatch,
+reverse combine, combine and reverse dispatch (MXFP8 / weighted dispatch stay plain); rows
+are named ``bulk...`` instead of ``comm...``. First run it as ``MOK_COMM_TRANSPORT=bulk
+MOK_COMM_QUICK=1 MOK_COMM_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 torchrun --nproc_per_node=2
+tools/gpu_check.py comm``. Without the variable only the verified plain kernels run.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
 kernel launched 3 times on one workspace, synced and checked after each), then stop.
 
@@ -34,6 +40,7 @@ from checks.common import Ctx, Row, bench_us
 from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
+from mok_cute.comm.rows import transport_of
 from mok_cute.comm.workspace import get_workspace
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
 
@@ -416,6 +423,10 @@ def _guard(ctx: Ctx, name: str, fn) -> list[Row]:
 
 
 def run(ctx: Ctx) -> list[Row]:
+    try:
+        tr = transport_of()
+    except ValueError as e:
+        return [Row("comm transport", ok=False, note=str(e)[:100])]
     _eager_loading()
     _init(ctx)
     EP = ctx.world
@@ -423,15 +434,17 @@ def run(ctx: Ctx) -> list[Row]:
     cases = [("random", 256, 512, 4, 8 * EP), ("hot", 64, 256, 4, 4 * EP),
              ("rank0_empty", 64, 256, 2, 4 * EP), ("random", 1, 64, 2 * EP, 2 * EP),  # T=1, k=E
              ("random", 4096, 7168, 8, 32 * EP)]
-    rows = []
-    if EP == 1:
-        rows.append(Row("comm EP=1 (one process, 1-rank group)", ok=True,
-                        note="same kernels, every route local"))
+    rows = [Row(f"comm transport {tr}, EP={EP}", ok=True,
+                note=("one process, 1-rank group: same kernels, every route local; "
+                      if EP == 1 else "") + ("MOK_COMM_TRANSPORT=bulk: bf16 pulls/pushes by "
+                                            "cp.async.bulk" if tr == "bulk" else "default"))]
     for c in cases[:1] if quick else cases:
         rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
                        lambda c=c: _correctness(ctx, *c))
-    if quick or PULL_TWICE:
-        return rows
-    rows += _guard(ctx, "comm stalled peer", lambda: _stall(ctx))
-    rows += _guard(ctx, "comm timing", lambda: _timing(ctx))
+    if not (quick or PULL_TWICE):
+        rows += _guard(ctx, "comm stalled peer", lambda: _stall(ctx))
+        rows += _guard(ctx, "comm timing", lambda: _timing(ctx))
+    if tr == "bulk":  # the separate bulk invocation: its rows say so
+        for r in rows[1:]:
+            r.name = "bulk" + r.name[4:] if r.name.startswith("comm") else r.name
     return rows
