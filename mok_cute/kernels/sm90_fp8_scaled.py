@@ -181,8 +181,8 @@ class _ScaledGemm:
         word = self._load_word(src, t, Int32(0))
         for kt in cutlass.range(k_tiles, unroll=1):
             buf = fb % 2
+            self._store_factors(fac, buf, t, word)  # while the k-tile's TMA may still land
             pipe.consumer_wait(state)
-            self._store_factors(fac, buf, t, word)
             self._issue(tCrA, tCrB, tmps[0], state.index, 0)
             if cutlass.const_expr(self.temps == 2):
                 self._issue(tCrA, tCrB, tmps[1], state.index, 1)
