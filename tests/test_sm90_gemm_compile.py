@@ -35,8 +35,14 @@ TMA_VARIANTS = {
     "swiglu-tma": lambda: compile_grouped_gemm("swiglu", cfg=TMA, inspect=True),
     "swiglu-clamp-n128-tma": lambda: compile_grouped_gemm("swiglu", clamp=True,
                                                           cfg=MainloopConfig(tile_n=128, tma_store=True), inspect=True),
+    "swiglu-mx-tma": lambda: compile_grouped_gemm("swiglu", clamp=True, mx_h=True, cfg=TMA, inspect=True),
+}
+MX_VARIANTS = {  # GEMM1 + SwiGLU writing h's MXFP8 copy (quantized where it is produced)
+    "swiglu-mx": lambda: compile_grouped_gemm("swiglu", mx_h=True, inspect=True),
+    "swiglu-mx-tma": TMA_VARIANTS["swiglu-mx-tma"],
 }
 VARIANTS.update(TMA_VARIANTS)
+VARIANTS.update(MX_VARIANTS)
 _TMA_STORE = "cp.async.bulk.tensor"  # + ".<n>d.global.shared::cta" (the store direction)
 
 
@@ -319,3 +325,21 @@ def test_process_wide_tma_store_override():
         assert gg.effective_config(on) is on
     finally:
         gg.set_tma_store(prev)
+
+
+@pytest.mark.parametrize("name", list(MX_VARIANTS))
+def test_swiglu_mx_h_quantizes_in_the_epilogue(name):
+    """The MXFP8 h copy uses the quantize kernels' ops: u16x2 amax, butterfly shuffles over the
+    4 lanes of a block, IEEE multiply by 2^-e and the saturating e4m3 conversion."""
+    rep = _compiled(name)
+    for inst in ("max.u16x2", "shfl.sync.bfly", "mul.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "st.global.b8"):
+        assert rep.has(inst), inst
+    assert rep.total_spill_bytes == 0
+    base = _compiled("swiglu-tma" if "tma" in name else "swiglu")
+    assert not base.has("cvt.rn.satfinite.e4m3x2.f32")
+
+
+def test_swiglu_mx_h_needs_swiglu():
+    from mok_cute.kernels.sm90_grouped_gemm import GroupedGemmSm90
+    with pytest.raises(ValueError, match="mx_h"):
+        GroupedGemmSm90(MainloopConfig(), "plain", mx_h=True)

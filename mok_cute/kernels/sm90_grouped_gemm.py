@@ -55,6 +55,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.fp8_ops import Fp8Ops
 from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d  # noqa: F401 (_cute_tensor: tests)
 from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor, sm_count
 from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
@@ -67,6 +68,7 @@ from mok_cute.schedule.group_tiles import seek, tile_coords
 
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
+MX_BLOCK = 32  # MXFP8 block (SwiGLU epilogue's h copy)
 
 
 def _row_copy(width: int):
@@ -129,10 +131,14 @@ class _StagedEpilogue:
 
     @cute.jit
     def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
-            row0: Int32, rows: Int32, n_tile: Int32, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
+            row0: Int32, rows: Int32, n_tile: Int32, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32,
+            mHq: cute.Tensor = None, mHs: cute.Tensor = None):
         acc_to_smem(thr_mma, acc, sC)
         consumer_barrier()
-        self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
+        if cutlass.const_expr(mHq is None):
+            self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
+        else:  # swiglu with the MXFP8 h copy
+            self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit, mHq, mHs)
         consumer_barrier()
 
 
@@ -252,14 +258,24 @@ def tma_store_drain(tid: Int32):
 
 class SwigluEpilogue(_StagedEpilogue):
     """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, for intermediate columns
-    ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped)."""
+    ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped).
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool):
-        self.tile_m, self.tile_n, self.half, self.clamp = tile_m, tile_n, tile_n // 2, clamp
+    ``mx_h``: also writes h quantized to MXFP8 along I (GEMM2's forward operand, quantized
+    where it is produced): data hq [M, I] e4m3 (seen as u32 words [M, I/4]) and E8M0 scales
+    hs [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` (the ops of
+    :mod:`mok_cute.kernels.quantize`'s row kernel on the same bf16 values). In the 16-byte
+    row copy a 32-element block is 4 adjacent lanes (``tile_n/2`` is a multiple of 32), whose
+    amax meets by two butterfly shuffles.
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False):
+        self.tile_m, self.tile_n, self.half, self.clamp, self.mx_h = tile_m, tile_n, tile_n // 2, clamp, mx_h
+        if mx_h and self.half % MX_BLOCK:
+            raise ValueError(f"mx_h needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
-              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32):
+              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHs: cute.Tensor = None):
         copy = _row_copy(self.half)
         shape = (self.tile_m, self.half)
         rg, coords = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 0)))
@@ -271,6 +287,29 @@ class SwigluEpilogue(_StagedEpilogue):
         rh = self._h(rg, ru, limit)
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
         _store_rows(copy, tid, rh, coords, h_tile, rows)
+        if cutlass.const_expr(self.mx_h):
+            self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
+
+    @cute.jit
+    def _store_mx(self, rh: cute.Tensor, coords: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
+                  mHq: cute.Tensor, mHs: cute.Tensor):
+        """MXFP8 of this thread's h vectors (see the class doc): 8 data bytes per vector as two
+        words of hq, one scale byte per block from its first lane; rows ``>= rows`` skipped
+        (every lane still joins the shuffles)."""
+        ops = Fp8Ops(bf16=True)
+        words = cute.recast_tensor(rh, cutlass.Uint32)
+        for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
+                v = [words[(j, m, n)] for j in range(4)]
+                sc, byte, nf = ops.e8m0(Int32(ops.block_amax(v, 4, fp32_bits=False)) << 16)
+                o = ops.fp8_words(ops.elems(v), [sc] * 8, [nf] * 2)
+                r, c = coords[(0, m, n)]
+                if r < rows:
+                    col = n_tile * self.half + c
+                    mHq[row0 + r, col // 4] = o[0]
+                    mHq[row0 + r, col // 4 + 1] = o[1]
+                    if c % MX_BLOCK == 0:
+                        mHs[row0 + r, col // MX_BLOCK] = cutlass.Uint8(byte)
 
     @cute.jit
     def _h(self, rg: cute.Tensor, ru: cute.Tensor, limit: Float32):
@@ -286,7 +325,9 @@ class SwigluEpilogue(_StagedEpilogue):
 
     @cute.jit
     def run_tma(self, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, atom_gu: cute.CopyAtom,
-                gGate: cute.Tensor, gUp: cute.Tensor, atom_h: cute.CopyAtom, gH: cute.Tensor, limit: Float32):
+                gGate: cute.Tensor, gUp: cute.Tensor, atom_h: cute.CopyAtom, gH: cute.Tensor, limit: Float32,
+                row0: Int32 = None, rows: Int32 = None, n_tile: Int32 = None, mHq: cute.Tensor = None,
+                mHs: cute.Tensor = None):
         """TMA-store variant (``cfg.tma_store``): the gate and up halves of the staged tile go
         to gu by two TMA stores; h is computed from them, written over the gate half once
         the gu stores have read it, and stored by a third (all row-bounded per expert)."""
@@ -299,9 +340,11 @@ class SwigluEpilogue(_StagedEpilogue):
             _tma_store(atom_gu, s_up, gUp)
             cute.arch.cp_async_bulk_commit_group()
         copy = _row_copy(self.half)
-        rg, _ = _load_rows(copy, tid, s_gate)
+        rg, coords = _load_rows(copy, tid, s_gate)
         ru, _ = _load_rows(copy, tid, s_up)
         rh = self._h(rg, ru, limit)
+        if cutlass.const_expr(self.mx_h):  # (row0, rows, n_tile, mHq, mHs given with mx_h)
+            self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
         if _store_warp(tid):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the gu stores have read the tile
         consumer_barrier()
@@ -406,9 +449,12 @@ class GroupedGemmSm90:
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
-                 split_b: bool = False):
+                 split_b: bool = False, mx_h: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if mx_h and epilogue != "swiglu":
+            raise ValueError("mx_h (the MXFP8 copy of h) needs epilogue 'swiglu'")
+        self.mx_h = mx_h
         if split_b and b_major != MN_MAJOR:
             raise ValueError("split_b needs b_major='mn'")
         self.cfg, self.b_major, self.split_b = cfg, b_major, split_b
@@ -418,7 +464,7 @@ class GroupedGemmSm90:
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         elif epilogue == "swiglu":
-            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h)
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
@@ -431,7 +477,8 @@ class GroupedGemmSm90:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mOffsets: cute.Tensor,
-                 mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32, stream: cuda.CUstream):
+                 mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, limit: Float32,
+                 num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
         atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nkl(mB), b_half=self.stack_n)
@@ -447,7 +494,7 @@ class GroupedGemmSm90:
             atom_c, coord_c = make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n)
 
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
-        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, limit,
+        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, mHq, mHs, limit,
                     atom_c, coord_c, atom_h, coord_h).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
@@ -455,7 +502,8 @@ class GroupedGemmSm90:
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom,
                coord_b: cute.Tensor, atom_b2: cute.CopyAtom, coord_b2: cute.Tensor, mOffsets: cute.Tensor,
-               mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, atom_c: cute.CopyAtom,
+               mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, limit: Float32,
+               atom_c: cute.CopyAtom,
                coord_c: cute.Tensor, atom_h: cute.CopyAtom, coord_h: cute.Tensor):
         cfg = self.cfg
         atoms = [atom_a, atom_b]
@@ -520,11 +568,15 @@ class GroupedGemmSm90:
                     g_up = cute.local_tile(_bounded(coord_c[(None, None, 1, _RAGGED, hi)], row0, hi), half,
                                            (0, n_tile))
                     g_h = cute.local_tile(_expert_rows(coord_h, row0, hi), half, (0, n_tile))
-                    self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit)
+                    self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
+                                     row0, rows, n_tile, mHq, mHs)
                 elif cutlass.const_expr(self.tma_store):
                     gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
                                          (0, n_tile))
                     tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+                elif cutlass.const_expr(self.mx_h):
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
+                                 limit, mHq, mHs)
                 else:
                     self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
                                  limit)
@@ -536,11 +588,12 @@ class GroupedGemmSm90:
 
 # ---------------------------------------------------------------- compile
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
-                         b_major: str = K_MAJOR, split_b: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                         b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, arch: str = "sm_90a",
+                         inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
@@ -561,8 +614,13 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
     elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
         two = cute.sym_int()
         out0, out1 = _fake_3d(cutlass.BFloat16, m, two, n), _fake_3d(cutlass.BFloat16, m, two, n)
+    hq = hs = None
+    if mx_h:  # hq [M, I/4] u32 words, hs [M, I/32] bytes
+        hq = _fake_2d(cutlass.Uint32, m, cute.sym_int())
+        hs = cute.runtime.make_fake_tensor(cutlass.Uint8, (m, cute.sym_int()), stride=(cute.sym_int64(), 1),
+                                           assumed_align=4)
     stream = cute.runtime.make_fake_stream()
-    return compile_kernel(op, mA, mB, mB2, offs, out0, out1, Float32(0.0), Int32(1), stream,
+    return compile_kernel(op, mA, mB, mB2, offs, out0, out1, hq, hs, Float32(0.0), Int32(1), stream,
                           arch=arch, inspect=inspect)
 
 
@@ -667,20 +725,22 @@ def current_stream(dev: int):
 
 
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
-            b_major: str = K_MAJOR, w2=None):
+            b_major: str = K_MAJOR, w2=None, hq=None, hs=None):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
-    the N extent tiled by ``cfg.tile_n``. Launches replay a captured graph per argument set
-    (:mod:`mok_cute.kernels.sm90_launch`)."""
+    the N extent tiled by ``cfg.tile_n``; ``hq``/``hs`` (swiglu only): the MXFP8 copy of h as
+    int32 words [M, I/4] and uint8 scales [M, I/32]. Launches replay a captured graph per
+    argument set (:mod:`mok_cute.kernels.sm90_launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
     if epilogue != "dswiglu":  # dswiglu has no TMA-store variant (masked stores)
         cfg = effective_config(cfg)
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
+    mx_h = hq is not None
     launcher = compile_cached(
-        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
-                                                   split_b=split_b, arch=arch)[0]))
+                                                   split_b=split_b, mx_h=mx_h, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
@@ -688,10 +748,10 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     if not offs32.is_contiguous():
         offs32 = offs32.contiguous()
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
-           tensor_key(out0), tensor_key(out1), limit, num_ctas)
+           tensor_key(out0), tensor_key(out1), limit, num_ctas) + ((tensor_key(hq), tensor_key(hs)) if mx_h else ())
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32), _Desc(out0), _Desc(out1),
-        Float32(limit), Int32(num_ctas), stream))
+        _Desc(hq) if mx_h else None, _Desc(hs) if mx_h else None, Float32(limit), Int32(num_ctas), stream))
 
 
 def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
@@ -743,14 +803,22 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     return _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu, h, cfg)
 
 
-def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: MainloopConfig = DEFAULT_CONFIG):
-    """:func:`grouped_gemm1_swiglu` on operands already validated (no checks)."""
+def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: MainloopConfig = DEFAULT_CONFIG,
+                      mx_h: bool = False):
+    """:func:`grouped_gemm1_swiglu` on operands already validated (no checks); with ``mx_h``
+    returns ``(gu, h, hq, hs)``: also h's MXFP8 copy along I (data e4m3 [M, I], scales uint8
+    [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` on rows < offsets[E])."""
     m, inter = x.shape[0], w_gate.shape[1]
     if gu is None:
         gu = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=x.device)
     if h is None:
         h = torch.empty((m, inter), dtype=torch.bfloat16, device=x.device)
+    hq = hs = None
+    if mx_h:
+        hq = torch.empty((m, inter), dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty((m, inter // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if m:
         _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, gu.view(m, 2, inter), h,
-                0.0 if limit is None else float(limit), 2 * inter, w2=w_up)
-    return gu, h
+                0.0 if limit is None else float(limit), 2 * inter, w2=w_up,
+                hq=None if hq is None else hq.view(torch.int32), hs=hs)
+    return (gu, h, hq, hs) if mx_h else (gu, h)

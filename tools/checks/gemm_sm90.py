@@ -16,6 +16,8 @@ Outputs are heads of larger buffers whose tails hold a sentinel that must surviv
 past the last row). The opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``:
 plain, swiglu, dgrad1, wgrad) gets the same correctness rows (tagged ``[tma_store]``), and
 ``tma_store ...`` timing rows beside the default ones (``x`` = default time / TMA time).
+GEMM1 + SwiGLU with h's MXFP8 copy (``mx_h``): gu, h bitwise equal to the plain kernel's and
+hq, hs bitwise equal to ``reference.mxfp8_quantize(h, -1)``, with both epilogue paths.
 """
 from __future__ import annotations
 
@@ -165,6 +167,39 @@ def _check_swiglu(gg, ref, dev, gen, routing, limit, cfg=None):
                names=["gu", "h"])
     row.ok = row.ok and tail_ok
     return row
+
+
+def _check_swiglu_mx(gg, ref, dev, gen, routing, limit, tma: bool):
+    """GEMM1 + SwiGLU with h's MXFP8 copy (mx_h): gu, h bitwise equal to the plain swiglu
+    kernel's; hq, hs bitwise equal to reference.mxfp8_quantize(h, -1) on the expert rows;
+    5 repeats bitwise. ``tma`` picks the TMA-store epilogue or the masked-store one."""
+    counts = _counts(routing, 3000, gen)
+    m = sum(counts)
+    offs = _offsets(counts, dev)
+    x = torch.randn(m, H, device=dev).bfloat16()
+    x[: m // 3] *= 2.0 ** 40  # rows far from 1 both ways (extreme MX scale bytes)
+    x[m // 3: m // 2] *= 2.0 ** -50
+    wg = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
+    wu = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
+    was = gg.set_tma_store(tma)
+    try:
+        gu0, h0 = gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
+        runs = [gg._run_gemm1_swiglu(x, offs, wg, wu, limit, mx_h=True) for _ in range(REPEATS)]
+    finally:
+        gg.set_tma_store(was)
+    torch.cuda.synchronize()
+    gu, h, hq, hs = runs[0]
+    same = all(all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(runs[0], r)) for r in runs[1:])
+    wq, ws = ref.mxfp8_quantize(h, -1)
+    bad_q = int((hq.view(torch.uint8) != wq.view(torch.uint8)).sum())
+    bad_s = int((hs != ws).sum())
+    base_eq = torch.equal(gu, gu0) and torch.equal(h, h0)
+    ok = same and base_eq and bad_q == 0 and bad_s == 0
+    return Row(f"swiglu mx_h {routing} L={limit} {'tma' if tma else 'masked'}", bitwise=same, ok=ok,
+               note=f"gu,h == swiglu kernel {base_eq}; hq mismatches {bad_q}, hs mismatches {bad_s} "
+                    f"(vs reference.mxfp8_quantize) M={m}")
 
 
 def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
@@ -346,6 +381,7 @@ def _bench(gg, bwd, dev):
     for name, fn, flops in [
         ("bench gemm1 mainloop (plain, w_gu)", lambda: gg.grouped_gemm(x, offs, w1), flops1),
         ("bench gemm1+swiglu L=4", lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0), flops1),
+        ("bench gemm1+swiglu+mx_h L=4", lambda: gg._run_gemm1_swiglu(x, offs, wg, wu, 4.0, mx_h=True), flops1),
         ("bench gemm2 plain", lambda: gg.grouped_gemm(h, offs, wd), flops2),
         ("bench dgrad2+dswiglu L=4", lambda: bwd.grouped_dswiglu_dgrad(dy, offs, wd, gu, limit=4.0), flops2),
         ("bench dgrad1 (K=2I, split B)", lambda: bwd.grouped_dgrad1(dgu, offs, wg, wu), flops1),
@@ -402,6 +438,8 @@ def run(ctx) -> list[Row]:
         for limit in (None, 4.0):
             rows.append(_check_swiglu(gg, ref, dev, gen, routing, limit))
     rows.append(_check_plain(gg, ref, dev, gen, "skewed", torch.int64))
+    for routing, limit, tma in (("uniform", None, True), ("skewed", 4.0, True), ("skewed", 4.0, False)):
+        rows.append(_guarded("swiglu mx_h", _check_swiglu_mx, gg, ref, dev, gen, routing, limit, tma))
     for routing in ("uniform", "skewed"):
         for limit in (None, 4.0):
             rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, routing, limit))
