@@ -279,12 +279,17 @@ def test_bulk_chunk_geometry():
 
 
 def test_transport_selection(monkeypatch):
-    from mok_cute.comm.rows import transport_of
+    from mok_cute.comm.rows import transport_of, use_bulk
 
     monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
-    assert transport_of() == "plain"
+    assert transport_of() == "plain" and not use_bulk("pull") and not use_bulk("push")
     monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk")
     assert transport_of() == "bulk" and transport_of("plain") == "plain"
+    assert use_bulk("pull") and use_bulk("push")
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk_pull")
+    assert use_bulk("pull") and not use_bulk("push")
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "Bulk_Push")
+    assert use_bulk("push") and not use_bulk("pull")
     monkeypatch.setenv("MOK_COMM_TRANSPORT", "tma?")
     with pytest.raises(ValueError, match="MOK_COMM_TRANSPORT"):
         transport_of()
@@ -296,3 +301,37 @@ def test_plain_transport_unchanged():
                    compile_push_reduce("sm_90a", True, True, inspect=True)):
         assert not rep.has("cp.async.bulk") and not rep.has("mbarrier")
         assert not rep.has("__dynamic_shmem__")
+
+
+@pytest.mark.parametrize("env,pull_key,push_key", [
+    (None, "comm.pull", "comm.push_reduce"), ("bulk", "comm.pull_bulk", "comm.push_reduce_bulk"),
+    ("bulk_pull", "comm.pull_bulk", "comm.push_reduce"),
+    ("bulk_push", "comm.pull", "comm.push_reduce_bulk")])
+def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
+    """MOK_COMM_TRANSPORT picks the compiled kernel per call (host side, before any launch);
+    the MXFP8 / weighted dispatch always takes the plain extended pull."""
+    import mok_cute.comm.combine as C
+    import mok_cute.comm.dispatch as D
+
+    class Picked(Exception):
+        pass
+
+    def fake_cached(key, build):
+        raise Picked(key[0])
+
+    if env is None:
+        monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
+    else:
+        monkeypatch.setenv("MOK_COMM_TRANSPORT", env)
+    monkeypatch.setattr(D, "compile_cached", fake_cached)
+    monkeypatch.setattr(C, "compile_cached", fake_cached)
+    ws, plan = fake_ws(H=64)
+    ws.arch, ws.dummy = "sm_90a", torch.zeros(16, dtype=torch.int32)
+    ws.next_epoch = lambda kind: 1
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(Picked, match=f"^{pull_key}$"):
+        dispatch(ws, x, plan)
+    with pytest.raises(Picked, match="^comm.pull_ext$"):
+        dispatch(ws, x, plan, topk_w=torch.zeros(4, 2))
+    with pytest.raises(Picked, match=f"^{push_key}$"):
+        combine(ws, torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 2), plan)

@@ -19,7 +19,8 @@ shapes). GB/s per direction counts only the bytes that cross NVLink (rows whose 
 differs from the expert rank); %peer is against the slower peer copy direction. One compact
 table is printed last (rank 0); JSON lines go to $OUT/bench_comm.jsonl when $OUT is set.
 ``--quick``: T 4096 and 8192 at H 7168, k 8, bf16 only, with the CTA sweep.
-``MOK_COMM_TRANSPORT=bulk``: the bf16 dispatch and the combine use the opt-in bulk kernels.
+``MOK_COMM_TRANSPORT=bulk`` (or bulk_pull / bulk_push): the bf16 dispatch and/or the combine
+use the opt-in bulk kernels.
 """
 from __future__ import annotations
 
@@ -203,8 +204,8 @@ def _gbps(nbytes, us):
 def print_table(res, pull_rate, push_rate):
     peer = min(pull_rate, push_rate)
     print(f"== bench_comm on {dist.get_world_size()}x {torch.cuda.get_device_name()}: E=32*EP "
-          f"random top-k, {CTAS} comm CTAs, transport {transport_of()}; GB/s per direction over remote rows, slowest rank; "
-          f"peer copy_ pull {pull_rate:.0f} / push {push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
+          f"random top-k, {CTAS} comm CTAs, transport {transport_of()}; GB/s per direction over "
+          f"remote rows, slowest rank; peer copy_ pull {pull_rate:.0f} / push {push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
     print(f"{'case':17s} {'pay':5s} | {'disp us':>8s} {'GB/s':>5s} {'%pk':>4s} {'+stage':>8s} "
           f"{'nccl us':>8s} {'GB/s':>5s} | {'comb us':>8s} {'GB/s':>5s} {'%pk':>4s} "
           f"{'nccl us':>8s} {'GB/s':>5s}")

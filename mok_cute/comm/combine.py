@@ -28,7 +28,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                transport_of)
+                                use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
@@ -331,7 +331,7 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     in_rows = min(rows.shape[0], plan.recv_src.shape[0])
     epoch = ws.next_epoch("push")
     w_ptr, s_ptr = _optional_inputs(ws, weights, start)
-    bulk = transport_of() == "bulk" and not SPLIT_PHASES
+    bulk = use_bulk("push") and not SPLIT_PHASES
     for ph in phases:
         if bulk:
             fn = compile_cached(("comm.push_reduce_bulk", ws.arch, has_w, has_start),

@@ -34,7 +34,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                pull_rows_ext, transport_of)
+                                pull_rows_ext, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
@@ -238,7 +238,7 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
     check_num_ctas(nctas)
     out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
     out_rows = min(out.shape[0], plan.recv_src.shape[0])
-    if transport_of() == "bulk":
+    if use_bulk("pull"):
         fn = compile_cached(("comm.pull_bulk", ws.arch), lambda: compile_pull_bulk(ws.arch)[0])
     else:
         fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])

@@ -135,7 +135,8 @@ def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointe
 # sections) stay 16-byte aligned; ring stages are 16 KiB apart from a 128-byte aligned base;
 # each stage's mbarrier expects exactly the bytes of its one copy.
 
-TRANSPORTS = ("plain", "bulk")
+# "bulk": bulk pulls and pushes; "bulk_pull" / "bulk_push": only one side (fault isolation)
+TRANSPORTS = ("plain", "bulk", "bulk_pull", "bulk_push")
 BULK_CHUNK = 16384   # bytes per stage (a row of H*2 bytes moves as ceil(H*2 / BULK_CHUNK) chunks)
 BULK_STAGES = 8      # shared-memory ring depth (BULK_STAGES - 1 loads in flight per CTA)
 BULK_SMEM = BULK_CHUNK * BULK_STAGES + 8 * BULK_STAGES + 256  # dynamic shared memory per CTA
@@ -152,6 +153,12 @@ def transport_of(transport: str | None = None) -> str:
         raise ValueError(f"comm transport must be one of {TRANSPORTS}, got {t!r} "
                          "(MOK_COMM_TRANSPORT)")
     return t
+
+
+def use_bulk(kind: str) -> bool:
+    """Whether the ``kind`` ('pull' or 'push') row mover is the bulk one under the current
+    ``MOK_COMM_TRANSPORT``."""
+    return transport_of() in ("bulk", f"bulk_{kind}")
 
 
 @cute.jit

@@ -17,7 +17,9 @@ guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
 ``MOK_COMM_TRANSPORT=bulk`` (a separate invocation, so that a fault cannot take down the
 default checks): the same rows with the opt-in cp.async.bulk kernels for the bf16 dispatch,
 reverse combine, combine and reverse dispatch (MXFP8 / weighted dispatch stay plain); rows
-are named ``bulk...`` instead of ``comm...``. First run it as ``MOK_COMM_TRANSPORT=bulk
+are named ``bulk...`` instead of ``comm...``; ``bulk_pull`` / ``bulk_push`` switch only
+the pulls (dispatch, reverse combine) / only the pushes (combine, reverse dispatch), to
+isolate a fault. First run it as ``MOK_COMM_TRANSPORT=bulk
 MOK_COMM_QUICK=1 MOK_COMM_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 torchrun --nproc_per_node=2
 tools/gpu_check.py comm``. Without the variable only the verified plain kernels run.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
@@ -436,15 +438,15 @@ def run(ctx: Ctx) -> list[Row]:
              ("random", 4096, 7168, 8, 32 * EP)]
     rows = [Row(f"comm transport {tr}, EP={EP}", ok=True,
                 note=("one process, 1-rank group: same kernels, every route local; "
-                      if EP == 1 else "") + ("MOK_COMM_TRANSPORT=bulk: bf16 pulls/pushes by "
-                                            "cp.async.bulk" if tr == "bulk" else "default"))]
+                      if EP == 1 else "") + (f"MOK_COMM_TRANSPORT={tr}: bf16 row moves by "
+                                            "cp.async.bulk" if tr != "plain" else "default"))]
     for c in cases[:1] if quick else cases:
         rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
                        lambda c=c: _correctness(ctx, *c))
     if not (quick or PULL_TWICE):
         rows += _guard(ctx, "comm stalled peer", lambda: _stall(ctx))
         rows += _guard(ctx, "comm timing", lambda: _timing(ctx))
-    if tr == "bulk":  # the separate bulk invocation: its rows say so
+    if tr != "plain":  # the separate bulk invocation: its rows say so
         for r in rows[1:]:
             r.name = "bulk" + r.name[4:] if r.name.startswith("comm") else r.name
     return rows
