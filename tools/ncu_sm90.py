@@ -7,6 +7,7 @@ Kernels are compiled and warmed up first; only the profiled launches run between
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --csv python3 tools/ncu_sm90.py
 
+``--fp8`` profiles the FP8 GEMMs beside the BF16 one instead (:func:`fp8_kernels`).
 Without ncu it just runs (prints one line per kernel), which is how the test suite's
 import check and a dry run use it.
 """
@@ -49,8 +50,35 @@ def kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
     ]
 
 
+def fp8_kernels(e: int = 8, rows: int = 4096, k: int = 7168, n: int = 4096):
+    """[(name, fn)]: the FP8 grouped GEMMs (fp8_block default consumer, MXFP8 per-32 promoted)
+    and the BF16 plain grouped GEMM at one shape (operands quantized once, outside)."""
+    from mok_cute import reference as ref  # noqa: PLC0415
+    from mok_cute.kernels import quantize, quantize_fp8, sm90_fp8_gemm, sm90_fp8_scaled  # noqa: PLC0415
+    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
+
+    dev = torch.device("cuda")
+    m = e * rows
+    offs = torch.arange(0, m + 1, rows, device=dev, dtype=torch.int32)
+    x = torch.randn(m, k, device=dev).bfloat16()
+    w = (torch.randn(e, n, k, device=dev) * k ** -0.5).bfloat16()
+    xq, xs = quantize_fp8.quantize_fp8_block_act(x)
+    wq = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev)
+    ws = torch.empty(e, n // 128, k // 128, device=dev)
+    for i in range(e):
+        wq[i], ws[i] = ref.fp8_block_quantize_weight(w[i])
+    xmq, xms = quantize.quantize_mxfp8(x, -1)
+    wmq, wms = quantize.quantize_mxfp8(w.reshape(e * n, k), -1)
+    wmq, wms = wmq.view(e, n, k), wms.view(e, n, k // 32)
+    return [
+        ("bf16 plain K7168 N4096", lambda: gg.grouped_gemm(x, offs, w)),
+        ("fp8_block K7168 N4096", lambda: sm90_fp8_gemm.grouped_gemm_fp8_block(xq, xs, offs, wq, ws)),
+        ("mxfp8 promoted K7168 N4096", lambda: sm90_fp8_scaled.grouped_gemm_mxfp8_promoted(xmq, xms, offs, wmq, wms)),
+    ]
+
+
 def main() -> int:
-    ks = kernels()
+    ks = fp8_kernels() if "--fp8" in sys.argv else kernels()
     for _, fn in ks:  # compile + warm up outside the profiled range
         fn()
         fn()
