@@ -205,7 +205,8 @@ def print_table(res, pull_rate, push_rate):
     peer = min(pull_rate, push_rate)
     print(f"== bench_comm on {dist.get_world_size()}x {torch.cuda.get_device_name()}: E=32*EP "
           f"random top-k, {CTAS} comm CTAs, transport {transport_of()}; GB/s per direction over "
-          f"remote rows, slowest rank; peer copy_ pull {pull_rate:.0f} / push {push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
+          f"remote rows, slowest rank; peer copy_ pull {pull_rate:.0f} / push "
+          f"{push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
     print(f"{'case':17s} {'pay':5s} | {'disp us':>8s} {'GB/s':>5s} {'%pk':>4s} {'+stage':>8s} "
           f"{'nccl us':>8s} {'GB/s':>5s} | {'comb us':>8s} {'GB/s':>5s} {'%pk':>4s} "
           f"{'nccl us':>8s} {'GB/s':>5s}")

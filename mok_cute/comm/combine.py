@@ -16,8 +16,9 @@ Combine: ``w = topk_w``, ``start = shared expert output``; reverse dispatch: no 
 Protocol per call (push epoch e): every CTA waits FREE >= e-1 from every peer (the peer
 finished reading its slots of the previous push), pushes its rows with plain 16-byte
 stores (``MOK_COMM_TRANSPORT=bulk``: the opt-in cp.async.bulk kernel
-:func:`push_reduce_bulk_launcher`, not yet run on a GPU), the last CTA signals DATA = e to every peer; every CTA waits DATA >= e from every
-peer, reduces its tokens, and the last CTA signals FREE = e.
+:func:`push_reduce_bulk_launcher`, not yet run on a GPU), the last CTA signals DATA = e
+to every peer; every CTA waits DATA >= e from every peer, reduces its tokens, and the last
+CTA signals FREE = e.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ cp.async.bulk kernel (:func:`pull_bulk_launcher`, not yet run on a GPU); the MXF
 weighted variants always use plain loads.
 
 Speed notes: plain 16-byte peer loads are latency-bound (~14 GB/s per 1024-thread CTA
-measured). Next steps: per-row bulk copies (cp.async.bulk global->shared, then
-shared->global) with a few rows in flight per CTA, or TMA with per-peer descriptors;
+measured). Next steps: verify the opt-in bulk copies on the device (7 rows in flight per
+CTA), or TMA with per-peer descriptors;
 let the producer write x straight into :meth:`CommWorkspace.acquire_src` to skip the
 staging copy.
 """

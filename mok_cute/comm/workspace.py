@@ -187,7 +187,7 @@ class CommWorkspace:
         self.wait_flags(P.DONE, self.epoch["pull"])
         if row_bytes is None:
             return self.view("src", torch.bfloat16, (self.T, self.H))
-        if row_bytes % 16 or self.T * row_bytes > self.T * self.H * 2:
+        if row_bytes % 16 or row_bytes > 2 * self.H:
             raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of 16 and <= 2*H")
         return self.view("src", torch.uint8, (self.T, row_bytes))
 
