@@ -29,10 +29,11 @@ from mok_cute.kernels import compile as kc
 from mok_cute.kernels import dequant_mxfp8 as dq
 
 CASES = [(layout, arch, count) for layout in dq.LAYOUTS for arch in ("sm_90a", "sm_100a") for count in (False, True)]
-# per thread: row / col one 16-element chunk; tokens 32 tokens x 8 features
-ELEMS = {"row": 16, "col": 16, "tokens": 256}
-LOADS = {"row": 1, "col": 2, "tokens": 16}  # ld.global.v4 (col: data + its 16 scales)
-STORES = {"row": 2, "col": 2, "tokens": 64}  # st.global.v4 (tokens: 32 rows + 32 zero-fill rows)
+# per thread: row / col _UNROLL 16-element chunks; tokens 32 tokens x 8 features
+U = dq._UNROLL
+ELEMS = {"row": 16 * U, "col": 16 * U, "tokens": 256}
+LOADS = {"row": U, "col": 2 * U, "tokens": 16}  # ld.global.v4 (col: data + its 16 scales)
+STORES = {"row": 2 * U, "col": 2 * U, "tokens": 64}  # st.global.v4 (tokens: 32 rows + 32 zero-fill rows)
 _REAL_LOOKUP = S.fp8_kernel
 
 
@@ -46,7 +47,7 @@ def test_dequant_compiles_without_spills(reports, case):
     rep = reports[case]
     assert rep.arch == case[1] and len(rep.registers) == 1, rep.log
     assert rep.total_spill_bytes == 0 and all(v == 0 for v in rep.stack_bytes.values())
-    assert rep.max_registers <= (32 if case[0] != "tokens" else 168), rep.registers
+    assert rep.max_registers <= (64 if case[0] != "tokens" else 168), rep.registers
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'count' if c[2] else 'plain'}")

@@ -19,6 +19,11 @@ Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
 dgrad1, wgrads; ``mok_cute.kernels.sm90_grouped_gemm.set_tma_store``; same as
 MOK_CUTE_SM90_TMA_STORE=1); ``both`` times ours twice per row (default, then TMA store:
 an extra ``tma`` line, x_* = ours default / ours TMA store).
+--precision bf16,mxfp8,fp8_block (default bf16: nothing extra): per row, ours at each listed
+precision (and bf16, for the ratio) through the sm90 expert MLP's forward / backward directly
+(``mok_cute.ops.expert_mlp`` runs bf16 only): fwd and fwd+bwd with the weights' quantizations
+cached (repeated calls on unchanged weights), f+b_wq with every weight bumped in place before
+each call (an optimizer step: weights re-quantized), and x_* = time / ours-bf16 time.
 """
 from __future__ import annotations
 
@@ -176,13 +181,43 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
                 speedup_fwd=t_f_torch / t_f, speedup_fwdbwd=t_fb_torch / t_fb, rel_l1_vs_torch=rel)
 
 
+def run_precisions(inter, offs, x, w1, wd, dy, precisions):
+    """{precision: (fwd us, fwd+bwd us, fwd+bwd us with weights re-quantized)} of the sm90 expert
+    MLP called directly (no autograd), bf16 first."""
+    from mok_cute.backend import get_backend
+
+    mlp = get_backend("sm90").mlp
+    offs0 = torch.cat([offs.new_zeros(1), offs])
+    xs, wdd = x.detach(), wd.detach().clone()
+    wg, wu = w1.detach()[:, :inter].contiguous(), w1.detach()[:, inter:].contiguous()
+    out = {}
+    for p in ["bf16"] + [q for q in precisions if q != "bf16"]:
+        kw = {} if p == "bf16" else {"precision": p}
+
+        def fwd():
+            return mlp.forward(xs, offs0, wg, wu, wdd, None, **kw)
+
+        def fwd_bwd():
+            _, g = fwd()
+            return mlp.backward(g, dy, wg, wu, wdd, None)
+
+        def step():  # an in-place no-op per weight bumps its version: re-quantized as after an update
+            for w in (wg, wu, wdd):
+                w.add_(0)
+            return fwd_bwd()
+
+        out[p] = (bench_us(fwd), bench_us(fwd_bwd), bench_us(step))
+        torch.cuda.empty_cache()
+    return out
+
+
 def _set_tma_store(on: bool) -> bool:
     from mok_cute.kernels import sm90_grouped_gemm
 
     return sm90_grouped_gemm.set_tma_store(on)
 
 
-def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_store="off"):
+def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_store="off", precisions=("bf16",)):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
     dg = torch.Generator(device=dev).manual_seed(1000 * e + m + skew)  # not the default generator
@@ -226,6 +261,9 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_
                 row.update({"tma_" + k: v for k, v in tma.items()})
         finally:
             _set_tma_store(prev)
+        if tuple(precisions) != ("bf16",):
+            with torch.no_grad():
+                row["precisions"] = run_precisions(inter, offs, x, w1, wd, dy, precisions)
     return row
 
 
@@ -237,13 +275,18 @@ def main() -> int:
     ap.add_argument("--profile", type=str, default=None, help="append torch.profiler kernel tables (uniform rows) here")
     ap.add_argument("--tma-store", choices=("off", "on", "both"), default="off",
                     help="ours with the opt-in SM90 TMA-store epilogues (both: default and TMA store per row)")
+    ap.add_argument("--precision", default="bf16",
+                    help="comma-separated precisions of ours to time (bf16, mxfp8, fp8_block; ratio to bf16)")
     args = ap.parse_args()
+    precisions = tuple(args.precision.split(","))
+    if not set(precisions) <= {"bf16", "mxfp8", "fp8_block"}:
+        ap.error(f"--precision: unknown precision in {args.precision!r}")
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     rows = []
     for shape in SHAPES[-1:] if args.quick else SHAPES:
         for skew in (False, True):
             rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile,
-                                  tma_store=args.tma_store))
+                                  tma_store=args.tma_store, precisions=precisions))
             r = rows[-1]
             print(f"[row] {r['shape']} {r['routing']}: torch f+b {r['torch_fwdbwd_us']:.0f} us, ours "
                   f"{r.get('ours_fwdbwd_us', float('nan')):.0f} us, graph torch {r['torch_graph_fb_us']:.0f} "
@@ -272,6 +315,18 @@ def main() -> int:
                   f"{t('fwd_tflops'):7.0f} {t('fwdbwd_tflops'):7.0f} {'':8s} {r['ours_fwd_us'] / t('fwd_us'):6.3f} "
                   f"{r['ours_fwdbwd_us'] / t('fwdbwd_us'):6.3f} {r['tma_rel_l1_vs_torch']:8.1e} {t('pipe_fb_us'):9.0f} "
                   f"{t('host_fb_us'):9.0f} {t('graph_fb_us'):9.0f} {r['ours_graph_fb_us'] / t('graph_fb_us'):7.3f}")
+    prec_rows = [r for r in rows if "precisions" in r]
+    if prec_rows:
+        print(f"== ours by precision (sm90 expert MLP, direct calls; x_* = time / ours-bf16 time) ==")
+        print(f"{'shape':26s} {'routing':8s} {'prec':9s} {'fwd_us':>9s} {'f+b_us':>9s} {'f+b_wq_us':>9s} {'f+b_TF':>7s} "
+              f"{'x_fwd':>6s} {'x_f+b':>6s} {'x_f+b_wq':>8s}")
+        for r in prec_rows:
+            e_, m_, h_, i_ = (int(v[1:]) for v in r["shape"].split())
+            flop = 18 * m_ * h_ * i_
+            base = r["precisions"]["bf16"]
+            for p, (tf, tfb, twq) in r["precisions"].items():
+                print(f"{r['shape']:26s} {r['routing']:8s} {p:9s} {tf:9.0f} {tfb:9.0f} {twq:9.0f} {flop / tfb / 1e6:7.0f} "
+                      f"{tf / base[0]:6.2f} {tfb / base[1]:6.2f} {twq / base[2]:8.2f}")
     ours = [r for r in rows if "ours_fwd_us" in r]
     if ours:
         geo = lambda key: math.exp(sum(math.log(r[key]) for r in ours) / len(ours))

@@ -15,10 +15,11 @@ block with a scale near 2^-127 (values ~1e-38) was rounded.
 
 Layouts (inputs are the outputs of :mod:`mok_cute.kernels.quantize` / ``quantize_fp8``):
 
-* ``row``    data [R, C], scales [R, C/32] (``quantize_mxfp8(x, -1)``): one thread per 16-byte
-  chunk (16 elements, half a block): one 16-byte load, one scale byte, two 16-byte stores.
-* ``col``    data [R, C], scales [R/32, C] (``quantize_mxfp8(x, 0)``): one thread per 16-byte
-  chunk; its 16 per-column scales are one 16-byte load.
+* ``row``    data [R, C], scales [R, C/32] (``quantize_mxfp8(x, -1)``): per 16-byte chunk (16
+  elements, half a block) one 16-byte load, one scale byte, two 16-byte stores; a thread
+  takes ``_UNROLL`` lane-contiguous chunks (all loads issued first).
+* ``col``    data [R, C], scales [R/32, C] (``quantize_mxfp8(x, 0)``): as ``row``; a chunk's 16
+  per-column scales are one 16-byte load.
 * ``tokens`` data_t [N, 32 S], scales [S, N] (``quantize_tokens(x, offsets, "mxfp8")``: token
   offsets[e] + t of expert e in column 32 (offsets[e] // 32 + e) + t) -> token rows [M, N]
   (row r = token r; rows at or past offsets[E] are 0). One thread per (32-token slot, 8
@@ -37,6 +38,7 @@ from .host import MAX_NUMEL, current_stream
 
 LAYOUTS = ("row", "col", "tokens")
 _THREADS = 256
+_UNROLL = 4  # row / col: 16-byte chunks per thread
 _TOK_THREADS = 128
 _FP8 = torch.float8_e4m3fn
 
@@ -108,24 +110,34 @@ def _build(layout: str, count: bool, arch: str):
                          nc: Int32):
             tid, _, _ = cute.arch.thread_idx()
             bid, _, _ = cute.arch.block_idx()
-            i = bid * _THREADS + tid
-            ic = cutlass.min(i, n - 1)
-            v = d[ic, None].load()
-            words = [v[j] for j in range(4)]
-            if cutlass.const_expr(layout == "row"):
-                sb = scale_bits(s[ic // 2])
-                mult = [sb] * 16
-            else:
-                r = ic // nc
-                sw = s[(r // 32) * nc + (ic - r * nc), None].load()
-                mult = [scale_bits((sw[j // 4] >> (8 * (j % 4))) & Uint32(0xFF)) for j in range(16)]
-            o = cute.make_rmem_tensor((8,), Uint32)
-            cnt = convert(words, mult, o, Int32(0))
-            if i < n:
-                out[i, None].store(o.load())
+            lane = tid % 32
+            base = (bid * _THREADS + tid - lane) * _UNROLL + lane  # chunks base + 32 u: lane-contiguous
+            vs, ss = [], []
+            for u in cutlass.range_constexpr(_UNROLL):  # every load issued before any math
+                ic = cutlass.min(base + 32 * u, n - 1)
+                vs.append(d[ic, None].load())
+                if cutlass.const_expr(layout == "row"):
+                    ss.append(s[ic // 2])
+                else:
+                    r = ic // nc
+                    ss.append(s[(r // 32) * nc + (ic - r * nc), None].load())
+            cnt = Int32(0)
+            for u in cutlass.range_constexpr(_UNROLL):
+                i = base + 32 * u
+                words = [vs[u][j] for j in range(4)]
+                if cutlass.const_expr(layout == "row"):
+                    mult = [scale_bits(ss[u])] * 16
+                else:
+                    mult = [scale_bits((ss[u][j // 4] >> (8 * (j % 4))) & Uint32(0xFF)) for j in range(16)]
+                o = cute.make_rmem_tensor((8,), Uint32)
+                c = convert(words, mult, o, Int32(0))
                 if cutlass.const_expr(count):
-                    if cnt > Int32(0):
-                        cute.arch.atomic_add(counter.iterator, cnt)
+                    cnt = cnt + Int32(i < n) * c
+                if i < n:
+                    out[i, None].store(o.load())
+            if cutlass.const_expr(count):
+                if cnt > Int32(0):
+                    cute.arch.atomic_add(counter.iterator, cnt)
 
         @cute.jit
         def launch(dp: cute.Pointer, sp: cute.Pointer, op: cute.Pointer, cp: cute.Pointer, n: Int32, nc: Int32,
@@ -138,7 +150,8 @@ def _build(layout: str, count: bool, arch: str):
             out = cute.make_tensor(op, cute.make_layout((n, 8), stride=(8, 1)))
             counter = cute.make_tensor(cp, cute.make_layout((1,)))
             chunk_kernel(d, s, out, counter, n, nc).launch(
-                grid=[(n + _THREADS - 1) // _THREADS, 1, 1], block=[_THREADS, 1, 1], stream=stream)
+                grid=[(n + _THREADS * _UNROLL - 1) // (_THREADS * _UNROLL), 1, 1], block=[_THREADS, 1, 1],
+                stream=stream)
 
         args = (Int32(2), Int32(2))
     else:
