@@ -66,7 +66,8 @@ def _install_mirrors(monkeypatch, corrupt=None):
     monkeypatch.setattr(C, "get_workspace", lambda T, H, k, E, **kw: _WS(T, H, k, E))
     monkeypatch.setattr(C, "plan_routing_device", plan_dev)
     monkeypatch.setattr(C, "dispatch", dispatch)
-    monkeypatch.setattr(C, "reverse_combine", lambda ws, dy, plan, num_ctas=None: pull(ws, dy, plan))
+    monkeypatch.setattr(C, "reverse_combine", lambda ws, dy, plan, num_ctas=None:
+                        pull(ws, dy, plan))
     monkeypatch.setattr(C, "combine", lambda ws, eo, w, plan, sh=None, num_ctas=None:
                         reduce(ws, eo, plan, w, sh))
     monkeypatch.setattr(C, "reverse_dispatch", lambda ws, dxe, plan, sh=None, num_ctas=None:
