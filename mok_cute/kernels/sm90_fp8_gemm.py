@@ -67,11 +67,13 @@ from cutlass.cute.nvgpu import warpgroup
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.sm90_grouped_gemm import (
     EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _check_devices, _check_out, _check_tensor, _Desc,
-    current_stream, device_arch, sm_count,
+    _fetch_rows, _load_rows, _row_copy, _store_rows, current_stream, device_arch, sm_count,
 )
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    consumer_barrier,
 )
+from mok_cute.kernels.swiglu_math import dswiglu
 from mok_cute.schedule.group_tiles import seek, tile_coords
 
 SCALE_BLOCK = 128
@@ -111,6 +113,66 @@ class Fp8MainloopConfig(MainloopConfig):
         return super().key() + (("overlap_promotion",) if self.overlap_promotion else ())
 
 
+class DSwigluPrefetchedEpilogue(DSwigluEpilogue):
+    """:class:`DSwigluEpilogue` with both column halves' g and u fetched (cp.async) before the
+    mainloop into four row-padded buffers, so no global-load round trip sits inside the
+    epilogue (the FP8 mainloop is short enough per tile for it to show). Same math, same
+    stores."""
+
+    def smem_elems(self) -> int:
+        return 4 * self.tile_m * self.pitch
+
+    def smem_tensor(self, region):
+        """(tile_m, half, 2, 2): (g, u) buffers of column half 0, then of half 1."""
+        plane = self.tile_m * self.pitch
+        return region.get_tensor(cute.make_layout((self.tile_m, self.half, 2, 2),
+                                                  stride=(self.pitch, 1, plane, 2 * plane)))
+
+    def _bufs(self, sC: cute.Tensor, h: int = 0):
+        return sC[(None, None, 0, h)], sC[(None, None, 1, h)]  # g, u of column half h
+
+    @cute.jit
+    def prefetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor):
+        """Before the mainloop: fetch g and u of both column halves (one cp.async group)."""
+        for h in cutlass.range_constexpr(2):
+            bufs = self._bufs(sC, h)
+            for j in cutlass.range_constexpr(2):  # 0: gate half of gu, 1: up half
+                src = cute.domain_offset((row0, 0), mGU[(None, j, None)])
+                _fetch_rows(self.half, tid, cute.local_tile(src, (self.tile_m, self.half), (0, 2 * n_tile + h)),
+                            bufs[j], rows)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
+            row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor, mGU: cute.Tensor, limit: Float32):
+        shape = (self.tile_m, self.half)
+        # a (tile_m, tile_n) view whose column c lands on buffer column c % half
+        alias = cute.make_layout((self.tile_m, (self.half, 2)), stride=(self.pitch, (1, 0)))
+        cols = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        copy = _row_copy(self.half)
+        cute.arch.cp_async_wait_group(0)
+        consumer_barrier()
+        for h in cutlass.range_constexpr(2):
+            bufs = self._bufs(sC, h)
+            tG = thr_mma.partition_C(cute.make_tensor(bufs[0].iterator, alias))
+            tU = thr_mma.partition_C(cute.make_tensor(bufs[1].iterator, alias))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cutlass.const_expr(i % 16 == 0):
+                    cute.arch.sync_warp()  # scheduling fence (see DSwigluEpilogue.run)
+                if cutlass.const_expr(cols[i][1] // self.half == h):
+                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp)
+                    tG[i] = dg.to(cutlass.BFloat16)
+                    tU[i] = du.to(cutlass.BFloat16)
+        consumer_barrier()
+        for h in cutlass.range_constexpr(2):
+            bufs = self._bufs(sC, h)
+            for j in cutlass.range_constexpr(2):
+                r, coords = _load_rows(copy, tid, bufs[j])
+                dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
+                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
+        consumer_barrier()
+
+
 class Fp8BlockGroupedGemm:
     """Persistent warp-specialized grouped FP8 GEMM with per-k-tile scale promotion.
 
@@ -139,7 +201,7 @@ class Fp8BlockGroupedGemm:
         elif epilogue == "swiglu":
             self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         else:
-            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+            self.epi = DSwigluPrefetchedEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2)
 
     @staticmethod
