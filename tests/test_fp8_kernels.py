@@ -321,3 +321,14 @@ def test_transpose_weight_blocks_matches_reference():
     assert torch.equal(deq(w1t_q, w1t_s), want)
     with pytest.raises(ValueError, match="pairs\\[1\\] data"):
         transpose_weight_blocks(quant(wg), quant(wd))
+
+
+def test_fp8_ring_stages():
+    """Shared memory: 32 KB per 128x128x128 e4m3 stage beside the epilogue buffer (plain,
+    swiglu: the 32 KB bf16 tile; dswiglu: g, u of both column halves, 73.7 KB)."""
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    stages = {ep: g.Fp8BlockGroupedGemm(g.Fp8MainloopConfig(), ep).mainloop.stages
+              for ep in ("plain", "swiglu", "dswiglu")}
+    assert stages == {"plain": 6, "swiglu": 6, "dswiglu": 4}
+    with pytest.raises(ValueError, match="epilogue"):
+        g.Fp8BlockGroupedGemm(g.Fp8MainloopConfig(), "gelu")

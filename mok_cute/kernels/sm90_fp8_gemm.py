@@ -11,8 +11,8 @@ Operands (both K-major, as FP8 ``wgmma.mma_async ... .e4m3.e4m3`` requires):
       P_kb the e4m3 partial product over k-block kb.
 The same kernel also runs the expert-MLP variants (:class:`Fp8BlockGroupedGemm` epilogues
 ``swiglu``: GEMM1 with gate and up halves of one B tile, each half promoted with its own
-block scale; ``dswiglu``: dgrad of GEMM2 with the dSwiGLU epilogue); their wrappers are in
-:mod:`mok_cute.kernels.sm90_fp8_expert`.
+block scale; ``dswiglu``: dgrad of GEMM2 with the dSwiGLU epilogue, its g, u inputs
+prefetched before the mainloop); their wrappers are in :mod:`mok_cute.kernels.sm90_fp8_expert`.
 
 Mainloop: the producer is ``Sm90Mainloop.load_tile`` unchanged (TMA of A and B k-tiles;
 tile_k = 128 e4m3 = 128 bytes = one swizzle atom = one scale block). The serial consumer
@@ -188,7 +188,8 @@ class Fp8BlockGroupedGemm:
       compile-time fact of the element's index); mOut0 = gu [M, 2, I], mOut1 = h [M, I]
       (:class:`SwigluEpilogue`, clamp ``limit`` when built with ``clamp``).
     * ``dswiglu``: as ``plain`` with N = I; mOut0 = dgu [M, 2, I] (out), mOut1 = gu
-      [M, 2, I] (in); :class:`DSwigluEpilogue` on the FP32 accumulator.
+      [M, 2, I] (in); :class:`DSwigluPrefetchedEpilogue` on the FP32 accumulator (g, u of
+      the tile fetched before the mainloop: 73.7 KB of shared memory, 4 ring stages).
     """
 
     def __init__(self, cfg: Fp8MainloopConfig, epilogue: str = "plain", clamp: bool = False):
