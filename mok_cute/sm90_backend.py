@@ -5,13 +5,14 @@ Forward: GEMM1 + SwiGLU (gu, h), GEMM2. Backward: dgrad2 + dSwiGLU, dgrad1, thre
 Inputs are validated once per call here; the kernels then run unchecked
 (mok_cute.kernels.sm90_grouped_gemm / sm90_expert_bwd).
 
-MXFP8 (Hopper has no block-scaled MMA): every GEMM operand is quantized along the
-reference's axes by the CuTe quantizers (the table and glue of :mod:`mok_cute.sm100_backend`:
-rows along K, weights through 2-D views, wgrad operands token-wise per expert), dequantized
-to BF16 by :mod:`mok_cute.kernels.dequant_mxfp8` and fed to the BF16 kernels. The
-dequantized values are the reference's exactly (every scale byte >= 3; otherwise the
-rounded elements are counted on the device, :meth:`Sm90ExpertMLP.inexact_count`), so the
-layer equals the reference's mxfp8 layer up to fp32 accumulation order.
+MXFP8 (Hopper has no block-scaled MMA): every GEMM operand goes through its MXFP8 round trip
+along the reference's axes (the table of :mod:`mok_cute.sm100_backend`: rows along K, weights
+through 2-D views [E*R, C] along C or along R, wgrad operands token-wise per expert) in one
+pass each (:func:`mok_cute.kernels.dequant_mxfp8.mxfp8_round_trip` / ``_tokens``: the CuTe
+quantizers' ops, then the dequantization to BF16), and the BF16 kernels run on the result.
+The round trip of a BF16 input is always exact in BF16 (see :mod:`dequant_mxfp8`), so the
+kernels read the reference's dequantized values and the layer equals the reference's mxfp8
+layer up to fp32 accumulation order.
 
 FP8 blockwise: activations quantized 1x128 along K (``quantize_fp8_block_act``), wgrad
 operands 128x1 along tokens (``quantize_tokens(., offsets, "fp8_block")``), weights in
@@ -35,7 +36,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
-from .sm100_backend import quantize_rows, quantize_weight
 
 FP8_BLOCK = 128
 # FP8 blockwise kernels (other modules' public API) and where each lives, looked up at call time
@@ -94,29 +94,31 @@ class WeightCache:
 
 
 # ----------------------------------------------------------------------------- MXFP8
-def _mx_dequant_weight(w, axis, counter):
-    """bf16 [E, R, C]: w's MXFP8 round trip along ``axis`` (2: C, 1: R)."""
+def _mx_dequant_weight(w, axis):
+    """bf16 [E, R, C]: w's MXFP8 round trip along ``axis`` (2: C, rows of [E*R, C]; 1: R, columns
+    of [E*R, C] in blocks of 32 rows from row 0: R % 32 == 0, so no block straddles experts)."""
     from .kernels import dequant_mxfp8
 
     e, r, c = w.shape
-    q, s = quantize_weight(w, axis)
-    return dequant_mxfp8.dequantize_mxfp8(q.view(e * r, c), s.view(e * r, -1) if axis == 2 else s.view(-1, c),
-                                          -1 if axis == 2 else 0, counter=counter).view(e, r, c)
+    w2 = w.reshape(e * r, c)
+    if axis == 2:
+        return dequant_mxfp8.mxfp8_round_trip(w2).view(e, r, c)
+    whole = torch.tensor([0, e * r], dtype=torch.int32, device=w.device)
+    return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole).view(e, r, c)
 
 
-def _mx_rows(x, counter):
+def _mx_rows(x):
     """bf16 [M, K]: x's MXFP8 round trip along its rows."""
     from .kernels import dequant_mxfp8
 
-    return dequant_mxfp8.dequantize_mxfp8(*quantize_rows(x), -1, counter=counter)
+    return dequant_mxfp8.mxfp8_round_trip(x)
 
 
-def _mx_tokens(x, offs32, counter):
+def _mx_tokens(x, offs32):
     """bf16 token rows [M, N]: x's MXFP8 round trip along tokens per expert (0 past offsets[E])."""
-    from .kernels import dequant_mxfp8, quantize_fp8
+    from .kernels import dequant_mxfp8
 
-    data_t, scales = quantize_fp8.quantize_tokens(x, offs32, "mxfp8")
-    return dequant_mxfp8.dequantize_mxfp8_tokens(data_t, scales, offs32, x.shape[0], counter=counter)
+    return dequant_mxfp8.mxfp8_round_trip_tokens(x, offs32)
 
 
 def _offs32(offsets):
@@ -156,16 +158,6 @@ class Sm90ExpertMLP:
 
     def __init__(self):
         self.weights = WeightCache()
-        self._counters = {}
-
-    def inexact_count(self, device) -> torch.Tensor:
-        """int32 [1] on ``device``: MXFP8 elements (operands and weights) whose dequantized value
-        bf16 could not hold exactly, summed over every call on that device (no host sync;
-        read it with ``.item()``). Nonzero only for scale bytes < 3 (values near 2^-127)."""
-        dev = torch.device(device)
-        if dev not in self._counters:
-            self._counters[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-        return self._counters[dev]
 
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``."""
@@ -195,24 +187,22 @@ class Sm90ExpertMLP:
                             w_down, limit)
 
     # ------------------------------------------------------------------ MXFP8
-    def _mx_weight(self, w, axis, counter):
-        return self.weights.get(("mxfp8", axis), (w,), lambda t: _mx_dequant_weight(t, axis, counter))
+    def _mx_weight(self, w, axis):
+        return self.weights.get(("mxfp8", axis), (w,), lambda t: _mx_dequant_weight(t, axis))
 
     def _mx_forward(self, fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
-        c = self.inexact_count(x_rows.device)
-        xd = _mx_rows(x_rows, c)
-        gu, h = fwd._run_gemm1_swiglu(xd, offsets, self._mx_weight(w_gate, 2, c), self._mx_weight(w_up, 2, c), limit)
-        out = fwd._run_gemm(_mx_rows(h, c), offsets, self._mx_weight(w_down, 2, c))
+        gu, h = fwd._run_gemm1_swiglu(_mx_rows(x_rows), offsets, self._mx_weight(w_gate, 2), self._mx_weight(w_up, 2),
+                                      limit)
+        out = fwd._run_gemm(_mx_rows(h), offsets, self._mx_weight(w_down, 2))
         return out, ExpertGroup(x_rows, offsets, gu, h, "mxfp8")
 
     def _mx_backward(self, bwd, g, dy_rows, w_gate, w_up, w_down, limit):
-        c = self.inexact_count(dy_rows.device)
         inter = w_gate.shape[1]
-        dgu = bwd._run_dswiglu_dgrad(_mx_rows(dy_rows, c), g.offsets, self._mx_weight(w_down, 1, c), g.gu, limit)
-        dx = bwd._run_dgrad1(_mx_rows(dgu, c), g.offsets, self._mx_weight(w_gate, 1, c), self._mx_weight(w_up, 1, c))
+        dgu = bwd._run_dswiglu_dgrad(_mx_rows(dy_rows), g.offsets, self._mx_weight(w_down, 1), g.gu, limit)
+        dx = bwd._run_dgrad1(_mx_rows(dgu), g.offsets, self._mx_weight(w_gate, 1), self._mx_weight(w_up, 1))
         offs32 = _offs32(g.offsets)
-        dy_t, h_t = _mx_tokens(dy_rows, offs32, c), _mx_tokens(g.h, offs32, c)
-        dgu_t, x_t = _mx_tokens(dgu, offs32, c), _mx_tokens(g.x, offs32, c)
+        dy_t, h_t = _mx_tokens(dy_rows, offs32), _mx_tokens(g.h, offs32)
+        dgu_t, x_t = _mx_tokens(dgu, offs32), _mx_tokens(g.x, offs32)
         dwd = bwd._run_wgrad(dy_t, h_t, g.offsets)
         dwg = bwd._run_wgrad(dgu_t[:, :inter], x_t, g.offsets)
         dwu = bwd._run_wgrad(dgu_t[:, inter:], x_t, g.offsets)

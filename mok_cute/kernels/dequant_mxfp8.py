@@ -8,6 +8,13 @@ exact in fp32 and in bf16 unless it falls below bf16's subnormal step 2^-133: ev
 exact iff its scale byte is >= 3 (e4m3's smallest subnormal is 2^-9). An fp32 product that
 overflows (byte 247 with |x| = 256 needs 2^128) is +-inf in both.
 
+A round trip (quantize, then dequantize) of a BF16 input is always exact in bf16: for a scale
+byte s < 3, x is a multiple of 2^-133 (bf16's subnormal step), so y = x * 2^(127 - s) is a
+multiple of 2^(-6 - s) >= the e4m3 spacing wherever y is not on the e4m3 grid; e4m3(y) is
+then y itself or a multiple of a spacing >= 2^(-6 - s), and e4m3(y) * 2^(s - 127) a multiple
+of 2^-133 (the GPU check confirms it on edge inputs). Only dequantizing arbitrary data /
+scale pairs (e.g. fp32-sourced or received MXFP8) can round.
+
 Inexact count: with ``counter`` (int32 [1] on the device) each launch atomically adds the
 number of finite elements whose fp32 value is not representable in bf16 (low 16 bits of the
 fp32 product nonzero); no host sync. Zero for every scale byte >= 3, so nonzero means a
@@ -28,15 +35,27 @@ Layouts (inputs are the outputs of :mod:`mok_cute.kernels.quantize` / ``quantize
   finds its expert by binary search on offsets. Threads past the slots zero the rows at or
   past offsets[E] (32-row groups).
 
+Round trips (bf16 in, bf16 out, one pass: quantize with the ops of :mod:`quantize` /
+``quantize_fp8`` (:class:`Fp8Ops`), then dequantize as above; what a BF16 GEMM reads for an
+MXFP8 operand):
+
+* ``rt_row``    x [M, K] along rows: per 16-byte chunk (8 elements) one load, the 4 lanes of a
+  block combine amaxes by shuffles, one 16-byte store; ``_UNROLL`` chunks per thread.
+* ``rt_tokens`` x [M, N] token rows along tokens per expert (blocks of 32 from each expert's
+  first row) -> token rows [M, N] (0 past offsets[E]): one thread per (32-row block, 8
+  features): 32 loads and stores of 16 bytes, per-column amax in registers. Counting variant:
+  a block with a scale byte < 3 is recounted from reloaded rows (rare path).
+
 Dims are runtime ``Int32``: one compiled kernel per (layout, arch, counting) serves every shape.
 """
 
 import torch
 
 from .compile import arch_of_device, compile_cached, compile_kernel, dsl
+from .fp8_ops import Fp8Ops
 from .host import MAX_NUMEL, current_stream
 
-LAYOUTS = ("row", "col", "tokens")
+LAYOUTS = ("row", "col", "tokens", "rt_row", "rt_tokens")
 _THREADS = 256
 _UNROLL = 4  # row / col: 16-byte chunks per thread
 _TOK_THREADS = 128
@@ -104,6 +123,57 @@ def _build(layout: str, count: bool, arch: str):
                 cnt = cnt + inexact(ps)
         return cnt
 
+    @cute.jit
+    def slot_rows(offs: cute.Tensor, slot: Int32, num_e: Int32):
+        """(first row, valid rows 0..32) of 32-token slot ``slot`` of the token-wise layout:
+        its expert is the largest e in [0, E] with offs[e] // 32 + e <= slot (binary search)."""
+        lo = Int32(0)
+        hi = num_e
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if offs[mid] // 32 + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        g_lo = offs[lo]
+        g_hi = offs[cutlass.min(lo + 1, num_e)]
+        row0 = g_lo + (slot - (g_lo // 32 + lo)) * 32
+        rows = cutlass.max(cutlass.min(g_hi - row0, 32), 0)
+        if lo >= num_e:
+            rows = Int32(0)
+        return row0, rows
+
+    @cute.jit
+    def zero_tail(out: cute.Tensor, offs: cute.Tensor, z: Int32, nc: Int32, m: Int32, num_e: Int32):
+        """Zero chunk column z % nc of the rows at or past offs[E] in 32-row group z // nc."""
+        g = z // nc
+        c = z - g * nc
+        end = offs[num_e]
+        zero = cute.make_rmem_tensor((4,), Uint32)
+        zero.fill(0)
+        for r in cutlass.range_constexpr(32):
+            row = g * 32 + r
+            if (row >= end) & (row < m):
+                out[row, c, None].store(zero.load())
+
+    def tok_launch(kernel, dp, op, offp, cp, m, nc, num_e, stream, sp=None):
+        """Grid of the token-wise kernels: one thread per (slot, chunk), then per (32-row group,
+        chunk) for the tail zeroing."""
+        slots = m // 32 + num_e
+        out = cute.make_tensor(op, cute.make_layout((m, nc, 4), stride=(cute.assume(nc * 4, divby=4), 4, 1)))
+        offs = cute.make_tensor(offp, cute.make_layout((num_e + 1,)))
+        counter = cute.make_tensor(cp, cute.make_layout((1,)))
+        slot_items = slots * nc
+        items = slot_items + ((m + 31) // 32) * nc
+        if cutlass.const_expr(sp is None):  # round trip: x token rows [m, nc, 4] words
+            src = (cute.make_tensor(dp, cute.make_layout((m, nc, 4), stride=(cute.assume(nc * 4, divby=4), 4, 1))),)
+        else:  # dequantize: data_t (feature, slot, 8 words), scales (slot, chunk, 2 words)
+            src = (cute.make_tensor(dp, cute.make_layout((nc * 8, slots, 8),
+                                                         stride=(cute.assume(slots * 8, divby=8), 8, 1))),
+                   cute.make_tensor(sp, cute.make_layout((slots, nc, 2), stride=(cute.assume(nc * 2, divby=2), 2, 1))))
+        kernel(*src, out, offs, counter, m, nc, num_e, slot_items, items).launch(
+            grid=[(items + _TOK_THREADS - 1) // _TOK_THREADS, 1, 1], block=[_TOK_THREADS, 1, 1], stream=stream)
+
     if layout in ("row", "col"):
         @cute.kernel
         def chunk_kernel(d: cute.Tensor, s: cute.Tensor, out: cute.Tensor, counter: cute.Tensor, n: Int32,
@@ -154,7 +224,7 @@ def _build(layout: str, count: bool, arch: str):
                 stream=stream)
 
         args = (Int32(2), Int32(2))
-    else:
+    elif layout == "tokens":
         @cute.kernel
         def tok_kernel(d: cute.Tensor, s: cute.Tensor, out: cute.Tensor, offs: cute.Tensor, counter: cute.Tensor,
                        m: Int32, nc: Int32, num_e: Int32, slot_items: Int32, items: Int32):
@@ -164,22 +234,7 @@ def _build(layout: str, count: bool, arch: str):
             if t < slot_items:
                 slot = t // nc
                 c = t - slot * nc
-                # expert of this slot: the largest e in [0, E] with offs[e] // 32 + e <= slot
-                lo = Int32(0)
-                hi = num_e
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if offs[mid] // 32 + mid <= slot:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                e = lo
-                g_lo = offs[e]
-                g_hi = offs[cutlass.min(e + 1, num_e)]
-                row0 = g_lo + (slot - (g_lo // 32 + e)) * 32
-                rows = cutlass.max(cutlass.min(g_hi - row0, 32), 0)
-                if e >= num_e:
-                    rows = Int32(0)
+                row0, rows = slot_rows(offs, slot, num_e)
                 if rows > 0:
                     feats = [d[c * 8 + f, slot, None].load() for f in range(8)]  # 8 words = 32 tokens each
                     sw = s[slot, c, None].load()
@@ -206,32 +261,106 @@ def _build(layout: str, count: bool, arch: str):
                         if cnt > Int32(0):
                             cute.arch.atomic_add(counter.iterator, cnt)
             elif t < items:
-                # rows at or past offsets[E] (routes to no expert) are zero
-                z = t - slot_items
-                g = z // nc
-                c = z - g * nc
-                end = offs[num_e]
-                zero = cute.make_rmem_tensor((4,), Uint32)
-                zero.fill(0)
-                for r in cutlass.range_constexpr(32):
-                    row = g * 32 + r
-                    if (row >= end) & (row < m):
-                        out[row, c, None].store(zero.load())
+                zero_tail(out, offs, t - slot_items, nc, m, num_e)
 
         @cute.jit
         def launch(dp: cute.Pointer, sp: cute.Pointer, op: cute.Pointer, offp: cute.Pointer, cp: cute.Pointer,
                    m: Int32, nc: Int32, num_e: Int32, stream: cuda.CUstream):
-            slots = m // 32 + num_e
-            d = cute.make_tensor(dp, cute.make_layout((nc * 8, slots, 8), stride=(cute.assume(slots * 8, divby=8), 8, 1)))
-            s = cute.make_tensor(sp, cute.make_layout((slots, nc, 2), stride=(cute.assume(nc * 2, divby=2), 2, 1)))
-            out = cute.make_tensor(op, cute.make_layout((m, nc, 4), stride=(cute.assume(nc * 4, divby=4), 4, 1)))
-            offs = cute.make_tensor(offp, cute.make_layout((num_e + 1,)))
+            tok_launch(tok_kernel, dp, op, offp, cp, m, nc, num_e, stream, sp)
+
+        args = (Int32(32), Int32(1), Int32(1))
+    elif layout == "rt_row":
+        ops = Fp8Ops(bf16=True)
+
+        @cute.kernel
+        def rt_row_kernel(x: cute.Tensor, out: cute.Tensor, counter: cute.Tensor, n: Int32):
+            # chunk = 8 bf16 (16 bytes); the 4 lanes of a 32-element block combine their amax
+            lane, base, vs = ops.row_loads(x, n, _THREADS, _UNROLL)
+            cnt = Int32(0)
+            for u in cutlass.range_constexpr(_UNROLL):
+                a = ops.block_amax(vs[u], 4, fp32_bits=False)
+                sc, byte, nf = ops.e8m0(Int32(a) << 16)
+                q = ops.fp8_words(ops.elems(vs[u]), [sc] * 8, [nf] * 2)
+                o = cute.make_rmem_tensor((4,), Uint32)
+                c = convert([q[0], q[1]], [scale_bits(byte)] * 8, o, Int32(0))
+                i = base + u * 32
+                if cutlass.const_expr(count):
+                    cnt = cnt + Int32(i < n) * c
+                if i < n:
+                    out[i, None].store(o.load())
+            if cutlass.const_expr(count):
+                if cnt > Int32(0):
+                    cute.arch.atomic_add(counter.iterator, cnt)
+
+        @cute.jit
+        def launch(xp: cute.Pointer, op: cute.Pointer, cp: cute.Pointer, n: Int32, stream: cuda.CUstream):
+            x = cute.make_tensor(xp, cute.make_layout((n, 4), stride=(4, 1)))
+            out = cute.make_tensor(op, cute.make_layout((n, 4), stride=(4, 1)))
             counter = cute.make_tensor(cp, cute.make_layout((1,)))
-            slot_items = slots * nc
-            items = slot_items + ((m + 31) // 32) * nc
-            tok_kernel(d, s, out, offs, counter, m, nc, num_e, slot_items, items).launch(
-                grid=[(items + _TOK_THREADS - 1) // _TOK_THREADS, 1, 1], block=[_TOK_THREADS, 1, 1],
+            rt_row_kernel(x, out, counter, n).launch(
+                grid=[(n + _THREADS * _UNROLL - 1) // (_THREADS * _UNROLL), 1, 1], block=[_THREADS, 1, 1],
                 stream=stream)
+
+        args = (Int32(4),)
+    else:
+        ops = Fp8Ops(bf16=True)
+
+        @cute.kernel
+        def rt_tok_kernel(x: cute.Tensor, out: cute.Tensor, offs: cute.Tensor, counter: cute.Tensor, m: Int32,
+                          nc: Int32, num_e: Int32, slot_items: Int32, items: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            t = bid * _TOK_THREADS + tid
+            if t < slot_items:
+                slot = t // nc
+                c = t - slot * nc
+                row0, rows = slot_rows(offs, slot, num_e)
+                if rows > 0:
+                    vs = []
+                    for r in cutlass.range_constexpr(32):  # rows past the block read a valid row, masked to +0
+                        v = x[cutlass.min(row0 + r, m - 1), c, None].load()
+                        keep = Uint32(0) - Uint32(r < rows)
+                        vs.append([v[j] & keep for j in range(4)])
+                    amaxes = []
+                    for a in ops.column_amax(vs):  # u16 pairs -> fp32 amax bits per feature
+                        amaxes += [(a & Uint32(0xFFFF)) << 16, a & Uint32(0xFFFF0000)]
+                    cols = [ops.e8m0(Int32(a)) for a in amaxes]  # per feature (2^-e, byte, NaN mask)
+                    masks = []
+                    for w in cutlass.range_constexpr(2):
+                        mk = Uint32(0)
+                        for k in cutlass.range_constexpr(4):
+                            mk = mk | (cols[4 * w + k][2] & Uint32(0xFF << (8 * k)))
+                        masks.append(mk)
+                    mult = [scale_bits(col[1]) for col in cols]
+                    for r in cutlass.range_constexpr(32):
+                        q = ops.fp8_words(ops.elems(vs[r]), [col[0] for col in cols], masks)
+                        o = cute.make_rmem_tensor((4,), Uint32)
+                        convert([q[0], q[1]], mult, o, Int32(0))
+                        if r < rows:
+                            out[row0 + r, c, None].store(o.load())
+                    if cutlass.const_expr(count):
+                        # only a scale byte < 3 can round: recount (rare) instead of counting on the main path
+                        small = Int32(0)
+                        for col in cols:
+                            small = small | Int32(col[1] < Uint32(3))
+                        if small != Int32(0):
+                            cnt = Int32(0)
+                            for r in cutlass.range_constexpr(32):  # rows reloaded: vs is dead by now
+                                v = x[cutlass.min(row0 + r, m - 1), c, None].load()
+                                keep = Uint32(0) - Uint32(r < rows)
+                                q = ops.fp8_words(ops.elems([v[j] & keep for j in range(4)]), [col[0] for col in cols],
+                                                  masks)
+                                o = cute.make_rmem_tensor((4,), Uint32)
+                                cnt = cnt + Int32(r < rows) * convert([q[0], q[1]], mult, o, Int32(0))
+                            if cnt > Int32(0):
+                                cute.arch.atomic_add(counter.iterator, cnt)
+            elif t < items:
+                zero_tail(out, offs, t - slot_items, nc, m, num_e)
+
+        @cute.jit
+        def launch(xp: cute.Pointer, op: cute.Pointer, offp: cute.Pointer, cp: cute.Pointer, m: Int32, nc: Int32,
+                   num_e: Int32, stream: cuda.CUstream):
+            tok_launch(rt_tok_kernel, xp, op, offp, cp, m, nc, num_e, stream)
 
         args = (Int32(32), Int32(1), Int32(1))
     return compile_kernel(launch, *_pointers(layout, 0, 0, 0, 0, 0), *args, cuda.CUstream(0), arch=arch,
@@ -250,7 +379,12 @@ def _pointers(layout: str, data: int, scales: int, out: int, counter: int, offse
         return d, make_ptr(cutlass.Uint8, scales, gmem, assumed_align=1), o, c
     if layout == "col":
         return d, make_ptr(u32, scales, gmem, assumed_align=16), o, c
-    return d, make_ptr(u32, scales, gmem, assumed_align=8), o, make_ptr(cutlass.Int32, offsets, gmem, assumed_align=4), c
+    if layout == "rt_row":
+        return d, o, c
+    if layout == "rt_tokens":
+        return d, o, make_ptr(cutlass.Int32, offsets, gmem, assumed_align=4), c
+    offs = make_ptr(cutlass.Int32, offsets, gmem, assumed_align=4)
+    return d, make_ptr(u32, scales, gmem, assumed_align=8), o, offs, c
 
 
 def compiled_dequant(layout: str, arch: str, count: bool = False):
@@ -378,4 +512,64 @@ def dequantize_mxfp8_tokens(data_t: torch.Tensor, scales: torch.Tensor, offsets:
         with torch.cuda.device(data_t.device):
             fn(*_pointers("tokens", data_t.data_ptr(), scales.data_ptr(), out.data_ptr(), cptr, offsets.data_ptr()),
                m, n // 8, num_e, current_stream(data_t.device))
+    return out
+
+
+def _check_bf16_rows(x, name="x"):
+    _check(name, x, torch.bfloat16, 2)
+    if x.shape[1] % 8 or x.data_ptr() % 16:
+        raise ValueError(f"{name}: columns = {x.shape[1]} must be a multiple of 8 and data 16-byte aligned")
+
+
+def mxfp8_round_trip(x: torch.Tensor, *, out=None, counter=None):
+    """bf16 [M, K]: x MXFP8-quantized along its rows (K, blocks of 32) and dequantized, in one
+    pass on the current stream (4 bytes per element instead of the 6 of quantize + dequantize).
+
+    x bf16 [M, K] contiguous, 16-byte aligned, K % 32 == 0. Bitwise
+    ``reference.mx_round_trip(x, -1).bfloat16()`` = ``dequantize_mxfp8(*quantize_mxfp8(x, -1))``
+    (same quantize ops as :mod:`mok_cute.kernels.quantize`; NaN blocks as NaN). ``out`` /
+    ``counter`` as in :func:`dequantize_mxfp8`.
+    """
+    _check_bf16_rows(x)
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"x.shape[1] = {k} must be a multiple of 32 (the MX block)")
+    _check_cuda(x=x, out=out, counter=counter)
+    _check_counter(counter, x.device)
+    out = _check_out(out, (m, k), x.device)
+    if x.numel():
+        fn, _ = compiled_dequant("rt_row", arch_of_device(x.device), counter is not None)
+        cptr = (counter if counter is not None else out).data_ptr()
+        with torch.cuda.device(x.device):
+            fn(*_pointers("rt_row", x.data_ptr(), 0, out.data_ptr(), cptr, 0), m * k // 8, current_stream(x.device))
+    return out
+
+
+def mxfp8_round_trip_tokens(x: torch.Tensor, offsets: torch.Tensor, *, out=None, counter=None):
+    """bf16 token rows [M, N]: x MXFP8-quantized along tokens (dim 0) in blocks of 32 rows from
+    each group's first row (zero padding) and dequantized, in one pass; rows at or past
+    offsets[E] are 0. No host sync. With offsets [0, M] (M % 32 == 0) this is the column-wise
+    round trip (``quantize_mxfp8(x, 0)``).
+
+    x bf16 [M, N] contiguous, 16-byte aligned, N % 8 == 0; offsets int32 [E+1] contiguous on
+    x's device (0, non-decreasing, offsets[E] <= M; trusted). Bitwise, on rows < offsets[E],
+    ``dequantize_mxfp8_tokens(*quantize_tokens(x, offsets, "mxfp8"), offsets, M)`` =
+    ``reference._mx_round_trip_groups(x, offsets).bfloat16()``. ``out`` / ``counter`` as in
+    :func:`dequantize_mxfp8`.
+    """
+    _check_bf16_rows(x)
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.dim() != 1:
+        raise TypeError("offsets must be a 1-D torch.int32 tensor [E+1]")
+    if offsets.numel() < 2 or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be contiguous with E+1 >= 2 entries, got {offsets.numel()}")
+    m, n = x.shape
+    _check_cuda(x=x, offsets=offsets, out=out, counter=counter)
+    _check_counter(counter, x.device)
+    out = _check_out(out, (m, n), x.device)
+    if m and n:
+        fn, _ = compiled_dequant("rt_tokens", arch_of_device(x.device), counter is not None)
+        cptr = (counter if counter is not None else out).data_ptr()
+        with torch.cuda.device(x.device):
+            fn(*_pointers("rt_tokens", x.data_ptr(), 0, out.data_ptr(), cptr, offsets.data_ptr()),
+               m, n // 8, offsets.numel() - 1, current_stream(x.device))
     return out
