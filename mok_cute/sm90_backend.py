@@ -103,7 +103,7 @@ def _mx_dequant_weight(w, axis):
     w2 = w.reshape(e * r, c)
     if axis == 2:
         return dequant_mxfp8.mxfp8_round_trip(w2).view(e, r, c)
-    whole = torch.tensor([0, e * r], dtype=torch.int32, device=w.device)
+    whole = torch.arange(2, dtype=torch.int32, device=w.device) * (e * r)  # offsets [0, E*R], made on the device
     return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole).view(e, r, c)
 
 
