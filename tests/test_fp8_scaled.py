@@ -76,6 +76,17 @@ def test_mxfp8_compiles(mx_report):
     assert _count(r"selp\.b32\s+%r\d+, 4194304,", ptx) == 8
 
 
+def test_wgrad_tma_store_compiles():
+    """The TMA-store epilogue variant (cfg.tma_store, or the process-wide setting): one bulk
+    tensor store per tile from shared memory, no spills."""
+    import dataclasses
+    cfg = dataclasses.replace(S.DEFAULT_WGRAD_CONFIG, tma_store=True)
+    rep = S.compile_fp8_block_wgrad(cfg, inspect=True)[1]
+    _no_spills(rep)
+    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", rep.ptx)
+    assert "cp.async.bulk.wait_group.read" in rep.ptx
+
+
 def test_compile_rejects_other_arch():
     with pytest.raises(ValueError, match="sm_90a"):
         S.compile_fp8_block_wgrad(arch="sm_100a")

@@ -31,14 +31,16 @@ Registers (both 0 spills): wgrad acc + 1 temporary = 128 per thread at tile_n = 
 the mainloop's 40 / 232 split; MXFP8 acc + 2 temporaries = 192 at tile_n = 128 (96 at 64)
 under sm90_fp8_gemm's 24 / 240 split.
 
-Measured on one H200 (8 experts x 4096 tokens; tools/checks/gemm_fp8_scaled.py): wgrad
-Na = 7168, Nb = 2048: 1217-1268 us, 759-790 TFLOP/s (BF16 grouped_wgrad 731 TFLOP/s);
-MXFP8 promoted K = 7168, N = 4096: 363 TFLOP/s at tile_n = 128, 318 at 64 (BF16 grouped
-GEMM 712): per-32 promotion on SM90 runs at about half the BF16 GEMM's rate (before the
-dequantize-to-BF16 path pays its dequantization). A variant that also overlapped the last
-unit of each k-tile with the next k-tile's wgmma (two temporaries across k-tiles, three
-factor buffers; bitwise equal) was slower or equal (wgrad 661, MXFP8 363 / 270) and was
-dropped.
+Measured on one H200 (8 experts x 4096 tokens; tools/checks/gemm_fp8_scaled.py, all
+correctness rows pass): wgrad Na = 7168, Nb = 2048: 1217-1268 us, 759-790 TFLOP/s with the
+TMA-store epilogue (1337 us with masked stores; BF16 grouped_wgrad 712-731 TFLOP/s);
+MXFP8 promoted K = 7168, N = 4096: 357-363 TFLOP/s at tile_n = 128, 307-318 at 64 (BF16
+grouped GEMM 712-746): per-32 promotion on SM90 runs at about half the BF16 GEMM's rate
+(before the dequantize-to-BF16 path pays its dequantization). Tried and dropped (bitwise
+equal, not faster): also overlapping the last unit of each k-tile with the next k-tile's
+wgmma (two temporaries across k-tiles, three factor buffers: wgrad 661, MXFP8 363 / 270);
+per-warpgroup factor copies with 128-thread barriers so the warpgroups are not in lockstep
+(wgrad 741, MXFP8 318 / 292).
 
 MXFP8 scale factors: 2^(s - 127) is built exactly from the bits (s in 1..254: s << 23;
 s = 0: 2^-127 = 0x00400000, subnormal; s = 0xFF: NaN 0x7FC00000, as the reference). Per
@@ -70,7 +72,9 @@ from mok_cute.kernels.host import _check_devices, _check_offsets, _check_out, _c
 from mok_cute.kernels.sm90_fp8_gemm import (
     OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
 )
-from mok_cute.kernels.sm90_grouped_gemm import PlainEpilogue, _Desc, device_arch
+from mok_cute.kernels.sm90_grouped_gemm import (
+    PlainEpilogue, _Desc, device_arch, effective_config, make_tma_store, tma_store_drain, tma_store_tile,
+)
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
@@ -223,7 +227,9 @@ class Fp8BlockWgradSm90(_ScaledGemm):
 
     Call (jit): ``(mA [Na, 128 S] e4m3, mSA [S, Na] f32, mB [Nb, 128 S] e4m3, mSB [S, Nb] f32,
     mOffsets [E+1] int32, mOut [E, Na, Nb] bf16, num_ctas, stream)``; scale row strides
-    arbitrary (unit column stride); Nb a multiple of tile_n, rows past Na masked.
+    arbitrary (unit column stride); Nb a multiple of tile_n, rows past Na masked
+    (``cfg.tma_store``: one asynchronous TMA store per tile, as ``sm90_expert_bwd``'s wgrad;
+    rows past Na clipped by the TMA unit).
     """
 
     def __init__(self, cfg: Fp8MainloopConfig):
@@ -234,8 +240,12 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                  mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
         self.mainloop.setup()
         atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, mB)
+        atom_c, coord_c = None, None
+        if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
+            out_nne = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 2, 0]))
+            atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
         self.shared_storage = self._storage()
-        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut).launch(
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
             stream=stream)
 
@@ -257,9 +267,13 @@ class Fp8BlockWgradSm90(_ScaledGemm):
 
     @cute.kernel
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
+               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor,
+               atom_c: cute.CopyAtom, coord_c: cute.Tensor):
         cfg = self.cfg
-        tidx, warp = self.mainloop.start([atom_a, atom_b])
+        atoms = [atom_a, atom_b]
+        if cutlass.const_expr(cfg.tma_store):
+            atoms.append(atom_c)
+        tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, fac = self._allocate()
         num_experts = mOffsets.shape[0] - 1
         na = coord_a.shape[0]
@@ -301,10 +315,16 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                 src = (mSA, mSB, lo // cfg.tile_k + expert, row0, n_tile * cfg.tile_n, na)
                 state, fb = self.mma_tile_scaled(pipe, state, tCrA, tCrB, acc, tmps, k_tiles, fac, fb, tid,
                                                  elems, src)
-                out_e = mOut[(expert, None, None)]
-                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
-                             cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
+                if cutlass.const_expr(cfg.tma_store):
+                    gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
+                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+                else:
+                    out_e = mOut[(expert, None, None)]
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
+                                 cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
                 linear = linear + grid
+            if cutlass.const_expr(cfg.tma_store):
+                tma_store_drain(tid)
 
 
 # ---------------------------------------------------------------- MXFP8 promoted GEMM
@@ -473,7 +493,8 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     16-byte aligned: e.g. the row slices ``dgu_t[:I]`` / ``dgu_t[I:]``), a_scales fp32
     [S, Na] with unit column stride and any row stride (column slices such as
     ``dgu_scales[:, :I]`` are read in place, not copied); b_t [Nb, 128 S], b_scales [S, Nb]
-    likewise; Nb a multiple of ``cfg.tile_n``. offsets int32/int64 [E+1] on the device
+    likewise; Nb a multiple of ``cfg.tile_n`` (``cfg.tma_store`` or the process-wide
+    ``sm90_grouped_gemm.set_tma_store``: TMA-store epilogue). offsets int32/int64 [E+1] on the device
     (0, non-decreasing, last = M with S = M // 128 + E; trusted, not checked: no host sync).
     ``out``: optional preallocated contiguous [E, Na, Nb].
     """
@@ -494,6 +515,7 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     out = wgrad_out(out, (e, na, nb), a_t.device)
     _check_devices(a_t=a_t, a_scales=a_scales, b_t=b_t, b_scales=b_scales, offsets=offsets, out=out)
     dev, arch = _sm90(a_t, "fp8_block wgrad")
+    cfg = effective_config(cfg)  # the process-wide TMA-store setting of the BF16 kernels
     launcher = compile_cached(("sm90_fp8_block_wgrad", arch, cfg.key()),
                               lambda: GraphLauncher(compile_fp8_block_wgrad(cfg, arch)[0]))
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
