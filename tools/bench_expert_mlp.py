@@ -270,6 +270,7 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the smallest shape")
+    ap.add_argument("--shapes", type=str, default=None, help="comma-separated indices into SHAPES (default: all)")
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--no-ours", action="store_true", help="torch baseline only")
     ap.add_argument("--profile", type=str, default=None, help="append torch.profiler kernel tables (uniform rows) here")
@@ -283,7 +284,10 @@ def main() -> int:
         ap.error(f"--precision: unknown precision in {args.precision!r}")
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     rows = []
-    for shape in SHAPES[-1:] if args.quick else SHAPES:
+    shapes = SHAPES[-1:] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in shapes:
         for skew in (False, True):
             rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile,
                                   tma_store=args.tma_store, precisions=precisions))
