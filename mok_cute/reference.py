@@ -124,8 +124,9 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
         raise TypeError(f"scales must be uint8, got {scales.dtype}")
     vals = _blocks(data.float(), dim)
     byte = (scales if dim % 2 == 1 else scales.t()).to(torch.int32)
-    mult = torch.where(byte == 0xFF, torch.full(byte.shape, float("nan")), _pow2_f32(byte.clamp(max=254) - 127))
-    out = (vals * mult.to(vals.device)[..., None]).reshape(vals.shape[0], -1)
+    nan = torch.full(byte.shape, float("nan"), device=byte.device)
+    mult = torch.where(byte == 0xFF, nan, _pow2_f32(byte.clamp(max=254) - 127))
+    out = (vals * mult[..., None]).reshape(vals.shape[0], -1)
     return out.t().contiguous() if dim % 2 == 0 else out
 
 

@@ -103,3 +103,11 @@ def test_bad_inputs():
         mxfp8_quantize(torch.zeros(32, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp8_quantize(torch.zeros(4, 48, dtype=torch.bfloat16))
+
+
+def test_dequantize_stays_on_the_input_device():
+    """No CPU-only intermediate (it broke the reference on CUDA tensors): runs on 'meta'."""
+    d = torch.empty(4, 64, dtype=torch.float8_e4m3fn, device="meta")
+    s = torch.empty(4, 2, dtype=torch.uint8, device="meta")
+    out = mxfp8_dequantize(d, s)
+    assert out.device.type == "meta" and out.shape == (4, 64)
