@@ -58,12 +58,14 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
 
 class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, backend, limit, x_rows, offsets, w_gate, w_up, w_down):
+    def forward(ctx, backend, precision, limit, x_rows, offsets, w_gate, w_up, w_down):
         if backend != "reference":
-            out, saved = get_backend(backend).mlp.forward(x_rows, offsets, w_gate, w_up, w_down, limit)
+            kw = {} if precision == "bf16" else {"precision": precision}
+            out, saved = get_backend(backend).mlp.forward(x_rows, offsets, w_gate, w_up, w_down, limit, **kw)
         else:
-            out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, limit, "bf16")
-        ctx.backend, ctx.limit, ctx.saved, ctx.weights = backend, limit, saved, (w_gate, w_up, w_down)
+            out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, limit, precision)
+        ctx.backend, ctx.precision, ctx.limit = backend, precision, limit
+        ctx.saved, ctx.weights = saved, (w_gate, w_up, w_down)
         ctx.mark_non_differentiable(offsets)
         return out
 
@@ -73,9 +75,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if ctx.backend != "reference":
             grads = get_backend(ctx.backend).mlp.backward(ctx.saved, d_out, *ctx.weights, ctx.limit)
         else:
-            grads = reference.experts_backward(ctx.saved, d_out, *ctx.weights, ctx.limit, "bf16")
+            grads = reference.experts_backward(ctx.saved, d_out, *ctx.weights, ctx.limit, ctx.precision)
         ctx.saved = None
-        return (None, None, grads[0], None, *grads[1:])
+        return (None, None, None, grads[0], None, *grads[1:])
 
 
 def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, config=None):
@@ -85,7 +87,9 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     x's device, non-decreasing, offsets[0] = 0, offsets[E] <= M; rows past offsets[E] are
     ignored); w_gate, w_up [E, I, H], w_down [E, H, I] bf16. Returns out [M, H] bf16 with
     out[rows of e] = bf16(swiglu(x.Wg^T, x.Wu^T) . Wd^T) (numerics of mok_cute.reference);
-    rows past offsets[E] are unspecified. Backend: sm90 kernels on capability 9.0, sm100 on
+    rows past offsets[E] are unspecified. Precision ``config.precision`` (bf16, mxfp8,
+    fp8_block: the reference's numerics for each; a backend that does not run it raises
+    NotImplementedError). Backend: sm90 kernels on capability 9.0, sm100 on
     10.x (compile-verified only), the reference elsewhere (config / MOK_CUTE_BACKEND override as for :func:`moe`).
     """
     config = config if config is not None else MoKConfig()
@@ -97,5 +101,9 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
             or offsets.shape != (w_gate.shape[0] + 1,):
         raise TypeError(f"offsets must be an int32/int64 tensor of shape [E+1] = [{w_gate.shape[0] + 1}]")
     limit = None if swiglu_limit is None else float(swiglu_limit)
-    return _ExpertMLPFunction.apply(name, limit, x_rows.contiguous(), offsets, w_gate.contiguous(),
+    mlp = None if name == "reference" else get_backend(name).mlp
+    if mlp is not None and config.precision not in mlp.precisions:
+        raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, "
+                                  f"not {config.precision!r}")
+    return _ExpertMLPFunction.apply(name, config.precision, limit, x_rows.contiguous(), offsets, w_gate.contiguous(),
                                     w_up.contiguous(), w_down.contiguous())

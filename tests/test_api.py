@@ -249,21 +249,26 @@ def test_route_sort_matches_reference_order():
     assert not valid[order[n:]].any()
 
 
-def test_expert_mlp_reference_path_gradients():
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_block"])
+def test_expert_mlp_reference_path_gradients(precision):
+    """expert_mlp runs config.precision (it once ran bf16 whatever the config said)."""
     from mok_cute.ops import expert_mlp
 
     g = torch.Generator().manual_seed(13)
-    E, H, I = 3, 64, 64
+    E, H, I = 3, 128, 128
     offs = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
     x = torch.randn(12, H, generator=g).bfloat16().requires_grad_()
     ws = [(torch.randn(*s, generator=g) * 0.1).bfloat16().requires_grad_() for s in [(E, I, H), (E, I, H), (E, H, I)]]
     d = torch.randn(12, H, generator=g).bfloat16()
-    out = expert_mlp(x, offs, *ws, swiglu_limit=4.0, config=MoKConfig(backend="reference"))
+    out = expert_mlp(x, offs, *ws, swiglu_limit=4.0, config=MoKConfig(backend="reference", precision=precision))
     grads = torch.autograd.grad(out, [x, *ws], d)
-    r, saved = R.experts_forward(x.detach(), offs, *[w.detach() for w in ws], 4.0, "bf16")
-    want = R.experts_backward(saved, d, *[w.detach() for w in ws], 4.0, "bf16")
+    r, saved = R.experts_forward(x.detach(), offs, *[w.detach() for w in ws], 4.0, precision)
+    want = R.experts_backward(saved, d, *[w.detach() for w in ws], 4.0, precision)
     assert torch.equal(out, r)
     for a, b in zip(grads, want):
         assert torch.equal(a, b)
+    if precision != "bf16":
+        r16, _ = R.experts_forward(x.detach(), offs, *[w.detach() for w in ws], 4.0, "bf16")
+        assert not torch.equal(out, r16)
     with pytest.raises(TypeError, match="offsets"):
         expert_mlp(x, offs[:-1], *ws, config=MoKConfig(backend="reference"))
