@@ -20,7 +20,9 @@ wrappers (e4m3 data + raw E8M0 scales; the wrappers repack scales into the block
                  scales in the grouped blocked layout (:func:`pack_token_scales_device`,
                  equal to ``sm100_layouts.pack_token_scales``).
 
-No host sync in the step: offsets stay on the device, the packers are torch ops on device
+Weight quantizations are cached (:class:`~mok_cute.weight_cache.WeightCache`: once per weight
+and axis while the weight is unchanged, e.g. across micro-batches). No host sync in the step:
+offsets stay on the device, the packers are torch ops on device
 tensors. The quantize kernels are looked up at call time (``mok_cute.kernels.quantize.
 quantize_mxfp8``, ``mok_cute.kernels.quantize_fp8.quantize_tokens``) so CPU tests can swap in
 the reference quantizers.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
+from .weight_cache import WeightCache
 from .kernels import sm100_layouts as lay
 
 MX_BLOCK = lay.SF_VEC
@@ -112,25 +115,26 @@ class TokenOperand:
         return pack_token_scales_device(self._scales[:, lo:hi], self.offsets, self.m)
 
 
-def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit):
-    """MXFP8 forward through the sm100 wrappers ``k``: (rows [M, H], ExpertGroup)."""
+def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, qw=quantize_weight):
+    """MXFP8 forward through the sm100 wrappers ``k``: (rows [M, H], ExpertGroup); ``qw(w,
+    axis)`` quantizes a weight (:func:`quantize_weight`, or a cached lookup of it)."""
     xq, xs = quantize_rows(x_rows)
-    (gq, gs), (uq, us) = quantize_weight(w_gate, 2), quantize_weight(w_up, 2)
+    (gq, gs), (uq, us) = qw(w_gate, 2), qw(w_up, 2)
     gu, h = k.grouped_gemm1_swiglu(xq, offsets, gq, uq, limit, x_scales=xs, w_scales=(gs, us))
     hq, hs = quantize_rows(h)
-    dq, ds = quantize_weight(w_down, 2)
+    dq, ds = qw(w_down, 2)
     out = k.grouped_gemm(hq, offsets, dq, a_scales=hs, w_scales=ds)
     return out, ExpertGroup(x_rows, offsets, gu, h, "mxfp8")
 
 
-def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quantize_weight):
     """MXFP8 backward through the sm100 wrappers ``k``: (dx rows, dWg, dWu, dWd)."""
     inter = w_gate.shape[1]
     dyq, dys = quantize_rows(dy_rows)
-    wdq, wds = quantize_weight(w_down, 1)
+    wdq, wds = qw(w_down, 1)
     dgu = k.grouped_dswiglu_dgrad(dyq, g.offsets, wdq, g.gu, limit, dy_scales=dys, w_scales=wds)
     dguq, dgus = quantize_rows(dgu)
-    (gq, gs), (uq, us) = quantize_weight(w_gate, 1), quantize_weight(w_up, 1)
+    (gq, gs), (uq, us) = qw(w_gate, 1), qw(w_up, 1)
     dx = k.grouped_dgrad1(dguq, g.offsets, gq, uq, dgu_scales=dgus, w_scales=(gs, us))
     dy_t, h_t = TokenOperand(dy_rows, g.offsets), TokenOperand(g.h, g.offsets)
     dgu_t, x_t = TokenOperand(dgu, g.offsets), TokenOperand(g.x, g.offsets)
@@ -150,12 +154,19 @@ class Sm100ExpertMLP:
     tile_n = 256
     precisions = ("bf16", "mxfp8")
 
+    def __init__(self):
+        self.weights = WeightCache()
+
+    def _qw(self, w, axis):
+        """MXFP8 of a weight along ``axis``, quantized once while the weight is unchanged."""
+        return self.weights.get(("mxfp8", axis), (w,), lambda t: quantize_weight(t, axis))
+
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
         from .kernels import sm100_grouped_gemm as k
 
         if precision == "mxfp8":
-            return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit)
+            return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw)
         if precision != "bf16":
             raise NotImplementedError(f"sm100 expert MLP: precision {precision!r} is not wired")
         return mlp_forward(k.grouped_gemm1_swiglu, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
@@ -165,6 +176,6 @@ class Sm100ExpertMLP:
         from .kernels import sm100_grouped_gemm as k
 
         if g.precision == "mxfp8":
-            return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit)
+            return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)
         return mlp_backward(k.grouped_dswiglu_dgrad, k.grouped_dgrad1, k.grouped_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)

@@ -18,10 +18,10 @@ FP8 blockwise: activations quantized 1x128 along K (``quantize_fp8_block_act``),
 operands 128x1 along tokens (``quantize_tokens(., offsets, "fp8_block")``), weights in
 128x128 blocks per expert (``reference.fp8_block_quantize_weight``, through one 2-D view:
 I, H multiples of 128, so no block straddles two experts), then the SM90 FP8 kernels
-(looked up by name at call time, :func:`fp8_kernel`).
+(:func:`fp8_kernel`).
 
 Weights: their quantizations (MXFP8: dequantized BF16 per axis; fp8_block: data + scales,
-and the transposed dgrad operands) are cached in :class:`WeightCache` while the weight is
+and the transposed dgrad operands) are cached in a :class:`~mok_cute.weight_cache.WeightCache` while the weight is
 unchanged, so the forward and backward of a step (and the shared expert) quantize each
 weight once; an in-place update (optimizer step: ``_version`` bump) recomputes. The cache
 holds no reference to the weights; its entries live as long as their weights' storage
@@ -33,64 +33,25 @@ from __future__ import annotations
 import importlib
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
+from .weight_cache import WeightCache
 
 FP8_BLOCK = 128
-# FP8 blockwise kernels (other modules' public API) and where each lives, looked up at call time
+# FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
 _FP8_KERNELS = {
-    "grouped_gemm1_swiglu_fp8_block": ("sm90_fp8_expert",),
-    "grouped_gemm_fp8_block": ("sm90_fp8_gemm",),
-    "grouped_dswiglu_dgrad_fp8_block": ("sm90_fp8_expert",),
-    "grouped_dgrad1_fp8_block": ("sm90_fp8_expert",),
-    "transpose_weight_blocks": ("sm90_fp8_expert",),
-    "grouped_wgrad_fp8_block": ("sm90_fp8_scaled",),
+    "grouped_gemm1_swiglu_fp8_block": "sm90_fp8_expert",
+    "grouped_gemm_fp8_block": "sm90_fp8_gemm",
+    "grouped_dswiglu_dgrad_fp8_block": "sm90_fp8_expert",
+    "grouped_dgrad1_fp8_block": "sm90_fp8_expert",
+    "transpose_weight_blocks": "sm90_fp8_expert",
+    "grouped_wgrad_fp8_block": "sm90_fp8_scaled",
 }
 
 
 def fp8_kernel(name: str):
-    """The FP8 blockwise kernel wrapper ``name`` (a key of ``_FP8_KERNELS``); NotImplementedError
-    if its module or function does not exist yet."""
-    for mod in _FP8_KERNELS[name]:
-        try:
-            m = importlib.import_module(f"mok_cute.kernels.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"mok_cute.kernels.{mod}":
-                raise
-            continue
-        fn = getattr(m, name, None)
-        if fn is not None:
-            return fn
-    raise NotImplementedError(f"sm90 fp8_block: kernel {name} is not built yet (looked in "
-                              f"{', '.join(_FP8_KERNELS[name])})")
-
-
-class WeightCache:
-    """Derived forms of weights (``build(*weights)``), reused while every source weight keeps
-    its storage, data pointer, shape, strides, dtype, device and ``_version``."""
-
-    def __init__(self):
-        self._entries = {}
-
-    @staticmethod
-    def _key(w: torch.Tensor):
-        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
-
-    def get(self, kind, weights: tuple, build):
-        key = (kind,) + tuple(self._key(w) for w in weights)
-        stamp = tuple(w._version for w in weights)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] == stamp and not any(r.expired() for r in hit[1]):
-            return hit[2]
-        self._entries = {k: v for k, v in self._entries.items() if not any(r.expired() for r in v[1])}
-        with torch.no_grad():
-            val = build(*weights)
-        self._entries[key] = (stamp, tuple(StorageWeakRef(w.untyped_storage()) for w in weights), val)
-        return val
-
-    def __len__(self):
-        return len(self._entries)
+    """The FP8 blockwise kernel wrapper ``name`` (a key of ``_FP8_KERNELS``)."""
+    return getattr(importlib.import_module(f"mok_cute.kernels.{_FP8_KERNELS[name]}"), name)
 
 
 # ----------------------------------------------------------------------------- MXFP8

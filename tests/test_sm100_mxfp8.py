@@ -353,3 +353,34 @@ def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant):
     mlp.backward(grp, torch.randn(m, hid, generator=g).bfloat16(), *ws, 2.0)
     assert launches == [("swiglu", "k", False), ("plain", "k", False), ("dswiglu", "mn", False),
                         ("plain", "mn", True), ("wgrad", hid, inter), ("wgrad", inter, hid), ("wgrad", inter, hid)]
+
+
+def test_mxfp8_weights_quantized_once_while_unchanged(emu, monkeypatch):
+    """Weight quantizations are cached per (weight, axis): a second forward with the same
+    weights quantizes only activations; an in-place update (version bump) re-quantizes."""
+    from mok_cute.kernels import quantize
+
+    g = torch.Generator().manual_seed(5)
+    num_e, hid, inter = 2, 64, 64
+    offs = torch.tensor([0, 40, 70], dtype=torch.int32)
+    x = torch.randn(70, hid, generator=g).bfloat16()
+    wg, wu = ((torch.randn(num_e, inter, hid, generator=g) * 0.2).bfloat16() for _ in range(2))
+    wd = (torch.randn(num_e, hid, inter, generator=g) * 0.2).bfloat16()
+    shapes = []
+
+    def counting(t, dim=-1):
+        shapes.append(tuple(t.shape))
+        return R.mxfp8_quantize(t, dim)
+
+    monkeypatch.setattr(quantize, "quantize_mxfp8", counting)
+    mlp = S.Sm100ExpertMLP()
+    weight_shapes = {(num_e * inter, hid), (num_e * hid, inter)}
+    out1, _ = mlp.forward(x, offs, wg, wu, wd, None, precision="mxfp8")
+    first = sum(s in weight_shapes for s in shapes)
+    shapes.clear()
+    out2, _ = mlp.forward(x, offs, wg, wu, wd, None, precision="mxfp8")
+    assert first == 3 and sum(s in weight_shapes for s in shapes) == 0 and torch.equal(out1, out2)
+    shapes.clear()
+    wd.mul_(2.0)
+    mlp.forward(x, offs, wg, wu, wd, None, precision="mxfp8")
+    assert sum(s in weight_shapes for s in shapes) == 1

@@ -27,6 +27,7 @@ from mok_cute import sm90_backend as S
 from mok_cute import sm100_backend as S100
 from mok_cute.kernels import compile as kc
 from mok_cute.kernels import dequant_mxfp8 as dq
+from mok_cute.weight_cache import WeightCache
 
 CASES = [(layout, arch, count) for layout in dq.LAYOUTS for arch in ("sm_90a", "sm_100a") for count in (False, True)]
 RT = {"rt_row", "rt_tokens"}  # one-pass round trips: two fp32 multiplies per element (quantize, dequantize)
@@ -38,7 +39,6 @@ ELEMS = {"row": 16 * U, "col": 16 * U, "tokens": 256, "rt_row": 8 * U, "rt_token
 LOADS = {"row": U, "col": 2 * U, "tokens": 16, "rt_row": U, "rt_tokens": 32}
 # st.global.v4 (token layouts: 32 rows + 32 tail-zeroing rows)
 STORES = {"row": 2 * U, "col": 2 * U, "tokens": 64, "rt_row": U, "rt_tokens": 64}
-_REAL_LOOKUP = S.fp8_kernel
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +390,7 @@ def test_weight_cache_reuse_and_invalidation(emu, monkeypatch):
 
 
 def test_weight_cache_drops_freed_weights():
-    cache = S.WeightCache()
+    cache = WeightCache()
     w = torch.randn(4, 8)
     first = cache.get("k", (w,), lambda t: t * 2)
     assert cache.get("k", (w,), lambda t: pytest.fail("rebuilt")) is first
@@ -417,17 +417,6 @@ def test_ep_gt1_non_bf16_raises_before_launch(monkeypatch):
         with pytest.raises(NotImplementedError, match="EP > 1"):
             be.forward(inp, MoKConfig(precision=precision), object())
     be.check(inp, MoKConfig(precision="bf16"), object())  # bf16 EP > 1 stays allowed
-
-
-def test_missing_fp8_kernel_raises_before_quantizing(emu, monkeypatch):
-    from mok_cute.kernels import quantize_fp8
-
-    monkeypatch.setattr(S, "fp8_kernel", _REAL_LOOKUP)
-    monkeypatch.setitem(S._FP8_KERNELS, "grouped_wgrad_fp8_block", ("no_such_module_yet",))
-    monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_act", lambda *a: pytest.fail("quantized"))
-    p, dy = make_problem(T=8, H=256, I=256, E=2, k=2)
-    with pytest.raises(NotImplementedError, match="grouped_wgrad_fp8_block"):
-        _layer(_fresh_backend(monkeypatch), p, dy, None, "fp8_block")
 
 
 def test_precision_validation(emu, monkeypatch):
