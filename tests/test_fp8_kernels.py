@@ -332,3 +332,33 @@ def test_fp8_ring_stages():
     assert stages == {"plain": 6, "swiglu": 6, "dswiglu": 4}
     with pytest.raises(ValueError, match="epilogue"):
         g.Fp8BlockGroupedGemm(g.Fp8MainloopConfig(), "gelu")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("dt", qf.DTYPES)
+def test_weight_quantizer_compiles_with_its_ops(arch, dt):
+    """128x128 blocks, one CTA each: every chunk loaded before any math, one amax over the
+    block (per-thread maxima, 5 shuffles, 8 warp maxima through shared memory), two IEEE
+    divisions, one multiply and one e4m3 conversion per element."""
+    rep = qf.compiled_quantize_fp8("weight", "fp8_block", arch, dt)[1]
+    ptx = rep.ptx
+    c = ELEMS[dt]
+    passes = 128 // (256 // (128 // c))  # block rows per thread
+    assert rep.total_spill_bytes == 0 and len(rep.registers) == 1
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == passes
+    assert len(re.findall(r"\bmul\.rn\.f32\b", ptx)) == passes * c
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == passes * c // 2
+    assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == 2
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 5
+    assert "bar.sync" in ptx and ".ftz" not in ptx and "div.approx" not in ptx
+
+
+@pytest.mark.parametrize("w, match", [
+    (torch.zeros(128, 64, dtype=torch.bfloat16), "multiples of 128"),
+    (torch.zeros(64, 128, dtype=torch.bfloat16), "multiples of 128"),
+    (torch.zeros(128, 128, dtype=torch.float16), "bfloat16 or torch.float32"),
+    (torch.zeros(128, 128, dtype=torch.bfloat16), "CUDA"),
+])
+def test_weight_quantizer_validation(no_launch, w, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        qf.quantize_fp8_block_weight(w)

@@ -20,6 +20,12 @@ Contracts (bitwise equal to :mod:`mok_cute.reference`, by construction: same fp3
   B*(offsets[e] // B + e)), scales [S, N], S = M // B + E. Every slot is written (padding
   rows and unused slots as 0), so the output is fully defined without a memset.
 
+* ``weight`` — :func:`quantize_fp8_block_weight` = ``reference.fp8_block_quantize_weight``:
+  w [N, K] in 128x128 blocks, one CTA of 256 threads per block, the ``row`` kind's ops with
+  the amax over 16384 elements. Written and compile-checked; its device check
+  (tools/checks/quantize.py) has not run yet, so the sm90 backend still quantizes weights
+  with the reference's torch ops (cached per step by ``mok_cute.weight_cache``).
+
 Thread work (``tokens``): one thread = 32 token rows x one 16-byte column chunk (C = 8 bf16
 or 4 fp32 features); the B/32 threads of one B-token tile are adjacent lanes and combine
 per-column amaxes with butterfly shuffles; each feature's 32 bytes go out as two 16-byte
@@ -35,13 +41,14 @@ from .compile import arch_of_device, compile_cached, compile_kernel, dsl
 from .fp8_ops import Fp8Ops
 from .host import FLOAT_INPUTS, MAX_NUMEL, check_float_input, check_rows16, current_stream
 
-KINDS = ("row", "tokens")
+KINDS = ("row", "tokens", "weight")
 FORMATS = ("fp8_block", "mxfp8")
 DTYPES = FLOAT_INPUTS
 BLOCK = {"fp8_block": 128, "mxfp8": 32}
 _ROW_THREADS = 256
 _ROW_UNROLL = 4
 _TOK_THREADS = 128
+_W_THREADS = 256  # weight kind: one CTA per 128x128 block, 8 row chunks per thread
 F448 = 0x43E00000  # 448.0f
 AMAX_MIN_BITS = 0x0D800000  # 2^-100 (reference.FP8_AMAX_MIN)
 NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (what torch writes)
@@ -108,7 +115,7 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                 stream=stream)
 
         args = (Int32(1), Int32(1), Int32(1))
-    else:
+    elif kind == "tokens":
         B = BLOCK[fmt]
         SUB = B // 32  # threads per (tile, chunk)
         SW = C if fmt == "fp8_block" else C // 4  # scale words per chunk
@@ -196,6 +203,57 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                 stream=stream)
 
         args = (Int32(128), Int32(1), Int32(1))
+    elif kind == "weight":
+        KC = 128 // C  # 16-byte chunks per block row
+        RPP = _W_THREADS // KC  # block rows per pass
+        PASSES = 128 // RPP
+        WARPS = _W_THREADS // 32
+
+        def chunks_amax(vs):
+            """amax fp32 bit pattern over this thread's chunks (u16x2 / u32 running maxima)."""
+            acc = None
+            for v in vs:
+                for j in range(4):
+                    acc = ops.amax_acc(acc, v[j])
+            return ops.umax(acc & Uint32(0xFFFF), acc >> 16) << 16 if bf16 else acc
+
+        @cute.kernel
+        def w_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, kc: Int32, kb: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            br = bid // kb
+            bc = bid - br * kb
+            c = bc * KC + tid % KC  # this thread's chunk column
+            rows = [br * 128 + tid // KC + RPP * u for u in range(PASSES)]
+            vs = [x[r * kc + c, None].load() for r in rows]  # every load issued first
+            a = chunks_amax(vs)
+            for k in cutlass.range_constexpr(5):
+                a = ops.umax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << k))
+            red = cutlass.memory.SmemAllocator().allocate_tensor(Uint32, cute.make_layout(WARPS), byte_alignment=16)
+            if tid % 32 == 0:
+                red[tid // 32] = a
+            cute.arch.barrier()
+            a = red[0]
+            for w in cutlass.range_constexpr(1, WARPS):
+                a = ops.umax(a, red[w])
+            inv, sc, nf = block_scale(a)
+            for u in cutlass.range_constexpr(PASSES):
+                o = ops.fp8_words(ops.elems(vs[u]), [inv] * C, [nf] * OW)
+                q[rows[u] * kc + c, None].store(o.load())
+            if tid == 0:
+                s[bid] = sc
+
+        @cute.jit
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, n: Int32, kc: Int32,
+                   stream: cuda.CUstream):
+            x = cute.make_tensor(xp, cute.make_layout((n * kc, 4), stride=(4, 1)))
+            q = cute.make_tensor(qp, cute.make_layout((n * kc, OW), stride=(OW, 1)))
+            kb = kc // KC
+            s = cute.make_tensor(sp, cute.make_layout(((n // 128) * kb,)))
+            w_kernel(x, q, s, kc, kb).launch(grid=[(n // 128) * kb, 1, 1], block=[_W_THREADS, 1, 1],
+                                             stream=stream)
+
+        args = (Int32(128), Int32(KC))
     return compile_kernel(launch, *_pointers(kind, fmt, 0, 0, 0, 0), *args, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
@@ -205,7 +263,7 @@ def _pointers(kind: str, fmt: str, x: int, data: int, scales: int, offsets: int)
     cutlass, cute = dsl()
     gmem, make_ptr = cute.AddressSpace.gmem, cute.runtime.make_ptr
     u32 = cutlass.Uint32
-    if kind == "row":
+    if kind in ("row", "weight"):
         return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=4),
                 make_ptr(u32, scales, gmem, assumed_align=4))
     return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=16),
@@ -219,8 +277,8 @@ def compiled_quantize_fp8(kind: str, fmt: str, arch: str, dtype: torch.dtype = t
     ``compile.ARCHS`` and an input dtype in DTYPES."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if fmt not in FORMATS or (kind == "row" and fmt != "fp8_block"):
-        raise ValueError(f"fmt must be one of {FORMATS} ('fp8_block' for kind 'row'), got {fmt!r}")
+    if fmt not in FORMATS or (kind in ("row", "weight") and fmt != "fp8_block"):
+        raise ValueError(f"fmt must be one of {FORMATS} ('fp8_block' for kinds 'row', 'weight'), got {fmt!r}")
     if dtype not in DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     return compile_cached(("fp8_quantize", kind, fmt, arch, dtype), lambda: _build(kind, fmt, dtype, arch))
@@ -255,6 +313,29 @@ def quantize_fp8_block_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             fn(*_pointers("row", "fp8_block", x.data_ptr(), data.data_ptr(), scales_t.data_ptr(), 0),
                n_chunks, m, k // 128, current_stream(x.device))
     return data, scales_t.t()
+
+
+def quantize_fp8_block_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 blockwise 128x128 quantization of a contiguous CUDA bf16/fp32 weight [N, K] (N, K
+    multiples of 128; an [E, R, C] weight as its [E*R, C] view: R % 128 == 0, so no block
+    straddles two experts). Returns ``(data float8_e4m3fn [N, K], scales float32 [N/128,
+    K/128])``, bitwise equal to ``reference.fp8_block_quantize_weight(w)`` (the ops of
+    :func:`quantize_fp8_block_act` with the amax over the block's 16384 elements: per-thread
+    u16x2 / u32 maxima, a warp butterfly, then the 8 warps' maxima through shared memory)."""
+    _check_x(w)
+    n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"w: shape {tuple(w.shape)} must be multiples of 128 in both dims (128x128 blocks)")
+    if w.device.type != "cuda":
+        raise ValueError(f"w must be a CUDA tensor, got device {w.device}")
+    data = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty((n // 128, k // 128), dtype=torch.float32, device=w.device)
+    if w.numel():
+        fn, _ = compiled_quantize_fp8("weight", "fp8_block", arch_of_device(w.device), w.dtype)
+        with torch.cuda.device(w.device):
+            fn(*_pointers("weight", "fp8_block", w.data_ptr(), data.data_ptr(), scales.data_ptr(), 0),
+               n, k * w.element_size() // 16, current_stream(w.device))
+    return data, scales
 
 
 def quantize_tokens(x: torch.Tensor, offsets: torch.Tensor, fmt: str = "fp8_block"):

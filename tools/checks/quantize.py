@@ -11,7 +11,9 @@ FP8 rows (mok_cute.kernels.quantize_fp8): the fp8_block 1x128 row quantizer vs
 reference.fp8_block_quantize_act (scales compared as fp32 bit patterns, NaN included), and
 the token-wise transposed wgrad quantizers (fp8_block and MXFP8) vs
 reference.fp8_block_quantize_tokens / mxfp8_quantize_tokens on expert-grouped rows
-(ragged, empty and 128-aligned groups, rows past offsets[E]), bitwise; GB/s on 16384 x 7168.
+(ragged, empty and 128-aligned groups, rows past offsets[E]), and the 128x128 weight quantizer
+vs reference.fp8_block_quantize_weight (a tiny block, a NaN/Inf block), bitwise; GB/s on 16384 x 7168
+(the weight quantizer beside the torch reference ops it would replace).
 """
 import time
 
@@ -165,8 +167,8 @@ def _groups(m, e, gen, kind):
 
 
 def run_fp8(ctx, gen) -> list[Row]:
-    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_act, quantize_tokens
-    from mok_cute.reference import (fp8_block_quantize_act, fp8_block_quantize_tokens,
+    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_act, quantize_fp8_block_weight, quantize_tokens
+    from mok_cute.reference import (fp8_block_quantize_act, fp8_block_quantize_tokens, fp8_block_quantize_weight,
                                     mxfp8_quantize_tokens)
 
     dev = ctx.device
@@ -192,8 +194,21 @@ def run_fp8(ctx, gen) -> list[Row]:
             offs = torch.tensor([0, 37, 37, x.shape[0]], dtype=torch.int32)
             rows.append(_compare_bits(f"{fmt} tokens edge cases {tag}", quantize_tokens(x, offs.to(dev), fmt),
                                       ref(x.cpu(), offs), tuple(x.shape)))
+        for shape in ((256, 7168), (3 * 2048, 384), (128, 128)):  # 128x128 weight blocks
+            w = _random(shape, -1, dtype, gen, dev)
+            w[:128, :128] *= 2.0 ** -120  # one tiny block (amax floor region)
+            if shape[0] > 128:
+                w[130, 5] = float("nan") if dtype == torch.float32 else float("inf")
+            rows.append(_compare_bits(f"fp8_block weight {tag} {shape[0]}x{shape[1]}", quantize_fp8_block_weight(w),
+                                      fp8_block_quantize_weight(w.cpu()), shape))
     M, N = 16384, 7168
     x = _random((M, N), -1, torch.bfloat16, gen, dev)
+    us = bench_us(lambda: quantize_fp8_block_weight(x), warmup=5, iters=20)
+    ref_us = bench_us(lambda: fp8_block_quantize_weight(x), warmup=2, iters=5)
+    gbs = (M * N * 3) / us / 1e3
+    rows.append(Row(f"fp8_block weight time bf16 {M}x{N}", time_us=us, ok=True,
+                    note=f"{gbs:.0f} GB/s = {100 * gbs / HBM_GBS:.0f}% of {HBM_GBS:.0f}; torch reference ops "
+                         f"{ref_us:.0f} us"))
     us = bench_us(lambda: quantize_fp8_block_act(x), warmup=10, iters=50)
     gbs = (M * N * 3 + M * N // 32) / us / 1e3
     rows.append(Row(f"fp8_block row time bf16 {M}x{N}", time_us=us, ok=True,
