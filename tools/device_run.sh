@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# One batched device session on an H200 machine (1 or 2 GPUs), from the repo root:
+# One batched device session on an H200 machine (2 GPUs for the comm steps), from the repo root:
 #   source .gpu-node/activate.sh && bash tools/device_run.sh [checks...]
-# Runs the device checks, the quickstart, the 2-GPU comm check (when 2 GPUs are present),
-# and the expert-MLP benchmark; logs go to $OUT (or /tmp/mok-out); the summary prints last.
+# Single-GPU checks (default: every SM90 kernel and layer check), the quickstart, the comm
+# checks (EP = 1 in one process; EP = 2 through torchrun when 2 GPUs are present, plus the
+# EP = 2 layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
+# bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. Opt-in
+# experiments stay out: MOK_COMM_MXFP8=1 / MOK_COMM_TRANSPORT=bulk (they fault natively).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
-checks=${*:-quantize gemm_sm90 gemm_fp8 layer_sm90}
-timeout 330 python3 tools/gpu_check.py $checks > "$out/check.log" 2>&1
+checks=${*:-quantize gemm_sm90 gemm_fp8 gemm_fp8_scaled route_grad layer_sm90 layer_fp8}
+timeout 420 python3 tools/gpu_check.py $checks > "$out/check.log" 2>&1
 echo "gpu_check rc=$?" > "$out/summary.txt"
 timeout 90 python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
 echo "quickstart rc=$? $(tail -1 "$out/quickstart.log")" >> "$out/summary.txt"
+MOK_COMM_QUICK=1 timeout 60 python3 tools/gpu_check.py comm > "$out/comm1.log" 2>&1
+echo "comm EP=1 rc=$?" >> "$out/summary.txt"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    MOK_COMM_QUICK=1 timeout 120 torchrun --nproc_per_node=2 tools/gpu_check.py comm > "$out/comm.log" 2>&1
-    echo "comm rc=$?" >> "$out/summary.txt"
+    timeout 180 torchrun --nproc_per_node=2 tools/gpu_check.py comm layer_ep > "$out/comm.log" 2>&1
+    echo "comm + layer_ep EP=2 rc=$?" >> "$out/summary.txt"
+    if [ "${COMM_BENCH:-0}" = 1 ]; then
+        timeout 120 torchrun --nproc_per_node=2 tools/bench_comm.py > "$out/bench_comm.log" 2>&1
+        echo "bench_comm rc=$?" >> "$out/summary.txt"
+    fi
 fi
-timeout 260 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
+timeout 300 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/summary.txt"
-grep -A200 "== gpu_check" "$out/check.log" | grep -v "^\s*$"
-[ -f "$out/comm.log" ] && grep -A40 "== gpu_check" "$out/comm.log" | head -30
-tail -24 "$out/bench.log"
+grep -A300 "== gpu_check" "$out/check.log" | grep -v "^\s*$" | cut -c1-170
+grep -A40 "== gpu_check" "$out/comm1.log" | cut -c1-150 | head -20
+[ -f "$out/comm.log" ] && grep -A60 "== gpu_check" "$out/comm.log" | cut -c1-150 | head -40
+[ -f "$out/bench_comm.log" ] && tail -40 "$out/bench_comm.log" | cut -c1-170
+tail -30 "$out/bench.log" | cut -c1-180
 cat "$out/summary.txt"
