@@ -43,7 +43,7 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
 from mok_cute.comm.rows import transport_of
-from mok_cute.comm.workspace import get_workspace
+from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
 
 BF16 = torch.bfloat16
@@ -151,6 +151,8 @@ PULL_TWICE = os.environ.get("MOK_COMM_PULL_TWICE", "0") == "1"
 # MXFP8 dispatch rows only on request: its pull faulted natively on the H200 (cudaErrorIllegalAddress)
 # while passing bitwise under compute-sanitizer, and a fault poisons the whole process
 MXFP8 = os.environ.get("MOK_COMM_MXFP8", "0") == "1"
+# MXFP8 fault isolation: stage and pull step by step, synchronizing after each (see _mx_probe)
+MX_PROBE = os.environ.get("MOK_COMM_MXFP8_PROBE", "0") == "1"
 
 
 def _log(ctx: Ctx, msg: str) -> None:
@@ -273,6 +275,8 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         "reverse_dispatch": _ref_reduce(slots_of(dxe_all), valid, None, sh_all[me]),
     }
 
+    if MX_PROBE:
+        return rows + _mx_probe(ctx, ws, plan, q_all, s_all, M, gather, tag)
     if PULL_TWICE:  # the pull kernel alone, launched 3 times in a row on one workspace
         for n, (name, src_all) in enumerate([("dispatch", x_all), ("dispatch again", x_all),
                                              ("reverse_combine", dy_all)]):
@@ -328,6 +332,38 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     same &= torch.equal(plan2.recv_src[:M], plan.recv_src[:M]) and torch.equal(plan2.dest_row, plan.dest_row)
     rows.append(Row(f"{tag} 5 reps 4..32CTA", bitwise=same, ok=same,
                     note="every op above, bitwise == 1st run"))
+    return rows
+
+
+def _mx_probe(ctx: Ctx, ws, plan, q_all, s_all, M: int, gather, tag: str) -> list[Row]:
+    """The MXFP8 pull one step at a time, each followed by a device sync and a log line, so
+    that a native fault names its step: (1) acquire the source buffer, (2) stage this rank's
+    rows by ONE contiguous copy of pre-packed [T, row_bytes] bytes, (3) the pull kernel on that
+    pre-staged source, (4) the public path (two strided staging copies, then the kernel).
+    Rows: (3) and (4) bitwise against the gathered bytes."""
+    me, H = ctx.rank, ws.H
+    rb, S = mxfp8_row_bytes(H), H // 32
+    packed = torch.zeros(ws.T, rb, dtype=torch.uint8, device=ws.device)
+    packed[:, :H] = q_all[me].view(torch.uint8)
+    packed[:, H:H + S] = s_all[me]
+
+    def step(name, fn):
+        print(f"[comm rank {me}] mx probe: {name} ...", flush=True)
+        out = fn()
+        torch.cuda.synchronize()
+        ws.check_status()
+        print(f"[comm rank {me}] mx probe: {name}: ok", flush=True)
+        return out
+
+    src = step("1 acquire_src", lambda: ws.acquire_src(rb))
+    step("2 one contiguous staging copy", lambda: src.copy_(packed))
+    rows = []
+    for name, x in (("3 pull on the pre-staged source", src), ("4 strided staging + pull", (q_all[me], s_all[me]))):
+        q, sc = step(name, lambda x=x: dispatch(ws, x, plan, payload="mxfp8"))
+        ok_q = torch.equal(_bytes(q[:M]), gather(q_all))
+        ok_s = torch.equal(_bytes(sc[:M]), gather(s_all))
+        rows.append(Row(f"{tag} mx probe {name[:1]}", bitwise=ok_q and ok_s, ok=ok_q and ok_s,
+                        note=f"{name}: data {ok_q}, scales {ok_s}"))
     return rows
 
 
