@@ -336,3 +336,44 @@ def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
         dispatch(ws, x, plan, topk_w=torch.zeros(4, 2))
     with pytest.raises(Picked, match=f"^{push_key}$"):
         combine(ws, torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 2), plan)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("unroll", [2, 8])
+def test_unrolled_pull_issues_every_load_before_a_store(arch, unroll):
+    """Opt-in MOK_COMM_UNROLL: `unroll` 16-byte peer loads per trip, all before its stores;
+    its own kernel name; system-scope ordering as the default pull; no spills."""
+    from mok_cute.comm.dispatch import compile_pull, pull_unrolled_launcher
+
+    assert pull_unrolled_launcher(unroll) is pull_unrolled_launcher(unroll)
+    _, rep = compile_pull(arch, inspect=True, unroll=unroll)
+    assert_sys_ordering(rep)
+    assert rep.total_spill_bytes == 0
+    assert rep.registers and all("pull_unrolled_kernel" in name for name in rep.registers)
+    moves = [ln.split()[0] for ln in rep.ptx.splitlines() if "ld.global.v4" in ln or "st.global.v4" in ln]
+    assert moves == ["ld.global.v4.b32"] * unroll + ["st.global.v4.b32"] * unroll
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("has_w,has_start", [(True, True), (False, False)])
+def test_unrolled_push_reduce_compiles(arch, has_w, has_start):
+    from mok_cute.comm.combine import compile_push_reduce
+
+    _, rep = compile_push_reduce(arch, has_w, has_start, inspect=True, unroll=8)
+    assert_sys_ordering(rep)
+    assert rep.total_spill_bytes == 0
+    assert rep.registers and all("push_unrolled_reduce_kernel" in name for name in rep.registers)
+    assert not rep.has("fma.rn.f32") and rep.has("add.rn.f32")  # the same fixed-order reduce
+
+
+def test_unroll_selection(monkeypatch):
+    from mok_cute.comm.rows import unroll_of
+
+    monkeypatch.delenv("MOK_COMM_UNROLL", raising=False)
+    assert unroll_of() == 1
+    monkeypatch.setenv("MOK_COMM_UNROLL", "8")
+    assert unroll_of() == 8
+    for bad in ("4", "3", "x"):
+        monkeypatch.setenv("MOK_COMM_UNROLL", bad)
+        with pytest.raises(ValueError, match="MOK_COMM_UNROLL"):
+            unroll_of()

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from checks.common import bench_us as median_us  # noqa: E402
 from mok_cute.comm.combine import combine  # noqa: E402
 from mok_cute.comm.dispatch import dispatch  # noqa: E402
-from mok_cute.comm.rows import transport_of  # noqa: E402
+from mok_cute.comm.rows import transport_of, unroll_of  # noqa: E402
 from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes  # noqa: E402
 from mok_cute.schedule.plan import plan_routing, plan_routing_device  # noqa: E402
 
@@ -204,7 +204,7 @@ def _gbps(nbytes, us):
 def print_table(res, pull_rate, push_rate):
     peer = min(pull_rate, push_rate)
     print(f"== bench_comm on {dist.get_world_size()}x {torch.cuda.get_device_name()}: E=32*EP "
-          f"random top-k, {CTAS} comm CTAs, transport {transport_of()}; GB/s per direction over "
+          f"random top-k, {CTAS} comm CTAs, transport {transport_of()} unroll {unroll_of()}; GB/s per direction over "
           f"remote rows, slowest rank; peer copy_ pull {pull_rate:.0f} / push "
           f"{push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
     print(f"{'case':17s} {'pay':5s} | {'disp us':>8s} {'GB/s':>5s} {'%pk':>4s} {'+stage':>8s} "

@@ -29,7 +29,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                use_bulk)
+                                copy_routed_rows_unrolled, unroll_of, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
@@ -125,7 +125,7 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
                me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
                slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32,
-               resets: Constexpr):
+               resets: Constexpr, unroll: Constexpr = 1):
     """Wait FREE >= epoch-1, push the grouped rows into the source ranks' slot buffers, and
     arrive on ``counters[0]`` (the last CTA zeroes the first ``resets`` counters, then
     signals DATA = epoch). Plan memory (offsets, recv_src) is local and complete before
@@ -136,9 +136,13 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
         P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
-        copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
-                         V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
-                         PUSH_STORE == "b32")
+        if cutlass.const_expr(unroll == 1):
+            copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
+                             V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
+                             PUSH_STORE == "b32")
+        else:  # opt-in MOK_COMM_UNROLL: `unroll` vectors in flight per thread
+            copy_routed_rows_unrolled(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k,
+                                      T * k, V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True, unroll)
     cute.arch.barrier()
     if tidx == 0:
         P.arrive_and_signal(pb, status, counters, counters, resets, flags_off, Int32(P.DATA), me,
@@ -243,6 +247,45 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
     return host
 
 
+def push_reduce_unrolled_launcher(has_w: bool, has_start: bool, unroll: int):
+    """The launcher of the opt-in unrolled push-and-reduce (``MOK_COMM_UNROLL``): the protocol
+    and arguments of :func:`push_reduce_launcher` (both halves), the push half moving
+    ``unroll`` vectors per thread per trip; its own kernel name, one build per variant."""
+    key = ("push_reduce_unrolled", bool(has_w), bool(has_start), int(unroll))
+    if key in _launchers:
+        return _launchers[key]
+    has_w, has_start, unroll = bool(has_w), bool(has_start), int(unroll)
+
+    @cute.kernel
+    def push_unrolled_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                                    recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                                    in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                                    start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                                    k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                                    epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
+                   e_local, slots_off, flags_off, epoch, timeout_ns, nctas, 0, unroll)
+        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
+                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+
+    kernel = push_unrolled_reduce_kernel
+
+    @cute.jit
+    def push_unrolled_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                                  recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                                  in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                                  start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                                  k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                                  epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
+               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
+               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers[key] = host = push_unrolled_reduce_host
+    return host
+
+
 def push_reduce_bulk_launcher(has_w: bool, has_start: bool):
     """The launcher of the opt-in bulk-copy push-and-reduce (``MOK_COMM_TRANSPORT=bulk``):
     :func:`_push_half_bulk` then the same :func:`_reduce_half` (the fixed-order sum is the
@@ -296,11 +339,14 @@ def compile_push_reduce_bulk(arch: str, has_w: bool, has_start: bool, inspect: b
 
 
 def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False,
-                        phase: int = 3):
+                        phase: int = 3, unroll: int = 1):
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
-    ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order)."""
+    ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order);
+    ``unroll`` > 1 the opt-in :func:`push_reduce_unrolled_launcher` (both halves)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(push_reduce_launcher(has_w, has_start, phase), _fake_ptr("i64"), i32,
+    launcher = (push_reduce_launcher(has_w, has_start, phase) if unroll == 1
+                else push_reduce_unrolled_launcher(has_w, has_start, unroll))
+    return compile_kernel(launcher, _fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
                           Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
@@ -333,10 +379,14 @@ def _push_reduce(ws: CommWorkspace, rows: torch.Tensor, plan, weights, start, nu
     epoch = ws.next_epoch("push")
     w_ptr, s_ptr = _optional_inputs(ws, weights, start)
     bulk = use_bulk("push") and not SPLIT_PHASES
+    unroll = 1 if SPLIT_PHASES else unroll_of()
     for ph in phases:
         if bulk:
             fn = compile_cached(("comm.push_reduce_bulk", ws.arch, has_w, has_start),
                                 lambda: compile_push_reduce_bulk(ws.arch, has_w, has_start)[0])
+        elif unroll > 1:
+            fn = compile_cached(("comm.push_reduce_unrolled", ws.arch, has_w, has_start, unroll),
+                                lambda: compile_push_reduce(ws.arch, has_w, has_start, unroll=unroll)[0])
         else:
             fn = compile_cached(("comm.push_reduce", ws.arch, has_w, has_start, ph),
                                 lambda: compile_push_reduce(ws.arch, has_w, has_start, phase=ph)[0])

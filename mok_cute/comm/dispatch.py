@@ -16,7 +16,9 @@ DONE >= e-1 from every peer first), the kernel's CTA 0 signals READY = e to ever
 every CTA waits READY >= e from every peer, the CTAs copy 16-byte vectors (plain peer
 loads, grid-stride over (row, vector)), and the last CTA to finish signals DONE = e.
 
-Transport: plain 16-byte loads by every thread (default, verified); ``MOK_COMM_TRANSPORT=bulk``
+Transport: plain 16-byte loads by every thread (default, verified); ``MOK_COMM_UNROLL=2|8``
+keeps that many loads in flight per thread (opt-in :func:`pull_unrolled_launcher`, not yet
+run on a GPU); ``MOK_COMM_TRANSPORT=bulk``
 switches the bf16 pull without weights (dispatch, reverse combine) to the opt-in
 cp.async.bulk kernel (:func:`pull_bulk_launcher`, not yet run on a GPU); the MXFP8 and
 weighted variants always use plain loads.
@@ -34,7 +36,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                pull_rows_ext, use_bulk)
+                                copy_routed_rows_unrolled, pull_rows_ext, unroll_of, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
@@ -93,10 +95,59 @@ def pull_launcher():
     return host
 
 
-def compile_pull(arch: str, inspect: bool = False):
-    """Compile the pull launcher for ``arch``; returns ``(compiled, CompileReport | None)``."""
+def pull_unrolled_launcher(unroll: int):
+    """The launcher of the opt-in unrolled pull (``MOK_COMM_UNROLL``): :func:`pull_launcher`'s
+    protocol and arguments with :func:`mok_cute.comm.rows.copy_routed_rows_unrolled` moving
+    the rows; its own kernel name (``pull_unrolled_kernel``), one build per ``unroll``."""
+    key = ("pull_unrolled", int(unroll))
+    if key in _launchers:
+        return _launchers[key]
+    unroll = int(unroll)
+
+    @cute.kernel
+    def pull_unrolled_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                             recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                             out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                             e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                             timeout_ns: Int64, nctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+        if tidx == 0:
+            if bidx == 0:
+                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
+            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        cute.arch.barrier()
+        if not P.failed(status):
+            copy_routed_rows_unrolled(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
+                                      T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False, unroll)
+        cute.arch.barrier()
+        if tidx == 0:
+            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
+                                epoch, nctas)
+
+    kernel = pull_unrolled_kernel
+
+    @cute.jit
+    def pull_unrolled_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                           recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                           out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                           e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                           timeout_ns: Int64, nctas: Int32, stream):
+        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
+               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    _launchers[key] = host = pull_unrolled_host
+    return host
+
+
+def compile_pull(arch: str, inspect: bool = False, unroll: int = 1):
+    """Compile the pull launcher (``unroll`` > 1: :func:`pull_unrolled_launcher`) for ``arch``;
+    returns ``(compiled, CompileReport | None)``."""
     i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    return compile_kernel(pull_launcher(), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
+    launcher = pull_launcher() if unroll == 1 else pull_unrolled_launcher(unroll)
+    return compile_kernel(launcher, i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
                           Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)
@@ -274,8 +325,11 @@ def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
     check_num_ctas(nctas)
     out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
     out_rows = min(out.shape[0], plan.recv_src.shape[0])
+    unroll = unroll_of()
     if use_bulk("pull"):
         fn = compile_cached(("comm.pull_bulk", ws.arch), lambda: compile_pull_bulk(ws.arch)[0])
+    elif unroll > 1:
+        fn = compile_cached(("comm.pull_unrolled", ws.arch, unroll), lambda: compile_pull(ws.arch, unroll=unroll)[0])
     else:
         fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
     ws.stage_src(rows)

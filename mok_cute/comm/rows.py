@@ -70,6 +70,75 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
 
 
 @cute.jit
+def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
+                              recv_src: cute.Pointer, offsets: cute.Pointer, grouped: cute.Pointer,
+                              grouped_rows: Int32, ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32,
+                              e_local: Int32, peer_off: Int64, channel: Int32, epoch: Int32,
+                              nctas: Int32, push: Constexpr, unroll: Constexpr):
+    """:func:`copy_routed_rows` (same rows, addresses and reports; 16-byte stores) with
+    ``unroll`` grid-stride steps per loop trip: the trip's ``unroll`` 16-byte loads (peer
+    loads when pulling) are all issued before its stores, so each thread keeps ``unroll``
+    vectors in flight instead of one (plain peer loads are latency-bound). Opt-in
+    (``MOK_COMM_UNROLL``); the default kernels keep :func:`copy_routed_rows`."""
+    offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
+    m = offs[e_local]
+    if m > grouped_rows:
+        if bidx == 0:
+            if tidx == 0:
+                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
+        m = grouped_rows
+    rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+    local = cute.make_tensor(grouped, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
+    buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # column u: vector u of the trip
+    n = m * V
+    stride = nctas * THREADS
+    i = bidx * THREADS + tidx
+    lim = ep * tk
+    while i < n:
+        for u in cutlass.range_constexpr(unroll):
+            j = i + u * stride
+            if j < n:
+                row = j // V
+                s = rs[row]
+                if s >= 0 and s < lim:
+                    if cutlass.const_expr(not push):
+                        p = s // tk
+                        t = (s - p * tk) // k
+                        addr = pb[p] + peer_off + (Int64(t) * Int64(V) + Int64(j - row * V)) * 16
+                        src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                        buf[None, u].store(src.load())
+                    else:
+                        buf[None, u].store(local[j, None].load())
+                else:
+                    P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
+        for u in cutlass.range_constexpr(unroll):
+            j = i + u * stride
+            if j < n:
+                row = j // V
+                s = rs[row]
+                if s >= 0 and s < lim:
+                    if cutlass.const_expr(not push):
+                        local[j, None].store(buf[None, u].load())
+                    else:
+                        p = s // tk
+                        addr = pb[p] + peer_off + (Int64(s - p * tk) * Int64(V) + Int64(j - row * V)) * 16
+                        dst = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
+                        dst.store(buf[None, u].load())
+        i += unroll * stride
+
+
+def unroll_of() -> int:
+    """``MOK_COMM_UNROLL`` (default 1: the verified kernels), read at every call: vectors in
+    flight per thread for the bf16 pull and push (1, 2 or 8)."""
+    import os
+
+    v = os.environ.get("MOK_COMM_UNROLL", "1").strip() or "1"
+    if v not in ("1", "2", "8"):  # 4 spilled (ptxas capped it at 32 registers at 1024 threads)
+        raise ValueError(f"MOK_COMM_UNROLL must be 1, 2 or 8, got {v!r}")
+    return int(v)
+
+
+@cute.jit
 def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
                   recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
                   out2: cute.Pointer, w_out: cute.Pointer, grouped_rows: Int32, ep: Int32,

@@ -42,7 +42,7 @@ from checks.common import Ctx, Row, bench_us
 from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
-from mok_cute.comm.rows import transport_of
+from mok_cute.comm.rows import transport_of, unroll_of
 from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
 
@@ -475,7 +475,8 @@ def run(ctx: Ctx) -> list[Row]:
     cases = [("random", 256, 512, 4, 8 * EP), ("hot", 64, 256, 4, 4 * EP),
              ("rank0_empty", 64, 256, 2, 4 * EP), ("random", 1, 64, 2 * EP, 2 * EP),  # T=1, k=E
              ("random", 4096, 7168, 8, 32 * EP)]
-    rows = [Row(f"comm transport {tr}, EP={EP}", ok=True,
+    unroll = unroll_of()
+    rows = [Row(f"comm transport {tr}{f' unroll {unroll}' if unroll > 1 else ''}, EP={EP}", ok=True,
                 note=("one process, 1-rank group: same kernels, every route local; "
                       if EP == 1 else "") + (f"MOK_COMM_TRANSPORT={tr}: bf16 row moves by "
                                             "cp.async.bulk" if tr != "plain" else "default"))]
