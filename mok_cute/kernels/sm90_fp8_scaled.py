@@ -390,15 +390,8 @@ class Mxfp8PromotedGemmSm90(_ScaledGemm):
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:
-                state = self.mainloop.producer_state()
-                while expert < num_experts:
-                    _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-                    gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
-                    gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                    state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
-                    linear = linear + grid
-                    expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-                pipe.producer_tail(state)
+                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                              atom_a, coord_a, sA, atom_b, coord_b, sB, cfg.tile_n, k_tiles)
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
             tid = tidx - THREADS_PER_WG

@@ -532,24 +532,9 @@ class GroupedGemmSm90:
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                state = self.mainloop.producer_state()
-                while expert < num_experts:
-                    _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-                    gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
-                    gB = cute.local_tile(coord_b[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
-                    if cutlass.const_expr(self.stack_n):
-                        gB_hi = cute.local_tile(coord_b2[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
-                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles,
-                                                        atom_b_hi=atom_b2, gB_hi=gB_hi)
-                    elif cutlass.const_expr(self.split_b):
-                        gB2 = cute.local_tile(coord_b2[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles1,
-                                                        atom_b2, gB2, k_tiles - k_tiles1)
-                    else:
-                        state = self.mainloop.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
-                    linear = linear + grid
-                    expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-                pipe.producer_tail(state)
+                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                              atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
+                                              coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG

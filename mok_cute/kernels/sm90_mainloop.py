@@ -37,6 +37,8 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from mok_cute.schedule.group_tiles import seek, tile_coords
+
 SMEM_BYTES = utils.get_smem_capacity_in_bytes("sm_90")
 THREADS_PER_WG = 128
 NUM_CONSUMER_WG = 2
@@ -206,6 +208,40 @@ class Sm90Mainloop:
 
     def producer_state(self):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+
+    @cute.jit
+    def produce_grouped(self, pipe, mOffsets: cute.Tensor, num_experts: cutlass.Int32, n_tiles: cutlass.Int32,
+                        linear: cutlass.Int32, expert: cutlass.Int32, base: cutlass.Int32, grid: cutlass.Int32,
+                        atom_a: cute.CopyAtom, coord_a: cute.Tensor, sA: cute.Tensor, atom_b: cute.CopyAtom,
+                        coord_b: cute.Tensor, sB: cute.Tensor, b_rows: cutlass.Constexpr[int], k_tiles: cutlass.Int32,
+                        atom_b2: cute.CopyAtom = None, coord_b2: cute.Tensor = None,
+                        stack_n: cutlass.Constexpr[bool] = False, k_tiles1: cutlass.Int32 = None):
+        """Producer warp of a grouped GEMM (rows grouped by expert, ``mOffsets`` [E+1]): walk the
+        persistent tile sequence from (``linear``, ``expert``, ``base``) in steps of ``grid``
+        (:mod:`mok_cute.schedule.group_tiles`, the consumers' sequence) and :meth:`load_tile`
+        each tile's k-tiles: A rows of the tile's expert, B = ``coord_b`` (N, K, E) tiles of
+        ``b_rows`` rows; with ``stack_n`` the B tile's second half comes from ``coord_b2``
+        (gate/up), with ``k_tiles1`` B's k-tiles past ``k_tiles1`` come from ``coord_b2``
+        (split along K). Ends with the pipeline's producer tail."""
+        cfg = self.cfg
+        state = self.producer_state()
+        while expert < num_experts:
+            _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
+            gB = cute.local_tile(coord_b[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
+            if cutlass.const_expr(stack_n):
+                gB_hi = cute.local_tile(coord_b2[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
+                state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles,
+                                       atom_b_hi=atom_b2, gB_hi=gB_hi)
+            elif cutlass.const_expr(k_tiles1 is not None):
+                gB2 = cute.local_tile(coord_b2[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles1,
+                                       atom_b2, gB2, k_tiles - k_tiles1)
+            else:
+                state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
+            linear = linear + grid
+            expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+        pipe.producer_tail(state)
 
     def consumer_state(self):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
