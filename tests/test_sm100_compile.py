@@ -48,7 +48,6 @@ def test_tma_descriptors(compiled):
     (dict(tile_m=64), "tile_m"),
     (dict(tile_n=48), "tile_n"),
     (dict(tile_n=64, ab_dtype=cutlass.Float8E4M3FN), "MXFP8 tile_n"),
-    (dict(tile_m=256, ab_dtype=cutlass.Float8E4M3FN), "cta_group"),
     (dict(ab_dtype=cutlass.Float16), "ab_dtype"),
     (dict(stages=40), "exceed"),
     (dict(acc_stages=3), "TMEM"),
@@ -191,3 +190,17 @@ def test_dgrad1_validation(kwargs, exc, name):
 def test_wgrad_validation(kwargs, exc, name):
     args = dict(a=torch.zeros(300, 64, dtype=bf), b=torch.zeros(300, 256, dtype=bf), offsets=_offs())
     _raises(g.grouped_wgrad, args, kwargs, exc, name)
+
+
+def test_mxfp8_2cta_multicasts_sfb_and_offsets_sfa():
+    """MXFP8 with cta_group::2: the block-scaled MMA and the scale copies run on the CTA pair,
+    SFB's TMA load is a cluster multicast (each CTA loads half, both receive all), and the
+    stage budget of sm100_layouts equals CuTe's (checked at trace time)."""
+    _, rep = g.variants()["mxfp8-plain-2cta"][0]("sm_100a")
+    assert rep.has("tcgen05.mma.cta_group::2.kind::mxf8f6f4.block_scale")
+    assert rep.has("tcgen05.cp.cta_group::2")
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\S+", rep.ptx)
+    assert sum("multicast::cluster" in ld for ld in loads) == 1, loads  # SFB only
+    assert all("cta_group::2" in ld for ld in loads)
+    ml = Sm100Mainloop(g.MXFP8_2CTA_CONFIG)
+    assert ml.cta_tile_m == 128 and ml.stage_bytes == lay.stage_bytes(256, 256, True, 2)

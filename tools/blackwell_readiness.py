@@ -18,10 +18,11 @@ ARCHS = ("sm_100a", "sm_103a")
 UNVERIFIED = (
     "run-time numerics vs mok_cute.reference (no Blackwell GPU)",
     "mbarrier / TMEM alloc protocol on hardware (hangs, races), cta_group::2 cluster pairing",
+    "MXFP8 cta_group::2: SFB split + multicast over the CTA pair, SFA tiles at odd 128-row atoms",
     "scale-factor TMEM placement (tcgen05.cp) and the grouped 128x4 SF layouts on hardware",
     "TMA ragged-K wrap-around (wgrad, incl. column-slice operands) on sm_100a",
     "dgrad1's switch between the w_gate / w_up descriptors at k = I on hardware",
-    "performance (stores are per-row 16-byte vectors, no TMA store; no multicast)",
+    "performance (stores are per-row 16-byte vectors, no TMA store; multicast only for the 2-CTA MXFP8 SFB)",
 )
 
 
@@ -51,11 +52,11 @@ def main() -> int:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print("\nShared memory per CTA (host budget, sm100_layouts; checked against CuTe at trace time):")
-    from mok_cute.kernels.sm100_grouped_gemm import DEFAULT_CONFIG, MXFP8_CONFIG  # noqa: PLC0415
+    from mok_cute.kernels.sm100_grouped_gemm import DEFAULT_CONFIG, MXFP8_2CTA_CONFIG, MXFP8_CONFIG  # noqa: PLC0415
     from mok_cute.kernels.sm100_mainloop import Sm100Config, Sm100Mainloop  # noqa: PLC0415
 
     for label, cfg in (("bf16 128x256", DEFAULT_CONFIG), ("bf16 256x256 2cta", Sm100Config(tile_m=256)),
-                       ("mxfp8 128x256", MXFP8_CONFIG)):
+                       ("mxfp8 128x256", MXFP8_CONFIG), ("mxfp8 256x256 2cta", MXFP8_2CTA_CONFIG)):
         ml = Sm100Mainloop(cfg)
         print(f"  {label}: {ml.stages} stages x {ml.stage_bytes} B + {1024} B = {ml.smem_bytes} B; "
               f"TMEM {ml.tmem_used} of {ml.tmem_alloc} allocated columns, {ml.acc_stages} accumulator stage(s)")

@@ -184,7 +184,7 @@ class GroupedGemmSm100:
         """``(expert, m_tile, n_tile, row0, rows, k_tiles, sf_tile, lo, length)`` of a valid tile.
 
         Grouped: row0/rows = the tile's first global token row and rows inside the expert,
-        ``sf_tile`` = the scale atom row of the tile (``o_e // 128 + e + m_tile``). Wgrad: row0/rows
+        ``sf_tile`` = the scale atom row of the tile (``o_e // 128 + e + m_tile * tile_m / 128``). Wgrad: row0/rows
         = output rows of dW[e] (masked at Na), ``sf_tile`` = first scale atom column of the
         expert's tokens, ``lo``/``length`` = the expert's token rows.
         """
@@ -198,7 +198,10 @@ class GroupedGemmSm100:
             return e, m_tile, n_tile, row0, na - row0, kt, lo // lay.SF_ATOM_ROWS + e, lo, length
         m_tile, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
         lo = mOffsets[expert]
-        return expert, m_tile, n_tile, row0, rows, k_tiles, lo // lay.SF_ATOM_ROWS + expert + m_tile, lo, rows
+        atom_row = lo // lay.SF_ATOM_ROWS + expert + m_tile  # 128-row scale atoms (cta_group::2: 2 per tile)
+        if cutlass.const_expr(cfg.tile_m != lay.SF_ATOM_ROWS):
+            atom_row = lo // lay.SF_ATOM_ROWS + expert + m_tile * (cfg.tile_m // lay.SF_ATOM_ROWS)
+        return expert, m_tile, n_tile, row0, rows, k_tiles, atom_row, lo, rows
 
     # ------------------------------------------------------------ kernel
     @cute.kernel
@@ -262,7 +265,7 @@ class GroupedGemmSm100:
             if cutlass.const_expr(cfg.mx):
                 tAsSFA, tAgSFA_all = self.mainloop.partition_a(
                     atoms[2], cute.local_tile(coords[2], tiler_a, (None, None, None)), sSFA, cta_v)
-                tBsSFB, tBgSFB_all = self.mainloop.partition_b(
+                tBsSFB, tBgSFB_all = self.mainloop.partition_sfb(
                     atoms[3], cute.local_tile(coords[3], tiler_b, (None, None, None)), sSFB, cta_v)
                 sf_src = (tAgSFA_all, tBgSFB_all)
             state = self.mainloop.producer_state()
@@ -289,8 +292,13 @@ class GroupedGemmSm100:
                     if cutlass.const_expr(self.wgrad):  # sf_tile: the expert's first scale k-tile
                         srcs = srcs + (sf_src[0][(None, m_tile, None, 0)], sf_src[1][(None, n_tile, None, 0)])
                         sf_k0 = sf_tile
-                    else:  # sf_tile: the tile's scale atom row
+                    elif cutlass.const_expr(cfg.tile_m == lay.SF_ATOM_ROWS):  # sf_tile: the tile's scale atom row
                         srcs = srcs + (sf_src[0][(None, sf_tile, None, 0)], sf_src[1][(None, n_tile, None, e)])
+                    else:  # a 256-row tile may start at an odd 128-row atom: offset, then tile
+                        gSFA = cute.local_tile(cute.domain_offset((sf_tile * lay.SF_ATOM_ROWS, 0),
+                                                                  coords[2][(None, None, 0)]), tiler_a, (0, None))
+                        _, tAgSFA = self.mainloop.partition_a(atoms[2], gSFA, sSFA, cta_v)
+                        srcs = srcs + (tAgSFA, sf_src[1][(None, n_tile, None, e)])
                 state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, dsts, kt, sf_k0, masks, b2)
                 linear = linear + stride
                 expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
@@ -500,6 +508,7 @@ def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_1
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_CONFIG = Sm100Config()
 MXFP8_CONFIG = Sm100Config(ab_dtype=cutlass.Float8E4M3FN)
+MXFP8_2CTA_CONFIG = Sm100Config(tile_m=256, ab_dtype=cutlass.Float8E4M3FN)  # cta_group::2 (compile-verified only)
 
 
 def _config(a, cfg, name="a"):
@@ -797,4 +806,10 @@ def variants() -> dict:
         "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),
         "mxfp8-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=mx), _MX_PTX),
         "mxfp8-wgrad": (wgrad(cfg=mx), _MX_PTX),
+        "mxfp8-plain-2cta": (gemm("plain", cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
+        "mxfp8-swiglu-2cta": (gemm("swiglu", clamp=True, cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
+        "mxfp8-dswiglu-2cta": (gemm("dswiglu", b_major=MN_MAJOR, cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
+        "mxfp8-dgrad1-2cta": (gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=MXFP8_2CTA_CONFIG),
+                              _MX_PTX + ("cta_group::2",)),
+        "mxfp8-wgrad-2cta": (wgrad(cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
     }

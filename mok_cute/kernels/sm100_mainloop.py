@@ -17,7 +17,10 @@ Operand types (:class:`Sm100Config` ``ab_dtype``):
 
 ``tile_m`` 256 selects ``cta_group::2``: a cluster of two CTAs computes one 256-row tile,
 each CTA holding 128 rows of A, half of B's rows and its own 128 accumulator rows; the
-leader CTA issues the MMAs (BF16 only for now).
+leader CTA issues the MMAs. MXFP8 with ``cta_group::2``: each CTA loads its rows' SFA; SFB
+(the whole tile's N, padded to 128) is split between the two CTAs' TMA loads and multicast to
+both (a separate one-CTA tiled MMA of shape (tile_m / 2, N) describes its partition), so each
+CTA's shared memory, and then its TMEM, holds every SFB column the pair's MMAs read.
 
 Operands are given as A (M, K, L) and B (N, K, L) views (tile = A @ B^T), each K-major or
 MN-major (:data:`K_MAJOR` / :data:`MN_MAJOR`), read in place by TMA and the MMA. The
@@ -56,7 +59,7 @@ _TMEM_BARRIER = 2
 class Sm100Config:
     """Compile-time shape of the mainloop.
 
-    ``tile_m``: 128 (one CTA) or 256 (``cta_group::2``, cluster of 2 along M; BF16 only).
+    ``tile_m``: 128 (one CTA) or 256 (``cta_group::2``, cluster of 2 along M).
     ``tile_n``: multiple of 32 in [32, 256] (BF16), 128 or 256 (MXFP8). ``tile_k`` is fixed at
     128 bytes (64 BF16 / 128 FP8 elements = 4 MMA k-blocks; for MXFP8 one scale atom).
     ``stages`` 0: as many ring stages as fit; ``acc_stages`` 0: 2 if they fit in TMEM.
@@ -96,8 +99,6 @@ class Sm100Config:
             raise ValueError(f"ab_dtype must be BFloat16 or Float8E4M3FN (MXFP8), got {self.ab_dtype}")
         if self.tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {self.tile_m}")
-        if self.mx and self.tile_m != 128:
-            raise ValueError("MXFP8 supports tile_m 128 only (cta_group::2 scale factors not implemented)")
         if self.mx and self.tile_n not in (128, 256):
             raise ValueError(f"MXFP8 tile_n must be 128 or 256, got {self.tile_n}")
         if self.tile_n % EPI_N or not EPI_N <= self.tile_n <= 256:
@@ -150,6 +151,15 @@ class Sm100Mainloop:
         self.tiled_mma = self.make_tiled_mma()
         self.cluster_vmnk = cute.tiled_divide(cute.make_layout((cfg.cta_group, 1, 1)),
                                               (self.tiled_mma.thr_id.shape,))
+        self.tiled_mma_sfb, self.mma_tiler_sfb, self.cluster_sfb_vmnk = self.tiled_mma, self.mma_tiler, self.cluster_vmnk
+        if cutlass.const_expr(cfg.mx and cfg.cta_group == 2):
+            n_sfb = -(-cfg.tile_n // 128) * 128
+            self.mma_tiler_sfb = (cfg.tile_m // 2, n_sfb, cfg.tile_k)
+            self.tiled_mma_sfb = sm100.make_blockscaled_trivial_tiled_mma(
+                cfg.ab_dtype, cfg.ab_dtype, self.a_major, self.b_major, SF_DTYPE, lay.SF_VEC, tcgen05.CtaGroup.ONE,
+                self.mma_tiler_sfb[:2])
+            self.cluster_sfb_vmnk = cute.tiled_divide(cute.make_layout((cfg.cta_group, 1, 1)),
+                                                      (self.tiled_mma_sfb.thr_id.shape,))
         self.a_smem = sm100.make_smem_layout_a(self.tiled_mma, self.mma_tiler, cfg.ab_dtype, self.stages)
         self.b_smem = sm100.make_smem_layout_b(self.tiled_mma, self.mma_tiler, cfg.ab_dtype, self.stages)
         one_a = cute.slice_(self.a_smem, (None, None, None, 0))
@@ -195,9 +205,12 @@ class Sm100Mainloop:
             out.append(cute.nvgpu.make_tiled_tma_atom_A(
                 op_a, mSFA, cute.slice_(self.sfa_smem, (None, None, None, 0)), self.mma_tiler, self.tiled_mma, cl,
                 internal_type=cutlass.Int16))
+            op_sfb = op_b
+            if cutlass.const_expr(cfg.cta_group == 2):
+                op_sfb = sm100.cluster_shape_to_tma_atom_SFB((cfg.cta_group, 1), self.tiled_mma.thr_id)
             out.append(cute.nvgpu.make_tiled_tma_atom_B(
-                op_b, mSFB, cute.slice_(self.sfb_smem, (None, None, None, 0)), self.mma_tiler, self.tiled_mma, cl,
-                internal_type=cutlass.Int16))
+                op_sfb, mSFB, cute.slice_(self.sfb_smem, (None, None, None, 0)), self.mma_tiler_sfb,
+                self.tiled_mma_sfb, self.cluster_sfb_vmnk.shape, internal_type=cutlass.Int16))
         if cutlass.const_expr(mB2 is not None):
             out.append(cute.nvgpu.make_tiled_tma_atom_B(op_b, mB2, cute.slice_(self.b_smem, (None, None, None, 0)),
                                                         self.mma_tiler, self.tiled_mma, cl))
@@ -263,13 +276,31 @@ class Sm100Mainloop:
         """``(tBsB, tBgB)`` of a (tile_n, tile_k, ...) tiled B (or SFB) coordinate tensor."""
         return _tma_partition(atom, sB, self.tiled_mma.get_slice(cta_v).partition_B(gB))
 
-    def mcast_masks(self, cta_v):
-        """TMA multicast masks for cta_group::2 (both CTAs' loads signal the leader), else None."""
+    @cute.jit
+    def partition_sfb(self, atom: cute.CopyAtom, gSFB: cute.Tensor, sSFB: cute.Tensor, cta_v: cutlass.Int32):
+        """``(tBsSFB, tBgSFB)`` of a (tile_n, tile_k, ...) tiled SFB coordinate tensor; with
+        cta_group::2 this CTA's half of the multicast load (see the module doc)."""
         if cutlass.const_expr(self.cfg.cta_group == 1):
-            return None, None
+            return self.partition_b(atom, gSFB, sSFB, cta_v)
+        coord = self.cluster_sfb_vmnk.get_flat_coord(cta_v)
+        cta_layout = cute.make_layout(cute.slice_(self.cluster_sfb_vmnk, (0, None, 0, 0)).shape)
+        s, g = cute.nvgpu.cpasync.tma_partition(atom, coord[1], cta_layout, cute.group_modes(sSFB, 0, 3),
+                                                cute.group_modes(self.tiled_mma_sfb.get_slice(cta_v).partition_B(gSFB),
+                                                                 0, 3))
+        return cute.filter_zeros(s), cute.filter_zeros(g)
+
+    def mcast_masks(self, cta_v):
+        """TMA multicast masks of A, B, SFA, SFB for cta_group::2 (both CTAs' A/B/SFA loads
+        signal the leader; SFB multicast to both CTAs), else None."""
+        if cutlass.const_expr(self.cfg.cta_group == 1):
+            return None, None, None, None
         coord = self.cluster_vmnk.get_flat_coord(cta_v)
-        return (cute.nvgpu.cpasync.create_tma_multicast_mask(self.cluster_vmnk, coord, mcast_mode=2),
-                cute.nvgpu.cpasync.create_tma_multicast_mask(self.cluster_vmnk, coord, mcast_mode=1))
+        mask = cute.nvgpu.cpasync.create_tma_multicast_mask
+        a, b = mask(self.cluster_vmnk, coord, mcast_mode=2), mask(self.cluster_vmnk, coord, mcast_mode=1)
+        if cutlass.const_expr(not self.cfg.mx):
+            return a, b, None, None
+        sfb = mask(self.cluster_sfb_vmnk, self.cluster_sfb_vmnk.get_flat_coord(cta_v), mcast_mode=1)
+        return a, b, a, sfb
 
     @cute.jit
     def load_tile(self, pipe, state, atoms, srcs, dsts, k_tiles: cutlass.Int32, sf_k0: cutlass.Int32, masks,
@@ -295,7 +326,7 @@ class Sm100Mainloop:
                                   mcast_mask=masks[1])
                 else:
                     cute.copy(atoms[i], srcs[i][(None, kk)], dsts[i][(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=masks[i % 2])
+                              mcast_mask=masks[i])
             pipe.producer_commit(state)
             state.advance()
         return state
