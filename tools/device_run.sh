@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched device session on an H200 machine (2 GPUs for the comm steps), from the repo root:
 #   source .gpu-node/activate.sh && bash tools/device_run.sh [checks...]
-# Single-GPU checks (default: every SM90 kernel and layer check), the quickstart, the comm
+# Single-GPU checks (default: every SM90 kernel and layer check, one process each), the quickstart, the comm
 # checks (EP = 1 in one process; EP = 2 through torchrun when 2 GPUs are present, plus the
 # EP = 2 layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
 # bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. Opt-in
@@ -11,8 +11,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
 checks=${*:-quantize gemm_sm90 gemm_fp8 gemm_fp8_scaled route_grad layer_sm90 layer_fp8}
-timeout 420 python3 tools/gpu_check.py $checks > "$out/check.log" 2>&1
-echo "gpu_check rc=$?" > "$out/summary.txt"
+: > "$out/summary.txt"
+for c in $checks; do  # one process per check: a device fault in one cannot take down the others
+    timeout 240 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1
+    echo "gpu_check $c rc=$?" >> "$out/summary.txt"
+done
 timeout 90 python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
 echo "quickstart rc=$? $(tail -1 "$out/quickstart.log")" >> "$out/summary.txt"
 MOK_COMM_QUICK=1 timeout 60 python3 tools/gpu_check.py comm > "$out/comm1.log" 2>&1
@@ -27,7 +30,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 timeout 300 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/summary.txt"
-grep -A300 "== gpu_check" "$out/check.log" | grep -v "^\s*$" | cut -c1-170
+for c in $checks; do grep -A200 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-170; done
 grep -A40 "== gpu_check" "$out/comm1.log" | cut -c1-150 | head -20
 [ -f "$out/comm.log" ] && grep -A60 "== gpu_check" "$out/comm.log" | cut -c1-150 | head -40
 [ -f "$out/bench_comm.log" ] && tail -40 "$out/bench_comm.log" | cut -c1-170
