@@ -19,7 +19,10 @@ class MoKConfig:
         scales per 1x128 activation tile and 128x128 weight block); see mok_cute.reference.
     minibatch_tokens: tokens per overlap unit of the megakernel; a multiple of 256.
     comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2.
-    tile_m / tile_n / tile_k: GEMM tile shape (M = tokens, N = output features, K = reduction).
+    tile_m / tile_n / tile_k: GEMM tile override (M = tokens, N = output features, K =
+        reduction); None (default): each backend's tuned tiles per precision. The GPU backends
+        do not take overrides yet and raise NotImplementedError for one (the reference ignores
+        tiles).
     backend: "auto" (by device capability), "reference" (pure torch), "sm90", "sm100";
         the environment variable MOK_CUTE_BACKEND overrides it.
     device_timeout_s: bound on any device-side wait for a peer; exceeding it raises
@@ -32,9 +35,9 @@ class MoKConfig:
     minibatch_tokens: int = 4096
     comm_sms_fwd: int = 40
     comm_sms_bwd: int = 28
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
+    tile_m: int | None = None
+    tile_n: int | None = None
+    tile_k: int | None = None
     backend: str = "auto"
     device_timeout_s: float = 30.0
     validate_routing: bool = True
@@ -51,8 +54,9 @@ class MoKConfig:
             if v < 2 or v % 2:
                 raise ValueError(f"{name} must be an even integer >= 2, got {v}")
         for name, allowed in (("tile_m", TILE_M), ("tile_n", TILE_N), ("tile_k", TILE_K)):
-            _int(name, getattr(self, name))
-            _choice(name, getattr(self, name), allowed)
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name))
+                _choice(name, getattr(self, name), allowed)
         t = self.device_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"device_timeout_s must be a positive finite number of seconds, got {t!r}")

@@ -133,6 +133,10 @@ class GroupedExpertBackend:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.ep_layer) runs "
                                       f"{', '.join(self.mlp.ep_precisions)} only, not precision "
                                       f"{config.precision!r}: use EP = 1")
+        tiles = {n: getattr(config, n) for n in ("tile_m", "tile_n", "tile_k") if getattr(config, n) is not None}
+        if tiles:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: GEMM tile overrides {tiles} are not "
+                                      "selectable yet (leave MoKConfig tile_* as None for its tuned tiles)")
         if config.precision not in self.mlp.precisions:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: precision {config.precision!r} "
                                       f"is not wired yet ({', '.join(self.mlp.precisions)} only)")

@@ -40,6 +40,20 @@ def test_config_rejects(kw, exc, msg):
 def test_config_defaults():
     c = MoKConfig()
     assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 4096, 40, 28)
+    assert (c.tile_m, c.tile_n, c.tile_k) == (None, None, None)  # each backend's tuned tiles
+    assert MoKConfig(tile_n=128).tile_n == 128
+
+
+def test_gpu_backend_rejects_tile_overrides():
+    """A tile override is never silently ignored: the GPU backends raise before any kernel."""
+    from mok_cute.backend import MoEInputs, get_backend
+
+    p, _ = make_problem(T=8, H=256, I=256, E=2, k=2)
+    inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    for name in ("sm90", "sm100"):
+        with pytest.raises(NotImplementedError, match="tile overrides"):
+            get_backend(name).check(inp, MoKConfig(tile_n=128), None)
+        get_backend(name).check(inp, MoKConfig(), None)
 
 
 # ---------------------------------------------------------------- bad inputs
