@@ -17,8 +17,10 @@ class MoKConfig:
 
     precision: "bf16", "mxfp8" (E4M3 + E8M0 per 32 along K) or "fp8_block" (E4M3 + fp32
         scales per 1x128 activation tile and 128x128 weight block); see mok_cute.reference.
-    minibatch_tokens: tokens per overlap unit of the megakernel; a multiple of 256.
-    comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2.
+    minibatch_tokens: tokens per overlap unit of the fused megakernel; a multiple of 256
+        (validated; the unfused paths that exist today do not use it).
+    comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2 (the
+        unfused EP > 1 path runs its forward / backward comm kernels on that many CTAs).
     tile_m / tile_n / tile_k: GEMM tile override (M = tokens, N = output features, K =
         reduction); None (default): each backend's tuned tiles per precision. The GPU backends
         do not take overrides yet and raise NotImplementedError for one (the reference ignores

@@ -18,20 +18,18 @@ rows, then dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j)) in slot order) -> d top
 fp32 sum_h dy[t, h] * r_j[t, h] from the saved slot rows -> ``ws.check_status()``.
 
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
-the same sequence of layer calls. BF16 only.
+the same sequence of layer calls. BF16 only. ``MoKConfig``: ``device_timeout_s`` bounds every
+device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
+of the forward (dispatch, combine) and backward (reverse combine, reverse dispatch) comm kernels.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .grouped_backend import shared_backward, shared_forward, topk_w_grad
 from .reference import MoEGrads
-
-TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "30"))  # bound of every device-side wait
-
 
 @dataclass
 class EPState:
@@ -45,9 +43,10 @@ class EPState:
     routed: object
     shared_group: object
     slot_out: torch.Tensor  # [T, k, H] routed rows r_j of this rank's tokens (stale for -1 slots)
+    ctas_bwd: int  # comm CTAs of the backward's kernels (config.comm_sms_bwd)
 
 
-def forward(mlp, inp, group, ep: int):
+def forward(mlp, inp, group, ep: int, config):
     from .comm.combine import combine
     from .comm.dispatch import dispatch
     from .comm.workspace import get_workspace
@@ -56,16 +55,17 @@ def forward(mlp, inp, group, ep: int):
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
     h = x.shape[1]
-    ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=TIMEOUT_S)
+    ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
     plan = plan_routing_device(ws, idx)
-    x_rows, w_rows = dispatch(ws, x, plan, topk_w=inp.topk_w)
+    ctas = config.comm_sms_fwd
+    x_rows, w_rows = dispatch(ws, x, plan, topk_w=inp.topk_w, num_ctas=ctas)
     r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
     s, shared_group = shared_forward(mlp, x, inp.shared, limit)
-    y = combine(ws, r, inp.topk_w, plan, shared_out=s)
+    y = combine(ws, r, inp.topk_w, plan, shared_out=s, num_ctas=ctas)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, h)).clone()
     ws.check_status()
     state = EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                    routed, shared_group, slot_out)
+                    routed, shared_group, slot_out, config.comm_sms_bwd)
     return y, state
 
 
@@ -74,11 +74,11 @@ def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
     from .comm.dispatch import reverse_combine
 
     ws, plan = st.ws, st.plan
-    dyr = reverse_combine(ws, dy, plan)
+    dyr = reverse_combine(ws, dy, plan, num_ctas=st.ctas_bwd)
     dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
     dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
     dxs, d_shared = shared_backward(mlp, st.shared_group, dy, st.shared, st.limit)
-    dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs)
+    dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs, num_ctas=st.ctas_bwd)
     dtw = topk_w_grad(dy, st.slot_out, st.topk_idx)
     ws.check_status()
     return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

@@ -153,7 +153,7 @@ class GroupedExpertBackend:
         if ep != 1:
             from . import ep_layer
 
-            return ep_layer.forward(self.mlp, inp, group, ep)
+            return ep_layer.forward(self.mlp, inp, group, ep, config)
         x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
         t, k = idx.shape
         order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])

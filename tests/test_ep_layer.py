@@ -116,32 +116,39 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
         v.recv_src = recv
         return v
 
-    def pull(ws_, rows, plan):
+    ctas = []  # comm CTAs asked of each call: config.comm_sms_fwd / comm_sms_bwd
+
+    def pull(ws_, rows, plan, num_ctas=None):
+        ctas.append(num_ctas)
         m = int(plan.offsets[-1])
         out = torch.full((cap, rows.shape[1]), float("nan"), dtype=rows.dtype)
         out[:m] = rows[plan.recv_src[:m].long() // k]
         return out
 
-    def dispatch(ws_, rows, plan, *, topk_w):
+    def dispatch(ws_, rows, plan, *, topk_w, num_ctas=None):
         """Mirror of dispatch(..., topk_w=): rows and each row's weight (0 past M)."""
         w = torch.zeros(cap)
         m = int(plan.offsets[-1])
         w[:m] = topk_w.reshape(-1)[plan.recv_src[:m].long()]
         assert torch.equal(w, route_weights(plan.recv_src, plan.offsets, topk_w[None]))
-        return pull(ws_, rows, plan), w
+        return pull(ws_, rows, plan, num_ctas), w
 
-    def push_reduce(ws_, rows, plan, w, start):
+    def push_reduce(ws_, rows, plan, w, start, num_ctas):
+        ctas.append(num_ctas)
         m = int(plan.offsets[-1])
         ws_.slots[plan.recv_src[:m].long()] = rows[:m]
         acc = start.float() if start is not None else torch.zeros(T, rows.shape[1])
         return R.slot_sum(acc, ws_.slots.view(T, k, -1), plan.dest_rank, w).to(torch.bfloat16)
 
-    monkeypatch.setattr(W, "get_workspace", lambda *a, **kw: ws)
+    timeouts = []
+    monkeypatch.setattr(W, "get_workspace", lambda *a, **kw: timeouts.append(kw["timeout_s"]) or ws)
     monkeypatch.setattr(PL, "plan_routing_device", plan_dev)
     monkeypatch.setattr(D, "dispatch", dispatch)
     monkeypatch.setattr(D, "reverse_combine", pull)
-    monkeypatch.setattr(C, "combine", lambda ws_, r, w, plan, shared_out=None: push_reduce(ws_, r, plan, w, shared_out))
-    monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None: push_reduce(ws_, r, plan, None, dx_shared))
+    monkeypatch.setattr(C, "combine", lambda ws_, r, w, plan, shared_out=None, num_ctas=None:
+                        push_reduce(ws_, r, plan, w, shared_out, num_ctas))
+    monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None, num_ctas=None:
+                        push_reduce(ws_, r, plan, None, dx_shared, num_ctas))
     import torch.distributed as dist
 
     for name in ("all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast"):
@@ -149,10 +156,12 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
 
     sh = p.get("shared")
     inp = B.MoEInputs(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
-    y, st = L.forward(_RefMLP(), inp, None, 1)
+    cfg = MoKConfig(comm_sms_fwd=24, comm_sms_bwd=12, device_timeout_s=7.5)
+    y, st = L.forward(_RefMLP(), inp, None, 1, cfg)
     dy = torch.randn(T, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     g = L.backward(_RefMLP(), st, dy)
     assert ws.checked == 2
+    assert timeouts == [7.5] and ctas == [24, 24, 12, 12]  # the config reaches the comm kernels
     y_ref, saved = R.moe_forward(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
     g_ref = R.moe_backward(saved, dy)
     assert torch.equal(y, y_ref)
