@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mok_cute
 from mok_cute import MoELayer, MoKConfig, moe
 from mok_cute import backend as B
 from mok_cute import reference as R

@@ -2,7 +2,6 @@
 the same global problem, bitwise."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

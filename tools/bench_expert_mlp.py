@@ -321,7 +321,7 @@ def main() -> int:
                   f"{t('host_fb_us'):9.0f} {t('graph_fb_us'):9.0f} {r['ours_graph_fb_us'] / t('graph_fb_us'):7.3f}")
     prec_rows = [r for r in rows if "precisions" in r]
     if prec_rows:
-        print(f"== ours by precision (sm90 expert MLP, direct calls; x_* = time / ours-bf16 time) ==")
+        print("== ours by precision (sm90 expert MLP, direct calls; x_* = time / ours-bf16 time) ==")
         print(f"{'shape':26s} {'routing':8s} {'prec':9s} {'fwd_us':>9s} {'f+b_us':>9s} {'f+b_wq_us':>9s} {'f+b_TF':>7s} "
               f"{'x_fwd':>6s} {'x_f+b':>6s} {'x_f+b_wq':>8s}")
         for r in prec_rows:

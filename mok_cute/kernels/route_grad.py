@@ -28,7 +28,7 @@ def _build(arch: str):
     cutlass, cute = dsl()
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
-    Int32, Int64, Uint32 = cutlass.Int32, cutlass.Int64, cutlass.Uint32
+    Int32, Uint32 = cutlass.Int32, cutlass.Uint32
 
     def ptx(text, *args):
         return cute.arch.inline_ptx(text, write_only_types=[Uint32], read_only_args=list(args))

@@ -59,7 +59,6 @@ import torch
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup

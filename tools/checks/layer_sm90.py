@@ -86,7 +86,8 @@ def run(ctx) -> list[Row]:
     import mok_cute
 
     cfg = mok_cute.MoKConfig(backend="sm90")
-    leaves = [x.requires_grad_(), w.requires_grad_()] + [p.requires_grad_() for p in ws + sh]
+    for t in [x, w, *ws, *sh]:
+        t.requires_grad_()
     fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
     fb = lambda: torch.autograd.backward(fwd(), dy)
     with torch.no_grad():
