@@ -17,6 +17,22 @@ THREADS = 1024  # threads per CTA of every row-moving comm kernel
 
 
 @cute.jit
+def routed_rows(tidx: Int32, bidx: Int32, status: cute.Pointer, recv_src: cute.Pointer, offsets: cute.Pointer,
+                grouped_rows: Int32, e_local: Int32, channel: Int32, epoch: Int32):
+    """``(M, recv_src)`` of a row mover: ``M = offsets[e_local]`` clamped to the buffer's
+    ``grouped_rows`` (thread 0 of CTA 0 reports OVERFLOW when clamping), and ``recv_src`` as
+    a tensor of ``grouped_rows`` route indices."""
+    offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
+    m = offs[e_local]
+    if m > grouped_rows:
+        if bidx == 0:
+            if tidx == 0:
+                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
+        m = grouped_rows
+    return m, cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+
+
+@cute.jit
 def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
                      recv_src: cute.Pointer, offsets: cute.Pointer, grouped: cute.Pointer,
                      grouped_rows: Int32, ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32,
@@ -27,14 +43,7 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
     ``[T*k, H]`` at ``peer_off``, as one 16-byte store (or, ``store32``, four 4-byte ones).
     ``grouped`` is bf16 ``[grouped_rows, H]`` with ``V = H / 8`` vectors per row; ``tk = T*k``
     and the thread/block indices come from the caller (computed once per kernel)."""
-    offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-    m = offs[e_local]
-    if m > grouped_rows:
-        if bidx == 0:
-            if tidx == 0:
-                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
-        m = grouped_rows
-    rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+    m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
     local = cute.make_tensor(grouped, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
     local32 = cute.make_tensor(cute.recast_ptr(grouped, dtype=Int32),
                                cute.make_layout((grouped_rows * V, 4), stride=(4, 1)))
@@ -80,14 +89,7 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
     loads when pulling) are all issued before its stores, so each thread keeps ``unroll``
     vectors in flight instead of one (plain peer loads are latency-bound). Opt-in
     (``MOK_COMM_UNROLL``); the default kernels keep :func:`copy_routed_rows`."""
-    offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-    m = offs[e_local]
-    if m > grouped_rows:
-        if bidx == 0:
-            if tidx == 0:
-                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
-        m = grouped_rows
-    rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+    m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
     local = cute.make_tensor(grouped, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
     buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # column u: vector u of the trip
     n = m * V
@@ -152,14 +154,7 @@ def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointe
     ``out2[i, v - Vd]`` (row pitch ``Vs`` vectors): MXFP8 data then scales. With ``has_w`` the
     thread of vector 0 also copies the route's 4-byte weight (``w_off + (t*k + j)*4`` on rank
     p) to ``w_out[i]`` (int32 bits). Byte movement only: no value is converted."""
-    offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-    m = offs[e_local]
-    if m > grouped_rows:
-        if bidx == 0:
-            if tidx == 0:
-                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
-        m = grouped_rows
-    rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+    m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
     dst = cute.make_tensor(out, cute.make_layout((grouped_rows * Vd, 8), stride=(8, 1)))
     dst2 = cute.make_tensor(out2, cute.make_layout((grouped_rows * Vs, 8), stride=(8, 1)))
     wo = cute.make_tensor(w_out, cute.make_layout(grouped_rows))
@@ -308,13 +303,7 @@ def bulk_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
     ring_ptr = smem.allocate_array(cutlass.Int8, BULK_CHUNK * BULK_STAGES, byte_alignment=128)
     mbar = smem.allocate_array(Int64, BULK_STAGES, byte_alignment=8)
     if tidx == 0:
-        offs = cute.make_tensor(offsets, cute.make_layout(e_local + 1))
-        m = offs[e_local]
-        if m > grouped_rows:
-            if bidx == 0:
-                P.report(status, Int32(P.OVERFLOW), m, channel, epoch)
-            m = grouped_rows
-        rs = cute.make_tensor(recv_src, cute.make_layout(grouped_rows))
+        m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
         rb = Int64(V) * 16
         nch = (V * 16 + BULK_CHUNK - 1) // BULK_CHUNK
         n_items = m * nch
