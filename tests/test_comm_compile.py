@@ -343,9 +343,9 @@ def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
 def test_unrolled_pull_issues_every_load_before_a_store(arch, unroll):
     """Opt-in MOK_COMM_UNROLL: `unroll` 16-byte peer loads per trip, all before its stores;
     its own kernel name; system-scope ordering as the default pull; no spills."""
-    from mok_cute.comm.dispatch import compile_pull, pull_unrolled_launcher
+    from mok_cute.comm.dispatch import compile_pull, pull_launcher
 
-    assert pull_unrolled_launcher(unroll) is pull_unrolled_launcher(unroll)
+    assert pull_launcher(unroll) is pull_launcher(unroll)
     _, rep = compile_pull(arch, inspect=True, unroll=unroll)
     assert_sys_ordering(rep)
     assert rep.total_spill_bytes == 0

@@ -17,7 +17,7 @@ every CTA waits READY >= e from every peer, the CTAs copy 16-byte vectors (plain
 loads, grid-stride over (row, vector)), and the last CTA to finish signals DONE = e.
 
 Transport: plain 16-byte loads by every thread (default, verified); ``MOK_COMM_UNROLL=2|8``
-keeps that many loads in flight per thread (opt-in :func:`pull_unrolled_launcher`, not yet
+keeps that many loads in flight per thread (opt-in, :func:`pull_launcher` ``unroll``, not yet
 run on a GPU); ``MOK_COMM_TRANSPORT=bulk``
 switches the bf16 pull without weights (dispatch, reverse combine) to the opt-in
 cp.async.bulk kernel (:func:`pull_bulk_launcher`, not yet run on a GPU); the MXFP8 and
@@ -34,51 +34,51 @@ from __future__ import annotations
 import torch
 
 from mok_cute.comm import protocol as P
-from mok_cute.comm.protocol import cute
+from mok_cute.comm.protocol import cute, cutlass
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
                                 copy_routed_rows_unrolled, pull_rows_ext, unroll_of, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
-from cutlass import BFloat16, Int32, Int64
+from cutlass import BFloat16, Constexpr, Int32, Int64
 
 PAYLOADS = ("bf16", "mxfp8")
 
 
 _launchers: dict = {}
 
+# The row-moving kernels are built per variant by Python closure (see docs/comm-status.md): no
+# Constexpr kernel parameters; int64/int32/bf16 pointers and Int32/Int64 scalars only; peer
+# addresses in 64 bits. They share the pull protocol below and, where their arguments are the
+# same, one host launcher.
 
-def pull_launcher():
-    """The ``@cute.jit`` launcher of the pull kernel, built once by Python closure like
-    :func:`mok_cute.comm.combine.push_reduce_launcher`: no Constexpr kernel parameters,
-    int64/int32/bf16 pointers and Int32/Int64 scalars only, peer addresses in 64 bits."""
-    if "pull" in _launchers:
-        return _launchers["pull"]
 
-    @cute.kernel
-    def pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                    recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                    out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
-                    e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
-                    timeout_ns: Int64, nctas: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if tidx == 0:
-            if bidx == 0:
-                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-        cute.arch.barrier()
-        if not P.failed(status):
-            copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
-                             T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False)
-        cute.arch.barrier()
-        if tidx == 0:
-            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
-                                epoch, nctas)
+@cute.jit
+def _pull_protocol(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, me: Int32, ep: Int32,
+                   flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32, move: Constexpr):
+    """One pull (epoch ``epoch``): CTA 0 signals READY to every peer, every CTA waits READY
+    from every peer, the CTA's threads run ``move(tidx, bidx, pb)`` (unless a wait failed),
+    and the last CTA to finish signals DONE."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    if tidx == 0:
+        if bidx == 0:
+            P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
+        P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+    cute.arch.barrier()
+    if not P.failed(status):
+        move(tidx, bidx, pb)
+    cute.arch.barrier()
+    if tidx == 0:
+        P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
+                            epoch, nctas)
 
-    kernel = pull_kernel
+
+def _rows_host(kernel, smem: int = 0):
+    """The ``@cute.jit`` host launcher of a bf16 row pull kernel (``nctas`` CTAs of 1024
+    threads on ``stream``; ``smem`` bytes of dynamic shared memory when nonzero)."""
 
     @cute.jit
     def pull_rows_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
@@ -86,23 +86,36 @@ def pull_launcher():
                        out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                        e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                        timeout_ns: Int64, nctas: Int32, stream):
-        """Launch the pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
-        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
-               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        launch = kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
+                        e_local, src_off, flags_off, epoch, timeout_ns, nctas)
+        if cutlass.const_expr(smem):
+            launch.launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=smem, stream=stream)
+        else:
+            launch.launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    _launchers["pull"] = host = pull_rows_host
-    return host
+    return pull_rows_host
 
 
-def pull_unrolled_launcher(unroll: int):
-    """The launcher of the opt-in unrolled pull (``MOK_COMM_UNROLL``): :func:`pull_launcher`'s
-    protocol and arguments with :func:`mok_cute.comm.rows.copy_routed_rows_unrolled` moving
-    the rows; its own kernel name (``pull_unrolled_kernel``), one build per ``unroll``."""
-    key = ("pull_unrolled", int(unroll))
+def pull_launcher(unroll: int = 1):
+    """The launcher of the bf16 pull (dispatch, reverse combine): :func:`_pull_protocol` with
+    :func:`mok_cute.comm.rows.copy_routed_rows` moving the rows (kernel ``pull_kernel``), or,
+    with ``unroll`` > 1 (opt-in ``MOK_COMM_UNROLL``),
+    :func:`mok_cute.comm.rows.copy_routed_rows_unrolled` (kernel ``pull_unrolled_kernel``)."""
+    key = ("pull", int(unroll))
     if key in _launchers:
         return _launchers[key]
     unroll = int(unroll)
+
+    @cute.kernel
+    def pull_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                    recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                    out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
+                    e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
+                    timeout_ns: Int64, nctas: Int32):
+        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+                       lambda tidx, bidx, pb: copy_routed_rows(
+                           tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
+                           src_off, Int32(P.READY), epoch, nctas, False))
 
     @cute.kernel
     def pull_unrolled_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
@@ -110,44 +123,20 @@ def pull_unrolled_launcher(unroll: int):
                              out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                              e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                              timeout_ns: Int64, nctas: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if tidx == 0:
-            if bidx == 0:
-                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-        cute.arch.barrier()
-        if not P.failed(status):
-            copy_routed_rows_unrolled(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
-                                      T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False, unroll)
-        cute.arch.barrier()
-        if tidx == 0:
-            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
-                                epoch, nctas)
+        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+                       lambda tidx, bidx, pb: copy_routed_rows_unrolled(
+                           tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
+                           src_off, Int32(P.READY), epoch, nctas, False, unroll))
 
-    kernel = pull_unrolled_kernel
-
-    @cute.jit
-    def pull_unrolled_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                           recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                           out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
-                           e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
-                           timeout_ns: Int64, nctas: Int32, stream):
-        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
-               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    _launchers[key] = host = pull_unrolled_host
+    _launchers[key] = host = _rows_host(pull_kernel if unroll == 1 else pull_unrolled_kernel)
     return host
 
 
 def compile_pull(arch: str, inspect: bool = False, unroll: int = 1):
-    """Compile the pull launcher (``unroll`` > 1: :func:`pull_unrolled_launcher`) for ``arch``;
+    """Compile the pull launcher (:func:`pull_launcher`) for ``arch``;
     returns ``(compiled, CompileReport | None)``."""
     i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    launcher = pull_launcher() if unroll == 1 else pull_unrolled_launcher(unroll)
-    return compile_kernel(launcher, i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
+    return compile_kernel(pull_launcher(unroll), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
                           Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)
@@ -165,67 +154,22 @@ def pull_ext_launcher(split: bool, has_w: bool):
         return _launchers[key]
     split, has_w = bool(split), bool(has_w)
 
-    @cute.jit
-    def body(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-             recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-             out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-             ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-             e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-             epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if tidx == 0:
-            if bidx == 0:
-                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-        cute.arch.barrier()
-        if not P.failed(status):
-            pull_rows_ext(tidx, bidx, pb, status, recv_src, offsets, out, out2, w_out, out_rows,
-                          ep, T, k, T * k, V, Vd, Vs, e_local, src_off, w_off, Int32(P.READY),
-                          epoch, nctas, split, has_w)
-        cute.arch.barrier()
-        if tidx == 0:
-            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
-                                epoch, nctas)
-
-    # One differently named kernel per variant: variants that share a kernel (symbol) name
-    # faulted natively on the H200 (the MXFP8 pull ran after the weighted bf16 one), while
-    # every variant passed under compute-sanitizer.
-    @cute.kernel
-    def pull_w_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                      recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                      out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-                      ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-                      e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-                      epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        body(peer_bases, status, counter, recv_src, offsets, out, out2, w_out, out_rows, me, ep, T, k,
-             V, Vd, Vs, e_local, src_off, w_off, flags_off, epoch, timeout_ns, nctas)
-
-    @cute.kernel
-    def pull_mx_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                       out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-                       ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-                       e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-                       epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        body(peer_bases, status, counter, recv_src, offsets, out, out2, w_out, out_rows, me, ep, T, k,
-             V, Vd, Vs, e_local, src_off, w_off, flags_off, epoch, timeout_ns, nctas)
-
-    @cute.kernel
-    def pull_mx_w_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                         recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                         out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-                         ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-                         e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-                         epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        body(peer_bases, status, counter, recv_src, offsets, out, out2, w_out, out_rows, me, ep, T, k,
-             V, Vd, Vs, e_local, src_off, w_off, flags_off, epoch, timeout_ns, nctas)
-
     if not (split or has_w):
         raise ValueError("the bf16 pull without weights is pull_launcher()")
-    kernel = {(False, True): pull_w_kernel, (True, False): pull_mx_kernel,
-              (True, True): pull_mx_w_kernel}[(split, has_w)]
+
+    @cute.kernel
+    def pull_ext_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                        recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                        out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
+                        ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
+                        e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
+                        epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+                       lambda tidx, bidx, pb: pull_rows_ext(
+                           tidx, bidx, pb, status, recv_src, offsets, out, out2, w_out, out_rows, ep, T, k, T * k,
+                           V, Vd, Vs, e_local, src_off, w_off, Int32(P.READY), epoch, nctas, split, has_w))
+
+    kernel = pull_ext_kernel
 
     @cute.jit
     def pull_ext_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
@@ -267,35 +211,12 @@ def pull_bulk_launcher():
                          out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                          e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                          timeout_ns: Int64, nctas: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if tidx == 0:
-            if bidx == 0:
-                P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-            P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-        cute.arch.barrier()
-        if not P.failed(status):
-            bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k,
-                             T * k, V, e_local, src_off, Int32(P.READY), epoch, nctas, False)
-        cute.arch.barrier()
-        if tidx == 0:
-            P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
-                                epoch, nctas)
+        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+                       lambda tidx, bidx, pb: bulk_routed_rows(
+                           tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
+                           src_off, Int32(P.READY), epoch, nctas, False))
 
-    kernel = pull_bulk_kernel
-
-    @cute.jit
-    def pull_bulk_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                       out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
-                       e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
-                       timeout_ns: Int64, nctas: Int32, stream):
-        kernel(peer_bases, status, counter, recv_src, offsets, out, out_rows, me, ep, T, k, V,
-               e_local, src_off, flags_off, epoch, timeout_ns, nctas).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=BULK_SMEM, stream=stream)
-
-    _launchers["pull_bulk"] = host = pull_bulk_host
+    _launchers["pull_bulk"] = host = _rows_host(pull_bulk_kernel, BULK_SMEM)
     return host
 
 
