@@ -125,50 +125,33 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
                recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
                me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32,
                slots_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32,
-               resets: Constexpr, unroll: Constexpr = 1):
+               resets: Constexpr, mover: Constexpr = 1):
     """Wait FREE >= epoch-1, push the grouped rows into the source ranks' slot buffers, and
     arrive on ``counters[0]`` (the last CTA zeroes the first ``resets`` counters, then
     signals DATA = epoch). Plan memory (offsets, recv_src) is local and complete before
-    the launch (same stream), so reading it does not depend on the wait."""
+    the launch (same stream), so reading it does not depend on the wait. ``mover``: 1 the
+    verified 16-byte stores; n > 1 ``n`` vectors in flight per thread (opt-in
+    ``MOK_COMM_UNROLL``); ``"bulk"`` cp.async.bulk (opt-in, local row -> shared -> peer slot,
+    every bulk store complete and proxy-fenced before the CTA barrier and the DATA signal)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if tidx == 0:
         P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
-        if cutlass.const_expr(unroll == 1):
+        if cutlass.const_expr(mover == "bulk"):
+            bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
+                             V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True)
+        elif cutlass.const_expr(mover == 1):
             copy_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
                              V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True,
                              PUSH_STORE == "b32")
-        else:  # opt-in MOK_COMM_UNROLL: `unroll` vectors in flight per thread
+        else:
             copy_routed_rows_unrolled(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k,
-                                      T * k, V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True, unroll)
+                                      T * k, V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True, mover)
     cute.arch.barrier()
     if tidx == 0:
         P.arrive_and_signal(pb, status, counters, counters, resets, flags_off, Int32(P.DATA), me,
-                            ep, epoch, nctas)
-
-
-@cute.jit
-def _push_half_bulk(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
-                    recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
-                    in_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
-                    e_local: Int32, slots_off: Int64, flags_off: Int64, epoch: Int32,
-                    timeout_ns: Int64, nctas: Int32):
-    """:func:`_push_half` with the rows moved by cp.async.bulk (local row -> shared -> peer
-    slot, :func:`mok_cute.comm.rows.bulk_routed_rows`, every bulk store complete and
-    proxy-fenced before the CTA barrier and the DATA signal)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    if tidx == 0:
-        P.wait_all(pb[me] + flags_off, Int32(P.FREE), ep, epoch - 1, timeout_ns, status)
-    cute.arch.barrier()
-    if not P.failed(status):
-        bulk_routed_rows(tidx, bidx, pb, status, recv_src, offsets, rows, in_rows, ep, T, k, T * k,
-                         V, e_local, slots_off, Int32(P.DATA), epoch, nctas, True)
-    cute.arch.barrier()
-    if tidx == 0:
-        P.arrive_and_signal(pb, status, counters, counters, 0, flags_off, Int32(P.DATA), me,
                             ep, epoch, nctas)
 
 
@@ -199,38 +182,27 @@ def _reduce_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
 _launchers: dict = {}
 
 
-def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
-    """The ``@cute.jit`` launcher of one push-and-reduce variant, built once per variant.
+@cute.jit
+def _push_reduce_body(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                 recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
+                 dest_rank: cute.Pointer, weights: cute.Pointer, start: cute.Pointer, out: cute.Pointer,
+                 me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32, e_local: Int32, slots_off: Int64,
+                 flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32, phase: Constexpr,
+                 has_w: Constexpr, has_start: Constexpr, mover: Constexpr):
+    """The push-and-reduce kernel body: ``phase`` 1 = push half only, 2 = reduce half only,
+    3 = both; ``mover`` as :func:`_push_half`."""
+    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    if cutlass.const_expr(phase & 1):  # launched alone the push half resets its counter
+        _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
+                   e_local, slots_off, flags_off, epoch, timeout_ns, nctas, 1 if phase == 1 else 0, mover)
+    if cutlass.const_expr(phase & 2):
+        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
+                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
 
-    The variant (``has_w``, ``has_start``, ``phase``: 1 = push half only, 2 = reduce half
-    only, 3 = both) is fixed by Python closure at build time: the launched kernel has no
-    Constexpr parameters and the argument kinds of the pull
-    kernel (int64/int32/bf16 pointers, Int32/Int64 scalars). ``weights`` is passed as an
-    int32 pointer (the fp32 ``topk_w`` bits) and ``start`` is always a real buffer (the
-    workspace's zero ``dummy`` when absent: never read, never aliases ``out``)."""
-    key = ("push_reduce", bool(has_w), bool(has_start), int(phase))
-    if key in _launchers:
-        return _launchers[key]
-    has_w, has_start, phase = bool(has_w), bool(has_start), int(phase)
-    do_push, do_reduce = (phase & 1) != 0, (phase & 2) != 0
-    push_resets = 1 if phase == 1 else 0  # launched alone the push half resets its counter
 
-    @cute.kernel
-    def push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                           recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
-                           in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
-                           start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
-                           k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
-                           epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if cutlass.const_expr(do_push):
-            _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
-                       e_local, slots_off, flags_off, epoch, timeout_ns, nctas, push_resets)
-        if cutlass.const_expr(do_reduce):
-            _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
-                         slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
-
-    kernel = push_reduce_kernel
+def _push_host(kernel, smem: int = 0):
+    """The ``@cute.jit`` host launcher of a push-and-reduce kernel (``nctas`` CTAs of 1024
+    threads on ``stream``; ``smem`` bytes of dynamic shared memory when nonzero)."""
 
     @cute.jit
     def push_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
@@ -239,22 +211,43 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3):
                          start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
                          k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
                          epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
-        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
-               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
-               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        launch = kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
+                        start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns, nctas)
+        if cutlass.const_expr(smem):
+            launch.launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=smem, stream=stream)
+        else:
+            launch.launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    _launchers[key] = host = push_reduce_host
-    return host
+    return push_reduce_host
 
 
-def push_reduce_unrolled_launcher(has_w: bool, has_start: bool, unroll: int):
-    """The launcher of the opt-in unrolled push-and-reduce (``MOK_COMM_UNROLL``): the protocol
-    and arguments of :func:`push_reduce_launcher` (both halves), the push half moving
-    ``unroll`` vectors per thread per trip; its own kernel name, one build per variant."""
-    key = ("push_reduce_unrolled", bool(has_w), bool(has_start), int(unroll))
+def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, unroll: int = 1):
+    """The ``@cute.jit`` launcher of one push-and-reduce variant, built once per variant.
+
+    The variant (``has_w``, ``has_start``, ``phase``: 1 = push half only, 2 = reduce half
+    only, 3 = both; ``unroll`` > 1: the opt-in unrolled push, both halves, kernel
+    ``push_unrolled_reduce_kernel``) is fixed by Python closure at build time: the launched
+    kernel has no Constexpr parameters and the argument kinds of the pull
+    kernel (int64/int32/bf16 pointers, Int32/Int64 scalars). ``weights`` is passed as an
+    int32 pointer (the fp32 ``topk_w`` bits) and ``start`` is always a real buffer (the
+    workspace's zero ``dummy`` when absent: never read, never aliases ``out``)."""
+    key = ("push_reduce", bool(has_w), bool(has_start), int(phase), int(unroll))
     if key in _launchers:
         return _launchers[key]
-    has_w, has_start, unroll = bool(has_w), bool(has_start), int(unroll)
+    has_w, has_start, phase, unroll = bool(has_w), bool(has_start), int(phase), int(unroll)
+    if unroll > 1 and phase != 3:
+        raise ValueError("the unrolled push-and-reduce runs both halves (phase 3)")
+
+    @cute.kernel
+    def push_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
+                           recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
+                           in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
+                           start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
+                           k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
+                           epoch: Int32, timeout_ns: Int64, nctas: Int32):
+        _push_reduce_body(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights, start,
+                     out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns, nctas, phase, has_w,
+                     has_start, 1)
 
     @cute.kernel
     def push_unrolled_reduce_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
@@ -263,34 +256,19 @@ def push_reduce_unrolled_launcher(has_w: bool, has_start: bool, unroll: int):
                                     start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
                                     k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
                                     epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        _push_half(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
-                   e_local, slots_off, flags_off, epoch, timeout_ns, nctas, 0, unroll)
-        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
-                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+        _push_reduce_body(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights, start,
+                     out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns, nctas, 3, has_w,
+                     has_start, unroll)
 
-    kernel = push_unrolled_reduce_kernel
-
-    @cute.jit
-    def push_unrolled_reduce_host(peer_bases: cute.Pointer, status: cute.Pointer, counters: cute.Pointer,
-                                  recv_src: cute.Pointer, offsets: cute.Pointer, rows: cute.Pointer,
-                                  in_rows: Int32, dest_rank: cute.Pointer, weights: cute.Pointer,
-                                  start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32, T: Int32,
-                                  k: Int32, V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
-                                  epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
-        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
-               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
-               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    _launchers[key] = host = push_unrolled_reduce_host
+    _launchers[key] = host = _push_host(push_reduce_kernel if unroll == 1 else push_unrolled_reduce_kernel)
     return host
 
 
 def push_reduce_bulk_launcher(has_w: bool, has_start: bool):
     """The launcher of the opt-in bulk-copy push-and-reduce (``MOK_COMM_TRANSPORT=bulk``):
-    :func:`_push_half_bulk` then the same :func:`_reduce_half` (the fixed-order sum is the
-    plain transport's code). Its own closure and kernel name, the argument kinds of
-    :func:`push_reduce_launcher`, ``BULK_SMEM`` bytes of dynamic shared memory."""
+    the push half moving rows by cp.async.bulk, then the same :func:`_reduce_half` (the
+    fixed-order sum is the plain transport's code). Its own closure and kernel name, the
+    argument kinds of :func:`push_reduce_launcher`, ``BULK_SMEM`` bytes of dynamic shared memory."""
     key = ("push_reduce_bulk", bool(has_w), bool(has_start))
     if key in _launchers:
         return _launchers[key]
@@ -304,28 +282,11 @@ def push_reduce_bulk_launcher(has_w: bool, has_start: bool):
                                 start: cute.Pointer, out: cute.Pointer, me: Int32, ep: Int32,
                                 T: Int32, k: Int32, V: Int32, e_local: Int32, slots_off: Int64,
                                 flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        _push_half_bulk(pb, status, counters, recv_src, offsets, rows, in_rows, me, ep, T, k, V,
-                        e_local, slots_off, flags_off, epoch, timeout_ns, nctas)
-        _reduce_half(pb, status, counters, dest_rank, weights, start, out, me, ep, T, k, V,
-                     slots_off, flags_off, epoch, timeout_ns, nctas, has_w, has_start)
+        _push_reduce_body(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights, start,
+                     out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns, nctas, 3, has_w,
+                     has_start, "bulk")
 
-    kernel = push_reduce_bulk_kernel
-
-    @cute.jit
-    def push_reduce_bulk_host(peer_bases: cute.Pointer, status: cute.Pointer,
-                              counters: cute.Pointer, recv_src: cute.Pointer,
-                              offsets: cute.Pointer, rows: cute.Pointer, in_rows: Int32,
-                              dest_rank: cute.Pointer, weights: cute.Pointer, start: cute.Pointer,
-                              out: cute.Pointer, me: Int32, ep: Int32, T: Int32, k: Int32,
-                              V: Int32, e_local: Int32, slots_off: Int64, flags_off: Int64,
-                              epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
-        kernel(peer_bases, status, counters, recv_src, offsets, rows, in_rows, dest_rank, weights,
-               start, out, me, ep, T, k, V, e_local, slots_off, flags_off, epoch, timeout_ns,
-               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=BULK_SMEM,
-                             stream=stream)
-
-    _launchers[key] = host = push_reduce_bulk_host
+    _launchers[key] = host = _push_host(push_reduce_bulk_kernel, BULK_SMEM)
     return host
 
 
@@ -342,11 +303,9 @@ def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool =
                         phase: int = 3, unroll: int = 1):
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
     ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order);
-    ``unroll`` > 1 the opt-in :func:`push_reduce_unrolled_launcher` (both halves)."""
+    ``unroll`` > 1 the opt-in unrolled push (both halves)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    launcher = (push_reduce_launcher(has_w, has_start, phase) if unroll == 1
-                else push_reduce_unrolled_launcher(has_w, has_start, unroll))
-    return compile_kernel(launcher, _fake_ptr("i64"), i32,
+    return compile_kernel(push_reduce_launcher(has_w, has_start, phase, unroll), _fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
                           Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
