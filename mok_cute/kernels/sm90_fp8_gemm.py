@@ -73,7 +73,7 @@ from mok_cute.kernels.sm90_mainloop import (
     consumer_barrier,
 )
 from mok_cute.kernels.swiglu_math import dswiglu
-from mok_cute.schedule.group_tiles import seek, tile_coords
+from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
 SCALE_BLOCK = 128
 # overlapped promotion (the default): 3 FP32 fragments per consumer thread (192 registers) do not
@@ -377,10 +377,7 @@ class Fp8BlockGroupedGemm:
         n_tiles = coord_b.shape[0] // b_rows
         k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         m_total = coord_a.shape[0]
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        linear = Int32(bidx)
-        expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
+        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(OVERLAP_PRODUCER_REGS if cutlass.const_expr(overlap)

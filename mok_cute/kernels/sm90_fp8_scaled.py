@@ -79,7 +79,7 @@ from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
 )
-from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
+from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords, wgrad_tile
 
 MX_BLOCK = 32
 _ROWS = 128  # tile_m: factor slots 0..127 are rows, 128.. columns
@@ -381,10 +381,7 @@ class Mxfp8PromotedGemmSm90(_ScaledGemm):
         n_tiles = coord_b.shape[0] // cfg.tile_n
         k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         m_total = coord_a.shape[0]
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        linear = Int32(bidx)
-        expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
+        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
         producer_regs, consumer_regs = self._regs()
 
         if warp < THREADS_PER_WG // 32:

@@ -64,7 +64,7 @@ from mok_cute.kernels.sm90_mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
 )
-from mok_cute.schedule.group_tiles import seek, tile_coords
+from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
@@ -524,10 +524,7 @@ class GroupedGemmSm90:
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
             k_tiles1 = coord_b.shape[1] // cfg.tile_k
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        linear = Int32(bidx)
-        expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, Int32(0), Int32(0))
+        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)

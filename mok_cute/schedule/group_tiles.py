@@ -112,6 +112,18 @@ def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int
 
 
 @cute.jit
+def first_tile(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n_tiles: Int32):
+    """This CTA's start in the persistent tile sequence: ``(linear, grid, expert, base)`` with
+    ``linear`` = the block index, ``grid`` = the stride (number of CTAs) and ``(expert, base)``
+    = :func:`seek` of ``linear`` from the first expert."""
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    linear = Int32(bidx)
+    expert, base = seek(offsets, num_experts, tile_m, n_tiles, linear, Int32(0), Int32(0))
+    return linear, grid, expert, base
+
+
+@cute.jit
 def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: Int32, expert: Int32, base: Int32):
     """``(m_tile, n_tile, row0, rows)`` of ``linear`` inside ``expert`` (cursor from :func:`seek`).
 
