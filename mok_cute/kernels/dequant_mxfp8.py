@@ -278,9 +278,7 @@ def _build(layout: str, count: bool, arch: str):
             lane, base, vs = ops.row_loads(x, n, _THREADS, _UNROLL)
             cnt = Int32(0)
             for u in cutlass.range_constexpr(_UNROLL):
-                a = ops.block_amax(vs[u], 4, fp32_bits=False)
-                sc, byte, nf = ops.e8m0(Int32(a) << 16)
-                q = ops.fp8_words(ops.elems(vs[u]), [sc] * 8, [nf] * 2)
+                q, byte = ops.mx_block(vs[u], 4)
                 o = cute.make_rmem_tensor((4,), Uint32)
                 c = convert([q[0], q[1]], [scale_bits(byte)] * 8, o, Int32(0))
                 i = base + u * 32

@@ -73,6 +73,15 @@ class Fp8Ops:
             a = self.umax(a, self.cute.arch.shuffle_sync_bfly(a, offset=1 << k))
         return a
 
+    def mx_block(self, v, lanes: int):
+        """MXFP8 of one 16-byte chunk ``v`` whose 32-element block spans ``lanes`` adjacent
+        lanes (butterfly amax): ``(data words, scale byte)``, the ops of
+        ``reference.mxfp8_quantize`` (every lane of the block computes the same byte)."""
+        a = self.block_amax(v, lanes, fp32_bits=False)
+        sc, byte, nf = self.e8m0(self.cutlass.Int32(a) << 16 if self.bf16 else self.cutlass.Int32(a))
+        c = 8 if self.bf16 else 4
+        return self.fp8_words(self.elems(v), [sc] * c, [nf] * (c // 4)), byte
+
     def column_amax(self, vs):
         """The 4 running-max words (per word position) over the rows' chunks ``vs``."""
         accs = [None] * 4

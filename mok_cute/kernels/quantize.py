@@ -73,10 +73,7 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
         def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32):
             lane, base, vs = ops.row_loads(x, n, _ROW_THREADS, _ROW_UNROLL)
             for u in cutlass.range_constexpr(_ROW_UNROLL):
-                v = vs[u]
-                a = ops.block_amax(v, L, fp32_bits=False)
-                sc, byte, nf = scale_of(a)
-                o = ops.fp8_words(ops.elems(v), [sc] * C, [nf] * OW)
+                o, byte = ops.mx_block(vs[u], L)
                 i = base + u * 32
                 if i < n:
                     q[i, None].store(o.load())

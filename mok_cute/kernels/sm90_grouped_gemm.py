@@ -301,8 +301,7 @@ class SwigluEpilogue(_StagedEpilogue):
         for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
             for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
                 v = [words[(j, m, n)] for j in range(4)]
-                sc, byte, nf = ops.e8m0(Int32(ops.block_amax(v, 4, fp32_bits=False)) << 16)
-                o = ops.fp8_words(ops.elems(v), [sc] * 8, [nf] * 2)
+                o, byte = ops.mx_block(v, 4)
                 r, c = coords[(0, m, n)]
                 if r < rows:
                     col = n_tile * self.half + c
