@@ -88,11 +88,12 @@ def _offs32(offsets):
 
 # ----------------------------------------------------------------------------- FP8 blockwise
 def _fp8_weight(w):
-    """(data [E, R, C] e4m3, scales [E, R/128, C/128] fp32): 128x128 blocks per expert."""
-    from . import reference
+    """(data [E, R, C] e4m3, scales [E, R/128, C/128] fp32): 128x128 blocks per expert (R % 128
+    == 0, so the blocks of the [E*R, C] view never straddle two experts)."""
+    from .kernels import quantize_fp8
 
     e, r, c = w.shape
-    q, s = reference.fp8_block_quantize_weight(w.reshape(e * r, c))
+    q, s = quantize_fp8.quantize_fp8_block_weight(w.reshape(e * r, c).contiguous())
     return q.view(e, r, c), s.view(e, r // FP8_BLOCK, c // FP8_BLOCK)
 
 

@@ -285,6 +285,7 @@ def emu(monkeypatch):
 
     monkeypatch.setattr(quantize, "quantize_mxfp8", R.mxfp8_quantize)
     monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_act", R.fp8_block_quantize_act)
+    monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_weight", R.fp8_block_quantize_weight)
 
     def tokens(x, offsets, fmt):
         assert offsets.dtype == torch.int32

@@ -50,30 +50,53 @@ def kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
     ]
 
 
-def fp8_kernels(e: int = 8, rows: int = 4096, k: int = 7168, n: int = 4096):
-    """[(name, fn)]: the FP8 grouped GEMMs (fp8_block default consumer, MXFP8 per-32 promoted)
-    and the BF16 plain grouped GEMM at one shape (operands quantized once, outside)."""
-    from mok_cute import reference as ref  # noqa: PLC0415
-    from mok_cute.kernels import quantize, quantize_fp8, sm90_fp8_gemm, sm90_fp8_scaled  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
+def fp8_kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
+    """[(name, fn)]: each fp8_block expert-MLP kernel beside its BF16 counterpart (GEMM1 +
+    SwiGLU, GEMM2, dgrad2 + dSwiGLU, dgrad1, wgrad dWd), the MXFP8 per-32 promoted GEMM and the
+    fp8_block quantizers (1x128 rows, 128x128 weight, token-wise), at the shape of
+    :func:`kernels`; operands quantized once, outside the profiled range."""
+    from mok_cute.kernels import quantize, quantize_fp8, sm90_fp8_expert, sm90_fp8_gemm, sm90_fp8_scaled  # noqa: PLC0415
 
+    bf16 = dict(kernels(e, rows, hid, inter))
     dev = torch.device("cuda")
     m = e * rows
     offs = torch.arange(0, m + 1, rows, device=dev, dtype=torch.int32)
-    x = torch.randn(m, k, device=dev).bfloat16()
-    w = (torch.randn(e, n, k, device=dev) * k ** -0.5).bfloat16()
-    xq, xs = quantize_fp8.quantize_fp8_block_act(x)
-    wq = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev)
-    ws = torch.empty(e, n // 128, k // 128, device=dev)
-    for i in range(e):
-        wq[i], ws[i] = ref.fp8_block_quantize_weight(w[i])
+    x = torch.randn(m, hid, device=dev).bfloat16()
+    h = torch.randn(m, inter, device=dev).bfloat16()
+    dy = torch.randn(m, hid, device=dev).bfloat16()
+    dgu = torch.randn(m, 2 * inter, device=dev).bfloat16()
+    gu = torch.randn(m, 2 * inter, device=dev).bfloat16()
+
+    def weight(n, k):
+        w = (torch.randn(e * n, k, device=dev) * k ** -0.5).bfloat16()
+        q, s = quantize_fp8.quantize_fp8_block_weight(w)
+        return w, (q.view(e, n, k), s.view(e, n // 128, k // 128))
+
+    wg_bf16, wg = weight(inter, hid)
+    _, wu = weight(inter, hid)
+    wd_bf16, wd = weight(hid, inter)
+    wdt = sm90_fp8_expert.transpose_weight_blocks(wd)
+    w1t = sm90_fp8_expert.transpose_weight_blocks(wg, wu)
+    xq, hq, dyq, dguq = (quantize_fp8.quantize_fp8_block_act(t) for t in (x, h, dy, dgu))
+    dy_t, h_t = (quantize_fp8.quantize_tokens(t, offs, "fp8_block") for t in (dy, h))
     xmq, xms = quantize.quantize_mxfp8(x, -1)
-    wmq, wms = quantize.quantize_mxfp8(w.reshape(e * n, k), -1)
-    wmq, wms = wmq.view(e, n, k), wms.view(e, n, k // 32)
+    wmq, wms = quantize.quantize_mxfp8(wg_bf16, -1)
+    wmq, wms = wmq.view(e, inter, hid), wms.view(e, inter, hid // 32)
     return [
-        ("bf16 plain K7168 N4096", lambda: gg.grouped_gemm(x, offs, w)),
-        ("fp8_block K7168 N4096", lambda: sm90_fp8_gemm.grouped_gemm_fp8_block(xq, xs, offs, wq, ws)),
-        ("mxfp8 promoted K7168 N4096", lambda: sm90_fp8_scaled.grouped_gemm_mxfp8_promoted(xmq, xms, offs, wmq, wms)),
+        ("bf16 gemm1+swiglu", bf16["gemm1+swiglu"]),
+        ("fp8 gemm1+swiglu", lambda: sm90_fp8_expert.grouped_gemm1_swiglu_fp8_block(*xq, offs, *wg, *wu, limit=4.0)),
+        ("bf16 gemm2", bf16["gemm2"]),
+        ("fp8 gemm2", lambda: sm90_fp8_gemm.grouped_gemm_fp8_block(*hq, offs, *wd)),
+        ("bf16 dgrad2+dswiglu", bf16["dgrad2+dswiglu"]),
+        ("fp8 dgrad2+dswiglu", lambda: sm90_fp8_expert.grouped_dswiglu_dgrad_fp8_block(*dyq, offs, *wdt, gu, limit=4.0)),
+        ("bf16 dgrad1", bf16["dgrad1"]),
+        ("fp8 dgrad1", lambda: sm90_fp8_expert.grouped_dgrad1_fp8_block(*dguq, offs, *w1t)),
+        ("bf16 wgrad dWd", bf16["wgrad dWd"]),
+        ("fp8 wgrad dWd", lambda: sm90_fp8_scaled.grouped_wgrad_fp8_block(*dy_t, *h_t, offs)),
+        ("mxfp8 promoted gemm1 shape", lambda: sm90_fp8_scaled.grouped_gemm_mxfp8_promoted(xmq, xms, offs, wmq, wms)),
+        ("quantize 1x128 rows x", lambda: quantize_fp8.quantize_fp8_block_act(x)),
+        ("quantize 128x128 weight Wd", lambda: quantize_fp8.quantize_fp8_block_weight(wd_bf16)),
+        ("quantize tokens dy", lambda: quantize_fp8.quantize_tokens(dy, offs, "fp8_block")),
     ]
 
 
