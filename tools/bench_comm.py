@@ -12,7 +12,7 @@ rows + E8M0 scale rows, H + H/32 bytes per row). Per (T, H, k, payload):
   * NCCL baseline, as Megatron's all-to-all dispatcher does it: permute -> all_to_all_single
     -> sort by expert (MXFP8: one packed uint8 row of data + scales); back: unsort ->
     all_to_all_single -> weighted sum over slots; splits exchanged beforehand.
-Plus the comm-CTA sweep 4..32 at T 8192, H 7168, k 8, and the peer copy rate (torch
+Plus the comm-CTA sweep (4..32; ``MOK_BENCH_SWEEP``) at T 8192, H 7168, k 8, and the peer copy rate (torch
 ``copy_`` of 256 MiB from / to the peer's symmetric buffer, both ranks at once).
 Times are medians on the slowest rank (CUDA events; 20 iterations, 10 for the largest
 shapes). GB/s per direction counts only the bytes that cross NVLink (rows whose source rank
@@ -46,8 +46,9 @@ from mok_cute.schedule.plan import plan_routing, plan_routing_device  # noqa: E4
 
 BF16 = torch.bfloat16
 SWEEP_SHAPE = (8192, 7168, 8)
-SWEEP_CTAS = (4, 8, 16, 24, 32)
-CTAS = 32
+# comm CTAs of the sweep and of the cases (MOK_BENCH_SWEEP="4,8,...", MOK_BENCH_CTAS=n to change)
+SWEEP_CTAS = tuple(int(c) for c in os.environ.get("MOK_BENCH_SWEEP", "4,8,16,24,32").split(","))
+CTAS = int(os.environ.get("MOK_BENCH_CTAS", "32"))
 
 
 def bench_us(fn, iters=20) -> float:
