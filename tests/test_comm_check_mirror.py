@@ -63,7 +63,6 @@ def _install_mirrors(monkeypatch, corrupt=None):
         slots[plan.recv_src[:m].long()] = rows[:m]
         return C._ref_reduce(slots.view(ws.T, ws.k, -1), plan.dest_rank >= 0, w, start)
 
-    monkeypatch.setattr(C, "MXFP8", True)  # the MXFP8 rows are opt-in on the device
     monkeypatch.setattr(C, "get_workspace", lambda T, H, k, E, **kw: _WS(T, H, k, E))
     monkeypatch.setattr(C, "plan_routing_device", plan_dev)
     monkeypatch.setattr(C, "dispatch", dispatch)

@@ -153,26 +153,25 @@ def test_pull_kernel_closure_and_64bit_peer_address():
     assert rep.max_registers <= 64 and rep.total_spill_bytes == 0
 
 
-# --- extended pull: MXFP8 payload (data + scales) and router weights ---------------------
+# --- weighted pull: rows + router weights ---------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("split,has_w", [(True, False), (False, True), (True, True)])
-def test_pull_ext_compiles(arch, split, has_w):
-    """Extended pull variants: same kernel rules as the bf16 pull (closure-built, int64/int32/
-    bf16 pointers only, 64-bit peer addresses, 1024 threads, no spills); MXFP8 stores data and
-    scales with 16-byte vectors (two v4 stores), the weight is one more 4-byte peer load."""
-    from mok_cute.comm.dispatch import compile_pull_ext, pull_ext_launcher
+def test_pull_w_compiles(arch):
+    """The weighted pull: same kernel rules as the bf16 pull (closure-built, int64/int32/bf16
+    pointers only, 64-bit peer addresses, 1024 threads, no spills); one 16-byte load and store
+    per vector, the weight is one more 4-byte peer load."""
+    from mok_cute.comm.dispatch import compile_pull_w, pull_w_launcher
 
-    assert pull_ext_launcher(split, has_w) is pull_ext_launcher(split, has_w)
-    c, rep = compile_pull_ext(arch, split, has_w, inspect=True)
+    assert pull_w_launcher() is pull_w_launcher()
+    c, rep = compile_pull_w(arch, inspect=True)
     assert_sys_ordering(rep)
     assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
-    assert rep.registers and all("ptrf32" not in n and "ptrf8" not in n for n in rep.registers)
+    assert rep.registers and all("pull_w_kernel" in n and "ptrf32" not in n and "ptrf8" not in n
+                                 for n in rep.registers)
     ptx = c.__ptx__
     _, base = compile_pull(arch, inspect=True)
-    assert ptx.count("st.global.v4.b32") == 1 + int(split)
-    assert ptx.count("ld.global.v4.b32") == 1 + int(split)
-    assert ptx.count("ld.global.b32") == base.ptx.count("ld.global.b32") + int(has_w)
+    assert ptx.count("st.global.v4.b32") == 1 and ptx.count("ld.global.v4.b32") == 1
+    assert ptx.count("ld.global.b32") == base.ptx.count("ld.global.b32") + 1
     assert "shl.b64" in ptx  # the peer byte offset (t*V + v)*16 in 64 bits
 
 
@@ -304,13 +303,16 @@ def test_plain_transport_unchanged():
         assert not rep.has("__dynamic_shmem__")
 
 
-@pytest.mark.parametrize("env,pull_key,push_key", [
-    (None, "comm.pull", "comm.push_reduce"), ("bulk", "comm.pull_bulk", "comm.push_reduce_bulk"),
-    ("bulk_pull", "comm.pull_bulk", "comm.push_reduce"),
-    ("bulk_push", "comm.pull", "comm.push_reduce_bulk")])
-def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
-    """MOK_COMM_TRANSPORT picks the compiled kernel per call (host side, before any launch);
-    the MXFP8 / weighted dispatch always takes the plain extended pull."""
+@pytest.mark.parametrize("env,unroll,pull_key,push_key", [
+    (None, None, "comm.pull_unrolled", "comm.push_reduce_unrolled"),
+    (None, "1", "comm.pull", "comm.push_reduce"),
+    ("bulk", None, "comm.pull_bulk", "comm.push_reduce_bulk"),
+    ("bulk_pull", "1", "comm.pull_bulk", "comm.push_reduce"),
+    ("bulk_push", "8", "comm.pull_unrolled", "comm.push_reduce_bulk")])
+def test_transport_picks_kernel(monkeypatch, env, unroll, pull_key, push_key):
+    """MOK_COMM_TRANSPORT and MOK_COMM_UNROLL (default 8) pick the compiled kernel per call
+    (host side, before any launch), for the bf16 and the MXFP8 pull alike; the weighted
+    dispatch always takes the weighted pull."""
     import mok_cute.comm.combine as C
     import mok_cute.comm.dispatch as D
 
@@ -320,20 +322,29 @@ def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
     def fake_cached(key, build):
         raise Picked(key[0])
 
-    if env is None:
-        monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
-    else:
-        monkeypatch.setenv("MOK_COMM_TRANSPORT", env)
+    for name, val in (("MOK_COMM_TRANSPORT", env), ("MOK_COMM_UNROLL", unroll)):
+        if val is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, val)
     monkeypatch.setattr(D, "compile_cached", fake_cached)
     monkeypatch.setattr(C, "compile_cached", fake_cached)
     ws, plan = fake_ws(H=64)
     ws.arch, ws.dummy = "sm_90a", torch.zeros(16, dtype=torch.int32)
     ws.next_epoch = lambda kind: 1
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    q, sc = torch.zeros(4, 64, dtype=torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.uint8)
+    ws.acquire_src = lambda rb: torch.zeros(4, rb, dtype=torch.uint8)
+    ws.stage_src = lambda rows: None
+    ws.view = lambda name, dtype, shape: torch.zeros(shape, dtype=dtype)
     with pytest.raises(Picked, match=f"^{pull_key}$"):
         dispatch(ws, x, plan)
-    with pytest.raises(Picked, match="^comm.pull_ext$"):
+    with pytest.raises(Picked, match=f"^{pull_key}$"):
+        dispatch(ws, (q, sc), plan, payload="mxfp8")
+    with pytest.raises(Picked, match="^comm.pull_w$"):
         dispatch(ws, x, plan, topk_w=torch.zeros(4, 2))
+    with pytest.raises(Picked, match="^comm.pull_w$"):
+        dispatch(ws, (q, sc), plan, payload="mxfp8", topk_w=torch.zeros(4, 2))
     with pytest.raises(Picked, match=f"^{push_key}$"):
         combine(ws, torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 2), plan)
 
@@ -341,7 +352,7 @@ def test_transport_picks_kernel(monkeypatch, env, pull_key, push_key):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("unroll", [2, 8])
 def test_unrolled_pull_issues_every_load_before_a_store(arch, unroll):
-    """Opt-in MOK_COMM_UNROLL: `unroll` 16-byte peer loads per trip, all before its stores;
+    """MOK_COMM_UNROLL (default 8): `unroll` 16-byte peer loads per trip, all before its stores;
     its own kernel name; system-scope ordering as the default pull; no spills."""
     from mok_cute.comm.dispatch import compile_pull, pull_launcher
 
@@ -370,9 +381,9 @@ def test_unroll_selection(monkeypatch):
     from mok_cute.comm.rows import unroll_of
 
     monkeypatch.delenv("MOK_COMM_UNROLL", raising=False)
-    assert unroll_of() == 1
-    monkeypatch.setenv("MOK_COMM_UNROLL", "8")
     assert unroll_of() == 8
+    monkeypatch.setenv("MOK_COMM_UNROLL", "1")
+    assert unroll_of() == 1
     for bad in ("4", "3", "x"):
         monkeypatch.setenv("MOK_COMM_UNROLL", bad)
         with pytest.raises(ValueError, match="MOK_COMM_UNROLL"):

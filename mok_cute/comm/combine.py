@@ -130,8 +130,8 @@ def _push_half(pb: cute.Tensor, status: cute.Pointer, counters: cute.Pointer,
     arrive on ``counters[0]`` (the last CTA zeroes the first ``resets`` counters, then
     signals DATA = epoch). Plan memory (offsets, recv_src) is local and complete before
     the launch (same stream), so reading it does not depend on the wait. ``mover``: 1 the
-    verified 16-byte stores; n > 1 ``n`` vectors in flight per thread (opt-in
-    ``MOK_COMM_UNROLL``); ``"bulk"`` cp.async.bulk (opt-in, local row -> shared -> peer slot,
+    16-byte stores one at a time; n > 1 ``n`` vectors in flight per thread
+    (``MOK_COMM_UNROLL``, default 8); ``"bulk"`` cp.async.bulk (opt-in, local row -> shared -> peer slot,
     every bulk store complete and proxy-fenced before the CTA barrier and the DATA signal)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -225,7 +225,7 @@ def push_reduce_launcher(has_w: bool, has_start: bool, phase: int = 3, unroll: i
     """The ``@cute.jit`` launcher of one push-and-reduce variant, built once per variant.
 
     The variant (``has_w``, ``has_start``, ``phase``: 1 = push half only, 2 = reduce half
-    only, 3 = both; ``unroll`` > 1: the opt-in unrolled push, both halves, kernel
+    only, 3 = both; ``unroll`` > 1: the unrolled push, both halves, kernel
     ``push_unrolled_reduce_kernel``) is fixed by Python closure at build time: the launched
     kernel has no Constexpr parameters and the argument kinds of the pull
     kernel (int64/int32/bf16 pointers, Int32/Int64 scalars). ``weights`` is passed as an
@@ -303,7 +303,7 @@ def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool =
                         phase: int = 3, unroll: int = 1):
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
     ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order);
-    ``unroll`` > 1 the opt-in unrolled push (both halves)."""
+    ``unroll`` > 1 the unrolled push (both halves)."""
     i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
     return compile_kernel(push_reduce_launcher(has_w, has_start, phase, unroll), _fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),

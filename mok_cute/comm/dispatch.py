@@ -6,28 +6,27 @@ symmetric source buffer (x in the forward pass, dy in the backward pass) straigh
 ``out[i]`` ([capacity, H] bf16; rows >= M are left untouched).
 
 Payloads (forward dispatch): ``"bf16"`` rows [T, H]; ``"mxfp8"`` e4m3 data [T, H] plus
-E8M0 scales [T, H/32] (uint8), staged per token as one row of :func:`mxfp8_row_bytes` bytes
-and split on arrival into data [capacity, H] and scales [capacity, H/32]. With ``topk_w``
-([T, k] fp32, staged in the workspace's ``w`` section) the route's router weight travels
-too: ``w_rows[i]`` = topk_w of source (p, t, j) for i < M, 0 past M. Reverse combine is bf16.
+E8M0 scales [T, H/32] (uint8), staged per token as one packed row of :func:`mxfp8_row_bytes`
+bytes and pulled as such (the same kernels as bf16 with ``V = row bytes / 16``) into a
+[capacity, row bytes] receive buffer whose column views are the data and the scales. With
+``topk_w`` ([T, k] fp32, staged in the workspace's ``w`` section) the route's router weight
+travels too: ``w_rows[i]`` = topk_w of source (p, t, j) for i < M, 0 past M. Reverse
+combine is bf16.
 
 Protocol per call (pull epoch e): the source stages its rows in the buffer (waiting for
 DONE >= e-1 from every peer first), the kernel's CTA 0 signals READY = e to every peer,
 every CTA waits READY >= e from every peer, the CTAs copy 16-byte vectors (plain peer
 loads, grid-stride over (row, vector)), and the last CTA to finish signals DONE = e.
 
-Transport: plain 16-byte loads by every thread (default, verified); ``MOK_COMM_UNROLL=2|8``
-keeps that many loads in flight per thread (opt-in, :func:`pull_launcher` ``unroll``, not yet
-run on a GPU); ``MOK_COMM_TRANSPORT=bulk``
-switches the bf16 pull without weights (dispatch, reverse combine) to the opt-in
-cp.async.bulk kernel (:func:`pull_bulk_launcher`, not yet run on a GPU); the MXFP8 and
-weighted variants always use plain loads.
+Transport: 16-byte peer loads by every thread, ``MOK_COMM_UNROLL`` (default 8) of them in
+flight per thread before their stores (:func:`pull_launcher` ``unroll``; 1 = one load then its
+store); the weighted pull keeps one. ``MOK_COMM_TRANSPORT=bulk`` switches the pull without
+weights to the opt-in cp.async.bulk kernel (:func:`pull_bulk_launcher`; faults natively, see
+docs/comm-status.md).
 
-Speed notes: plain 16-byte peer loads are latency-bound (~14 GB/s per 1024-thread CTA
-measured). Next steps: verify the opt-in bulk copies on the device (7 rows in flight per
-CTA), or TMA with per-peer descriptors;
-let the producer write x straight into :meth:`CommWorkspace.acquire_src` to skip the
-staging copy.
+Speed (2x H200, docs/benchmarks.md): the pull is bound by loads in flight; unrolled x8 it
+reaches 300-311 GB/s (83-86% of the peer copy rate) at 128 CTAs on T 16384 and 193-205 GB/s
+at 32 CTAs (the plain copy 168-177).
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                copy_routed_rows_unrolled, pull_rows_ext, unroll_of, use_bulk)
+                                copy_routed_rows_unrolled, pull_rows_weighted, unroll_of, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
@@ -142,58 +141,48 @@ def compile_pull(arch: str, inspect: bool = False, unroll: int = 1):
                           arch=arch, inspect=inspect)
 
 
-def pull_ext_launcher(split: bool, has_w: bool):
-    """The launcher of one extended pull variant (:func:`mok_cute.comm.rows.pull_rows_ext`):
-    ``split`` = MXFP8 rows (data + scales), ``has_w`` = router weights too. Closure-built per
-    variant like :func:`pull_launcher` (no Constexpr kernel parameters; int64/int32/bf16
-    pointers and Int32/Int64 scalars only; ``out2`` / ``w_out`` are the workspace's zero
-    ``dummy`` when unused, never aliasing another argument). The bf16 pull without weights
-    is :func:`pull_launcher`, unchanged."""
-    key = ("pull_ext", bool(split), bool(has_w))
+def pull_w_launcher():
+    """The launcher of the pull that also moves the router weights
+    (:func:`mok_cute.comm.rows.pull_rows_weighted`, kernel ``pull_w_kernel``; rows of ``V``
+    16-byte vectors, bf16 or packed MXFP8). Closure-built like :func:`pull_launcher` (no
+    Constexpr kernel parameters; int64/int32/bf16 pointers and Int32/Int64 scalars only)."""
+    key = ("pull_w",)
     if key in _launchers:
         return _launchers[key]
-    split, has_w = bool(split), bool(has_w)
-
-    if not (split or has_w):
-        raise ValueError("the bf16 pull without weights is pull_launcher()")
 
     @cute.kernel
-    def pull_ext_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                        recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                        out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-                        ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-                        e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-                        epoch: Int32, timeout_ns: Int64, nctas: Int32):
+    def pull_w_kernel(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                      recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                      w_out: cute.Pointer, out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32,
+                      V: Int32, e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
+                      epoch: Int32, timeout_ns: Int64, nctas: Int32):
         _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
-                       lambda tidx, bidx, pb: pull_rows_ext(
-                           tidx, bidx, pb, status, recv_src, offsets, out, out2, w_out, out_rows, ep, T, k, T * k,
-                           V, Vd, Vs, e_local, src_off, w_off, Int32(P.READY), epoch, nctas, split, has_w))
-
-    kernel = pull_ext_kernel
+                       lambda tidx, bidx, pb: pull_rows_weighted(
+                           tidx, bidx, pb, status, recv_src, offsets, out, w_out, out_rows, ep, T, k, T * k,
+                           V, e_local, src_off, w_off, Int32(P.READY), epoch, nctas))
 
     @cute.jit
-    def pull_ext_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
-                      recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                      out2: cute.Pointer, w_out: cute.Pointer, out_rows: Int32, me: Int32,
-                      ep: Int32, T: Int32, k: Int32, V: Int32, Vd: Int32, Vs: Int32,
-                      e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
-                      epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
-        """Launch the extended pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
-        kernel(peer_bases, status, counter, recv_src, offsets, out, out2, w_out, out_rows, me, ep,
-               T, k, V, Vd, Vs, e_local, src_off, w_off, flags_off, epoch, timeout_ns,
-               nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    def pull_w_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,
+                    recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                    w_out: cute.Pointer, out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32,
+                    V: Int32, e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
+                    epoch: Int32, timeout_ns: Int64, nctas: Int32, stream):
+        """Launch the weighted pull kernel: ``nctas`` CTAs of 1024 threads on ``stream``."""
+        pull_w_kernel(peer_bases, status, counter, recv_src, offsets, out, w_out, out_rows, me, ep,
+                      T, k, V, e_local, src_off, w_off, flags_off, epoch, timeout_ns,
+                      nctas).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    _launchers[key] = host = pull_ext_host
-    return host
+    _launchers[key] = pull_w_host
+    return pull_w_host
 
 
-def compile_pull_ext(arch: str, split: bool, has_w: bool, inspect: bool = False):
-    """Compile one extended pull variant for ``arch``; ``(compiled, CompileReport | None)``."""
-    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(pull_ext_launcher(split, has_w), _fake_ptr("i64"), i32, i32, i32, i32,
-                          bf, bf, i32, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
-                          Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
-                          Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
+def compile_pull_w(arch: str, inspect: bool = False):
+    """Compile the weighted pull for ``arch``; ``(compiled, CompileReport | None)``."""
+    i32 = _fake_ptr("i32")
+    return compile_kernel(pull_w_launcher(), _fake_ptr("i64"), i32, i32, i32, i32, _fake_ptr("bf16"), i32,
+                          Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
+                          Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
+                          arch=arch, inspect=inspect)
 
 
 def pull_bulk_launcher():
@@ -236,31 +225,31 @@ def _check_out(out, dtype, cols: int, ws: CommWorkspace, name: str) -> torch.Ten
     return out
 
 
-def _pull(ws: CommWorkspace, rows: torch.Tensor, plan, num_ctas: int | None,
-          out: torch.Tensor | None, name: str) -> torch.Tensor:
-    """bf16 pull without weights: the verified :func:`pull_launcher` kernel, or with
-    ``MOK_COMM_TRANSPORT=bulk`` the opt-in :func:`pull_bulk_launcher` (same arguments)."""
-    check_tensor(name, rows, torch.bfloat16, (ws.T, ws.H), ws.device)
-    check_plan(ws, plan)
-    nctas = ws.num_ctas if num_ctas is None else num_ctas
-    check_num_ctas(nctas)
-    out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
-    out_rows = min(out.shape[0], plan.recv_src.shape[0])
+def _launch_pull(ws: CommWorkspace, plan, out: torch.Tensor, out_rows: int, V: int, nctas: int,
+                 w_out: torch.Tensor | None = None) -> None:
+    """Launch one pull of rows of ``V`` 16-byte vectors from the staged source buffers into
+    ``out`` (next pull epoch): with ``w_out`` the weighted pull (:func:`pull_w_launcher`),
+    else ``MOK_COMM_TRANSPORT=bulk``'s opt-in :func:`pull_bulk_launcher` or the
+    :func:`pull_launcher` of ``MOK_COMM_UNROLL`` (default 8)."""
     unroll = unroll_of()
-    if use_bulk("pull"):
+    if w_out is not None:
+        fn = compile_cached(("comm.pull_w", ws.arch), lambda: compile_pull_w(ws.arch)[0])
+    elif use_bulk("pull"):
         fn = compile_cached(("comm.pull_bulk", ws.arch), lambda: compile_pull_bulk(ws.arch)[0])
     elif unroll > 1:
         fn = compile_cached(("comm.pull_unrolled", ws.arch, unroll), lambda: compile_pull(ws.arch, unroll=unroll)[0])
     else:
         fn = compile_cached(("comm.pull", ws.arch), lambda: compile_pull(ws.arch)[0])
-    ws.stage_src(rows)
     epoch = ws.next_epoch("pull")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
-       dptr(plan.offsets), dptr(out), Int32(out_rows), Int32(ws.me), Int32(ws.EP), Int32(ws.T),
-       Int32(ws.k), Int32(ws.H // 8), Int32(ws.E // ws.EP), Int64(ws.offsets["src"]),
-       Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas),
-       current_stream())
-    return out
+    head = (dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
+            dptr(plan.offsets), dptr(out, BFloat16))
+    shape = (Int32(ws.me), Int32(ws.EP), Int32(ws.T), Int32(ws.k), Int32(V), Int32(ws.E // ws.EP),
+             Int64(ws.offsets["src"]))
+    tail = (Int64(ws.offsets["flags"]), Int32(epoch), Int64(ws.timeout_ns), Int32(nctas), current_stream())
+    if w_out is not None:
+        fn(*head, dptr(w_out, Int32), Int32(out_rows), *shape, Int64(ws.offsets["w"]), *tail)
+    else:
+        fn(*head, Int32(out_rows), *shape, *tail)
 
 
 def _check_mxfp8(ws: CommWorkspace, x):
@@ -289,23 +278,23 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
     """Forward dispatch by pull: this rank's tokens -> its expert-grouped rows in plan order
     (valid prefix ``M = plan.offsets[-1]`` of ``capacity`` rows; rows >= M untouched).
 
-    ``payload="bf16"``: ``x`` [T, H] bf16 -> rows [capacity, H] bf16.
+    ``payload="bf16"``: ``x`` [T, H] bf16 -> rows [capacity, H] bf16 (``out``: optional
+    preallocated [N, H] bf16).
     ``payload="mxfp8"``: ``x = (x_q [T, H] float8_e4m3fn, x_s [T, H/32] uint8 E8M0)``, or
     this step's ``ws.acquire_src(mxfp8_row_bytes(H))`` with ``[:, :H]`` = data bytes and
-    ``[:, H:H + H/32]`` = scales already written (no staging copy) ->
-    ``(q [capacity, H] float8_e4m3fn, s [capacity, H/32] uint8)``; ``s`` is a view of a
-    [capacity, pad16(H/32)] buffer (contiguous when H % 512 == 0). ``out``: optional
-    preallocated ``rows``, or for mxfp8 ``(q, s_padded [>= capacity, pad16(H/32)] uint8)``.
+    ``[:, H:H + H/32]`` = scales already written (no staging copy). Each token moves as one
+    packed row of ``rb = mxfp8_row_bytes(H)`` bytes into a receive buffer [capacity, rb]
+    uint8 (``out``: optional preallocated [N, rb] uint8); returns its views
+    ``(q [capacity, H] float8_e4m3fn, s [capacity, H/32] uint8)``, row stride rb bytes
+    (``.contiguous()`` for kernels that need dense rows).
     ``topk_w`` [T, k] fp32: also returns ``w_rows`` [capacity] fp32 (or into ``w_out``), the
     router weight of each grouped row (0 past M); the result is then ``(rows, w_rows)`` /
     ``(q, s, w_rows)``. Collective over the workspace group (every rank passes the same
     payload and topk_w-or-not); launches on the current stream, no host sync."""
     if payload not in PAYLOADS:
         raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
-    if payload == "bf16" and topk_w is None:
-        return _pull(ws, x, plan, num_ctas, out, "x")
-    split = payload == "mxfp8"
-    if split:
+    mx = payload == "mxfp8"
+    if mx:
         staged = _check_mxfp8(ws, x)
     else:
         check_tensor("x", x, torch.bfloat16, (ws.T, ws.H), ws.device)
@@ -314,22 +303,10 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
     check_plan(ws, plan)
     nctas = ws.num_ctas if num_ctas is None else num_ctas
     check_num_ctas(nctas)
-    H, S = ws.H, ws.H // 32
-    if split:
-        rb = mxfp8_row_bytes(H)
-        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
-            raise TypeError("out must be a pair (q, s_padded) for payload 'mxfp8'")
-        q_out = _check_out(None if out is None else out[0], torch.float8_e4m3fn, H, ws, "out[0]")
-        s_out = _check_out(None if out is None else out[1], torch.uint8, rb - H, ws, "out[1]")
-        rows_n = min(q_out.shape[0], s_out.shape[0])
-        V, Vd, Vs = rb // 16, H // 16, (rb - H) // 16
-        p_out, p_out2 = dptr(q_out, BFloat16), dptr(s_out, BFloat16)
-    else:
-        q_out = _check_out(out, torch.bfloat16, H, ws, "out")
-        rows_n = q_out.shape[0]
-        V = Vd = H // 8
-        Vs = 1  # unused without split
-        p_out, p_out2 = dptr(q_out), dptr(ws.dummy, BFloat16)
+    H = ws.H
+    rb = mxfp8_row_bytes(H) if mx else 2 * H
+    recv = _check_out(out, torch.uint8, rb, ws, "out") if mx else _check_out(out, torch.bfloat16, H, ws, "out")
+    rows_n = min(recv.shape[0], plan.recv_src.shape[0])
     if topk_w is not None:
         if w_out is None:
             w_out = torch.zeros(ws.recv_capacity, dtype=torch.float32, device=ws.device)
@@ -337,28 +314,17 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
             check_tensor("w_out", w_out, torch.float32, (None,), ws.device)
             w_out.zero_()
         rows_n = min(rows_n, w_out.shape[0])
-    p_w = dptr(w_out if topk_w is not None else ws.dummy, Int32)
-    rows_n = min(rows_n, plan.recv_src.shape[0])
-    has_w = topk_w is not None
-    fn = compile_cached(("comm.pull_ext", ws.arch, split, has_w),
-                        lambda: compile_pull_ext(ws.arch, split, has_w)[0])
-    if split:  # stage: waits DONE of the previous pull, then data and scales per token row
-        if staged is not None:
-            src = ws.acquire_src(rb)
-            src[:, :H].copy_(staged[0].view(torch.uint8))
-            src[:, H:H + S].copy_(staged[1])
-    else:
+    if not mx:
         ws.stage_src(x)
-    if has_w:  # after the DONE wait of the staging / acquire_src for this step
+    elif staged is not None:  # waits DONE of the previous pull, then data and scales per token row
+        src = ws.acquire_src(rb)
+        src[:, :H].copy_(staged[0].view(torch.uint8))
+        src[:, H:H + H // 32].copy_(staged[1])
+    if topk_w is not None:  # after the DONE wait of the staging / acquire_src for this step
         ws.view("w", torch.float32, (ws.T, ws.k)).copy_(topk_w)
-    epoch = ws.next_epoch("pull")
-    fn(dptr(ws.peer_bases), dptr(ws.status), dptr(ws.counters["pull"]), dptr(plan.recv_src),
-       dptr(plan.offsets), p_out, p_out2, p_w, Int32(rows_n), Int32(ws.me), Int32(ws.EP),
-       Int32(ws.T), Int32(ws.k), Int32(V), Int32(Vd), Int32(Vs), Int32(ws.E // ws.EP),
-       Int64(ws.offsets["src"]), Int64(ws.offsets["w"]), Int64(ws.offsets["flags"]),
-       Int32(epoch), Int64(ws.timeout_ns), Int32(nctas), current_stream())
-    res = (q_out, s_out[:, :S]) if split else (q_out,)
-    if has_w:
+    _launch_pull(ws, plan, recv, rows_n, rb // 16, nctas, w_out)
+    res = (recv[:, :H].view(torch.float8_e4m3fn), recv[:, H:H + H // 32]) if mx else (recv,)
+    if topk_w is not None:
         res = res + (w_out,)
     return res if len(res) > 1 else res[0]
 
@@ -368,4 +334,11 @@ def reverse_combine(ws: CommWorkspace, dy: torch.Tensor, plan, *, num_ctas: int 
     """Backward of combine by pull: ``dy`` [T, H] bf16 (this rank's output grads) -> dy rows
     of the routes this rank's experts served, [capacity, H] bf16 in plan order (unscaled:
     the expert side applies topk_w). Collective; current stream, no host sync."""
-    return _pull(ws, dy, plan, num_ctas, out, "dy")
+    check_tensor("dy", dy, torch.bfloat16, (ws.T, ws.H), ws.device)
+    check_plan(ws, plan)
+    nctas = ws.num_ctas if num_ctas is None else num_ctas
+    check_num_ctas(nctas)
+    out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
+    ws.stage_src(dy)
+    _launch_pull(ws, plan, out, min(out.shape[0], plan.recv_src.shape[0]), ws.H // 8, nctas)
+    return out

@@ -87,8 +87,9 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
     """:func:`copy_routed_rows` (same rows, addresses and reports; 16-byte stores) with
     ``unroll`` grid-stride steps per loop trip: the trip's ``unroll`` 16-byte loads (peer
     loads when pulling) are all issued before its stores, so each thread keeps ``unroll``
-    vectors in flight instead of one (plain peer loads are latency-bound). Opt-in
-    (``MOK_COMM_UNROLL``); the default kernels keep :func:`copy_routed_rows`."""
+    vectors in flight instead of one (plain peer loads are latency-bound). The default
+    (``MOK_COMM_UNROLL`` = 8, :func:`unroll_of`); ``MOK_COMM_UNROLL=1`` selects
+    :func:`copy_routed_rows`."""
     m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
     local = cute.make_tensor(grouped, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
     buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # column u: vector u of the trip
@@ -130,33 +131,29 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
 
 
 def unroll_of() -> int:
-    """``MOK_COMM_UNROLL`` (default 1: the verified kernels), read at every call: vectors in
-    flight per thread for the bf16 pull and push (1, 2 or 8)."""
+    """``MOK_COMM_UNROLL`` (default 8), read at every call: 16-byte vectors in flight per
+    thread for the pull without weights and the push of combine (1, 2 or 8; 1 = one load then
+    its store, the kernel of session 1)."""
     import os
 
-    v = os.environ.get("MOK_COMM_UNROLL", "1").strip() or "1"
+    v = os.environ.get("MOK_COMM_UNROLL", "8").strip() or "8"
     if v not in ("1", "2", "8"):  # 4 spilled (ptxas capped it at 32 registers at 1024 threads)
         raise ValueError(f"MOK_COMM_UNROLL must be 1, 2 or 8, got {v!r}")
     return int(v)
 
 
 @cute.jit
-def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
-                  recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                  out2: cute.Pointer, w_out: cute.Pointer, grouped_rows: Int32, ep: Int32,
-                  T: Int32, k: Int32, tk: Int32, V: Int32, Vd: Int32, Vs: Int32, e_local: Int32,
-                  peer_off: Int64, w_off: Int64, channel: Int32, epoch: Int32, nctas: Int32,
-                  split: Constexpr, has_w: Constexpr):
-    """The pull of :func:`copy_routed_rows` for other payloads (same rows, same reports, same
-    64-bit peer addresses): source row t of rank p is ``V`` 16-byte vectors at ``peer_off +
-    t*V*16``. Without ``split`` (``Vd == V``) vector v of grouped row i goes to ``out[i, v]``;
-    with ``split`` vectors ``v < Vd`` go to ``out`` (row pitch ``Vd`` vectors) and the rest to
-    ``out2[i, v - Vd]`` (row pitch ``Vs`` vectors): MXFP8 data then scales. With ``has_w`` the
-    thread of vector 0 also copies the route's 4-byte weight (``w_off + (t*k + j)*4`` on rank
-    p) to ``w_out[i]`` (int32 bits). Byte movement only: no value is converted."""
+def pull_rows_weighted(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
+                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
+                       w_out: cute.Pointer, grouped_rows: Int32, ep: Int32, T: Int32, k: Int32,
+                       tk: Int32, V: Int32, e_local: Int32, peer_off: Int64, w_off: Int64,
+                       channel: Int32, epoch: Int32, nctas: Int32):
+    """The pull of :func:`copy_routed_rows` (same rows, reports and 64-bit peer addresses;
+    rows of ``V`` 16-byte vectors: bf16 or packed MXFP8 bytes alike) that also moves the
+    router weights: the thread of vector 0 of grouped row i copies the route's 4-byte weight
+    (``w_off + (t*k + j)*4`` on rank p) to ``w_out[i]`` (int32 bits). Byte movement only."""
     m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
-    dst = cute.make_tensor(out, cute.make_layout((grouped_rows * Vd, 8), stride=(8, 1)))
-    dst2 = cute.make_tensor(out2, cute.make_layout((grouped_rows * Vs, 8), stride=(8, 1)))
+    dst = cute.make_tensor(out, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
     wo = cute.make_tensor(w_out, cute.make_layout(grouped_rows))
     n = m * V
     i = bidx * THREADS + tidx
@@ -171,18 +168,10 @@ def pull_rows_ext(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointe
             t = r // k
             addr = pb[p] + peer_off + (Int64(t) * Int64(V) + Int64(v)) * 16
             src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
-            if cutlass.const_expr(split):
-                if v < Vd:
-                    dst[row * Vd + v, None].store(src.load())
-                else:
-                    dst2[row * Vs + (v - Vd), None].store(src.load())
-            else:
-                dst[i, None].store(src.load())
-            if cutlass.const_expr(has_w):
-                if v == 0:
-                    wsrc = cute.make_tensor(gptr(Int32, pb[p] + w_off + Int64(r) * 4, 4),
-                                            cute.make_layout(1))
-                    wo[row] = wsrc[0]
+            dst[i, None].store(src.load())
+            if v == 0:
+                wsrc = cute.make_tensor(gptr(Int32, pb[p] + w_off + Int64(r) * 4, 4), cute.make_layout(1))
+                wo[row] = wsrc[0]
         else:
             P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
         i += nctas * THREADS

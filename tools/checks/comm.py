@@ -15,13 +15,14 @@ CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this m
 (import time and first thing in :func:`run`) and warns when CUDA is already up; for a
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
 ``MOK_COMM_TRANSPORT=bulk`` (a separate invocation, so that a fault cannot take down the
-default checks): the same rows with the opt-in cp.async.bulk kernels for the bf16 dispatch,
-reverse combine, combine and reverse dispatch (MXFP8 / weighted dispatch stay plain); rows
+default checks): the same rows with the opt-in cp.async.bulk kernels for the pulls without
+weights, combine and reverse dispatch (the weighted dispatch keeps plain loads); rows
 are named ``bulk...`` instead of ``comm...``; ``bulk_pull`` / ``bulk_push`` switch only
 the pulls (dispatch, reverse combine) / only the pushes (combine, reverse dispatch), to
 isolate a fault. First run it as ``MOK_COMM_TRANSPORT=bulk
 MOK_COMM_QUICK=1 MOK_COMM_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 torchrun --nproc_per_node=2
-tools/gpu_check.py comm``. Without the variable only the verified plain kernels run.
+tools/gpu_check.py comm``. ``MOK_COMM_UNROLL=1|2|8`` (default 8) picks the 16-byte copies in
+flight per thread of the default kernels.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
 kernel launched 3 times on one workspace, synced and checked after each), then stop.
 
@@ -43,7 +44,7 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
 from mok_cute.comm.rows import transport_of, unroll_of
-from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes
+from mok_cute.comm.workspace import get_workspace
 from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
 
 BF16 = torch.bfloat16
@@ -148,11 +149,6 @@ def _eq(name, got, ref, note="") -> Row:
 DEBUG = os.environ.get("MOK_COMM_DEBUG", "0") == "1"
 # isolate the 2nd launch of the pull kernel: plan, dispatch, dispatch, reverse_combine, stop
 PULL_TWICE = os.environ.get("MOK_COMM_PULL_TWICE", "0") == "1"
-# MXFP8 dispatch rows only on request: its pull faulted natively on the H200 (cudaErrorIllegalAddress)
-# while passing bitwise under compute-sanitizer, and a fault poisons the whole process
-MXFP8 = os.environ.get("MOK_COMM_MXFP8", "0") == "1"
-# MXFP8 fault isolation: stage and pull step by step, synchronizing after each (see _mx_probe)
-MX_PROBE = os.environ.get("MOK_COMM_MXFP8_PROBE", "0") == "1"
 
 
 def _log(ctx: Ctx, msg: str) -> None:
@@ -275,8 +271,6 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         "reverse_dispatch": _ref_reduce(slots_of(dxe_all), valid, None, sh_all[me]),
     }
 
-    if MX_PROBE:
-        return rows + _mx_probe(ctx, ws, plan, q_all, s_all, M, gather, tag)
     if PULL_TWICE:  # the pull kernel alone, launched 3 times in a row on one workspace
         for n, (name, src_all) in enumerate([("dispatch", x_all), ("dispatch again", x_all),
                                              ("reverse_combine", dy_all)]):
@@ -298,7 +292,8 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
             "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas)[:M],
             "dispatch+topk_w": lambda: (lambda r: (r[0][:M], r[1]))(
                 dispatch(ws, x_all[me], plan, topk_w=w_all[me], num_ctas=num_ctas)),
-            **({"dispatch mxfp8": lambda: mx(False), "dispatch mxfp8+topk_w": lambda: mx(True)} if MXFP8 else {}),
+            "dispatch mxfp8": lambda: mx(False),
+            "dispatch mxfp8+topk_w": lambda: mx(True),
             "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas),
             "combine+shared": lambda: combine(ws, eo_all[me], w_all[me], plan, sh_all[me],
                                               num_ctas=num_ctas),
@@ -320,7 +315,7 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
 
     first = step(8)
     ws.check_status()
-    for name, ref in ((n, r) for n, r in refs.items() if MXFP8 or "mxfp8" not in n):
+    for name, ref in refs.items():
         rows.append(_eq(f"{tag} {_LABEL.get(name, name)}", first[name], ref))
     same = True
     for rep in range(5):
@@ -332,38 +327,6 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     same &= torch.equal(plan2.recv_src[:M], plan.recv_src[:M]) and torch.equal(plan2.dest_row, plan.dest_row)
     rows.append(Row(f"{tag} 5 reps 4..32CTA", bitwise=same, ok=same,
                     note="every op above, bitwise == 1st run"))
-    return rows
-
-
-def _mx_probe(ctx: Ctx, ws, plan, q_all, s_all, M: int, gather, tag: str) -> list[Row]:
-    """The MXFP8 pull one step at a time, each followed by a device sync and a log line, so
-    that a native fault names its step: (1) acquire the source buffer, (2) stage this rank's
-    rows by ONE contiguous copy of pre-packed [T, row_bytes] bytes, (3) the pull kernel on that
-    pre-staged source, (4) the public path (two strided staging copies, then the kernel).
-    Rows: (3) and (4) bitwise against the gathered bytes."""
-    me, H = ctx.rank, ws.H
-    rb, S = mxfp8_row_bytes(H), H // 32
-    packed = torch.zeros(ws.T, rb, dtype=torch.uint8, device=ws.device)
-    packed[:, :H] = q_all[me].view(torch.uint8)
-    packed[:, H:H + S] = s_all[me]
-
-    def step(name, fn):
-        print(f"[comm rank {me}] mx probe: {name} ...", flush=True)
-        out = fn()
-        torch.cuda.synchronize()
-        ws.check_status()
-        print(f"[comm rank {me}] mx probe: {name}: ok", flush=True)
-        return out
-
-    src = step("1 acquire_src", lambda: ws.acquire_src(rb))
-    step("2 one contiguous staging copy", lambda: src.copy_(packed))
-    rows = []
-    for name, x in (("3 pull on the pre-staged source", src), ("4 strided staging + pull", (q_all[me], s_all[me]))):
-        q, sc = step(name, lambda x=x: dispatch(ws, x, plan, payload="mxfp8"))
-        ok_q = torch.equal(_bytes(q[:M]), gather(q_all))
-        ok_s = torch.equal(_bytes(sc[:M]), gather(s_all))
-        rows.append(Row(f"{tag} mx probe {name[:1]}", bitwise=ok_q and ok_s, ok=ok_q and ok_s,
-                        note=f"{name}: data {ok_q}, scales {ok_s}"))
     return rows
 
 
@@ -440,10 +403,9 @@ def _timing(ctx: Ctx) -> list[Row]:
     xs = torch.randint(0, 256, (T, H // 32), generator=_gen(80 + me, dev), device=dev,
                        dtype=torch.uint8)
     mx_bytes = rows_moved * (H + H // 32)
-    if MXFP8:
-        t = bench_us(lambda: dispatch(ws, (xq, xs), plan, payload="mxfp8"))
-        rows.append(Row("comm dispatch mxfp8 incl. staging", time_us=t,
-                        note=f"{mx_bytes / t / 1e3:.0f} GB/s in ({where})"))
+    t = bench_us(lambda: dispatch(ws, (xq, xs), plan, payload="mxfp8"))
+    rows.append(Row("comm dispatch mxfp8 incl. staging", time_us=t,
+                    note=f"{mx_bytes / t / 1e3:.0f} GB/s in ({where})"))
     t = bench_us(lambda: dispatch(ws, x, plan, topk_w=w))
     rows.append(Row("comm dispatch +topk_w incl. staging", time_us=t,
                     note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
