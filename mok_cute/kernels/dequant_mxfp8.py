@@ -69,37 +69,8 @@ def _build(layout: str, count: bool, arch: str):
 
     Int32, Uint32 = cutlass.Int32, cutlass.Uint32
 
-    def scale_bits(byte):
-        """fp32 bits of 2^(byte - 127) (byte 0: the subnormal 2^-127; 0xFF: NaN)."""
-        b = Uint32(byte)
-        bits = b << 23
-        bits = cutlass.select_(b == Uint32(0), Uint32(0x00400000), bits)
-        return cutlass.select_(b == Uint32(0xFF), Uint32(0x7FC00000), bits)
-
-    def deq4(word, s):
-        """fp32 bit patterns of the 4 e4m3 bytes of ``word`` (byte 0 first) times the fp32
-        multipliers ``s`` (exact: e4m3 -> f16 is exact, f16 -> f32 too, the product fits)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b16 lo, hi, e0, e1, e2, e3; .reg .b32 h0, h1, f0, f1, f2, f3;\n"
-            "mov.b32 {lo, hi}, {$r0};\n"
-            "cvt.rn.f16x2.e4m3x2 h0, lo;\n"
-            "cvt.rn.f16x2.e4m3x2 h1, hi;\n"
-            "mov.b32 {e0, e1}, h0;\n"
-            "mov.b32 {e2, e3}, h1;\n"
-            "cvt.f32.f16 f0, e0;\n"
-            "cvt.f32.f16 f1, e1;\n"
-            "cvt.f32.f16 f2, e2;\n"
-            "cvt.f32.f16 f3, e3;\n"
-            "mul.rn.f32 {$w0}, f0, {$r1};\n"
-            "mul.rn.f32 {$w1}, f1, {$r2};\n"
-            "mul.rn.f32 {$w2}, f2, {$r3};\n"
-            "mul.rn.f32 {$w3}, f3, {$r4}; }",
-            write_only_types=[Uint32] * 4, read_only_args=[word, *s])
-
-    def bf16x2(p0, p1):
-        """bf16 pair (p0 in the low half) of two fp32 bit patterns, round to nearest even."""
-        return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
-                                    write_only_types=[Uint32], read_only_args=[p0, p1])
+    ops = Fp8Ops(bf16=True)
+    scale_bits, deq4, bf16x2 = ops.scale_bits, ops.deq4, ops.bf16x2
 
     def prmt(a, b, sel: int):
         return cute.arch.inline_ptx(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#x};",
@@ -270,8 +241,6 @@ def _build(layout: str, count: bool, arch: str):
 
         args = (Int32(32), Int32(1), Int32(1))
     elif layout == "rt_row":
-        ops = Fp8Ops(bf16=True)
-
         @cute.kernel
         def rt_row_kernel(x: cute.Tensor, out: cute.Tensor, counter: cute.Tensor, n: Int32):
             # chunk = 8 bf16 (16 bytes); the 4 lanes of a 32-element block combine their amax
@@ -301,8 +270,6 @@ def _build(layout: str, count: bool, arch: str):
 
         args = (Int32(4),)
     else:
-        ops = Fp8Ops(bf16=True)
-
         @cute.kernel
         def rt_tok_kernel(x: cute.Tensor, out: cute.Tensor, offs: cute.Tensor, counter: cute.Tensor, m: Int32,
                           nc: Int32, num_e: Int32, slot_items: Int32, items: Int32):

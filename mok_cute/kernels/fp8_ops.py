@@ -1,4 +1,5 @@
-"""Trace-time building blocks of the FP8 quantize kernels (:mod:`quantize`, :mod:`quantize_fp8`).
+"""Trace-time building blocks of the FP8 quantize and dequantize kernels (:mod:`quantize`,
+:mod:`quantize_fp8`, :mod:`dequant_mxfp8`, :mod:`sm90_mxfp8_mixed`).
 
 Inputs are handled as 32-bit words of bf16 (two elements, low half first) or fp32 (one) bit
 patterns; an amax is the max of the |x| bit patterns (integer max: subnormals kept, NaN/Inf
@@ -134,3 +135,37 @@ class Fp8Ops:
         for w in words:
             out += [w << 16, w & self.cutlass.Uint32(0xFFFF0000)]
         return out
+
+    def scale_bits(self, byte):
+        """fp32 bits of the E8M0 multiplier 2^(byte - 127) (byte 0: the subnormal 2^-127;
+        0xFF: NaN)."""
+        cutlass, Uint32 = self.cutlass, self.cutlass.Uint32
+        b = Uint32(byte)
+        bits = b << 23
+        bits = cutlass.select_(b == Uint32(0), Uint32(0x00400000), bits)
+        return cutlass.select_(b == Uint32(0xFF), Uint32(0x7FC00000), bits)
+
+    def deq4(self, word, s):
+        """fp32 bit patterns of the 4 e4m3 bytes of ``word`` (byte 0 first) times the fp32
+        multipliers ``s`` (exact: e4m3 -> f16 is exact, f16 -> f32 too, the product fits)."""
+        return self.cute.arch.inline_ptx(
+            "{ .reg .b16 lo, hi, e0, e1, e2, e3; .reg .b32 h0, h1, f0, f1, f2, f3;\n"
+            "mov.b32 {lo, hi}, {$r0};\n"
+            "cvt.rn.f16x2.e4m3x2 h0, lo;\n"
+            "cvt.rn.f16x2.e4m3x2 h1, hi;\n"
+            "mov.b32 {e0, e1}, h0;\n"
+            "mov.b32 {e2, e3}, h1;\n"
+            "cvt.f32.f16 f0, e0;\n"
+            "cvt.f32.f16 f1, e1;\n"
+            "cvt.f32.f16 f2, e2;\n"
+            "cvt.f32.f16 f3, e3;\n"
+            "mul.rn.f32 {$w0}, f0, {$r1};\n"
+            "mul.rn.f32 {$w1}, f1, {$r2};\n"
+            "mul.rn.f32 {$w2}, f2, {$r3};\n"
+            "mul.rn.f32 {$w3}, f3, {$r4}; }",
+            write_only_types=[self.cutlass.Uint32] * 4, read_only_args=[word, *s])
+
+    def bf16x2(self, p0, p1):
+        """bf16 pair (p0 in the low half) of two fp32 bit patterns, round to nearest even."""
+        return self.cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
+                                         write_only_types=[self.cutlass.Uint32], read_only_args=[p0, p1])

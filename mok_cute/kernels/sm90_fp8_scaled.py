@@ -527,6 +527,29 @@ def _check_mx_scales(name, t, shape):
         raise ValueError(f"{name} must be contiguous and 4-byte aligned")
 
 
+def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
+    """Validate the MXFP8 grouped GEMM operands (contract of :func:`grouped_gemm_mxfp8_promoted`)
+    before any launch; returns ``(M, N, E, out)`` (``out`` allocated if None)."""
+    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
+    _check_tensor("w", w, 3, (torch.float8_e4m3fn,))
+    e = _check_offsets(offsets)
+    m, k = a.shape
+    n = w.shape[1]
+    if k % SCALE_BLOCK or k == 0:
+        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
+    if tuple(w.shape) != (e, n, k) or n == 0 or n % tile_n:
+        raise ValueError(f"w must be [E={e}, N, K={k}] with N a positive multiple of tile_n={tile_n}, "
+                         f"got {tuple(w.shape)}")
+    for name, t in (("a", a), ("w", w)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
+    _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
+    _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    return m, n, e, out
+
+
 def grouped_gemm_mxfp8_promoted(a, a_scales, offsets, w, w_scales, *, out=None,
                                 cfg: Fp8MainloopConfig = DEFAULT_MXFP8_CONFIG):
     """out [M, N] bf16: rows of expert e = bf16(sum over 32-K blocks kb of
@@ -539,23 +562,7 @@ def grouped_gemm_mxfp8_promoted(a, a_scales, offsets, w, w_scales, *, out=None,
     N a multiple of ``cfg.tile_n``; w_scales uint8 [E, N, K/32] contiguous (per expert
     along K); offsets int32/int64 [E+1] on the device (trusted). ``out``: optional [M, N].
     """
-    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
-    _check_tensor("w", w, 3, (torch.float8_e4m3fn,))
-    e = _check_offsets(offsets)
-    m, k = a.shape
-    n = w.shape[1]
-    if k % SCALE_BLOCK or k == 0:
-        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
-    if tuple(w.shape) != (e, n, k) or n == 0 or n % cfg.tile_n:
-        raise ValueError(f"w must be [E={e}, N, K={k}] with N a positive multiple of tile_n={cfg.tile_n}, "
-                         f"got {tuple(w.shape)}")
-    for name, t in (("a", a), ("w", w)):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
-    _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
-    _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
-    out = _check_out("out", out, (m, n), a.device)
-    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    m, n, e, out = check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, cfg.tile_n)
     if m == 0:
         return out
     dev, arch = _sm90(a, "MXFP8 promoted GEMM")
