@@ -5,7 +5,7 @@
 # checks (EP = 1 in one process; EP = 2 through torchrun when 2 GPUs are present, plus the
 # EP = 2 layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
 # bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. Opt-in
-# experiments stay out: MOK_COMM_MXFP8=1 / MOK_COMM_TRANSPORT=bulk (they fault natively).
+# experiment stays out: MOK_COMM_TRANSPORT=bulk (it faults natively).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
