@@ -1,0 +1,194 @@
+"""CPU tests of the mixed-input MXFP8 grouped GEMM (mok_cute.kernels.sm90_mxfp8_mixed): both
+epilogue variants compile for sm_90a with BF16 wgmma fed by TMA-loaded e4m3 tiles that are
+dequantized in shared memory (cvt e4m3x2 -> f16x2, one non-FTZ fp32 multiply, bf16 RNE),
+fenced for the async proxy, with 0 spills; the MMA warps' wgmma stream is that of the BF16
+grouped GEMM (what the bitwise match rests on); argument validation raises before any
+compile, device query or launch. Numerics run on the GPU (tools/checks/gemm_mxfp8_mixed.py)."""
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cutlass
+
+from mok_cute.kernels import sm90_grouped_gemm as G
+from mok_cute.kernels import sm90_mxfp8_mixed as X
+
+F8 = torch.float8_e4m3fn
+PASSES = 32  # row passes per dequant warp and k-tile (128 rows, 4 per pass)
+PATHS = 2  # dequant code paths: the A warp, the two W warps
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tma_store", "masked_store"])
+def reports(request):
+    cfg = dataclasses.replace(X.DEFAULT_CONFIG, tma_store=request.param)
+    return X.compile_mxfp8_mixed_gemm(cfg, inspect=True)[1], G.compile_grouped_gemm("plain", cfg=cfg, inspect=True)[1]
+
+
+def _count(pattern, ptx):
+    return len(re.findall(pattern, ptx))
+
+
+def _wgmma_stream(ptx):
+    """The wgmma instructions in order (operands dropped)."""
+    return re.findall(r"wgmma\.(?:mma_async\.sync\.aligned\.\S+|fence\S*|commit_group\S*|wait_group\S*\s+\d+)", ptx)
+
+
+def test_compiles_without_spills(reports):
+    rep, _ = reports
+    assert rep.arch == "sm_90a"
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", rep.log)
+    assert frames, rep.log
+    assert all(v == ("0", "0", "0") for v in frames), frames
+    for code in ("C7514", "C7517", "C7519"):  # wgmma serialization / injected waits / arrives
+        assert code not in rep.log, rep.log
+    assert re.search(r"\.reqntid 384, 1, 1", rep.ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{X.LOADER_REGS};", rep.ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{X.MMA_REGS};", rep.ptx)
+    assert X.LOADER_REGS * 128 + X.MMA_REGS * 256 <= 65536
+
+
+def test_mma_is_the_bf16_kernels(reports):
+    """Same wgmma shape, order, commits and waits as the BF16 grouped GEMM."""
+    rep, bf16 = reports
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", rep.ptx)) == {
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"}
+    assert _wgmma_stream(rep.ptx) == _wgmma_stream(bf16.ptx)
+    assert _count(r"wgmma\.mma_async", rep.ptx) == 8  # first k-tile + loop, 4 k-blocks of 16 each
+
+
+def test_dequant_ptx(reports):
+    rep, bf16 = reports
+    ptx = rep.ptx
+    # TMA loads of the e4m3 A / W tiles into the e4m3 ring
+    for dims in ("2d", "3d"):  # A [M, K], W as (N, K, E)
+        assert _count(rf"cp\.async\.bulk\.tensor\.{dims}\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == 1
+    # per pass: 2 words of e4m3 (8 B) in, 4 cvt e4m3x2 -> f16x2, 8 fp32 multiplies, 4 bf16x2, one 16 B store
+    n = PATHS * PASSES
+    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 4 * n
+    assert _count(r"\bmul\.rn\.f32\b", ptx) == 8 * n
+    assert _count(r"cvt\.rn\.bf16x2\.f32", ptx) - _count(r"cvt\.rn\.bf16x2\.f32", bf16.ptx) == 4 * n  # + epilogue
+    assert _count(r"ld\.shared\.v2\.(b|u)32", ptx) == n
+    assert _count(r"st\.shared\.v4\.(b|u)32", ptx) >= n
+    assert ".ftz" not in ptx
+    # E8M0 multiplier bits: byte 0 -> 2^-127 (0x00400000), 0xFF -> NaN (0x7FC00000)
+    assert _count(r"selp\.b32\s+%r\d+, 4194304,", ptx) == n
+    assert _count(r"selp\.b32\s+%r\d+, 2143289344,", ptx) == n
+    # scale words shared by shuffles (one per pass), stores fenced for the wgmma (async) proxy
+    assert _count(r"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, %r\d+, 31, -1;", ptx) == n
+    assert _count(r"fence\.proxy\.async\.shared::cta", ptx) >= PATHS
+    assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx
+
+
+def test_compile_rejects_other_arch():
+    with pytest.raises(ValueError, match="sm_90a"):
+        X.compile_mxfp8_mixed_gemm(arch="sm_100a")
+
+
+def test_config_rejected():
+    with pytest.raises(ValueError, match="tile_k 64"):
+        X.Mxfp8MixedGemmSm90(dataclasses.replace(X.DEFAULT_CONFIG, ab_dtype=cutlass.Float16))
+
+
+@pytest.fixture
+def no_launch(forbid):
+    forbid(X, "compile_cached", "_sm90", "sm_count")
+
+
+def _args(m=256, k=256, n=256, e=2):
+    return dict(a=torch.zeros(m, k, dtype=F8), a_scales=torch.zeros(m, k // 32, dtype=torch.uint8),
+                offsets=torch.tensor([0, m // 2, m][:e + 1], dtype=torch.int32),
+                w=torch.zeros(e, n, k, dtype=F8), w_scales=torch.zeros(e, n, k // 32, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(a=torch.zeros(256, 256, dtype=torch.bfloat16)), "a must have dtype"),
+    (dict(a="a"), "a must be a torch.Tensor"),
+    (dict(a=torch.zeros(256, 224, dtype=F8)), "K=224 must be a positive multiple of 128"),
+    (dict(a=torch.zeros(256, 512, dtype=F8)[:, :256]), "a must be contiguous"),
+    (dict(w=torch.zeros(2, 256, 256, dtype=torch.bfloat16)), "w must have dtype"),
+    (dict(w=torch.zeros(2, 128, 256, dtype=F8)), "N a positive multiple of tile_n=256"),
+    (dict(w=torch.zeros(3, 256, 256, dtype=F8)), "w must be \\[E=2"),
+    (dict(a_scales=torch.zeros(256, 8, dtype=torch.int8)), "a_scales must have dtype"),
+    (dict(a_scales=torch.zeros(256, 4, dtype=torch.uint8)), "a_scales must be uint8 E8M0 \\(256, 8\\)"),
+    (dict(w_scales=torch.zeros(2, 256, 4, dtype=torch.uint8)), "w_scales must be uint8 E8M0 \\(2, 256, 8\\)"),
+    (dict(w_scales=torch.zeros(2, 8, 256, dtype=torch.uint8).transpose(1, 2)), "w_scales must be contiguous"),
+    (dict(offsets=torch.tensor([0], dtype=torch.int32)), "E\\+1"),
+    (dict(offsets=torch.tensor([0, 1.0])), "offsets must have dtype"),
+    ({}, "CUDA"),
+])
+def test_validation(no_launch, change, match):
+    args = dict(_args(), **change)
+    with pytest.raises((TypeError, ValueError), match=match):
+        X.grouped_gemm_mxfp8_mixed(args["a"], args["a_scales"], args["offsets"], args["w"], args["w_scales"])
+
+
+@pytest.mark.parametrize("out, match", [
+    (torch.zeros(256, 128, dtype=torch.bfloat16), "out must be contiguous with shape \\(256, 256\\)"),
+    (torch.zeros(256, 256, dtype=torch.float32), "out must have dtype"),
+])
+def test_out_validation(no_launch, out, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        X.grouped_gemm_mxfp8_mixed(**_args(), out=out)
+
+
+def test_defaults():
+    """The bitwise match with grouped_gemm needs the BF16 kernel's tile shape."""
+    cfg = X.DEFAULT_CONFIG
+    assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 256, 64) and cfg == G.DEFAULT_CONFIG
+    op = X.Mxfp8MixedGemmSm90()
+    assert op.mainloop.stages == 2 and op.fp8_stages == X.FP8_STAGES == 2
+    # 2 BF16 stages + 2 e4m3 stages + the 64 KB epilogue tile fit the 227 KB of shared memory
+    assert op.mainloop.smem_bytes + 1024 <= 232448
+
+
+# ---------------------------------------------------------------- the device check's own logic
+def _check_module():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import checks.gemm_mxfp8_mixed as C  # noqa: PLC0415
+    return C
+
+
+def _mirrors(flip_bit: bool = False):
+    """CPU stand-ins for the kernels the check calls: dequantize = the reference's, the BF16
+    grouped GEMM = fp32 matmul per expert rounded to bf16, the mixed GEMM = both (so equal
+    bitwise unless ``flip_bit`` flips one output bit)."""
+    from mok_cute import reference as ref  # noqa: PLC0415
+
+    def dequantize_mxfp8(data, scales, dim=-1):
+        return ref.mxfp8_dequantize(data, scales, dim).bfloat16()
+
+    def grouped_gemm(a, offsets, w, *, out):
+        offs = offsets.tolist()
+        for e in range(w.shape[0]):
+            out[offs[e]:offs[e + 1]] = (a[offs[e]:offs[e + 1]].float() @ w[e].float().t()).bfloat16()
+        return out
+
+    def mixed(a, sa, offsets, w, sw, *, out):
+        e, n, k = w.shape
+        grouped_gemm(dequantize_mxfp8(a, sa), offsets,
+                     dequantize_mxfp8(w.view(e * n, k), sw.view(e * n, k // 32)).view(e, n, k), out=out)
+        if flip_bit:
+            out.view(torch.int16)[offsets[1] + 3, 300] ^= 1
+        return out
+
+    dq = SimpleNamespace(dequantize_mxfp8=dequantize_mxfp8)
+    gg = SimpleNamespace(grouped_gemm=grouped_gemm, set_tma_store=lambda on: True)
+    return SimpleNamespace(grouped_gemm_mxfp8_mixed=mixed), gg, dq, ref
+
+
+def test_check_logic_on_cpu(monkeypatch):
+    """tools/checks/gemm_mxfp8_mixed.py with CPU mirrors: every correctness row passes; a
+    flipped output bit fails the bitwise row and is located (row, expert, column)."""
+    C = _check_module()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    cpu = torch.device("cpu")
+    rows = C._check_routing(*_mirrors(), cpu, "skewed") + C._check_scale_edges(*_mirrors(), cpu)
+    assert all(r.ok for r in rows), [(r.name, r.note) for r in rows]
+    bad = C._check_routing(*_mirrors(flip_bit=True), cpu, "uniform")
+    assert not bad[0].ok and "mismatches 1 " in bad[0].note and "expert 1, local 3" in bad[0].note, bad[0].note
+    assert "col 300 (n-tile 1)" in bad[0].note, bad[0].note
