@@ -75,10 +75,11 @@ def test_dequant_ptx(reports):
     assert _count(r"ld\.shared\.v2\.(b|u)32", ptx) == n
     assert _count(r"st\.shared\.v4\.(b|u)32", ptx) >= n
     assert ".ftz" not in ptx
-    # E8M0 multiplier bits: byte 0 -> 2^-127 (0x00400000), 0xFF -> NaN (0x7FC00000)
-    assert _count(r"selp\.b32\s+%r\d+, 4194304,", ptx) == n
-    assert _count(r"selp\.b32\s+%r\d+, 2143289344,", ptx) == n
-    # scale words shared by shuffles (one per pass), stores fenced for the wgmma (async) proxy
+    # E8M0 multiplier bits (byte 0 -> 2^-127 = 0x00400000, 0xFF -> NaN 0x7FC00000), decoded
+    # once per (row, block): 8 per lane and k-tile, then one shuffle per pass
+    assert _count(r"selp\.b32\s+%r\d+, 4194304,", ptx) == n // 4
+    assert _count(r"selp\.b32\s+%r\d+, 2143289344,", ptx) == n // 4
+    # stores fenced for the wgmma (async) proxy
     assert _count(r"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, %r\d+, 31, -1;", ptx) == n
     assert _count(r"fence\.proxy\.async\.shared::cta", ptx) >= PATHS
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx

@@ -27,10 +27,15 @@ threads ptxas caps the MMA warps at 128 registers, below one m64n256 wgmma's 154
                  ``mma_tile`` / epilogue, unchanged; they release a BF16 slot with one arrive
                  per warp (lane 0) after ``wgmma.wait_group``.
 Scales are not TMA-loaded (a 64-K k-tile holds 2 scale bytes per row, below TMA's 16-byte
-box minimum). The host passes them as int32 words (4 blocks = 2 k-tiles per word); lane l
-of a dequant warp loads the words of rows l + 32 j (j < 4) one k-tile ahead (latency hidden
-behind a k-tile) and pass p takes its row's word by ``shfl.sync`` from lane l / 8 + 4 (p % 8),
-then its byte (2 (kt % 2) + (l % 8) / 4).
+box minimum). The host passes them as int32 words (4 blocks = 2 k-tiles per word). Per
+k-tile each lane of a dequant warp decodes 8 of its block's 256 (row, 32-block) multipliers
+(fp32 bits of 2^(s - 127), :meth:`Fp8Ops.scale_bits`) from words it loaded one k-tile ahead
+(latency hidden behind a k-tile), and each pass takes its multiplier from the holding lane
+by one ``shfl.sync`` (layout in :meth:`Mxfp8MixedGemmSm90._dequantize`). Per pass (8
+elements) the SASS is ~29 instructions: SHFL, LDS.64, 4 F2FP e4m3 unpacks, 8 HADD2.F32,
+8 FMUL, 4 F2FP bf16 packs, STS.128; ~1150 per warp and k-tile against ~1000-1400 cycles of
+wgmma per k-tile, so the three dequant warps (one per SM sub-partition) are the expected
+limit.
 Dequantizing warps beside the producer (rather than the MMA warpgroups converting the next
 stage between their wgmma batches) keep the MMA warps' instruction stream that of the BF16
 kernel and their accumulators clear of conversion temporaries.
@@ -143,11 +148,10 @@ class Mxfp8MixedGemmSm90:
         self.f8_loop = copy.copy(self.mainloop)
         self.f8_loop.stages = fp8_stages
 
-    def _setup(self):
-        """Build the mainloop's and the e4m3 ring's layouts (in the launcher and in the kernel):
-        unswizzled K-contiguous (rows, tile_k, stages) e4m3 staging (8-byte reads by 8 adjacent
-        threads per row cover 256 contiguous bytes per warp: conflict-free)."""
-        self.mainloop.setup()
+    def _f8_layouts(self):
+        """Build the e4m3 ring's layouts (in the launcher and in the kernel): unswizzled
+        K-contiguous (rows, tile_k, stages) staging (8-byte reads by 8 adjacent lanes per row
+        cover 256 contiguous bytes per warp: conflict-free)."""
         k = self.cfg.tile_k
         self.a8_layout, self.b8_layout = (cute.make_layout((rows, k, self.fp8_stages), stride=(k, 1, rows * k))
                                           for rows in (self.cfg.tile_m, self.cfg.tile_n))
@@ -170,7 +174,8 @@ class Mxfp8MixedGemmSm90:
     def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
                  mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
         cfg = self.cfg
-        self._setup()
+        self.mainloop.setup()
+        self._f8_layouts()
         b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
         atom_a, coord_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
@@ -215,7 +220,7 @@ class Mxfp8MixedGemmSm90:
         if cutlass.const_expr(cfg.tma_store):
             atoms.append(atom_c)
         tidx, warp = self.mainloop.start(atoms)
-        self._setup()
+        self._f8_layouts()
         f8_pipe, bf_ring, sA8, sB8, sA, sB, sC = self._allocate()
         num_experts = mOffsets.shape[0] - 1
         n_tiles = coord_b.shape[0] // cfg.tile_n
@@ -280,27 +285,33 @@ class Mxfp8MixedGemmSm90:
                             (block, 0, 0)))
         dst = wr.get_slice(lane).partition_D(
             cute.local_tile(s16, (_BLOCK_ROWS, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
-        # pass p of lane l covers row l // 8 + 4 p, columns 8 (l % 8) .. + 7 (:meth:`_copies`)
-        words = cute.make_rmem_tensor((_BLOCK_ROWS // 32,), Uint32)  # scale words of rows lane + 32 j
+        # pass p of lane l covers row l // 8 + 4 p, columns 8 (l % 8) .. + 7 (:meth:`_copies`): block
+        # (l % 8) // 4 of the k-tile. Multipliers are decoded once per (row, block): lane h holds
+        # in mult[j] the one of row 16 j + 4 (h // 8) + (h % 8) // 2, block h % 2, so pass p
+        # reads mult[p // 4] of lane 2 (l // 8) + (l % 8) // 4 + 8 (p % 4).
+        passes = cute.size(src, mode=[1])
+        holds = passes // 4
+        words = cute.make_rmem_tensor((holds,), Uint32)  # raw scale words, one k-tile ahead
+        mult = cute.make_rmem_tensor((holds,), Uint32)
+        hold_row = 4 * (lane // 8) + (lane % 8) // 2
+        reader = 2 * (lane // 8) + (lane % 8) // 4
         f8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
         bf_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mainloop.stages)
         while expert < num_experts:
             _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
             if cutlass.const_expr(operand == 1):
                 row0 = n_tile * cfg.tile_n
-            row0 = row0 + block * _BLOCK_ROWS
-            self._load_words(words, mSA, mSB, operand, expert, row0 + lane, m_total, Int32(0))
+            row0 = row0 + block * _BLOCK_ROWS + hold_row
+            self._load_words(words, mSA, mSB, operand, expert, row0, m_total, Int32(0))
             for kt in cutlass.range(k_tiles, unroll=1):
-                cur = cute.make_rmem_tensor_like(words)
-                cur.store(words.load())
-                self._load_words(words, mSA, mSB, operand, expert, row0 + lane, m_total,
-                                 cutlass.min(kt + 1, k_tiles - 1))
-                # this lane's block of k-tile kt inside a row's word: byte 2 (kt % 2) + (lane % 8) // 4
-                shift = Uint32(8 * (2 * (kt % 2) + (lane % 8) // 4))
+                shift = Uint32(8 * (2 * (kt % 2) + lane % 2))  # block 2 kt + h % 2 in word kt // 2
+                for j in cutlass.range_constexpr(holds):
+                    mult[j] = Fp8Ops(bf16=True).scale_bits((words[j] >> shift) & Uint32(0xFF))
+                self._load_words(words, mSA, mSB, operand, expert, row0, m_total, cutlass.min(kt + 1, k_tiles - 1))
                 f8_pipe.consumer_wait(f8_state)
                 bf_ring.producer_acquire(bf_state)
-                self._convert(src[(None, None, 0, f8_state.index)], dst[(None, None, 0, bf_state.index)], cur,
-                              lane, shift)
+                self._convert(src[(None, None, 0, f8_state.index)], dst[(None, None, 0, bf_state.index)], mult,
+                              reader)
                 cute.arch.sync_warp()  # every lane's e4m3 reads are done
                 f8_pipe.consumer_release(f8_state)  # lane 0
                 bf_ring.producer_commit(bf_state)
@@ -314,29 +325,27 @@ class Mxfp8MixedGemmSm90:
     def _load_words(self, words: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, operand: cutlass.Constexpr[int],
                     expert: Int32, row: Int32, m_total: Int32, kt: Int32):
         """``words[j]``: the scale word (4 E8M0 bytes: k-tiles 2 (kt // 2) and 2 (kt // 2) + 1) of
-        row ``row + 32 j`` (A rows past M read the last row: their data is TMA zero fill and
+        row ``row + 16 j`` (A rows past M read the last row: their data is TMA zero fill and
         their output rows are never stored)."""
         for j in cutlass.range_constexpr(cute.size(words)):
             if cutlass.const_expr(operand == 0):
-                words[j] = Uint32(mSA[cutlass.min(row + 32 * j, m_total - 1), kt // 2])
+                words[j] = Uint32(mSA[cutlass.min(row + 16 * j, m_total - 1), kt // 2])
             else:
-                words[j] = Uint32(mSB[expert, row + 32 * j, kt // 2])
+                words[j] = Uint32(mSB[expert, row + 16 * j, kt // 2])
 
     @cute.jit
-    def _convert(self, src: cute.Tensor, dst: cute.Tensor, words: cute.Tensor, lane: Int32, shift: Uint32):
+    def _convert(self, src: cute.Tensor, dst: cute.Tensor, mult: cute.Tensor, reader: Int32):
         """The row passes of a k-tile: e4m3 words ``src`` (vals, passes) -> bf16 vectors ``dst``;
-        pass p's scale byte comes from the lane holding row l // 8 + 4 p (word p // 8 of lane
-        l // 8 + 4 (p % 8)), ``shift`` selects this lane's byte."""
+        pass p's multiplier is ``mult[p // 4]`` of lane ``reader + 8 (p % 4)``."""
         ops = Fp8Ops(bf16=True)
         for p in cutlass.range_constexpr(cute.size(src, mode=[1])):
-            w = cute.arch.shuffle_sync(words[p // 8], lane // 8 + 4 * (p % 8))
-            mult = ops.scale_bits((w >> shift) & Uint32(0xFF))
+            m = cute.arch.shuffle_sync(mult[p // 4], reader + 8 * (p % 4))
             data = cute.make_rmem_tensor_like(src[(None, p)])
             cute.autovec_copy(src[(None, p)], data)
             vec = cute.make_rmem_tensor_like(dst[(None, p)])
             out = cute.recast_tensor(vec, Uint32)
             for i in cutlass.range_constexpr(2):
-                ps = ops.deq4(data[i], [mult] * 4)
+                ps = ops.deq4(data[i], [m] * 4)
                 out[2 * i] = ops.bf16x2(ps[0], ps[1])
                 out[2 * i + 1] = ops.bf16x2(ps[2], ps[3])
             cute.autovec_copy(vec, dst[(None, p)])
