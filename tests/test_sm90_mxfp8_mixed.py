@@ -90,9 +90,10 @@ def test_compile_rejects_other_arch():
         X.compile_mxfp8_mixed_gemm(arch="sm_100a")
 
 
-def test_config_rejected():
-    with pytest.raises(ValueError, match="tile_k 64"):
-        X.Mxfp8MixedGemmSm90(dataclasses.replace(X.DEFAULT_CONFIG, ab_dtype=cutlass.Float16))
+@pytest.mark.parametrize("change", [dict(ab_dtype=cutlass.Float16), dict(tile_n=128)])
+def test_config_rejected(change):
+    with pytest.raises(ValueError, match="tile 128 x 256 x 64"):
+        X.Mxfp8MixedGemmSm90(dataclasses.replace(X.DEFAULT_CONFIG, **change))
 
 
 @pytest.fixture

@@ -134,8 +134,9 @@ class Mxfp8MixedGemmSm90:
     """
 
     def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, fp8_stages: int = FP8_STAGES):
-        if cfg.ab_dtype is not cutlass.BFloat16 or cfg.tile_k != 64:
-            raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile_k 64, got {cfg}")
+        if cfg.ab_dtype is not cutlass.BFloat16 or (cfg.tile_m, cfg.tile_n, cfg.tile_k) != (128, 256, 64):
+            raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile 128 x 256 x 64 (one 128-row "
+                             f"block per dequant warp), got {cfg}")
         self.cfg, self.fp8_stages = cfg, fp8_stages
         self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.f8_stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
