@@ -85,6 +85,32 @@ def test_dequant_ptx(reports):
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx
 
 
+@pytest.fixture(scope="module")
+def act_report():
+    return X.compile_mxfp8_mixed_gemm(inspect=True, w_fp8=False)[1], G.compile_grouped_gemm("plain", inspect=True)[1]
+
+
+def test_bf16_weights_variant(act_report):
+    """bf16 weights: W's TMA lands in the BF16 ring (one expect-tx arrive beside the 2 dequant
+    warps'), only A is dequantized (2 warps x 64 rows: 16 passes each, one code path);
+    the MMA stream is still the BF16 kernel's; 0 spills."""
+    rep, bf16 = act_report
+    ptx = rep.ptx
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", rep.log)
+    assert frames and all(v == ("0", "0", "0") for v in frames), rep.log
+    assert _wgmma_stream(ptx) == _wgmma_stream(bf16.ptx)
+    for dims in ("2d", "3d"):  # A e4m3 [M, K] into the e4m3 ring, W bf16 (N, K, E) into the BF16 ring
+        assert _count(rf"cp\.async\.bulk\.tensor\.{dims}\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == 1
+    assert _count(r"mbarrier\.arrive\.expect_tx", ptx) == 2  # e4m3 ring + the W tile in the BF16 ring
+    n = 16
+    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 4 * n
+    assert _count(r"\bmul\.rn\.f32\b", ptx) == 8 * n
+    assert ".ftz" not in ptx and _count(r"fence\.proxy\.async\.shared::cta", ptx) >= 1
+    op = X.Mxfp8MixedGemmSm90(w_fp8=False)
+    assert (op.fp8_stages, op.block_rows, op.dequant_warps, op.mainloop.stages) == (X.ACT_FP8_STAGES, 64, 2, 2)
+    assert op.mainloop.smem_bytes + 1024 <= 232448
+
+
 def test_compile_rejects_other_arch():
     with pytest.raises(ValueError, match="sm_90a"):
         X.compile_mxfp8_mixed_gemm(arch="sm_100a")
@@ -121,7 +147,9 @@ def _args(m=256, k=256, n=256, e=2):
     (dict(w_scales=torch.zeros(2, 8, 256, dtype=torch.uint8).transpose(1, 2)), "w_scales must be contiguous"),
     (dict(offsets=torch.tensor([0], dtype=torch.int32)), "E\\+1"),
     (dict(offsets=torch.tensor([0, 1.0])), "offsets must have dtype"),
+    (dict(w_scales=None), "w must have dtype"),  # no scales: w must be the bf16 weight
     ({}, "CUDA"),
+    (dict(w=torch.zeros(2, 256, 256, dtype=torch.bfloat16), w_scales=None), "CUDA"),
 ])
 def test_validation(no_launch, change, match):
     args = dict(_args(), **change)
@@ -170,10 +198,10 @@ def _mirrors(flip_bit: bool = False):
             out[offs[e]:offs[e + 1]] = (a[offs[e]:offs[e + 1]].float() @ w[e].float().t()).bfloat16()
         return out
 
-    def mixed(a, sa, offsets, w, sw, *, out):
+    def mixed(a, sa, offsets, w, sw=None, *, out):
         e, n, k = w.shape
-        grouped_gemm(dequantize_mxfp8(a, sa), offsets,
-                     dequantize_mxfp8(w.view(e * n, k), sw.view(e * n, k // 32)).view(e, n, k), out=out)
+        deq_w = w if sw is None else dequantize_mxfp8(w.view(e * n, k), sw.view(e * n, k // 32)).view(e, n, k)
+        grouped_gemm(dequantize_mxfp8(a, sa), offsets, deq_w, out=out)
         if flip_bit:
             out.view(torch.int16)[offsets[1] + 3, 300] ^= 1
         return out

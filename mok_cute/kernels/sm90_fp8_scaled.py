@@ -528,10 +528,11 @@ def _check_mx_scales(name, t, shape):
 
 
 def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
-    """Validate the MXFP8 grouped GEMM operands (contract of :func:`grouped_gemm_mxfp8_promoted`)
-    before any launch; returns ``(M, N, E, out)`` (``out`` allocated if None)."""
+    """Validate the MXFP8 grouped GEMM operands (contract of :func:`grouped_gemm_mxfp8_promoted`;
+    ``w_scales`` None: ``w`` is a bf16 weight [E, N, K] instead) before any launch; returns
+    ``(M, N, E, out)`` (``out`` allocated if None)."""
     _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
-    _check_tensor("w", w, 3, (torch.float8_e4m3fn,))
+    _check_tensor("w", w, 3, (torch.float8_e4m3fn,) if w_scales is not None else (torch.bfloat16,))
     e = _check_offsets(offsets)
     m, k = a.shape
     n = w.shape[1]
@@ -544,9 +545,11 @@ def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
         if not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
     _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
-    _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
+    if w_scales is not None:
+        _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
     out = _check_out("out", out, (m, n), a.device)
-    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, out=out,
+                   **({} if w_scales is None else {"w_scales": w_scales}))
     return m, n, e, out
 
 

@@ -43,6 +43,14 @@ kernel and their accumulators clear of conversion temporaries.
 Shared memory (227 KB): 2 BF16 stages x 48 KB + 2 e4m3 stages x 24 KB + the 64 KB epilogue
 tile + mbarriers = 208 KB. Registers (setmaxnreg, 64 K per SM): WG0 88, MMA warpgroups 208
 (88 x 128 + 208 x 256 = 64512; 0 spills).
+
+bf16 weights (``w_scales=None``: W already bf16, e.g. an MXFP8 weight dequantized once per
+weight version): the TMA warp loads W straight into the BF16 ring's slot (swizzled; one
+``mbarrier.arrive.expect_tx`` with W's bytes beside the dequant warps' arrives on the slot's
+full barrier) and A into a 4-stage e4m3 ring (8 KB per stage); warps 1-2 dequantize A's rows
+[0, 64) and [64, 128), warp 3 idles: a third of the conversions per k-tile. Measured on the
+H200 (8 x 4096 rows, K 7168, N 4096): e4m3 W 257 TFLOP/s = 0.35x the BF16 GEMM (the three
+dequant warps are the limit, as estimated above); docs/benchmarks.md has the bf16-W figure.
 """
 from __future__ import annotations
 
@@ -73,18 +81,19 @@ from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
-FP8_STAGES = 2
-LOADER_REGS = 88  # warpgroup 0: TMA warp + 3 dequant warps
+FP8_STAGES = 2  # e4m3 ring depth with e4m3 weights (A + W per stage: 24 KB)
+ACT_FP8_STAGES = 4  # e4m3 ring depth with bf16 weights (A only per stage: 8 KB)
+LOADER_REGS = 88  # warpgroup 0: TMA warp + dequant warps
 MMA_REGS = 208  # 88 x 128 + 208 x 256 <= 65536
 _VEC = 8  # elements per dequant vector: 8 e4m3 bytes in, one 16-byte bf16 vector out
-_BLOCK_ROWS = 128  # rows per dequant warp: A, W[0:128), W[128:256)
 _MMA_WARPS = 8
-_DEQUANT_WARPS = 3
+_FULL_ARRIVES = 3  # BF16 slot full: 3 dequant warps (e4m3 W), or 2 dequant warps + the W TMA (bf16 W)
 
 
 @dataclass(frozen=True)
 class _Bf16Ring:
-    """The BF16 ring's mbarriers (``PipelineAsync``): full = one arrive per dequant warp, empty =
+    """The BF16 ring's mbarriers (``PipelineAsync``): full = ``_FULL_ARRIVES`` arrives (one per
+    dequant warp; with bf16 weights also the W TMA's arrive with its byte count), empty =
     one arrive per MMA warp (lane 0; every lane's wgmma has retired by then). Offers the
     consumer side that :meth:`Sm90Mainloop.mma_tile` calls."""
 
@@ -94,7 +103,7 @@ class _Bf16Ring:
     def create(barrier_ptr, stages: int):
         return _Bf16Ring(pipeline.PipelineAsync.create(
             barrier_storage=barrier_ptr, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _FULL_ARRIVES),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
             defer_sync=True))
 
@@ -130,16 +139,21 @@ class Mxfp8MixedGemmSm90:
     the uint8 E8M0 [.., K/32] scales seen as int32 words (byte b of word j = block 4 j + b);
     K a multiple of 128, N of ``cfg.tile_n``. ``cfg``: the BF16 mainloop's (tile 128 x 256 x
     64 for the bitwise match; ``tma_store`` selects the TMA-store epilogue as in the BF16
-    kernel). ``fp8_stages``: e4m3 ring depth.
+    kernel). ``w_fp8``: e4m3 + E8M0 weights (``mB`` e4m3, ``mSB`` their scale words), else bf16
+    weights (``mB`` bf16, ``mSB`` not read).
     """
 
-    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, fp8_stages: int = FP8_STAGES):
+    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, w_fp8: bool = True):
         if cfg.ab_dtype is not cutlass.BFloat16 or (cfg.tile_m, cfg.tile_n, cfg.tile_k) != (128, 256, 64):
             raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile 128 x 256 x 64 (one 128-row "
                              f"block per dequant warp), got {cfg}")
-        self.cfg, self.fp8_stages = cfg, fp8_stages
+        self.cfg, self.w_fp8 = cfg, w_fp8
+        # e4m3 W: 3 dequant warps of 128 rows (A, W[0:128), W[128:256)); bf16 W: 2 of 64 rows of A
+        self.fp8_stages = FP8_STAGES if w_fp8 else ACT_FP8_STAGES
+        self.block_rows, self.dequant_warps = (128, 3) if w_fp8 else (64, 2)
+        fp8_stages = self.fp8_stages
         self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
-        self.f8_stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
+        self.f8_stage_bytes = (cfg.tile_m + (cfg.tile_n if w_fp8 else 0)) * cfg.tile_k
         f8_barriers = 2 * fp8_stages * 8
         self.mainloop = Sm90Mainloop(
             cfg, epi_smem_bytes=self.epi.smem_elems() * 2 + fp8_stages * self.f8_stage_bytes + f8_barriers)
@@ -167,8 +181,9 @@ class Mxfp8MixedGemmSm90:
             "sB": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024],
             "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024],
             "sA8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.a8_layout)], 1024],
-            "sB8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.b8_layout)], 1024],
         }
+        if self.w_fp8:
+            fields["sB8"] = cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.b8_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -181,9 +196,9 @@ class Mxfp8MixedGemmSm90:
         atom_a, coord_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
             (cfg.tile_m, cfg.tile_k))
+        b_smem = self.b8_layout if cutlass.const_expr(self.w_fp8) else self.mainloop.b_smem_staged
         atom_b, coord_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(self.b8_layout, (None, None, 0)),
-            (cfg.tile_n, cfg.tile_k))
+            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(b_smem, (None, None, 0)), (cfg.tile_n, cfg.tile_k))
         atom_c, coord_c = None, None
         if cutlass.const_expr(cfg.tma_store):
             atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
@@ -200,14 +215,14 @@ class Mxfp8MixedGemmSm90:
         f8_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.f8_barriers.data_ptr(), num_stages=self.fp8_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.dequant_warps),
             tx_count=self.f8_stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         bf_ring = _Bf16Ring.create(storage.barriers.data_ptr(), ml.stages)
         sA = storage.sA.get_tensor(ml.a_smem_staged.outer, swizzle=ml.a_smem_staged.inner)
         sB = storage.sB.get_tensor(ml.b_smem_staged.outer, swizzle=ml.b_smem_staged.inner)
         sC = self.epi.smem_tensor(storage.sC)
         sA8 = storage.sA8.get_tensor(self.a8_layout)
-        sB8 = storage.sB8.get_tensor(self.b8_layout)
+        sB8 = storage.sB8.get_tensor(self.b8_layout) if cutlass.const_expr(self.w_fp8) else None
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
         return f8_pipe, bf_ring, sA8, sB8, sA, sB, sC
@@ -229,15 +244,24 @@ class Mxfp8MixedGemmSm90:
         linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(LOADER_REGS)
-            if warp == 0:
-                self.f8_loop.produce_grouped(f8_pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                             atom_a, coord_a, sA8, atom_b, coord_b, sB8, cfg.tile_n, k_tiles)
-            elif warp == 1:  # A
-                self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, Int32(0), mOffsets, num_experts, n_tiles,
-                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
-            else:  # W rows [0, 128) (warp 2) or [128, 256) (warp 3)
-                self._dequantize(f8_pipe, bf_ring, sB8, sB, mSA, mSB, 1, warp - 2, mOffsets, num_experts, n_tiles,
-                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
+            if cutlass.const_expr(self.w_fp8):
+                if warp == 0:
+                    self.f8_loop.produce_grouped(f8_pipe, mOffsets, num_experts, n_tiles, linear, expert, base,
+                                                 grid, atom_a, coord_a, sA8, atom_b, coord_b, sB8, cfg.tile_n,
+                                                 k_tiles)
+                elif warp == 1:  # A
+                    self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, Int32(0), mOffsets, num_experts,
+                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
+                else:  # W rows [0, 128) (warp 2) or [128, 256) (warp 3)
+                    self._dequantize(f8_pipe, bf_ring, sB8, sB, mSA, mSB, 1, warp - 2, mOffsets, num_experts,
+                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
+            else:
+                if warp == 0:
+                    self._produce_act(f8_pipe, bf_ring, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                      atom_a, coord_a, sA8, atom_b, coord_b, sB, k_tiles)
+                elif warp < 3:  # A rows [0, 64) (warp 1) or [64, 128) (warp 2); warp 3 idles
+                    self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, warp - 1, mOffsets, num_experts,
+                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             tid = tidx - THREADS_PER_WG
@@ -257,6 +281,42 @@ class Mxfp8MixedGemmSm90:
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
             if cutlass.const_expr(cfg.tma_store):
                 tma_store_drain(tid)
+
+    @cute.jit
+    def _produce_act(self, f8_pipe, bf_ring, mOffsets: cute.Tensor, num_experts: Int32, n_tiles: Int32,
+                     linear: Int32, expert: Int32, base: Int32, grid: Int32, atom_a: cute.CopyAtom,
+                     coord_a: cute.Tensor, sA8: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+                     sB: cute.Tensor, k_tiles: Int32):
+        """TMA warp with bf16 weights: per k-tile the e4m3 A tile into the e4m3 ring, and the
+        bf16 W tile straight into the BF16 ring's slot (swizzled as wgmma reads it; one
+        arrive with its byte count on the slot's full barrier, beside the dequant warps')."""
+        cfg = self.cfg
+        f8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fp8_stages)
+        bf_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mainloop.stages)
+        b_bytes = cfg.tile_n * cfg.tile_k * 2
+        while expert < num_experts:
+            _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
+            gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+            tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1), cute.group_modes(sA8, 0, 2),
+                                               cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                               cute.group_modes(gB, 0, 2))
+            for k in cutlass.range(k_tiles, unroll=1):
+                f8_pipe.producer_acquire(f8_state)
+                cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, f8_state.index)],
+                          tma_bar_ptr=f8_pipe.producer_get_barrier(f8_state))
+                f8_pipe.producer_commit(f8_state)
+                f8_state.advance()
+                bf_ring.producer_acquire(bf_state)
+                bar = bf_ring.pipe.producer_get_barrier(bf_state)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes)
+                cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, bf_state.index)], tma_bar_ptr=bar)
+                bf_state.advance()
+            linear = linear + grid
+            expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+        f8_pipe.producer_tail(f8_state)
 
     def _copies(self):
         """(read, write) tiled copies of a dequant warp: 8 lanes per row, 4 rows per pass;
@@ -282,10 +342,10 @@ class Mxfp8MixedGemmSm90:
         lane = cute.arch.lane_idx()
         rd, wr = self._copies()
         src = rd.get_slice(lane).partition_S(
-            cute.local_tile(cute.recast_tensor(s8, Uint32), (_BLOCK_ROWS, cfg.tile_k // 4, self.fp8_stages),
+            cute.local_tile(cute.recast_tensor(s8, Uint32), (self.block_rows, cfg.tile_k // 4, self.fp8_stages),
                             (block, 0, 0)))
         dst = wr.get_slice(lane).partition_D(
-            cute.local_tile(s16, (_BLOCK_ROWS, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
+            cute.local_tile(s16, (self.block_rows, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
         # pass p of lane l covers row l // 8 + 4 p, columns 8 (l % 8) .. + 7 (:meth:`_copies`): block
         # (l % 8) // 4 of the k-tile. Multipliers are decoded once per (row, block): lane h holds
         # in mult[j] the one of row 16 j + 4 (h // 8) + (h % 8) // 2, block h % 2, so pass p
@@ -302,7 +362,7 @@ class Mxfp8MixedGemmSm90:
             _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
             if cutlass.const_expr(operand == 1):
                 row0 = n_tile * cfg.tile_n
-            row0 = row0 + block * _BLOCK_ROWS + hold_row
+            row0 = row0 + block * self.block_rows + hold_row
             self._load_words(words, mSA, mSB, operand, expert, row0, m_total, Int32(0))
             for kt in cutlass.range(k_tiles, unroll=1):
                 shift = Uint32(8 * (2 * (kt % 2) + lane % 2))  # block 2 kt + h % 2 in word kt // 2
@@ -353,30 +413,35 @@ class Mxfp8MixedGemmSm90:
 
 
 # ---------------------------------------------------------------- compile
-def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "sm_90a", inspect: bool = False):
-    """Compile the mixed-input MXFP8 grouped GEMM with symbolic M, N, K, E; ``(compiled, report)``."""
+def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "sm_90a", inspect: bool = False,
+                             w_fp8: bool = True):
+    """Compile the mixed-input MXFP8 grouped GEMM with symbolic M, N, K, E (``w_fp8``: e4m3 +
+    E8M0 weights, else bf16 weights); ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 mixed-input MXFP8 GEMM needs arch sm_90a, got {arch!r}")
     f8 = cutlass.Float8E4M3FN
     m, n, e, kw = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=16)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    args = (_fake_2d(f8, m, k), _fake(Int32, (m, kw), 1), _fake_3d(f8, e, n, k), _fake(Int32, (e, n, kw), 1), offs,
+    w = _fake_3d(f8 if w_fp8 else cutlass.BFloat16, e, n, k)
+    args = (_fake_2d(f8, m, k), _fake(Int32, (m, kw), 1), w, _fake(Int32, (e, n, kw), 1), offs,
             _fake_2d(cutlass.BFloat16, m, n))
-    return compile_kernel(Mxfp8MixedGemmSm90(cfg), *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch,
-                          inspect=inspect)
+    return compile_kernel(Mxfp8MixedGemmSm90(cfg, w_fp8), *args, Int32(1), cute.runtime.make_fake_stream(),
+                          arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- host wrapper
-def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
-    """out [M, N] bf16: rows of expert e = bf16(fp32 sum over K of deq(a) * deq(w[e])) with
-    deq(q, s) = bf16(fp32(q) * 2^(s - 127)) (scale 0xFF: NaN); bitwise
-    ``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, dequantize_mxfp8(w, w_scales))``
-    and bitwise repeatable.
+def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None,
+                             cfg: MainloopConfig = DEFAULT_CONFIG):
+    """out [M, N] bf16: rows of expert e = bf16(fp32 sum over K of deq(a) * W_e) with
+    deq(q, s) = bf16(fp32(q) * 2^(s - 127)) (scale 0xFF: NaN) and W = deq(w, w_scales), or
+    W = w when ``w_scales`` is None (bf16 weights, e.g. an MXFP8 weight dequantized once per
+    weight version); bitwise ``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, W)`` and
+    bitwise repeatable.
 
     a [M, K] float8_e4m3fn contiguous, K a positive multiple of 128; a_scales uint8 [M, K/32]
-    contiguous; w [E, N, K] float8_e4m3fn contiguous, N a multiple of ``cfg.tile_n`` (256);
-    w_scales uint8 [E, N, K/32] contiguous (per expert along K); offsets int32/int64 [E+1]
+    contiguous; w [E, N, K] float8_e4m3fn (with w_scales uint8 [E, N, K/32], per expert along
+    K) or bf16, contiguous, N a multiple of ``cfg.tile_n`` (256); offsets int32/int64 [E+1]
     on the device (0, non-decreasing, last = M; trusted, no host sync). ``out``: optional
     contiguous [M, N] bf16 (every row is written). The TMA-store epilogue follows the BF16
     kernel's process-wide setting (``sm90_grouped_gemm.set_tma_store``).
@@ -386,12 +451,14 @@ def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales, *, out=None, cfg
         return out
     dev, arch = _sm90(a, "mixed-input MXFP8 GEMM")
     cfg = effective_config(cfg)
-    launcher = compile_cached(("sm90_mxfp8_mixed_gemm", arch, cfg.key()),
-                              lambda: GraphLauncher(compile_mxfp8_mixed_gemm(cfg, arch)[0]))
+    w_fp8 = w_scales is not None
+    launcher = compile_cached(("sm90_mxfp8_mixed_gemm", arch, cfg.key(), w_fp8),
+                              lambda: GraphLauncher(compile_mxfp8_mixed_gemm(cfg, arch, w_fp8=w_fp8)[0]))
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = _offsets32(offsets)
-    sa32, sw32 = a_scales.view(torch.int32), w_scales.view(torch.int32)
+    sa32 = a_scales.view(torch.int32)
+    sw32 = w_scales.view(torch.int32) if w_fp8 else sa32.view(1, *sa32.shape)  # bf16 W: never read
     key = (tensor_key(a), tensor_key(sa32), tensor_key(w), tensor_key(sw32), offs32.data_ptr(), offs32.shape,
            tensor_key(out), num_ctas)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (

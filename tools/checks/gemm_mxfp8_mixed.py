@@ -19,7 +19,10 @@ grouped_gemm on the dequantized operands everywhere (NaN / Inf included, compare
 non-finite exactly where expected, per-row rel-L1 <= 1e-2 vs the fp64 product of the
 reference's dequantized operands elsewhere.
 
-Timed (8 experts x 4096 rows, K = 7168, N = 4096): mixed vs the BF16 ``grouped_gemm`` (on
+The bf16-weight form (``w_scales`` None, W = the dequantized weight) in every case above: 5 runs
+on guarded outputs, bitwise == the same BF16 GEMM on the dequantized operands.
+
+Timed (8 experts x 4096 rows, K = 7168, N = 4096): mixed (e4m3 W, and bf16 W) vs the BF16 ``grouped_gemm`` (on
 bf16 operands) vs ``grouped_gemm_mxfp8_promoted`` (tile_n 128) vs dequantize-then-BF16-GEMM,
 TFLOP/s and ratios in the note; the timed result is also checked bitwise against the BF16
 GEMM on the dequantized operands.
@@ -66,6 +69,23 @@ def _dequantized(dq, qa, sa, qw, sw):
     return deq_a, deq_w
 
 
+def _act_rows(X, qa, sa, offs, deq_w, base, offs_l, shape, dev, name):
+    """The bf16-weight form (``w_scales`` None, W = the dequantized weight): 5 runs on
+    poisoned, guarded outputs, each bitwise == ``base`` (the BF16 GEMM on the dequantized
+    operands; NaN / Inf compared as bits)."""
+    outs, tails = [], []
+    for _ in range(REPEATS):
+        out, tail = _guarded_out(shape, dev)
+        outs.append(X.grouped_gemm_mxfp8_mixed(qa, sa, offs, deq_w, out=out))
+        tails.append(tail)
+    torch.cuda.synchronize()
+    same = all(torch.equal(_bits(outs[0]), _bits(o)) for o in outs[1:])
+    vs_bf16, note = _diff(outs[0], base, offs_l)
+    ok = same and vs_bf16 and _tail_ok(tails)
+    return Row(f"mxfp8 mixed bf16-W == bf16 gemm(deq) {name}", bitwise=same and vs_bf16, ok=ok,
+               note=f"{note}; repeats bitwise={same}")
+
+
 def _check_routing(X, gg, dq, ref, dev, routing):
     gen = torch.Generator().manual_seed(31 if routing == "uniform" else 32)
     counts = _counts(routing, 3000, gen)
@@ -107,6 +127,7 @@ def _check_routing(X, gg, dq, ref, dev, routing):
         Row(f"mxfp8 mixed vs reference {routing}", max_err=max_abs, bitwise=same, ok=ok,
             note=f"relL1={rel:.2e} (tol {REL_TOL}) finite={finite} repeats bitwise={same} int64 offsets bitwise="
                  f"{same64} masked-store epilogue bitwise={same_masked} ({note_masked}) past-M untouched={tails_ok}"),
+        _act_rows(X, qa, sa, offs, deq_w, base, offs_l, (m, N_MX), dev, routing),
     ]
     return rows
 
@@ -164,6 +185,7 @@ def _check_scale_edges(X, gg, dq, ref, dev):
     worst_row = int(keep.nonzero().flatten()[int(per_row.argmax())])
     ok = same and vs_bf16 and nan_ok and unexpected == 0 and big_bad > 0 and worst <= REL_TOL
     return [
+        _act_rows(X, qa, sa, offs, deq_w, base, offs_l, (m, n), dev, "scale edges"),
         Row("mxfp8 mixed == bf16 gemm(deq) scale edges", bitwise=vs_bf16, ok=vs_bf16,
             note=f"{note_bf16} (NaN/Inf compared as bits); M={m} K={k} N={n}"),
         Row("mxfp8 mixed scale edges (0, 0xFF, 2^127)", max_err=worst, bitwise=same, ok=ok,
@@ -184,7 +206,9 @@ def _bench(X, S, gg, dq, ref, dev):
     out_pr = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     deq_a, deq_w = _dequantized(dq, qa, sa, qw, sw)
+    out_act = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     t_mx = bench_us(lambda: X.grouped_gemm_mxfp8_mixed(qa, sa, offs, qw, sw, out=out_mx))
+    t_act = bench_us(lambda: X.grouped_gemm_mxfp8_mixed(qa, sa, offs, deq_w, out=out_act))
     t16 = bench_us(lambda: gg.grouped_gemm(a, offs, w, out=out16))
     t_pr = bench_us(lambda: S.grouped_gemm_mxfp8_promoted(qa, sa, offs, qw, sw, out=out_pr))
 
@@ -196,10 +220,13 @@ def _bench(X, S, gg, dq, ref, dev):
     gg.grouped_gemm(deq_a, offs, deq_w, out=out16)
     torch.cuda.synchronize()
     same, note = _diff(out_mx, out16, offs.tolist())
+    same_act, note_act = _diff(out_act, out16, offs.tolist())
     finite = bool(torch.isfinite(out_mx.float()).all())
     tf = 2.0 * m * k * n / 1e6
-    return Row(f"bench mxfp8 mixed {e}x{rows} K={k} N={n}", time_us=t_mx, bitwise=same, ok=same and finite,
-               note=f"mixed {tf / t_mx:.0f} TFLOP/s; bf16 {t16:.1f} us {tf / t16:.0f}; promoted n128 {t_pr:.1f} us "
+    return Row(f"bench mxfp8 mixed {e}x{rows} K={k} N={n}", time_us=t_mx, bitwise=same and same_act,
+               ok=same and same_act and finite,
+               note=f"mixed {tf / t_mx:.0f} TFLOP/s; bf16-W mixed {t_act:.1f} us {tf / t_act:.0f} = {t16 / t_act:.2f}x "
+                    f"bf16 ({note_act}); bf16 {t16:.1f} us {tf / t16:.0f}; promoted n128 {t_pr:.1f} us "
                     f"{tf / t_pr:.0f}; dequant x2 + bf16 {t_dq:.1f} us {tf / t_dq:.0f}; mixed/bf16 {t16 / t_mx:.2f}x "
                     f"mixed/promoted {t_pr / t_mx:.2f}x mixed/(dequant+bf16) {t_dq / t_mx:.2f}x; "
                     f"== bf16 gemm(deq): {note}; finite={finite}")
