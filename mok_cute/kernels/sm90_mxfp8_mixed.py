@@ -42,15 +42,19 @@ kernel and their accumulators clear of conversion temporaries.
 
 Shared memory (227 KB): 2 BF16 stages x 48 KB + 2 e4m3 stages x 24 KB + the 64 KB epilogue
 tile + mbarriers = 208 KB. Registers (setmaxnreg, 64 K per SM): WG0 88, MMA warpgroups 208
-(88 x 128 + 208 x 256 = 64512; 0 spills).
+(88 x 128 + 208 x 256 = 64512; 0 spills). Measured (H200, 8 x 4096 rows, K 7168, N 4096):
+257 TFLOP/s = 0.35x the BF16 GEMM: the three dequant warps are the limit, as estimated.
 
-bf16 weights (``w_scales=None``: W already bf16, e.g. an MXFP8 weight dequantized once per
-weight version): the TMA warp loads W straight into the BF16 ring's slot (swizzled; one
-``mbarrier.arrive.expect_tx`` with W's bytes beside the dequant warps' arrives on the slot's
-full barrier) and A into a 4-stage e4m3 ring (8 KB per stage); warps 1-2 dequantize A's rows
-[0, 64) and [64, 128), warp 3 idles: a third of the conversions per k-tile. Measured on the
-H200 (8 x 4096 rows, K 7168, N 4096): e4m3 W 257 TFLOP/s = 0.35x the BF16 GEMM (the three
-dequant warps are the limit, as estimated above); docs/benchmarks.md has the bf16-W figure.
+bf16 weights (``w_scales=None``, :class:`Mxfp8ActGemmSm90`; W e.g. an MXFP8 weight dequantized
+once per weight version, the activations stay MXFP8): one TMA ring of 3 stages holds A's e4m3
+tile (8 KB) and W's bf16 tile (32 KB, swizzled as wgmma reads it). The MMA warps dequantize A
+themselves, 16 rows per warp (their warpgroup's 64 wgmma rows), into one of two BF16 A buffers:
+k-tile kt's rows are converted while wgmma batch kt - 1 runs (buffer kt % 2 was last read by
+batch kt - 2, retired by the previous ``wait_group(1)``), then ``fence.proxy.async`` and a
+per-warpgroup named barrier, then the BF16 kernel's wgmma batch; the ring slot is released
+when its batch retires. 8 warps share the conversion (1024 elements per warp and k-tile
+against 8192 per dequant warp above). Shared memory 3 x 40 KB + 2 x 16 KB + 64 KB epilogue =
+216 KB; registers 40 / 232 as the BF16 kernel. Same wgmma stream, so the same bitwise result.
 """
 from __future__ import annotations
 
@@ -64,8 +68,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Uint32
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
@@ -78,22 +83,27 @@ from mok_cute.kernels.sm90_grouped_gemm import (
     tma_store_drain, tma_store_tile,
 )
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
-from mok_cute.kernels.sm90_mainloop import NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
+from mok_cute.kernels.sm90_mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
-FP8_STAGES = 2  # e4m3 ring depth with e4m3 weights (A + W per stage: 24 KB)
-ACT_FP8_STAGES = 4  # e4m3 ring depth with bf16 weights (A only per stage: 8 KB)
-LOADER_REGS = 88  # warpgroup 0: TMA warp + dequant warps
+FP8_STAGES = 2
+LOADER_REGS = 88  # warpgroup 0: TMA warp + 3 dequant warps
 MMA_REGS = 208  # 88 x 128 + 208 x 256 <= 65536
 _VEC = 8  # elements per dequant vector: 8 e4m3 bytes in, one 16-byte bf16 vector out
+_BLOCK_ROWS = 128  # rows per dequant warp: A, W[0:128), W[128:256)
 _MMA_WARPS = 8
-_FULL_ARRIVES = 3  # BF16 slot full: 3 dequant warps (e4m3 W), or 2 dequant warps + the W TMA (bf16 W)
+_DEQUANT_WARPS = 3
+# bf16-weight form (:class:`Mxfp8ActGemmSm90`)
+ACT_STAGES = 3  # TMA ring: A e4m3 (8 KB) + W bf16 (32 KB) per stage
+ACT_A_BUFFERS = 2  # BF16 A tiles written by the MMA warps (16 KB each)
+ACT_PRODUCER_REGS, ACT_MMA_REGS = 40, 232  # the BF16 kernel's split: 40 x 128 + 232 x 256 <= 65536
+_ACT_BLOCK_ROWS = 16  # A rows per MMA warp: 4 warps x 16 = the warpgroup's 64 wgmma rows
+_ACT_BARRIER = 2  # named barriers 2, 3: one per MMA warpgroup (1 is the consumers' epilogue barrier)
 
 
 @dataclass(frozen=True)
 class _Bf16Ring:
-    """The BF16 ring's mbarriers (``PipelineAsync``): full = ``_FULL_ARRIVES`` arrives (one per
-    dequant warp; with bf16 weights also the W TMA's arrive with its byte count), empty =
+    """The BF16 ring's mbarriers (``PipelineAsync``): full = one arrive per dequant warp, empty =
     one arrive per MMA warp (lane 0; every lane's wgmma has retired by then). Offers the
     consumer side that :meth:`Sm90Mainloop.mma_tile` calls."""
 
@@ -103,7 +113,7 @@ class _Bf16Ring:
     def create(barrier_ptr, stages: int):
         return _Bf16Ring(pipeline.PipelineAsync.create(
             barrier_storage=barrier_ptr, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _FULL_ARRIVES),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
             defer_sync=True))
 
@@ -139,21 +149,16 @@ class Mxfp8MixedGemmSm90:
     the uint8 E8M0 [.., K/32] scales seen as int32 words (byte b of word j = block 4 j + b);
     K a multiple of 128, N of ``cfg.tile_n``. ``cfg``: the BF16 mainloop's (tile 128 x 256 x
     64 for the bitwise match; ``tma_store`` selects the TMA-store epilogue as in the BF16
-    kernel). ``w_fp8``: e4m3 + E8M0 weights (``mB`` e4m3, ``mSB`` their scale words), else bf16
-    weights (``mB`` bf16, ``mSB`` not read).
+    kernel). ``fp8_stages``: e4m3 ring depth.
     """
 
-    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, w_fp8: bool = True):
+    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, fp8_stages: int = FP8_STAGES):
         if cfg.ab_dtype is not cutlass.BFloat16 or (cfg.tile_m, cfg.tile_n, cfg.tile_k) != (128, 256, 64):
             raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile 128 x 256 x 64 (one 128-row "
                              f"block per dequant warp), got {cfg}")
-        self.cfg, self.w_fp8 = cfg, w_fp8
-        # e4m3 W: 3 dequant warps of 128 rows (A, W[0:128), W[128:256)); bf16 W: 2 of 64 rows of A
-        self.fp8_stages = FP8_STAGES if w_fp8 else ACT_FP8_STAGES
-        self.block_rows, self.dequant_warps = (128, 3) if w_fp8 else (64, 2)
-        fp8_stages = self.fp8_stages
+        self.cfg, self.fp8_stages = cfg, fp8_stages
         self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
-        self.f8_stage_bytes = (cfg.tile_m + (cfg.tile_n if w_fp8 else 0)) * cfg.tile_k
+        self.f8_stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
         f8_barriers = 2 * fp8_stages * 8
         self.mainloop = Sm90Mainloop(
             cfg, epi_smem_bytes=self.epi.smem_elems() * 2 + fp8_stages * self.f8_stage_bytes + f8_barriers)
@@ -181,9 +186,8 @@ class Mxfp8MixedGemmSm90:
             "sB": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024],
             "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024],
             "sA8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.a8_layout)], 1024],
+            "sB8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.b8_layout)], 1024],
         }
-        if self.w_fp8:
-            fields["sB8"] = cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.b8_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -196,9 +200,9 @@ class Mxfp8MixedGemmSm90:
         atom_a, coord_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
             (cfg.tile_m, cfg.tile_k))
-        b_smem = self.b8_layout if cutlass.const_expr(self.w_fp8) else self.mainloop.b_smem_staged
         atom_b, coord_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(b_smem, (None, None, 0)), (cfg.tile_n, cfg.tile_k))
+            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(self.b8_layout, (None, None, 0)),
+            (cfg.tile_n, cfg.tile_k))
         atom_c, coord_c = None, None
         if cutlass.const_expr(cfg.tma_store):
             atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
@@ -215,14 +219,14 @@ class Mxfp8MixedGemmSm90:
         f8_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.f8_barriers.data_ptr(), num_stages=self.fp8_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.dequant_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
             tx_count=self.f8_stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         bf_ring = _Bf16Ring.create(storage.barriers.data_ptr(), ml.stages)
         sA = storage.sA.get_tensor(ml.a_smem_staged.outer, swizzle=ml.a_smem_staged.inner)
         sB = storage.sB.get_tensor(ml.b_smem_staged.outer, swizzle=ml.b_smem_staged.inner)
         sC = self.epi.smem_tensor(storage.sC)
         sA8 = storage.sA8.get_tensor(self.a8_layout)
-        sB8 = storage.sB8.get_tensor(self.b8_layout) if cutlass.const_expr(self.w_fp8) else None
+        sB8 = storage.sB8.get_tensor(self.b8_layout)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
         return f8_pipe, bf_ring, sA8, sB8, sA, sB, sC
@@ -244,24 +248,15 @@ class Mxfp8MixedGemmSm90:
         linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(LOADER_REGS)
-            if cutlass.const_expr(self.w_fp8):
-                if warp == 0:
-                    self.f8_loop.produce_grouped(f8_pipe, mOffsets, num_experts, n_tiles, linear, expert, base,
-                                                 grid, atom_a, coord_a, sA8, atom_b, coord_b, sB8, cfg.tile_n,
-                                                 k_tiles)
-                elif warp == 1:  # A
-                    self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, Int32(0), mOffsets, num_experts,
-                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
-                else:  # W rows [0, 128) (warp 2) or [128, 256) (warp 3)
-                    self._dequantize(f8_pipe, bf_ring, sB8, sB, mSA, mSB, 1, warp - 2, mOffsets, num_experts,
-                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
-            else:
-                if warp == 0:
-                    self._produce_act(f8_pipe, bf_ring, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                      atom_a, coord_a, sA8, atom_b, coord_b, sB, k_tiles)
-                elif warp < 3:  # A rows [0, 64) (warp 1) or [64, 128) (warp 2); warp 3 idles
-                    self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, warp - 1, mOffsets, num_experts,
-                                     n_tiles, linear, expert, base, grid, k_tiles, coord_a.shape[0])
+            if warp == 0:
+                self.f8_loop.produce_grouped(f8_pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                             atom_a, coord_a, sA8, atom_b, coord_b, sB8, cfg.tile_n, k_tiles)
+            elif warp == 1:  # A
+                self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, Int32(0), mOffsets, num_experts, n_tiles,
+                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
+            else:  # W rows [0, 128) (warp 2) or [128, 256) (warp 3)
+                self._dequantize(f8_pipe, bf_ring, sB8, sB, mSA, mSB, 1, warp - 2, mOffsets, num_experts, n_tiles,
+                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             tid = tidx - THREADS_PER_WG
@@ -283,54 +278,6 @@ class Mxfp8MixedGemmSm90:
                 tma_store_drain(tid)
 
     @cute.jit
-    def _produce_act(self, f8_pipe, bf_ring, mOffsets: cute.Tensor, num_experts: Int32, n_tiles: Int32,
-                     linear: Int32, expert: Int32, base: Int32, grid: Int32, atom_a: cute.CopyAtom,
-                     coord_a: cute.Tensor, sA8: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-                     sB: cute.Tensor, k_tiles: Int32):
-        """TMA warp with bf16 weights: per k-tile the e4m3 A tile into the e4m3 ring, and the
-        bf16 W tile straight into the BF16 ring's slot (swizzled as wgmma reads it; one
-        arrive with its byte count on the slot's full barrier, beside the dequant warps')."""
-        cfg = self.cfg
-        f8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fp8_stages)
-        bf_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mainloop.stages)
-        b_bytes = cfg.tile_n * cfg.tile_k * 2
-        while expert < num_experts:
-            _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-            gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
-            gB = cute.local_tile(coord_b[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-            tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1), cute.group_modes(sA8, 0, 2),
-                                               cute.group_modes(gA, 0, 2))
-            tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                               cute.group_modes(gB, 0, 2))
-            for k in cutlass.range(k_tiles, unroll=1):
-                f8_pipe.producer_acquire(f8_state)
-                cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, f8_state.index)],
-                          tma_bar_ptr=f8_pipe.producer_get_barrier(f8_state))
-                f8_pipe.producer_commit(f8_state)
-                f8_state.advance()
-                bf_ring.producer_acquire(bf_state)
-                bar = bf_ring.pipe.producer_get_barrier(bf_state)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes)
-                cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, bf_state.index)], tma_bar_ptr=bar)
-                bf_state.advance()
-            linear = linear + grid
-            expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-        f8_pipe.producer_tail(f8_state)
-
-    def _copies(self):
-        """(read, write) tiled copies of a dequant warp: 8 lanes per row, 4 rows per pass;
-        read = 8 e4m3 bytes as 2 words, write = 8 bf16 as one 16-byte vector."""
-        tpr = self.cfg.tile_k // _VEC
-        thr = cute.make_layout((32 // tpr, tpr), stride=(tpr, 1))
-        rd = cute.make_tiled_copy_tv(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=64),
-                                     thr, cute.make_layout((1, 2)))
-        wr = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=128),
-            thr, cute.make_layout((1, _VEC)))
-        return rd, wr
-
-    @cute.jit
     def _dequantize(self, f8_pipe, bf_ring, s8: cute.Tensor, s16: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
                     operand: cutlass.Constexpr[int], block: Int32, mOffsets: cute.Tensor, num_experts: Int32,
                     n_tiles: Int32, linear: Int32, expert: Int32, base: Int32, grid: Int32, k_tiles: Int32,
@@ -340,38 +287,31 @@ class Mxfp8MixedGemmSm90:
         the tile walk (see the module doc)."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
-        rd, wr = self._copies()
+        rd, wr = _copies(cfg.tile_k)
         src = rd.get_slice(lane).partition_S(
-            cute.local_tile(cute.recast_tensor(s8, Uint32), (self.block_rows, cfg.tile_k // 4, self.fp8_stages),
+            cute.local_tile(cute.recast_tensor(s8, Uint32), (_BLOCK_ROWS, cfg.tile_k // 4, self.fp8_stages),
                             (block, 0, 0)))
         dst = wr.get_slice(lane).partition_D(
-            cute.local_tile(s16, (self.block_rows, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
-        # pass p of lane l covers row l // 8 + 4 p, columns 8 (l % 8) .. + 7 (:meth:`_copies`): block
-        # (l % 8) // 4 of the k-tile. Multipliers are decoded once per (row, block): lane h holds
-        # in mult[j] the one of row 16 j + 4 (h // 8) + (h % 8) // 2, block h % 2, so pass p
-        # reads mult[p // 4] of lane 2 (l // 8) + (l % 8) // 4 + 8 (p % 4).
+            cute.local_tile(s16, (_BLOCK_ROWS, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
         passes = cute.size(src, mode=[1])
         holds = passes // 4
         words = cute.make_rmem_tensor((holds,), Uint32)  # raw scale words, one k-tile ahead
         mult = cute.make_rmem_tensor((holds,), Uint32)
-        hold_row = 4 * (lane // 8) + (lane % 8) // 2
-        reader = 2 * (lane // 8) + (lane % 8) // 4
+        hold_row, reader = _lanes(lane)
         f8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
         bf_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mainloop.stages)
         while expert < num_experts:
             _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
             if cutlass.const_expr(operand == 1):
                 row0 = n_tile * cfg.tile_n
-            row0 = row0 + block * self.block_rows + hold_row
-            self._load_words(words, mSA, mSB, operand, expert, row0, m_total, Int32(0))
+            row0 = row0 + block * _BLOCK_ROWS + hold_row
+            _load_words(words, mSA, mSB, operand, expert, row0, m_total, Int32(0))
             for kt in cutlass.range(k_tiles, unroll=1):
-                shift = Uint32(8 * (2 * (kt % 2) + lane % 2))  # block 2 kt + h % 2 in word kt // 2
-                for j in cutlass.range_constexpr(holds):
-                    mult[j] = Fp8Ops(bf16=True).scale_bits((words[j] >> shift) & Uint32(0xFF))
-                self._load_words(words, mSA, mSB, operand, expert, row0, m_total, cutlass.min(kt + 1, k_tiles - 1))
+                _decode(words, mult, kt, lane)
+                _load_words(words, mSA, mSB, operand, expert, row0, m_total, cutlass.min(kt + 1, k_tiles - 1))
                 f8_pipe.consumer_wait(f8_state)
                 bf_ring.producer_acquire(bf_state)
-                self._convert(src[(None, None, 0, f8_state.index)], dst[(None, None, 0, bf_state.index)], mult,
+                _convert(src[(None, None, 0, f8_state.index)], dst[(None, None, 0, bf_state.index)], mult,
                               reader)
                 cute.arch.sync_warp()  # every lane's e4m3 reads are done
                 f8_pipe.consumer_release(f8_state)  # lane 0
@@ -382,52 +322,269 @@ class Mxfp8MixedGemmSm90:
             expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
         bf_ring.producer_tail(bf_state)
 
-    @cute.jit
-    def _load_words(self, words: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, operand: cutlass.Constexpr[int],
-                    expert: Int32, row: Int32, m_total: Int32, kt: Int32):
-        """``words[j]``: the scale word (4 E8M0 bytes: k-tiles 2 (kt // 2) and 2 (kt // 2) + 1) of
-        row ``row + 16 j`` (A rows past M read the last row: their data is TMA zero fill and
-        their output rows are never stored)."""
-        for j in cutlass.range_constexpr(cute.size(words)):
-            if cutlass.const_expr(operand == 0):
-                words[j] = Uint32(mSA[cutlass.min(row + 16 * j, m_total - 1), kt // 2])
-            else:
-                words[j] = Uint32(mSB[expert, row + 16 * j, kt // 2])
+class Mxfp8ActGemmSm90:
+    """Persistent grouped GEMM with MXFP8 activations and bf16 weights, the A tile dequantized
+    by the MMA warps themselves (see the module doc).
+
+    Call (jit): ``(mA [M, K] e4m3, mSA [M, K/128] int32 (E8M0 bytes as words), mB [E, N, K]
+    bf16, mOffsets [E+1] int32, mOut [M, N] bf16, num_ctas, stream)``; K a multiple of 128,
+    N of ``cfg.tile_n``. ``cfg``: the BF16 mainloop's (tile 128 x 256 x 64).
+    """
+
+    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG):
+        if cfg.ab_dtype is not cutlass.BFloat16 or (cfg.tile_m, cfg.tile_n, cfg.tile_k) != (128, 256, 64):
+            raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile 128 x 256 x 64, got {cfg}")
+        self.cfg = cfg
+        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.a8_bytes = cfg.tile_m * cfg.tile_k
+        self.tx_bytes = self.a8_bytes + cfg.tile_n * cfg.tile_k * 2
+        extra = ACT_STAGES * self.a8_bytes + ACT_A_BUFFERS * cfg.tile_m * cfg.tile_k * 2 + 2 * ACT_STAGES * 8
+        # the shared mainloop's tiled MMA, fragments and TMA walk; its own BF16 ring is not allocated
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2 + extra)
+        self.smem_bytes = ACT_STAGES * cfg.tile_n * cfg.tile_k * 2 + extra + self.epi.smem_elems() * 2
+        if self.smem_bytes > SMEM_BYTES - 1024:
+            raise ValueError(f"{self.smem_bytes} bytes of shared memory do not fit")
+        self.ring = copy.copy(self.mainloop)  # the TMA walk over the ACT_STAGES ring
+        self.ring.stages = ACT_STAGES
+
+    def _layouts(self):
+        """Shared layouts (in the launcher and in the kernel): A e4m3 unswizzled K-contiguous
+        (tile_m, tile_k, ACT_STAGES); A bf16 (ACT_A_BUFFERS) and W bf16 (ACT_STAGES) swizzled
+        as the BF16 wgmma reads them."""
+        ml, cfg = self.mainloop, self.cfg
+        k = cfg.tile_k
+        self.a8_layout = cute.make_layout((cfg.tile_m, k, ACT_STAGES), stride=(k, 1, cfg.tile_m * k))
+        self.a_layout = sm90.make_smem_layout_a(ml.a_layout, ml.tile_mnk, cfg.ab_dtype, ACT_A_BUFFERS)
+        self.w_layout = sm90.make_smem_layout_b(ml.b_layout, ml.tile_mnk, cfg.ab_dtype, ACT_STAGES)
+
+    def _storage(self):
+        cfg = self.cfg
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * ACT_STAGES],
+            "sA": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(self.a_layout)], 1024],
+            "sW": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(self.w_layout)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024],
+            "sA8": cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(self.a8_layout)], 1024],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def _convert(self, src: cute.Tensor, dst: cute.Tensor, mult: cute.Tensor, reader: Int32):
-        """The row passes of a k-tile: e4m3 words ``src`` (vals, passes) -> bf16 vectors ``dst``;
-        pass p's multiplier is ``mult[p // 4]`` of lane ``reader + 8 (p % 4)``."""
-        ops = Fp8Ops(bf16=True)
-        for p in cutlass.range_constexpr(cute.size(src, mode=[1])):
-            m = cute.arch.shuffle_sync(mult[p // 4], reader + 8 * (p % 4))
-            data = cute.make_rmem_tensor_like(src[(None, p)])
-            cute.autovec_copy(src[(None, p)], data)
-            vec = cute.make_rmem_tensor_like(dst[(None, p)])
-            out = cute.recast_tensor(vec, Uint32)
-            for i in cutlass.range_constexpr(2):
-                ps = ops.deq4(data[i], [m] * 4)
-                out[2 * i] = ops.bf16x2(ps[0], ps[1])
-                out[2 * i + 1] = ops.bf16x2(ps[2], ps[3])
-            cute.autovec_copy(vec, dst[(None, p)])
+    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mOffsets: cute.Tensor,
+                 mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        cfg = self.cfg
+        self.mainloop.setup()
+        self._layouts()
+        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+        atom_a, coord_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
+            (cfg.tile_m, cfg.tile_k))
+        atom_b, coord_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(self.w_layout, (None, None, 0)),
+            (cfg.tile_n, cfg.tile_k))
+        atom_c, coord_c = None, None
+        if cutlass.const_expr(cfg.tma_store):
+            atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
+        self.shared_storage = self._storage()
+        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mOffsets, mOut, atom_c, coord_c).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
+               mSA: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor, atom_c: cute.CopyAtom,
+               coord_c: cute.Tensor):
+        cfg = self.cfg
+        atoms = [atom_a, atom_b]
+        if cutlass.const_expr(cfg.tma_store):
+            atoms.append(atom_c)
+        tidx, warp = self.mainloop.start(atoms)
+        self._layouts()
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(), num_stages=ACT_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        sA = storage.sA.get_tensor(self.a_layout.outer, swizzle=self.a_layout.inner)
+        sW = storage.sW.get_tensor(self.w_layout.outer, swizzle=self.w_layout.inner)
+        sC = self.epi.smem_tensor(storage.sC)
+        sA8 = storage.sA8.get_tensor(self.a8_layout)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
+        num_experts = mOffsets.shape[0] - 1
+        n_tiles = coord_b.shape[0] // cfg.tile_n
+        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(ACT_PRODUCER_REGS)
+            if warp == 0:
+                self.ring.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                          atom_a, coord_a, sA8, atom_b, coord_b, sW, cfg.tile_n, k_tiles)
+        else:
+            cute.arch.setmaxregister_increase(ACT_MMA_REGS)
+            tid = tidx - THREADS_PER_WG
+            wg = tid // THREADS_PER_WG
+            lane = cute.arch.lane_idx()
+            block = tid // 32  # 16-row block of the tile: warpgroup wg's rows [64 wg, 64 wg + 64)
+            thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sW, tid)
+            rd, wr = _copies(cfg.tile_k)
+            src = rd.get_slice(lane).partition_S(cute.local_tile(
+                cute.recast_tensor(sA8, Uint32), (_ACT_BLOCK_ROWS, cfg.tile_k // 4, ACT_STAGES), (block, 0, 0)))
+            dst = wr.get_slice(lane).partition_D(
+                cute.local_tile(sA, (_ACT_BLOCK_ROWS, cfg.tile_k, ACT_A_BUFFERS), (block, 0, 0)))
+            hold_row, reader = _lanes(lane)
+            words = cute.make_rmem_tensor((1,), Uint32)
+            mult = cute.make_rmem_tensor((1,), Uint32)
+            m_total = coord_a.shape[0]
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACT_STAGES)
+            while expert < num_experts:
+                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                row = row0 + block * _ACT_BLOCK_ROWS + hold_row
+                _load_words(words, mSA, mSA, 0, expert, row, m_total, Int32(0))
+                state = self._mma_tile(pipe, state, src, dst, words, mult, mSA, row, m_total, lane, reader, wg,
+                                       tCrA, tCrB, acc, k_tiles)
+                if cutlass.const_expr(cfg.tma_store):
+                    gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
+                                         (0, n_tile))
+                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+                else:
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut,
+                                 Float32(0.0))
+                linear = linear + grid
+                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+            if cutlass.const_expr(cfg.tma_store):
+                tma_store_drain(tid)
+
+    @cute.jit
+    def _stage_a(self, src: cute.Tensor, dst: cute.Tensor, slot: Int32, buf: Int32, words: cute.Tensor,
+                 mult: cute.Tensor, mSA: cute.Tensor, row: Int32, m_total: Int32, lane: Int32, reader: Int32,
+                 wg: Int32, kt: Int32, k_tiles: Int32):
+        """This warp's 16 A rows of k-tile ``kt``: e4m3 ring slot ``slot`` -> BF16 A buffer
+        ``buf``; the next k-tile's scale word is loaded meanwhile; then the stores are fenced for
+        the async proxy and the warpgroup meets at its named barrier (its wgmma reads all 64 rows)."""
+        _decode(words, mult, kt, lane)
+        _load_words(words, mSA, mSA, 0, Int32(0), row, m_total, cutlass.min(kt + 1, k_tiles - 1))
+        _convert(src[(None, None, 0, slot)], dst[(None, None, 0, buf)], mult, reader)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_ACT_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+
+    @cute.jit
+    def _mma_tile(self, pipe, state, src: cute.Tensor, dst: cute.Tensor, words: cute.Tensor, mult: cute.Tensor,
+                  mSA: cute.Tensor, row: Int32, m_total: Int32, lane: Int32, reader: Int32, wg: Int32,
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, k_tiles: Int32):
+        """``acc = A_tile @ W_tile^T`` over ``k_tiles`` (>= 1) ring slots, as
+        :meth:`Sm90Mainloop.mma_tile` (same wgmma batches, one in flight, same k-order) with
+        k-tile kt's A converted into BF16 buffer kt % 2 while batch kt - 1 runs (buffer kt % 2
+        was last read by batch kt - 2, retired by the previous ``wait_group(1)``)."""
+        tiled_mma = self.mainloop.tiled_mma
+        release = state.clone()
+        k_blocks = cute.size(tCrA, mode=[2])
+        warpgroup.fence()
+        pipe.consumer_wait(state)
+        self._stage_a(src, dst, state.index, Int32(0), words, mult, mSA, row, m_total, lane, reader, wg, Int32(0),
+                      k_tiles)
+        for kb in cutlass.range_constexpr(k_blocks):  # the first k-block overwrites the accumulators
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, state.index)], acc)
+        warpgroup.commit_group()
+        state.advance()
+        for kt in cutlass.range(1, k_tiles, unroll=1):
+            pipe.consumer_wait(state)
+            buf = kt % ACT_A_BUFFERS
+            self._stage_a(src, dst, state.index, buf, words, mult, mSA, row, m_total, lane, reader, wg, kt, k_tiles)
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, buf)], tCrB[(None, None, kb, state.index)], acc)
+            warpgroup.commit_group()
+            state.advance()
+            warpgroup.wait_group(1)
+            pipe.consumer_release(release)
+            release.advance()
+        warpgroup.wait_group(0)
+        pipe.consumer_release(release)
+        return state
+
+
+# ---------------------------------------------------------------- dequant building blocks
+def _copies(tile_k: int):
+    """(read, write) tiled copies of a dequant warp: 8 lanes per row, 4 rows per pass;
+    read = 8 e4m3 bytes as 2 words, write = 8 bf16 as one 16-byte vector."""
+    tpr = tile_k // _VEC
+    thr = cute.make_layout((32 // tpr, tpr), stride=(tpr, 1))
+    rd = cute.make_tiled_copy_tv(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=64),
+                                 thr, cute.make_layout((1, 2)))
+    wr = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=128),
+        thr, cute.make_layout((1, _VEC)))
+    return rd, wr
+
+
+def _lanes(lane):
+    """(hold_row, reader) of a dequant lane. Pass p of lane l covers row l // 8 + 4 p,
+    columns 8 (l % 8) .. + 7 (:func:`_copies`): block (l % 8) // 4 of the k-tile. Multipliers
+    are decoded once per (row, block): lane h holds in mult[j] the one of row 16 j + 4 (h // 8)
+    + (h % 8) // 2 (its ``hold_row`` + 16 j), block h % 2, so pass p reads mult[p // 4] of
+    lane ``reader`` + 8 (p % 4), reader = 2 (l // 8) + (l % 8) // 4."""
+    return 4 * (lane // 8) + (lane % 8) // 2, 2 * (lane // 8) + (lane % 8) // 4
+
+
+@cute.jit
+def _decode(words: cute.Tensor, mult: cute.Tensor, kt: Int32, lane: Int32):
+    """``mult[j]``: fp32 bits of 2^(s - 127) for the held (row, block) of k-tile ``kt``
+    (block 2 kt + lane % 2: byte 2 (kt % 2) + lane % 2 of word kt // 2)."""
+    shift = Uint32(8 * (2 * (kt % 2) + lane % 2))
+    for j in cutlass.range_constexpr(cute.size(words)):
+        mult[j] = Fp8Ops(bf16=True).scale_bits((words[j] >> shift) & Uint32(0xFF))
+
+
+@cute.jit
+def _load_words(words: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, operand: cutlass.Constexpr[int],
+                expert: Int32, row: Int32, m_total: Int32, kt: Int32):
+    """``words[j]``: the scale word (4 E8M0 bytes: k-tiles 2 (kt // 2) and 2 (kt // 2) + 1) of
+    row ``row + 16 j`` of A (``operand`` 0, ``mSA``) or of W[expert] (1, ``mSB``) (A rows past M
+    read the last row: their data is TMA zero fill and their output rows are never stored)."""
+    for j in cutlass.range_constexpr(cute.size(words)):
+        if cutlass.const_expr(operand == 0):
+            words[j] = Uint32(mSA[cutlass.min(row + 16 * j, m_total - 1), kt // 2])
+        else:
+            words[j] = Uint32(mSB[expert, row + 16 * j, kt // 2])
+
+
+@cute.jit
+def _convert(src: cute.Tensor, dst: cute.Tensor, mult: cute.Tensor, reader: Int32):
+    """The row passes of a k-tile: e4m3 words ``src`` (vals, passes) -> bf16 vectors ``dst``;
+    pass p's multiplier is ``mult[p // 4]`` of lane ``reader + 8 (p % 4)``."""
+    ops = Fp8Ops(bf16=True)
+    for p in cutlass.range_constexpr(cute.size(src, mode=[1])):
+        m = cute.arch.shuffle_sync(mult[p // 4], reader + 8 * (p % 4))
+        data = cute.make_rmem_tensor_like(src[(None, p)])
+        cute.autovec_copy(src[(None, p)], data)
+        vec = cute.make_rmem_tensor_like(dst[(None, p)])
+        out = cute.recast_tensor(vec, Uint32)
+        for i in cutlass.range_constexpr(2):
+            ps = ops.deq4(data[i], [m] * 4)
+            out[2 * i] = ops.bf16x2(ps[0], ps[1])
+            out[2 * i + 1] = ops.bf16x2(ps[2], ps[3])
+        cute.autovec_copy(vec, dst[(None, p)])
 
 
 # ---------------------------------------------------------------- compile
 def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "sm_90a", inspect: bool = False,
                              w_fp8: bool = True):
-    """Compile the mixed-input MXFP8 grouped GEMM with symbolic M, N, K, E (``w_fp8``: e4m3 +
-    E8M0 weights, else bf16 weights); ``(compiled, report)``."""
+    """Compile the mixed-input MXFP8 grouped GEMM with symbolic M, N, K, E: e4m3 + E8M0
+    weights (:class:`Mxfp8MixedGemmSm90`), or with ``w_fp8=False`` bf16 weights
+    (:class:`Mxfp8ActGemmSm90`); ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 mixed-input MXFP8 GEMM needs arch sm_90a, got {arch!r}")
     f8 = cutlass.Float8E4M3FN
     m, n, e, kw = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=16)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    w = _fake_3d(f8 if w_fp8 else cutlass.BFloat16, e, n, k)
-    args = (_fake_2d(f8, m, k), _fake(Int32, (m, kw), 1), w, _fake(Int32, (e, n, kw), 1), offs,
-            _fake_2d(cutlass.BFloat16, m, n))
-    return compile_kernel(Mxfp8MixedGemmSm90(cfg, w_fp8), *args, Int32(1), cute.runtime.make_fake_stream(),
-                          arch=arch, inspect=inspect)
+    a, sa, out = _fake_2d(f8, m, k), _fake(Int32, (m, kw), 1), _fake_2d(cutlass.BFloat16, m, n)
+    if w_fp8:
+        op, args = Mxfp8MixedGemmSm90(cfg), (a, sa, _fake_3d(f8, e, n, k), _fake(Int32, (e, n, kw), 1), offs, out)
+    else:
+        op, args = Mxfp8ActGemmSm90(cfg), (a, sa, _fake_3d(cutlass.BFloat16, e, n, k), offs, out)
+    return compile_kernel(op, *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- host wrapper
@@ -458,9 +615,10 @@ def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = _offsets32(offsets)
     sa32 = a_scales.view(torch.int32)
-    sw32 = w_scales.view(torch.int32) if w_fp8 else sa32.view(1, *sa32.shape)  # bf16 W: never read
-    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), tensor_key(sw32), offs32.data_ptr(), offs32.shape,
-           tensor_key(out), num_ctas)
+    ws = (tensor_key(w_scales.view(torch.int32)),) if w_fp8 else ()
+    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), *ws, offs32.data_ptr(), offs32.shape, tensor_key(out),
+           num_ctas)
+    weights = (_Desc(w), _Desc(w_scales.view(torch.int32))) if w_fp8 else (_Desc(w),)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
-        _Desc(a), _Desc(sa32), _Desc(w), _Desc(sw32), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
+        _Desc(a), _Desc(sa32), *weights, _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
     return out
