@@ -17,9 +17,16 @@ its source slot's router weight from the forward's dispatch, dyj = bf16(fp32(dy)
 rows, then dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j)) in slot order) -> d topk_w[t, j] =
 fp32 sum_h dy[t, h] * r_j[t, h] from the saved slot rows -> ``ws.check_status()``.
 
+MXFP8 (``precision="mxfp8"``): each rank quantizes its x rows along H on the device
+(:func:`~mok_cute.kernels.quantize.quantize_mxfp8`), the dispatch pulls e4m3 data + E8M0
+scales (H + H/32 bytes per row instead of 2H over NVLink) and the expert rank dequantizes them
+exactly to bf16 (:func:`~mok_cute.kernels.dequant_mxfp8.dequantize_mxfp8`): the rows are the
+MXFP8 round trip of x, which is what the expert MLP at mxfp8 reads (its own round trip of them
+is the identity). Combine and the backward's comm stay bf16, as in the reference.
+
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
-the same sequence of layer calls. BF16 only. ``MoKConfig``: ``device_timeout_s`` bounds every
-device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
+the same sequence of layer calls. Precisions: the MLP's ``ep_precisions``. ``MoKConfig``:
+``device_timeout_s`` bounds every device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
 of the forward (dispatch, combine) and backward (reverse combine, reverse dispatch) comm kernels.
 """
 from __future__ import annotations
@@ -58,9 +65,17 @@ def forward(mlp, inp, group, ep: int, config):
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
     plan = plan_routing_device(ws, idx)
     ctas = config.comm_sms_fwd
-    x_rows, w_rows = dispatch(ws, x, plan, topk_w=inp.topk_w, num_ctas=ctas)
-    r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit)
-    s, shared_group = shared_forward(mlp, x, inp.shared, limit)
+    kw = {} if config.precision == "bf16" else {"precision": config.precision}
+    if config.precision == "mxfp8":
+        from .kernels.dequant_mxfp8 import dequantize_mxfp8
+        from .kernels.quantize import quantize_mxfp8
+
+        q, sc, w_rows = dispatch(ws, quantize_mxfp8(x, -1), plan, payload="mxfp8", topk_w=inp.topk_w, num_ctas=ctas)
+        x_rows = dequantize_mxfp8(q.contiguous(), sc.contiguous())
+    else:
+        x_rows, w_rows = dispatch(ws, x, plan, topk_w=inp.topk_w, num_ctas=ctas)
+    r, routed = mlp.forward(x_rows, plan.offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
+    s, shared_group = shared_forward(mlp, x, inp.shared, limit, **kw)
     y = combine(ws, r, inp.topk_w, plan, shared_out=s, num_ctas=ctas)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, h)).clone()
     ws.check_status()

@@ -116,7 +116,7 @@ class Sm90ExpertMLP:
     tile_n = 256
     precisions = ("bf16", "mxfp8", "fp8_block")
     expert_parallel = True  # EP > 1 through mok_cute.ep_layer ...
-    ep_precisions = ("bf16",)  # ... in these precisions (checked by GroupedExpertBackend)
+    ep_precisions = ("bf16", "mxfp8")  # ... in these precisions (checked by GroupedExpertBackend)
 
     def __init__(self):
         self.weights = WeightCache()

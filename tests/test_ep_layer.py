@@ -49,11 +49,12 @@ def test_ep_gate_sm90_only(monkeypatch):
     p, _ = make_problem(T=4, H=256, I=256)
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
     monkeypatch.setattr(G, "_world", lambda group: (2, 0))
-    B.get_backend("sm90").check(inp, MoKConfig(), object())  # EP = 2 bf16: wired
+    B.get_backend("sm90").check(inp, MoKConfig(), object())  # EP = 2 bf16 and mxfp8: wired
+    B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), object())
     with pytest.raises(NotImplementedError, match="'sm100': EP > 1"):
         B.get_backend("sm100").check(inp, MoKConfig(), object())
-    with pytest.raises(NotImplementedError, match="precision 'mxfp8'"):
-        B.get_backend("sm90").check(inp, MoKConfig(precision="mxfp8"), object())
+    with pytest.raises(NotImplementedError, match="precision 'fp8_block'"):
+        B.get_backend("sm90").check(inp, MoKConfig(precision="fp8_block"), object())
 
 
 class _MockWS:
@@ -75,25 +76,26 @@ class _MockWS:
 class _RefMLP:
     """The reference expert MLP behind the arch-MLP interface (rows past offsets[-1]: junk)."""
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision="bf16"):
         offs = offsets.tolist()
-        out, saved = R.experts_forward(x_rows[:offs[-1]], offs, w_gate, w_up, w_down, limit, "bf16")
+        out, saved = R.experts_forward(x_rows[:offs[-1]], offs, w_gate, w_up, w_down, limit, precision)
         full = torch.full((x_rows.shape[0], out.shape[1]), float("nan"), dtype=out.dtype)
         full[:offs[-1]] = out
-        return full, (saved, offs[-1], x_rows.shape[0])
+        return full, (saved, offs[-1], x_rows.shape[0], precision)
 
     def backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
-        saved, m, cap = g
-        dx, *dw = R.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, "bf16")
+        saved, m, cap, precision = g
+        dx, *dw = R.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, precision)
         full = torch.full((cap, dx.shape[1]), float("nan"), dtype=dx.dtype)
         full[:m] = dx
         return (full, *dw)
 
 
-@pytest.mark.parametrize("shared,limit", [(None, None), (32, 4.0)])
-def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, limit):
+@pytest.mark.parametrize("shared,limit,precision", [(None, None, "bf16"), (32, 4.0, "bf16"), (32, 4.0, "mxfp8")])
+def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, limit, precision):
     """ep_layer.forward/backward with the comm ops replaced by torch mirrors (one rank, the
-    plan spec padded to capacity with junk) equals the reference layer bitwise."""
+    plan spec padded to capacity with junk) equals the reference layer bitwise; at mxfp8 the
+    x rows travel as MXFP8 (quantize / dequantize kernels = the reference's ops)."""
     import mok_cute.comm.combine as C
     import mok_cute.comm.dispatch as D
     import mok_cute.comm.workspace as W
@@ -119,18 +121,27 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
     ctas = []  # comm CTAs asked of each call: config.comm_sms_fwd / comm_sms_bwd
 
     def pull(ws_, rows, plan, num_ctas=None):
-        ctas.append(num_ctas)
+        if num_ctas is not None:
+            ctas.append(num_ctas)
         m = int(plan.offsets[-1])
-        out = torch.full((cap, rows.shape[1]), float("nan"), dtype=rows.dtype)
+        out = torch.zeros((cap, rows.shape[1]), dtype=rows.dtype)
+        if rows.is_floating_point():
+            out.fill_(float("nan"))
         out[:m] = rows[plan.recv_src[:m].long() // k]
         return out
 
-    def dispatch(ws_, rows, plan, *, topk_w, num_ctas=None):
-        """Mirror of dispatch(..., topk_w=): rows and each row's weight (0 past M)."""
+    def dispatch(ws_, rows, plan, *, topk_w, num_ctas=None, payload="bf16"):
+        """Mirror of dispatch(..., topk_w=): rows (mxfp8: data, scales) and each row's weight
+        (0 past M)."""
+        assert payload == precision
         w = torch.zeros(cap)
         m = int(plan.offsets[-1])
         w[:m] = topk_w.reshape(-1)[plan.recv_src[:m].long()]
         assert torch.equal(w, route_weights(plan.recv_src, plan.offsets, topk_w[None]))
+        if payload == "mxfp8":
+            q, sc = rows
+            q_rows = pull(ws_, q.view(torch.uint8), plan, num_ctas).view(torch.float8_e4m3fn)
+            return q_rows, pull(ws_, sc, plan, None), w
         return pull(ws_, rows, plan, num_ctas), w
 
     def push_reduce(ws_, rows, plan, w, start, num_ctas):
@@ -149,20 +160,26 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
                         push_reduce(ws_, r, plan, w, shared_out, num_ctas))
     monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None, num_ctas=None:
                         push_reduce(ws_, r, plan, None, dx_shared, num_ctas))
+    import mok_cute.kernels.dequant_mxfp8 as DQ
+    import mok_cute.kernels.quantize as Q
     import torch.distributed as dist
+
+    monkeypatch.setattr(Q, "quantize_mxfp8", R.mxfp8_quantize)
+    monkeypatch.setattr(DQ, "dequantize_mxfp8", lambda q, sc: R.mxfp8_dequantize(q, sc).bfloat16())
 
     for name in ("all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast"):
         monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("NCCL call in the EP step"))
 
     sh = p.get("shared")
     inp = B.MoEInputs(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
-    cfg = MoKConfig(comm_sms_fwd=24, comm_sms_bwd=12, device_timeout_s=7.5)
+    cfg = MoKConfig(comm_sms_fwd=24, comm_sms_bwd=12, device_timeout_s=7.5, precision=precision)
     y, st = L.forward(_RefMLP(), inp, None, 1, cfg)
     dy = torch.randn(T, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     g = L.backward(_RefMLP(), st, dy)
     assert ws.checked == 2
     assert timeouts == [7.5] and ctas == [24, 24, 12, 12]  # the config reaches the comm kernels
-    y_ref, saved = R.moe_forward(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
+    y_ref, saved = R.moe_forward(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit,
+                                 precision=precision)
     g_ref = R.moe_backward(saved, dy)
     assert torch.equal(y, y_ref)
     for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):

@@ -6,9 +6,10 @@ own tokens, routing (global expert ids) and local expert slice from seeds; the r
 backend runs on the same GPU tensors (it all-gathers with NCCL). Tolerances (BF16, MoK's):
 max-abs <= 0.5 and rel-L1 <= 1e-2 per output and gradient; bitwise equality over 5
 repeats. Cases: uniform and skewed routing (hot expert, empty experts, -1 slots), with the
-shared expert, SwiGLU limit None and 4. Rows of every rank are gathered (name suffix
-``r<rank>``). Timing: T = 4096 per rank, H 7168, I 2048, E 16, k 8, shared expert; MoK's
-FLOP count 6*(T + T*k)*H*I per rank forward, 3x for forward + backward.
+shared expert, SwiGLU limit None and 4; two of them again at precision mxfp8 (x dispatched as
+MXFP8 rows) against the reference backend at mxfp8. Rows of every rank are gathered (name
+suffix ``r<rank>``). Timing: T = 4096 per rank, H 7168, I 2048, E 16, k 8, shared expert, bf16
+and mxfp8; MoK's FLOP count 6*(T + T*k)*H*I per rank forward, 3x for forward + backward.
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def _all_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
     return [r for part in got for r in part]
 
 
-def _warm_mlp(x, ws, sh, dy, limit):
+def _warm_mlp(x, ws, sh, dy, limit, precision="bf16"):
     """Compile the expert-MLP kernels for these shapes on this rank alone (EP = 1 op), so
     that the first EP step does not wait on a peer's kernel compiles inside a comm kernel."""
     import mok_cute
     from mok_cute.ops import expert_mlp
 
-    cfg = mok_cute.MoKConfig(backend="sm90")
+    cfg = mok_cute.MoKConfig(backend="sm90", precision=precision)
     for w3 in [ws] + ([tuple(p[None] for p in sh)] if sh else []):
         e = w3[0].shape[0]
         offs = torch.linspace(0, 64, e + 1, device=x.device).to(torch.int32)
@@ -54,16 +55,17 @@ def _warm_mlp(x, ws, sh, dy, limit):
 
 def _correctness(ctx, group) -> list[Row]:
     dev, ep, me = ctx.device, ctx.world, ctx.rank
-    cases = [("uniform", False, True, None), ("skew+shared", True, True, None),
-             ("skew+shared L=4", True, True, 4.0), ("uniform noshared L=4", False, False, 4.0)]
+    cases = [("uniform", False, True, None, "bf16"), ("skew+shared", True, True, None, "bf16"),
+             ("skew+shared L=4", True, True, 4.0, "bf16"), ("uniform noshared L=4", False, False, 4.0, "bf16"),
+             ("uniform mxfp8", False, True, None, "mxfp8"), ("skew+shared L=4 mxfp8", True, True, 4.0, "mxfp8")]
     rows = []
-    for i, (name, skew, shared, limit) in enumerate(cases):
+    for i, (name, skew, shared, limit, prec) in enumerate(cases):
         x, idx, w, ws, sh, dy = _problem(512, 1024, 512, 8, 4, ep, me, shared, skew, dev, seed=200 + i)
         try:
-            _warm_mlp(x, ws, sh, dy, limit)
+            _warm_mlp(x, ws, sh, dy, limit, prec)
             dist.barrier(group)
-            ref = _run("reference", x, idx, w, ws, sh, dy, limit, group)
-            outs = [_run("sm90", x, idx, w, ws, sh, dy, limit, group) for _ in range(REPEATS)]
+            ref = _run("reference", x, idx, w, ws, sh, dy, limit, group, prec)
+            outs = [_run("sm90", x, idx, w, ws, sh, dy, limit, group, prec) for _ in range(REPEATS)]
             torch.cuda.synchronize()
             same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
             rows.append(_compare(f"layer_ep{ep} {name}", outs[0], ref, same))
@@ -74,14 +76,14 @@ def _correctness(ctx, group) -> list[Row]:
     return rows
 
 
-def _timing(ctx, group) -> list[Row]:
+def _timing(ctx, group, precision="bf16") -> list[Row]:
     import mok_cute
 
     dev, ep, me = ctx.device, ctx.world, ctx.rank
     T, H, I, E, k = 4096, 7168, 2048, 16, 8
     x, idx, w, ws, sh, dy = _problem(T, H, I, E, k, ep, me, True, False, dev, seed=7)
-    cfg = mok_cute.MoKConfig(backend="sm90")
-    _warm_mlp(x, ws, sh, dy, None)
+    cfg = mok_cute.MoKConfig(backend="sm90", precision=precision)
+    _warm_mlp(x, ws, sh, dy, None, precision)
     dist.barrier(group)
     for p in [x, w, *ws, *sh]:
         p.requires_grad_()
@@ -92,7 +94,7 @@ def _timing(ctx, group) -> list[Row]:
         t_f = bench_us(fwd, warmup=3, iters=10, barrier=bar)
     t_fb = bench_us(fb, warmup=3, iters=10, barrier=bar)
     flop = 6 * (T + T * k) * H * I  # per rank, MoK's count: routed + shared
-    return [Row(f"layer_ep{ep} T{T}/rank k{k} E{E} H{H} I{I} +shared", time_us=t_fb,
+    return [Row(f"layer_ep{ep} {precision} T{T}/rank k{k} E{E} H{H} I{I} +sh", time_us=t_fb,
                 note=f"fwd {t_f:.0f}us {flop / t_f / 1e6:.0f} TF/s; fwd+bwd {3 * flop / t_fb / 1e6:.0f} TF/s")]
 
 
@@ -106,7 +108,7 @@ def run(ctx) -> list[Row]:
     group = dist.group.WORLD
     rows = _correctness(ctx, group)
     try:
-        rows += _timing(ctx, group)
+        rows += _timing(ctx, group) + _timing(ctx, group, "mxfp8")
     except RuntimeError as e:
         if "CUDA" in str(e):
             raise

@@ -37,13 +37,14 @@ def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
     return x, idx, w, ws, sh, dy
 
 
-def _run(backend, x, idx, w, ws, sh, dy, limit, group=None):
+def _run(backend, x, idx, w, ws, sh, dy, limit, group=None, precision="bf16"):
     import mok_cute
 
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
     shl = [p.clone().requires_grad_() for p in sh] if sh else []
     y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
-                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend), group=group)
+                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend, precision=precision),
+                     group=group)
     grads = torch.autograd.grad(y, leaves + shl, dy)
     return [y] + list(grads)
 
