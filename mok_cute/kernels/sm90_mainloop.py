@@ -305,27 +305,36 @@ class Sm90Mainloop:
 
     @cute.jit
     def mma_tile(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
-                 k_tiles: cutlass.Int32):
+                 k_tiles: cutlass.Int32, stage_a: cutlass.Constexpr = None):
         """Consumer warpgroups: ``acc = A_tile @ B_tile^T`` over ``k_tiles`` (>= 1) ring slots.
 
         One wgmma batch stays in flight; a slot is released once the batch reading it
         retired. Returns the advanced state; all slots of the tile are released on return.
+        ``stage_a(slot, kt)``: when given, called once k-tile ``kt``'s slot has landed (batch
+        kt - 1 still running); it writes that k-tile's A operand and returns the index of
+        ``tCrA``'s stage holding it (without it, A is the ring slot's).
         """
         release = state.clone()
         k_blocks = cute.size(tCrA, mode=[2])
         warpgroup.fence()
         # first k-tile: the first k-block overwrites the accumulators (no zero fill)
         pipe.consumer_wait(state)
+        a_idx = state.index
+        if cutlass.const_expr(stage_a is not None):
+            a_idx = stage_a(state.index, cutlass.Int32(0))
         for kb in cutlass.range_constexpr(k_blocks):
             self.tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, state.index)],
+            cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, a_idx)],
                       tCrB[(None, None, kb, state.index)], acc)
         warpgroup.commit_group()
         state.advance()
-        for _ in cutlass.range(k_tiles - 1, unroll=1):
+        for kt in cutlass.range(k_tiles - 1, unroll=1):
             pipe.consumer_wait(state)
+            a_idx = state.index
+            if cutlass.const_expr(stage_a is not None):
+                a_idx = stage_a(state.index, kt + 1)
             for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, state.index)],
+                cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, a_idx)],
                           tCrB[(None, None, kb, state.index)], acc)
             warpgroup.commit_group()
             state.advance()

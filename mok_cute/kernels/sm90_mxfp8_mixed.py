@@ -72,7 +72,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Uint32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
@@ -198,16 +198,8 @@ class Mxfp8MixedGemmSm90:
         cfg = self.cfg
         self.mainloop.setup()
         self._f8_layouts()
-        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-        atom_a, coord_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
-            (cfg.tile_m, cfg.tile_k))
-        atom_b, coord_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(self.b8_layout, (None, None, 0)),
-            (cfg.tile_n, cfg.tile_k))
-        atom_c, coord_c = None, None
-        if cutlass.const_expr(cfg.tma_store):
-            atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
+        atom_a, coord_a, atom_b, coord_b, atom_c, coord_c = _tma_atoms(cfg, mA, self.a8_layout, mB, self.b8_layout,
+                                                                       mOut)
         self.shared_storage = self._storage()
         self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
@@ -267,13 +259,8 @@ class Mxfp8MixedGemmSm90:
             while expert < num_experts:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 state = self.mainloop.mma_tile(bf_ring, state, tCrA, tCrB, acc, k_tiles)
-                if cutlass.const_expr(cfg.tma_store):
-                    gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
-                                         (0, n_tile))
-                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
-                else:
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut,
-                                 Float32(0.0))
+                _store_tile(cfg, self.epi, self.mainloop.tiled_mma, thr_mma, acc, sC, tid, atom_c, coord_c, row0, rows,
+                            n_tile, mOut)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
             if cutlass.const_expr(cfg.tma_store):
@@ -376,16 +363,8 @@ class Mxfp8ActGemmSm90:
         cfg = self.cfg
         self.mainloop.setup()
         self._layouts()
-        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-        atom_a, coord_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a8_layout, (None, None, 0)),
-            (cfg.tile_m, cfg.tile_k))
-        atom_b, coord_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(self.w_layout, (None, None, 0)),
-            (cfg.tile_n, cfg.tile_k))
-        atom_c, coord_c = None, None
-        if cutlass.const_expr(cfg.tma_store):
-            atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
+        atom_a, coord_a, atom_b, coord_b, atom_c, coord_c = _tma_atoms(cfg, mA, self.a8_layout, mB, self.w_layout,
+                                                                       mOut)
         self.shared_storage = self._storage()
         self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
@@ -443,67 +422,62 @@ class Mxfp8ActGemmSm90:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 row = row0 + block * _ACT_BLOCK_ROWS + hold_row
                 _load_words(words, mSA, mSA, 0, expert, row, m_total, Int32(0))
-                state = self._mma_tile(pipe, state, src, dst, words, mult, mSA, row, m_total, lane, reader, wg,
-                                       tCrA, tCrB, acc, k_tiles)
-                if cutlass.const_expr(cfg.tma_store):
-                    gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
-                                         (0, n_tile))
-                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
-                else:
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut,
-                                 Float32(0.0))
+                state = self.mainloop.mma_tile(
+                    pipe, state, tCrA, tCrB, acc, k_tiles,
+                    stage_a=lambda slot, kt: self._stage_a(src, dst, slot, kt, words, mult, mSA, row, m_total, lane,
+                                                           reader, wg, k_tiles))
+                _store_tile(cfg, self.epi, self.mainloop.tiled_mma, thr_mma, acc, sC, tid, atom_c, coord_c, row0, rows,
+                            n_tile, mOut)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
             if cutlass.const_expr(cfg.tma_store):
                 tma_store_drain(tid)
 
     @cute.jit
-    def _stage_a(self, src: cute.Tensor, dst: cute.Tensor, slot: Int32, buf: Int32, words: cute.Tensor,
+    def _stage_a(self, src: cute.Tensor, dst: cute.Tensor, slot: Int32, kt: Int32, words: cute.Tensor,
                  mult: cute.Tensor, mSA: cute.Tensor, row: Int32, m_total: Int32, lane: Int32, reader: Int32,
-                 wg: Int32, kt: Int32, k_tiles: Int32):
-        """This warp's 16 A rows of k-tile ``kt``: e4m3 ring slot ``slot`` -> BF16 A buffer
-        ``buf``; the next k-tile's scale word is loaded meanwhile; then the stores are fenced for
-        the async proxy and the warpgroup meets at its named barrier (its wgmma reads all 64 rows)."""
+                 wg: Int32, k_tiles: Int32):
+        """``Sm90Mainloop.mma_tile``'s A staging: this warp's 16 A rows of k-tile ``kt``, e4m3
+        ring slot ``slot`` -> BF16 A buffer kt % 2 (last read by batch kt - 2, retired by the
+        previous ``wait_group(1)``); the next k-tile's scale word is loaded meanwhile; then the
+        stores are fenced for the async proxy and the warpgroup meets at its named barrier (its
+        wgmma reads all 64 rows). Returns the buffer index."""
+        buf = kt % ACT_A_BUFFERS
         _decode(words, mult, kt, lane)
         _load_words(words, mSA, mSA, 0, Int32(0), row, m_total, cutlass.min(kt + 1, k_tiles - 1))
         _convert(src[(None, None, 0, slot)], dst[(None, None, 0, buf)], mult, reader)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_ACT_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        return buf
 
-    @cute.jit
-    def _mma_tile(self, pipe, state, src: cute.Tensor, dst: cute.Tensor, words: cute.Tensor, mult: cute.Tensor,
-                  mSA: cute.Tensor, row: Int32, m_total: Int32, lane: Int32, reader: Int32, wg: Int32,
-                  tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, k_tiles: Int32):
-        """``acc = A_tile @ W_tile^T`` over ``k_tiles`` (>= 1) ring slots, as
-        :meth:`Sm90Mainloop.mma_tile` (same wgmma batches, one in flight, same k-order) with
-        k-tile kt's A converted into BF16 buffer kt % 2 while batch kt - 1 runs (buffer kt % 2
-        was last read by batch kt - 2, retired by the previous ``wait_group(1)``)."""
-        tiled_mma = self.mainloop.tiled_mma
-        release = state.clone()
-        k_blocks = cute.size(tCrA, mode=[2])
-        warpgroup.fence()
-        pipe.consumer_wait(state)
-        self._stage_a(src, dst, state.index, Int32(0), words, mult, mSA, row, m_total, lane, reader, wg, Int32(0),
-                      k_tiles)
-        for kb in cutlass.range_constexpr(k_blocks):  # the first k-block overwrites the accumulators
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, state.index)], acc)
-        warpgroup.commit_group()
-        state.advance()
-        for kt in cutlass.range(1, k_tiles, unroll=1):
-            pipe.consumer_wait(state)
-            buf = kt % ACT_A_BUFFERS
-            self._stage_a(src, dst, state.index, buf, words, mult, mSA, row, m_total, lane, reader, wg, kt, k_tiles)
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, buf)], tCrB[(None, None, kb, state.index)], acc)
-            warpgroup.commit_group()
-            state.advance()
-            warpgroup.wait_group(1)
-            pipe.consumer_release(release)
-            release.advance()
-        warpgroup.wait_group(0)
-        pipe.consumer_release(release)
-        return state
+
+# ---------------------------------------------------------------- shared by both kernels
+def _tma_atoms(cfg: MainloopConfig, mA: cute.Tensor, a_smem, mB: cute.Tensor, b_smem, mOut: cute.Tensor):
+    """(atom_a, coord_a, atom_b, coord_b, atom_c, coord_c): TMA loads of A [M, K] into ``a_smem``
+    stages and of B [E, N, K] (tiled as (N, K, E)) into ``b_smem`` stages, and the output's TMA
+    store (None, None without ``cfg.tma_store``)."""
+    b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+    atom_a, coord_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (cfg.tile_m, cfg.tile_k))
+    atom_b, coord_b = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), b_nke, cute.slice_(b_smem, (None, None, 0)), (cfg.tile_n, cfg.tile_k))
+    atom_c, coord_c = None, None
+    if cutlass.const_expr(cfg.tma_store):
+        atom_c, coord_c = make_tma_store(_ragged_rows(mOut), cfg.tile_m, cfg.tile_n)
+    return atom_a, coord_a, atom_b, coord_b, atom_c, coord_c
+
+
+@cute.jit
+def _store_tile(cfg: cutlass.Constexpr, epi: cutlass.Constexpr, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma,
+                acc: cute.Tensor, sC: cute.Tensor, tid: Int32, atom_c: cute.CopyAtom, coord_c: cute.Tensor,
+                row0: Int32, rows: Int32, n_tile: Int32, mOut: cute.Tensor):
+    """The BF16 kernel's plain epilogue of one output tile: TMA store (``cfg.tma_store``) or
+    masked 16-byte stores of the tile's ``rows`` valid rows from ``row0``."""
+    if cutlass.const_expr(cfg.tma_store):
+        gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n), (0, n_tile))
+        tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
+    else:
+        epi.run(tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut, Float32(0.0))
 
 
 # ---------------------------------------------------------------- dequant building blocks
