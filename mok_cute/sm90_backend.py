@@ -16,9 +16,9 @@ layer up to fp32 accumulation order.
 
 FP8 blockwise: activations quantized 1x128 along K (``quantize_fp8_block_act``), wgrad
 operands 128x1 along tokens (``quantize_tokens(., offsets, "fp8_block")``), weights in
-128x128 blocks per expert (``reference.fp8_block_quantize_weight``, through one 2-D view:
-I, H multiples of 128, so no block straddles two experts), then the SM90 FP8 kernels
-(:func:`fp8_kernel`).
+128x128 blocks per expert (``quantize_fp8_block_weights_t`` = ``reference.fp8_block_quantize_weight``
+per expert, with the transposed dgrad operands written in the same pass: I, H multiples of
+128, so no block straddles two experts), then the SM90 FP8 kernels (:func:`fp8_kernel`).
 
 Weights: their quantizations (MXFP8: dequantized BF16 per axis; fp8_block: data + scales,
 and the transposed dgrad operands) are cached in a :class:`~mok_cute.weight_cache.WeightCache` while the weight is
@@ -37,14 +37,12 @@ import torch
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
 from .weight_cache import WeightCache
 
-FP8_BLOCK = 128
 # FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
 _FP8_KERNELS = {
     "grouped_gemm1_swiglu_fp8_block": "sm90_fp8_expert",
     "grouped_gemm_fp8_block": "sm90_fp8_gemm",
     "grouped_dswiglu_dgrad_fp8_block": "sm90_fp8_expert",
     "grouped_dgrad1_fp8_block": "sm90_fp8_expert",
-    "transpose_weight_blocks": "sm90_fp8_expert",
     "grouped_wgrad_fp8_block": "sm90_fp8_scaled",
 }
 
@@ -87,14 +85,13 @@ def _offs32(offsets):
 
 
 # ----------------------------------------------------------------------------- FP8 blockwise
-def _fp8_weight(w):
-    """(data [E, R, C] e4m3, scales [E, R/128, C/128] fp32): 128x128 blocks per expert (R % 128
-    == 0, so the blocks of the [E*R, C] view never straddle two experts)."""
+def _fp8_weights(*ws):
+    """``([(data [E, R_j, C] e4m3, scales [E, R_j/128, C/128] fp32) per weight], (data_t [E, C,
+    sum R_j], scales_t))``: 128x128 blocks per expert, and the dgrad operand (the weights stacked
+    along R and transposed), in one pass (``quantize_fp8.quantize_fp8_block_weights_t``)."""
     from .kernels import quantize_fp8
 
-    e, r, c = w.shape
-    q, s = quantize_fp8.quantize_fp8_block_weight(w.reshape(e * r, c).contiguous())
-    return q.view(e, r, c), s.view(e, r // FP8_BLOCK, c // FP8_BLOCK)
+    return quantize_fp8.quantize_fp8_block_weights_t(*(w.contiguous() for w in ws))
 
 
 def _fp8_act(x):
@@ -171,26 +168,25 @@ class Sm90ExpertMLP:
         return dx, dwg, dwu, dwd
 
     # ------------------------------------------------------------------ FP8 blockwise
-    def _fp8_weight(self, w):
-        return self.weights.get(("fp8_block",), (w,), _fp8_weight)
+    def _fp8_weights(self, *ws):
+        """Cached :func:`_fp8_weights` of (w_gate, w_up) or (w_down,), while unchanged."""
+        return self.weights.get(("fp8_block",), ws, _fp8_weights)
 
     def _fp8_forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
         kernels = {name: fp8_kernel(name) for name in _FP8_KERNELS}  # all of them, before any launch
         xq, xs = _fp8_act(x_rows)
-        (gq, gs), (uq, us) = self._fp8_weight(w_gate), self._fp8_weight(w_up)
+        ((gq, gs), (uq, us)), _ = self._fp8_weights(w_gate, w_up)
         gu, h = kernels["grouped_gemm1_swiglu_fp8_block"](xq, xs, offsets, gq, gs, uq, us, limit=limit)
         hq, hs = _fp8_act(h)
-        dq, ds = self._fp8_weight(w_down)
+        ((dq, ds),), _ = self._fp8_weights(w_down)
         out = kernels["grouped_gemm_fp8_block"](hq, hs, offsets, dq, ds)
         return out, ExpertGroup(x_rows, offsets, gu, h, "fp8_block")
 
     def _fp8_backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
         k = {name: fp8_kernel(name) for name in _FP8_KERNELS}
         inter = w_gate.shape[1]
-        tr = k["transpose_weight_blocks"]
-        wdt = self.weights.get(("fp8_block_t",), (w_down,), lambda w: tr(self._fp8_weight(w)))
-        w1t = self.weights.get(("fp8_block_t",), (w_gate, w_up),
-                               lambda wg, wu: tr(self._fp8_weight(wg), self._fp8_weight(wu)))
+        _, wdt = self._fp8_weights(w_down)
+        _, w1t = self._fp8_weights(w_gate, w_up)
         dyq, dys = _fp8_act(dy_rows)
         dgu = k["grouped_dswiglu_dgrad_fp8_block"](dyq, dys, g.offsets, *wdt, g.gu, limit=limit)
         dguq, dgus = _fp8_act(dgu)

@@ -353,6 +353,40 @@ def test_weight_quantizer_compiles_with_its_ops(arch, dt):
     assert "bar.sync" in ptx and ".ftz" not in ptx and "div.approx" not in ptx
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("dt", qf.DTYPES)
+def test_weight_t_quantizer_compiles_with_its_ops(arch, dt):
+    """The weight kernel's ops plus the transposed copy: every quantized byte stored once into
+    the block's shared tile (st.shared.b8), read back as 16 words per thread, and written as
+    4-byte global stores (16 words + the data words + two scales), no spills."""
+    rep = qf.compiled_quantize_fp8("weight_t", "fp8_block", arch, dt)[1]
+    base = qf.compiled_quantize_fp8("weight", "fp8_block", arch, dt)[1].ptx
+    ptx = rep.ptx
+    c = ELEMS[dt]
+    passes = 128 // (256 // (128 // c))
+    assert rep.total_spill_bytes == 0 and len(rep.registers) == 1
+    for op in (r"ld\.global\.v4\.b32", r"\bmul\.rn\.f32\b", r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"\bdiv\.rn\.f32\b"):
+        assert len(re.findall(op, ptx)) == len(re.findall(op, base)), op
+    assert len(re.findall(r"st\.shared\.b8", ptx)) == passes * c  # this thread's 128 x 128 / 256 bytes
+    stores = len(re.findall(r"st\.global\.b32", base))
+    assert len(re.findall(r"st\.global\.b32", ptx)) == stores + 128 * 32 // 256 + 1
+    assert ".ftz" not in ptx
+
+
+@pytest.mark.parametrize("ws, match", [
+    ((), "at least one"),
+    ((torch.zeros(2, 128, 128, dtype=torch.bfloat16), torch.zeros(3, 128, 128, dtype=torch.bfloat16)), "E and K"),
+    ((torch.zeros(2, 128, 256, dtype=torch.bfloat16)[:, :, :128],), "contiguous"),
+    ((torch.zeros(2, 64, 128, dtype=torch.bfloat16),), "multiples of 128"),
+    ((torch.zeros(256, 128, dtype=torch.bfloat16),), "\\[E, R, K\\]"),
+    (("w",), "torch.Tensor"),
+    ((torch.zeros(2, 128, 128, dtype=torch.bfloat16),), "CUDA"),
+])
+def test_weights_t_validation(no_launch, ws, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        qf.quantize_fp8_block_weights_t(*ws)
+
+
 @pytest.mark.parametrize("w, match", [
     (torch.zeros(128, 64, dtype=torch.bfloat16), "multiples of 128"),
     (torch.zeros(64, 128, dtype=torch.bfloat16), "multiples of 128"),

@@ -278,6 +278,18 @@ class Fp8Emu:
         return out
 
 
+def _emu_weights_t(*ws):
+    """quantize_fp8_block_weights_t's contract from the reference: per-expert 128x128
+    quantization of each weight, and their stack along R transposed per expert."""
+    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+
+    parts = []
+    for w in ws:
+        q = [R.fp8_block_quantize_weight(w[e]) for e in range(w.shape[0])]
+        parts.append((torch.stack([a for a, _ in q]), torch.stack([b for _, b in q])))
+    return parts, transpose_weight_blocks(*parts)
+
+
 @pytest.fixture
 def emu(monkeypatch):
     """Every GPU kernel of the sm90 MLP replaced by its emulation; returns (bf16 emu, fp8 emu)."""
@@ -285,7 +297,7 @@ def emu(monkeypatch):
 
     monkeypatch.setattr(quantize, "quantize_mxfp8", R.mxfp8_quantize)
     monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_act", R.fp8_block_quantize_act)
-    monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_weight", R.fp8_block_quantize_weight)
+    monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_weights_t", _emu_weights_t)
 
     def tokens(x, offsets, fmt):
         assert offsets.dtype == torch.int32
@@ -377,13 +389,15 @@ def test_weight_cache_reuse_and_invalidation(emu, monkeypatch):
     y, g, _ = _layer(be, p, dy, None, "mxfp8")
     assert sorted(builds) == [1, 1, 2, 2]  # w_gate and ws_down, both axes
     _assert_equal_layer(y, g, *_reference(p, dy, None, "mxfp8"), True)
-    # fp8_block: data + scales per weight, transposed dgrad forms per (Wd) and (Wg, Wu)
+    # fp8_block: data + scales and the transposed dgrad form, one entry per (Wd) and (Wg, Wu)
     cache = be.mlp.weights
     n = len(cache)
+    t_builds = []
+    monkeypatch.setattr(S, "_fp8_weights", lambda *ws: t_builds.append(len(ws)) or _emu_weights_t(*ws))
     _layer(be, p, dy, None, "fp8_block")
-    assert len(cache) == n + 6 + 2 + 2  # 6 weights; (wd), (wg, wu) for routed and shared
+    assert len(cache) == n + 4 and sorted(t_builds) == [1, 1, 2, 2]  # (wd), (wg, wu): routed and shared
     _layer(be, p, dy, None, "fp8_block")
-    assert len(cache) == n + 10
+    assert len(cache) == n + 4 and len(t_builds) == 4
     with torch.no_grad():
         p["w_down"].sub_(0.01)
     y, g, _ = _layer(be, p, dy, None, "fp8_block")

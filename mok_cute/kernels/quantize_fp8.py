@@ -20,7 +20,9 @@ Contracts (bitwise equal to :mod:`mok_cute.reference`, by construction: same fp3
   B*(offsets[e] // B + e)), scales [S, N], S = M // B + E. Every slot is written (padding
   rows and unused slots as 0), so the output is fully defined without a memset.
 
-* ``weight`` — :func:`quantize_fp8_block_weight` = ``reference.fp8_block_quantize_weight``:
+* ``weight`` / ``weight_t`` — :func:`quantize_fp8_block_weight` = ``reference.fp8_block_quantize_weight``;
+  :func:`quantize_fp8_block_weights_t` also writes the stacked, per-expert transposed copy (the
+  dgrad weights) from the same registers, through a shared [128 x 132-byte] tile per block:
   w [N, K] in 128x128 blocks, one CTA of 256 threads per block, the ``row`` kind's ops with
   the amax over 16384 elements. Bitwise equal to the reference on the H200 (1847 GB/s on
   16384 x 7168 bf16, 11.7x the torch ops); the sm90 backend's fp8_block weights come from it
@@ -41,7 +43,7 @@ from .compile import arch_of_device, compile_cached, compile_kernel, dsl
 from .fp8_ops import Fp8Ops
 from .host import FLOAT_INPUTS, MAX_NUMEL, check_float_input, check_rows16, current_stream
 
-KINDS = ("row", "tokens", "weight")
+KINDS = ("row", "tokens", "weight", "weight_t")
 FORMATS = ("fp8_block", "mxfp8")
 DTYPES = FLOAT_INPUTS
 BLOCK = {"fp8_block": 128, "mxfp8": 32}
@@ -49,6 +51,7 @@ _ROW_THREADS = 256
 _ROW_UNROLL = 4
 _TOK_THREADS = 128
 _W_THREADS = 256  # weight kind: one CTA per 128x128 block, 8 row chunks per thread
+_T_PITCH = 132  # weight_t: bytes per column of the shared transposed block (128 + 4: 4-way byte-store conflicts)
 F448 = 0x43E00000  # 448.0f
 AMAX_MIN_BITS = 0x0D800000  # 2^-100 (reference.FP8_AMAX_MIN)
 NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (what torch writes)
@@ -203,7 +206,8 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                 stream=stream)
 
         args = (Int32(128), Int32(1), Int32(1))
-    elif kind == "weight":
+    elif kind in ("weight", "weight_t"):
+        transposed = kind == "weight_t"
         KC = 128 // C  # 16-byte chunks per block row
         RPP = _W_THREADS // KC  # block rows per pass
         PASSES = 128 // RPP
@@ -217,8 +221,18 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
                     acc = ops.amax_acc(acc, v[j])
             return ops.umax(acc & Uint32(0xFFFF), acc >> 16) << 16 if bf16 else acc
 
+        def store_transposed(tile, os, tid):
+            """This thread's quantized bytes into the block's transposed staging tile (column
+            byte rows of ``_T_PITCH`` bytes: tile[col, row])."""
+            for u in range(PASSES):
+                for w in range(OW):
+                    for b in range(4):
+                        tile[(tid % KC) * C + 4 * w + b, tid // KC + RPP * u] = cutlass.Uint8(
+                            (os[u][w] >> Uint32(8 * b)) & Uint32(0xFF))
+
         @cute.kernel
-        def w_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, kc: Int32, kb: Int32):
+        def w_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, kc: Int32, kb: Int32, qt: cute.Tensor,
+                     st: cute.Tensor, rb: Int32, ntw: Int32, nb: Int32, cb0: Int32):
             tid, _, _ = cute.arch.thread_idx()
             bid, _, _ = cute.arch.block_idx()
             br = bid // kb
@@ -237,35 +251,59 @@ def _build(kind: str, fmt: str, dtype: torch.dtype, arch: str):
             for w in cutlass.range_constexpr(1, WARPS):
                 a = ops.umax(a, red[w])
             inv, sc, nf = block_scale(a)
+            os = []
             for u in cutlass.range_constexpr(PASSES):
                 o = ops.fp8_words(ops.elems(vs[u]), [inv] * C, [nf] * OW)
                 q[rows[u] * kc + c, None].store(o.load())
+                os.append(o)
             if tid == 0:
                 s[bid] = sc
+            if cutlass.const_expr(transposed):
+                # block (br, bc) of W[e] (e = br // rb) is block (bc, cb0 + br % rb) of W[e]^T
+                t32 = cutlass.memory.SmemAllocator().allocate_tensor(
+                    Uint32, cute.make_layout((128, _T_PITCH // 4), stride=(_T_PITCH // 4, 1)), byte_alignment=16)
+                store_transposed(cute.recast_tensor(t32, cutlass.Uint8), os, tid)
+                cute.arch.barrier()
+                e = br // rb
+                col0 = (cb0 + br - e * rb) * 32  # first word of the block's columns in a W^T row
+                row0 = (cutlass.Int64(e) * (kb * 128) + bc * 128) * ntw  # word of W[e]^T row bc * 128
+                for i in cutlass.range_constexpr(128 * 32 // _W_THREADS):
+                    w = tid + _W_THREADS * i
+                    qt[row0 + cutlass.Int64(w // 32) * ntw + col0 + w % 32] = t32[w // 32, w % 32]
+                if tid == 0:
+                    st[(e * kb + bc) * nb + cb0 + br - e * rb] = sc
 
         @cute.jit
-        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, n: Int32, kc: Int32,
-                   stream: cuda.CUstream):
+        def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, qtp: cute.Pointer, stp: cute.Pointer,
+                   n: Int32, kc: Int32, rb: Int32, nb: Int32, cb0: Int32, stream: cuda.CUstream):
             x = cute.make_tensor(xp, cute.make_layout((n * kc, 4), stride=(4, 1)))
             q = cute.make_tensor(qp, cute.make_layout((n * kc, OW), stride=(OW, 1)))
             kb = kc // KC
             s = cute.make_tensor(sp, cute.make_layout(((n // 128) * kb,)))
-            w_kernel(x, q, s, kc, kb).launch(grid=[(n // 128) * kb, 1, 1], block=[_W_THREADS, 1, 1],
-                                             stream=stream)
+            e = n // (rb * 128)
+            qt = cute.make_tensor(qtp, cute.make_layout((cutlass.Int64(e) * (kb * 128) * (nb * 32),)))
+            st = cute.make_tensor(stp, cute.make_layout((e * kb * nb,)))
+            w_kernel(x, q, s, kc, kb, qt, st, rb, nb * 32, nb, cb0).launch(
+                grid=[(n // 128) * kb, 1, 1], block=[_W_THREADS, 1, 1], stream=stream)
 
-        args = (Int32(128), Int32(KC))
+        args = (Int32(128), Int32(KC), Int32(1), Int32(1), Int32(0))
     return compile_kernel(launch, *_pointers(kind, fmt, 0, 0, 0, 0), *args, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
 
-def _pointers(kind: str, fmt: str, x: int, data: int, scales: int, offsets: int):
-    """Kernel pointer arguments (32-bit words; see quantize.py on raw int addresses)."""
+def _pointers(kind: str, fmt: str, x: int, data: int, scales: int, offsets: int, data_t: int = 0,
+              scales_t: int = 0):
+    """Kernel pointer arguments (32-bit words; see quantize.py on raw int addresses); the
+    weight kinds also take the transposed outputs (unused by ``weight``)."""
     cutlass, cute = dsl()
     gmem, make_ptr = cute.AddressSpace.gmem, cute.runtime.make_ptr
     u32 = cutlass.Uint32
-    if kind in ("row", "weight"):
+    if kind == "row":
         return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=4),
                 make_ptr(u32, scales, gmem, assumed_align=4))
+    if kind in ("weight", "weight_t"):
+        return tuple(make_ptr(u32, a, gmem, assumed_align=16 if i == 0 else 4)
+                     for i, a in enumerate((x, data, scales, data_t, scales_t)))
     return (make_ptr(u32, x, gmem, assumed_align=16), make_ptr(u32, data, gmem, assumed_align=16),
             make_ptr(u32, scales, gmem, assumed_align=16 if fmt == "fp8_block" else 4),
             make_ptr(cutlass.Int32, offsets, gmem, assumed_align=4))
@@ -277,8 +315,9 @@ def compiled_quantize_fp8(kind: str, fmt: str, arch: str, dtype: torch.dtype = t
     ``compile.ARCHS`` and an input dtype in DTYPES."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if fmt not in FORMATS or (kind in ("row", "weight") and fmt != "fp8_block"):
-        raise ValueError(f"fmt must be one of {FORMATS} ('fp8_block' for kinds 'row', 'weight'), got {fmt!r}")
+    if fmt not in FORMATS or (kind in ("row", "weight", "weight_t") and fmt != "fp8_block"):
+        raise ValueError(f"fmt must be one of {FORMATS} ('fp8_block' for kinds 'row', 'weight', 'weight_t'), "
+                         f"got {fmt!r}")
     if dtype not in DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     return compile_cached(("fp8_quantize", kind, fmt, arch, dtype), lambda: _build(kind, fmt, dtype, arch))
@@ -315,6 +354,26 @@ def quantize_fp8_block_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return data, scales_t.t()
 
 
+def _check_weight(w: torch.Tensor) -> tuple[int, int]:
+    _check_x(w)
+    n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"w: shape {tuple(w.shape)} must be multiples of 128 in both dims (128x128 blocks)")
+    if w.device.type != "cuda":
+        raise ValueError(f"w must be a CUDA tensor, got device {w.device}")
+    return n, k
+
+
+def _launch_weight(kind: str, w, data, scales, data_t=None, scales_t=None, rows: int = 128, nt: int = 128,
+                   col0: int = 0):
+    n, k = w.shape
+    fn, _ = compiled_quantize_fp8(kind, "fp8_block", arch_of_device(w.device), w.dtype)
+    ptrs = _pointers(kind, "fp8_block", w.data_ptr(), data.data_ptr(), scales.data_ptr(), 0,
+                     0 if data_t is None else data_t.data_ptr(), 0 if scales_t is None else scales_t.data_ptr())
+    with torch.cuda.device(w.device):
+        fn(*ptrs, n, k * w.element_size() // 16, rows // 128, nt // 128, col0 // 128, current_stream(w.device))
+
+
 def quantize_fp8_block_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 blockwise 128x128 quantization of a contiguous CUDA bf16/fp32 weight [N, K] (N, K
     multiples of 128; an [E, R, C] weight as its [E*R, C] view: R % 128 == 0, so no block
@@ -322,20 +381,55 @@ def quantize_fp8_block_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     K/128])``, bitwise equal to ``reference.fp8_block_quantize_weight(w)`` (the ops of
     :func:`quantize_fp8_block_act` with the amax over the block's 16384 elements: per-thread
     u16x2 / u32 maxima, a warp butterfly, then the 8 warps' maxima through shared memory)."""
-    _check_x(w)
-    n, k = w.shape
-    if n % 128 or k % 128:
-        raise ValueError(f"w: shape {tuple(w.shape)} must be multiples of 128 in both dims (128x128 blocks)")
-    if w.device.type != "cuda":
-        raise ValueError(f"w must be a CUDA tensor, got device {w.device}")
+    n, k = _check_weight(w)
     data = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty((n // 128, k // 128), dtype=torch.float32, device=w.device)
     if w.numel():
-        fn, _ = compiled_quantize_fp8("weight", "fp8_block", arch_of_device(w.device), w.dtype)
-        with torch.cuda.device(w.device):
-            fn(*_pointers("weight", "fp8_block", w.data_ptr(), data.data_ptr(), scales.data_ptr(), 0),
-               n, k * w.element_size() // 16, current_stream(w.device))
+        _launch_weight("weight", w, data, scales)
     return data, scales
+
+
+def quantize_fp8_block_weights_t(*weights: torch.Tensor):
+    """Per-expert 128x128 quantization of expert weights w_j [E, R_j, K] (contiguous CUDA
+    bf16/fp32, R_j and K multiples of 128) together with the dgrad operand: the weights
+    stacked along R and transposed, in one read of each weight.
+
+    Returns ``([(data_j [E, R_j, K] e4m3, scales_j [E, R_j/128, K/128] fp32) ...], (data_t
+    [E, K, N] e4m3, scales_t [E, K/128, N/128] fp32))`` with N = sum R_j: data_j / scales_j
+    bitwise ``reference.fp8_block_quantize_weight`` per expert, and data_t / scales_t their
+    stack along R transposed per expert (a block of W^T is the transpose of a block of W with
+    the same scale), i.e. ``sm90_fp8_expert.transpose_weight_blocks`` of the pairs. The
+    transposed block goes through a shared [128 x 132-byte] tile of the block's CTA."""
+    if not weights:
+        raise ValueError("quantize_fp8_block_weights_t needs at least one weight")
+    for j, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"weights[{j}] must be a torch.Tensor, got {type(w).__name__}")
+        if w.dim() != 3 or w.shape[0] != weights[0].shape[0] or w.shape[2] != weights[0].shape[-1]:
+            raise ValueError(f"weights[{j}] must be [E, R, K] with the E and K of weights[0] "
+                             f"{tuple(weights[0].shape)}, got {tuple(w.shape)}")
+        if not w.is_contiguous():
+            raise ValueError(f"weights[{j}] must be contiguous")
+        if w.shape[1] % 128 or w.shape[2] % 128:
+            raise ValueError(f"weights[{j}]: R and K of {tuple(w.shape)} must be multiples of 128 (128x128 blocks "
+                             "per expert)")
+    for w in weights:
+        _check_weight(w.view(-1, w.shape[2]))
+    e, k = weights[0].shape[0], weights[0].shape[2]
+    nt = sum(w.shape[1] for w in weights)
+    dev = weights[0].device
+    data_t = torch.empty((e, k, nt), dtype=torch.float8_e4m3fn, device=dev)
+    scales_t = torch.empty((e, k // 128, nt // 128), dtype=torch.float32, device=dev)
+    out, col0 = [], 0
+    for w in weights:
+        r = w.shape[1]
+        data = torch.empty((e, r, k), dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.empty((e, r // 128, k // 128), dtype=torch.float32, device=dev)
+        if w.numel():
+            _launch_weight("weight_t", w.view(e * r, k), data, scales, data_t, scales_t, r, nt, col0)
+        out.append((data, scales))
+        col0 += r
+    return out, (data_t, scales_t)
 
 
 def quantize_tokens(x: torch.Tensor, offsets: torch.Tensor, fmt: str = "fp8_block"):

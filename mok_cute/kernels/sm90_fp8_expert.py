@@ -153,7 +153,10 @@ def grouped_dgrad1_fp8_block(dguq, dgu_scales, offsets, w1t_q, w1t_s, *, out=Non
 
 
 def transpose_weight_blocks(*pairs):
-    """Dgrad weights from per-expert 128x128 quantizations, on the device (no host sync).
+    """Dgrad weights from per-expert 128x128 quantizations, on the device (no host sync), by
+    torch transposes: the layout definition the device checks and tests build their operands
+    with (the backend gets the same tensors from ``quantize_fp8.quantize_fp8_block_weights_t``
+    in the quantizing pass).
 
     ``pairs``: one or more ``(data [E, N_j, K] float8_e4m3fn, scales [E, N_j/128, K/128]
     fp32)``; they are stacked along N (in order) and transposed: returns (data_t [E, K, N]

@@ -166,8 +166,35 @@ def _groups(m, e, gen, kind):
     return torch.cat([torch.tensor([0]), cuts, torch.tensor([m - 5 if kind == "ragged" else m])]).to(torch.int32)
 
 
+def _weights_t_rows(dtype, tag, gen, dev) -> list[Row]:
+    """quantize_fp8_block_weights_t(wg, wu) vs the reference per expert and its stacked
+    transpose (sm90_fp8_expert.transpose_weight_blocks of the reference pairs), bitwise."""
+    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_weights_t
+    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+    from mok_cute.reference import fp8_block_quantize_weight
+
+    e, k = 3, 384
+    ws = [_random((e * r, k), -1, dtype, gen, dev).view(e, r, k) for r in (256, 128)]
+    ws[0][1, :128, 128:256] *= 2.0 ** -120  # a tiny block
+    ws[1][2, 5, 300] = float("nan") if dtype == torch.float32 else float("inf")  # a non-finite block
+    parts, (qt, st) = quantize_fp8_block_weights_t(*ws)
+    torch.cuda.synchronize()
+    rows = []
+    refs = []
+    for j, (w, (q, sc)) in enumerate(zip(ws, parts)):
+        ref = [fp8_block_quantize_weight(w[i].cpu()) for i in range(e)]
+        ref_q, ref_s = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
+        refs.append((ref_q, ref_s))
+        rows.append(_compare_bits(f"fp8_block weights_t W{j} {tag} {tuple(w.shape)}", (q, sc), (ref_q, ref_s),
+                                  tuple(w.shape)))
+    ref_t = transpose_weight_blocks(*refs)
+    rows.append(_compare_bits(f"fp8_block weights_t stacked^T {tag}", (qt, st), ref_t, tuple(qt.shape)))
+    return rows
+
+
 def run_fp8(ctx, gen) -> list[Row]:
-    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_act, quantize_fp8_block_weight, quantize_tokens
+    from mok_cute.kernels.quantize_fp8 import (quantize_fp8_block_act, quantize_fp8_block_weight,
+                                               quantize_fp8_block_weights_t, quantize_tokens)
     from mok_cute.reference import (fp8_block_quantize_act, fp8_block_quantize_tokens, fp8_block_quantize_weight,
                                     mxfp8_quantize_tokens)
 
@@ -201,6 +228,7 @@ def run_fp8(ctx, gen) -> list[Row]:
                 w[130, 5] = float("nan") if dtype == torch.float32 else float("inf")
             rows.append(_compare_bits(f"fp8_block weight {tag} {shape[0]}x{shape[1]}", quantize_fp8_block_weight(w),
                                       fp8_block_quantize_weight(w.cpu()), shape))
+        rows += _weights_t_rows(dtype, tag, gen, dev)
     M, N = 16384, 7168
     x = _random((M, N), -1, torch.bfloat16, gen, dev)
     us = bench_us(lambda: quantize_fp8_block_weight(x), warmup=5, iters=20)
@@ -209,6 +237,20 @@ def run_fp8(ctx, gen) -> list[Row]:
     rows.append(Row(f"fp8_block weight time bf16 {M}x{N}", time_us=us, ok=True,
                     note=f"{gbs:.0f} GB/s = {100 * gbs / HBM_GBS:.0f}% of {HBM_GBS:.0f}; torch reference ops "
                          f"{ref_us:.0f} us"))
+    e, i, h = 8, 3072, 7168  # gate and up of the large bench shape: forward copies + the dgrad1 operand
+    wg, wu = (_random((e * i, h), -1, torch.bfloat16, gen, dev).view(e, i, h) for _ in range(2))
+    us = bench_us(lambda: quantize_fp8_block_weights_t(wg, wu), warmup=3, iters=10)
+
+    def separate():
+        from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+        qs = [quantize_fp8_block_weight(w.view(e * i, h)) for w in (wg, wu)]
+        transpose_weight_blocks(*((q.view(e, i, h), sc.view(e, i // 128, h // 128)) for q, sc in qs))
+
+    sep_us = bench_us(separate, warmup=3, iters=10)
+    gbs = (2 * e * i * h * (2 + 1 + 1)) / us / 1e3
+    rows.append(Row(f"fp8_block weights_t time bf16 2x{e}x{i}x{h}", time_us=us, ok=True,
+                    note=f"{gbs:.0f} GB/s (2 B in, 2 x 1 B out); quantize + torch transpose {sep_us:.0f} us "
+                         f"({sep_us / us:.2f}x)"))
     us = bench_us(lambda: quantize_fp8_block_act(x), warmup=10, iters=50)
     gbs = (M * N * 3 + M * N // 32) / us / 1e3
     rows.append(Row(f"fp8_block row time bf16 {M}x{N}", time_us=us, ok=True,
