@@ -248,14 +248,20 @@ def _bench_wgrad(S, qf, bwd, gg, dev):
                     f"relL1 vs bf16 {rel:.1e}")
 
 
-def _bench_mx(S, ref, gg, dev, cfgs):
-    e, rows, k, n = BENCH_MX
+def mx_bench_problem(ref, dev, shape):
+    """(m, offs, a, w, (qa, sa), (qw, sw)) of an MXFP8 GEMM benchmark: ``shape`` = (experts, rows per
+    expert, K, N), bf16 a [M, K] and w [E, N, K] random, quantized along K by the reference."""
+    e, rows, k, n = shape
     m = e * rows
-    offs = _offsets([rows] * e, dev)
     a = torch.randn(m, k, device=dev).bfloat16()
     w = (torch.randn(e, n, k, device=dev) * k ** -0.5).bfloat16()
-    qa, sa = ref.mxfp8_quantize(a, -1)  # on the GPU (the quantizer is device-independent)
-    qw, sw = _mx_weights(ref, w)
+    # on the GPU (the quantizer is device-independent)
+    return m, _offsets([rows] * e, dev), a, w, ref.mxfp8_quantize(a, -1), _mx_weights(ref, w)
+
+
+def _bench_mx(S, ref, gg, dev, cfgs):
+    e, rows, k, n = BENCH_MX
+    m, offs, a, w, (qa, sa), (qw, sw) = mx_bench_problem(ref, dev, BENCH_MX)
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     t16 = bench_us(lambda: gg.grouped_gemm(a, offs, w, out=out16))
     flops = 2.0 * m * k * n

@@ -34,7 +34,7 @@ import bisect
 import torch
 
 from checks.common import Row, bench_us, seeded, sm90_skip
-from checks.gemm_fp8_scaled import _mx_weights, _random_e4m3, _varied_k
+from checks.gemm_fp8_scaled import _mx_weights, _random_e4m3, _varied_k, mx_bench_problem
 from checks.gemm_sm90 import E, _counts, _errors, _guarded, _guarded_out, _offsets, _poisoned, _tail_ok
 
 REPEATS = 5
@@ -196,12 +196,7 @@ def _check_scale_edges(X, gg, dq, ref, dev):
 
 def _bench(X, S, gg, dq, ref, dev):
     e, rows, k, n = BENCH
-    m = e * rows
-    offs = _offsets([rows] * e, dev)
-    a = torch.randn(m, k, device=dev).bfloat16()
-    w = (torch.randn(e, n, k, device=dev) * k ** -0.5).bfloat16()
-    qa, sa = ref.mxfp8_quantize(a, -1)  # on the GPU (the quantizer is device-independent)
-    qw, sw = _mx_weights(ref, w)
+    m, offs, a, w, (qa, sa), (qw, sw) = mx_bench_problem(ref, dev, BENCH)
     out_mx = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     out_pr = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
