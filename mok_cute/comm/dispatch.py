@@ -291,13 +291,19 @@ def dispatch(ws: CommWorkspace, x, plan, *, payload: str = "bf16",
     router weight of each grouped row (0 past M); the result is then ``(rows, w_rows)`` /
     ``(q, s, w_rows)``. Collective over the workspace group (every rank passes the same
     payload and topk_w-or-not); launches on the current stream, no host sync."""
+    return _pull_rows(ws, x, plan, payload, topk_w, num_ctas, out, w_out, "x")
+
+
+def _pull_rows(ws: CommWorkspace, x, plan, payload: str, topk_w, num_ctas, out, w_out, name: str):
+    """:func:`dispatch` (and :func:`reverse_combine`: bf16, no weights) with the source rows
+    named ``name`` in the error messages."""
     if payload not in PAYLOADS:
         raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
     mx = payload == "mxfp8"
     if mx:
         staged = _check_mxfp8(ws, x)
     else:
-        check_tensor("x", x, torch.bfloat16, (ws.T, ws.H), ws.device)
+        check_tensor(name, x, torch.bfloat16, (ws.T, ws.H), ws.device)
     if topk_w is not None:
         check_tensor("topk_w", topk_w, torch.float32, (ws.T, ws.k), ws.device)
     check_plan(ws, plan)
@@ -334,11 +340,4 @@ def reverse_combine(ws: CommWorkspace, dy: torch.Tensor, plan, *, num_ctas: int 
     """Backward of combine by pull: ``dy`` [T, H] bf16 (this rank's output grads) -> dy rows
     of the routes this rank's experts served, [capacity, H] bf16 in plan order (unscaled:
     the expert side applies topk_w). Collective; current stream, no host sync."""
-    check_tensor("dy", dy, torch.bfloat16, (ws.T, ws.H), ws.device)
-    check_plan(ws, plan)
-    nctas = ws.num_ctas if num_ctas is None else num_ctas
-    check_num_ctas(nctas)
-    out = _check_out(out, torch.bfloat16, ws.H, ws, "out")
-    ws.stage_src(dy)
-    _launch_pull(ws, plan, out, min(out.shape[0], plan.recv_src.shape[0]), ws.H // 8, nctas)
-    return out
+    return _pull_rows(ws, dy, plan, "bf16", None, num_ctas, out, None, "dy")
