@@ -35,7 +35,7 @@ import torch
 from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
-                                copy_routed_rows_unrolled, pull_rows_weighted, unroll_of, use_bulk)
+                                copy_routed_rows_unrolled, unroll_of, use_bulk)
 from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
@@ -143,7 +143,7 @@ def compile_pull(arch: str, inspect: bool = False, unroll: int = 1):
 
 def pull_w_launcher():
     """The launcher of the pull that also moves the router weights
-    (:func:`mok_cute.comm.rows.pull_rows_weighted`, kernel ``pull_w_kernel``; rows of ``V``
+    (:func:`mok_cute.comm.rows.copy_routed_rows` with ``w_out``, kernel ``pull_w_kernel``; rows of ``V``
     16-byte vectors, bf16 or packed MXFP8). Closure-built like :func:`pull_launcher` (no
     Constexpr kernel parameters; int64/int32/bf16 pointers and Int32/Int64 scalars only)."""
     key = ("pull_w",)
@@ -157,9 +157,9 @@ def pull_w_launcher():
                       V: Int32, e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
                       epoch: Int32, timeout_ns: Int64, nctas: Int32):
         _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
-                       lambda tidx, bidx, pb: pull_rows_weighted(
-                           tidx, bidx, pb, status, recv_src, offsets, out, w_out, out_rows, ep, T, k, T * k,
-                           V, e_local, src_off, w_off, Int32(P.READY), epoch, nctas))
+                       lambda tidx, bidx, pb: copy_routed_rows(
+                           tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
+                           src_off, Int32(P.READY), epoch, nctas, False, w_out=w_out, w_off=w_off))
 
     @cute.jit
     def pull_w_host(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer,

@@ -37,12 +37,15 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
                      recv_src: cute.Pointer, offsets: cute.Pointer, grouped: cute.Pointer,
                      grouped_rows: Int32, ep: Int32, T: Int32, k: Int32, tk: Int32, V: Int32,
                      e_local: Int32, peer_off: Int64, channel: Int32, epoch: Int32, nctas: Int32,
-                     push: Constexpr, store32: Constexpr = False):
+                     push: Constexpr, store32: Constexpr = False, w_out: Constexpr = None, w_off: Int64 = 0):
     """Pull (``push`` False): ``grouped[i]`` = row t of rank p's buffer ``[T, H]`` at
     ``peer_off``. Push: ``grouped[i]`` goes to slot ``t*k + j`` of rank p's buffer
     ``[T*k, H]`` at ``peer_off``, as one 16-byte store (or, ``store32``, four 4-byte ones).
-    ``grouped`` is bf16 ``[grouped_rows, H]`` with ``V = H / 8`` vectors per row; ``tk = T*k``
-    and the thread/block indices come from the caller (computed once per kernel)."""
+    ``grouped`` is ``[grouped_rows, V]`` 16-byte vectors (bf16 ``V = H / 8``, or packed MXFP8
+    bytes: the copy never converts); ``tk = T*k`` and the thread/block indices come from the
+    caller (computed once per kernel). Pull with ``w_out`` (a pointer): the thread of vector 0
+    of grouped row i also copies the route's 4-byte router weight (``w_off + (t*k + j)*4`` on
+    rank p) to ``w_out[i]`` (int32 bits)."""
     m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
     local = cute.make_tensor(grouped, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
     local32 = cute.make_tensor(cute.recast_ptr(grouped, dtype=Int32),
@@ -61,6 +64,11 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
                 addr = pb[p] + peer_off + (Int64(t) * Int64(V) + Int64(i - row * V)) * 16
                 src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
                 local[i, None].store(src.load())
+                if cutlass.const_expr(w_out is not None):
+                    if i == row * V:
+                        wsrc = cute.make_tensor(gptr(Int32, pb[p] + w_off + Int64(s - p * tk) * 4, 4),
+                                                cute.make_layout(1))
+                        cute.make_tensor(w_out, cute.make_layout(grouped_rows))[row] = wsrc[0]
             else:
                 # 64-bit address of the 16-byte slot vector on rank p (no 32-bit byte offsets)
                 addr = pb[p] + peer_off + (Int64(s - p * tk) * Int64(V) + Int64(i - row * V)) * 16
@@ -140,41 +148,6 @@ def unroll_of() -> int:
     if v not in ("1", "2", "8"):  # 4 spilled (ptxas capped it at 32 registers at 1024 threads)
         raise ValueError(f"MOK_COMM_UNROLL must be 1, 2 or 8, got {v!r}")
     return int(v)
-
-
-@cute.jit
-def pull_rows_weighted(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Pointer,
-                       recv_src: cute.Pointer, offsets: cute.Pointer, out: cute.Pointer,
-                       w_out: cute.Pointer, grouped_rows: Int32, ep: Int32, T: Int32, k: Int32,
-                       tk: Int32, V: Int32, e_local: Int32, peer_off: Int64, w_off: Int64,
-                       channel: Int32, epoch: Int32, nctas: Int32):
-    """The pull of :func:`copy_routed_rows` (same rows, reports and 64-bit peer addresses;
-    rows of ``V`` 16-byte vectors: bf16 or packed MXFP8 bytes alike) that also moves the
-    router weights: the thread of vector 0 of grouped row i copies the route's 4-byte weight
-    (``w_off + (t*k + j)*4`` on rank p) to ``w_out[i]`` (int32 bits). Byte movement only."""
-    m, rs = routed_rows(tidx, bidx, status, recv_src, offsets, grouped_rows, e_local, channel, epoch)
-    dst = cute.make_tensor(out, cute.make_layout((grouped_rows * V, 8), stride=(8, 1)))
-    wo = cute.make_tensor(w_out, cute.make_layout(grouped_rows))
-    n = m * V
-    i = bidx * THREADS + tidx
-    lim = ep * tk
-    while i < n:
-        row = i // V
-        v = i - row * V
-        s = rs[row]
-        if s >= 0 and s < lim:
-            p = s // tk
-            r = s - p * tk
-            t = r // k
-            addr = pb[p] + peer_off + (Int64(t) * Int64(V) + Int64(v)) * 16
-            src = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
-            dst[i, None].store(src.load())
-            if v == 0:
-                wsrc = cute.make_tensor(gptr(Int32, pb[p] + w_off + Int64(r) * 4, 4), cute.make_layout(1))
-                wo[row] = wsrc[0]
-        else:
-            P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
-        i += nctas * THREADS
 
 
 # ---------------------------------------------------------------------------------------------
