@@ -157,14 +157,16 @@ class Sm90Mainloop:
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
 
-    def make_pipeline(self, barrier_ptr):
-        """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64)."""
+    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None):
+        """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): one
+        TMA producer thread, one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
+        landing per slot) default to this mainloop's ring."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barrier_ptr,
-            num_stages=self.stages,
+            num_stages=self.stages if stages is None else stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4),
-            tx_count=self.tx_bytes,
+            tx_count=self.tx_bytes if tx_bytes is None else tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )

@@ -381,11 +381,7 @@ class Mxfp8ActGemmSm90:
         tidx, warp = self.mainloop.start(atoms)
         self._layouts()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(), num_stages=ACT_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
-            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipe = self.mainloop.make_pipeline(storage.barriers.data_ptr(), ACT_STAGES, self.tx_bytes)
         sA = storage.sA.get_tensor(self.a_layout.outer, swizzle=self.a_layout.inner)
         sW = storage.sW.get_tensor(self.w_layout.outer, swizzle=self.w_layout.inner)
         sC = self.epi.smem_tensor(storage.sC)
