@@ -115,6 +115,14 @@ def _build(layout: str, count: bool, arch: str):
         return row0, rows
 
     @cute.jit
+    def flush_count(cnt: Int32, counter: cute.Tensor):
+        """Add this thread's count of inexact conversions to ``counter`` (count variants only;
+        one atomic per thread that saw any)."""
+        if cutlass.const_expr(count):
+            if cnt > Int32(0):
+                cute.arch.atomic_add(counter.iterator, cnt)
+
+    @cute.jit
     def zero_tail(out: cute.Tensor, offs: cute.Tensor, z: Int32, nc: Int32, m: Int32, num_e: Int32):
         """Zero chunk column z % nc of the rows at or past offs[E] in 32-row group z // nc."""
         g = z // nc
@@ -176,9 +184,7 @@ def _build(layout: str, count: bool, arch: str):
                     cnt = cnt + Int32(i < n) * c
                 if i < n:
                     out[i, None].store(o.load())
-            if cutlass.const_expr(count):
-                if cnt > Int32(0):
-                    cute.arch.atomic_add(counter.iterator, cnt)
+            flush_count(cnt, counter)
 
         @cute.jit
         def launch(dp: cute.Pointer, sp: cute.Pointer, op: cute.Pointer, cp: cute.Pointer, n: Int32, nc: Int32,
@@ -228,9 +234,7 @@ def _build(layout: str, count: bool, arch: str):
                                 cnt = cnt + Int32(tok < rows) * inexact(ps)
                         if tok < rows:
                             out[row0 + tok, c, None].store(o.load())
-                    if cutlass.const_expr(count):
-                        if cnt > Int32(0):
-                            cute.arch.atomic_add(counter.iterator, cnt)
+                    flush_count(cnt, counter)
             elif t < items:
                 zero_tail(out, offs, t - slot_items, nc, m, num_e)
 
@@ -255,9 +259,7 @@ def _build(layout: str, count: bool, arch: str):
                     cnt = cnt + Int32(i < n) * c
                 if i < n:
                     out[i, None].store(o.load())
-            if cutlass.const_expr(count):
-                if cnt > Int32(0):
-                    cute.arch.atomic_add(counter.iterator, cnt)
+            flush_count(cnt, counter)
 
         @cute.jit
         def launch(xp: cute.Pointer, op: cute.Pointer, cp: cute.Pointer, n: Int32, stream: cuda.CUstream):
@@ -317,8 +319,7 @@ def _build(layout: str, count: bool, arch: str):
                                                   masks)
                                 o = cute.make_rmem_tensor((4,), Uint32)
                                 cnt = cnt + Int32(r < rows) * convert([q[0], q[1]], mult, o, Int32(0))
-                            if cnt > Int32(0):
-                                cute.arch.atomic_add(counter.iterator, cnt)
+                            flush_count(cnt, counter)
             elif t < items:
                 zero_tail(out, offs, t - slot_items, nc, m, num_e)
 
