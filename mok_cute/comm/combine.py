@@ -377,22 +377,11 @@ def pull_reduce_launcher(has_w: bool, has_start: bool):
         """Combine by pull: every expert rank staged its rows (plan order) in its symmetric
         ``eo`` section and signalled DATA; this rank reads row ``dest_row[t, j]`` of rank
         ``dest_rank[t, j]`` straight into the fixed-order sum, then signals FREE."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-        if tidx == 0:
-            if bidx == 0:
-                P.signal_all(pb, flags_off, Int32(P.DATA), me, ep, epoch)
-            P.wait_all(pb[me] + flags_off, Int32(P.DATA), ep, epoch, timeout_ns, status)
-        cute.arch.barrier()
-        if not P.failed(status):
-            _reduce_tokens(tidx, bidx, pb, status, dest_rank, dest_row, weights, start, out,
-                           Int64(0), eo_rows, ep, T, k, T * k, V, eo_off, epoch, nctas, has_w,
-                           has_start, True)
-        cute.arch.barrier()
-        if tidx == 0:
-            P.arrive_and_signal(pb, status, counters, counters, 1, flags_off, Int32(P.FREE), me,
-                                ep, epoch, nctas)
+        P.pull_round(peer_bases, status, counters, me, ep, flags_off, epoch, timeout_ns, nctas,
+                     lambda tidx, bidx, pb: _reduce_tokens(
+                         tidx, bidx, pb, status, dest_rank, dest_row, weights, start, out, Int64(0), eo_rows, ep,
+                         T, k, T * k, V, eo_off, epoch, nctas, has_w, has_start, True),
+                     P.DATA, P.FREE)
 
     kernel = pull_reduce_kernel
 

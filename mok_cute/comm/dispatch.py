@@ -40,7 +40,7 @@ from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, c
                                      check_tensor, current_stream, dptr, fake_stream,
                                      mxfp8_row_bytes)
 from mok_cute.kernels.compile import compile_cached, compile_kernel
-from cutlass import BFloat16, Constexpr, Int32, Int64
+from cutlass import BFloat16, Int32, Int64
 
 PAYLOADS = ("bf16", "mxfp8")
 
@@ -51,28 +51,6 @@ _launchers: dict = {}
 # Constexpr kernel parameters; int64/int32/bf16 pointers and Int32/Int64 scalars only; peer
 # addresses in 64 bits. They share the pull protocol below and, where their arguments are the
 # same, one host launcher.
-
-
-@cute.jit
-def _pull_protocol(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, me: Int32, ep: Int32,
-                   flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32, move: Constexpr):
-    """One pull (epoch ``epoch``): CTA 0 signals READY to every peer, every CTA waits READY
-    from every peer, the CTA's threads run ``move(tidx, bidx, pb)`` (unless a wait failed),
-    and the last CTA to finish signals DONE."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
-    if tidx == 0:
-        if bidx == 0:
-            P.signal_all(pb, flags_off, Int32(P.READY), me, ep, epoch)
-        P.wait_all(pb[me] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
-    cute.arch.barrier()
-    if not P.failed(status):
-        move(tidx, bidx, pb)
-    cute.arch.barrier()
-    if tidx == 0:
-        P.arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(P.DONE), me, ep,
-                            epoch, nctas)
 
 
 def _rows_host(kernel, smem: int = 0):
@@ -96,7 +74,7 @@ def _rows_host(kernel, smem: int = 0):
 
 
 def pull_launcher(unroll: int = 1):
-    """The launcher of the bf16 pull (dispatch, reverse combine): :func:`_pull_protocol` with
+    """The launcher of the bf16 pull (dispatch, reverse combine): :func:`mok_cute.comm.protocol.pull_round` with
     :func:`mok_cute.comm.rows.copy_routed_rows` moving the rows (kernel ``pull_kernel``), or,
     with ``unroll`` > 1 (opt-in ``MOK_COMM_UNROLL``),
     :func:`mok_cute.comm.rows.copy_routed_rows_unrolled` (kernel ``pull_unrolled_kernel``)."""
@@ -111,7 +89,7 @@ def pull_launcher(unroll: int = 1):
                     out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                     e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                     timeout_ns: Int64, nctas: Int32):
-        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+        P.pull_round(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
                        lambda tidx, bidx, pb: copy_routed_rows(
                            tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
                            src_off, Int32(P.READY), epoch, nctas, False))
@@ -122,7 +100,7 @@ def pull_launcher(unroll: int = 1):
                              out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                              e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                              timeout_ns: Int64, nctas: Int32):
-        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+        P.pull_round(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
                        lambda tidx, bidx, pb: copy_routed_rows_unrolled(
                            tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
                            src_off, Int32(P.READY), epoch, nctas, False, unroll))
@@ -156,7 +134,7 @@ def pull_w_launcher():
                       w_out: cute.Pointer, out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32,
                       V: Int32, e_local: Int32, src_off: Int64, w_off: Int64, flags_off: Int64,
                       epoch: Int32, timeout_ns: Int64, nctas: Int32):
-        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+        P.pull_round(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
                        lambda tidx, bidx, pb: copy_routed_rows(
                            tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
                            src_off, Int32(P.READY), epoch, nctas, False, w_out=w_out, w_off=w_off))
@@ -200,7 +178,7 @@ def pull_bulk_launcher():
                          out_rows: Int32, me: Int32, ep: Int32, T: Int32, k: Int32, V: Int32,
                          e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32,
                          timeout_ns: Int64, nctas: Int32):
-        _pull_protocol(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+        P.pull_round(peer_bases, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
                        lambda tidx, bidx, pb: bulk_routed_rows(
                            tidx, bidx, pb, status, recv_src, offsets, out, out_rows, ep, T, k, T * k, V, e_local,
                            src_off, Int32(P.READY), epoch, nctas, False))

@@ -142,6 +142,29 @@ def arrive_and_signal(peer_bases: cute.Tensor, status: cute.Pointer, arrive: cut
             signal_all(peer_bases, flags_off, channel, me, ep, epoch)
 
 
+@cute.jit
+def pull_round(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, me: Int32, ep: Int32,
+               flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32, move: cutlass.Constexpr,
+               ready: cutlass.Constexpr = READY, done: cutlass.Constexpr = DONE):
+    """Every CTA of one pull from the peers' buffers (epoch ``epoch``): CTA 0 signals
+    ``ready`` to every peer, every CTA waits ``ready`` from every peer, the CTA's threads run
+    ``move(tidx, bidx, pb)`` (unless a wait failed), and the last CTA to finish signals
+    ``done`` (READY / DONE for the row pulls; DATA / FREE for the pull-mode combine)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    if tidx == 0:
+        if bidx == 0:
+            signal_all(pb, flags_off, Int32(ready), me, ep, epoch)
+        wait_all(pb[me] + flags_off, Int32(ready), ep, epoch, timeout_ns, status)
+    cute.arch.barrier()
+    if not failed(status):
+        move(tidx, bidx, pb)
+    cute.arch.barrier()
+    if tidx == 0:
+        arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(done), me, ep, epoch, nctas)
+
+
 @cute.kernel
 def _wait_kernel(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
                  status: cute.Pointer):
