@@ -22,7 +22,11 @@ MXFP8 (``precision="mxfp8"``): each rank quantizes its x rows along H on the dev
 scales (H + H/32 bytes per row instead of 2H over NVLink) and the expert rank dequantizes them
 exactly to bf16 (:func:`~mok_cute.kernels.dequant_mxfp8.dequantize_mxfp8`): the rows are the
 MXFP8 round trip of x, which is what the expert MLP at mxfp8 reads (its own round trip of them
-is the identity). Combine and the backward's comm stay bf16, as in the reference.
+is the identity). Combine and the backward's comm stay bf16, as in the reference. One
+difference from the reference: the expert rank never holds x itself, so dWg / dWu quantize the
+dequantized rows along tokens where the reference quantizes x (equal to the reference layer
+run on x's round trip; they differ where a feature is small against its row's 32-block
+maximum but not against its token block's).
 
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
 the same sequence of layer calls. Precisions: the MLP's ``ep_precisions``. ``MoKConfig``:
