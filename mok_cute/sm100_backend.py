@@ -34,6 +34,7 @@ import torch
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
 from .weight_cache import WeightCache
 from .kernels import sm100_layouts as lay
+from .kernels.host import offsets_i32
 
 MX_BLOCK = lay.SF_VEC
 
@@ -106,8 +107,7 @@ class TokenOperand:
     def __init__(self, x: torch.Tensor, offsets: torch.Tensor):
         from .kernels import quantize_fp8
 
-        offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-        data_t, self._scales = quantize_fp8.quantize_tokens(x, offs32.contiguous(), "mxfp8")
+        data_t, self._scales = quantize_fp8.quantize_tokens(x, offsets_i32(offsets), "mxfp8")
         self.m, self.offsets = x.shape[0], offsets
         self.data = token_rows(data_t, offsets, self.m)
 

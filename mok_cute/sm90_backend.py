@@ -35,6 +35,7 @@ import importlib
 import torch
 
 from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
+from .kernels.host import offsets_i32
 from .weight_cache import WeightCache
 
 # FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
@@ -78,10 +79,6 @@ def _mx_tokens(x, offs32):
     from .kernels import dequant_mxfp8
 
     return dequant_mxfp8.mxfp8_round_trip_tokens(x, offs32)
-
-
-def _offs32(offsets):
-    return (offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)).contiguous()
 
 
 # ----------------------------------------------------------------------------- FP8 blockwise
@@ -159,7 +156,7 @@ class Sm90ExpertMLP:
         inter = w_gate.shape[1]
         dgu = bwd._run_dswiglu_dgrad(_mx_rows(dy_rows), g.offsets, self._mx_weight(w_down, 1), g.gu, limit)
         dx = bwd._run_dgrad1(_mx_rows(dgu), g.offsets, self._mx_weight(w_gate, 1), self._mx_weight(w_up, 1))
-        offs32 = _offs32(g.offsets)
+        offs32 = offsets_i32(g.offsets)
         dy_t, h_t = _mx_tokens(dy_rows, offs32), _mx_tokens(g.h, offs32)
         dgu_t, x_t = _mx_tokens(dgu, offs32), _mx_tokens(g.x, offs32)
         dwd = bwd._run_wgrad(dy_t, h_t, g.offsets)
@@ -191,7 +188,7 @@ class Sm90ExpertMLP:
         dgu = k["grouped_dswiglu_dgrad_fp8_block"](dyq, dys, g.offsets, *wdt, g.gu, limit=limit)
         dguq, dgus = _fp8_act(dgu)
         dx = k["grouped_dgrad1_fp8_block"](dguq, dgus, g.offsets, *w1t)
-        offs32 = _offs32(g.offsets)
+        offs32 = offsets_i32(g.offsets)
         (dy_t, dy_s), (h_t, h_s) = _fp8_tokens(dy_rows, offs32), _fp8_tokens(g.h, offs32)
         (dgu_t, dgu_s), (x_t, x_s) = _fp8_tokens(dgu, offs32), _fp8_tokens(g.x, offs32)
         wgrad = k["grouped_wgrad_fp8_block"]

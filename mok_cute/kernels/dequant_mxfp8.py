@@ -53,7 +53,7 @@ import torch
 
 from .compile import arch_of_device, compile_cached, compile_kernel, dsl
 from .fp8_ops import Fp8Ops
-from .host import MAX_NUMEL, current_stream
+from .host import MAX_NUMEL, _check_devices, current_stream
 
 LAYOUTS = ("row", "col", "tokens", "rt_row", "rt_tokens")
 _THREADS = 256
@@ -391,18 +391,6 @@ def _check_out(out, shape, device):
     return out
 
 
-def _check_cuda(**tensors):
-    dev = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if t.device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if dev is not None and t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, expected {dev}")
-        dev = t.device
-
-
 def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, dim: int = -1, *, out=None, counter=None):
     """bf16 [R, C] = data * 2^(scales - 127) along ``dim`` on the current stream.
 
@@ -426,7 +414,7 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, dim: int = -1, *,
         raise ValueError(f"scales must be {want} for data {tuple(data.shape)} and dim={dim}, got {tuple(scales.shape)}")
     if data.data_ptr() % 16 or (not row and scales.data_ptr() % 16):
         raise ValueError("data (and column scales) must be 16-byte aligned")
-    _check_cuda(data=data, scales=scales, out=out, counter=counter)
+    _check_devices(data=data, scales=scales, out=out, counter=counter)
     _check_counter(counter, data.device)
     out = _check_out(out, (r, c), data.device)
     if data.numel():
@@ -469,7 +457,7 @@ def dequantize_mxfp8_tokens(data_t: torch.Tensor, scales: torch.Tensor, offsets:
         raise ValueError("data_t must be 16-byte and scales 8-byte aligned")
     if m * n > MAX_NUMEL:
         raise ValueError("the output must hold < 2^31 elements")
-    _check_cuda(data_t=data_t, scales=scales, offsets=offsets, out=out, counter=counter)
+    _check_devices(data_t=data_t, scales=scales, offsets=offsets, out=out, counter=counter)
     _check_counter(counter, data_t.device)
     out = _check_out(out, (m, n), data_t.device)
     if m and n:
@@ -500,7 +488,7 @@ def mxfp8_round_trip(x: torch.Tensor, *, out=None, counter=None):
     m, k = x.shape
     if k % 32:
         raise ValueError(f"x.shape[1] = {k} must be a multiple of 32 (the MX block)")
-    _check_cuda(x=x, out=out, counter=counter)
+    _check_devices(x=x, out=out, counter=counter)
     _check_counter(counter, x.device)
     out = _check_out(out, (m, k), x.device)
     if x.numel():
@@ -529,7 +517,7 @@ def mxfp8_round_trip_tokens(x: torch.Tensor, offsets: torch.Tensor, *, out=None,
     if offsets.numel() < 2 or not offsets.is_contiguous():
         raise ValueError(f"offsets must be contiguous with E+1 >= 2 entries, got {offsets.numel()}")
     m, n = x.shape
-    _check_cuda(x=x, offsets=offsets, out=out, counter=counter)
+    _check_devices(x=x, offsets=offsets, out=out, counter=counter)
     _check_counter(counter, x.device)
     out = _check_out(out, (m, n), x.device)
     if m and n:

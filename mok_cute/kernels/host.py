@@ -43,6 +43,12 @@ _FP8 = torch.float8_e4m3fn
 _sm_count: dict[int, int] = {}
 
 
+def offsets_i32(offsets: torch.Tensor) -> torch.Tensor:
+    """Group offsets as the kernels read them: a contiguous int32 tensor (``offsets`` itself
+    when it already is one)."""
+    return (offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)).contiguous()
+
+
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
     dev = device if isinstance(device, int) else (
@@ -62,9 +68,12 @@ def _check_tensor(name, t, ndim, dtypes):
 
 
 def _check_devices(**tensors):
-    """All tensors on one CUDA device (checked after shapes so CPU tests reach shape errors)."""
+    """All tensors (None: absent, skipped) on one CUDA device (checked after shapes so CPU
+    tests reach shape errors)."""
     first = None
     for name, t in tensors.items():
+        if t is None:
+            continue
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
         if first is None:

@@ -49,8 +49,8 @@ from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_ker
 from mok_cute.kernels.sm90_expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d
 from mok_cute.kernels.host import (
-    _FP8, _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, sm_count,
-    wgrad_out,
+    _FP8, _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, offsets_i32,
+    sm_count, wgrad_out,
 )
 from mok_cute.kernels.sm90_grouped_gemm import interleave_gate_up
 from mok_cute.kernels.sm100_mainloop import (
@@ -598,11 +598,11 @@ def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_
                                      arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    offs32 = offsets_i32(offsets)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
              None if a_sf is None else _cute_tensor(a_sf), None if w_sf is None else _cute_tensor(w_sf),
-             _cute_tensor(offs32.contiguous(), 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
+             _cute_tensor(offs32, 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
              Int32(_num_ctas(a.device, cfg, tiles)), stream)
 
 
@@ -769,10 +769,10 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     compiled = compile_cached(("sm100_grouped_wgrad", arch, cfg.key()),
                               lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    offs32 = offsets_i32(offsets)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(b), None, None if a_scales is None else _cute_tensor(a_scales),
-             None if b_scales is None else _cute_tensor(b_scales), _cute_tensor(offs32.contiguous(), 4),
+             None if b_scales is None else _cute_tensor(b_scales), _cute_tensor(offs32, 4),
              _cute_tensor(out), _cute_tensor(out), Float32(0.0), Int32(_num_ctas(a.device, cfg, tiles)), stream)
     return out
 

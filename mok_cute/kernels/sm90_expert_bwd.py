@@ -42,7 +42,8 @@ from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.host import (
-    _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, sm_count, wgrad_out,
+    _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, offsets_i32,
+    sm_count, wgrad_out,
 )
 from mok_cute.kernels.sm90_grouped_gemm import (
     _VEC, DEFAULT_CONFIG, PlainEpilogue, _Desc, _launch, device_arch, effective_config, make_tma_store,
@@ -301,9 +302,7 @@ def _run_wgrad(a, b, offsets, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
                               lambda: GraphLauncher(compile_grouped_wgrad(cfg=cfg, arch=arch)[0]))
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles))
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    if not offs32.is_contiguous():
-        offs32 = offs32.contiguous()
+    offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(b), offs32.data_ptr(), offs32.shape, tensor_key(out), num_ctas)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         _Desc(a), _Desc(b), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))

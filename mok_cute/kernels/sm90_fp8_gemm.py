@@ -64,6 +64,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.kernels.host import offsets_i32
 from mok_cute.kernels.sm90_grouped_gemm import (
     EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _check_devices, _check_out, _check_tensor, _Desc,
     _fetch_rows, _load_rows, _row_copy, _store_rows, current_stream, device_arch, sm_count,
@@ -474,10 +475,10 @@ def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a, a_sc
     sa_t = a_scales.t() if a_scales.t().is_contiguous() else a_scales.t().contiguous()
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    offs32 = offsets_i32(offsets)
     compiled(_Desc(a), _Desc(sa_t), _Desc(w), _Desc(w_scales.contiguous()),
              None if w2 is None else _Desc(w2), None if w2 is None else _Desc(w2_scales.contiguous()),
-             _Desc(offs32.contiguous()), _Desc(out0), _Desc(out1), Float32(limit), Int32(num_ctas),
+             _Desc(offs32), _Desc(out0), _Desc(out1), Float32(limit), Int32(num_ctas),
              current_stream(dev))
 
 

@@ -68,7 +68,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mok_cute.kernels.compile import compile_cached, compile_kernel
-from mok_cute.kernels.host import _check_devices, _check_offsets, _check_out, _check_tensor, sm_count, wgrad_out
+from mok_cute.kernels.host import (_check_devices, _check_offsets, _check_out, _check_tensor, offsets_i32, sm_count,
+                                   wgrad_out)
 from mok_cute.kernels.sm90_fp8_gemm import (
     OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
 )
@@ -460,11 +461,6 @@ def _check_scales(name, t, shape):
         raise ValueError(f"{name} must have unit column stride (any row stride >= its columns), got {t.stride()}")
 
 
-def _offsets32(offsets):
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    return offs32 if offs32.is_contiguous() else offs32.contiguous()
-
-
 def _sm90(t, what):
     dev, arch = device_arch(t.device)
     if arch != "sm_90a":
@@ -510,7 +506,7 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
                               lambda: GraphLauncher(compile_fp8_block_wgrad(cfg, arch)[0]))
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles))
-    offs32 = _offsets32(offsets)
+    offs32 = offsets_i32(offsets)
     key = (tensor_key(a_t), tensor_key(a_scales), tensor_key(b_t), tensor_key(b_scales), offs32.data_ptr(),
            offs32.shape, tensor_key(out), num_ctas)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
@@ -548,8 +544,7 @@ def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
     if w_scales is not None:
         _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
     out = _check_out("out", out, (m, n), a.device)
-    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, out=out,
-                   **({} if w_scales is None else {"w_scales": w_scales}))
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
     return m, n, e, out
 
 
@@ -573,7 +568,7 @@ def grouped_gemm_mxfp8_promoted(a, a_scales, offsets, w, w_scales, *, out=None,
                               lambda: GraphLauncher(compile_mxfp8_promoted_gemm(cfg, arch)[0]))
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
-    offs32 = _offsets32(offsets)
+    offs32 = offsets_i32(offsets)
     sa32, sw32 = a_scales.view(torch.int32), w_scales.view(torch.int32)
     key = (tensor_key(a), tensor_key(sa32), tensor_key(w), tensor_key(sw32), offs32.data_ptr(), offs32.shape,
            tensor_key(out), num_ctas)

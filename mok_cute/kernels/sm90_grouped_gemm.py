@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu import cpasync
 from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.fp8_ops import Fp8Ops
 from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d  # noqa: F401 (_cute_tensor: tests)
-from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor, sm_count
+from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count
 from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
 from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
 from mok_cute.kernels.sm90_mainloop import (
@@ -725,9 +725,7 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
-    offs32 = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
-    if not offs32.is_contiguous():
-        offs32 = offs32.contiguous()
+    offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
            tensor_key(out0), tensor_key(out1), limit, num_ctas) + ((tensor_key(hq), tensor_key(hs)) if mx_h else ())
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (

@@ -77,9 +77,9 @@ from cutlass.cute.nvgpu import cpasync
 from mok_cute.kernels.compile import compile_cached, compile_kernel
 from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.fp8_ops import Fp8Ops
-from mok_cute.kernels.host import sm_count
+from mok_cute.kernels.host import offsets_i32, sm_count
 from mok_cute.kernels.sm90_fp8_gemm import _fake
-from mok_cute.kernels.sm90_fp8_scaled import _offsets32, _sm90, check_mxfp8_operands
+from mok_cute.kernels.sm90_fp8_scaled import _sm90, check_mxfp8_operands
 from mok_cute.kernels.sm90_grouped_gemm import (
     DEFAULT_CONFIG, PlainEpilogue, _Desc, _expert_rows, _ragged_rows, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
@@ -585,7 +585,7 @@ def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None
                               lambda: GraphLauncher(compile_mxfp8_mixed_gemm(cfg, arch, w_fp8=w_fp8)[0]))
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
-    offs32 = _offsets32(offsets)
+    offs32 = offsets_i32(offsets)
     sa32 = a_scales.view(torch.int32)
     ws = (tensor_key(w_scales.view(torch.int32)),) if w_fp8 else ()
     key = (tensor_key(a), tensor_key(sa32), tensor_key(w), *ws, offs32.data_ptr(), offs32.shape, tensor_key(out),
