@@ -1,0 +1,208 @@
+"""PTX manifest: compile every kernel variant of mok_cute on the CPU and write
+``{variant: sha256(ptx)}`` as JSON, so that a refactor can be checked to leave every
+kernel's PTX byte-identical (run before and after, then ``--compare``).
+
+    python tools/ptx_manifest.py /tmp/ptx_before.json [--only PREFIX ...]
+    python tools/ptx_manifest.py --compare /tmp/ptx_before.json /tmp/ptx_after.json
+
+Variant names are ``<family>/<variant>@<arch>``. The PTX is the compile report's
+(``compile_kernel(..., inspect=True)``); nothing is launched, no GPU is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+
+
+def _ptx(result) -> str:
+    """The PTX of a ``(compiled, CompileReport)`` pair."""
+    rep = result[1]
+    if rep is None or not rep.ptx:
+        raise RuntimeError("compile returned no PTX (inspect=False?)")
+    return rep.ptx
+
+
+def _sm90_bf16():
+    from mok_cute.kernels.sm90_expert_bwd import compile_grouped_wgrad
+    from mok_cute.kernels.sm90_grouped_gemm import compile_grouped_gemm
+    from mok_cute.kernels.sm90_mainloop import MN_MAJOR, MainloopConfig
+
+    tma, n128, n128t = MainloopConfig(tma_store=True), MainloopConfig(tile_n=128), \
+        MainloopConfig(tile_n=128, tma_store=True)
+    g = compile_grouped_gemm
+    out = {
+        "plain-n256": lambda: g("plain", inspect=True),
+        "plain-n128": lambda: g("plain", cfg=n128, inspect=True),
+        "swiglu": lambda: g("swiglu", inspect=True),
+        "swiglu-clamp": lambda: g("swiglu", clamp=True, inspect=True),
+        "dswiglu": lambda: g("dswiglu", b_major=MN_MAJOR, inspect=True),
+        "dswiglu-clamp": lambda: g("dswiglu", clamp=True, b_major=MN_MAJOR, inspect=True),
+        "dgrad1": lambda: g("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
+        "wgrad": lambda: compile_grouped_wgrad(inspect=True),
+        "plain-n256-tma": lambda: g("plain", cfg=tma, inspect=True),
+        "plain-n128-tma": lambda: g("plain", cfg=n128t, inspect=True),
+        "dgrad1-tma": lambda: g("plain", b_major=MN_MAJOR, split_b=True, cfg=tma, inspect=True),
+        "wgrad-tma": lambda: compile_grouped_wgrad(cfg=tma, inspect=True),
+        "swiglu-tma": lambda: g("swiglu", cfg=tma, inspect=True),
+        "swiglu-clamp-n128-tma": lambda: g("swiglu", clamp=True, cfg=n128t, inspect=True),
+        "swiglu-mx": lambda: g("swiglu", mx_h=True, inspect=True),
+        "swiglu-mx-tma": lambda: g("swiglu", clamp=True, mx_h=True, cfg=tma, inspect=True),
+    }
+    return {f"sm90-bf16/{k}@sm_90a": v for k, v in out.items()}
+
+
+def _sm90_fp8():
+    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels import sm90_fp8_scaled as s
+    from mok_cute.kernels import sm90_mxfp8_mixed as x
+
+    out = {
+        "block-plain": lambda: g.compile_fp8_block_gemm(inspect=True),
+        "block-plain-serial": lambda: g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=False),
+                                                               inspect=True),
+        "block-wgrad": lambda: s.compile_fp8_block_wgrad(s.DEFAULT_WGRAD_CONFIG, inspect=True),
+        "block-wgrad-tma": lambda: s.compile_fp8_block_wgrad(
+            dataclasses.replace(s.DEFAULT_WGRAD_CONFIG, tma_store=True), inspect=True),
+    }
+    for epi in ("swiglu", "dswiglu"):
+        for clamp in (False, True):
+            out[f"block-{epi}-clamp{int(clamp)}"] = (
+                lambda e=epi, c=clamp: g.compile_fp8_block_gemm(inspect=True, epilogue=e, clamp=c))
+    for tma in (False, True):
+        cfg = dataclasses.replace(x.DEFAULT_CONFIG, tma_store=tma)
+        out[f"mxfp8-act-{'tma' if tma else 'masked'}"] = (
+            lambda c=cfg: x.compile_mxfp8_mixed_gemm(c, inspect=True, w_fp8=False))
+    return {f"sm90-fp8/{k}@sm_90a": v for k, v in out.items()}
+
+
+def _sm100():
+    from mok_cute.kernels import sm100_grouped_gemm as g
+
+    return {f"sm100/{name}@{arch}": (lambda b=build, a=arch: b(a, inspect=True))
+            for name, (build, _) in g.variants().items() for arch in g.ARCHS}
+
+
+def _quant():
+    from mok_cute.kernels.compile import ARCHS
+    from mok_cute.kernels import route_grad
+    from mok_cute.kernels import dequant_mxfp8 as dq
+    from mok_cute.kernels import quantize as q
+    from mok_cute.kernels import quantize_fp8 as qf
+
+    def dt(d):
+        return str(d).removeprefix("torch.")
+
+    out = {}
+    for kind in q.KINDS:
+        for arch in ARCHS:
+            for d in q.DTYPES:
+                out[f"quantize/{kind}-{dt(d)}@{arch}"] = lambda k=kind, a=arch, d=d: q.compiled_quantize(k, a, d)
+    cases = ([("row", "fp8_block")] + [("tokens", f) for f in qf.FORMATS])
+    for kind, fmt in cases:
+        for arch in ("sm_90a", "sm_100a"):
+            for d in qf.DTYPES:
+                out[f"quantize_fp8/{kind}-{fmt}-{dt(d)}@{arch}"] = (
+                    lambda k=kind, f=fmt, a=arch, d=d: qf.compiled_quantize_fp8(k, f, a, d))
+    for layout in dq.LAYOUTS:
+        for arch in ("sm_90a", "sm_100a"):
+            for count in (False, True):
+                out[f"dequant/{layout}-{'count' if count else 'plain'}@{arch}"] = (
+                    lambda lo=layout, a=arch, c=count: dq.compiled_dequant(lo, a, c))
+    for arch in ARCHS:
+        out[f"route_grad/route_grad@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a)
+    return out
+
+
+def _comm():
+    from cutlass import Int32, Int64
+
+    from mok_cute.comm import protocol as P
+    from mok_cute.comm import combine as c
+    from mok_cute.comm import dispatch as d
+    from mok_cute.comm.workspace import _fake_ptr, fake_stream
+    from mok_cute.kernels.compile import compile_kernel
+    from mok_cute.schedule.plan import compile_plan
+
+    out = {}
+    for arch in ("sm_90a", "sm_100a"):
+        for unroll in (1, 2, 8):
+            out[f"comm/pull-u{unroll}@{arch}"] = lambda a=arch, u=unroll: d.compile_pull(a, inspect=True, unroll=u)
+        out[f"comm/pull_w@{arch}"] = lambda a=arch: d.compile_pull_w(a, inspect=True)
+        out[f"comm/pull_bulk@{arch}"] = lambda a=arch: d.compile_pull_bulk(a, inspect=True)
+        out[f"comm/wait@{arch}"] = lambda a=arch: compile_kernel(
+            P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0), _fake_ptr("i32"), fake_stream(),
+            arch=a, inspect=True)
+        for E in (8, 384):
+            out[f"schedule/plan-E{E}@{arch}"] = lambda a=arch, e=E: compile_plan(a, e, inspect=True)
+        for has_w in (False, True):
+            for has_s in (False, True):
+                tag = f"w{int(has_w)}s{int(has_s)}"
+                for phase in (1, 2, 3):
+                    out[f"comm/push_reduce-{tag}-p{phase}@{arch}"] = (
+                        lambda a=arch, w=has_w, s=has_s, p=phase: c.compile_push_reduce(a, w, s, inspect=True,
+                                                                                         phase=p))
+                for unroll in (2, 8):
+                    out[f"comm/push_reduce-{tag}-u{unroll}@{arch}"] = (
+                        lambda a=arch, w=has_w, s=has_s, u=unroll: c.compile_push_reduce(a, w, s, inspect=True,
+                                                                                          unroll=u))
+                out[f"comm/push_reduce_bulk-{tag}@{arch}"] = (
+                    lambda a=arch, w=has_w, s=has_s: c.compile_push_reduce_bulk(a, w, s, inspect=True))
+                out[f"comm/pull_reduce-{tag}@{arch}"] = (
+                    lambda a=arch, w=has_w, s=has_s: c.compile_pull_reduce(a, w, s, inspect=True))
+    return out
+
+
+FAMILIES = (_sm90_bf16, _sm90_fp8, _sm100, _quant, _comm)
+
+
+def manifest(only=()) -> dict[str, str]:
+    """``{variant: sha256 hex of its PTX}`` for every variant (or those starting with ``only``)."""
+    out = {}
+    for family in FAMILIES:
+        for name, build in family().items():
+            if only and not name.startswith(tuple(only)):
+                continue
+            t = time.time()
+            out[name] = hashlib.sha256(_ptx(build()).encode()).hexdigest()
+            print(f"{name}: {out[name][:16]} ({time.time() - t:.1f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(before: dict, after: dict) -> int:
+    """Print differing, missing and new variants; 0 if every common variant is identical."""
+    common = sorted(before.keys() & after.keys())
+    diff = [k for k in common if before[k] != after[k]]
+    for k in diff:
+        print(f"DIFFERS {k}")
+    for k in sorted(before.keys() - after.keys()):
+        print(f"only before {k}")
+    for k in sorted(after.keys() - before.keys()):
+        print(f"only after {k}")
+    print(f"{len(common)} variants compared, {len(common) - len(diff)} identical, {len(diff)} differ")
+    return 1 if diff else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", help="JSON file to write")
+    ap.add_argument("--only", nargs="*", default=(), help="variant name prefixes")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    args = ap.parse_args(argv)
+    if args.compare:
+        a, b = (json.load(open(p)) for p in args.compare)
+        return compare(a, b)
+    if not args.out:
+        ap.error("give an output file or --compare")
+    result = manifest(args.only)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+    print(f"{len(result)} variants -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
