@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .backend import MoEInputs, get_backend, select_backend
+from .layers.select import MoEInputs, get_backend, select_backend
 from .config import MoKConfig
 from .reference import _world
 from .validate import check_moe_inputs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mok_cute import MoELayer, MoKConfig, moe
-from mok_cute import backend as B
+from mok_cute.layers import select as B
 from mok_cute import reference as R
 from conftest import make_problem
 
@@ -45,7 +45,7 @@ def test_config_defaults():
 
 def test_gpu_backend_rejects_tile_overrides():
     """A tile override is never silently ignored: the GPU backends raise before any kernel."""
-    from mok_cute.backend import MoEInputs, get_backend
+    from mok_cute.layers.select import MoEInputs, get_backend
 
     p, _ = make_problem(T=8, H=256, I=256, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
@@ -232,7 +232,7 @@ def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
     with pytest.raises(NotImplementedError, match="'sm100': precision 'fp8_block'"):
         B.get_backend("sm100").check(inp, MoKConfig(precision="fp8_block"), None)
     with monkeypatch.context() as mp:
-        from mok_cute import grouped_backend as G
+        from mok_cute.layers import grouped as G
 
         mp.setattr(G, "_world", lambda group: (2, 0))
         for precision in ("bf16", "mxfp8"):  # EP > 1 on sm100 still raises, in either precision
@@ -251,7 +251,7 @@ def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
 
 
 def test_route_sort_matches_reference_order():
-    from mok_cute.grouped_backend import route_sort
+    from mok_cute.layers.grouped import route_sort
 
     p, _ = make_problem(T=20, E=5, k=3, seed=12)
     order, offsets, valid = route_sort(p["topk_idx"], 5)

@@ -11,8 +11,8 @@ pytest.importorskip("cutlass")
 from mok_cute.comm import protocol as P  # noqa: E402
 from mok_cute.comm.combine import combine, compile_push_reduce, reverse_dispatch  # noqa: E402
 from mok_cute.comm.dispatch import compile_pull, dispatch  # noqa: E402
-from mok_cute.comm.workspace import _fake_ptr, fake_stream  # noqa: E402
-from mok_cute.kernels.compile import compile_kernel  # noqa: E402
+from mok_cute.dsl.host import fake_ptr, fake_stream  # noqa: E402
+from mok_cute.dsl.compile import compile_kernel  # noqa: E402
 from mok_cute.schedule.plan import RankPlan, compile_plan  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_plan_compiles(arch, E):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_wait_compiles(arch):
     _, rep = compile_kernel(P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0),
-                            _fake_ptr("i32"), fake_stream(), arch=arch, inspect=True)
+                            fake_ptr("i32"), fake_stream(), arch=arch, inspect=True)
     assert rep.total_spill_bytes == 0 and rep.has("ld.acquire.sys") and rep.has("%globaltimer")
 
 

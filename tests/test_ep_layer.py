@@ -1,11 +1,11 @@
-"""CPU-testable pieces of the EP > 1 layer path (mok_cute.ep_layer): the router weight of
+"""CPU-testable pieces of the EP > 1 layer path (mok_cute.layers.ep): the router weight of
 each grouped row from the plan's packed sources (the mirror of what the dispatch pulls),
 which backends accept EP > 1, and the layer glue with mirrored comm (no NCCL call)."""
 import pytest
 import torch
 
-import mok_cute.backend as B
-import mok_cute.grouped_backend as G
+import mok_cute.layers.select as B
+import mok_cute.layers.grouped as G
 from mok_cute import reference as R
 from mok_cute.config import MoKConfig
 from mok_cute.schedule.plan import plan_routing, route_weights
@@ -99,7 +99,7 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
     import mok_cute.comm.combine as C
     import mok_cute.comm.dispatch as D
     import mok_cute.comm.workspace as W
-    import mok_cute.ep_layer as L
+    import mok_cute.layers.ep as L
     import mok_cute.schedule.plan as PL
     from conftest import make_problem
 
@@ -160,8 +160,8 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
                         push_reduce(ws_, r, plan, w, shared_out, num_ctas))
     monkeypatch.setattr(C, "reverse_dispatch", lambda ws_, r, plan, dx_shared=None, num_ctas=None:
                         push_reduce(ws_, r, plan, None, dx_shared, num_ctas))
-    import mok_cute.kernels.dequant_mxfp8 as DQ
-    import mok_cute.kernels.quantize as Q
+    import mok_cute.kernels.quant.dequant_mxfp8 as DQ
+    import mok_cute.kernels.quant.quantize as Q
     import torch.distributed as dist
 
     monkeypatch.setattr(Q, "quantize_mxfp8", R.mxfp8_quantize)

@@ -1,12 +1,12 @@
-"""CPU tests of the FP8 kernels: quantizers (mok_cute.kernels.quantize_fp8) and the SM90 FP8
-blockwise grouped GEMM (mok_cute.kernels.sm90_fp8_gemm) compile, PTX/ptxas checks, argument
+"""CPU tests of the FP8 kernels: quantizers (mok_cute.kernels.quant.quantize_fp8) and the SM90 FP8
+blockwise grouped GEMM (mok_cute.kernels.sm90.fp8_gemm) compile, PTX/ptxas checks, argument
 validation before any launch. Numerics run on the GPU (tools/checks/quantize.py)."""
 import re
 
 import pytest
 import torch
 
-from mok_cute.kernels import quantize_fp8 as qf
+from mok_cute.kernels.quant import quantize_fp8 as qf
 
 # per thread: row kernel 4 chunks of C elements, tokens kernel 32 rows x C features
 ELEMS = {torch.bfloat16: 8, torch.float32: 4}
@@ -110,13 +110,13 @@ def _no_spills(rep):
 
 @pytest.fixture(scope="module")
 def serial_report():
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     return g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=False), inspect=True)[1]
 
 
 @pytest.fixture(scope="module")
 def gemm_report():
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     return g.compile_fp8_block_gemm(inspect=True)[1]
 
 
@@ -156,7 +156,7 @@ def test_fp8_gemm_default_overlap_compiles(gemm_report):
 
 
 def test_fp8_overlap_compile_key():
-    from mok_cute.kernels.sm90_fp8_gemm import DEFAULT_FP8_CONFIG, Fp8MainloopConfig
+    from mok_cute.kernels.sm90.fp8_gemm import DEFAULT_FP8_CONFIG, Fp8MainloopConfig
     assert DEFAULT_FP8_CONFIG.overlap_promotion is True
     assert Fp8MainloopConfig().overlap_promotion is True
     assert Fp8MainloopConfig(overlap_promotion=False).key() != DEFAULT_FP8_CONFIG.key()
@@ -164,7 +164,7 @@ def test_fp8_overlap_compile_key():
 
 
 def test_fp8_config_validation():
-    from mok_cute.kernels.sm90_fp8_gemm import Fp8MainloopConfig
+    from mok_cute.kernels.sm90.fp8_gemm import Fp8MainloopConfig
     Fp8MainloopConfig().validate()
     for bad in (dict(tile_n=256), dict(tile_k=64), dict(tile_m=64)):
         with pytest.raises(ValueError):
@@ -188,7 +188,7 @@ def _gemm_args(m=256, k=256, n=256, e=2):
     ({}, "CUDA"),
 ])
 def test_fp8_gemm_validation(change, match):
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     args = dict(_gemm_args(), **change)
     with pytest.raises((TypeError, ValueError), match=match):
         g.grouped_gemm_fp8_block(args["a"], args["a_scales"], args["offsets"], args["w"], args["w_scales"])
@@ -200,7 +200,7 @@ EXPERT_CASES = [("swiglu", False), ("swiglu", True), ("dswiglu", False), ("dswig
 
 @pytest.fixture(scope="module")
 def expert_reports():
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     return {c: g.compile_fp8_block_gemm(inspect=True, epilogue=c[0], clamp=c[1])[1] for c in EXPERT_CASES}
 
 
@@ -279,8 +279,8 @@ EXPERT_BAD = [
 
 @pytest.mark.parametrize("which, change, match", EXPERT_BAD, ids=lambda v: v if isinstance(v, str) else None)
 def test_fp8_expert_validation(forbid, which, change, match):
-    from mok_cute.kernels import sm90_fp8_expert as fx
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_expert as fx
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     forbid(fx, "launch_fp8_block")
     forbid(g, "compile_fp8_block_gemm", "device_arch")
     args = dict(_expert_args()[which], **change)
@@ -294,7 +294,7 @@ def test_transpose_weight_blocks_matches_reference():
     """wdt / w1t from the per-expert quantizations equal the transposed dequantized weights
     (values), i.e. exactly what reference.grouped_dswiglu_dgrad / grouped_dgrad1 read."""
     from mok_cute import reference as ref
-    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+    from mok_cute.kernels.sm90.fp8_expert import transpose_weight_blocks
     gen = torch.Generator().manual_seed(7)
     e, hid, inter = 2, 256, 384
     blk = torch.exp2(torch.randint(-4, 5, (e, 2 * inter // 128, hid // 128), generator=gen).float())
@@ -326,7 +326,7 @@ def test_transpose_weight_blocks_matches_reference():
 def test_fp8_ring_stages():
     """Shared memory: 32 KB per 128x128x128 e4m3 stage beside the epilogue buffer (plain,
     swiglu: the 32 KB bf16 tile; dswiglu: g, u of both column halves, 73.7 KB)."""
-    from mok_cute.kernels import sm90_fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_gemm as g
     stages = {ep: g.Fp8BlockGroupedGemm(g.Fp8MainloopConfig(), ep).mainloop.stages
               for ep in ("plain", "swiglu", "dswiglu")}
     assert stages == {"plain": 6, "swiglu": 6, "dswiglu": 4}

@@ -1,4 +1,4 @@
-"""CPU tests of the per-element-scaled SM90 FP8 GEMMs (mok_cute.kernels.sm90_fp8_scaled):
+"""CPU tests of the per-element-scaled SM90 FP8 GEMMs (mok_cute.kernels.sm90.fp8_scaled):
 both compile for sm_90a with e4m3 wgmma, setmaxnreg, the expected promotion arithmetic and
 no spills; argument validation raises before any compile or launch. Numerics run on the GPU
 (tools/checks/gemm_fp8_scaled.py)."""
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from mok_cute.kernels import sm90_fp8_scaled as S
+from mok_cute.kernels.sm90 import fp8_scaled as S
 
 F8 = torch.float8_e4m3fn
 

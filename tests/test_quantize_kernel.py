@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from mok_cute.kernels import compile as kc
-from mok_cute.kernels import quantize as kq
+from mok_cute.dsl import compile as kc
+from mok_cute.kernels.quant import quantize as kq
 
 # Per thread: row kernel 4 chunks, col kernel 32 chunks; a chunk is 16 input bytes.
 CHUNKS = {"row": 4, "col": 32}

@@ -4,7 +4,7 @@ the GPU check's mirror) equals the reference's formulas."""
 import pytest
 import torch
 
-from mok_cute.grouped_backend import route_sort
+from mok_cute.layers.grouped import route_sort
 from mok_cute.kernels import route_grad
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import cutlass
-from mok_cute.kernels import sm100_grouped_gemm as g
-from mok_cute.kernels import sm100_layouts as lay
-from mok_cute.kernels.sm100_mainloop import NUM_THREADS, Sm100Config, Sm100Mainloop
+from mok_cute.kernels.sm100 import grouped_gemm as g
+from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.mainloop import NUM_THREADS, Sm100Config, Sm100Mainloop
 
 VARIANTS = g.variants()
 MAX_REGISTERS = 200  # headroom below 255 so epilogue changes surface before they spill

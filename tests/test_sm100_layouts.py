@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mok_cute import reference
-from mok_cute.kernels import sm100_layouts as lay
+from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.schedule import group_tiles
 
 

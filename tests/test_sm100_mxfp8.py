@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from conftest import make_problem
 from mok_cute import reference as R
-from mok_cute import sm100_backend as S
-from mok_cute.kernels import sm100_layouts as lay
+from mok_cute.layers import sm100 as S
+from mok_cute.kernels.sm100 import layouts as lay
 
 
 @pytest.fixture
 def ref_quant(monkeypatch):
     """The CuTe quantize kernels replaced by the reference quantizers (their bitwise contract)."""
-    from mok_cute.kernels import quantize, quantize_fp8
+    from mok_cute.kernels.quant import quantize, quantize_fp8
 
     monkeypatch.setattr(quantize, "quantize_mxfp8", R.mxfp8_quantize)
 
@@ -132,7 +132,7 @@ class Emu:
 
 @pytest.fixture
 def emu(monkeypatch, ref_quant):
-    from mok_cute.kernels import sm100_grouped_gemm as k
+    from mok_cute.kernels.sm100 import grouped_gemm as k
 
     em = Emu()
     for name in ("grouped_gemm1_swiglu", "grouped_gemm", "grouped_dswiglu_dgrad", "grouped_dgrad1", "grouped_wgrad"):
@@ -283,7 +283,7 @@ def test_mxfp8_glue_operands_equal_reference_quantization(emu):
 # ------------------------------------------------------------------ (2) the layer end to end
 @pytest.mark.parametrize("shared_i,limit", [(256, 4.0), (None, None)])
 def test_sm100_mxfp8_layer_equals_reference(emu, shared_i, limit):
-    from mok_cute import backend as B
+    from mok_cute.layers import select as B
     from mok_cute.config import MoKConfig
 
     p, dy = make_problem(T=40, H=256, I=256, E=5, k=3, shared_I=shared_i, seed=21)
@@ -314,7 +314,7 @@ def test_sm100_mxfp8_layer_equals_reference(emu, shared_i, limit):
 def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant):
     """The real sm100 wrappers (validation + scale repacking on CPU) take every operand the glue
     builds; only the launch (and the wgrad's arch lookup, after its checks) is stubbed out."""
-    from mok_cute.kernels import sm100_grouped_gemm as k
+    from mok_cute.kernels.sm100 import grouped_gemm as k
 
     launches = []
 
@@ -358,7 +358,7 @@ def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant):
 def test_mxfp8_weights_quantized_once_while_unchanged(emu, monkeypatch):
     """Weight quantizations are cached per (weight, axis): a second forward with the same
     weights quantizes only activations; an in-place update (version bump) re-quantizes."""
-    from mok_cute.kernels import quantize
+    from mok_cute.kernels.quant import quantize
 
     g = torch.Generator().manual_seed(5)
     num_e, hid, inter = 2, 64, 64

@@ -23,11 +23,11 @@ import torch
 
 from conftest import make_problem
 from mok_cute import reference as R
-from mok_cute import sm90_backend as S
-from mok_cute import sm100_backend as S100
-from mok_cute.kernels import compile as kc
-from mok_cute.kernels import dequant_mxfp8 as dq
-from mok_cute.weight_cache import WeightCache
+from mok_cute.layers import sm90 as S
+from mok_cute.layers import sm100 as S100
+from mok_cute.dsl import compile as kc
+from mok_cute.kernels.quant import dequant_mxfp8 as dq
+from mok_cute.layers.weight_cache import WeightCache
 
 CASES = [(layout, arch, count) for layout in dq.LAYOUTS for arch in ("sm_90a", "sm_100a") for count in (False, True)]
 RT = {"rt_row", "rt_tokens"}  # one-pass round trips: two fp32 multiplies per element (quantize, dequantize)
@@ -281,7 +281,7 @@ class Fp8Emu:
 def _emu_weights_t(*ws):
     """quantize_fp8_block_weights_t's contract from the reference: per-expert 128x128
     quantization of each weight, and their stack along R transposed per expert."""
-    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+    from mok_cute.kernels.sm90.fp8_expert import transpose_weight_blocks
 
     parts = []
     for w in ws:
@@ -293,7 +293,8 @@ def _emu_weights_t(*ws):
 @pytest.fixture
 def emu(monkeypatch):
     """Every GPU kernel of the sm90 MLP replaced by its emulation; returns (bf16 emu, fp8 emu)."""
-    from mok_cute.kernels import dequant_mxfp8, quantize, quantize_fp8, sm90_expert_bwd, sm90_grouped_gemm
+    from mok_cute.kernels.quant import dequant_mxfp8, quantize, quantize_fp8
+    from mok_cute.kernels.sm90 import expert_bwd as sm90_expert_bwd, grouped_gemm as sm90_grouped_gemm
 
     monkeypatch.setattr(quantize, "quantize_mxfp8", R.mxfp8_quantize)
     monkeypatch.setattr(quantize_fp8, "quantize_fp8_block_act", R.fp8_block_quantize_act)
@@ -320,7 +321,7 @@ def emu(monkeypatch):
 
 def _fresh_backend(monkeypatch):
     """The registered sm90 backend with a fresh MLP (empty weight cache)."""
-    from mok_cute import backend as B
+    from mok_cute.layers import select as B
 
     be = B.get_backend("sm90")
     monkeypatch.setattr(be, "mlp", S.Sm90ExpertMLP())
@@ -328,7 +329,7 @@ def _fresh_backend(monkeypatch):
 
 
 def _layer(be, p, dy, limit, precision):
-    from mok_cute import backend as B
+    from mok_cute.layers import select as B
     from mok_cute.config import MoKConfig
 
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
@@ -419,8 +420,8 @@ def test_weight_cache_drops_freed_weights():
 
 
 def test_ep_gt1_fp8_block_raises_before_launch(monkeypatch):
-    from mok_cute import backend as B
-    from mok_cute import grouped_backend as G
+    from mok_cute.layers import select as B
+    from mok_cute.layers import grouped as G
     from mok_cute.config import MoKConfig
 
     monkeypatch.setattr(G, "_world", lambda group: (2, 0))
@@ -430,7 +431,7 @@ def test_ep_gt1_fp8_block_raises_before_launch(monkeypatch):
     monkeypatch.setattr(be.mlp, "forward", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(NotImplementedError, match="EP > 1"):
         be.forward(inp, MoKConfig(precision="fp8_block"), object())
-    for precision in ("bf16", "mxfp8"):  # EP > 1 runs these (mok_cute.ep_layer)
+    for precision in ("bf16", "mxfp8"):  # EP > 1 runs these (mok_cute.layers.ep)
         be.check(inp, MoKConfig(precision=precision), object())
 
 

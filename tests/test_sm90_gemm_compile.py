@@ -5,13 +5,13 @@ import functools
 import pytest
 import torch
 
-from mok_cute.kernels.sm90_expert_bwd import (
+from mok_cute.kernels.sm90.expert_bwd import (
     compile_grouped_wgrad, grouped_dgrad1, grouped_dswiglu_dgrad, grouped_wgrad,
 )
-from mok_cute.kernels.sm90_grouped_gemm import (
+from mok_cute.kernels.sm90.grouped_gemm import (
     compile_grouped_gemm, grouped_gemm, grouped_gemm1_swiglu, interleave_gate_up,
 )
-from mok_cute.kernels.sm90_mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
+from mok_cute.kernels.sm90.mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
 
 VARIANTS = {
     "plain-n256": lambda: compile_grouped_gemm("plain", inspect=True),
@@ -223,7 +223,7 @@ def test_runtime_tensors_match_fake_signature():
     """The argument descriptor holds only dynamic modes: runtime tensors mark every shape mode
     dynamic, so the compile-time fakes must not hold a static mode (a static 2 in gu's
     [M, 2, I] fake made the kernel read gu's strides from the wrong fields)."""
-    from mok_cute.kernels.sm90_grouped_gemm import _cute_tensor, _fake_3d
+    from mok_cute.dsl.tensors import _cute_tensor, _fake_3d
 
     t = _cute_tensor(torch.zeros(5, 2, 16, dtype=torch.bfloat16))
     assert t.dynamic_shapes_mask == (1, 1, 1)
@@ -243,7 +243,8 @@ def test_fast_descriptor_matches_dsl(t):
     """_Desc packs the same argument descriptor bytes as the DSL's from_dlpack path."""
     import ctypes
 
-    from mok_cute.kernels.sm90_grouped_gemm import _cute_tensor, _Desc
+    from mok_cute.dsl.launch import _Desc
+    from mok_cute.dsl.tensors import _cute_tensor
 
     d = _Desc(t)
     n = t.dim()
@@ -260,7 +261,7 @@ def test_fast_descriptor_matches_dsl(t):
 def test_graph_launcher_paths(monkeypatch):
     """GraphLauncher: first launch through the DSL (module load), then one capture per
     argument key and replays; capturing callers and failed captures use the DSL path."""
-    from mok_cute.kernels import sm90_launch as L
+    from mok_cute.dsl import launch as L
 
     calls = []
     ok = (L.cuda.CUresult.CUDA_SUCCESS,)
@@ -313,7 +314,7 @@ def test_graph_launcher_paths(monkeypatch):
 
 
 def test_process_wide_tma_store_override():
-    from mok_cute.kernels import sm90_grouped_gemm as gg
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
 
     cfg = MainloopConfig(tile_n=128)
     prev = gg.set_tma_store(False)
@@ -340,6 +341,6 @@ def test_swiglu_mx_h_quantizes_in_the_epilogue(name):
 
 
 def test_swiglu_mx_h_needs_swiglu():
-    from mok_cute.kernels.sm90_grouped_gemm import GroupedGemmSm90
+    from mok_cute.kernels.sm90.grouped_gemm import GroupedGemmSm90
     with pytest.raises(ValueError, match="mx_h"):
         GroupedGemmSm90(MainloopConfig(), "plain", mx_h=True)

@@ -1,4 +1,4 @@
-"""CPU tests of the mixed-input MXFP8 grouped GEMM (mok_cute.kernels.sm90_mxfp8_mixed): both
+"""CPU tests of the mixed-input MXFP8 grouped GEMM (mok_cute.kernels.sm90.mxfp8_act_gemm): both
 epilogue variants compile for sm_90a with BF16 wgmma fed by TMA-loaded e4m3 tiles that are
 dequantized in shared memory (cvt e4m3x2 -> f16x2, one non-FTZ fp32 multiply, bf16 RNE),
 fenced for the async proxy, with 0 spills; the MMA warps' wgmma stream is that of the BF16
@@ -15,8 +15,8 @@ import torch
 
 import cutlass
 
-from mok_cute.kernels import sm90_grouped_gemm as G
-from mok_cute.kernels import sm90_mxfp8_mixed as X
+from mok_cute.kernels.sm90 import grouped_gemm as G
+from mok_cute.kernels.sm90 import mxfp8_act_gemm as X
 
 F8 = torch.float8_e4m3fn
 PASSES = 32  # row passes per dequant warp and k-tile (128 rows, 4 per pass)

@@ -16,7 +16,7 @@ host's enqueue us per call) and graph_f+b (one CUDA-graph replay of fwd+bwd, bot
 implementations captured the same way; x_graph = torch / ours).
 Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
 --tma-store on|both: ours with the opt-in SM90 TMA-store epilogues (GEMM1+SwiGLU, GEMM2,
-dgrad1, wgrads; ``mok_cute.kernels.sm90_grouped_gemm.set_tma_store``; same as
+dgrad1, wgrads; ``mok_cute.kernels.sm90.grouped_gemm.set_tma_store``; same as
 MOK_CUTE_SM90_TMA_STORE=1); ``both`` times ours twice per row (default, then TMA store:
 an extra ``tma`` line, x_* = ours default / ours TMA store).
 --precision bf16,mxfp8,fp8_block (default bf16: nothing extra): per row, ours at each listed
@@ -184,7 +184,7 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
 def run_precisions(inter, offs, x, w1, wd, dy, precisions):
     """{precision: (fwd us, fwd+bwd us, fwd+bwd us with weights re-quantized)} of the sm90 expert
     MLP called directly (no autograd), bf16 first."""
-    from mok_cute.backend import get_backend
+    from mok_cute.layers.select import get_backend
 
     mlp = get_backend("sm90").mlp
     offs0 = torch.cat([offs.new_zeros(1), offs])
@@ -212,7 +212,7 @@ def run_precisions(inter, offs, x, w1, wd, dy, precisions):
 
 
 def _set_tma_store(on: bool) -> bool:
-    from mok_cute.kernels import sm90_grouped_gemm
+    from mok_cute.kernels.sm90 import grouped_gemm as sm90_grouped_gemm
 
     return sm90_grouped_gemm.set_tma_store(on)
 
@@ -350,7 +350,7 @@ def main() -> int:
                   f"{math.exp(sum(math.log(v) for v in graphs) / len(graphs)):.2f}x, min {min(graphs):.2f}x "
                   f"({len(graphs)}/{len(ours)} rows captured)")
         try:
-            from mok_cute.kernels import sm90_launch
+            from mok_cute.dsl import launch as sm90_launch
             print(f"sm90 launch paths: {sm90_launch.stats()}")
         except ImportError:
             pass

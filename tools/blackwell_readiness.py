@@ -12,7 +12,7 @@ import re
 import sys
 import time
 
-from mok_cute.kernels.sm100_grouped_gemm import variants
+from mok_cute.kernels.sm100.grouped_gemm import variants
 
 ARCHS = ("sm_100a", "sm_103a")
 UNVERIFIED = (
@@ -52,8 +52,8 @@ def main() -> int:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print("\nShared memory per CTA (host budget, sm100_layouts; checked against CuTe at trace time):")
-    from mok_cute.kernels.sm100_grouped_gemm import DEFAULT_CONFIG, MXFP8_2CTA_CONFIG, MXFP8_CONFIG  # noqa: PLC0415
-    from mok_cute.kernels.sm100_mainloop import Sm100Config, Sm100Mainloop  # noqa: PLC0415
+    from mok_cute.kernels.sm100.grouped_gemm import DEFAULT_CONFIG, MXFP8_2CTA_CONFIG, MXFP8_CONFIG  # noqa: PLC0415
+    from mok_cute.kernels.sm100.mainloop import Sm100Config, Sm100Mainloop  # noqa: PLC0415
 
     for label, cfg in (("bf16 128x256", DEFAULT_CONFIG), ("bf16 256x256 2cta", Sm100Config(tile_m=256)),
                        ("mxfp8 128x256", MXFP8_CONFIG), ("mxfp8 256x256 2cta", MXFP8_2CTA_CONFIG)):

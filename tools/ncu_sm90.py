@@ -25,8 +25,8 @@ def kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
     """[(name, fn)] for the SM90 kernels of one expert-MLP fwd+bwd at the given shape."""
     import torch.nn.functional as F  # noqa: PLC0415
 
-    from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import expert_bwd as bwd  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
 
     dev = torch.device("cuda")
     m = e * rows
@@ -55,7 +55,8 @@ def fp8_kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048
     SwiGLU, GEMM2, dgrad2 + dSwiGLU, dgrad1, wgrad dWd), the MXFP8 per-32 promoted GEMM and the
     fp8_block quantizers (1x128 rows, 128x128 weight, token-wise), at the shape of
     :func:`kernels`; operands quantized once, outside the profiled range."""
-    from mok_cute.kernels import quantize, quantize_fp8, sm90_fp8_expert, sm90_fp8_gemm, sm90_fp8_scaled  # noqa: PLC0415
+    from mok_cute.kernels.quant import quantize, quantize_fp8  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import fp8_expert as sm90_fp8_expert, fp8_gemm as sm90_fp8_gemm, fp8_scaled as sm90_fp8_scaled
 
     bf16 = dict(kernels(e, rows, hid, inter))
     dev = torch.device("cuda")

@@ -7,6 +7,12 @@ kernel's PTX byte-identical (run before and after, then ``--compare``).
 
 Variant names are ``<family>/<variant>@<arch>``. The PTX is the compile report's
 (``compile_kernel(..., inspect=True)``); nothing is launched, no GPU is needed.
+
+Each variant gets two hashes: ``raw`` (the PTX bytes) and ``entry`` (the PTX with each
+kernel entry symbol replaced by ``kernel_<i>``, in order of first appearance). The DSL
+names a kernel that is a method after its object's repr, i.e. the defining module's dotted
+path (dots dropped) and class, truncated to a fixed length, so moving a kernel class to
+another module changes its symbol and nothing else; ``entry`` is what a pure move keeps.
 """
 from __future__ import annotations
 
@@ -14,8 +20,11 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 import time
+
+_ENTRY = re.compile(r"^\.(?:visible )?\.entry (\w+)\(", re.M)
 
 
 def _ptx(result) -> str:
@@ -26,10 +35,17 @@ def _ptx(result) -> str:
     return rep.ptx
 
 
+def entry_normalized(ptx: str) -> str:
+    """``ptx`` with every kernel entry symbol replaced by ``kernel_<i>`` (see the module doc)."""
+    for i, name in enumerate(dict.fromkeys(_ENTRY.findall(ptx))):
+        ptx = ptx.replace(name, f"kernel_{i}")  # also the parameters, ``<name>_param_<j>``
+    return ptx
+
+
 def _sm90_bf16():
-    from mok_cute.kernels.sm90_expert_bwd import compile_grouped_wgrad
-    from mok_cute.kernels.sm90_grouped_gemm import compile_grouped_gemm
-    from mok_cute.kernels.sm90_mainloop import MN_MAJOR, MainloopConfig
+    from mok_cute.kernels.sm90.expert_bwd import compile_grouped_wgrad
+    from mok_cute.kernels.sm90.grouped_gemm import compile_grouped_gemm
+    from mok_cute.kernels.sm90.mainloop import MN_MAJOR, MainloopConfig
 
     tma, n128, n128t = MainloopConfig(tma_store=True), MainloopConfig(tile_n=128), \
         MainloopConfig(tile_n=128, tma_store=True)
@@ -56,9 +72,9 @@ def _sm90_bf16():
 
 
 def _sm90_fp8():
-    from mok_cute.kernels import sm90_fp8_gemm as g
-    from mok_cute.kernels import sm90_fp8_scaled as s
-    from mok_cute.kernels import sm90_mxfp8_mixed as x
+    from mok_cute.kernels.sm90 import fp8_gemm as g
+    from mok_cute.kernels.sm90 import fp8_scaled as s
+    from mok_cute.kernels.sm90 import mxfp8_act_gemm as x
 
     out = {
         "block-plain": lambda: g.compile_fp8_block_gemm(inspect=True),
@@ -80,18 +96,18 @@ def _sm90_fp8():
 
 
 def _sm100():
-    from mok_cute.kernels import sm100_grouped_gemm as g
+    from mok_cute.kernels.sm100 import grouped_gemm as g
 
     return {f"sm100/{name}@{arch}": (lambda b=build, a=arch: b(a, inspect=True))
             for name, (build, _) in g.variants().items() for arch in g.ARCHS}
 
 
 def _quant():
-    from mok_cute.kernels.compile import ARCHS
+    from mok_cute.dsl.compile import ARCHS
     from mok_cute.kernels import route_grad
-    from mok_cute.kernels import dequant_mxfp8 as dq
-    from mok_cute.kernels import quantize as q
-    from mok_cute.kernels import quantize_fp8 as qf
+    from mok_cute.kernels.quant import dequant_mxfp8 as dq
+    from mok_cute.kernels.quant import quantize as q
+    from mok_cute.kernels.quant import quantize_fp8 as qf
 
     def dt(d):
         return str(d).removeprefix("torch.")
@@ -123,8 +139,8 @@ def _comm():
     from mok_cute.comm import protocol as P
     from mok_cute.comm import combine as c
     from mok_cute.comm import dispatch as d
-    from mok_cute.comm.workspace import _fake_ptr, fake_stream
-    from mok_cute.kernels.compile import compile_kernel
+    from mok_cute.dsl.host import fake_ptr, fake_stream
+    from mok_cute.dsl.compile import compile_kernel
     from mok_cute.schedule.plan import compile_plan
 
     out = {}
@@ -134,7 +150,7 @@ def _comm():
         out[f"comm/pull_w@{arch}"] = lambda a=arch: d.compile_pull_w(a, inspect=True)
         out[f"comm/pull_bulk@{arch}"] = lambda a=arch: d.compile_pull_bulk(a, inspect=True)
         out[f"comm/wait@{arch}"] = lambda a=arch: compile_kernel(
-            P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0), _fake_ptr("i32"), fake_stream(),
+            P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0), fake_ptr("i32"), fake_stream(),
             arch=a, inspect=True)
         for E in (8, 384):
             out[f"schedule/plan-E{E}@{arch}"] = lambda a=arch, e=E: compile_plan(a, e, inspect=True)
@@ -159,30 +175,39 @@ def _comm():
 FAMILIES = (_sm90_bf16, _sm90_fp8, _sm100, _quant, _comm)
 
 
-def manifest(only=()) -> dict[str, str]:
-    """``{variant: sha256 hex of its PTX}`` for every variant (or those starting with ``only``)."""
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def manifest(only=()) -> dict[str, dict[str, str]]:
+    """``{variant: {"raw": sha256, "entry": sha256 of entry_normalized}}`` of every variant's
+    PTX (or of those whose name starts with one of ``only``)."""
     out = {}
     for family in FAMILIES:
         for name, build in family().items():
             if only and not name.startswith(tuple(only)):
                 continue
             t = time.time()
-            out[name] = hashlib.sha256(_ptx(build()).encode()).hexdigest()
-            print(f"{name}: {out[name][:16]} ({time.time() - t:.1f} s)", file=sys.stderr, flush=True)
+            ptx = _ptx(build())
+            out[name] = {"raw": _sha(ptx), "entry": _sha(entry_normalized(ptx))}
+            print(f"{name}: {out[name]['raw'][:16]} ({time.time() - t:.1f} s)", file=sys.stderr, flush=True)
     return out
 
 
 def compare(before: dict, after: dict) -> int:
-    """Print differing, missing and new variants; 0 if every common variant is identical."""
+    """Print differing, missing and new variants; 0 if every common variant's PTX is identical
+    up to its entry symbols (how many are byte-identical is printed too)."""
     common = sorted(before.keys() & after.keys())
-    diff = [k for k in common if before[k] != after[k]]
+    diff = [k for k in common if before[k]["entry"] != after[k]["entry"]]
+    renamed = [k for k in common if before[k]["raw"] != after[k]["raw"] and k not in diff]
     for k in diff:
         print(f"DIFFERS {k}")
     for k in sorted(before.keys() - after.keys()):
         print(f"only before {k}")
     for k in sorted(after.keys() - before.keys()):
         print(f"only after {k}")
-    print(f"{len(common)} variants compared, {len(common) - len(diff)} identical, {len(diff)} differ")
+    print(f"{len(common)} variants compared: {len(common) - len(diff) - len(renamed)} byte-identical, "
+          f"{len(renamed)} identical but for the kernel entry symbol, {len(diff)} differ")
     return 1 if diff else 0
 
 

@@ -30,9 +30,10 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass, gptr
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
                                 copy_routed_rows_unrolled, unroll_of, use_bulk)
-from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
-                                     check_tensor, current_stream, dptr, fake_stream)
-from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.comm.workspace import CommWorkspace, check_num_ctas
+from mok_cute.dsl.compile import compile_cached, compile_kernel
+from mok_cute.dsl.host import check_tensor, current_stream, dptr, fake_ptr, fake_stream
+from mok_cute.schedule.plan import check_plan
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 SPLIT_PHASES = os.environ.get("MOK_COMM_SPLIT", "0") == "1"  # debugging: two launches, synced
@@ -292,8 +293,8 @@ def push_reduce_bulk_launcher(has_w: bool, has_start: bool):
 
 def compile_push_reduce_bulk(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
     """Compile one bulk-copy push-and-reduce variant; ``(compiled, CompileReport | None)``."""
-    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(push_reduce_bulk_launcher(has_w, has_start), _fake_ptr("i64"), i32,
+    i32, bf = fake_ptr("i32"), fake_ptr("bf16")
+    return compile_kernel(push_reduce_bulk_launcher(has_w, has_start), fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
                           Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
@@ -304,8 +305,8 @@ def compile_push_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool =
     """Compile one variant for ``arch``; returns ``(compiled, CompileReport | None)``.
     ``phase`` 1/2 builds only the push/reduce half (debugging: launch both, in order);
     ``unroll`` > 1 the unrolled push (both halves)."""
-    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(push_reduce_launcher(has_w, has_start, phase, unroll), _fake_ptr("i64"), i32,
+    i32, bf = fake_ptr("i32"), fake_ptr("bf16")
+    return compile_kernel(push_reduce_launcher(has_w, has_start, phase, unroll), fake_ptr("i64"), i32,
                           i32, i32, i32, bf, Int32(1), i32, i32, bf, bf, Int32(0), Int32(1),
                           Int32(1), Int32(1), Int32(1), Int32(1), Int64(0), Int64(0), Int32(1),
                           Int64(1), Int32(1), fake_stream(), arch=arch, inspect=inspect)
@@ -401,8 +402,8 @@ def pull_reduce_launcher(has_w: bool, has_start: bool):
 
 def compile_pull_reduce(arch: str, has_w: bool, has_start: bool, inspect: bool = False):
     """Compile one pull-combine variant for ``arch``; ``(compiled, CompileReport | None)``."""
-    i32, bf = _fake_ptr("i32"), _fake_ptr("bf16")
-    return compile_kernel(pull_reduce_launcher(has_w, has_start), _fake_ptr("i64"), i32, i32, i32,
+    i32, bf = fake_ptr("i32"), fake_ptr("bf16")
+    return compile_kernel(pull_reduce_launcher(has_w, has_start), fake_ptr("i64"), i32, i32, i32,
                           i32, i32, bf, bf, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
                           Int32(1), Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)

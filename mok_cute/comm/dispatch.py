@@ -36,10 +36,10 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.protocol import cute, cutlass
 from mok_cute.comm.rows import (BULK_SMEM, THREADS, bulk_routed_rows, copy_routed_rows,
                                 copy_routed_rows_unrolled, unroll_of, use_bulk)
-from mok_cute.comm.workspace import (CommWorkspace, _fake_ptr, check_num_ctas, check_plan,
-                                     check_tensor, current_stream, dptr, fake_stream,
-                                     mxfp8_row_bytes)
-from mok_cute.kernels.compile import compile_cached, compile_kernel
+from mok_cute.comm.workspace import CommWorkspace, check_num_ctas, mxfp8_row_bytes
+from mok_cute.dsl.compile import compile_cached, compile_kernel
+from mok_cute.dsl.host import check_tensor, current_stream, dptr, fake_ptr, fake_stream
+from mok_cute.schedule.plan import check_plan
 from cutlass import BFloat16, Int32, Int64
 
 PAYLOADS = ("bf16", "mxfp8")
@@ -112,8 +112,8 @@ def pull_launcher(unroll: int = 1):
 def compile_pull(arch: str, inspect: bool = False, unroll: int = 1):
     """Compile the pull launcher (:func:`pull_launcher`) for ``arch``;
     returns ``(compiled, CompileReport | None)``."""
-    i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    return compile_kernel(pull_launcher(unroll), i64, i32, i32, i32, i32, _fake_ptr("bf16"), Int32(1),
+    i32, i64 = fake_ptr("i32"), fake_ptr("i64")
+    return compile_kernel(pull_launcher(unroll), i64, i32, i32, i32, i32, fake_ptr("bf16"), Int32(1),
                           Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)
@@ -156,8 +156,8 @@ def pull_w_launcher():
 
 def compile_pull_w(arch: str, inspect: bool = False):
     """Compile the weighted pull for ``arch``; ``(compiled, CompileReport | None)``."""
-    i32 = _fake_ptr("i32")
-    return compile_kernel(pull_w_launcher(), _fake_ptr("i64"), i32, i32, i32, i32, _fake_ptr("bf16"), i32,
+    i32 = fake_ptr("i32")
+    return compile_kernel(pull_w_launcher(), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"), i32,
                           Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                           Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)
@@ -189,8 +189,8 @@ def pull_bulk_launcher():
 
 def compile_pull_bulk(arch: str, inspect: bool = False):
     """Compile the bulk-copy pull for ``arch``; ``(compiled, CompileReport | None)``."""
-    i32, i64 = _fake_ptr("i32"), _fake_ptr("i64")
-    return compile_kernel(pull_bulk_launcher(), i64, i32, i32, i32, i32, _fake_ptr("bf16"),
+    i32, i64 = fake_ptr("i32"), fake_ptr("i64")
+    return compile_kernel(pull_bulk_launcher(), i64, i32, i32, i32, i32, fake_ptr("bf16"),
                           Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
                           Int64(0), Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(),
                           arch=arch, inspect=inspect)

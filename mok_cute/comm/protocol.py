@@ -23,7 +23,7 @@ once the status holds an error. The host reads the status with
 """
 from __future__ import annotations
 
-from mok_cute.kernels.compile import dsl
+from mok_cute.dsl.compile import dsl
 
 cutlass, cute = dsl()
 from cutlass import Boolean, Int32, Int64  # noqa: E402

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from mok_cute.comm import protocol as P
-from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.dsl.host import current_stream, dptr, fake_ptr, fake_stream
 
 _ALIGN = 256
 _cache: dict = {}
@@ -38,22 +39,6 @@ _cache: dict = {}
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
-
-def current_stream():
-    """The current torch stream as a ``cuda.CUstream`` for compiled CuTe functions."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-def dptr(t: torch.Tensor, dtype=None, align: int = 16):
-    """Runtime ``cute.Pointer`` to a device tensor's data (dtype from the tensor by default)."""
-    cutlass, cute = dsl()
-    from cutlass.cute.runtime import make_ptr
-
-    m = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32,
-         torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
-    return make_ptr(dtype or m[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 class CommWorkspace:
@@ -173,7 +158,7 @@ class CommWorkspace:
 
         fn = compile_cached(("comm.wait", self.arch), lambda: compile_kernel(
             P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0),
-            _fake_ptr("i32"), fake_stream(), arch=self.arch)[0])
+            fake_ptr("i32"), fake_stream(), arch=self.arch)[0])
         fn(Int64(self.local_base + self.offsets["flags"]), Int32(channel), Int32(self.EP),
            Int32(target), Int64(self.timeout_ns), dptr(self.status), current_stream())
 
@@ -231,23 +216,6 @@ def check_num_ctas(n: int) -> None:
         raise ValueError(f"num_ctas must be an int in [1, 132] (4..32 recommended), got {n!r}")
 
 
-def fake_stream():
-    """Compile-time placeholder stream (no GPU needed)."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(0)
-
-
-def _fake_ptr(kind: str):
-    """Compile-time placeholder pointer ('bf16', 'f32', 'i32', 'i64')."""
-    cutlass, cute = dsl()
-    from cutlass.cute.runtime import make_ptr
-
-    dt = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32,
-          "i64": cutlass.Int64}[kind]
-    return make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=16)
-
-
 def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
                   recv_capacity: int | None = None, timeout_s: float = 10.0,
                   num_ctas: int = 32) -> CommWorkspace:
@@ -258,35 +226,3 @@ def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfl
     if ws is None:
         ws = _cache[key] = CommWorkspace(group, T, H, k, E, dtype, recv_capacity, timeout_s, num_ctas)
     return ws
-
-
-def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
-    """TypeError/ValueError unless ``t`` is a contiguous ``dtype`` tensor of ``shape`` on
-    ``device`` (a ``None`` entry in ``shape`` accepts any size)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address")
-
-
-def check_plan(ws: CommWorkspace, plan) -> None:
-    """ValueError/TypeError unless ``plan`` is this rank's device plan for ``ws``'s shapes."""
-    from mok_cute.schedule.plan import RankPlan
-
-    if not isinstance(plan, RankPlan):
-        raise TypeError(f"plan must be a RankPlan, got {type(plan).__name__}")
-    want = (ws.me, ws.E, ws.EP, ws.T, ws.k)
-    got = (plan.rank, plan.E, plan.EP, plan.T, plan.k)
-    if got != want:
-        raise ValueError(f"plan (rank, E, EP, T, k) = {got} does not match the workspace {want}")
-    check_tensor("plan.offsets", plan.offsets, torch.int32, (ws.E // ws.EP + 1,), ws.device)
-    check_tensor("plan.recv_src", plan.recv_src, torch.int32, (None,), ws.device)
-    check_tensor("plan.dest_rank", plan.dest_rank, torch.int32, (ws.T, ws.k), ws.device)

@@ -18,8 +18,8 @@ kernel per arch).
 
 import torch
 
-from .compile import arch_of_device, compile_cached, compile_kernel, dsl
-from .host import MAX_NUMEL, current_stream
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.dsl.host import MAX_NUMEL, current_stream
 
 _WARPS = 4  # rows per CTA
 

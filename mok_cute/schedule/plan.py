@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_cute.dsl.host import check_tensor
+
 
 @dataclass
 class RankPlan:
@@ -344,13 +346,13 @@ def compile_plan(arch: str, E: int, inspect: bool = False):
     """Compile the device planner for ``arch`` and E experts; ``(compiled, report | None)``."""
     from cutlass import Int32, Int64
 
-    from mok_cute.comm.workspace import _fake_ptr, fake_stream
-    from mok_cute.kernels.compile import compile_kernel
+    from mok_cute.dsl.compile import compile_kernel
+    from mok_cute.dsl.host import fake_ptr, fake_stream
 
     if not 1 <= E <= PLAN_MAX_EXPERTS:
         raise ValueError(f"E must be in [1, {PLAN_MAX_EXPERTS}], got {E}")
-    i32 = _fake_ptr("i32")
-    return compile_kernel(_plan_launcher(), _fake_ptr("i64"), i32, i32, i32, i32, i32, i32, i32,
+    i32 = fake_ptr("i32")
+    return compile_kernel(_plan_launcher(), fake_ptr("i64"), i32, i32, i32, i32, i32, i32, i32,
                           Int32(1), Int32(0), Int32(1), Int32(1), Int64(0), Int64(0), Int64(0),
                           Int32(1), Int64(1), fake_stream(), E, arch=arch, inspect=inspect)
 
@@ -362,8 +364,8 @@ def plan_routing_device(ws, topk_idx: torch.Tensor) -> RankPlan:
     rows. Out-of-range ids and capacity overflow are reported by ``ws.check_status()``."""
     from cutlass import Int32, Int64
 
-    from mok_cute.comm.workspace import check_tensor, current_stream, dptr
-    from mok_cute.kernels.compile import compile_cached
+    from mok_cute.dsl.compile import compile_cached
+    from mok_cute.dsl.host import current_stream, dptr
 
     validate_routing(topk_idx, ws.E, ws.EP)
     check_tensor("topk_idx", topk_idx, topk_idx.dtype, (ws.T, ws.k), ws.device)
@@ -383,3 +385,17 @@ def plan_routing_device(ws, topk_idx: torch.Tensor) -> RankPlan:
        Int64(ws.offsets["recv"]), Int64(ws.offsets["flags"]), Int32(epoch),
        Int64(ws.timeout_ns), current_stream())
     return plan
+
+
+def check_plan(ws, plan) -> None:
+    """ValueError/TypeError unless ``plan`` is this rank's device plan for the shapes of ``ws`` (a
+    :class:`~mok_cute.comm.workspace.CommWorkspace`)."""
+    if not isinstance(plan, RankPlan):
+        raise TypeError(f"plan must be a RankPlan, got {type(plan).__name__}")
+    want = (ws.me, ws.E, ws.EP, ws.T, ws.k)
+    got = (plan.rank, plan.E, plan.EP, plan.T, plan.k)
+    if got != want:
+        raise ValueError(f"plan (rank, E, EP, T, k) = {got} does not match the workspace {want}")
+    check_tensor("plan.offsets", plan.offsets, torch.int32, (ws.E // ws.EP + 1,), ws.device)
+    check_tensor("plan.recv_src", plan.recv_src, torch.int32, (None,), ws.device)
+    check_tensor("plan.dest_rank", plan.dest_rank, torch.int32, (ws.T, ws.k), ws.device)

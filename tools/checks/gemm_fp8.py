@@ -1,4 +1,4 @@
-"""Device check: SM90 FP8 blockwise grouped GEMM (mok_cute.kernels.sm90_fp8_gemm.grouped_gemm_fp8_block)
+"""Device check: SM90 FP8 blockwise grouped GEMM (mok_cute.kernels.sm90.fp8_gemm.grouped_gemm_fp8_block)
 vs mok_cute.reference.grouped_gemm(..., precision="fp8_block").
 
 Per routing (uniform / skewed: one expert with most rows, empty experts, counts not
@@ -18,7 +18,7 @@ Each GEMM row is repeated for the serial promotion consumer
 (Fp8MainloopConfig(overlap_promotion=False); the default overlaps): the same checks, plus
 bitwise equality with the default kernel's output.
 
-Expert-MLP kernels (mok_cute.kernels.sm90_fp8_expert), per routing, E = 8, H = 1024, I = 512,
+Expert-MLP kernels (mok_cute.kernels.sm90.fp8_expert), per routing, E = 8, H = 1024, I = 512,
 operands quantized by quantize_fp8_block_act (activations) and reference.fp8_block_quantize_weight
 per expert (weights; dgrad weights through transpose_weight_blocks), vs the reference with
 precision="fp8_block" (rel-L1 <= 1e-2, finite: NaN-poisoned outputs fully written; 5 repeats
@@ -356,12 +356,12 @@ def run(ctx) -> list[Row]:
     if skipped := sm90_skip(ctx, "gemm_fp8"):
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
-    from mok_cute.kernels import quantize_fp8 as qf  # noqa: PLC0415
-    from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
-    from mok_cute.kernels import sm90_fp8_expert as fx  # noqa: PLC0415
-    from mok_cute.kernels import sm90_fp8_gemm as fg  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
-    from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
+    from mok_cute.kernels.quant import quantize_fp8 as qf  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import expert_bwd as bwd  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import fp8_expert as fx  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import fp8_gemm as fg  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.dsl.compile import cache_stats  # noqa: PLC0415
 
     global SERIAL  # noqa: PLW0603
     SERIAL = fg.Fp8MainloopConfig(overlap_promotion=False)

@@ -1,4 +1,4 @@
-"""Device check: per-element-scaled SM90 FP8 GEMMs (mok_cute.kernels.sm90_fp8_scaled).
+"""Device check: per-element-scaled SM90 FP8 GEMMs (mok_cute.kernels.sm90.fp8_scaled).
 
 fp8_block wgrad (``grouped_wgrad_fp8_block``) vs ``reference.grouped_wgrad(a, b, offsets,
 "fp8_block")``, per routing (uniform / skewed: one hot expert, empty experts, counts not
@@ -283,11 +283,11 @@ def run(ctx) -> list[Row]:
     if skipped := sm90_skip(ctx, "gemm_fp8_scaled"):
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
-    from mok_cute.kernels import quantize_fp8 as qf  # noqa: PLC0415
-    from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
-    from mok_cute.kernels import sm90_fp8_scaled as S  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
-    from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
+    from mok_cute.kernels.quant import quantize_fp8 as qf  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import expert_bwd as bwd  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import fp8_scaled as S  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.dsl.compile import cache_stats  # noqa: PLC0415
 
     dev = ctx.device
     seeded(2468)

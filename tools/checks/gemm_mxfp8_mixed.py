@@ -1,4 +1,4 @@
-"""Device check: mixed-input MXFP8 grouped GEMM (mok_cute.kernels.sm90_mxfp8_mixed).
+"""Device check: mixed-input MXFP8 grouped GEMM (mok_cute.kernels.sm90.mxfp8_act_gemm).
 
 Contract under test: ``grouped_gemm_mxfp8_mixed(a, sa, offsets, w, sw)`` is BITWISE
 ``sm90_grouped_gemm.grouped_gemm(deq_a, offsets, deq_w)`` with deq_* made on the device by
@@ -231,11 +231,11 @@ def run(ctx) -> list[Row]:
     if skipped := sm90_skip(ctx, "gemm_mxfp8_mixed"):
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
-    from mok_cute.kernels import dequant_mxfp8 as dq  # noqa: PLC0415
-    from mok_cute.kernels import sm90_fp8_scaled as S  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
-    from mok_cute.kernels import sm90_mxfp8_mixed as X  # noqa: PLC0415
-    from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
+    from mok_cute.kernels.quant import dequant_mxfp8 as dq  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import fp8_scaled as S  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import mxfp8_act_gemm as X  # noqa: PLC0415
+    from mok_cute.dsl.compile import cache_stats  # noqa: PLC0415
 
     dev = ctx.device
     seeded(1357)

@@ -1,6 +1,6 @@
 """Device check: SM90 grouped expert GEMMs vs mok_cute.reference (functions of the same names).
 
-Forward: plain, GEMM1+SwiGLU. Backward (mok_cute.kernels.sm90_expert_bwd): GEMM2 dgrad with
+Forward: plain, GEMM1+SwiGLU. Backward (mok_cute.kernels.sm90.expert_bwd): GEMM2 dgrad with
 fused dSwiGLU, GEMM1 dgrad (B split along K), grouped wgrad (K = tokens, ragged TMA;
 column-slice operands as used for dWg / dWu).
 Per kernel and routing (uniform / skewed: one expert with most rows, empty experts, counts
@@ -319,7 +319,7 @@ def _check_launch_paths(gg, bwd, dev, gen):
     """Graph replays (sm90_launch) vs the DSL call path: each kernel writes a NaN-poisoned
     preallocated output through the DSL path, then three times through the graph path
     (capture, replay, replay; the output refilled with NaN before each): all bitwise equal."""
-    from mok_cute.kernels import sm90_launch  # noqa: PLC0415
+    from mok_cute.dsl import launch as sm90_launch  # noqa: PLC0415
 
     counts = _counts("skewed", 3000, gen)
     m = sum(counts)
@@ -426,9 +426,9 @@ def run(ctx) -> list[Row]:
     if skipped := sm90_skip(ctx, "gemm_sm90"):
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415 (lazy: written in parallel)
-    from mok_cute.kernels import sm90_expert_bwd as bwd  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
-    from mok_cute.kernels.compile import cache_stats  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import expert_bwd as bwd  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.dsl.compile import cache_stats  # noqa: PLC0415
 
     dev = ctx.device
     gen = seeded(1234)

@@ -1,7 +1,7 @@
 """Device check: MXFP8 -> BF16 dequantize kernels and the sm90 layer at precisions mxfp8 and
 fp8_block (EP = 1).
 
-Dequantize (mok_cute.kernels.dequant_mxfp8) vs ``reference.mxfp8_dequantize(...).bfloat16()``
+Dequantize (mok_cute.kernels.quant.dequant_mxfp8) vs ``reference.mxfp8_dequantize(...).bfloat16()``
 computed on the CPU: bitwise on every non-NaN element, NaN exactly where the reference has
 NaN; inputs are random e4m3 bytes (NaN codes and -0 included) with random scale bytes over
 0..255 plus whole rows / columns at the edge bytes 0, 1, 2, 3 and 0xFF; the inexact counter
@@ -63,9 +63,9 @@ def _random_mx(r, c, dim, dev, gen):
 
 def _dequant_rows(ctx) -> list[Row]:
     from mok_cute import reference as R
-    from mok_cute import sm100_backend as S
-    from mok_cute.kernels import quantize_fp8
-    from mok_cute.kernels.dequant_mxfp8 import dequantize_mxfp8, dequantize_mxfp8_tokens
+    from mok_cute.layers import sm100 as S
+    from mok_cute.kernels.quant import quantize_fp8
+    from mok_cute.kernels.quant.dequant_mxfp8 import dequantize_mxfp8, dequantize_mxfp8_tokens
 
     dev, gen = ctx.device, torch.Generator().manual_seed(11)
     rows = []
@@ -142,8 +142,8 @@ def _round_trip_rows(ctx, gen) -> list[Row]:
     """mxfp8_round_trip(_tokens) (one pass) vs the reference round trips and vs quantize +
     dequantize (two passes): bitwise, NaN-aware, inexact counter."""
     from mok_cute import reference as R
-    from mok_cute.kernels import quantize, quantize_fp8
-    from mok_cute.kernels.dequant_mxfp8 import (
+    from mok_cute.kernels.quant import quantize, quantize_fp8
+    from mok_cute.kernels.quant.dequant_mxfp8 import (
         dequantize_mxfp8, dequantize_mxfp8_tokens, mxfp8_round_trip, mxfp8_round_trip_tokens,
     )
 

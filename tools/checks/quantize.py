@@ -1,4 +1,4 @@
-"""Device check of the MXFP8 quantize kernels (mok_cute.kernels.quantize.quantize_mxfp8).
+"""Device check of the MXFP8 quantize kernels (mok_cute.kernels.quant.quantize.quantize_mxfp8).
 
 Bitwise comparison with mok_cute.reference.mxfp8_quantize on the CPU copy of each input
 (data compared as uint8, scales as uint8), for row-wise (dim=-1) and column-wise (dim=0):
@@ -7,7 +7,7 @@ random bf16/fp32 with per-block magnitudes 2^-140..2^120, and an edge-case tenso
 NaN/Inf, bf16 max). Then the time on 16384 x 7168 bf16 (GB/s counts bytes read + written)
 and on a tiny tensor (host launch overhead).
 
-FP8 rows (mok_cute.kernels.quantize_fp8): the fp8_block 1x128 row quantizer vs
+FP8 rows (mok_cute.kernels.quant.quantize_fp8): the fp8_block 1x128 row quantizer vs
 reference.fp8_block_quantize_act (scales compared as fp32 bit patterns, NaN included), and
 the token-wise transposed wgrad quantizers (fp8_block and MXFP8) vs
 reference.fp8_block_quantize_tokens / mxfp8_quantize_tokens on expert-grouped rows
@@ -104,7 +104,7 @@ def _compare(name, x, dim, quantize, reference) -> Row:
 
 
 def run(ctx) -> list[Row]:  # MXFP8 rows, then run_fp8's
-    from mok_cute.kernels.quantize import quantize_mxfp8
+    from mok_cute.kernels.quant.quantize import quantize_mxfp8
     from mok_cute.reference import mxfp8_quantize
 
     dev = ctx.device
@@ -169,8 +169,8 @@ def _groups(m, e, gen, kind):
 def _weights_t_rows(dtype, tag, gen, dev) -> list[Row]:
     """quantize_fp8_block_weights_t(wg, wu) vs the reference per expert and its stacked
     transpose (sm90_fp8_expert.transpose_weight_blocks of the reference pairs), bitwise."""
-    from mok_cute.kernels.quantize_fp8 import quantize_fp8_block_weights_t
-    from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+    from mok_cute.kernels.quant.quantize_fp8 import quantize_fp8_block_weights_t
+    from mok_cute.kernels.sm90.fp8_expert import transpose_weight_blocks
     from mok_cute.reference import fp8_block_quantize_weight
 
     e, k = 3, 384
@@ -193,7 +193,7 @@ def _weights_t_rows(dtype, tag, gen, dev) -> list[Row]:
 
 
 def run_fp8(ctx, gen) -> list[Row]:
-    from mok_cute.kernels.quantize_fp8 import (quantize_fp8_block_act, quantize_fp8_block_weight,
+    from mok_cute.kernels.quant.quantize_fp8 import (quantize_fp8_block_act, quantize_fp8_block_weight,
                                                quantize_fp8_block_weights_t, quantize_tokens)
     from mok_cute.reference import (fp8_block_quantize_act, fp8_block_quantize_tokens, fp8_block_quantize_weight,
                                     mxfp8_quantize_tokens)
@@ -242,7 +242,7 @@ def run_fp8(ctx, gen) -> list[Row]:
     us = bench_us(lambda: quantize_fp8_block_weights_t(wg, wu), warmup=3, iters=10)
 
     def separate():
-        from mok_cute.kernels.sm90_fp8_expert import transpose_weight_blocks
+        from mok_cute.kernels.sm90.fp8_expert import transpose_weight_blocks
         qs = [quantize_fp8_block_weight(w.view(e * i, h)) for w in (wg, wu)]
         transpose_weight_blocks(*((q.view(e, i, h), sc.view(e, i // 128, h // 128)) for q, sc in qs))
 

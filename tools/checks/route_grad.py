@@ -44,7 +44,7 @@ def _check(rg, route_sort, name, t, k, e, h, drop, dev, gen):
 
 
 def run(ctx) -> list[Row]:
-    from mok_cute.grouped_backend import route_sort  # noqa: PLC0415
+    from mok_cute.layers.grouped import route_sort  # noqa: PLC0415
     from mok_cute.kernels import route_grad as rg  # noqa: PLC0415
 
     dev, gen = ctx.device, seeded(77)

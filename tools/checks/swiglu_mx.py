@@ -11,7 +11,7 @@ def run(ctx) -> list[Row]:
     if skipped := sm90_skip(ctx, "swiglu_mx"):
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
-    from mok_cute.kernels import sm90_grouped_gemm as gg  # noqa: PLC0415
+    from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
 
     gen = seeded(4321)
     return [_guarded("swiglu mx_h", _check_swiglu_mx, gg, ref, ctx.device, gen, routing, limit, tma)

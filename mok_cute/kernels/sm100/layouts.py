@@ -1,6 +1,6 @@
 """Host-side layout and budget rules of the SM100/SM103 expert GEMMs (pure Python + torch).
 
-Nothing here imports the DSL: the kernels (:mod:`mok_cute.kernels.sm100_mainloop`) size
+Nothing here imports the DSL: the kernels (:mod:`mok_cute.kernels.sm100.mainloop`) size
 themselves with these functions and check at trace time that CuTe agrees, and the tests
 check these functions against brute-force constructions.
 

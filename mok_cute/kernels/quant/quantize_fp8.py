@@ -14,7 +14,7 @@ Contracts (bitwise equal to :mod:`mok_cute.reference`, by construction: same fp3
   [M, K/128] view (``.t()``), value-equal to the reference.
 * ``tokens`` — :func:`quantize_tokens` = ``reference.fp8_block_quantize_tokens`` (block 128,
   fp32 scales) or ``reference.mxfp8_quantize_tokens`` (block 32, E8M0 scales, the MXFP8
-  ops of :mod:`mok_cute.kernels.quantize`): x [M, N] token rows grouped by expert
+  ops of :mod:`mok_cute.kernels.quant.quantize`): x [M, N] token rows grouped by expert
   (offsets [E+1] int32 on the device, no host sync), quantized along tokens per group and
   written transposed, tile-aligned: data_t [N, B*S] (group e's tokens from column
   B*(offsets[e] // B + e)), scales [S, N], S = M // B + E. Every slot is written (padding
@@ -26,7 +26,7 @@ Contracts (bitwise equal to :mod:`mok_cute.reference`, by construction: same fp3
   w [N, K] in 128x128 blocks, one CTA of 256 threads per block, the ``row`` kind's ops with
   the amax over 16384 elements. Bitwise equal to the reference on the H200 (1847 GB/s on
   16384 x 7168 bf16, 11.7x the torch ops); the sm90 backend's fp8_block weights come from it
-  (cached per weight version by ``mok_cute.weight_cache``).
+  (cached per weight version by ``mok_cute.layers.weight_cache``).
 
 Thread work (``tokens``): one thread = 32 token rows x one 16-byte column chunk (C = 8 bf16
 or 4 fp32 features); the B/32 threads of one B-token tile are adjacent lanes and combine
@@ -39,9 +39,9 @@ Dims are runtime ``Int32``: one compiled kernel per (kind, fmt, arch, dtype).
 
 import torch
 
-from .compile import arch_of_device, compile_cached, compile_kernel, dsl
-from .fp8_ops import Fp8Ops
-from .host import FLOAT_INPUTS, MAX_NUMEL, check_float_input, check_rows16, current_stream
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.dsl.host import FLOAT_INPUTS, MAX_NUMEL, check_float_input, check_rows16, current_stream
 
 KINDS = ("row", "tokens", "weight", "weight_t")
 FORMATS = ("fp8_block", "mxfp8")
@@ -398,7 +398,7 @@ def quantize_fp8_block_weights_t(*weights: torch.Tensor):
     [E, K, N] e4m3, scales_t [E, K/128, N/128] fp32))`` with N = sum R_j: data_j / scales_j
     bitwise ``reference.fp8_block_quantize_weight`` per expert, and data_t / scales_t their
     stack along R transposed per expert (a block of W^T is the transpose of a block of W with
-    the same scale), i.e. ``sm90_fp8_expert.transpose_weight_blocks`` of the pairs. The
+    the same scale), i.e. ``sm90.fp8_expert.transpose_weight_blocks`` of the pairs. The
     transposed block goes through a shared [128 x 132-byte] tile of the block's CTA."""
     if not weights:
         raise ValueError("quantize_fp8_block_weights_t needs at least one weight")

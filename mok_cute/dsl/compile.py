@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from mok_cute.dsl.host import device_index
+
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 _lock = threading.Lock()
@@ -43,6 +45,18 @@ def arch_of_device(device=None) -> str:
 
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}a"
+
+
+_arch_of: dict[int, str] = {}
+
+
+def device_arch(device) -> tuple[int, str]:
+    """(device index, ``--gpu-arch``) of a CUDA device, cached (host launch overhead)."""
+    dev = device_index(device)
+    arch = _arch_of.get(dev)
+    if arch is None:
+        arch = _arch_of[dev] = arch_of_device(dev)
+    return dev, arch
 
 
 @dataclass

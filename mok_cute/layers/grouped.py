@@ -1,5 +1,5 @@
 """Layer backends built on grouped expert-MLP kernels: sm90 and sm100 (EP = 1; EP > 1 for
-sm90 through the symmetric-memory comm kernels, see :mod:`mok_cute.ep_layer`).
+sm90 through the symmetric-memory comm kernels, see :mod:`mok_cute.layers.ep`).
 
 Unfused stages, no host sync (CUDA-graph friendly): a stable sort of the T*k (token, slot)
 routes by expert gives expert-grouped rows in the reference's order (token, then slot) and
@@ -21,40 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import route_grad
-from .reference import MoEGrads, _world, slot_sum
-
-
-@dataclass
-class ExpertGroup:
-    """One expert group's forward state: rows x, offsets, gu = [g | u], h, and the precision
-    the forward ran in (the backward runs in the same)."""
-
-    x: torch.Tensor
-    offsets: torch.Tensor
-    gu: torch.Tensor
-    h: torch.Tensor
-    precision: str = "bf16"
-
-
-def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
-    """(rows [M, H], ExpertGroup): h = SwiGLU GEMM1 (gu, h), then GEMM2, through an arch's
-    grouped GEMM calls (``gemm1_swiglu(x, offsets, w_gate, w_up, limit) -> (gu, h)``,
-    ``gemm(a, offsets, w) -> out``)."""
-    gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
-    return gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
-
-
-def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-    """(dx rows, dWg, dWu, dWd): dgrad2 + dSwiGLU, dgrad1 and the three weight gradients,
-    through an arch's grouped GEMM calls (argument order of ``sm90_expert_bwd``)."""
-    inter = w_gate.shape[1]
-    dgu = dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
-    dx = dgrad1(dgu, g.offsets, w_gate, w_up)
-    dwd = wgrad(dy_rows, g.h, g.offsets)
-    dwg = wgrad(dgu[:, :inter], g.x, g.offsets)
-    dwu = wgrad(dgu[:, inter:], g.x, g.offsets)
-    return dx, dwg, dwu, dwd
+from mok_cute.kernels import route_grad
+from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward
+from mok_cute.reference import MoEGrads, _world, slot_sum
 
 
 @dataclass
@@ -93,32 +62,9 @@ def _scatter_slots(rows, order, valid, t, k):
     return out.view(t, k, rows.shape[1])
 
 
-def shared_forward(mlp, x, shared, limit, **kw):
-    """The shared expert as one more group (all T tokens): (out [T, H], ExpertGroup), or
-    (None, None) without one."""
-    if shared is None:
-        return None, None
-    offs = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
-    return mlp.forward(x, offs, *(w[None] for w in shared), limit, **kw)
-
-
-def shared_backward(mlp, group, dy, shared, limit):
-    """(dx [T, H], (d ws_gate, d ws_up, d ws_down)) of the shared expert, or (None, None)."""
-    if shared is None:
-        return None, None
-    dxs, *dws = mlp.backward(group, dy, *(w[None] for w in shared), limit)
-    return dxs, tuple(d[0] for d in dws)
-
-
-def topk_w_grad(dy, slot_out, topk_idx):
-    """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots."""
-    dtw = (dy.float()[:, None, :] * slot_out.float()).sum(-1)
-    return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
-
-
 class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
-    through :mod:`mok_cute.ep_layer` when the MLP has ``expert_parallel = True`` (sm90)."""
+    through :mod:`mok_cute.layers.ep` when the MLP has ``expert_parallel = True`` (sm90)."""
 
     def __init__(self, mlp):
         self.mlp, self.name = mlp, mlp.arch
@@ -130,7 +76,7 @@ class GroupedExpertBackend:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
                                       "symmetric-memory dispatch/combine path, not built yet")
         if ep != 1 and config.precision not in self.mlp.ep_precisions:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.ep_layer) runs "
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.layers.ep) runs "
                                       f"{', '.join(self.mlp.ep_precisions)} only, not precision "
                                       f"{config.precision!r}: use EP = 1")
         tiles = {n: getattr(config, n) for n in ("tile_m", "tile_n", "tile_k") if getattr(config, n) is not None}
@@ -151,7 +97,7 @@ class GroupedExpertBackend:
         self.check(inp, config, group)
         ep, _ = _world(group)
         if ep != 1:
-            from . import ep_layer
+            from mok_cute.layers import ep as ep_layer
 
             return ep_layer.forward(self.mlp, inp, group, ep, config)
         x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
@@ -170,7 +116,7 @@ class GroupedExpertBackend:
 
     def backward(self, st, dy: torch.Tensor) -> MoEGrads:
         if not isinstance(st, _State):
-            from . import ep_layer
+            from mok_cute.layers import ep as ep_layer
 
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape

@@ -41,10 +41,8 @@ Epilogues:
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import struct
 
 import cuda.bindings.driver as cuda
 import torch
@@ -54,13 +52,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
-from mok_cute.kernels.fp8_ops import Fp8Ops
-from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d  # noqa: F401 (_cute_tensor: tests)
-from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count
 from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
-from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
-from mok_cute.kernels.sm90_mainloop import (
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
 )
@@ -159,7 +157,7 @@ class PlainEpilogue(_StagedEpilogue):
 
 # ---------------------------------------------------------------- TMA-store epilogue
 # Per-expert row bound for the output (the wrap-around trick of the ragged-K wgrad loads,
-# see ``sm90_expert_bwd``): the [M, N] output (row stride s) is seen as (R, N, X, X) with
+# see ``sm90.expert_bwd``): the [M, N] output (row stride s) is seen as (R, N, X, X) with
 # strides (s, 1, 2^34 - s, s). Rows ``row0 .. row0 + tile_m`` of an expert ending at row
 # ``hi`` are addressed at row coordinate ``R - hi + row0`` and extra coordinates (R, hi):
 # address (row0 + r) s + 2^64 (mod 2^64: row row0 + r), in bounds iff row0 + r < hi, so
@@ -263,7 +261,7 @@ class SwigluEpilogue(_StagedEpilogue):
     ``mx_h``: also writes h quantized to MXFP8 along I (GEMM2's forward operand, quantized
     where it is produced): data hq [M, I] e4m3 (seen as u32 words [M, I/4]) and E8M0 scales
     hs [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` (the ops of
-    :mod:`mok_cute.kernels.quantize`'s row kernel on the same bf16 values). In the 16-byte
+    :mod:`mok_cute.kernels.quant.quantize`'s row kernel on the same bf16 values). In the 16-byte
     row copy a 32-element block is 4 adjacent lanes (``tile_n/2`` is a multiple of 32), whose
     amax meets by two butterfly shuffles.
     """
@@ -664,53 +662,12 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     return m, k, e
 
 
-class _Desc:
-    """Fast host-side kernel argument for a torch tensor: the ``{data, i32 shapes[n], i64
-    strides[n-1]}`` memref descriptor that :func:`_cute_tensor` builds (every shape mode
-    dynamic, last stride static 1), packed directly (tests check the bytes are equal).
-    The compiled function reads it through ``__c_pointers__``; the tensor is kept alive."""
-
-    __slots__ = ("_buf", "_keep")
-
-    def __init__(self, t: torch.Tensor):
-        n = t.dim()
-        if t.stride(-1) != 1:
-            raise ValueError(f"kernel tensor arguments need a unit last stride, got strides {t.stride()}")
-        pad = (0,) if n % 2 else ()  # the i64 strides start 8-byte aligned
-        fmt = "<Q" + "i" * (n + len(pad)) + "q" * (n - 1)
-        self._buf = ctypes.create_string_buffer(struct.pack(fmt, t.data_ptr(), *t.shape, *pad, *t.stride()[:-1]))
-        self._keep = t
-
-    def __c_pointers__(self):
-        return [ctypes.addressof(self._buf)]
-
-    def raw(self) -> bytes:
-        return self._buf.raw[:len(self._buf.raw) - 1]  # create_string_buffer adds a NUL
-
-
-_arch_of: dict[int, str] = {}
-
-
-def device_arch(device) -> tuple[int, str]:
-    """(device index, ``--gpu-arch``) of a CUDA device, cached (host launch overhead)."""
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _arch_of.get(dev)
-    if arch is None:
-        arch = _arch_of[dev] = arch_of_device(dev)
-    return dev, arch
-
-
-def current_stream(dev: int):
-    """The current torch stream of device ``dev`` as a driver handle (cheap raw-handle path)."""
-    return cuda.CUstream(torch._C._cuda_getCurrentRawStream(dev))
-
-
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
             b_major: str = K_MAJOR, w2=None, hq=None, hs=None):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
     the N extent tiled by ``cfg.tile_n``; ``hq``/``hs`` (swiglu only): the MXFP8 copy of h as
     int32 words [M, I/4] and uint8 scales [M, I/32]. Launches replay a captured graph per
-    argument set (:mod:`mok_cute.kernels.sm90_launch`)."""
+    argument set (:mod:`mok_cute.dsl.launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")

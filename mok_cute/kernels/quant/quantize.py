@@ -22,9 +22,9 @@ every shape; the wrapper requires numel < 2^31.
 
 import torch
 
-from .compile import arch_of_device, compile_cached, compile_kernel, dsl
-from .fp8_ops import Fp8Ops
-from .host import FLOAT_INPUTS, check_float_input, check_rows16, current_stream
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.dsl.host import FLOAT_INPUTS, check_float_input, check_rows16, current_stream
 
 KINDS = ("row", "col")
 DTYPES = FLOAT_INPUTS

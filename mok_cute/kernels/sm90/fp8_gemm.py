@@ -12,7 +12,7 @@ Operands (both K-major, as FP8 ``wgmma.mma_async ... .e4m3.e4m3`` requires):
 The same kernel also runs the expert-MLP variants (:class:`Fp8BlockGroupedGemm` epilogues
 ``swiglu``: GEMM1 with gate and up halves of one B tile, each half promoted with its own
 block scale; ``dswiglu``: dgrad of GEMM2 with the dSwiGLU epilogue, its g, u inputs
-prefetched before the mainloop); their wrappers are in :mod:`mok_cute.kernels.sm90_fp8_expert`.
+prefetched before the mainloop); their wrappers are in :mod:`mok_cute.kernels.sm90.fp8_expert`.
 
 Mainloop: the producer is ``Sm90Mainloop.load_tile`` unchanged (TMA of A and B k-tiles;
 tile_k = 128 e4m3 = 128 bytes = one swizzle atom = one scale block). The serial consumer
@@ -63,13 +63,13 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from mok_cute.kernels.compile import compile_cached, compile_kernel
-from mok_cute.kernels.host import offsets_i32
-from mok_cute.kernels.sm90_grouped_gemm import (
-    EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _check_devices, _check_out, _check_tensor, _Desc,
-    _fetch_rows, _load_rows, _row_copy, _store_rows, current_stream, device_arch, sm_count,
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.dsl.host import _check_devices, _check_out, _check_tensor, current_stream, offsets_i32, sm_count
+from mok_cute.dsl.launch import _Desc
+from mok_cute.kernels.sm90.grouped_gemm import (
+    EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _fetch_rows, _load_rows, _row_copy, _store_rows,
 )
-from mok_cute.kernels.sm90_mainloop import (
+from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     consumer_barrier,
 )

@@ -18,9 +18,9 @@ rows, then dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j)) in slot order) -> d top
 fp32 sum_h dy[t, h] * r_j[t, h] from the saved slot rows -> ``ws.check_status()``.
 
 MXFP8 (``precision="mxfp8"``): each rank quantizes its x rows along H on the device
-(:func:`~mok_cute.kernels.quantize.quantize_mxfp8`), the dispatch pulls e4m3 data + E8M0
+(:func:`~mok_cute.kernels.quant.quantize.quantize_mxfp8`), the dispatch pulls e4m3 data + E8M0
 scales (H + H/32 bytes per row instead of 2H over NVLink) and the expert rank dequantizes them
-exactly to bf16 (:func:`~mok_cute.kernels.dequant_mxfp8.dequantize_mxfp8`): the rows are the
+exactly to bf16 (:func:`~mok_cute.kernels.quant.dequant_mxfp8.dequantize_mxfp8`): the rows are the
 MXFP8 round trip of x, which is what the expert MLP at mxfp8 reads (its own round trip of them
 is the identity). Combine and the backward's comm stay bf16, as in the reference. One
 difference from the reference: the expert rank never holds x itself, so dWg / dWu quantize the
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .grouped_backend import shared_backward, shared_forward, topk_w_grad
-from .reference import MoEGrads
+from mok_cute.layers.common import shared_backward, shared_forward, topk_w_grad
+from mok_cute.reference import MoEGrads
 
 @dataclass
 class EPState:
@@ -58,10 +58,10 @@ class EPState:
 
 
 def forward(mlp, inp, group, ep: int, config):
-    from .comm.combine import combine
-    from .comm.dispatch import dispatch
-    from .comm.workspace import get_workspace
-    from .schedule.plan import plan_routing_device
+    from mok_cute.comm.combine import combine
+    from mok_cute.comm.dispatch import dispatch
+    from mok_cute.comm.workspace import get_workspace
+    from mok_cute.schedule.plan import plan_routing_device
 
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
@@ -71,8 +71,8 @@ def forward(mlp, inp, group, ep: int, config):
     ctas = config.comm_sms_fwd
     kw = {} if config.precision == "bf16" else {"precision": config.precision}
     if config.precision == "mxfp8":
-        from .kernels.dequant_mxfp8 import dequantize_mxfp8
-        from .kernels.quantize import quantize_mxfp8
+        from mok_cute.kernels.quant.dequant_mxfp8 import dequantize_mxfp8
+        from mok_cute.kernels.quant.quantize import quantize_mxfp8
 
         q, sc, w_rows = dispatch(ws, quantize_mxfp8(x, -1), plan, payload="mxfp8", topk_w=inp.topk_w, num_ctas=ctas)
         x_rows = dequantize_mxfp8(q.contiguous(), sc.contiguous())
@@ -89,8 +89,8 @@ def forward(mlp, inp, group, ep: int, config):
 
 
 def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
-    from .comm.combine import reverse_dispatch
-    from .comm.dispatch import reverse_combine
+    from mok_cute.comm.combine import reverse_dispatch
+    from mok_cute.comm.dispatch import reverse_combine
 
     ws, plan = st.ws, st.plan
     dyr = reverse_combine(ws, dy, plan, num_ctas=st.ctas_bwd)

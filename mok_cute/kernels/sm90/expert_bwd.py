@@ -38,18 +38,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from mok_cute.kernels.compile import compile_cached, compile_kernel
-from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
-from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
-from mok_cute.kernels.host import (
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.dsl.host import (
     _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, offsets_i32,
     sm_count, wgrad_out,
 )
-from mok_cute.kernels.sm90_grouped_gemm import (
-    _VEC, DEFAULT_CONFIG, PlainEpilogue, _Desc, _launch, device_arch, effective_config, make_tma_store,
+from mok_cute.kernels.sm90.grouped_gemm import (
+    _VEC, DEFAULT_CONFIG, PlainEpilogue, _launch, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
 )
-from mok_cute.kernels.sm90_mainloop import (
+from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
 )
 from mok_cute.schedule.group_tiles import wgrad_tile

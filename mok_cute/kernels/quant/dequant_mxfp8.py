@@ -20,7 +20,7 @@ number of finite elements whose fp32 value is not representable in bf16 (low 16 
 fp32 product nonzero); no host sync. Zero for every scale byte >= 3, so nonzero means a
 block with a scale near 2^-127 (values ~1e-38) was rounded.
 
-Layouts (inputs are the outputs of :mod:`mok_cute.kernels.quantize` / ``quantize_fp8``):
+Layouts (inputs are the outputs of :mod:`mok_cute.kernels.quant.quantize` / ``quantize_fp8``):
 
 * ``row``    data [R, C], scales [R, C/32] (``quantize_mxfp8(x, -1)``): per 16-byte chunk (16
   elements, half a block) one 16-byte load, one scale byte, two 16-byte stores; a thread
@@ -51,9 +51,9 @@ Dims are runtime ``Int32``: one compiled kernel per (layout, arch, counting) ser
 
 import torch
 
-from .compile import arch_of_device, compile_cached, compile_kernel, dsl
-from .fp8_ops import Fp8Ops
-from .host import MAX_NUMEL, _check_devices, current_stream
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.dsl.host import MAX_NUMEL, _check_devices, current_stream
 
 LAYOUTS = ("row", "col", "tokens", "rt_row", "rt_tokens")
 _THREADS = 256
@@ -481,7 +481,7 @@ def mxfp8_round_trip(x: torch.Tensor, *, out=None, counter=None):
 
     x bf16 [M, K] contiguous, 16-byte aligned, K % 32 == 0. Bitwise
     ``reference.mx_round_trip(x, -1).bfloat16()`` = ``dequantize_mxfp8(*quantize_mxfp8(x, -1))``
-    (same quantize ops as :mod:`mok_cute.kernels.quantize`; NaN blocks as NaN). ``out`` /
+    (same quantize ops as :mod:`mok_cute.kernels.quant.quantize`; NaN blocks as NaN). ``out`` /
     ``counter`` as in :func:`dequantize_mxfp8`.
     """
     _check_bf16_rows(x)

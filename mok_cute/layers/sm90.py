@@ -3,12 +3,12 @@
 
 Forward: GEMM1 + SwiGLU (gu, h), GEMM2. Backward: dgrad2 + dSwiGLU, dgrad1, three wgrads.
 Inputs are validated once per call here; the kernels then run unchecked
-(mok_cute.kernels.sm90_grouped_gemm / sm90_expert_bwd).
+(mok_cute.kernels.sm90.grouped_gemm / sm90.expert_bwd).
 
 MXFP8 (Hopper has no block-scaled MMA): every GEMM operand goes through its MXFP8 round trip
-along the reference's axes (the table of :mod:`mok_cute.sm100_backend`: rows along K, weights
+along the reference's axes (the table of :mod:`mok_cute.layers.sm100`: rows along K, weights
 through 2-D views [E*R, C] along C or along R, wgrad operands token-wise per expert) in one
-pass each (:func:`mok_cute.kernels.dequant_mxfp8.mxfp8_round_trip` / ``_tokens``: the CuTe
+pass each (:func:`mok_cute.kernels.quant.dequant_mxfp8.mxfp8_round_trip` / ``_tokens``: the CuTe
 quantizers' ops, then the dequantization to BF16), and the BF16 kernels run on the result.
 The round trip of a BF16 input is always exact in BF16 (see :mod:`dequant_mxfp8`), so the
 kernels read the reference's dequantized values and the layer equals the reference's mxfp8
@@ -21,7 +21,7 @@ per expert, with the transposed dgrad operands written in the same pass: I, H mu
 128, so no block straddles two experts), then the SM90 FP8 kernels (:func:`fp8_kernel`).
 
 Weights: their quantizations (MXFP8: dequantized BF16 per axis; fp8_block: data + scales,
-and the transposed dgrad operands) are cached in a :class:`~mok_cute.weight_cache.WeightCache` while the weight is
+and the transposed dgrad operands) are cached in a :class:`~mok_cute.layers.weight_cache.WeightCache` while the weight is
 unchanged, so the forward and backward of a step (and the shared expert) quantize each
 weight once; an in-place update (optimizer step: ``_version`` bump) recomputes. The cache
 holds no reference to the weights; its entries live as long as their weights' storage
@@ -34,30 +34,30 @@ import importlib
 
 import torch
 
-from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
-from .kernels.host import offsets_i32
-from .weight_cache import WeightCache
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward
+from mok_cute.dsl.host import offsets_i32
+from mok_cute.layers.weight_cache import WeightCache
 
 # FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
 _FP8_KERNELS = {
-    "grouped_gemm1_swiglu_fp8_block": "sm90_fp8_expert",
-    "grouped_gemm_fp8_block": "sm90_fp8_gemm",
-    "grouped_dswiglu_dgrad_fp8_block": "sm90_fp8_expert",
-    "grouped_dgrad1_fp8_block": "sm90_fp8_expert",
-    "grouped_wgrad_fp8_block": "sm90_fp8_scaled",
+    "grouped_gemm1_swiglu_fp8_block": "fp8_expert",
+    "grouped_gemm_fp8_block": "fp8_gemm",
+    "grouped_dswiglu_dgrad_fp8_block": "fp8_expert",
+    "grouped_dgrad1_fp8_block": "fp8_expert",
+    "grouped_wgrad_fp8_block": "fp8_scaled",
 }
 
 
 def fp8_kernel(name: str):
     """The FP8 blockwise kernel wrapper ``name`` (a key of ``_FP8_KERNELS``)."""
-    return getattr(importlib.import_module(f"mok_cute.kernels.{_FP8_KERNELS[name]}"), name)
+    return getattr(importlib.import_module(f"mok_cute.kernels.sm90.{_FP8_KERNELS[name]}"), name)
 
 
 # ----------------------------------------------------------------------------- MXFP8
 def _mx_dequant_weight(w, axis):
     """bf16 [E, R, C]: w's MXFP8 round trip along ``axis`` (2: C, rows of [E*R, C]; 1: R, columns
     of [E*R, C] in blocks of 32 rows from row 0: R % 32 == 0, so no block straddles experts)."""
-    from .kernels import dequant_mxfp8
+    from mok_cute.kernels.quant import dequant_mxfp8
 
     e, r, c = w.shape
     w2 = w.reshape(e * r, c)
@@ -69,14 +69,14 @@ def _mx_dequant_weight(w, axis):
 
 def _mx_rows(x):
     """bf16 [M, K]: x's MXFP8 round trip along its rows."""
-    from .kernels import dequant_mxfp8
+    from mok_cute.kernels.quant import dequant_mxfp8
 
     return dequant_mxfp8.mxfp8_round_trip(x)
 
 
 def _mx_tokens(x, offs32):
     """bf16 token rows [M, N]: x's MXFP8 round trip along tokens per expert (0 past offsets[E])."""
-    from .kernels import dequant_mxfp8
+    from mok_cute.kernels.quant import dequant_mxfp8
 
     return dequant_mxfp8.mxfp8_round_trip_tokens(x, offs32)
 
@@ -86,19 +86,19 @@ def _fp8_weights(*ws):
     """``([(data [E, R_j, C] e4m3, scales [E, R_j/128, C/128] fp32) per weight], (data_t [E, C,
     sum R_j], scales_t))``: 128x128 blocks per expert, and the dgrad operand (the weights stacked
     along R and transposed), in one pass (``quantize_fp8.quantize_fp8_block_weights_t``)."""
-    from .kernels import quantize_fp8
+    from mok_cute.kernels.quant import quantize_fp8
 
     return quantize_fp8.quantize_fp8_block_weights_t(*(w.contiguous() for w in ws))
 
 
 def _fp8_act(x):
-    from .kernels import quantize_fp8
+    from mok_cute.kernels.quant import quantize_fp8
 
     return quantize_fp8.quantize_fp8_block_act(x)
 
 
 def _fp8_tokens(x, offs32):
-    from .kernels import quantize_fp8
+    from mok_cute.kernels.quant import quantize_fp8
 
     return quantize_fp8.quantize_tokens(x, offs32, "fp8_block")
 
@@ -109,7 +109,7 @@ class Sm90ExpertMLP:
     arch = "sm90"
     tile_n = 256
     precisions = ("bf16", "mxfp8", "fp8_block")
-    expert_parallel = True  # EP > 1 through mok_cute.ep_layer ...
+    expert_parallel = True  # EP > 1 through mok_cute.layers.ep ...
     ep_precisions = ("bf16", "mxfp8")  # ... in these precisions (checked by GroupedExpertBackend)
 
     def __init__(self):
@@ -117,7 +117,7 @@ class Sm90ExpertMLP:
 
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``."""
-        from .kernels import sm90_grouped_gemm as fwd
+        from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         if precision not in self.precisions:
             raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
@@ -131,8 +131,8 @@ class Sm90ExpertMLP:
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands
         were validated by forward, only dy is new."""
-        from .kernels import sm90_expert_bwd as bwd
-        from .kernels import sm90_grouped_gemm as fwd
+        from mok_cute.kernels.sm90 import expert_bwd as bwd
+        from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
         if g.precision == "mxfp8":

@@ -31,11 +31,21 @@ def check_rows16(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}.data_ptr() must be 16-byte aligned")
 
 
-def current_stream(device):
-    """The current torch stream of ``device`` as a ``cuda.CUstream`` for compiled kernels."""
+def device_index(device=None) -> int:
+    """Index of a CUDA device given as a torch.device, an index, or None (the current device)."""
+    if isinstance(device, int):
+        return device
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
+def current_stream(device=None):
+    """The current torch stream of ``device`` (see :func:`device_index`) as a ``cuda.CUstream``
+    for compiled kernels (the raw handle: no torch Stream object on the launch path)."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    return cuda.CUstream(torch._C._cuda_getCurrentRawStream(device_index(device)))
 
 
 # ---------------------------------------------------------------- grouped GEMM wrappers
@@ -51,8 +61,7 @@ def offsets_i32(offsets: torch.Tensor) -> torch.Tensor:
 
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
-    dev = device if isinstance(device, int) else (
-        device.index if device.index is not None else torch.cuda.current_device())
+    dev = device_index(device)
     if dev not in _sm_count:
         _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     return _sm_count[dev]
@@ -146,3 +155,50 @@ def wgrad_out(out, shape, device):
     if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous with shape {tuple(shape)}, got {tuple(out.shape)}")
     return out
+
+
+# ---------------------------------------------------------------- raw-pointer kernels (comm, plan)
+def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    """TypeError/ValueError unless ``t`` is a contiguous ``dtype`` tensor of ``shape`` on
+    ``device`` (a ``None`` entry in ``shape`` accepts any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address")
+
+
+def dptr(t: torch.Tensor, dtype=None, align: int = 16):
+    """Runtime ``cute.Pointer`` to a device tensor's data (dtype from the tensor by default)."""
+    import cutlass  # noqa: PLC0415 (the DSL only when a kernel is called)
+    import cutlass.cute as cute  # noqa: PLC0415
+    from cutlass.cute.runtime import make_ptr  # noqa: PLC0415
+
+    m = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32,
+         torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
+    return make_ptr(dtype or m[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_stream():
+    """Compile-time placeholder stream (no GPU needed)."""
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    return cuda.CUstream(0)
+
+
+def fake_ptr(kind: str):
+    """Compile-time placeholder pointer ('bf16', 'f32', 'i32', 'i64')."""
+    import cutlass  # noqa: PLC0415 (the DSL only when a kernel is called)
+    import cutlass.cute as cute  # noqa: PLC0415
+    from cutlass.cute.runtime import make_ptr  # noqa: PLC0415
+
+    dt = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32,
+          "i64": cutlass.Int64}[kind]
+    return make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=16)

@@ -1,5 +1,5 @@
 """Hopper (sm_90a) FP8 blockwise (precision "fp8_block") expert-MLP GEMMs besides plain GEMM2
-and wgrad, on the promoted FP8 mainloop of :mod:`mok_cute.kernels.sm90_fp8_gemm`.
+and wgrad, on the promoted FP8 mainloop of :mod:`mok_cute.kernels.sm90.fp8_gemm`.
 
 Numerics: :mod:`mok_cute.reference` ("FP8 blockwise"): operands quantized as the reference
 does (activations / gradients 1x128 along K, weights in 128x128 blocks, one block set for
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from mok_cute.kernels.host import _check_devices, _check_limit, _check_out, _check_tensor
-from mok_cute.kernels.sm90_fp8_gemm import DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, launch_fp8_block
+from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_tensor
+from mok_cute.kernels.sm90.fp8_gemm import DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, launch_fp8_block
 
 _FP8 = torch.float8_e4m3fn
 

@@ -1,12 +1,12 @@
 """Trace-time building blocks of the FP8 quantize and dequantize kernels (:mod:`quantize`,
-:mod:`quantize_fp8`, :mod:`dequant_mxfp8`, :mod:`sm90_mxfp8_mixed`).
+:mod:`quantize_fp8`, :mod:`dequant_mxfp8`, :mod:`sm90.mxfp8_act_gemm`).
 
 Inputs are handled as 32-bit words of bf16 (two elements, low half first) or fp32 (one) bit
 patterns; an amax is the max of the |x| bit patterns (integer max: subnormals kept, NaN/Inf
 are the patterns >= 0x7F800000). Every method emits the instructions at the call site.
 """
 
-from .compile import dsl
+from mok_cute.dsl.compile import dsl
 
 
 class Fp8Ops:

@@ -13,7 +13,7 @@ Operand types (:class:`Sm100Config` ``ab_dtype``):
 * ``cutlass.Float8E4M3FN`` (MXFP8): ``tcgen05.mma.kind::mxf8f6f4.block_scale`` with one E8M0
   scale per 32 elements along K; each k-tile's SFA / SFB bytes are TMA-loaded with A and B
   and copied shared -> tensor memory (``tcgen05.cp``) right before the MMAs that read them.
-  Scales live in the 128x4 blocked layout of :mod:`mok_cute.kernels.sm100_layouts`.
+  Scales live in the 128x4 blocked layout of :mod:`mok_cute.kernels.sm100.layouts`.
 
 ``tile_m`` 256 selects ``cta_group::2``: a cluster of two CTAs computes one 256-row tile,
 each CTA holding 128 rows of A, half of B's rows and its own 128 accumulator rows; the
@@ -39,7 +39,7 @@ import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
-from mok_cute.kernels import sm100_layouts as lay
+from mok_cute.kernels.sm100 import layouts as lay
 
 EPI_WARPS = 4
 MMA_WARP = 4
@@ -170,8 +170,8 @@ class Sm100Mainloop:
             self.sfb_smem = blockscaled.make_smem_layout_sfb(self.tiled_mma, self.mma_tiler, lay.SF_VEC, self.stages)
             tx += cute.size_in_bytes(SF_DTYPE, cute.slice_(self.sfa_smem, (None, None, None, 0)))
             tx += cute.size_in_bytes(SF_DTYPE, cute.slice_(self.sfb_smem, (None, None, None, 0)))
-        if tx != self.stage_bytes:  # sm100_layouts.stage_bytes is the budget the host relies on
-            raise ValueError(f"stage bytes: CuTe {tx}, sm100_layouts {self.stage_bytes}")
+        if tx != self.stage_bytes:  # sm100.layouts.stage_bytes is the budget the host relies on
+            raise ValueError(f"stage bytes: CuTe {tx}, sm100.layouts {self.stage_bytes}")
         self.tx_bytes = tx * cfg.cta_group  # the leader's full barrier counts both CTAs' bytes
 
     def make_tiled_mma(self):

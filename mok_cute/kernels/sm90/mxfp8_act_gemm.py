@@ -1,12 +1,12 @@
 """Hopper (sm_90a) MXFP8 grouped GEMM, mixed input: e4m3 operands dequantized exactly to BF16
-in shared memory, then the BF16 wgmma mainloop of :mod:`sm90_grouped_gemm`.
+in shared memory, then the BF16 wgmma mainloop of :mod:`sm90.grouped_gemm`.
 
 Contract (:func:`grouped_gemm_mxfp8_mixed`, that of ``grouped_gemm_mxfp8_promoted``): rows of
 expert e: out = bf16(fp32 sum over K of deq(a) * deq(w[e])), deq(q, s) = bf16(fp32(q) *
 2^(s - 127)) (one ``mul.rn.f32``, no FTZ, then ``cvt.rn.bf16x2.f32``; scale 0xFF -> NaN): the
-ops of :mod:`dequant_mxfp8` (shared through :class:`~mok_cute.kernels.fp8_ops.Fp8Ops`), so the
+ops of :mod:`dequant_mxfp8` (shared through :class:`~mok_cute.kernels.quant.fp8_ops.Fp8Ops`), so the
 BF16 tiles equal ``dequantize_mxfp8(q, s)`` bitwise. The BF16 tiles, the tiled MMA, the
-k-order and the epilogue are those of ``sm90_grouped_gemm.grouped_gemm`` (128 x 256 x 64,
+k-order and the epilogue are those of ``sm90.grouped_gemm.grouped_gemm`` (128 x 256 x 64,
 same :meth:`Sm90Mainloop.mma_tile`, same persistent tile walk), so the result is bitwise
 ``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, dequantize_mxfp8(w, w_scales))``.
 HBM traffic is that of FP8 operands (half of BF16's) plus 1/32 for scales.
@@ -74,18 +74,18 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from mok_cute.kernels.compile import compile_cached, compile_kernel
-from mok_cute.kernels.dsl_tensors import _fake_2d, _fake_3d
-from mok_cute.kernels.fp8_ops import Fp8Ops
-from mok_cute.kernels.host import offsets_i32, sm_count
-from mok_cute.kernels.sm90_fp8_gemm import _fake
-from mok_cute.kernels.sm90_fp8_scaled import _sm90, check_mxfp8_operands
-from mok_cute.kernels.sm90_grouped_gemm import (
-    DEFAULT_CONFIG, PlainEpilogue, _Desc, _expert_rows, _ragged_rows, effective_config, make_tma_store,
+from mok_cute.dsl.compile import compile_cached, compile_kernel
+from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.dsl.host import offsets_i32, sm_count
+from mok_cute.kernels.sm90.fp8_gemm import _fake
+from mok_cute.kernels.sm90.fp8_scaled import _sm90, check_mxfp8_operands
+from mok_cute.kernels.sm90.grouped_gemm import (
+    DEFAULT_CONFIG, PlainEpilogue, _expert_rows, _ragged_rows, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
 )
-from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
-from mok_cute.kernels.sm90_mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.kernels.sm90.mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
 FP8_STAGES = 2
@@ -573,7 +573,7 @@ def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None
     K) or bf16, contiguous, N a multiple of ``cfg.tile_n`` (256); offsets int32/int64 [E+1]
     on the device (0, non-decreasing, last = M; trusted, no host sync). ``out``: optional
     contiguous [M, N] bf16 (every row is written). The TMA-store epilogue follows the BF16
-    kernel's process-wide setting (``sm90_grouped_gemm.set_tma_store``).
+    kernel's process-wide setting (``sm90.grouped_gemm.set_tma_store``).
     """
     m, n, e, out = check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, cfg.tile_n)
     if m == 0:

@@ -20,7 +20,9 @@ for the process (with a warning) and launches through the DSL.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import threading
 import warnings
 from collections import OrderedDict
@@ -114,3 +116,27 @@ class GraphLauncher:
             self._graphs.move_to_end(key)
         _stats["graph"] += 1
         _check(cuda.cuGraphLaunch(gexec, cuda.CUstream(stream)), "cuGraphLaunch")
+
+
+class _Desc:
+    """Fast host-side kernel argument for a torch tensor: the ``{data, i32 shapes[n], i64
+    strides[n-1]}`` memref descriptor that :func:`_cute_tensor` builds (every shape mode
+    dynamic, last stride static 1), packed directly (tests check the bytes are equal).
+    The compiled function reads it through ``__c_pointers__``; the tensor is kept alive."""
+
+    __slots__ = ("_buf", "_keep")
+
+    def __init__(self, t: torch.Tensor):
+        n = t.dim()
+        if t.stride(-1) != 1:
+            raise ValueError(f"kernel tensor arguments need a unit last stride, got strides {t.stride()}")
+        pad = (0,) if n % 2 else ()  # the i64 strides start 8-byte aligned
+        fmt = "<Q" + "i" * (n + len(pad)) + "q" * (n - 1)
+        self._buf = ctypes.create_string_buffer(struct.pack(fmt, t.data_ptr(), *t.shape, *pad, *t.stride()[:-1]))
+        self._keep = t
+
+    def __c_pointers__(self):
+        return [ctypes.addressof(self._buf)]
+
+    def raw(self) -> bytes:
+        return self._buf.raw[:len(self._buf.raw) - 1]  # create_string_buffer adds a NUL

@@ -1,8 +1,8 @@
 """Blackwell (sm_100a / sm_103a) persistent grouped expert GEMMs, BF16 and MXFP8, no host sync.
 
-Same operand and offsets contract as :mod:`mok_cute.kernels.sm90_grouped_gemm` and
-:mod:`mok_cute.kernels.sm90_expert_bwd` (offsets int32 [E+1] on the device, offsets[0] = 0,
-non-decreasing, offsets[E] = M_total, trusted), on the :mod:`sm100_mainloop` (TMA warp,
+Same operand and offsets contract as :mod:`mok_cute.kernels.sm90.grouped_gemm` and
+:mod:`mok_cute.kernels.sm90.expert_bwd` (offsets int32 [E+1] on the device, offsets[0] = 0,
+non-decreasing, offsets[E] = M_total, trusted), on the :mod:`sm100.mainloop` (TMA warp,
 tcgen05 MMA warp, TMEM accumulators, four epilogue warps). One compiled kernel serves every
 token count; the compile cache key holds arch, dtype, tile shape, majorness, split B,
 epilogue, clamp.
@@ -21,15 +21,15 @@ Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-
                dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
 Weight gradient: dW[e] = bf16(a_e^T . b_e), a [M, Na], b [M, Nb] token-row-major, column
 slices allowed (read MN-major, K = the expert's tokens in order through the ragged TMA view of
-:mod:`sm90_expert_bwd`: no split-K, no atomics, bitwise reproducible; empty experts get 0).
+:mod:`sm90.expert_bwd`: no split-K, no atomics, bitwise reproducible; empty experts get 0).
 
 MXFP8 (``ab_dtype=Float8E4M3FN``): operands are e4m3 data plus flat uint8 E8M0 scale buffers
-in the layouts of :mod:`mok_cute.kernels.sm100_layouts`: token-row A scales grouped per
-expert (:func:`~sm100_layouts.pack_row_scales`), weight scales ``to_blocked`` per expert
+in the layouts of :mod:`mok_cute.kernels.sm100.layouts`: token-row A scales grouped per
+expert (:func:`~sm100.layouts.pack_row_scales`), weight scales ``to_blocked`` per expert
 (B viewed (N, K): [E, N_pad * K_pad / 32]; MN-major weights via
-:func:`~sm100_layouts.pack_kn_weight_scales`, one matrix over both parts of a split B),
+:func:`~sm100.layouts.pack_kn_weight_scales`, one matrix over both parts of a split B),
 wgrad scales along tokens
-(:func:`~sm100_layouts.pack_token_scales`). Stores are row-masked 16-byte vectors straight
+(:func:`~sm100.layouts.pack_token_scales`). Stores are row-masked 16-byte vectors straight
 from registers (rows past an expert's end are computed, never written).
 """
 from __future__ import annotations
@@ -44,16 +44,16 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass import Float32, Int32
 
-from mok_cute.kernels import sm100_layouts as lay
-from mok_cute.kernels.compile import arch_of_device, compile_cached, compile_kernel
-from mok_cute.kernels.sm90_expert_bwd import _expert_k, _ragged_k
-from mok_cute.kernels.dsl_tensors import _cute_tensor, _fake_2d, _fake_3d
-from mok_cute.kernels.host import (
+from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel
+from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
+from mok_cute.dsl.tensors import _cute_tensor, _fake_2d, _fake_3d
+from mok_cute.dsl.host import (
     _FP8, _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, offsets_i32,
     sm_count, wgrad_out,
 )
-from mok_cute.kernels.sm90_grouped_gemm import interleave_gate_up
-from mok_cute.kernels.sm100_mainloop import (
+from mok_cute.kernels.sm90.grouped_gemm import interleave_gate_up
+from mok_cute.kernels.sm100.mainloop import (
     EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
     Sm100Mainloop, epi_barrier, tmem_load,
 )
@@ -752,7 +752,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     bytes (column slices such as ``dgu[:, :I]`` are read in place), bf16 or float8_e4m3fn
     quantized along tokens per expert (blocks of 32 from each expert's first row) with
     ``a_scales`` / ``b_scales`` already in the grouped token layout
-    (:func:`~mok_cute.kernels.sm100_layouts.pack_token_scales`: flat uint8 of
+    (:func:`~mok_cute.kernels.sm100.layouts.pack_token_scales`: flat uint8 of
     ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Na, Nb multiples of 16 bytes, Nb of ``tile_n``.
     """
     cfg = _config(a, cfg)

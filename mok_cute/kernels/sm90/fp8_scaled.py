@@ -1,6 +1,6 @@
 """Hopper (sm_90a) FP8 GEMMs whose promotion scale varies per accumulator element: a row
 scale times a column scale per promotion block, on the shared mainloop
-(:class:`~mok_cute.kernels.sm90_mainloop.Sm90Mainloop`: TMA producer, ring pipeline,
+(:class:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop`: TMA producer, ring pipeline,
 ``consumer_fragments``; tile 128 x tile_n x 128 e4m3, both operands K-major).
 
 Kernels (one shared consumer, :meth:`_ScaledGemm.mma_tile_scaled`):
@@ -23,13 +23,13 @@ those of tile column c; double-buffered, one consumer barrier per k-tile), from 
 word loaded one k-tile ahead into a register (its global latency hides behind a k-tile).
 Each thread then reads, per promotion, the factors of its 2 rows and tile_n / 4 columns
 (their positions come from partitioning an identity tensor at trace time, as in
-``sm90_fp8_gemm``). A k-tile is G promotion units (wgrad: 1 unit of 4 wgmma k-blocks;
+``sm90.fp8_gemm``). A k-tile is G promotion units (wgrad: 1 unit of 4 wgmma k-blocks;
 MXFP8: 4 units of 1 k-block); with G > 1 two temporaries alternate so that unit g + 1's
 wgmma runs while unit g is promoted (``wait_group(1)``), the k-tile's last unit is promoted
 after ``wait_group(0)`` (no overlap across k-tiles: the slot is released there).
 Registers (both 0 spills): wgrad acc + 1 temporary = 128 per thread at tile_n = 128 under
 the mainloop's 40 / 232 split; MXFP8 acc + 2 temporaries = 192 at tile_n = 128 (96 at 64)
-under sm90_fp8_gemm's 24 / 240 split.
+under sm90.fp8_gemm's 24 / 240 split.
 
 Measured on one H200 (8 experts x 4096 tokens; tools/checks/gemm_fp8_scaled.py, all
 correctness rows pass): wgrad Na = 7168, Nb = 2048: 1217-1268 us, 759-790 TFLOP/s with the
@@ -52,7 +52,7 @@ order). Out of that range (far outside quantizer output for finite data): sa + s
 flushes the factor to 0 (dropping products below ~2^-126, which the reference keeps),
 sa + sb > 381 overflows it to Inf (Inf / NaN where the reference may be finite).
 The fp8_block wgrad uses the same form with its fp32 scales, ``fma(tmp, sa * sb, acc)``
-(one rounding of the scale product, as sm90_fp8_gemm's ``sa * sb``).
+(one rounding of the scale product, as sm90.fp8_gemm's ``sa * sb``).
 """
 from __future__ import annotations
 
@@ -67,17 +67,17 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from mok_cute.kernels.compile import compile_cached, compile_kernel
-from mok_cute.kernels.host import (_check_devices, _check_offsets, _check_out, _check_tensor, offsets_i32, sm_count,
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.dsl.host import (_check_devices, _check_offsets, _check_out, _check_tensor, offsets_i32, sm_count,
                                    wgrad_out)
-from mok_cute.kernels.sm90_fp8_gemm import (
+from mok_cute.kernels.sm90.fp8_gemm import (
     OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
 )
-from mok_cute.kernels.sm90_grouped_gemm import (
-    PlainEpilogue, _Desc, device_arch, effective_config, make_tma_store, tma_store_drain, tma_store_tile,
+from mok_cute.kernels.sm90.grouped_gemm import (
+    PlainEpilogue, effective_config, make_tma_store, tma_store_drain, tma_store_tile,
 )
-from mok_cute.kernels.sm90_launch import GraphLauncher, tensor_key
-from mok_cute.kernels.sm90_mainloop import (
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
 )
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords, wgrad_tile
@@ -89,7 +89,7 @@ _ROWS = 128  # tile_m: factor slots 0..127 are rows, 128.. columns
 class _ScaledGemm:
     """Persistent warp-specialized FP8 GEMM with per-element promotion (base of both kernels).
 
-    ``cfg``: tile shape (tile_n 64 or 128; its ``overlap_promotion`` is sm90_fp8_gemm's and
+    ``cfg``: tile shape (tile_n 64 or 128; its ``overlap_promotion`` is sm90.fp8_gemm's and
     ignored here). ``units``: promotion units per 128-K k-tile (1: one per k-tile, 4: one per wgmma
     k-block); with more than one unit two temporaries alternate (overlapped promotion).
     Subclasses load a scale word per consumer thread and k-tile (:meth:`_load_word`) and
@@ -229,7 +229,7 @@ class Fp8BlockWgradSm90(_ScaledGemm):
     Call (jit): ``(mA [Na, 128 S] e4m3, mSA [S, Na] f32, mB [Nb, 128 S] e4m3, mSB [S, Nb] f32,
     mOffsets [E+1] int32, mOut [E, Na, Nb] bf16, num_ctas, stream)``; scale row strides
     arbitrary (unit column stride); Nb a multiple of tile_n, rows past Na masked
-    (``cfg.tma_store``: one asynchronous TMA store per tile, as ``sm90_expert_bwd``'s wgrad;
+    (``cfg.tma_store``: one asynchronous TMA store per tile, as ``sm90.expert_bwd``'s wgrad;
     rows past Na clipped by the TMA unit).
     """
 
@@ -480,7 +480,7 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     [S, Na] with unit column stride and any row stride (column slices such as
     ``dgu_scales[:, :I]`` are read in place, not copied); b_t [Nb, 128 S], b_scales [S, Nb]
     likewise; Nb a multiple of ``cfg.tile_n`` (``cfg.tma_store`` or the process-wide
-    ``sm90_grouped_gemm.set_tma_store``: TMA-store epilogue). offsets int32/int64 [E+1] on the device
+    ``sm90.grouped_gemm.set_tma_store``: TMA-store epilogue). offsets int32/int64 [E+1] on the device
     (0, non-decreasing, last = M with S = M // 128 + E; trusted, not checked: no host sync).
     ``out``: optional preallocated contiguous [E, Na, Nb].
     """

@@ -14,7 +14,7 @@ megakernel) picks the tile coordinates and the epilogue:
   B tile) pair into the ring;
 * :meth:`Sm90Mainloop.mma_tile` (consumer warpgroups) accumulates them into registers;
 * :func:`acc_to_smem` converts the accumulators and stages the whole tile in shared memory,
-  where a pluggable epilogue reads it back (see ``sm90_grouped_gemm``).
+  where a pluggable epilogue reads it back (see ``sm90.grouped_gemm``).
 
 Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
 K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:

@@ -2,7 +2,7 @@
 
 Compile-verified only: no Blackwell GPU is available to this project, so this path has
 never run. Forward: GEMM1 + SwiGLU (gu, h), GEMM2; backward: dgrad2 + dSwiGLU, dgrad1, three
-wgrads (mok_cute.kernels.sm100_grouped_gemm, whose wrappers validate every call).
+wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call).
 
 Precisions "bf16" and "mxfp8". MXFP8 quantizes every GEMM operand along the axes of the
 table in :mod:`mok_cute.reference` with the CuTe quantize kernels, then calls the MXFP8
@@ -18,30 +18,30 @@ wrappers (e4m3 data + raw E8M0 scales; the wrappers repack scales into the block
                  feature column); the transposed tile-aligned output is repacked on the device
                  into what the wgrad kernel reads: data as token rows (:func:`token_rows`),
                  scales in the grouped blocked layout (:func:`pack_token_scales_device`,
-                 equal to ``sm100_layouts.pack_token_scales``).
+                 equal to ``sm100.layouts.pack_token_scales``).
 
-Weight quantizations are cached (:class:`~mok_cute.weight_cache.WeightCache`: once per weight
+Weight quantizations are cached (:class:`~mok_cute.layers.weight_cache.WeightCache`: once per weight
 and axis while the weight is unchanged, e.g. across micro-batches). No host sync in the step:
 offsets stay on the device, the packers are torch ops on device
-tensors. The quantize kernels are looked up at call time (``mok_cute.kernels.quantize.
-quantize_mxfp8``, ``mok_cute.kernels.quantize_fp8.quantize_tokens``) so CPU tests can swap in
+tensors. The quantize kernels are looked up at call time (``mok_cute.kernels.quant.quantize.
+quantize_mxfp8``, ``mok_cute.kernels.quant.quantize_fp8.quantize_tokens``) so CPU tests can swap in
 the reference quantizers.
 """
 from __future__ import annotations
 
 import torch
 
-from .grouped_backend import ExpertGroup, mlp_backward, mlp_forward
-from .weight_cache import WeightCache
-from .kernels import sm100_layouts as lay
-from .kernels.host import offsets_i32
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward
+from mok_cute.layers.weight_cache import WeightCache
+from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.dsl.host import offsets_i32
 
 MX_BLOCK = lay.SF_VEC
 
 
 def quantize_rows(x: torch.Tensor):
     """(e4m3 [M, K], scales uint8 [M, K/32]): x quantized along its rows (K)."""
-    from .kernels import quantize
+    from mok_cute.kernels.quant import quantize
 
     return quantize.quantize_mxfp8(x, -1)
 
@@ -50,7 +50,7 @@ def quantize_weight(w: torch.Tensor, axis: int):
     """MXFP8 of a 3-D weight [E, R, C] along ``axis`` 2 (C: scales [E, R, C/32]) or 1 (R:
     scales [E, R/32, C]) through one 2-D [E*R, C] quantization (R % 32 == 0 for axis 1, so
     no block straddles two experts). Returns (data [E, R, C], scales)."""
-    from .kernels import quantize
+    from mok_cute.kernels.quant import quantize
 
     e, r, c = w.shape
     if axis not in (1, 2):
@@ -80,7 +80,7 @@ def token_rows(data_t: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Ten
 def pack_token_scales_device(scales: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Tensor:
     """Token-wise scales [S, N] of ``quantize_tokens(x [m, *], offsets, "mxfp8")`` (S = m // 32 +
     E, expert e's blocks from slot offsets[e] // 32 + e; a column slice picks features) -> the
-    wgrad kernel's flat blocked layout, equal to ``sm100_layouts.pack_token_scales`` of the
+    wgrad kernel's flat blocked layout, equal to ``sm100.layouts.pack_token_scales`` of the
     per-expert scales: block j of expert e at column 4 (offsets[e] // 128 + e) + j of a
     [N, grouped_sf_rows(m, E) / 32] matrix. Torch ops on device tensors, no host sync."""
     s_n, n = scales.shape
@@ -105,7 +105,7 @@ class TokenOperand:
     layout: ``data`` e4m3 token rows [M, N]; :meth:`scales` packs a feature range."""
 
     def __init__(self, x: torch.Tensor, offsets: torch.Tensor):
-        from .kernels import quantize_fp8
+        from mok_cute.kernels.quant import quantize_fp8
 
         data_t, self._scales = quantize_fp8.quantize_tokens(x, offsets_i32(offsets), "mxfp8")
         self.m, self.offsets = x.shape[0], offsets
@@ -163,7 +163,7 @@ class Sm100ExpertMLP:
 
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
-        from .kernels import sm100_grouped_gemm as k
+        from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if precision == "mxfp8":
             return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw)
@@ -173,7 +173,7 @@ class Sm100ExpertMLP:
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``."""
-        from .kernels import sm100_grouped_gemm as k
+        from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if g.precision == "mxfp8":
             return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)

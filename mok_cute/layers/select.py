@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
-from .config import BACKENDS, MoKConfig
-from .grouped_backend import GroupedExpertBackend
-from .sm90_backend import Sm90ExpertMLP
-from .sm100_backend import Sm100ExpertMLP
+from mok_cute import reference
+from mok_cute.config import BACKENDS, MoKConfig
+from mok_cute.layers.grouped import GroupedExpertBackend
+from mok_cute.layers.sm90 import Sm90ExpertMLP
+from mok_cute.layers.sm100 import Sm100ExpertMLP
 
 ENV = "MOK_CUTE_BACKEND"
 _announced: set[str] = set()

@@ -1,0 +1,64 @@
+"""What both layer paths (EP = 1: :mod:`mok_cute.layers.grouped`, EP > 1:
+:mod:`mok_cute.layers.ep`) and the arch expert MLPs (:mod:`mok_cute.layers.sm90`,
+:mod:`mok_cute.layers.sm100`) share: the expert group's forward state, the MLP's GEMM
+sequence over an arch's grouped GEMM calls, the shared expert as one more group, d topk_w."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExpertGroup:
+    """One expert group's forward state: rows x, offsets, gu = [g | u], h, and the precision
+    the forward ran in (the backward runs in the same)."""
+
+    x: torch.Tensor
+    offsets: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+    precision: str = "bf16"
+
+
+def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
+    """(rows [M, H], ExpertGroup): h = SwiGLU GEMM1 (gu, h), then GEMM2, through an arch's
+    grouped GEMM calls (``gemm1_swiglu(x, offsets, w_gate, w_up, limit) -> (gu, h)``,
+    ``gemm(a, offsets, w) -> out``)."""
+    gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
+    return gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+
+
+def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+    """(dx rows, dWg, dWu, dWd): dgrad2 + dSwiGLU, dgrad1 and the three weight gradients,
+    through an arch's grouped GEMM calls (argument order of ``sm90.expert_bwd``)."""
+    inter = w_gate.shape[1]
+    dgu = dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
+    dx = dgrad1(dgu, g.offsets, w_gate, w_up)
+    dwd = wgrad(dy_rows, g.h, g.offsets)
+    dwg = wgrad(dgu[:, :inter], g.x, g.offsets)
+    dwu = wgrad(dgu[:, inter:], g.x, g.offsets)
+    return dx, dwg, dwu, dwd
+
+
+def shared_forward(mlp, x, shared, limit, **kw):
+    """The shared expert as one more group (all T tokens): (out [T, H], ExpertGroup), or
+    (None, None) without one."""
+    if shared is None:
+        return None, None
+    offs = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
+    return mlp.forward(x, offs, *(w[None] for w in shared), limit, **kw)
+
+
+def shared_backward(mlp, group, dy, shared, limit):
+    """(dx [T, H], (d ws_gate, d ws_up, d ws_down)) of the shared expert, or (None, None)."""
+    if shared is None:
+        return None, None
+    dxs, *dws = mlp.backward(group, dy, *(w[None] for w in shared), limit)
+    return dxs, tuple(d[0] for d in dws)
+
+
+def topk_w_grad(dy, slot_out, topk_idx):
+    """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots."""
+    dtw = (dy.float()[:, None, :] * slot_out.float()).sum(-1)
+    return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
