@@ -52,10 +52,10 @@ def kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
 
 def fp8_kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048):
     """[(name, fn)]: each fp8_block expert-MLP kernel beside its BF16 counterpart (GEMM1 +
-    SwiGLU, GEMM2, dgrad2 + dSwiGLU, dgrad1, wgrad dWd), the MXFP8 per-32 promoted GEMM and the
+    SwiGLU, GEMM2, dgrad2 + dSwiGLU, dgrad1, wgrad dWd) and the
     fp8_block quantizers (1x128 rows, 128x128 weight, token-wise), at the shape of
     :func:`kernels`; operands quantized once, outside the profiled range."""
-    from mok_cute.kernels.quant import quantize, quantize_fp8  # noqa: PLC0415
+    from mok_cute.kernels.quant import quantize_fp8  # noqa: PLC0415
     from mok_cute.kernels.sm90 import fp8_expert as sm90_fp8_expert, fp8_gemm as sm90_fp8_gemm, fp8_scaled as sm90_fp8_scaled
 
     bf16 = dict(kernels(e, rows, hid, inter))
@@ -73,16 +73,13 @@ def fp8_kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048
         q, s = quantize_fp8.quantize_fp8_block_weight(w)
         return w, (q.view(e, n, k), s.view(e, n // 128, k // 128))
 
-    wg_bf16, wg = weight(inter, hid)
+    _, wg = weight(inter, hid)
     _, wu = weight(inter, hid)
     wd_bf16, wd = weight(hid, inter)
     wdt = sm90_fp8_expert.transpose_weight_blocks(wd)
     w1t = sm90_fp8_expert.transpose_weight_blocks(wg, wu)
     xq, hq, dyq, dguq = (quantize_fp8.quantize_fp8_block_act(t) for t in (x, h, dy, dgu))
     dy_t, h_t = (quantize_fp8.quantize_tokens(t, offs, "fp8_block") for t in (dy, h))
-    xmq, xms = quantize.quantize_mxfp8(x, -1)
-    wmq, wms = quantize.quantize_mxfp8(wg_bf16, -1)
-    wmq, wms = wmq.view(e, inter, hid), wms.view(e, inter, hid // 32)
     return [
         ("bf16 gemm1+swiglu", bf16["gemm1+swiglu"]),
         ("fp8 gemm1+swiglu", lambda: sm90_fp8_expert.grouped_gemm1_swiglu_fp8_block(*xq, offs, *wg, *wu, limit=4.0)),
@@ -94,7 +91,6 @@ def fp8_kernels(e: int = 8, rows: int = 4096, hid: int = 7168, inter: int = 2048
         ("fp8 dgrad1", lambda: sm90_fp8_expert.grouped_dgrad1_fp8_block(*dguq, offs, *w1t)),
         ("bf16 wgrad dWd", bf16["wgrad dWd"]),
         ("fp8 wgrad dWd", lambda: sm90_fp8_scaled.grouped_wgrad_fp8_block(*dy_t, *h_t, offs)),
-        ("mxfp8 promoted gemm1 shape", lambda: sm90_fp8_scaled.grouped_gemm_mxfp8_promoted(xmq, xms, offs, wmq, wms)),
         ("quantize 1x128 rows x", lambda: quantize_fp8.quantize_fp8_block_act(x)),
         ("quantize 128x128 weight Wd", lambda: quantize_fp8.quantize_fp8_block_weight(wd_bf16)),
         ("quantize tokens dy", lambda: quantize_fp8.quantize_tokens(dy, offs, "fp8_block")),

@@ -23,7 +23,7 @@ The bf16-weight form (``w_scales`` None, W = the dequantized weight) in every ca
 on guarded outputs, bitwise == the same BF16 GEMM on the dequantized operands.
 
 Timed (8 experts x 4096 rows, K = 7168, N = 4096): mixed (e4m3 W, and bf16 W) vs the BF16 ``grouped_gemm`` (on
-bf16 operands) vs ``grouped_gemm_mxfp8_promoted`` (tile_n 128) vs dequantize-then-BF16-GEMM,
+bf16 operands) vs dequantize-then-BF16-GEMM,
 TFLOP/s and ratios in the note; the timed result is also checked bitwise against the BF16
 GEMM on the dequantized operands.
 """
@@ -34,13 +34,41 @@ import bisect
 import torch
 
 from checks.common import Row, bench_us, seeded, sm90_skip
-from checks.gemm_fp8_scaled import _mx_weights, _random_e4m3, _varied_k, mx_bench_problem
 from checks.gemm_sm90 import E, _counts, _errors, _guarded, _guarded_out, _offsets, _poisoned, _tail_ok
 
 REPEATS = 5
 K_MX, N_MX = 1024, 512
 BENCH = (8, 4096, 7168, 4096)  # experts, rows per expert, K, N
 REL_TOL = 1e-2
+
+
+def _mx_weights(ref, w):
+    parts = [ref.mxfp8_quantize(w[e], -1) for e in range(w.shape[0])]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _random_e4m3(shape, dev, gen):
+    """Random finite e4m3 bytes (0x7F / 0xFF are NaN: replaced by 0x7E / 0xFE)."""
+    b = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
+    b = torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
+    return b.to(dev).view(torch.float8_e4m3fn)
+
+
+def mx_bench_problem(ref, dev, shape):
+    """(m, offs, a, w, (qa, sa), (qw, sw)) of an MXFP8 GEMM benchmark: ``shape`` = (experts, rows per
+    expert, K, N), bf16 a [M, K] and w [E, N, K] random, quantized along K by the reference."""
+    e, rows, k, n = shape
+    m = e * rows
+    a = torch.randn(m, k, device=dev).bfloat16()
+    w = (torch.randn(e, n, k, device=dev) * k ** -0.5).bfloat16()
+    # on the GPU (the quantizer is device-independent)
+    return m, _offsets([rows] * e, dev), a, w, ref.mxfp8_quantize(a, -1), _mx_weights(ref, w)
+
+
+def _varied_k(m: int, k: int, lo: int, hi: int, dev) -> torch.Tensor:
+    """randn [m, k] times 2^randint[lo, hi] per (row, 32-column block), bf16."""
+    mag = torch.exp2(torch.randint(lo, hi + 1, (m, k // 32), device=dev).float())
+    return (torch.randn(m, k, device=dev) * mag.repeat_interleave(32, 1)).bfloat16()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,18 +222,16 @@ def _check_scale_edges(X, gg, dq, ref, dev):
     ]
 
 
-def _bench(X, S, gg, dq, ref, dev):
+def _bench(X, gg, dq, ref, dev):
     e, rows, k, n = BENCH
     m, offs, a, w, (qa, sa), (qw, sw) = mx_bench_problem(ref, dev, BENCH)
     out_mx = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    out_pr = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     deq_a, deq_w = _dequantized(dq, qa, sa, qw, sw)
     out_act = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     t_mx = bench_us(lambda: X.grouped_gemm_mxfp8_mixed(qa, sa, offs, qw, sw, out=out_mx))
     t_act = bench_us(lambda: X.grouped_gemm_mxfp8_mixed(qa, sa, offs, deq_w, out=out_act))
     t16 = bench_us(lambda: gg.grouped_gemm(a, offs, w, out=out16))
-    t_pr = bench_us(lambda: S.grouped_gemm_mxfp8_promoted(qa, sa, offs, qw, sw, out=out_pr))
 
     def dequant_then_gemm():
         da, dw = _dequantized(dq, qa, sa, qw, sw)
@@ -221,9 +247,9 @@ def _bench(X, S, gg, dq, ref, dev):
     return Row(f"bench mxfp8 mixed {e}x{rows} K={k} N={n}", time_us=t_mx, bitwise=same and same_act,
                ok=same and same_act and finite,
                note=f"mixed {tf / t_mx:.0f} TFLOP/s; bf16-W mixed {t_act:.1f} us {tf / t_act:.0f} = {t16 / t_act:.2f}x "
-                    f"bf16 ({note_act}); bf16 {t16:.1f} us {tf / t16:.0f}; promoted n128 {t_pr:.1f} us "
-                    f"{tf / t_pr:.0f}; dequant x2 + bf16 {t_dq:.1f} us {tf / t_dq:.0f}; mixed/bf16 {t16 / t_mx:.2f}x "
-                    f"mixed/promoted {t_pr / t_mx:.2f}x mixed/(dequant+bf16) {t_dq / t_mx:.2f}x; "
+                    f"bf16 ({note_act}); bf16 {t16:.1f} us {tf / t16:.0f}; "
+                    f"dequant x2 + bf16 {t_dq:.1f} us {tf / t_dq:.0f}; mixed/bf16 {t16 / t_mx:.2f}x "
+                    f"mixed/(dequant+bf16) {t_dq / t_mx:.2f}x; "
                     f"== bf16 gemm(deq): {note}; finite={finite}")
 
 
@@ -232,7 +258,6 @@ def run(ctx) -> list[Row]:
         return skipped
     from mok_cute import reference as ref  # noqa: PLC0415
     from mok_cute.kernels.quant import dequant_mxfp8 as dq  # noqa: PLC0415
-    from mok_cute.kernels.sm90 import fp8_scaled as S  # noqa: PLC0415
     from mok_cute.kernels.sm90 import grouped_gemm as gg  # noqa: PLC0415
     from mok_cute.kernels.sm90 import mxfp8_act_gemm as X  # noqa: PLC0415
     from mok_cute.dsl.compile import cache_stats  # noqa: PLC0415
@@ -249,5 +274,5 @@ def run(ctx) -> list[Row]:
     rows += res if isinstance(res, list) else [res]
     recompiled = cache_stats()["compiles"] - compiles
     rows.append(Row("mxfp8 mixed: no recompile for new counts", ok=recompiled == 0, note=f"{recompiled} new compiles"))
-    rows.append(_guarded("bench mxfp8 mixed", _bench, X, S, gg, dq, ref, dev))
+    rows.append(_guarded("bench mxfp8 mixed", _bench, X, gg, dq, ref, dev))
     return rows

@@ -1,58 +1,30 @@
-"""Hopper (sm_90a) FP8 GEMMs whose promotion scale varies per accumulator element: a row
+"""Hopper (sm_90a) FP8 GEMM whose promotion scale varies per accumulator element: a row
 scale times a column scale per promotion block, on the shared mainloop
 (:class:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop`: TMA producer, ring pipeline,
 ``consumer_fragments``; tile 128 x tile_n x 128 e4m3, both operands K-major).
 
-Kernels (one shared consumer, :meth:`_ScaledGemm.mma_tile_scaled`):
+:func:`grouped_wgrad_fp8_block` — fp8_block weight gradient:
+``out[e] = bf16(sum_j (A_j^T B_j) * sa[j, row] * sb[j, col])`` over expert e's 128-token
+k-tiles j (the token-wise operands of ``quantize_fp8.quantize_tokens(x, offsets,
+"fp8_block")``: data_t [N, 128 S] K-major, scales fp32 [S, N]; group e's slots start at
+``offsets[e] // 128 + e``, ``ceil(rows_e / 128)`` of them, zero padded). One promotion per
+k-tile: ``acc = fma(tmp, sa[row] * sb[col], acc)`` (one rounding of the scale product, as
+sm90.fp8_gemm's ``sa * sb``). Experts without tokens run no k-tile and write zeros. One CTA
+owns a whole output tile, k-tiles in order: no split-K, no atomics, bitwise repeatable.
 
-* :func:`grouped_wgrad_fp8_block` — fp8_block weight gradient:
-  ``out[e] = bf16(sum_j (A_j^T B_j) * sa[j, row] * sb[j, col])`` over expert e's 128-token
-  k-tiles j (the token-wise operands of ``quantize_fp8.quantize_tokens(x, offsets,
-  "fp8_block")``: data_t [N, 128 S] K-major, scales fp32 [S, N]; group e's slots start at
-  ``offsets[e] // 128 + e``, ``ceil(rows_e / 128)`` of them, zero padded). One promotion per
-  k-tile: ``acc = fma(tmp, sa[row] * sb[col], acc)``. Experts without tokens run no k-tile
-  and write zeros. One CTA owns a whole output tile, k-tiles in order: no split-K, no
-  atomics, bitwise repeatable.
-* :func:`grouped_gemm_mxfp8_promoted` — MXFP8 grouped GEMM (measurement variant of the SM90
-  MXFP8 path): every wgmma k-block of 32 goes into a temporary and is promoted with its
-  two E8M0 scales, ``acc = fma(tmp, 2^(sa - 127) * 2^(sb - 127), acc)``.
-
-Shared consumer. Per k-tile, the 256 consumer threads stage the k-tile's promotion
-factors in shared memory (thread t < 128: the factor(s) of tile row t; thread 128 + c:
-those of tile column c; double-buffered, one consumer barrier per k-tile), from a scale
-word loaded one k-tile ahead into a register (its global latency hides behind a k-tile).
-Each thread then reads, per promotion, the factors of its 2 rows and tile_n / 4 columns
-(their positions come from partitioning an identity tensor at trace time, as in
-``sm90.fp8_gemm``). A k-tile is G promotion units (wgrad: 1 unit of 4 wgmma k-blocks;
-MXFP8: 4 units of 1 k-block); with G > 1 two temporaries alternate so that unit g + 1's
-wgmma runs while unit g is promoted (``wait_group(1)``), the k-tile's last unit is promoted
-after ``wait_group(0)`` (no overlap across k-tiles: the slot is released there).
-Registers (both 0 spills): wgrad acc + 1 temporary = 128 per thread at tile_n = 128 under
-the mainloop's 40 / 232 split; MXFP8 acc + 2 temporaries = 192 at tile_n = 128 (96 at 64)
-under sm90.fp8_gemm's 24 / 240 split.
+Consumer (:meth:`_ScaledGemm.mma_tile_scaled`). Per k-tile, the 256 consumer threads stage
+the k-tile's promotion factors in shared memory (thread t < 128: the factor of tile row t;
+thread 128 + c: that of tile column c; double-buffered, one consumer barrier per k-tile),
+from a scale loaded one k-tile ahead into a register (its global latency hides behind a
+k-tile). Each thread then reads the factors of its 2 rows and tile_n / 4 columns (their
+positions come from partitioning an identity tensor at trace time, as in ``sm90.fp8_gemm``).
+Registers: acc + 1 temporary = 128 per thread at tile_n = 128 under the mainloop's 40 / 232
+split, 0 spills.
 
 Measured on one H200 (8 experts x 4096 tokens; tools/checks/gemm_fp8_scaled.py, all
-correctness rows pass): wgrad Na = 7168, Nb = 2048: 1217-1268 us, 759-790 TFLOP/s with the
-TMA-store epilogue (1337 us with masked stores; BF16 grouped_wgrad 712-731 TFLOP/s);
-MXFP8 promoted K = 7168, N = 4096: 357-363 TFLOP/s at tile_n = 128, 307-318 at 64 (BF16
-grouped GEMM 712-746): per-32 promotion on SM90 runs at about half the BF16 GEMM's rate
-(before the dequantize-to-BF16 path pays its dequantization). Tried and dropped (bitwise
-equal, not faster): also overlapping the last unit of each k-tile with the next k-tile's
-wgmma (two temporaries across k-tiles, three factor buffers: wgrad 661, MXFP8 363 / 270);
-per-warpgroup factor copies with 128-thread barriers so the warpgroups are not in lockstep
-(wgrad 741, MXFP8 318 / 292).
-
-MXFP8 scale factors: 2^(s - 127) is built exactly from the bits (s in 1..254: s << 23;
-s = 0: 2^-127 = 0x00400000, subnormal; s = 0xFF: NaN 0x7FC00000, as the reference). Per
-element the two factors are multiplied first, ``2^(sa-127) * 2^(sb-127)``: a power of two,
-exact in fp32 (normal or subnormal) while sa + sb - 254 lies in [-149, 127]; the FMA
-``fma(tmp, f, acc)`` then rounds once, i.e. bitwise the correctly rounded
-``acc + tmp * 2^(sa+sb-254)`` (the reference's fp64 product rounded, up to the summation
-order). Out of that range (far outside quantizer output for finite data): sa + sb < 105
-flushes the factor to 0 (dropping products below ~2^-126, which the reference keeps),
-sa + sb > 381 overflows it to Inf (Inf / NaN where the reference may be finite).
-The fp8_block wgrad uses the same form with its fp32 scales, ``fma(tmp, sa * sb, acc)``
-(one rounding of the scale product, as sm90.fp8_gemm's ``sa * sb``).
+correctness rows pass): Na = 7168, Nb = 2048: 1217-1268 us, 759-790 TFLOP/s with the
+TMA-store epilogue (1337 us with masked stores; BF16 grouped_wgrad 712-731 TFLOP/s).
+The per-32-K promoted MXFP8 GEMM that shared this consumer is removed (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -68,7 +40,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
-from mok_cute.dsl.host import (_check_devices, _check_offsets, _check_out, _check_tensor, offsets_i32, sm_count,
+from mok_cute.dsl.host import (_check_devices, _check_offsets, _check_tensor, offsets_i32, sm_count,
                                    wgrad_out)
 from mok_cute.kernels.sm90.fp8_gemm import (
     OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
@@ -80,9 +52,8 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
 )
-from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords, wgrad_tile
+from mok_cute.schedule.group_tiles import wgrad_tile
 
-MX_BLOCK = 32
 _ROWS = 128  # tile_m: factor slots 0..127 are rows, 128.. columns
 
 
@@ -328,85 +299,6 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                 tma_store_drain(tid)
 
 
-# ---------------------------------------------------------------- MXFP8 promoted GEMM
-class Mxfp8PromotedGemmSm90(_ScaledGemm):
-    """MXFP8 grouped GEMM with per-32-K promotion (4 units per k-tile, two temporaries).
-
-    Call (jit): ``(mA [M, K] e4m3, mSA [M, K/128] int32, mB [E, N, K] e4m3, mSB [E, N, K/128]
-    int32, mOffsets [E+1] int32, mOut [M, N] bf16, num_ctas, stream)``: the scale tensors are
-    the uint8 E8M0 [.., K/32] scales seen as int32 words (byte b of word j = block 4 j + b).
-    """
-
-    def __init__(self, cfg: Fp8MainloopConfig):
-        super().__init__(cfg, units=SCALE_BLOCK // MX_BLOCK)
-
-    @cute.jit
-    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
-                 mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
-        self.mainloop.setup()
-        b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-        atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, b_nke)
-        self.shared_storage = self._storage()
-        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
-            stream=stream)
-
-    @cute.jit
-    def _load_word(self, src, t: Int32, kt: Int32):
-        """Thread t < 128: the 4 row-scale bytes of tile row t; 128 <= t < 128 + tile_n: the
-        4 column-scale bytes of column t - 128 (k-tile kt)."""
-        mSA, mSB, expert, row0, n0, m_total = src
-        w = Int32(0)
-        if t < _ROWS:
-            w = mSA[cutlass.min(row0 + t, m_total - 1), kt]
-        elif t < self.fac_slots:
-            w = mSB[expert, n0 + t - _ROWS, kt]
-        return w
-
-    @cute.jit
-    def _store_factors(self, fac: cute.Tensor, buf: Int32, t: Int32, w: Int32):
-        """fac[t, u] = 2^(byte u - 127) as exact fp32 bits (0 -> 2^-127, 0xFF -> NaN)."""
-        fi = cute.recast_tensor(fac, Int32)
-        if t < self.fac_slots:
-            for u in cutlass.range_constexpr(self.units):
-                b = (w >> (8 * u)) & 0xFF
-                fi[t, u, buf] = (b << 23) | ((Int32(b == 0) | Int32(b == 0xFF)) << 22)
-
-    @cute.kernel
-    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor):
-        cfg = self.cfg
-        tidx, warp = self.mainloop.start([atom_a, atom_b])
-        pipe, sA, sB, sC, fac = self._allocate()
-        num_experts = mOffsets.shape[0] - 1
-        n_tiles = coord_b.shape[0] // cfg.tile_n
-        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
-        m_total = coord_a.shape[0]
-        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
-        producer_regs, consumer_regs = self._regs()
-
-        if warp < THREADS_PER_WG // 32:
-            cute.arch.setmaxregister_decrease(producer_regs)
-            if warp == 0:
-                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                              atom_a, coord_a, sA, atom_b, coord_b, sB, cfg.tile_n, k_tiles)
-        else:
-            cute.arch.setmaxregister_increase(consumer_regs)
-            tid = tidx - THREADS_PER_WG
-            thr_mma, tCrA, tCrB, acc, tmps, elems = self._consumer_setup(sA, sB, tid)
-            state = self.mainloop.consumer_state()
-            fb = Int32(0)
-            while expert < num_experts:
-                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-                src = (mSA, mSB, expert, row0, n_tile * cfg.tile_n, m_total)
-                state, fb = self.mma_tile_scaled(pipe, state, tCrA, tCrB, acc, tmps, k_tiles, fac, fb, tid,
-                                                 elems, src)
-                self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut,
-                             Float32(0.0))
-                linear = linear + grid
-                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-
-
 # ---------------------------------------------------------------- compile
 def _offs_fake():
     return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
@@ -426,23 +318,8 @@ def compile_fp8_block_wgrad(cfg: Fp8MainloopConfig = Fp8MainloopConfig(tile_n=12
                           inspect=inspect)
 
 
-def compile_mxfp8_promoted_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(tile_n=128), arch: str = "sm_90a",
-                                inspect: bool = False):
-    """Compile the per-32 promoted MXFP8 grouped GEMM with symbolic M, N, K, E; ``(compiled, report)``."""
-    if arch != "sm_90a":
-        raise ValueError(f"the SM90 MXFP8 promoted GEMM needs arch sm_90a, got {arch!r}")
-    f8 = cutlass.Float8E4M3FN
-    m, n, e, kw = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    k = cute.sym_int(divisibility=16)
-    args = (_fake(f8, (m, k), 16), _fake(Int32, (m, kw), 1), _fake(f8, (e, n, k), 16), _fake(Int32, (e, n, kw), 1),
-            _offs_fake(), _fake(cutlass.BFloat16, (m, n), 8))
-    return compile_kernel(Mxfp8PromotedGemmSm90(cfg), *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch,
-                          inspect=inspect)
-
-
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_WGRAD_CONFIG = Fp8MainloopConfig(tile_n=128)
-DEFAULT_MXFP8_CONFIG = Fp8MainloopConfig(tile_n=128)  # 363 TFLOP/s vs 318 at tile_n = 64 (H200)
 
 
 def _check_fp8_rows(name, t):
@@ -512,66 +389,4 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         _Desc(a_t), _Desc(a_scales), _Desc(b_t), _Desc(b_scales), _Desc(offs32), _Desc(out), Int32(num_ctas),
         stream))
-    return out
-
-
-def _check_mx_scales(name, t, shape):
-    _check_tensor(name, t, len(shape), (torch.uint8,))
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must be uint8 E8M0 {tuple(shape)}, got {tuple(t.shape)}")
-    if not t.is_contiguous() or t.data_ptr() % 4:
-        raise ValueError(f"{name} must be contiguous and 4-byte aligned")
-
-
-def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
-    """Validate the MXFP8 grouped GEMM operands (contract of :func:`grouped_gemm_mxfp8_promoted`;
-    ``w_scales`` None: ``w`` is a bf16 weight [E, N, K] instead) before any launch; returns
-    ``(M, N, E, out)`` (``out`` allocated if None)."""
-    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
-    _check_tensor("w", w, 3, (torch.float8_e4m3fn,) if w_scales is not None else (torch.bfloat16,))
-    e = _check_offsets(offsets)
-    m, k = a.shape
-    n = w.shape[1]
-    if k % SCALE_BLOCK or k == 0:
-        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
-    if tuple(w.shape) != (e, n, k) or n == 0 or n % tile_n:
-        raise ValueError(f"w must be [E={e}, N, K={k}] with N a positive multiple of tile_n={tile_n}, "
-                         f"got {tuple(w.shape)}")
-    for name, t in (("a", a), ("w", w)):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
-    _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
-    if w_scales is not None:
-        _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
-    out = _check_out("out", out, (m, n), a.device)
-    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
-    return m, n, e, out
-
-
-def grouped_gemm_mxfp8_promoted(a, a_scales, offsets, w, w_scales, *, out=None,
-                                cfg: Fp8MainloopConfig = DEFAULT_MXFP8_CONFIG):
-    """out [M, N] bf16: rows of expert e = bf16(sum over 32-K blocks kb of
-    (A_kb W[e]_kb^T) * 2^(a_scales[row, kb] - 127) * 2^(w_scales[e, col, kb] - 127)), each
-    block promoted into the FP32 accumulator on its own (see the module doc for the scale
-    arithmetic and its range); scale 0xFF is NaN. Bitwise repeatable.
-
-    a [M, K] float8_e4m3fn contiguous, K a positive multiple of 128; a_scales uint8 [M, K/32]
-    contiguous (``reference.mxfp8_quantize(x, -1)``); w [E, N, K] float8_e4m3fn contiguous,
-    N a multiple of ``cfg.tile_n``; w_scales uint8 [E, N, K/32] contiguous (per expert
-    along K); offsets int32/int64 [E+1] on the device (trusted). ``out``: optional [M, N].
-    """
-    m, n, e, out = check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, cfg.tile_n)
-    if m == 0:
-        return out
-    dev, arch = _sm90(a, "MXFP8 promoted GEMM")
-    launcher = compile_cached(("sm90_mxfp8_promoted_gemm", arch, cfg.key()),
-                              lambda: GraphLauncher(compile_mxfp8_promoted_gemm(cfg, arch)[0]))
-    tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
-    num_ctas = max(1, min(sm_count(dev), tiles_bound))
-    offs32 = offsets_i32(offsets)
-    sa32, sw32 = a_scales.view(torch.int32), w_scales.view(torch.int32)
-    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), tensor_key(sw32), offs32.data_ptr(), offs32.shape,
-           tensor_key(out), num_ctas)
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
-        _Desc(a), _Desc(sa32), _Desc(w), _Desc(sw32), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
     return out

@@ -1,7 +1,7 @@
 """Hopper (sm_90a) MXFP8 grouped GEMM, mixed input: e4m3 operands dequantized exactly to BF16
 in shared memory, then the BF16 wgmma mainloop of :mod:`sm90.grouped_gemm`.
 
-Contract (:func:`grouped_gemm_mxfp8_mixed`, that of ``grouped_gemm_mxfp8_promoted``): rows of
+Contract (:func:`grouped_gemm_mxfp8_mixed`): rows of
 expert e: out = bf16(fp32 sum over K of deq(a) * deq(w[e])), deq(q, s) = bf16(fp32(q) *
 2^(s - 127)) (one ``mul.rn.f32``, no FTZ, then ``cvt.rn.bf16x2.f32``; scale 0xFF -> NaN): the
 ops of :mod:`dequant_mxfp8` (shared through :class:`~mok_cute.kernels.quant.fp8_ops.Fp8Ops`), so the
@@ -77,9 +77,9 @@ from cutlass.cute.nvgpu import cpasync
 from mok_cute.dsl.compile import compile_cached, compile_kernel
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
-from mok_cute.dsl.host import offsets_i32, sm_count
-from mok_cute.kernels.sm90.fp8_gemm import _fake
-from mok_cute.kernels.sm90.fp8_scaled import _sm90, check_mxfp8_operands
+from mok_cute.dsl.host import _check_devices, _check_offsets, _check_out, _check_tensor, offsets_i32, sm_count
+from mok_cute.kernels.sm90.fp8_gemm import SCALE_BLOCK, _fake
+from mok_cute.kernels.sm90.fp8_scaled import _sm90
 from mok_cute.kernels.sm90.grouped_gemm import (
     DEFAULT_CONFIG, PlainEpilogue, _expert_rows, _ragged_rows, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
@@ -88,6 +88,7 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
+MX_BLOCK = 32
 FP8_STAGES = 2
 LOADER_REGS = 88  # warpgroup 0: TMA warp + 3 dequant warps
 MMA_REGS = 208  # 88 x 128 + 208 x 256 <= 65536
@@ -560,6 +561,39 @@ def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "
 
 
 # ---------------------------------------------------------------- host wrapper
+def _check_mx_scales(name, t, shape):
+    _check_tensor(name, t, len(shape), (torch.uint8,))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be uint8 E8M0 {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous() or t.data_ptr() % 4:
+        raise ValueError(f"{name} must be contiguous and 4-byte aligned")
+
+
+def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
+    """Validate the operands of :func:`grouped_gemm_mxfp8_mixed` (``w_scales`` None: ``w`` is a
+    bf16 weight [E, N, K]) before any launch; returns
+    ``(M, N, E, out)`` (``out`` allocated if None)."""
+    _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
+    _check_tensor("w", w, 3, (torch.float8_e4m3fn,) if w_scales is not None else (torch.bfloat16,))
+    e = _check_offsets(offsets)
+    m, k = a.shape
+    n = w.shape[1]
+    if k % SCALE_BLOCK or k == 0:
+        raise ValueError(f"a: K={k} must be a positive multiple of {SCALE_BLOCK}")
+    if tuple(w.shape) != (e, n, k) or n == 0 or n % tile_n:
+        raise ValueError(f"w must be [E={e}, N, K={k}] with N a positive multiple of tile_n={tile_n}, "
+                         f"got {tuple(w.shape)}")
+    for name, t in (("a", a), ("w", w)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
+    _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
+    if w_scales is not None:
+        _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
+    out = _check_out("out", out, (m, n), a.device)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    return m, n, e, out
+
+
 def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None,
                              cfg: MainloopConfig = DEFAULT_CONFIG):
     """out [M, N] bf16: rows of expert e = bf16(fp32 sum over K of deq(a) * W_e) with
