@@ -24,7 +24,7 @@ from mok_cute.dsl.host import MAX_NUMEL, current_stream
 _WARPS = 4  # rows per CTA
 
 
-def _build(arch: str):
+def _build(arch: str, by_route: bool = False):
     cutlass, cute = dsl()
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
@@ -65,9 +65,12 @@ def _build(arch: str):
                 t = q // k
                 wq = w[q]
                 acc = Uint32(0)
+                rr = p  # the forward row of this route
+                if cutlass.const_expr(by_route):
+                    rr = q
                 for c in cutlass.range(lane, hc, 32, unroll=1):
                     a = dy[t * hc + c, None].load()
-                    b = r[p * hc + c, None].load()
+                    b = r[rr * hc + c, None].load()
                     o = cute.make_rmem_tensor((4,), Uint32)
                     for j in cutlass.range_constexpr(4):
                         o[j] = scale_pair(a[j], wq)
@@ -111,9 +114,10 @@ def _pointers(dy: int, r: int, out: int, order: int, w: int, dtw: int, offs: int
             make_ptr(cutlass.Int32, offs, gmem, assumed_align=4))
 
 
-def compiled_route_grad(arch: str):
-    """The cached ``(compiled, CompileReport)`` for an arch in ``compile.ARCHS``."""
-    return compile_cached(("route_grad", arch), lambda: _build(arch))
+def compiled_route_grad(arch: str, by_route: bool = False):
+    """The cached ``(compiled, CompileReport)`` for an arch in ``compile.ARCHS`` (``by_route``:
+    the forward rows are in route order, see :func:`dy_rows_and_dtopk_w`)."""
+    return compile_cached(("route_grad", arch, by_route), lambda: _build(arch, by_route))
 
 
 def _check(dy, r_rows, order, topk_w, offsets):
@@ -137,7 +141,7 @@ def _check(dy, r_rows, order, topk_w, offsets):
         raise ValueError("dy and r_rows must hold < 2^31 elements")
 
 
-def dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets):
+def dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
     """The same contract in torch ops (CPU path and test mirror); rows past offsets[E] of
     dy_rows are zero here. Returns (dy_rows [T*k, H] bf16, d_topk_w [T, k] fp32)."""
     t, k = topk_w.shape
@@ -146,26 +150,29 @@ def dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets):
     valid = torch.arange(order.shape[0], device=dy.device) < offsets[-1]
     dy_rows = torch.where(valid[:, None], (dy_g.float() * w_rows[:, None]).to(torch.bfloat16),
                           torch.zeros((), dtype=torch.bfloat16, device=dy.device))
-    dtw = torch.where(valid, (dy_g.float() * r_rows.float()).sum(-1), torch.zeros((), device=dy.device))
+    r_g = r_rows.index_select(0, order) if rows_by_route else r_rows
+    dtw = torch.where(valid, (dy_g.float() * r_g.float()).sum(-1), torch.zeros((), device=dy.device))
     out = torch.empty_like(dtw)
     out[order] = dtw
     return dy_rows, out.view(t, k)
 
 
-def dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets):
+def dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
     """(dy_rows [T*k, H] bf16, d_topk_w [T, k] fp32) per the module contract, on the device
-    (no host sync). dy [T, H] bf16, r_rows [T*k, H] bf16 (expert-grouped forward rows),
+    (no host sync). dy [T, H] bf16, r_rows [T*k, H] bf16 (expert-grouped forward rows; with
+    ``rows_by_route`` in route order instead: row t*k + j is slot j of token t, as the fused
+    forward writes them),
     order [T*k] int64 (route of each grouped row), topk_w [T, k] fp32, offsets [E+1] int32;
     all contiguous, on one CUDA device; CPU tensors take :func:`dy_rows_and_dtopk_w_torch`."""
     _check(dy, r_rows, order, topk_w, offsets)
     if not dy.is_cuda:
-        return dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets)
+        return dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
     t, h = dy.shape
     k, m = topk_w.shape[1], r_rows.shape[0]
     out = torch.empty_like(r_rows)
     dtw = torch.empty_like(topk_w)
     if m:
-        fn, _ = compiled_route_grad(arch_of_device(dy.device))
+        fn, _ = compiled_route_grad(arch_of_device(dy.device), rows_by_route)
         with torch.cuda.device(dy.device):
             fn(*_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), order.data_ptr(), topk_w.data_ptr(),
                           dtw.data_ptr(), offsets.data_ptr()),

@@ -17,6 +17,7 @@ group's precision). MXFP8 numerics: operands quantized as in the reference's tab
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,14 @@ class _State:
     shared: tuple | None
     routed: ExpertGroup
     shared_group: ExpertGroup | None
-    rows: torch.Tensor  # [T*k, H] expert-grouped GEMM2 rows (d topk_w reads them in place)
+    rows: torch.Tensor  # [T*k, H] GEMM2 rows (d topk_w reads them in place) ...
+    rows_by_route: bool = False  # ... expert-grouped, or (fused forward) in route order t*k + j
+
+
+def fused_enabled() -> bool:
+    """The fused forward is the default where an arch has one; ``MOK_CUTE_FUSED=0`` selects the
+    unfused stages (read at every call)."""
+    return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
 
 
 def route_sort(topk_idx: torch.Tensor, num_experts: int):
@@ -100,6 +108,8 @@ class GroupedExpertBackend:
             from mok_cute.layers import ep as ep_layer
 
             return ep_layer.forward(self.mlp, inp, group, ep, config)
+        if config.precision == "bf16" and getattr(self.mlp, "fused", False) and fused_enabled():
+            return self._fused_forward(inp, config)
         x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
         t, k = idx.shape
         order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
@@ -114,13 +124,31 @@ class GroupedExpertBackend:
                        inp.shared, routed, shared_group, r)
         return y, state
 
+    def _fused_forward(self, inp, config):
+        """EP = 1 through the arch's fused forward: the routing plan, then one persistent launch
+        (gather, GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum, shared expert)."""
+        x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+        t = x.shape[0]
+        order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
+        out = self.mlp.fused_forward(x, order.to(torch.int32), offsets, idx.to(torch.int32), inp.topk_w,
+                                     inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
+        y, xg, gu, h, slot, gus, hs = out
+        shared_group = None
+        if inp.shared is not None:
+            offs = torch.arange(2, dtype=torch.int32, device=x.device) * t  # [0, T], no host copy
+            shared_group = ExpertGroup(x, offs, gus, hs)
+        state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
+                       ExpertGroup(xg, offsets, gu, h), shared_group, slot, rows_by_route=True)
+        return y, state
+
     def backward(self, st, dy: torch.Tensor) -> MoEGrads:
         if not isinstance(st, _State):
             from mok_cute.layers import ep as ep_layer
 
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
-        dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets)
+        dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
+                                                      rows_by_route=st.rows_by_route)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)

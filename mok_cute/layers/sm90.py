@@ -109,6 +109,7 @@ class Sm90ExpertMLP:
     arch = "sm90"
     tile_n = 256
     precisions = ("bf16", "mxfp8", "fp8_block")
+    fused = True  # EP = 1 bf16 forward: one persistent launch (fused_forward)
     expert_parallel = True  # EP > 1 through mok_cute.layers.ep ...
     ep_precisions = ("bf16", "mxfp8")  # ... in these precisions (checked by GroupedExpertBackend)
 
@@ -127,6 +128,21 @@ class Sm90ExpertMLP:
         if precision == "fp8_block":
             return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
         return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
+
+    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config):
+        """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) on x [T, H] and the route
+        plan (order int32 [T*k], offsets int32 [E+1]); returns ``(y, xg, gu, h, slot_out, gus, hs)``."""
+        from mok_cute.kernels.sm90 import fused_moe as fused
+        from mok_cute.kernels.sm90 import grouped_gemm as fwd
+
+        _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit)
+        if shared is not None:
+            _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit)
+        y, xg, gu, h, slot, gus, hs, _, status = fused.fused_forward(
+            x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config.comm_sms_fwd,
+            config.device_timeout_s)
+        fused.watch_status(status)
+        return y, xg, gu, h, slot, gus, hs
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands

@@ -183,9 +183,10 @@ class Sm90Mainloop:
                 cpasync.prefetch_descriptor(atom)
         return tidx, warp
 
-    def shared_storage(self, epi_elems: int):
+    def shared_storage(self, epi_elems: int, extra_i32: int = 0):
         """The kernel's shared storage struct: the ring's mbarriers, the A/B stages and a BF16
-        epilogue buffer of ``epi_elems`` elements (each 1024-byte aligned)."""
+        epilogue buffer of ``epi_elems`` elements (each 1024-byte aligned), and ``extra_i32``
+        int32 words of the kernel's own (field ``extra``) when asked."""
         ab = self.cfg.ab_dtype
         fields = {
             "barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
@@ -193,12 +194,14 @@ class Sm90Mainloop:
             "sB": cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.b_smem_staged)], 1024],
             "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, epi_elems], 1024],
         }
+        if extra_i32:
+            fields["extra"] = cute.struct.MemRange[cutlass.Int32, extra_i32]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    def allocate(self, shared_storage, epi):
+    def allocate(self, shared_storage, epi, with_storage: bool = False):
         """In the kernel: allocate ``shared_storage`` (:meth:`shared_storage`), build the ring's
         pipeline and initialise its barriers; returns ``(pipe, sA, sB, sC)`` (``sC``: the
-        epilogue ``epi``'s view of its buffer)."""
+        epilogue ``epi``'s view of its buffer), and the storage itself with ``with_storage``."""
         storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
         pipe = self.make_pipeline(storage.barriers.data_ptr())
         sA = storage.sA.get_tensor(self.a_smem_staged.outer, swizzle=self.a_smem_staged.inner)
@@ -206,6 +209,8 @@ class Sm90Mainloop:
         sC = epi.smem_tensor(storage.sC)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
+        if with_storage:
+            return pipe, sA, sB, sC, storage
         return pipe, sA, sB, sC
 
     def producer_state(self):

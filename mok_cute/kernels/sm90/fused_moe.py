@@ -1,0 +1,580 @@
+"""The fused MoE forward on Hopper (sm_90a): one persistent launch per forward (EP = 1).
+
+One kernel runs the whole layer after the routing plan, with the SMs split into
+``comm_ctas`` row-moving CTAs and ``grid - comm_ctas`` GEMM CTAs working at the same time:
+
+1. gather (comm CTAs): grouped row ``i < M = offsets[E]`` of ``xg`` [M_cap, H] = ``x[order[i] // k]``,
+   in chunks of 128 rows; each chunk bumps ``gather_ready[chunk]`` when its rows are stored.
+2. GEMM tasks (GEMM CTAs), one static list walked round robin (task ``t`` by GEMM CTA
+   ``t % G``), in dependency order:
+
+   ====  ==================================  ==========================  ======================
+   S1    shared GEMM1 + SwiGLU (x rows)       ready at once               bumps ``sh_ready[m]``
+   R1    routed GEMM1 + SwiGLU (xg rows)      waits its gather chunks     bumps ``h_ready[mt]``
+   S2    shared GEMM2 -> s_out [T, H]         waits ``sh_ready[m]``       bumps ``done``
+   R2    routed GEMM2 -> slot_out[route]      waits ``h_ready[mt]``       bumps ``done``
+   ====  ==================================  ==========================  ======================
+
+   so the shared expert's tiles keep the tensor cores busy while the first chunks are
+   gathered. A routed GEMM2 row goes straight to its (token, slot) row ``order[i]`` of
+   ``slot_out`` [T*k, H] (never accumulated).
+3. slot sum (every CTA, once ``done`` counts every GEMM2 tile): ``y[t] = bf16(acc)`` with
+   ``acc = fp32(s_out[t])`` (0 without a shared expert) then ``acc = acc + w[t, j] *
+   fp32(slot_out[t*k + j])`` for the slots ``j`` in order whose expert id is >= 0 (separate
+   ``mul.rn`` / ``add.rn``, the reference's rounding).
+
+Deadlock freedom: every task waits only for tasks earlier in the list, each CTA runs its
+tasks in list order, and all CTAs are resident (one CTA per SM, grid <= SMs). Every wait is
+bounded (``timeout_ns`` of ``%globaltimer``; the first error is recorded in ``status``
+int32[4] and every later wait gives up, so the kernel always ends; the host raises).
+
+Determinism: each output element's arithmetic is fixed by the data (a GEMM row's k-tile
+order, the slot order), never by which CTA ran a task or when it ran, so ``y`` is bitwise
+the same for any ``comm_ctas`` and run after run.
+
+Operands (bf16, row-major, 16-byte aligned): x [T, H]; w_gate, w_up [E, I, H]; w_down
+[E, H, I]; shared ws_gate, ws_up [1, I_s, H], ws_down [1, H, I_s]; order int32 [M_cap] (route
+``t*k + j`` of each grouped row, rows sorted by expert), offsets int32 [E+1]; topk_idx int32
+[T*k], topk_w fp32 [T*k]. Outputs: xg [M_cap, H], gu [M_cap, 2, I], h [M_cap, I], slot_out
+[T*k, H] (rows of -1 slots untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H].
+Counters int32, zero at launch: gather_ready [ceil(M_cap/128)], h_ready [ceil(M_cap/128) + E],
+sh_ready [ceil(T/128)], done [1]. H, I, I_s multiples of 256.
+"""
+from __future__ import annotations
+
+import os
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from mok_cute.comm import protocol as P
+from mok_cute.comm.combine import add_rn, mul_rn
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.dsl.host import sm_count
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue, _load_rows, _row_copy
+from mok_cute.kernels.sm90.mainloop import (
+    CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    acc_to_smem, consumer_barrier,
+)
+from mok_cute.schedule import fused_tasks as tasks
+from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
+
+CHUNK = 128  # rows per gather chunk (= tile_m)
+# wait channels recorded in status on a timeout (after the comm protocol's own)
+GATHER, H_READY, SH_READY, DONE = 16, 17, 18, 19
+TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
+KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
+GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
+_FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
+_HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
+_SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
+
+
+class FusedMoeFwdSm90:
+    """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
+    ``shared``: a shared expert is fused in."""
+
+    def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
+                 cfg: MainloopConfig = MainloopConfig()):
+        self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
+        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
+
+    @staticmethod
+    def _nke(mB: cute.Tensor) -> cute.Tensor:
+        """[E, N, K] weights as (N, K, E)."""
+        return cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
+                 mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
+                 mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor,
+                 mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
+                 mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
+                 mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
+                 num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+        ml = self.mainloop
+        ml.setup()
+        atom_x, coord_x, atom_wg, coord_wg = ml.make_tma(mX, self._nke(mWg), b_half=True)
+        atom_xg, coord_xg, atom_wu, coord_wu = ml.make_tma(mXg, self._nke(mWu), b_half=True)
+        atom_h, coord_h, atom_wd, coord_wd = ml.make_tma(mH, self._nke(mWd))
+        atom_sg, coord_sg, atom_su, coord_su = None, None, None, None
+        atom_hs, coord_hs, atom_sd, coord_sd = None, None, None, None
+        if cutlass.const_expr(self.shared):
+            _, _, atom_sg, coord_sg = ml.make_tma(mX, self._nke(mSg), b_half=True)
+            _, _, atom_su, coord_su = ml.make_tma(mX, self._nke(mSu), b_half=True)
+            atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(mHs, self._nke(mSd))
+        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
+        self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
+                    atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
+                    mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather, mHready,
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, timeout_ns).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, atom_x: cute.CopyAtom, coord_x: cute.Tensor, atom_xg: cute.CopyAtom, coord_xg: cute.Tensor,
+               atom_wg: cute.CopyAtom, coord_wg: cute.Tensor, atom_wu: cute.CopyAtom, coord_wu: cute.Tensor,
+               atom_h: cute.CopyAtom, coord_h: cute.Tensor, atom_wd: cute.CopyAtom, coord_wd: cute.Tensor,
+               atom_sg: cute.CopyAtom, coord_sg: cute.Tensor, atom_su: cute.CopyAtom, coord_su: cute.Tensor,
+               atom_hs: cute.CopyAtom, coord_hs: cute.Tensor, atom_sd: cute.CopyAtom, coord_sd: cute.Tensor,
+               mX: cute.Tensor, mXg: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
+               mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor,
+               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
+               mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
+               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, timeout_ns: Int64):
+        cfg = self.cfg
+        atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
+        if cutlass.const_expr(self.shared):
+            atoms += [atom_sg, atom_su, atom_hs, atom_sd]
+        tidx, warp = self.mainloop.start(atoms)
+        pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True)
+        sTask = storage.extra.get_tensor(cute.make_layout(2))  # task hand-off: producer -> consumers
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        status = mStatus.iterator
+
+        tokens = mX.shape[0]
+        hidden = mX.shape[1]
+        num_experts = mOffsets.shape[0] - 1
+        m_routed = mOffsets[num_experts]
+        n1 = coord_wg.shape[0] // (cfg.tile_n // 2)  # GEMM1 n-tiles (2I / tile_n)
+        n2 = coord_wd.shape[0] // cfg.tile_n  # GEMM2 n-tiles (H / tile_n)
+        k1 = (hidden + (cfg.tile_k - 1)) // cfg.tile_k
+        k2 = (coord_h.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        m_sh = (tokens + (cfg.tile_m - 1)) // cfg.tile_m
+        n1s = Int32(0)
+        k2s = Int32(0)
+        if cutlass.const_expr(self.shared):
+            n1s = coord_sg.shape[0] // (cfg.tile_n // 2)
+            k2s = (coord_hs.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        mt_routed = tasks.routed_mtiles(mOffsets, num_experts, cfg.tile_m)
+        n_s1 = m_sh * n1s
+        n_r1 = mt_routed * n1
+        n_s2 = Int32(0)
+        if cutlass.const_expr(self.shared):
+            n_s2 = m_sh * n2
+        n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
+        gemm2_tiles = n_s2 + mt_routed * n2
+
+        if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
+            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, m_routed, k, mGather, mTrace)
+            cute.arch.barrier()
+        ticket = mDone.iterator + 1
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self._produce(pipe, sA, sB, sTask, ticket, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, k1,
+                              k2, k2s, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
+                              atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
+                              coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
+                              mHready, mShready, status, timeout_ns)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
+                          m_sh, n1, n1s, n2, k1, k2, k2s, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
+                          mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
+                          mGather.shape[0])
+        # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_increase(_SUM_REGS)
+        else:
+            cute.arch.setmaxregister_decrease(_SUM_REGS)
+        t0 = self._now()
+        if tidx == 0:
+            P.wait_geq(mDone.iterator, gemm2_tiles, timeout_ns, status, Int32(0), Int32(DONE))
+        cute.arch.barrier()
+        t1 = self._now()
+        self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden)
+        if cutlass.const_expr(self.trace):
+            if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
+                base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
+                self._record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
+                self._record(mTrace, base + 1, t1, self._now(), SUM_KIND, bidx, Int32(0))
+
+    # ------------------------------------------------------------------ roles
+    @cute.jit
+    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
+                mOrder: cute.Tensor, m_routed: Int32, k: Int32, mGather: cute.Tensor, mTrace: cute.Tensor):
+        """Comm CTAs: copy grouped rows chunk by chunk (chunk c by CTA c % comm_ctas), each
+        chunk published by a release add on its ``gather_ready`` counter."""
+        v = mX.shape[1] // _VEC
+        src = cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * v, _VEC), stride=(_VEC, 1)))
+        dst = cute.make_tensor(mXg.iterator, cute.make_layout((mXg.shape[0] * v, _VEC), stride=(_VEC, 1)))
+        chunks = (m_routed + (CHUNK - 1)) // CHUNK
+        for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
+            t0 = self._now()
+            row0 = c * CHUNK
+            n = cutlass.min(m_routed - row0, CHUNK) * v
+            buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
+            for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
+                for u in cutlass.range_constexpr(self.unroll):
+                    i = i0 + u * NUM_THREADS
+                    if i < n:
+                        r = row0 + i // v
+                        tok = mOrder[r] // k
+                        buf[None, u].store(src[tok * v + i % v, None].load())
+                for u in cutlass.range_constexpr(self.unroll):
+                    i = i0 + u * NUM_THREADS
+                    if i < n:
+                        dst[row0 * v + i, None].store(buf[None, u].load())
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(self.trace):
+                    self._record(mTrace, c, t0, self._now(), GATHER_KIND, bidx, c)
+
+    @cute.jit
+    def _now(self):
+        """%globaltimer when tracing (else 0, no instruction)."""
+        t = Int64(0)
+        if cutlass.const_expr(self.trace):
+            t = cute.arch.globaltimer()
+        return t
+
+    @cute.jit
+    def _record(self, mTrace: cute.Tensor, i: Int32, start: Int64, end: Int64, kind, cta: Int32, what: Int32):
+        """Trace record ``i``: (start, end, kind | cta << 8, what)."""
+        base = i * TRACE_WORDS
+        mTrace[base] = start
+        mTrace[base + 1] = end
+        mTrace[base + 2] = Int64(kind) + (Int64(cta) << 8)
+        mTrace[base + 3] = Int64(what)
+
+    @cute.jit
+    def _wait(self, counter: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer, channel: Int32,
+              what: Int32):
+        """Producer thread: bounded wait for ``*counter >= target``, then order the async
+        proxy's (TMA) reads after the generic-proxy writes it observed."""
+        P.wait_geq(counter, target, timeout_ns, status, what, channel)
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def _produce(self, pipe, sA, sB, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, n_s1: Int32, n_r1: Int32,
+                 n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32, k2s: Int32,
+                 mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
+                 atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
+                 atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
+                 mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+        """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
+        each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
+        handed off last tells the consumers to stop."""
+        cfg = self.cfg
+        half = cfg.tile_n // 2
+        state = self.mainloop.producer_state()
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = self._claim(ticket)
+        while t < n_tasks:
+            self._hand_off(sTask, i, t)
+            i += 1
+            phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, e1, b1, e2, b2)
+            if phase == R1:
+                for c in cutlass.range(row0 // CHUNK, (row0 + rows - 1) // CHUNK + 1, unroll=1):
+                    self._wait(mGather.iterator + c, Int32(1), timeout_ns, status, Int32(GATHER), c)
+            if phase == R2:
+                self._wait(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
+            if cutlass.const_expr(self.shared):
+                if phase == S2:
+                    self._wait(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
+            if phase == R1:
+                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_xg), (cfg.tile_m, cfg.tile_k), (0, None))
+                gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                state = self.mainloop.load_tile(pipe, state, atom_xg, gA, sA, atom_wg, gB, sB, k1, atom_b_hi=atom_wu,
+                                     gB_hi=gB_hi)
+            elif phase == R2:
+                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_h), (cfg.tile_m, cfg.tile_k), (0, None))
+                gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                state = self.mainloop.load_tile(pipe, state, atom_h, gA, sA, atom_wd, gB, sB, k2)
+            else:
+                if cutlass.const_expr(self.shared):
+                    if phase == S1:
+                        gA = cute.local_tile(cute.domain_offset((row0, 0), coord_x), (cfg.tile_m, cfg.tile_k),
+                                             (0, None))
+                        gB = cute.local_tile(coord_sg[(None, None, 0)], (half, cfg.tile_k), (n_tile, None))
+                        gB_hi = cute.local_tile(coord_su[(None, None, 0)], (half, cfg.tile_k), (n_tile, None))
+                        state = self.mainloop.load_tile(pipe, state, atom_x, gA, sA, atom_sg, gB, sB, k1, atom_b_hi=atom_su,
+                                             gB_hi=gB_hi)
+                    else:
+                        gA = cute.local_tile(cute.domain_offset((row0, 0), coord_hs), (cfg.tile_m, cfg.tile_k),
+                                             (0, None))
+                        gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                        state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s)
+            t = self._claim(ticket)
+        self._hand_off(sTask, i, t)
+        pipe.producer_tail(state)
+
+    @cute.jit
+    def _claim(self, ticket: cute.Pointer):
+        """Producer warp: the next task id (one atomic per warp, broadcast from lane 0)."""
+        t = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            t = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(t, 0)
+
+    @cute.jit
+    def _hand_off(self, sTask: cute.Tensor, i: Int32, t: Int32):
+        """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2`` (named barriers
+        FULL + slot and EMPTY + slot, producer warp + consumer warpgroups)."""
+        slot = i % 2
+        if i >= 2:
+            cute.arch.barrier(barrier_id=_EMPTY + slot, number_of_threads=_HANDOFF_THREADS)
+        sTask[slot] = t
+        cute.arch.barrier_arrive(barrier_id=_FULL + slot, number_of_threads=_HANDOFF_THREADS)
+
+    @cute.jit
+    def _take(self, sTask: cute.Tensor, i: Int32):
+        """Consumers: the task of hand-off ``i``."""
+        slot = i % 2
+        cute.arch.barrier(barrier_id=_FULL + slot, number_of_threads=_HANDOFF_THREADS)
+        t = sTask[slot]
+        cute.arch.barrier_arrive(barrier_id=_EMPTY + slot, number_of_threads=_HANDOFF_THREADS)
+        return t
+
+    @cute.jit
+    def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
+                 n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32,
+                 k2s: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
+                 mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
+                 mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32):
+        """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it."""
+        thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
+        state = self.mainloop.consumer_state()
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = self._take(sTask, i)
+        while t < n_tasks:
+            i += 1
+            phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, e1, b1, e2, b2)
+            t0 = self._now()  # after the task lookup: the gap since the last record is the scheduler's
+            k_tiles = k1
+            if phase == R2:
+                k_tiles = k2
+            if phase == S2:
+                k_tiles = k2s
+            state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+            acc_to_smem(thr_mma, acc, sC)
+            consumer_barrier()
+            if phase == R1:
+                self.swiglu.store(sC, tid, row0, rows, n_tile, mGU, mH, limit)
+            elif phase == R2:
+                self._scatter(sC, tid, row0, rows, n_tile, mSlot, mOrder)
+            else:
+                if cutlass.const_expr(self.shared):
+                    if phase == S1:
+                        self.swiglu.store(sC, tid, row0, rows, n_tile, mGUs, mHs, limit)
+                    else:
+                        self.plain.store(sC, tid, row0, rows, n_tile, mSout, mSout, limit)
+            cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
+            consumer_barrier()
+            if tid == 0:
+                counter = mDone.iterator
+                if phase == R1:
+                    counter = mHready.iterator + mt
+                if phase == S1:
+                    counter = mShready.iterator + mt
+                cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(self.trace):
+                    self._record(mTrace, trace_base + t, t0, self._now(), phase, bidx, t)
+            t = self._take(sTask, i)
+
+    @cute.jit
+    def _scatter(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
+                 mOrder: cute.Tensor):
+        """Store the staged GEMM2 tile's rows ``r < rows`` to ``slot_out[order[row0 + r]]``."""
+        copy = _row_copy(self.cfg.tile_n)
+        r, coords = _load_rows(copy, tid, sC)
+        v = mSlot.shape[1] // _VEC
+        dst = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
+        col0 = n_tile * (self.cfg.tile_n // _VEC)
+        for m in cutlass.range_constexpr(cute.size(r, mode=[1])):
+            rr, c = coords[(0, m, 0)]
+            if rr < rows:
+                route = mOrder[row0 + rr]
+                for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
+                    _, cn = coords[(0, m, n)]
+                    dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
+
+    @cute.jit
+    def _slot_sum(self, tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mSout: cute.Tensor,
+                  mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32):
+        """Every CTA: ``y[t] = bf16(fp32(s_out[t]) + sum_j w[t, j] * fp32(slot_out[t*k + j]))`` over
+        the slots with an expert, in slot order (grid stride over (token, 16-byte vector))."""
+        v = hidden // _VEC
+        slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
+        y = cute.make_tensor(mY.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+        s = None
+        if cutlass.const_expr(self.shared):
+            s = cute.make_tensor(mSout.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+        acc = cute.make_rmem_tensor((_VEC,), Float32)
+        xf = cute.make_rmem_tensor((_VEC,), Float32)
+        for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
+            t = i // v
+            c = i - t * v
+            if cutlass.const_expr(self.shared):
+                acc.store(s[i, None].load().to(Float32))
+            else:
+                acc.fill(0.0)
+            for j in cutlass.range(k, unroll=1):
+                if mIdx[t * k + j] >= 0:
+                    w = mW[t * k + j]
+                    xf.store(slot[(t * k + j) * v + c, None].load().to(Float32))
+                    for e in cutlass.range_constexpr(_VEC):
+                        acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
+            y[i, None].store(acc.load().to(cutlass.BFloat16))
+
+
+# ---------------------------------------------------------------- compile and launch
+def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False, arch: str = "sm_90a",
+                          inspect: bool = False):
+    """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace)
+    bf = cutlass.BFloat16
+    t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
+
+    def vec(dtype, n, align=4):
+        return cute.runtime.make_fake_tensor(dtype, (n,), stride=(1,), assumed_align=align)
+
+    shared_w = (_fake_3d(bf, cute.sym_int(), inter_s, hid), _fake_3d(bf, cute.sym_int(), inter_s, hid),
+                _fake_3d(bf, cute.sym_int(), hid, inter_s)) if shared else (None, None, None)
+    shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
+    args = (_fake_2d(bf, t, hid), _fake_2d(bf, mcap, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
+            _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
+            _fake_2d(bf, mcap, inter), *shared_out, _fake_2d(bf, tk, hid),
+            _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
+            vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
+            vec(Int64, cute.sym_int(), 8) if trace else None)
+    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int64(1),
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+
+
+COUNTER_WORDS = 4  # status
+GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
+_last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
+
+
+def tracing() -> bool:
+    """``MOK_CUTE_TRACE=1``: the fused forward records every task (read at every call)."""
+    return os.environ.get("MOK_CUTE_TRACE", "0") == "1"
+
+
+def last_trace():
+    """``(records int64 [n, 4], comm_ctas)`` of the last traced launch (records of tasks that
+    did not exist are zero), or None."""
+    return _last_trace[0] if _last_trace else None
+
+
+def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
+    """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket]) for T tokens, M_cap rows, E experts."""
+    chunks = -(-mcap // CHUNK)
+    return chunks, chunks + e, -(-t // CHUNK), 2
+
+
+def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
+                  timeout_s: float):
+    """Launch the fused forward on validated operands (see the module doc for shapes);
+    returns ``(y, xg, gu, h, slot_out, gus, hs, status)`` (``gus``/``hs`` None without a
+    shared expert). ``order`` int32 [M_cap], ``offsets`` int32 [E+1], ``topk_idx`` int32 and
+    ``topk_w`` fp32 [T, k], all on x's device."""
+    dev, arch = device_arch(x.device)
+    t, hid = x.shape
+    k = topk_idx.shape[1]
+    mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
+    bf = dict(dtype=torch.bfloat16, device=x.device)
+    xg = torch.empty((mcap, hid), **bf)
+    gu = torch.empty((mcap, 2, inter), **bf)
+    h = torch.empty((mcap, inter), **bf)
+    slot = torch.empty((t * k, hid), **bf)
+    y = torch.empty((t, hid), **bf)
+    sizes = counter_sizes(t, mcap, e)
+    counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
+    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
+    gus = hs = s_out = None
+    ws = (None, None, None)
+    if shared is not None:
+        inter_s = shared[0].shape[0]
+        gus = torch.empty((t, 2, inter_s), **bf)
+        hs = torch.empty((t, inter_s), **bf)
+        s_out = torch.empty((t, hid), **bf)
+        ws = tuple(w[None] for w in shared)
+    trace = tracing()
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace)
+    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
+        compile_fused_forward(*variant[:2], unroll=variant[2], trace=trace, arch=arch)[0]))
+    num_ctas = sm_count(dev)
+    records = None
+    if trace:  # gather chunks, then every possible task, then two per CTA (see the kernel)
+        n1s = 0 if shared is None else shared[0].shape[0] // 128
+        m_sh, mt = sizes[2], sizes[1]
+        n_tasks = m_sh * (n1s + (hid // 256 if shared is not None else 0)) + mt * (inter // 128 + hid // 256)
+        records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
+        _last_trace[:] = [(records, comm_ctas)]
+    tensors = (x, xg, w_gate, w_up, w_down, *ws, gu, h, gus, hs, slot, s_out, y, order, offsets,
+               topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
+    scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, int(timeout_s * 1e9))
+    key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
+        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
+        Int32(num_ctas), Int64(scalars[4]), stream))
+    return y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts[-1]
+
+
+# ---------------------------------------------------------------- error status
+_WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles"}
+_pending: list = []  # (event, pinned status copy) of launches not yet looked at
+
+
+def describe(words) -> str | None:
+    """The error a status tensor's words hold, or None."""
+    code, what, channel, target = (int(w) for w in words)
+    if code == P.OK:
+        return None
+    if code == P.TIMEOUT and channel in _WAITS:
+        return (f"mok_cute fused forward: a device wait timed out ({_WAITS[channel]} {what}, target {target}): "
+                "raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a scheduling bug")
+    return f"mok_cute fused forward: device error code {code} ({what}, {channel}, {target})"
+
+
+def watch_status(status: torch.Tensor) -> None:
+    """Raise RuntimeError for an error recorded by an earlier launch that has finished (no host
+    sync: each launch's status is copied to pinned memory behind an event, looked at by the
+    next call), then queue ``status`` of this launch (not while a CUDA graph is captured)."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    while _pending and _pending[0][0].query():
+        _, words = _pending.pop(0)
+        msg = describe(words.tolist())
+        if msg:
+            _pending.clear()
+            raise RuntimeError(msg)
+    host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+    host.copy_(status, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    _pending.append((ev, host))
+
+
+def check_errors() -> None:
+    """Wait for every queued launch and raise RuntimeError for the first recorded error."""
+    for ev, _ in _pending:
+        ev.synchronize()
+    done, _pending[:] = list(_pending), []
+    for _, words in done:
+        msg = describe(words.tolist())
+        if msg:
+            raise RuntimeError(msg)

@@ -1,0 +1,159 @@
+"""Task list of the fused MoE forward (device functions and their pure-Python mirror).
+
+The GEMM CTAs of the fused forward walk one static list of tile tasks, task ``t`` run by GEMM
+CTA ``t % G`` (``G`` GEMM CTAs), each CTA in list order, in four phases:
+
+  S1  shared GEMM1 + SwiGLU   ``m_sh * n1s`` tiles   (m_sh = ceil(T / tile_m), n1s = I_s / (tile_n/2))
+  R1  routed GEMM1 + SwiGLU   ``mt * n1`` tiles      (mt = sum_e ceil(rows_e / tile_m), n1 = I / (tile_n/2))
+  S2  shared GEMM2            ``m_sh * n2`` tiles    (n2 = H / tile_n)
+  R2  routed GEMM2            ``mt * n2`` tiles
+
+Inside a phase the tiles are numbered m-tile fastest (routed phases: experts in order, the
+walk of :mod:`mok_cute.schedule.group_tiles`). Dependencies point backwards only: an R1 tile
+needs the gather chunks (of ``tile_m`` grouped rows, moved by the comm CTAs) holding its rows;
+an S2 / R2 tile needs every GEMM1 n-tile of its m-tile; the slot sum needs every GEMM2 tile.
+With all CTAs resident and each CTA running its tasks in order, the lowest unfinished task's
+inputs are always finished or being made, so the list cannot deadlock
+(:func:`simulate` checks it on concrete routings). ``mt_index`` numbers the routed m-tiles in
+expert order (the readiness counter of an m-tile). This module imports no GEMM code.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from mok_cute.schedule.group_tiles import seek, tile_coords
+
+S1, R1, S2, R2 = range(4)
+PHASES = ("S1", "R1", "S2", "R2")
+
+
+# ---------------------------------------------------------------- pure-Python mirror
+def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool) -> list[tuple]:
+    """Every task in list order: ``(phase, expert, n_tile, row0, rows, mt)`` (shared phases:
+    expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index)."""
+    offs = [int(o) for o in offsets]
+    m_sh = -(-tokens // tile_m)
+    routed = []  # (expert, m_tile, row0, rows, mt) in expert order
+    for e in range(len(offs) - 1):
+        for m in range(-(-(offs[e + 1] - offs[e]) // tile_m)):
+            row0 = offs[e] + m * tile_m
+            routed.append((e, row0, min(tile_m, offs[e + 1] - row0), len(routed)))
+    out = []
+    for phase, n in ((S1, n1s if shared else 0), (R1, n1), (S2, n2 if shared else 0), (R2, n2)):
+        if phase in (S1, S2):
+            out += [(phase, -1, nt, m * tile_m, min(tile_m, tokens - m * tile_m), m)
+                    for nt in range(n) for m in range(m_sh)]
+        else:  # per expert: its m-tiles fastest, then its n-tiles
+            by_expert: dict[int, list] = {}
+            for r in routed:
+                by_expert.setdefault(r[0], []).append(r)
+            for e in sorted(by_expert):
+                out += [(phase, e, nt, row0, rows, mt) for nt in range(n) for (_, row0, rows, mt) in by_expert[e]]
+    return out
+
+
+def needs(task: tuple, tile_m: int, n1: int, n1s: int) -> list[tuple[str, int, int]]:
+    """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk),
+    ``h`` (routed m-tile: n1 GEMM1 tiles), ``sh`` (shared m-tile: n1s tiles)."""
+    phase, _, _, row0, rows, mt = task
+    if phase == R1:
+        return [("gather", c, 1) for c in range(row0 // tile_m, (row0 + rows - 1) // tile_m + 1)]
+    if phase == R2:
+        return [("h", mt, n1)]
+    if phase == S2:
+        return [("sh", mt, n1s)]
+    return []
+
+
+def publishes(task: tuple) -> tuple[str, int]:
+    """The counter a finished task bumps by one: ``(counter, index)``."""
+    phase, _, _, _, _, mt = task
+    return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0)}[phase]
+
+
+def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
+             comm_ctas: int) -> int:
+    """Run the fused forward's schedule on the host: comm CTA ``c`` gathers chunks ``c, c +
+    comm_ctas, ...`` in order, GEMM CTA ``g`` runs tasks ``g, g + gemm_ctas, ...`` in order, a
+    CTA moves on only when its head task's inputs are published. Returns the number of rounds
+    until every task and chunk is done; AssertionError on a deadlock or a missing publication."""
+    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared)
+    chunks = -(-int(offsets[-1]) // tile_m)
+    count: dict[tuple[str, int], int] = {}
+    queues = [list(range(c, chunks, comm_ctas)) for c in range(comm_ctas)]
+    queues += [[("t", i) for i in range(g, len(tasks), gemm_ctas)] for g in range(gemm_ctas)]
+    rounds = 0
+    while any(queues):
+        progressed = False
+        for q in queues:
+            if not q:
+                continue
+            head = q[0]
+            if isinstance(head, int):  # a gather chunk: no inputs
+                count[("gather", head)] = count.get(("gather", head), 0) + 1
+            else:
+                task = tasks[head[1]]
+                if any(count.get((name, i), 0) < target for name, i, target in needs(task, tile_m, n1, n1s)):
+                    continue
+                key = publishes(task)
+                count[key] = count.get(key, 0) + 1
+            q.pop(0)
+            progressed = True
+        assert progressed, f"deadlock after {rounds} rounds: heads {[q[0] for q in queues if q]}"
+        rounds += 1
+    gemm2 = sum(t[0] in (S2, R2) for t in tasks)
+    assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
+    return rounds
+
+
+# ---------------------------------------------------------------- device functions
+@cute.jit
+def routed_mtiles(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int]):
+    """m-tiles of all routed experts, ``sum_e ceil(rows_e / tile_m)`` (one pass over offsets)."""
+    total = Int32(0)
+    for e in cutlass.range(num_experts, unroll=1):
+        total += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
+    return total
+
+
+@cute.jit
+def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
+         num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], e1: Int32, b1: Int32, e2: Int32,
+         b2: Int32):
+    """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (``n_s1``,
+    ``n_r1``, ``n_s2``: tasks of the first three phases). The routed phases advance their own
+    cursor ``(e, b)`` of :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
+    phase = Int32(R2)
+    expert = Int32(0)
+    n_tile = Int32(0)
+    row0 = Int32(0)
+    rows = Int32(0)
+    mt = Int32(0)
+    if t < n_s1:
+        phase = Int32(S1)
+        mt = t % m_sh
+        n_tile = t // m_sh
+    elif t < n_s1 + n_r1:
+        phase = Int32(R1)
+        lin = t - n_s1
+        e1, b1 = seek(offsets, num_experts, tile_m, n1, lin, e1, b1)
+        expert = e1
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e1, b1)
+        mt = b1 // n1 + m_tile
+    elif t < n_s1 + n_r1 + n_s2:
+        phase = Int32(S2)
+        lin = t - n_s1 - n_r1
+        mt = lin % m_sh
+        n_tile = lin // m_sh
+    else:
+        lin = t - n_s1 - n_r1 - n_s2
+        e2, b2 = seek(offsets, num_experts, tile_m, n2, lin, e2, b2)
+        expert = e2
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
+        mt = b2 // n2 + m_tile
+    if phase == S1 or phase == S2:
+        row0 = mt * tile_m
+        rows = cutlass.min(tokens - row0, tile_m)
+    return phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2

@@ -1,0 +1,139 @@
+"""Layer benchmark on one GPU (EP = 1): the fused sm90 forward, the unfused sm90 path and the
+torch layer a PyTorch user writes, side by side in one run.
+
+    source .gpu-node/activate.sh && python3 tools/bench_layer.py [--quick] [--comm 2,8,16]
+
+torch layer: stable sort of the routes by expert, ``F.grouped_mm`` for gate/up (one [E, 2I, H]
+weight), clamped SwiGLU, ``F.grouped_mm`` for down, fp32 ``index_add_`` of the weighted rows,
+dense shared expert; autograd backward. Ours: ``mok_cute.moe`` (backend sm90, BF16,
+validate_routing=False: no host sync) fused (default; one row per ``comm_sms_fwd``) and
+unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both. Times are medians of
+CUDA-event timings (3 warm-up, 10 timed calls); TFLOP/s by MoK's count 6 (T + T k) H I
+forward (the shared expert has width I), twice that backward. The table prints last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks.common import bench_us  # noqa: E402
+from checks.layer_sm90 import _problem  # noqa: E402
+
+SHAPES = [  # (T, H, I, E, k, skewed)
+    (4096, 7168, 2048, 16, 8, False),
+    (8192, 4096, 1024, 32, 10, False),
+    (4096, 4096, 1024, 32, 10, True),
+]
+
+
+def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
+    """The twenty-line torch MoE layer (see the module doc); w1 [E, 2I, H] = [gate; up]."""
+    t, k = idx.shape
+    e, inter = w1.shape[0], w1.shape[1] // 2
+    flat = idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, e)
+    order = torch.argsort(key, stable=True)
+    offs = torch.cumsum(torch.bincount(key, minlength=e + 1)[:e], 0).to(torch.int32)
+    gu = F.grouped_mm(x[order // k], w1.transpose(1, 2), offs=offs)
+    g, u = gu[:, :inter], gu[:, inter:]
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    r = F.grouped_mm(F.silu(g) * u, wd.transpose(1, 2), offs=offs)
+    valid = (key[order] < e)[:, None]
+    rows = torch.where(valid, r.float() * topk_w.reshape(-1)[order][:, None], 0.0)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, order // k, rows)
+    if shared is not None:
+        sg, su, sd = shared
+        y = y + (F.silu(x @ sg.t()) * (x @ su.t()) @ sd.t()).float()
+    return y.bfloat16()
+
+
+def _ours(fused: bool, comm: int):
+    import mok_cute
+
+    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False)
+
+    def fn(x, idx, w, ws, sh):
+        os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
+        return mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    return fn
+
+
+def traced(fn, path: str) -> dict:
+    """One fused forward with MOK_CUTE_TRACE=1: the trace written to ``path``, its summary."""
+    import trace_view
+    from mok_cute.kernels.sm90 import fused_moe as fused
+
+    os.environ["MOK_CUTE_TRACE"] = "1"
+    try:
+        with torch.no_grad():
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        del os.environ["MOK_CUTE_TRACE"]
+    records, comm = fused.last_trace()
+    trace_view.dump(path, records, comm, fused.KINDS)
+    return trace_view.summary(*trace_view.load(path))
+
+
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None):
+    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
+    w1 = torch.cat(ws[:2], 1).detach()
+    leaves = [x, w, *ws, *sh, w1]
+    for p in leaves:
+        p.requires_grad_()
+    flop = 6 * (t + t * k) * h * inter
+    impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
+    impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
+    for c in comms:
+        impls[f"fused c{c}"] = (lambda c=c: _ours(True, c)(x, idx, w, ws, sh))
+    out = {}
+    for name, fn in impls.items():
+        with torch.no_grad():
+            t_f = bench_us(fn, warmup=3, iters=10)
+        t_fb = bench_us(lambda: torch.autograd.backward(fn(), dy), warmup=2, iters=5)
+        out[name] = (t_f, t_fb)
+        for p in leaves:
+            p.grad = None
+    os.environ.pop("MOK_CUTE_FUSED", None)
+    if trace:
+        s = traced(lambda: _ours(True, comms[-1])(x, idx, w, ws, sh), trace)
+        print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
+              f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, busy us {s['busy_us']}", flush=True)
+    label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
+    lines = []
+    tf_f, tf_b = out["torch"]
+    for name, (t_f, t_fb) in out.items():
+        lines.append(f"| {label} | {name} | {t_f:.0f} | {tf_f / t_f:.2f}x | {flop / t_f / 1e6:.0f} | {t_fb:.0f} | "
+                     f"{tf_b / t_fb:.2f}x | {3 * flop / t_fb / 1e6:.0f} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the first shape")
+    ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
+    ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    comms = [int(c) for c in args.comm.split(",")]
+    lines = []
+    for i, shape in enumerate(SHAPES[:1] if args.quick else SHAPES):
+        lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None)
+        torch.cuda.empty_cache()
+    print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
+    print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

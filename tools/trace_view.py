@@ -1,0 +1,97 @@
+"""Turn a fused-forward trace (``MOK_CUTE_TRACE=1``) into a Chrome/Perfetto trace and a PNG of SM
+occupancy by task kind over time, and print the scheduler's share of the GEMM CTAs' time.
+
+    python3 tools/trace_view.py trace.json [--out-prefix PATH]
+
+``trace.json``: ``{"records": [[start_ns, end_ns, kind | cta << 8, task], ...], "kinds": [...],
+"comm_ctas": N}`` as written by :func:`dump` (records of tasks that did not run are zero).
+Scheduler share = sum over GEMM CTAs of the gaps between one task's end and the next one's start
+(the task lookup on the device) / the GEMM CTAs' busy span.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def dump(path, records, comm_ctas: int, kinds) -> None:
+    """Write a trace file from the kernel's int64 [n, 4] records (a torch tensor)."""
+    rows = [r for r in records.cpu().tolist() if r[1]]
+    Path(path).write_text(json.dumps({"records": rows, "kinds": list(kinds), "comm_ctas": comm_ctas}))
+
+
+def load(path):
+    d = json.loads(Path(path).read_text())
+    t0 = min(r[0] for r in d["records"])
+    recs = [(r[0] - t0, r[1] - t0, r[2] & 0xFF, r[2] >> 8, r[3]) for r in d["records"]]
+    return recs, d["kinds"], d["comm_ctas"]
+
+
+def summary(recs, kinds, comm_ctas) -> dict:
+    """Span, busy time per kind, and the scheduler share of the GEMM CTAs."""
+    span = max(r[1] for r in recs)
+    busy = {k: 0 for k in kinds}
+    per_cta: dict[int, list] = {}
+    for s, e, kind, cta, _ in recs:
+        busy[kinds[kind]] += e - s
+        if kind < 4:  # GEMM tasks
+            per_cta.setdefault(cta, []).append((s, e))
+    gaps = active = 0
+    for spans in per_cta.values():
+        spans.sort()
+        active += spans[-1][1] - spans[0][0]
+        gaps += sum(max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
+    return {"span_us": span / 1e3, "busy_us": {k: v / 1e3 for k, v in busy.items()},
+            "scheduler_share": gaps / active if active else 0.0, "gemm_ctas": len(per_cta), "comm_ctas": comm_ctas}
+
+
+def chrome(recs, kinds) -> dict:
+    return {"traceEvents": [{"name": kinds[k], "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3, "pid": 0, "tid": cta,
+                             "args": {"task": w}} for s, e, k, cta, w in recs]}
+
+
+def occupancy_png(recs, kinds, path, bins: int = 400) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    span = max(r[1] for r in recs)
+    width = span / bins
+    occ = {k: [0.0] * bins for k in range(len(kinds))}
+    for s, e, k, _, _ in recs:
+        b0, b1 = int(s // width), min(bins - 1, int(e // width))
+        for b in range(b0, b1 + 1):
+            lo, hi = max(s, b * width), min(e, (b + 1) * width)
+            occ[k][b] += max(0.0, hi - lo) / width
+    xs = [(b + 0.5) * width / 1e3 for b in range(bins)]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.stackplot(xs, *[occ[k] for k in range(len(kinds))], labels=kinds)
+    ax.set_xlabel("time (us)")
+    ax.set_ylabel("SMs busy")
+    ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--out-prefix", default=None)
+    args = ap.parse_args()
+    recs, kinds, comm = load(args.trace)
+    prefix = args.out_prefix or str(Path(args.trace).with_suffix(""))
+    Path(prefix + ".chrome.json").write_text(json.dumps(chrome(recs, kinds)))
+    s = summary(recs, kinds, comm)
+    try:
+        occupancy_png(recs, kinds, prefix + ".png")
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+    print(json.dumps(s, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
