@@ -91,7 +91,7 @@ def _sm90_fp8():
     for tma in (False, True):
         cfg = dataclasses.replace(x.DEFAULT_CONFIG, tma_store=tma)
         out[f"mxfp8-act-{'tma' if tma else 'masked'}"] = (
-            lambda c=cfg: x.compile_mxfp8_mixed_gemm(c, inspect=True, w_fp8=False))
+            lambda c=cfg: x.compile_mxfp8_mixed_gemm(c, inspect=True))
     return {f"sm90-fp8/{k}@sm_90a": v for k, v in out.items()}
 
 

@@ -91,7 +91,8 @@ _REGS = re.compile(r"Used (\d+) registers")
 def _parse_ptxas(log: str, arch: str, ptx: str) -> CompileReport:
     rep = CompileReport(arch=arch, ptx=ptx, log=log)
     current = None
-    for line in log.splitlines():
+    # ptxas wraps the entry name onto the next line when it also prints a warning (e.g. spills)
+    for line in re.sub(r"Function properties for\s*\n\s*", "Function properties for ", log).splitlines():
         if m := _ENTRY.search(line):
             current = m.group(1)
         elif current and (m := _FRAME.search(line)):

@@ -1,67 +1,41 @@
-"""Hopper (sm_90a) MXFP8 grouped GEMM, mixed input: e4m3 operands dequantized exactly to BF16
-in shared memory, then the BF16 wgmma mainloop of :mod:`sm90.grouped_gemm`.
+"""Hopper (sm_90a) MXFP8 grouped GEMM, mixed input: MXFP8 (e4m3 + E8M0) activations x bf16
+weights, the activation tiles dequantized exactly to BF16 in shared memory by the MMA warps,
+then the BF16 wgmma mainloop of :mod:`sm90.grouped_gemm` (:class:`Mxfp8ActGemmSm90`).
 
-Contract (:func:`grouped_gemm_mxfp8_mixed`): rows of
-expert e: out = bf16(fp32 sum over K of deq(a) * deq(w[e])), deq(q, s) = bf16(fp32(q) *
-2^(s - 127)) (one ``mul.rn.f32``, no FTZ, then ``cvt.rn.bf16x2.f32``; scale 0xFF -> NaN): the
-ops of :mod:`dequant_mxfp8` (shared through :class:`~mok_cute.kernels.quant.fp8_ops.Fp8Ops`), so the
-BF16 tiles equal ``dequantize_mxfp8(q, s)`` bitwise. The BF16 tiles, the tiled MMA, the
-k-order and the epilogue are those of ``sm90.grouped_gemm.grouped_gemm`` (128 x 256 x 64,
-same :meth:`Sm90Mainloop.mma_tile`, same persistent tile walk), so the result is bitwise
-``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, dequantize_mxfp8(w, w_scales))``.
-HBM traffic is that of FP8 operands (half of BF16's) plus 1/32 for scales.
+Contract (:func:`grouped_gemm_mxfp8_mixed`): rows of expert e: out = bf16(fp32 sum over K of
+deq(a) * w[e]), deq(q, s) = bf16(fp32(q) * 2^(s - 127)) (one ``mul.rn.f32``, no FTZ, then
+``cvt.rn.bf16x2.f32``; scale 0xFF -> NaN): the ops of :mod:`dequant_mxfp8` (shared through
+:class:`~mok_cute.kernels.quant.fp8_ops.Fp8Ops`), so the BF16 A tiles equal
+``dequantize_mxfp8(a, a_scales)`` bitwise. The BF16 tiles, the tiled MMA, the k-order and the
+epilogue are those of ``sm90.grouped_gemm.grouped_gemm`` (128 x 256 x 64, same
+:meth:`Sm90Mainloop.mma_tile`, same persistent tile walk), so the result is bitwise
+``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, w)``. W is e.g. an MXFP8 weight
+dequantized once per weight version; the activations are read at 1 + 1/32 bytes per element
+instead of 2.
 
-Roles (384 threads, the BF16 kernel's three warpgroups; a fourth is not possible: at 512
-threads ptxas caps the MMA warps at 128 registers, below one m64n256 wgmma's 154):
-  WG0 warp 0     TMA producer of the e4m3 ring (A 128 x 64 and W 256 x 64 bytes per stage,
-                 unswizzled row-major, ``PipelineTmaAsync``; the mainloop's ``produce_grouped``).
-  WG0 warps 1-3  dequantizers of one 128-row block each (A, W rows 0-127, W rows 128-255):
-                 per k-tile wait for the e4m3 slot and a free BF16 slot; lane l takes 8 bytes
-                 (2 words) of rows l / 8 + 4 p (32 passes), columns 8 (l % 8) .. + 7,
-                 converts them with the row's E8M0 byte and stores one 16-byte vector into
-                 the BF16 slot through the slot's swizzled cute tensor (the very layout wgmma
-                 reads); then ``sync_warp``, release of the e4m3 slot (lane 0),
-                 ``fence.proxy.async.shared::cta`` (generic stores -> async-proxy wgmma
-                 reads), ``sync_warp`` and one arrive (lane 0) on the BF16 slot's full barrier.
-  WG1-2          MMA consumers of the BF16 ring: the BF16 kernel's ``consumer_fragments`` /
-                 ``mma_tile`` / epilogue, unchanged; they release a BF16 slot with one arrive
-                 per warp (lane 0) after ``wgmma.wait_group``.
-Scales are not TMA-loaded (a 64-K k-tile holds 2 scale bytes per row, below TMA's 16-byte
-box minimum). The host passes them as int32 words (4 blocks = 2 k-tiles per word). Per
-k-tile each lane of a dequant warp decodes 8 of its block's 256 (row, 32-block) multipliers
-(fp32 bits of 2^(s - 127), :meth:`Fp8Ops.scale_bits`) from words it loaded one k-tile ahead
-(latency hidden behind a k-tile), and each pass takes its multiplier from the holding lane
-by one ``shfl.sync`` (layout in :meth:`Mxfp8MixedGemmSm90._dequantize`). Per pass (8
-elements) the SASS is ~29 instructions: SHFL, LDS.64, 4 F2FP e4m3 unpacks, 8 HADD2.F32,
-8 FMUL, 4 F2FP bf16 packs, STS.128; ~1150 per warp and k-tile against ~1000-1400 cycles of
-wgmma per k-tile, so the three dequant warps (one per SM sub-partition) are the expected
-limit.
-Dequantizing warps beside the producer (rather than the MMA warpgroups converting the next
-stage between their wgmma batches) keep the MMA warps' instruction stream that of the BF16
-kernel and their accumulators clear of conversion temporaries.
+Design: one TMA ring of 3 stages holds A's e4m3 tile (8 KB, unswizzled row-major) and W's bf16
+tile (32 KB, swizzled as wgmma reads it). The MMA warps dequantize A themselves, 16 rows per
+warp (their warpgroup's 64 wgmma rows), into one of two BF16 A buffers: k-tile kt's rows are
+converted while wgmma batch kt - 1 runs (buffer kt % 2 was last read by batch kt - 2, retired by
+the previous ``wait_group(1)``), then ``fence.proxy.async`` and a per-warpgroup named barrier,
+then the BF16 kernel's wgmma batch; the ring slot is released when its batch retires. Per pass
+a lane takes 8 bytes (2 words) of one row, converts them with the row's E8M0 multiplier and
+stores one 16-byte vector through the buffer's swizzled cute tensor (:func:`_copies`).
+Scales are not TMA-loaded (a 64-K k-tile holds 2 scale bytes per row, below TMA's 16-byte box
+minimum): the host passes them as int32 words (4 blocks = 2 k-tiles per word); each lane
+decodes its held (row, block) multiplier (fp32 bits of 2^(s - 127), :meth:`Fp8Ops.scale_bits`)
+from a word it loaded one k-tile ahead, and each pass takes its multiplier from the holding lane
+by one ``shfl.sync`` (layout in :func:`_lanes`). Shared memory 3 x 40 KB + 2 x 16 KB + 64 KB
+epilogue = 216 KB; registers 40 / 232 as the BF16 kernel. Same wgmma stream, so the same
+bitwise result. Measured (H200, 8 x 4096 rows, K 7168, N 4096): 608-624 TFLOP/s = 0.92-0.94x
+the BF16 GEMM, bitwise equal to it on the dequantized operands.
 
-Shared memory (227 KB): 2 BF16 stages x 48 KB + 2 e4m3 stages x 24 KB + the 64 KB epilogue
-tile + mbarriers = 208 KB. Registers (setmaxnreg, 64 K per SM): WG0 88, MMA warpgroups 208
-(88 x 128 + 208 x 256 = 64512; 0 spills). Measured (H200, 8 x 4096 rows, K 7168, N 4096):
-257 TFLOP/s = 0.35x the BF16 GEMM: the three dequant warps are the limit, as estimated.
-
-bf16 weights (``w_scales=None``, :class:`Mxfp8ActGemmSm90`; W e.g. an MXFP8 weight dequantized
-once per weight version, the activations stay MXFP8): one TMA ring of 3 stages holds A's e4m3
-tile (8 KB) and W's bf16 tile (32 KB, swizzled as wgmma reads it). The MMA warps dequantize A
-themselves, 16 rows per warp (their warpgroup's 64 wgmma rows), into one of two BF16 A buffers:
-k-tile kt's rows are converted while wgmma batch kt - 1 runs (buffer kt % 2 was last read by
-batch kt - 2, retired by the previous ``wait_group(1)``), then ``fence.proxy.async`` and a
-per-warpgroup named barrier, then the BF16 kernel's wgmma batch; the ring slot is released
-when its batch retires. 8 warps share the conversion (1024 elements per warp and k-tile
-against 8192 per dequant warp above). Shared memory 3 x 40 KB + 2 x 16 KB + 64 KB epilogue =
-216 KB; registers 40 / 232 as the BF16 kernel. Same wgmma stream, so the same bitwise result.
-Measured (same shape and run as above): 608 TFLOP/s = 0.92x the BF16 GEMM, bitwise equal to it
-on the dequantized operands, reading A at 1 + 1/32 bytes per element instead of 2.
+The e4m3-weight form (both operands MXFP8, three dequant warps beside the producer, 0.35-0.39x
+the BF16 GEMM) was removed: ``docs/architecture.md``, "Removed kernels".
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import torch
@@ -89,228 +63,13 @@ from mok_cute.kernels.sm90.mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
 MX_BLOCK = 32
-FP8_STAGES = 2
-LOADER_REGS = 88  # warpgroup 0: TMA warp + 3 dequant warps
-MMA_REGS = 208  # 88 x 128 + 208 x 256 <= 65536
 _VEC = 8  # elements per dequant vector: 8 e4m3 bytes in, one 16-byte bf16 vector out
-_BLOCK_ROWS = 128  # rows per dequant warp: A, W[0:128), W[128:256)
-_MMA_WARPS = 8
-_DEQUANT_WARPS = 3
-# bf16-weight form (:class:`Mxfp8ActGemmSm90`)
 ACT_STAGES = 3  # TMA ring: A e4m3 (8 KB) + W bf16 (32 KB) per stage
 ACT_A_BUFFERS = 2  # BF16 A tiles written by the MMA warps (16 KB each)
 ACT_PRODUCER_REGS, ACT_MMA_REGS = 40, 232  # the BF16 kernel's split: 40 x 128 + 232 x 256 <= 65536
 _ACT_BLOCK_ROWS = 16  # A rows per MMA warp: 4 warps x 16 = the warpgroup's 64 wgmma rows
 _ACT_BARRIER = 2  # named barriers 2, 3: one per MMA warpgroup (1 is the consumers' epilogue barrier)
 
-
-@dataclass(frozen=True)
-class _Bf16Ring:
-    """The BF16 ring's mbarriers (``PipelineAsync``): full = one arrive per dequant warp, empty =
-    one arrive per MMA warp (lane 0; every lane's wgmma has retired by then). Offers the
-    consumer side that :meth:`Sm90Mainloop.mma_tile` calls."""
-
-    pipe: pipeline.PipelineAsync
-
-    @staticmethod
-    def create(barrier_ptr, stages: int):
-        return _Bf16Ring(pipeline.PipelineAsync.create(
-            barrier_storage=barrier_ptr, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
-            defer_sync=True))
-
-    def consumer_wait(self, state):
-        self.pipe.consumer_wait(state)
-
-    @cute.jit
-    def consumer_release(self, state):
-        if cute.arch.lane_idx() == 0:
-            self.pipe.consumer_release(state)
-
-    def producer_acquire(self, state):
-        self.pipe.producer_acquire(state)
-
-    @cute.jit
-    def producer_commit(self, state):
-        """After this warp's stores of the slot: fence them for the async proxy, then lane 0
-        arrives for the warp."""
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            self.pipe.producer_commit(state)
-
-    def producer_tail(self, state):
-        self.pipe.producer_tail(state)
-
-
-class Mxfp8MixedGemmSm90:
-    """Persistent mixed-input MXFP8 grouped GEMM (see the module doc).
-
-    Call (jit): ``(mA [M, K] e4m3, mSA [M, K/128] int32, mB [E, N, K] e4m3, mSB [E, N, K/128]
-    int32, mOffsets [E+1] int32, mOut [M, N] bf16, num_ctas, stream)``: the scale tensors are
-    the uint8 E8M0 [.., K/32] scales seen as int32 words (byte b of word j = block 4 j + b);
-    K a multiple of 128, N of ``cfg.tile_n``. ``cfg``: the BF16 mainloop's (tile 128 x 256 x
-    64 for the bitwise match; ``tma_store`` selects the TMA-store epilogue as in the BF16
-    kernel). ``fp8_stages``: e4m3 ring depth.
-    """
-
-    def __init__(self, cfg: MainloopConfig = DEFAULT_CONFIG, fp8_stages: int = FP8_STAGES):
-        if cfg.ab_dtype is not cutlass.BFloat16 or (cfg.tile_m, cfg.tile_n, cfg.tile_k) != (128, 256, 64):
-            raise ValueError(f"the mixed MXFP8 GEMM needs a BF16 mainloop with tile 128 x 256 x 64 (one 128-row "
-                             f"block per dequant warp), got {cfg}")
-        self.cfg, self.fp8_stages = cfg, fp8_stages
-        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
-        self.f8_stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
-        f8_barriers = 2 * fp8_stages * 8
-        self.mainloop = Sm90Mainloop(
-            cfg, epi_smem_bytes=self.epi.smem_elems() * 2 + fp8_stages * self.f8_stage_bytes + f8_barriers)
-        if self.mainloop.stages < 2:
-            raise ValueError(f"only {self.mainloop.stages} BF16 stage(s) fit beside {fp8_stages} e4m3 stages")
-        # the e4m3 ring's producer: the mainloop's TMA walk with the e4m3 ring depth
-        self.f8_loop = copy.copy(self.mainloop)
-        self.f8_loop.stages = fp8_stages
-
-    def _f8_layouts(self):
-        """Build the e4m3 ring's layouts (in the launcher and in the kernel): unswizzled
-        K-contiguous (rows, tile_k, stages) staging (8-byte reads by 8 adjacent lanes per row
-        cover 256 contiguous bytes per warp: conflict-free)."""
-        k = self.cfg.tile_k
-        self.a8_layout, self.b8_layout = (cute.make_layout((rows, k, self.fp8_stages), stride=(k, 1, rows * k))
-                                          for rows in (self.cfg.tile_m, self.cfg.tile_n))
-
-    def _storage(self):
-        ml, cfg = self.mainloop, self.cfg
-        f8 = cutlass.Float8E4M3FN
-        fields = {
-            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * ml.stages],
-            "f8_barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.fp8_stages],
-            "sA": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.a_smem_staged)], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(ml.b_smem_staged)], 1024],
-            "sC": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.epi.smem_elems()], 1024],
-            "sA8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.a8_layout)], 1024],
-            "sB8": cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(self.b8_layout)], 1024],
-        }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-    @cute.jit
-    def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor,
-                 mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
-        cfg = self.cfg
-        self.mainloop.setup()
-        self._f8_layouts()
-        atom_a, coord_a, atom_b, coord_b, atom_c, coord_c = _tma_atoms(cfg, mA, self.a8_layout, mB, self.b8_layout,
-                                                                       mOut)
-        self.shared_storage = self._storage()
-        self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut, atom_c, coord_c).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
-            stream=stream)
-
-    def _allocate(self):
-        """Shared storage, both rings' pipelines (initialised); returns
-        ``(f8_pipe, bf_ring, sA8, sB8, sA, sB, sC)``."""
-        ml = self.mainloop
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        f8_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.f8_barriers.data_ptr(), num_stages=self.fp8_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _DEQUANT_WARPS),
-            tx_count=self.f8_stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        bf_ring = _Bf16Ring.create(storage.barriers.data_ptr(), ml.stages)
-        sA = storage.sA.get_tensor(ml.a_smem_staged.outer, swizzle=ml.a_smem_staged.inner)
-        sB = storage.sB.get_tensor(ml.b_smem_staged.outer, swizzle=ml.b_smem_staged.inner)
-        sC = self.epi.smem_tensor(storage.sC)
-        sA8 = storage.sA8.get_tensor(self.a8_layout)
-        sB8 = storage.sB8.get_tensor(self.b8_layout)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cfg.cluster_mn, is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=self.cfg.cluster_mn)
-        return f8_pipe, bf_ring, sA8, sB8, sA, sB, sC
-
-    @cute.kernel
-    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-               mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor,
-               atom_c: cute.CopyAtom, coord_c: cute.Tensor):
-        cfg = self.cfg
-        atoms = [atom_a, atom_b]
-        if cutlass.const_expr(cfg.tma_store):
-            atoms.append(atom_c)
-        tidx, warp = self.mainloop.start(atoms)
-        self._f8_layouts()
-        f8_pipe, bf_ring, sA8, sB8, sA, sB, sC = self._allocate()
-        num_experts = mOffsets.shape[0] - 1
-        n_tiles = coord_b.shape[0] // cfg.tile_n
-        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
-        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
-        if warp < THREADS_PER_WG // 32:
-            cute.arch.setmaxregister_decrease(LOADER_REGS)
-            if warp == 0:
-                self.f8_loop.produce_grouped(f8_pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                             atom_a, coord_a, sA8, atom_b, coord_b, sB8, cfg.tile_n, k_tiles)
-            elif warp == 1:  # A
-                self._dequantize(f8_pipe, bf_ring, sA8, sA, mSA, mSB, 0, Int32(0), mOffsets, num_experts, n_tiles,
-                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
-            else:  # W rows [0, 128) (warp 2) or [128, 256) (warp 3)
-                self._dequantize(f8_pipe, bf_ring, sB8, sB, mSA, mSB, 1, warp - 2, mOffsets, num_experts, n_tiles,
-                                 linear, expert, base, grid, k_tiles, coord_a.shape[0])
-        else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
-            tid = tidx - THREADS_PER_WG
-            thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
-            state = self.mainloop.consumer_state()
-            while expert < num_experts:
-                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-                state = self.mainloop.mma_tile(bf_ring, state, tCrA, tCrB, acc, k_tiles)
-                _store_tile(cfg, self.epi, self.mainloop.tiled_mma, thr_mma, acc, sC, tid, atom_c, coord_c, row0, rows,
-                            n_tile, mOut)
-                linear = linear + grid
-                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-            if cutlass.const_expr(cfg.tma_store):
-                tma_store_drain(tid)
-
-    @cute.jit
-    def _dequantize(self, f8_pipe, bf_ring, s8: cute.Tensor, s16: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
-                    operand: cutlass.Constexpr[int], block: Int32, mOffsets: cute.Tensor, num_experts: Int32,
-                    n_tiles: Int32, linear: Int32, expert: Int32, base: Int32, grid: Int32, k_tiles: Int32,
-                    m_total: Int32):
-        """Dequant warp: rows ``[128 block, 128 block + 128)`` of operand ``operand`` (0: A, scale
-        words ``mSA``; 1: W, ``mSB``), e4m3 ring ``s8`` -> BF16 ring ``s16``, every k-tile of
-        the tile walk (see the module doc)."""
-        cfg = self.cfg
-        lane = cute.arch.lane_idx()
-        rd, wr = _copies(cfg.tile_k)
-        src = rd.get_slice(lane).partition_S(
-            cute.local_tile(cute.recast_tensor(s8, Uint32), (_BLOCK_ROWS, cfg.tile_k // 4, self.fp8_stages),
-                            (block, 0, 0)))
-        dst = wr.get_slice(lane).partition_D(
-            cute.local_tile(s16, (_BLOCK_ROWS, cfg.tile_k, self.mainloop.stages), (block, 0, 0)))
-        passes = cute.size(src, mode=[1])
-        holds = passes // 4
-        words = cute.make_rmem_tensor((holds,), Uint32)  # raw scale words, one k-tile ahead
-        mult = cute.make_rmem_tensor((holds,), Uint32)
-        hold_row, reader = _lanes(lane)
-        f8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
-        bf_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mainloop.stages)
-        while expert < num_experts:
-            _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-            if cutlass.const_expr(operand == 1):
-                row0 = n_tile * cfg.tile_n
-            row0 = row0 + block * _BLOCK_ROWS + hold_row
-            _load_words(words, mSA, mSB, operand, expert, row0, m_total, Int32(0))
-            for kt in cutlass.range(k_tiles, unroll=1):
-                _decode(words, mult, kt, lane)
-                _load_words(words, mSA, mSB, operand, expert, row0, m_total, cutlass.min(kt + 1, k_tiles - 1))
-                f8_pipe.consumer_wait(f8_state)
-                bf_ring.producer_acquire(bf_state)
-                _convert(src[(None, None, 0, f8_state.index)], dst[(None, None, 0, bf_state.index)], mult,
-                              reader)
-                cute.arch.sync_warp()  # every lane's e4m3 reads are done
-                f8_pipe.consumer_release(f8_state)  # lane 0
-                bf_ring.producer_commit(bf_state)
-                f8_state.advance()
-                bf_state.advance()
-            linear = linear + grid
-            expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
-        bf_ring.producer_tail(bf_state)
 
 class Mxfp8ActGemmSm90:
     """Persistent grouped GEMM with MXFP8 activations and bf16 weights, the A tile dequantized
@@ -418,7 +177,7 @@ class Mxfp8ActGemmSm90:
             while expert < num_experts:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 row = row0 + block * _ACT_BLOCK_ROWS + hold_row
-                _load_words(words, mSA, mSA, 0, expert, row, m_total, Int32(0))
+                _load_words(words, mSA, row, m_total, Int32(0))
                 state = self.mainloop.mma_tile(
                     pipe, state, tCrA, tCrB, acc, k_tiles,
                     stage_a=lambda slot, kt: self._stage_a(src, dst, slot, kt, words, mult, mSA, row, m_total, lane,
@@ -441,14 +200,14 @@ class Mxfp8ActGemmSm90:
         wgmma reads all 64 rows). Returns the buffer index."""
         buf = kt % ACT_A_BUFFERS
         _decode(words, mult, kt, lane)
-        _load_words(words, mSA, mSA, 0, Int32(0), row, m_total, cutlass.min(kt + 1, k_tiles - 1))
+        _load_words(words, mSA, row, m_total, cutlass.min(kt + 1, k_tiles - 1))
         _convert(src[(None, None, 0, slot)], dst[(None, None, 0, buf)], mult, reader)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_ACT_BARRIER + wg, number_of_threads=THREADS_PER_WG)
         return buf
 
 
-# ---------------------------------------------------------------- shared by both kernels
+# ---------------------------------------------------------------- TMA atoms, epilogue
 def _tma_atoms(cfg: MainloopConfig, mA: cute.Tensor, a_smem, mB: cute.Tensor, b_smem, mOut: cute.Tensor):
     """(atom_a, coord_a, atom_b, coord_b, atom_c, coord_c): TMA loads of A [M, K] into ``a_smem``
     stages and of B [E, N, K] (tiled as (N, K, E)) into ``b_smem`` stages, and the output's TMA
@@ -510,16 +269,12 @@ def _decode(words: cute.Tensor, mult: cute.Tensor, kt: Int32, lane: Int32):
 
 
 @cute.jit
-def _load_words(words: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, operand: cutlass.Constexpr[int],
-                expert: Int32, row: Int32, m_total: Int32, kt: Int32):
+def _load_words(words: cute.Tensor, mSA: cute.Tensor, row: Int32, m_total: Int32, kt: Int32):
     """``words[j]``: the scale word (4 E8M0 bytes: k-tiles 2 (kt // 2) and 2 (kt // 2) + 1) of
-    row ``row + 16 j`` of A (``operand`` 0, ``mSA``) or of W[expert] (1, ``mSB``) (A rows past M
-    read the last row: their data is TMA zero fill and their output rows are never stored)."""
+    row ``row + 16 j`` of A (rows past M read the last row: their data is TMA zero fill and their
+    output rows are never stored)."""
     for j in cutlass.range_constexpr(cute.size(words)):
-        if cutlass.const_expr(operand == 0):
-            words[j] = Uint32(mSA[cutlass.min(row + 16 * j, m_total - 1), kt // 2])
-        else:
-            words[j] = Uint32(mSB[expert, row + 16 * j, kt // 2])
+        words[j] = Uint32(mSA[cutlass.min(row + 16 * j, m_total - 1), kt // 2])
 
 
 @cute.jit
@@ -541,11 +296,9 @@ def _convert(src: cute.Tensor, dst: cute.Tensor, mult: cute.Tensor, reader: Int3
 
 
 # ---------------------------------------------------------------- compile
-def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "sm_90a", inspect: bool = False,
-                             w_fp8: bool = True):
-    """Compile the mixed-input MXFP8 grouped GEMM with symbolic M, N, K, E: e4m3 + E8M0
-    weights (:class:`Mxfp8MixedGemmSm90`), or with ``w_fp8=False`` bf16 weights
-    (:class:`Mxfp8ActGemmSm90`); ``(compiled, report)``."""
+def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "sm_90a", inspect: bool = False):
+    """Compile the mixed-input MXFP8 grouped GEMM (:class:`Mxfp8ActGemmSm90`: MXFP8 activations,
+    bf16 weights) with symbolic M, N, K, E; ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 mixed-input MXFP8 GEMM needs arch sm_90a, got {arch!r}")
     f8 = cutlass.Float8E4M3FN
@@ -553,10 +306,7 @@ def compile_mxfp8_mixed_gemm(cfg: MainloopConfig = DEFAULT_CONFIG, arch: str = "
     k = cute.sym_int(divisibility=16)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     a, sa, out = _fake_2d(f8, m, k), _fake(Int32, (m, kw), 1), _fake_2d(cutlass.BFloat16, m, n)
-    if w_fp8:
-        op, args = Mxfp8MixedGemmSm90(cfg), (a, sa, _fake_3d(f8, e, n, k), _fake(Int32, (e, n, kw), 1), offs, out)
-    else:
-        op, args = Mxfp8ActGemmSm90(cfg), (a, sa, _fake_3d(cutlass.BFloat16, e, n, k), offs, out)
+    op, args = Mxfp8ActGemmSm90(cfg), (a, sa, _fake_3d(cutlass.BFloat16, e, n, k), offs, out)
     return compile_kernel(op, *args, Int32(1), cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -569,12 +319,11 @@ def _check_mx_scales(name, t, shape):
         raise ValueError(f"{name} must be contiguous and 4-byte aligned")
 
 
-def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
-    """Validate the operands of :func:`grouped_gemm_mxfp8_mixed` (``w_scales`` None: ``w`` is a
-    bf16 weight [E, N, K]) before any launch; returns
-    ``(M, N, E, out)`` (``out`` allocated if None)."""
+def check_mxfp8_operands(a, a_scales, offsets, w, out, tile_n: int):
+    """Validate the operands of :func:`grouped_gemm_mxfp8_mixed` (``w`` a bf16 weight
+    [E, N, K]) before any launch; returns ``(M, N, E, out)`` (``out`` allocated if None)."""
     _check_tensor("a", a, 2, (torch.float8_e4m3fn,))
-    _check_tensor("w", w, 3, (torch.float8_e4m3fn,) if w_scales is not None else (torch.bfloat16,))
+    _check_tensor("w", w, 3, (torch.bfloat16,))
     e = _check_offsets(offsets)
     m, k = a.shape
     n = w.shape[1]
@@ -587,44 +336,35 @@ def check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, tile_n: int):
         if not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(f"{name} must be contiguous (K contiguous) and 16-byte aligned")
     _check_mx_scales("a_scales", a_scales, (m, k // MX_BLOCK))
-    if w_scales is not None:
-        _check_mx_scales("w_scales", w_scales, (e, n, k // MX_BLOCK))
     out = _check_out("out", out, (m, n), a.device)
-    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
+    _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, out=out)
     return m, n, e, out
 
 
-def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, w_scales=None, *, out=None,
-                             cfg: MainloopConfig = DEFAULT_CONFIG):
-    """out [M, N] bf16: rows of expert e = bf16(fp32 sum over K of deq(a) * W_e) with
-    deq(q, s) = bf16(fp32(q) * 2^(s - 127)) (scale 0xFF: NaN) and W = deq(w, w_scales), or
-    W = w when ``w_scales`` is None (bf16 weights, e.g. an MXFP8 weight dequantized once per
-    weight version); bitwise ``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, W)`` and
-    bitwise repeatable.
+def grouped_gemm_mxfp8_mixed(a, a_scales, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
+    """out [M, N] bf16: rows of expert e = bf16(fp32 sum over K of deq(a) * w[e]) with
+    deq(q, s) = bf16(fp32(q) * 2^(s - 127)) (scale 0xFF: NaN); w a bf16 weight (e.g. an MXFP8
+    weight dequantized once per weight version); bitwise
+    ``grouped_gemm(dequantize_mxfp8(a, a_scales), offsets, w)`` and bitwise repeatable.
 
     a [M, K] float8_e4m3fn contiguous, K a positive multiple of 128; a_scales uint8 [M, K/32]
-    contiguous; w [E, N, K] float8_e4m3fn (with w_scales uint8 [E, N, K/32], per expert along
-    K) or bf16, contiguous, N a multiple of ``cfg.tile_n`` (256); offsets int32/int64 [E+1]
-    on the device (0, non-decreasing, last = M; trusted, no host sync). ``out``: optional
-    contiguous [M, N] bf16 (every row is written). The TMA-store epilogue follows the BF16
-    kernel's process-wide setting (``sm90.grouped_gemm.set_tma_store``).
+    contiguous; w [E, N, K] bf16 contiguous, N a multiple of ``cfg.tile_n`` (256); offsets
+    int32/int64 [E+1] on the device (0, non-decreasing, last = M; trusted, no host sync).
+    ``out``: optional contiguous [M, N] bf16 (every row is written). The TMA-store epilogue
+    follows the BF16 kernel's process-wide setting (``sm90.grouped_gemm.set_tma_store``).
     """
-    m, n, e, out = check_mxfp8_operands(a, a_scales, offsets, w, w_scales, out, cfg.tile_n)
+    m, n, e, out = check_mxfp8_operands(a, a_scales, offsets, w, out, cfg.tile_n)
     if m == 0:
         return out
     dev, arch = _sm90(a, "mixed-input MXFP8 GEMM")
     cfg = effective_config(cfg)
-    w_fp8 = w_scales is not None
-    launcher = compile_cached(("sm90_mxfp8_mixed_gemm", arch, cfg.key(), w_fp8),
-                              lambda: GraphLauncher(compile_mxfp8_mixed_gemm(cfg, arch, w_fp8=w_fp8)[0]))
+    launcher = compile_cached(("sm90_mxfp8_mixed_gemm", arch, cfg.key()),
+                              lambda: GraphLauncher(compile_mxfp8_mixed_gemm(cfg, arch)[0]))
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     sa32 = a_scales.view(torch.int32)
-    ws = (tensor_key(w_scales.view(torch.int32)),) if w_fp8 else ()
-    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), *ws, offs32.data_ptr(), offs32.shape, tensor_key(out),
-           num_ctas)
-    weights = (_Desc(w), _Desc(w_scales.view(torch.int32))) if w_fp8 else (_Desc(w),)
+    key = (tensor_key(a), tensor_key(sa32), tensor_key(w), offs32.data_ptr(), offs32.shape, tensor_key(out), num_ctas)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
-        _Desc(a), _Desc(sa32), *weights, _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
+        _Desc(a), _Desc(sa32), _Desc(w), _Desc(offs32), _Desc(out), Int32(num_ctas), stream))
     return out

@@ -1,0 +1,154 @@
+"""The fused SM90 forward (kernels/sm90/fused_moe.py) on the CPU: it compiles for sm_90a with
+the instructions its protocol needs, its task list (schedule/fused_tasks.py) is complete,
+matches the grouped-tile walk and cannot deadlock on random and adversarial routings, its
+host entry validates before any launch, and the backward reads its route-order rows
+(route_grad ``rows_by_route``). The kernel itself runs in tools/checks/fused_fwd.py."""
+import functools
+import random
+import re
+
+import pytest
+import torch
+
+from mok_cute.kernels import route_grad
+from mok_cute.layers.grouped import route_sort
+from mok_cute.schedule import fused_tasks as ft
+from mok_cute.schedule.group_tiles import cta_tiles
+
+
+@functools.cache
+def _compiled(clamp: bool, shared: bool, trace: bool = False):
+    from mok_cute.kernels.sm90 import fused_moe
+
+    return fused_moe.compile_fused_forward(clamp, shared, trace=trace, inspect=True)[1]
+
+
+VARIANTS = [(True, True, False), (False, False, False), (True, False, False), (False, True, False), (True, True, True)]
+
+
+@pytest.mark.parametrize("clamp,shared,trace", VARIANTS)
+def test_compiles_with_its_protocol(clamp, shared, trace):
+    rep = _compiled(clamp, shared, trace)
+    assert rep.registers, "no ptxas resource report parsed"
+    for needed in ("wgmma.mma_async", "cp.async.bulk.tensor", "atom.global.release.add", "ld.acquire.sys",
+                   "bar.arrive", "setmaxnreg", "fence.proxy.async.global", "mul.rn.f32", "add.rn.f32",
+                   "%globaltimer"):
+        assert needed in rep.ptx, needed
+    assert ("st.global.v4" in rep.ptx) and ("multimem" not in rep.ptx)
+    plain = _compiled(clamp, shared, False)  # the bounded waits read %globaltimer too; a trace adds stamps
+    assert (rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")) == trace
+
+
+@pytest.mark.parametrize("clamp,shared,trace", VARIANTS)
+def test_no_spills(clamp, shared, trace):
+    rep = _compiled(clamp, shared, trace)
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", rep.log)]
+    if not clamp:
+        pytest.xfail(f"known: the unclamped variants spill {spills} bytes (ptxas, consumer region); open in issue 12")
+    assert spills == [0], spills
+
+
+def _offsets(counts):
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+ROUTINGS = {
+    "uniform": lambda e, m: [m // e] * e,
+    "one expert": lambda e, m: [m] + [0] * (e - 1),
+    "last expert": lambda e, m: [0] * (e - 1) + [m],
+    "nothing routed": lambda e, m: [0] * e,
+    "ragged": lambda e, m: [(7 * i * i + 3) % 300 for i in range(e)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+@pytest.mark.parametrize("shared", [False, True])
+def test_schedule_completes_without_deadlock(name, shared):
+    for e, tokens in ((1, 128), (8, 1000), (16, 129)):
+        offs = _offsets(ROUTINGS[name](e, 4 * tokens))
+        for gemm, comm in ((1, 1), (7, 2), (130, 2), (3, 40)):
+            ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=shared, gemm_ctas=gemm, comm_ctas=comm)
+
+
+def test_schedule_random_routings():
+    rng = random.Random(0)
+    for _ in range(40):
+        e, tokens = rng.choice([1, 2, 8, 32]), rng.randint(1, 900)
+        counts = [0] * e
+        for _ in range(tokens * rng.randint(1, 4)):
+            if rng.random() < 0.9:
+                counts[0 if rng.random() < 0.4 else rng.randrange(e)] += 1
+        ft.simulate(_offsets(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4), n2=rng.randint(1, 6),
+                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40))
+
+
+def test_task_list_matches_the_grouped_walk():
+    """The routed phases walk the tile space of group_tiles (expert, n-tile, row0, rows), and the
+    m-tile indices count each expert's m-tiles in order."""
+    offs = _offsets([300, 0, 129, 1, 512])
+    tasks = ft.task_list(offs, 700, 128, n1=4, n1s=2, n2=3, shared=True)
+    for phase, n in ((ft.R1, 4), (ft.R2, 3)):
+        mine = [(e, nt, r0, rows) for p, e, nt, r0, rows, _ in tasks if p == phase]
+        walk = [(e, nt, r0, rows) for e, _, nt, r0, rows in cta_tiles(offs, 128, n, 0, 1)]
+        assert mine == walk
+    mts = sorted({(e, r0, mt) for p, e, _, r0, _, mt in tasks if p == ft.R1})
+    assert [mt for _, _, mt in mts] == list(range(len(mts)))
+    assert sum(p == ft.S1 for p, *_ in tasks) == 6 * 2 and sum(p == ft.S2 for p, *_ in tasks) == 6 * 3
+
+
+def test_simulate_detects_a_missing_dependency(monkeypatch):
+    """The mirror is not vacuous: a task list whose GEMM2 waits for a GEMM1 tile that is never
+    published deadlocks."""
+    monkeypatch.setattr(ft, "needs", lambda task, tile_m, n1, n1s: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
+    with pytest.raises(AssertionError, match="deadlock"):
+        ft.simulate(_offsets([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
+
+
+def test_route_order_rows_match_grouped_rows():
+    """The backward's d topk_w from route-order rows (the fused forward's) equals the one from
+    expert-grouped rows."""
+    g = torch.Generator().manual_seed(3)
+    t, k, e, h = 41, 3, 5, 64
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    order, offsets, _ = route_sort(idx, e)
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    w = torch.rand(t, k, generator=g)
+    by_route = torch.randn(t * k, h, generator=g).bfloat16()
+    grouped = by_route[order]
+    a = route_grad.dy_rows_and_dtopk_w_torch(dy, grouped, order, w, offsets)
+    b = route_grad.dy_rows_and_dtopk_w_torch(dy, by_route, order, w, offsets, rows_by_route=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_route_grad_by_route_compiles():
+    _, rep = route_grad.compiled_route_grad("sm_90a", True)
+    assert rep.registers and rep.total_spill_bytes == 0
+
+
+def test_fused_entry_validates_before_launch():
+    from mok_cute import MoKConfig
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    wg = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    order, offsets, _ = route_sort(torch.zeros(16, 2, dtype=torch.int64), 2)
+    args = (order.int(), offsets, torch.zeros(16, 2, dtype=torch.int32), torch.zeros(16, 2), wg, wg)
+    with pytest.raises(ValueError, match="w_down"):
+        Sm90ExpertMLP().fused_forward(x, *args, torch.zeros(2, 256, 128, dtype=torch.bfloat16), None, None,
+                                      MoKConfig())
+    with pytest.raises(ValueError, match="CUDA"):
+        Sm90ExpertMLP().fused_forward(x, *args, wg, None, None, MoKConfig())
+
+
+def test_ptxas_report_parses_wrapped_entries():
+    """ptxas puts the entry name on its own line when it warns (spills): still parsed."""
+    from mok_cute.dsl.compile import _parse_ptxas
+
+    log = ("ptxas info    : Function properties for\n          kern_a\n"
+           "ptxas         .     48 bytes stack frame, 52 bytes spill stores, 52 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 16 barriers\n")
+    rep = _parse_ptxas(log, "sm_90a", "")
+    assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
