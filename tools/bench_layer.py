@@ -6,8 +6,8 @@ torch layer a PyTorch user writes, side by side in one run.
 torch layer: stable sort of the routes by expert, ``F.grouped_mm`` for gate/up (one [E, 2I, H]
 weight), clamped SwiGLU, ``F.grouped_mm`` for down, fp32 ``index_add_`` of the weighted rows,
 dense shared expert; autograd backward. Ours: ``mok_cute.moe`` (backend sm90, BF16,
-validate_routing=False: no host sync) fused (default; one row per ``comm_sms_fwd``) and
-unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both. Times are medians of
+validate_routing=False: no host sync) fused (MOK_CUTE_FUSED=1; one row per ``comm_sms_fwd``)
+and unfused (the default); the backward is the unfused one in both. Times are medians of
 CUDA-event timings (3 warm-up, 10 timed calls); TFLOP/s by MoK's count 6 (T + T k) H I
 forward (the shared expert has width I), twice that backward. The table prints last.
 """

@@ -130,6 +130,15 @@ def _quant():
                     lambda lo=layout, a=arch, c=count: dq.compiled_dequant(lo, a, c))
     for arch in ARCHS:
         out[f"route_grad/route_grad@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a)
+        out[f"route_grad/route_grad-by-route@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a, True)
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    for clamp in (False, True):
+        for shared in (False, True):
+            for trace in (False, True):
+                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
+                    f"{'-trace' if trace else ''}@sm_90a"] = (
+                    lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
     return out
 
 

@@ -5,7 +5,8 @@ Per routing case (uniform, skewed with empty experts and -1 slots, every token t
 with and without the shared expert, SwiGLU clamped at 4 and not):
   * y and every gradient (the backward is the unfused one, fed by the fused forward's saved
     rows) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
-  * y bitwise equal to the unfused sm90 forward (MOK_CUTE_FUSED=0: the same GEMM tiles and
+  * y bitwise equal to the unfused sm90 forward (the default; MOK_CUTE_FUSED=1 selects the fused
+    one, which these rows run; the same GEMM tiles and
     the same slot-sum rounding, so the two must agree to the bit);
   * y bitwise across 5 repeats and across comm_sms_fwd in (2, 8, 40) and minibatch_tokens
     (256, 4096);
@@ -24,19 +25,19 @@ from checks.layer_sm90 import _compare, _problem, _run
 REPEATS = 5
 
 
-def _moe(x, idx, w, ws, sh, limit, **cfg):
+def _moe(x, idx, w, ws, sh, limit, fused=True, **cfg):
     import mok_cute
 
-    return mok_cute.moe(x, idx, w, *ws, shared=sh, swiglu_limit=limit,
-                        config=mok_cute.MoKConfig(backend="sm90", **cfg))
+    os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
+    try:
+        return mok_cute.moe(x, idx, w, *ws, shared=sh, swiglu_limit=limit,
+                            config=mok_cute.MoKConfig(backend="sm90", **cfg))
+    finally:
+        del os.environ["MOK_CUTE_FUSED"]
 
 
 def _unfused(*args):
-    os.environ["MOK_CUTE_FUSED"] = "0"
-    try:
-        return _moe(*args)
-    finally:
-        del os.environ["MOK_CUTE_FUSED"]
+    return _moe(*args, fused=False)
 
 
 def _one_expert(x, idx, w):
@@ -76,7 +77,11 @@ def run(ctx) -> list[Row]:
         if one:
             idx = _one_expert(x, idx, w)
         ref = _run("reference", x, idx, w, ws, sh, dy, limit)
-        outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
+        os.environ["MOK_CUTE_FUSED"] = "1"
+        try:
+            outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
+        finally:
+            del os.environ["MOK_CUTE_FUSED"]
         with torch.no_grad():
             ys = [_moe(x, idx, w, ws, sh, limit) for _ in range(REPEATS)]
             ys += [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m)

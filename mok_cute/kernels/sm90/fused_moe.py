@@ -312,6 +312,9 @@ class FusedMoeFwdSm90:
                         state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s)
             t = self._claim(ticket)
         self._hand_off(sTask, i, t)
+        for j in cutlass.range_constexpr(2):  # complete the EMPTY phases of the last two hand-offs:
+            if i - 1 + j >= 0:  # no named barrier is left mid-phase when the CTA exits
+                cute.arch.barrier(barrier_id=_EMPTY + (i - 1 + j) % 2, number_of_threads=_HANDOFF_THREADS)
         pipe.producer_tail(state)
 
     @cute.jit
