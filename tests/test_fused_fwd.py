@@ -39,6 +39,20 @@ def test_compiles_with_its_protocol(clamp, shared, trace):
     assert (rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")) == trace
 
 
+@pytest.mark.parametrize("clamp,shared,trace", VARIANTS[:2])
+def test_register_handback_order(clamp, shared, trace):
+    """Before the slot sum the consumer warpgroups give registers back (setmaxnreg.dec 160) and
+    a CTA barrier passes before the producer warpgroup takes them (setmaxnreg.inc 160): an
+    increase takes from the CTA's pool warp by warp, so producer warps raising first would take
+    the registers the consumers' first increase (to 232) still waits for, and the CTA stalls
+    forever (seen on the H200 before the fix)."""
+    ptx = _compiled(clamp, shared, trace).ptx
+    dec = ptx.index("setmaxnreg.dec.sync.aligned.u32 \t160")
+    inc = ptx.index("setmaxnreg.inc.sync.aligned.u32 \t160")
+    assert dec < inc and re.search(r"bar\.sync \t0;", ptx[dec:inc]), "no CTA barrier between hand-back and take"
+    assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t160") == 1
+
+
 @pytest.mark.parametrize("clamp,shared,trace", VARIANTS)
 def test_no_spills(clamp, shared, trace):
     rep = _compiled(clamp, shared, trace)

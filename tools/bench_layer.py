@@ -30,7 +30,31 @@ SHAPES = [  # (T, H, I, E, k, skewed)
     (4096, 7168, 2048, 16, 8, False),
     (8192, 4096, 1024, 32, 10, False),
     (4096, 4096, 1024, 32, 10, True),
+    (2048, 7168, 2048, 16, 8, False),
+    (16384, 7168, 2048, 16, 8, False),
 ]
+
+
+def gemms_alone(x, idx, ws, sh):
+    """The forward's GEMM tiles alone, on inputs prepared outside the timing: the routed GEMM1 +
+    SwiGLU and GEMM2 grouped kernels over pre-gathered rows, and the shared expert's two (the
+    fused forward's work without the gather, the scatter and the slot sum)."""
+    from mok_cute.kernels.sm90 import grouped_gemm as g
+    from mok_cute.layers.grouped import route_sort
+
+    t, k = idx.shape
+    order, offsets, _ = route_sort(idx, ws[0].shape[0])
+    rows = x.detach()[order // k].contiguous()
+    sh_w = tuple(w.detach()[None] for w in sh)
+    sh_offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
+    wr = tuple(w.detach() for w in ws)
+
+    def fn():
+        h = g._run_gemm1_swiglu(rows, offsets, wr[0], wr[1], None)[1]
+        g._run_gemm(h, offsets, wr[2])
+        hs = g._run_gemm1_swiglu(x, sh_offs, sh_w[0], sh_w[1], None)[1]
+        return g._run_gemm(hs, sh_offs, sh_w[2])
+    return fn
 
 
 def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
@@ -92,13 +116,15 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None):
     flop = 6 * (t + t * k) * h * inter
     impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
     impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
+    impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
     for c in comms:
         impls[f"fused c{c}"] = (lambda c=c: _ours(True, c)(x, idx, w, ws, sh))
     out = {}
     for name, fn in impls.items():
         with torch.no_grad():
             t_f = bench_us(fn, warmup=3, iters=10)
-        t_fb = bench_us(lambda: torch.autograd.backward(fn(), dy), warmup=2, iters=5)
+        t_fb = float("nan") if name == "GEMM tiles alone" else bench_us(
+            lambda: torch.autograd.backward(fn(), dy), warmup=2, iters=5)
         out[name] = (t_f, t_fb)
         for p in leaves:
             p.grad = None

@@ -18,10 +18,11 @@ group's precision). MXFP8 numerics: operands quantized as in the reference's tab
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward
 from mok_cute.reference import MoEGrads, _world, slot_sum
@@ -43,10 +44,24 @@ class _State:
 
 
 def fused_enabled() -> bool:
-    """``MOK_CUTE_FUSED=1`` runs the fused forward where an arch has one (opt-in until the
-    intermittent device timeout seen on the H200 is root-caused, see README); the default is
-    the unfused stages (read at every call)."""
-    return os.environ.get("MOK_CUTE_FUSED", "0") == "1"
+    """The fused forward runs where an arch has one unless ``MOK_CUTE_FUSED=0`` (the unfused
+    stages; read at every call)."""
+    return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
+
+
+def skip_bad_routes(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``validate_routing=False``: expert ids outside [-1, E) become -1 (the route is skipped,
+    no kernel reads or writes for it) and their count and first value are watched on the device
+    (:mod:`mok_cute.dsl.deferred`): a later call, or ``mok_cute.check_errors()``, raises
+    RuntimeError. No host sync."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    flat = topk_idx.reshape(-1)
+    first = flat.index_select(0, torch.argmax(bad.reshape(-1).to(torch.int32)).view(1))  # no host sync
+    deferred.watch(torch.cat([bad.sum(dtype=torch.int32).view(1), first.to(torch.int32)]),
+                   lambda w: None if w[0] == 0 else (
+                       f"mok_cute: topk_idx held {w[0]} expert id(s) outside [-1, E = {num_experts}) (first: {w[1]}); "
+                       "with validate_routing=False those routes were skipped"))
+    return torch.where(bad, torch.full_like(topk_idx, -1), topk_idx)
 
 
 def route_sort(topk_idx: torch.Tensor, num_experts: int):
@@ -105,6 +120,8 @@ class GroupedExpertBackend:
     def forward(self, inp, config, group):
         self.check(inp, config, group)
         ep, _ = _world(group)
+        if ep == 1 and not config.validate_routing:
+            inp = replace(inp, topk_idx=skip_bad_routes(inp.topk_idx, inp.w_gate.shape[0]))
         if ep != 1:
             from mok_cute.layers import ep as ep_layer
 

@@ -138,10 +138,10 @@ class Sm90ExpertMLP:
         _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit)
         if shared is not None:
             _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit)
-        y, xg, gu, h, slot, gus, hs, _, status = fused.fused_forward(
+        y, xg, gu, h, slot, gus, hs, _, counters = fused.fused_forward(
             x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config.comm_sms_fwd,
             config.device_timeout_s)
-        fused.watch_status(status)
+        fused.watch_status(counters[-1], first=config.validate_routing)  # else skip_bad_routes watched first
         return y, xg, gu, h, slot, gus, hs
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):

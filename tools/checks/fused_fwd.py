@@ -5,11 +5,10 @@ Per routing case (uniform, skewed with empty experts and -1 slots, every token t
 with and without the shared expert, SwiGLU clamped at 4 and not):
   * y and every gradient (the backward is the unfused one, fed by the fused forward's saved
     rows) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
-  * y bitwise equal to the unfused sm90 forward (the default; MOK_CUTE_FUSED=1 selects the fused
-    one, which these rows run; the same GEMM tiles and
-    the same slot-sum rounding, so the two must agree to the bit);
+  * y bitwise equal to the unfused sm90 forward (MOK_CUTE_FUSED=0; the same GEMM tiles and the
+    same slot-sum rounding, so the two must agree to the bit);
   * y bitwise across 5 repeats and across comm_sms_fwd in (2, 8, 40) and minibatch_tokens
-    (256, 4096);
+    (256, 1024, 4096);
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
@@ -116,6 +115,9 @@ def run(ctx) -> list[Row]:
             rows.append(Row("fused fwd CUDA graph replay == eager", bitwise=torch.equal(y_g, eager),
                             ok=torch.equal(y_g, eager)))
         except Exception as exc:  # report, the other rows stand
+            import traceback
+
+            traceback.print_exc()
             rows.append(Row("fused fwd CUDA graph replay == eager", ok=False, note=f"{type(exc).__name__}: {exc}"[:150]))
     fused.check_errors()
     return rows

@@ -53,6 +53,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import add_rn, mul_rn
+from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
@@ -69,6 +70,7 @@ CHUNK = 128  # rows per gather chunk (= tile_m)
 # wait channels recorded in status on a timeout (after the comm protocol's own)
 GATHER, H_READY, SH_READY, DONE = 16, 17, 18, 19
 TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
+PROGRESS_WORDS = 4  # per CTA in the progress variant: producer, consumers, CTA, slot sum (see _mark)
 KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 _FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
@@ -80,9 +82,12 @@ class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in."""
 
-    def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
+    def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  cfg: MainloopConfig = MainloopConfig()):
+        if trace and progress:
+            raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
+        self.progress = progress
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
@@ -167,6 +172,8 @@ class FusedMoeFwdSm90:
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
             self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, m_routed, k, mGather, mTrace)
             cute.arch.barrier()
+            if tidx == 0:
+                self._mark(mTrace, bidx, 2, 2, Int32(0))
         ticket = mDone.iterator + 1
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -175,24 +182,39 @@ class FusedMoeFwdSm90:
                               k2, k2s, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
-                              mHready, mShready, status, timeout_ns)
+                              mHready, mShready, status, timeout_ns, mTrace, bidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
                           mGather.shape[0])
-        # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out
+        # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
+        # The consumers give registers back first and the producer warpgroup takes them only after
+        # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
+        # raised early would take the registers the consumers' first increase waits for (the
+        # intermittent stall seen on the H200: consumers stuck before their first task).
+        if warp >= THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(_SUM_REGS)
+            if tidx == THREADS_PER_WG:
+                self._mark(mTrace, bidx, 1, 6, Int32(0))
+        cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_increase(_SUM_REGS)
-        else:
-            cute.arch.setmaxregister_decrease(_SUM_REGS)
+            if tidx == 32:
+                self._mark(mTrace, bidx, 2, 3, Int32(0))
         t0 = self._now()
         if tidx == 0:
+            self._mark(mTrace, bidx, 0, 7, Int32(0))
             P.wait_geq(mDone.iterator, gemm2_tiles, timeout_ns, status, Int32(0), Int32(DONE))
+            self._mark(mTrace, bidx, 0, 8, Int32(0))
         cute.arch.barrier()
         t1 = self._now()
+        if tidx == 0:
+            self._mark(mTrace, bidx, 3, 9, Int32(0))
         self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden)
+        if tidx == 0:
+            self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.trace):
             if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
                 base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
@@ -229,6 +251,7 @@ class FusedMoeFwdSm90:
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+                self._mark(mTrace, bidx, 2, 1, c)
                 if cutlass.const_expr(self.trace):
                     self._record(mTrace, c, t0, self._now(), GATHER_KIND, bidx, c)
 
@@ -250,6 +273,14 @@ class FusedMoeFwdSm90:
         mTrace[base + 3] = Int64(what)
 
     @cute.jit
+    def _mark(self, mProg: cute.Tensor, bidx: Int32, word: int, code: int, value: Int32):
+        """Progress word ``word`` of this CTA = ``code << 32 | value`` (system-scope store into
+        host-mapped memory, readable by the host while the kernel runs; progress variant only)."""
+        if cutlass.const_expr(self.progress):
+            cute.arch.store(mProg.iterator + (bidx * PROGRESS_WORDS + word), (Int64(code) << 32) + Int64(value),
+                            sem="relaxed", scope="sys")
+
+    @cute.jit
     def _wait(self, counter: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer, channel: Int32,
               what: Int32):
         """Producer thread: bounded wait for ``*counter >= target``, then order the async
@@ -263,7 +294,8 @@ class FusedMoeFwdSm90:
                  mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
-                 mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+                 mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
+                 mProg: cute.Tensor, bidx: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
         handed off last tells the consumers to stop."""
@@ -271,9 +303,12 @@ class FusedMoeFwdSm90:
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        lead = cute.arch.lane_idx() == 0
         i = Int32(0)
         t = self._claim(ticket)
         while t < n_tasks:
+            if lead:
+                self._mark(mProg, bidx, 0, 1, t)
             self._hand_off(sTask, i, t)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
@@ -286,6 +321,8 @@ class FusedMoeFwdSm90:
             if cutlass.const_expr(self.shared):
                 if phase == S2:
                     self._wait(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
+            if lead:
+                self._mark(mProg, bidx, 0, 2, t)
             if phase == R1:
                 gA = cute.local_tile(cute.domain_offset((row0, 0), coord_xg), (cfg.tile_m, cfg.tile_k), (0, None))
                 gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
@@ -310,12 +347,20 @@ class FusedMoeFwdSm90:
                                              (0, None))
                         gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
                         state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s)
+            if lead:
+                self._mark(mProg, bidx, 0, 3, t)
             t = self._claim(ticket)
         self._hand_off(sTask, i, t)
+        if lead:
+            self._mark(mProg, bidx, 0, 4, i)
         for j in cutlass.range_constexpr(2):  # complete the EMPTY phases of the last two hand-offs:
             if i - 1 + j >= 0:  # no named barrier is left mid-phase when the CTA exits
                 cute.arch.barrier(barrier_id=_EMPTY + (i - 1 + j) % 2, number_of_threads=_HANDOFF_THREADS)
+        if lead:
+            self._mark(mProg, bidx, 0, 5, i)
         pipe.producer_tail(state)
+        if lead:
+            self._mark(mProg, bidx, 0, 6, i)
 
     @cute.jit
     def _claim(self, ticket: cute.Pointer):
@@ -358,6 +403,8 @@ class FusedMoeFwdSm90:
         i = Int32(0)
         t = self._take(sTask, i)
         while t < n_tasks:
+            if tid == 0:
+                self._mark(mTrace, bidx, 1, 1, t)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, e1, b1, e2, b2)
@@ -368,6 +415,8 @@ class FusedMoeFwdSm90:
             if phase == S2:
                 k_tiles = k2s
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+            if tid == 0:
+                self._mark(mTrace, bidx, 1, 2, t)
             acc_to_smem(thr_mma, acc, sC)
             consumer_barrier()
             if phase == R1:
@@ -380,6 +429,8 @@ class FusedMoeFwdSm90:
                         self.swiglu.store(sC, tid, row0, rows, n_tile, mGUs, mHs, limit)
                     else:
                         self.plain.store(sC, tid, row0, rows, n_tile, mSout, mSout, limit)
+            if tid == 0:
+                self._mark(mTrace, bidx, 1, 3, t)
             cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
             consumer_barrier()
             if tid == 0:
@@ -391,7 +442,10 @@ class FusedMoeFwdSm90:
                 cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
                 if cutlass.const_expr(self.trace):
                     self._record(mTrace, trace_base + t, t0, self._now(), phase, bidx, t)
+                self._mark(mTrace, bidx, 1, 4, t)
             t = self._take(sTask, i)
+        if tid == 0:
+            self._mark(mTrace, bidx, 1, 5, i)
 
     @cute.jit
     def _scatter(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
@@ -440,12 +494,12 @@ class FusedMoeFwdSm90:
 
 
 # ---------------------------------------------------------------- compile and launch
-def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False, arch: str = "sm_90a",
-                          inspect: bool = False):
+def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
+                          progress: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -461,7 +515,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, mcap, inter), *shared_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace else None)
+            vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
@@ -469,11 +523,24 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
 COUNTER_WORDS = 4  # status
 GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
+_last_progress: list = []  # host-pinned progress words of the last progress-mode launch
 
 
 def tracing() -> bool:
     """``MOK_CUTE_TRACE=1``: the fused forward records every task (read at every call)."""
     return os.environ.get("MOK_CUTE_TRACE", "0") == "1"
+
+
+def progress_mode() -> bool:
+    """``MOK_CUTE_FUSED_PROGRESS=1`` (debugging a stall): the fused forward writes per-CTA
+    progress words (:func:`last_progress`) into host memory as it runs (read at every call)."""
+    return os.environ.get("MOK_CUTE_FUSED_PROGRESS", "0") == "1"
+
+
+def last_progress():
+    """Host-pinned int64 [grid, 4] progress words of the last progress-mode launch (readable
+    while it runs: producer / consumers / CTA / slot sum, each ``code << 32 | value``), or None."""
+    return _last_progress[0] if _last_progress else None
 
 
 def last_trace():
@@ -491,8 +558,9 @@ def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float):
     """Launch the fused forward on validated operands (see the module doc for shapes);
-    returns ``(y, xg, gu, h, slot_out, gus, hs, status)`` (``gus``/``hs`` None without a
-    shared expert). ``order`` int32 [M_cap], ``offsets`` int32 [E+1], ``topk_idx`` int32 and
+    returns ``(y, xg, gu, h, slot_out, gus, hs, s_out, counters)`` (``gus``/``hs``/``s_out`` None
+    without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
+    ticket, status) of int32 device tensors, status last). ``order`` int32 [M_cap], ``offsets`` int32 [E+1], ``topk_idx`` int32 and
     ``topk_w`` fp32 [T, k], all on x's device."""
     dev, arch = device_arch(x.device)
     t, hid = x.shape
@@ -516,11 +584,15 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         s_out = torch.empty((t, hid), **bf)
         ws = tuple(w[None] for w in shared)
     trace = tracing()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace)
+    progress = progress_mode() and not trace
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
-        compile_fused_forward(*variant[:2], unroll=variant[2], trace=trace, arch=arch)[0]))
+        compile_fused_forward(*variant[:2], unroll=variant[2], trace=trace, progress=progress, arch=arch)[0]))
     num_ctas = sm_count(dev)
     records = None
+    if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
+        records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
+        _last_progress[:] = [records]
     if trace:  # gather chunks, then every possible task, then two per CTA (see the kernel)
         n1s = 0 if shared is None else shared[0].shape[0] // 128
         m_sh, mt = sizes[2], sizes[1]
@@ -534,12 +606,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
         Int32(num_ctas), Int64(scalars[4]), stream))
-    return y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts[-1]
+    return y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts
 
 
 # ---------------------------------------------------------------- error status
 _WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles"}
-_pending: list = []  # (event, pinned status copy) of launches not yet looked at
 
 
 def describe(words) -> str | None:
@@ -553,31 +624,13 @@ def describe(words) -> str | None:
     return f"mok_cute fused forward: device error code {code} ({what}, {channel}, {target})"
 
 
-def watch_status(status: torch.Tensor) -> None:
-    """Raise RuntimeError for an error recorded by an earlier launch that has finished (no host
-    sync: each launch's status is copied to pinned memory behind an event, looked at by the
-    next call), then queue ``status`` of this launch (not while a CUDA graph is captured)."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    while _pending and _pending[0][0].query():
-        _, words = _pending.pop(0)
-        msg = describe(words.tolist())
-        if msg:
-            _pending.clear()
-            raise RuntimeError(msg)
-    host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-    host.copy_(status, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    _pending.append((ev, host))
+def watch_status(status: torch.Tensor, first: bool = True) -> None:
+    """Raise RuntimeError for an error an earlier finished launch recorded (unless ``first`` is
+    False: a layer call that watched something already), then queue this launch's ``status``
+    (:func:`mok_cute.dsl.deferred.watch`; no host sync)."""
+    deferred.watch(status, describe, first)
 
 
 def check_errors() -> None:
     """Wait for every queued launch and raise RuntimeError for the first recorded error."""
-    for ev, _ in _pending:
-        ev.synchronize()
-    done, _pending[:] = list(_pending), []
-    for _, words in done:
-        msg = describe(words.tolist())
-        if msg:
-            raise RuntimeError(msg)
+    deferred.check()

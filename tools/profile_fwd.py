@@ -1,0 +1,71 @@
+"""Where one forward of the layer spends its time on the GPU (sm90 backend, EP = 1): a
+torch.profiler kernel table of ``--calls`` forwards (CUDA time per kernel name, per call),
+the fused kernel's share of it, the GPU time between kernels (idle), and the host time per
+call (pipelined calls, one sync at the end).
+
+    source .gpu-node/activate.sh && python3 tools/profile_fwd.py [--shape T,H,I,E,k] [--comm 16]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks.layer_sm90 import _problem  # noqa: E402
+
+
+def main() -> int:
+    import mok_cute
+    from torch.profiler import ProfilerActivity, profile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4096,7168,2048,16,8")
+    ap.add_argument("--comm", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--fused", default="1")
+    args = ap.parse_args()
+    os.environ["MOK_CUTE_FUSED"] = args.fused
+    t, h, inter, e, k = (int(v) for v in args.shape.split(","))
+    x, idx, w, ws, sh, _ = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=11)
+    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=args.comm, validate_routing=False)
+    fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    with torch.no_grad():
+        for _ in range(3):
+            fwd()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fwd()
+        host = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 20 * 1e6
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                fwd()
+            torch.cuda.synchronize()
+    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for ev in evs:
+        by_name[ev.name][0] += 1
+        by_name[ev.name][1] += ev.device_time
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in evs)
+    busy = sum(e - s for s, e in spans)
+    whole = spans[-1][1] - spans[0][0]
+    print(f"host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
+    print(f"GPU per call: span {whole / args.calls:.0f} us, kernels {busy / args.calls:.0f} us, "
+          f"idle between kernels {(whole - busy) / args.calls:.0f} us, {len(evs) / args.calls:.0f} kernels")
+    print("| kernel | per call | us per call |\n|---|---|---|")
+    for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"| {name[:90]} | {n / args.calls:.0f} | {us / args.calls:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
