@@ -18,12 +18,13 @@ group's precision). MXFP8 numerics: operands quantized as in the reference's tab
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
+from mok_cute.schedule import local_plan
 from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward
 from mok_cute.reference import MoEGrads, _world, slot_sum
 
@@ -49,33 +50,30 @@ def fused_enabled() -> bool:
     return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
 
 
-def skip_bad_routes(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``validate_routing=False``: expert ids outside [-1, E) become -1 (the route is skipped,
-    no kernel reads or writes for it) and their count and first value are watched on the device
-    (:mod:`mok_cute.dsl.deferred`): a later call, or ``mok_cute.check_errors()``, raises
-    RuntimeError. No host sync."""
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    flat = topk_idx.reshape(-1)
-    first = flat.index_select(0, torch.argmax(bad.reshape(-1).to(torch.int32)).view(1))  # no host sync
-    deferred.watch(torch.cat([bad.sum(dtype=torch.int32).view(1), first.to(torch.int32)]),
-                   lambda w: None if w[0] == 0 else (
-                       f"mok_cute: topk_idx held {w[0]} expert id(s) outside [-1, E = {num_experts}) (first: {w[1]}); "
-                       "with validate_routing=False those routes were skipped"))
-    return torch.where(bad, torch.full_like(topk_idx, -1), topk_idx)
+def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
+    """``(order int32 [T*k], offsets int32 [E+1], idx int32 [T, k])`` with no host sync: the
+    routes sorted stably by expert (routes with no expert last), the experts' row offsets, and
+    the ids with those outside [-1, E) set to -1 (such a route is skipped like a -1 slot: no
+    kernel reads or writes for it). One launch on CUDA (:mod:`mok_cute.schedule.local_plan`),
+    its torch mirror elsewhere. ``watch`` (``validate_routing=False``): the count of such ids
+    is watched on the device (:mod:`mok_cute.dsl.deferred`), raised by a later call or
+    ``mok_cute.check_errors()``."""
+    if topk_idx.is_cuda and num_experts <= local_plan.MAX_EXPERTS:
+        order, offsets, idx, words = local_plan.plan_local(topk_idx, num_experts)
+    else:
+        order, offsets, idx, words = local_plan.plan_reference(topk_idx, num_experts)
+    if watch:
+        deferred.watch(words, lambda w: None if w[0] == 0 else (
+            f"mok_cute: topk_idx held {w[0]} expert id(s) outside [-1, E = {num_experts}) (first at flat "
+            f"route {w[1]} = token * k + slot); with validate_routing=False those routes were skipped"))
+    return order, offsets, idx.view(topk_idx.shape)
 
 
 def route_sort(topk_idx: torch.Tensor, num_experts: int):
-    """(order [T*k] int64, offsets [E+1] int32, valid [T*k] bool) on the device, no sync:
-    routes sorted stably by expert id (-1 routes last), i.e. by expert, token, slot."""
-    flat = topk_idx.reshape(-1).long()
-    valid = flat >= 0
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts[:num_experts], 0)
-    return order, offsets, valid
+    """(order [T*k] int64, offsets [E+1] int32, valid [T*k] bool), no host sync: the torch
+    mirror of :func:`routing_plan` (routes sorted stably by expert, -1 routes last)."""
+    order, offsets, idx, _ = local_plan.plan_reference(topk_idx, num_experts)
+    return order.long(), offsets, idx >= 0
 
 
 def _scatter_slots(rows, order, valid, t, k):
@@ -120,17 +118,16 @@ class GroupedExpertBackend:
     def forward(self, inp, config, group):
         self.check(inp, config, group)
         ep, _ = _world(group)
-        if ep == 1 and not config.validate_routing:
-            inp = replace(inp, topk_idx=skip_bad_routes(inp.topk_idx, inp.w_gate.shape[0]))
         if ep != 1:
             from mok_cute.layers import ep as ep_layer
 
             return ep_layer.forward(self.mlp, inp, group, ep, config)
+        order32, offsets, idx = routing_plan(inp.topk_idx, inp.w_gate.shape[0], watch=not config.validate_routing)
         if config.precision == "bf16" and getattr(self.mlp, "fused", False) and fused_enabled():
-            return self._fused_forward(inp, config)
-        x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+            return self._fused_forward(inp, config, order32, offsets, idx)
+        x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
-        order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
+        order, valid = order32.long(), idx.reshape(-1) >= 0
         x_rows = x.index_select(0, order // k)
         kw = {} if config.precision == "bf16" else {"precision": config.precision}
         r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
@@ -142,14 +139,15 @@ class GroupedExpertBackend:
                        inp.shared, routed, shared_group, r)
         return y, state
 
-    def _fused_forward(self, inp, config):
-        """EP = 1 through the arch's fused forward: the routing plan, then one persistent launch
-        (gather, GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum, shared expert)."""
-        x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+    def _fused_forward(self, inp, config, order32, offsets, idx):
+        """EP = 1 through the arch's fused forward on the routing plan (:func:`routing_plan`):
+        one persistent launch (gather, GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum,
+        shared expert)."""
+        x, limit = inp.x, inp.swiglu_limit
         t = x.shape[0]
-        order, offsets, valid = route_sort(idx, inp.w_gate.shape[0])
-        out = self.mlp.fused_forward(x, order.to(torch.int32), offsets, idx.to(torch.int32), inp.topk_w,
+        out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w,
                                      inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
+        order, valid = order32.long(), idx.reshape(-1) >= 0
         y, xg, gu, h, slot, gus, hs = out
         shared_group = None
         if inp.shared is not None:

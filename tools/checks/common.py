@@ -70,6 +70,22 @@ def bench_us(fn, warmup: int = 5, iters: int = 20, barrier=None) -> float:
     return times[len(times) // 2]
 
 
+def bench_pipelined_us(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Mean time of ``fn()`` in microseconds over ``iters`` back-to-back calls with no sync
+    between them (one CUDA-event pair around all): a training step's view, where the host
+    enqueues the next call while the GPU runs this one."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters
+
+
 def sm90_skip(ctx: Ctx, check: str) -> list[Row] | None:
     """The one skipped row of ``check`` unless the device is an sm_90 GPU (None: run it)."""
     if torch.cuda.get_device_capability(ctx.device) != (9, 0):

@@ -75,6 +75,7 @@ KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 _FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
 _HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
+SUM_BATCH = 2  # slot rows loaded before they are added, per thread of the slot sum (1 when traced)
 _SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
 
 
@@ -88,6 +89,7 @@ class FusedMoeFwdSm90:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress = progress
+        self.sum_batch = 1 if trace else SUM_BATCH  # the trace's stamps leave no room for more (0 spills)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
@@ -476,7 +478,10 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.shared):
             s = cute.make_tensor(mSout.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
         acc = cute.make_rmem_tensor((_VEC,), Float32)
-        xf = cute.make_rmem_tensor((_VEC,), Float32)
+        nb = self.sum_batch
+        xs = cute.make_rmem_tensor((_VEC, nb), cutlass.BFloat16)
+        ws = cute.make_rmem_tensor((nb,), Float32)
+        es = cute.make_rmem_tensor((nb,), Int32)
         for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
             t = i // v
             c = i - t * v
@@ -484,12 +489,19 @@ class FusedMoeFwdSm90:
                 acc.store(s[i, None].load().to(Float32))
             else:
                 acc.fill(0.0)
-            for j in cutlass.range(k, unroll=1):
-                if mIdx[t * k + j] >= 0:
-                    w = mW[t * k + j]
-                    xf.store(slot[(t * k + j) * v + c, None].load().to(Float32))
-                    for e in cutlass.range_constexpr(_VEC):
-                        acc[e] = add_rn(acc[e], mul_rn(w, xf[e]))
+            for j0 in cutlass.range(0, k, nb, unroll=1):
+                # nb slot rows in flight (a -1 slot's row is read but not added: in bounds)
+                for u in cutlass.range_constexpr(nb):
+                    r = t * k + cutlass.min(j0 + u, k - 1)
+                    es[u] = mIdx[r]
+                    if j0 + u >= k:
+                        es[u] = Int32(-1)
+                    ws[u] = mW[r]
+                    xs[None, u].store(slot[r * v + c, None].load())
+                for u in cutlass.range_constexpr(nb):  # added in slot order
+                    if es[u] >= 0:
+                        for e in cutlass.range_constexpr(_VEC):
+                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e, u].to(Float32)))
             y[i, None].store(acc.load().to(cutlass.BFloat16))
 
 

@@ -1,0 +1,193 @@
+"""Routing plan of one rank at EP = 1 on the device: one launch, no host sync.
+
+From ``topk_idx`` [T, k] (int32 / int64 expert ids; -1 = no expert) it writes
+  * ``order`` int32 [T*k]: the routes ``t*k + j`` sorted stably by expert, the routes with
+    no expert last (bitwise the order of a stable sort by expert id with -1 as E);
+  * ``offsets`` int32 [E+1]: expert ``e``'s grouped rows are ``offsets[e]..offsets[e+1]``;
+  * ``idx`` int32 [T*k]: the ids with those outside [-1, E) replaced by -1 (such a route is
+    skipped like a -1 slot, so no later kernel reads or writes for it);
+  * ``words`` int32 [2]: the number of ids outside [-1, E) and the route of the first one
+    (-1 if none), for :mod:`mok_cute.dsl.deferred`.
+
+One CTA of 1024 threads (32 warps). Warp w owns a contiguous chunk of the routes. Pass 1
+counts routes per (warp, bucket) with ``match.any`` (the group's lowest lane adds the group
+size; bucket E holds the routes with no expert); one thread per bucket turns the counts into
+exclusive prefixes over warps, and thread 0 sums the buckets in order into the offsets.
+Pass 2 walks the chunks again and gives each route its row: bucket start + the warp's prefix
++ the route's rank among the lanes of its group below it (warp, then lane order = route
+order: stable). This module imports no GEMM code; :func:`plan_reference` is its torch mirror.
+"""
+
+import torch
+
+THREADS = 1024
+MAX_EXPERTS = 1024
+
+
+def plan_reference(topk_idx: torch.Tensor, num_experts: int):
+    """The specification in torch: ``(order, offsets, idx, words)`` as the kernel writes them
+    (any device, no host sync)."""
+    flat = topk_idx.reshape(-1).long()
+    bad = (flat < -1) | (flat >= num_experts)
+    idx = torch.where(bad, torch.full_like(flat, -1), flat)
+    key = torch.where(idx >= 0, idx, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    none = torch.full((), -1, device=flat.device)
+    first = torch.where(bad.any(), torch.argmax(bad.to(torch.int32)), none) if flat.numel() else none
+    words = torch.stack([bad.sum(), first]).to(torch.int32)
+    return order.to(torch.int32), offsets.to(torch.int32), idx.to(torch.int32), words
+
+
+def _launcher():
+    """The compiled-function entry (built lazily: needs the CuTe DSL)."""
+    if hasattr(_launcher, "fn"):
+        return _launcher.fn
+    from mok_cute.dsl.compile import dsl
+
+    cutlass, cute = dsl()
+    from cutlass import Constexpr, Int32
+
+    warps = THREADS // 32
+
+    @cute.jit
+    def bucket(tk: cute.Tensor, i: Int32, c1: Int32, E: Constexpr) -> Int32:
+        """Bucket of route ``i``: its expert, E for no expert (or an id outside [-1, E)), -1
+        past the warp's chunk."""
+        b = Int32(-1)
+        if i < c1:
+            b = Int32(tk[i])
+            if b < 0 or b >= E:
+                b = Int32(E)
+        return b
+
+    @cute.kernel
+    def plan_kernel(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,
+                    words: cute.Pointer, n: Int32, E: Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        nb = E + 1
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(warps * nb), byte_alignment=16)
+        base = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
+        misc = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
+        ordr = cute.make_tensor(order, cute.make_layout(n))
+        offs = cute.make_tensor(offsets, cute.make_layout(nb))
+        idx = cute.make_tensor(idx_out, cute.make_layout(n))
+        chunk = (n + THREADS - 1) // THREADS * 32
+        c0 = w * chunk
+        c1 = cutlass.min(c0 + chunk, n)
+        lt = cute.arch.lanemask_lt()
+        for x in cutlass.range(tidx, warps * nb, THREADS, unroll=1):
+            hist[x] = Int32(0)
+        if tidx == 0:
+            misc[0] = Int32(0)
+            misc[1] = Int32(n)
+        cute.arch.barrier()
+        g = c0
+        while g < c1:  # pass 1: counts per (warp, bucket); sanitised ids; bad ids counted
+            i = g + lane
+            b = bucket(topk, i, c1, E)
+            if i < c1:
+                e = Int32(topk[i])
+                if e < -1 or e >= E:
+                    cute.arch.atomic_add(misc.iterator, Int32(1), scope="cta")
+                    cute.arch.atomic_min(misc.iterator + 1, i, scope="cta")
+                if b < E:
+                    idx[i] = b
+                else:
+                    idx[i] = Int32(-1)
+            m = cute.arch.match_sync(0xFFFFFFFF, b)
+            if b >= 0 and (m & lt) == 0:
+                hist[w * nb + b] += Int32(cute.arch.popc(m))
+            cute.arch.sync_warp()
+            g += 32
+        cute.arch.barrier()
+        for b in cutlass.range(tidx, nb, THREADS, unroll=1):  # exclusive prefix over warps
+            run = Int32(0)
+            for ww in cutlass.range(warps, unroll=1):
+                c = hist[ww * nb + b]
+                hist[ww * nb + b] = run
+                run += c
+            base[b] = run
+        cute.arch.barrier()
+        if tidx == 0:  # bucket totals -> starts, in bucket order
+            run = Int32(0)
+            for b in cutlass.range(nb, unroll=1):
+                c = base[b]
+                base[b] = run
+                offs[b] = run
+                run += c
+            wd = cute.make_tensor(words, cute.make_layout(2))
+            wd[0] = misc[0]
+            wd[1] = Int32(-1)
+            if misc[0] > 0:
+                wd[1] = misc[1]
+        cute.arch.barrier()
+        g = c0
+        while g < c1:  # pass 2: each route's row
+            i = g + lane
+            b = bucket(topk, i, c1, E)
+            m = cute.arch.match_sync(0xFFFFFFFF, b)
+            if b >= 0:
+                ordr[base[b] + hist[w * nb + b] + Int32(cute.arch.popc(m & lt))] = i
+            cute.arch.sync_warp()
+            if b >= 0 and (m & lt) == 0:
+                hist[w * nb + b] += Int32(cute.arch.popc(m))
+            cute.arch.sync_warp()
+            g += 32
+
+    @cute.jit
+    def plan_host(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,
+                  words: cute.Pointer, n: Int32, stream, E: Constexpr):
+        plan_kernel(topk, order, offsets, idx_out, words, n, E).launch(
+            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=(warps + 1) * (E + 1) * 4 + 64, stream=stream)
+
+    _launcher.fn = plan_host
+    return plan_host
+
+
+def compile_local_plan(arch: str, E: int, id_dtype: str = "i32", inspect: bool = False):
+    """Compile the planner for ``arch``, E experts and int32 (``"i32"``) or int64 ids;
+    ``(compiled, report | None)``."""
+    from mok_cute.dsl.compile import compile_kernel, dsl
+    from mok_cute.dsl.host import fake_ptr, fake_stream
+
+    cutlass, cute = dsl()
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"E must be in [1, {MAX_EXPERTS}], got {E}")
+    dt = {"i32": cutlass.Int32, "i64": cutlass.Int64}[id_dtype]
+    topk = cute.runtime.make_fake_tensor(dt, (cute.sym_int(),), stride=(1,), assumed_align=dt.width // 8)
+    i32 = fake_ptr("i32")
+    return compile_kernel(_launcher(), topk, i32, i32, i32, i32, cutlass.Int32(1), fake_stream(), E,
+                          arch=arch, inspect=inspect)
+
+
+def plan_local(topk_idx: torch.Tensor, num_experts: int):
+    """``(order, offsets, idx, words)`` (see the module doc) for ``topk_idx`` [T, k] on a CUDA
+    device, from one launch on the current stream (no host sync). T*k < 2**31, E <= MAX_EXPERTS."""
+    from mok_cute.dsl.compile import compile_cached, device_arch
+    from mok_cute.dsl.host import current_stream, dptr
+    from mok_cute.dsl.tensors import _cute_tensor
+
+    dev, arch = device_arch(topk_idx.device)
+    n = topk_idx.numel()
+    kind = {torch.int32: "i32", torch.int64: "i64"}[topk_idx.dtype]
+    fn = compile_cached(("schedule.local_plan", arch, num_experts, kind),
+                        lambda: compile_local_plan(arch, num_experts, kind)[0])
+    i32 = dict(dtype=torch.int32, device=topk_idx.device)
+    order, idx, words = torch.empty(n, **i32), torch.empty(n, **i32), torch.empty(2, **i32)
+    offsets = torch.empty(num_experts + 1, **i32)
+    if n:
+        from cutlass import Int32
+
+        fn(_cute_tensor(topk_idx.reshape(-1), align=topk_idx.element_size()), dptr(order), dptr(offsets), dptr(idx), dptr(words), Int32(n),
+           current_stream(dev))
+    else:
+        offsets.zero_()
+        words.fill_(-1)
+        words[0].zero_()
+    return order, offsets, idx, words
