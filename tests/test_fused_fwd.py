@@ -39,6 +39,21 @@ def test_compiles_with_its_protocol(clamp, shared, trace):
     assert (rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")) == trace
 
 
+@pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
+def test_mxfp8_variant_round_trips_h(clamp, shared):
+    """The MXFP8 variant: the SwiGLU epilogue quantizes h to e4m3 and dequantizes it back (the
+    round-trip kernel's ops), everything else as the BF16 variant; clamped: no spills."""
+    from mok_cute.kernels.sm90 import fused_moe
+
+    rep = fused_moe.compile_fused_forward(clamp, shared, mx=True, inspect=True)[1]
+    plain = _compiled(clamp, shared)
+    for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "shfl.sync.bfly"):
+        assert needed in rep.ptx and needed not in plain.ptx, needed
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    if clamp:
+        assert rep.total_spill_bytes == 0
+
+
 @pytest.mark.parametrize("clamp,shared,trace", VARIANTS[:2])
 def test_register_handback_order(clamp, shared, trace):
     """Before the slot sum the consumer warpgroups give registers back (setmaxnreg.dec 160) and

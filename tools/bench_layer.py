@@ -82,10 +82,10 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
     return y.bfloat16()
 
 
-def _ours(fused: bool, comm: int):
+def _ours(fused: bool, comm: int, precision: str = "bf16"):
     import mok_cute
 
-    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False)
+    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision)
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
@@ -110,7 +110,7 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
-def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None):
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -122,6 +122,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None):
     impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
     for c in comms:
         impls[f"fused c{c}"] = (lambda c=c: _ours(True, c)(x, idx, w, ws, sh))
+    if mx:  # MXFP8 (the reference's numerics), fused at the first comm value, and unfused
+        impls[f"fused mxfp8 c{comms[0]}"] = lambda: _ours(True, comms[0], "mxfp8")(x, idx, w, ws, sh)
+        impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8")(x, idx, w, ws, sh)
     out = {}
     for name, fn in impls.items():
         with torch.no_grad():
@@ -151,12 +154,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the first shape")
     ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
     ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
+    ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
     lines = []
     for i, shape in enumerate(SHAPES[:1] if args.quick else SHAPES):
-        lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None)
+        lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

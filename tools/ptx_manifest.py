@@ -139,6 +139,13 @@ def _quant():
                 out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
                     f"{'-trace' if trace else ''}@sm_90a"] = (
                     lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8@sm_90a"] = (
+                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
+    from mok_cute.schedule import local_plan as lp
+
+    for arch in ("sm_90a", "sm_100a"):
+        for kind in ("i32", "i64"):
+            out[f"schedule/local-plan-{kind}@{arch}"] = lambda a=arch, k=kind: lp.compile_local_plan(a, 64, k, inspect=True)
     return out
 
 

@@ -18,7 +18,7 @@ group's precision). MXFP8 numerics: operands quantized as in the reference's tab
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,7 @@ class _State:
     shared_group: ExpertGroup | None
     rows: torch.Tensor  # [T*k, H] GEMM2 rows (d topk_w reads them in place) ...
     rows_by_route: bool = False  # ... expert-grouped, or (fused forward) in route order t*k + j
+    x: torch.Tensor | None = None  # the layer input, when routed.x is None (gathered in backward)
 
 
 def fused_enabled() -> bool:
@@ -123,7 +124,7 @@ class GroupedExpertBackend:
 
             return ep_layer.forward(self.mlp, inp, group, ep, config)
         order32, offsets, idx = routing_plan(inp.topk_idx, inp.w_gate.shape[0], watch=not config.validate_routing)
-        if config.precision == "bf16" and getattr(self.mlp, "fused", False) and fused_enabled():
+        if inp.x.is_cuda and config.precision in getattr(self.mlp, "fused_precisions", ()) and fused_enabled():
             return self._fused_forward(inp, config, order32, offsets, idx)
         x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
@@ -149,12 +150,15 @@ class GroupedExpertBackend:
                                      inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
         order, valid = order32.long(), idx.reshape(-1) >= 0
         y, xg, gu, h, slot, gus, hs = out
+        prec = config.precision
         shared_group = None
         if inp.shared is not None:
             offs = torch.arange(2, dtype=torch.int32, device=x.device) * t  # [0, T], no host copy
-            shared_group = ExpertGroup(x, offs, gus, hs)
+            shared_group = ExpertGroup(x, offs, gus, hs, prec)
+        # MXFP8: the kernel gathered x's round trip; the backward's weight gradients read x's rows
+        routed = ExpertGroup(xg if prec == "bf16" else None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                       ExpertGroup(xg, offsets, gu, h), shared_group, slot, rows_by_route=True)
+                       routed, shared_group, slot, rows_by_route=True, x=x)
         return y, state
 
     def backward(self, st, dy: torch.Tensor) -> MoEGrads:
@@ -163,6 +167,8 @@ class GroupedExpertBackend:
 
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
+        if st.routed.x is None:
+            st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)

@@ -109,7 +109,7 @@ class Sm90ExpertMLP:
     arch = "sm90"
     tile_n = 256
     precisions = ("bf16", "mxfp8", "fp8_block")
-    fused = True  # EP = 1 bf16 forward: one persistent launch (fused_forward)
+    fused_precisions = ("bf16", "mxfp8")  # EP = 1 forward in one persistent launch (fused_forward)
     expert_parallel = True  # EP > 1 through mok_cute.layers.ep ...
     ep_precisions = ("bf16", "mxfp8")  # ... in these precisions (checked by GroupedExpertBackend)
 
@@ -131,17 +131,27 @@ class Sm90ExpertMLP:
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config):
         """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) on x [T, H] and the route
-        plan (order int32 [T*k], offsets int32 [E+1]); returns ``(y, xg, gu, h, slot_out, gus, hs)``."""
+        plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
+        x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
+        returns ``(y, xg, gu, h, slot_out, gus, hs)`` (mxfp8: xg holds x's round trip)."""
         from mok_cute.kernels.sm90 import fused_moe as fused
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
+        if config.precision not in self.fused_precisions:
+            raise ValueError(f"the sm90 fused forward runs {self.fused_precisions}, not {config.precision!r}")
         _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit)
         if shared is not None:
             _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit)
+        mx = config.precision == "mxfp8"
+        if mx:
+            x = _mx_rows(x)
+            w_gate, w_up, w_down = (self._mx_weight(w, 2) for w in (w_gate, w_up, w_down))
+            if shared is not None:
+                shared = tuple(self._mx_weight(w[None], 2)[0] for w in shared)
         y, xg, gu, h, slot, gus, hs, _, counters = fused.fused_forward(
             x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config.comm_sms_fwd,
-            config.device_timeout_s)
-        fused.watch_status(counters[-1], first=config.validate_routing)  # else skip_bad_routes watched first
+            config.device_timeout_s, mx=mx)
+        fused.watch_status(counters[-1], first=config.validate_routing)  # else routing_plan watched first
         return y, xg, gu, h, slot, gus, hs
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):

@@ -9,6 +9,9 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
     same slot-sum rounding, so the two must agree to the bit);
   * y bitwise across 5 repeats and across comm_sms_fwd in (2, 8, 40) and minibatch_tokens
     (256, 1024, 4096);
+  * MXFP8 (precision="mxfp8", two cases): y bitwise equal to the unfused MXFP8 forward and
+    across comm_sms_fwd, y and every gradient within rel-L1 2e-2 of the reference backend at
+    mxfp8;
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
@@ -35,8 +38,8 @@ def _moe(x, idx, w, ws, sh, limit, fused=True, **cfg):
         del os.environ["MOK_CUTE_FUSED"]
 
 
-def _unfused(*args):
-    return _moe(*args, fused=False)
+def _unfused(*args, **cfg):
+    return _moe(*args, fused=False, **cfg)
 
 
 def _one_expert(x, idx, w):
@@ -93,6 +96,23 @@ def run(ctx) -> list[Row]:
         row.ok &= eq_unfused
         row.note += f" ==unfused:{'yes' if eq_unfused else 'NO'}"
         rows.append(row)
+    # MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the
+    # MXFP8 tolerance of the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8)
+    for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
+                                                     ("skew+shared L=4", True, True, 4.0))):
+        x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=350 + i)
+        ref = _run("reference", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
+        outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
+        with torch.no_grad():
+            ys = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c) for c in (40, 40, 4, 16)]
+            y_unfused = _unfused(x, idx, w, ws, sh, limit, precision="mxfp8")
+        same = all(torch.equal(ys[0], y) for y in ys[1:]) and torch.equal(outs[0], ys[0])
+        rel = max(float((o.float() - r.float()).abs().sum() / r.float().abs().sum().clamp_min(1e-30))
+                  for o, r in zip(outs, ref))
+        eq = torch.equal(ys[0], y_unfused)
+        rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
+                        note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
+    fused.check_errors()
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)
     with torch.no_grad():

@@ -70,7 +70,7 @@ def _build(layout: str, count: bool, arch: str):
     Int32, Uint32 = cutlass.Int32, cutlass.Uint32
 
     ops = Fp8Ops(bf16=True)
-    scale_bits, deq4, bf16x2 = ops.scale_bits, ops.deq4, ops.bf16x2
+    scale_bits = ops.scale_bits
 
     def prmt(a, b, sel: int):
         return cute.arch.inline_ptx(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#x};",
@@ -86,13 +86,12 @@ def _build(layout: str, count: bool, arch: str):
     def convert(words, scales, o, cnt):
         """Dequantize e4m3 ``words`` (4 bytes each) with per-element multipliers ``scales``
         into bf16x2 words of the register tensor ``o``; returns the updated inexact count."""
-        for w in range(len(words)):
-            ps = deq4(words[w], scales[4 * w:4 * w + 4])
-            o[2 * w] = bf16x2(ps[0], ps[1])
-            o[2 * w + 1] = bf16x2(ps[2], ps[3])
-            if cutlass.const_expr(count):
-                cnt = cnt + inexact(ps)
-        return cnt
+        total = [cnt]
+
+        def each(ps):
+            total[0] = total[0] + inexact(ps)
+        ops.deq_bf16(words, scales, o, each if count else None)
+        return total[0]
 
     @cute.jit
     def slot_rows(offs: cute.Tensor, slot: Int32, num_e: Int32):
@@ -226,12 +225,12 @@ def _build(layout: str, count: bool, arch: str):
                         hi23 = prmt(feats[6][wi], feats[7][wi], sel)
                         words = [prmt(lo01, lo23, 0x5410), prmt(hi01, hi23, 0x5410)]
                         o = cute.make_rmem_tensor((4,), Uint32)
-                        for w in cutlass.range_constexpr(2):
-                            ps = deq4(words[w], mult[4 * w:4 * w + 4])
-                            o[2 * w] = bf16x2(ps[0], ps[1])
-                            o[2 * w + 1] = bf16x2(ps[2], ps[3])
-                            if cutlass.const_expr(count):
-                                cnt = cnt + Int32(tok < rows) * inexact(ps)
+                        total = [cnt]
+
+                        def each(ps, tok=tok):
+                            total[0] = total[0] + Int32(tok < rows) * inexact(ps)
+                        ops.deq_bf16(words, mult, o, each if count else None)
+                        cnt = total[0]
                         if tok < rows:
                             out[row0 + tok, c, None].store(o.load())
                     flush_count(cnt, counter)

@@ -165,6 +165,26 @@ class Fp8Ops:
             "mul.rn.f32 {$w3}, f3, {$r4}; }",
             write_only_types=[self.cutlass.Uint32] * 4, read_only_args=[word, *s])
 
+    def deq_bf16(self, words, s, o, each=None):
+        """bf16x2 words of register tensor ``o`` (2 per input word) = the e4m3 ``words`` (4 bytes
+        each) times the fp32 multipliers ``s`` (4 per word), rounded to bf16; ``each(products)``
+        is called after each word's (e.g. to count inexact ones)."""
+        for w in range(len(words)):
+            ps = self.deq4(words[w], s[4 * w:4 * w + 4])
+            o[2 * w] = self.bf16x2(ps[0], ps[1])
+            o[2 * w + 1] = self.bf16x2(ps[2], ps[3])
+            if each is not None:
+                each(ps)
+
+    def mx_round_trip(self, v, lanes: int):
+        """bf16 chunk (4 bf16x2 words, a register tensor) of one 16-byte bf16 chunk ``v`` after
+        the MXFP8 quantize (:meth:`mx_block`, 32-element block over ``lanes`` adjacent lanes)
+        and the dequantize back: bitwise the round-trip kernel of :mod:`dequant_mxfp8`."""
+        q, byte = self.mx_block(v, lanes)
+        o = self.cute.make_rmem_tensor((4,), self.cutlass.Uint32)
+        self.deq_bf16([q[0], q[1]], [self.scale_bits(byte)] * 8, o)
+        return o
+
     def bf16x2(self, p0, p1):
         """bf16 pair (p0 in the low half) of two fp32 bit patterns, round to nearest even."""
         return self.cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",

@@ -84,13 +84,13 @@ class FusedMoeFwdSm90:
     ``shared``: a shared expert is fused in."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
+                 mx: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
-        self.progress = progress
+        self.progress, self.mx = progress, mx
         self.sum_batch = 1 if trace else SUM_BATCH  # the trace's stamps leave no room for more (0 spills)
-        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
 
@@ -102,8 +102,9 @@ class FusedMoeFwdSm90:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
-                 mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor,
-                 mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
+                 mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor,
+                 mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
+                 mW: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
                  num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
@@ -111,17 +112,21 @@ class FusedMoeFwdSm90:
         ml.setup()
         atom_x, coord_x, atom_wg, coord_wg = ml.make_tma(mX, self._nke(mWg), b_half=True)
         atom_xg, coord_xg, atom_wu, coord_wu = ml.make_tma(mXg, self._nke(mWu), b_half=True)
-        atom_h, coord_h, atom_wd, coord_wd = ml.make_tma(mH, self._nke(mWd))
+        h2, hs2 = mH, mHs  # GEMM2's A operands: h, or (MXFP8) its round trip
+        if cutlass.const_expr(self.mx):
+            h2, hs2 = mHrt, mHsrt
+        atom_h, coord_h, atom_wd, coord_wd = ml.make_tma(h2, self._nke(mWd))
         atom_sg, coord_sg, atom_su, coord_su = None, None, None, None
         atom_hs, coord_hs, atom_sd, coord_sd = None, None, None, None
         if cutlass.const_expr(self.shared):
             _, _, atom_sg, coord_sg = ml.make_tma(mX, self._nke(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, self._nke(mSu), b_half=True)
-            atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(mHs, self._nke(mSd))
+            atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, self._nke(mSd))
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
-                    mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather, mHready,
+                    mX, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather,
+                    mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, timeout_ns).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -133,7 +138,8 @@ class FusedMoeFwdSm90:
                atom_sg: cute.CopyAtom, coord_sg: cute.Tensor, atom_su: cute.CopyAtom, coord_su: cute.Tensor,
                atom_hs: cute.CopyAtom, coord_hs: cute.Tensor, atom_sd: cute.CopyAtom, coord_sd: cute.Tensor,
                mX: cute.Tensor, mXg: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
-               mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor,
+               mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
+               mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, timeout_ns: Int64):
@@ -189,7 +195,7 @@ class FusedMoeFwdSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
-                          mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
+                          mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
                           mGather.shape[0])
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
@@ -395,8 +401,8 @@ class FusedMoeFwdSm90:
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
                  n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32,
                  k2s: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
-                 mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
-                 mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
+                 mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
+                 mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32):
         """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it."""
         thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
@@ -422,13 +428,13 @@ class FusedMoeFwdSm90:
             acc_to_smem(thr_mma, acc, sC)
             consumer_barrier()
             if phase == R1:
-                self.swiglu.store(sC, tid, row0, rows, n_tile, mGU, mH, limit)
+                self.swiglu.store(sC, tid, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
             elif phase == R2:
                 self._scatter(sC, tid, row0, rows, n_tile, mSlot, mOrder)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        self.swiglu.store(sC, tid, row0, rows, n_tile, mGUs, mHs, limit)
+                        self.swiglu.store(sC, tid, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
                     else:
                         self.plain.store(sC, tid, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
@@ -507,11 +513,11 @@ class FusedMoeFwdSm90:
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
-                          progress: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                          progress: bool = False, mx: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -522,9 +528,10 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
     shared_w = (_fake_3d(bf, cute.sym_int(), inter_s, hid), _fake_3d(bf, cute.sym_int(), inter_s, hid),
                 _fake_3d(bf, cute.sym_int(), hid, inter_s)) if shared else (None, None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
+    rt_out = (_fake_2d(bf, mcap, inter) if mx else None, _fake_2d(bf, t, inter_s) if mx and shared else None)
     args = (_fake_2d(bf, t, hid), _fake_2d(bf, mcap, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
-            _fake_2d(bf, mcap, inter), *shared_out, _fake_2d(bf, tk, hid),
+            _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
@@ -568,8 +575,10 @@ def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
 
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
-                  timeout_s: float):
-    """Launch the fused forward on validated operands (see the module doc for shapes);
+                  timeout_s: float, mx: bool = False):
+    """Launch the fused forward on validated operands (see the module doc for shapes); ``mx``:
+    the MXFP8 forward's GEMM2 reads h's MXFP8 round trip along I, made in the SwiGLU epilogue
+    (x and the weights given already round-tripped by the caller: the reference's numerics);
     returns ``(y, xg, gu, h, slot_out, gus, hs, s_out, counters)`` (``gus``/``hs``/``s_out`` None
     without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
     ticket, status) of int32 device tensors, status last). ``order`` int32 [M_cap], ``offsets`` int32 [E+1], ``topk_idx`` int32 and
@@ -595,11 +604,13 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         hs = torch.empty((t, inter_s), **bf)
         s_out = torch.empty((t, hid), **bf)
         ws = tuple(w[None] for w in shared)
+    h_rt = torch.empty((mcap, inter), **bf) if mx else None
+    hs_rt = torch.empty((t, shared[0].shape[0]), **bf) if mx and shared is not None else None
     trace = tracing()
     progress = progress_mode() and not trace
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress)
-    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
-        compile_fused_forward(*variant[:2], unroll=variant[2], trace=trace, progress=progress, arch=arch)[0]))
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx)
+    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
+        *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, arch=arch)[0]))
     num_ctas = sm_count(dev)
     records = None
     if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
@@ -611,7 +622,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         n_tasks = m_sh * (n1s + (hid // 256 if shared is not None else 0)) + mt * (inter // 128 + hid // 256)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
-    tensors = (x, xg, w_gate, w_up, w_down, *ws, gu, h, gus, hs, slot, s_out, y, order, offsets,
+    tensors = (x, xg, w_gate, w_up, w_down, *ws, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
     scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, int(timeout_s * 1e9))
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars

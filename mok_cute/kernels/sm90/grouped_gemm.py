@@ -264,16 +264,21 @@ class SwigluEpilogue(_StagedEpilogue):
     :mod:`mok_cute.kernels.quant.quantize`'s row kernel on the same bf16 values). In the 16-byte
     row copy a 32-element block is 4 adjacent lanes (``tile_n/2`` is a multiple of 32), whose
     amax meets by two butterfly shuffles.
+
+    ``mx_rt``: also writes h's MXFP8 round trip along I as bf16 (``mHrt`` [M, I], the fused
+    MXFP8 forward's GEMM2 operand), bitwise ``dequant_mxfp8.mxfp8_round_trip(h)``.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False, mx_rt: bool = False):
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx_h = tile_m, tile_n, tile_n // 2, clamp, mx_h
-        if mx_h and self.half % MX_BLOCK:
-            raise ValueError(f"mx_h needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
+        self.mx_rt = mx_rt
+        if (mx_h or mx_rt) and self.half % MX_BLOCK:
+            raise ValueError(f"mx_h / mx_rt need tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
-              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHs: cute.Tensor = None):
+              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHs: cute.Tensor = None,
+              mHrt: cute.Tensor = None):
         copy = _row_copy(self.half)
         shape = (self.tile_m, self.half)
         rg, coords = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 0)))
@@ -287,6 +292,17 @@ class SwigluEpilogue(_StagedEpilogue):
         _store_rows(copy, tid, rh, coords, h_tile, rows)
         if cutlass.const_expr(self.mx_h):
             self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
+        if cutlass.const_expr(self.mx_rt):
+            rt = cute.make_rmem_tensor_like(rh)
+            words, rt_words = cute.recast_tensor(rh, cutlass.Uint32), cute.recast_tensor(rt, cutlass.Uint32)
+            ops = Fp8Ops(bf16=True)
+            for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
+                    o = ops.mx_round_trip([words[(j, m, n)] for j in range(4)], 4)  # every lane shuffles
+                    for j in cutlass.range_constexpr(4):
+                        rt_words[(j, m, n)] = o[j]
+            rt_tile = cute.local_tile(cute.domain_offset((row0, 0), mHrt), shape, (0, n_tile))
+            _store_rows(copy, tid, rt, coords, rt_tile, rows)
 
     @cute.jit
     def _store_mx(self, rh: cute.Tensor, coords: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
