@@ -51,6 +51,7 @@ from mok_cute.kernels.sm90.grouped_gemm import (
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    experts_last,
 )
 from mok_cute.schedule.group_tiles import wgrad_tile
 
@@ -97,7 +98,7 @@ class GroupedWgradSm90:
         atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(a_mk), _ragged_k(b_nk))
         atom_c, coord_c = None, None
         if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
-            out_nne = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 2, 0]))
+            out_nne = experts_last(mOut)
             atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
 
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())

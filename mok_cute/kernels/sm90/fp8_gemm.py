@@ -71,7 +71,7 @@ from mok_cute.kernels.sm90.grouped_gemm import (
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
-    consumer_barrier,
+    consumer_barrier, experts_last,
 )
 from mok_cute.kernels.swiglu_math import dswiglu
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
@@ -205,20 +205,16 @@ class Fp8BlockGroupedGemm:
             self.epi = DSwigluPrefetchedEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2)
 
-    @staticmethod
-    def _nke(mB: cute.Tensor) -> cute.Tensor:
-        return cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-
     @cute.jit
     def __call__(self, mA: cute.Tensor, mSA: cute.Tensor, mB: cute.Tensor, mSB: cute.Tensor, mB2: cute.Tensor,
                  mSB2: cute.Tensor, mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32,
                  num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nke(mB), b_half=self.stack_n)
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, experts_last(mB), b_half=self.stack_n)
         atom_b2, coord_b2 = None, None
         if cutlass.const_expr(self.stack_n):
-            _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nke(mB2), b_half=True)
+            _, _, atom_b2, coord_b2 = ml.make_tma(mA, experts_last(mB2), b_half=True)
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mSA, mSB, mSB2, mOffsets, mOut0, mOut1,
                     limit).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],

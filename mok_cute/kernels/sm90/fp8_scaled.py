@@ -51,6 +51,7 @@ from mok_cute.kernels.sm90.grouped_gemm import (
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
+    experts_last,
 )
 from mok_cute.schedule.group_tiles import wgrad_tile
 
@@ -214,7 +215,7 @@ class Fp8BlockWgradSm90(_ScaledGemm):
         atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, mB)
         atom_c, coord_c = None, None
         if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
-            out_nne = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 2, 0]))
+            out_nne = experts_last(mOut)
             atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
         self.shared_storage = self._storage()
         self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut, atom_c, coord_c).launch(

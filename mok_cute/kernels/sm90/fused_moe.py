@@ -61,7 +61,7 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
-    acc_to_smem, consumer_barrier,
+    acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
@@ -94,11 +94,6 @@ class FusedMoeFwdSm90:
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
 
-    @staticmethod
-    def _nke(mB: cute.Tensor) -> cute.Tensor:
-        """[E, N, K] weights as (N, K, E)."""
-        return cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
@@ -110,18 +105,18 @@ class FusedMoeFwdSm90:
                  num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        atom_x, coord_x, atom_wg, coord_wg = ml.make_tma(mX, self._nke(mWg), b_half=True)
-        atom_xg, coord_xg, atom_wu, coord_wu = ml.make_tma(mXg, self._nke(mWu), b_half=True)
+        atom_x, coord_x, atom_wg, coord_wg = ml.make_tma(mX, experts_last(mWg), b_half=True)
+        atom_xg, coord_xg, atom_wu, coord_wu = ml.make_tma(mXg, experts_last(mWu), b_half=True)
         h2, hs2 = mH, mHs  # GEMM2's A operands: h, or (MXFP8) its round trip
         if cutlass.const_expr(self.mx):
             h2, hs2 = mHrt, mHsrt
-        atom_h, coord_h, atom_wd, coord_wd = ml.make_tma(h2, self._nke(mWd))
+        atom_h, coord_h, atom_wd, coord_wd = ml.make_tma(h2, experts_last(mWd))
         atom_sg, coord_sg, atom_su, coord_su = None, None, None, None
         atom_hs, coord_hs, atom_sd, coord_sd = None, None, None, None
         if cutlass.const_expr(self.shared):
-            _, _, atom_sg, coord_sg = ml.make_tma(mX, self._nke(mSg), b_half=True)
-            _, _, atom_su, coord_su = ml.make_tma(mX, self._nke(mSu), b_half=True)
-            atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, self._nke(mSd))
+            _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
+            _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
+            atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,

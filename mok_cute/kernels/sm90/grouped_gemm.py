@@ -60,7 +60,7 @@ from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
-    MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout,
+    MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout, experts_last,
 )
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
@@ -483,21 +483,16 @@ class GroupedGemmSm90:
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
-    def _nkl(self, mB: cute.Tensor) -> cute.Tensor:
-        """B as (N, K, E) whatever its storage order."""
-        modes = [1, 2, 0] if self.b_major == K_MAJOR else [2, 1, 0]
-        return cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=modes))
-
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mOffsets: cute.Tensor,
                  mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, limit: Float32,
                  num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, self._nkl(mB), b_half=self.stack_n)
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, experts_last(mB, self.b_major != K_MAJOR), b_half=self.stack_n)
         atom_b2, coord_b2 = None, None
         if cutlass.const_expr(self.split_b or self.stack_n):
-            _, _, atom_b2, coord_b2 = ml.make_tma(mA, self._nkl(mB2), b_half=self.stack_n)
+            _, _, atom_b2, coord_b2 = ml.make_tma(mA, experts_last(mB2, self.b_major != K_MAJOR), b_half=self.stack_n)
         atom_c, coord_c = None, None
         atom_h, coord_h = None, None
         if cutlass.const_expr(self.tma_store and self.stack_n):  # gu [M, 2, I] and h [M, I]

@@ -362,6 +362,12 @@ def acc_to_smem(thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor):
     cute.autovec_copy(rC, tCsC)
 
 
+def experts_last(t: cute.Tensor, swap: bool = False) -> cute.Tensor:
+    """A per-expert [E, R, C] tensor seen as (R, C, E) (``swap``: (C, R, E)): the (N, K, L)
+    order the TMA atoms and the tile walk index, whatever the storage order."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0] if swap else [1, 2, 0]))
+
+
 def consumer_barrier():
     """Named barrier over the two consumer warpgroups only (id 1)."""
     cute.arch.barrier(barrier_id=1, number_of_threads=NUM_CONSUMER_THREADS)

@@ -59,7 +59,9 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     tma_store_drain, tma_store_tile,
 )
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
-from mok_cute.kernels.sm90.mainloop import SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop
+from mok_cute.kernels.sm90.mainloop import (
+    SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, experts_last,
+)
 from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
 
 MX_BLOCK = 32
@@ -212,7 +214,7 @@ def _tma_atoms(cfg: MainloopConfig, mA: cute.Tensor, a_smem, mB: cute.Tensor, b_
     """(atom_a, coord_a, atom_b, coord_b, atom_c, coord_c): TMA loads of A [M, K] into ``a_smem``
     stages and of B [E, N, K] (tiled as (N, K, E)) into ``b_smem`` stages, and the output's TMA
     store (None, None without ``cfg.tma_store``)."""
-    b_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+    b_nke = experts_last(mB)
     atom_a, coord_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (cfg.tile_m, cfg.tile_k))
     atom_b, coord_b = cpasync.make_tiled_tma_atom(
