@@ -40,6 +40,45 @@ def test_compiles_with_its_protocol(clamp, shared, trace):
 
 
 @pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
+def test_ep_variant_protocol(clamp, shared):
+    """The EP > 1 variant (pull dispatch / push combine through the symmetric workspace) compiles
+    with the comm protocol's instructions: system-scope release flags and acquire waits, a
+    system-scope fence before them, arrival counters; unicast only; clamped: no spills."""
+    from mok_cute.kernels.sm90 import fused_moe
+
+    rep = fused_moe.compile_fused_forward(clamp, shared, ep=True, inspect=True)[1]
+    plain = _compiled(clamp, shared)
+    for needed in ("st.release.sys", "fence.acq_rel.sys", "atom.global.acq_rel.add"):
+        assert needed in rep.ptx and needed not in plain.ptx, needed
+    assert "ld.acquire.sys" in rep.ptx and "multimem" not in rep.ptx
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    if clamp:
+        assert rep.total_spill_bytes == 0
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["random", "one rank's experts", "nothing to one rank", "skewed + -1"])
+def test_ep_schedule_complete(ep, name):
+    """Every rank's task list completes and every route's GEMM2 row is pushed exactly once per
+    column tile, EP 1/2/4/8 (schedule/fused_tasks.simulate_ep)."""
+    gen = torch.Generator().manual_seed(ep)
+    e, t, k = 16, 300, 4
+    per_rank = []
+    for r in range(ep):
+        idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        if name == "one rank's experts":
+            idx = idx % (e // ep)  # every route to rank 0's experts
+        elif name == "nothing to one rank":
+            idx = torch.where(idx // (e // ep) == ep - 1, torch.full_like(idx, -1), idx) if ep > 1 else idx
+        elif name == "skewed + -1":
+            idx[::3, 0] = 0
+            idx[::5, -1] = -1
+        per_rank.append(idx)
+    rounds = ft.simulate_ep(per_rank, e, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=20, comm_ctas=4)
+    assert len(rounds) == ep and all(r > 0 for r in rounds)
+
+
+@pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
 def test_mxfp8_variant_round_trips_h(clamp, shared):
     """The MXFP8 variant: the SwiGLU epilogue quantizes h to e4m3 and dequantizes it back (the
     round-trip kernel's ops), everything else as the BF16 variant; clamped: no spills."""

@@ -112,7 +112,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 out = _launch(fused, args_, comm, args.timeout, args.progress)
                 times.append((time.perf_counter() - t0) * 1e3)
-                counters = out[-1]
+                counters = out[8]
                 msg = fused.describe(counters[-1].tolist())
                 if msg:
                     errs.append(f"{msg} | {_shortfalls(counters, inter // 128, 0 if sh is None else inter // 128)}")

@@ -141,6 +141,8 @@ def _quant():
                     lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
+                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))
     from mok_cute.schedule import local_plan as lp
 
     for arch in ("sm_90a", "sm_100a"):

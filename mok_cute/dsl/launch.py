@@ -89,6 +89,10 @@ class GraphLauncher:
         finally:
             cuda.cuGraphDestroy(graph)
 
+    def launch_direct(self, stream: int, make_args) -> None:
+        """Launch through the DSL call path (for arguments that change every call, e.g. epochs)."""
+        self._dsl(make_args, stream)
+
     def launch(self, dev: int, stream: int, key, make_args) -> None:
         global _enabled
         if not _enabled or dev not in self._loaded or torch.cuda.is_current_stream_capturing():

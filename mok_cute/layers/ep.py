@@ -35,11 +35,12 @@ of the forward (dispatch, combine) and backward (reverse combine, reverse dispat
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from mok_cute.layers.common import shared_backward, shared_forward, topk_w_grad
+from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, topk_w_grad
 from mok_cute.reference import MoEGrads
 
 @dataclass
@@ -69,6 +70,8 @@ def forward(mlp, inp, group, ep: int, config):
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
     plan = plan_routing_device(ws, idx)
     ctas = config.comm_sms_fwd
+    if fused_ep_enabled() and x.is_cuda and config.precision in getattr(mlp, "fused_precisions", ()):
+        return _fused_forward(mlp, inp, ws, plan, config)
     kw = {} if config.precision == "bf16" else {"precision": config.precision}
     if config.precision == "mxfp8":
         from mok_cute.kernels.quant.dequant_mxfp8 import dequantize_mxfp8
@@ -86,6 +89,32 @@ def forward(mlp, inp, group, ep: int, config):
     state = EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
                     routed, shared_group, slot_out, config.comm_sms_bwd)
     return y, state
+
+
+def fused_ep_enabled() -> bool:
+    """``MOK_CUTE_FUSED_EP=1``: the EP > 1 forward as one persistent launch per rank (the fused
+    kernel's pull / push mode; opt-in: compiled and PTX-checked, not yet run on GPUs)."""
+    return os.environ.get("MOK_CUTE_FUSED_EP", "0") == "1"
+
+
+def _fused_forward(mlp, inp, ws, plan, config):
+    """The forward through the arch's fused kernel at EP > 1 (plan already made): the same
+    :class:`EPState` as the unfused stages (routed rows pulled by the kernel, slot rows copied
+    out of the workspace for d topk_w)."""
+    x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
+    t, k = idx.shape
+    y, xg, gu, h, _, gus, hs, w_rows = mlp.fused_forward_ep(
+        ws, plan, x, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config,
+        num_ctas=getattr(ws, "grid_ctas", None))
+    prec = config.precision
+    routed = ExpertGroup(xg, plan.offsets, gu, h, prec)
+    shared_group = None
+    if inp.shared is not None:
+        shared_group = ExpertGroup(x, torch.arange(2, dtype=torch.int32, device=x.device) * t, gus, hs, prec)
+    slot_out = ws.view("slots", torch.bfloat16, (t, k, x.shape[1])).clone()
+    ws.check_status()
+    return y, EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared, routed,
+                      shared_group, slot_out, config.comm_sms_bwd)
 
 
 def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:

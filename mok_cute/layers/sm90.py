@@ -130,11 +130,34 @@ class Sm90ExpertMLP:
         return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config):
-        """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) on x [T, H] and the route
-        plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
+        """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H] and the
+        route plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
         x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
         returns ``(y, xg, gu, h, slot_out, gus, hs)`` (mxfp8: xg holds x's round trip)."""
         from mok_cute.kernels.sm90 import fused_moe as fused
+
+        args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
+        out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_sms_fwd,
+                                  config.device_timeout_s, mx=mx)
+        fused.watch_status(out[8][-1], first=config.validate_routing)  # else routing_plan watched first
+        return out[:7]
+
+    def fused_forward_ep(self, ws, plan, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
+                         num_ctas: int | None = None):
+        """The fused forward at EP > 1 (this rank's launch; collective over ``ws``'s ranks) on the
+        device plan ``plan``: returns ``(y, xg, gu, h, slot_out, gus, hs, w_rows)``; peer errors
+        are in ``ws.status`` (the caller's ``ws.check_status()``)."""
+        from mok_cute.kernels.sm90 import fused_moe as fused
+
+        args, mx = self._fused_operands(x, plan.offsets, w_gate, w_up, w_down, shared, limit, config)
+        out = fused.fused_forward(args[0], plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w,
+                                  *args[1:], limit, config.comm_sms_fwd, config.device_timeout_s, mx=mx, ws=ws,
+                                  num_ctas=num_ctas)
+        return (*out[:7], out[9])
+
+    def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
+        """((x, w_gate, w_up, w_down, shared) as the fused kernel reads them, mx): validated; at
+        mxfp8 x and the weights MXFP8 round-tripped (weights cached per version)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         if config.precision not in self.fused_precisions:
@@ -148,11 +171,7 @@ class Sm90ExpertMLP:
             w_gate, w_up, w_down = (self._mx_weight(w, 2) for w in (w_gate, w_up, w_down))
             if shared is not None:
                 shared = tuple(self._mx_weight(w[None], 2)[0] for w in shared)
-        y, xg, gu, h, slot, gus, hs, _, counters = fused.fused_forward(
-            x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config.comm_sms_fwd,
-            config.device_timeout_s, mx=mx)
-        fused.watch_status(counters[-1], first=config.validate_routing)  # else routing_plan watched first
-        return y, xg, gu, h, slot, gus, hs
+        return (x, w_gate, w_up, w_down, shared), mx
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands

@@ -108,6 +108,36 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     return rounds
 
 
+def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
+                gemm_ctas: int, comm_ctas: int) -> list[int]:
+    """The fused forward at EP > 1 on the host: every rank's task list over its receive rows (the
+    routing plan of :func:`mok_cute.schedule.plan.plan_routing`) must complete (:func:`simulate`;
+    a rank's GEMM tasks wait only for its own gather and tiles: READY is signalled at launch and
+    FREE by the previous step), and every valid route (p, t, j) of every source rank must get each
+    of its ``n2`` GEMM2 column tiles pushed exactly once (the slot sum's DATA wait then counts
+    every rank's pushes). Returns the rounds per rank; AssertionError otherwise."""
+    from mok_cute.schedule.plan import plan_routing
+
+    ep = len(topk_idx_per_rank)
+    tokens = topk_idx_per_rank[0].shape[0]
+    plan = plan_routing(list(topk_idx_per_rank), num_experts, ep)
+    pushed: dict[tuple[int, int], int] = {}
+    rounds = []
+    for r in range(ep):
+        offs = [int(o) for o in plan.offsets[r]]
+        recv = plan.recv_src[r].tolist()
+        rounds.append(simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas))
+        for phase, _, n_tile, row0, rows, _ in task_list(offs, tokens, tile_m, n1, n1s, n2, shared):
+            if phase == R2:
+                for row in range(row0, row0 + rows):
+                    pushed[(recv[row], n_tile)] = pushed.get((recv[row], n_tile), 0) + 1
+    n = topk_idx_per_rank[0].numel()
+    want = {(p * n + i, nt): 1 for p, idx in enumerate(topk_idx_per_rank)
+            for i, e in enumerate(idx.reshape(-1).tolist()) if e >= 0 for nt in range(n2)}
+    assert pushed == want, "a route's GEMM2 row is pushed other than exactly once per column tile"
+    return rounds
+
+
 # ---------------------------------------------------------------- device functions
 @cute.jit
 def routed_mtiles(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int]):

@@ -52,6 +52,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
+from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.comm.combine import add_rn, mul_rn
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
@@ -84,11 +85,11 @@ class FusedMoeFwdSm90:
     ``shared``: a shared expert is fused in."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
-                 mx: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 mx: bool = False, ep: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
-        self.progress, self.mx = progress, mx
+        self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = 1 if trace else SUM_BATCH  # the trace's stamps leave no room for more (0 spills)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
@@ -102,7 +103,9 @@ class FusedMoeFwdSm90:
                  mW: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
-                 num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
+                 n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64, epoch_pull: Int32,
+                 epoch_push: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
         atom_x, coord_x, atom_wg, coord_wg = ml.make_tma(mX, experts_last(mWg), b_half=True)
@@ -122,7 +125,8 @@ class FusedMoeFwdSm90:
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather,
                     mHready,
-                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, timeout_ns).launch(
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, timeout_ns, mPeer, mWrows, me, n_ranks,
+                    src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -137,7 +141,9 @@ class FusedMoeFwdSm90:
                mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
-               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, timeout_ns: Int64):
+               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, timeout_ns: Int64,
+               mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
+               w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
         if cutlass.const_expr(self.shared):
@@ -148,6 +154,10 @@ class FusedMoeFwdSm90:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         status = mStatus.iterator
+        ep = None  # EP > 1: the symmetric workspace's rows and flags
+        if cutlass.const_expr(self.ep):
+            ep = PeerRows(mPeer, mWrows, me, n_ranks, src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push,
+                          mX.shape[0] * k, timeout_ns, status)
 
         tokens = mX.shape[0]
         hidden = mX.shape[1]
@@ -173,7 +183,7 @@ class FusedMoeFwdSm90:
         gemm2_tiles = n_s2 + mt_routed * n2
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, m_routed, k, mGather, mTrace)
+            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, m_routed, k, mGather, mTrace, ep, mDone)
             cute.arch.barrier()
             if tidx == 0:
                 self._mark(mTrace, bidx, 2, 2, Int32(0))
@@ -191,7 +201,7 @@ class FusedMoeFwdSm90:
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0])
+                          mGather.shape[0], ep)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -211,6 +221,11 @@ class FusedMoeFwdSm90:
             self._mark(mTrace, bidx, 0, 7, Int32(0))
             P.wait_geq(mDone.iterator, gemm2_tiles, timeout_ns, status, Int32(0), Int32(DONE))
             self._mark(mTrace, bidx, 0, 8, Int32(0))
+            if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
+                if bidx == 0:
+                    if not P.failed(status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
         cute.arch.barrier()
         t1 = self._now()
         if tidx == 0:
@@ -218,6 +233,12 @@ class FusedMoeFwdSm90:
         self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
+        if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
+            cute.arch.barrier()
+            if tidx == 0:
+                if P.arrive_last(mDone.iterator + 3, grid):
+                    if not P.failed(status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
         if cutlass.const_expr(self.trace):
             if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
                 base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
@@ -227,10 +248,21 @@ class FusedMoeFwdSm90:
     # ------------------------------------------------------------------ roles
     @cute.jit
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
-                mOrder: cute.Tensor, m_routed: Int32, k: Int32, mGather: cute.Tensor, mTrace: cute.Tensor):
+                mOrder: cute.Tensor, m_routed: Int32, k: Int32, mGather: cute.Tensor, mTrace: cute.Tensor, ep,
+                mDone: cute.Tensor):
         """Comm CTAs: copy grouped rows chunk by chunk (chunk c by CTA c % comm_ctas), each
-        chunk published by a release add on its ``gather_ready`` counter."""
+        chunk published by a release add on its ``gather_ready`` counter. EP > 1 (``ep``): the
+        rows are pulled from the source ranks' staged x (pull protocol: CTA 0 signals READY,
+        every comm CTA waits READY from every rank, the last comm CTA to finish signals DONE)
+        together with each row's router weight (``w_rows``)."""
         v = mX.shape[1] // _VEC
+        if cutlass.const_expr(self.ep):
+            if tidx == 0:
+                if bidx == 0:
+                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, ep.timeout_ns,
+                           ep.status)
+            cute.arch.barrier()
         src = cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * v, _VEC), stride=(_VEC, 1)))
         dst = cute.make_tensor(mXg.iterator, cute.make_layout((mXg.shape[0] * v, _VEC), stride=(_VEC, 1)))
         chunks = (m_routed + (CHUNK - 1)) // CHUNK
@@ -244,8 +276,11 @@ class FusedMoeFwdSm90:
                     i = i0 + u * NUM_THREADS
                     if i < n:
                         r = row0 + i // v
-                        tok = mOrder[r] // k
-                        buf[None, u].store(src[tok * v + i % v, None].load())
+                        if cutlass.const_expr(self.ep):
+                            buf[None, u].store(ep.pull_vec(mOrder[r], k, i % v, v, r, i % v == 0))
+                        else:
+                            tok = mOrder[r] // k
+                            buf[None, u].store(src[tok * v + i % v, None].load())
                 for u in cutlass.range_constexpr(self.unroll):
                     i = i0 + u * NUM_THREADS
                     if i < n:
@@ -257,6 +292,12 @@ class FusedMoeFwdSm90:
                 self._mark(mTrace, bidx, 2, 1, c)
                 if cutlass.const_expr(self.trace):
                     self._record(mTrace, c, t0, self._now(), GATHER_KIND, bidx, c)
+        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its chunks: the last one says DONE
+            cute.arch.barrier()
+            if tidx == 0:
+                if P.arrive_last(mDone.iterator + 2, comm_ctas):
+                    if not P.failed(ep.status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
 
     @cute.jit
     def _now(self):
@@ -398,11 +439,14 @@ class FusedMoeFwdSm90:
                  k2s: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32):
-        """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it."""
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep):
+        """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
+        the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
+        its slot buffer of the previous step (FREE >= epoch - 1)."""
         thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
         state = self.mainloop.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        freed = Int32(0)
         i = Int32(0)
         t = self._take(sTask, i)
         while t < n_tasks:
@@ -425,7 +469,14 @@ class FusedMoeFwdSm90:
             if phase == R1:
                 self.swiglu.store(sC, tid, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
             elif phase == R2:
-                self._scatter(sC, tid, row0, rows, n_tile, mSlot, mOrder)
+                if cutlass.const_expr(self.ep):
+                    if freed == 0:
+                        if tid == 0:
+                            P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1,
+                                       ep.timeout_ns, ep.status)
+                        consumer_barrier()
+                        freed = Int32(1)
+                self._scatter(sC, tid, row0, rows, n_tile, mSlot, mOrder, ep)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -434,7 +485,10 @@ class FusedMoeFwdSm90:
                         self.plain.store(sC, tid, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
-            cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
+            if cutlass.const_expr(self.ep):  # rows stored into peers: order them at system scope
+                cute.arch.fence_acq_rel_sys()
+            else:
+                cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
             consumer_barrier()
             if tid == 0:
                 counter = mDone.iterator
@@ -452,8 +506,9 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _scatter(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
-                 mOrder: cute.Tensor):
-        """Store the staged GEMM2 tile's rows ``r < rows`` to ``slot_out[order[row0 + r]]``."""
+                 mOrder: cute.Tensor, ep):
+        """Store the staged GEMM2 tile's rows ``r < rows`` to ``slot_out[order[row0 + r]]`` (EP > 1:
+        to row ``t*k + j`` of source rank p's slot buffer, ``order`` holding ``p*T*k + t*k + j``)."""
         copy = _row_copy(self.cfg.tile_n)
         r, coords = _load_rows(copy, tid, sC)
         v = mSlot.shape[1] // _VEC
@@ -465,7 +520,10 @@ class FusedMoeFwdSm90:
                 route = mOrder[row0 + rr]
                 for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
                     _, cn = coords[(0, m, n)]
-                    dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
+                    if cutlass.const_expr(self.ep):
+                        ep.push_vec(route, col0 + cn // _VEC, v, r[(None, m, n)].load())
+                    else:
+                        dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
 
     @cute.jit
     def _slot_sum(self, tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mSout: cute.Tensor,
@@ -508,11 +566,12 @@ class FusedMoeFwdSm90:
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
-                          progress: bool = False, mx: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                          progress: bool = False, mx: bool = False, ep: bool = False, arch: str = "sm_90a",
+                          inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -530,11 +589,14 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
-    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int64(1),
+    ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap)) if ep else (None, None)
+    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int64(1), *ep_args,
+                          Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 COUNTER_WORDS = 4  # status
+_NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int32(0))  # EP = 1 launches
 GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
 _last_progress: list = []  # host-pinned progress words of the last progress-mode launch
@@ -564,33 +626,53 @@ def last_trace():
 
 
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
-    """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket]) for T tokens, M_cap rows, E experts."""
+    """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket, gather CTAs, slot-sum CTAs]) for
+    T tokens, M_cap rows, E experts (the last two count arrivals at EP > 1)."""
     chunks = -(-mcap // CHUNK)
-    return chunks, chunks + e, -(-t // CHUNK), 2
+    return chunks, chunks + e, -(-t // CHUNK), 4
 
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
-                  timeout_s: float, mx: bool = False):
+                  timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None):
     """Launch the fused forward on validated operands (see the module doc for shapes); ``mx``:
     the MXFP8 forward's GEMM2 reads h's MXFP8 round trip along I, made in the SwiGLU epilogue
     (x and the weights given already round-tripped by the caller: the reference's numerics);
-    returns ``(y, xg, gu, h, slot_out, gus, hs, s_out, counters)`` (``gus``/``hs``/``s_out`` None
-    without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
-    ticket, status) of int32 device tensors, status last). ``order`` int32 [M_cap], ``offsets`` int32 [E+1], ``topk_idx`` int32 and
-    ``topk_w`` fp32 [T, k], all on x's device."""
+    returns ``(y, xg, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``gus``/``hs``/``s_out``
+    None without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
+    ticket + arrivals, status) of int32 device tensors, status last). ``order`` int32 [M_cap],
+    ``offsets`` int32 [E+1], ``topk_idx`` int32 and ``topk_w`` fp32 [T, k], all on x's device.
+
+    EP > 1 with ``ws`` (this rank's :class:`~mok_cute.comm.workspace.CommWorkspace`): ``order``
+    and ``offsets`` are the device plan's ``recv_src`` (packed ``p*T*k + t*k + j``) and local
+    expert offsets; x and topk_w are staged in the workspace (after every peer finished the
+    previous pull), the rows are pulled from the peers, the GEMM2 rows pushed into the source
+    ranks' slot buffers (``slot_out`` is this rank's, valid until the next push), peer errors go
+    to ``ws.status``, ``w_rows`` [M_cap] fp32 holds each grouped row's router weight (None at
+    EP = 1); ``num_ctas`` (default all SMs) is this rank's grid, fewer for virtual ranks sharing
+    one GPU. Launched through the DSL (the epochs change every call)."""
     dev, arch = device_arch(x.device)
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
     bf = dict(dtype=torch.bfloat16, device=x.device)
+    w_rows = None
+    if ws is not None:
+        src = ws.acquire_src()  # device wait: every peer finished the previous pull from it
+        if src.data_ptr() != x.data_ptr():
+            src.copy_(x)
+        x = src
+        ws.view("w", torch.float32, (t, k)).copy_(topk_w)
+        w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
     xg = torch.empty((mcap, hid), **bf)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
-    slot = torch.empty((t * k, hid), **bf)
+    slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
     y = torch.empty((t, hid), **bf)
     sizes = counter_sizes(t, mcap, e)
     counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
     parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
+    if ws is not None:
+        parts[-1] = ws.status
     gus = hs = s_out = None
     ws = (None, None, None)
     if shared is not None:
@@ -603,10 +685,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     hs_rt = torch.empty((t, shared[0].shape[0]), **bf) if mx and shared is not None else None
     trace = tracing()
     progress = progress_mode() and not trace
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
-        *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, arch=arch)[0]))
-    num_ctas = sm_count(dev)
+        *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, arch=arch)[0]))
+    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     records = None
     if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
         records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
@@ -620,11 +702,21 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     tensors = (x, xg, w_gate, w_up, w_down, *ws, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
     scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, int(timeout_s * 1e9))
-    key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
-        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
-        Int32(num_ctas), Int64(scalars[4]), stream))
-    return y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+    if ws is None:
+        key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars
+        launcher.launch(dev, stream, key, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
+            Int32(num_ctas), Int64(scalars[4]), None, None, *_NO_EP, st))
+    else:
+        o = ws.offsets
+        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
+                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
+        launcher.launch_direct(stream, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
+            Int32(num_ctas), Int64(scalars[4]), _Desc(ws.peer_bases), _Desc(w_rows), *ep_scalars, st))
+    return (y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts,
+            w_rows)
 
 
 # ---------------------------------------------------------------- error status

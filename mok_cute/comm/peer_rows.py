@@ -1,0 +1,63 @@
+"""Device-side addressing of the symmetric workspace inside a fused kernel at EP > 1.
+
+:class:`PeerRows` bundles, for one launch, the peer pointer table and the section offsets of
+:class:`~mok_cute.comm.workspace.CommWorkspace` (``src`` x rows [T, H] bf16, ``slots``
+[T*k, H] bf16, ``w`` topk_w [T, k] fp32, ``flags``), the epochs of the launch's pull
+(READY / DONE) and push (DATA / FREE) rounds, and the status pointer, so that a kernel can
+move single 16-byte vectors of routed rows with unicast peer loads and stores:
+
+* :meth:`pull_vec`: vector ``c`` of the x row of packed source ``q = p*T*k + t*k + j`` (rank
+  p's ``src[t]``), and optionally its router weight into ``w_rows[r]``;
+* :meth:`push_vec`: a vector into rank p's ``slots[t*k + j]``.
+
+The signalling itself is :mod:`mok_cute.comm.protocol`'s (``signal_all`` / ``wait_all`` /
+``arrive_last``). Built at trace time inside a kernel (its fields are kernel values).
+"""
+from mok_cute.comm.protocol import cute, gptr
+from cutlass import BFloat16, Float32, Int64
+
+VEC = 8  # bf16 elements per 16-byte vector
+
+
+class PeerRows:
+    """One launch's view of the symmetric workspace (see the module doc); ``tk`` = T*k."""
+
+    def __init__(self, peer_bases, w_rows, me, n, src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push,
+                 tk, timeout_ns, status):
+        self.pb, self.w_rows, self.me, self.n = peer_bases, w_rows, me, n
+        self.src_off, self.slots_off, self.w_off, self.flags_off = src_off, slots_off, w_off, flags_off
+        self.epoch_pull, self.epoch_push, self.tk = epoch_pull, epoch_push, tk
+        self.timeout_ns, self.status = timeout_ns, status
+
+    def _fields(self) -> list:
+        return [self.pb, self.w_rows, self.me, self.n, self.src_off, self.slots_off, self.w_off, self.flags_off,
+                self.epoch_pull, self.epoch_push, self.tk, self.timeout_ns, self.status]
+
+    def __extract_mlir_values__(self) -> list:
+        """(The DSL's protocol for values carried through run-time loops: the fields.)"""
+        return self._fields()
+
+    def __new_from_mlir_values__(self, values: list) -> "PeerRows":
+        return PeerRows(*values)
+
+    @cute.jit
+    def pull_vec(self, q, k, c, v, r, with_w):
+        """Vector ``c`` (of ``v`` per row) of source ``q``'s x row; with ``with_w`` also
+        ``w_rows[r]`` = the source slot's router weight."""
+        p = q // self.tk
+        rem = q - p * self.tk
+        base = self.pb[p]
+        row = base + self.src_off + Int64(rem // k) * Int64(v * 16)
+        vec = cute.make_tensor(gptr(BFloat16, row + Int64(c) * 16, 16), cute.make_layout((VEC,)))
+        if with_w:
+            w = cute.make_tensor(gptr(Float32, base + self.w_off + Int64(rem) * 4, 4), cute.make_layout((1,)))
+            self.w_rows[r] = w[0]
+        return vec.load()
+
+    @cute.jit
+    def push_vec(self, q, c, v, val):
+        """Store ``val`` (8 bf16) as vector ``c`` of rank p's slot row ``t*k + j`` (``q`` packed)."""
+        p = q // self.tk
+        rem = q - p * self.tk
+        addr = self.pb[p] + self.slots_off + Int64(rem) * Int64(v * 16) + Int64(c) * 16
+        cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout((VEC,))).store(val)
