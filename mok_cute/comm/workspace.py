@@ -52,8 +52,21 @@ class CommWorkspace:
                  recv_capacity: int | None = None, timeout_s: float = 10.0, num_ctas: int = 32):
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = group
-        self.me, self.EP = dist.get_rank(group), dist.get_world_size(group)
+        self._layout(group, dist.get_rank(group), dist.get_world_size(group),
+                     torch.device("cuda", torch.cuda.current_device()), T, H, k, E, dtype, recv_capacity,
+                     timeout_s, num_ctas)
+        self.buf = symm_mem.empty(self.sym_bytes, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.buf.zero_()
+        self._attach(self._peer_addresses())
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group)  # flags are zero everywhere before any peer signals
+
+    def _layout(self, group, me: int, ep: int, device: torch.device, T: int, H: int, k: int, E: int,
+                dtype, recv_capacity: int | None, timeout_s: float, num_ctas: int) -> None:
+        """Check the arguments and lay out the symmetric sections (``offsets``, ``sym_bytes``) of
+        rank ``me`` of ``ep`` on ``device``."""
+        self.group, self.me, self.EP = group, me, ep
         if E % self.EP:
             raise ValueError(f"E ({E}) must be a multiple of the group size ({self.EP})")
         if H % 8:
@@ -68,7 +81,7 @@ class CommWorkspace:
         if self.recv_capacity * H >= 2**31:
             raise ValueError("recv_capacity*H must be < 2**31")
         self.timeout_s, self.num_ctas = float(timeout_s), num_ctas
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.arch = arch_of_device(self.device)
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
                  "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2,
@@ -81,10 +94,11 @@ class CommWorkspace:
             self.offsets[name] = off
             off += _align(n)
         self.sym_bytes = off
-        self.buf = symm_mem.empty(off, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        self.buf.zero_()
-        self.peer_addrs = self._peer_addresses()
+
+    def _attach(self, peer_addrs: list[int]) -> None:
+        """The local state around the zeroed symmetric buffer ``self.buf``, given every rank's
+        buffer address ``peer_addrs``: the peer table, status, counters, dummy, epochs."""
+        self.peer_addrs = peer_addrs
         self.peer_bases = torch.tensor(self.peer_addrs, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
         self.counters = {kind: torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
@@ -92,8 +106,6 @@ class CommWorkspace:
         self.dummy = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group)  # flags are zero everywhere before any peer signals
 
     def _peer_addresses(self) -> list[int]:
         """Address of every rank's workspace tensor, valid in this process.
@@ -220,9 +232,10 @@ def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfl
                   recv_capacity: int | None = None, timeout_s: float = 10.0,
                   num_ctas: int = 32) -> CommWorkspace:
     """The cached :class:`CommWorkspace` for these arguments (collective on first use)."""
+    args = (T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
+    key = (group.group_name,) + args
     ws = _cache.get(key)
     if ws is None:
-        ws = _cache[key] = CommWorkspace(group, T, H, k, E, dtype, recv_capacity, timeout_s, num_ctas)
+        ws = _cache[key] = CommWorkspace(group, *args)
     return ws
