@@ -22,6 +22,9 @@ allocations, each kernel's counters at offset 0), ``dummy`` int32[16] of zeros (
 an absent optional input; never aliases another argument), ``peer_bases`` int64 [EP].
 Epochs are host-side counters bumped identically on every rank by each operation, so
 ranks must issue the same sequence of operations on a workspace.
+
+Virtual ranks (:mod:`mok_cute.comm.virtual`, R ranks of one process on one GPU): the same
+sections in one plain device allocation per rank; ``peer_bases`` holds the R allocations.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mok_cute.comm import protocol as P
+from mok_cute.comm.virtual import VirtualGroup
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
 from mok_cute.dsl.host import current_stream, dptr, fake_ptr, fake_stream
 
@@ -42,7 +46,10 @@ def _align(n: int) -> int:
 
 
 class CommWorkspace:
-    """Symmetric buffers, flags and status of one EP group for fixed (T, H, k, E).
+    """Symmetric buffers, flags and status of one EP group for fixed (T, H, k, E): a
+    torch.distributed group's (symmetric memory; the constructor, collective), or one rank's of
+    a virtual group (:meth:`virtual`). The two differ only in the allocation and the exchange of
+    the peer addresses.
 
     ``recv_capacity``: rows of the expert-grouped buffers (default EP*T*k, the worst case).
     ``timeout_s``: bound of every device-side wait. ``num_ctas``: default comm CTAs (4..32).
@@ -61,6 +68,30 @@ class CommWorkspace:
         self._attach(self._peer_addresses())
         torch.cuda.synchronize(self.device)
         dist.barrier(group)  # flags are zero everywhere before any peer signals
+
+    @classmethod
+    def virtual(cls, group, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
+                recv_capacity: int | None = None, timeout_s: float = 10.0,
+                num_ctas: int = 32) -> list["CommWorkspace"]:
+        """The workspaces of the ranks of ``group`` (a :class:`~mok_cute.comm.virtual.VirtualGroup`),
+        in rank order: rank r's symmetric buffer is a plain zeroed allocation on ``group.device``,
+        and every rank's ``peer_bases`` holds the R buffers' addresses (peers are addressed as on
+        symmetric memory). Built by one thread for all ranks; on a CUDA device its current stream
+        is synchronized before returning, so the zeros precede any rank's kernels."""
+        wss = []
+        for r in range(group.size()):
+            ws = cls.__new__(cls)
+            ws._layout(group, r, group.size(), group.device, T, H, k, E, dtype, recv_capacity, timeout_s,
+                       num_ctas)
+            ws.buf = torch.zeros(ws.sym_bytes, dtype=torch.uint8, device=ws.device)
+            ws.handle, ws.sym_offsets = None, [0] * group.size()
+            wss.append(ws)
+        addrs = [ws.buf.data_ptr() for ws in wss]
+        for ws in wss:
+            ws._attach(addrs)
+        if group.device.type == "cuda":
+            torch.cuda.current_stream(group.device).synchronize()
+        return wss
 
     def _layout(self, group, me: int, ep: int, device: torch.device, T: int, H: int, k: int, E: int,
                 dtype, recv_capacity: int | None, timeout_s: float, num_ctas: int) -> None:
@@ -131,10 +162,12 @@ class CommWorkspace:
         return addrs
 
     def describe(self) -> dict:
-        """Addresses and sizes, for debugging (ints)."""
+        """Addresses and sizes, for debugging (ints; a virtual workspace has no handle: its
+        buffer pointers are the peer addresses)."""
         h = self.handle
+        ptrs = self.peer_addrs if h is None else h.buffer_ptrs
         return {"rank": self.me, "data_ptr": hex(self.buf.data_ptr()),
-                "buffer_ptrs": [hex(int(p)) for p in h.buffer_ptrs],
+                "buffer_ptrs": [hex(int(p)) for p in ptrs],
                 "handle_offset": getattr(h, "offset", None), "sym_offsets": self.sym_offsets,
                 "buffer_size": getattr(h, "buffer_size", None), "sym_bytes": self.sym_bytes,
                 "sections": dict(self.offsets), "peer_addrs": [hex(a) for a in self.peer_addrs]}
@@ -231,8 +264,13 @@ def check_num_ctas(n: int) -> None:
 def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
                   recv_capacity: int | None = None, timeout_s: float = 10.0,
                   num_ctas: int = 32) -> CommWorkspace:
-    """The cached :class:`CommWorkspace` for these arguments (collective on first use)."""
+    """The cached :class:`CommWorkspace` for these arguments (collective on first use). With a
+    :class:`~mok_cute.comm.virtual.VirtualGroup`: the calling virtual rank's workspace; the
+    group's R workspaces are built together by the first rank to ask (:meth:`CommWorkspace.virtual`)
+    and cached in the group."""
     args = (T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
+    if isinstance(group, VirtualGroup):
+        return group.cached(("comm.workspace",) + args, lambda: CommWorkspace.virtual(group, *args))[group.rank()]
     group = group if group is not None else dist.group.WORLD
     key = (group.group_name,) + args
     ws = _cache.get(key)
