@@ -189,3 +189,24 @@ def test_reference_on_virtual_group_equals_global_ep1(size, routing, precision, 
     if routing == "starved":  # the edge cases are there: rank 0 got no rows, the last rank sent none
         assert not bool(((p["topk_idx"] >= 0) & (p["topk_idx"] < E // size)).any())
         assert bool((ref_g.d_w_gate[:E // size] == 0).all()) and bool(ref_g.d_w_gate[E // size:].any())
+
+
+def test_a_plan_that_gave_up_leaves_no_rows(monkeypatch):
+    """A device plan whose kernel wrote nothing (a peer's counts never came) has zero offsets, so
+    the GEMMs' tile walk after it has no tile (the plan's other outputs are never trusted)."""
+    import mok_cute.dsl.compile as C
+    import mok_cute.dsl.host as H
+    import mok_cute.schedule.plan as PL
+    from mok_cute.schedule.group_tiles import total_tiles
+
+    monkeypatch.setattr(W, "arch_of_device", lambda device: "sm_90a")
+    monkeypatch.setattr(C, "compile_cached", lambda key, build: lambda *args: None)  # the kernel gave up
+    monkeypatch.setattr(H, "current_stream", lambda device=None: None)
+    empty = torch.empty
+    monkeypatch.setattr(PL.torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(0x7F7F))  # stale memory
+    g = VirtualGroup(2, "cpu")
+    idx = torch.zeros(5, 2, dtype=torch.int32)
+    plans = run_ranks(g, lambda r: PL.plan_routing_device(W.get_workspace(g, T=5, H=64, k=2, E=4), idx))
+    for r, plan in enumerate(plans):
+        assert plan.rank == r and plan.recv_src.shape == (20,) and bool((plan.recv_src == 0x7F7F).all())
+        assert plan.offsets.tolist() == [0, 0, 0] and total_tiles(plan.offsets.tolist(), 128, 4) == 0
