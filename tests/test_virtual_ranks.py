@@ -210,3 +210,43 @@ def test_a_plan_that_gave_up_leaves_no_rows(monkeypatch):
     for r, plan in enumerate(plans):
         assert plan.rank == r and plan.recv_src.shape == (20,) and bool((plan.recv_src == 0x7F7F).all())
         assert plan.offsets.tolist() == [0, 0, 0] and total_tiles(plan.offsets.tolist(), 128, 4) == 0
+
+
+def test_device_check_plumbing_on_cpu(monkeypatch):
+    """tools/checks/layer_ep_virtual's cases on the CPU, the reference backend standing in for
+    sm90 (no warm-up): one row per rank, all passing and bitwise; the starved case routes nothing
+    to rank 0 and nothing from the last rank; a rank whose y is off, or whose repeats differ,
+    fails its row."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import checks.layer_ep_virtual as V
+
+    monkeypatch.setattr(V, "SHAPE", (8, 256, 256, 8, 2))
+    monkeypatch.setattr(V, "_warm", lambda *a: None)
+    run, calls = V._run, []
+
+    def stand_in(backend, *args, **config):
+        out = run("reference", *args)
+        if backend == "sm90" and fault and args[-1].rank() == 1:  # args[-1]: the group
+            calls.append(1)
+            out[0] = out[0] + (1.0 if fault == "wrong" else len(calls) * 2.0 ** -8)
+        return out
+
+    monkeypatch.setattr(V, "_run", stand_in)
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    fault = None
+    for size in V.SIZES:
+        for seed, case in enumerate(V.CASES):
+            rows = V._case(ctx, size, seed, *case)
+            assert [r.name for r in rows] == [f"layer_ep{size}v {case[0]} r{r}" for r in range(size)]
+            assert all(r.ok and r.bitwise for r in rows), rows
+    t, h, inter, e, k = V.SHAPE
+    probs = [V._starve(V._problem(t, h, inter, e, k, 4, r, False, False, ctx.device, 0), r, 4, 2) for r in range(4)]
+    assert not any(bool(((p[1] >= 0) & (p[1] < 2)).any()) for p in probs) and bool((probs[3][1] == -1).all())
+    assert all(bool((p[1] >= 2).any()) for p in probs[:3])
+    for fault, ok, bitwise in (("wrong", False, True), ("noise", False, False)):
+        rows = V._case(ctx, 2, 0, *V.CASES[0])
+        assert rows[0].ok and (rows[1].ok, rows[1].bitwise) == (ok, bitwise), rows
