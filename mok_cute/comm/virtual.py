@@ -101,8 +101,10 @@ class VirtualGroup:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            torch.cuda.init()  # the driver is up before the driver-API calls of _rank_streams
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         self._size, self.device, self.timeout_s = size, device, float(timeout_s)
         self.streams = _rank_streams(device, size) if device.type == "cuda" else None
         self._tls = threading.local()
