@@ -19,14 +19,16 @@ What concurrent ranks on one GPU need from the caller:
   launch every kernel once beforehand (e.g. one step on a 1-rank group), and prefer
   ``CUDA_MODULE_LOADING=EAGER`` (a lazy kernel load may synchronize the context);
 * no device-wide synchronization inside a rank thread (``torch.cuda.synchronize``), stream
-  synchronization only.
+  synchronization only (tools/checks/layer_ep_virtual also launches the GEMMs through the DSL,
+  ``MOK_CUTE_LAUNCH=dsl``, so that no CUDA graph is captured or instantiated while peers wait).
 
 Rank r of every group on a device runs on stream r of one set of non-blocking streams per device,
-created consecutively and kept for the life of the process: the driver spreads streams over its
-hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8) in creation order, and work sharing a
-queue starts in submission order, so a comm kernel waiting for a peer could hold back the peer's
-kernel queued behind it. Every device wait is bounded by the workspace timeout and every host
-collective by ``timeout_s``: a stalled rank makes the others raise RuntimeError, never hang.
+created consecutively and kept for the life of the process. Work of streams that share a hardware
+queue (``CUDA_DEVICE_MAX_CONNECTIONS`` of them, default 8) starts in submission order, so a comm
+kernel waiting for a peer could hold back the peer's kernel queued behind it; consecutive streams
+are assumed to get distinct queues (the driver's assignment is not documented), and the device
+check raises the queue count to 32. Every device wait is bounded by the workspace timeout and
+every host collective by ``timeout_s``: a stalled rank makes the others raise RuntimeError.
 """
 from __future__ import annotations
 
