@@ -40,7 +40,9 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     shared = (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s]) bf16 or None;
     swiglu_limit: None or L > 0 (gate clamped to <= L, up to [-L, L]);
     group: torch.distributed group of the expert-parallel ranks (None: the default group if
-    initialized, else EP = 1). Returns y [T, H] bf16. Numerics: mok_cute.reference.
+    initialized, else EP = 1), or a :class:`mok_cute.comm.virtual.VirtualGroup` (virtual ranks
+    in one process: call inside its ``run_ranks``). Returns y [T, H] bf16. Numerics:
+    mok_cute.reference.
     """
     config = config if config is not None else MoKConfig()
     if not isinstance(config, MoKConfig):

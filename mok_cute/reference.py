@@ -2,7 +2,8 @@
 
 Runs on CPU and GPU, is bitwise deterministic, and imports no kernel.
 
-Layer (per rank; EP = world size of ``group``, rank p owns experts [p*E/EP, (p+1)*E/EP)):
+Layer (per rank; EP = world size of ``group``, a torch.distributed group or a virtual group of
+:mod:`mok_cute.comm.virtual`; rank p owns experts [p*E/EP, (p+1)*E/EP)):
     x [T, H] bf16, topk_idx [T, k] int (global expert id, -1 = no expert), topk_w [T, k] fp32,
     w_gate/w_up [E_local, I, H] bf16, w_down [E_local, H, I] bf16,
     optional shared expert ws_gate/ws_up [I_s, H], ws_down [H, I_s] (every token).
@@ -538,17 +539,29 @@ def plan_routing(topk_idx_all: list[torch.Tensor], num_experts: int, ep: int, ra
 
 
 def _world(group) -> tuple[int, int]:
+    """(EP, rank) of ``group``: a torch.distributed group (None: the default group when one is
+    initialized, else EP = 1), or a :class:`~mok_cute.comm.virtual.VirtualGroup` (the calling
+    thread's virtual rank)."""
     import torch.distributed as dist
 
+    from mok_cute.comm.virtual import VirtualGroup
+
+    if isinstance(group, VirtualGroup):
+        return group.size(), group.rank()
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _all_gather(t: torch.Tensor, group, ep: int) -> list[torch.Tensor]:
-    """All-gather tensors whose first dim may differ per rank."""
+    """All-gather tensors whose first dim may differ per rank (over ``group``: a
+    torch.distributed group or a virtual group)."""
     if ep == 1:
         return [t]
+    from mok_cute.comm.virtual import VirtualGroup
+
+    if isinstance(group, VirtualGroup):
+        return group.all_gather(t)
     import torch.distributed as dist
 
     n = torch.tensor([t.shape[0]], device=t.device)

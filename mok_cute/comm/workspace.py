@@ -22,6 +22,9 @@ allocations, each kernel's counters at offset 0), ``dummy`` int32[16] of zeros (
 an absent optional input; never aliases another argument), ``peer_bases`` int64 [EP].
 Epochs are host-side counters bumped identically on every rank by each operation, so
 ranks must issue the same sequence of operations on a workspace.
+
+Virtual ranks (:mod:`mok_cute.comm.virtual`, R ranks of one process on one GPU): the same
+sections in one plain device allocation per rank; ``peer_bases`` holds the R allocations.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mok_cute.comm import protocol as P
+from mok_cute.comm.virtual import VirtualGroup
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
 from mok_cute.dsl.host import current_stream, dptr, fake_ptr, fake_stream
 
@@ -42,7 +46,10 @@ def _align(n: int) -> int:
 
 
 class CommWorkspace:
-    """Symmetric buffers, flags and status of one EP group for fixed (T, H, k, E).
+    """Symmetric buffers, flags and status of one EP group for fixed (T, H, k, E): a
+    torch.distributed group's (symmetric memory; the constructor, collective), or one rank's of
+    a virtual group (:meth:`virtual`). The two differ only in the allocation and the exchange of
+    the peer addresses.
 
     ``recv_capacity``: rows of the expert-grouped buffers (default EP*T*k, the worst case).
     ``timeout_s``: bound of every device-side wait. ``num_ctas``: default comm CTAs (4..32).
@@ -52,8 +59,45 @@ class CommWorkspace:
                  recv_capacity: int | None = None, timeout_s: float = 10.0, num_ctas: int = 32):
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = group
-        self.me, self.EP = dist.get_rank(group), dist.get_world_size(group)
+        self._layout(group, dist.get_rank(group), dist.get_world_size(group),
+                     torch.device("cuda", torch.cuda.current_device()), T, H, k, E, dtype, recv_capacity,
+                     timeout_s, num_ctas)
+        self.buf = symm_mem.empty(self.sym_bytes, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.buf.zero_()
+        self._attach(self._peer_addresses())
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group)  # flags are zero everywhere before any peer signals
+
+    @classmethod
+    def virtual(cls, group, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
+                recv_capacity: int | None = None, timeout_s: float = 10.0,
+                num_ctas: int = 32) -> list["CommWorkspace"]:
+        """The workspaces of the ranks of ``group`` (a :class:`~mok_cute.comm.virtual.VirtualGroup`),
+        in rank order: rank r's symmetric buffer is a plain zeroed allocation on ``group.device``,
+        and every rank's ``peer_bases`` holds the R buffers' addresses (peers are addressed as on
+        symmetric memory). Built by one thread for all ranks; on a CUDA device its current stream
+        is synchronized before returning, so the zeros precede any rank's kernels."""
+        wss = []
+        for r in range(group.size()):
+            ws = cls.__new__(cls)
+            ws._layout(group, r, group.size(), group.device, T, H, k, E, dtype, recv_capacity, timeout_s,
+                       num_ctas)
+            ws.buf = torch.zeros(ws.sym_bytes, dtype=torch.uint8, device=ws.device)
+            ws.handle, ws.sym_offsets = None, [0] * group.size()
+            wss.append(ws)
+        addrs = [ws.buf.data_ptr() for ws in wss]
+        for ws in wss:
+            ws._attach(addrs)
+        if group.device.type == "cuda":
+            torch.cuda.current_stream(group.device).synchronize()
+        return wss
+
+    def _layout(self, group, me: int, ep: int, device: torch.device, T: int, H: int, k: int, E: int,
+                dtype, recv_capacity: int | None, timeout_s: float, num_ctas: int) -> None:
+        """Check the arguments and lay out the symmetric sections (``offsets``, ``sym_bytes``) of
+        rank ``me`` of ``ep`` on ``device``."""
+        self.group, self.me, self.EP = group, me, ep
         if E % self.EP:
             raise ValueError(f"E ({E}) must be a multiple of the group size ({self.EP})")
         if H % 8:
@@ -68,7 +112,7 @@ class CommWorkspace:
         if self.recv_capacity * H >= 2**31:
             raise ValueError("recv_capacity*H must be < 2**31")
         self.timeout_s, self.num_ctas = float(timeout_s), num_ctas
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.arch = arch_of_device(self.device)
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
                  "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2,
@@ -81,10 +125,11 @@ class CommWorkspace:
             self.offsets[name] = off
             off += _align(n)
         self.sym_bytes = off
-        self.buf = symm_mem.empty(off, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        self.buf.zero_()
-        self.peer_addrs = self._peer_addresses()
+
+    def _attach(self, peer_addrs: list[int]) -> None:
+        """The local state around the zeroed symmetric buffer ``self.buf``, given every rank's
+        buffer address ``peer_addrs``: the peer table, status, counters, dummy, epochs."""
+        self.peer_addrs = peer_addrs
         self.peer_bases = torch.tensor(self.peer_addrs, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
         self.counters = {kind: torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
@@ -92,8 +137,6 @@ class CommWorkspace:
         self.dummy = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group)  # flags are zero everywhere before any peer signals
 
     def _peer_addresses(self) -> list[int]:
         """Address of every rank's workspace tensor, valid in this process.
@@ -119,10 +162,12 @@ class CommWorkspace:
         return addrs
 
     def describe(self) -> dict:
-        """Addresses and sizes, for debugging (ints)."""
+        """Addresses and sizes, for debugging (ints; a virtual workspace has no handle: its
+        buffer pointers are the peer addresses)."""
         h = self.handle
+        ptrs = self.peer_addrs if h is None else h.buffer_ptrs
         return {"rank": self.me, "data_ptr": hex(self.buf.data_ptr()),
-                "buffer_ptrs": [hex(int(p)) for p in h.buffer_ptrs],
+                "buffer_ptrs": [hex(int(p)) for p in ptrs],
                 "handle_offset": getattr(h, "offset", None), "sym_offsets": self.sym_offsets,
                 "buffer_size": getattr(h, "buffer_size", None), "sym_bytes": self.sym_bytes,
                 "sections": dict(self.offsets), "peer_addrs": [hex(a) for a in self.peer_addrs]}
@@ -219,10 +264,16 @@ def check_num_ctas(n: int) -> None:
 def get_workspace(group=None, *, T: int, H: int, k: int, E: int, dtype=torch.bfloat16,
                   recv_capacity: int | None = None, timeout_s: float = 10.0,
                   num_ctas: int = 32) -> CommWorkspace:
-    """The cached :class:`CommWorkspace` for these arguments (collective on first use)."""
+    """The cached :class:`CommWorkspace` for these arguments (collective on first use). With a
+    :class:`~mok_cute.comm.virtual.VirtualGroup`: the calling virtual rank's workspace; the
+    group's R workspaces are built together by the first rank to ask (:meth:`CommWorkspace.virtual`)
+    and cached in the group."""
+    args = (T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
+    if isinstance(group, VirtualGroup):
+        return group.cached(("comm.workspace",) + args, lambda: CommWorkspace.virtual(group, *args))[group.rank()]
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, T, H, k, E, dtype, recv_capacity, float(timeout_s), num_ctas)
+    key = (group.group_name,) + args
     ws = _cache.get(key)
     if ws is None:
-        ws = _cache[key] = CommWorkspace(group, T, H, k, E, dtype, recv_capacity, timeout_s, num_ctas)
+        ws = _cache[key] = CommWorkspace(group, *args)
     return ws

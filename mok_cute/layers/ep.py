@@ -29,8 +29,9 @@ run on x's round trip; they differ where a feature is small against its row's 32
 maximum but not against its token block's).
 
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
-the same sequence of layer calls. Precisions: the MLP's ``ep_precisions``. ``MoKConfig``:
-``device_timeout_s`` bounds every device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
+the same sequence of layer calls. The group is a torch.distributed group or a virtual group
+(:mod:`mok_cute.comm.virtual`: R ranks as threads of one process on one GPU). Precisions: the
+MLP's ``ep_precisions``. ``MoKConfig``: ``device_timeout_s`` bounds every device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
 of the forward (dispatch, combine) and backward (reverse combine, reverse dispatch) comm kernels.
 """
 from __future__ import annotations

@@ -361,7 +361,10 @@ def plan_routing_device(ws, topk_idx: torch.Tensor) -> RankPlan:
     """This rank's :class:`RankPlan` computed on the GPU from its ``topk_idx`` [T, k]
     (int32/int64, -1 = no expert). Collective over ``ws`` (a :class:`CommWorkspace`);
     launches on the current stream, no host sync. ``recv_src`` has ``ws.recv_capacity``
-    rows. Out-of-range ids and capacity overflow are reported by ``ws.check_status()``."""
+    rows. Out-of-range ids and capacity overflow are reported by ``ws.check_status()``.
+    ``offsets`` start at zero: a plan that gave up (a peer's counts did not arrive in time) leaves
+    no rows, so the kernels after it in the step move and multiply nothing until
+    ``ws.check_status()`` raises (uninitialized offsets would send the GEMMs' tile walk anywhere)."""
     from cutlass import Int32, Int64
 
     from mok_cute.dsl.compile import compile_cached
@@ -374,7 +377,7 @@ def plan_routing_device(ws, topk_idx: torch.Tensor) -> RankPlan:
     dev, i32 = ws.device, torch.int32
     plan = RankPlan(ws.me, ws.E, ws.EP, ws.T, ws.k,
                     counts=torch.empty(ws.EP, ws.E, dtype=i32, device=dev),
-                    offsets=torch.empty(ws.E // ws.EP + 1, dtype=i32, device=dev),
+                    offsets=torch.zeros(ws.E // ws.EP + 1, dtype=i32, device=dev),
                     recv_src=torch.empty(ws.recv_capacity, dtype=i32, device=dev),
                     dest_rank=torch.empty(ws.T, ws.k, dtype=i32, device=dev),
                     dest_row=torch.empty(ws.T, ws.k, dtype=i32, device=dev))

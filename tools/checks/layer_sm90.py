@@ -37,13 +37,15 @@ def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
     return x, idx, w, ws, sh, dy
 
 
-def _run(backend, x, idx, w, ws, sh, dy, limit, group=None, precision="bf16"):
+def _run(backend, x, idx, w, ws, sh, dy, limit, group=None, precision="bf16", **config):
+    """[y, dx, d topk_w, dWg, dWu, dWd(, dWs_gate, dWs_up, dWs_down)] of mok_cute.moe on copies
+    of the inputs (``config``: further MoKConfig fields)."""
     import mok_cute
 
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
     shl = [p.clone().requires_grad_() for p in sh] if sh else []
     y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
-                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend, precision=precision),
+                     swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend, precision=precision, **config),
                      group=group)
     grads = torch.autograd.grad(y, leaves + shl, dy)
     return [y] + list(grads)

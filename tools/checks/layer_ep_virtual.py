@@ -1,0 +1,168 @@
+"""Device check: the expert-parallel layer (mok_cute.moe, backend sm90) at EP = 2 and 4 with
+*virtual ranks* on one GPU (mok_cute.comm.virtual: a thread and a stream per rank, plain device
+buffers as the symmetric workspaces), against the reference backend on the same virtual group,
+forward and backward.
+
+Run with ``python3 tools/gpu_check.py layer_ep_virtual`` (one GPU). The cases run in a child
+``tools/gpu_check.py layer_ep_virtual`` with CHILD_ENV set, read at CUDA's initialization (done
+by gpu_check.py before this module runs) or at import: eager module loading, so that no kernel is
+loaded lazily while another rank's comm kernel waits for it (a lazy load may synchronize the
+context); 32 hardware queues for the ranks' streams; GEMMs launched through the DSL rather than
+captured CUDA graphs (no graph capture or instantiation while peers wait; same kernels, same
+parameters). Its rows come back through its $OUT/gpu_check.jsonl; a child that hangs is killed
+after CHILD_TIMEOUT_S.
+
+Per R and case, each rank's problem is layer_ep's (T 512 per rank, H 1024, I 512, E 8 global,
+k 4, seeded per rank): uniform routing with the shared expert; skewed routing (a hot expert,
+empty experts, -1 slots, a -1 token) with the shared expert and L = 4; uniform without the
+shared expert, L = 4; rank 0 receiving nothing and the last rank sending nothing. Each rank's y
+and gradients are compared with the reference backend run on the same group (MoK's BF16
+tolerances, layer_sm90._compare) and must be bitwise equal over REPEATS runs; rows
+``layer_ep<R>v <case> r<rank>``. The comm kernels run on COMM_CTAS CTAs of 1024 threads: 4 ranks'
+are 32 CTAs, co-resident on the 132 SMs beside the other ranks' GEMMs. Before each case one EP
+step on a 1-rank virtual group (no peer to wait for) compiles and loads every kernel the case
+launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
+must raise RuntimeError naming it within the timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from checks.comm import _guard, _routing
+from checks.common import Row, sm90_skip
+from checks.layer_ep import _problem
+from checks.layer_sm90 import _compare, _run
+from mok_cute.comm.virtual import VirtualGroup, run_ranks
+
+SIZES = (2, 4)
+REPEATS = 3
+SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k
+COMM_CTAS = 8
+CONFIG = dict(comm_sms_fwd=COMM_CTAS, comm_sms_bwd=COMM_CTAS, device_timeout_s=10.0)
+CASES = [  # name, routing, shared expert, SwiGLU limit
+    ("uniform+sh", "uniform", True, None),
+    ("skew+sh L=4", "skew", True, 4.0),
+    ("uniform L=4", "uniform", False, 4.0),
+    ("r0 gets none, last sends none", "starve", False, None),
+]
+CHILD_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32", "MOK_CUTE_LAUNCH": "dsl"}
+CHILD_TIMEOUT_S = 540
+
+
+def _child() -> list[Row]:
+    """This check's rows from a child gpu_check.py run with CHILD_ENV (one process, rank 0)."""
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, **CHILD_ENV, "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), "layer_ep_virtual"]
+        try:
+            code = subprocess.run(cmd, env=env, timeout=CHILD_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            return [Row("layer_ep_virtual: child timed out", ok=False, note=f"killed after {CHILD_TIMEOUT_S} s")]
+        rows = Path(out) / "gpu_check.jsonl"
+        if not rows.exists():
+            return [Row("layer_ep_virtual: child failed", ok=False, note=f"exit code {code}, no rows written")]
+        return [Row(**json.loads(line)) for line in rows.read_text().splitlines()]
+
+
+def _starve(prob, rank: int, size: int, e_local: int):
+    """``prob`` with its routes to rank 0's experts set to -1, and every route -1 on the last rank."""
+    x, idx, w, ws, sh, dy = prob
+    idx = torch.full_like(idx, -1) if rank == size - 1 else torch.where(idx < e_local, -1, idx)
+    return x, idx, w, ws, sh, dy
+
+
+def _warm(ctx, shared: bool, limit, seed: int) -> None:
+    """Compile and load every kernel of an EP step at the case's shapes with no peer to wait for:
+    one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts)."""
+    import mok_cute
+    from mok_cute.layers import ep as ep_layer
+    from mok_cute.layers.select import MoEInputs, get_backend
+
+    t, h, inter, e, k = SHAPE
+    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, 1, 0, shared, False, ctx.device, seed)
+    mlp, cfg, one = get_backend("sm90").mlp, mok_cute.MoKConfig(backend="sm90", **CONFIG), VirtualGroup(1, ctx.device)
+    inp = MoEInputs(x, idx, w, *ws, sh, limit)
+    run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+
+
+def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limit) -> list[Row]:
+    t, h, inter, e, k = SHAPE
+    probs = [_problem(t, h, inter, e, k, size, r, shared, routing == "skew", ctx.device, seed) for r in range(size)]
+    if routing == "starve":
+        probs = [_starve(p, r, size, e // size) for r, p in enumerate(probs)]
+    _warm(ctx, shared, limit, seed)
+    group = VirtualGroup(size, ctx.device)
+    ref = run_ranks(group, lambda r: _run("reference", *probs[r], limit, group))
+    outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, **CONFIG)) for _ in range(REPEATS)]
+    rows = []
+    for r in range(size):
+        same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0][r], o[r]))
+        rows.append(_compare(f"layer_ep{size}v {name} r{r}", outs[0][r], ref[r], same))
+    return rows
+
+
+def _stall(ctx, size: int) -> list[Row]:
+    """Virtual rank 1 stalls, first in the comm kernels (it plans with the others, then skips a
+    dispatch), then in the layer (it skips a whole mok_cute.moe call): every other rank must raise
+    RuntimeError naming it within the timeout (+5 s)."""
+    from mok_cute.comm.dispatch import dispatch
+    from mok_cute.comm.workspace import get_workspace
+    from mok_cute.schedule.plan import plan_routing_device
+
+    timeout, stalled = 2.0, 1
+    t, h, inter, e, k = SHAPE
+    group = VirtualGroup(size, ctx.device)
+    idx = [_routing("random", p, 16, 2, e, ctx.device) for p in range(size)]
+    x = torch.zeros(16, 64, dtype=torch.bfloat16, device=ctx.device)
+    probs = [_problem(t, h, inter, e, k, size, r, True, False, ctx.device, 399) for r in range(size)]
+
+    def in_dispatch(r):
+        ws = get_workspace(group, T=16, H=64, k=2, E=e, timeout_s=timeout)
+        plan = plan_routing_device(ws, idx[r])
+        ws.check_status()
+        if r != stalled:
+            dispatch(ws, x, plan, num_ctas=COMM_CTAS)
+            ws.check_status()
+
+    def in_layer(r):
+        if r != stalled:
+            _run("sm90", *probs[r], None, group, **dict(CONFIG, device_timeout_s=timeout))
+
+    rows = []
+    for what, step in (("dispatch", in_dispatch), ("layer", in_layer)):
+        def timed(r, step=step):
+            t0 = time.time()
+            try:
+                step(r)
+                return "no error raised", time.time() - t0
+            except RuntimeError as err:
+                return str(err), time.time() - t0
+
+        got = [v for r, v in enumerate(run_ranks(group, timed)) if r != stalled]
+        ok = all(f"peer rank {stalled}" in msg and dt < timeout + 5 for msg, dt in got)
+        rows.append(Row(f"layer_ep{size}v rank {stalled} stalls ({what})", time_us=max(dt for _, dt in got) * 1e6,
+                        ok=ok, note=got[0][0][:60]))
+    return rows
+
+
+def run(ctx) -> list[Row]:
+    skip = sm90_skip(ctx, "layer_ep_virtual")
+    if skip:
+        return skip
+    if any(os.environ.get(key) != value for key, value in CHILD_ENV.items()):
+        return _child()
+    VirtualGroup(max(SIZES), ctx.device)  # creates the rank streams back to back (mok_cute.comm.virtual)
+    rows = []
+    for size in SIZES:
+        for seed, case in enumerate(CASES):
+            rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case))
+        rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size))
+    return rows
