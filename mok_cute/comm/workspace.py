@@ -87,8 +87,14 @@ class CommWorkspace:
             ws.handle, ws.sym_offsets = None, [0] * group.size()
             wss.append(ws)
         addrs = [ws.buf.data_ptr() for ws in wss]
+        share = None
+        if group.device.type == "cuda":  # the ranks' persistent kernels share the SMs (co-resident)
+            from mok_cute.dsl.host import sm_count
+
+            share = max(1, sm_count(group.device) // group.size())
         for ws in wss:
             ws._attach(addrs)
+            ws.grid_ctas = share
         if group.device.type == "cuda":
             torch.cuda.current_stream(group.device).synchronize()
         return wss
@@ -137,6 +143,7 @@ class CommWorkspace:
         self.dummy = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
+        self.grid_ctas: int | None = None  # a whole-GPU kernel's grid for this rank (None: every SM)
 
     def _peer_addresses(self) -> list[int]:
         """Address of every rank's workspace tensor, valid in this process.

@@ -22,7 +22,9 @@ tolerances, layer_sm90._compare) and must be bitwise equal over REPEATS runs; ro
 are 32 CTAs, co-resident on the 132 SMs beside the other ranks' GEMMs. Before each case one EP
 step on a 1-rank virtual group (no peer to wait for) compiles and loads every kernel the case
 launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
-must raise RuntimeError naming it within the timeout.
+must raise RuntimeError naming it within the timeout. ``MOK_EP_VIRTUAL_QUICK=1``: R = 2, the first
+two cases, no stall rows. With ``MOK_CUTE_FUSED_EP=1`` (inherited by the child) the forward is the
+fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R.
 """
 from __future__ import annotations
 
@@ -42,7 +44,11 @@ from checks.layer_ep import _problem
 from checks.layer_sm90 import _compare, _run
 from mok_cute.comm.virtual import VirtualGroup, run_ranks
 
-SIZES = (2, 4)
+QUICK = os.environ.get("MOK_EP_VIRTUAL_QUICK", "0") == "1"  # R = 2, the first two cases, no stall rows
+SIZES = (2,) if QUICK else (2, 4)
+# forward paths to run, e.g. "unfused,fused" (default: what MOK_CUTE_FUSED_EP selects)
+MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "fused" if os.environ.get("MOK_CUTE_FUSED_EP") == "1"
+                       else "unfused").split(",")
 REPEATS = 3
 SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k
 COMM_CTAS = 8
@@ -161,8 +167,14 @@ def run(ctx) -> list[Row]:
         return _child()
     VirtualGroup(max(SIZES), ctx.device)  # creates the rank streams back to back (mok_cute.comm.virtual)
     rows = []
-    for size in SIZES:
-        for seed, case in enumerate(CASES):
-            rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case))
-        rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size))
+    for mode in MODES:  # the forward's EP path: unfused stages or the fused kernel (MOK_CUTE_FUSED_EP)
+        os.environ["MOK_CUTE_FUSED_EP"] = "1" if mode == "fused" else "0"
+        start = len(rows)
+        for size in SIZES:
+            for seed, case in enumerate(CASES[:2] if QUICK else CASES):
+                rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case))
+            if not QUICK:
+                rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size))
+        for row in rows[start:]:
+            row.name = f"{row.name} {mode}" if len(MODES) > 1 else row.name
     return rows
