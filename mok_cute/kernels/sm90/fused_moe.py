@@ -674,13 +674,13 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     if ws is not None:
         parts[-1] = ws.status
     gus = hs = s_out = None
-    ws = (None, None, None)
+    shared_w = (None, None, None)
     if shared is not None:
         inter_s = shared[0].shape[0]
         gus = torch.empty((t, 2, inter_s), **bf)
         hs = torch.empty((t, inter_s), **bf)
         s_out = torch.empty((t, hid), **bf)
-        ws = tuple(w[None] for w in shared)
+        shared_w = tuple(w[None] for w in shared)
     h_rt = torch.empty((mcap, inter), **bf) if mx else None
     hs_rt = torch.empty((t, shared[0].shape[0]), **bf) if mx and shared is not None else None
     trace = tracing()
@@ -699,7 +699,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         n_tasks = m_sh * (n1s + (hid // 256 if shared is not None else 0)) + mt * (inter // 128 + hid // 256)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
-    tensors = (x, xg, w_gate, w_up, w_down, *ws, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
+    tensors = (x, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
     scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, int(timeout_s * 1e9))
     stream = torch._C._cuda_getCurrentRawStream(dev)
