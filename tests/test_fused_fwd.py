@@ -220,3 +220,83 @@ def test_ptxas_report_parses_wrapped_entries():
            "ptxas info    : Used 168 registers, used 16 barriers\n")
     rep = _parse_ptxas(log, "sm_90a", "")
     assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
+
+
+class _FakeLauncher:
+    """Records how fused_forward launches (graph replay path or direct) and with what."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, dev, stream, key, make_args):
+        self.calls.append(("graph", make_args(None)))
+
+    def launch_direct(self, stream, make_args):
+        self.calls.append(("direct", make_args(None)))
+
+
+class _FakeWorkspace:
+    """The attributes of a CommWorkspace that the EP launch reads (CPU tensors)."""
+
+    def __init__(self, t, h, k):
+        self.me, self.EP, self.status = 1, 2, torch.zeros(4, dtype=torch.int32)
+        self.peer_bases = torch.zeros(2, dtype=torch.int64)
+        self.offsets = {"src": 0, "slots": 4096, "w": 8192, "flags": 12288}
+        self.epoch = {"pull": 0, "push": 0}
+        self._src, self._slots = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t * k, h, dtype=torch.bfloat16)
+        self._w = torch.zeros(t, k)
+
+    def acquire_src(self):
+        return self._src
+
+    def view(self, name, dtype, shape):
+        return {"slots": self._slots, "w": self._w}[name].view(shape)
+
+    def next_epoch(self, kind):
+        self.epoch[kind] += 1
+        return self.epoch[kind]
+
+
+@pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
+                                          (True, False, True), (False, True, True)])
+def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
+    """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
+    graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
+    status, slots and epochs; the argument list has one entry per parameter of the kernel's
+    ``__call__`` (a host / kernel mismatch fails here, not on the GPU)."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    fake, keys = _FakeLauncher(), []
+    monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
+    monkeypatch.setattr(fm, "sm_count", lambda d: 132)
+    monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    t, h, inter, e, k = 100, 256, 256, 4, 2
+    bf = torch.bfloat16
+    x = torch.randn(t, h).to(bf)
+    order = torch.arange(t * k, dtype=torch.int32)
+    offsets = torch.tensor([0, 50, 100, 150, 200], dtype=torch.int32)
+    idx = torch.zeros(t, k, dtype=torch.int32)
+    w = torch.rand(t, k)
+    weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
+    sh = (torch.randn(inter, h).to(bf), torch.randn(inter, h).to(bf), torch.randn(h, inter).to(bf)) if shared else None
+    ws = _FakeWorkspace(t, h, k) if ep else None
+    out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 8, 1.0, mx=mx, ws=ws,
+                           num_ctas=66 if ep else None)
+    (path, args), = fake.calls
+    assert path == ("direct" if ep else "graph")
+    assert keys[0][-2:] == (mx, ep)
+    params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    by_name = dict(zip(params, args))
+    assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
+    assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
+    assert int(by_name["num_ctas"]) == (66 if ep else 132)
+    if ep:
+        assert out[9] is not None and out[9].shape == (t * k,)
+        assert out[4].data_ptr() == ws._slots.data_ptr() and out[8][-1] is ws.status
+        assert (int(by_name["epoch_pull"]), int(by_name["epoch_push"]), int(by_name["me"])) == (1, 1, 1)
+    else:
+        assert out[9] is None
