@@ -3,7 +3,7 @@
 #   source .gpu-node/activate.sh && bash tools/device_run.sh [checks...]
 # Single-GPU checks (default: every SM90 kernel and layer check, one process each), the quickstart, the comm
 # checks (EP = 1 in one process; EP = 2 through torchrun when 2 GPUs are present, plus the
-# EP = 2 layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
+# EP = 2 layer), the fused layer (stress, virtual-rank EP, bench_layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
 # bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. Opt-in
 # experiment stays out: MOK_COMM_TRANSPORT=bulk (it faults natively).
 set -u
@@ -28,9 +28,20 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
         echo "bench_comm rc=$?" >> "$out/summary.txt"
     fi
 fi
+# the fused layer: stress (every launch synchronised, short device timeout), EP = 2 virtual ranks on this
+# GPU with the unfused and the fused EP forward, then the layer benchmark with MXFP8 rows
+timeout 150 python3 tools/fused_stress.py --reps 3 > "$out/fused_stress.log" 2>&1
+echo "fused_stress rc=$?" >> "$out/summary.txt"
+CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=unfused,fused \
+    timeout -s KILL 400 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_layer_ep_virtual.log" 2>&1
+echo "gpu_check layer_ep_virtual (unfused + fused EP) rc=$?" >> "$out/summary.txt"
+timeout 300 python3 tools/bench_layer.py --comm 16,24,40 --mx > "$out/bench_layer.log" 2>&1
+echo "bench_layer rc=$?" >> "$out/summary.txt"
 timeout 300 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/summary.txt"
-for c in $checks; do grep -A200 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-170; done
+for c in $checks layer_ep_virtual; do grep -A200 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-170; done
+tail -40 "$out/fused_stress.log" | grep "^|"
+grep "^|" "$out/bench_layer.log" | cut -c1-170
 grep -A40 "== gpu_check" "$out/comm1.log" | cut -c1-150 | head -20
 [ -f "$out/comm.log" ] && grep -A60 "== gpu_check" "$out/comm.log" | cut -c1-150 | head -40
 [ -f "$out/bench_comm.log" ] && tail -40 "$out/bench_comm.log" | cut -c1-170
