@@ -283,7 +283,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
     sh = (torch.randn(inter, h).to(bf), torch.randn(inter, h).to(bf), torch.randn(h, inter).to(bf)) if shared else None
     ws = _FakeWorkspace(t, h, k) if ep else None
-    out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 8, 1.0, mx=mx, ws=ws,
+    out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 100 if ep else 8, 1.0, mx=mx, ws=ws,
                            num_ctas=66 if ep else None)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
@@ -294,6 +294,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     assert int(by_name["num_ctas"]) == (66 if ep else 132)
+    assert int(by_name["comm_ctas"]) == (66 if ep else 8)  # never more gather CTAs than the grid has
     if ep:
         assert out[9] is not None and out[9].shape == (t * k,)
         assert out[4].data_ptr() == ws._slots.data_ptr() and out[8][-1] is ws.status

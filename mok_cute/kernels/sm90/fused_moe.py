@@ -689,6 +689,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    comm_ctas = min(comm_ctas, num_ctas)  # chunk c is CTA c % comm_ctas's: that CTA must exist
     records = None
     if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
         records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
