@@ -1,12 +1,13 @@
-"""The fused MoE forward on Hopper (sm_90a): one persistent launch per forward (EP = 1).
+"""The fused MoE forward on Hopper (sm_90a): one persistent launch per forward per rank.
 
 One kernel runs the whole layer after the routing plan, with the SMs split into
 ``comm_ctas`` row-moving CTAs and ``grid - comm_ctas`` GEMM CTAs working at the same time:
 
 1. gather (comm CTAs): grouped row ``i < M = offsets[E]`` of ``xg`` [M_cap, H] = ``x[order[i] // k]``,
    in chunks of 128 rows; each chunk bumps ``gather_ready[chunk]`` when its rows are stored.
-2. GEMM tasks (GEMM CTAs), one static list walked round robin (task ``t`` by GEMM CTA
-   ``t % G``), in dependency order:
+2. GEMM tasks, one static list (:mod:`mok_cute.schedule.fused_tasks`) whose tasks every CTA
+   claims from a device ticket counter (the comm CTAs once their chunks are gathered), in
+   dependency order:
 
    ====  ==================================  ==========================  ======================
    S1    shared GEMM1 + SwiGLU (x rows)       ready at once               bumps ``sh_ready[m]``
@@ -38,7 +39,13 @@ Operands (bf16, row-major, 16-byte aligned): x [T, H]; w_gate, w_up [E, I, H]; w
 [T*k], topk_w fp32 [T*k]. Outputs: xg [M_cap, H], gu [M_cap, 2, I], h [M_cap, I], slot_out
 [T*k, H] (rows of -1 slots untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H].
 Counters int32, zero at launch: gather_ready [ceil(M_cap/128)], h_ready [ceil(M_cap/128) + E],
-sh_ready [ceil(T/128)], done [1]. H, I, I_s multiples of 256.
+sh_ready [ceil(T/128)], [done, ticket, gather CTAs, slot-sum CTAs]. H, I, I_s multiples of 256.
+
+Variants: ``mx`` (MXFP8: the SwiGLU epilogue also writes h's MXFP8 round trip, GEMM2's A
+operand); ``ep`` (EP > 1, :func:`fused_forward` with a workspace: the gather pulls rows and
+router weights from the source ranks, GEMM2 rows are pushed to the source ranks' slot
+buffers, the slot sum waits for every rank's DATA; protocol in docs/architecture.md);
+``trace`` (per-task records) and ``progress`` (per-CTA progress words in host memory).
 """
 from __future__ import annotations
 
