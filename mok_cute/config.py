@@ -17,10 +17,12 @@ class MoKConfig:
 
     precision: "bf16", "mxfp8" (E4M3 + E8M0 per 32 along K) or "fp8_block" (E4M3 + fp32
         scales per 1x128 activation tile and 128x128 weight block); see mok_cute.reference.
-    minibatch_tokens: tokens per overlap unit of the fused megakernel; a multiple of 256
-        (validated; the unfused paths that exist today do not use it).
-    comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2 (the
-        unfused EP > 1 path runs its forward / backward comm kernels on that many CTAs).
+    minibatch_tokens: tokens per overlap unit of the fused megakernel's ring buffer; a multiple
+        of 256 (validated; not used yet: the ring is not built, the fused forward's buffers
+        hold all T*k rows).
+    comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2. The fused
+        forward's row-gathering CTAs (clamped to the grid; 16-40 measured best at EP = 1); the
+        unfused EP > 1 path's forward / backward comm kernels' CTAs.
     tile_m / tile_n / tile_k: GEMM tile override (M = tokens, N = output features, K =
         reduction); None (default): each backend's tuned tiles per precision. The GPU backends
         do not take overrides yet and raise NotImplementedError for one (the reference ignores
@@ -29,8 +31,10 @@ class MoKConfig:
         the environment variable MOK_CUTE_BACKEND overrides it.
     device_timeout_s: bound on any device-side wait for a peer; exceeding it raises
         RuntimeError on the host instead of hanging.
-    validate_routing: check topk_idx values on the device before the step (one host sync;
-        turn off for CUDA-graph capture once the routing is trusted).
+    validate_routing: check topk_idx values before the step (one host sync; turn off for
+        CUDA-graph capture). Off, an id outside [-1, E) is skipped like a -1 slot (EP = 1; the
+        EP > 1 plan likewise) and raised as RuntimeError by a later call or
+        ``mok_cute.check_errors()``.
     """
 
     precision: str = "bf16"
