@@ -304,3 +304,11 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
         assert (int(by_name["epoch_pull"]), int(by_name["epoch_push"]), int(by_name["me"])) == (1, 1, 1)
     else:
         assert out[9] is None
+
+
+def test_schedule_mirror_detects_a_wrong_order(monkeypatch):
+    """The ticket mirror fails when a task waits for a later one (the list reversed)."""
+    real = ft.task_list
+    monkeypatch.setattr(ft, "task_list", lambda *a: real(*a)[::-1])
+    with pytest.raises(AssertionError, match="deadlock"):
+        ft.simulate(_offsets([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1)

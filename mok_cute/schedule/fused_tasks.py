@@ -1,7 +1,7 @@
 """Task list of the fused MoE forward (device functions and their pure-Python mirror).
 
-The GEMM CTAs of the fused forward walk one static list of tile tasks, task ``t`` run by GEMM
-CTA ``t % G`` (``G`` GEMM CTAs), each CTA in list order, in four phases:
+The CTAs of the fused forward claim the tasks of one static list from a device ticket
+counter, in list order (the comm CTAs once their gather chunks are stored), in four phases:
 
   S1  shared GEMM1 + SwiGLU   ``m_sh * n1s`` tiles   (m_sh = ceil(T / tile_m), n1s = I_s / (tile_n/2))
   R1  routed GEMM1 + SwiGLU   ``mt * n1`` tiles      (mt = sum_e ceil(rows_e / tile_m), n1 = I / (tile_n/2))
@@ -12,9 +12,9 @@ Inside a phase the tiles are numbered m-tile fastest (routed phases: experts in 
 walk of :mod:`mok_cute.schedule.group_tiles`). Dependencies point backwards only: an R1 tile
 needs the gather chunks (of ``tile_m`` grouped rows, moved by the comm CTAs) holding its rows;
 an S2 / R2 tile needs every GEMM1 n-tile of its m-tile; the slot sum needs every GEMM2 tile.
-With all CTAs resident and each CTA running its tasks in order, the lowest unfinished task's
-inputs are always finished or being made, so the list cannot deadlock
-(:func:`simulate` checks it on concrete routings). ``mt_index`` numbers the routed m-tiles in
+With all CTAs resident and tickets handed out in list order, the lowest unfinished task's
+inputs are always finished or being made and it is held by a running CTA, so the list cannot
+deadlock (:func:`simulate` checks it on concrete routings under random interleavings). ``mt_index`` numbers the routed m-tiles in
 expert order (the readiness counter of an m-tile). This module imports no GEMM code.
 """
 from __future__ import annotations
@@ -74,34 +74,39 @@ def publishes(task: tuple) -> tuple[str, int]:
 
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
-             comm_ctas: int) -> int:
-    """Run the fused forward's schedule on the host: comm CTA ``c`` gathers chunks ``c, c +
-    comm_ctas, ...`` in order, GEMM CTA ``g`` runs tasks ``g, g + gemm_ctas, ...`` in order, a
-    CTA moves on only when its head task's inputs are published. Returns the number of rounds
-    until every task and chunk is done; AssertionError on a deadlock or a missing publication."""
+             comm_ctas: int, seed: int = 0) -> int:
+    """Run the fused forward's schedule on the host as the kernel runs it: comm CTA ``c``
+    gathers chunks ``c, c + comm_ctas, ...``, then joins the GEMM CTAs, which claim tasks in
+    list order from one ticket counter, a CTA holding its ticket until the task's inputs are
+    published. Each round visits the CTAs in a random order (``seed``): any interleaving of
+    claims must finish. Returns the number of rounds until every task and chunk is done;
+    AssertionError on a deadlock or a missing publication."""
+    import random
+
+    rng = random.Random(seed)
     tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared)
     chunks = -(-int(offsets[-1]) // tile_m)
     count: dict[tuple[str, int], int] = {}
-    queues = [list(range(c, chunks, comm_ctas)) for c in range(comm_ctas)]
-    queues += [[("t", i) for i in range(g, len(tasks), gemm_ctas)] for g in range(gemm_ctas)]
-    rounds = 0
-    while any(queues):
+    gathers = [list(range(c, chunks, comm_ctas)) for c in range(comm_ctas)] + [[] for _ in range(gemm_ctas)]
+    held: list = [None] * (comm_ctas + gemm_ctas)  # the ticket each CTA holds
+    ticket, finished, rounds = 0, 0, 0
+    while finished < len(tasks) or any(gathers):
         progressed = False
-        for q in queues:
-            if not q:
+        for cta in rng.sample(range(len(held)), len(held)):
+            if gathers[cta]:  # a gather chunk: no inputs
+                c = gathers[cta].pop(0)
+                count[("gather", c)] = count.get(("gather", c), 0) + 1
+                progressed = True
                 continue
-            head = q[0]
-            if isinstance(head, int):  # a gather chunk: no inputs
-                count[("gather", head)] = count.get(("gather", head), 0) + 1
-            else:
-                task = tasks[head[1]]
-                if any(count.get((name, i), 0) < target for name, i, target in needs(task, tile_m, n1, n1s)):
-                    continue
-                key = publishes(task)
-                count[key] = count.get(key, 0) + 1
-            q.pop(0)
-            progressed = True
-        assert progressed, f"deadlock after {rounds} rounds: heads {[q[0] for q in queues if q]}"
+            if held[cta] is None and ticket < len(tasks):
+                held[cta], ticket, progressed = ticket, ticket + 1, True
+            if held[cta] is not None:
+                task = tasks[held[cta]]
+                if all(count.get((name, i), 0) >= target for name, i, target in needs(task, tile_m, n1, n1s)):
+                    key = publishes(task)
+                    count[key] = count.get(key, 0) + 1
+                    held[cta], finished, progressed = None, finished + 1, True
+        assert progressed, f"deadlock after {rounds} rounds: held tickets {[h for h in held if h is not None]}"
         rounds += 1
     gemm2 = sum(t[0] in (S2, R2) for t in tasks)
     assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
