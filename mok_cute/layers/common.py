@@ -41,13 +41,18 @@ def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, 
     return dx, dwg, dwu, dwd
 
 
+def whole_offsets(rows: int, device) -> torch.Tensor:
+    """int32 [0, rows] on ``device``: the offsets of one group holding every row (made on the
+    device: no host copy, capturable)."""
+    return torch.arange(2, dtype=torch.int32, device=device) * rows
+
+
 def shared_forward(mlp, x, shared, limit, **kw):
     """The shared expert as one more group (all T tokens): (out [T, H], ExpertGroup), or
     (None, None) without one."""
     if shared is None:
         return None, None
-    offs = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
-    return mlp.forward(x, offs, *(w[None] for w in shared), limit, **kw)
+    return mlp.forward(x, whole_offsets(x.shape[0], x.device), *(w[None] for w in shared), limit, **kw)
 
 
 def shared_backward(mlp, group, dy, shared, limit):

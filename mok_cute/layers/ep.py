@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, topk_w_grad
+from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, topk_w_grad, whole_offsets
 from mok_cute.reference import MoEGrads
 
 @dataclass
@@ -106,12 +106,12 @@ def _fused_forward(mlp, inp, ws, plan, config):
     t, k = idx.shape
     y, xg, gu, h, _, gus, hs, w_rows = mlp.fused_forward_ep(
         ws, plan, x, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config,
-        num_ctas=getattr(ws, "grid_ctas", None))
+        num_ctas=ws.grid_ctas)
     prec = config.precision
     routed = ExpertGroup(xg, plan.offsets, gu, h, prec)
     shared_group = None
     if inp.shared is not None:
-        shared_group = ExpertGroup(x, torch.arange(2, dtype=torch.int32, device=x.device) * t, gus, hs, prec)
+        shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, x.shape[1])).clone()
     ws.check_status()
     return y, EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared, routed,

@@ -25,7 +25,7 @@ import torch
 from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
-from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward
+from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, whole_offsets
 from mok_cute.reference import MoEGrads, _world, slot_sum
 
 
@@ -124,11 +124,11 @@ class GroupedExpertBackend:
 
             return ep_layer.forward(self.mlp, inp, group, ep, config)
         order32, offsets, idx = routing_plan(inp.topk_idx, inp.w_gate.shape[0], watch=not config.validate_routing)
+        order, valid = order32.long(), idx.reshape(-1) >= 0
         if inp.x.is_cuda and config.precision in getattr(self.mlp, "fused_precisions", ()) and fused_enabled():
-            return self._fused_forward(inp, config, order32, offsets, idx)
+            return self._fused_forward(inp, config, order32, order, offsets, idx, valid)
         x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
-        order, valid = order32.long(), idx.reshape(-1) >= 0
         x_rows = x.index_select(0, order // k)
         kw = {} if config.precision == "bf16" else {"precision": config.precision}
         r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
@@ -140,7 +140,7 @@ class GroupedExpertBackend:
                        inp.shared, routed, shared_group, r)
         return y, state
 
-    def _fused_forward(self, inp, config, order32, offsets, idx):
+    def _fused_forward(self, inp, config, order32, order, offsets, idx, valid):
         """EP = 1 through the arch's fused forward on the routing plan (:func:`routing_plan`):
         one persistent launch (gather, GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum,
         shared expert)."""
@@ -148,13 +148,11 @@ class GroupedExpertBackend:
         t = x.shape[0]
         out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w,
                                      inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
-        order, valid = order32.long(), idx.reshape(-1) >= 0
         y, xg, gu, h, slot, gus, hs = out
         prec = config.precision
         shared_group = None
         if inp.shared is not None:
-            offs = torch.arange(2, dtype=torch.int32, device=x.device) * t  # [0, T], no host copy
-            shared_group = ExpertGroup(x, offs, gus, hs, prec)
+            shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
         # MXFP8: the kernel gathered x's round trip; the backward's weight gradients read x's rows
         routed = ExpertGroup(xg if prec == "bf16" else None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,

@@ -34,7 +34,7 @@ import importlib
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, whole_offsets
 from mok_cute.dsl.host import offsets_i32
 from mok_cute.layers.weight_cache import WeightCache
 
@@ -63,8 +63,7 @@ def _mx_dequant_weight(w, axis):
     w2 = w.reshape(e * r, c)
     if axis == 2:
         return dequant_mxfp8.mxfp8_round_trip(w2).view(e, r, c)
-    whole = torch.arange(2, dtype=torch.int32, device=w.device) * (e * r)  # offsets [0, E*R], made on the device
-    return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole).view(e, r, c)
+    return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole_offsets(e * r, w.device)).view(e, r, c)
 
 
 def _mx_rows(x):
