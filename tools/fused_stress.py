@@ -43,22 +43,17 @@ def _shortfalls(counters, n1: int, n1s: int) -> str:
     return "; ".join(out)
 
 
-PRODUCER = {1: "claimed", 2: "inputs ready", 3: "loaded", 4: "stop handed off", 5: "EMPTY done", 6: "tail done",
-            7: "wait GEMM2", 8: "GEMM2 seen"}
-CONSUMER = {1: "took", 2: "mma done", 3: "epilogue done", 4: "published", 5: "loop left", 6: "regs for sum"}
-CTA = {1: "gathered chunk", 2: "gather done", 3: "producer wg regs for sum"}
-SUM = {9: "slot sum", 10: "finished"}
-
-
 def _dump_progress(words) -> None:
     """Print the progress words of every CTA, grouped by (producer, consumers, CTA, sum) state."""
+    from mok_cute.kernels.sm90.fused_moe import PROGRESS_STATES
+
     groups = collections.defaultdict(list)
     for cta, row in enumerate(words.tolist()):
         state = tuple((v >> 32, v & 0xFFFFFFFF) for v in row)
         groups[tuple(code for code, _ in state)].append((cta, state))
     print("progress (producer | consumers | CTA | slot sum): CTAs")
     for codes, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        names = [d.get(c, str(c)) if c else "-" for d, c in zip((PRODUCER, CONSUMER, CTA, SUM), codes)]
+        names = [d.get(c, str(c)) if c else "-" for d, c in zip(PROGRESS_STATES, codes)]
         detail = " ".join(f"{cta}:{'/'.join(str(v) for _, v in st)}" for cta, st in members[:12])
         print(f"  {' | '.join(names)}: {len(members)} CTAs  [{detail}{' ...' if len(members) > 12 else ''}]")
 

@@ -79,6 +79,13 @@ CHUNK = 128  # rows per gather chunk (= tile_m)
 GATHER, H_READY, SH_READY, DONE = 16, 17, 18, 19
 TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
 PROGRESS_WORDS = 4  # per CTA in the progress variant: producer, consumers, CTA, slot sum (see _mark)
+PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write means
+    {1: "claimed", 2: "inputs ready", 3: "loaded", 4: "stop handed off", 5: "EMPTY done", 6: "tail done",
+     7: "wait GEMM2", 8: "GEMM2 seen"},
+    {1: "took", 2: "mma done", 3: "epilogue done", 4: "published", 5: "loop left", 6: "regs for sum"},
+    {1: "gathered chunk", 2: "gather done", 3: "producer wg regs for sum"},
+    {9: "slot sum", 10: "finished"},
+)
 KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 _FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
