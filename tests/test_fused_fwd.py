@@ -156,6 +156,58 @@ def test_schedule_random_routings():
                     shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40))
 
 
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_ring_schedule_completes_without_deadlock(name):
+    """The ring: a gather reusing a slot waits for the slot's previous m-tile's GEMM1 tiles; with
+    bands no wider than the ring that never deadlocks, down to one slot and one GEMM CTA."""
+    for e, tokens in ((1, 300), (8, 1000), (16, 129)):
+        offs = _offsets(ROUTINGS[name](e, 4 * tokens))
+        for ring, band in ((1, 1), (2, 2), (3, 2), (8, 8), (16, 4)):
+            for gemm, comm in ((1, 1), (7, 2), (3, 40)):
+                ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=gemm, comm_ctas=comm,
+                            ring=ring, band=band, seed=ring)
+
+
+def test_ring_schedule_random_routings():
+    rng = random.Random(1)
+    for _ in range(40):
+        e, tokens = rng.choice([1, 2, 8, 32]), rng.randint(1, 900)
+        counts = [0] * e
+        for _ in range(tokens * rng.randint(1, 4)):
+            counts[0 if rng.random() < 0.5 else rng.randrange(e)] += 1
+        ring = rng.randint(1, 20)
+        ft.simulate(_offsets(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4), n2=rng.randint(1, 6),
+                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
+                    seed=rng.randint(0, 99), ring=ring, band=rng.randint(1, ring))
+
+
+def test_ring_wider_bands_than_slots_deadlock():
+    """The mirror is not vacuous about the ring: bands wider than the ring (an m-tile's GEMM1
+    tiles after a later m-tile's, whose gather waits for them) deadlock."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        ft.simulate(_offsets([128 * 6]), 128, 128, n1=4, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1,
+                    ring=2, band=6)
+
+
+def test_banded_task_list():
+    """R1 in bands: each expert's m-tiles in groups of ``band``, a group's tiles n-tile outer; the
+    same tiles as the unbanded walk, and an m-tile's GEMM1 tiles all before the next band's."""
+    offs = _offsets([700, 0, 129, 1, 512])
+    plain = ft.task_list(offs, 700, 128, n1=3, n1s=2, n2=3, shared=True)
+    banded = ft.task_list(offs, 700, 128, n1=3, n1s=2, n2=3, shared=True, band=2)
+    assert sorted(plain) == sorted(banded) and [t for t in plain if t[0] != ft.R1] == [t for t in banded if t[0] != ft.R1]
+    r1 = [t for t in banded if t[0] == ft.R1]
+    assert [(t[5], t[2]) for t in r1[:6]] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    first, last = {}, {}
+    for i, t in enumerate(r1):
+        first.setdefault(t[5], i)
+        last[t[5]] = i
+    rows = ft.mtile_rows(offs, 128)
+    assert [(r0, n) for _, r0, n in sorted({(t[5], t[3], t[4]) for t in r1})] == rows
+    for mt in range(len(rows) - 2):  # m-tile mt's tiles end before m-tile mt + 2's start (bands of 2)
+        assert last[mt] < first[mt + 2]
+
+
 def test_task_list_matches_the_grouped_walk():
     """The routed phases walk the tile space of group_tiles (expert, n-tile, row0, rows), and the
     m-tile indices count each expert's m-tiles in order."""
@@ -287,7 +339,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     sh = (torch.randn(inter, h).to(bf), torch.randn(inter, h).to(bf), torch.randn(h, inter).to(bf)) if shared else None
     ws = _FakeWorkspace(t, h, k) if ep else None
     out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 100 if ep else 8, 1.0, mx=mx, ws=ws,
-                           num_ctas=66 if ep else None)
+                           num_ctas=66 if ep else None, ring_chunks=5)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
     assert keys[0][-2:] == (mx, ep)
@@ -297,13 +349,15 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     assert int(by_name["num_ctas"]) == (66 if ep else 132)
-    assert int(by_name["comm_ctas"]) == (66 if ep else 8)  # never more gather CTAs than the grid has
+    assert int(by_name["comm_ctas"]) == (65 if ep else 8)  # a GEMM CTA is left to free ring slots
+    # the ring: 5 slots asked, 2 + 4 = 6 routed m-tiles at most; R1's bands never wider than the ring
+    assert (int(by_name["ring"]), int(by_name["band"])) == (5, 5) and tuple(by_name["mXg"]._keep.shape) == (5 * 128, h)
     if ep:
-        assert out[9] is not None and out[9].shape == (t * k,)
-        assert out[4].data_ptr() == ws._slots.data_ptr() and out[8][-1] is ws.status
+        assert out[8] is not None and out[8].shape == (t * k,)
+        assert out[3].data_ptr() == ws._slots.data_ptr() and out[7][-1] is ws.status
         assert (int(by_name["epoch_pull"]), int(by_name["epoch_push"]), int(by_name["me"])) == (1, 1, 1)
     else:
-        assert out[9] is None
+        assert out[8] is None
 
 
 def test_schedule_mirror_detects_a_wrong_order(monkeypatch):

@@ -1,12 +1,15 @@
 """Layer benchmark on one GPU (EP = 1): the fused sm90 forward, the unfused sm90 path and the
 torch layer a PyTorch user writes, side by side in one run.
 
-    source .gpu-node/activate.sh && python3 tools/bench_layer.py [--quick] [--comm 2,8,16]
+    source .gpu-node/activate.sh && python3 tools/bench_layer.py [--quick] [--comm 2,8,16] [--minibatch 512,4096]
+        [--band 4,16] [--mx]
 
 torch layer: stable sort of the routes by expert, ``F.grouped_mm`` for gate/up (one [E, 2I, H]
 weight), clamped SwiGLU, ``F.grouped_mm`` for down, fp32 ``index_add_`` of the weighted rows,
 dense shared expert; autograd backward. Ours: ``mok_cute.moe`` (backend sm90, BF16,
-validate_routing=False: no host sync) fused (the default; one row per ``comm_sms_fwd``) and
+validate_routing=False: no host sync) fused (the default; one row per ``comm_sms_fwd`` x
+``minibatch_tokens``, the ring's size, plus rows at other R1 bands ``MOK_CUTE_RING_BAND`` for the
+first of each) and
 unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both; "GEMM tiles alone": the
 forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
@@ -82,13 +85,18 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
     return y.bfloat16()
 
 
-def _ours(fused: bool, comm: int, precision: str = "bf16"):
+def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None):
     import mok_cute
 
-    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision)
+    mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
+    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision, **mb)
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
+        if band is None:
+            os.environ.pop("MOK_CUTE_RING_BAND", None)
+        else:
+            os.environ["MOK_CUTE_RING_BAND"] = str(band)
         return mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
     return fn
 
@@ -110,7 +118,7 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
-def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False):
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=()):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -120,10 +128,17 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False):
     impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
     impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
     impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
+    mb0 = minibatches[0]
     for c in comms:
-        impls[f"fused c{c}"] = (lambda c=c: _ours(True, c)(x, idx, w, ws, sh))
-    if mx:  # MXFP8 (the reference's numerics), fused at the first comm value, and unfused
-        impls[f"fused mxfp8 c{comms[0]}"] = lambda: _ours(True, comms[0], "mxfp8")(x, idx, w, ws, sh)
+        for m in minibatches:
+            impls[f"fused c{c}{'' if m is None else f' m{m}'}"] = (
+                lambda c=c, m=m: _ours(True, c, minibatch=m)(x, idx, w, ws, sh))
+    for b in bands:
+        impls[f"fused c{comms[0]}{'' if mb0 is None else f' m{mb0}'} band{b}"] = (
+            lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
+    if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
+        impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
+            lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
         impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8")(x, idx, w, ws, sh)
     out = {}
     for name, fn in impls.items():
@@ -136,8 +151,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False):
         for p in leaves:
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
+    os.environ.pop("MOK_CUTE_RING_BAND", None)
     if trace:
-        s = traced(lambda: _ours(True, comms[-1])(x, idx, w, ws, sh), trace)
+        s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
         print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
               f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, busy us {s['busy_us']}", flush=True)
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
@@ -155,12 +171,16 @@ def main() -> int:
     ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
     ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
+    ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
+    ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
     lines = []
     for i, shape in enumerate(SHAPES[:1] if args.quick else SHAPES):
-        lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx)
+        lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
+                           minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
+                           bands=[int(b) for b in args.band.split(",") if b])
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

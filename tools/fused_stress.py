@@ -1,10 +1,10 @@
 """Stress the fused SM90 forward launch by launch (H200): every routing case of the fused_fwd
-check x ``--comm`` values x ``--reps`` repeats, each launch synchronised and timed, with a
+check x ``--comm`` values x ``--ring`` sizes (slots of 128 rows; 0: one per m-tile) x ``--reps`` repeats, each launch synchronised and timed, with a
 short device timeout so a stall shows in seconds. On an error it prints the status words and
 the readiness counters that fell short (which gather chunk / m-tile / ticket), so a stall
 names its wait. y must be bitwise the same for every launch of a case.
 
-    python3 tools/fused_stress.py [--comm 2,8,40] [--reps 3] [--timeout 3] [--progress]
+    python3 tools/fused_stress.py [--comm 2,8,40] [--ring 0,2,16] [--reps 3] [--timeout 3] [--progress]
 
 With ``--progress`` the kernel's progress variant runs (MOK_CUTE_FUSED_PROGRESS=1): if a
 launch has not finished ``2 * timeout + 5`` s after it started (a stall that no bounded wait
@@ -58,9 +58,9 @@ def _dump_progress(words) -> None:
         print(f"  {' | '.join(names)}: {len(members)} CTAs  [{detail}{' ...' if len(members) > 12 else ''}]")
 
 
-def _launch(fused, args_, comm, timeout, watch):
+def _launch(fused, args_, comm, ring, timeout, watch):
     """One launch, synchronised; with ``watch`` a stall dumps the progress words and exits."""
-    out = fused.fused_forward(*args_, comm, timeout)
+    out = fused.fused_forward(*args_, comm, timeout, ring_chunks=ring or None)
     if watch:
         ev = torch.cuda.Event()
         ev.record()
@@ -79,6 +79,7 @@ def _launch(fused, args_, comm, timeout, watch):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--comm", default="2,4,8,16,40,64,131")
+    ap.add_argument("--ring", default="0,2,16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--shape", default="1000,1024,512,8,4", help="T,H,I,E,k")
@@ -91,7 +92,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
-    comms = [int(c) for c in args.comm.split(",")]
+    runs = [(int(c), int(r)) for c in args.comm.split(",") for r in args.ring.split(",")]
     bad, table = 0, []
     for ci, (name, skew, shared, limit) in enumerate(CASES):
         x, idx, w, ws, sh, _ = _problem(t, h, inter, e, k, shared, skew, dev, seed=300 + ci)
@@ -101,13 +102,13 @@ def main() -> int:
         order, offsets, _ = route_sort(idx, e)
         args_ = (x, order.to(torch.int32), offsets, idx.to(torch.int32), w, *ws, sh, limit)
         first = None
-        for comm in comms:
+        for comm, ring in runs:
             times, errs = [], []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
-                out = _launch(fused, args_, comm, args.timeout, args.progress)
+                out = _launch(fused, args_, comm, ring, args.timeout, args.progress)
                 times.append((time.perf_counter() - t0) * 1e3)
-                counters = out[8]
+                counters = out[7]
                 msg = fused.describe(counters[-1].tolist())
                 if msg:
                     errs.append(f"{msg} | {_shortfalls(counters, inter // 128, 0 if sh is None else inter // 128)}")
@@ -116,12 +117,12 @@ def main() -> int:
                 elif not torch.equal(first, out[0]):
                     errs.append("y differs bitwise from the first launch")
             bad += bool(errs)
-            line = f"{name:24s} comm {comm:3d}: ms {' '.join(f'{v:.1f}' for v in times)}"
+            line = f"{name:24s} comm {comm:3d} ring {ring:3d}: ms {' '.join(f'{v:.1f}' for v in times)}"
             print(line + ("" if not errs else "  ERROR " + errs[0]), flush=True)
-            table.append((name, comm, max(times), "ok" if not errs else "ERROR"))
-    print("\n| case | comm CTAs | worst launch ms | result |\n|---|---|---|---|")
+            table.append((name, comm, ring, max(times), "ok" if not errs else "ERROR"))
+    print("\n| case | comm CTAs | ring slots | worst launch ms | result |\n|---|---|---|---|---|")
     for r in table:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]} |")
+        print(f"| {r[0]} | {r[1]} | {r[2] or 'all'} | {r[3]:.1f} | {r[4]} |")
     return 1 if bad else 0
 
 

@@ -37,7 +37,7 @@ of the forward (dispatch, combine) and backward (reverse combine, reverse dispat
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,7 @@ class EPState:
     shared_group: object
     slot_out: torch.Tensor  # [T, k, H] routed rows r_j of this rank's tokens (stale for -1 slots)
     ctas_bwd: int  # comm CTAs of the backward's kernels (config.comm_sms_bwd)
+    x: torch.Tensor | None = None  # the layer input when routed.x is None (the backward pulls its rows again)
 
 
 def forward(mlp, inp, group, ep: int, config):
@@ -104,25 +105,27 @@ def _fused_forward(mlp, inp, ws, plan, config):
     out of the workspace for d topk_w)."""
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
-    y, xg, gu, h, _, gus, hs, w_rows = mlp.fused_forward_ep(
+    y, gu, h, _, gus, hs, w_rows = mlp.fused_forward_ep(
         ws, plan, x, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config,
         num_ctas=ws.grid_ctas)
     prec = config.precision
-    routed = ExpertGroup(xg, plan.offsets, gu, h, prec)
+    routed = ExpertGroup(None, plan.offsets, gu, h, prec)  # rows pulled again by the backward
     shared_group = None
     if inp.shared is not None:
         shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, x.shape[1])).clone()
     ws.check_status()
     return y, EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared, routed,
-                      shared_group, slot_out, config.comm_sms_bwd)
+                      shared_group, slot_out, config.comm_sms_bwd, x=x)
 
 
 def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
     from mok_cute.comm.combine import reverse_dispatch
-    from mok_cute.comm.dispatch import reverse_combine
+    from mok_cute.comm.dispatch import dispatch, reverse_combine
 
     ws, plan = st.ws, st.plan
+    if st.x is not None:  # the fused forward's rows went through its ring: pull them again
+        st.routed = replace(st.routed, x=dispatch(ws, st.x, plan, num_ctas=st.ctas_bwd))
     dyr = reverse_combine(ws, dy, plan, num_ctas=st.ctas_bwd)
     dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
     dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit)

@@ -148,13 +148,13 @@ class GroupedExpertBackend:
         t = x.shape[0]
         out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w,
                                      inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
-        y, xg, gu, h, slot, gus, hs = out
+        y, gu, h, slot, gus, hs = out
         prec = config.precision
         shared_group = None
         if inp.shared is not None:
             shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
-        # MXFP8: the kernel gathered x's round trip; the backward's weight gradients read x's rows
-        routed = ExpertGroup(xg if prec == "bf16" else None, offsets, gu, h, prec)
+        # the gathered rows went through the kernel's ring: the backward gathers x's rows again
+        routed = ExpertGroup(None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
                        routed, shared_group, slot, rows_by_route=True, x=x)
         return y, state

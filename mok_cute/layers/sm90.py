@@ -132,27 +132,29 @@ class Sm90ExpertMLP:
         """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H] and the
         route plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
         x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
-        returns ``(y, xg, gu, h, slot_out, gus, hs)`` (mxfp8: xg holds x's round trip)."""
+        returns ``(y, gu, h, slot_out, gus, hs)``. The gathered rows pass through a ring of
+        ``config.minibatch_tokens * k`` rows (:func:`_ring_chunks`), not kept."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_sms_fwd,
-                                  config.device_timeout_s, mx=mx)
-        fused.watch_status(out[8][-1], first=config.validate_routing)  # else routing_plan watched first
-        return out[:7]
+                                  config.device_timeout_s, mx=mx, ring_chunks=_ring_chunks(config, topk_idx))
+        fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
+        return out[:6]
 
     def fused_forward_ep(self, ws, plan, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                          num_ctas: int | None = None):
         """The fused forward at EP > 1 (this rank's launch; collective over ``ws``'s ranks) on the
-        device plan ``plan``: returns ``(y, xg, gu, h, slot_out, gus, hs, w_rows)``; peer errors
-        are in ``ws.status`` (the caller's ``ws.check_status()``)."""
+        device plan ``plan``: returns ``(y, gu, h, slot_out, gus, hs, w_rows)`` (the pulled rows
+        pass through the ring, as at EP = 1); peer errors are in ``ws.status`` (the caller's
+        ``ws.check_status()``)."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, plan.offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w,
                                   *args[1:], limit, config.comm_sms_fwd, config.device_timeout_s, mx=mx, ws=ws,
-                                  num_ctas=num_ctas)
-        return (*out[:7], out[9])
+                                  num_ctas=num_ctas, ring_chunks=_ring_chunks(config, topk_idx))
+        return (*out[:6], out[8])
 
     def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
         """((x, w_gate, w_up, w_down, shared) as the fused kernel reads them, mx): validated; at
@@ -240,6 +242,12 @@ class Sm90ExpertMLP:
         dwg = wgrad(dgu_t[:inter], dgu_s[:, :inter], x_t, x_s, g.offsets)
         dwu = wgrad(dgu_t[inter:], dgu_s[:, inter:], x_t, x_s, g.offsets)
         return dx, dwg, dwu, dwd
+
+
+def _ring_chunks(config, topk_idx) -> int:
+    """Slots of 128 rows in the fused forward's ring: the routed rows of ``minibatch_tokens``
+    tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
+    return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):

@@ -9,13 +9,20 @@ counter, in list order (the comm CTAs once their gather chunks are stored), in f
   R2  routed GEMM2            ``mt * n2`` tiles
 
 Inside a phase the tiles are numbered m-tile fastest (routed phases: experts in order, the
-walk of :mod:`mok_cute.schedule.group_tiles`). Dependencies point backwards only: an R1 tile
-needs the gather chunks (of ``tile_m`` grouped rows, moved by the comm CTAs) holding its rows;
-an S2 / R2 tile needs every GEMM1 n-tile of its m-tile; the slot sum needs every GEMM2 tile.
-With all CTAs resident and tickets handed out in list order, the lowest unfinished task's
-inputs are always finished or being made and it is held by a running CTA, so the list cannot
-deadlock (:func:`simulate` checks it on concrete routings under random interleavings). ``mt_index`` numbers the routed m-tiles in
-expert order (the readiness counter of an m-tile). This module imports no GEMM code.
+walk of :mod:`mok_cute.schedule.group_tiles`), except that R1 walks each expert's m-tiles in
+*bands* of ``band`` m-tiles: a band's tiles (n-tile outer, m-tile inner) all come before the
+next band's. ``mt`` numbers the routed m-tiles in expert order (an m-tile's readiness counter).
+
+The ring: the gathered rows live in ``ring`` chunk slots of ``tile_m`` rows; routed m-tile
+``mt`` is gather chunk ``mt`` and goes to slot ``mt % ring``, so the gather of chunk ``c >= ring``
+first waits until every GEMM1 n-tile of m-tile ``c - ring`` has read the slot. With ``ring >=
+band`` that m-tile's band lies wholly before chunk c's band in the list, so the wait points
+backwards. Dependencies point backwards only: an R1 tile needs its gather chunk; an S2 / R2
+tile needs every GEMM1 n-tile of its m-tile; the slot sum needs every GEMM2 tile. With all
+CTAs resident and tickets handed out in list order, the lowest unfinished task's inputs are
+always finished or being made and it is held by a running CTA, so the list cannot deadlock
+(:func:`simulate` checks it on concrete routings under random interleavings, ring included).
+This module imports no GEMM code.
 """
 from __future__ import annotations
 
@@ -30,9 +37,11 @@ PHASES = ("S1", "R1", "S2", "R2")
 
 
 # ---------------------------------------------------------------- pure-Python mirror
-def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool) -> list[tuple]:
+def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
+              band: int | None = None) -> list[tuple]:
     """Every task in list order: ``(phase, expert, n_tile, row0, rows, mt)`` (shared phases:
-    expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index)."""
+    expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index); R1 in bands
+    of ``band`` m-tiles per expert (None: one band per expert)."""
     offs = [int(o) for o in offsets]
     m_sh = -(-tokens // tile_m)
     routed = []  # (expert, m_tile, row0, rows, mt) in expert order
@@ -45,13 +54,23 @@ def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, sha
         if phase in (S1, S2):
             out += [(phase, -1, nt, m * tile_m, min(tile_m, tokens - m * tile_m), m)
                     for nt in range(n) for m in range(m_sh)]
-        else:  # per expert: its m-tiles fastest, then its n-tiles
+        else:  # per expert (R1: per band of its m-tiles): m-tiles fastest, then n-tiles
             by_expert: dict[int, list] = {}
             for r in routed:
                 by_expert.setdefault(r[0], []).append(r)
             for e in sorted(by_expert):
-                out += [(phase, e, nt, row0, rows, mt) for nt in range(n) for (_, row0, rows, mt) in by_expert[e]]
+                mts = by_expert[e]
+                width = len(mts) if phase == R2 or band is None else band
+                for b in range(0, len(mts), width):
+                    out += [(phase, e, nt, row0, rows, mt) for nt in range(n) for (_, row0, rows, mt) in mts[b:b + width]]
     return out
+
+
+def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
+    """``(row0, rows)`` of every routed m-tile (= gather chunk) in ``mt`` order."""
+    offs = [int(o) for o in offsets]
+    return [(offs[e] + m * tile_m, min(tile_m, offs[e + 1] - offs[e] - m * tile_m))
+            for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
 
 
 def needs(task: tuple, tile_m: int, n1: int, n1s: int) -> list[tuple[str, int, int]]:
@@ -59,7 +78,7 @@ def needs(task: tuple, tile_m: int, n1: int, n1s: int) -> list[tuple[str, int, i
     ``h`` (routed m-tile: n1 GEMM1 tiles), ``sh`` (shared m-tile: n1s tiles)."""
     phase, _, _, row0, rows, mt = task
     if phase == R1:
-        return [("gather", c, 1) for c in range(row0 // tile_m, (row0 + rows - 1) // tile_m + 1)]
+        return [("gather", mt, 1)]
     if phase == R2:
         return [("h", mt, n1)]
     if phase == S2:
@@ -74,18 +93,20 @@ def publishes(task: tuple) -> tuple[str, int]:
 
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
-             comm_ctas: int, seed: int = 0) -> int:
+             comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None) -> int:
     """Run the fused forward's schedule on the host as the kernel runs it: comm CTA ``c``
-    gathers chunks ``c, c + comm_ctas, ...``, then joins the GEMM CTAs, which claim tasks in
-    list order from one ticket counter, a CTA holding its ticket until the task's inputs are
-    published. Each round visits the CTAs in a random order (``seed``): any interleaving of
-    claims must finish. Returns the number of rounds until every task and chunk is done;
-    AssertionError on a deadlock or a missing publication."""
+    gathers chunks ``c, c + comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i -
+    ring`` has all its GEMM1 tiles; ``ring`` None: every chunk has its own slot), then joins the
+    GEMM CTAs, which claim tasks in list order from one ticket counter, a CTA holding its ticket
+    until the task's inputs are published. Each round visits the CTAs in a random order
+    (``seed``): any interleaving of claims must finish. Returns the number of rounds until every
+    task and chunk is done; AssertionError on a deadlock or a missing publication."""
     import random
 
     rng = random.Random(seed)
-    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared)
-    chunks = -(-int(offsets[-1]) // tile_m)
+    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
+    chunks = len(mtile_rows(offsets, tile_m))
+    ring = chunks if ring is None else ring
     count: dict[tuple[str, int], int] = {}
     gathers = [list(range(c, chunks, comm_ctas)) for c in range(comm_ctas)] + [[] for _ in range(gemm_ctas)]
     held: list = [None] * (comm_ctas + gemm_ctas)  # the ticket each CTA holds
@@ -93,10 +114,12 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     while finished < len(tasks) or any(gathers):
         progressed = False
         for cta in rng.sample(range(len(held)), len(held)):
-            if gathers[cta]:  # a gather chunk: no inputs
-                c = gathers[cta].pop(0)
-                count[("gather", c)] = count.get(("gather", c), 0) + 1
-                progressed = True
+            if gathers[cta]:  # a gather chunk: waits for its ring slot's previous m-tile
+                c = gathers[cta][0]
+                if c < ring or count.get(("h", c - ring), 0) >= n1:
+                    gathers[cta].pop(0)
+                    count[("gather", c)] = count.get(("gather", c), 0) + 1
+                    progressed = True
                 continue
             if held[cta] is None and ticket < len(tasks):
                 held[cta], ticket, progressed = ticket, ticket + 1, True
@@ -114,7 +137,7 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
 
 
 def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
-                gemm_ctas: int, comm_ctas: int) -> list[int]:
+                gemm_ctas: int, comm_ctas: int, ring: int | None = None, band: int | None = None) -> list[int]:
     """The fused forward at EP > 1 on the host: every rank's task list over its receive rows (the
     routing plan of :func:`mok_cute.schedule.plan.plan_routing`) must complete (:func:`simulate`;
     a rank's GEMM tasks wait only for its own gather and tiles: READY is signalled at launch and
@@ -131,7 +154,7 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: 
     for r in range(ep):
         offs = [int(o) for o in plan.offsets[r]]
         recv = plan.recv_src[r].tolist()
-        rounds.append(simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas))
+        rounds.append(simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas, ring=ring, band=band))
         for phase, _, n_tile, row0, rows, _ in task_list(offs, tokens, tile_m, n1, n1s, n2, shared):
             if phase == R2:
                 for row in range(row0, row0 + rows):
@@ -154,12 +177,42 @@ def routed_mtiles(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Cons
 
 
 @cute.jit
+def mtile(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], c: Int32, expert: Int32,
+          base: Int32):
+    """``(row0, rows, expert, base)`` of routed m-tile ``c`` (gather chunk ``c``); the cursor
+    ``(expert, base)`` (m-tiles before ``expert``) only moves forward, as in
+    :func:`~mok_cute.schedule.group_tiles.seek` with one tile per m-tile."""
+    e, b = seek(offsets, num_experts, tile_m, Int32(1), c, expert, base)
+    row0 = offsets[e] + (c - b) * tile_m
+    return row0, cutlass.min(offsets[e + 1] - row0, tile_m), e, b
+
+
+@cute.jit
+def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: Int32, expert: Int32, base: Int32,
+                  n_tiles: Int32, band: Int32):
+    """``(m_tile, n_tile, row0, rows)`` of ``linear`` inside ``expert`` when its m-tiles run in
+    bands of ``band`` (a band's n-tiles outer, its m-tiles inner; ``band`` >= the expert's m-tiles
+    is :func:`~mok_cute.schedule.group_tiles.tile_coords`)."""
+    lo = offsets[expert]
+    hi = offsets[expert + 1]
+    m_tiles = (hi - lo + (tile_m - 1)) // tile_m
+    local = linear - base
+    b = local // (band * n_tiles)
+    within = local - b * band * n_tiles
+    width = cutlass.min(band, m_tiles - b * band)
+    m_tile = b * band + within % width
+    row0 = lo + m_tile * tile_m
+    return m_tile, within // width, row0, cutlass.min(hi - row0, tile_m)
+
+
+@cute.jit
 def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
-         num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], e1: Int32, b1: Int32, e2: Int32,
-         b2: Int32):
+         num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
+         e2: Int32, b2: Int32):
     """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (``n_s1``,
-    ``n_r1``, ``n_s2``: tasks of the first three phases). The routed phases advance their own
-    cursor ``(e, b)`` of :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
+    ``n_r1``, ``n_s2``: tasks of the first three phases; R1 in bands of ``band`` m-tiles). The
+    routed phases advance their own cursor ``(e, b)`` of
+    :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
     phase = Int32(R2)
     expert = Int32(0)
     n_tile = Int32(0)
@@ -175,7 +228,7 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
         lin = t - n_s1
         e1, b1 = seek(offsets, num_experts, tile_m, n1, lin, e1, b1)
         expert = e1
-        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e1, b1)
+        m_tile, n_tile, row0, rows = banded_coords(offsets, tile_m, lin, e1, b1, n1, band)
         mt = b1 // n1 + m_tile
     elif t < n_s1 + n_r1 + n_s2:
         phase = Int32(S2)

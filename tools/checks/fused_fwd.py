@@ -4,13 +4,13 @@ through mok_cute.moe at EP = 1, BF16.
 Per routing case (uniform, skewed with empty experts and -1 slots, every token to one expert,
 with and without the shared expert, SwiGLU clamped at 4 and not):
   * y and every gradient (the backward is the unfused one, fed by the fused forward's saved
-    rows) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
+    rows; it gathers x's rows again) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
   * y bitwise equal to the unfused sm90 forward (MOK_CUTE_FUSED=0; the same GEMM tiles and the
     same slot-sum rounding, so the two must agree to the bit);
   * y bitwise across 5 repeats and across comm_sms_fwd in (2, 8, 40) and minibatch_tokens
-    (256, 1024, 4096);
+    (256, 1024, 4096: a ring of 8 and 32 slots, reused, and one slot per m-tile);
   * MXFP8 (precision="mxfp8", two cases): y bitwise equal to the unfused MXFP8 forward and
-    across comm_sms_fwd, y and every gradient within rel-L1 2e-2 of the reference backend at
+    across comm_sms_fwd and minibatch_tokens, y and every gradient within rel-L1 2e-2 of the reference backend at
     mxfp8;
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
@@ -104,7 +104,8 @@ def run(ctx) -> list[Row]:
         ref = _run("reference", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
         outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
         with torch.no_grad():
-            ys = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c) for c in (40, 40, 4, 16)]
+            ys = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
+                  for c, m in ((40, 4096), (40, 4096), (4, 256), (16, 1024))]
             y_unfused = _unfused(x, idx, w, ws, sh, limit, precision="mxfp8")
         same = all(torch.equal(ys[0], y) for y in ys[1:]) and torch.equal(outs[0], ys[0])
         rel = max(float((o.float() - r.float()).abs().sum() / r.float().abs().sum().clamp_min(1e-30))

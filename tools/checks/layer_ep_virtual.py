@@ -15,7 +15,8 @@ after CHILD_TIMEOUT_S.
 Per R and case, each rank's problem is layer_ep's (T 512 per rank, H 1024, I 512, E 8 global,
 k 4, seeded per rank): uniform routing with the shared expert; skewed routing (a hot expert,
 empty experts, -1 slots, a -1 token) with the shared expert and L = 4; uniform without the
-shared expert, L = 4; rank 0 receiving nothing and the last rank sending nothing. Each rank's y
+shared expert, L = 4; rank 0 receiving nothing and the last rank sending nothing; skewed with
+the shared expert at MXFP8 (rel-L1 2e-2 against the reference at mxfp8). Each rank's y
 and gradients are compared with the reference backend run on the same group (MoK's BF16
 tolerances, layer_sm90._compare) and must be bitwise equal over REPEATS runs; rows
 ``layer_ep<R>v <case> r<rank>``. The comm kernels run on COMM_CTAS CTAs of 1024 threads: 4 ranks'
@@ -24,7 +25,8 @@ step on a 1-rank virtual group (no peer to wait for) compiles and loads every ke
 launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
 must raise RuntimeError naming it within the timeout. ``MOK_EP_VIRTUAL_QUICK=1``: R = 2, the first
 two cases, no stall rows. With ``MOK_CUTE_FUSED_EP=1`` (inherited by the child) the forward is the
-fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R.
+fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 slots
+(minibatch_tokens 256, reused), and a row per case counts the fused forwards (R x REPEATS).
 """
 from __future__ import annotations
 
@@ -52,12 +54,14 @@ MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "fused" if os.environ.get("MOK_CU
 REPEATS = 3
 SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k
 COMM_CTAS = 8
-CONFIG = dict(comm_sms_fwd=COMM_CTAS, comm_sms_bwd=COMM_CTAS, device_timeout_s=10.0)
+# minibatch_tokens 256: the fused forward's ring holds 8 slots of 128 rows, reused (~16 m-tiles per rank)
+CONFIG = dict(comm_sms_fwd=COMM_CTAS, comm_sms_bwd=COMM_CTAS, device_timeout_s=10.0, minibatch_tokens=256)
 CASES = [  # name, routing, shared expert, SwiGLU limit
     ("uniform+sh", "uniform", True, None),
     ("skew+sh L=4", "skew", True, 4.0),
     ("uniform L=4", "uniform", False, 4.0),
     ("r0 gets none, last sends none", "starve", False, None),
+    ("skew+sh mxfp8", "skew", True, None),  # precision mxfp8: rel-L1 2e-2 against the reference at mxfp8
 ]
 CHILD_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32", "MOK_CUTE_LAUNCH": "dsl"}
 CHILD_TIMEOUT_S = 540
@@ -85,7 +89,7 @@ def _starve(prob, rank: int, size: int, e_local: int):
     return x, idx, w, ws, sh, dy
 
 
-def _warm(ctx, shared: bool, limit, seed: int) -> None:
+def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     """Compile and load every kernel of an EP step at the case's shapes with no peer to wait for:
     one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts)."""
     import mok_cute
@@ -94,9 +98,30 @@ def _warm(ctx, shared: bool, limit, seed: int) -> None:
 
     t, h, inter, e, k = SHAPE
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, 1, 0, shared, False, ctx.device, seed)
-    mlp, cfg, one = get_backend("sm90").mlp, mok_cute.MoKConfig(backend="sm90", **CONFIG), VirtualGroup(1, ctx.device)
+    mlp, one = get_backend("sm90").mlp, VirtualGroup(1, ctx.device)
+    cfg = mok_cute.MoKConfig(backend="sm90", precision=precision, **CONFIG)
     inp = MoEInputs(x, idx, w, *ws, sh, limit)
     run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+
+
+_FUSED_CALLS = [0]  # Sm90ExpertMLP.fused_forward_ep calls (counted while the fused mode runs)
+
+
+def _count_fused_calls():
+    """Wrap the EP fused forward's host entry with a call counter (so the fused rows prove the
+    fused kernel ran rather than a fallback to the unfused stages)."""
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+
+    real = Sm90ExpertMLP.fused_forward_ep
+    if getattr(real, "counted", False):
+        return
+
+    def counted(self, *a, **kw):
+        _FUSED_CALLS[0] += 1
+        return real(self, *a, **kw)
+
+    counted.counted = True
+    Sm90ExpertMLP.fused_forward_ep = counted
 
 
 def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limit) -> list[Row]:
@@ -104,14 +129,27 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
     probs = [_problem(t, h, inter, e, k, size, r, shared, routing == "skew", ctx.device, seed) for r in range(size)]
     if routing == "starve":
         probs = [_starve(p, r, size, e // size) for r, p in enumerate(probs)]
-    _warm(ctx, shared, limit, seed)
+    prec = "mxfp8" if name.endswith("mxfp8") else "bf16"
+    _warm(ctx, shared, limit, seed, prec)
     group = VirtualGroup(size, ctx.device)
-    ref = run_ranks(group, lambda r: _run("reference", *probs[r], limit, group))
-    outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, **CONFIG)) for _ in range(REPEATS)]
+    ref = run_ranks(group, lambda r: _run("reference", *probs[r], limit, group, precision=prec))
+    calls = _FUSED_CALLS[0]
+    outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
+            for _ in range(REPEATS)]
     rows = []
+    if os.environ.get("MOK_CUTE_FUSED_EP") == "1":
+        n = _FUSED_CALLS[0] - calls
+        rows.append(Row(f"layer_ep{size}v {name} fused launches", ok=n == size * REPEATS,
+                        note=f"{n} fused forwards for {size} ranks x {REPEATS} repeats"))
     for r in range(size):
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0][r], o[r]))
-        rows.append(_compare(f"layer_ep{size}v {name} r{r}", outs[0][r], ref[r], same))
+        if prec == "bf16":
+            rows.append(_compare(f"layer_ep{size}v {name} r{r}", outs[0][r], ref[r], same))
+            continue
+        rel = max(float((o.float() - g.float()).abs().sum() / g.float().abs().sum().clamp_min(1e-30))
+                  for o, g in zip(outs[0][r], ref[r]))
+        rows.append(Row(f"layer_ep{size}v {name} r{r}", bitwise=same, ok=same and rel <= 2e-2,
+                        note=f"max relL1 {rel:.2e} (<= 2e-2)"))
     return rows
 
 
@@ -166,6 +204,7 @@ def run(ctx) -> list[Row]:
     if any(os.environ.get(key) != value for key, value in CHILD_ENV.items()):
         return _child()
     VirtualGroup(max(SIZES), ctx.device)  # creates the rank streams back to back (mok_cute.comm.virtual)
+    _count_fused_calls()
     rows = []
     for mode in MODES:  # the forward's EP path: unfused stages or the fused kernel (MOK_CUTE_FUSED_EP)
         os.environ["MOK_CUTE_FUSED_EP"] = "1" if mode == "fused" else "0"

@@ -3,21 +3,25 @@
 One kernel runs the whole layer after the routing plan, with the SMs split into
 ``comm_ctas`` row-moving CTAs and ``grid - comm_ctas`` GEMM CTAs working at the same time:
 
-1. gather (comm CTAs): grouped row ``i < M = offsets[E]`` of ``xg`` [M_cap, H] = ``x[order[i] // k]``,
-   in chunks of 128 rows; each chunk bumps ``gather_ready[chunk]`` when its rows are stored.
+1. gather (comm CTAs) into the ring ``xg`` [ring * 128, H]: chunk ``c`` = routed m-tile ``c``
+   (up to 128 grouped rows ``i`` of one expert, each ``x[order[i] // k]``) goes to ring slot
+   ``c % ring``; chunk ``c >= ring`` waits until m-tile ``c - ring``'s GEMM1 tiles have read
+   the slot (``h_ready``); each chunk bumps ``gather_ready[c]`` when its rows are stored. The
+   ring is the only buffer of gathered rows (``ring`` >= the m-tiles: no slot is reused).
 2. GEMM tasks, one static list (:mod:`mok_cute.schedule.fused_tasks`) whose tasks every CTA
    claims from a device ticket counter (the comm CTAs once their chunks are gathered), in
    dependency order:
 
    ====  ==================================  ==========================  ======================
    S1    shared GEMM1 + SwiGLU (x rows)       ready at once               bumps ``sh_ready[m]``
-   R1    routed GEMM1 + SwiGLU (xg rows)      waits its gather chunks     bumps ``h_ready[mt]``
+   R1    routed GEMM1 + SwiGLU (ring slot)    waits its gather chunk      bumps ``h_ready[mt]``
    S2    shared GEMM2 -> s_out [T, H]         waits ``sh_ready[m]``       bumps ``done``
    R2    routed GEMM2 -> slot_out[route]      waits ``h_ready[mt]``       bumps ``done``
    ====  ==================================  ==========================  ======================
 
    so the shared expert's tiles keep the tensor cores busy while the first chunks are
-   gathered. A routed GEMM2 row goes straight to its (token, slot) row ``order[i]`` of
+   gathered. R1 walks each expert's m-tiles in bands of ``band <= ring`` (see
+   :mod:`mok_cute.schedule.fused_tasks`), so the ring's waits point backwards in the list. A routed GEMM2 row goes straight to its (token, slot) row ``order[i]`` of
    ``slot_out`` [T*k, H] (never accumulated).
 3. slot sum (every CTA, once ``done`` counts every GEMM2 tile): ``y[t] = bf16(acc)`` with
    ``acc = fp32(s_out[t])`` (0 without a shared expert) then ``acc = acc + w[t, j] *
@@ -36,9 +40,9 @@ the same for any ``comm_ctas`` and run after run.
 Operands (bf16, row-major, 16-byte aligned): x [T, H]; w_gate, w_up [E, I, H]; w_down
 [E, H, I]; shared ws_gate, ws_up [1, I_s, H], ws_down [1, H, I_s]; order int32 [M_cap] (route
 ``t*k + j`` of each grouped row, rows sorted by expert), offsets int32 [E+1]; topk_idx int32
-[T*k], topk_w fp32 [T*k]. Outputs: xg [M_cap, H], gu [M_cap, 2, I], h [M_cap, I], slot_out
+[T*k], topk_w fp32 [T*k]. Outputs: xg [ring * 128, H] (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out
 [T*k, H] (rows of -1 slots untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H].
-Counters int32, zero at launch: gather_ready [ceil(M_cap/128)], h_ready [ceil(M_cap/128) + E],
+Counters int32, zero at launch: gather_ready and h_ready [ceil(M_cap/128) + E] (per routed m-tile),
 sh_ready [ceil(T/128)], [done, ticket, gather CTAs, slot-sum CTAs]. H, I, I_s multiples of 256.
 
 Variants: ``mx`` (MXFP8: the SwiGLU epilogue also writes h's MXFP8 round trip, GEMM2's A
@@ -76,7 +80,7 @@ from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 
 CHUNK = 128  # rows per gather chunk (= tile_m)
 # wait channels recorded in status on a timeout (after the comm protocol's own)
-GATHER, H_READY, SH_READY, DONE = 16, 17, 18, 19
+GATHER, H_READY, SH_READY, DONE, RING = 16, 17, 18, 19, 20
 TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
 PROGRESS_WORDS = 4  # per CTA in the progress variant: producer, consumers, CTA, slot sum (see _mark)
 PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write means
@@ -117,7 +121,7 @@ class FusedMoeFwdSm90:
                  mW: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
-                 num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
+                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
                  n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64, epoch_pull: Int32,
                  epoch_push: Int32, stream: cuda.CUstream):
         ml = self.mainloop
@@ -139,7 +143,7 @@ class FusedMoeFwdSm90:
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather,
                     mHready,
-                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, timeout_ns, mPeer, mWrows, me, n_ranks,
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -155,8 +159,8 @@ class FusedMoeFwdSm90:
                mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
-               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, timeout_ns: Int64,
-               mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
+               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
+               timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
                w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
@@ -176,7 +180,6 @@ class FusedMoeFwdSm90:
         tokens = mX.shape[0]
         hidden = mX.shape[1]
         num_experts = mOffsets.shape[0] - 1
-        m_routed = mOffsets[num_experts]
         n1 = coord_wg.shape[0] // (cfg.tile_n // 2)  # GEMM1 n-tiles (2I / tile_n)
         n2 = coord_wd.shape[0] // cfg.tile_n  # GEMM2 n-tiles (H / tile_n)
         k1 = (hidden + (cfg.tile_k - 1)) // cfg.tile_k
@@ -197,7 +200,8 @@ class FusedMoeFwdSm90:
         gemm2_tiles = n_s2 + mt_routed * n2
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, m_routed, k, mGather, mTrace, ep, mDone)
+            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
+                         mGather, mHready, mTrace, ep, mDone, timeout_ns, status)
             cute.arch.barrier()
             if tidx == 0:
                 self._mark(mTrace, bidx, 2, 2, Int32(0))
@@ -206,14 +210,14 @@ class FusedMoeFwdSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self._produce(pipe, sA, sB, sTask, ticket, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, k1,
-                              k2, k2s, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
+                              k2, k2s, ring, band, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
                               mHready, mShready, status, timeout_ns, mTrace, bidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
-                          m_sh, n1, n1s, n2, k1, k2, k2s, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
+                          m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
                           mGather.shape[0], ep)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
@@ -262,13 +266,16 @@ class FusedMoeFwdSm90:
     # ------------------------------------------------------------------ roles
     @cute.jit
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
-                mOrder: cute.Tensor, m_routed: Int32, k: Int32, mGather: cute.Tensor, mTrace: cute.Tensor, ep,
-                mDone: cute.Tensor):
-        """Comm CTAs: copy grouped rows chunk by chunk (chunk c by CTA c % comm_ctas), each
-        chunk published by a release add on its ``gather_ready`` counter. EP > 1 (``ep``): the
-        rows are pulled from the source ranks' staged x (pull protocol: CTA 0 signals READY,
-        every comm CTA waits READY from every rank, the last comm CTA to finish signals DONE)
-        together with each row's router weight (``w_rows``)."""
+                mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
+                k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, ep, mDone: cute.Tensor,
+                timeout_ns: Int64, status: cute.Pointer):
+        """Comm CTAs: chunk c = routed m-tile c (its grouped rows) into ring slot ``c % ring``, by
+        CTA ``c % comm_ctas``, in order; chunk ``c >= ring`` first waits until every GEMM1 n-tile of
+        m-tile ``c - ring`` has read the slot (``h_ready``); each chunk is published by a release
+        add on ``gather_ready[c]``. EP > 1 (``ep``): the rows are pulled from the source ranks'
+        staged x (pull protocol: CTA 0 signals READY, every comm CTA waits READY from every rank,
+        the last comm CTA to finish signals DONE) together with each row's router weight
+        (``w_rows``)."""
         v = mX.shape[1] // _VEC
         if cutlass.const_expr(self.ep):
             if tidx == 0:
@@ -279,11 +286,16 @@ class FusedMoeFwdSm90:
             cute.arch.barrier()
         src = cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * v, _VEC), stride=(_VEC, 1)))
         dst = cute.make_tensor(mXg.iterator, cute.make_layout((mXg.shape[0] * v, _VEC), stride=(_VEC, 1)))
-        chunks = (m_routed + (CHUNK - 1)) // CHUNK
+        ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = self._now()
-            row0 = c * CHUNK
-            n = cutlass.min(m_routed - row0, CHUNK) * v
+            row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
+            if c >= ring:
+                if tidx == 0:
+                    P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
+                cute.arch.barrier()
+            slot0 = (c % ring) * CHUNK * v
+            n = rows * v
             buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
             for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
                 for u in cutlass.range_constexpr(self.unroll):
@@ -298,7 +310,7 @@ class FusedMoeFwdSm90:
                 for u in cutlass.range_constexpr(self.unroll):
                     i = i0 + u * NUM_THREADS
                     if i < n:
-                        dst[row0 * v + i, None].store(buf[None, u].load())
+                        dst[slot0 + i, None].store(buf[None, u].load())
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -349,7 +361,7 @@ class FusedMoeFwdSm90:
     @cute.jit
     def _produce(self, pipe, sA, sB, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, n_s1: Int32, n_r1: Int32,
                  n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32, k2s: Int32,
-                 mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
+                 ring: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
@@ -370,10 +382,10 @@ class FusedMoeFwdSm90:
             self._hand_off(sTask, i, t)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, e1, b1, e2, b2)
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
+                b2)
             if phase == R1:
-                for c in cutlass.range(row0 // CHUNK, (row0 + rows - 1) // CHUNK + 1, unroll=1):
-                    self._wait(mGather.iterator + c, Int32(1), timeout_ns, status, Int32(GATHER), c)
+                self._wait(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
                 self._wait(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
@@ -382,7 +394,8 @@ class FusedMoeFwdSm90:
             if lead:
                 self._mark(mProg, bidx, 0, 2, t)
             if phase == R1:
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_xg), (cfg.tile_m, cfg.tile_k), (0, None))
+                gA = cute.local_tile(cute.domain_offset(((mt % ring) * CHUNK, 0), coord_xg), (cfg.tile_m, cfg.tile_k),
+                                     (0, None))
                 gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
                 gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
                 state = self.mainloop.load_tile(pipe, state, atom_xg, gA, sA, atom_wg, gB, sB, k1, atom_b_hi=atom_wu,
@@ -450,7 +463,7 @@ class FusedMoeFwdSm90:
     @cute.jit
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
                  n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32,
-                 k2s: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
+                 k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep):
@@ -468,7 +481,8 @@ class FusedMoeFwdSm90:
                 self._mark(mTrace, bidx, 1, 1, t)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, e1, b1, e2, b2)
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
+                b2)
             t0 = self._now()  # after the task lookup: the gap since the last record is the scheduler's
             k_tiles = k1
             if phase == R2:
@@ -597,14 +611,14 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
                 _fake_3d(bf, cute.sym_int(), hid, inter_s)) if shared else (None, None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
     rt_out = (_fake_2d(bf, mcap, inter) if mx else None, _fake_2d(bf, t, inter_s) if mx and shared else None)
-    args = (_fake_2d(bf, t, hid), _fake_2d(bf, mcap, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
+    args = (_fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap)) if ep else (None, None)
-    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int64(1), *ep_args,
+    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), *ep_args,
                           Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
@@ -614,6 +628,13 @@ _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), 
 GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
 _last_progress: list = []  # host-pinned progress words of the last progress-mode launch
+
+
+def ring_band() -> int:
+    """R1's band of m-tiles per expert (``MOK_CUTE_RING_BAND``, default 8; read at every call):
+    a band's GEMM1 tiles all come before the next band's, so a ring of ``>= band`` slots never
+    waits for a later task; wider bands reuse the weights' n-tiles over more m-tiles."""
+    return max(1, int(os.environ.get("MOK_CUTE_RING_BAND", "8")))
 
 
 def tracing() -> bool:
@@ -642,16 +663,19 @@ def last_trace():
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
     """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket, gather CTAs, slot-sum CTAs]) for
     T tokens, M_cap rows, E experts (the last two count arrivals at EP > 1)."""
-    chunks = -(-mcap // CHUNK)
-    return chunks, chunks + e, -(-t // CHUNK), 4
+    mtiles = -(-mcap // CHUNK) + e  # routed m-tiles at most
+    return mtiles, mtiles, -(-t // CHUNK), 4
 
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
-                  timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None):
+                  timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None,
+                  ring_chunks: int | None = None):
     """Launch the fused forward on validated operands (see the module doc for shapes); ``mx``:
     the MXFP8 forward's GEMM2 reads h's MXFP8 round trip along I, made in the SwiGLU epilogue
     (x and the weights given already round-tripped by the caller: the reference's numerics);
-    returns ``(y, xg, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``gus``/``hs``/``s_out``
+    ``ring_chunks``: slots of 128 gathered rows in the ring (None or more than the routed
+    m-tiles can number: one per m-tile, no reuse), R1's bands ``min(RING_BAND, ring)``;
+    returns ``(y, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``gus``/``hs``/``s_out``
     None without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
     ticket + arrivals, status) of int32 device tensors, status last). ``order`` int32 [M_cap],
     ``offsets`` int32 [E+1], ``topk_idx`` int32 and ``topk_w`` fp32 [T, k], all on x's device.
@@ -677,12 +701,14 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         x = src
         ws.view("w", torch.float32, (t, k)).copy_(topk_w)
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
-    xg = torch.empty((mcap, hid), **bf)
+    sizes = counter_sizes(t, mcap, e)
+    ring = sizes[0] if ring_chunks is None else max(1, min(int(ring_chunks), sizes[0]))
+    band = min(ring_band(), ring)
+    xg = torch.empty((ring * CHUNK, hid), **bf)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
     slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
     y = torch.empty((t, hid), **bf)
-    sizes = counter_sizes(t, mcap, e)
     counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
     parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
     if ws is not None:
@@ -703,7 +729,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
-    comm_ctas = min(comm_ctas, num_ctas)  # chunk c is CTA c % comm_ctas's: that CTA must exist
+    # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
+    # slot needs a GEMM CTA to free it
+    comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
     records = None
     if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
         records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
@@ -716,26 +744,27 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
-    scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, int(timeout_s * 1e9))
+    scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, ring, band, int(timeout_s * 1e9))
     stream = torch._C._cuda_getCurrentRawStream(dev)
     if ws is None:
         key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars
         launcher.launch(dev, stream, key, lambda st: (
             *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
-            Int32(num_ctas), Int64(scalars[4]), None, None, *_NO_EP, st))
+            Int32(num_ctas), Int32(ring), Int32(band), Int64(scalars[6]), None, None, *_NO_EP, st))
     else:
         o = ws.offsets
         ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
                       Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
         launcher.launch_direct(stream, lambda st: (
             *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
-            Int32(num_ctas), Int64(scalars[4]), _Desc(ws.peer_bases), _Desc(w_rows), *ep_scalars, st))
-    return (y, xg, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts,
-            w_rows)
+            Int32(num_ctas), Int32(ring), Int32(band), Int64(scalars[6]), _Desc(ws.peer_bases), _Desc(w_rows),
+            *ep_scalars, st))
+    return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
 
 # ---------------------------------------------------------------- error status
-_WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles"}
+_WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles",
+          RING: "ring slot of m-tile"}
 
 
 def describe(words) -> str | None:
