@@ -17,9 +17,10 @@ class MoKConfig:
 
     precision: "bf16", "mxfp8" (E4M3 + E8M0 per 32 along K) or "fp8_block" (E4M3 + fp32
         scales per 1x128 activation tile and 128x128 weight block); see mok_cute.reference.
-    minibatch_tokens: tokens per overlap unit of the fused megakernel's ring buffer; a multiple
-        of 256 (validated; not used yet: the ring is not built, the fused forward's buffers
-        hold all T*k rows).
+    minibatch_tokens: the fused forward's ring of gathered rows holds the routed rows of this
+        many tokens (``minibatch_tokens * k`` rows, in slots of 128), reused as GEMM1 consumes
+        them, so its memory does not grow with T; a multiple of 256. 512-8192 measured within
+        noise of each other on one H200 (docs/benchmarks.md).
     comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2. The fused
         forward's row-gathering CTAs (clamped to the grid; 16-40 measured best at EP = 1); the
         unfused EP > 1 path's forward / backward comm kernels' CTAs.
@@ -38,7 +39,7 @@ class MoKConfig:
     """
 
     precision: str = "bf16"
-    minibatch_tokens: int = 4096
+    minibatch_tokens: int = 1024
     comm_sms_fwd: int = 40
     comm_sms_bwd: int = 28
     tile_m: int | None = None

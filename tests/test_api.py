@@ -38,7 +38,7 @@ def test_config_rejects(kw, exc, msg):
 
 def test_config_defaults():
     c = MoKConfig()
-    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 4096, 40, 28)
+    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 1024, 40, 28)
     assert (c.tile_m, c.tile_n, c.tile_k) == (None, None, None)  # each backend's tuned tiles
     assert MoKConfig(tile_n=128).tile_n == 128
 

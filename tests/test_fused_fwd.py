@@ -301,8 +301,8 @@ class _FakeWorkspace:
         self._src, self._slots = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t * k, h, dtype=torch.bfloat16)
         self._w = torch.zeros(t, k)
 
-    def acquire_src(self):
-        return self._src
+    def acquire_src(self, row_bytes=None):
+        return self._src if row_bytes is None else self._src.view(torch.uint8)[:, :row_bytes]
 
     def view(self, name, dtype, shape):
         return {"slots": self._slots, "w": self._w}[name].view(shape)
@@ -327,6 +327,12 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
+    from mok_cute import reference
+    from mok_cute.kernels.quant import dequant_mxfp8, quantize
+
+    monkeypatch.setattr(quantize, "quantize_mxfp8", reference.mxfp8_quantize)  # CPU stand-ins
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip",
+                        lambda x: reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
     t, h, inter, e, k = 100, 256, 256, 4, 2
     bf = torch.bfloat16
@@ -342,12 +348,18 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            num_ctas=66 if ep else None, ring_chunks=5)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
-    assert keys[0][-2:] == (mx, ep)
+    assert keys[0][-3:-1] == (mx, ep)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
     assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
+    assert (by_name["mXq"] is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
+    if mx:  # data bytes then E8M0 scales per token row, bitwise the reference quantizer's
+        q, sc = reference.mxfp8_quantize(x)
+        rows = by_name["mXq"]._keep
+        assert torch.equal(rows[:, :h], q.view(torch.uint8)) and torch.equal(rows[:, h:h + h // 32], sc)
+        assert ep == (ws is not None and rows.data_ptr() == ws._src.data_ptr())  # EP > 1: in the pull source
     assert int(by_name["num_ctas"]) == (66 if ep else 132)
     assert int(by_name["comm_ctas"]) == (65 if ep else 8)  # a GEMM CTA is left to free ring slots
     # the ring: 5 slots asked, 2 + 4 = 6 routed m-tiles at most; R1's bands never wider than the ring

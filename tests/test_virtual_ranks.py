@@ -225,6 +225,7 @@ def test_device_check_plumbing_on_cpu(monkeypatch):
     import checks.layer_ep_virtual as V
 
     monkeypatch.setattr(V, "SHAPE", (8, 256, 256, 8, 2))
+    monkeypatch.setenv("MOK_CUTE_FUSED_EP", "0")  # the reference stands in: no fused-launch rows
     monkeypatch.setattr(V, "_warm", lambda *a: None)
     run, calls = V._run, []
 

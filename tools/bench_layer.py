@@ -118,7 +118,7 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
-def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=()):
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -126,8 +126,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         p.requires_grad_()
     flop = 6 * (t + t * k) * h * inter
     impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
-    impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
-    impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
+    if refs:
+        impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
+        impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
     mb0 = minibatches[0]
     for c in comms:
         for m in minibatches:
@@ -139,7 +140,8 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
-        impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8")(x, idx, w, ws, sh)
+        if refs:
+            impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8")(x, idx, w, ws, sh)
     out = {}
     for name, fn in impls.items():
         with torch.no_grad():
@@ -168,6 +170,8 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the first shape")
+    ap.add_argument("--shapes", default=None, help="indices into SHAPES to run (default: all)")
+    ap.add_argument("--no-ref", action="store_true", help="skip the unfused and GEMM-tiles-alone rows")
     ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
     ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
@@ -177,10 +181,13 @@ def main() -> int:
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
     lines = []
-    for i, shape in enumerate(SHAPES[:1] if args.quick else SHAPES):
+    picked = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        picked = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for i, shape in enumerate(picked):
         lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
-                           bands=[int(b) for b in args.band.split(",") if b])
+                           bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

@@ -7,7 +7,8 @@
 move single 16-byte vectors of routed rows with unicast peer loads and stores:
 
 * :meth:`pull_vec`: vector ``c`` of the x row of packed source ``q = p*T*k + t*k + j`` (rank
-  p's ``src[t]``), and optionally its router weight into ``w_rows[r]``;
+  p's ``src[t]``), and optionally its router weight into ``w_rows[r]`` (:meth:`pull_w`);
+  :meth:`src_row` is the row's address for other row formats (MXFP8 rows);
 * :meth:`push_vec`: a vector into rank p's ``slots[t*k + j]``.
 
 The signalling itself is :mod:`mok_cute.comm.protocol`'s (``signal_all`` / ``wait_all`` /
@@ -41,17 +42,29 @@ class PeerRows:
         return PeerRows(*values)
 
     @cute.jit
+    def src_row(self, q, k, rb):
+        """Address (Int64) of source ``q``'s staged row (rank p's ``src[t]``, ``rb`` bytes per row:
+        2H for bf16 rows, :func:`~mok_cute.comm.workspace.mxfp8_row_bytes` for MXFP8 rows)."""
+        p = q // self.tk
+        rem = q - p * self.tk
+        return self.pb[p] + self.src_off + Int64(rem // k) * Int64(rb)
+
+    @cute.jit
+    def pull_w(self, q, r):
+        """``w_rows[r]`` = the router weight of source slot ``q`` (rank p's ``w[t, j]``)."""
+        p = q // self.tk
+        rem = q - p * self.tk
+        w = cute.make_tensor(gptr(Float32, self.pb[p] + self.w_off + Int64(rem) * 4, 4), cute.make_layout((1,)))
+        self.w_rows[r] = w[0]
+
+    @cute.jit
     def pull_vec(self, q, k, c, v, r, with_w):
         """Vector ``c`` (of ``v`` per row) of source ``q``'s x row; with ``with_w`` also
         ``w_rows[r]`` = the source slot's router weight."""
-        p = q // self.tk
-        rem = q - p * self.tk
-        base = self.pb[p]
-        row = base + self.src_off + Int64(rem // k) * Int64(v * 16)
+        row = self.src_row(q, k, v * 16)
         vec = cute.make_tensor(gptr(BFloat16, row + Int64(c) * 16, 16), cute.make_layout((VEC,)))
         if with_w:
-            w = cute.make_tensor(gptr(Float32, base + self.w_off + Int64(rem) * 4, 4), cute.make_layout((1,)))
-            self.w_rows[r] = w[0]
+            self.pull_w(q, r)
         return vec.load()
 
     @cute.jit

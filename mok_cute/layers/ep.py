@@ -94,9 +94,10 @@ def forward(mlp, inp, group, ep: int, config):
 
 
 def fused_ep_enabled() -> bool:
-    """``MOK_CUTE_FUSED_EP=1``: the EP > 1 forward as one persistent launch per rank (the fused
-    kernel's pull / push mode; opt-in: compiled and PTX-checked, not yet run on GPUs)."""
-    return os.environ.get("MOK_CUTE_FUSED_EP", "0") == "1"
+    """The EP > 1 forward as one persistent launch per rank (the fused kernel's pull / push
+    mode) unless ``MOK_CUTE_FUSED_EP=0`` (the unfused stages; read at every call). Run on one
+    GPU with virtual ranks (R = 2, 4), not yet across GPUs."""
+    return os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0"
 
 
 def _fused_forward(mlp, inp, ws, plan, config):

@@ -158,7 +158,7 @@ class Sm90ExpertMLP:
 
     def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
         """((x, w_gate, w_up, w_down, shared) as the fused kernel reads them, mx): validated; at
-        mxfp8 x and the weights MXFP8 round-tripped (weights cached per version)."""
+        mxfp8 the weights MXFP8 round-tripped (cached per version), x quantized by the kernel's host."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         if config.precision not in self.fused_precisions:
@@ -167,8 +167,7 @@ class Sm90ExpertMLP:
         if shared is not None:
             _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit)
         mx = config.precision == "mxfp8"
-        if mx:
-            x = _mx_rows(x)
+        if mx:  # x stays as given: the kernel moves its MXFP8 rows (fused_moe._mx_source)
             w_gate, w_up, w_down = (self._mx_weight(w, 2) for w in (w_gate, w_up, w_down))
             if shared is not None:
                 shared = tuple(self._mx_weight(w[None], 2)[0] for w in shared)

@@ -24,7 +24,7 @@ are 32 CTAs, co-resident on the 132 SMs beside the other ranks' GEMMs. Before ea
 step on a 1-rank virtual group (no peer to wait for) compiles and loads every kernel the case
 launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
 must raise RuntimeError naming it within the timeout. ``MOK_EP_VIRTUAL_QUICK=1``: R = 2, the first
-two cases, no stall rows. With ``MOK_CUTE_FUSED_EP=1`` (inherited by the child) the forward is the
+two cases, no stall rows. Unless ``MOK_CUTE_FUSED_EP=0`` (inherited by the child) the forward is the
 fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 slots
 (minibatch_tokens 256, reused), and a row per case counts the fused forwards (R x REPEATS).
 """
@@ -49,8 +49,8 @@ from mok_cute.comm.virtual import VirtualGroup, run_ranks
 QUICK = os.environ.get("MOK_EP_VIRTUAL_QUICK", "0") == "1"  # R = 2, the first two cases, no stall rows
 SIZES = (2,) if QUICK else (2, 4)
 # forward paths to run, e.g. "unfused,fused" (default: what MOK_CUTE_FUSED_EP selects)
-MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "fused" if os.environ.get("MOK_CUTE_FUSED_EP") == "1"
-                       else "unfused").split(",")
+MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "unfused" if os.environ.get("MOK_CUTE_FUSED_EP") == "0"
+                       else "fused").split(",")
 REPEATS = 3
 SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k
 COMM_CTAS = 8
@@ -137,7 +137,7 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
     outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
             for _ in range(REPEATS)]
     rows = []
-    if os.environ.get("MOK_CUTE_FUSED_EP") == "1":
+    if os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0":
         n = _FUSED_CALLS[0] - calls
         rows.append(Row(f"layer_ep{size}v {name} fused launches", ok=n == size * REPEATS,
                         note=f"{n} fused forwards for {size} ranks x {REPEATS} repeats"))

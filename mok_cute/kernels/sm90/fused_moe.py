@@ -70,6 +70,7 @@ from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -94,7 +95,7 @@ KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 _FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
 _HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
-SUM_BATCH = 2  # slot rows loaded before they are added, per thread of the slot sum (1 when traced)
+SUM_BATCH = 2  # default slot rows loaded before they are added, per thread of the slot sum (1 when traced)
 _SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
 
 
@@ -103,18 +104,20 @@ class FusedMoeFwdSm90:
     ``shared``: a shared expert is fused in."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
-                 mx: bool = False, ep: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
+                 cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
-        self.sum_batch = 1 if trace else SUM_BATCH  # the trace's stamps leave no room for more (0 spills)
+        self.sum_batch = 1 if trace else sum_batch  # the trace's stamps leave no room for more (0 spills)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
+        self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
+    def __call__(self, mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
                  mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor,
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
@@ -141,7 +144,8 @@ class FusedMoeFwdSm90:
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
-                    mX, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGather,
+                    mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW,
+                    mGather,
                     mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
@@ -154,7 +158,8 @@ class FusedMoeFwdSm90:
                atom_h: cute.CopyAtom, coord_h: cute.Tensor, atom_wd: cute.CopyAtom, coord_wd: cute.Tensor,
                atom_sg: cute.CopyAtom, coord_sg: cute.Tensor, atom_su: cute.CopyAtom, coord_su: cute.Tensor,
                atom_hs: cute.CopyAtom, coord_hs: cute.Tensor, atom_sd: cute.CopyAtom, coord_sd: cute.Tensor,
-               mX: cute.Tensor, mXg: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
+               mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
+               mGUs: cute.Tensor,
                mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
                mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
@@ -200,7 +205,7 @@ class FusedMoeFwdSm90:
         gemm2_tiles = n_s2 + mt_routed * n2
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
+            self._gather(tidx, bidx, comm_ctas, mX, mXq, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
                          mGather, mHready, mTrace, ep, mDone, timeout_ns, status)
             cute.arch.barrier()
             if tidx == 0:
@@ -265,7 +270,7 @@ class FusedMoeFwdSm90:
 
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
+    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor,
                 mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
                 k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, ep, mDone: cute.Tensor,
                 timeout_ns: Int64, status: cute.Pointer):
@@ -275,7 +280,8 @@ class FusedMoeFwdSm90:
         add on ``gather_ready[c]``. EP > 1 (``ep``): the rows are pulled from the source ranks'
         staged x (pull protocol: CTA 0 signals READY, every comm CTA waits READY from every rank,
         the last comm CTA to finish signals DONE) together with each row's router weight
-        (``w_rows``)."""
+        (``w_rows``). MXFP8 (``mx``): the rows move as e4m3 + E8M0 (``mXq``) and are
+        dequantized into the ring (:meth:`_gather_mx`)."""
         v = mX.shape[1] // _VEC
         if cutlass.const_expr(self.ep):
             if tidx == 0:
@@ -294,23 +300,26 @@ class FusedMoeFwdSm90:
                 if tidx == 0:
                     P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
                 cute.arch.barrier()
-            slot0 = (c % ring) * CHUNK * v
-            n = rows * v
-            buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
-            for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
-                for u in cutlass.range_constexpr(self.unroll):
-                    i = i0 + u * NUM_THREADS
-                    if i < n:
-                        r = row0 + i // v
-                        if cutlass.const_expr(self.ep):
-                            buf[None, u].store(ep.pull_vec(mOrder[r], k, i % v, v, r, i % v == 0))
-                        else:
-                            tok = mOrder[r] // k
-                            buf[None, u].store(src[tok * v + i % v, None].load())
-                for u in cutlass.range_constexpr(self.unroll):
-                    i = i0 + u * NUM_THREADS
-                    if i < n:
-                        dst[slot0 + i, None].store(buf[None, u].load())
+            if cutlass.const_expr(self.mx):
+                self._gather_mx(tidx, row0, rows, (c % ring) * CHUNK, mXq, mXg, mOrder, k, ep)
+            else:
+                slot0 = (c % ring) * CHUNK * v
+                n = rows * v
+                buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
+                for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
+                    for u in cutlass.range_constexpr(self.unroll):
+                        i = i0 + u * NUM_THREADS
+                        if i < n:
+                            r = row0 + i // v
+                            if cutlass.const_expr(self.ep):
+                                buf[None, u].store(ep.pull_vec(mOrder[r], k, i % v, v, r, i % v == 0))
+                            else:
+                                tok = mOrder[r] // k
+                                buf[None, u].store(src[tok * v + i % v, None].load())
+                    for u in cutlass.range_constexpr(self.unroll):
+                        i = i0 + u * NUM_THREADS
+                        if i < n:
+                            dst[slot0 + i, None].store(buf[None, u].load())
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -324,6 +333,46 @@ class FusedMoeFwdSm90:
                 if P.arrive_last(mDone.iterator + 2, comm_ctas):
                     if not P.failed(ep.status):
                         P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
+
+    @cute.jit
+    def _gather_mx(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mXq: cute.Tensor, mXg: cute.Tensor,
+                   mOrder: cute.Tensor, k: Int32, ep):
+        """Grouped rows ``row0 .. row0 + rows`` from MXFP8 token rows (``mXq`` [T, rb] uint8: H
+        e4m3 bytes, then H/32 E8M0 scales; at EP > 1 the source ranks' staged rows) into ring
+        rows ``slot_row ..`` as bf16: their dequantization, bitwise the reference's MXFP8 round
+        trip of x. One unit = a 16-byte chunk of 16 e4m3 values and its scale byte."""
+        hid = mXg.shape[1]
+        rb = mXq.shape[1]
+        nc = hid // 16
+        n = rows * nc
+        dst = cute.make_tensor(cute.recast_ptr(mXg.iterator, dtype=cutlass.Uint32),
+                               cute.make_layout((mXg.shape[0] * nc, 8), stride=(8, 1)))
+        base = mXq.iterator.toint()
+        qs = cute.make_rmem_tensor((4, self.unroll), cutlass.Uint32)
+        ss = cute.make_rmem_tensor((self.unroll,), cutlass.Uint32)
+        for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
+            for u in cutlass.range_constexpr(self.unroll):  # every load first
+                i = i0 + u * NUM_THREADS
+                if i < n:
+                    r = row0 + i // nc
+                    c = i % nc
+                    src = Int64(0)
+                    if cutlass.const_expr(self.ep):
+                        src = ep.src_row(mOrder[r], k, rb)
+                        if c == 0:
+                            ep.pull_w(mOrder[r], r)
+                    else:
+                        src = base + Int64(mOrder[r] // k) * Int64(rb)
+                    qs[None, u].store(cute.make_tensor(P.gptr(cutlass.Uint32, src + Int64(c) * 16, 16),
+                                                       cute.make_layout((4,))).load())
+                    sc = cute.make_tensor(P.gptr(cutlass.Uint8, src + Int64(hid + c // 2), 1), cute.make_layout((1,)))
+                    ss[u] = cutlass.Uint32(sc[0])
+            for u in cutlass.range_constexpr(self.unroll):
+                i = i0 + u * NUM_THREADS
+                if i < n:
+                    o = cute.make_rmem_tensor((8,), cutlass.Uint32)
+                    self.fp8.deq_bf16([qs[j, u] for j in range(4)], [self.fp8.scale_bits(ss[u])] * 16, o)
+                    dst[(slot_row + i // nc) * nc + i % nc, None].store(o.load())
 
     @cute.jit
     def _now(self):
@@ -594,12 +643,12 @@ class FusedMoeFwdSm90:
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
-                          progress: bool = False, mx: bool = False, ep: bool = False, arch: str = "sm_90a",
-                          inspect: bool = False):
+                          progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
+                          arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -611,7 +660,8 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
                 _fake_3d(bf, cute.sym_int(), hid, inter_s)) if shared else (None, None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
     rt_out = (_fake_2d(bf, mcap, inter) if mx else None, _fake_2d(bf, t, inter_s) if mx and shared else None)
-    args = (_fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
+    xq = _fake_2d(cutlass.Uint8, t, cute.sym_int(divisibility=16)) if mx else None
+    args = (_fake_2d(bf, t, hid), xq, _fake_2d(bf, cute.sym_int(), hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
@@ -628,6 +678,12 @@ _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), 
 GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
 _last_progress: list = []  # host-pinned progress words of the last progress-mode launch
+
+
+def slot_sum_batch() -> int:
+    """Slot rows each slot-sum thread loads before adding them (``MOK_CUTE_SUM_BATCH``, default
+    :data:`SUM_BATCH`; read at every call, a compiled variant per value)."""
+    return max(1, int(os.environ.get("MOK_CUTE_SUM_BATCH", str(SUM_BATCH))))
 
 
 def ring_band() -> int:
@@ -660,6 +716,23 @@ def last_trace():
     return _last_trace[0] if _last_trace else None
 
 
+def _mx_source(x, ws, shared: bool):
+    """``(xq, x_s1)`` of the MXFP8 forward: x's MXFP8 token rows (uint8 [T, rb], H e4m3 bytes
+    then H/32 E8M0 scales; at EP > 1 the workspace's pull source, after every peer finished the
+    previous pull), and what the shared expert's GEMM1 reads (x's round trip; x without one)."""
+    from mok_cute.comm.workspace import mxfp8_row_bytes
+    from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip
+    from mok_cute.kernels.quant.quantize import quantize_mxfp8
+
+    t, hid = x.shape
+    rb = mxfp8_row_bytes(hid)
+    q, sc = quantize_mxfp8(x, -1)
+    xq = ws.acquire_src(rb) if ws is not None else torch.empty((t, rb), dtype=torch.uint8, device=x.device)
+    xq[:, :hid].copy_(q.view(torch.uint8))
+    xq[:, hid:hid + hid // 32].copy_(sc)
+    return xq, mxfp8_round_trip(x) if shared else x
+
+
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
     """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket, gather CTAs, slot-sum CTAs]) for
     T tokens, M_cap rows, E experts (the last two count arrivals at EP > 1)."""
@@ -671,8 +744,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
                   timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None,
                   ring_chunks: int | None = None):
     """Launch the fused forward on validated operands (see the module doc for shapes); ``mx``:
-    the MXFP8 forward's GEMM2 reads h's MXFP8 round trip along I, made in the SwiGLU epilogue
-    (x and the weights given already round-tripped by the caller: the reference's numerics);
+    the MXFP8 forward (the reference's numerics): x is quantized here and its rows move as e4m3
+    + E8M0 (:func:`~mok_cute.comm.workspace.mxfp8_row_bytes` per row; at EP > 1 staged in the
+    workspace), dequantized into the ring by the gather; the shared expert reads x's round
+    trip; GEMM2 reads h's MXFP8 round trip along I, made in the SwiGLU epilogue; the weights
+    come round-tripped from the caller;
     ``ring_chunks``: slots of 128 gathered rows in the ring (None or more than the routed
     m-tiles can number: one per m-tile, no reuse), R1's bands ``min(RING_BAND, ring)``;
     returns ``(y, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``gus``/``hs``/``s_out``
@@ -693,12 +769,15 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
     bf = dict(dtype=torch.bfloat16, device=x.device)
-    w_rows = None
-    if ws is not None:
+    w_rows = xq = None
+    if mx:
+        xq, x = _mx_source(x, ws, shared is not None)
+    elif ws is not None:
         src = ws.acquire_src()  # device wait: every peer finished the previous pull from it
         if src.data_ptr() != x.data_ptr():
             src.copy_(x)
         x = src
+    if ws is not None:
         ws.view("w", torch.float32, (t, k)).copy_(topk_w)
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
     sizes = counter_sizes(t, mcap, e)
@@ -725,9 +804,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     hs_rt = torch.empty((t, shared[0].shape[0]), **bf) if mx and shared is not None else None
     trace = tracing()
     progress = progress_mode() and not trace
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None)
+    nb = slot_sum_batch()
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
-        *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, arch=arch)[0]))
+        *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
+        arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -742,7 +823,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         n_tasks = m_sh * (n1s + (hid // 256 if shared is not None else 0)) + mt * (inter // 128 + hid // 256)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
-    tensors = (x, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
+    tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
     scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, ring, band, int(timeout_s * 1e9))
     stream = torch._C._cuda_getCurrentRawStream(dev)
