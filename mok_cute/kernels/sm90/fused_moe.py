@@ -543,8 +543,9 @@ class FusedMoeFwdSm90:
                 self._mark(mTrace, bidx, 1, 2, t)
             acc_to_smem(thr_mma, acc, sC)
             consumer_barrier()
+            et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
             if phase == R1:
-                self.swiglu.store(sC, tid, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+                self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
             elif phase == R2:
                 if cutlass.const_expr(self.ep):
                     if freed == 0:
@@ -553,13 +554,13 @@ class FusedMoeFwdSm90:
                                        ep.timeout_ns, ep.status)
                         consumer_barrier()
                         freed = Int32(1)
-                self._scatter(sC, tid, row0, rows, n_tile, mSlot, mOrder, ep)
+                self._scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, ep)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        self.swiglu.store(sC, tid, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                        self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
                     else:
-                        self.plain.store(sC, tid, row0, rows, n_tile, mSout, mSout, limit)
+                        self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
             if cutlass.const_expr(self.ep):  # rows stored into peers: order them at system scope
@@ -639,6 +640,15 @@ class FusedMoeFwdSm90:
                         for e in cutlass.range_constexpr(_VEC):
                             acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e, u].to(Float32)))
             y[i, None].store(acc.load().to(cutlass.BFloat16))
+
+
+def _opaque(v: Int32) -> Int32:
+    """``v`` through a side-effecting move: what is derived from it is computed where it is used
+    (LLVM cannot hoist it out of a loop), so no register holds it across the loop."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(Int32.mlir_type, [v.ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True))
 
 
 # ---------------------------------------------------------------- compile and launch
