@@ -55,26 +55,6 @@ def test_ep_variant_protocol(clamp, shared):
     assert rep.total_spill_bytes == 0
 
 
-@pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
-def test_producer_gather_variant(clamp, shared):
-    """The producer-warp gather (MOK_CUTE_GATHER=producer): every lane of the producer warp issues
-    4 one-row TMA boxes per k-tile through its CTA's copy of the row descriptor (copied, then
-    released and acquired through the tensormap proxy); the tile TMA of the ring's A is gone from
-    R1 (one fewer 2D tile copy), the wgmma count unchanged; no spills."""
-    from mok_cute.kernels.sm90 import fused_moe
-
-    rep = fused_moe.compile_fused_forward(clamp, shared, pgather=True, inspect=True)[1]
-    plain = _compiled(clamp, shared)
-    lane_tma = "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-    assert rep.ptx.count(lane_tma) == 4 and lane_tma not in plain.ptx
-    assert "fence.proxy.tensormap::generic.release.gpu" in rep.ptx
-    assert "fence.proxy.tensormap::generic.acquire.gpu" in rep.ptx
-    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
-    assert rep.total_spill_bytes == 0
-    with pytest.raises(ValueError, match="producer-warp gather"):
-        fused_moe.FusedMoeFwdSm90(clamp, shared, mx=True, pgather=True)
-
-
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["random", "one rank's experts", "nothing to one rank", "skewed + -1"])
 def test_ep_schedule_complete(ep, name):
@@ -328,10 +308,9 @@ class _FakeWorkspace:
         return self.epoch[kind]
 
 
-@pytest.mark.parametrize("shared,mx,ep,pg", [(False, False, False, False), (True, False, False, False),
-                                             (True, True, False, False), (True, False, True, False),
-                                             (False, True, True, False), (True, False, False, True)])
-def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, pg):
+@pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
+                                          (True, False, True), (False, True, True)])
+def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
     graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
     status, slots and epochs; the argument list has one entry per parameter of the kernel's
@@ -341,7 +320,6 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, p
     from mok_cute.kernels.sm90 import fused_moe as fm
 
     fake, keys = _FakeLauncher(), []
-    monkeypatch.setenv("MOK_CUTE_GATHER", "producer" if pg else "comm")
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
@@ -366,24 +344,19 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, p
                            num_ctas=66 if ep else None, ring_chunks=5)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
-    assert keys[0][7:9] == (mx, ep)  # (..., mx, ep, slot-sum batch, producer gather)
+    assert keys[0][-3:-1] == (mx, ep)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
     assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     assert (by_name["mXq"] is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
-    assert keys[0][-1] is pg and (by_name["mDesc"] is None) == (not pg)  # comm-CTA gather unless asked
     if mx:  # data bytes then E8M0 scales per token row, bitwise the reference quantizer's
         q, sc = reference.mxfp8_quantize(x)
         rows = by_name["mXq"]._keep
         assert torch.equal(rows[:, :h], q.view(torch.uint8)) and torch.equal(rows[:, h:h + h // 32], sc)
         assert ep == (ws is not None and rows.data_ptr() == ws._src.data_ptr())  # EP > 1: in the pull source
     assert int(by_name["num_ctas"]) == (66 if ep else 132)
-    if pg:  # producer-warp gather: no comm CTAs, no ring, one band per expert, a descriptor slot per CTA
-        assert int(by_name["comm_ctas"]) == 0 and keys[0][-1] is True
-        assert int(by_name["band"]) == int(by_name["ring"]) == 6 and tuple(by_name["mDesc"]._keep.shape) == (132 * 16,)
-        return
     assert int(by_name["comm_ctas"]) == (65 if ep else 8)  # a GEMM CTA is left to free ring slots
     # the ring: 5 slots asked, 2 + 4 = 6 routed m-tiles at most; R1's bands never wider than the ring
     assert (int(by_name["ring"]), int(by_name["band"])) == (5, 5) and tuple(by_name["mXg"]._keep.shape) == (5 * 128, h)

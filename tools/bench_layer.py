@@ -85,8 +85,7 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
     return y.bfloat16()
 
 
-def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          gather: str = "comm"):
+def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -94,7 +93,6 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
-        os.environ["MOK_CUTE_GATHER"] = gather
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -120,8 +118,7 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
-def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              pgather=False):
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -140,8 +137,6 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     for b in bands:
         impls[f"fused c{comms[0]}{'' if mb0 is None else f' m{mb0}'} band{b}"] = (
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
-    if pgather:  # the producer warps TMA the routed rows straight from x: no comm CTAs, no ring
-        impls["fused producer gather"] = lambda: _ours(True, comms[0], gather="producer")(x, idx, w, ws, sh)
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
@@ -159,7 +154,6 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
-    os.environ.pop("MOK_CUTE_GATHER", None)
     if trace:
         s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
         print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
@@ -183,7 +177,6 @@ def main() -> int:
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
     ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
     ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
-    ap.add_argument("--pgather", action="store_true", help="add a fused row with the producer-warp gather")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -194,8 +187,7 @@ def main() -> int:
     for i, shape in enumerate(picked):
         lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
-                           bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
-                           pgather=args.pgather)
+                           bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

@@ -61,7 +61,6 @@ import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
@@ -105,15 +104,12 @@ class FusedMoeFwdSm90:
     ``shared``: a shared expert is fused in."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
-                 mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, pgather: bool = False,
+                 mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                  cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
-        if pgather and (mx or ep):
-            raise ValueError("the producer-warp gather is built for the BF16 EP = 1 forward only")
-        self.pgather = pgather  # R1's A rows TMA'd row by row from x by the producer warp (no comm CTAs)
         self.sum_batch = 1 if trace else sum_batch  # the trace's stamps leave no room for more (0 spills)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
@@ -127,8 +123,8 @@ class FusedMoeFwdSm90:
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
                  mW: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 mStatus: cute.Tensor, mTrace: cute.Tensor, mDesc: cute.Tensor, k: Int32, limit: Float32,
-                 comm_ctas: Int32, num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
+                 mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
+                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
                  n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64, epoch_pull: Int32,
                  epoch_push: Int32, stream: cuda.CUstream):
         ml = self.mainloop
@@ -145,18 +141,13 @@ class FusedMoeFwdSm90:
             _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
-        atom_xrow = None
-        if cutlass.const_expr(self.pgather):  # one-row boxes of x into the SW128 A stage
-            atom_xrow, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, _row_layout(ml),
-                                                       (1, self.cfg.tile_k))
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW,
                     mGather,
                     mHready,
-                    mShready, mDone, mStatus, mTrace, atom_xrow, mDesc, k, limit, comm_ctas, ring, band, timeout_ns,
-                    mPeer, mWrows, me, n_ranks,
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -173,8 +164,8 @@ class FusedMoeFwdSm90:
                mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
-               mTrace: cute.Tensor, atom_xrow: cute.CopyAtom, mDesc: cute.Tensor, k: Int32, limit: Float32,
-               comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
+               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
+               timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
                w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
@@ -227,8 +218,7 @@ class FusedMoeFwdSm90:
                               k2, k2s, ring, band, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
-                              mHready, mShready, status, timeout_ns, mTrace, bidx,
-                              (atom_xrow, mDesc, storage.sA.data_ptr(), mOrder, k))
+                              mHready, mShready, status, timeout_ns, mTrace, bidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
@@ -424,21 +414,11 @@ class FusedMoeFwdSm90:
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
-                 mProg: cute.Tensor, bidx: Int32, pg):
+                 mProg: cute.Tensor, bidx: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
-        handed off last tells the consumers to stop. ``pgather``: R1 tiles wait for nothing and
-        their A rows come straight from x (:meth:`_row_loader`; ``pg`` = (row atom, descriptor
-        slots, A stages, order, k))."""
+        handed off last tells the consumers to stop."""
         cfg = self.cfg
-        desc = None
-        if cutlass.const_expr(self.pgather):  # this CTA's copy of the row descriptor, for per-lane TMA
-            desc = P.gptr(Int64, pg[1].iterator.toint() + Int64(bidx) * 128, 128)
-            if cute.arch.lane_idx() == 0:
-                cpasync.copy_tensormap(pg[0], desc)
-                cpasync.fence_tma_desc_release()
-            cute.arch.sync_warp()
-            cpasync.fence_tma_desc_acquire(desc)
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -453,9 +433,8 @@ class FusedMoeFwdSm90:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
-            if cutlass.const_expr(not self.pgather):
-                if phase == R1:
-                    self._wait(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
+            if phase == R1:
+                self._wait(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
                 self._wait(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
@@ -468,11 +447,8 @@ class FusedMoeFwdSm90:
                                      (0, None))
                 gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
                 gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
-                load_a = None
-                if cutlass.const_expr(self.pgather):
-                    load_a = self._row_loader(pg, desc, row0, rows)
                 state = self.mainloop.load_tile(pipe, state, atom_xg, gA, sA, atom_wg, gB, sB, k1, atom_b_hi=atom_wu,
-                                     gB_hi=gB_hi, load_a=load_a)
+                                     gB_hi=gB_hi)
             elif phase == R2:
                 gA = cute.local_tile(cute.domain_offset((row0, 0), coord_h), (cfg.tile_m, cfg.tile_k), (0, None))
                 gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
@@ -505,28 +481,6 @@ class FusedMoeFwdSm90:
         pipe.producer_tail(state)
         if lead:
             self._mark(mProg, bidx, 0, 6, i)
-
-    def _row_loader(self, pg, desc, row0: Int32, rows: Int32):
-        """Producer warp, one R1 tile: ``load_a`` for :meth:`Sm90Mainloop.load_tile` that TMAs the
-        tile's 128 x rows (grouped row ``row0 + r`` = token ``order[.] // k``; rows past ``rows``
-        repeat the first, masked by the epilogue) as one-row boxes, 4 per lane, each to its row of
-        the SW128 stage (the swizzle follows the shared address), issued by every lane (inline
-        ``cp.async.bulk.tensor``: a CopyAtom copy issues from one elected lane)."""
-        cfg = self.cfg
-        _, _, s_a, order, k = pg
-        lane = cute.arch.lane_idx()
-        toks = [order[row0 + cutlass.min(lane + 32 * j, rows - 1)] // k for j in range(cfg.tile_m // 32)]
-        base = s_a.toint()
-        stage_bytes = cfg.tile_m * cfg.tile_k * 2
-
-        def load_a(kt, slot, bar):
-            for j in range(len(toks)):
-                cute.arch.inline_ptx(
-                    "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                    "[{$r0}], [{$r1}, {{$r2}, {$r3}}], [{$r4}];",
-                    read_only_args=[base + slot * stage_bytes + (lane + 32 * j) * (cfg.tile_k * 2), desc.toint(),
-                                    kt * cfg.tile_k, toks[j], bar.toint()])
-        return load_a
 
     @cute.jit
     def _claim(self, ticket: cute.Pointer):
@@ -688,12 +642,6 @@ class FusedMoeFwdSm90:
             y[i, None].store(acc.load().to(cutlass.BFloat16))
 
 
-def _row_layout(ml: Sm90Mainloop):
-    """One row of the A stage's SW128 K-major layout: the smem side of the row-gather TMA atom."""
-    one = cute.slice_(ml.a_smem_staged, (None, None, 0))
-    return cute.make_composed_layout(one.inner, 0, cute.make_layout((1, ml.cfg.tile_k), stride=(ml.cfg.tile_k, 1)))
-
-
 def _opaque(v: Int32) -> Int32:
     """``v`` through a side-effecting move: what is derived from it is computed where it is used
     (LLVM cannot hoist it out of a loop), so no register holds it across the loop."""
@@ -706,11 +654,11 @@ def _opaque(v: Int32) -> Int32:
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
-                          pgather: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                          arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, pgather)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -728,8 +676,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace or progress else None,
-            vec(Int64, cute.sym_int(), 128) if pgather else None)
+            vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap)) if ep else (None, None)
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), *ep_args,
                           Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
@@ -747,17 +694,6 @@ def slot_sum_batch() -> int:
     """Slot rows each slot-sum thread loads before adding them (``MOK_CUTE_SUM_BATCH``, default
     :data:`SUM_BATCH`; read at every call, a compiled variant per value)."""
     return max(1, int(os.environ.get("MOK_CUTE_SUM_BATCH", str(SUM_BATCH))))
-
-
-def gather_mode() -> str:
-    """Who moves the routed x rows at EP = 1, BF16 (``MOK_CUTE_GATHER``, read at every call):
-    ``comm`` (default) - ``comm_sms_fwd`` CTAs gather them into the ring; ``producer`` - every
-    CTA's producer warp TMAs each R1 tile's rows straight from x, row by row, and no CTA is
-    set aside (a measured alternative: docs/benchmarks.md)."""
-    mode = os.environ.get("MOK_CUTE_GATHER", "comm")
-    if mode not in ("comm", "producer"):
-        raise ValueError(f"MOK_CUTE_GATHER must be 'comm' or 'producer', got {mode!r}")
-    return mode
 
 
 def ring_band() -> int:
@@ -855,10 +791,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         ws.view("w", torch.float32, (t, k)).copy_(topk_w)
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
     sizes = counter_sizes(t, mcap, e)
-    pgather = gather_mode() == "producer" and ws is None and not mx
-    ring = sizes[0] if ring_chunks is None or pgather else max(1, min(int(ring_chunks), sizes[0]))
-    band = sizes[0] if pgather else min(ring_band(), ring)  # no ring: each expert one band
-    xg = torch.empty((CHUNK if pgather else ring * CHUNK, hid), **bf)
+    ring = sizes[0] if ring_chunks is None else max(1, min(int(ring_chunks), sizes[0]))
+    band = min(ring_band(), ring)
+    xg = torch.empty((ring * CHUNK, hid), **bf)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
     slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
@@ -880,15 +815,14 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     progress = progress_mode() and not trace
     nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb, pgather)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        pgather=pgather, arch=arch)[0]))
+        arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
-    comm_ctas = 0 if pgather else max(1, min(comm_ctas, num_ctas - 1))
-    desc = torch.empty(num_ctas * 16, dtype=torch.int64, device=x.device) if pgather else None
+    comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
     records = None
     if progress:  # host memory the kernel writes as it runs (UVA: the pinned pointer is device-visible)
         records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
@@ -900,7 +834,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
-               topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1), desc)
+               topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
     scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, ring, band, int(timeout_s * 1e9))
     stream = torch._C._cuda_getCurrentRawStream(dev)
     if ws is None:

@@ -257,7 +257,7 @@ class Sm90Mainloop:
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
                   atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
                   atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None,
-                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None, load_a=None):
+                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
         ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ k_tiles2]); ``gB``: (tile_n, tile_k,
@@ -267,9 +267,6 @@ class Sm90Mainloop:
         With ``atom_b_hi``/``gB_hi`` the B tile is stacked along N from two tensors: rows
         ``[0, tile_n/2)`` of the ring slot come from ``gB`` (tile_n/2, tile_k, k_tiles), rows
         ``[tile_n/2, tile_n)`` from ``gB_hi`` (atoms from ``make_tma(..., b_half=True)``).
-        ``load_a(k, slot, barrier)``: when given, it loads k-tile ``k`` of A into ring slot
-        ``slot`` (the same ``tile_m * tile_k`` bytes, completing on ``barrier``) instead of
-        ``atom_a`` / ``gA`` (e.g. rows gathered by the producer warp).
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -286,10 +283,7 @@ class Sm90Mainloop:
         for k in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            if cutlass.const_expr(load_a is None):
-                cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-            else:
-                load_a(k, state.index, bar)
+            cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(gB_hi is not None):
                 cute.copy(atom_b_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
