@@ -140,16 +140,21 @@ def test_schedule_completes_without_deadlock(name, shared):
             ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=shared, gemm_ctas=gemm, comm_ctas=comm)
 
 
-def test_schedule_random_routings():
-    rng = random.Random(0)
+@pytest.mark.parametrize("ring", [False, True])
+def test_schedule_random_routings(ring):
+    """Random routings (a hot expert, -1 slots), shapes and CTA counts; with ``ring``, a random
+    ring size and a band no wider than it."""
+    rng = random.Random(int(ring))
     for _ in range(40):
         e, tokens = rng.choice([1, 2, 8, 32]), rng.randint(1, 900)
         counts = [0] * e
         for _ in range(tokens * rng.randint(1, 4)):
             if rng.random() < 0.9:
                 counts[0 if rng.random() < 0.4 else rng.randrange(e)] += 1
+        slots = rng.randint(1, 20) if ring else None
         ft.simulate(_offsets(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4), n2=rng.randint(1, 6),
-                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40))
+                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
+                    seed=rng.randint(0, 99), ring=slots, band=rng.randint(1, slots) if ring else None)
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
@@ -162,19 +167,6 @@ def test_ring_schedule_completes_without_deadlock(name):
             for gemm, comm in ((1, 1), (7, 2), (3, 40)):
                 ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=gemm, comm_ctas=comm,
                             ring=ring, band=band, seed=ring)
-
-
-def test_ring_schedule_random_routings():
-    rng = random.Random(1)
-    for _ in range(40):
-        e, tokens = rng.choice([1, 2, 8, 32]), rng.randint(1, 900)
-        counts = [0] * e
-        for _ in range(tokens * rng.randint(1, 4)):
-            counts[0 if rng.random() < 0.5 else rng.randrange(e)] += 1
-        ring = rng.randint(1, 20)
-        ft.simulate(_offsets(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4), n2=rng.randint(1, 6),
-                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
-                    seed=rng.randint(0, 99), ring=ring, band=rng.randint(1, ring))
 
 
 def test_ring_wider_bands_than_slots_deadlock():
