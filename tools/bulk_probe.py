@@ -1,0 +1,103 @@
+"""Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
+
+    python3 tools/bulk_probe.py minimal|mover [threads]
+
+``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
+shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
+``_bulk_s2g``). ``mover``: ``comm.rows.bulk_routed_rows`` itself (the pull of the bulk
+dispatch) on a 1-rank plan, rows ``out[i] = x[route_i // k]``, 8 CTAs. Both launch like the
+bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per CTA, default
+1024). Prints whether out equals the torch gather; a fault aborts the process (run each
+variant in its own process)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cuda.bindings.driver as cuda  # noqa: E402
+
+from mok_cute.comm import rows as R  # noqa: E402
+from mok_cute.comm.protocol import cute, cutlass  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
+
+
+def build(kind: str, threads: int):
+    @cute.kernel
+    def minimal_kernel(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_array(cutlass.Int8, R.BULK_CHUNK * R.BULK_STAGES, byte_alignment=128)
+        mbar = smem.allocate_array(Int64, R.BULK_STAGES, byte_alignment=8)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+            for j in cutlass.range(n, unroll=1):
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, rb)
+                R._bulk_g2s(ring.toint(), x.toint() + Int64(j) * Int64(rb), rb, mbar.toint())
+                cute.arch.mbarrier_wait(mbar, j % 2)
+                R._bulk_s2g(out.toint() + Int64(j) * Int64(rb), ring.toint(), rb)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.barrier()
+
+    @cute.kernel
+    def mover_kernel(pb: cute.Pointer, status: cute.Pointer, recv_src: cute.Pointer, offsets: cute.Pointer,
+                     out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32, nctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        pbt = cute.make_tensor(pb, cute.make_layout(1))
+        R.bulk_routed_rows(tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, Int32(1),
+                           Int64(0), Int32(1), Int32(1), nctas, False)
+        cute.arch.barrier()
+
+    @cute.jit
+    def host_minimal(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32, stream):
+        minimal_kernel(x, out, n, rb).launch(grid=[1, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
+
+    @cute.jit
+    def host_mover(pb: cute.Pointer, status: cute.Pointer, recv_src: cute.Pointer, offsets: cute.Pointer,
+                   out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32, nctas: Int32, stream):
+        mover_kernel(pb, status, recv_src, offsets, out, rows, t, k, v, nctas).launch(
+            grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
+
+    return host_minimal if kind == "minimal" else host_mover
+
+
+def main() -> int:
+    from mok_cute.dsl.compile import compile_kernel
+    from mok_cute.dsl.host import dptr as _p, fake_ptr, fake_stream
+
+    kind = sys.argv[1]
+    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    t, h, k = 256, 512, 4
+    dev = torch.device("cuda")
+    x = torch.randn(t, h, device=dev).bfloat16()
+    st = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    if kind == "minimal":
+        c, _ = compile_kernel(build(kind, threads), fake_ptr("bf16"), fake_ptr("bf16"), Int32(1), Int32(16),
+                              fake_stream(), arch="sm_90a")
+        out = torch.zeros_like(x)
+        c(_p(x), _p(out), Int32(t), Int32(2 * h), st)
+        want = x
+    else:
+        routes = torch.randperm(t * k, device=dev)[: t * 3].to(torch.int32)
+        offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
+        pb = torch.tensor([x.data_ptr()], dtype=torch.int64, device=dev)
+        status = torch.zeros(4, dtype=torch.int32, device=dev)
+        out = torch.zeros(routes.numel(), h, dtype=torch.bfloat16, device=dev)
+        c, _ = compile_kernel(build(kind, threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"), fake_ptr("i32"),
+                              fake_ptr("bf16"), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), fake_stream(),
+                              arch="sm_90a")
+        c(_p(pb), _p(status), _p(routes), _p(offsets), _p(out), Int32(routes.numel()), Int32(t), Int32(k),
+          Int32(h // 8), Int32(8), st)
+        want = x[(routes // k).long()]
+    torch.cuda.synchronize()
+    print(f"bulk probe {kind} threads {threads}: out == want: {torch.equal(out, want)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
