@@ -1,11 +1,12 @@
 """Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
 
-    python3 tools/bulk_probe.py minimal|mover [threads]
+    python3 tools/bulk_probe.py minimal|mover|round [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
 shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
 ``_bulk_s2g``). ``mover``: ``comm.rows.bulk_routed_rows`` itself (the pull of the bulk
-dispatch) on a 1-rank plan, rows ``out[i] = x[route_i // k]``, 8 CTAs. Both launch like the
+dispatch) on a 1-rank plan, rows ``out[i] = x[route_i // k]``, 8 CTAs; ``round``: the same mover
+inside ``comm.protocol.pull_round`` (READY / DONE flags in the buffer after x). Both launch like the
 bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per CTA, default
 1024). Prints whether out equals the torch gather; a fault aborts the process (run each
 variant in its own process)."""
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cuda.bindings.driver as cuda  # noqa: E402
 
+from mok_cute.comm import protocol as P  # noqa: E402
 from mok_cute.comm import rows as R  # noqa: E402
 from mok_cute.comm.protocol import cute, cutlass  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
@@ -53,6 +55,22 @@ def build(kind: str, threads: int):
                            Int64(0), Int32(1), Int32(1), nctas, False)
         cute.arch.barrier()
 
+    @cute.kernel
+    def round_kernel(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
+                     offsets: cute.Pointer, out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32,
+                     nctas: Int32, flags_off: Int64):
+        P.pull_round(pb, status, counter, Int32(0), Int32(1), flags_off, Int32(1), Int64(10 ** 9), nctas,
+                     lambda tidx, bidx, pbt: R.bulk_routed_rows(
+                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, Int32(1),
+                         Int64(0), Int32(P.READY), Int32(1), nctas, False))
+
+    @cute.jit
+    def host_round(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
+                   offsets: cute.Pointer, out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32, nctas: Int32,
+                   flags_off: Int64, stream):
+        round_kernel(pb, status, counter, recv_src, offsets, out, rows, t, k, v, nctas, flags_off).launch(
+            grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
+
     @cute.jit
     def host_minimal(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32, stream):
         minimal_kernel(x, out, n, rb).launch(grid=[1, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
@@ -63,7 +81,7 @@ def build(kind: str, threads: int):
         mover_kernel(pb, status, recv_src, offsets, out, rows, t, k, v, nctas).launch(
             grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
 
-    return host_minimal if kind == "minimal" else host_mover
+    return {"minimal": host_minimal, "mover": host_mover, "round": host_round}[kind]
 
 
 def main() -> int:
@@ -82,6 +100,21 @@ def main() -> int:
         out = torch.zeros_like(x)
         c(_p(x), _p(out), Int32(t), Int32(2 * h), st)
         want = x
+    elif kind == "round":  # the mover inside the pull protocol, x and 4 KiB of flags in one buffer
+        buf = torch.zeros(t * h * 2 + 4096, dtype=torch.uint8, device=dev)
+        buf[: t * h * 2].view(torch.bfloat16).view(t, h).copy_(x)
+        routes = torch.randperm(t * k, device=dev)[: t * 3].to(torch.int32)
+        offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
+        pb = torch.tensor([buf.data_ptr()], dtype=torch.int64, device=dev)
+        status = torch.zeros(4, dtype=torch.int32, device=dev)
+        counter = torch.zeros(4, dtype=torch.int32, device=dev)
+        out = torch.zeros(routes.numel(), h, dtype=torch.bfloat16, device=dev)
+        c, _ = compile_kernel(build(kind, threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"), fake_ptr("i32"),
+                              fake_ptr("i32"), fake_ptr("bf16"), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                              Int64(0), fake_stream(), arch="sm_90a")
+        c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(routes.numel()), Int32(t),
+          Int32(k), Int32(h // 8), Int32(8), Int64(t * h * 2), st)
+        want = x[(routes // k).long()]
     else:
         routes = torch.randperm(t * k, device=dev)[: t * 3].to(torch.int32)
         offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
