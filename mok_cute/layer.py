@@ -20,12 +20,16 @@ class MoELayer(nn.Module):
     top-k of the logits, softmax over the k kept values; its gradient flows through topk_w).
     Init: N(0, 1) * fan_in^-0.5. ``forward(x)`` routes itself; ``forward(x, topk_idx, topk_w)``
     takes external routing (required when ``router=False``).
+    ``accumulate_main_grad=True``: each expert weight (routed and shared, not the router) gets a
+    ``.main_grad`` fp32 buffer of its shape, zero at construction, that every backward adds its
+    gradient into (``mok_cute.moe(..., main_grads=...)``); its ``.grad`` stays None. Zeroing
+    ``main_grad`` between optimizer steps is the caller's, as in Megatron.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int | None = None, router: bool = True,
                  swiglu_limit: float | None = None, config: MoKConfig | None = None, group=None,
-                 device=None, dtype: torch.dtype = torch.bfloat16):
+                 accumulate_main_grad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         ep, rank = _world(group)
         e_local = check_num_experts(num_experts, ep)
@@ -51,6 +55,16 @@ class MoELayer(nn.Module):
             self.ws_up = param(s, h, fan_in=h)
             self.ws_down = param(h, s, fan_in=s)
         self.router_weight = param(num_experts, h, fan_in=h, dt=torch.float32) if router else None
+        if not isinstance(accumulate_main_grad, bool):
+            raise TypeError(f"accumulate_main_grad must be a bool, got {type(accumulate_main_grad).__name__}")
+        self.accumulate_main_grad = accumulate_main_grad
+        for w in self._expert_weights() if accumulate_main_grad else ():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+
+    def _expert_weights(self) -> tuple:
+        """w_gate, w_up, w_down, then the shared expert's three when there is one."""
+        shared = () if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
+        return (self.w_gate, self.w_up, self.w_down) + shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx [T, k] int64, topk_w [T, k] fp32) from the router."""
@@ -65,5 +79,6 @@ class MoELayer(nn.Module):
                 raise ValueError("this MoELayer has no router: pass topk_idx and topk_w")
             topk_idx, topk_w = self.route(x)
         shared = None if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
+        main_grads = tuple(w.main_grad for w in self._expert_weights()) if self.accumulate_main_grad else None
         return moe(x, topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared=shared,
-                   swiglu_limit=self.swiglu_limit, config=self.config, group=self.group)
+                   swiglu_limit=self.swiglu_limit, config=self.config, group=self.group, main_grads=main_grads)

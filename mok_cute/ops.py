@@ -7,17 +7,17 @@ from . import reference
 from .layers.select import MoEInputs, get_backend, select_backend
 from .config import MoKConfig
 from .reference import _world
-from .validate import check_moe_inputs
+from .validate import check_main_grads, check_moe_inputs
 
 
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, backend, config, group, swiglu_limit, x, topk_idx, topk_w, w_gate, w_up,
+    def forward(ctx, backend, config, group, swiglu_limit, main_grads, x, topk_idx, topk_w, w_gate, w_up,
                 w_down, ws_gate, ws_up, ws_down):
         shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
         inp = MoEInputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit)
         y, state = backend.forward(inp, config, group)
-        ctx.backend, ctx.state, ctx.has_shared = backend, state, shared is not None
+        ctx.backend, ctx.state, ctx.has_shared, ctx.main_grads = backend, state, shared is not None, main_grads
         ctx.mark_non_differentiable(topk_idx)
         return y
 
@@ -25,13 +25,17 @@ class _MoEFunction(torch.autograd.Function):
     def backward(ctx, dy):
         g = ctx.backend.backward(ctx.state, dy.contiguous())
         ctx.state = None
-        d_shared = g.d_shared if ctx.has_shared else (None, None, None)
-        return (None, None, None, None, g.dx, None, g.d_topk_w, g.d_w_gate, g.d_w_up, g.d_w_down,
-                *d_shared)
+        d_w = (g.d_w_gate, g.d_w_up, g.d_w_down) + (tuple(g.d_shared) if ctx.has_shared else ())
+        if ctx.main_grads is not None:  # accumulate in fp32 (Megatron's main_grad); the weights get no .grad
+            for acc, d in zip(ctx.main_grads, d_w):
+                acc.add_(d.float())
+            d_w = (None,) * len(d_w)
+        return (None, None, None, None, None, g.dx, None, g.d_topk_w, *d_w,
+                *((None, None, None) if not ctx.has_shared else ()))
 
 
 def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=None, config=None,
-        group=None) -> torch.Tensor:
+        group=None, main_grads=None) -> torch.Tensor:
     """One MoE layer (dispatch, expert MLPs, combine) on this rank; differentiable.
 
     x [T, H] bf16; topk_idx [T, k] int32/int64 global expert ids (-1: no expert);
@@ -43,6 +47,11 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     initialized, else EP = 1), or a :class:`mok_cute.comm.virtual.VirtualGroup` (virtual ranks
     in one process: call inside its ``run_ranks``). Returns y [T, H] bf16. Numerics:
     mok_cute.reference.
+
+    main_grads: None, or fp32 tensors of the weights' shapes in the order w_gate, w_up, w_down
+    (then ws_gate, ws_up, ws_down with a shared expert): the backward adds each weight's
+    gradient into its tensor in fp32 (``main_grad += fp32(dW)``; Megatron's gradient-accumulation
+    fusion) and returns no gradient for the weights, so their ``.grad`` stays None.
     """
     config = config if config is not None else MoKConfig()
     if not isinstance(config, MoKConfig):
@@ -50,10 +59,13 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     ep, _ = _world(group)
     check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, ep,
                      check_values=config.validate_routing)
+    if main_grads is not None:
+        check_main_grads(main_grads, (w_gate, w_up, w_down) + (tuple(shared) if shared is not None else ()))
+        main_grads = tuple(main_grads)
     backend = get_backend(select_backend(x.device, config))
     ws = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
-    return _MoEFunction.apply(backend, config, group, limit, x.contiguous(), topk_idx.contiguous(),
+    return _MoEFunction.apply(backend, config, group, limit, main_grads, x.contiguous(), topk_idx.contiguous(),
                               topk_w.contiguous(), w_gate.contiguous(), w_up.contiguous(),
                               w_down.contiguous(), *ws)
 

@@ -87,6 +87,24 @@ def check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_l
             raise ValueError(f"topk_idx holds expert id {v}; ids must be -1 (no expert) or in [0, E = {n_exp})")
 
 
+def check_main_grads(main_grads, weights) -> None:
+    """``main_grads`` of :func:`mok_cute.moe`: a tuple/list of fp32 tensors, one per weight in the
+    order w_gate, w_up, w_down (then ws_gate, ws_up, ws_down with a shared expert), each of its
+    weight's shape, contiguous, on its device."""
+    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+    if not isinstance(main_grads, (tuple, list)) or len(main_grads) != len(weights):
+        raise TypeError(f"main_grads must be a tuple of {len(weights)} fp32 tensors ({', '.join(names[:len(weights)])})"
+                        f", got {type(main_grads).__name__} of length {len(main_grads) if hasattr(main_grads, '__len__') else '?'}")
+    for name, g, w in zip(names, main_grads, weights):
+        what = f"main_grads[{names.index(name)}] ({name})"
+        _tensor(what, g, (torch.float32,), w.dim())
+        _shape(what, g, tuple(w.shape), f"{name}'s shape")
+        if g.device != w.device:
+            raise ValueError(f"{what} is on {g.device} but {name} is on {w.device}")
+        if not g.is_contiguous():
+            raise ValueError(f"{what} must be contiguous (it is accumulated in place)")
+
+
 def check_num_experts(num_experts: int, ep: int) -> int:
     """E_local for E experts over ``ep`` ranks; E must be divisible by EP."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
