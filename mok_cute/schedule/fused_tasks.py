@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from mok_cute.schedule.group_tiles import seek, tile_coords
+from mok_cute.schedule.tickets import run_tickets, strided
 
 S1, R1, S2, R2 = range(4)
 PHASES = ("S1", "R1", "S2", "R2")
@@ -94,43 +95,18 @@ def publishes(task: tuple) -> tuple[str, int]:
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
              comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None) -> int:
-    """Run the fused forward's schedule on the host as the kernel runs it: comm CTA ``c``
-    gathers chunks ``c, c + comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i -
-    ring`` has all its GEMM1 tiles; ``ring`` None: every chunk has its own slot), then joins the
-    GEMM CTAs, which claim tasks in list order from one ticket counter, a CTA holding its ticket
-    until the task's inputs are published. Each round visits the CTAs in a random order
-    (``seed``): any interleaving of claims must finish. Returns the number of rounds until every
-    task and chunk is done; AssertionError on a deadlock or a missing publication."""
-    import random
-
-    rng = random.Random(seed)
+    """Run the fused forward's schedule on the host as the kernel runs it
+    (:func:`~mok_cute.schedule.tickets.run_tickets`): comm CTA ``c`` gathers chunks ``c, c +
+    comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i - ring`` has all its GEMM1
+    tiles; ``ring`` None: every chunk has its own slot), then joins the GEMM CTAs in claiming the
+    list's tickets. Returns the number of rounds; AssertionError on a deadlock or a missing
+    publication."""
     tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
     chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
-    count: dict[tuple[str, int], int] = {}
-    gathers = [list(range(c, chunks, comm_ctas)) for c in range(comm_ctas)] + [[] for _ in range(gemm_ctas)]
-    held: list = [None] * (comm_ctas + gemm_ctas)  # the ticket each CTA holds
-    ticket, finished, rounds = 0, 0, 0
-    while finished < len(tasks) or any(gathers):
-        progressed = False
-        for cta in rng.sample(range(len(held)), len(held)):
-            if gathers[cta]:  # a gather chunk: waits for its ring slot's previous m-tile
-                c = gathers[cta][0]
-                if c < ring or count.get(("h", c - ring), 0) >= n1:
-                    gathers[cta].pop(0)
-                    count[("gather", c)] = count.get(("gather", c), 0) + 1
-                    progressed = True
-                continue
-            if held[cta] is None and ticket < len(tasks):
-                held[cta], ticket, progressed = ticket, ticket + 1, True
-            if held[cta] is not None:
-                task = tasks[held[cta]]
-                if all(count.get((name, i), 0) >= target for name, i, target in needs(task, tile_m, n1, n1s)):
-                    key = publishes(task)
-                    count[key] = count.get(key, 0) + 1
-                    held[cta], finished, progressed = None, finished + 1, True
-        assert progressed, f"deadlock after {rounds} rounds: held tickets {[h for h in held if h is not None]}"
-        rounds += 1
+    gathers = [([("h", c - ring, n1)] if c >= ring else [], ("gather", c)) for c in range(chunks)]
+    rounds, count = run_tickets(tasks, lambda t: needs(t, tile_m, n1, n1s), publishes, strided(gathers, comm_ctas),
+                                gemm_ctas, seed)
     gemm2 = sum(t[0] in (S2, R2) for t in tasks)
     assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
     return rounds
@@ -144,6 +120,19 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: 
     FREE by the previous step), and every valid route (p, t, j) of every source rank must get each
     of its ``n2`` GEMM2 column tiles pushed exactly once (the slot sum's DATA wait then counts
     every rank's pushes). Returns the rounds per rank; AssertionError otherwise."""
+    def rank(offs, tokens):
+        rounds = simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas, ring=ring, band=band)
+        return rounds, [(row0, rows, n_tile) for phase, _, n_tile, row0, rows, _ in
+                        task_list(offs, tokens, tile_m, n1, n1s, n2, shared) if phase == R2]
+    return check_ep_pushes(topk_idx_per_rank, num_experts, n2, rank, "GEMM2")
+
+
+def check_ep_pushes(topk_idx_per_rank, num_experts: int, n_cols: int, rank, what: str) -> list[int]:
+    """Shared by the forward's and the backward's EP mirrors: plan the routing
+    (:func:`mok_cute.schedule.plan.plan_routing`), run ``rank(offsets, tokens) -> (rounds, pushes)``
+    per rank (``pushes``: ``(row0, rows, n_tile)`` of every task that pushes grouped rows to their
+    source ranks) and assert that every valid route gets each of its ``n_cols`` column tiles
+    pushed exactly once. Returns the rounds per rank."""
     from mok_cute.schedule.plan import plan_routing
 
     ep = len(topk_idx_per_rank)
@@ -152,17 +141,16 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: 
     pushed: dict[tuple[int, int], int] = {}
     rounds = []
     for r in range(ep):
-        offs = [int(o) for o in plan.offsets[r]]
         recv = plan.recv_src[r].tolist()
-        rounds.append(simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas, ring=ring, band=band))
-        for phase, _, n_tile, row0, rows, _ in task_list(offs, tokens, tile_m, n1, n1s, n2, shared):
-            if phase == R2:
-                for row in range(row0, row0 + rows):
-                    pushed[(recv[row], n_tile)] = pushed.get((recv[row], n_tile), 0) + 1
+        n_rounds, pushes = rank([int(o) for o in plan.offsets[r]], tokens)
+        rounds.append(n_rounds)
+        for row0, rows, n_tile in pushes:
+            for row in range(row0, row0 + rows):
+                pushed[(recv[row], n_tile)] = pushed.get((recv[row], n_tile), 0) + 1
     n = topk_idx_per_rank[0].numel()
     want = {(p * n + i, nt): 1 for p, idx in enumerate(topk_idx_per_rank)
-            for i, e in enumerate(idx.reshape(-1).tolist()) if e >= 0 for nt in range(n2)}
-    assert pushed == want, "a route's GEMM2 row is pushed other than exactly once per column tile"
+            for i, e in enumerate(idx.reshape(-1).tolist()) if e >= 0 for nt in range(n_cols)}
+    assert pushed == want, f"a route's {what} row is pushed other than exactly once per column tile"
     return rounds
 
 
