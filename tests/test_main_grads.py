@@ -1,6 +1,7 @@
 """Gradient accumulation into fp32 main_grad buffers (Megatron's fusion; MoK's ``main_grads``):
 ``moe(..., main_grads=...)`` and ``MoELayer(..., accumulate_main_grad=True)`` on the reference
-backend, bitwise against the fresh gradients summed in fp32."""
+backend, bitwise against the fresh gradients summed in fp32; and the autograd contract around
+them: gradients for any subset of inputs, no graph under torch.no_grad."""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +85,32 @@ def test_main_grads_validated(bad, err, match):
         mok_cute.moe(x, idx, w, *ws, config=CFG, main_grads=bad(good))
     with pytest.raises(TypeError, match="accumulate_main_grad must be a bool"):
         MoELayer(64, 64, 4, 2, config=CFG, accumulate_main_grad=1)
+
+
+@pytest.mark.parametrize("which", ["x", "topk_w", "w_gate", "experts", "shared", "none"])
+def test_requires_grad_on_any_subset(which):
+    """Only the inputs that require grad get one, each equal (bitwise) to the full backward's;
+    with none requiring grad, y has no graph."""
+    x, idx, w, ws, sh, dy = _problem(True, 3)
+    full = [x, w, *ws, *sh]
+    leaves = [p.clone().requires_grad_() for p in full]
+    y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]), config=CFG)
+    want = torch.autograd.grad(y, leaves, dy)
+    pick = {"x": [0], "topk_w": [1], "w_gate": [2], "experts": [2, 3, 4], "shared": [5, 6, 7], "none": []}[which]
+    part = [p.clone().requires_grad_(i in pick) for i, p in enumerate(full)]
+    y2 = mok_cute.moe(part[0], idx, part[1], *part[2:5], shared=tuple(part[5:]), config=CFG)
+    assert torch.equal(y2, y)
+    if not pick:
+        assert y2.grad_fn is None
+        return
+    got = torch.autograd.grad(y2, [part[i] for i in pick], dy)
+    assert all(torch.equal(g, want[i]) for g, i in zip(got, pick))
+
+
+def test_no_grad_keeps_no_state():
+    """Under torch.no_grad the forward returns a graph-free y equal to the differentiable one."""
+    x, idx, w, ws, sh, _ = _problem(True, 4)
+    y = mok_cute.moe(x.clone().requires_grad_(), idx, w, *ws, shared=tuple(sh), config=CFG)
+    with torch.no_grad():
+        y0 = mok_cute.moe(x.clone().requires_grad_(), idx, w, *ws, shared=tuple(sh), config=CFG)
+    assert y0.grad_fn is None and not y0.requires_grad and torch.equal(y0, y.detach())

@@ -30,7 +30,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 # the fused layer: stress (every launch synchronised, short device timeout), EP = 2 virtual ranks on this
 # GPU with the unfused and the fused EP forward, then the layer benchmark with MXFP8 rows
-timeout 150 python3 tools/fused_stress.py --reps 3 > "$out/fused_stress.log" 2>&1
+timeout 150 python3 tools/fused_stress.py --comm 2,8,40 --ring 0,2,16 --reps 2 > "$out/fused_stress.log" 2>&1
 echo "fused_stress rc=$?" >> "$out/summary.txt"
 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=unfused,fused \
     timeout -s KILL 400 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_layer_ep_virtual.log" 2>&1
