@@ -1,12 +1,16 @@
 """Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
 
-    python3 tools/bulk_probe.py minimal|mover|round [threads]
+    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
 shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
 ``_bulk_s2g``). ``mover``: ``comm.rows.bulk_routed_rows`` itself (the pull of the bulk
 dispatch) on a 1-rank plan, rows ``out[i] = x[route_i // k]``, 8 CTAs; ``round``: the same mover
-inside ``comm.protocol.pull_round`` (READY / DONE flags in the buffer after x). Both launch like the
+inside ``comm.protocol.pull_round`` (READY / DONE flags in the buffer after x). ``ws-plan`` /
+``ws-src`` / ``ws``: the ``round`` kernel with, one at a time, the real pieces of the bulk
+dispatch on a 1-rank workspace (``comm.workspace.get_workspace``): its device routing plan
+(``recv_src``, ``offsets`` of E + 1 entries, capacity rows), its ``src`` section (x staged there,
+read through the peer table at the section offset, flags in its ``flags`` section), or both. Both launch like the
 bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per CTA, default
 1024). Prints whether out equals the torch gather; a fault aborts the process (run each
 variant in its own process)."""
@@ -58,18 +62,18 @@ def build(kind: str, threads: int):
     @cute.kernel
     def round_kernel(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
                      offsets: cute.Pointer, out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32,
-                     nctas: Int32, flags_off: Int64):
-        P.pull_round(pb, status, counter, Int32(0), Int32(1), flags_off, Int32(1), Int64(10 ** 9), nctas,
+                     nctas: Int32, flags_off: Int64, e_local: Int32, src_off: Int64, epoch: Int32):
+        P.pull_round(pb, status, counter, Int32(0), Int32(1), flags_off, epoch, Int64(10 ** 9), nctas,
                      lambda tidx, bidx, pbt: R.bulk_routed_rows(
-                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, Int32(1),
-                         Int64(0), Int32(P.READY), Int32(1), nctas, False))
+                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, e_local,
+                         src_off, Int32(P.READY), epoch, nctas, False))
 
     @cute.jit
     def host_round(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
                    offsets: cute.Pointer, out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32, nctas: Int32,
-                   flags_off: Int64, stream):
-        round_kernel(pb, status, counter, recv_src, offsets, out, rows, t, k, v, nctas, flags_off).launch(
-            grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
+                   flags_off: Int64, e_local: Int32, src_off: Int64, epoch: Int32, stream):
+        round_kernel(pb, status, counter, recv_src, offsets, out, rows, t, k, v, nctas, flags_off, e_local, src_off,
+                     epoch).launch(grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
 
     @cute.jit
     def host_minimal(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32, stream):
@@ -100,6 +104,8 @@ def main() -> int:
         out = torch.zeros_like(x)
         c(_p(x), _p(out), Int32(t), Int32(2 * h), st)
         want = x
+    elif kind.startswith("ws"):
+        out, want = _with_workspace(kind, x, threads, t, h, k, st)
     elif kind == "round":  # the mover inside the pull protocol, x and 4 KiB of flags in one buffer
         buf = torch.zeros(t * h * 2 + 4096, dtype=torch.uint8, device=dev)
         buf[: t * h * 2].view(torch.bfloat16).view(t, h).copy_(x)
@@ -111,9 +117,9 @@ def main() -> int:
         out = torch.zeros(routes.numel(), h, dtype=torch.bfloat16, device=dev)
         c, _ = compile_kernel(build(kind, threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"), fake_ptr("i32"),
                               fake_ptr("i32"), fake_ptr("bf16"), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
-                              Int64(0), fake_stream(), arch="sm_90a")
+                              Int64(0), Int32(1), Int64(0), Int32(1), fake_stream(), arch="sm_90a")
         c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(routes.numel()), Int32(t),
-          Int32(k), Int32(h // 8), Int32(8), Int64(t * h * 2), st)
+          Int32(k), Int32(h // 8), Int32(8), Int64(t * h * 2), Int32(1), Int64(0), Int32(1), st)
         want = x[(routes // k).long()]
     else:
         routes = torch.randperm(t * k, device=dev)[: t * 3].to(torch.int32)
@@ -130,6 +136,48 @@ def main() -> int:
     torch.cuda.synchronize()
     print(f"bulk probe {kind} threads {threads}: out == want: {torch.equal(out, want)}", flush=True)
     return 0
+
+
+def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
+    """The ``round`` kernel with the workspace's plan (``ws-plan``), source section (``ws-src``) or
+    both (``ws``); returns ``(out, want)``."""
+    from mok_cute.comm.workspace import get_workspace
+    from mok_cute.dsl.compile import compile_kernel
+    from mok_cute.dsl.host import dptr as _p, fake_ptr, fake_stream
+    from mok_cute.schedule.plan import plan_routing_device
+
+    dev, e = x.device, 8
+    idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+    ws = get_workspace(None, T=t, H=h, k=k, E=e)
+    if kind in ("ws-plan", "ws"):
+        plan = plan_routing_device(ws, idx)
+        routes, offsets, e_local, rows = plan.recv_src, plan.offsets, e, plan.recv_src.shape[0]
+    else:
+        flat = idx.reshape(-1)
+        routes = torch.argsort(flat, stable=True).to(torch.int32)
+        offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
+        e_local, rows = 1, routes.numel()
+    if kind in ("ws-src", "ws"):
+        ws.acquire_src().copy_(x)
+        pb, src_off, flags_off = ws.peer_bases, ws.offsets["src"], ws.offsets["flags"]
+        buf = None
+    else:
+        buf = torch.zeros(t * h * 2 + 4096, dtype=torch.uint8, device=dev)
+        buf[: t * h * 2].view(torch.bfloat16).view(t, h).copy_(x)
+        pb, src_off, flags_off = torch.tensor([buf.data_ptr()], dtype=torch.int64, device=dev), 0, t * h * 2
+    status = torch.zeros(4, dtype=torch.int32, device=dev)
+    counter = torch.zeros(4, dtype=torch.int32, device=dev)
+    out = torch.zeros(rows, h, dtype=torch.bfloat16, device=dev)
+    c, _ = compile_kernel(build("round", threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"),
+                          fake_ptr("i32"), fake_ptr("i32"), fake_ptr("bf16"), Int32(1), Int32(1), Int32(1), Int32(1),
+                          Int32(1), Int64(0), Int32(1), Int64(0), Int32(1), fake_stream(), arch="sm_90a")
+    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws") else 1
+    c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(t), Int32(k),
+      Int32(h // 8), Int32(8), Int64(flags_off), Int32(e_local), Int64(src_off), Int32(epoch), st)
+    torch.cuda.synchronize()
+    m = int(offsets[-1])
+    assert not int(status.abs().sum()), f"status {status.tolist()}"
+    return out[:m], x[(routes[:m].long() // k)]
 
 
 if __name__ == "__main__":
