@@ -54,9 +54,8 @@ def copy_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
     i = bidx * THREADS + tidx
     lim = ep * tk
     while i < n:
-        row = i // V
-        s = rs[row]
-        if s >= 0 and s < lim:
+        row, s, ok = _route_of(rs, i, V, lim)
+        if ok:
             p = s // tk
             if cutlass.const_expr(not push):
                 t = (s - p * tk) // k
@@ -109,9 +108,8 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
         for u in cutlass.range_constexpr(unroll):
             j = i + u * stride
             if j < n:
-                row = j // V
-                s = rs[row]
-                if s >= 0 and s < lim:
+                row, s, ok = _route_of(rs, j, V, lim)
+                if ok:
                     if cutlass.const_expr(not push):
                         p = s // tk
                         t = (s - p * tk) // k
@@ -125,9 +123,8 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
         for u in cutlass.range_constexpr(unroll):
             j = i + u * stride
             if j < n:
-                row = j // V
-                s = rs[row]
-                if s >= 0 and s < lim:
+                row, s, ok = _route_of(rs, j, V, lim)
+                if ok:
                     if cutlass.const_expr(not push):
                         local[j, None].store(buf[None, u].load())
                     else:
@@ -136,6 +133,15 @@ def copy_routed_rows_unrolled(tidx: Int32, bidx: Int32, pb: cute.Tensor, status:
                         dst = cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout(8))
                         dst.store(buf[None, u].load())
         i += unroll * stride
+
+
+@cute.jit
+def _route_of(rs: cute.Tensor, j: Int32, V: Int32, lim: Int32):
+    """``(row, route, valid)`` of vector ``j``: its grouped row, the row's packed route
+    ``recv_src[row]`` and whether that lies in ``[0, lim)``."""
+    row = j // V
+    s = rs[row]
+    return row, s, s >= 0 and s < lim
 
 
 def unroll_of() -> int:
