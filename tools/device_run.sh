@@ -20,6 +20,10 @@ timeout 90 python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
 echo "quickstart rc=$? $(tail -1 "$out/quickstart.log")" >> "$out/summary.txt"
 MOK_COMM_QUICK=1 timeout 60 python3 tools/gpu_check.py comm > "$out/comm1.log" 2>&1
 echo "comm EP=1 rc=$?" >> "$out/summary.txt"
+for v in round ws-plan ws-src ws; do  # the bulk transport's native fault, one real piece at a time
+    timeout 40 python3 tools/bulk_probe.py $v > "$out/bulk_probe_$v.log" 2>&1
+    echo "bulk_probe $v rc=$? $(grep -h 'bulk probe' "$out/bulk_probe_$v.log")" >> "$out/summary.txt"
+done
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     timeout 180 torchrun --nproc_per_node=2 tools/gpu_check.py comm layer_ep > "$out/comm.log" 2>&1
     echo "comm + layer_ep EP=2 rc=$?" >> "$out/summary.txt"
