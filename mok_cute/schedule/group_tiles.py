@@ -112,15 +112,21 @@ def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int
 
 
 @cute.jit
-def first_tile(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n_tiles: Int32):
-    """This CTA's start in the persistent tile sequence: ``(linear, grid, expert, base)`` with
-    ``linear`` = the block index, ``grid`` = the stride (number of CTAs) and ``(expert, base)``
-    = :func:`seek` of ``linear`` from the first expert."""
+def grouped_start(offsets: cute.Tensor, b_len: Int32, b_rows, k_len: Int32, tile_m: cutlass.Constexpr[int],
+                  tile_k: cutlass.Constexpr[int]):
+    """This CTA's start in the persistent tile sequence of a grouped GEMM whose B has ``b_len``
+    rows of N loaded ``b_rows`` per tile and whose reduction is ``k_len`` long:
+    ``(num_experts, n_tiles, k_tiles, linear, grid, expert, base)`` with ``linear`` = the block
+    index, ``grid`` = the stride (number of CTAs) and ``(expert, base)`` = :func:`seek` of
+    ``linear`` from the first expert."""
+    num_experts = offsets.shape[0] - 1
+    n_tiles = b_len // b_rows
+    k_tiles = (k_len + (tile_k - 1)) // tile_k
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
     linear = Int32(bidx)
     expert, base = seek(offsets, num_experts, tile_m, n_tiles, linear, Int32(0), Int32(0))
-    return linear, grid, expert, base
+    return num_experts, n_tiles, k_tiles, linear, grid, expert, base
 
 
 @cute.jit
@@ -138,6 +144,22 @@ def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: In
     row0 = lo + m_tile * tile_m
     rows = cutlass.min(hi - row0, tile_m)
     return m_tile, n_tile, row0, rows
+
+
+@cute.jit
+def wgrad_start(offsets: cute.Tensor, rows_out: Int32, cols_out: Int32, tile_m: cutlass.Constexpr[int],
+                tile_n: cutlass.Constexpr[int]):
+    """This CTA's start in the weight-gradient walk over an [E, rows_out, cols_out] output:
+    ``(num_experts, m_tiles, n_tiles, total, linear, grid)`` (``cols_out`` a multiple of
+    ``tile_n``; ``linear`` the block index, ``grid`` the stride, ``total`` the tiles of all
+    experts; :func:`wgrad_tile` maps a linear tile)."""
+    num_experts = offsets.shape[0] - 1
+    m_tiles = (rows_out + (tile_m - 1)) // tile_m
+    n_tiles = cols_out // tile_n
+    total = num_experts * m_tiles * n_tiles
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    return num_experts, m_tiles, n_tiles, total, Int32(bidx), grid
 
 
 @cute.jit

@@ -53,7 +53,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     experts_last,
 )
-from mok_cute.schedule.group_tiles import wgrad_tile
+from mok_cute.schedule.group_tiles import wgrad_start, wgrad_tile
 
 _RAGGED = 2 ** 30  # fixed extent of the ragged token mode
 _EXTRA = 2 ** 31 - 1  # extent of the two address-selecting modes
@@ -117,14 +117,9 @@ class GroupedWgradSm90:
 
         pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
-        num_experts = mOffsets.shape[0] - 1
         na = coord_a.shape[0]
-        m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
-        n_tiles = coord_b.shape[0] // cfg.tile_n
-        total = num_experts * m_tiles * n_tiles
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        linear = Int32(bidx)
+        num_experts, m_tiles, n_tiles, total, linear, grid = wgrad_start(mOffsets, na, coord_b.shape[0], cfg.tile_m,
+                                                                         cfg.tile_n)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)

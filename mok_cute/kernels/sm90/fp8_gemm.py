@@ -74,7 +74,7 @@ from mok_cute.kernels.sm90.mainloop import (
     consumer_barrier, experts_last,
 )
 from mok_cute.kernels.swiglu_math import dswiglu
-from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
+from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 SCALE_BLOCK = 128
 # overlapped promotion (the default): 3 FP32 fragments per consumer thread (192 registers) do not
@@ -369,12 +369,10 @@ class Fp8BlockGroupedGemm:
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
-        num_experts = mOffsets.shape[0] - 1
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
-        n_tiles = coord_b.shape[0] // b_rows
-        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
+            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k)
         m_total = coord_a.shape[0]
-        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(OVERLAP_PRODUCER_REGS if cutlass.const_expr(overlap)

@@ -53,7 +53,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, Sm90Mainloop, consumer_barrier,
     experts_last,
 )
-from mok_cute.schedule.group_tiles import wgrad_tile
+from mok_cute.schedule.group_tiles import wgrad_start, wgrad_tile
 
 _ROWS = 128  # tile_m: factor slots 0..127 are rows, 128.. columns
 
@@ -248,14 +248,9 @@ class Fp8BlockWgradSm90(_ScaledGemm):
             atoms.append(atom_c)
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, fac = self._allocate()
-        num_experts = mOffsets.shape[0] - 1
         na = coord_a.shape[0]
-        m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
-        n_tiles = coord_b.shape[0] // cfg.tile_n
-        total = num_experts * m_tiles * n_tiles
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        linear = Int32(bidx)
+        num_experts, m_tiles, n_tiles, total, linear, grid = wgrad_start(mOffsets, na, coord_b.shape[0], cfg.tile_m,
+                                                                         cfg.tile_n)
         producer_regs, consumer_regs = self._regs()
 
         if warp < THREADS_PER_WG // 32:

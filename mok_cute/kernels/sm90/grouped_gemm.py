@@ -62,7 +62,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout, experts_last,
 )
-from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
+from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
@@ -525,14 +525,12 @@ class GroupedGemmSm90:
 
         pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
-        num_experts = mOffsets.shape[0] - 1
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
-        n_tiles = coord_b.shape[0] // b_rows
-        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
+            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k)
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
             k_tiles1 = coord_b.shape[1] // cfg.tile_k
-        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)

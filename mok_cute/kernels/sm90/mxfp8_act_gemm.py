@@ -62,7 +62,7 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     SMEM_BYTES, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, experts_last,
 )
-from mok_cute.schedule.group_tiles import first_tile, seek, tile_coords
+from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 MX_BLOCK = 32
 _VEC = 8  # elements per dequant vector: 8 e4m3 bytes in, one 16-byte bf16 vector out
@@ -150,10 +150,8 @@ class Mxfp8ActGemmSm90:
         sA8 = storage.sA8.get_tensor(self.a8_layout)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_mn, is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_mn)
-        num_experts = mOffsets.shape[0] - 1
-        n_tiles = coord_b.shape[0] // cfg.tile_n
-        k_tiles = (coord_a.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
-        linear, grid, expert, base = first_tile(mOffsets, num_experts, cfg.tile_m, n_tiles)
+        num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
+            mOffsets, coord_b.shape[0], cfg.tile_n, coord_a.shape[1], cfg.tile_m, cfg.tile_k)
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(ACT_PRODUCER_REGS)
             if warp == 0:
