@@ -213,7 +213,7 @@ def test_task_list_matches_the_grouped_walk():
 def test_simulate_detects_a_missing_dependency(monkeypatch):
     """The mirror is not vacuous: a task list whose GEMM2 waits for a GEMM1 tile that is never
     published deadlocks."""
-    monkeypatch.setattr(ft, "needs", lambda task, tile_m, n1, n1s: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
+    monkeypatch.setattr(ft, "needs", lambda task, n1, n1s: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(_offsets([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
 

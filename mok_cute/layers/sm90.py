@@ -244,9 +244,11 @@ class Sm90ExpertMLP:
 
 
 def _ring_chunks(config, topk_idx) -> int:
-    """Slots of 128 rows in the fused forward's ring: the routed rows of ``minibatch_tokens``
-    tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
-    return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)
+    """Slots of 128 rows (``fused_moe.CHUNK``) in the fused forward's ring: the routed rows of
+    ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
+    from mok_cute.kernels.sm90.fused_moe import CHUNK
+
+    return -(-config.minibatch_tokens * topk_idx.shape[1] // CHUNK)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):

@@ -74,10 +74,10 @@ def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
             for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
 
 
-def needs(task: tuple, tile_m: int, n1: int, n1s: int) -> list[tuple[str, int, int]]:
+def needs(task: tuple, n1: int, n1s: int) -> list[tuple[str, int, int]]:
     """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk),
     ``h`` (routed m-tile: n1 GEMM1 tiles), ``sh`` (shared m-tile: n1s tiles)."""
-    phase, _, _, row0, rows, mt = task
+    phase, mt = task[0], task[5]
     if phase == R1:
         return [("gather", mt, 1)]
     if phase == R2:
@@ -105,7 +105,7 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
     gathers = [([("h", c - ring, n1)] if c >= ring else [], ("gather", c)) for c in range(chunks)]
-    rounds, count = run_tickets(tasks, lambda t: needs(t, tile_m, n1, n1s), publishes, strided(gathers, comm_ctas),
+    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s), publishes, strided(gathers, comm_ctas),
                                 gemm_ctas, seed)
     gemm2 = sum(t[0] in (S2, R2) for t in tasks)
     assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"

@@ -835,20 +835,20 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
-    scalars = (k, 0.0 if limit is None else float(limit), comm_ctas, num_ctas, ring, band, int(timeout_s * 1e9))
+    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
+    scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     stream = torch._C._cuda_getCurrentRawStream(dev)
     if ws is None:
-        key = tuple(None if a is None else tensor_key(a) for a in tensors) + scalars
+        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
+                                                                               timeout_ns)
         launcher.launch(dev, stream, key, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
-            Int32(num_ctas), Int32(ring), Int32(band), Int64(scalars[6]), None, None, *_NO_EP, st))
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, *_NO_EP, st))
     else:
         o = ws.offsets
         ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
                       Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
         launcher.launch_direct(stream, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(scalars[1]), Int32(comm_ctas),
-            Int32(num_ctas), Int32(ring), Int32(band), Int64(scalars[6]), _Desc(ws.peer_bases), _Desc(w_rows),
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(w_rows),
             *ep_scalars, st))
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
