@@ -31,11 +31,12 @@ CASES = (("uniform", False, False, None), ("skew+shared L=4", True, True, 4.0), 
          ("uniform+shared", False, True, None), ("one expert+shared L=4", False, True, 4.0))
 
 
-def _shortfalls(counters, n1: int, n1s: int) -> str:
-    """The readiness counters that did not reach their targets (first few of each)."""
+def _shortfalls(counters, n1: int, n1s: int, mtiles: int) -> str:
+    """The readiness counters that did not reach their targets (first few of each; gather and h
+    over the launch's ``mtiles`` routed m-tiles, the rest of their arrays is never used)."""
     gather, h_ready, sh_ready, done, status = (c.cpu() for c in counters)
     out = []
-    for name, c, target in (("gather", gather, 1), ("h", h_ready, n1), ("sh", sh_ready, n1s)):
+    for name, c, target in (("gather", gather[:mtiles], 1), ("h", h_ready[:mtiles], n1), ("sh", sh_ready, n1s)):
         short = (c < target).nonzero().flatten().tolist()
         if short:
             out.append(f"{name}<{target} at {short[:6]}{'...' if len(short) > 6 else ''} (of {c.numel()})")
@@ -89,6 +90,7 @@ def main() -> int:
         os.environ["MOK_CUTE_FUSED_PROGRESS"] = "1"
     from mok_cute.kernels.sm90 import fused_moe as fused
     from mok_cute.layers.grouped import route_sort
+    from mok_cute.schedule.fused_tasks import mtile_rows
 
     dev = torch.device("cuda")
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
@@ -100,6 +102,7 @@ def main() -> int:
             idx = torch.full_like(idx, -1)
             idx[:, 0] = 3
         order, offsets, _ = route_sort(idx, e)
+        mtiles = len(mtile_rows(offsets.tolist(), 128))
         args_ = (x, order.to(torch.int32), offsets, idx.to(torch.int32), w, *ws, sh, limit)
         first = None
         for comm, ring in runs:
@@ -111,7 +114,7 @@ def main() -> int:
                 counters = out[7]
                 msg = fused.describe(counters[-1].tolist())
                 if msg:
-                    errs.append(f"{msg} | {_shortfalls(counters, inter // 128, 0 if sh is None else inter // 128)}")
+                    errs.append(f"{msg} | {_shortfalls(counters, inter // 128, 0 if sh is None else inter // 128, mtiles)}")
                 elif first is None:
                     first = out[0].clone()
                 elif not torch.equal(first, out[0]):
