@@ -146,6 +146,10 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     from mok_cute.dsl.host import dptr as _p, fake_ptr, fake_stream
     from mok_cute.schedule.plan import plan_routing_device
 
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a 1-rank group: the workspace is collective
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=x.device)
     dev, e = x.device, 8
     idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     ws = get_workspace(None, T=t, H=h, k=k, E=e)

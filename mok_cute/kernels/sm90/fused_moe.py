@@ -60,6 +60,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
@@ -95,7 +96,7 @@ KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 _FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
 _HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
-SUM_BATCH = 2  # default slot rows loaded before they are added, per thread of the slot sum (1 when traced)
+SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 _SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
 
 
@@ -110,11 +111,15 @@ class FusedMoeFwdSm90:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
-        self.sum_batch = 1 if trace else sum_batch  # the trace's stamps leave no room for more (0 spills)
+        self.sum_batch = sum_batch
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
+        b_bytes = self.mainloop.stages * cfg.tile_n * cfg.tile_k * 2
+        if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
+            raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
+                             f"({b_bytes} bytes)")
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
@@ -253,7 +258,9 @@ class FusedMoeFwdSm90:
         t1 = self._now()
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 9, Int32(0))
-        self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden)
+        sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
+                                                                        stride=(_VEC, 1)))
+        self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -605,18 +612,22 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _slot_sum(self, tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mSout: cute.Tensor,
-                  mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32):
+                  mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32,
+                  sbuf: cute.Tensor):
         """Every CTA: ``y[t] = bf16(fp32(s_out[t]) + sum_j w[t, j] * fp32(slot_out[t*k + j]))`` over
-        the slots with an expert, in slot order (grid stride over (token, 16-byte vector))."""
+        the slots with an expert, in slot order (grid stride over (token, 16-byte vector)). Each
+        thread has ``sum_batch`` slot rows' vectors in flight at once, as cp.async copies into
+        ``sbuf`` [sum_batch * NUM_THREADS, 8] bf16 (the idle B stages: no register holds them)."""
         v = hidden // _VEC
         slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
         y = cute.make_tensor(mY.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
         s = None
         if cutlass.const_expr(self.shared):
             s = cute.make_tensor(mSout.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
+                                  num_bits_per_copy=128)
         acc = cute.make_rmem_tensor((_VEC,), Float32)
         nb = self.sum_batch
-        xs = cute.make_rmem_tensor((_VEC, nb), cutlass.BFloat16)
         ws = cute.make_rmem_tensor((nb,), Float32)
         es = cute.make_rmem_tensor((nb,), Int32)
         for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
@@ -627,18 +638,20 @@ class FusedMoeFwdSm90:
             else:
                 acc.fill(0.0)
             for j0 in cutlass.range(0, k, nb, unroll=1):
-                # nb slot rows in flight (a -1 slot's row is read but not added: in bounds)
-                for u in cutlass.range_constexpr(nb):
-                    r = t * k + cutlass.min(j0 + u, k - 1)
-                    es[u] = mIdx[r]
-                    if j0 + u >= k:
-                        es[u] = Int32(-1)
-                    ws[u] = mW[r]
-                    xs[None, u].store(slot[r * v + c, None].load())
+                for u in cutlass.range_constexpr(nb):  # nb slot rows in flight
+                    es[u] = Int32(-1)
+                    if j0 + u < k:
+                        r = t * k + j0 + u
+                        es[u] = mIdx[r]
+                        ws[u] = mW[r]
+                        cute.copy(g2s, slot[r * v + c, None], sbuf[u * NUM_THREADS + tidx, None])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
                 for u in cutlass.range_constexpr(nb):  # added in slot order
                     if es[u] >= 0:
+                        xs = sbuf[u * NUM_THREADS + tidx, None].load().to(Float32)
                         for e in cutlass.range_constexpr(_VEC):
-                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e, u].to(Float32)))
+                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e]))
             y[i, None].store(acc.load().to(cutlass.BFloat16))
 
 
