@@ -11,6 +11,10 @@ TILE_N = (64, 128, 192, 256)
 TILE_K = (32, 64, 128)
 
 
+COMM_SMS_FWD_EP1 = 16  # the fused forward's gather CTAs at EP = 1 by default
+COMM_SMS_FWD_EP = 40  # the forward's comm CTAs at EP > 1 by default (not yet tuned on two GPUs)
+
+
 @dataclass(frozen=True)
 class MoKConfig:
     """Configuration of :func:`mok_cute.moe`.
@@ -22,8 +26,10 @@ class MoKConfig:
         them, so its memory does not grow with T; a multiple of 256. 512-8192 measured within
         noise of each other on one H200 (docs/benchmarks.md).
     comm_sms_fwd / comm_sms_bwd: SMs given to communication in each pass; even, >= 2. The fused
-        forward's row-gathering CTAs (clamped to the grid; 16-40 measured best at EP = 1); the
-        unfused EP > 1 path's forward / backward comm kernels' CTAs.
+        forward's row-gathering CTAs (clamped to the grid) and the unfused EP > 1 path's forward /
+        backward comm kernels' CTAs. ``comm_sms_fwd`` None (default): :data:`COMM_SMS_FWD_EP1` at
+        EP = 1 (8-16 measured best on one H200, docs/benchmarks.md), :data:`COMM_SMS_FWD_EP` at
+        EP > 1 (see :meth:`comm_ctas_fwd`).
     tile_m / tile_n / tile_k: GEMM tile override (M = tokens, N = output features, K =
         reduction); None (default): each backend's tuned tiles per precision. The GPU backends
         do not take overrides yet and raise NotImplementedError for one (the reference ignores
@@ -40,7 +46,7 @@ class MoKConfig:
 
     precision: str = "bf16"
     minibatch_tokens: int = 1024
-    comm_sms_fwd: int = 40
+    comm_sms_fwd: int | None = None
     comm_sms_bwd: int = 28
     tile_m: int | None = None
     tile_n: int | None = None
@@ -57,6 +63,8 @@ class MoKConfig:
             raise ValueError(f"minibatch_tokens must be a positive multiple of 256, got {self.minibatch_tokens}")
         for name in ("comm_sms_fwd", "comm_sms_bwd"):
             v = getattr(self, name)
+            if v is None and name == "comm_sms_fwd":
+                continue
             _int(name, v)
             if v < 2 or v % 2:
                 raise ValueError(f"{name} must be an even integer >= 2, got {v}")
@@ -69,6 +77,13 @@ class MoKConfig:
             raise ValueError(f"device_timeout_s must be a positive finite number of seconds, got {t!r}")
         if not isinstance(self.validate_routing, bool):
             raise TypeError(f"validate_routing must be a bool, got {type(self.validate_routing).__name__}")
+
+
+    def comm_ctas_fwd(self, ep: int) -> int:
+        """The forward's comm CTAs at expert-parallel size ``ep``: ``comm_sms_fwd``, or its default."""
+        if self.comm_sms_fwd is not None:
+            return self.comm_sms_fwd
+        return COMM_SMS_FWD_EP1 if ep == 1 else COMM_SMS_FWD_EP
 
 
 def _int(name: str, v) -> None:

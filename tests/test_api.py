@@ -38,9 +38,12 @@ def test_config_rejects(kw, exc, msg):
 
 def test_config_defaults():
     c = MoKConfig()
-    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 1024, 40, 28)
+    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 1024, None, 28)
     assert (c.tile_m, c.tile_n, c.tile_k) == (None, None, None)  # each backend's tuned tiles
     assert MoKConfig(tile_n=128).tile_n == 128
+    # the forward's comm CTAs: a tuned default per EP size unless given
+    assert (c.comm_ctas_fwd(1), c.comm_ctas_fwd(2), c.comm_ctas_fwd(8)) == (16, 40, 40)
+    assert (MoKConfig(comm_sms_fwd=6).comm_ctas_fwd(1), MoKConfig(comm_sms_fwd=6).comm_ctas_fwd(4)) == (6, 6)
 
 
 def test_gpu_backend_rejects_tile_overrides():

@@ -71,7 +71,7 @@ def forward(mlp, inp, group, ep: int, config):
     h = x.shape[1]
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
     plan = plan_routing_device(ws, idx)
-    ctas = config.comm_sms_fwd
+    ctas = config.comm_ctas_fwd(ep)
     if fused_ep_enabled() and x.is_cuda and config.precision in getattr(mlp, "fused_precisions", ()):
         return _fused_forward(mlp, inp, ws, plan, config)
     kw = {} if config.precision == "bf16" else {"precision": config.precision}

@@ -137,7 +137,7 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
-        out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_sms_fwd,
+        out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_ctas_fwd(1),
                                   config.device_timeout_s, mx=mx, ring_chunks=_ring_chunks(config, topk_idx))
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:6]
@@ -152,7 +152,7 @@ class Sm90ExpertMLP:
 
         args, mx = self._fused_operands(x, plan.offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w,
-                                  *args[1:], limit, config.comm_sms_fwd, config.device_timeout_s, mx=mx, ws=ws,
+                                  *args[1:], limit, config.comm_ctas_fwd(ws.EP), config.device_timeout_s, mx=mx, ws=ws,
                                   num_ctas=num_ctas, ring_chunks=_ring_chunks(config, topk_idx))
         return (*out[:6], out[8])
 

@@ -288,8 +288,7 @@ class FusedMoeFwdSm90:
         staged x (pull protocol: CTA 0 signals READY, every comm CTA waits READY from every rank,
         the last comm CTA to finish signals DONE) together with each row's router weight
         (``w_rows``). MXFP8 (``mx``): the rows move as e4m3 + E8M0 (``mXq``) and are
-        dequantized into the ring (:meth:`_gather_mx`)."""
-        v = mX.shape[1] // _VEC
+        dequantized into the ring (:meth:`_gather_rows`)."""
         if cutlass.const_expr(self.ep):
             if tidx == 0:
                 if bidx == 0:
@@ -297,8 +296,6 @@ class FusedMoeFwdSm90:
                 P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, ep.timeout_ns,
                            ep.status)
             cute.arch.barrier()
-        src = cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * v, _VEC), stride=(_VEC, 1)))
-        dst = cute.make_tensor(mXg.iterator, cute.make_layout((mXg.shape[0] * v, _VEC), stride=(_VEC, 1)))
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = self._now()
@@ -307,26 +304,7 @@ class FusedMoeFwdSm90:
                 if tidx == 0:
                     P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
                 cute.arch.barrier()
-            if cutlass.const_expr(self.mx):
-                self._gather_mx(tidx, row0, rows, (c % ring) * CHUNK, mXq, mXg, mOrder, k, ep)
-            else:
-                slot0 = (c % ring) * CHUNK * v
-                n = rows * v
-                buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
-                for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
-                    for u in cutlass.range_constexpr(self.unroll):
-                        i = i0 + u * NUM_THREADS
-                        if i < n:
-                            r = row0 + i // v
-                            if cutlass.const_expr(self.ep):
-                                buf[None, u].store(ep.pull_vec(mOrder[r], k, i % v, v, r, i % v == 0))
-                            else:
-                                tok = mOrder[r] // k
-                                buf[None, u].store(src[tok * v + i % v, None].load())
-                    for u in cutlass.range_constexpr(self.unroll):
-                        i = i0 + u * NUM_THREADS
-                        if i < n:
-                            dst[slot0 + i, None].store(buf[None, u].load())
+            self._gather_rows(tidx, row0, rows, (c % ring) * CHUNK, mX, mXq, mXg, mOrder, k, ep)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -342,44 +320,67 @@ class FusedMoeFwdSm90:
                         P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
 
     @cute.jit
-    def _gather_mx(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mXq: cute.Tensor, mXg: cute.Tensor,
-                   mOrder: cute.Tensor, k: Int32, ep):
-        """Grouped rows ``row0 .. row0 + rows`` from MXFP8 token rows (``mXq`` [T, rb] uint8: H
-        e4m3 bytes, then H/32 E8M0 scales; at EP > 1 the source ranks' staged rows) into ring
-        rows ``slot_row ..`` as bf16: their dequantization, bitwise the reference's MXFP8 round
-        trip of x. One unit = a 16-byte chunk of 16 e4m3 values and its scale byte."""
+    def _gather_rows(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
+                     mXq: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, k: Int32, ep):
+        """Grouped rows ``row0 .. row0 + rows`` into ring rows ``slot_row ..``, one warp per row:
+        the row's source address (a token row of x, or at EP > 1 the source rank's staged row,
+        whose router weight lane 0 pulls into ``w_rows``) is resolved once, then the lanes move
+        its 16-byte units, ``unroll`` loads in flight each. MXFP8 (``mx``): the source rows are
+        ``mXq`` [T, rb] uint8 (H e4m3 bytes, then H/32 E8M0 scales) and each unit (16 e4m3 values
+        and their scale byte) is dequantized to bf16, bitwise the reference's MXFP8 round trip."""
         hid = mXg.shape[1]
-        rb = mXq.shape[1]
-        nc = hid // 16
-        n = rows * nc
-        dst = cute.make_tensor(cute.recast_ptr(mXg.iterator, dtype=cutlass.Uint32),
-                               cute.make_layout((mXg.shape[0] * nc, 8), stride=(8, 1)))
-        base = mXq.iterator.toint()
-        qs = cute.make_rmem_tensor((4, self.unroll), cutlass.Uint32)
-        ss = cute.make_rmem_tensor((self.unroll,), cutlass.Uint32)
-        for i0 in cutlass.range(tidx, n, NUM_THREADS * self.unroll, unroll=1):
-            for u in cutlass.range_constexpr(self.unroll):  # every load first
-                i = i0 + u * NUM_THREADS
-                if i < n:
-                    r = row0 + i // nc
-                    c = i % nc
-                    src = Int64(0)
-                    if cutlass.const_expr(self.ep):
-                        src = ep.src_row(mOrder[r], k, rb)
-                        if c == 0:
-                            ep.pull_w(mOrder[r], r)
-                    else:
-                        src = base + Int64(mOrder[r] // k) * Int64(rb)
-                    qs[None, u].store(cute.make_tensor(P.gptr(cutlass.Uint32, src + Int64(c) * 16, 16),
-                                                       cute.make_layout((4,))).load())
-                    sc = cute.make_tensor(P.gptr(cutlass.Uint8, src + Int64(hid + c // 2), 1), cute.make_layout((1,)))
-                    ss[u] = cutlass.Uint32(sc[0])
-            for u in cutlass.range_constexpr(self.unroll):
-                i = i0 + u * NUM_THREADS
-                if i < n:
-                    o = cute.make_rmem_tensor((8,), cutlass.Uint32)
-                    self.fp8.deq_bf16([qs[j, u] for j in range(4)], [self.fp8.scale_bits(ss[u])] * 16, o)
-                    dst[(slot_row + i // nc) * nc + i % nc, None].store(o.load())
+        warp = tidx // 32
+        lane = tidx % 32
+        rb = hid * 2
+        base = mX.iterator.toint()
+        if cutlass.const_expr(self.mx):
+            rb = mXq.shape[1]
+            base = mXq.iterator.toint()
+        nu = hid // _VEC  # 16-byte units of a bf16 row
+        if cutlass.const_expr(self.mx):
+            nu = hid // 16  # 16-value chunks of an MXFP8 row
+        dbase = mXg.iterator.toint()
+        for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
+            r = row0 + rr
+            q = mOrder[r]
+            src = base + Int64(q // k) * Int64(rb)
+            if cutlass.const_expr(self.ep):
+                src = ep.src_row(q, k, rb)
+                if lane == 0:
+                    ep.pull_w(q, r)
+            dst = dbase + Int64(slot_row + rr) * Int64(hid * 2)
+            if cutlass.const_expr(self.mx):
+                qs = cute.make_rmem_tensor((4, self.unroll), cutlass.Uint32)
+                ss = cute.make_rmem_tensor((self.unroll,), cutlass.Uint32)
+                for c0 in cutlass.range(lane, nu, 32 * self.unroll, unroll=1):
+                    for u in cutlass.range_constexpr(self.unroll):  # every load first
+                        cu = c0 + u * 32
+                        if cu < nu:
+                            qs[None, u].store(cute.make_tensor(P.gptr(cutlass.Uint32, src + Int64(cu) * 16, 16),
+                                                               cute.make_layout((4,))).load())
+                            sc = cute.make_tensor(P.gptr(cutlass.Uint8, src + Int64(hid + cu // 2), 1),
+                                                  cute.make_layout((1,)))
+                            ss[u] = cutlass.Uint32(sc[0])
+                    for u in cutlass.range_constexpr(self.unroll):
+                        cu = c0 + u * 32
+                        if cu < nu:
+                            o = cute.make_rmem_tensor((8,), cutlass.Uint32)
+                            self.fp8.deq_bf16([qs[j, u] for j in range(4)], [self.fp8.scale_bits(ss[u])] * 16, o)
+                            cute.make_tensor(P.gptr(cutlass.Uint32, dst + Int64(cu) * 32, 16),
+                                             cute.make_layout((8,))).store(o.load())
+            else:
+                buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
+                for c0 in cutlass.range(lane, nu, 32 * self.unroll, unroll=1):
+                    for u in cutlass.range_constexpr(self.unroll):
+                        cu = c0 + u * 32
+                        if cu < nu:
+                            buf[None, u].store(cute.make_tensor(P.gptr(cutlass.BFloat16, src + Int64(cu) * 16, 16),
+                                                                cute.make_layout((_VEC,))).load())
+                    for u in cutlass.range_constexpr(self.unroll):
+                        cu = c0 + u * 32
+                        if cu < nu:
+                            cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
+                                             cute.make_layout((_VEC,))).store(buf[None, u].load())
 
     @cute.jit
     def _now(self):
