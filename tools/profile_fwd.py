@@ -1,7 +1,8 @@
 """Where one forward of the layer spends its time on the GPU (sm90 backend, EP = 1): a
 torch.profiler kernel table of ``--calls`` forwards (CUDA time per kernel name, per call),
 the fused kernel's share of it, the GPU time between kernels (idle), and the host time per
-call (pipelined calls, one sync at the end).
+call (pipelined calls, one sync at the end); ``--graph``: the wall time per replay of one
+forward captured in a CUDA graph.
 
     source .gpu-node/activate.sh && python3 tools/profile_fwd.py [--shape T,H,I,E,k] [--comm 16]
 """
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--comm", type=int, default=16)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--fused", default="1")
+    ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
     args = ap.parse_args()
     os.environ["MOK_CUTE_FUSED"] = args.fused
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
@@ -50,6 +52,17 @@ def main() -> int:
             for _ in range(args.calls):
                 fwd()
             torch.cuda.synchronize()
+    if args.graph:  # the same forward with the host and the stream gaps between its kernels taken out
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            fwd()
+        g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+        print(f"CUDA graph replay: wall per call {(time.perf_counter() - t0) / 20 * 1e6:.0f} us")
     evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for ev in evs:
