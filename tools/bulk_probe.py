@@ -1,6 +1,6 @@
 """Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
 
-    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws [threads]
+    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|dispatch [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
 shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
@@ -13,7 +13,9 @@ dispatch on a 1-rank workspace (``comm.workspace.get_workspace``): its device ro
 read through the peer table at the section offset, flags in its ``flags`` section), or both. Both launch like the
 bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per CTA, default
 1024). Prints whether out equals the torch gather; a fault aborts the process (run each
-variant in its own process)."""
+variant in its own process). ``ws-prod``: the ``ws`` arguments given to the production bulk pull
+kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's. ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
+under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
 
 import sys
@@ -106,6 +108,8 @@ def main() -> int:
         want = x
     elif kind.startswith("ws"):
         out, want = _with_workspace(kind, x, threads, t, h, k, st)
+    elif kind == "dispatch":  # the production bulk pull itself (comm.dispatch), same 1-rank workspace
+        out, want = _dispatch(x, t, h, k)
     elif kind == "round":  # the mover inside the pull protocol, x and 4 KiB of flags in one buffer
         buf = torch.zeros(t * h * 2 + 4096, dtype=torch.uint8, device=dev)
         buf[: t * h * 2].view(torch.bfloat16).view(t, h).copy_(x)
@@ -146,14 +150,11 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     from mok_cute.dsl.host import dptr as _p, fake_ptr, fake_stream
     from mok_cute.schedule.plan import plan_routing_device
 
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # a 1-rank group: the workspace is collective
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=x.device)
+    _one_rank_group(x.device)
     dev, e = x.device, 8
     idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     ws = get_workspace(None, T=t, H=h, k=k, E=e)
-    if kind in ("ws-plan", "ws"):
+    if kind in ("ws-plan", "ws", "ws-prod"):
         plan = plan_routing_device(ws, idx)
         routes, offsets, e_local, rows = plan.recv_src, plan.offsets, e, plan.recv_src.shape[0]
     else:
@@ -161,7 +162,7 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
         routes = torch.argsort(flat, stable=True).to(torch.int32)
         offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
         e_local, rows = 1, routes.numel()
-    if kind in ("ws-src", "ws"):
+    if kind in ("ws-src", "ws", "ws-prod"):
         ws.acquire_src().copy_(x)
         pb, src_off, flags_off = ws.peer_bases, ws.offsets["src"], ws.offsets["flags"]
         buf = None
@@ -172,16 +173,53 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     status = torch.zeros(4, dtype=torch.int32, device=dev)
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     out = torch.zeros(rows, h, dtype=torch.bfloat16, device=dev)
-    c, _ = compile_kernel(build("round", threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"),
-                          fake_ptr("i32"), fake_ptr("i32"), fake_ptr("bf16"), Int32(1), Int32(1), Int32(1), Int32(1),
-                          Int32(1), Int64(0), Int32(1), Int64(0), Int32(1), fake_stream(), arch="sm_90a")
-    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws") else 1
-    c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(t), Int32(k),
-      Int32(h // 8), Int32(8), Int64(flags_off), Int32(e_local), Int64(src_off), Int32(epoch), st)
+    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod") else 1
+    if kind == "ws-prod":  # the production bulk pull kernel (comm.dispatch) with these arguments
+        from mok_cute.comm.dispatch import compile_pull_bulk
+
+        c, _ = compile_pull_bulk("sm_90a")
+        c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(0), Int32(1),
+          Int32(t), Int32(k), Int32(h // 8), Int32(e_local), Int64(src_off), Int64(flags_off), Int32(epoch),
+          Int64(10 ** 9), Int32(8), st)
+    else:
+        c, _ = compile_kernel(build("round", threads), fake_ptr("i64"), fake_ptr("i32"), fake_ptr("i32"),
+                              fake_ptr("i32"), fake_ptr("i32"), fake_ptr("bf16"), Int32(1), Int32(1), Int32(1),
+                              Int32(1), Int32(1), Int64(0), Int32(1), Int64(0), Int32(1), fake_stream(), arch="sm_90a")
+        c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(t), Int32(k),
+          Int32(h // 8), Int32(8), Int64(flags_off), Int32(e_local), Int64(src_off), Int32(epoch), st)
     torch.cuda.synchronize()
     m = int(offsets[-1])
     assert not int(status.abs().sum()), f"status {status.tolist()}"
     return out[:m], x[(routes[:m].long() // k)]
+
+
+def _dispatch(x, t: int, h: int, k: int):
+    """``comm.dispatch.dispatch`` under ``MOK_COMM_TRANSPORT=bulk_pull`` on the ``ws`` probe's
+    1-rank workspace and plan; returns ``(out, want)`` over the plan's rows."""
+    import os
+
+    from mok_cute.comm.dispatch import dispatch
+    from mok_cute.comm.workspace import get_workspace
+    from mok_cute.schedule.plan import plan_routing_device
+
+    os.environ["MOK_COMM_TRANSPORT"] = "bulk_pull"
+    _one_rank_group(x.device)
+    idx = torch.stack([torch.randperm(8, device=x.device)[:k] for _ in range(t)])
+    ws = get_workspace(None, T=t, H=h, k=k, E=8, num_ctas=8)
+    plan = plan_routing_device(ws, idx)
+    out = dispatch(ws, x, plan, num_ctas=8)
+    torch.cuda.synchronize()
+    ws.check_status()
+    m = int(plan.offsets[-1])
+    return out[:m], x[(plan.recv_src[:m].long() // k)]
+
+
+def _one_rank_group(dev) -> None:
+    """A 1-rank NCCL group (the workspace is collective)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
 
 
 if __name__ == "__main__":
