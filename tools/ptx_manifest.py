@@ -143,6 +143,11 @@ def _quant():
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))
+    from mok_cute.kernels.sm90 import fused_bwd as fb
+
+    for clamp in (False, True):
+        out[f"sm90/fused-bwd-core-{'clamp' if clamp else 'noclamp'}@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, inspect=True))
     from mok_cute.schedule import local_plan as lp
 
     for arch in ("sm_90a", "sm_100a"):

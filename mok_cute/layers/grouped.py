@@ -51,6 +51,12 @@ def fused_enabled() -> bool:
     return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
 
 
+def fused_bwd_enabled() -> bool:
+    """The routed backward runs as one fused launch (``kernels/sm90/fused_bwd.py``) only with
+    ``MOK_CUTE_FUSED_BWD=1`` (opt-in until it is verified on the device; read at every call)."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD", "0") == "1"
+
+
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
     """``(order int32 [T*k], offsets int32 [E+1], idx int32 [T, k])`` with no host sync: the
     routes sorted stably by expert (routes with no expert last), the experts' row offsets, and

@@ -184,6 +184,12 @@ class Sm90ExpertMLP:
             return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
+        from mok_cute.layers.grouped import fused_bwd_enabled
+
+        if fused_bwd_enabled() and g.x is not None and g.x.is_contiguous() and dy_rows.is_contiguous():
+            from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+
+            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
 

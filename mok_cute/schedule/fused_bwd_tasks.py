@@ -1,6 +1,8 @@
-"""Task list of the fused MoE backward (issue 13; pure-Python mirror, the kernel is not built):
-the schedule the backward megakernel is to run, checked for completeness and deadlock freedom
-on the host (:func:`simulate`, :func:`simulate_ep`) before any device code exists.
+"""Task list of the fused MoE backward (issue 13): the schedule the backward megakernel runs,
+checked for completeness and deadlock freedom on the host (:func:`simulate`, :func:`simulate_ep`),
+and the device decoding of its routed GEMM phases (:func:`core_task`, the list of
+``kernels/sm90/fused_bwd.py``: D2, D1, W without the comm jobs and the shared phases, which
+that kernel does not run yet; mirror :func:`core_task_list`).
 
 Work, per rank, with the forward's tile walk (routed m-tile ``mt``: <= ``tile_m`` grouped rows of
 one expert, numbered in expert order; shared m-tile ``m``: ``tile_m`` tokens):
@@ -25,7 +27,12 @@ cannot deadlock. This module imports no GEMM code.
 """
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
 from mok_cute.schedule.fused_tasks import check_ep_pushes, mtile_rows
+from mok_cute.schedule.group_tiles import seek, tile_coords
 from mok_cute.schedule.tickets import run_tickets, strided
 
 SD2, D2, SD1, D1, SW, W = range(6)
@@ -120,3 +127,83 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n_i: int, n_is
         return rounds, [(*rows[mt], n_tile) for phase, _, n_tile, mt, _ in
                         task_list(offs, tokens, tile_m, n_i, n_is, n_h, w_d, w_gu, shared) if phase == D1]
     return check_ep_pushes(topk_idx_per_rank, num_experts, n_h, rank, "dx")
+
+
+# ---------------------------------------------------------------- the routed core on the device
+def core_task_list(offsets, tile_m: int, n_i: int, n_h: int, wd_tiles: tuple[int, int],
+                   wgu_tiles: tuple[int, int]) -> list[tuple]:
+    """The routed core of :func:`task_list` (no shared expert) with each weight tile's
+    coordinates: ``(phase, expert, n_tile, m_tile, mt, which)``; D2 / D1: ``m_tile`` is the
+    m-tile inside the expert and ``mt`` the routed m-tile; W: ``(m_tile, n_tile)`` of the dW
+    output tile, m fastest (``wd_tiles`` / ``wgu_tiles``: (m-tiles, n-tiles) of one dW_down /
+    one dW_gate), ``mt`` -1. The order is :func:`task_list`'s."""
+    out = []
+    for phase, expert, tile, mt, which in task_list(offsets, 0, tile_m, n_i, 0, n_h, wd_tiles[0] * wd_tiles[1],
+                                                    wgu_tiles[0] * wgu_tiles[1], False):
+        if phase == W:
+            m_tiles = (wd_tiles if which == WD else wgu_tiles)[0]
+            out.append((W, expert, tile // m_tiles, tile % m_tiles, -1, which))
+        else:
+            first = expert_mtiles(offsets, tile_m)[expert][0]
+            out.append((phase, expert, tile, mt - first, mt, -1))
+    return out
+
+
+@cute.jit
+def core_task(t: Int32, n_d2: Int32, n_d1: Int32, n_i: Int32, n_h: Int32, offsets: cute.Tensor, num_experts: Int32,
+              tile_m: cutlass.Constexpr[int], wd_m: Int32, wd_n: Int32, wgu_m: Int32, wgu_n: Int32, e1: Int32,
+              b1: Int32, e2: Int32, b2: Int32):
+    """``(phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2)`` of core task
+    ``t`` (:func:`core_task_list` order; ``n_d2`` / ``n_d1``: tasks of D2 / D1). D2 and D1 advance
+    their own :func:`~mok_cute.schedule.group_tiles.seek` cursor ``(e, b)`` (a CTA's tasks only
+    grow); ``row0`` / ``rows``: the grouped rows of a D2 / D1 tile; W: ``which`` in WD / WG / WU,
+    ``(m_tile, n_tile)`` its dW output tile."""
+    phase = Int32(W)
+    expert = Int32(0)
+    n_tile = Int32(0)
+    m_tile = Int32(0)
+    row0 = Int32(0)
+    rows = Int32(0)
+    mt = Int32(-1)
+    which = Int32(-1)
+    if t < n_d2:
+        phase = Int32(D2)
+        e1, b1 = seek(offsets, num_experts, tile_m, n_i, t, e1, b1)
+        expert = e1
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, t, e1, b1)
+        mt = b1 // n_i + m_tile
+    elif t < n_d2 + n_d1:
+        phase = Int32(D1)
+        lin = t - n_d2
+        e2, b2 = seek(offsets, num_experts, tile_m, n_h, lin, e2, b2)
+        expert = e2
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
+        mt = b2 // n_h + m_tile
+    else:
+        lin = t - n_d2 - n_d1
+        wd = wd_m * wd_n
+        wgu = wgu_m * wgu_n
+        per_e = wd + 2 * wgu
+        expert = lin // per_e
+        r = lin - expert * per_e
+        m_tiles = wd_m
+        which = Int32(WD)
+        if r >= wd:
+            r = r - wd
+            m_tiles = wgu_m
+            which = Int32(WG)
+            if r >= wgu:
+                r = r - wgu
+                which = Int32(WU)
+        m_tile = r % m_tiles
+        n_tile = r // m_tiles
+    return phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2
+
+
+@cute.jit
+def expert_mtile_range(offsets: cute.Tensor, expert: Int32, tile_m: cutlass.Constexpr[int]):
+    """``(first routed m-tile of expert, its m-tile count)`` (one pass over the offsets before it)."""
+    first = Int32(0)
+    for e in cutlass.range(expert, unroll=1):
+        first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
+    return first, (offsets[expert + 1] - offsets[expert] + (tile_m - 1)) // tile_m

@@ -72,9 +72,11 @@ from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
+from mok_cute.kernels.sm90 import persistent
+from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import (
-    CONSUMER_REGS, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    CONSUMER_REGS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_tasks as tasks
@@ -94,8 +96,6 @@ PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write m
 )
 KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
-_FULL, _EMPTY = 2, 4  # named barrier ids of the task hand-off slots (1: the consumers' own)
-_HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 _SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
 
@@ -408,14 +408,6 @@ class FusedMoeFwdSm90:
                             sem="relaxed", scope="sys")
 
     @cute.jit
-    def _wait(self, counter: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer, channel: Int32,
-              what: Int32):
-        """Producer thread: bounded wait for ``*counter >= target``, then order the async
-        proxy's (TMA) reads after the generic-proxy writes it observed."""
-        P.wait_geq(counter, target, timeout_ns, status, what, channel)
-        cute.arch.fence_proxy("async.global")
-
-    @cute.jit
     def _produce(self, pipe, sA, sB, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, n_s1: Int32, n_r1: Int32,
                  n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32, k2s: Int32,
                  ring: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
@@ -432,22 +424,22 @@ class FusedMoeFwdSm90:
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         lead = cute.arch.lane_idx() == 0
         i = Int32(0)
-        t = self._claim(ticket)
+        t = persistent.claim(ticket)
         while t < n_tasks:
             if lead:
                 self._mark(mProg, bidx, 0, 1, t)
-            self._hand_off(sTask, i, t)
+            persistent.hand_off(sTask, i, t)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             if phase == R1:
-                self._wait(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
+                persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
-                self._wait(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
+                persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
                 if phase == S2:
-                    self._wait(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
+                    persistent.wait_input(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
             if lead:
                 self._mark(mProg, bidx, 0, 2, t)
             if phase == R1:
@@ -477,45 +469,16 @@ class FusedMoeFwdSm90:
                         state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s)
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
-            t = self._claim(ticket)
-        self._hand_off(sTask, i, t)
+            t = persistent.claim(ticket)
+        persistent.hand_off(sTask, i, t)
         if lead:
             self._mark(mProg, bidx, 0, 4, i)
-        for j in cutlass.range_constexpr(2):  # complete the EMPTY phases of the last two hand-offs:
-            if i - 1 + j >= 0:  # no named barrier is left mid-phase when the CTA exits
-                cute.arch.barrier(barrier_id=_EMPTY + (i - 1 + j) % 2, number_of_threads=_HANDOFF_THREADS)
+        persistent.finish_hand_offs(i)
         if lead:
             self._mark(mProg, bidx, 0, 5, i)
         pipe.producer_tail(state)
         if lead:
             self._mark(mProg, bidx, 0, 6, i)
-
-    @cute.jit
-    def _claim(self, ticket: cute.Pointer):
-        """Producer warp: the next task id (one atomic per warp, broadcast from lane 0)."""
-        t = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            t = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
-        return cute.arch.shuffle_sync(t, 0)
-
-    @cute.jit
-    def _hand_off(self, sTask: cute.Tensor, i: Int32, t: Int32):
-        """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2`` (named barriers
-        FULL + slot and EMPTY + slot, producer warp + consumer warpgroups)."""
-        slot = i % 2
-        if i >= 2:
-            cute.arch.barrier(barrier_id=_EMPTY + slot, number_of_threads=_HANDOFF_THREADS)
-        sTask[slot] = t
-        cute.arch.barrier_arrive(barrier_id=_FULL + slot, number_of_threads=_HANDOFF_THREADS)
-
-    @cute.jit
-    def _take(self, sTask: cute.Tensor, i: Int32):
-        """Consumers: the task of hand-off ``i``."""
-        slot = i % 2
-        cute.arch.barrier(barrier_id=_FULL + slot, number_of_threads=_HANDOFF_THREADS)
-        t = sTask[slot]
-        cute.arch.barrier_arrive(barrier_id=_EMPTY + slot, number_of_threads=_HANDOFF_THREADS)
-        return t
 
     @cute.jit
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
@@ -532,7 +495,7 @@ class FusedMoeFwdSm90:
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
         i = Int32(0)
-        t = self._take(sTask, i)
+        t = persistent.take(sTask, i)
         while t < n_tasks:
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 1, t)
@@ -586,7 +549,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.trace):
                     self._record(mTrace, trace_base + t, t0, self._now(), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
-            t = self._take(sTask, i)
+            t = persistent.take(sTask, i)
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
 
@@ -654,15 +617,6 @@ class FusedMoeFwdSm90:
                         for e in cutlass.range_constexpr(_VEC):
                             acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e]))
             y[i, None].store(acc.load().to(cutlass.BFloat16))
-
-
-def _opaque(v: Int32) -> Int32:
-    """``v`` through a side-effecting move: what is derived from it is computed where it is used
-    (LLVM cannot hoist it out of a loop), so no register holds it across the loop."""
-    from cutlass._mlir.dialects import llvm
-
-    return Int32(llvm.inline_asm(Int32.mlir_type, [v.ir_value()], "mov.b32 $0, $1;", "=r,r",
-                                 has_side_effects=True))
 
 
 # ---------------------------------------------------------------- compile and launch

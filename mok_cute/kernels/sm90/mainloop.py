@@ -129,12 +129,16 @@ class Sm90Mainloop:
     def setup(self):
         """Build the tiled MMA and the staged shared-memory layouts (call inside jit)."""
         cfg = self.cfg
-        self.tiled_mma = sm90.make_trivial_tiled_mma(
-            cfg.ab_dtype, cfg.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cfg.tile_n))
+        self.tiled_mma = self._tiled_mma()
         self.a_smem_staged = sm90.make_smem_layout_a(self.a_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
         self.b_smem_staged = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
         self.tx_bytes = cfg.stage_bytes()
+
+    def _tiled_mma(self):
+        cfg = self.cfg
+        return sm90.make_trivial_tiled_mma(
+            cfg.ab_dtype, cfg.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cfg.tile_n))
 
     def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, b_half: bool = False):
         """TMA load atoms for A (M, K, ...) and B (N, K, ...) with the declared majorness
@@ -323,6 +327,9 @@ class Sm90Mainloop:
         """
         release = state.clone()
         k_blocks = cute.size(tCrA, mode=[2])
+        # a tiled MMA of this call: its ACCUMULATE field is set below, and a field set on the shared
+        # one inside a run-time branch would escape the branch (a kernel may pick its mainloop per task)
+        mma = self._tiled_mma()
         warpgroup.fence()
         # first k-tile: the first k-block overwrites the accumulators (no zero fill)
         pipe.consumer_wait(state)
@@ -330,8 +337,8 @@ class Sm90Mainloop:
         if cutlass.const_expr(stage_a is not None):
             a_idx = stage_a(state.index, cutlass.Int32(0))
         for kb in cutlass.range_constexpr(k_blocks):
-            self.tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, a_idx)],
+            mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma, acc, tCrA[(None, None, kb, a_idx)],
                       tCrB[(None, None, kb, state.index)], acc)
         warpgroup.commit_group()
         state.advance()
@@ -341,7 +348,7 @@ class Sm90Mainloop:
             if cutlass.const_expr(stage_a is not None):
                 a_idx = stage_a(state.index, kt + 1)
             for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(self.tiled_mma, acc, tCrA[(None, None, kb, a_idx)],
+                cute.gemm(mma, acc, tCrA[(None, None, kb, a_idx)],
                           tCrB[(None, None, kb, state.index)], acc)
             warpgroup.commit_group()
             state.advance()

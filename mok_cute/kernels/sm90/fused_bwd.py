@@ -1,0 +1,332 @@
+"""The routed core of the fused MoE backward on SM90: one persistent launch for the routed
+experts' dgrad2 + dSwiGLU, dgrad1 and three weight gradients (issue 13's first kernel; the comm
+jobs, the shared expert and the dx slot sum stay outside it for now).
+
+Inputs (grouped rows, expert order, ``offsets`` int32 [E+1]; M rows, bf16): ``dy`` [M, H] (the
+route's dy row times its router weight, ``kernels/route_grad.py``), ``x`` [M, H] (the gathered
+input rows), ``gu`` [M, 2I] and ``h`` [M, I] (saved by the forward); weights ``w_gate``,
+``w_up`` [E, I, H], ``w_down`` [E, H, I]. Outputs: ``dgu`` [M, 2I] (kept: the weight gradients
+read it), ``dx`` [M, H] (grouped rows), ``dWg``, ``dWu`` [E, I, H] and ``dWd`` [E, H, I].
+
+Tasks (:func:`mok_cute.schedule.fused_bwd_tasks.core_task`, claimed from one ticket counter in
+list order, :mod:`mok_cute.kernels.sm90.persistent`):
+
+  D2  dh = dy_e . w_down[e]  -> dSwiGLU with gu -> dgu   ``mt * I / tile_n`` tiles, need nothing
+  D1  dx = dgu_e . [w_gate[e]; w_up[e]]                  ``mt * H / tile_n``, need every D2 tile
+                                                         of their m-tile (counter ``d2[mt]``)
+  W   per expert: dWd = dy_e^T h_e, dWg = dg_e^T x_e,    need nothing (dWd), or every D2 tile of
+      dWu = du_e^T x_e; one CTA per output tile, the     the expert's m-tiles (dWg, dWu)
+      expert's rows summed in row order (ragged K)
+
+Each tile is the standalone kernels' tile (``grouped_gemm.GroupedGemmSm90`` dswiglu / split-B
+plain, ``expert_bwd.GroupedWgradSm90``) on the one ``Sm90Mainloop`` building block: D2 and D1
+read (A K-major, B MN-major) shared views, W (A MN-major, B MN-major) views of the same ring
+stages, through one mbarrier pipeline. So every output is bitwise the
+unfused backward's, whichever CTA ran which tile. Waits point backwards in the list, so with
+every CTA resident it cannot deadlock (the mirror, ``fused_bwd_tasks.simulate``); a wait is
+bounded by ``timeout_ns`` and recorded in ``status`` (int32[4], read by the host later).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from mok_cute.dsl import deferred
+from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.dsl.host import sm_count
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.comm import protocol as P
+from mok_cute.kernels.sm90 import persistent
+from mok_cute.kernels.sm90.persistent import opaque as _opaque
+from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
+from mok_cute.kernels.sm90.mainloop import (
+    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    consumer_barrier, experts_last,
+)
+from mok_cute.schedule import fused_bwd_tasks as tasks
+from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
+from mok_cute.schedule.fused_tasks import routed_mtiles
+
+D2_READY = 24  # status channel of the D1 / W waits on d2[mt]
+COUNTER_WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
+
+
+class FusedMoeBwdCoreSm90:
+    """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
+
+    def __init__(self, clamp: bool, cfg: MainloopConfig = MainloopConfig()):
+        self.cfg, self.clamp = cfg, clamp
+        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
+        self.epi_elems = epi
+        self.ml_d = Sm90Mainloop(cfg, epi_smem_bytes=epi * 2, b_major=MN_MAJOR)  # D2, D1
+        self.ml_w = Sm90Mainloop(cfg, epi_smem_bytes=epi * 2, a_major=MN_MAJOR, b_major=MN_MAJOR)  # W
+        assert self.ml_d.stages == self.ml_w.stages
+
+    @cute.jit
+    def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mWg: cute.Tensor,
+                 mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDg: cute.Tensor, mDu: cute.Tensor,
+                 mDgu3: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor,
+                 mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, limit: Float32, num_ctas: Int32,
+                 timeout_ns: Int64, stream: cuda.CUstream):
+        """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
+        column halves [M, I] (views of one buffer)."""
+        md, mw = self.ml_d, self.ml_w
+        md.setup()
+        mw.setup()
+        # D2: A = dy (M, H) K-major, B = w_down as (I, H, E) MN-major
+        atom_dy, coord_dy, atom_wd, coord_wd = md.make_tma(mDy, experts_last(mWd, True))
+        # D1: A = dgu (M, 2I) K-major, B = w_gate then w_up along K, each (H, I, E) MN-major
+        atom_dgu, coord_dgu, atom_wg, coord_wg = md.make_tma(mDgu, experts_last(mWg, True))
+        _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
+        # W: both operands (N, rows) MN-major, ragged along the rows (expert_bwd)
+        atom_dyt, coord_dyt, atom_ht, coord_ht = mw.make_tma(_ragged_k(_t(mDy)), _ragged_k(_t(mH)))
+        atom_dgt, coord_dgt, atom_xt, coord_xt = mw.make_tma(_ragged_k(_t(mDg)), _ragged_k(_t(mX)))
+        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(_t(mDu)), _ragged_k(_t(mX)))
+        self.shared_storage = md.shared_storage(self.epi_elems, extra_i32=2)
+        self.kernel(atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
+                    coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt,
+                    atom_dut, coord_dut, mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mCounters, limit,
+                    timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                                       min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, atom_dy: cute.CopyAtom, coord_dy: cute.Tensor, atom_wd: cute.CopyAtom, coord_wd: cute.Tensor,
+               atom_dgu: cute.CopyAtom, coord_dgu: cute.Tensor, atom_wg: cute.CopyAtom, coord_wg: cute.Tensor,
+               atom_wu: cute.CopyAtom, coord_wu: cute.Tensor, atom_dyt: cute.CopyAtom, coord_dyt: cute.Tensor,
+               atom_ht: cute.CopyAtom, coord_ht: cute.Tensor, atom_dgt: cute.CopyAtom, coord_dgt: cute.Tensor,
+               atom_xt: cute.CopyAtom, coord_xt: cute.Tensor, atom_dut: cute.CopyAtom, coord_dut: cute.Tensor,
+               mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor,
+               mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, limit: Float32,
+               timeout_ns: Int64):
+        cfg = self.cfg
+        md, mw = self.ml_d, self.ml_w
+        atoms = [atom_dy, atom_wd, atom_dgu, atom_wg, atom_wu, atom_dyt, atom_ht, atom_dgt, atom_xt, atom_dut]
+        tidx, warp = md.start(atoms)
+        mw.setup()
+        pipe, sA, sB, _, storage = md.allocate(self.shared_storage, self.plain, with_storage=True)
+        sA_w = storage.sA.get_tensor(mw.a_smem_staged.outer, swizzle=mw.a_smem_staged.inner)
+        sB_w = storage.sB.get_tensor(mw.b_smem_staged.outer, swizzle=mw.b_smem_staged.inner)
+        sTask = storage.extra.get_tensor(cute.make_layout(2))
+
+        num_experts = mOffsets.shape[0] - 1
+        inter = mGU.shape[2]
+        hidden = mDx.shape[1]
+        n_i = inter // cfg.tile_n  # D2 n-tiles
+        n_h = hidden // cfg.tile_n  # D1 n-tiles
+        mt = routed_mtiles(mOffsets, num_experts, cfg.tile_m)
+        dims = (n_i, n_h, (hidden + cfg.tile_m - 1) // cfg.tile_m, inter // cfg.tile_n,
+                (inter + cfg.tile_m - 1) // cfg.tile_m, hidden // cfg.tile_n)
+        n_d2, n_d1 = mt * n_i, mt * n_h
+        n_tasks = n_d2 + n_d1 + num_experts * (dims[2] * dims[3] + 2 * dims[4] * dims[5])
+        status = mCounters.iterator + 1
+        if warp < THREADS_PER_WG // 32:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self._produce(pipe, sA, sB, sA_w, sB_w, sTask, mCounters.iterator, n_tasks, n_d2, n_d1, dims,
+                              mOffsets, num_experts, hidden, inter, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu,
+                              coord_dgu, atom_wg, coord_wg, atom_wu, coord_wu, atom_dyt, coord_dyt, atom_ht,
+                              coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut, coord_dut, mD2, status,
+                              timeout_ns)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(pipe, sA, sB, sA_w, sB_w, storage, sTask, tidx - THREADS_PER_WG, n_tasks, n_d2, n_d1,
+                          dims, mOffsets, num_experts, hidden, inter, mGU, mDgu, mDx, mDWg, mDWu, mDWd, mD2, limit)
+
+    # ------------------------------------------------------------------ roles
+    @cute.jit
+    def _produce(self, pipe, sA, sB, sA_w, sB_w, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32,
+                 n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
+                 inter: Int32, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
+                 coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut,
+                 coord_dut, mD2: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+        """Producer warp: claim tasks in list order, hand each to the consumers, wait for its
+        inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
+        cfg = self.cfg
+        n_i, n_h = dims[0], dims[1]
+        k_h = hidden // cfg.tile_k
+        k_i = inter // cfg.tile_k
+        state = self.ml_d.producer_state()
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = persistent.claim(ticket)
+        while t < n_tasks:
+            persistent.hand_off(sTask, i, t)
+            i += 1
+            phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
+                t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, cfg.tile_m, *dims[2:], e1, b1, e2, b2)
+            if phase == D2:
+                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
+                gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                state = self.ml_d.load_tile(pipe, state, atom_dy, gA, sA, atom_wd, gB, sB, k_h)
+            elif phase == D1:
+                persistent.wait_input(mD2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
+                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
+                gB = cute.local_tile(coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                gB2 = cute.local_tile(coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                state = self.ml_d.load_tile(pipe, state, atom_dgu, gA, sA, atom_wg, gB, sB, k_i, atom_wu, gB2, k_i)
+            else:
+                lo = mOffsets[expert]
+                length = mOffsets[expert + 1] - lo
+                k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+                if which == WD:
+                    gA = cute.local_tile(_expert_k(coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
+                    gB = cute.local_tile(_expert_k(coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                    state = self.ml_w.load_tile(pipe, state, atom_dyt, gA, sA_w, atom_ht, gB, sB_w, k_rows)
+                else:
+                    first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
+                    for m in cutlass.range(count, unroll=1):
+                        persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status, Int32(D2_READY),
+                                              first + m)
+                    gB = cute.local_tile(_expert_k(coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                    if which == WG:
+                        gA = cute.local_tile(_expert_k(coord_dgt, lo, length), (cfg.tile_m, cfg.tile_k),
+                                             (m_tile, None))
+                        state = self.ml_w.load_tile(pipe, state, atom_dgt, gA, sA_w, atom_xt, gB, sB_w, k_rows)
+                    else:
+                        gA = cute.local_tile(_expert_k(coord_dut, lo, length), (cfg.tile_m, cfg.tile_k),
+                                             (m_tile, None))
+                        state = self.ml_w.load_tile(pipe, state, atom_dut, gA, sA_w, atom_xt, gB, sB_w, k_rows)
+            t = persistent.claim(ticket)
+        persistent.hand_off(sTask, i, t)
+        persistent.finish_hand_offs(i)
+        pipe.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, pipe, sA, sB, sA_w, sB_w, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
+                 n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
+                 inter: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
+                 mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32):
+        """Consumer warpgroups: MMA each task's tile, run its epilogue; a D2 tile is published on
+        ``d2[mt]`` (release) once its dgu rows are stored."""
+        cfg = self.cfg
+        n_i, n_h = dims[0], dims[1]
+        k_h = hidden // cfg.tile_k
+        k_2i = 2 * (inter // cfg.tile_k)
+        state = self.ml_d.consumer_state()
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = persistent.take(sTask, i)
+        while t < n_tasks:
+            i += 1
+            phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
+                t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, cfg.tile_m, *dims[2:], e1, b1, e2, b2)
+            et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+            # each branch builds its own fragments and accumulator: none is live across the tasks
+            if phase == D2:
+                thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
+                s_dsw = self.dswiglu.smem_tensor(storage.sC)
+                self.dswiglu.prefetch(s_dsw, et, row0, rows, n_tile, mGU)
+                state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_h)
+                self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, mDgu, mGU, limit)
+                cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before the CTA's release below
+                consumer_barrier()
+                if tid == 0:
+                    cute.arch.atomic_add(mD2.iterator + mt, Int32(1), sem="release", scope="gpu")
+            elif phase == D1:
+                thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
+                state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
+                self.plain.run(self.ml_d.tiled_mma, thr_d, acc, self.plain.smem_tensor(storage.sC), et, row0, rows,
+                               n_tile, mDx, mDx, Float32(0.0))
+            else:
+                length = mOffsets[expert + 1] - mOffsets[expert]
+                k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+                thr_w, tCrA_w, tCrB_w, acc = self.ml_w.consumer_fragments(sA_w, sB_w, et)
+                state = self.ml_w.mma_tile(pipe, state, tCrA_w, tCrB_w, acc, k_rows)
+                r0 = m_tile * cfg.tile_m
+                s_plain = self.plain.smem_tensor(storage.sC)
+                if which == WD:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(hidden - r0, cfg.tile_m), n_tile, mDWd[(expert, None, None)],
+                                   mDWd[(expert, None, None)], Float32(0.0))
+                elif which == WG:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(inter - r0, cfg.tile_m), n_tile, mDWg[(expert, None, None)],
+                                   mDWg[(expert, None, None)], Float32(0.0))
+                else:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(inter - r0, cfg.tile_m), n_tile, mDWu[(expert, None, None)],
+                                   mDWu[(expert, None, None)], Float32(0.0))
+            t = persistent.take(sTask, i)
+
+
+def _t(m: cute.Tensor) -> cute.Tensor:
+    """A row-major (rows, N) tensor seen as (N, rows)."""
+    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 0]))
+
+
+
+
+# ---------------------------------------------------------------- compile and launch
+def compile_fused_backward_core(clamp: bool, *, arch: str = "sm_90a", inspect: bool = False):
+    """Compile one variant with symbolic M, H, I, E; returns ``(compiled, report)``."""
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
+    op = FusedMoeBwdCoreSm90(clamp)
+    bf = cutlass.BFloat16
+    m, e = cute.sym_int(), cute.sym_int()
+    hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
+
+    def vec(dtype):
+        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
+    args = (_fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, inter),
+            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
+            _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
+            _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, hid), _fake_3d(bf, e, inter, hid),
+            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(Int32), vec(Int32), vec(Int32))
+    return compile_kernel(op, *args, Float32(0.0), Int32(1), Int64(1), cute.runtime.make_fake_stream(), arch=arch,
+                          inspect=inspect)
+
+
+def describe(words) -> str | None:
+    """The error a status word list holds (a timed-out wait on a dgrad2 m-tile), or None."""
+    code, what, channel, target = (int(w) for w in words)
+    if code == P.OK:
+        return None
+    if code == P.TIMEOUT and channel == D2_READY:
+        return (f"mok_cute fused backward: a device wait timed out (dgrad2 tiles of m-tile {what}, target "
+                f"{target}): raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a "
+                "scheduling bug")
+    return f"mok_cute fused backward: device error code {code} ({what}, {channel}, {target})"
+
+
+def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
+                        num_ctas: int | None = None):
+    """The routed backward in one launch (module doc) on operands the unfused path accepts
+    (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
+    stride; I, H multiples of 256; offsets int32 [E+1] on the device). Returns ``(dx [M, H],
+    dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s. Errors of the
+    device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    m, hid = dy.shape
+    e, inter = w_gate.shape[0], w_gate.shape[1]
+    dev, arch = device_arch(dy.device)
+    bf = dict(dtype=torch.bfloat16, device=dy.device)
+    dgu = torch.empty((m, 2 * inter), **bf)
+    dx = torch.empty((m, hid), **bf)
+    dwg = torch.empty((e, inter, hid), **bf)
+    dwu = torch.empty((e, inter, hid), **bf)
+    dwd = torch.empty((e, hid, inter), **bf)
+    if m == 0:  # no rows: no tile reads anything, every weight gradient is zero
+        return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
+    mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
+    counters = torch.zeros(mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
+    d2, words = counters[:mt_cap], counters[mt_cap:]
+    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, limit is not None), lambda: GraphLauncher(
+        compile_fused_backward_core(limit is not None, arch=arch)[0]))
+    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
+               dgu.view(m, 2, inter), dx, dwg, dwu, dwd, offsets, d2, words)
+    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
+    key = tuple(tensor_key(a) for a in tensors) + (lim, num_ctas, timeout_ns)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
+        *(_Desc(a) for a in tensors), Float32(lim), Int32(num_ctas), Int64(timeout_ns), st))
+    deferred.watch(words[1:], describe)
+    return dx, dwg, dwu, dwd

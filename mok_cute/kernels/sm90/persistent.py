@@ -1,0 +1,80 @@
+"""Device helpers of the SM90 persistent megakernels (the fused forward and backward): the task
+tickets, their hand-off from the producer warp to the consumer warpgroups, and the producer's
+bounded wait for a task's inputs.
+
+A CTA's producer warp claims task ids from a ticket counter (:func:`claim`, list order across
+the grid), hands each to the two consumer warpgroups through two shared-memory slots guarded by
+named barriers (:func:`hand_off` / :func:`take`: FULL + slot and EMPTY + slot, producer warp +
+consumers), waits for the task's inputs (:func:`wait_input`) and streams its k-tiles; the
+consumers walk the same ids. A task id past the list, handed off last, stops the consumers;
+:func:`finish_hand_offs` completes the EMPTY phases so no named barrier is left mid-phase when
+the CTA exits. Named barrier 1 is the consumers' own (``mainloop.consumer_barrier``).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from mok_cute.comm import protocol as P
+from mok_cute.kernels.sm90.mainloop import NUM_CONSUMER_THREADS
+
+FULL, EMPTY = 2, 4  # named barrier ids of the two hand-off slots
+HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
+
+
+@cute.jit
+def claim(ticket: cute.Pointer):
+    """Producer warp: the next task id (one atomic per warp, broadcast from lane 0)."""
+    t = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        t = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.shuffle_sync(t, 0)
+
+
+@cute.jit
+def hand_off(sTask: cute.Tensor, i: Int32, t: Int32):
+    """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2``."""
+    slot = i % 2
+    if i >= 2:
+        cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
+    sTask[slot] = t
+    cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
+
+
+@cute.jit
+def take(sTask: cute.Tensor, i: Int32):
+    """Consumers: the task of hand-off ``i``."""
+    slot = i % 2
+    cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
+    t = sTask[slot]
+    cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
+    return t
+
+
+@cute.jit
+def finish_hand_offs(i: Int32):
+    """Producer warp after its last hand-off ``i``: complete the EMPTY phases of the last two."""
+    for j in cutlass.range_constexpr(2):
+        if i - 1 + j >= 0:
+            cute.arch.barrier(barrier_id=EMPTY + (i - 1 + j) % 2, number_of_threads=HANDOFF_THREADS)
+
+
+@cute.jit
+def wait_input(counter: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer, channel: Int32,
+               what: Int32):
+    """Producer thread: bounded wait for ``*counter >= target`` (a timeout is recorded in
+    ``status`` as ``(channel, what)``), then order the async proxy's (TMA) reads after the
+    generic-proxy writes it observed."""
+    P.wait_geq(counter, target, timeout_ns, status, what, channel)
+    cute.arch.fence_proxy("async.global")
+
+
+def opaque(v: Int32) -> Int32:
+    """``v`` through a side-effecting move: what is derived from it is computed where it is used
+    (LLVM cannot hoist it out of a loop), so no register holds it across the loop (the
+    megakernels' per-tile epilogue addresses)."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(Int32.mlir_type, [v.ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True))

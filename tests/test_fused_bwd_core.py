@@ -1,0 +1,78 @@
+"""The fused routed backward core (kernels/sm90/fused_bwd.py) on the CPU: it compiles for sm_90a
+with 0 spills and the instructions its schedule needs, and its task decoding
+(schedule/fused_bwd_tasks.core_task, mirror core_task_list) walks the backward list's routed
+phases with every dW output tile once per expert. The kernel runs in tools/checks/fused_bwd.py."""
+import functools
+import re
+
+import pytest
+
+from mok_cute.schedule import fused_bwd_tasks as bt
+
+
+@functools.cache
+def _compiled(clamp: bool):
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    return fused_bwd.compile_fused_backward_core(clamp, inspect=True)[1]
+
+
+@pytest.mark.parametrize("clamp", [False, True])
+def test_compiles_with_its_schedule(clamp):
+    rep = _compiled(clamp)
+    assert rep.registers, "no ptxas resource report parsed"
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", rep.log)]
+    assert spills == [0], spills
+    for needed in ("wgmma.mma_async", "cp.async.bulk.tensor", "atom.global.release.add", "setmaxnreg",
+                   "bar.arrive", "fence.proxy.async.global", "cp.async.ca.shared.global", "%globaltimer"):
+        assert needed in rep.ptx, needed
+    assert "multimem" not in rep.ptx
+    # the two mainloops' wgmma: A K-major (dgrad: transpose-A 0) and A MN-major (wgrad: 1), B MN-major
+    flags = {m.groups() for m in re.finditer(r"wgmma\.mma_async[^;]*?p,\s*1,\s*1,\s*(\d),\s*(\d);", rep.ptx)}
+    assert flags == {("0", "1"), ("1", "1")}, flags
+
+
+def test_clamp_variant_differs():
+    assert _compiled(True).ptx != _compiled(False).ptx
+
+
+def _offsets(counts):
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+@pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [0] * 3, [129, 1, 0, 300]])
+def test_core_list_is_the_routed_backward(counts):
+    """The core list is task_list's routed phases in order; D2 / D1 cover every (m-tile, n-tile)
+    of every expert once; W covers every dW output tile of every expert once per gradient."""
+    offs = _offsets(counts)
+    n_i, n_h, wd, wgu = 2, 3, (3, 2), (2, 4)
+    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu)
+    full = bt.task_list(offs, 0, 128, n_i, 0, n_h, wd[0] * wd[1], wgu[0] * wgu[1], False)
+    assert [(c[0], c[1]) for c in core] == [(f[0], f[1]) for f in full]
+    per_e = bt.expert_mtiles(offs, 128)
+    for phase, n in ((bt.D2, n_i), (bt.D1, n_h)):
+        got = sorted((c[1], c[3], c[2], c[4]) for c in core if c[0] == phase)
+        want = sorted((e, m, nt, mt) for e, mts in enumerate(per_e) for m, mt in enumerate(mts) for nt in range(n))
+        assert got == want
+    for which, (mm, nn) in ((bt.WD, wd), (bt.WG, wgu), (bt.WU, wgu)):
+        got = sorted((c[1], c[3], c[2]) for c in core if c[0] == bt.W and c[5] == which)
+        assert got == sorted((e, m, nt) for e in range(len(counts)) for m in range(mm) for nt in range(nn))
+
+
+def test_core_waits_point_backwards():
+    """Every D1 / dWg / dWu tile's d2 counters are complete before it in the list."""
+    offs = _offsets([300, 0, 129, 1])
+    n_i = 2
+    core = bt.core_task_list(offs, 128, n_i, 3, (2, 2), (2, 2))
+    per_e = bt.expert_mtiles(offs, 128)
+    done = {}
+    for phase, e, _, _, mt, which in core:
+        if phase == bt.D1:
+            assert done.get(mt, 0) == n_i
+        if phase == bt.W and which != bt.WD:
+            assert all(done.get(m, 0) == n_i for m in per_e[e])
+        if phase == bt.D2:
+            done[mt] = done.get(mt, 0) + 1
