@@ -1,6 +1,6 @@
 """Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
 
-    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|dispatch [threads]
+    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|ws-rt|dispatch [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
 shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
@@ -14,7 +14,8 @@ read through the peer table at the section offset, flags in its ``flags`` sectio
 bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per CTA, default
 1024). Prints whether out equals the torch gather; a fault aborts the process (run each
 variant in its own process). ``ws-prod``: the ``ws`` arguments given to the production bulk pull
-kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's. ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
+kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's; ``ws-rt``: to the probe's
+kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them. ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
 
@@ -70,6 +71,25 @@ def build(kind: str, threads: int):
                          tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, e_local,
                          src_off, Int32(P.READY), epoch, nctas, False))
 
+    @cute.kernel
+    def round_rt_kernel(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
+                        offsets: cute.Pointer, out: cute.Pointer, rows: Int32, me: Int32, ep: Int32, t: Int32, k: Int32,
+                        v: Int32, e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
+                        nctas: Int32):
+        P.pull_round(pb, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+                     lambda tidx, bidx, pbt: R.bulk_routed_rows(
+                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, ep, t, k, t * k, v, e_local,
+                         src_off, Int32(P.READY), epoch, nctas, False))
+
+    @cute.jit
+    def host_round_rt(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
+                      offsets: cute.Pointer, out: cute.Pointer, rows: Int32, me: Int32, ep: Int32, t: Int32, k: Int32,
+                      v: Int32, e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
+                      nctas: Int32, stream):
+        round_rt_kernel(pb, status, counter, recv_src, offsets, out, rows, me, ep, t, k, v, e_local, src_off,
+                        flags_off, epoch, timeout_ns, nctas).launch(grid=[nctas, 1, 1], block=[threads, 1, 1],
+                                                                   smem=R.BULK_SMEM, stream=stream)
+
     @cute.jit
     def host_round(pb: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, recv_src: cute.Pointer,
                    offsets: cute.Pointer, out: cute.Pointer, rows: Int32, t: Int32, k: Int32, v: Int32, nctas: Int32,
@@ -87,7 +107,7 @@ def build(kind: str, threads: int):
         mover_kernel(pb, status, recv_src, offsets, out, rows, t, k, v, nctas).launch(
             grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
 
-    return {"minimal": host_minimal, "mover": host_mover, "round": host_round}[kind]
+    return {"minimal": host_minimal, "mover": host_mover, "round": host_round, "round-rt": host_round_rt}[kind]
 
 
 def main() -> int:
@@ -154,7 +174,7 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     dev, e = x.device, 8
     idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     ws = get_workspace(None, T=t, H=h, k=k, E=e)
-    if kind in ("ws-plan", "ws", "ws-prod"):
+    if kind in ("ws-plan", "ws", "ws-prod", "ws-rt"):
         plan = plan_routing_device(ws, idx)
         routes, offsets, e_local, rows = plan.recv_src, plan.offsets, e, plan.recv_src.shape[0]
     else:
@@ -162,7 +182,7 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
         routes = torch.argsort(flat, stable=True).to(torch.int32)
         offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
         e_local, rows = 1, routes.numel()
-    if kind in ("ws-src", "ws", "ws-prod"):
+    if kind in ("ws-src", "ws", "ws-prod", "ws-rt"):
         ws.acquire_src().copy_(x)
         pb, src_off, flags_off = ws.peer_bases, ws.offsets["src"], ws.offsets["flags"]
         buf = None
@@ -173,11 +193,17 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     status = torch.zeros(4, dtype=torch.int32, device=dev)
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     out = torch.zeros(rows, h, dtype=torch.bfloat16, device=dev)
-    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod") else 1
-    if kind == "ws-prod":  # the production bulk pull kernel (comm.dispatch) with these arguments
-        from mok_cute.comm.dispatch import compile_pull_bulk
+    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod", "ws-rt") else 1
+    if kind in ("ws-prod", "ws-rt"):  # the production bulk pull kernel, or the probe's with me / ep / timeout
+        from mok_cute.comm.dispatch import compile_pull_bulk  # given at run time, on these arguments
 
-        c, _ = compile_pull_bulk("sm_90a")
+        if kind == "ws-prod":
+            c, _ = compile_pull_bulk("sm_90a")
+        else:
+            i32 = fake_ptr("i32")
+            c, _ = compile_kernel(build("round-rt", threads), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"),
+                                  Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
+                                  Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(), arch="sm_90a")
         c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(0), Int32(1),
           Int32(t), Int32(k), Int32(h // 8), Int32(e_local), Int64(src_off), Int64(flags_off), Int32(epoch),
           Int64(10 ** 9), Int32(8), st)
