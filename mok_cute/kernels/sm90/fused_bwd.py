@@ -155,6 +155,7 @@ class FusedMoeBwdCoreSm90:
         k_i = inter // cfg.tile_k
         state = self.ml_d.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        ready_e = Int32(-1)  # the last expert whose dgrad2 tiles this producer saw complete
         i = Int32(0)
         t = persistent.claim(ticket)
         while t < n_tasks:
@@ -181,10 +182,12 @@ class FusedMoeBwdCoreSm90:
                     gB = cute.local_tile(_expert_k(coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
                     state = self.ml_w.load_tile(pipe, state, atom_dyt, gA, sA_w, atom_ht, gB, sB_w, k_rows)
                 else:
-                    first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
-                    for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status, Int32(D2_READY),
-                                              first + m)
+                    if expert != ready_e:  # once per expert and CTA: its tickets only grow
+                        first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
+                        for m in cutlass.range(count, unroll=1):
+                            persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status,
+                                                  Int32(D2_READY), first + m)
+                        ready_e = expert
                     gB = cute.local_tile(_expert_k(coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
                     if which == WG:
                         gA = cute.local_tile(_expert_k(coord_dgt, lo, length), (cfg.tile_m, cfg.tile_k),
