@@ -60,21 +60,19 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.comm.combine import add_rn, mul_rn
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
-from mok_cute.kernels.sm90 import persistent
+from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
-from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue, _load_rows, _row_copy
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     acc_to_smem, consumer_barrier, experts_last,
@@ -260,7 +258,8 @@ class FusedMoeFwdSm90:
             self._mark(mTrace, bidx, 3, 9, Int32(0))
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
-        self._slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf)
+        route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
+                            self.sum_batch)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -525,7 +524,7 @@ class FusedMoeFwdSm90:
                                        ep.timeout_ns, ep.status)
                         consumer_barrier()
                         freed = Int32(1)
-                self._scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, ep)
+                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -552,72 +551,6 @@ class FusedMoeFwdSm90:
             t = persistent.take(sTask, i)
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
-
-    @cute.jit
-    def _scatter(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
-                 mOrder: cute.Tensor, ep):
-        """Store the staged GEMM2 tile's rows ``r < rows`` to ``slot_out[order[row0 + r]]`` (EP > 1:
-        to row ``t*k + j`` of source rank p's slot buffer, ``order`` holding ``p*T*k + t*k + j``)."""
-        copy = _row_copy(self.cfg.tile_n)
-        r, coords = _load_rows(copy, tid, sC)
-        v = mSlot.shape[1] // _VEC
-        dst = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
-        col0 = n_tile * (self.cfg.tile_n // _VEC)
-        for m in cutlass.range_constexpr(cute.size(r, mode=[1])):
-            rr, c = coords[(0, m, 0)]
-            if rr < rows:
-                route = mOrder[row0 + rr]
-                for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
-                    _, cn = coords[(0, m, n)]
-                    if cutlass.const_expr(self.ep):
-                        ep.push_vec(route, col0 + cn // _VEC, v, r[(None, m, n)].load())
-                    else:
-                        dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
-
-    @cute.jit
-    def _slot_sum(self, tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mSout: cute.Tensor,
-                  mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32,
-                  sbuf: cute.Tensor):
-        """Every CTA: ``y[t] = bf16(fp32(s_out[t]) + sum_j w[t, j] * fp32(slot_out[t*k + j]))`` over
-        the slots with an expert, in slot order (grid stride over (token, 16-byte vector)). Each
-        thread has ``sum_batch`` slot rows' vectors in flight at once, as cp.async copies into
-        ``sbuf`` [sum_batch * NUM_THREADS, 8] bf16 (the idle B stages: no register holds them)."""
-        v = hidden // _VEC
-        slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
-        y = cute.make_tensor(mY.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-        s = None
-        if cutlass.const_expr(self.shared):
-            s = cute.make_tensor(mSout.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
-                                  num_bits_per_copy=128)
-        acc = cute.make_rmem_tensor((_VEC,), Float32)
-        nb = self.sum_batch
-        ws = cute.make_rmem_tensor((nb,), Float32)
-        es = cute.make_rmem_tensor((nb,), Int32)
-        for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
-            t = i // v
-            c = i - t * v
-            if cutlass.const_expr(self.shared):
-                acc.store(s[i, None].load().to(Float32))
-            else:
-                acc.fill(0.0)
-            for j0 in cutlass.range(0, k, nb, unroll=1):
-                for u in cutlass.range_constexpr(nb):  # nb slot rows in flight
-                    es[u] = Int32(-1)
-                    if j0 + u < k:
-                        r = t * k + j0 + u
-                        es[u] = mIdx[r]
-                        ws[u] = mW[r]
-                        cute.copy(g2s, slot[r * v + c, None], sbuf[u * NUM_THREADS + tidx, None])
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                for u in cutlass.range_constexpr(nb):  # added in slot order
-                    if es[u] >= 0:
-                        xs = sbuf[u * NUM_THREADS + tidx, None].load().to(Float32)
-                        for e in cutlass.range_constexpr(_VEC):
-                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e]))
-            y[i, None].store(acc.load().to(cutlass.BFloat16))
-
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,

@@ -1,0 +1,92 @@
+"""Routed rows of the SM90 megakernels: a staged tile's grouped rows stored to their (token, slot)
+rows, and the fixed-order slot sum over each token's slot rows (the forward's combine of y, the
+backward's of dx).
+
+* :func:`scatter`: rows ``r < rows`` of the staged (tile_m, tile_n) bf16 tile go to row
+  ``order[row0 + r]`` = ``t*k + j`` of ``slot`` [T*k, N] (EP > 1, ``ep`` a
+  :class:`~mok_cute.comm.peer_rows.PeerRows`: to the source rank's slot buffer, ``order`` then
+  holding ``p*T*k + t*k + j``).
+* :func:`slot_sum`: ``out[t] = bf16(acc)``, ``acc = fp32(init[t])`` (or 0 without ``init``), then
+  for each slot j in order with ``idx[t*k + j] >= 0``: ``acc = acc + w[t, j] * fp32(slot[t*k + j])``
+  (``w`` None: ``acc + fp32(slot)``), single-rounded fp32 operations: the reference's
+  ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
+  vectors in flight as cp.async copies into ``sbuf`` [nb * NUM_THREADS, 8] bf16 (idle shared
+  memory: no register holds them).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+
+from mok_cute.comm.combine import add_rn, mul_rn
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
+from mok_cute.kernels.sm90.mainloop import NUM_THREADS
+
+
+@cute.jit
+def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
+            mOrder: cute.Tensor, tile_n: cutlass.Constexpr[int], ep):
+    """Store the staged tile's rows ``r < rows`` to ``slot[order[row0 + r]]`` (see the module doc)."""
+    copy = _row_copy(tile_n)
+    r, coords = _load_rows(copy, tid, sC)
+    v = mSlot.shape[1] // _VEC
+    dst = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
+    col0 = n_tile * (tile_n // _VEC)
+    for m in cutlass.range_constexpr(cute.size(r, mode=[1])):
+        rr, c = coords[(0, m, 0)]
+        if rr < rows:
+            route = mOrder[row0 + rr]
+            for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
+                _, cn = coords[(0, m, n)]
+                if cutlass.const_expr(ep is not None):
+                    ep.push_vec(route, col0 + cn // _VEC, v, r[(None, m, n)].load())
+                else:
+                    dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
+
+
+@cute.jit
+def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
+             mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
+             nb: cutlass.Constexpr[int]):
+    """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc); ``mInit``
+    [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k]."""
+    v = hidden // _VEC
+    slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
+    y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+    s = None
+    if cutlass.const_expr(mInit is not None):
+        s = cute.make_tensor(mInit.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
+                              num_bits_per_copy=128)
+    acc = cute.make_rmem_tensor((_VEC,), Float32)
+    ws = cute.make_rmem_tensor((nb,), Float32)
+    es = cute.make_rmem_tensor((nb,), Int32)
+    for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
+        t = i // v
+        c = i - t * v
+        if cutlass.const_expr(mInit is not None):
+            acc.store(s[i, None].load().to(Float32))
+        else:
+            acc.fill(0.0)
+        for j0 in cutlass.range(0, k, nb, unroll=1):
+            for u in cutlass.range_constexpr(nb):  # nb slot rows in flight
+                es[u] = Int32(-1)
+                if j0 + u < k:
+                    r = t * k + j0 + u
+                    es[u] = mIdx[r]
+                    if cutlass.const_expr(mW is not None):
+                        ws[u] = mW[r]
+                    cute.copy(g2s, slot[r * v + c, None], sbuf[u * NUM_THREADS + tidx, None])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            for u in cutlass.range_constexpr(nb):  # added in slot order
+                if es[u] >= 0:
+                    xs = sbuf[u * NUM_THREADS + tidx, None].load().to(Float32)
+                    for e in cutlass.range_constexpr(_VEC):
+                        if cutlass.const_expr(mW is not None):
+                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e]))
+                        else:
+                            acc[e] = add_rn(acc[e], xs[e])
+        y[i, None].store(acc.load().to(cutlass.BFloat16))
