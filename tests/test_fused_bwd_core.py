@@ -11,10 +11,10 @@ from mok_cute.schedule import fused_bwd_tasks as bt
 
 
 @functools.cache
-def _compiled(clamp: bool):
+def _compiled(clamp: bool, scatter: bool = False, init: bool = False):
     from mok_cute.kernels.sm90 import fused_bwd
 
-    return fused_bwd.compile_fused_backward_core(clamp, inspect=True)[1]
+    return fused_bwd.compile_fused_backward_core(clamp, scatter, init, inspect=True)[1]
 
 
 @pytest.mark.parametrize("clamp", [False, True])
@@ -34,6 +34,34 @@ def test_compiles_with_its_schedule(clamp):
 
 def test_clamp_variant_differs():
     assert _compiled(True).ptx != _compiled(False).ptx
+
+
+@pytest.mark.parametrize("clamp,init", [(True, True), (False, False)])
+def test_tokens_variant(clamp, init):
+    """The variant that scatters the dx rows and ends with the slot sum: 0 spills, the slot sum's
+    cp.async staging and fp32 adds, its wait on the dgrad1 tiles (acquire) after the register
+    hand-back, and the same GEMM work as the plain core."""
+    rep = _compiled(clamp, True, init)
+    plain = _compiled(clamp)
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    for needed in ("cp.async.cg.shared.global", "add.rn.f32"):
+        assert needed in rep.ptx and needed not in plain.ptx, needed
+    regs = {tuple(m.groups()) for m in re.finditer(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", rep.ptx)}
+    assert regs == {("dec", "40"), ("inc", "232"), ("dec", "160"), ("inc", "160")}, regs
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    assert "mul.rn.f32" not in rep.ptx or "mul.rn.f32" in plain.ptx  # dx rows carry no router weight
+    assert (rep.ptx != _compiled(clamp, True, not init).ptx)
+
+
+def test_mode_env(monkeypatch):
+    from mok_cute.layers.grouped import fused_bwd_mode
+
+    for v, want in (("", 0), ("0", 0), ("1", 1), (" 2 ", 2)):
+        monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
+        assert fused_bwd_mode() == want
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "3")
+    with pytest.raises(ValueError, match="MOK_CUTE_FUSED_BWD"):
+        fused_bwd_mode()
 
 
 def _offsets(counts):

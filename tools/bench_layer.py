@@ -2,7 +2,7 @@
 torch layer a PyTorch user writes, side by side in one run.
 
     source .gpu-node/activate.sh && python3 tools/bench_layer.py [--quick] [--comm 2,8,16] [--minibatch 512,4096]
-        [--band 4,16] [--mx]
+        [--band 4,16] [--mx] [--bwd 1,2]
 
 torch layer: stable sort of the routes by expert, ``F.grouped_mm`` for gate/up (one [E, 2I, H]
 weight), clamped SwiGLU, ``F.grouped_mm`` for down, fp32 ``index_add_`` of the weighted rows,
@@ -10,7 +10,8 @@ dense shared expert; autograd backward. Ours: ``mok_cute.moe`` (backend sm90, BF
 validate_routing=False: no host sync) fused (the default; one row per ``comm_sms_fwd`` x
 ``minibatch_tokens``, the ring's size, plus rows at other R1 bands ``MOK_CUTE_RING_BAND`` for the
 first of each) and
-unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both; "GEMM tiles alone": the
+unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both, except in the rows of ``--bwd`` modes (``MOK_CUTE_FUSED_BWD``:
+1 the routed backward's GEMMs in one launch, 2 also the dx scatter and slot sum); "GEMM tiles alone": the
 forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
@@ -85,7 +86,8 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
     return y.bfloat16()
 
 
-def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None):
+def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
+          bwd: str = "0"):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -93,6 +95,7 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
+        os.environ["MOK_CUTE_FUSED_BWD"] = bwd
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -118,7 +121,8 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
-def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True):
+def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
+              bwds=()):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -137,6 +141,8 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     for b in bands:
         impls[f"fused c{comms[0]}{'' if mb0 is None else f' m{mb0}'} band{b}"] = (
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
+    for b in bwds:  # the fused backward (MOK_CUTE_FUSED_BWD), after the fused forward at the first comm value
+        impls[f"fused c{comms[0]} bwd{b}"] = lambda b=b: _ours(True, comms[0], minibatch=mb0, bwd=b)(x, idx, w, ws, sh)
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
@@ -153,6 +159,7 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         for p in leaves:
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
+    os.environ.pop("MOK_CUTE_FUSED_BWD", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
     if trace:
         s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
@@ -177,6 +184,7 @@ def main() -> int:
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
     ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
     ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
+    ap.add_argument("--bwd", default="", help="extra fused rows at these MOK_CUTE_FUSED_BWD modes (1, 2)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -187,7 +195,8 @@ def main() -> int:
     for i, shape in enumerate(picked):
         lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
-                           bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref)
+                           bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
+                           bwds=[b.strip() for b in args.bwd.split(",") if b.strip()])
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

@@ -51,10 +51,15 @@ def fused_enabled() -> bool:
     return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
 
 
-def fused_bwd_enabled() -> bool:
-    """The routed backward runs as one fused launch (``kernels/sm90/fused_bwd.py``) only with
-    ``MOK_CUTE_FUSED_BWD=1`` (opt-in until it is verified on the device; read at every call)."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD", "0") == "1"
+def fused_bwd_mode() -> int:
+    """``MOK_CUTE_FUSED_BWD`` (read at every call; opt-in until measured faster on the device):
+    0 (default) the unfused backward; 1 the routed backward's GEMMs in one fused launch
+    (``kernels/sm90/fused_bwd.py``); 2 the same launch also scattering the dx rows to their
+    slots and summing them (device-verified: 1 only)."""
+    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "0").strip() or "0"
+    if mode not in ("0", "1", "2"):
+        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1 or 2, got {mode!r}")
+    return int(mode)
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
@@ -175,6 +180,11 @@ class GroupedExpertBackend:
             st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
+        if fused_bwd_mode() == 2 and hasattr(self.mlp, "backward_tokens"):
+            dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, dxs)
+            if out is not None:
+                return MoEGrads(out[0], dtw, *out[1:], d_shared)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)

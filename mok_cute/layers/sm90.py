@@ -66,6 +66,11 @@ def _mx_dequant_weight(w, axis):
     return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole_offsets(e * r, w.device)).view(e, r, c)
 
 
+def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
+    """Whether the fused backward core takes these operands (the unfused path takes any)."""
+    return g.x is not None and g.x.is_contiguous() and dy_rows.is_contiguous() and g.gu.is_contiguous()
+
+
 def _mx_rows(x):
     """bf16 [M, K]: x's MXFP8 round trip along its rows."""
     from mok_cute.kernels.quant import dequant_mxfp8
@@ -184,14 +189,30 @@ class Sm90ExpertMLP:
             return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
-        from mok_cute.layers.grouped import fused_bwd_enabled
+        from mok_cute.layers.grouped import fused_bwd_mode
 
-        if fused_bwd_enabled() and g.x is not None and g.x.is_contiguous() and dy_rows.is_contiguous():
+        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
             from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
             return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
+
+    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared):
+        """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
+        in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
+        row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None), bitwise the unfused
+        scatter and slot sum; None where that launch does not apply (then call :meth:`backward`)."""
+        from mok_cute.kernels.sm90 import grouped_gemm as fwd
+        from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+
+        if g.precision != "bf16" or not _fused_bwd_ok(g, dy_rows):
+            return None
+        if dx_shared is not None and not dx_shared.is_contiguous():
+            return None
+        _check_dy(fwd, g, dy_rows)
+        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
+                                   tokens=(order, topk_idx, dx_shared))
 
     # ------------------------------------------------------------------ MXFP8
     def _mx_weight(self, w, axis):

@@ -4,9 +4,12 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
 * dx rows, dWg, dWu and dWd bitwise equal to the unfused ones, on uniform, skewed (empty
   experts, partial m-tiles) and one-expert routings, with and without the SwiGLU clamp;
 * bitwise across 3 repeats and across grid sizes (132, 37, 8 CTAs);
-* the layer: ``mok_cute.moe`` forward + backward with ``MOK_CUTE_FUSED_BWD=1`` gives every
-  gradient bitwise equal to ``MOK_CUTE_FUSED_BWD=0`` (shared expert included: it runs the core
-  too, as one group of all tokens);
+* ``tokens=`` (the dx rows scattered to their slots and summed in the launch): dx bitwise the
+  unfused scatter + ``reference.slot_sum`` from the shared expert's dx (or zeros), -1 slots
+  included;
+* the layer: ``mok_cute.moe`` forward + backward with ``MOK_CUTE_FUSED_BWD=1`` and ``=2`` gives
+  every gradient bitwise equal to ``MOK_CUTE_FUSED_BWD=0`` (shared expert included: it runs the
+  core too, as one group of all tokens);
 * time of the core vs the five launches at 8 experts x 4096 rows, H 7168, I 2048.
 """
 from __future__ import annotations
@@ -19,10 +22,12 @@ from checks.common import Row, bench_us
 from checks.layer_sm90 import _problem, _run
 
 
-def _operands(m_counts, h, inter, dev, seed):
+def _operands(m_counts, h, inter, dev, seed, rows=None):
+    """Random backward operands over experts of ``m_counts`` rows (``rows`` >= their sum: the
+    buffers' rows, the rest past the last expert as in the layer)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     e = len(m_counts)
-    m = sum(m_counts)
+    m = sum(m_counts) if rows is None else rows
     rnd = lambda *s, fan=1.0: (torch.randn(*s, device=dev, generator=g) * fan ** -0.5).bfloat16()
     offsets = torch.tensor([0] + list(torch.tensor(m_counts).cumsum(0)), dtype=torch.int32, device=dev)
     return (rnd(m, h), rnd(m, h), rnd(m, 2 * inter), rnd(m, inter), offsets, rnd(e, inter, h, fan=h),
@@ -61,22 +66,55 @@ def run(ctx) -> list[Row]:
         finite = all(bool(torch.isfinite(a.float()).all()) for a in runs[0])
         rows.append(Row(f"fused bwd core {name} L={limit}", bitwise=all(eq), ok=all(eq) and finite,
                         note=f"== unfused per run (132 x3, 37, 8 CTAs): {eq}; differs: {diff} M={sum(counts)}"))
+    rows += _tokens_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
     outs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "2"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0)
         finally:
             del os.environ["MOK_CUTE_FUSED_BWD"]
-    same = [torch.equal(a, b) for a, b in zip(outs["0"], outs["1"])]
-    rows.append(Row("layer grads MOK_CUTE_FUSED_BWD=1 == 0 (skew + shared)", bitwise=all(same), ok=all(same),
-                    note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    for flag in ("1", "2"):
+        same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
+        rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
+                        ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
     t_fus = bench_us(lambda: fused_backward_core(*ops, 4.0))
+    torch.cuda.synchronize()
     flop = 2 * 8 * 4096 * 7168 * 2048 * 3 * 2  # dgrad2, dgrad1 (2I), dWd, dWg + dWu
     rows.append(Row("bench fused bwd core vs unfused (8x4096 rows, H 7168, I 2048)", time_us=t_fus, ok=True,
                     note=f"unfused {t_unf:.0f} us, fused {t_fus:.0f} us: {t_unf / t_fus:.3f}x; "
                          f"{flop / t_fus / 1e6:.0f} TFLOP/s fused"))
+    return rows
+
+
+def _tokens_rows(dev) -> list[Row]:
+    """``tokens=``: dx [T, H] of the launch vs the unfused rows scattered and slot-summed."""
+    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+    from mok_cute.layers.grouped import _scatter_slots
+    from mok_cute.reference import slot_sum
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(9)
+    t, k, e = 700, 4, 8
+    for shared in (False, True):
+        idx = torch.randint(0, e, (t, k), device=dev, generator=g).to(torch.int32)
+        idx[::5, 1] = -1
+        idx[7] = -1
+        flat = idx.reshape(-1).long()
+        order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
+        valid = flat >= 0
+        counts = torch.bincount(flat[valid], minlength=e).tolist()
+        ops = _operands(counts, 1024, 512, dev, seed=3 + shared, rows=t * k)
+        dxs = (torch.randn(t, 1024, device=dev, generator=g)).bfloat16() if shared else None
+        dxr, *dws = _unfused(*ops, None)
+        acc = torch.zeros(t, 1024, dtype=torch.float32, device=dev) if dxs is None else dxs.float()
+        want = slot_sum(acc, _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
+        got = [fused_backward_core(*ops, None, num_ctas=n, tokens=(order, idx, dxs)) for n in (132, 132, 19)]
+        torch.cuda.synchronize()
+        eq = [torch.equal(r[0], want) and all(torch.equal(a, b) for a, b in zip(r[1:], dws)) for r in got]
+        rows.append(Row(f"fused bwd core tokens= (dx slot sum){' + shared dx' if shared else ''}", bitwise=all(eq),
+                        ok=all(eq), note=f"dx and dW == unfused scatter + slot_sum per run (132 x2, 19 CTAs): {eq}"))
     return rows

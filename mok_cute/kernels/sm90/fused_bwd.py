@@ -41,27 +41,29 @@ from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
-from mok_cute.kernels.sm90 import persistent
+from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
-    consumer_barrier, experts_last,
+    acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
 
-D2_READY = 24  # status channel of the D1 / W waits on d2[mt]
-COUNTER_WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
+D2_READY, D1_DONE = 24, 25  # status channels: the D1 / W waits on d2[mt], the slot sum's on the D1 tiles
+DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
+COUNTER_WORDS = DONE_WORD + 1
+SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 
 
 class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
-    def __init__(self, clamp: bool, cfg: MainloopConfig = MainloopConfig()):
-        self.cfg, self.clamp = cfg, clamp
+    def __init__(self, clamp: bool, scatter: bool = False, cfg: MainloopConfig = MainloopConfig()):
+        self.cfg, self.clamp, self.scatter = cfg, clamp, scatter
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -74,10 +76,13 @@ class FusedMoeBwdCoreSm90:
     def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mWg: cute.Tensor,
                  mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDg: cute.Tensor, mDu: cute.Tensor,
                  mDgu3: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor,
-                 mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, limit: Float32, num_ctas: Int32,
-                 timeout_ns: Int64, stream: cuda.CUstream):
+                 mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, mSlot: cute.Tensor,
+                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, k: Int32,
+                 limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
-        column halves [M, I] (views of one buffer)."""
+        column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
+        slot rows), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k], ``mInit``
+        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -93,8 +98,8 @@ class FusedMoeBwdCoreSm90:
         self.shared_storage = md.shared_storage(self.epi_elems, extra_i32=2)
         self.kernel(atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
                     coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt,
-                    atom_dut, coord_dut, mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mCounters, limit,
-                    timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                    atom_dut, coord_dut, mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mCounters, mSlot,
+                    mOrder, mIdx, mInit, mOut, k, limit, timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -104,8 +109,9 @@ class FusedMoeBwdCoreSm90:
                atom_ht: cute.CopyAtom, coord_ht: cute.Tensor, atom_dgt: cute.CopyAtom, coord_dgt: cute.Tensor,
                atom_xt: cute.CopyAtom, coord_xt: cute.Tensor, atom_dut: cute.CopyAtom, coord_dut: cute.Tensor,
                mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor,
-               mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, limit: Float32,
-               timeout_ns: Int64):
+               mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor,
+               mSlot: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
+               k: Int32, limit: Float32, timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         atoms = [atom_dy, atom_wd, atom_dgu, atom_wg, atom_wu, atom_dyt, atom_ht, atom_dgt, atom_xt, atom_dut]
@@ -118,7 +124,7 @@ class FusedMoeBwdCoreSm90:
 
         num_experts = mOffsets.shape[0] - 1
         inter = mGU.shape[2]
-        hidden = mDx.shape[1]
+        hidden = mDWd.shape[1]
         n_i = inter // cfg.tile_n  # D2 n-tiles
         n_h = hidden // cfg.tile_n  # D1 n-tiles
         mt = routed_mtiles(mOffsets, num_experts, cfg.tile_m)
@@ -138,7 +144,25 @@ class FusedMoeBwdCoreSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sA_w, sB_w, storage, sTask, tidx - THREADS_PER_WG, n_tasks, n_d2, n_d1,
-                          dims, mOffsets, num_experts, hidden, inter, mGU, mDgu, mDx, mDWg, mDWu, mDWd, mD2, limit)
+                          dims, mOffsets, num_experts, hidden, inter, mGU, mDgu, mDx, mDWg, mDWu, mDWd, mD2, limit,
+                          mSlot, mOrder, mCounters.iterator + DONE_WORD)
+        if cutlass.const_expr(self.scatter):
+            # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
+            # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
+            if warp >= THREADS_PER_WG // 32:
+                cute.arch.setmaxregister_decrease(route_rows.SUM_REGS)
+            cute.arch.barrier()
+            if warp < THREADS_PER_WG // 32:
+                cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
+            if tidx == 0:
+                P.wait_geq(mCounters.iterator + DONE_WORD, n_d1, timeout_ns, status, Int32(0), Int32(D1_DONE))
+            cute.arch.barrier()
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
+                                                                            stride=(_VEC, 1)))
+            route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], hidden, sbuf,
+                                SUM_BATCH)
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -206,9 +230,11 @@ class FusedMoeBwdCoreSm90:
     def _consume(self, pipe, sA, sB, sA_w, sB_w, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
                  n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
                  inter: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
-                 mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32):
+                 mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32, mSlot: cute.Tensor,
+                 mOrder: cute.Tensor, done: cute.Pointer):
         """Consumer warpgroups: MMA each task's tile, run its epilogue; a D2 tile is published on
-        ``d2[mt]`` (release) once its dgu rows are stored."""
+        ``d2[mt]`` (release) once its dgu rows are stored; ``scatter``: a D1 tile's rows go to
+        their (token, slot) rows and it is counted on ``done``."""
         cfg = self.cfg
         n_i, n_h = dims[0], dims[1]
         k_h = hidden // cfg.tile_k
@@ -236,8 +262,18 @@ class FusedMoeBwdCoreSm90:
             elif phase == D1:
                 thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
                 state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
-                self.plain.run(self.ml_d.tiled_mma, thr_d, acc, self.plain.smem_tensor(storage.sC), et, row0, rows,
-                               n_tile, mDx, mDx, Float32(0.0))
+                if cutlass.const_expr(self.scatter):
+                    s_plain = self.plain.smem_tensor(storage.sC)
+                    acc_to_smem(thr_d, acc, s_plain)
+                    consumer_barrier()
+                    route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None)
+                    cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
+                    consumer_barrier()
+                    if tid == 0:
+                        cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
+                else:
+                    self.plain.run(self.ml_d.tiled_mma, thr_d, acc, self.plain.smem_tensor(storage.sC), et, row0,
+                                   rows, n_tile, mDx, mDx, Float32(0.0))
             else:
                 length = mOffsets[expert + 1] - mOffsets[expert]
                 k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
@@ -268,25 +304,36 @@ def _t(m: cute.Tensor) -> cute.Tensor:
 
 
 # ---------------------------------------------------------------- compile and launch
-def compile_fused_backward_core(clamp: bool, *, arch: str = "sm_90a", inspect: bool = False):
-    """Compile one variant with symbolic M, H, I, E; returns ``(compiled, report)``."""
+def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, *, arch: str = "sm_90a",
+                                inspect: bool = False):
+    """Compile one variant with symbolic M, T*k, H, I, E (``scatter``: dx rows to their slots and
+    the dx slot sum in the launch, ``init``: from the shared expert's dx); returns
+    ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeBwdCoreSm90(clamp)
+    if init and not scatter:
+        raise ValueError("init (the shared expert's dx) needs scatter")
+    op = FusedMoeBwdCoreSm90(clamp, scatter)
     bf = cutlass.BFloat16
-    m, e = cute.sym_int(), cute.sym_int()
+    m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
 
-    def vec(dtype):
-        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    def vec(dtype, n=None):
+        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int() if n is None else n,), stride=(1,),
+                                             assumed_align=4)
 
     args = (_fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, inter),
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
             _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
-            _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, hid), _fake_3d(bf, e, inter, hid),
-            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(Int32), vec(Int32), vec(Int32))
-    return compile_kernel(op, *args, Float32(0.0), Int32(1), Int64(1), cute.runtime.make_fake_stream(), arch=arch,
-                          inspect=inspect)
+            _fake_3d(bf, m, cute.sym_int(), inter), None if scatter else _fake_2d(bf, m, hid),
+            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(Int32),
+            vec(Int32), vec(Int32))
+    tail = (None, None, None, None, None)
+    if scatter:
+        tail = (_fake_2d(bf, tk, hid), vec(Int32, m), vec(Int32, tk), _fake_2d(bf, t, hid) if init else None,
+                _fake_2d(bf, t, hid))
+    return compile_kernel(op, *args, *tail, Int32(1), Float32(0.0), Int32(1), Int64(1),
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 def describe(words) -> str | None:
@@ -302,34 +349,53 @@ def describe(words) -> str | None:
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
-                        num_ctas: int | None = None):
+                        num_ctas: int | None = None, tokens=None):
     """The routed backward in one launch (module doc) on operands the unfused path accepts
     (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
     stride; I, H multiples of 256; offsets int32 [E+1] on the device). Returns ``(dx [M, H],
-    dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s. Errors of the
-    device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s.
+
+    ``tokens`` = ``(order, topk_idx, dx_shared)``: the dx rows go straight to their (token,
+    slot) rows and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the
+    unfused ``slot_sum(fp32(dx_shared) or 0, scattered rows, topk_idx)``; ``order`` [M] (grouped
+    row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None.
+    Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
-    dgu = torch.empty((m, 2 * inter), **bf)
-    dx = torch.empty((m, hid), **bf)
     dwg = torch.empty((e, inter, hid), **bf)
     dwu = torch.empty((e, inter, hid), **bf)
     dwd = torch.empty((e, hid, inter), **bf)
+    slot_args = (None, None, None, None, None)
+    k = 1
+    if tokens is None:
+        dx = torch.empty((m, hid), **bf)
+    else:
+        order, topk_idx, dxs = tokens
+        t, k = topk_idx.shape
+        dx = torch.empty((t, hid), **bf)
+        slot_args = (torch.empty((t * k, hid), **bf), order[:m].to(torch.int32), topk_idx.reshape(-1).to(torch.int32),
+                     dxs, dx)
     if m == 0:  # no rows: no tile reads anything, every weight gradient is zero
+        if tokens is not None:
+            dx.copy_(dxs) if dxs is not None else dx.zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
+    dgu = torch.empty((m, 2 * inter), **bf)
     mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, words = counters[:mt_cap], counters[mt_cap:]
-    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, limit is not None), lambda: GraphLauncher(
-        compile_fused_backward_core(limit is not None, arch=arch)[0]))
+    variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None)
+    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
+        compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
-               dgu.view(m, 2, inter), dx, dwg, dwu, dwd, offsets, d2, words)
+               dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
+               *slot_args)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key = tuple(tensor_key(a) for a in tensors) + (lim, num_ctas, timeout_ns)
+    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(_Desc(a) for a in tensors), Float32(lim), Int32(num_ctas), Int64(timeout_ns), st))
-    deferred.watch(words[1:], describe)
+        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(lim), Int32(num_ctas),
+        Int64(timeout_ns), st))
+    deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
     return dx, dwg, dwu, dwd

@@ -95,7 +95,6 @@ PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write m
 KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
-_SUM_REGS = 160  # per thread in every warpgroup after the GEMM tasks (3 x 128 x 160 <= 64K)
 
 
 class FusedMoeFwdSm90:
@@ -234,12 +233,12 @@ class FusedMoeFwdSm90:
         # raised early would take the registers the consumers' first increase waits for (the
         # intermittent stall seen on the H200: consumers stuck before their first task).
         if warp >= THREADS_PER_WG // 32:
-            cute.arch.setmaxregister_decrease(_SUM_REGS)
+            cute.arch.setmaxregister_decrease(route_rows.SUM_REGS)
             if tidx == THREADS_PER_WG:
                 self._mark(mTrace, bidx, 1, 6, Int32(0))
         cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
-            cute.arch.setmaxregister_increase(_SUM_REGS)
+            cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
             if tidx == 32:
                 self._mark(mTrace, bidx, 2, 3, Int32(0))
         t0 = self._now()

@@ -24,6 +24,8 @@ from mok_cute.comm.combine import add_rn, mul_rn
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
 
+SUM_REGS = 160  # per thread in every warpgroup for the slot sum after the GEMM tasks (3 x 128 x 160 <= 64K)
+
 
 @cute.jit
 def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
