@@ -56,10 +56,10 @@ def test_tokens_variant(clamp, init):
 def test_mode_env(monkeypatch):
     from mok_cute.layers.grouped import fused_bwd_mode
 
-    for v, want in (("", 0), ("0", 0), ("1", 1), (" 2 ", 2)):
+    for v, want in (("", 0), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
         monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
         assert fused_bwd_mode() == want
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "3")
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "4")
     with pytest.raises(ValueError, match="MOK_CUTE_FUSED_BWD"):
         fused_bwd_mode()
 
@@ -104,3 +104,22 @@ def test_core_waits_point_backwards():
             assert all(done.get(m, 0) == n_i for m in per_e[e])
         if phase == bt.D2:
             done[mt] = done.get(mt, 0) + 1
+
+
+@pytest.mark.parametrize("by_route", [False, True])
+def test_gather_variant(by_route):
+    """The variant that also builds the routed dy rows, d topk_w and x rows in its comm CTAs:
+    0 spills, route_grad's exact arithmetic (mul.rn, fma.rn, the butterfly), the same GEMM work."""
+    rep = _compiled_gather(by_route)
+    plain = _compiled(True, True, True)
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    for needed in ("fma.rn.f32", "mul.rn.f32", "cvt.rn.bf16x2.f32", "shfl.sync.bfly"):
+        assert rep.ptx.count(needed) > plain.ptx.count(needed), needed
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+
+
+@functools.cache
+def _compiled_gather(by_route: bool):
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    return fused_bwd.compile_fused_backward_core(True, True, True, True, by_route, inspect=True)[1]

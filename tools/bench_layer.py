@@ -184,7 +184,7 @@ def main() -> int:
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
     ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
     ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
-    ap.add_argument("--bwd", default="", help="extra fused rows at these MOK_CUTE_FUSED_BWD modes (1, 2)")
+    ap.add_argument("--bwd", default="", help="extra fused rows at these MOK_CUTE_FUSED_BWD modes (1, 2, 3)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]

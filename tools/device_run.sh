@@ -39,7 +39,7 @@ echo "fused_stress rc=$?" >> "$out/summary.txt"
 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=unfused,fused \
     timeout -s KILL 400 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_layer_ep_virtual.log" 2>&1
 echo "gpu_check layer_ep_virtual (unfused + fused EP) rc=$?" >> "$out/summary.txt"
-timeout 300 python3 tools/bench_layer.py --comm 16,8 --mx --bwd 1,2 > "$out/bench_layer.log" 2>&1
+timeout 300 python3 tools/bench_layer.py --comm 16,8 --mx --bwd 1,2,3 > "$out/bench_layer.log" 2>&1
 echo "bench_layer rc=$?" >> "$out/summary.txt"
 timeout 300 python3 tools/bench_expert_mlp.py ${BENCH_ARGS:-} > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/summary.txt"

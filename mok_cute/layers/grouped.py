@@ -55,10 +55,11 @@ def fused_bwd_mode() -> int:
     """``MOK_CUTE_FUSED_BWD`` (read at every call; opt-in until measured faster on the device):
     0 (default) the unfused backward; 1 the routed backward's GEMMs in one fused launch
     (``kernels/sm90/fused_bwd.py``); 2 the same launch also scattering the dx rows to their
-    slots and summing them (device-verified: 1 only)."""
+    slots and summing them; 3 also the routed dy rows, d topk_w and x rows (the route_grad pass
+    and the x gather) in it (device-verified: 1 only)."""
     mode = os.environ.get("MOK_CUTE_FUSED_BWD", "0").strip() or "0"
-    if mode not in ("0", "1", "2"):
-        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1 or 2, got {mode!r}")
+    if mode not in ("0", "1", "2", "3"):
+        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1, 2 or 3, got {mode!r}")
     return int(mode)
 
 
@@ -176,18 +177,26 @@ class GroupedExpertBackend:
 
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
+        mode = fused_bwd_mode()
+        shared = None  # (dx_s, d ws): the shared expert's backward, once, when a fused mode asks for it first
+        if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):
+            shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+            out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
+                                          st.limit, shared[0], st.rows_by_route)
+            if out is not None:
+                return MoEGrads(*out, shared[1])
         if st.routed.x is None:
             st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
-        if fused_bwd_mode() == 2 and hasattr(self.mlp, "backward_tokens"):
-            dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
-            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, dxs)
+        if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
+            shared = shared or shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0])
             if out is not None:
-                return MoEGrads(out[0], dtw, *out[1:], d_shared)
+                return MoEGrads(out[0], dtw, *out[1:], shared[1])
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
-        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+        dxs, d_shared = shared or shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
         return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

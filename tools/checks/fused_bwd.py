@@ -7,7 +7,8 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
 * ``tokens=`` (the dx rows scattered to their slots and summed in the launch): dx bitwise the
   unfused scatter + ``reference.slot_sum`` from the shared expert's dx (or zeros), -1 slots
   included;
-* the layer: ``mok_cute.moe`` forward + backward with ``MOK_CUTE_FUSED_BWD=1`` and ``=2`` gives
+* the layer: ``mok_cute.moe`` forward + backward with ``MOK_CUTE_FUSED_BWD=1``, ``=2`` and ``=3``
+  (also the route_grad pass and the x gather in the launch, the fused forward's rows) gives
   every gradient bitwise equal to ``MOK_CUTE_FUSED_BWD=0`` (shared expert included: it runs the
   core too, as one group of all tokens);
 * time of the core vs the five launches at 8 experts x 4096 rows, H 7168, I 2048.
@@ -69,13 +70,13 @@ def run(ctx) -> list[Row]:
     rows += _tokens_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
     outs = {}
-    for flag in ("0", "1", "2"):
+    for flag in ("0", "1", "2", "3"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0)
         finally:
             del os.environ["MOK_CUTE_FUSED_BWD"]
-    for flag in ("1", "2"):
+    for flag in ("1", "2", "3"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
                         ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))

@@ -1,7 +1,7 @@
 """Device check: a small MoE trained for 50 steps (router on, shared expert, SwiGLU clamp, AdamW on
 every parameter), the loss curve bitwise identical across two runs and tracking the reference
 backend's, for the sm90 backend with the unfused backward and the fused backward core
-(``MOK_CUTE_FUSED_BWD=1`` and ``2``); and the whole step (forward, backward, optimizer step)
+(``MOK_CUTE_FUSED_BWD=1``, ``2`` and ``3``); and the whole step (forward, backward, optimizer step)
 captured in one CUDA graph, its replays giving the eager run's losses bitwise.
 
 The model: x [T, H] -> MoELayer -> y; loss = mean((y - target)^2) in fp32 with a fixed random
@@ -75,7 +75,7 @@ def run(ctx) -> list[Row]:
     dev = ctx.device
     ref = train("reference", 50, dev)
     rows = []
-    for mode in ("0", "1", "2"):
+    for mode in ("0", "1", "2", "3"):
         os.environ["MOK_CUTE_FUSED_BWD"] = mode
         try:
             a, b = train("sm90", 50, dev), train("sm90", 50, dev)

@@ -41,6 +41,7 @@ from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
+from mok_cute.kernels.route_grad_row import route_row
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
@@ -51,9 +52,10 @@ from mok_cute.kernels.sm90.mainloop import (
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
-from mok_cute.schedule.fused_tasks import routed_mtiles
+from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
 
-D2_READY, D1_DONE = 24, 25  # status channels: the D1 / W waits on d2[mt], the slot sum's on the D1 tiles
+D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
+#                                             on the gathered rows of m-tile mt
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 COUNTER_WORDS = DONE_WORD + 1
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
@@ -62,8 +64,11 @@ SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
-    def __init__(self, clamp: bool, scatter: bool = False, cfg: MainloopConfig = MainloopConfig()):
-        self.cfg, self.clamp, self.scatter = cfg, clamp, scatter
+    def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
+                 cfg: MainloopConfig = MainloopConfig()):
+        if gather and not scatter:
+            raise ValueError("gather (the dy / x rows in the launch) needs scatter")
+        self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -77,12 +82,18 @@ class FusedMoeBwdCoreSm90:
                  mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDg: cute.Tensor, mDu: cute.Tensor,
                  mDgu3: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor,
                  mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, mSlot: cute.Tensor,
-                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, k: Int32,
-                 limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
+                 mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
+                 k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
+                 stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
         slot rows), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k], ``mInit``
-        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None."""
+        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None. ``gather``
+        variant: the first ``comm_ctas`` CTAs write ``mDy`` / ``mX`` (grouped rows, then read by the
+        tiles) from ``mDyTok`` / ``mXTok`` [T, H] and the forward's GEMM2 rows ``mR`` (grouped, or
+        ``by_route``: in route order) with ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in, d topk_w out),
+        publishing routed m-tile c on ``mGdy[c]``; ``mOrder`` then holds all T*k routes."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -99,7 +110,8 @@ class FusedMoeBwdCoreSm90:
         self.kernel(atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
                     coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt,
                     atom_dut, coord_dut, mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mCounters, mSlot,
-                    mOrder, mIdx, mInit, mOut, k, limit, timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                    mOrder, mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, k, comm_ctas, limit,
+                    timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -111,7 +123,9 @@ class FusedMoeBwdCoreSm90:
                mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor,
                mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor,
                mSlot: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
-               k: Int32, limit: Float32, timeout_ns: Int64):
+               mDyTok: cute.Tensor, mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor,
+               mGdy: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, k: Int32, comm_ctas: Int32,
+               limit: Float32, timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         atoms = [atom_dy, atom_wd, atom_dgu, atom_wg, atom_wu, atom_dyt, atom_ht, atom_dgt, atom_xt, atom_dut]
@@ -133,6 +147,12 @@ class FusedMoeBwdCoreSm90:
         n_d2, n_d1 = mt * n_i, mt * n_h
         n_tasks = n_d2 + n_d1 + num_experts * (dims[2] * dims[3] + 2 * dims[4] * dims[5])
         status = mCounters.iterator + 1
+        if cutlass.const_expr(self.gather):
+            bidx, _, _ = cute.arch.block_idx()
+            if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
+                self._gather(tidx, bidx, comm_ctas, mt, mOffsets, num_experts, mOrder, mDyTok, mXTok, mR, mW, mDtw,
+                             mDyRows, mXRows, mGdy, k, hidden)
+                cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -140,7 +160,7 @@ class FusedMoeBwdCoreSm90:
                               mOffsets, num_experts, hidden, inter, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu,
                               coord_dgu, atom_wg, coord_wg, atom_wu, coord_wu, atom_dyt, coord_dyt, atom_ht,
                               coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut, coord_dut, mD2, status,
-                              timeout_ns)
+                              timeout_ns, mGdy)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sA_w, sB_w, storage, sTask, tidx - THREADS_PER_WG, n_tasks, n_d2, n_d1,
@@ -170,7 +190,7 @@ class FusedMoeBwdCoreSm90:
                  n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
                  inter: Int32, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
                  coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut,
-                 coord_dut, mD2: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+                 coord_dut, mD2: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, mGdy: cute.Tensor):
         """Producer warp: claim tasks in list order, hand each to the consumers, wait for its
         inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
         cfg = self.cfg
@@ -180,6 +200,7 @@ class FusedMoeBwdCoreSm90:
         state = self.ml_d.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         ready_e = Int32(-1)  # the last expert whose dgrad2 tiles this producer saw complete
+        ready_g = Int32(-1)  # ... whose routed rows (gather) it saw stored
         i = Int32(0)
         t = persistent.claim(ticket)
         while t < n_tasks:
@@ -188,6 +209,8 @@ class FusedMoeBwdCoreSm90:
             phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
                 t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, cfg.tile_m, *dims[2:], e1, b1, e2, b2)
             if phase == D2:
+                if cutlass.const_expr(self.gather):
+                    persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
                 gA = cute.local_tile(cute.domain_offset((row0, 0), coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
                 gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
                 state = self.ml_d.load_tile(pipe, state, atom_dy, gA, sA, atom_wd, gB, sB, k_h)
@@ -201,6 +224,13 @@ class FusedMoeBwdCoreSm90:
                 lo = mOffsets[expert]
                 length = mOffsets[expert + 1] - lo
                 k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+                if cutlass.const_expr(self.gather):
+                    if expert != ready_g:  # the expert's dy and x rows, once per expert and CTA
+                        first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
+                        for m in cutlass.range(count, unroll=1):
+                            persistent.wait_input(mGdy.iterator + first + m, Int32(1), timeout_ns, status,
+                                                  Int32(ROWS_READY), first + m)
+                        ready_g = expert
                 if which == WD:
                     gA = cute.local_tile(_expert_k(coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
                     gB = cute.local_tile(_expert_k(coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
@@ -296,6 +326,52 @@ class FusedMoeBwdCoreSm90:
             t = persistent.take(sTask, i)
 
 
+    @cute.jit
+    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, mOffsets: cute.Tensor,
+                num_experts: Int32, mOrder: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor, mR: cute.Tensor,
+                mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, mGdy: cute.Tensor,
+                k: Int32, hidden: Int32):
+        """Comm CTAs: routed m-tile c (its grouped rows p, route q = order[p] = t*k + j), by CTA
+        ``c % comm_ctas``, one warp per row: dy_rows[p] = bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] .
+        r[p or q] (``kernels.route_grad_row.route_row``, bitwise the route_grad kernel), x_rows[p] = x[t];
+        published by a release add on ``gdy[c]``. Then d_topk_w = 0 for the routes past the
+        experts' rows (-1 slots), as route_grad writes them."""
+        hc = hidden // _VEC
+        u32 = cutlass.Uint32
+
+        def rows4(m: cute.Tensor):
+            return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=u32),
+                                    cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
+
+        dyv, rv, outv, xv, xg = rows4(mDyTok), rows4(mR), rows4(mDyRows), rows4(mXTok), rows4(mXRows)
+        w = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=u32), cute.make_layout(mW.shape[0]))
+        dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
+        warp = tidx // 32
+        lane = tidx % 32
+        ge, gb = Int32(0), Int32(0)
+        for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
+            row0, rows, ge, gb = mtile(mOffsets, num_experts, self.cfg.tile_m, c, ge, gb)
+            for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
+                p = row0 + rr
+                q = mOrder[p]
+                t = q // k
+                src = p
+                if cutlass.const_expr(self.by_route):
+                    src = q
+                acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
+                if lane == 0:
+                    dtw[q] = acc
+                for cc in cutlass.range(lane, hc, 32, unroll=1):
+                    xg[p * hc + cc, None].store(xv[t * hc + cc, None].load())
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
+        for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
+                               comm_ctas * NUM_THREADS, unroll=1):
+            dtw[mOrder[p]] = u32(0)
+
+
 def _t(m: cute.Tensor) -> cute.Tensor:
     """A row-major (rows, N) tensor seen as (N, rows)."""
     return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 0]))
@@ -304,16 +380,17 @@ def _t(m: cute.Tensor) -> cute.Tensor:
 
 
 # ---------------------------------------------------------------- compile and launch
-def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, *, arch: str = "sm_90a",
-                                inspect: bool = False):
-    """Compile one variant with symbolic M, T*k, H, I, E (``scatter``: dx rows to their slots and
-    the dx slot sum in the launch, ``init``: from the shared expert's dx); returns
-    ``(compiled, report)``."""
+def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
+                                by_route: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
+    """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
+    and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
+    routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
+    in route order); returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
     if init and not scatter:
         raise ValueError("init (the shared expert's dx) needs scatter")
-    op = FusedMoeBwdCoreSm90(clamp, scatter)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route)
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
@@ -328,23 +405,29 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
             _fake_3d(bf, m, cute.sym_int(), inter), None if scatter else _fake_2d(bf, m, hid),
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(Int32),
             vec(Int32), vec(Int32))
-    tail = (None, None, None, None, None)
+    tail = (None,) * 5
     if scatter:
-        tail = (_fake_2d(bf, tk, hid), vec(Int32, m), vec(Int32, tk), _fake_2d(bf, t, hid) if init else None,
+        tail = (_fake_2d(bf, tk, hid), vec(Int32), vec(Int32, tk), _fake_2d(bf, t, hid) if init else None,
                 _fake_2d(bf, t, hid))
-    return compile_kernel(op, *args, *tail, Int32(1), Float32(0.0), Int32(1), Int64(1),
+    rows = (None,) * 6
+    if gather:
+        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), vec(Float32, tk),
+                vec(Float32, tk), vec(Int32))
+    return compile_kernel(op, *args, *tail, *rows, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
+_WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
+
+
 def describe(words) -> str | None:
-    """The error a status word list holds (a timed-out wait on a dgrad2 m-tile), or None."""
+    """The error a status word list holds (a timed-out device wait), or None."""
     code, what, channel, target = (int(w) for w in words)
     if code == P.OK:
         return None
-    if code == P.TIMEOUT and channel == D2_READY:
-        return (f"mok_cute fused backward: a device wait timed out (dgrad2 tiles of m-tile {what}, target "
-                f"{target}): raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a "
-                "scheduling bug")
+    if code == P.TIMEOUT and channel in _WAITS:
+        return (f"mok_cute fused backward: a device wait timed out ({_WAITS[channel]} {what}, target {target}): "
+                "raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a scheduling bug")
     return f"mok_cute fused backward: device error code {code} ({what}, {channel}, {target})"
 
 
@@ -360,6 +443,36 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     unfused ``slot_sum(fp32(dx_shared) or 0, scattered rows, topk_idx)``; ``order`` [M] (grouped
     row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    m = dy.shape[0]
+    if tokens is None:
+        return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, None, None)
+    order, topk_idx, dxs = tokens
+    return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
+                   (order[:m].to(torch.int32), topk_idx, dxs), None)
+
+
+def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
+                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None):
+    """The routed backward from the layer's tokens in one launch: :func:`fused_backward_core` with
+    ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
+    and of gathering x's rows (bitwise theirs). dy, x [T, H] bf16; r_rows [T*k, H] (the forward's
+    GEMM2 rows, expert-grouped or, ``rows_by_route``, in route order); order [T*k] (grouped row ->
+    t*k + j, routes without an expert last); topk_w fp32, topk_idx [T, k]; offsets int32 [E+1];
+    gu [T*k, 2I], h [T*k, I]. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``."""
+    t, k = topk_idx.shape
+    bf = dict(dtype=torch.bfloat16, device=dy.device)
+    dy_rows = torch.empty((t * k, dy.shape[1]), **bf)
+    x_rows = torch.empty((t * k, dy.shape[1]), **bf)
+    dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
+    gather = (dy, x, r_rows, topk_w.reshape(-1), dtw.view(-1), rows_by_route, comm_ctas)
+    out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
+                  (order.to(torch.int32), topk_idx, dx_shared), gather)
+    return (out[0], dtw, *out[1:])
+
+
+def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather):
+    """One launch of the variant the arguments ask for (see the two entries above)."""
+    w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     dev, arch = device_arch(dy.device)
@@ -367,35 +480,40 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     dwg = torch.empty((e, inter, hid), **bf)
     dwu = torch.empty((e, inter, hid), **bf)
     dwd = torch.empty((e, hid, inter), **bf)
-    slot_args = (None, None, None, None, None)
-    k = 1
+    slot_args, row_args, k, comm = (None,) * 5, (None,) * 6, 1, 1
     if tokens is None:
         dx = torch.empty((m, hid), **bf)
     else:
-        order, topk_idx, dxs = tokens
+        order32, topk_idx, dxs = tokens
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
-        slot_args = (torch.empty((t * k, hid), **bf), order[:m].to(torch.int32), topk_idx.reshape(-1).to(torch.int32),
-                     dxs, dx)
+        slot_args = (torch.empty((t * k, hid), **bf), order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
+    mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
+    counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
+    d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
+    if gather is not None:
+        dy_tok, x_tok, r_rows, w_flat, dtw_flat, by_route, comm = gather
+        row_args = (dy_tok, x_tok, r_rows, w_flat, dtw_flat, gdy)
     if m == 0:  # no rows: no tile reads anything, every weight gradient is zero
         if tokens is not None:
-            dx.copy_(dxs) if dxs is not None else dx.zero_()
+            dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
+        if gather is not None:
+            gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf)
-    mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
-    counters = torch.zeros(mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
-    d2, words = counters[:mt_cap], counters[mt_cap:]
-    variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None)
+    variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
+               gather is not None, gather is not None and gather[5])
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
                dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args)
+               *slot_args, *row_args)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, num_ctas, timeout_ns)
+    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(lim), Int32(num_ctas),
+        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim), Int32(num_ctas),
         Int64(timeout_ns), st))
     deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
     return dx, dwg, dwu, dwd
