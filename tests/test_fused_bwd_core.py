@@ -123,3 +123,14 @@ def _compiled_gather(by_route: bool):
     from mok_cute.kernels.sm90 import fused_bwd
 
     return fused_bwd.compile_fused_backward_core(True, True, True, True, by_route, inspect=True)[1]
+
+
+def test_status_words_described():
+    """A timed-out wait names what it waited for; a clean status is no error."""
+    from mok_cute.comm import protocol as P
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    assert fused_bwd.describe([P.OK, 0, 0, 0]) is None
+    msg = fused_bwd.describe([P.TIMEOUT, 5, fused_bwd.D2_READY, 8])
+    assert "fused backward" in msg and "dgrad2 tiles of m-tile 5" in msg and "device_timeout_s" in msg
+    assert "routed rows of m-tile 2" in fused_bwd.describe([P.TIMEOUT, 2, fused_bwd.ROWS_READY, 1])

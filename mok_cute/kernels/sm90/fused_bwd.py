@@ -418,17 +418,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
 
 
 _WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
-
-
-def describe(words) -> str | None:
-    """The error a status word list holds (a timed-out device wait), or None."""
-    code, what, channel, target = (int(w) for w in words)
-    if code == P.OK:
-        return None
-    if code == P.TIMEOUT and channel in _WAITS:
-        return (f"mok_cute fused backward: a device wait timed out ({_WAITS[channel]} {what}, target {target}): "
-                "raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a scheduling bug")
-    return f"mok_cute fused backward: device error code {code} ({what}, {channel}, {target})"
+describe = persistent.describer("fused backward", _WAITS)  # the status words, read by the host later
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,

@@ -756,17 +756,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
 # ---------------------------------------------------------------- error status
 _WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles",
           RING: "ring slot of m-tile"}
-
-
-def describe(words) -> str | None:
-    """The error a status tensor's words hold, or None."""
-    code, what, channel, target = (int(w) for w in words)
-    if code == P.OK:
-        return None
-    if code == P.TIMEOUT and channel in _WAITS:
-        return (f"mok_cute fused forward: a device wait timed out ({_WAITS[channel]} {what}, target {target}): "
-                "raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a scheduling bug")
-    return f"mok_cute fused forward: device error code {code} ({what}, {channel}, {target})"
+describe = persistent.describer("fused forward", _WAITS)  # the status words, read by the host later
 
 
 def watch_status(status: torch.Tensor, first: bool = True) -> None:

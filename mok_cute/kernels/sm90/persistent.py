@@ -78,3 +78,18 @@ def opaque(v: Int32) -> Int32:
 
     return Int32(llvm.inline_asm(Int32.mlir_type, [v.ir_value()], "mov.b32 $0, $1;", "=r,r",
                                  has_side_effects=True))
+
+
+def describer(kernel: str, waits: dict):
+    """The host's reading of a megakernel's status words ``(code, what, channel, target)``
+    (:mod:`mok_cute.dsl.deferred`): None, or the error naming the wait that timed out
+    (``waits``: channel -> what it waits for)."""
+    def describe(words) -> str | None:
+        code, what, channel, target = (int(w) for w in words)
+        if code == P.OK:
+            return None
+        if code == P.TIMEOUT and channel in waits:
+            return (f"mok_cute {kernel}: a device wait timed out ({waits[channel]} {what}, target {target}): "
+                    "raise MoKConfig.device_timeout_s if the GPU is shared, otherwise this is a scheduling bug")
+        return f"mok_cute {kernel}: device error code {code} ({what}, {channel}, {target})"
+    return describe
