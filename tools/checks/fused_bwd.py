@@ -11,6 +11,8 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
   (also the route_grad pass and the x gather in the launch, the fused forward's rows) gives
   every gradient bitwise equal to ``MOK_CUTE_FUSED_BWD=0`` (shared expert included: it runs the
   core too, as one group of all tokens);
+* ``main_grads`` on the sm90 backend (unfused and fused backward): two backwards into random
+  fp32 buffers give start + fp32(dW_1) + fp32(dW_2) bitwise, the weights no ``.grad``;
 * time of the core vs the five launches at 8 experts x 4096 rows, H 7168, I 2048.
 """
 from __future__ import annotations
@@ -80,6 +82,7 @@ def run(ctx) -> list[Row]:
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
                         ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    rows += _main_grads_rows(x, idx, w, ws, sh, dy)
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
     t_fus = bench_us(lambda: fused_backward_core(*ops, 4.0))
@@ -118,4 +121,33 @@ def _tokens_rows(dev) -> list[Row]:
         eq = [torch.equal(r[0], want) and all(torch.equal(a, b) for a, b in zip(r[1:], dws)) for r in got]
         rows.append(Row(f"fused bwd core tokens= (dx slot sum){' + shared dx' if shared else ''}", bitwise=all(eq),
                         ok=all(eq), note=f"dx and dW == unfused scatter + slot_sum per run (132 x2, 19 CTAs): {eq}"))
+    return rows
+
+
+def _main_grads_rows(x, idx, w, ws, sh, dy) -> list[Row]:
+    """``mok_cute.moe(..., main_grads=)`` on the device, per MOK_CUTE_FUSED_BWD mode."""
+    import mok_cute
+
+    rows = []
+    weights = [p.clone().requires_grad_() for p in (*ws, *sh)]
+    fresh = torch.autograd.grad(mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
+                                             config=mok_cute.MoKConfig(backend="sm90")), weights, dy)
+    for flag in ("0", "1", "3"):
+        os.environ["MOK_CUTE_FUSED_BWD"] = flag
+        try:
+            g = torch.Generator(device=x.device).manual_seed(4)
+            start = [torch.randn(p.shape, device=x.device, generator=g) for p in weights]
+            acc = [s.clone() for s in start]
+            for _ in range(2):
+                y = mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
+                                 config=mok_cute.MoKConfig(backend="sm90"), main_grads=tuple(acc))
+                y.backward(dy)
+            torch.cuda.synchronize()
+        finally:
+            del os.environ["MOK_CUTE_FUSED_BWD"]
+        want = [s + f.float() + f.float() for s, f in zip(start, fresh)]
+        same = all(torch.equal(a, b) for a, b in zip(acc, want))
+        no_grad = all(p.grad is None for p in weights)
+        rows.append(Row(f"main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same, ok=same and no_grad,
+                        note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: {no_grad}"))
     return rows
