@@ -134,3 +134,16 @@ def test_status_words_described():
     msg = fused_bwd.describe([P.TIMEOUT, 5, fused_bwd.D2_READY, 8])
     assert "fused backward" in msg and "dgrad2 tiles of m-tile 5" in msg and "device_timeout_s" in msg
     assert "routed rows of m-tile 2" in fused_bwd.describe([P.TIMEOUT, 2, fused_bwd.ROWS_READY, 1])
+
+
+def test_shared_variant():
+    """The whole-backward variant: the shared expert's tiles in the same launch (a second group of
+    one expert), 0 spills, about twice the GEMM code of the routed-only gather variant."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    routed = _compiled_gather(True)
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    assert rep.ptx.count("wgmma.mma_async") >= 2 * routed.ptx.count("wgmma.mma_async") - 8
+    with pytest.raises(ValueError, match="shared needs init"):
+        fused_bwd.compile_fused_backward_core(True, True, False, True, True, True)

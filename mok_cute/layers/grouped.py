@@ -179,12 +179,11 @@ class GroupedExpertBackend:
         t, k = st.topk_idx.shape
         mode = fused_bwd_mode()
         shared = None  # (dx_s, d ws): the shared expert's backward, once, when a fused mode asks for it first
-        if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):
-            shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+        if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):  # one launch, shared expert in
             out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
-                                          st.limit, shared[0], st.rows_by_route)
+                                          st.limit, st.rows_by_route, st.shared_group, st.shared)
             if out is not None:
-                return MoEGrads(*out, shared[1])
+                return MoEGrads(*out)
         if st.routed.x is None:
             st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,

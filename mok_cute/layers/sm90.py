@@ -215,22 +215,28 @@ class Sm90ExpertMLP:
                                    tokens=(order, topk_idx, dx_shared))
 
     def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
-                       dx_shared, rows_by_route: bool):
-        """``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd)`` from the layer's tokens in one launch
-        (``fused_bwd.fused_backward``: the route_grad pass, the x gather, the routed GEMMs, the dx
-        scatter and slot sum), bitwise the unfused backward; None where it does not apply."""
+                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None):
+        """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``:
+        the route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter
+        and slot sum): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
+        bitwise the unfused backward; None where it does not apply."""
         from mok_cute.kernels.sm90.fused_bwd import fused_backward
 
         t, k = topk_idx.shape
         rows = t * k
         if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu, g.h)):
             return None
-        if dx_shared is not None and not dx_shared.is_contiguous():
-            return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
-        return fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
-                              w_gate, w_up, w_down, limit, dx_shared, rows_by_route)
+        sh = None
+        if shared is not None:
+            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous()
+                    and all(w.stride(-1) == 1 for w in shared)):
+                return None
+            sh = (shared_group.gu, shared_group.h, *shared)
+        out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
+                             w_gate, w_up, w_down, limit, None, rows_by_route, shared=sh)
+        return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
     # ------------------------------------------------------------------ MXFP8
     def _mx_weight(self, w, axis):

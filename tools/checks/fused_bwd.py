@@ -82,6 +82,7 @@ def run(ctx) -> list[Row]:
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
                         ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    rows.append(_launch_count_row(x, idx, w, ws, sh, dy))
     rows += _main_grads_rows(x, idx, w, ws, sh, dy)
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
@@ -151,3 +152,28 @@ def _main_grads_rows(x, idx, w, ws, sh, dy) -> list[Row]:
         rows.append(Row(f"main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same, ok=same and no_grad,
                         note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: {no_grad}"))
     return rows
+
+
+def _launch_count_row(x, idx, w, ws, sh, dy) -> Row:
+    """MOK_CUTE_FUSED_BWD=3: one fused backward launch per backward (torch.profiler), shared expert in."""
+    import mok_cute
+    from torch.profiler import ProfilerActivity, profile
+
+    leaves = [p.clone().requires_grad_() for p in (*ws, *sh)]
+    os.environ["MOK_CUTE_FUSED_BWD"] = "3"
+    try:
+        y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0,
+                         config=mok_cute.MoKConfig(backend="sm90", validate_routing=False))
+        torch.autograd.grad(y, leaves, dy)  # compiles outside the profile
+        y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0,
+                         config=mok_cute.MoKConfig(backend="sm90", validate_routing=False))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(y, leaves, dy)
+            torch.cuda.synchronize()
+    finally:
+        del os.environ["MOK_CUTE_FUSED_BWD"]
+    names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    fused = sum("FusedMoeBwdCoreSm90" in n for n in names)
+    return Row("MOK_CUTE_FUSED_BWD=3: fused backward launches per backward", ok=fused == 1,
+               note=f"fused kernel x{fused}, {len(names)} kernels in all (allocations, zeroing included)")

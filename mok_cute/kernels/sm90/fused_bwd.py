@@ -65,10 +65,11 @@ class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
-        if gather and not scatter:
-            raise ValueError("gather (the dy / x rows in the launch) needs scatter")
+                 shared: bool = False, cfg: MainloopConfig = MainloopConfig()):
+        if (gather or shared) and not scatter:
+            raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
+        self.shared = shared
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -84,6 +85,9 @@ class FusedMoeBwdCoreSm90:
                  mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, mSlot: cute.Tensor,
                  mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
                  mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
+                 mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
+                 mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
+                 mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
                  k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
                  stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
@@ -93,79 +97,77 @@ class FusedMoeBwdCoreSm90:
         variant: the first ``comm_ctas`` CTAs write ``mDy`` / ``mX`` (grouped rows, then read by the
         tiles) from ``mDyTok`` / ``mXTok`` [T, H] and the forward's GEMM2 rows ``mR`` (grouped, or
         ``by_route``: in route order) with ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in, d topk_w out),
-        publishing routed m-tile c on ``mGdy[c]``; ``mOrder`` then holds all T*k routes."""
-        md, mw = self.ml_d, self.ml_w
-        md.setup()
-        mw.setup()
-        # D2: A = dy (M, H) K-major, B = w_down as (I, H, E) MN-major
-        atom_dy, coord_dy, atom_wd, coord_wd = md.make_tma(mDy, experts_last(mWd, True))
-        # D1: A = dgu (M, 2I) K-major, B = w_gate then w_up along K, each (H, I, E) MN-major
-        atom_dgu, coord_dgu, atom_wg, coord_wg = md.make_tma(mDgu, experts_last(mWg, True))
-        _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
-        # W: both operands (N, rows) MN-major, ragged along the rows (expert_bwd)
-        atom_dyt, coord_dyt, atom_ht, coord_ht = mw.make_tma(_ragged_k(_t(mDy)), _ragged_k(_t(mH)))
-        atom_dgt, coord_dgt, atom_xt, coord_xt = mw.make_tma(_ragged_k(_t(mDg)), _ragged_k(_t(mX)))
-        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(_t(mDu)), _ragged_k(_t(mX)))
-        self.shared_storage = md.shared_storage(self.epi_elems, extra_i32=2)
-        self.kernel(atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
-                    coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt,
-                    atom_dut, coord_dut, mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mCounters, mSlot,
-                    mOrder, mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, k, comm_ctas, limit,
+        publishing routed m-tile c on ``mGdy[c]``; ``mOrder`` then holds all T*k routes. ``shared``
+        variant: the shared expert as a second group of one expert over the T tokens (its dy / x:
+        ``mDyTok`` / ``mXTok``; its gu, h, weights, dgu views and dW: the ``mS*`` tensors; offsets
+        ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``."""
+        self.ml_d.setup()
+        self.ml_w.setup()
+        r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu)
+        s_tma, s_t = None, None
+        if cutlass.const_expr(self.shared):
+            s_tma = self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSDg, mSDu)
+            s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
+        self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
+        self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2), s_tma, s_t, mCounters, mSlot, mOrder,
+                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, k, comm_ctas, limit,
                     timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
+    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu):
+        """One group's TMA atoms and coordinates (:class:`_Group` order): D2 reads dy (M, H) K-major
+        and w_down as (I, H, E) MN-major; D1 dgu (M, 2I) K-major and w_gate then w_up along K, each
+        (H, I, E) MN-major; W (N, rows) MN-major operands, ragged along the rows (expert_bwd)."""
+        md, mw = self.ml_d, self.ml_w
+        d2 = md.make_tma(mDy, experts_last(mWd, True))
+        d1 = md.make_tma(mDgu, experts_last(mWg, True))
+        _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
+        wd = mw.make_tma(_ragged_k(_t(mDy)), _ragged_k(_t(mH)))
+        wg = mw.make_tma(_ragged_k(_t(mDg)), _ragged_k(_t(mX)))
+        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(_t(mDu)), _ragged_k(_t(mX)))
+        return (*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
+
     @cute.kernel
-    def kernel(self, atom_dy: cute.CopyAtom, coord_dy: cute.Tensor, atom_wd: cute.CopyAtom, coord_wd: cute.Tensor,
-               atom_dgu: cute.CopyAtom, coord_dgu: cute.Tensor, atom_wg: cute.CopyAtom, coord_wg: cute.Tensor,
-               atom_wu: cute.CopyAtom, coord_wu: cute.Tensor, atom_dyt: cute.CopyAtom, coord_dyt: cute.Tensor,
-               atom_ht: cute.CopyAtom, coord_ht: cute.Tensor, atom_dgt: cute.CopyAtom, coord_dgt: cute.Tensor,
-               atom_xt: cute.CopyAtom, coord_xt: cute.Tensor, atom_dut: cute.CopyAtom, coord_dut: cute.Tensor,
-               mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor,
-               mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor,
-               mSlot: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
-               mDyTok: cute.Tensor, mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor,
-               mGdy: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, k: Int32, comm_ctas: Int32,
-               limit: Float32, timeout_ns: Int64):
+    def kernel(self, r_tma: tuple, r_t: tuple, s_tma: tuple, s_t: tuple, mCounters: cute.Tensor, mSlot: cute.Tensor,
+               mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
+               mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
+               mDyRows: cute.Tensor, mXRows: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
+               timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
-        atoms = [atom_dy, atom_wd, atom_dgu, atom_wg, atom_wu, atom_dyt, atom_ht, atom_dgt, atom_xt, atom_dut]
+        atoms = [r_tma[i] for i in range(0, len(r_tma), 2)]
+        if cutlass.const_expr(self.shared):
+            atoms += [s_tma[i] for i in range(0, len(s_tma), 2)]
         tidx, warp = md.start(atoms)
         mw.setup()
         pipe, sA, sB, _, storage = md.allocate(self.shared_storage, self.plain, with_storage=True)
         sA_w = storage.sA.get_tensor(mw.a_smem_staged.outer, swizzle=mw.a_smem_staged.inner)
         sB_w = storage.sB.get_tensor(mw.b_smem_staged.outer, swizzle=mw.b_smem_staged.inner)
         sTask = storage.extra.get_tensor(cute.make_layout(2))
-
-        num_experts = mOffsets.shape[0] - 1
-        inter = mGU.shape[2]
-        hidden = mDWd.shape[1]
-        n_i = inter // cfg.tile_n  # D2 n-tiles
-        n_h = hidden // cfg.tile_n  # D1 n-tiles
-        mt = routed_mtiles(mOffsets, num_experts, cfg.tile_m)
-        dims = (n_i, n_h, (hidden + cfg.tile_m - 1) // cfg.tile_m, inter // cfg.tile_n,
-                (inter + cfg.tile_m - 1) // cfg.tile_m, hidden // cfg.tile_n)
-        n_d2, n_d1 = mt * n_i, mt * n_h
-        n_tasks = n_d2 + n_d1 + num_experts * (dims[2] * dims[3] + 2 * dims[4] * dims[5])
+        views = (sA, sB, sA_w, sB_w)
+        routed = _Group(r_tma, r_t, cfg)
+        shared = _Group(s_tma, s_t, cfg) if cutlass.const_expr(self.shared) else None
+        n_tasks = routed.n_tasks
+        n_done = routed.n_d1  # the tiles the dx slot sum waits for
+        if cutlass.const_expr(self.shared):
+            n_tasks += shared.n_tasks
+            n_done += shared.n_d1
         status = mCounters.iterator + 1
         if cutlass.const_expr(self.gather):
             bidx, _, _ = cute.arch.block_idx()
             if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
-                self._gather(tidx, bidx, comm_ctas, mt, mOffsets, num_experts, mOrder, mDyTok, mXTok, mR, mW, mDtw,
-                             mDyRows, mXRows, mGdy, k, hidden)
+                self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mDyTok,
+                             mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden)
                 cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self._produce(pipe, sA, sB, sA_w, sB_w, sTask, mCounters.iterator, n_tasks, n_d2, n_d1, dims,
-                              mOffsets, num_experts, hidden, inter, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu,
-                              coord_dgu, atom_wg, coord_wg, atom_wu, coord_wu, atom_dyt, coord_dyt, atom_ht,
-                              coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut, coord_dut, mD2, status,
-                              timeout_ns, mGdy)
+                self._produce(pipe, views, sTask, mCounters.iterator, n_tasks, routed, shared, mGdy, status,
+                              timeout_ns)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(pipe, sA, sB, sA_w, sB_w, storage, sTask, tidx - THREADS_PER_WG, n_tasks, n_d2, n_d1,
-                          dims, mOffsets, num_experts, hidden, inter, mGU, mDgu, mDx, mDWg, mDWu, mDWd, mD2, limit,
-                          mSlot, mOrder, mCounters.iterator + DONE_WORD)
+            self._consume(pipe, views, storage, sTask, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, mSlot,
+                          mOrder, mCounters.iterator + DONE_WORD)
         if cutlass.const_expr(self.scatter):
             # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
             # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
@@ -175,155 +177,187 @@ class FusedMoeBwdCoreSm90:
             if warp < THREADS_PER_WG // 32:
                 cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
             if tidx == 0:
-                P.wait_geq(mCounters.iterator + DONE_WORD, n_d1, timeout_ns, status, Int32(0), Int32(D1_DONE))
+                P.wait_geq(mCounters.iterator + DONE_WORD, n_done, timeout_ns, status, Int32(0), Int32(D1_DONE))
             cute.arch.barrier()
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
             sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
                                                                             stride=(_VEC, 1)))
-            route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], hidden, sbuf,
-                                SUM_BATCH)
+            route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
+                                sbuf, SUM_BATCH)
 
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _produce(self, pipe, sA, sB, sA_w, sB_w, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32,
-                 n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
-                 inter: Int32, atom_dy, coord_dy, atom_wd, coord_wd, atom_dgu, coord_dgu, atom_wg, coord_wg, atom_wu,
-                 coord_wu, atom_dyt, coord_dyt, atom_ht, coord_ht, atom_dgt, coord_dgt, atom_xt, coord_xt, atom_dut,
-                 coord_dut, mD2: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, mGdy: cute.Tensor):
+    def _produce(self, pipe, views, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, routed, shared,
+                 mGdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
         """Producer warp: claim tasks in list order, hand each to the consumers, wait for its
         inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
-        cfg = self.cfg
-        n_i, n_h = dims[0], dims[1]
-        k_h = hidden // cfg.tile_k
-        k_i = inter // cfg.tile_k
         state = self.ml_d.producer_state()
-        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        ready_e = Int32(-1)  # the last expert whose dgrad2 tiles this producer saw complete
-        ready_g = Int32(-1)  # ... whose routed rows (gather) it saw stored
+        rc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # routed: cursors, ready experts
+        sc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # the shared group's
         i = Int32(0)
         t = persistent.claim(ticket)
         while t < n_tasks:
             persistent.hand_off(sTask, i, t)
             i += 1
-            phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-                t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, cfg.tile_m, *dims[2:], e1, b1, e2, b2)
-            if phase == D2:
-                if cutlass.const_expr(self.gather):
-                    persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
-                gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                state = self.ml_d.load_tile(pipe, state, atom_dy, gA, sA, atom_wd, gB, sB, k_h)
-            elif phase == D1:
-                persistent.wait_input(mD2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
-                gB = cute.local_tile(coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                gB2 = cute.local_tile(coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                state = self.ml_d.load_tile(pipe, state, atom_dgu, gA, sA, atom_wg, gB, sB, k_i, atom_wu, gB2, k_i)
-            else:
-                lo = mOffsets[expert]
-                length = mOffsets[expert + 1] - lo
-                k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
-                if cutlass.const_expr(self.gather):
-                    if expert != ready_g:  # the expert's dy and x rows, once per expert and CTA
-                        first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
-                        for m in cutlass.range(count, unroll=1):
-                            persistent.wait_input(mGdy.iterator + first + m, Int32(1), timeout_ns, status,
-                                                  Int32(ROWS_READY), first + m)
-                        ready_g = expert
-                if which == WD:
-                    gA = cute.local_tile(_expert_k(coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
-                    gB = cute.local_tile(_expert_k(coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                    state = self.ml_w.load_tile(pipe, state, atom_dyt, gA, sA_w, atom_ht, gB, sB_w, k_rows)
+            if cutlass.const_expr(self.shared):
+                grp, lt = _split(t, shared, routed)
+                if grp == 0:
+                    state, sc = self._load(shared, lt, pipe, state, views, sc, mGdy, status, timeout_ns, False)
                 else:
-                    if expert != ready_e:  # once per expert and CTA: its tickets only grow
-                        first, count = tasks.expert_mtile_range(mOffsets, expert, cfg.tile_m)
-                        for m in cutlass.range(count, unroll=1):
-                            persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status,
-                                                  Int32(D2_READY), first + m)
-                        ready_e = expert
-                    gB = cute.local_tile(_expert_k(coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                    if which == WG:
-                        gA = cute.local_tile(_expert_k(coord_dgt, lo, length), (cfg.tile_m, cfg.tile_k),
-                                             (m_tile, None))
-                        state = self.ml_w.load_tile(pipe, state, atom_dgt, gA, sA_w, atom_xt, gB, sB_w, k_rows)
-                    else:
-                        gA = cute.local_tile(_expert_k(coord_dut, lo, length), (cfg.tile_m, cfg.tile_k),
-                                             (m_tile, None))
-                        state = self.ml_w.load_tile(pipe, state, atom_dut, gA, sA_w, atom_xt, gB, sB_w, k_rows)
+                    state, rc = self._load(routed, lt, pipe, state, views, rc, mGdy, status, timeout_ns,
+                                           self.gather)
+            else:
+                state, rc = self._load(routed, t, pipe, state, views, rc, mGdy, status, timeout_ns, self.gather)
             t = persistent.claim(ticket)
         persistent.hand_off(sTask, i, t)
         persistent.finish_hand_offs(i)
         pipe.producer_tail(state)
 
     @cute.jit
-    def _consume(self, pipe, sA, sB, sA_w, sB_w, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
-                 n_d2: Int32, n_d1: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, hidden: Int32,
-                 inter: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
-                 mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32, mSlot: cute.Tensor,
-                 mOrder: cute.Tensor, done: cute.Pointer):
-        """Consumer warpgroups: MMA each task's tile, run its epilogue; a D2 tile is published on
-        ``d2[mt]`` (release) once its dgu rows are stored; ``scatter``: a D1 tile's rows go to
-        their (token, slot) rows and it is counted on ``done``."""
+    def _load(self, g, lt: Int32, pipe, state, views, cur, mGdy: cute.Tensor, status: cute.Pointer,
+              timeout_ns: Int64, gather: cutlass.Constexpr):
+        """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
+        the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
+        producer saw complete); returns ``(state, cur)``."""
         cfg = self.cfg
-        n_i, n_h = dims[0], dims[1]
-        k_h = hidden // cfg.tile_k
-        k_2i = 2 * (inter // cfg.tile_k)
+        sA, sB, sA_w, sB_w = views
+        e1, b1, e2, b2, ready_e, ready_g = cur
+        phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
+            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2)
+        k_h = g.hidden // cfg.tile_k
+        k_i = g.inter // cfg.tile_k
+        if phase == D2:
+            if cutlass.const_expr(gather):
+                persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
+            gB = cute.local_tile(g.coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+            state = self.ml_d.load_tile(pipe, state, g.atom_dy, gA, sA, g.atom_wd, gB, sB, k_h)
+        elif phase == D1:
+            persistent.wait_input(g.d2.iterator + mt, g.n_i, timeout_ns, status, Int32(D2_READY), mt)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
+            gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+            gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+            state = self.ml_d.load_tile(pipe, state, g.atom_dgu, gA, sA, g.atom_wg, gB, sB, k_i, g.atom_wu, gB2, k_i)
+        else:
+            lo = g.offsets[expert]
+            length = g.offsets[expert + 1] - lo
+            k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+            if cutlass.const_expr(gather):
+                if expert != ready_g:  # the expert's dy and x rows, once per expert and CTA
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
+                    for m in cutlass.range(count, unroll=1):
+                        persistent.wait_input(mGdy.iterator + first + m, Int32(1), timeout_ns, status,
+                                              Int32(ROWS_READY), first + m)
+                    ready_g = expert
+            if which == WD:
+                gA = cute.local_tile(_expert_k(g.coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
+                gB = cute.local_tile(_expert_k(g.coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                state = self.ml_w.load_tile(pipe, state, g.atom_dyt, gA, sA_w, g.atom_ht, gB, sB_w, k_rows)
+            else:
+                if expert != ready_e:  # once per expert and CTA: its tickets only grow
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
+                    for m in cutlass.range(count, unroll=1):
+                        persistent.wait_input(g.d2.iterator + first + m, g.n_i, timeout_ns, status,
+                                              Int32(D2_READY), first + m)
+                    ready_e = expert
+                gB = cute.local_tile(_expert_k(g.coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                if which == WG:
+                    gA = cute.local_tile(_expert_k(g.coord_dgt, lo, length), (cfg.tile_m, cfg.tile_k),
+                                         (m_tile, None))
+                    state = self.ml_w.load_tile(pipe, state, g.atom_dgt, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+                else:
+                    gA = cute.local_tile(_expert_k(g.coord_dut, lo, length), (cfg.tile_m, cfg.tile_k),
+                                         (m_tile, None))
+                    state = self.ml_w.load_tile(pipe, state, g.atom_dut, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+        return state, (e1, b1, e2, b2, ready_e, ready_g)
+
+    @cute.jit
+    def _consume(self, pipe, views, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, routed, shared,
+                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer):
+        """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`)."""
         state = self.ml_d.consumer_state()
-        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        rc = (Int32(0), Int32(0), Int32(0), Int32(0))
+        sc = (Int32(0), Int32(0), Int32(0), Int32(0))
         i = Int32(0)
         t = persistent.take(sTask, i)
         while t < n_tasks:
             i += 1
-            phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-                t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, cfg.tile_m, *dims[2:], e1, b1, e2, b2)
-            et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-            # each branch builds its own fragments and accumulator: none is live across the tasks
-            if phase == D2:
-                thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
-                s_dsw = self.dswiglu.smem_tensor(storage.sC)
-                self.dswiglu.prefetch(s_dsw, et, row0, rows, n_tile, mGU)
-                state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_h)
-                self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, mDgu, mGU, limit)
-                cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before the CTA's release below
+            if cutlass.const_expr(self.shared):
+                grp, lt = _split(t, shared, routed)
+                if grp == 0:
+                    state, sc = self._compute(shared, lt, pipe, state, views, storage, tid, sc, limit, mSlot,
+                                              mOrder, done, False)
+                else:
+                    state, rc = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
+                                              mOrder, done, self.scatter)
+            else:
+                state, rc = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot, mOrder,
+                                          done, self.scatter)
+            t = persistent.take(sTask, i)
+
+    @cute.jit
+    def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,
+                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr):
+        """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
+        (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
+        their (token, slot) rows); in a kernel with the slot sum every D1 tile is counted on
+        ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur)``."""
+        cfg = self.cfg
+        sA, sB, sA_w, sB_w = views
+        e1, b1, e2, b2 = cur
+        phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
+            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2)
+        k_h = g.hidden // cfg.tile_k
+        k_2i = 2 * (g.inter // cfg.tile_k)
+        et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+        # each branch builds its own fragments and accumulator: none is live across the tasks
+        if phase == D2:
+            thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
+            s_dsw = self.dswiglu.smem_tensor(storage.sC)
+            self.dswiglu.prefetch(s_dsw, et, row0, rows, n_tile, g.gu3)
+            state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_h)
+            self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, g.dgu3, g.gu3, limit)
+            cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before the CTA's release below
+            consumer_barrier()
+            if tid == 0:
+                cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
+        elif phase == D1:
+            thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
+            state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
+            s_plain = self.plain.smem_tensor(storage.sC)
+            if cutlass.const_expr(scatter):
+                acc_to_smem(thr_d, acc, s_plain)
+                consumer_barrier()
+                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None)
+            else:
+                self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
+                               Float32(0.0))
+            if cutlass.const_expr(self.scatter):  # the slot sum counts this tile
+                cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
                 consumer_barrier()
                 if tid == 0:
-                    cute.arch.atomic_add(mD2.iterator + mt, Int32(1), sem="release", scope="gpu")
-            elif phase == D1:
-                thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
-                state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
-                if cutlass.const_expr(self.scatter):
-                    s_plain = self.plain.smem_tensor(storage.sC)
-                    acc_to_smem(thr_d, acc, s_plain)
-                    consumer_barrier()
-                    route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None)
-                    cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
-                    consumer_barrier()
-                    if tid == 0:
-                        cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
-                else:
-                    self.plain.run(self.ml_d.tiled_mma, thr_d, acc, self.plain.smem_tensor(storage.sC), et, row0,
-                                   rows, n_tile, mDx, mDx, Float32(0.0))
+                    cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
+        else:
+            length = g.offsets[expert + 1] - g.offsets[expert]
+            k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+            thr_w, tCrA_w, tCrB_w, acc = self.ml_w.consumer_fragments(sA_w, sB_w, et)
+            state = self.ml_w.mma_tile(pipe, state, tCrA_w, tCrB_w, acc, k_rows)
+            r0 = m_tile * cfg.tile_m
+            s_plain = self.plain.smem_tensor(storage.sC)
+            if which == WD:
+                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                               cutlass.min(g.hidden - r0, cfg.tile_m), n_tile, g.dwd[(expert, None, None)],
+                               g.dwd[(expert, None, None)], Float32(0.0))
+            elif which == WG:
+                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                               cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwg[(expert, None, None)],
+                               g.dwg[(expert, None, None)], Float32(0.0))
             else:
-                length = mOffsets[expert + 1] - mOffsets[expert]
-                k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
-                thr_w, tCrA_w, tCrB_w, acc = self.ml_w.consumer_fragments(sA_w, sB_w, et)
-                state = self.ml_w.mma_tile(pipe, state, tCrA_w, tCrB_w, acc, k_rows)
-                r0 = m_tile * cfg.tile_m
-                s_plain = self.plain.smem_tensor(storage.sC)
-                if which == WD:
-                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                                   cutlass.min(hidden - r0, cfg.tile_m), n_tile, mDWd[(expert, None, None)],
-                                   mDWd[(expert, None, None)], Float32(0.0))
-                elif which == WG:
-                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                                   cutlass.min(inter - r0, cfg.tile_m), n_tile, mDWg[(expert, None, None)],
-                                   mDWg[(expert, None, None)], Float32(0.0))
-                else:
-                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                                   cutlass.min(inter - r0, cfg.tile_m), n_tile, mDWu[(expert, None, None)],
-                                   mDWu[(expert, None, None)], Float32(0.0))
-            t = persistent.take(sTask, i)
+                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                               cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
+                               g.dwu[(expert, None, None)], Float32(0.0))
+        return state, (e1, b1, e2, b2)
 
 
     @cute.jit
@@ -372,6 +406,59 @@ class FusedMoeBwdCoreSm90:
             dtw[mOrder[p]] = u32(0)
 
 
+class _Group:
+    """One group of the backward's tiles inside the kernel (the routed experts, or the shared expert as
+    one expert over the T tokens): its TMA atoms / coordinates (``FusedMoeBwdCoreSm90._tma``
+    order), tensors ``(gu3, dgu3, dx, dWg, dWu, dWd, offsets, d2)`` and tile counts."""
+
+    NAMES = ("dy", "wd", "dgu", "wg", "wu", "dyt", "ht", "dgt", "xt", "dut")
+
+    def __init__(self, tma: tuple, t: tuple, cfg: MainloopConfig):
+        for i, name in enumerate(self.NAMES):
+            setattr(self, "atom_" + name, tma[2 * i])
+            setattr(self, "coord_" + name, tma[2 * i + 1])
+        self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2 = t
+        self.num_experts = self.offsets.shape[0] - 1
+        self.inter = self.gu3.shape[2]
+        self.hidden = self.dwd.shape[1]
+        self.n_i = self.inter // cfg.tile_n  # D2 n-tiles
+        self.n_h = self.hidden // cfg.tile_n  # D1 n-tiles
+        self.wdims = ((self.hidden + cfg.tile_m - 1) // cfg.tile_m, self.inter // cfg.tile_n,
+                      (self.inter + cfg.tile_m - 1) // cfg.tile_m, self.hidden // cfg.tile_n)
+        self.mt = routed_mtiles(self.offsets, self.num_experts, cfg.tile_m)
+        self.n_d2, self.n_d1 = self.mt * self.n_i, self.mt * self.n_h
+        self.n_w = self.num_experts * (self.wdims[0] * self.wdims[1] + 2 * self.wdims[2] * self.wdims[3])
+        self.n_tasks = self.n_d2 + self.n_d1 + self.n_w
+
+
+@cute.jit
+def _split(t: Int32, s: _Group, r: _Group):
+    """``(group, its task)`` of list task ``t`` over the phases SD2, D2, SD1, D1, SW, W
+    (``fused_bwd_tasks.task_list`` order): group 0 the shared expert, 1 the routed experts."""
+    grp = Int32(1)
+    lt = t
+    a = s.n_d2
+    b = a + r.n_d2
+    c = b + s.n_d1
+    d = c + r.n_d1
+    f = d + s.n_w
+    if t < a:
+        grp = Int32(0)
+    elif t < b:
+        lt = t - a
+    elif t < c:
+        grp = Int32(0)
+        lt = s.n_d2 + (t - b)
+    elif t < d:
+        lt = r.n_d2 + (t - c)
+    elif t < f:
+        grp = Int32(0)
+        lt = s.n_d2 + s.n_d1 + (t - d)
+    else:
+        lt = r.n_d2 + r.n_d1 + (t - f)
+    return grp, lt
+
+
 def _t(m: cute.Tensor) -> cute.Tensor:
     """A row-major (rows, N) tensor seen as (N, rows)."""
     return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 0]))
@@ -381,16 +468,20 @@ def _t(m: cute.Tensor) -> cute.Tensor:
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
-                                by_route: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
+                                by_route: bool = False, shared: bool = False, *, arch: str = "sm_90a",
+                                inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
-    in route order); returns ``(compiled, report)``."""
+    in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start);
+    returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
     if init and not scatter:
         raise ValueError("init (the shared expert's dx) needs scatter")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route)
+    if shared and not init:
+        raise ValueError("shared needs init (its dx starts the slot sum)")
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared)
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
@@ -410,10 +501,19 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         tail = (_fake_2d(bf, tk, hid), vec(Int32), vec(Int32, tk), _fake_2d(bf, t, hid) if init else None,
                 _fake_2d(bf, t, hid))
     rows = (None,) * 6
+    if gather or shared:
+        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), None, None, None, None)
     if gather:
-        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), vec(Float32, tk),
-                vec(Float32, tk), vec(Int32))
-    return compile_kernel(op, *args, *tail, *rows, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
+        rows = rows[:2] + (_fake_2d(bf, cute.sym_int(), hid), vec(Float32, tk), vec(Float32, tk), vec(Int32))
+    sh = (None,) * 14
+    if shared:
+        i_s = cute.sym_int(divisibility=_VEC)
+        sh = (_fake_3d(bf, t, cute.sym_int(), i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, cute.sym_int(), i_s, hid),
+              _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), hid, i_s),
+              _fake_2d(bf, t, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, t, i_s), _fake_2d(bf, t, i_s),
+              _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(bf, cute.sym_int(), i_s, hid),
+              _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
+    return compile_kernel(op, *args, *tail, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -442,26 +542,36 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
-                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None):
+                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
+                   shared=None):
     """The routed backward from the layer's tokens in one launch: :func:`fused_backward_core` with
     ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
     and of gathering x's rows (bitwise theirs). dy, x [T, H] bf16; r_rows [T*k, H] (the forward's
     GEMM2 rows, expert-grouped or, ``rows_by_route``, in route order); order [T*k] (grouped row ->
     t*k + j, routes without an expert last); topk_w fp32, topk_idx [T, k]; offsets int32 [E+1];
-    gu [T*k, 2I], h [T*k, I]. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``."""
+    gu [T*k, 2I], h [T*k, I]. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``.
+
+    ``shared`` = ``(gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H], ws_down [H, I_s])``: the
+    shared expert's tiles run in the same launch (``dx_shared`` must be None: its dx is made
+    there and starts the slot sum), and its three weight gradients follow the routed ones."""
     t, k = topk_idx.shape
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     dy_rows = torch.empty((t * k, dy.shape[1]), **bf)
     x_rows = torch.empty((t * k, dy.shape[1]), **bf)
     dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
     gather = (dy, x, r_rows, topk_w.reshape(-1), dtw.view(-1), rows_by_route, comm_ctas)
+    if shared is not None:
+        if dx_shared is not None:
+            raise ValueError("dx_shared must be None when the shared expert runs in the launch")
+        dx_shared = torch.empty_like(dy)
     out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                  (order.to(torch.int32), topk_idx, dx_shared), gather)
+                  (order.to(torch.int32), topk_idx, dx_shared), gather, shared)
     return (out[0], dtw, *out[1:])
 
 
-def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather):
-    """One launch of the variant the arguments ask for (see the two entries above)."""
+def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None):
+    """One launch of the variant the arguments ask for (see the two entries above); with
+    ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -484,7 +594,10 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if gather is not None:
         dy_tok, x_tok, r_rows, w_flat, dtw_flat, by_route, comm = gather
         row_args = (dy_tok, x_tok, r_rows, w_flat, dtw_flat, gdy)
-    if m == 0:  # no rows: no tile reads anything, every weight gradient is zero
+    sh_args, sh_out = (None,) * 14, ()
+    if shared is not None:
+        sh_args, sh_out = _shared_args(shared, dy.device)
+    if m == 0 and shared is None:  # no rows: no tile reads anything, every weight gradient is zero
         if tokens is not None:
             dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
         if gather is not None:
@@ -492,18 +605,33 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf)
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
-               gather is not None, gather is not None and gather[5])
+               gather is not None, gather is not None and gather[5], shared is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
                dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args, *row_args)
+               *slot_args, *row_args, *sh_args)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
         *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim), Int32(num_ctas),
         Int64(timeout_ns), st))
     deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
-    return dx, dwg, dwu, dwd
+    return (dx, dwg, dwu, dwd, *sh_out)
+
+
+def _shared_args(shared, device):
+    """The shared group's kernel tensors (``__call__``'s ``mS*``) and its weight gradients."""
+    gus, hs, ws_gate, ws_up, ws_down = shared
+    t = gus.shape[0]
+    i_s, hid = ws_gate.shape
+    bf = dict(dtype=torch.bfloat16, device=device)
+    dgus = torch.empty((t, 2 * i_s), **bf)
+    dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
+    offs = torch.arange(2, dtype=torch.int32, device=device) * t
+    d2s = torch.zeros(t // 128 + 2, dtype=torch.int32, device=device)
+    args = (gus.view(t, 2, i_s), hs, ws_gate[None], ws_up[None], ws_down[None], dgus, dgus[:, :i_s], dgus[:, i_s:],
+            dgus.view(t, 2, i_s), *dws, offs, d2s)
+    return args, tuple(d[0] for d in dws)
