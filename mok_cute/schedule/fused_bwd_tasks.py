@@ -1,8 +1,8 @@
 """Task list of the fused MoE backward (issue 13): the schedule the backward megakernel runs,
 checked for completeness and deadlock freedom on the host (:func:`simulate`, :func:`simulate_ep`),
-and the device decoding of its routed GEMM phases (:func:`core_task`, the list of
-``kernels/sm90/fused_bwd.py``: D2, D1, W without the comm jobs and the shared phases, which
-that kernel does not run yet; mirror :func:`core_task_list`).
+and the device decoding of one group's GEMM phases (:func:`core_task`, mirror
+:func:`core_task_list`): ``kernels/sm90/fused_bwd.py`` runs the routed experts and the shared
+expert as two such groups, interleaved in :func:`task_list`'s phase order.
 
 Work, per rank, with the forward's tile walk (routed m-tile ``mt``: <= ``tile_m`` grouped rows of
 one expert, numbered in expert order; shared m-tile ``m``: ``tile_m`` tokens):

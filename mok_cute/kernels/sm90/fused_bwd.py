@@ -1,6 +1,7 @@
-"""The routed core of the fused MoE backward on SM90: one persistent launch for the routed
-experts' dgrad2 + dSwiGLU, dgrad1 and three weight gradients (issue 13's first kernel; the comm
-jobs, the shared expert and the dx slot sum stay outside it for now).
+"""The fused MoE backward on SM90: one persistent launch for the experts' dgrad2 + dSwiGLU,
+dgrad1 and three weight gradients (the core), optionally (variants) with the dx rows scattered
+to their slots and the fixed-order dx slot sum, the routed dy rows / d topk_w / x rows built by
+its first CTAs, and the shared expert's tiles as a second group: the whole backward in one launch.
 
 Inputs (grouped rows, expert order, ``offsets`` int32 [E+1]; M rows, bf16): ``dy`` [M, H] (the
 route's dy row times its router weight, ``kernels/route_grad.py``), ``x`` [M, H] (the gathered
