@@ -23,12 +23,13 @@ class _MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        g = ctx.backend.backward(ctx.state, dy.contiguous())
+        g = ctx.backend.backward(ctx.state, dy.contiguous(), main_grads=ctx.main_grads)
         ctx.state = None
         d_w = (g.d_w_gate, g.d_w_up, g.d_w_down) + (tuple(g.d_shared) if ctx.has_shared else ())
         if ctx.main_grads is not None:  # accumulate in fp32 (Megatron's main_grad); the weights get no .grad
             for acc, d in zip(ctx.main_grads, d_w):
-                acc.add_(d.float())
+                if d is not None:  # None: the backend accumulated it already (the fused backward's epilogue)
+                    acc.add_(d.float())
             d_w = (None,) * len(d_w)
         return (None, None, None, None, None, g.dx, None, g.d_topk_w, *d_w,
                 *((None, None, None) if not ctx.has_shared else ()))

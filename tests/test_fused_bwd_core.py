@@ -147,3 +147,15 @@ def test_shared_variant():
     assert rep.ptx.count("wgmma.mma_async") >= 2 * routed.ptx.count("wgmma.mma_async") - 8
     with pytest.raises(ValueError, match="shared needs init"):
         fused_bwd.compile_fused_backward_core(True, True, False, True, True, True)
+
+
+def test_accumulate_variant():
+    """The main_grads variant: the weight-gradient tiles added into fp32 main grads (add.rn.f32 on
+    32-bit loads and stores) instead of written as bf16; 0 spills; the same GEMM work."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, True, inspect=True)[1]
+    plain = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    assert rep.ptx.count("add.rn.f32") > plain.ptx.count("add.rn.f32")
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")

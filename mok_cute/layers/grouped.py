@@ -171,7 +171,10 @@ class GroupedExpertBackend:
                        routed, shared_group, slot, rows_by_route=True, x=x)
         return y, state
 
-    def backward(self, st, dy: torch.Tensor) -> MoEGrads:
+    def backward(self, st, dy: torch.Tensor, main_grads=None) -> MoEGrads:
+        """The layer's gradients; with ``main_grads`` (fp32, the weights' order) a fused backward
+        may accumulate weight gradients there itself and return them as None (the caller adds the
+        others)."""
         if not isinstance(st, _State):
             from mok_cute.layers import ep as ep_layer
 
@@ -181,7 +184,7 @@ class GroupedExpertBackend:
         shared = None  # (dx_s, d ws): the shared expert's backward, once, when a fused mode asks for it first
         if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):  # one launch, shared expert in
             out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
-                                          st.limit, st.rows_by_route, st.shared_group, st.shared)
+                                          st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads)
             if out is not None:
                 return MoEGrads(*out)
         if st.routed.x is None:

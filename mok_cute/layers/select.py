@@ -75,7 +75,8 @@ class ReferenceBackend:
                                      inp.w_down, inp.shared, inp.swiglu_limit, config.precision,
                                      group)
 
-    def backward(self, state, dy: torch.Tensor) -> reference.MoEGrads:
+    def backward(self, state, dy: torch.Tensor, main_grads=None) -> reference.MoEGrads:
+        """(``main_grads`` is the caller's to accumulate into: every gradient is returned.)"""
         return reference.moe_backward(state, dy)
 
 

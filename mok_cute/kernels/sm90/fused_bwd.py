@@ -66,11 +66,11 @@ class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
-                 shared: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 shared: bool = False, accumulate: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
-        self.shared = shared
+        self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -346,18 +346,32 @@ class FusedMoeBwdCoreSm90:
             state = self.ml_w.mma_tile(pipe, state, tCrA_w, tCrB_w, acc, k_rows)
             r0 = m_tile * cfg.tile_m
             s_plain = self.plain.smem_tensor(storage.sC)
-            if which == WD:
-                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                               cutlass.min(g.hidden - r0, cfg.tile_m), n_tile, g.dwd[(expert, None, None)],
-                               g.dwd[(expert, None, None)], Float32(0.0))
-            elif which == WG:
-                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                               cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwg[(expert, None, None)],
-                               g.dwg[(expert, None, None)], Float32(0.0))
+            if cutlass.const_expr(self.accumulate):  # main_grad += fp32(bf16(dW tile))
+                acc_to_smem(thr_w, acc, s_plain)
+                consumer_barrier()
+                if which == WD:
+                    route_rows.accumulate(s_plain, et, r0, cutlass.min(g.hidden - r0, cfg.tile_m), n_tile,
+                                          g.dwd[(expert, None, None)], cfg.tile_n)
+                elif which == WG:
+                    route_rows.accumulate(s_plain, et, r0, cutlass.min(g.inter - r0, cfg.tile_m), n_tile,
+                                          g.dwg[(expert, None, None)], cfg.tile_n)
+                else:
+                    route_rows.accumulate(s_plain, et, r0, cutlass.min(g.inter - r0, cfg.tile_m), n_tile,
+                                          g.dwu[(expert, None, None)], cfg.tile_n)
+                consumer_barrier()
             else:
-                self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
-                               cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
-                               g.dwu[(expert, None, None)], Float32(0.0))
+                if which == WD:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.hidden - r0, cfg.tile_m), n_tile, g.dwd[(expert, None, None)],
+                                   g.dwd[(expert, None, None)], Float32(0.0))
+                elif which == WG:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwg[(expert, None, None)],
+                                   g.dwg[(expert, None, None)], Float32(0.0))
+                else:
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
+                                   g.dwu[(expert, None, None)], Float32(0.0))
         return state, (e1, b1, e2, b2)
 
 
@@ -469,12 +483,13 @@ def _t(m: cute.Tensor) -> cute.Tensor:
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
-                                by_route: bool = False, shared: bool = False, *, arch: str = "sm_90a",
-                                inspect: bool = False):
+                                by_route: bool = False, shared: bool = False, accumulate: bool = False, *,
+                                arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
-    in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start);
+    in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
+    ``accumulate``: the weight gradients added into fp32 main grads instead of written);
     returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
@@ -482,7 +497,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate)
+    dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
@@ -495,7 +511,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
             _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
             _fake_3d(bf, m, cute.sym_int(), inter), None if scatter else _fake_2d(bf, m, hid),
-            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(Int32),
+            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(Int32),
             vec(Int32), vec(Int32))
     tail = (None,) * 5
     if scatter:
@@ -512,8 +528,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         sh = (_fake_3d(bf, t, cute.sym_int(), i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, cute.sym_int(), i_s, hid),
               _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), hid, i_s),
               _fake_2d(bf, t, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, t, i_s), _fake_2d(bf, t, i_s),
-              _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(bf, cute.sym_int(), i_s, hid),
-              _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
+              _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(dw, cute.sym_int(), i_s, hid),
+              _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
     return compile_kernel(op, *args, *tail, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
@@ -544,7 +560,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
                    rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None):
+                   shared=None, main_grads=None):
     """The routed backward from the layer's tokens in one launch: :func:`fused_backward_core` with
     ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
     and of gathering x's rows (bitwise theirs). dy, x [T, H] bf16; r_rows [T*k, H] (the forward's
@@ -554,7 +570,10 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
 
     ``shared`` = ``(gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H], ws_down [H, I_s])``: the
     shared expert's tiles run in the same launch (``dx_shared`` must be None: its dx is made
-    there and starts the slot sum), and its three weight gradients follow the routed ones."""
+    there and starts the slot sum), and its three weight gradients follow the routed ones.
+    ``main_grads``: fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the shared
+    expert's with ``shared``): each weight-gradient tile is added into them (``main +=
+    fp32(bf16(dW))``) and its weight gradient is returned as None."""
     t, k = topk_idx.shape
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     dy_rows = torch.empty((t * k, dy.shape[1]), **bf)
@@ -566,21 +585,26 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
             raise ValueError("dx_shared must be None when the shared expert runs in the launch")
         dx_shared = torch.empty_like(dy)
     out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                  (order.to(torch.int32), topk_idx, dx_shared), gather, shared)
+                  (order.to(torch.int32), topk_idx, dx_shared), gather, shared, main_grads)
     return (out[0], dtw, *out[1:])
 
 
-def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None):
+def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
+            main_grads=None):
     """One launch of the variant the arguments ask for (see the two entries above); with
-    ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones."""
+    ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
+    with ``main_grads`` the weight gradients are accumulated there and returned as None."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
-    dwg = torch.empty((e, inter, hid), **bf)
-    dwu = torch.empty((e, inter, hid), **bf)
-    dwd = torch.empty((e, hid, inter), **bf)
+    if main_grads is None:
+        dwg = torch.empty((e, inter, hid), **bf)
+        dwu = torch.empty((e, inter, hid), **bf)
+        dwd = torch.empty((e, hid, inter), **bf)
+    else:
+        dwg, dwu, dwd = main_grads[:3]
     slot_args, row_args, k, comm = (None,) * 5, (None,) * 6, 1, 1
     if tokens is None:
         dx = torch.empty((m, hid), **bf)
@@ -597,8 +621,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         row_args = (dy_tok, x_tok, r_rows, w_flat, dtw_flat, gdy)
     sh_args, sh_out = (None,) * 14, ()
     if shared is not None:
-        sh_args, sh_out = _shared_args(shared, dy.device)
-    if m == 0 and shared is None:  # no rows: no tile reads anything, every weight gradient is zero
+        sh_args, sh_out = _shared_args(shared, dy.device, None if main_grads is None else main_grads[3:])
+    if m == 0 and shared is None and main_grads is None:  # no rows: no tile reads anything, zero gradients
         if tokens is not None:
             dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
         if gather is not None:
@@ -606,7 +630,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf)
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
-               gather is not None, gather is not None and gather[5], shared is not None)
+               gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
@@ -620,19 +644,25 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim), Int32(num_ctas),
         Int64(timeout_ns), st))
     deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
+    if main_grads is not None:
+        return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
 
 
-def _shared_args(shared, device):
-    """The shared group's kernel tensors (``__call__``'s ``mS*``) and its weight gradients."""
+def _shared_args(shared, device, main_grads=None):
+    """The shared group's kernel tensors (``__call__``'s ``mS*``) and its weight gradients (None
+    each when accumulated into ``main_grads``, fp32 [I_s, H], [I_s, H], [H, I_s])."""
     gus, hs, ws_gate, ws_up, ws_down = shared
     t = gus.shape[0]
     i_s, hid = ws_gate.shape
     bf = dict(dtype=torch.bfloat16, device=device)
     dgus = torch.empty((t, 2 * i_s), **bf)
-    dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
+    if main_grads is None:
+        dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
+    else:
+        dws = tuple(mg[None] for mg in main_grads)
     offs = torch.arange(2, dtype=torch.int32, device=device) * t
     d2s = torch.zeros(t // 128 + 2, dtype=torch.int32, device=device)
     args = (gus.view(t, 2, i_s), hs, ws_gate[None], ws_up[None], ws_down[None], dgus, dgus[:, :i_s], dgus[:, i_s:],
             dgus.view(t, 2, i_s), *dws, offs, d2s)
-    return args, tuple(d[0] for d in dws)
+    return args, (None, None, None) if main_grads is not None else tuple(d[0] for d in dws)

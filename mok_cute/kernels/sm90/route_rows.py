@@ -12,6 +12,7 @@ backward's of dx).
   ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
   vectors in flight as cp.async copies into ``sbuf`` [nb * NUM_THREADS, 8] bf16 (idle shared
   memory: no register holds them).
+* :func:`accumulate`: a staged bf16 tile added into fp32 rows (main_grad accumulation).
 """
 from __future__ import annotations
 
@@ -92,3 +93,22 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
                         else:
                             acc[e] = add_rn(acc[e], xs[e])
         y[i, None].store(acc.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def accumulate(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mMain: cute.Tensor,
+               tile_n: cutlass.Constexpr[int]):
+    """``main[row0 + r, n_tile * tile_n + c] += fp32(tile[r, c])`` for rows ``r < rows`` of the staged
+    bf16 tile (``add.rn.f32``: Megatron's gradient-accumulation fusion, bitwise
+    ``main.add_(bf16_grad.float())``); ``mMain`` fp32 [R, C] row-major."""
+    copy = _row_copy(tile_n)
+    r, coords = _load_rows(copy, tid, sC)
+    g = cute.local_tile(cute.domain_offset((row0, 0), mMain), (cute.size(sC, mode=[0]), tile_n), (0, n_tile))
+    for m in cutlass.range_constexpr(cute.size(r, mode=[1])):
+        rr, _ = coords[(0, m, 0)]
+        if rr < rows:
+            for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
+                _, cn = coords[(0, m, n)]
+                vals = r[(None, m, n)].load().to(Float32)
+                for j in cutlass.range_constexpr(_VEC):
+                    g[rr, cn + j] = add_rn(g[rr, cn + j], vals[j])
