@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_block")
+ACTIVATIONS = ("save", "recompute")
 BACKENDS = ("auto", "reference", "sm90", "sm100")
 TILE_M = (64, 128, 256)
 TILE_N = (64, 128, 192, 256)
@@ -38,6 +39,12 @@ class MoKConfig:
         the environment variable MOK_CUTE_BACKEND overrides it.
     device_timeout_s: bound on any device-side wait for a peer; exceeding it raises
         RuntimeError on the host instead of hanging.
+    activations: what the forward keeps for the backward: "save" (default: its activations, gu, h
+        and the GEMM2 rows, as the backward reads them) or "recompute" (only the layer's inputs,
+        which autograd keeps anyway; the backward runs the forward once more, without autograd,
+        then the backward: the same gradients bitwise, the activations' memory freed between the
+        passes at the cost of a second forward). At EP > 1 the second forward is collective like
+        the first.
     validate_routing: check topk_idx values before the step (one host sync; turn off for
         CUDA-graph capture). Off, an id outside [-1, E) is skipped like a -1 slot (EP = 1; the
         EP > 1 plan likewise) and raised as RuntimeError by a later call or
@@ -54,9 +61,11 @@ class MoKConfig:
     backend: str = "auto"
     device_timeout_s: float = 30.0
     validate_routing: bool = True
+    activations: str = "save"
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
+        _choice("activations", self.activations, ACTIVATIONS)
         _choice("backend", self.backend, BACKENDS)
         _int("minibatch_tokens", self.minibatch_tokens)
         if self.minibatch_tokens < 256 or self.minibatch_tokens % 256:

@@ -18,13 +18,20 @@ class _MoEFunction(torch.autograd.Function):
         inp = MoEInputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit)
         y, state = backend.forward(inp, config, group)
         ctx.backend, ctx.state, ctx.has_shared, ctx.main_grads = backend, state, shared is not None, main_grads
+        ctx.recompute = None
+        if config.activations == "recompute":  # keep the inputs only; the backward runs the forward again
+            ctx.state, ctx.recompute = None, (inp, config, group)
         ctx.mark_non_differentiable(topk_idx)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        g = ctx.backend.backward(ctx.state, dy.contiguous(), main_grads=ctx.main_grads)
-        ctx.state = None
+        state = ctx.state
+        if ctx.recompute is not None:
+            with torch.no_grad():
+                _, state = ctx.backend.forward(*ctx.recompute)
+        ctx.state = ctx.recompute = None
+        g = ctx.backend.backward(state, dy.contiguous(), main_grads=ctx.main_grads)
         d_w = (g.d_w_gate, g.d_w_up, g.d_w_down) + (tuple(g.d_shared) if ctx.has_shared else ())
         if ctx.main_grads is not None:  # accumulate in fp32 (Megatron's main_grad); the weights get no .grad
             for acc, d in zip(ctx.main_grads, d_w):

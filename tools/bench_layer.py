@@ -15,7 +15,9 @@ unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both, except in t
 forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
-by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward.
+by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
+peak MB: the memory one forward + backward allocates above what was allocated before it
+(``--recompute`` adds rows with ``MoKConfig(activations="recompute")``).
 The table prints last.
 """
 from __future__ import annotations
@@ -87,11 +89,12 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          bwd: str = "0"):
+          bwd: str = "0", activations: str = "save"):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
-    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision, **mb)
+    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision,
+                             activations=activations, **mb)
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
@@ -122,7 +125,7 @@ def traced(fn, path: str) -> dict:
 
 
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=()):
+              bwds=(), recompute=False):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -143,6 +146,10 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
     for b in bwds:  # the fused backward (MOK_CUTE_FUSED_BWD), after the fused forward at the first comm value
         impls[f"fused c{comms[0]} bwd{b}"] = lambda b=b: _ours(True, comms[0], minibatch=mb0, bwd=b)(x, idx, w, ws, sh)
+    if recompute:  # MoKConfig(activations="recompute"), after the fused forward at the first comm value
+        for b in bwds or ("0",):
+            impls[f"fused c{comms[0]} bwd{b} recompute"] = lambda b=b: _ours(
+                True, comms[0], minibatch=mb0, bwd=b, activations="recompute")(x, idx, w, ws, sh)
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
@@ -155,7 +162,17 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             t_f = bench_pipelined_us(fn, warmup=2, iters=10)
         t_fb = float("nan") if name == "GEMM tiles alone" else bench_pipelined_us(
             lambda: torch.autograd.backward(fn(), dy), warmup=2, iters=5)
-        out[name] = (t_f, t_fb, t_sync)
+        peak = float("nan")
+        if name != "GEMM tiles alone":  # one forward + backward from a clean peak counter
+            for p in leaves:
+                p.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.autograd.backward(fn(), dy)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        out[name] = (t_f, t_fb, t_sync, peak)
         for p in leaves:
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
@@ -167,10 +184,10 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
               f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, busy us {s['busy_us']}", flush=True)
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
     lines = []
-    tf_f, tf_b, tf_s = out["torch"]
-    for name, (t_f, t_fb, t_s) in out.items():
+    tf_f, tf_b, tf_s, _ = out["torch"]
+    for name, (t_f, t_fb, t_s, peak) in out.items():
         lines.append(f"| {label} | {name} | {t_f:.0f} | {tf_f / t_f:.2f}x | {flop / t_f / 1e6:.0f} | {t_fb:.0f} | "
-                     f"{tf_b / t_fb:.2f}x | {3 * flop / t_fb / 1e6:.0f} | {t_s:.0f} | {tf_s / t_s:.2f}x |")
+                     f"{tf_b / t_fb:.2f}x | {3 * flop / t_fb / 1e6:.0f} | {t_s:.0f} | {tf_s / t_s:.2f}x | {peak:.0f} |")
     return lines
 
 
@@ -185,6 +202,8 @@ def main() -> int:
     ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
     ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
     ap.add_argument("--bwd", default="", help="extra fused rows at these MOK_CUTE_FUSED_BWD modes (1, 2, 3)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="extra rows with MoKConfig(activations='recompute') (per --bwd mode)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -196,12 +215,12 @@ def main() -> int:
         lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
                            bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
-                           bwds=[b.strip() for b in args.bwd.split(",") if b.strip()])
+                           bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "
-          "fwd us synced | synced vs torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "fwd us synced | synced vs torch | peak MB fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     return 0
 
