@@ -225,7 +225,7 @@ class Sm90ExpertMLP:
 
         t, k = topk_idx.shape
         rows = t * k
-        if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu, g.h)):
+        if rows == 0 or g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu, g.h)):
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
