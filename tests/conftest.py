@@ -5,6 +5,14 @@ import pytest
 import torch
 
 
+def offsets_from(counts) -> list[int]:
+    """Group offsets [0, c0, c0 + c1, ...] of per-group row counts."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
 def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.bfloat16,
                  minus_one=True, idx=None):
     """Random layer inputs: logits ~ N(0,1), top-k, softmax over the k values; weights

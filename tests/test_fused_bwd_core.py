@@ -8,6 +8,7 @@ import re
 import pytest
 
 from mok_cute.schedule import fused_bwd_tasks as bt
+from conftest import offsets_from
 
 
 @functools.cache
@@ -64,18 +65,11 @@ def test_mode_env(monkeypatch):
         fused_bwd_mode()
 
 
-def _offsets(counts):
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
-
-
 @pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [0] * 3, [129, 1, 0, 300]])
 def test_core_list_is_the_routed_backward(counts):
     """The core list is task_list's routed phases in order; D2 / D1 cover every (m-tile, n-tile)
     of every expert once; W covers every dW output tile of every expert once per gradient."""
-    offs = _offsets(counts)
+    offs = offsets_from(counts)
     n_i, n_h, wd, wgu = 2, 3, (3, 2), (2, 4)
     core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu)
     full = bt.task_list(offs, 0, 128, n_i, 0, n_h, wd[0] * wd[1], wgu[0] * wgu[1], False)
@@ -92,7 +86,7 @@ def test_core_list_is_the_routed_backward(counts):
 
 def test_core_waits_point_backwards():
     """Every D1 / dWg / dWu tile's d2 counters are complete before it in the list."""
-    offs = _offsets([300, 0, 129, 1])
+    offs = offsets_from([300, 0, 129, 1])
     n_i = 2
     core = bt.core_task_list(offs, 128, n_i, 3, (2, 2), (2, 2))
     per_e = bt.expert_mtiles(offs, 128)

@@ -9,22 +9,16 @@ import pytest
 import torch
 
 from mok_cute.schedule import fused_bwd_tasks as bt
+from conftest import offsets_from
 
 DIMS = dict(n_i=2, n_is=1, n_h=3, w_d=2, w_gu=3)
-
-
-def _offsets(counts):
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
 
 
 @pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [0] * 4, [129, 1, 0, 300]])
 @pytest.mark.parametrize("shared", [False, True])
 def test_backward_schedule_completes(counts, shared):
     for gemm, comm in ((1, 1), (9, 2), (140, 3)):
-        bt.simulate(_offsets(counts), 300, 128, **DIMS, shared=shared, gemm_ctas=gemm, comm_ctas=comm, seed=gemm)
+        bt.simulate(offsets_from(counts), 300, 128, **DIMS, shared=shared, gemm_ctas=gemm, comm_ctas=comm, seed=gemm)
 
 
 def test_backward_schedule_random():
@@ -35,14 +29,14 @@ def test_backward_schedule_random():
         for _ in range(tokens * rng.randint(1, 4)):
             counts[0 if rng.random() < 0.5 else rng.randrange(e)] += 1
         dims = {k: rng.randint(1, 4) for k in DIMS}
-        bt.simulate(_offsets(counts), tokens, 128, **dims, shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 60),
+        bt.simulate(offsets_from(counts), tokens, 128, **dims, shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 60),
                     comm_ctas=rng.randint(1, 20), seed=rng.randint(0, 99))
 
 
 def test_task_list_shape():
     """Tile counts per phase, experts without rows keep their weight tiles, and no task needs a
     counter that only a later ticket publishes."""
-    offs = _offsets([300, 0, 129])
+    offs = offsets_from([300, 0, 129])
     tasks = bt.task_list(offs, 200, 128, **DIMS, shared=True)
     per_e = bt.expert_mtiles(offs, 128)
     assert per_e == [[0, 1, 2], [], [3, 4]]
@@ -77,9 +71,9 @@ def test_simulate_catches_a_broken_list(monkeypatch):
     real = bt.needs
     monkeypatch.setattr(bt, "needs", lambda task, *a: real(task, *a) + ([("gx", 10 ** 6, 1)] if task[0] == bt.W else []))
     with pytest.raises(AssertionError, match="deadlock"):
-        bt.simulate(_offsets([200]), 100, 128, **DIMS, shared=False, gemm_ctas=2, comm_ctas=1)
+        bt.simulate(offsets_from([200]), 100, 128, **DIMS, shared=False, gemm_ctas=2, comm_ctas=1)
     monkeypatch.setattr(bt, "needs", real)
     real_list = bt.task_list
     monkeypatch.setattr(bt, "task_list", lambda *a, **kw: sorted(real_list(*a, **kw), key=lambda t: t[0] != bt.D1))
     with pytest.raises(AssertionError, match="deadlock"):
-        bt.simulate(_offsets([200]), 100, 128, **DIMS, shared=False, gemm_ctas=1, comm_ctas=1)
+        bt.simulate(offsets_from([200]), 100, 128, **DIMS, shared=False, gemm_ctas=1, comm_ctas=1)

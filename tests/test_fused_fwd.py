@@ -14,6 +14,7 @@ from mok_cute.kernels import route_grad
 from mok_cute.layers.grouped import route_sort
 from mok_cute.schedule import fused_tasks as ft
 from mok_cute.schedule.group_tiles import cta_tiles
+from conftest import offsets_from
 
 
 @functools.cache
@@ -115,13 +116,6 @@ def test_no_spills(clamp, shared, trace):
     assert spills == [0], spills
 
 
-def _offsets(counts):
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
-
-
 ROUTINGS = {
     "uniform": lambda e, m: [m // e] * e,
     "one expert": lambda e, m: [m] + [0] * (e - 1),
@@ -135,7 +129,7 @@ ROUTINGS = {
 @pytest.mark.parametrize("shared", [False, True])
 def test_schedule_completes_without_deadlock(name, shared):
     for e, tokens in ((1, 128), (8, 1000), (16, 129)):
-        offs = _offsets(ROUTINGS[name](e, 4 * tokens))
+        offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
         for gemm, comm in ((1, 1), (7, 2), (130, 2), (3, 40)):
             ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=shared, gemm_ctas=gemm, comm_ctas=comm)
 
@@ -152,8 +146,8 @@ def test_schedule_random_routings(ring):
             if rng.random() < 0.9:
                 counts[0 if rng.random() < 0.4 else rng.randrange(e)] += 1
         slots = rng.randint(1, 20) if ring else None
-        ft.simulate(_offsets(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4), n2=rng.randint(1, 6),
-                    shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
+        ft.simulate(offsets_from(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4),
+                    n2=rng.randint(1, 6), shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
                     seed=rng.randint(0, 99), ring=slots, band=rng.randint(1, slots) if ring else None)
 
 
@@ -162,7 +156,7 @@ def test_ring_schedule_completes_without_deadlock(name):
     """The ring: a gather reusing a slot waits for the slot's previous m-tile's GEMM1 tiles; with
     bands no wider than the ring that never deadlocks, down to one slot and one GEMM CTA."""
     for e, tokens in ((1, 300), (8, 1000), (16, 129)):
-        offs = _offsets(ROUTINGS[name](e, 4 * tokens))
+        offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
         for ring, band in ((1, 1), (2, 2), (3, 2), (8, 8), (16, 4)):
             for gemm, comm in ((1, 1), (7, 2), (3, 40)):
                 ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=gemm, comm_ctas=comm,
@@ -173,14 +167,14 @@ def test_ring_wider_bands_than_slots_deadlock():
     """The mirror is not vacuous about the ring: bands wider than the ring (an m-tile's GEMM1
     tiles after a later m-tile's, whose gather waits for them) deadlock."""
     with pytest.raises(AssertionError, match="deadlock"):
-        ft.simulate(_offsets([128 * 6]), 128, 128, n1=4, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1,
+        ft.simulate(offsets_from([128 * 6]), 128, 128, n1=4, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1,
                     ring=2, band=6)
 
 
 def test_banded_task_list():
     """R1 in bands: each expert's m-tiles in groups of ``band``, a group's tiles n-tile outer; the
     same tiles as the unbanded walk, and an m-tile's GEMM1 tiles all before the next band's."""
-    offs = _offsets([700, 0, 129, 1, 512])
+    offs = offsets_from([700, 0, 129, 1, 512])
     plain = ft.task_list(offs, 700, 128, n1=3, n1s=2, n2=3, shared=True)
     banded = ft.task_list(offs, 700, 128, n1=3, n1s=2, n2=3, shared=True, band=2)
     assert sorted(plain) == sorted(banded) and [t for t in plain if t[0] != ft.R1] == [t for t in banded if t[0] != ft.R1]
@@ -199,7 +193,7 @@ def test_banded_task_list():
 def test_task_list_matches_the_grouped_walk():
     """The routed phases walk the tile space of group_tiles (expert, n-tile, row0, rows), and the
     m-tile indices count each expert's m-tiles in order."""
-    offs = _offsets([300, 0, 129, 1, 512])
+    offs = offsets_from([300, 0, 129, 1, 512])
     tasks = ft.task_list(offs, 700, 128, n1=4, n1s=2, n2=3, shared=True)
     for phase, n in ((ft.R1, 4), (ft.R2, 3)):
         mine = [(e, nt, r0, rows) for p, e, nt, r0, rows, _ in tasks if p == phase]
@@ -215,7 +209,7 @@ def test_simulate_detects_a_missing_dependency(monkeypatch):
     published deadlocks."""
     monkeypatch.setattr(ft, "needs", lambda task, n1, n1s: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
     with pytest.raises(AssertionError, match="deadlock"):
-        ft.simulate(_offsets([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
+        ft.simulate(offsets_from([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
 
 
 def test_route_order_rows_match_grouped_rows():
@@ -365,4 +359,4 @@ def test_schedule_mirror_detects_a_wrong_order(monkeypatch):
     real = ft.task_list
     monkeypatch.setattr(ft, "task_list", lambda *a: real(*a)[::-1])
     with pytest.raises(AssertionError, match="deadlock"):
-        ft.simulate(_offsets([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1)
+        ft.simulate(offsets_from([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1)

@@ -4,6 +4,7 @@ import random
 import pytest
 
 from mok_cute.schedule.group_tiles import cta_tiles, expert_tiles, total_tiles, wgrad_cta_tiles
+from conftest import offsets_from
 
 
 def brute_force(offsets, tile_m, n_tiles):
@@ -17,13 +18,6 @@ def brute_force(offsets, tile_m, n_tiles):
                 row0 = lo + m * tile_m
                 tiles.append((e, m, n, row0, min(tile_m, hi - row0)))
     return tiles
-
-
-def offsets_from(counts):
-    offs = [0]
-    for c in counts:
-        offs.append(offs[-1] + c)
-    return offs
 
 
 def check(counts, tile_m, n_tiles, num_ctas):

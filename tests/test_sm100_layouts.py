@@ -10,6 +10,7 @@ import torch
 from mok_cute import reference
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.schedule import group_tiles
+from conftest import offsets_from
 
 
 def _brute_blocked(scales: torch.Tensor) -> torch.Tensor:
@@ -45,16 +46,9 @@ def test_blocked_batch_equals_per_expert():
         assert torch.equal(b[e], lay.to_blocked(s[e]))
 
 
-def _offsets(sizes):
-    out = [0]
-    for n in sizes:
-        out.append(out[-1] + n)
-    return out
-
-
 @pytest.mark.parametrize("sizes", [[100, 0, 200], [128, 128, 1], [0, 0, 5], [513, 31, 0, 77]])
 def test_row_scales_from_quantize(sizes):
-    offs = _offsets(sizes)
+    offs = offsets_from(sizes)
     m, k = offs[-1], 96
     x = torch.randn(m, k) * 3
     _, scales = reference.mxfp8_quantize(x, -1)  # [M, K/32]
@@ -70,7 +64,7 @@ def test_row_scales_from_quantize(sizes):
 
 def test_token_scales_from_quantize():
     sizes = [70, 0, 33, 128]
-    offs = _offsets(sizes)
+    offs = offsets_from(sizes)
     n = 64
     x = torch.randn(offs[-1], n)
     per_expert = []
@@ -109,7 +103,7 @@ def test_grouped_regions_never_overlap():
     rng = random.Random(0)
     for _ in range(200):
         sizes = [rng.choice([0, 1, 31, 127, 128, 129, rng.randrange(1000)]) for _ in range(rng.randrange(1, 9))]
-        offs = _offsets(sizes)
+        offs = offsets_from(sizes)
         spans = [(lay.expert_sf_start(offs, e), lay.expert_sf_start(offs, e) + max(1, -(-n // 128)) * 128)
                  for e, n in enumerate(sizes)]
         for (a0, a1), (b0, _) in zip(spans, spans[1:]):

@@ -181,7 +181,7 @@ class GroupedExpertBackend:
             return ep_layer.backward(self.mlp, st, dy)
         t, k = st.topk_idx.shape
         mode = fused_bwd_mode()
-        shared = None  # (dx_s, d ws): the shared expert's backward, once, when a fused mode asks for it first
+        shared = None  # (dx_s, d ws): the shared expert's backward, once, when mode 2 ran it first
         if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):  # one launch, shared expert in
             out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
                                           st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads)
@@ -192,7 +192,7 @@ class GroupedExpertBackend:
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
         if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
-            shared = shared or shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+            shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
             out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0])
             if out is not None:
                 return MoEGrads(out[0], dtw, *out[1:], shared[1])
