@@ -234,7 +234,7 @@ class Sm90ExpertMLP:
             if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous()
                     and all(w.stride(-1) == 1 for w in shared)):
                 return None
-            sh = (shared_group.gu, shared_group.h, *shared)
+            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,

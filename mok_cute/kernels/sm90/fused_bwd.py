@@ -568,7 +568,8 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     t*k + j, routes without an expert last); topk_w fp32, topk_idx [T, k]; offsets int32 [E+1];
     gu [T*k, 2I], h [T*k, I]. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``.
 
-    ``shared`` = ``(gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H], ws_down [H, I_s])``: the
+    ``shared`` = ``(offsets_s int32 [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H],
+    ws_down [H, I_s])`` (the shared expert's group, as the forward made it): the
     shared expert's tiles run in the same launch (``dx_shared`` must be None: its dx is made
     there and starts the slot sum), and its three weight gradients follow the routed ones.
     ``main_grads``: fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the shared
@@ -652,7 +653,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
 def _shared_args(shared, device, main_grads=None):
     """The shared group's kernel tensors (``__call__``'s ``mS*``) and its weight gradients (None
     each when accumulated into ``main_grads``, fp32 [I_s, H], [I_s, H], [H, I_s])."""
-    gus, hs, ws_gate, ws_up, ws_down = shared
+    offs, gus, hs, ws_gate, ws_up, ws_down = shared
     t = gus.shape[0]
     i_s, hid = ws_gate.shape
     bf = dict(dtype=torch.bfloat16, device=device)
@@ -661,7 +662,6 @@ def _shared_args(shared, device, main_grads=None):
         dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
     else:
         dws = tuple(mg[None] for mg in main_grads)
-    offs = torch.arange(2, dtype=torch.int32, device=device) * t
     d2s = torch.zeros(t // 128 + 2, dtype=torch.int32, device=device)
     args = (gus.view(t, 2, i_s), hs, ws_gate[None], ws_up[None], ws_down[None], dgus, dgus[:, :i_s], dgus[:, i_s:],
             dgus.view(t, 2, i_s), *dws, offs, d2s)
