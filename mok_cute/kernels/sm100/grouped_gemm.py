@@ -122,8 +122,8 @@ class GroupedGemmSm100:
         cfg = self.cfg
         sfa = sfb = None
         if cutlass.const_expr(self.wgrad):
-            a = _ragged_k(cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 0])))
-            b = _ragged_k(cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0])))
+            a = _ragged_k(mA)
+            b = _ragged_k(mB)
             if cutlass.const_expr(cfg.mx):
                 k_sf = (mA.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS * lay.SF_ATOM_ROWS \
                     + lay.SF_ATOM_ROWS * num_experts

@@ -61,9 +61,10 @@ _WRAP = 2 ** 34  # _RAGGED * _WRAP = 2^64
 
 
 def _ragged_k(t: cute.Tensor) -> cute.Tensor:
-    """(N, K) tensor with strides (1, s) -> (N, R, X, X) ragged view (see module doc)."""
-    s = Int64(t.stride[1])
-    layout = cute.make_layout((t.shape[0], _RAGGED, _EXTRA, _EXTRA), stride=(1, s, Int64(_WRAP) - s, s))
+    """Row-major (K, N) tensor (rows = tokens, row stride s) -> its (N, R, X, X) ragged view, the
+    operand (N, K) MN-major with K ragged (see module doc)."""
+    s = Int64(t.stride[0])
+    layout = cute.make_layout((t.shape[1], _RAGGED, _EXTRA, _EXTRA), stride=(1, s, Int64(_WRAP) - s, s))
     return cute.make_tensor(t.iterator, layout)
 
 
@@ -93,9 +94,7 @@ class GroupedWgradSm90:
                  num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        a_mk = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 0]))
-        b_nk = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
-        atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(a_mk), _ragged_k(b_nk))
+        atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(mA), _ragged_k(mB))
         atom_c, coord_c = None, None
         if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
             out_nne = experts_last(mOut)

@@ -123,9 +123,9 @@ class FusedMoeBwdCoreSm90:
         d2 = md.make_tma(mDy, experts_last(mWd, True))
         d1 = md.make_tma(mDgu, experts_last(mWg, True))
         _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
-        wd = mw.make_tma(_ragged_k(_t(mDy)), _ragged_k(_t(mH)))
-        wg = mw.make_tma(_ragged_k(_t(mDg)), _ragged_k(_t(mX)))
-        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(_t(mDu)), _ragged_k(_t(mX)))
+        wd = mw.make_tma(_ragged_k(mDy), _ragged_k(mH))
+        wg = mw.make_tma(_ragged_k(mDg), _ragged_k(mX))
+        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(mDu), _ragged_k(mX))
         return (*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
 
     @cute.kernel
@@ -474,9 +474,6 @@ def _split(t: Int32, s: _Group, r: _Group):
     return grp, lt
 
 
-def _t(m: cute.Tensor) -> cute.Tensor:
-    """A row-major (rows, N) tensor seen as (N, rows)."""
-    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 0]))
 
 
 
