@@ -18,12 +18,18 @@ def _compiled(clamp: bool, scatter: bool = False, init: bool = False):
     return fused_bwd.compile_fused_backward_core(clamp, scatter, init, inspect=True)[1]
 
 
+def _clean(rep):
+    """0 spills, and ptxas kept the wgmma batches asynchronous: its C7520 remark ("wgmma.mma_async
+    instructions are serialized", a fence it had to add in a divergent path) cost this kernel 16%."""
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    assert "serialized" not in rep.log, rep.log[:600]
+
+
 @pytest.mark.parametrize("clamp", [False, True])
 def test_compiles_with_its_schedule(clamp):
     rep = _compiled(clamp)
     assert rep.registers, "no ptxas resource report parsed"
-    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", rep.log)]
-    assert spills == [0], spills
+    _clean(rep)
     for needed in ("wgmma.mma_async", "cp.async.bulk.tensor", "atom.global.release.add", "setmaxnreg",
                    "bar.arrive", "fence.proxy.async.global", "cp.async.ca.shared.global", "%globaltimer"):
         assert needed in rep.ptx, needed
@@ -44,7 +50,7 @@ def test_tokens_variant(clamp, init):
     hand-back, and the same GEMM work as the plain core."""
     rep = _compiled(clamp, True, init)
     plain = _compiled(clamp)
-    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    _clean(rep)
     for needed in ("cp.async.cg.shared.global", "add.rn.f32"):
         assert needed in rep.ptx and needed not in plain.ptx, needed
     regs = {tuple(m.groups()) for m in re.finditer(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", rep.ptx)}
@@ -106,7 +112,7 @@ def test_gather_variant(by_route):
     0 spills, route_grad's exact arithmetic (mul.rn, fma.rn, the butterfly), the same GEMM work."""
     rep = _compiled_gather(by_route)
     plain = _compiled(True, True, True)
-    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    _clean(rep)
     for needed in ("fma.rn.f32", "mul.rn.f32", "cvt.rn.bf16x2.f32", "shfl.sync.bfly"):
         assert rep.ptx.count(needed) > plain.ptx.count(needed), needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
@@ -137,7 +143,7 @@ def test_shared_variant():
 
     rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
     routed = _compiled_gather(True)
-    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") >= 2 * routed.ptx.count("wgmma.mma_async") - 8
     with pytest.raises(ValueError, match="shared needs init"):
         fused_bwd.compile_fused_backward_core(True, True, False, True, True, True)
@@ -150,6 +156,20 @@ def test_accumulate_variant():
 
     rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, True, inspect=True)[1]
     plain = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
-    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+    _clean(rep)
     assert rep.ptx.count("add.rn.f32") > plain.ptx.count("add.rn.f32")
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+
+
+def test_trace_variant():
+    """MOK_CUTE_TRACE's variant: %globaltimer records of every task (64-bit stores), 0 spills,
+    the same GEMM work; the untraced build reads the timer only in its bounded waits."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, False, True, inspect=True)[1]
+    plain = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    _clean(rep)
+    assert rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")
+    st64 = lambda p: p.count("st.global.u64") + p.count("st.global.b64") + p.count("st.global.s64")
+    assert st64(rep.ptx) > st64(plain.ptx)
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")

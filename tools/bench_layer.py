@@ -89,10 +89,12 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          bwd: str = "0", activations: str = "save"):
+          bwd: str = "0", activations: str = "save", bwd_comm: int | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
+    if bwd_comm is not None:
+        mb["comm_sms_bwd"] = bwd_comm
     cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=comm, validate_routing=False, precision=precision,
                              activations=activations, **mb)
 
@@ -124,8 +126,27 @@ def traced(fn, path: str) -> dict:
     return trace_view.summary(*trace_view.load(path))
 
 
+def traced_bwd(fn, dy, path: str) -> dict:
+    """One forward + fused backward with MOK_CUTE_TRACE=1 in the backward only: its trace written
+    to ``path``, its summary."""
+    import trace_view
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    y = fn()
+    torch.cuda.synchronize()
+    os.environ["MOK_CUTE_TRACE"] = "1"
+    try:
+        torch.autograd.backward(y, dy)
+        torch.cuda.synchronize()
+    finally:
+        del os.environ["MOK_CUTE_TRACE"]
+    records, comm = fused_bwd.last_trace()
+    trace_view.dump(path, records, comm, fused_bwd.KINDS, fused_bwd.GEMM_KINDS)
+    return trace_view.summary(*trace_view.load(path))
+
+
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=(), recompute=False):
+              bwds=(), recompute=False, trace_bwd=None, bwd_comms=()):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -146,6 +167,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
     for b in bwds:  # the fused backward (MOK_CUTE_FUSED_BWD), after the fused forward at the first comm value
         impls[f"fused c{comms[0]} bwd{b}"] = lambda b=b: _ours(True, comms[0], minibatch=mb0, bwd=b)(x, idx, w, ws, sh)
+    for cb in bwd_comms:  # mode 3 at other comm_sms_bwd values (its gather CTAs)
+        impls[f"fused c{comms[0]} bwd3 cb{cb}"] = lambda cb=cb: _ours(True, comms[0], minibatch=mb0, bwd="3",
+                                                                      bwd_comm=cb)(x, idx, w, ws, sh)
     if recompute:  # MoKConfig(activations="recompute"), after the fused forward at the first comm value
         for b in bwds or ("0",):
             impls[f"fused c{comms[0]} bwd{b} recompute"] = lambda b=b: _ours(
@@ -182,6 +206,13 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
         print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
               f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, busy us {s['busy_us']}", flush=True)
+    if trace_bwd:
+        for b in bwds or ("3",):
+            path = trace_bwd.replace(".json", f"_bwd{b}.json")
+            s = traced_bwd(lambda: _ours(True, comms[0], minibatch=mb0, bwd=b)(x, idx, w, ws, sh), dy, path)
+            per = {kd: f"{s['busy_us'][kd]:.0f} us / {n} = {s['busy_us'][kd] / n:.1f}" for kd, n in s["tasks"].items()}
+            print(f"[trace bwd{b}] {path}: span {s['span_us']:.0f} us, scheduler share "
+                  f"{100 * s['scheduler_share']:.2f}%, per kind busy / tasks = us per task: {per}", flush=True)
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
     lines = []
     tf_f, tf_b, tf_s, _ = out["torch"]
@@ -198,6 +229,9 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the unfused and GEMM-tiles-alone rows")
     ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
     ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
+    ap.add_argument("--trace-bwd", default=None,
+                    help="write traces of the first shape's fused backward per --bwd mode here (NAME.json -> NAME_bwdN.json)")
+    ap.add_argument("--bwd-comm", default="", help="extra fused rows of MOK_CUTE_FUSED_BWD=3 at these comm_sms_bwd values")
     ap.add_argument("--mx", action="store_true", help="add MXFP8 rows (fused at the first --comm value, unfused)")
     ap.add_argument("--minibatch", default=None, help="minibatch_tokens values of the fused rows (default: the config's)")
     ap.add_argument("--band", default="", help="extra fused rows at these MOK_CUTE_RING_BAND values")
@@ -215,7 +249,9 @@ def main() -> int:
         lines += run_shape(*shape, comms, dev, trace=args.trace if i == 0 else None, mx=args.mx,
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
                            bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
-                           bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute)
+                           bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute,
+                           trace_bwd=args.trace_bwd if i == 0 else None,
+                           bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c])
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

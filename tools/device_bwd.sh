@@ -3,13 +3,14 @@
 #   source .gpu-node/activate.sh && bash tools/device_bwd.sh
 # fused_bwd (modes 1-3 bitwise vs the unfused backward, the core's speed), train_loop (50 steps per
 # mode, whole-step CUDA graph), layer_sm90 (regression), mode 1 at EP > 1 on virtual ranks, then
-# bench_layer with the fused backward rows. One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
+# bench_layer with the fused backward rows (BWD_CHECKS: the checks to run, BWD_BENCH: bench_layer's
+# extra arguments, default --recompute). One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
 : > "$out/summary.txt"
-for c in fused_bwd train_loop layer_sm90; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90}; do
     timeout 240 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1
     echo "gpu_check $c rc=$?" >> "$out/summary.txt"
 done
@@ -17,10 +18,11 @@ done
 MOK_CUTE_FUSED_BWD=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=fused \
     MOK_EP_VIRTUAL_QUICK=1 timeout -s KILL 240 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_ep_bwd1.log" 2>&1
 echo "gpu_check layer_ep_virtual with MOK_CUTE_FUSED_BWD=1 rc=$?" >> "$out/summary.txt"
-timeout 240 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --bwd 1,2,3 --recompute > "$out/bench_bwd.log" 2>&1
+timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --bwd 1,2,3 ${BWD_BENCH:---recompute} \
+    > "$out/bench_bwd.log" 2>&1
 echo "bench_layer --bwd rc=$?" >> "$out/summary.txt"
-for c in fused_bwd train_loop layer_sm90 ep_bwd1; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90} ep_bwd1; do
     grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
 done
-grep "^|" "$out/bench_bwd.log" | cut -c1-170
+grep "^|\|^\[trace" "$out/bench_bwd.log" | cut -c1-900
 cat "$out/summary.txt"

@@ -1,10 +1,11 @@
-"""Turn a fused-forward trace (``MOK_CUTE_TRACE=1``) into a Chrome/Perfetto trace and a PNG of SM
+"""Turn a fused-forward or fused-backward trace (``MOK_CUTE_TRACE=1``) into a Chrome/Perfetto trace and a PNG of SM
 occupancy by task kind over time, and print the scheduler's share of the GEMM CTAs' time.
 
     python3 tools/trace_view.py trace.json [--out-prefix PATH]
 
 ``trace.json``: ``{"records": [[start_ns, end_ns, kind | cta << 8, task], ...], "kinds": [...],
-"comm_ctas": N}`` as written by :func:`dump` (records of tasks that did not run are zero).
+"comm_ctas": N, "gemm_kinds": G}`` as written by :func:`dump` (records of tasks that did not run
+are zero; kinds below G are GEMM tasks).
 Scheduler share = sum over GEMM CTAs of the gaps between one task's end and the next one's start
 (the task lookup on the device) / the GEMM CTAs' busy span.
 """
@@ -16,34 +17,38 @@ import sys
 from pathlib import Path
 
 
-def dump(path, records, comm_ctas: int, kinds) -> None:
+def dump(path, records, comm_ctas: int, kinds, gemm_kinds: int = 4) -> None:
     """Write a trace file from the kernel's int64 [n, 4] records (a torch tensor)."""
     rows = [r for r in records.cpu().tolist() if r[1]]
-    Path(path).write_text(json.dumps({"records": rows, "kinds": list(kinds), "comm_ctas": comm_ctas}))
+    Path(path).write_text(json.dumps({"records": rows, "kinds": list(kinds), "comm_ctas": comm_ctas,
+                                      "gemm_kinds": gemm_kinds}))
 
 
 def load(path):
     d = json.loads(Path(path).read_text())
     t0 = min(r[0] for r in d["records"])
     recs = [(r[0] - t0, r[1] - t0, r[2] & 0xFF, r[2] >> 8, r[3]) for r in d["records"]]
-    return recs, d["kinds"], d["comm_ctas"]
+    return recs, d["kinds"], d["comm_ctas"], d.get("gemm_kinds", 4)
 
 
-def summary(recs, kinds, comm_ctas) -> dict:
-    """Span, busy time per kind, and the scheduler share of the GEMM CTAs."""
+def summary(recs, kinds, comm_ctas, gemm_kinds: int = 4) -> dict:
+    """Span, busy time and task count per kind, and the scheduler share of the GEMM CTAs."""
     span = max(r[1] for r in recs)
     busy = {k: 0 for k in kinds}
+    count = {k: 0 for k in kinds}
     per_cta: dict[int, list] = {}
     for s, e, kind, cta, _ in recs:
         busy[kinds[kind]] += e - s
-        if kind < 4:  # GEMM tasks
+        count[kinds[kind]] += 1
+        if kind < gemm_kinds:  # GEMM tasks
             per_cta.setdefault(cta, []).append((s, e))
     gaps = active = 0
     for spans in per_cta.values():
         spans.sort()
         active += spans[-1][1] - spans[0][0]
         gaps += sum(max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
-    return {"span_us": span / 1e3, "busy_us": {k: v / 1e3 for k, v in busy.items()},
+    return {"span_us": span / 1e3, "busy_us": {k: v / 1e3 for k, v in busy.items() if count[k]},
+            "tasks": {k: v for k, v in count.items() if v},
             "scheduler_share": gaps / active if active else 0.0, "gemm_ctas": len(per_cta), "comm_ctas": comm_ctas}
 
 
@@ -81,10 +86,10 @@ def main() -> int:
     ap.add_argument("trace")
     ap.add_argument("--out-prefix", default=None)
     args = ap.parse_args()
-    recs, kinds, comm = load(args.trace)
+    recs, kinds, comm, gemm_kinds = load(args.trace)
     prefix = args.out_prefix or str(Path(args.trace).with_suffix(""))
     Path(prefix + ".chrome.json").write_text(json.dumps(chrome(recs, kinds)))
-    s = summary(recs, kinds, comm)
+    s = summary(recs, kinds, comm, gemm_kinds)
     try:
         occupancy_png(recs, kinds, prefix + ".png")
     except ImportError:

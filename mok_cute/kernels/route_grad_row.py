@@ -1,10 +1,14 @@
 """The per-row warp work of the routed-gradient prologue (:mod:`mok_cute.kernels.route_grad`), shared
 by its kernel and the fused backward (``kernels/sm90/fused_bwd.py``): one warp scales a dy row by
 its router weight (``mul.rn.f32``, ``cvt.rn.bf16x2.f32``) and sums dy . r in fp32 in a fixed order
-(each lane FMAs its 16-byte chunks ``lane, lane + 32, ...``, then a fixed butterfly)."""
+(each lane FMAs its 16-byte chunks ``lane, lane + 32, ...``, then a fixed butterfly). A lane
+loads ``ROW_BATCH`` chunks of each operand before it uses them (one CTA per SM in the fused
+backward: the loads' latency is hidden by the batch, not by other CTAs)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
+
+ROW_BATCH = 4  # 16-byte chunks of dy and of r in flight per lane
 
 
 def _ptx(text, *args):
@@ -40,14 +44,22 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
     sum_h dy[t, h] * r[rr, h]. ``dy``, ``r``, ``out``: (rows * hc, 4) uint32 views of bf16 rows
     (``hc`` = H / 8 16-byte chunks per row)."""
     acc = Uint32(0)
-    for c in cutlass.range(lane, hc, 32, unroll=1):
-        a = dy[t * hc + c, None].load()
-        b = r[rr * hc + c, None].load()
-        o = cute.make_rmem_tensor((4,), Uint32)
-        for j in cutlass.range_constexpr(4):
-            o[j] = _scale_pair(a[j], wq)
-            acc = _dot_pair(acc, a[j], b[j])
-        out[p * hc + c, None].store(o.load())
+    a = cute.make_rmem_tensor((4, ROW_BATCH), Uint32)
+    b = cute.make_rmem_tensor((4, ROW_BATCH), Uint32)
+    for c0 in cutlass.range(lane, hc, 32 * ROW_BATCH, unroll=1):
+        for u in cutlass.range_constexpr(ROW_BATCH):  # every load first
+            c = c0 + u * 32
+            if c < hc:
+                a[None, u].store(dy[t * hc + c, None].load())
+                b[None, u].store(r[rr * hc + c, None].load())
+        for u in cutlass.range_constexpr(ROW_BATCH):  # then the chunks in order: the sum's order
+            c = c0 + u * 32
+            if c < hc:
+                o = cute.make_rmem_tensor((4,), Uint32)
+                for j in cutlass.range_constexpr(4):
+                    o[j] = _scale_pair(a[j, u], wq)
+                    acc = _dot_pair(acc, a[j, u], b[j, u])
+                out[p * hc + c, None].store(o.load())
     for s in cutlass.range_constexpr(5):
         acc = _ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", acc, cute.arch.shuffle_sync_bfly(acc, offset=16 >> s))
     return acc

@@ -43,6 +43,7 @@ class _State:
     rows: torch.Tensor  # [T*k, H] GEMM2 rows (d topk_w reads them in place) ...
     rows_by_route: bool = False  # ... expert-grouped, or (fused forward) in route order t*k + j
     x: torch.Tensor | None = None  # the layer input, when routed.x is None (gathered in backward)
+    comm_bwd: int = 28  # the fused backward's row-gathering CTAs (config.comm_sms_bwd)
 
 
 def fused_enabled() -> bool:
@@ -168,7 +169,7 @@ class GroupedExpertBackend:
         # the gathered rows went through the kernel's ring: the backward gathers x's rows again
         routed = ExpertGroup(None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                       routed, shared_group, slot, rows_by_route=True, x=x)
+                       routed, shared_group, slot, rows_by_route=True, x=x, comm_bwd=config.comm_sms_bwd)
         return y, state
 
     def backward(self, st, dy: torch.Tensor, main_grads=None) -> MoEGrads:
@@ -184,7 +185,8 @@ class GroupedExpertBackend:
         shared = None  # (dx_s, d ws): the shared expert's backward, once, when mode 2 ran it first
         if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):  # one launch, shared expert in
             out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
-                                          st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads)
+                                          st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads,
+                                          comm_ctas=st.comm_bwd)
             if out is not None:
                 return MoEGrads(*out)
         if st.routed.x is None:

@@ -215,12 +215,14 @@ class Sm90ExpertMLP:
                                    tokens=(order, topk_idx, dx_shared))
 
     def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
-                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None):
+                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,
+                       comm_ctas: int = 28):
         """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``:
         the route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter
         and slot sum): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
         bitwise the unfused backward; with ``main_grads`` (fp32, validated by ``ops.moe``) the weight
-        gradients are added into them in the launch and returned as None; None where it does not apply."""
+        gradients are added into them in the launch and returned as None; ``comm_ctas``: the CTAs that
+        build the routed rows first (``MoKConfig.comm_sms_bwd``); None where it does not apply."""
         from mok_cute.kernels.sm90.fused_bwd import fused_backward
 
         t, k = topk_idx.shape
@@ -238,7 +240,8 @@ class Sm90ExpertMLP:
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
-                             w_gate, w_up, w_down, limit, None, rows_by_route, shared=sh, main_grads=main_grads)
+                             w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, shared=sh,
+                             main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
     # ------------------------------------------------------------------ MXFP8

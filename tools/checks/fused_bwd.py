@@ -55,6 +55,8 @@ def run(ctx) -> list[Row]:
 
     dev = ctx.device
     rows = []
+    if os.environ.get("MOK_FUSED_BWD_BENCH_ONLY") == "1":  # a speed session: only the bench, trace and profile rows
+        return _bench_rows(dev)
     cases = [("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
              ("skewed", [2845, 0, 32, 0, 4, 82, 0, 37], 4.0),
              ("one expert", [0, 0, 1000, 0], 1.5)]
@@ -84,6 +86,14 @@ def run(ctx) -> list[Row]:
                         ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     rows.append(_launch_count_row(x, idx, w, ws, sh, dy))
     rows += _main_grads_rows(x, idx, w, ws, sh, dy)
+    return rows + _bench_rows(dev)
+
+
+def _bench_rows(dev) -> list[Row]:
+    """The fused core vs the unfused launches at 8 x 4096 rows, H 7168, I 2048, then its trace."""
+    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+
+    rows = []
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
     t_fus = bench_us(lambda: fused_backward_core(*ops, 4.0))
@@ -92,7 +102,81 @@ def run(ctx) -> list[Row]:
     rows.append(Row("bench fused bwd core vs unfused (8x4096 rows, H 7168, I 2048)", time_us=t_fus, ok=True,
                     note=f"unfused {t_unf:.0f} us, fused {t_fus:.0f} us: {t_unf / t_fus:.3f}x; "
                          f"{flop / t_fus / 1e6:.0f} TFLOP/s fused"))
+    rows += _trace_rows(ops)
     return rows
+
+
+def _trace_rows(ops) -> list[Row]:
+    """The bench's core once more with MOK_CUTE_TRACE=1: bitwise the untraced run, and its time
+    per kind of tile (trace busy time / tiles) next to the unfused kernel's per tile (its time x
+    CTAs / tiles); the trace is written to $OUT/trace_bwd_core.json."""
+    import trace_view
+    from mok_cute.kernels.sm90 import expert_bwd as bwd
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    dy, x, gu, h, offsets, wg, wu, wd = ops
+    want = fused_bwd.fused_backward_core(*ops, 4.0)
+    os.environ["MOK_CUTE_TRACE"] = "1"
+    try:
+        got = fused_bwd.fused_backward_core(*ops, 4.0)
+        torch.cuda.synchronize()
+    finally:
+        del os.environ["MOK_CUTE_TRACE"]
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "trace_bwd_core.json")
+    records, comm = fused_bwd.last_trace()
+    trace_view.dump(path, records, comm, fused_bwd.KINDS, fused_bwd.GEMM_KINDS)
+    s = trace_view.summary(*trace_view.load(path))
+    inter = wg.shape[1]
+    dgu = bwd._run_dswiglu_dgrad(dy, offsets, wd, gu, 4.0)
+    ctas = torch.cuda.get_device_properties(dy.device).multi_processor_count
+    unf = {"D2": bench_us(lambda: bwd._run_dswiglu_dgrad(dy, offsets, wd, gu, 4.0)),
+           "D1": bench_us(lambda: bwd._run_dgrad1(dgu, offsets, wg, wu)),
+           "dWd": bench_us(lambda: bwd._run_wgrad(dy, h, offsets)),
+           "dWg": bench_us(lambda: bwd._run_wgrad(dgu[:, :inter], x, offsets))}
+    per = []
+    for kind, n in s["tasks"].items():
+        t_u = unf.get(kind, unf["dWg"] if kind == "dWu" else None)
+        u = f", unfused {t_u * ctas / n:.1f}" if t_u is not None else ""
+        per.append(f"{kind} {s['busy_us'][kind] / n:.1f}{u}")
+    return [Row("trace fused bwd core (same problem)", bitwise=same, ok=same and sum(s["tasks"].values()) > 0,
+                time_us=s["span_us"], note=f"== untraced: {same}; us per tile: {'; '.join(per)}; scheduler share "
+                                             f"{100 * s['scheduler_share']:.2f}%; unfused kernels us {unf}"),
+            _device_time_row(ops)]
+
+
+def _device_time_row(ops) -> Row:
+    """Device time per kernel (torch.profiler, mean of 3 calls) of the fused core, traced and
+    not, and of the unfused launches: what the trace's span leaves out (start-up, tail, host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+
+    def kernels(fn, env=None):
+        if env:
+            os.environ[env] = "1"
+        try:
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+        finally:
+            if env:
+                del os.environ[env]
+        out = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+            if t > 0:
+                out[ev.key[:40]] = round(t / 3)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:6])
+
+    fused = kernels(lambda: fused_backward_core(*ops, 4.0))
+    traced = kernels(lambda: fused_backward_core(*ops, 4.0), "MOK_CUTE_TRACE")
+    unfused = kernels(lambda: _unfused(*ops, 4.0))
+    return Row("device us per kernel (profiler): fused core / traced / unfused", ok=True,
+               note=f"fused {fused}; traced {traced}; unfused {unfused}")
 
 
 def _tokens_rows(dev) -> list[Row]:

@@ -57,20 +57,26 @@ from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
 
 D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
+KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd", "shared dWg", "shared dWu",
+         "gather", "wait dgrad1", "slot sum")  # trace record kinds (MOK_CUTE_TRACE=1)
+GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND = 10, 5, 10, 11, 12
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 COUNTER_WORDS = DONE_WORD + 1
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
+X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
 
 class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
-                 shared: bool = False, accumulate: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 shared: bool = False, accumulate: bool = False, trace: bool = False,
+                 cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
+        self.trace = trace
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -89,7 +95,7 @@ class FusedMoeBwdCoreSm90:
                  mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
                  mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
-                 k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
+                 mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
                  stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
@@ -101,7 +107,9 @@ class FusedMoeBwdCoreSm90:
         publishing routed m-tile c on ``mGdy[c]``; ``mOrder`` then holds all T*k routes. ``shared``
         variant: the shared expert as a second group of one expert over the T tokens (its dy / x:
         ``mDyTok`` / ``mXTok``; its gu, h, weights, dgu views and dW: the ``mS*`` tensors; offsets
-        ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``."""
+        ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``. ``trace``
+        variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at
+        n_tasks + c, each CTA's dgrad1 wait and slot sum the last two per CTA); else None."""
         self.ml_d.setup()
         self.ml_w.setup()
         r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu)
@@ -111,7 +119,7 @@ class FusedMoeBwdCoreSm90:
             s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
         self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
         self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2), s_tma, s_t, mCounters, mSlot, mOrder,
-                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, k, comm_ctas, limit,
+                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mTrace, k, comm_ctas, limit,
                     timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
@@ -132,8 +140,8 @@ class FusedMoeBwdCoreSm90:
     def kernel(self, r_tma: tuple, r_t: tuple, s_tma: tuple, s_t: tuple, mCounters: cute.Tensor, mSlot: cute.Tensor,
                mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
                mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-               mDyRows: cute.Tensor, mXRows: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
-               timeout_ns: Int64):
+               mDyRows: cute.Tensor, mXRows: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32,
+               limit: Float32, timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         atoms = [r_tma[i] for i in range(0, len(r_tma), 2)]
@@ -158,7 +166,7 @@ class FusedMoeBwdCoreSm90:
             bidx, _, _ = cute.arch.block_idx()
             if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
                 self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mDyTok,
-                             mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden)
+                             mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden, mTrace, n_tasks)
                 cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -168,7 +176,7 @@ class FusedMoeBwdCoreSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, views, storage, sTask, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, mSlot,
-                          mOrder, mCounters.iterator + DONE_WORD)
+                          mOrder, mCounters.iterator + DONE_WORD, mTrace)
         if cutlass.const_expr(self.scatter):
             # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
             # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
@@ -177,15 +185,22 @@ class FusedMoeBwdCoreSm90:
             cute.arch.barrier()
             if warp < THREADS_PER_WG // 32:
                 cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
+            t0 = persistent.now(self.trace)
             if tidx == 0:
                 P.wait_geq(mCounters.iterator + DONE_WORD, n_done, timeout_ns, status, Int32(0), Int32(D1_DONE))
             cute.arch.barrier()
+            t1 = persistent.now(self.trace)
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
             sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
                                                                             stride=(_VEC, 1)))
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
                                 sbuf, SUM_BATCH)
+            if cutlass.const_expr(self.trace):
+                if tidx == 0:  # the two last records of each CTA
+                    base = mTrace.shape[0] // persistent.TRACE_WORDS - 2 * grid + 2 * bidx
+                    persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
+                    persistent.record(mTrace, base + 1, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -275,8 +290,9 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _consume(self, pipe, views, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, routed, shared,
-                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer):
-        """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`)."""
+                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor):
+        """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`); traced,
+        consumer thread 0 records each task from its hand-off to its epilogue's end."""
         state = self.ml_d.consumer_state()
         rc = (Int32(0), Int32(0), Int32(0), Int32(0))
         sc = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -284,17 +300,24 @@ class FusedMoeBwdCoreSm90:
         t = persistent.take(sTask, i)
         while t < n_tasks:
             i += 1
+            t0 = persistent.now(self.trace)
+            kind = Int32(0)
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
-                    state, sc = self._compute(shared, lt, pipe, state, views, storage, tid, sc, limit, mSlot,
-                                              mOrder, done, False)
+                    state, sc, kind = self._compute(shared, lt, pipe, state, views, storage, tid, sc, limit, mSlot,
+                                                    mOrder, done, False)
+                    kind += SHARED_KIND
                 else:
-                    state, rc = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                              mOrder, done, self.scatter)
+                    state, rc, kind = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
+                                                    mOrder, done, self.scatter)
             else:
-                state, rc = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot, mOrder,
-                                          done, self.scatter)
+                state, rc, kind = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot,
+                                                mOrder, done, self.scatter)
+            if cutlass.const_expr(self.trace):
+                if tid == 0:
+                    bidx, _, _ = cute.arch.block_idx()
+                    persistent.record(mTrace, t, t0, persistent.now(self.trace), kind, bidx, t)
             t = persistent.take(sTask, i)
 
     @cute.jit
@@ -303,7 +326,8 @@ class FusedMoeBwdCoreSm90:
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
         their (token, slot) rows); in a kernel with the slot sum every D1 tile is counted on
-        ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur)``."""
+        ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
+        (D2 0, D1 1, dWd / dWg / dWu 2-4)."""
         cfg = self.cfg
         sA, sB, sA_w, sB_w = views
         e1, b1, e2, b2 = cur
@@ -372,19 +396,24 @@ class FusedMoeBwdCoreSm90:
                     self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
                                    cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
                                    g.dwu[(expert, None, None)], Float32(0.0))
-        return state, (e1, b1, e2, b2)
+        kind = Int32(0)
+        if phase == D1:
+            kind = Int32(1)
+        elif phase != D2:
+            kind = 2 + which
+        return state, (e1, b1, e2, b2), kind
 
 
     @cute.jit
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, mOffsets: cute.Tensor,
                 num_experts: Int32, mOrder: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor, mR: cute.Tensor,
                 mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, mGdy: cute.Tensor,
-                k: Int32, hidden: Int32):
+                k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32):
         """Comm CTAs: routed m-tile c (its grouped rows p, route q = order[p] = t*k + j), by CTA
         ``c % comm_ctas``, one warp per row: dy_rows[p] = bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] .
         r[p or q] (``kernels.route_grad_row.route_row``, bitwise the route_grad kernel), x_rows[p] = x[t];
         published by a release add on ``gdy[c]``. Then d_topk_w = 0 for the routes past the
-        experts' rows (-1 slots), as route_grad writes them."""
+        experts' rows (-1 slots), as route_grad writes them. Traced, chunk c's record is n_tasks + c."""
         hc = hidden // _VEC
         u32 = cutlass.Uint32
 
@@ -392,13 +421,15 @@ class FusedMoeBwdCoreSm90:
             return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=u32),
                                     cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
 
-        dyv, rv, outv, xv, xg = rows4(mDyTok), rows4(mR), rows4(mDyRows), rows4(mXTok), rows4(mXRows)
+        dyv, rv, outv = rows4(mDyTok), rows4(mR), rows4(mDyRows)
+        xtok, xrows = mXTok.iterator.toint(), mXRows.iterator.toint()
         w = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=u32), cute.make_layout(mW.shape[0]))
         dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
         warp = tidx // 32
         lane = tidx % 32
         ge, gb = Int32(0), Int32(0)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
+            t0 = persistent.now(self.trace)
             row0, rows, ge, gb = mtile(mOffsets, num_experts, self.cfg.tile_m, c, ge, gb)
             for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
                 p = row0 + rr
@@ -410,12 +441,14 @@ class FusedMoeBwdCoreSm90:
                 acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
                 if lane == 0:
                     dtw[q] = acc
-                for cc in cutlass.range(lane, hc, 32, unroll=1):
-                    xg[p * hc + cc, None].store(xv[t * hc + cc, None].load())
+                route_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2), xrows + Int64(p) * Int64(hidden * 2),
+                                    hc, X_UNROLL)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(self.trace):
+                    persistent.record(mTrace, n_tasks + c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
         for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
                                comm_ctas * NUM_THREADS, unroll=1):
             dtw[mOrder[p]] = u32(0)
@@ -480,21 +513,21 @@ def _split(t: Int32, s: _Group, r: _Group):
 
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
-                                by_route: bool = False, shared: bool = False, accumulate: bool = False, *,
-                                arch: str = "sm_90a", inspect: bool = False):
+                                by_route: bool = False, shared: bool = False, accumulate: bool = False,
+                                trace: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
     in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
-    ``accumulate``: the weight gradients added into fp32 main grads instead of written);
-    returns ``(compiled, report)``."""
+    ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
+    per-task records, ``MOK_CUTE_TRACE=1``); returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
     if init and not scatter:
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -527,12 +560,20 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
               _fake_2d(bf, t, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, t, i_s), _fake_2d(bf, t, i_s),
               _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(dw, cute.sym_int(), i_s, hid),
               _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
-    return compile_kernel(op, *args, *tail, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
+    rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if trace else None
+    return compile_kernel(op, *args, *tail, *rows, *sh, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 _WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
 describe = persistent.describer("fused backward", _WAITS)  # the status words, read by the host later
+_last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
+
+
+def last_trace():
+    """``(records int64 [n, 4], comm_ctas)`` of the last traced launch (:data:`KINDS`; records of
+    tasks that did not exist are zero), or None."""
+    return _last_trace[0] if _last_trace else None
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
@@ -627,15 +668,22 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
             gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf)
+    trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
-               gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None)
+               gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
+               trace)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
+    records = None
+    if trace:  # every possible task, the gather chunks, two per CTA (see the kernel)
+        records = torch.zeros((_task_cap(m, e, hid, inter, shared) + mt_cap + 2 * num_ctas, persistent.TRACE_WORDS),
+                              dtype=torch.int64, device=dy.device)
+        _last_trace[:] = [(records, comm if gather is not None else 0)]
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
                dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args, *row_args, *sh_args)
+               *slot_args, *row_args, *sh_args, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
@@ -645,6 +693,16 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
+
+
+def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:
+    """An upper bound of the launch's task count (routed m-tiles at most ``m // 128 + e + 1``)."""
+    def group(mt: int, experts: int, i: int) -> int:  # D2 + D1 tiles, then dWd + dWg + dWu tiles
+        return mt * (i // 256 + hid // 256) + experts * (-(-hid // 128) * (i // 256) + 2 * -(-i // 128) * (hid // 256))
+    cap = group(m // 128 + e + 1, e, inter)
+    if shared is not None:
+        cap += group(shared[1].shape[0] // 128 + 2, 1, shared[3].shape[0])
+    return cap
 
 
 def _shared_args(shared, device, main_grads=None):

@@ -71,6 +71,7 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
+from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue
 from mok_cute.kernels.sm90.mainloop import (
@@ -83,7 +84,6 @@ from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 CHUNK = 128  # rows per gather chunk (= tile_m)
 # wait channels recorded in status on a timeout (after the comm protocol's own)
 GATHER, H_READY, SH_READY, DONE, RING = 16, 17, 18, 19, 20
-TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
 PROGRESS_WORDS = 4  # per CTA in the progress variant: producer, consumers, CTA, slot sum (see _mark)
 PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write means
     {1: "claimed", 2: "inputs ready", 3: "loaded", 4: "stop handed off", 5: "EMPTY done", 6: "tail done",
@@ -241,7 +241,7 @@ class FusedMoeFwdSm90:
             cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
             if tidx == 32:
                 self._mark(mTrace, bidx, 2, 3, Int32(0))
-        t0 = self._now()
+        t0 = persistent.now(self.trace)
         if tidx == 0:
             self._mark(mTrace, bidx, 0, 7, Int32(0))
             P.wait_geq(mDone.iterator, gemm2_tiles, timeout_ns, status, Int32(0), Int32(DONE))
@@ -252,7 +252,7 @@ class FusedMoeFwdSm90:
                         P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
                 P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
         cute.arch.barrier()
-        t1 = self._now()
+        t1 = persistent.now(self.trace)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 9, Int32(0))
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
@@ -270,8 +270,8 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.trace):
             if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
                 base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
-                self._record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
-                self._record(mTrace, base + 1, t1, self._now(), SUM_KIND, bidx, Int32(0))
+                persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
+                persistent.record(mTrace, base + 1, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -296,7 +296,7 @@ class FusedMoeFwdSm90:
             cute.arch.barrier()
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
-            t0 = self._now()
+            t0 = persistent.now(self.trace)
             row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
             if c >= ring:
                 if tidx == 0:
@@ -309,7 +309,7 @@ class FusedMoeFwdSm90:
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
                 self._mark(mTrace, bidx, 2, 1, c)
                 if cutlass.const_expr(self.trace):
-                    self._record(mTrace, c, t0, self._now(), GATHER_KIND, bidx, c)
+                    persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
         if cutlass.const_expr(self.ep):  # every comm CTA has pulled its chunks: the last one says DONE
             cute.arch.barrier()
             if tidx == 0:
@@ -367,35 +367,7 @@ class FusedMoeFwdSm90:
                             cute.make_tensor(P.gptr(cutlass.Uint32, dst + Int64(cu) * 32, 16),
                                              cute.make_layout((8,))).store(o.load())
             else:
-                buf = cute.make_rmem_tensor((_VEC, self.unroll), cutlass.BFloat16)
-                for c0 in cutlass.range(lane, nu, 32 * self.unroll, unroll=1):
-                    for u in cutlass.range_constexpr(self.unroll):
-                        cu = c0 + u * 32
-                        if cu < nu:
-                            buf[None, u].store(cute.make_tensor(P.gptr(cutlass.BFloat16, src + Int64(cu) * 16, 16),
-                                                                cute.make_layout((_VEC,))).load())
-                    for u in cutlass.range_constexpr(self.unroll):
-                        cu = c0 + u * 32
-                        if cu < nu:
-                            cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
-                                             cute.make_layout((_VEC,))).store(buf[None, u].load())
-
-    @cute.jit
-    def _now(self):
-        """%globaltimer when tracing (else 0, no instruction)."""
-        t = Int64(0)
-        if cutlass.const_expr(self.trace):
-            t = cute.arch.globaltimer()
-        return t
-
-    @cute.jit
-    def _record(self, mTrace: cute.Tensor, i: Int32, start: Int64, end: Int64, kind, cta: Int32, what: Int32):
-        """Trace record ``i``: (start, end, kind | cta << 8, what)."""
-        base = i * TRACE_WORDS
-        mTrace[base] = start
-        mTrace[base + 1] = end
-        mTrace[base + 2] = Int64(kind) + (Int64(cta) << 8)
-        mTrace[base + 3] = Int64(what)
+                route_rows.copy_row(lane, src, dst, nu, self.unroll)
 
     @cute.jit
     def _mark(self, mProg: cute.Tensor, bidx: Int32, word: int, code: int, value: Int32):
@@ -501,7 +473,7 @@ class FusedMoeFwdSm90:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
-            t0 = self._now()  # after the task lookup: the gap since the last record is the scheduler's
+            t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
             k_tiles = k1
             if phase == R2:
                 k_tiles = k2
@@ -545,7 +517,7 @@ class FusedMoeFwdSm90:
                     counter = mShready.iterator + mt
                 cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
                 if cutlass.const_expr(self.trace):
-                    self._record(mTrace, trace_base + t, t0, self._now(), phase, bidx, t)
+                    persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
             t = persistent.take(sTask, i)
         if tid == 0:
@@ -601,11 +573,6 @@ def ring_band() -> int:
     a band's GEMM1 tiles all come before the next band's, so a ring of ``>= band`` slots never
     waits for a later task; wider bands reuse the weights' n-tiles over more m-tiles."""
     return max(1, int(os.environ.get("MOK_CUTE_RING_BAND", "8")))
-
-
-def tracing() -> bool:
-    """``MOK_CUTE_TRACE=1``: the fused forward records every task (read at every call)."""
-    return os.environ.get("MOK_CUTE_TRACE", "0") == "1"
 
 
 def progress_mode() -> bool:

@@ -330,12 +330,15 @@ class Sm90Mainloop:
         # a tiled MMA of this call: its ACCUMULATE field is set below, and a field set on the shared
         # one inside a run-time branch would escape the branch (a kernel may pick its mainloop per task)
         mma = self._tiled_mma()
-        warpgroup.fence()
-        # first k-tile: the first k-block overwrites the accumulators (no zero fill)
+        # first k-tile: the first k-block overwrites the accumulators (no zero fill). Each batch's
+        # wgmma.fence comes after its slot's wait, right before its wgmmas: before the wait (a spin
+        # loop, a divergent path to ptxas) ptxas may add one itself and serialize every wgmma of
+        # the kernel (its C7520 "Potential Performance Loss" remark)
         pipe.consumer_wait(state)
         a_idx = state.index
         if cutlass.const_expr(stage_a is not None):
             a_idx = stage_a(state.index, cutlass.Int32(0))
+        warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
             cute.gemm(mma, acc, tCrA[(None, None, kb, a_idx)],
@@ -347,6 +350,7 @@ class Sm90Mainloop:
             a_idx = state.index
             if cutlass.const_expr(stage_a is not None):
                 a_idx = stage_a(state.index, kt + 1)
+            warpgroup.fence()
             for kb in cutlass.range_constexpr(k_blocks):
                 cute.gemm(mma, acc, tCrA[(None, None, kb, a_idx)],
                           tCrB[(None, None, kb, state.index)], acc)

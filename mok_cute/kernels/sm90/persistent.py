@@ -9,8 +9,14 @@ consumers), waits for the task's inputs (:func:`wait_input`) and streams its k-t
 consumers walk the same ids. A task id past the list, handed off last, stops the consumers;
 :func:`finish_hand_offs` completes the EMPTY phases so no named barrier is left mid-phase when
 the CTA exits. Named barrier 1 is the consumers' own (``mainloop.consumer_barrier``).
+
+Tracing (``MOK_CUTE_TRACE=1``, :func:`tracing`): a kernel built with it writes one record of
+``TRACE_WORDS`` int64 per task (:func:`record`: start / end from %globaltimer, ``kind | cta << 8``,
+the task id) into a device buffer, read by ``tools/trace_view.py``.
 """
 from __future__ import annotations
+
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -21,6 +27,31 @@ from mok_cute.kernels.sm90.mainloop import NUM_CONSUMER_THREADS
 
 FULL, EMPTY = 2, 4  # named barrier ids of the two hand-off slots
 HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
+TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
+
+
+def tracing() -> bool:
+    """``MOK_CUTE_TRACE=1``: the megakernels record every task (read at every call)."""
+    return os.environ.get("MOK_CUTE_TRACE", "0") == "1"
+
+
+@cute.jit
+def now(on: cutlass.Constexpr):
+    """%globaltimer in a traced kernel (``on``), else 0 (no instruction)."""
+    t = Int64(0)
+    if cutlass.const_expr(on):
+        t = cute.arch.globaltimer()
+    return t
+
+
+@cute.jit
+def record(mTrace: cute.Tensor, i: Int32, start: Int64, end: Int64, kind, cta: Int32, what: Int32):
+    """Trace record ``i``: (start, end, kind | cta << 8, what)."""
+    base = i * TRACE_WORDS
+    mTrace[base] = start
+    mTrace[base + 1] = end
+    mTrace[base + 2] = Int64(kind) + (Int64(cta) << 8)
+    mTrace[base + 3] = Int64(what)
 
 
 @cute.jit

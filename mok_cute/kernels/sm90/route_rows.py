@@ -13,14 +13,16 @@ backward's of dx).
   vectors in flight as cp.async copies into ``sbuf`` [nb * NUM_THREADS, 8] bf16 (idle shared
   memory: no register holds them).
 * :func:`accumulate`: a staged bf16 tile added into fp32 rows (main_grad accumulation).
+* :func:`copy_row`: one warp copies a bf16 row between global addresses, loads batched.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import add_rn, mul_rn
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
@@ -112,3 +114,21 @@ def accumulate(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: In
                 vals = r[(None, m, n)].load().to(Float32)
                 for j in cutlass.range_constexpr(_VEC):
                     g[rr, cn + j] = add_rn(g[rr, cn + j], vals[j])
+
+
+@cute.jit
+def copy_row(lane: Int32, src: Int64, dst: Int64, units: Int32, unroll: cutlass.Constexpr[int]):
+    """One warp: the ``units`` 16-byte units of a bf16 row at global address ``src`` to ``dst``;
+    lane l moves units l, l + 32, ..., ``unroll`` loads in flight before their stores."""
+    buf = cute.make_rmem_tensor((_VEC, unroll), cutlass.BFloat16)
+    for c0 in cutlass.range(lane, units, 32 * unroll, unroll=1):
+        for u in cutlass.range_constexpr(unroll):  # every load first
+            cu = c0 + u * 32
+            if cu < units:
+                buf[None, u].store(cute.make_tensor(P.gptr(cutlass.BFloat16, src + Int64(cu) * 16, 16),
+                                                    cute.make_layout((_VEC,))).load())
+        for u in cutlass.range_constexpr(unroll):
+            cu = c0 + u * 32
+            if cu < units:
+                cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
+                                 cute.make_layout((_VEC,))).store(buf[None, u].load())

@@ -1,0 +1,65 @@
+"""tools/trace_view.py on synthetic records, and the fused backward's trace buffer bound."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import trace_view  # noqa: E402
+
+
+def _rec(start, end, kind, cta, what):
+    return [start, end, kind + (cta << 8), what]
+
+
+def test_summary_counts_kinds_and_scheduler_gaps(tmp_path):
+    kinds = ("A", "B", "gather")
+    recs = torch.tensor([_rec(100, 200, 0, 1, 0), _rec(210, 300, 1, 1, 1), _rec(100, 150, 0, 2, 2),
+                         _rec(100, 400, 2, 0, 0), [0, 0, 0, 0]], dtype=torch.int64)
+    path = tmp_path / "t.json"
+    trace_view.dump(path, recs, 1, kinds, gemm_kinds=2)
+    loaded = trace_view.load(path)
+    assert loaded[3] == 2 and len(loaded[0]) == 4  # the zero record (a task that did not run) is dropped
+    s = trace_view.summary(*loaded)
+    assert s["tasks"] == {"A": 2, "B": 1, "gather": 1}
+    assert s["busy_us"] == {"A": 0.15, "B": 0.09, "gather": 0.3}
+    assert s["span_us"] == 0.3 and s["gemm_ctas"] == 2
+    # CTA 1: one 10 ns gap over its 200 ns; CTA 2: none over 50 ns
+    assert s["scheduler_share"] == pytest.approx(10 / 250)
+
+
+def test_forward_traces_still_load(tmp_path):
+    """A trace without ``gemm_kinds`` (the forward's older files) counts kinds < 4 as GEMM tasks."""
+    path = tmp_path / "old.json"
+    path.write_text('{"records": [[5, 9, 3, 0], [5, 9, 4, 1]], "kinds": ["a", "b", "c", "d", "e"], "comm_ctas": 1}')
+    s = trace_view.summary(*trace_view.load(path))
+    assert s["gemm_ctas"] == 1 and s["tasks"] == {"d": 1, "e": 1}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_bwd_trace_buffer_holds_every_task(shared):
+    from mok_cute.kernels.sm90 import fused_bwd
+    from mok_cute.schedule import fused_bwd_tasks as tasks
+
+    rng = random.Random(3)
+    hid, inter, i_s, t = 768, 512, 256, 300
+    for _ in range(20):
+        e = rng.randint(1, 9)
+        counts = [rng.choice([0, 1, 127, 128, 129, rng.randint(0, 700)]) for _ in range(e)]
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        m = offsets[-1] + rng.randint(0, 50)
+        w_d = -(-hid // 128) * (inter // 256)
+        w_gu = -(-inter // 128) * (hid // 256)
+        n = len(tasks.task_list(offsets, 0, 128, inter // 256, 0, hid // 256, w_d, w_gu, False))
+        sh = None
+        if shared:
+            sh = (None, torch.empty(t, 2 * i_s), None, torch.empty(i_s, hid), None, None)
+            n += len(tasks.task_list([0], t, 128, 0, i_s // 256, hid // 256, -(-hid // 128) * (i_s // 256),
+                                     -(-i_s // 128) * (hid // 256), True))
+        assert fused_bwd._task_cap(m, e, hid, inter, sh) >= n
