@@ -16,7 +16,8 @@ forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-t
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
 by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
-peak MB: the memory one forward + backward allocates above what was allocated before it
+fwd+bwd: each backward starts from ``.grad = None`` (``zero_grad(set_to_none=True)``, as a training
+step: no gradient-accumulation kernel in any row); peak MB: the memory one forward + backward allocates above what was allocated before it
 (``--recompute`` adds rows with ``MoKConfig(activations="recompute")``).
 The table prints last.
 """
@@ -184,8 +185,11 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         with torch.no_grad():
             t_sync = bench_us(fn, warmup=3, iters=10)
             t_f = bench_pipelined_us(fn, warmup=2, iters=10)
-        t_fb = float("nan") if name == "GEMM tiles alone" else bench_pipelined_us(
-            lambda: torch.autograd.backward(fn(), dy), warmup=2, iters=5)
+        def step(fn=fn):  # a training step's view: zero_grad(set_to_none=True), no accumulation kernel
+            for p in leaves:
+                p.grad = None
+            torch.autograd.backward(fn(), dy)
+        t_fb = float("nan") if name == "GEMM tiles alone" else bench_pipelined_us(step, warmup=2, iters=5)
         peak = float("nan")
         if name != "GEMM tiles alone":  # one forward + backward from a clean peak counter
             for p in leaves:
@@ -211,7 +215,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             path = trace_bwd.replace(".json", f"_bwd{b}.json")
             s = traced_bwd(lambda: _ours(True, comms[0], minibatch=mb0, bwd=b)(x, idx, w, ws, sh), dy, path)
             per = {kd: f"{s['busy_us'][kd]:.0f} us / {n} = {s['busy_us'][kd] / n:.1f}" for kd, n in s["tasks"].items()}
-            print(f"[trace bwd{b}] {path}: span {s['span_us']:.0f} us, scheduler share "
+            print(f"[trace bwd{b}] {path}: span {s['span_us']:.0f} us (first task {s.get('before_first_task_us', 0):.0f} us "
+                  f"after the first CTA's entry, last CTA exit {s.get('after_last_task_us', 0):.0f} us after the last "
+                  f"task), scheduler share "
                   f"{100 * s['scheduler_share']:.2f}%, per kind busy / tasks = us per task: {per}", flush=True)
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
     lines = []

@@ -32,7 +32,9 @@ def load(path):
 
 
 def summary(recs, kinds, comm_ctas, gemm_kinds: int = 4) -> dict:
-    """Span, busy time and task count per kind, and the scheduler share of the GEMM CTAs."""
+    """Span, busy time and task count per kind, the scheduler share of the GEMM CTAs, and (with
+    "CTA" life records) the time from the first CTA's entry to the first task and from the last
+    task's end to the last CTA's exit."""
     span = max(r[1] for r in recs)
     busy = {k: 0 for k in kinds}
     count = {k: 0 for k in kinds}
@@ -47,9 +49,16 @@ def summary(recs, kinds, comm_ctas, gemm_kinds: int = 4) -> dict:
         spans.sort()
         active += spans[-1][1] - spans[0][0]
         gaps += sum(max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
-    return {"span_us": span / 1e3, "busy_us": {k: v / 1e3 for k, v in busy.items() if count[k]},
-            "tasks": {k: v for k, v in count.items() if v},
-            "scheduler_share": gaps / active if active else 0.0, "gemm_ctas": len(per_cta), "comm_ctas": comm_ctas}
+    out = {}
+    if "CTA" in kinds:  # CTA life records (entry to exit): the kernel's start-up before / tail after its tasks
+        life = [r for r in recs if kinds[r[2]] == "CTA"]
+        tasks = [r for r in recs if r[2] < gemm_kinds]
+        if life and tasks:
+            out = {"before_first_task_us": (min(r[0] for r in tasks) - min(r[0] for r in life)) / 1e3,
+                   "after_last_task_us": (max(r[1] for r in life) - max(r[1] for r in tasks)) / 1e3}
+    return out | {"span_us": span / 1e3, "busy_us": {k: v / 1e3 for k, v in busy.items() if count[k]},
+                  "tasks": {k: v for k, v in count.items() if v}, "scheduler_share": gaps / active if active else 0.0,
+                  "gemm_ctas": len(per_cta), "comm_ctas": comm_ctas}
 
 
 def chrome(recs, kinds) -> dict:

@@ -58,8 +58,8 @@ from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
 D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
 KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd", "shared dWg", "shared dWu",
-         "gather", "wait dgrad1", "slot sum")  # trace record kinds (MOK_CUTE_TRACE=1)
-GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND = 10, 5, 10, 11, 12
+         "gather", "wait dgrad1", "slot sum", "CTA")  # trace record kinds (MOK_CUTE_TRACE=1)
+GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND = 10, 5, 10, 11, 12, 13
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 COUNTER_WORDS = DONE_WORD + 1
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
@@ -109,7 +109,8 @@ class FusedMoeBwdCoreSm90:
         ``mDyTok`` / ``mXTok``; its gu, h, weights, dgu views and dW: the ``mS*`` tensors; offsets
         ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``. ``trace``
         variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at
-        n_tasks + c, each CTA's dgrad1 wait and slot sum the last two per CTA); else None."""
+        n_tasks + c, the last three per CTA: its life from entry to exit, its dgrad1 wait and its slot
+        sum); else None."""
         self.ml_d.setup()
         self.ml_w.setup()
         r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu)
@@ -144,6 +145,7 @@ class FusedMoeBwdCoreSm90:
                limit: Float32, timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
+        t_entry = persistent.now(self.trace)
         atoms = [r_tma[i] for i in range(0, len(r_tma), 2)]
         if cutlass.const_expr(self.shared):
             atoms += [s_tma[i] for i in range(0, len(s_tma), 2)]
@@ -197,10 +199,17 @@ class FusedMoeBwdCoreSm90:
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
                                 sbuf, SUM_BATCH)
             if cutlass.const_expr(self.trace):
-                if tidx == 0:  # the two last records of each CTA
-                    base = mTrace.shape[0] // persistent.TRACE_WORDS - 2 * grid + 2 * bidx
-                    persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
-                    persistent.record(mTrace, base + 1, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
+                if tidx == 0:
+                    base = mTrace.shape[0] // persistent.TRACE_WORDS - 3 * grid + 3 * bidx
+                    persistent.record(mTrace, base + 1, t0, t1, WAIT_KIND, bidx, Int32(0))
+                    persistent.record(mTrace, base + 2, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
+        if cutlass.const_expr(self.trace):  # the CTA's life, entry to exit: the kernel's start-up and tail
+            cute.arch.barrier()
+            cta = cute.arch.block_idx()[0]
+            ctas = cute.arch.grid_dim()[0]
+            if tidx == 0:
+                base = mTrace.shape[0] // persistent.TRACE_WORDS - 3 * ctas + 3 * cta
+                persistent.record(mTrace, base, t_entry, persistent.now(self.trace), CTA_KIND, cta, Int32(0))
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -677,8 +686,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     records = None
-    if trace:  # every possible task, the gather chunks, two per CTA (see the kernel)
-        records = torch.zeros((_task_cap(m, e, hid, inter, shared) + mt_cap + 2 * num_ctas, persistent.TRACE_WORDS),
+    if trace:  # every possible task, the gather chunks, three per CTA (see the kernel)
+        records = torch.zeros((_task_cap(m, e, hid, inter, shared) + mt_cap + 3 * num_ctas, persistent.TRACE_WORDS),
                               dtype=torch.int64, device=dy.device)
         _last_trace[:] = [(records, comm if gather is not None else 0)]
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
