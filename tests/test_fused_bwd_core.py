@@ -63,7 +63,9 @@ def test_tokens_variant(clamp, init):
 def test_mode_env(monkeypatch):
     from mok_cute.layers.grouped import fused_bwd_mode
 
-    for v, want in (("", 0), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
+    monkeypatch.delenv("MOK_CUTE_FUSED_BWD", raising=False)
+    assert fused_bwd_mode() == 2  # the default: the fastest measured mode
+    for v, want in (("", 2), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
         monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
         assert fused_bwd_mode() == want
     monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "4")

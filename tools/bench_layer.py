@@ -10,8 +10,10 @@ dense shared expert; autograd backward. Ours: ``mok_cute.moe`` (backend sm90, BF
 validate_routing=False: no host sync) fused (the default; one row per ``comm_sms_fwd`` x
 ``minibatch_tokens``, the ring's size, plus rows at other R1 bands ``MOK_CUTE_RING_BAND`` for the
 first of each) and
-unfused (MOK_CUTE_FUSED=0); the backward is the unfused one in both, except in the rows of ``--bwd`` modes (``MOK_CUTE_FUSED_BWD``:
-1 the routed backward's GEMMs in one launch, 2 also the dx scatter and slot sum); "GEMM tiles alone": the
+unfused (MOK_CUTE_FUSED=0, and the unfused backward, ``MOK_CUTE_FUSED_BWD=0``); the fused rows run the
+library's default backward (``MOK_CUTE_FUSED_BWD`` unset: mode 2), the rows of ``--bwd`` modes that mode
+(0 unfused, 1 the routed backward's GEMMs in one launch, 2 also the dx scatter and slot sum, 3 the whole
+backward in one launch; ``--bwd-comm`` mode 3 at other ``comm_sms_bwd``); "GEMM tiles alone": the
 forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
@@ -90,7 +92,7 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          bwd: str = "0", activations: str = "save", bwd_comm: int | None = None):
+          bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -101,7 +103,10 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
 
     def fn(x, idx, w, ws, sh):
         os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
-        os.environ["MOK_CUTE_FUSED_BWD"] = bwd
+        if bwd is None:  # the library's default backward
+            os.environ.pop("MOK_CUTE_FUSED_BWD", None)
+        else:
+            os.environ["MOK_CUTE_FUSED_BWD"] = bwd
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -156,7 +161,7 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     flop = 6 * (t + t * k) * h * inter
     impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
     if refs:
-        impls["unfused"] = lambda: _ours(False, 8)(x, idx, w, ws, sh)
+        impls["unfused"] = lambda: _ours(False, 8, bwd="0")(x, idx, w, ws, sh)
         impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
     mb0 = minibatches[0]
     for c in comms:
@@ -172,14 +177,14 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         impls[f"fused c{comms[0]} bwd3 cb{cb}"] = lambda cb=cb: _ours(True, comms[0], minibatch=mb0, bwd="3",
                                                                       bwd_comm=cb)(x, idx, w, ws, sh)
     if recompute:  # MoKConfig(activations="recompute"), after the fused forward at the first comm value
-        for b in bwds or ("0",):
+        for b in bwds or ("2",):
             impls[f"fused c{comms[0]} bwd{b} recompute"] = lambda b=b: _ours(
                 True, comms[0], minibatch=mb0, bwd=b, activations="recompute")(x, idx, w, ws, sh)
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
         if refs:
-            impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8")(x, idx, w, ws, sh)
+            impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8", bwd="0")(x, idx, w, ws, sh)
     out = {}
     for name, fn in impls.items():
         with torch.no_grad():

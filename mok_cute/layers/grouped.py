@@ -53,12 +53,13 @@ def fused_enabled() -> bool:
 
 
 def fused_bwd_mode() -> int:
-    """``MOK_CUTE_FUSED_BWD`` (read at every call; opt-in until measured faster on the device):
-    0 (default) the unfused backward; 1 the routed backward's GEMMs in one fused launch
-    (``kernels/sm90/fused_bwd.py``); 2 the same launch also scattering the dx rows to their
-    slots and summing them; 3 also the routed dy rows, d topk_w and x rows (the route_grad pass
-    and the x gather) in it (device-verified: 1 only)."""
-    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "0").strip() or "0"
+    """``MOK_CUTE_FUSED_BWD`` (read at every call; every mode bitwise the unfused backward on an
+    H200): 0 the unfused backward; 1 the routed backward's GEMMs in one fused launch
+    (``kernels/sm90/fused_bwd.py``); 2 (default: the fastest measured, docs/benchmarks.md) the
+    same launch also scattering the dx rows to their slots and summing them; 3 also the routed
+    dy rows, d topk_w and x rows (the route_grad pass and the x gather) and the shared expert's
+    tiles in it: the whole backward in one launch."""
+    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "2").strip() or "2"
     if mode not in ("0", "1", "2", "3"):
         raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1, 2 or 3, got {mode!r}")
     return int(mode)
