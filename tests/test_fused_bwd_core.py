@@ -175,3 +175,20 @@ def test_trace_variant():
     st64 = lambda p: p.count("st.global.u64") + p.count("st.global.b64") + p.count("st.global.s64")
     assert st64(rep.ptx) > st64(plain.ptx)
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_mx_variant(scatter):
+    """The MXFP8 variant: dgu's round trips along 2I and along the tokens in the dSwiGLU epilogue
+    (e4m3 quantize and dequantize instructions the BF16 build lacks), the same GEMM work, 0 spills,
+    no serialized wgmma; with the comm work or the shared group it is refused."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, scatter, scatter, mx=True, inspect=True)[1]
+    plain = _compiled(True, scatter, scatter)
+    _clean(rep)
+    for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
+        assert rep.ptx.count(needed) > plain.ptx.count(needed), needed
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    with pytest.raises(ValueError, match="mx"):
+        fused_bwd.compile_fused_backward_core(True, True, True, True, mx=True)

@@ -183,6 +183,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
+        if "0" in bwds:  # the same with the unfused MXFP8 backward
+            impls[f"fused mxfp8 c{comms[0]} bwd0"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
+                                                                   bwd="0")(x, idx, w, ws, sh)
         if refs:
             impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8", bwd="0")(x, idx, w, ws, sh)
     out = {}

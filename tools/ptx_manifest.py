@@ -156,6 +156,10 @@ def _quant():
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, inspect=True))
         out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-main-grads@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, True, inspect=True))
+        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, inspect=True))
+        out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-trace@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, trace=True, inspect=True))
     from mok_cute.schedule import local_plan as lp
 
     for arch in ("sm_90a", "sm_100a"):

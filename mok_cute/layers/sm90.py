@@ -185,8 +185,6 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
-        if g.precision == "mxfp8":
-            return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
         from mok_cute.layers.grouped import fused_bwd_mode
@@ -194,7 +192,10 @@ class Sm90ExpertMLP:
         if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
             from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
-            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit)
+            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
+                                       *self._bwd_weights(g, w_gate, w_up, w_down), limit, mx=g.precision == "mxfp8")
+        if g.precision == "mxfp8":
+            return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
 
@@ -206,13 +207,21 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
-        if g.precision != "bf16" or not _fused_bwd_ok(g, dy_rows):
+        if g.precision not in ("bf16", "mxfp8") or not _fused_bwd_ok(g, dy_rows):
             return None
         if dx_shared is not None and not dx_shared.is_contiguous():
             return None
         _check_dy(fwd, g, dy_rows)
-        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
-                                   tokens=(order, topk_idx, dx_shared))
+        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
+                                   *self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                   tokens=(order, topk_idx, dx_shared), mx=g.precision == "mxfp8")
+
+    def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
+        """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8
+        along dgrad's reduction axis (cached while unchanged)."""
+        if g.precision == "mxfp8":
+            return tuple(self._mx_weight(w, 1) for w in (w_gate, w_up, w_down))
+        return w_gate, w_up, w_down
 
     def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
                        rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,

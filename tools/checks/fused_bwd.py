@@ -72,6 +72,7 @@ def run(ctx) -> list[Row]:
         rows.append(Row(f"fused bwd core {name} L={limit}", bitwise=all(eq), ok=all(eq) and finite,
                         note=f"== unfused per run (132 x3, 37, 8 CTAs): {eq}; differs: {diff} M={sum(counts)}"))
     rows += _tokens_rows(dev)
+    rows += _mx_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
     outs = {}
     for flag in ("0", "1", "2", "3"):
@@ -206,6 +207,43 @@ def _tokens_rows(dev) -> list[Row]:
         eq = [torch.equal(r[0], want) and all(torch.equal(a, b) for a, b in zip(r[1:], dws)) for r in got]
         rows.append(Row(f"fused bwd core tokens= (dx slot sum){' + shared dx' if shared else ''}", bitwise=all(eq),
                         ok=all(eq), note=f"dx and dW == unfused scatter + slot_sum per run (132 x2, 19 CTAs): {eq}"))
+    return rows
+
+
+def _mx_rows(dev) -> list[Row]:
+    """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
+    operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
+    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of mode 2 vs 0."""
+    from mok_cute.kernels.sm90 import expert_bwd as bwd
+    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+    from mok_cute.layers.common import ExpertGroup
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+
+    rows = []
+    mlp = Sm90ExpertMLP()
+    for name, counts, limit in (("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
+                                ("skewed", [2845, 0, 33, 0, 5, 82, 0, 37], 4.0)):
+        dy, x, gu, h, offsets, wg, wu, wd = _operands(counts, 1024, 512, dev, seed=11 + len(name))
+        g = ExpertGroup(x, offsets, gu, h, "mxfp8")
+        want = mlp._mx_backward(bwd, g, dy, wg, wu, wd, limit)
+        wts = mlp._bwd_weights(g, wg, wu, wd)
+        got = [fused_backward_core(dy, x, gu, h, offsets, *wts, limit, num_ctas=n, mx=True) for n in (132, 132, 37)]
+        torch.cuda.synchronize()
+        eq = [all(torch.equal(a, b) for a, b in zip(r, want)) for r in got]
+        diff = [n for n, a, b in zip(("dx", "dWg", "dWu", "dWd"), got[0], want) if not torch.equal(a, b)]
+        rows.append(Row(f"fused bwd core MXFP8 {name} L={limit}", bitwise=all(eq), ok=all(eq),
+                        note=f"== unfused MXFP8 backward per run (132 x2, 37 CTAs): {eq}; differs: {diff}"))
+    x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
+    outs = {}
+    for flag in ("0", "2"):
+        os.environ["MOK_CUTE_FUSED_BWD"] = flag
+        try:
+            outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
+        finally:
+            del os.environ["MOK_CUTE_FUSED_BWD"]
+    same = [torch.equal(a, b) for a, b in zip(outs["0"], outs["2"])]
+    rows.append(Row("layer grads MXFP8 MOK_CUTE_FUSED_BWD=2 == 0 (skew + shared)", bitwise=all(same), ok=all(same),
+                    note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     return rows
 
 

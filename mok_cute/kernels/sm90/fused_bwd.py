@@ -58,8 +58,8 @@ from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
 D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
 KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd", "shared dWg", "shared dWu",
-         "gather", "wait dgrad1", "slot sum", "CTA")  # trace record kinds (MOK_CUTE_TRACE=1)
-GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND = 10, 5, 10, 11, 12, 13
+         "gather dy", "wait dgrad1", "slot sum", "CTA", "gather x")  # trace record kinds (MOK_CUTE_TRACE=1)
+GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND, GATHER_X_KIND = 10, 5, 10, 11, 12, 13, 14
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 COUNTER_WORDS = DONE_WORD + 1
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
@@ -70,14 +70,16 @@ class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
-                 shared: bool = False, accumulate: bool = False, trace: bool = False,
+                 shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
                  cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
+        if mx and (gather or shared):
+            raise ValueError("mx (the MXFP8 backward) is the routed core's, with or without scatter")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
-        self.trace = trace
-        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+        self.trace, self.mx = trace, mx
+        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
         self.epi_elems = epi
@@ -95,7 +97,7 @@ class FusedMoeBwdCoreSm90:
                  mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
                  mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
-                 mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
+                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
                  stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
@@ -109,30 +111,36 @@ class FusedMoeBwdCoreSm90:
         ``mDyTok`` / ``mXTok``; its gu, h, weights, dgu views and dW: the ``mS*`` tensors; offsets
         ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``. ``trace``
         variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at
-        n_tasks + c, the last three per CTA: its life from entry to exit, its dgrad1 wait and its slot
-        sum); else None."""
+        n_tasks + c (its x pass n_tasks + chunks + c), the last three per CTA: its life from entry to
+        exit, its dgrad1 wait and its slot sum); else None. ``mx`` variant (the MXFP8 backward,
+        every operand an MXFP8 round trip as the unfused one reads it): ``mDy`` is dy's round trip along H (dgrad2's A), ``mDyT`` along
+        the tokens (dW_down's A), ``mX`` / ``mH`` those of x / h along the tokens, the weights
+        dequantized; the dSwiGLU epilogue writes dgu's round trip along 2I into ``mDgu`` (dgrad1's
+        A) and along the tokens into ``mDguT3`` = [M, 2, I] of the buffer ``mDg`` / ``mDu`` view
+        (the weight gradients' A); else both None."""
         self.ml_d.setup()
         self.ml_w.setup()
-        r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu)
+        r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT)
         s_tma, s_t = None, None
         if cutlass.const_expr(self.shared):
             s_tma = self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSDg, mSDu)
-            s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
+            s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2, None)
         self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
-        self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2), s_tma, s_t, mCounters, mSlot, mOrder,
+        self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mDguT3), s_tma, s_t, mCounters, mSlot, mOrder,
                     mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mTrace, k, comm_ctas, limit,
                     timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
-    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu):
+    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT=None):
         """One group's TMA atoms and coordinates (:class:`_Group` order): D2 reads dy (M, H) K-major
         and w_down as (I, H, E) MN-major; D1 dgu (M, 2I) K-major and w_gate then w_up along K, each
-        (H, I, E) MN-major; W (N, rows) MN-major operands, ragged along the rows (expert_bwd)."""
+        (H, I, E) MN-major; W (N, rows) MN-major operands, ragged along the rows (expert_bwd), dW_down's
+        dy from ``mDyT`` when given (the MXFP8 variant's)."""
         md, mw = self.ml_d, self.ml_w
         d2 = md.make_tma(mDy, experts_last(mWd, True))
         d1 = md.make_tma(mDgu, experts_last(mWg, True))
         _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
-        wd = mw.make_tma(_ragged_k(mDy), _ragged_k(mH))
+        wd = mw.make_tma(_ragged_k(mDy if mDyT is None else mDyT), _ragged_k(mH))
         wg = mw.make_tma(_ragged_k(mDg), _ragged_k(mX))
         atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(mDu), _ragged_k(mX))
         return (*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
@@ -269,10 +277,10 @@ class FusedMoeBwdCoreSm90:
             length = g.offsets[expert + 1] - lo
             k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
             if cutlass.const_expr(gather):
-                if expert != ready_g:  # the expert's dy and x rows, once per expert and CTA
+                if expert != ready_g:  # the expert's dy and x rows (both passes), once per expert and CTA
                     first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
                     for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(mGdy.iterator + first + m, Int32(1), timeout_ns, status,
+                        persistent.wait_input(mGdy.iterator + first + m, Int32(2), timeout_ns, status,
                                               Int32(ROWS_READY), first + m)
                     ready_g = expert
             if which == WD:
@@ -351,7 +359,8 @@ class FusedMoeBwdCoreSm90:
             s_dsw = self.dswiglu.smem_tensor(storage.sC)
             self.dswiglu.prefetch(s_dsw, et, row0, rows, n_tile, g.gu3)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_h)
-            self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, g.dgu3, g.gu3, limit)
+            self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, g.dgu3, g.gu3, limit,
+                             g.dgut3)
             cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before the CTA's release below
             consumer_barrier()
             if tid == 0:
@@ -419,10 +428,13 @@ class FusedMoeBwdCoreSm90:
                 mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, mGdy: cute.Tensor,
                 k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32):
         """Comm CTAs: routed m-tile c (its grouped rows p, route q = order[p] = t*k + j), by CTA
-        ``c % comm_ctas``, one warp per row: dy_rows[p] = bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] .
-        r[p or q] (``kernels.route_grad_row.route_row``, bitwise the route_grad kernel), x_rows[p] = x[t];
-        published by a release add on ``gdy[c]``. Then d_topk_w = 0 for the routes past the
-        experts' rows (-1 slots), as route_grad writes them. Traced, chunk c's record is n_tasks + c."""
+        ``c % comm_ctas``, one warp per row, in two passes over the chunks: first dy_rows[p] =
+        bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] . r[p or q] (``kernels.route_grad_row.route_row``,
+        bitwise the route_grad kernel), which the dgrad2 and dW_down tiles read, then x_rows[p] = x[t],
+        which only the later dW_gate / dW_up tiles read; each pass publishes chunk c by a release add
+        on ``gdy[c]`` (1: dy rows, 2: x rows too). Then d_topk_w = 0 for the routes past the experts'
+        rows (-1 slots), as route_grad writes them. Traced, chunk c's passes are records n_tasks + c
+        and n_tasks + chunks + c."""
         hc = hidden // _VEC
         u32 = cutlass.Uint32
 
@@ -436,28 +448,32 @@ class FusedMoeBwdCoreSm90:
         dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
         warp = tidx // 32
         lane = tidx % 32
-        ge, gb = Int32(0), Int32(0)
-        for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
-            t0 = persistent.now(self.trace)
-            row0, rows, ge, gb = mtile(mOffsets, num_experts, self.cfg.tile_m, c, ge, gb)
-            for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                p = row0 + rr
-                q = mOrder[p]
-                t = q // k
-                src = p
-                if cutlass.const_expr(self.by_route):
-                    src = q
-                acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
-                if lane == 0:
-                    dtw[q] = acc
-                route_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2), xrows + Int64(p) * Int64(hidden * 2),
-                                    hc, X_UNROLL)
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier()
-            if tidx == 0:
-                cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
-                if cutlass.const_expr(self.trace):
-                    persistent.record(mTrace, n_tasks + c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
+        for xpass in cutlass.range_constexpr(2):
+            ge, gb = Int32(0), Int32(0)
+            for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
+                t0 = persistent.now(self.trace)
+                row0, rows, ge, gb = mtile(mOffsets, num_experts, self.cfg.tile_m, c, ge, gb)
+                for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
+                    p = row0 + rr
+                    q = mOrder[p]
+                    t = q // k
+                    if cutlass.const_expr(xpass == 0):
+                        src = p
+                        if cutlass.const_expr(self.by_route):
+                            src = q
+                        acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
+                        if lane == 0:
+                            dtw[q] = acc
+                    else:
+                        route_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2),
+                                            xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                if tidx == 0:
+                    cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
+                    if cutlass.const_expr(self.trace):
+                        persistent.record(mTrace, n_tasks + xpass * chunks + c, t0, persistent.now(self.trace),
+                                          GATHER_KIND + xpass * (GATHER_X_KIND - GATHER_KIND), bidx, c)
         for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
                                comm_ctas * NUM_THREADS, unroll=1):
             dtw[mOrder[p]] = u32(0)
@@ -466,7 +482,8 @@ class FusedMoeBwdCoreSm90:
 class _Group:
     """One group of the backward's tiles inside the kernel (the routed experts, or the shared expert as
     one expert over the T tokens): its TMA atoms / coordinates (``FusedMoeBwdCoreSm90._tma``
-    order), tensors ``(gu3, dgu3, dx, dWg, dWu, dWd, offsets, d2)`` and tile counts."""
+    order), tensors ``(gu3, dgu3, dx, dWg, dWu, dWd, offsets, d2, dgut3)`` (``dgut3``: the MXFP8
+    variant's dgu round trip along the tokens, else None) and tile counts."""
 
     NAMES = ("dy", "wd", "dgu", "wg", "wu", "dyt", "ht", "dgt", "xt", "dut")
 
@@ -474,7 +491,7 @@ class _Group:
         for i, name in enumerate(self.NAMES):
             setattr(self, "atom_" + name, tma[2 * i])
             setattr(self, "coord_" + name, tma[2 * i + 1])
-        self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2 = t
+        self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2, self.dgut3 = t
         self.num_experts = self.offsets.shape[0] - 1
         self.inter = self.gu3.shape[2]
         self.hidden = self.dwd.shape[1]
@@ -523,20 +540,22 @@ def _split(t: Int32, s: _Group, r: _Group):
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
-                                trace: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
+                                trace: bool = False, mx: bool = False, *, arch: str = "sm_90a",
+                                inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
     in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
     ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
-    per-task records, ``MOK_CUTE_TRACE=1``); returns ``(compiled, report)``."""
+    per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel);
+    returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
     if init and not scatter:
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -570,7 +589,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
               _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(dw, cute.sym_int(), i_s, hid),
               _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
     rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if trace else None
-    return compile_kernel(op, *args, *tail, *rows, *sh, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
+    mxa = (_fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter)) if mx else (None, None)
+    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -586,7 +606,7 @@ def last_trace():
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
-                        num_ctas: int | None = None, tokens=None):
+                        num_ctas: int | None = None, tokens=None, mx: bool = False):
     """The routed backward in one launch (module doc) on operands the unfused path accepts
     (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
     stride; I, H multiples of 256; offsets int32 [E+1] on the device). Returns ``(dx [M, H],
@@ -596,13 +616,25 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     slot) rows and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the
     unfused ``slot_sum(fp32(dx_shared) or 0, scattered rows, topk_idx)``; ``order`` [M] (grouped
     row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None.
+
+    ``mx``: the MXFP8 backward, bitwise the unfused one (``layers.sm90``'s ``_mx_backward``): dy,
+    x, h as above, the weights given dequantized from their MXFP8 along dgrad's reduction axis
+    (the caller's cache); dy's round trips along H and along the tokens and those of x and h
+    along the tokens are made here, dgu's two in the dSwiGLU epilogue.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
-    if tokens is None:
-        return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, None, None)
-    order, topk_idx, dxs = tokens
-    return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                   (order[:m].to(torch.int32), topk_idx, dxs), None)
+    toks = None
+    if tokens is not None:
+        order, topk_idx, dxs = tokens
+        toks = (order[:m].to(torch.int32), topk_idx, dxs)
+    dyt = None
+    if mx and m:
+        from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
+
+        dyt, x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets) for a in (dy, x, h[:m]))
+        dy = mxfp8_round_trip(dy)
+    return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
+                   mx_dyt=dyt)
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
@@ -638,10 +670,11 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
 
 
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None):
+            main_grads=None, mx_dyt=None):
     """One launch of the variant the arguments ask for (see the two entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
-    with ``main_grads`` the weight gradients are accumulated there and returned as None."""
+    with ``main_grads`` the weight gradients are accumulated there and returned as None;
+    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs)."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -677,22 +710,24 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
             gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf)
+    dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)  # the weight gradients' dgu
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
-               trace)
+               trace, mx_dyt is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     records = None
-    if trace:  # every possible task, the gather chunks, three per CTA (see the kernel)
-        records = torch.zeros((_task_cap(m, e, hid, inter, shared) + mt_cap + 3 * num_ctas, persistent.TRACE_WORDS),
-                              dtype=torch.int64, device=dy.device)
+    if trace:  # every possible task, the gather chunks of both passes, three per CTA (see the kernel)
+        n_rec = _task_cap(m, e, hid, inter, shared) + 2 * mt_cap + 3 * num_ctas
+        records = torch.zeros((n_rec, persistent.TRACE_WORDS), dtype=torch.int64, device=dy.device)
         _last_trace[:] = [(records, comm if gather is not None else 0)]
-    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgu[:, :inter], dgu[:, inter:],
+    mx_args = (None, None) if mx_dyt is None else (mx_dyt, dgut.view(m, 2, inter))
+    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter], dgut[:, inter:],
                dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args, *row_args, *sh_args, None if records is None else records.view(-1))
+               *slot_args, *row_args, *sh_args, *mx_args, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (

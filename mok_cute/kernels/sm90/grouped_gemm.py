@@ -67,6 +67,7 @@ from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
 MX_BLOCK = 32  # MXFP8 block (SwiGLU epilogue's h copy)
+_BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
 
 
 def _row_copy(width: int):
@@ -293,16 +294,8 @@ class SwigluEpilogue(_StagedEpilogue):
         if cutlass.const_expr(self.mx_h):
             self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
         if cutlass.const_expr(self.mx_rt):
-            rt = cute.make_rmem_tensor_like(rh)
-            words, rt_words = cute.recast_tensor(rh, cutlass.Uint32), cute.recast_tensor(rt, cutlass.Uint32)
-            ops = Fp8Ops(bf16=True)
-            for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
-                for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
-                    o = ops.mx_round_trip([words[(j, m, n)] for j in range(4)], 4)  # every lane shuffles
-                    for j in cutlass.range_constexpr(4):
-                        rt_words[(j, m, n)] = o[j]
             rt_tile = cute.local_tile(cute.domain_offset((row0, 0), mHrt), shape, (0, n_tile))
-            _store_rows(copy, tid, rt, coords, rt_tile, rows)
+            _store_rows(copy, tid, _mx_rows_rt(rh), coords, rt_tile, rows)
 
     @cute.jit
     def _store_mx(self, rh: cute.Tensor, coords: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
@@ -369,6 +362,71 @@ class SwigluEpilogue(_StagedEpilogue):
             cute.arch.cp_async_bulk_commit_group()
 
 
+@cute.jit
+def _mx_rows_rt(r: cute.Tensor) -> cute.Tensor:
+    """Register vectors of a staged tile's rows (8 bf16 each, ``_row_copy`` of a 128-column
+    half: a 32-column MXFP8 block spans 4 adjacent lanes) after the MXFP8 round trip along the
+    rows, bitwise ``dequant_mxfp8.mxfp8_round_trip`` (every lane joins the shuffles)."""
+    rt = cute.make_rmem_tensor_like(r)
+    words, rt_words = cute.recast_tensor(r, cutlass.Uint32), cute.recast_tensor(rt, cutlass.Uint32)
+    ops = Fp8Ops(bf16=True)
+    for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
+            o = ops.mx_round_trip([words[(j, m, n)] for j in range(4)], 4)
+            for j in cutlass.range_constexpr(4):
+                rt_words[(j, m, n)] = o[j]
+    return rt
+
+
+@cute.jit
+def _mx_tokens_rt(buf: cute.Tensor, tid: Int32, rows: Int32, tile_m: cutlass.Constexpr[int],
+                  width: cutlass.Constexpr[int], pitch: cutlass.Constexpr[int]):
+    """In place, a shared (tile_m, width) bf16 tile (row pitch ``pitch`` elements) after the
+    MXFP8 round trip along its rows' axis: blocks of 32 rows from row 0, per column, rows
+    ``>= rows`` taken as 0 (the zero padding of an expert's last block), bitwise
+    ``dequant_mxfp8.mxfp8_round_trip_tokens`` on a tile whose row 0 starts a block. One
+    consumer thread per (32-row block, 8-column chunk): :func:`_mx_column_block`."""
+    chunks = width // _VEC
+    words = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=cutlass.Uint32),
+                             cute.make_layout((tile_m, chunks, 4), stride=(pitch // 2, 4, 1)))
+    for item in cutlass.range(tid, (tile_m // MX_BLOCK) * chunks, NUM_CONSUMER_THREADS, unroll=1):
+        _mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
+
+
+@cute.jit
+def _mx_column_block(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32):
+    """Rows ``r0 .. r0 + 32`` of 8-column chunk ``c`` of a (rows, chunks, 4) bf16x2 word view, in
+    place: the block's amax per column (rows ``>= rows`` as 0), each column's E8M0 scale, then
+    each row's chunk quantized to e4m3 and dequantized back (the ops of ``Fp8Ops``)."""
+    a0, a1, a2, a3 = (cutlass.Uint32(0),) * 4  # |x| bits >= 0: a max from 0 is the max
+    for i in cutlass.range(MX_BLOCK, unroll=4):  # a run-time loop: 32 rows' loads are not all hoisted
+        keep = cutlass.Uint32(0) - cutlass.Uint32(r0 + i < rows)  # rows past the tile's: 0
+        v = words[(r0 + i, c, None)].load()
+        a0 = _BF16_OPS.amax_acc(a0, v[0] & keep)
+        a1 = _BF16_OPS.amax_acc(a1, v[1] & keep)
+        a2 = _BF16_OPS.amax_acc(a2, v[2] & keep)
+        a3 = _BF16_OPS.amax_acc(a3, v[3] & keep)
+    accs = [a0, a1, a2, a3]
+    mul, deq, nan = [], [], []
+    for e in cutlass.range_constexpr(8):  # element 2j: word j's low half, 2j + 1 its high half
+        a = Int32(accs[e // 2] & cutlass.Uint32(0xFFFF0000))
+        if cutlass.const_expr(e % 2 == 0):
+            a = Int32((accs[e // 2] & cutlass.Uint32(0xFFFF)) << 16)
+        sc, byte, nf = _BF16_OPS.e8m0(a)
+        mul.append(sc)
+        deq.append(_BF16_OPS.scale_bits(byte))
+        nan.append(nf)
+    masks = []  # per data word (4 e4m3 bytes, one column each): each byte's NaN mask
+    for w in cutlass.range_constexpr(2):
+        masks.append((nan[4 * w] & cutlass.Uint32(0xFF)) | (nan[4 * w + 1] & cutlass.Uint32(0xFF00))
+                     | (nan[4 * w + 2] & cutlass.Uint32(0xFF0000)) | (nan[4 * w + 3] & cutlass.Uint32(0xFF000000)))
+    for i in cutlass.range(MX_BLOCK, unroll=4):
+        q = _BF16_OPS.fp8_words(_BF16_OPS.elems(words[(r0 + i, c, None)].load()), mul, masks)
+        o = cute.make_rmem_tensor((4,), cutlass.Uint32)
+        _BF16_OPS.deq_bf16([q[0], q[1]], deq, o)
+        words[(r0 + i, c, None)].store(o.load())
+
+
 class DSwigluEpilogue:
     """dSwiGLU on the FP32 accumulator dh of intermediate columns ``n_tile * tile_n + c``.
 
@@ -381,12 +439,20 @@ class DSwigluEpilogue:
     accumulator layout a thread's column for element i differs from thread 0's by less
     than 8 (within one 8-column group), so an element's half is a compile-time fact
     (taken from thread 0's coordinates; checked for every 5th thread, tile_n 128 and 256).
+
+    ``mx`` (the MXFP8 backward's operands): instead of dgu, ``mDGU`` gets dgu's MXFP8 round trip
+    along its rows (dgrad1's operand) and ``mDGUt`` its round trip along the tokens in blocks
+    of 32 rows from the tile's first row (the weight gradients' operand; a tile's rows are one
+    expert's, from a multiple of 128 of them), bitwise ``dequant_mxfp8.mxfp8_round_trip`` and
+    ``mxfp8_round_trip_tokens`` of the unfused dgu.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool):
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx: bool = False):
         if tile_n % 16:
             raise ValueError(f"dswiglu needs tile_n a multiple of 16, got {tile_n}")
-        self.tile_m, self.tile_n, self.half, self.clamp = tile_m, tile_n, tile_n // 2, clamp
+        if mx and (tile_n // 2) % MX_BLOCK:
+            raise ValueError(f"mx needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
+        self.tile_m, self.tile_n, self.half, self.clamp, self.mx = tile_m, tile_n, tile_n // 2, clamp, mx
         self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
 
     def smem_elems(self) -> int:
@@ -418,7 +484,8 @@ class DSwigluEpilogue:
 
     @cute.jit
     def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
-            row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor, mGU: cute.Tensor, limit: Float32):
+            row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor, mGU: cute.Tensor, limit: Float32,
+            mDGUt: cute.Tensor = None):
         shape = (self.tile_m, self.half)
         bufs = self._bufs(sC)
         # a (tile_m, tile_n) view whose column c lands on buffer column c % half
@@ -444,8 +511,19 @@ class DSwigluEpilogue:
             consumer_barrier()
             for j in cutlass.range_constexpr(2):
                 r, coords = _load_rows(copy, tid, bufs[j])
+                if cutlass.const_expr(self.mx):
+                    r = _mx_rows_rt(r)
                 dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
                 _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
+            if cutlass.const_expr(self.mx):  # then the round trip along the tokens, in place
+                consumer_barrier()
+                for j in cutlass.range_constexpr(2):
+                    _mx_tokens_rt(bufs[j], tid, rows, self.tile_m, self.half, self.pitch)
+                consumer_barrier()
+                for j in cutlass.range_constexpr(2):
+                    r, coords = _load_rows(copy, tid, bufs[j])
+                    dst = cute.domain_offset((row0, 0), mDGUt[(None, j, None)])
+                    _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
             consumer_barrier()
 
 
