@@ -68,6 +68,12 @@ def test_mode_env(monkeypatch):
     for v, want in (("", 2), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
         monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
         assert fused_bwd_mode() == want
+    from mok_cute.layers.grouped import fused_bwd_mx
+
+    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX", raising=False)
+    assert not fused_bwd_mx()  # the MXFP8 variant stays opt-in until its device check has run
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX", "1")
+    assert fused_bwd_mx()
     monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "4")
     with pytest.raises(ValueError, match="MOK_CUTE_FUSED_BWD"):
         fused_bwd_mode()

@@ -65,6 +65,13 @@ def fused_bwd_mode() -> int:
     return int(mode)
 
 
+def fused_bwd_mx() -> bool:
+    """``MOK_CUTE_FUSED_BWD_MX=1`` (read at every call): the MXFP8 backward through the fused
+    backward too (its ``mx`` variant). Off by default: compiled and benchmarked on an H200, its
+    bitwise check against the unfused MXFP8 backward (``tools/checks/fused_bwd.py``) not yet run."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "0").strip() == "1"
+
+
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
     """``(order int32 [T*k], offsets int32 [E+1], idx int32 [T, k])`` with no host sync: the
     routes sorted stably by expert (routes with no expert last), the experts' row offsets, and

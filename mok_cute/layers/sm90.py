@@ -187,9 +187,9 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
-        from mok_cute.layers.grouped import fused_bwd_mode
+        from mok_cute.layers.grouped import fused_bwd_mode, fused_bwd_mx
 
-        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
+        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows) and (g.precision == "bf16" or fused_bwd_mx()):
             from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
             return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
@@ -206,8 +206,10 @@ class Sm90ExpertMLP:
         scatter and slot sum; None where that launch does not apply (then call :meth:`backward`)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+        from mok_cute.layers.grouped import fused_bwd_mx
 
-        if g.precision not in ("bf16", "mxfp8") or not _fused_bwd_ok(g, dy_rows):
+        precisions = ("bf16", "mxfp8") if fused_bwd_mx() else ("bf16",)
+        if g.precision not in precisions or not _fused_bwd_ok(g, dy_rows):
             return None
         if dx_shared is not None and not dx_shared.is_contiguous():
             return None

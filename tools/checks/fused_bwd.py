@@ -237,12 +237,13 @@ def _mx_rows(dev) -> list[Row]:
     outs = {}
     for flag in ("0", "2"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag
+        os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
         finally:
-            del os.environ["MOK_CUTE_FUSED_BWD"]
+            del os.environ["MOK_CUTE_FUSED_BWD"], os.environ["MOK_CUTE_FUSED_BWD_MX"]
     same = [torch.equal(a, b) for a, b in zip(outs["0"], outs["2"])]
-    rows.append(Row("layer grads MXFP8 MOK_CUTE_FUSED_BWD=2 == 0 (skew + shared)", bitwise=all(same), ok=all(same),
+    rows.append(Row("layer grads MXFP8 MOK_CUTE_FUSED_BWD=2 (+ _MX=1) == 0 (skew + shared)", bitwise=all(same), ok=all(same),
                     note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     return rows
 
