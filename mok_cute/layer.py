@@ -24,12 +24,15 @@ class MoELayer(nn.Module):
     ``.main_grad`` fp32 buffer of its shape, zero at construction, that every backward adds its
     gradient into (``mok_cute.moe(..., main_grads=...)``); its ``.grad`` stays None. Zeroing
     ``main_grad`` between optimizer steps is the caller's, as in Megatron.
+    ``shared_output_gate=True`` (needs the shared expert): shared_gate [1, H] bf16, the shared
+    expert's output gate (``mok_cute.moe(..., shared_gate=...)``), initialized to 0 (g = 0.5).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int | None = None, router: bool = True,
                  swiglu_limit: float | None = None, config: MoKConfig | None = None, group=None,
-                 accumulate_main_grad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+                 accumulate_main_grad: bool = False, shared_output_gate: bool = False, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         ep, rank = _world(group)
         e_local = check_num_experts(num_experts, ep)
@@ -54,6 +57,13 @@ class MoELayer(nn.Module):
             self.ws_gate = param(s, h, fan_in=h)
             self.ws_up = param(s, h, fan_in=h)
             self.ws_down = param(h, s, fan_in=s)
+        if not isinstance(shared_output_gate, bool):
+            raise TypeError(f"shared_output_gate must be a bool, got {type(shared_output_gate).__name__}")
+        if shared_output_gate and shared_intermediate_size is None:
+            raise ValueError("shared_output_gate=True needs the shared expert (shared_intermediate_size)")
+        self.shared_gate = None
+        if shared_output_gate:
+            self.shared_gate = nn.Parameter(torch.zeros(1, h, device=device, dtype=dtype))
         self.router_weight = param(num_experts, h, fan_in=h, dt=torch.float32) if router else None
         if not isinstance(accumulate_main_grad, bool):
             raise TypeError(f"accumulate_main_grad must be a bool, got {type(accumulate_main_grad).__name__}")
@@ -62,9 +72,10 @@ class MoELayer(nn.Module):
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
 
     def _expert_weights(self) -> tuple:
-        """w_gate, w_up, w_down, then the shared expert's three when there is one."""
+        """w_gate, w_up, w_down, then the shared expert's three and its output gate when there are."""
         shared = () if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
-        return (self.w_gate, self.w_up, self.w_down) + shared
+        gate = () if self.shared_gate is None else (self.shared_gate,)
+        return (self.w_gate, self.w_up, self.w_down) + shared + gate
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx [T, k] int64, topk_w [T, k] fp32) from the router."""
@@ -81,4 +92,5 @@ class MoELayer(nn.Module):
         shared = None if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
         main_grads = tuple(w.main_grad for w in self._expert_weights()) if self.accumulate_main_grad else None
         return moe(x, topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared=shared,
-                   swiglu_limit=self.swiglu_limit, config=self.config, group=self.group, main_grads=main_grads)
+                   swiglu_limit=self.swiglu_limit, config=self.config, group=self.group, main_grads=main_grads,
+                   shared_gate=self.shared_gate)

@@ -6,7 +6,8 @@ Layer (per rank; EP = world size of ``group``, a torch.distributed group or a vi
 :mod:`mok_cute.comm.virtual`; rank p owns experts [p*E/EP, (p+1)*E/EP)):
     x [T, H] bf16, topk_idx [T, k] int (global expert id, -1 = no expert), topk_w [T, k] fp32,
     w_gate/w_up [E_local, I, H] bf16, w_down [E_local, H, I] bf16,
-    optional shared expert ws_gate/ws_up [I_s, H], ws_down [H, I_s] (every token).
+    optional shared expert ws_gate/ws_up [I_s, H], ws_down [H, I_s] (every token), optionally
+    with an output gate w_sg [1, H] bf16 (Qwen-style; :func:`shared_gate`).
 
 Numerics (precision "bf16"; "where rounding happens" is the contract):
     * Every GEMM multiplies its operands exactly and sums in fp64, then rounds to fp32
@@ -19,14 +20,22 @@ Numerics (precision "bf16"; "where rounding happens" is the contract):
     * Combine: acc = fp32(shared(x)[t]) (or 0); for j = 0..k-1 with topk_idx[t, j] >= 0:
       acc = acc + topk_w[t, j] * fp32(r_j) (an fp32 multiply, then an fp32 add);
       y = bf16(acc). Slots with -1 are skipped (not added as zeros).
+    * Shared-expert output gate w_sg: z = fp32(x.w_sg^T) (the GEMM rule), g = bf16(sigmoid(z))
+      [T, 1]; the combine starts from acc = fp32(s) * fp32(g) (one fp32 multiply) instead of
+      fp32(s). w_sg = 0 gives g = 0.5 (a gate, not "no gate").
     Backward (dy [T, H] bf16):
-    * Routed dy row of slot j: dyj = bf16(fp32(dy) * topk_w[t, j]); the shared expert's is dy.
+    * Routed dy row of slot j: dyj = bf16(fp32(dy) * topk_w[t, j]); the shared expert's is dy
+      (with the gate: bf16(fp32(dy) * fp32(g))).
+    * Gate: dg = fp32(sum_h bf16(fp32(dy) * fp32(s)))  (each product rounded to bf16 before the
+      fp64 sum), dz = sigmoid_backward(dg, fp32(g)) = dg * (1 - g) * g in fp32, the gate's share
+      of dx is the fp32 product dz * fp32(w_sg), and d w_sg = fp32(dz^T . x) [1, H] (fp32, the
+      GEMM rule).
     * d topk_w[t, j] = fp32(sum_h dy[t, h] * r_j[t, h]) (fp64 sum), 0 for -1 slots.
     * dh = dyj.Wd in fp32 (never rounded); dSwiGLU with gc, uc the clamped g, u, s = sigmoid(gc):
       dg = dh * uc * s * (1 + gc * (1 - s)) * [g <= L],  du = dh * (gc * s) * [-L <= u <= L];
       dgu = bf16([dg, du]).
-    * dx_j = bf16(dgu.[Wg; Wu]) (one sum over 2I); dx = bf16(fp32(dx_shared) + sum_j fp32(dx_j))
-      in slot order, -1 slots skipped.
+    * dx_j = bf16(dgu.[Wg; Wu]) (one sum over 2I); dx = bf16(fp32(dx_shared) [+ gate's share]
+      + sum_j fp32(dx_j)) in slot order, -1 slots skipped.
     * dWd = bf16(dyj^T.h), dWg = bf16(dg^T.x), dWu = bf16(du^T.x) per expert over its tokens.
     Token order inside an expert: by source rank, then token index, then slot.
 
@@ -623,6 +632,25 @@ class MoESaved:
     routed: ExpertSaved
     shared_saved: ExpertSaved | None
     slot_out: torch.Tensor  # [T, k, H] routed output rows r_j of this rank's tokens
+    gate: tuple | None = None  # (w_sg [1, H], g [T, 1] bf16, s [T, H] the shared output, x) with the gate
+
+
+def shared_gate(num: Numerics, x: torch.Tensor, w_sg: torch.Tensor) -> torch.Tensor:
+    """g [T, 1] = bf16(sigmoid(fp32(x . w_sg^T))) (the module doc; fp64 in exact mode)."""
+    return num.act(torch.sigmoid(num.mm(x, w_sg)))
+
+
+def shared_gate_backward(num: Numerics, dy: torch.Tensor, s: torch.Tensor, g: torch.Tensor, x: torch.Tensor,
+                         w_sg: torch.Tensor):
+    """The gate's backward (the module doc): ``(dy_s [T, H], the shared expert's dy; dx_gate [T,
+    H] fp32, the gate's share of dx; d w_sg [1, H] fp32)``."""
+    g32 = num.f32(g)
+    dy_s = num.act(num.f32(dy) * g32)
+    p = num.act(num.f32(dy) * num.f32(s))  # rounded before the sum over H
+    dg = p.double().sum(-1, keepdim=True)
+    dg = dg if num.exact else dg.float()
+    dz = torch.ops.aten.sigmoid_backward(dg, g32)
+    return dy_s, dz * num.f32(w_sg), num.mm(dz.t(), x.t())
 
 
 def slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scale=None):
@@ -636,8 +664,11 @@ def slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scal
 
 
 def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
-                precision: str = "bf16", group=None):
-    """The layer forward on this rank (see the module docstring). Returns (y [T, H], saved)."""
+                precision: str = "bf16", group=None, shared_gate_w=None):
+    """The layer forward on this rank (see the module docstring). Returns (y [T, H], saved).
+    ``shared_gate_w``: the shared expert's output gate w_sg [1, H] bf16 (needs ``shared``)."""
+    if shared_gate_w is not None and shared is None:
+        raise ValueError("shared_gate_w (the shared expert's output gate) needs shared")
     num = _num(precision)
     ep, rank = _world(group)
     e_local = w_gate.shape[0]
@@ -654,15 +685,19 @@ def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_l
                                 w_down, swiglu_limit, precision)
     slot_out = _deliver(r, routing, t_all, k, topk_idx, e_local, group, ep, rank)
     acc = torch.zeros(x.shape, dtype=torch.float64 if num.exact else torch.float32, device=x.device)
-    shared_saved = None
+    shared_saved = gate = None
     if shared is not None:
         s, shared_saved = experts_forward(x, [0, x.shape[0]], *(w[None] for w in shared),
                                           swiglu_limit, precision)
         acc = num.f32(s)
+        if shared_gate_w is not None:
+            g = shared_gate(num, x, shared_gate_w)
+            acc = acc * num.f32(g)
+            gate = (shared_gate_w, g, s, x)
     y = num.act(slot_sum(acc, slot_out, topk_idx, topk_w))
     saved = MoESaved(num, swiglu_limit, group, ep, rank, e_local, topk_idx, slot_w, routing,
                      gather_idx, t_all, (w_gate, w_up, w_down), shared, routed, shared_saved,
-                     slot_out)
+                     slot_out, gate)
     return y, saved
 
 
@@ -677,6 +712,7 @@ class MoEGrads:
     d_w_up: torch.Tensor
     d_w_down: torch.Tensor
     d_shared: tuple | None
+    d_shared_gate: torch.Tensor | None = None  # [1, H] fp32, with the shared expert's output gate
 
 
 def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
@@ -690,21 +726,27 @@ def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
     dx_slots = _deliver(dxr, saved.routing, saved.t_all, saved.topk_idx.shape[1],
                         saved.topk_idx, saved.e_local, saved.group, ep, saved.rank)
     acc = torch.zeros(dy.shape, dtype=num.f32(dy).dtype, device=dy.device)
-    d_shared = None
+    d_shared = d_gate = None
     if saved.shared is not None:
-        dxs, *dws = experts_backward(saved.shared_saved, dy, *(w[None] for w in saved.shared),
+        dy_s, dx_gate = dy, None
+        if saved.gate is not None:
+            w_sg, g, s, x = saved.gate
+            dy_s, dx_gate, d_gate = shared_gate_backward(num, dy, s, g, x, w_sg)
+        dxs, *dws = experts_backward(saved.shared_saved, dy_s, *(w[None] for w in saved.shared),
                                      saved.limit, precision)
         acc = num.f32(dxs)
+        if dx_gate is not None:
+            acc = acc + dx_gate
         d_shared = tuple(d[0] for d in dws)
     dx = num.act(slot_sum(acc, dx_slots, saved.topk_idx))
     dtw = (dy.double()[:, None, :] * saved.slot_out.double()).sum(-1)
     dtw = torch.where(saved.topk_idx >= 0, dtw, torch.zeros_like(dtw))
     dtw = dtw if num.exact else dtw.float()
-    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)
+    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate)
 
 
 def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
-        precision: str = "bf16", group=None) -> torch.Tensor:
+        precision: str = "bf16", group=None, shared_gate_w=None) -> torch.Tensor:
     """Forward only: y [T, H]."""
     return moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit,
-                       precision, group)[0]
+                       precision, group, shared_gate_w)[0]

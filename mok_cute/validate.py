@@ -89,9 +89,10 @@ def check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_l
 
 def check_main_grads(main_grads, weights) -> None:
     """``main_grads`` of :func:`mok_cute.moe`: a tuple/list of fp32 tensors, one per weight in the
-    order w_gate, w_up, w_down (then ws_gate, ws_up, ws_down with a shared expert), each of its
+    order w_gate, w_up, w_down (then ws_gate, ws_up, ws_down with a shared expert, then
+    shared_gate with its output gate), each of its
     weight's shape, contiguous, on its device."""
-    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "shared_gate")
     if not isinstance(main_grads, (tuple, list)) or len(main_grads) != len(weights):
         raise TypeError(f"main_grads must be a tuple of {len(weights)} fp32 tensors ({', '.join(names[:len(weights)])})"
                         f", got {type(main_grads).__name__} of length {len(main_grads) if hasattr(main_grads, '__len__') else '?'}")
@@ -103,6 +104,19 @@ def check_main_grads(main_grads, weights) -> None:
             raise ValueError(f"{what} is on {g.device} but {name} is on {w.device}")
         if not g.is_contiguous():
             raise ValueError(f"{what} must be contiguous (it is accumulated in place)")
+
+
+def check_shared_gate(shared_gate, shared, x) -> None:
+    """``shared_gate`` of :func:`mok_cute.moe`: None, or the shared expert's output gate weight,
+    a bf16 tensor [1, H] on x's device (needs ``shared``)."""
+    if shared_gate is None:
+        return
+    if shared is None:
+        raise ValueError("shared_gate (the shared expert's output gate) needs shared (the shared expert)")
+    _tensor("shared_gate", shared_gate, (torch.bfloat16,), 2)
+    _shape("shared_gate", shared_gate, (1, x.shape[1]), "[1, H]")
+    if shared_gate.device != x.device:
+        raise ValueError(f"shared_gate is on {shared_gate.device} but x is on {x.device}")
 
 
 def check_num_experts(num_experts: int, ep: int) -> int:

@@ -36,6 +36,7 @@ class MoEInputs:
     w_down: torch.Tensor
     shared: tuple | None
     swiglu_limit: float | None
+    shared_gate: torch.Tensor | None = None  # [1, H]: the shared expert's output gate
 
 
 def select_backend(device: torch.device, config: MoKConfig) -> str:
@@ -69,11 +70,12 @@ class ReferenceBackend:
     """The executable specification (mok_cute.reference), any device, bf16 and mxfp8."""
 
     name = "reference"
+    shared_gate = True  # runs the shared expert's output gate
 
     def forward(self, inp: MoEInputs, config: MoKConfig, group):
         return reference.moe_forward(inp.x, inp.topk_idx, inp.topk_w, inp.w_gate, inp.w_up,
                                      inp.w_down, inp.shared, inp.swiglu_limit, config.precision,
-                                     group)
+                                     group, inp.shared_gate)
 
     def backward(self, state, dy: torch.Tensor, main_grads=None) -> reference.MoEGrads:
         """(``main_grads`` is the caller's to accumulate into: every gradient is returned.)"""
