@@ -10,6 +10,7 @@ from .config import MoKConfig
 from .dsl.deferred import check as check_errors
 from .layer import MoELayer
 from .ops import moe
+from . import custom_ops  # noqa: F401  (the mok_cute:: ops, registered on import)
 
 __all__ = ["MoKConfig", "MoELayer", "check_errors", "moe"]
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
 """MoKConfig: every knob of the fused MoE layer, validated on construction."""
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_block")
 ACTIVATIONS = ("save", "recompute")
@@ -86,6 +87,8 @@ class MoKConfig:
             raise ValueError(f"device_timeout_s must be a positive finite number of seconds, got {t!r}")
         if not isinstance(self.validate_routing, bool):
             raise TypeError(f"validate_routing must be a bool, got {type(self.validate_routing).__name__}")
+        # the layer's custom ops take the config as this string (read without tracing under torch.compile)
+        object.__setattr__(self, "_key", json.dumps(asdict(self), sort_keys=True))
 
 
     def comm_ctas_fwd(self, ep: int) -> int:

@@ -1,47 +1,16 @@
-"""The public functional API: :func:`moe` through a torch.autograd.Function."""
+"""The public functional API: :func:`moe` (eager: an autograd.Function; under torch.compile: the
+``mok_cute::moe_fwd`` / ``moe_bwd`` custom ops, traced without a graph break; both over
+:mod:`mok_cute.custom_ops`'s core), and :func:`expert_mlp`."""
 from __future__ import annotations
 
 import torch
 
 from . import reference
-from .layers.select import MoEInputs, get_backend, select_backend
+from .custom_ops import MoEFunction, config_key, group_key, moe_fwd
+from .layers.select import get_backend, select_backend
 from .config import MoKConfig
 from .reference import _world
 from .validate import check_main_grads, check_moe_inputs, check_shared_gate
-
-
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, config, group, swiglu_limit, main_grads, x, topk_idx, topk_w, w_gate, w_up,
-                w_down, ws_gate, ws_up, ws_down, w_sg):
-        shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
-        inp = MoEInputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, w_sg)
-        y, state = backend.forward(inp, config, group)
-        ctx.backend, ctx.state, ctx.has_shared, ctx.main_grads = backend, state, shared is not None, main_grads
-        ctx.has_gate = w_sg is not None
-        ctx.recompute = None
-        if config.activations == "recompute":  # keep the inputs only; the backward runs the forward again
-            ctx.state, ctx.recompute = None, (inp, config, group)
-        ctx.mark_non_differentiable(topk_idx)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        state = ctx.state
-        if ctx.recompute is not None:
-            with torch.no_grad():
-                _, state = ctx.backend.forward(*ctx.recompute)
-        ctx.state = ctx.recompute = None
-        g = ctx.backend.backward(state, dy.contiguous(), main_grads=ctx.main_grads)
-        d_w = (g.d_w_gate, g.d_w_up, g.d_w_down) + (tuple(g.d_shared) if ctx.has_shared else ())
-        d_w += (g.d_shared_gate,) if ctx.has_gate else ()  # fp32 (autograd casts it to the weight's bf16)
-        if ctx.main_grads is not None:  # accumulate in fp32 (Megatron's main_grad); the weights get no .grad
-            for acc, d in zip(ctx.main_grads, d_w):
-                if d is not None:  # None: the backend accumulated it already (the fused backward's epilogue)
-                    acc.add_(d.float())
-            d_w = (None,) * len(d_w)
-        return (None, None, None, None, None, g.dx, None, g.d_topk_w, *d_w[:3],
-                *(d_w[3:6] if ctx.has_shared else (None, None, None)), d_w[6] if ctx.has_gate else None)
 
 
 def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=None, config=None,
@@ -68,27 +37,31 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     per token (mok_cute.reference). Its gradient is computed in fp32 (kept in fp32 through
     ``main_grads``, whose last tensor it then is; autograd's ``.grad`` is bf16). The reference
     backend runs it; the GPU backends raise NotImplementedError for it (not built yet).
+
+    Under ``torch.compile`` the routing values are not checked on the host (``validate_routing``
+    needs a host sync): an id outside [-1, E) is then handled as with ``validate_routing=False``.
     """
     config = config if config is not None else MoKConfig()
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")
     ep, _ = _world(group)
     check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, ep,
-                     check_values=config.validate_routing)
+                     check_values=config.validate_routing and not torch.compiler.is_compiling())
     check_shared_gate(shared_gate, shared, x)
     if main_grads is not None:
         check_main_grads(main_grads, (w_gate, w_up, w_down) + (tuple(shared) if shared is not None else ())
                          + ((shared_gate,) if shared_gate is not None else ()))
         main_grads = tuple(main_grads)
-    backend = get_backend(select_backend(x.device, config))
-    if shared_gate is not None and not getattr(backend, "shared_gate", False):
-        raise NotImplementedError(f"shared_gate: the {backend.name!r} backend does not run the shared expert's output "
-                                  "gate yet (the reference backend does: MoKConfig(backend='reference'))")
     ws = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
-    return _MoEFunction.apply(backend, config, group, limit, main_grads, x.contiguous(), topk_idx.contiguous(),
-                              topk_w.contiguous(), w_gate.contiguous(), w_up.contiguous(),
-                              w_down.contiguous(), *ws, None if shared_gate is None else shared_gate.contiguous())
+    inputs = (x, topk_w, w_gate, w_up, w_down, *(w for w in ws if w is not None)) + (
+        (shared_gate,) if shared_gate is not None else ())
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate.contiguous(), w_up.contiguous(),
+            w_down.contiguous(), *ws, None if shared_gate is None else shared_gate.contiguous())
+    if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
+        return moe_fwd(*args, list(main_grads or ()), limit, config_key(config), group_key(group), keep)[0]
+    return MoEFunction.apply(config, group, keep, limit, *args, main_grads)
 
 
 class _ExpertMLPFunction(torch.autograd.Function):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mok_cute
-from mok_cute import ops
+from mok_cute.layers import select
 from mok_cute.config import MoKConfig
 
 from conftest import make_problem
@@ -33,7 +33,7 @@ def test_recompute_gives_the_saved_gradients_bitwise(shared_I):
 
 def test_recompute_runs_the_forward_again_and_keeps_no_state(monkeypatch):
     calls = []
-    real = ops.get_backend
+    real = select.get_backend
 
     class Spy:
         def __init__(self, be):
@@ -47,7 +47,7 @@ def test_recompute_runs_the_forward_again_and_keeps_no_state(monkeypatch):
             calls.append(("backward", state is not None))
             return self.be.backward(state, dy, main_grads=main_grads)
 
-    monkeypatch.setattr(ops, "get_backend", lambda name: Spy(real(name)))
+    monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))  # what the custom op looks up
     p, dy = make_problem(T=24, H=64, I=64, E=4, k=2, seed=5)
     for policy, want in (("save", ["forward", ("backward", True)]),
                          ("recompute", ["forward", "forward", ("backward", True)])):

@@ -129,7 +129,7 @@ def test_errors_before_any_kernel(monkeypatch):
     with pytest.raises(TypeError, match="main_grads"):  # the gate's main grad is part of the tuple
         mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), shared_gate=w_sg, config=CFG,
                      main_grads=[torch.zeros(p.shape) for p in ws + sh])
-    monkeypatch.setattr(mok_cute.ops, "select_backend", lambda device, config: "sm90")
+    monkeypatch.setattr(mok_cute.layers.select, "select_backend", lambda device, config: "sm90")
     with pytest.raises(NotImplementedError, match="shared_gate.*'sm90'"):
         mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), shared_gate=w_sg, config=CFG)
 

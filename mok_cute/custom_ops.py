@@ -1,0 +1,198 @@
+"""The layer as two ``torch.library`` custom ops, so that ``torch.compile(..., fullgraph=True)``
+traces a model calling :func:`mok_cute.moe` without a graph break (the ops are opaque to it;
+their fake implementations give the output shapes), and eager calls take the same path.
+
+* ``mok_cute::moe_fwd(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate?, ws_up?, ws_down?,
+  shared_gate?, main_grads[], swiglu_limit?, config, group, keep) -> (y, handle)``: the
+  backend's forward. ``config``: the :class:`~mok_cute.config.MoKConfig` as a string
+  (:func:`config_key`), ``group``: a key of :func:`group_key` (0: none). With ``keep`` (a
+  backward will follow) the backend's state is held in a table under the int64 handle's id
+  until the backward takes it or the handle tensor is freed; without it nothing is kept.
+* ``mok_cute::moe_bwd(dy, handle, x, topk_w, weights[], main_grads[]) -> 9 tensors``: the
+  backward of the forward that made ``handle``, adding into ``main_grads`` (mutated) when given:
+  dx, d topk_w, then one per weight slot (w_gate, w_up, w_down, the shared expert's three, its
+  gate; an empty tensor for a weight that is absent or whose gradient ``main_grads`` took).
+
+Autograd is registered on ``moe_fwd`` (``torch.library.register_autograd``). Eager calls take
+:class:`MoEFunction` over the same :func:`run_forward` / :func:`run_backward` (the ops' Python
+dispatch costs about 0.2 ms per call); :func:`mok_cute.moe` picks the ops under torch.compile.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import weakref
+
+import torch
+
+from .config import MoKConfig
+
+_STATES: dict[int, tuple] = {}  # handle id -> (backend, state, recompute inputs or None)
+_IDS = itertools.count(1)
+_CONFIGS: dict[str, MoKConfig] = {}
+_GROUPS = weakref.WeakValueDictionary()  # key -> group (a group is not kept alive by being used)
+
+
+def config_key(config: MoKConfig) -> str:
+    """``config`` as the string argument of the ops (JSON of its fields, made at construction)."""
+    return config._key
+
+
+def _config(key: str) -> MoKConfig:
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = MoKConfig(**json.loads(key))
+    return cfg
+
+
+def group_key(group) -> int:
+    """The int argument of the ops for ``group`` (0 for None)."""
+    if group is None:
+        return 0
+    _GROUPS[id(group)] = group  # (torch.distributed groups and VirtualGroup are weak-referenceable)
+    return id(group)
+
+
+def _drop(i: int) -> None:
+    _STATES.pop(i, None)
+
+
+def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, swiglu_limit,
+                cfg: MoKConfig, grp, keep: bool):
+    """The backend's forward: ``(y, entry)``, ``entry`` what :func:`run_backward` needs (None
+    without ``keep``; with ``activations="recompute"`` the inputs instead of the state)."""
+    from .layers.select import MoEInputs, get_backend, select_backend
+
+    backend = get_backend(select_backend(x.device, cfg))
+    if shared_gate is not None and not getattr(backend, "shared_gate", False):
+        raise NotImplementedError(f"shared_gate: the {backend.name!r} backend does not run the shared expert's output "
+                                  "gate yet (the reference backend does: MoKConfig(backend='reference'))")
+    shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    inp = MoEInputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, shared_gate)
+    y, state = backend.forward(inp, cfg, grp)
+    if not keep:
+        return y, None
+    return y, (backend, None, (inp, cfg, grp)) if cfg.activations == "recompute" else (backend, state, None)
+
+
+def run_backward(entry, dy, weights, main_grads) -> list:
+    """``[dx, d topk_w, one per weight]`` of the forward that made ``entry``; with ``main_grads``
+    (one fp32 tensor per weight) the weight gradients are added into them and given as None."""
+    backend, state, recompute = entry
+    if recompute is not None:  # run the forward again, then the backward
+        with torch.no_grad():
+            _, state = backend.forward(*recompute)
+    g = backend.backward(state, dy, main_grads=tuple(main_grads) if main_grads else None)
+    d_w = [g.d_w_gate, g.d_w_up, g.d_w_down]
+    if len(weights) > 3:
+        d_w += list(g.d_shared)
+    if len(weights) > 6:
+        d_w.append(g.d_shared_gate.to(weights[6].dtype))  # the gate's fp32 gradient as its weight's dtype
+    if main_grads:  # accumulate in fp32 (Megatron's main_grad); the weights get no gradient
+        if len(weights) > 6:
+            d_w[6] = g.d_shared_gate  # in fp32
+        for acc, d in zip(main_grads, d_w):
+            if d is not None:  # None: the backend accumulated it already (the fused backward's epilogue)
+                acc.add_(d.float())
+        d_w = [None] * len(weights)
+    return [g.dx, g.d_topk_w, *d_w]
+
+
+def _input_grads(grads: list, has_shared: bool, has_gate: bool, n_main: int | None):
+    """The layer inputs' gradients in the argument order of :func:`moe_fwd` / ``MoEFunction``:
+    x, topk_idx, topk_w, the three weights, the shared expert's three, its gate, main_grads (a
+    list of ``n_main`` Nones for the custom op, None for the Function)."""
+    d_w = grads[2:]
+    shared = tuple(d_w[3:6]) if has_shared else (None, None, None)
+    gate = d_w[6] if has_gate else None
+    return (grads[0], None, grads[1], *d_w[:3], *shared, gate, None if n_main is None else [None] * n_main)
+
+
+class MoEFunction(torch.autograd.Function):
+    """The eager path of :func:`mok_cute.moe` (the custom ops' Python dispatch costs about 0.2 ms
+    per call, ``tools/bench_dispatch.py``): the same :func:`run_forward` / :func:`run_backward`,
+    the state held in ``ctx``."""
+
+    @staticmethod
+    def forward(ctx, cfg, grp, keep, swiglu_limit, x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                shared_gate, main_grads):
+        y, ctx.entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
+                                   swiglu_limit, cfg, grp, keep)
+        ws = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if ws_gate is not None else [])
+        ctx.weights = ws + ([shared_gate] if shared_gate is not None else [])
+        ctx.has_shared, ctx.has_gate, ctx.main_grads = ws_gate is not None, shared_gate is not None, main_grads
+        ctx.mark_non_differentiable(topk_idx)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        entry, ctx.entry = ctx.entry, None
+        grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads)
+        return (None, None, None, None, *_input_grads(grads, ctx.has_shared, ctx.has_gate, None))
+
+
+@torch.library.custom_op("mok_cute::moe_fwd", mutates_args=())
+def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor,
+            w_up: torch.Tensor, w_down: torch.Tensor, ws_gate: torch.Tensor | None, ws_up: torch.Tensor | None,
+            ws_down: torch.Tensor | None, shared_gate: torch.Tensor | None, main_grads: list[torch.Tensor],
+            swiglu_limit: float | None, config: str, group: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
+                           swiglu_limit, _config(config), _GROUPS.get(group) if group else None, keep)
+    handle = torch.zeros(1, dtype=torch.int64)
+    if entry is not None:
+        i = next(_IDS)
+        handle[0] = i
+        _STATES[i] = entry
+        weakref.finalize(handle, _drop, i)  # a forward whose backward never runs keeps nothing
+    return y, handle
+
+
+@moe_fwd.register_fake
+def _(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, main_grads, swiglu_limit,
+      config, group, keep):
+    return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("mok_cute::moe_bwd", mutates_args=("main_grads",))
+def moe_bwd(dy: torch.Tensor, handle: torch.Tensor, x: torch.Tensor, topk_w: torch.Tensor,
+            weights: list[torch.Tensor], main_grads: list[torch.Tensor]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor]:
+    entry = _STATES.pop(int(handle[0]), None)
+    if entry is None:
+        raise RuntimeError("mok_cute: this layer call's forward state is gone (a second backward through the same "
+                           "graph, or a forward run without grad); use retain_graph-free training steps")
+    grads = run_backward(entry, dy, weights, main_grads)
+    grads = [g if g is not None else torch.empty(0, dtype=w.dtype, device=w.device)
+             for g, w in zip(grads, [x, topk_w, *weights])]
+    return *grads, *_absent(dy, 9 - len(grads))
+
+
+def _absent(like: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return [torch.empty(0, dtype=like.dtype, device=like.device) for _ in range(n)]
+
+
+@moe_bwd.register_fake
+def _(dy, handle, x, topk_w, weights, main_grads):
+    d_w = [torch.empty(0, dtype=w.dtype, device=w.device) if main_grads else torch.empty_like(w) for w in weights]
+    return torch.empty_like(x), torch.empty_like(topk_w), *d_w, *_absent(dy, 7 - len(d_w))
+
+
+def _setup(ctx, inputs, output):
+    x, _, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, main_grads = inputs[:11]
+    weights = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if ws_gate is not None else [])
+    weights += [shared_gate] if shared_gate is not None else []
+    ctx.n_weights, ctx.has_shared, ctx.has_gate = len(weights), ws_gate is not None, shared_gate is not None
+    ctx.n_main = len(main_grads)
+    ctx.save_for_backward(output[1], x, topk_w, *weights, *main_grads)
+
+
+def _backward(ctx, dy, _dhandle):
+    handle, x, topk_w, *rest = ctx.saved_tensors
+    weights, main_grads = rest[:ctx.n_weights], rest[ctx.n_weights:]
+    g = moe_bwd(dy.contiguous(), handle, x, topk_w, list(weights), list(main_grads))
+    grads = list(g[:2]) + ([None] * len(weights) if main_grads else list(g[2:2 + len(weights)]))
+    return (*_input_grads(grads, ctx.has_shared, ctx.has_gate, ctx.n_main), None, None, None, None)
+
+
+moe_fwd.register_autograd(_backward, setup_context=_setup)
