@@ -20,7 +20,8 @@ forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-t
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
 by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
 fwd+bwd: each backward starts from ``.grad = None`` (``zero_grad(set_to_none=True)``, as a training
-step: no gradient-accumulation kernel in any row); peak MB: the memory one forward + backward allocates above what was allocated before it
+step: no gradient-accumulation kernel in any row); peak MB: the memory one forward + backward allocates above what was allocated before it;
+MB held: what the forward leaves allocated for the backward (y included), the memory a stack of layers holds per layer
 (``--recompute`` adds rows with ``MoKConfig(activations="recompute")``).
 The table prints last.
 """
@@ -200,17 +201,21 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
                 p.grad = None
             torch.autograd.backward(fn(), dy)
         t_fb = float("nan") if name == "GEMM tiles alone" else bench_pipelined_us(step, warmup=2, iters=5)
-        peak = float("nan")
+        peak = held = float("nan")
         if name != "GEMM tiles alone":  # one forward + backward from a clean peak counter
             for p in leaves:
                 p.grad = None
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            torch.autograd.backward(fn(), dy)
+            y = fn()
+            torch.cuda.synchronize()
+            held = (torch.cuda.memory_allocated() - base) / 2 ** 20  # what the forward keeps for the backward, y too
+            torch.autograd.backward(y, dy)
+            del y
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        out[name] = (t_f, t_fb, t_sync, peak)
+        out[name] = (t_f, t_fb, t_sync, peak, held)
         for p in leaves:
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
@@ -232,10 +237,11 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
                   f"{100 * s['scheduler_share']:.2f}%, per kind busy / tasks = us per task: {per}", flush=True)
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skew' if skew else ''} +shared"
     lines = []
-    tf_f, tf_b, tf_s, _ = out["torch"]
-    for name, (t_f, t_fb, t_s, peak) in out.items():
+    tf_f, tf_b, tf_s = out["torch"][:3]
+    for name, (t_f, t_fb, t_s, peak, held) in out.items():
         lines.append(f"| {label} | {name} | {t_f:.0f} | {tf_f / t_f:.2f}x | {flop / t_f / 1e6:.0f} | {t_fb:.0f} | "
-                     f"{tf_b / t_fb:.2f}x | {3 * flop / t_fb / 1e6:.0f} | {t_s:.0f} | {tf_s / t_s:.2f}x | {peak:.0f} |")
+                     f"{tf_b / t_fb:.2f}x | {3 * flop / t_fb / 1e6:.0f} | {t_s:.0f} | {tf_s / t_s:.2f}x | {peak:.0f} | "
+                     f"{held:.0f} |")
     return lines
 
 
@@ -272,8 +278,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "
-          "fwd us synced | synced vs torch | peak MB fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "fwd us synced | synced vs torch | peak MB fwd+bwd | MB held fwd->bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     return 0
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fused backward's device session on one H200 (issue 13), from the repo root:
 #   source .gpu-node/activate.sh && bash tools/device_bwd.sh
-# fused_bwd (modes 1-3 bitwise vs the unfused backward, the core's speed), train_loop (50 steps per
-# mode, whole-step CUDA graph), layer_sm90 (regression), mode 1 at EP > 1 on virtual ranks, then
+# fused_bwd (modes 1-3 bitwise vs the unfused backward, MXFP8, the core's speed), train_loop (50 steps per
+# mode, whole-step CUDA graph), layer_sm90 and layer_fp8 (regression), compile (torch.compile of the
+# layer), mode 1 at EP > 1 on virtual ranks, then
 # bench_layer with the fused backward rows (BWD_CHECKS: the checks to run, BWD_BENCH: bench_layer's
 # extra arguments, default --recompute). One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
@@ -10,8 +11,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
 : > "$out/summary.txt"
-for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90}; do
-    timeout 240 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile}; do
+    timeout 300 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1  # a fresh machine JIT-compiles
     echo "gpu_check $c rc=$?" >> "$out/summary.txt"
 done
 # mode 1 at EP > 1 on virtual ranks (the comm stays unfused there): vs the reference backend, bitwise repeats
@@ -21,7 +22,7 @@ echo "gpu_check layer_ep_virtual with MOK_CUTE_FUSED_BWD=1 rc=$?" >> "$out/summa
 timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --bwd 1,2,3 ${BWD_BENCH:---recompute} \
     > "$out/bench_bwd.log" 2>&1
 echo "bench_layer --bwd rc=$?" >> "$out/summary.txt"
-for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90} ep_bwd1; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile} ep_bwd1; do
     grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
 done
 grep "^|\|^\[trace" "$out/bench_bwd.log" | cut -c1-900
