@@ -198,3 +198,17 @@ def test_mx_variant(scatter):
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="mx"):
         fused_bwd.compile_fused_backward_core(True, True, True, True, mx=True)
+
+
+def test_add_variant():
+    """``tokens`` with an fp32 dx term (the output gate's share): the slot sum's start gets one
+    more add.rn.f32 per element and 32-byte fp32 loads, 0 spills; it needs the slot sum."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, add=True, inspect=True)[1]
+    plain = _compiled(True, True, True)
+    _clean(rep)
+    assert rep.ptx.count("add.rn.f32") == plain.ptx.count("add.rn.f32") + 8
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    with pytest.raises(ValueError, match="add.*needs scatter"):
+        fused_bwd.compile_fused_backward_core(True, add=True)

@@ -330,13 +330,14 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            num_ctas=66 if ep else None, ring_chunks=5)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
-    assert keys[0][-3:-1] == (mx, ep)
+    assert keys[0][-4:-2] == (mx, ep) and keys[0][-1] is False  # (..., mx, ep, sum batch, gate)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
     assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     assert (by_name["mXq"] is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
+    assert by_name["mGate"] is None  # no shared-expert output gate
     if mx:  # data bytes then E8M0 scales per token row, bitwise the reference quantizer's
         q, sc = reference.mxfp8_quantize(x)
         rows = by_name["mXq"]._keep
@@ -360,3 +361,17 @@ def test_schedule_mirror_detects_a_wrong_order(monkeypatch):
     monkeypatch.setattr(ft, "task_list", lambda *a: real(*a)[::-1])
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1)
+
+
+def test_gate_variant_scales_the_shared_start():
+    """The shared expert's output gate: the slot sum starts from fp32(s_out) * gate[t] (one more
+    mul.rn.f32 per element of the start), 0 spills; refused without the shared expert."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    rep = fm.compile_fused_forward(True, True, gate=True, inspect=True)[1]
+    plain = fm.compile_fused_forward(True, True, inspect=True)[1]
+    assert rep.total_spill_bytes == 0 and "serialized" not in rep.log
+    assert rep.ptx.count("mul.rn.f32") == plain.ptx.count("mul.rn.f32") + 8
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    with pytest.raises(ValueError, match="gate.*needs shared"):
+        fm.compile_fused_forward(True, False, gate=True)

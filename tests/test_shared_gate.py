@@ -129,9 +129,31 @@ def test_errors_before_any_kernel(monkeypatch):
     with pytest.raises(TypeError, match="main_grads"):  # the gate's main grad is part of the tuple
         mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), shared_gate=w_sg, config=CFG,
                      main_grads=[torch.zeros(p.shape) for p in ws + sh])
-    monkeypatch.setattr(mok_cute.layers.select, "select_backend", lambda device, config: "sm90")
-    with pytest.raises(NotImplementedError, match="shared_gate.*'sm90'"):
+    from mok_cute.layers import select
+
+    class NoGate:  # a backend without the gate
+        name = "no-gate"
+
+    monkeypatch.setattr(select, "get_backend", lambda name: NoGate())
+    with pytest.raises(NotImplementedError, match="shared_gate.*'no-gate'"):
         mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), shared_gate=w_sg, config=CFG)
+
+
+def test_gpu_backends_refuse_the_gate_at_ep_above_one():
+    """sm90 / sm100 run the gate at EP = 1 only: at EP > 1 their check raises before any kernel."""
+    from mok_cute.comm.virtual import VirtualGroup, run_ranks
+    from mok_cute.layers.select import MoEInputs, get_backend
+
+    x, idx, w, ws, sh, w_sg, _ = _problem(3, h=256, inter=256)
+    inp = MoEInputs(x, idx, w, *ws, tuple(sh), None, w_sg)
+    group = VirtualGroup(2)
+
+    def rank(r):
+        with pytest.raises(NotImplementedError, match="shared_gate.*EP = 1"):
+            get_backend("sm90").check(inp, MoKConfig(backend="sm90"), group)
+        return True
+
+    assert run_ranks(group, rank) == [True, True]
 
 
 def test_layer_shared_output_gate():
@@ -152,3 +174,49 @@ def test_layer_shared_output_gate():
     assert torch.equal(acc.shared_gate.main_grad.bfloat16(), layer.shared_gate.grad)
     with pytest.raises(ValueError, match="shared_output_gate"):
         MoELayer(64, 64, 4, 2, shared_output_gate=True, config=CFG)
+
+
+def test_grouped_backend_glue_with_the_gate_is_the_reference():
+    """The GPU backends' layer glue (``layers/grouped.py``, unfused path at EP = 1) with the gate,
+    over the reference expert MLP: y, dx, every weight gradient and the gate's fp32 gradient
+    bitwise the reference layer's (the glue runs the reference's gate ops); d topk_w to fp32
+    rounding (route_grad sums in fp32, the reference in fp64)."""
+    from dataclasses import dataclass
+
+    from mok_cute.layers.grouped import GroupedExpertBackend
+    from mok_cute.layers.select import MoEInputs
+
+    @dataclass
+    class Group:
+        x: torch.Tensor
+        offsets: torch.Tensor
+        saved: tuple
+
+    class RefMLP:
+        arch, tile_n, precisions = "ref-mlp", 64, ("bf16",)
+
+        def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+            m = int(offsets[-1])
+            out, saved = reference.experts_forward(x_rows[:m], offsets.tolist(), w_gate, w_up, w_down, limit, "bf16")
+            full = torch.full((x_rows.shape[0], out.shape[1]), float("nan"), dtype=out.dtype)
+            full[:m] = out
+            return full, Group(x_rows, offsets, (saved, m))
+
+        def backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
+            saved, m = g.saved
+            dx, *dw = reference.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, "bf16")
+            full = torch.zeros((dy_rows.shape[0], dx.shape[1]), dtype=dx.dtype)
+            full[:m] = dx
+            return (full, *dw)
+
+    x, idx, w, ws, sh, w_sg, dy = _problem(4)
+    backend = GroupedExpertBackend(RefMLP())
+    y, st = backend.forward(MoEInputs(x, idx, w, *ws, tuple(sh), 4.0, w_sg), CFG, None)
+    got = backend.backward(st, dy)
+    y_ref, saved = reference.moe_forward(x, idx, w, *ws, tuple(sh), 4.0, "bf16", None, w_sg)
+    want = reference.moe_backward(saved, dy)
+    assert torch.equal(y, y_ref) and torch.equal(got.dx, want.dx)
+    for a, b in zip((got.d_w_gate, got.d_w_up, got.d_w_down, *got.d_shared, got.d_shared_gate),
+                    (want.d_w_gate, want.d_w_up, want.d_w_down, *want.d_shared, want.d_shared_gate)):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got.d_topk_w, want.d_topk_w.float(), rtol=1e-5, atol=1e-6)

@@ -143,6 +143,9 @@ def _quant():
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))
+            if shared:
+                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-shared-gate@sm_90a"] = (
+                    lambda c=clamp: fm.compile_fused_forward(c, True, gate=True, inspect=True))
     from mok_cute.kernels.sm90 import fused_bwd as fb
 
     for clamp in (False, True):
@@ -158,6 +161,8 @@ def _quant():
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, True, inspect=True))
         out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, inspect=True))
+        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-add@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, add=True, inspect=True))
         out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-trace@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, trace=True, inspect=True))
     from mok_cute.schedule import local_plan as lp

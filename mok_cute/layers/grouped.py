@@ -26,7 +26,7 @@ from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
 from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, whole_offsets
-from mok_cute.reference import MoEGrads, _world, slot_sum
+from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
 
 @dataclass
@@ -44,6 +44,18 @@ class _State:
     rows_by_route: bool = False  # ... expert-grouped, or (fused forward) in route order t*k + j
     x: torch.Tensor | None = None  # the layer input, when routed.x is None (gathered in backward)
     comm_bwd: int = 28  # the fused backward's row-gathering CTAs (config.comm_sms_bwd)
+    gate: tuple | None = None  # (w_sg, g [T, 1] bf16, s [T, H] the shared output, x): the shared output gate
+
+
+_BF16 = Numerics("bf16")
+
+
+def _gate(inp, s):
+    """``(w_sg, g [T, 1] bf16, s, x)`` of the shared expert's output gate (the reference's own
+    ops: its fp64 sums run on the device too), or None without one."""
+    if inp.shared_gate is None:
+        return None
+    return inp.shared_gate, shared_gate(_BF16, inp.x, inp.shared_gate), s, inp.x
 
 
 def fused_enabled() -> bool:
@@ -110,6 +122,8 @@ class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
     through :mod:`mok_cute.layers.ep` when the MLP has ``expert_parallel = True`` (sm90)."""
 
+    shared_gate = True  # the shared expert's output gate, at EP = 1 (``check``)
+
     def __init__(self, mlp):
         self.mlp, self.name = mlp, mlp.arch
 
@@ -119,6 +133,9 @@ class GroupedExpertBackend:
         if ep != 1 and not getattr(self.mlp, "expert_parallel", False):
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
                                       "symmetric-memory dispatch/combine path, not built yet")
+        if ep != 1 and inp.shared_gate is not None:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: shared_gate (the shared expert's output gate) "
+                                      "runs at EP = 1 only so far")
         if ep != 1 and config.precision not in self.mlp.ep_precisions:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.layers.ep) runs "
                                       f"{', '.join(self.mlp.ep_precisions)} only, not precision "
@@ -156,9 +173,12 @@ class GroupedExpertBackend:
         slot_out = _scatter_slots(r, order, valid, t, k)
         s, shared_group = shared_forward(self.mlp, x, inp.shared, limit, **kw)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if s is None else s.float()
+        gate = _gate(inp, s)
+        if gate is not None:
+            acc = acc * gate[1].float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),
-                       inp.shared, routed, shared_group, r)
+                       inp.shared, routed, shared_group, r, gate=gate)
         return y, state
 
     def _fused_forward(self, inp, config, order32, order, offsets, idx, valid):
@@ -167,9 +187,10 @@ class GroupedExpertBackend:
         shared expert)."""
         x, limit = inp.x, inp.swiglu_limit
         t = x.shape[0]
-        out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w,
-                                     inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config)
-        y, gu, h, slot, gus, hs = out
+        g = None if inp.shared_gate is None else shared_gate(_BF16, x, inp.shared_gate)
+        out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared,
+                                     limit, config, gate=None if g is None else g.float().reshape(-1))
+        y, gu, h, slot, gus, hs, s_out = out
         prec = config.precision
         shared_group = None
         if inp.shared is not None:
@@ -177,7 +198,8 @@ class GroupedExpertBackend:
         # the gathered rows went through the kernel's ring: the backward gathers x's rows again
         routed = ExpertGroup(None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                       routed, shared_group, slot, rows_by_route=True, x=x, comm_bwd=config.comm_sms_bwd)
+                       routed, shared_group, slot, rows_by_route=True, x=x, comm_bwd=config.comm_sms_bwd,
+                       gate=None if g is None else (inp.shared_gate, g, s_out, x))
         return y, state
 
     def backward(self, st, dy: torch.Tensor, main_grads=None) -> MoEGrads:
@@ -191,7 +213,11 @@ class GroupedExpertBackend:
         t, k = st.topk_idx.shape
         mode = fused_bwd_mode()
         shared = None  # (dx_s, d ws): the shared expert's backward, once, when mode 2 ran it first
-        if mode == 3 and st.x is not None and hasattr(self.mlp, "backward_fused"):  # one launch, shared expert in
+        dy_s, dx_gate, d_gate = dy, None, None  # the shared expert's dy, the output gate's dx share and gradient
+        if st.gate is not None:
+            w_sg, g, s, x = st.gate
+            dy_s, dx_gate, d_gate = shared_gate_backward(_BF16, dy, s, g, x, w_sg)
+        if mode == 3 and st.x is not None and st.gate is None and hasattr(self.mlp, "backward_fused"):
             out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
                                           st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads,
                                           comm_ctas=st.comm_bwd)
@@ -202,13 +228,16 @@ class GroupedExpertBackend:
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
         if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
-            shared = shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
-            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0])
+            shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
+            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0],
+                                           dx_gate)
             if out is not None:
-                return MoEGrads(out[0], dtw, *out[1:], shared[1])
+                return MoEGrads(out[0], dtw, *out[1:], shared[1], d_gate)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
-        dxs, d_shared = shared or shared_backward(self.mlp, st.shared_group, dy, st.shared, st.limit)
+        dxs, d_shared = shared or shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
+        if dx_gate is not None:
+            acc = acc + dx_gate
         dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
-        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)
+        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate)

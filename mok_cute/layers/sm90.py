@@ -133,19 +133,22 @@ class Sm90ExpertMLP:
             return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
         return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
-    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config):
+    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
+                      gate=None):
         """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H] and the
         route plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
         x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
-        returns ``(y, gu, h, slot_out, gus, hs)``. The gathered rows pass through a ring of
-        ``config.minibatch_tokens * k`` rows (:func:`_ring_chunks`), not kept."""
+        ``gate``: fp32 [T], the shared expert's output gate per token; returns ``(y, gu, h,
+        slot_out, gus, hs, s_out)`` (``s_out`` the shared expert's output, None without one). The
+        gathered rows pass through a ring of ``config.minibatch_tokens * k`` rows
+        (:func:`_ring_chunks`), not kept."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_ctas_fwd(1),
-                                  config.device_timeout_s, mx=mx, ring_chunks=_ring_chunks(config, topk_idx))
+                                  config.device_timeout_s, mx=mx, ring_chunks=_ring_chunks(config, topk_idx), gate=gate)
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
-        return out[:6]
+        return out[:7]
 
     def fused_forward_ep(self, ws, plan, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                          num_ctas: int | None = None):
@@ -199,11 +202,13 @@ class Sm90ExpertMLP:
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
 
-    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared):
+    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
+                        dx_add=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
-        row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None), bitwise the unfused
-        scatter and slot sum; None where that launch does not apply (then call :meth:`backward`)."""
+        row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
+        None: added to its fp32 start), bitwise the unfused scatter and slot sum; None where that
+        launch does not apply (then call :meth:`backward`)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
         from mok_cute.layers.grouped import fused_bwd_mx
@@ -216,7 +221,7 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
                                    *self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                   tokens=(order, topk_idx, dx_shared), mx=g.precision == "mxfp8")
+                                   tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8")
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8

@@ -97,7 +97,7 @@ class FusedMoeBwdCoreSm90:
                  mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
                  mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
-                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
+                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
                  stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
@@ -117,7 +117,8 @@ class FusedMoeBwdCoreSm90:
         the tokens (dW_down's A), ``mX`` / ``mH`` those of x / h along the tokens, the weights
         dequantized; the dSwiGLU epilogue writes dgu's round trip along 2I into ``mDgu`` (dgrad1's
         A) and along the tokens into ``mDguT3`` = [M, 2, I] of the buffer ``mDg`` / ``mDu`` view
-        (the weight gradients' A); else both None."""
+        (the weight gradients' A); else both None. ``mAdd`` fp32 [T, H] (scatter variant) or
+        None: added to the slot sum's start (the shared expert's output gate's share of dx)."""
         self.ml_d.setup()
         self.ml_w.setup()
         r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT)
@@ -127,7 +128,7 @@ class FusedMoeBwdCoreSm90:
             s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2, None)
         self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
         self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mDguT3), s_tma, s_t, mCounters, mSlot, mOrder,
-                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mTrace, k, comm_ctas, limit,
+                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mAdd, mTrace, k, comm_ctas, limit,
                     timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
@@ -149,7 +150,8 @@ class FusedMoeBwdCoreSm90:
     def kernel(self, r_tma: tuple, r_t: tuple, s_tma: tuple, s_t: tuple, mCounters: cute.Tensor, mSlot: cute.Tensor,
                mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
                mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-               mDyRows: cute.Tensor, mXRows: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32,
+               mDyRows: cute.Tensor, mXRows: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32,
+               comm_ctas: Int32,
                limit: Float32, timeout_ns: Int64):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
@@ -205,7 +207,7 @@ class FusedMoeBwdCoreSm90:
             sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
                                                                             stride=(_VEC, 1)))
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
-                                sbuf, SUM_BATCH)
+                                sbuf, SUM_BATCH, None, mAdd)
             if cutlass.const_expr(self.trace):
                 if tidx == 0:
                     base = mTrace.shape[0] // persistent.TRACE_WORDS - 3 * grid + 3 * bidx
@@ -540,15 +542,17 @@ def _split(t: Int32, s: _Group, r: _Group):
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
-                                trace: bool = False, mx: bool = False, *, arch: str = "sm_90a",
+                                trace: bool = False, mx: bool = False, add: bool = False, *, arch: str = "sm_90a",
                                 inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
     in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
     ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
-    per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel);
-    returns ``(compiled, report)``."""
+    per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
+    ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``); returns ``(compiled, report)``."""
+    if add and not scatter:
+        raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
     if init and not scatter:
@@ -590,7 +594,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
               _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
     rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if trace else None
     mxa = (_fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter)) if mx else (None, None)
-    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
+    addf = _fake_2d(Float32, t, hid) if add else None
+    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, addf, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -615,7 +620,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     ``tokens`` = ``(order, topk_idx, dx_shared)``: the dx rows go straight to their (token,
     slot) rows and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the
     unfused ``slot_sum(fp32(dx_shared) or 0, scattered rows, topk_idx)``; ``order`` [M] (grouped
-    row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None.
+    row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None;
+    a fourth entry ``dx_add`` fp32 [T, H] (or None) is added to that start in fp32 (the shared
+    expert's output gate's share of dx): ``slot_sum(fp32(dx_shared) + dx_add, ...)``.
 
     ``mx``: the MXFP8 backward, bitwise the unfused one (``layers.sm90``'s ``_mx_backward``): dy,
     x, h as above, the weights given dequantized from their MXFP8 along dgrad's reduction axis
@@ -625,8 +632,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     m = dy.shape[0]
     toks = None
     if tokens is not None:
-        order, topk_idx, dxs = tokens
-        toks = (order[:m].to(torch.int32), topk_idx, dxs)
+        order, topk_idx, dxs, *add = tokens
+        toks = (order[:m].to(torch.int32), topk_idx, dxs, add[0] if add else None)
     dyt = None
     if mx and m:
         from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
@@ -665,7 +672,7 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
             raise ValueError("dx_shared must be None when the shared expert runs in the launch")
         dx_shared = torch.empty_like(dy)
     out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                  (order.to(torch.int32), topk_idx, dx_shared), gather, shared, main_grads)
+                  (order.to(torch.int32), topk_idx, dx_shared, None), gather, shared, main_grads)
     return (out[0], dtw, *out[1:])
 
 
@@ -690,7 +697,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if tokens is None:
         dx = torch.empty((m, hid), **bf)
     else:
-        order32, topk_idx, dxs = tokens
+        order32, topk_idx, dxs, _ = tokens
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
         slot_args = (torch.empty((t * k, hid), **bf), order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
@@ -706,6 +713,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if m == 0 and shared is None and main_grads is None:  # no rows: no tile reads anything, zero gradients
         if tokens is not None:
             dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
+            if tokens[3] is not None:
+                dx.copy_((dx.float() + tokens[3]).bfloat16())
         if gather is not None:
             gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
@@ -714,7 +723,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
-               trace, mx_dyt is not None)
+               trace, mx_dyt is not None, tokens is not None and tokens[3] is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
@@ -727,7 +736,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     mx_args = (None, None) if mx_dyt is None else (mx_dyt, dgut.view(m, 2, inter))
     tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter], dgut[:, inter:],
                dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args, *row_args, *sh_args, *mx_args, None if records is None else records.view(-1))
+               *slot_args, *row_args, *sh_args, *mx_args, None if tokens is None else tokens[3],
+               None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (

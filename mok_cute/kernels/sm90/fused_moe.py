@@ -123,7 +123,7 @@ class FusedMoeFwdSm90:
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
                  mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor,
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
-                 mW: cute.Tensor,
+                 mW: cute.Tensor, mGate: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
                  num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
@@ -146,7 +146,7 @@ class FusedMoeFwdSm90:
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
-                    mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW,
+                    mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
                     mGather,
                     mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, me, n_ranks,
@@ -164,7 +164,7 @@ class FusedMoeFwdSm90:
                mGUs: cute.Tensor,
                mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
                mY: cute.Tensor, mOrder: cute.Tensor,
-               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGather: cute.Tensor,
+               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
                timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
@@ -258,7 +258,7 @@ class FusedMoeFwdSm90:
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
         route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                            self.sum_batch)
+                            self.sum_batch, mGate)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -526,8 +526,12 @@ class FusedMoeFwdSm90:
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
-                          arch: str = "sm_90a", inspect: bool = False):
-    """Compile one variant with symbolic T, H, I, I_s, E, M_cap; returns ``(compiled, report)``."""
+                          gate: bool = False, arch: str = "sm_90a", inspect: bool = False):
+    """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts
+    from the shared output times the per-token output gate, ``mGate`` fp32 [T]); returns
+    ``(compiled, report)``."""
+    if gate and not shared:
+        raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
     op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch)
@@ -547,7 +551,8 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
-            vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), *(vec(Int32, cute.sym_int()) for _ in range(5)),
+            vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
+            *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap)) if ep else (None, None)
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), *ep_args,
@@ -619,7 +624,7 @@ def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None,
-                  ring_chunks: int | None = None):
+                  ring_chunks: int | None = None, gate=None):
     """Launch the fused forward on validated operands (see the module doc for shapes); ``mx``:
     the MXFP8 forward (the reference's numerics): x is quantized here and its rows move as e4m3
     + E8M0 (:func:`~mok_cute.comm.workspace.mxfp8_row_bytes` per row; at EP > 1 staged in the
@@ -640,7 +645,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ranks' slot buffers (``slot_out`` is this rank's, valid until the next push), peer errors go
     to ``ws.status``, ``w_rows`` [M_cap] fp32 holds each grouped row's router weight (None at
     EP = 1); ``num_ctas`` (default all SMs) is this rank's grid, fewer for virtual ranks sharing
-    one GPU. Launched through the DSL (the epochs change every call)."""
+    one GPU. Launched through the DSL (the epochs change every call). ``gate``: fp32 [T] on x's
+    device, the shared expert's output gate per token (needs ``shared``): y starts from
+    fp32(s_out) * gate."""
     dev, arch = device_arch(x.device)
     t, hid = x.shape
     k = topk_idx.shape[1]
@@ -682,10 +689,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     progress = progress_mode() and not trace
     nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
+               gate is not None)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        arch=arch)[0]))
+        gate=gate is not None, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -701,7 +709,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
-               topk_idx.reshape(-1), topk_w.reshape(-1), *parts, None if records is None else records.view(-1))
+               topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     stream = torch._C._cuda_getCurrentRawStream(dev)

@@ -6,7 +6,9 @@ backward's of dx).
   ``order[row0 + r]`` = ``t*k + j`` of ``slot`` [T*k, N] (EP > 1, ``ep`` a
   :class:`~mok_cute.comm.peer_rows.PeerRows`: to the source rank's slot buffer, ``order`` then
   holding ``p*T*k + t*k + j``).
-* :func:`slot_sum`: ``out[t] = bf16(acc)``, ``acc = fp32(init[t])`` (or 0 without ``init``), then
+* :func:`slot_sum`: ``out[t] = bf16(acc)``, ``acc = fp32(init[t])`` (or 0 without ``init``; with
+  ``gate`` fp32 [T]: ``acc = fp32(init[t]) * gate[t]``, the shared expert's output gate; with
+  ``add`` fp32 [T, H]: ``acc = acc + add[t]``, the gate's share of dx), then
   for each slot j in order with ``idx[t*k + j] >= 0``: ``acc = acc + w[t, j] * fp32(slot[t*k + j])``
   (``w`` None: ``acc + fp32(slot)``), single-rounded fp32 operations: the reference's
   ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
@@ -54,15 +56,18 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
 @cute.jit
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
-             nb: cutlass.Constexpr[int]):
+             nb: cutlass.Constexpr[int], mGate: cute.Tensor = None, mAdd: cute.Tensor = None):
     """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc); ``mInit``
-    [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k]."""
+    [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
+    (with ``mInit``), ``mAdd`` fp32 [T, H] or None."""
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-    s = None
+    s = add = None
     if cutlass.const_expr(mInit is not None):
         s = cute.make_tensor(mInit.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+    if cutlass.const_expr(mAdd is not None):
+        add = cute.make_tensor(mAdd.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
     g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
                               num_bits_per_copy=128)
     acc = cute.make_rmem_tensor((_VEC,), Float32)
@@ -75,6 +80,14 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
             acc.store(s[i, None].load().to(Float32))
         else:
             acc.fill(0.0)
+        if cutlass.const_expr(mGate is not None):
+            g = mGate[t]
+            for e in cutlass.range_constexpr(_VEC):
+                acc[e] = mul_rn(acc[e], g)
+        if cutlass.const_expr(mAdd is not None):
+            a = add[i, None].load()
+            for e in cutlass.range_constexpr(_VEC):
+                acc[e] = add_rn(acc[e], a[e])
         for j0 in cutlass.range(0, k, nb, unroll=1):
             for u in cutlass.range_constexpr(nb):  # nb slot rows in flight
                 es[u] = Int32(-1)
