@@ -9,6 +9,7 @@ from . import reference
 from .custom_ops import MoEFunction, config_key, group_key, moe_fwd
 from .layers.select import get_backend, select_backend
 from .config import MoKConfig
+from .dsl.host import weight_operand
 from .reference import _world
 from .validate import check_main_grads, check_moe_inputs, check_shared_gate
 
@@ -52,13 +53,14 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
         check_main_grads(main_grads, (w_gate, w_up, w_down) + (tuple(shared) if shared is not None else ())
                          + ((shared_gate,) if shared_gate is not None else ()))
         main_grads = tuple(main_grads)
-    ws = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
+    ws = tuple(weight_operand(w) for w in shared) if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     inputs = (x, topk_w, w_gate, w_up, w_down, *(w for w in ws if w is not None)) + (
         (shared_gate,) if shared_gate is not None else ())
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w_gate.contiguous(), w_up.contiguous(),
-            w_down.contiguous(), *ws, None if shared_gate is None else shared_gate.contiguous())
+    # weights as given when the kernels' TMA addresses them in place (fc1 halves: no copy)
+    args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), weight_operand(w_gate), weight_operand(w_up),
+            weight_operand(w_down), *ws, None if shared_gate is None else shared_gate.contiguous())
     if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
         return moe_fwd(*args, list(main_grads or ()), limit, config_key(config), group_key(group), keep)[0]
     return MoEFunction.apply(config, group, keep, limit, *args, main_grads)

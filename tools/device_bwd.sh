@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
 mkdir -p "$out"
 : > "$out/summary.txt"
-for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate}; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate fc1_views}; do
     timeout 300 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1  # a fresh machine JIT-compiles
     echo "gpu_check $c rc=$?" >> "$out/summary.txt"
 done
@@ -22,7 +22,7 @@ echo "gpu_check layer_ep_virtual with MOK_CUTE_FUSED_BWD=1 rc=$?" >> "$out/summa
 timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --bwd 1,2,3 ${BWD_BENCH:---recompute} \
     > "$out/bench_bwd.log" 2>&1
 echo "bench_layer --bwd rc=$?" >> "$out/summary.txt"
-for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate} ep_bwd1; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate fc1_views} ep_bwd1; do
     grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
 done
 grep "^|\|^\[trace" "$out/bench_bwd.log" | cut -c1-900

@@ -31,6 +31,22 @@ def check_rows16(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}.data_ptr() must be 16-byte aligned")
 
 
+def tma_weight(w: torch.Tensor) -> bool:
+    """Whether the GEMMs' TMA descriptors address the 3-D weight ``w`` [E, N, K] in place: unit
+    last stride, the other strides multiples of 16 bytes and not overlapping, 16-byte aligned
+    (e.g. gate and up as the two halves of one [E, 2I, H] fc1 tensor)."""
+    if w.dim() != 3 or w.stride(-1) != 1 or w.data_ptr() % 16:
+        return False
+    vec = 16 // w.element_size()
+    return (w.stride(1) % vec == 0 and w.stride(0) % vec == 0 and w.stride(1) >= w.shape[2]
+            and w.stride(0) >= w.shape[1] * w.stride(1))
+
+
+def weight_operand(w: torch.Tensor) -> torch.Tensor:
+    """``w`` itself when :func:`tma_weight`, else its contiguous copy."""
+    return w if tma_weight(w) else w.contiguous()
+
+
 def device_index(device=None) -> int:
     """Index of a CUDA device given as a torch.device, an index, or None (the current device)."""
     if isinstance(device, int):

@@ -156,6 +156,10 @@ class GroupedExpertBackend:
 
     def forward(self, inp, config, group):
         self.check(inp, config, group)
+        if not getattr(self.mlp, "strided_weights", False):  # this arch's kernels read compact weights
+            inp = replace(inp, w_gate=inp.w_gate.contiguous(), w_up=inp.w_up.contiguous(),
+                          w_down=inp.w_down.contiguous(),
+                          shared=None if inp.shared is None else tuple(w.contiguous() for w in inp.shared))
         ep, _ = _world(group)
         if ep != 1:
             from mok_cute.layers import ep as ep_layer

@@ -35,7 +35,7 @@ import importlib
 import torch
 
 from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, whole_offsets
-from mok_cute.dsl.host import offsets_i32
+from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
 
 # FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
@@ -112,6 +112,7 @@ class Sm90ExpertMLP:
 
     arch = "sm90"
     tile_n = 256
+    strided_weights = True  # weights in place when TMA addresses them (dsl.host.tma_weight), no copy
     precisions = ("bf16", "mxfp8", "fp8_block")
     fused_precisions = ("bf16", "mxfp8")  # EP = 1 forward in one persistent launch (fused_forward)
     expert_parallel = True  # EP > 1 through mok_cute.layers.ep ...
@@ -326,8 +327,8 @@ def _ring_chunks(config, topk_idx) -> int:
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
     """Validate, once, everything the expert MLP's seven launches need (the kernels then run
-    unchecked): x [M, H], w_gate/w_up [E, I, H], w_down [E, H, I] bf16 contiguous and 16-byte
-    aligned on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n (256:
+    unchecked): x [M, H] contiguous, w_gate/w_up [E, I, H], w_down [E, H, I] bf16 addressable in
+    place by TMA (``dsl.host.tma_weight``: e.g. the halves of one fc1 tensor) on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n (256:
     also the 128 of the FP8 blocks and the 32 of the MX blocks)."""
     cfg = fwd.DEFAULT_CONFIG
     m, hid, e = fwd._check_operands(x_rows, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
@@ -335,9 +336,9 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
         raise ValueError(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
     inter = w_gate.shape[1]
     fwd._check_tensor("w_down", w_down, 3, (torch.bfloat16,))
-    if tuple(w_down.shape) != (e, hid, inter) or not w_down.is_contiguous() or w_down.data_ptr() % 16:
-        raise ValueError(f"w_down must be contiguous [E, H, I] = {(e, hid, inter)} and 16-byte aligned, "
-                         f"got {tuple(w_down.shape)}")
+    if tuple(w_down.shape) != (e, hid, inter) or not tma_weight(w_down):
+        raise ValueError(f"w_down must be [E, H, I] = {(e, hid, inter)} with I contiguous, 16-byte strides and "
+                         f"alignment, got shape {tuple(w_down.shape)} strides {w_down.stride()}")
     for name, v in (("H", hid), ("I", inter)):
         if v % cfg.tile_n or v == 0:
             raise ValueError(f"expert MLP: {name} = {v} must be a positive multiple of tile_n = {cfg.tile_n}")

@@ -55,7 +55,9 @@ from cutlass.cute.nvgpu import cpasync
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
-from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count
+from mok_cute.dsl.host import (
+    _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count, tma_weight,
+)
 from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
@@ -744,8 +746,10 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
         _check_tensor(name, w, 3, (torch.bfloat16,))
         if w.shape[0] != e or w.shape[2] != k:
             raise ValueError(f"{name} must be [E={e}, N, K={k}], got {tuple(w.shape)}")
-        if not w.is_contiguous() or w.data_ptr() % 16:
-            raise ValueError(f"{name} must be contiguous ([E, N, K], K contiguous) and 16-byte aligned")
+        if not tma_weight(w):
+            raise ValueError(f"{name} must be [E, N, K] with K contiguous, 16-byte strides that do not overlap and "
+                             f"16-byte alignment (contiguous, or e.g. a half of an [E, 2N, K] tensor), got strides "
+                             f"{w.stride()}")
     return m, k, e
 
 

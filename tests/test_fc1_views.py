@@ -1,0 +1,78 @@
+"""Gate and up as the two halves of one [E, 2I, H] fc1 tensor (Megatron's layout): the layer
+takes the views in place wherever the kernels' TMA addresses them (no copy), and the results are
+those of contiguous weights. The device run is tools/checks/fc1_views.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok_cute
+from mok_cute import MoKConfig
+from mok_cute.dsl.host import tma_weight, weight_operand
+
+CFG = MoKConfig(backend="reference")
+
+
+def test_tma_weight_layouts():
+    e, i, h = 4, 64, 128
+    w1 = torch.randn(e, 2 * i, h).bfloat16()
+    assert tma_weight(w1) and tma_weight(w1[:, :i]) and tma_weight(w1[:, i:])
+    assert not tma_weight(w1.transpose(1, 2))  # K not contiguous
+    assert not tma_weight(w1[:, :, 1:])  # 16-byte misaligned start and rows
+    assert not tma_weight(torch.randn(e, i, 100).bfloat16()[:, :, :96])  # row stride 100: not 16 bytes
+    assert not tma_weight(w1.as_strided((e, i, h), (i * h, h // 2, 1)))  # rows overlap
+    assert weight_operand(w1[:, :i]).data_ptr() == w1.data_ptr()  # in place
+    assert weight_operand(w1.transpose(1, 2)).is_contiguous()  # else copied
+
+
+def test_fc1_halves_reach_the_backend_uncopied_and_match_contiguous(monkeypatch):
+    """mok_cute.moe with w_gate, w_up = fc1[:, :I], fc1[:, I:]: the backend receives the views
+    themselves; y and every gradient (fc1's through both halves) equal those of contiguous copies."""
+    from mok_cute.layers import select
+
+    g = torch.Generator().manual_seed(0)
+    t, h, i, e, k = 24, 64, 64, 4, 2
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    fc1 = (torch.randn(e, 2 * i, h, generator=g) * 0.1).bfloat16().requires_grad_()
+    wd = (torch.randn(e, h, i, generator=g) * 0.1).bfloat16().requires_grad_()
+    seen = []
+    real = select.get_backend
+
+    class Spy:
+        def __init__(self, be):
+            self.be, self.name = be, be.name
+
+        def forward(self, inp, config, group):
+            seen.append((inp.w_gate.data_ptr(), inp.w_up.data_ptr()))
+            return self.be.forward(inp, config, group)
+
+        def backward(self, *a, **kw):
+            return self.be.backward(*a, **kw)
+
+    monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    y = mok_cute.moe(x, idx, w, fc1[:, :i], fc1[:, i:], wd, config=CFG)
+    y.backward(dy)
+    assert seen == [(fc1.data_ptr(), fc1.data_ptr() + i * h * 2)]
+    gate, up = fc1.detach()[:, :i].clone().requires_grad_(), fc1.detach()[:, i:].clone().requires_grad_()
+    wd2 = wd.detach().clone().requires_grad_()
+    y2 = mok_cute.moe(x, idx, w, gate, up, wd2, config=CFG)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    assert torch.equal(fc1.grad, torch.cat([gate.grad, up.grad], 1)) and torch.equal(wd.grad, wd2.grad)
+
+
+def test_sm90_operand_check_takes_the_halves():
+    """The SM90 GEMMs' host check (no launch) accepts the fc1 halves and names a weight it cannot
+    address."""
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+
+    e, i, h = 2, 256, 256
+    fc1 = torch.randn(e, 2 * i, h).bfloat16()
+    x = torch.randn(8, h).bfloat16()
+    offs = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert gg._check_operands(x, offs, {"w_gate": fc1[:, :i], "w_up": fc1[:, i:]}, a_name="x") == (8, h, e)
+    with pytest.raises(ValueError, match="w_up must be .*strides"):
+        gg._check_operands(x, offs, {"w_up": fc1.transpose(1, 2)[:, :, :h]}, a_name="x")
