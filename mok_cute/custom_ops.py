@@ -138,13 +138,27 @@ def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gat
             swiglu_limit: float | None, config: str, group: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
     y, entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
                            swiglu_limit, _config(config), _GROUPS.get(group) if group else None, keep)
+    return y, _stash(entry)
+
+
+def _stash(entry) -> torch.Tensor:
+    """The int64 [1] handle of ``entry`` in the state table (0 and nothing kept for None); the
+    entry goes when the handle tensor is freed (a forward whose backward never runs keeps nothing)."""
     handle = torch.zeros(1, dtype=torch.int64)
     if entry is not None:
         i = next(_IDS)
         handle[0] = i
         _STATES[i] = entry
-        weakref.finalize(handle, _drop, i)  # a forward whose backward never runs keeps nothing
-    return y, handle
+        weakref.finalize(handle, _drop, i)
+    return handle
+
+
+def _take(handle: torch.Tensor):
+    entry = _STATES.pop(int(handle[0]), None)
+    if entry is None:
+        raise RuntimeError("mok_cute: this layer call's forward state is gone (a second backward through the same "
+                           "graph, or a forward run without grad); use retain_graph-free training steps")
+    return entry
 
 
 @moe_fwd.register_fake
@@ -158,11 +172,7 @@ def moe_bwd(dy: torch.Tensor, handle: torch.Tensor, x: torch.Tensor, topk_w: tor
             weights: list[torch.Tensor], main_grads: list[torch.Tensor]) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
         torch.Tensor, torch.Tensor]:
-    entry = _STATES.pop(int(handle[0]), None)
-    if entry is None:
-        raise RuntimeError("mok_cute: this layer call's forward state is gone (a second backward through the same "
-                           "graph, or a forward run without grad); use retain_graph-free training steps")
-    grads = run_backward(entry, dy, weights, main_grads)
+    grads = run_backward(_take(handle), dy, weights, main_grads)
     grads = [g if g is not None else torch.empty(0, dtype=w.dtype, device=w.device)
              for g, w in zip(grads, [x, topk_w, *weights])]
     return *grads, *_absent(dy, 9 - len(grads))
@@ -196,3 +206,89 @@ def _backward(ctx, dy, _dhandle):
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------- the grouped expert MLP (mok_cute.expert_mlp)
+def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: MoKConfig):
+    """``(out, entry)`` of the expert MLP on the backend ``cfg`` selects for x's device (the
+    reference, or an arch's MLP in a precision it runs, else NotImplementedError first)."""
+    from . import reference
+    from .layers.select import get_backend, select_backend
+
+    name, precision = select_backend(x_rows.device, cfg), cfg.precision
+    if name == "reference":
+        out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, precision)
+        return out, (None, saved, precision)
+    mlp = get_backend(name).mlp
+    if precision not in mlp.precisions:
+        raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, not {precision!r}")
+    kw = {} if precision == "bf16" else {"precision": precision}
+    out, saved = mlp.forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, **kw)
+    return out, (mlp, saved, precision)
+
+
+def run_mlp_backward(entry, d_out, weights, swiglu_limit) -> tuple:
+    """``(dx_rows, dW_gate, dW_up, dW_down)`` of the forward that made ``entry``."""
+    from . import reference
+
+    mlp, saved, precision = entry
+    if mlp is None:
+        return tuple(reference.experts_backward(saved, d_out, *weights, swiglu_limit, precision))
+    return tuple(mlp.backward(saved, d_out, *weights, swiglu_limit))
+
+
+class ExpertMLPFunction(torch.autograd.Function):
+    """The eager path of :func:`mok_cute.expert_mlp` over :func:`run_mlp_forward` / :func:`run_mlp_backward`."""
+
+    @staticmethod
+    def forward(ctx, cfg, swiglu_limit, x_rows, offsets, w_gate, w_up, w_down):
+        out, ctx.entry = run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg)
+        ctx.weights, ctx.limit = (w_gate, w_up, w_down), swiglu_limit
+        ctx.mark_non_differentiable(offsets)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        entry, ctx.entry = ctx.entry, None
+        g = run_mlp_backward(entry, d_out.contiguous(), ctx.weights, ctx.limit)
+        return None, None, g[0], None, *g[1:]
+
+
+@torch.library.custom_op("mok_cute::expert_mlp_fwd", mutates_args=())
+def expert_mlp_fwd(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, swiglu_limit: float | None, config: str,
+                   keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, entry = run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, _config(config))
+    return out, _stash(entry if keep else None)
+
+
+@expert_mlp_fwd.register_fake
+def _(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, config, keep):
+    out = torch.empty((x_rows.shape[0], w_down.shape[1]), dtype=x_rows.dtype, device=x_rows.device)
+    return out, torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("mok_cute::expert_mlp_bwd", mutates_args=())
+def expert_mlp_bwd(d_out: torch.Tensor, handle: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, swiglu_limit: float | None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run_mlp_backward(_take(handle), d_out, (w_gate, w_up, w_down), swiglu_limit)
+
+
+@expert_mlp_bwd.register_fake
+def _(d_out, handle, w_gate, w_up, w_down, swiglu_limit):
+    return torch.empty_like(d_out), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+
+
+def _mlp_setup(ctx, inputs, output):
+    ctx.limit = inputs[5]
+    ctx.save_for_backward(output[1], *inputs[2:5])
+
+
+def _mlp_backward(ctx, d_out, _dhandle):
+    handle, w_gate, w_up, w_down = ctx.saved_tensors
+    g = expert_mlp_bwd(d_out.contiguous(), handle, w_gate, w_up, w_down, ctx.limit)
+    return g[0], None, g[1], g[2], g[3], None, None, None
+
+
+expert_mlp_fwd.register_autograd(_mlp_backward, setup_context=_mlp_setup)

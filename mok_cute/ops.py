@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from .custom_ops import MoEFunction, config_key, group_key, moe_fwd
-from .layers.select import get_backend, select_backend
+from .custom_ops import ExpertMLPFunction, MoEFunction, config_key, expert_mlp_fwd, group_key, moe_fwd
 from .config import MoKConfig
 from .dsl.host import weight_operand
 from .reference import _world
@@ -66,30 +64,6 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     return MoEFunction.apply(config, group, keep, limit, *args, main_grads)
 
 
-class _ExpertMLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, precision, limit, x_rows, offsets, w_gate, w_up, w_down):
-        if backend != "reference":
-            kw = {} if precision == "bf16" else {"precision": precision}
-            out, saved = get_backend(backend).mlp.forward(x_rows, offsets, w_gate, w_up, w_down, limit, **kw)
-        else:
-            out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, limit, precision)
-        ctx.backend, ctx.precision, ctx.limit = backend, precision, limit
-        ctx.saved, ctx.weights = saved, (w_gate, w_up, w_down)
-        ctx.mark_non_differentiable(offsets)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        d_out = d_out.contiguous()
-        if ctx.backend != "reference":
-            grads = get_backend(ctx.backend).mlp.backward(ctx.saved, d_out, *ctx.weights, ctx.limit)
-        else:
-            grads = reference.experts_backward(ctx.saved, d_out, *ctx.weights, ctx.limit, ctx.precision)
-        ctx.saved = None
-        return (None, None, None, grads[0], None, *grads[1:])
-
-
 def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, config=None):
     """Grouped expert MLP (tokens already grouped by expert), differentiable.
 
@@ -103,7 +77,6 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     10.x (compile-verified only), the reference elsewhere (config / MOK_CUTE_BACKEND override as for :func:`moe`).
     """
     config = config if config is not None else MoKConfig()
-    name = select_backend(x_rows.device, config)
     for arg, t, nd in (("x_rows", x_rows, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3), ("w_down", w_down, 3)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != nd:
             raise TypeError(f"{arg} must be a {nd}-D bfloat16 tensor")
@@ -111,9 +84,8 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
             or offsets.shape != (w_gate.shape[0] + 1,):
         raise TypeError(f"offsets must be an int32/int64 tensor of shape [E+1] = [{w_gate.shape[0] + 1}]")
     limit = None if swiglu_limit is None else float(swiglu_limit)
-    mlp = None if name == "reference" else get_backend(name).mlp
-    if mlp is not None and config.precision not in mlp.precisions:
-        raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, "
-                                  f"not {config.precision!r}")
-    return _ExpertMLPFunction.apply(name, config.precision, limit, x_rows.contiguous(), offsets, w_gate.contiguous(),
-                                    w_up.contiguous(), w_down.contiguous())
+    args = (x_rows.contiguous(), offsets, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous())
+    if torch.compiler.is_compiling():  # the custom ops (mok_cute::expert_mlp_fwd / _bwd): no graph break
+        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (args[0], *args[2:]))
+        return expert_mlp_fwd(*args, limit, config_key(config), keep)[0]
+    return ExpertMLPFunction.apply(config, limit, *args)

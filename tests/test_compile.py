@@ -129,3 +129,26 @@ def test_compiled_calls_take_the_custom_ops(monkeypatch):
     compiled = _step(torch.compile(model, fullgraph=True, backend="aot_eager"), x)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_expert_mlp_compiles_fullgraph_bitwise():
+    """mok_cute.expert_mlp (rows already grouped) under torch.compile (inductor, fullgraph): the
+    mok_cute::expert_mlp_fwd / _bwd ops, output and gradients bitwise the eager call's."""
+    g = torch.Generator().manual_seed(3)
+    e, i, h = 4, 64, 64
+    x = torch.randn(40, h, generator=g).bfloat16()
+    offsets = torch.tensor([0, 10, 10, 25, 33], dtype=torch.int32)
+    ws = [(torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((e, i, h), (e, i, h), (e, h, i))]
+
+    def fn(x, *ws):
+        out = mok_cute.ops.expert_mlp(x, offsets, *ws, swiglu_limit=4.0, config=CFG)
+        return (out[:33].float() ** 2).sum()
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        leaves = [x.clone().requires_grad_()] + [w.clone().requires_grad_() for w in ws]
+        loss = f(*leaves)
+        loss.backward()
+        results.append([loss] + [p.grad for p in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
