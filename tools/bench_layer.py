@@ -15,7 +15,8 @@ library's default backward (``MOK_CUTE_FUSED_BWD`` unset: mode 2), the rows of `
 (0 unfused, 1 the routed backward's GEMMs in one launch, 2 also the dx scatter and slot sum, 3 the whole
 backward in one launch; ``--bwd-comm`` mode 3 at other ``comm_sms_bwd``; the MXFP8 rows run the fused
 backward's MXFP8 variant, ``MOK_CUTE_FUSED_BWD_MX=1``); "GEMM tiles alone": the
-forward's grouped GEMM kernels on pre-gathered rows. Times: the mean over back-to-back calls
+forward's grouped GEMM kernels on pre-gathered rows (its fwd+bwd: then the backward's GEMM kernels,
+unfused, on its gu / h: a backward's "GEMM tiles alone" is that row's fwd+bwd minus its fwd). Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
 by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
@@ -68,6 +69,23 @@ def gemms_alone(x, idx, ws, sh):
         g._run_gemm(h, offsets, wr[2])
         hs = g._run_gemm1_swiglu(x, sh_offs, sh_w[0], sh_w[1], None)[1]
         return g._run_gemm(hs, sh_offs, sh_w[2])
+
+    gu, h = g._run_gemm1_swiglu(rows, offsets, wr[0], wr[1], None)
+    gus, hs = g._run_gemm1_swiglu(x, sh_offs, sh_w[0], sh_w[1], None)
+    dy = torch.randn_like(rows)
+
+    def bwd():
+        """The backward's GEMM tiles alone (the unfused kernels, routed then shared): dgrad2 + dSwiGLU,
+        dgrad1 and three weight gradients each, on the forward tiles' gu / h and a random dy."""
+        from mok_cute.kernels.sm90 import expert_bwd as b
+        from mok_cute.layers.common import ExpertGroup, mlp_backward
+
+        mlp_backward(b._run_dswiglu_dgrad, b._run_dgrad1, b._run_wgrad, ExpertGroup(rows, offsets, gu, h, "bf16"), dy,
+                     *wr, None)
+        mlp_backward(b._run_dswiglu_dgrad, b._run_dgrad1, b._run_wgrad, ExpertGroup(x, sh_offs, gus, hs, "bf16"),
+                     dy[:t], *sh_w, None)
+
+    fn.backward_tiles = bwd
     return fn
 
 
@@ -200,7 +218,10 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             for p in leaves:
                 p.grad = None
             torch.autograd.backward(fn(), dy)
-        t_fb = float("nan") if name == "GEMM tiles alone" else bench_pipelined_us(step, warmup=2, iters=5)
+        if name == "GEMM tiles alone":  # fwd+bwd: the forward's tiles then the backward's (unfused kernels)
+            t_fb = bench_pipelined_us(lambda: (fn(), fn.backward_tiles()), warmup=2, iters=5)
+        else:
+            t_fb = bench_pipelined_us(step, warmup=2, iters=5)
         peak = held = float("nan")
         if name != "GEMM tiles alone":  # one forward + backward from a clean peak counter
             for p in leaves:
