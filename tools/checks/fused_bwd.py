@@ -96,13 +96,18 @@ def _bench_rows(dev) -> list[Row]:
 
     rows = []
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
+    from mok_cute.dsl import launch
+
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
+    fused_backward_core(*ops, 4.0)
+    before = dict(launch._stats)
     t_fus = bench_us(lambda: fused_backward_core(*ops, 4.0))
+    captures = launch._stats["capture"] - before["capture"]  # a graph captured per call would cost ~1 ms of host
     torch.cuda.synchronize()
     flop = 2 * 8 * 4096 * 7168 * 2048 * 3 * 2  # dgrad2, dgrad1 (2I), dWd, dWg + dWu
     rows.append(Row("bench fused bwd core vs unfused (8x4096 rows, H 7168, I 2048)", time_us=t_fus, ok=True,
                     note=f"unfused {t_unf:.0f} us, fused {t_fus:.0f} us: {t_unf / t_fus:.3f}x; "
-                         f"{flop / t_fus / 1e6:.0f} TFLOP/s fused"))
+                         f"{flop / t_fus / 1e6:.0f} TFLOP/s fused; graph captures in the timed calls {captures}"))
     rows += _trace_rows(ops)
     return rows
 
