@@ -1,6 +1,7 @@
-"""The layer as two ``torch.library`` custom ops, so that ``torch.compile(..., fullgraph=True)``
-traces a model calling :func:`mok_cute.moe` without a graph break (the ops are opaque to it;
-their fake implementations give the output shapes), and eager calls take the same path.
+"""The layer (and :func:`mok_cute.expert_mlp`) as ``torch.library`` custom ops, so that
+``torch.compile(..., fullgraph=True)`` traces a model calling :func:`mok_cute.moe` without a graph
+break (the ops are opaque to it; their fake implementations give the output shapes); eager calls
+run the same core through autograd.Functions.
 
 * ``mok_cute::moe_fwd(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate?, ws_up?, ws_down?,
   shared_gate?, main_grads[], swiglu_limit?, config, group, keep) -> (y, handle)``: the
@@ -16,6 +17,8 @@ their fake implementations give the output shapes), and eager calls take the sam
 Autograd is registered on ``moe_fwd`` (``torch.library.register_autograd``). Eager calls take
 :class:`MoEFunction` over the same :func:`run_forward` / :func:`run_backward` (the ops' Python
 dispatch costs about 0.2 ms per call); :func:`mok_cute.moe` picks the ops under torch.compile.
+``mok_cute::expert_mlp_fwd`` / ``expert_mlp_bwd`` and :class:`ExpertMLPFunction` do the same for
+the grouped expert MLP.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 
 from .config import MoKConfig
 
-_STATES: dict[int, tuple] = {}  # handle id -> (backend, state, recompute inputs or None)
+_STATES: dict[int, tuple] = {}  # handle id -> a forward's entry for its backward (run_forward, run_mlp_forward)
 _IDS = itertools.count(1)
 _CONFIGS: dict[str, MoKConfig] = {}
 _GROUPS = weakref.WeakValueDictionary()  # key -> group (a group is not kept alive by being used)
