@@ -173,7 +173,7 @@ def traced_bwd(fn, dy, path: str) -> dict:
 
 
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=(), recompute=False, trace_bwd=None, bwd_comms=()):
+              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -183,6 +183,7 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     impls = {"torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
     if refs:
         impls["unfused"] = lambda: _ours(False, 8, bwd="0")(x, idx, w, ws, sh)
+    if refs or tiles:
         impls["GEMM tiles alone"] = gemms_alone(x, idx, ws, sh)
     mb0 = minibatches[0]
     for c in comms:
@@ -271,6 +272,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the first shape")
     ap.add_argument("--shapes", default=None, help="indices into SHAPES to run (default: all)")
     ap.add_argument("--no-ref", action="store_true", help="skip the unfused and GEMM-tiles-alone rows")
+    ap.add_argument("--tiles", action="store_true", help="the GEMM-tiles-alone row even with --no-ref")
     ap.add_argument("--comm", default="2,8,16", help="comm_sms_fwd values of the fused rows")
     ap.add_argument("--trace", default=None, help="write a trace of the first shape's fused forward here")
     ap.add_argument("--trace-bwd", default=None,
@@ -295,7 +297,7 @@ def main() -> int:
                            bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
                            bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute,
                            trace_bwd=args.trace_bwd if i == 0 else None,
-                           bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c])
+                           bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c], tiles=args.tiles)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

@@ -19,7 +19,7 @@ done
 MOK_CUTE_FUSED_BWD=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=fused \
     MOK_EP_VIRTUAL_QUICK=1 timeout -s KILL 240 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_ep_bwd1.log" 2>&1
 echo "gpu_check layer_ep_virtual with MOK_CUTE_FUSED_BWD=1 rc=$?" >> "$out/summary.txt"
-timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --bwd 1,2,3 ${BWD_BENCH:---recompute} \
+timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --tiles --bwd 0,3 ${BWD_BENCH:---mx} \
     > "$out/bench_bwd.log" 2>&1
 echo "bench_layer --bwd rc=$?" >> "$out/summary.txt"
 for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate fc1_views} ep_bwd1; do
