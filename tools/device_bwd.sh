@@ -5,7 +5,7 @@
 # mode, whole-step CUDA graph), layer_sm90 and layer_fp8 (regression), compile (torch.compile of the
 # layer), mode 1 at EP > 1 on virtual ranks, then
 # bench_layer with the fused backward rows (BWD_CHECKS: the checks to run, BWD_BENCH: bench_layer's
-# extra arguments, default --recompute). One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
+# extra arguments, default --mx). One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
