@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_block")
-ACTIVATIONS = ("save", "recompute")
+ACTIVATIONS = ("save", "recompute", "budget")
 BACKENDS = ("auto", "reference", "sm90", "sm100")
 TILE_M = (64, 128, 256)
 TILE_N = (64, 128, 192, 256)
@@ -45,7 +45,10 @@ class MoKConfig:
         which autograd keeps anyway; the backward runs the forward once more, without autograd,
         then the backward: the same gradients bitwise, the activations' memory freed between the
         passes at the cost of a second forward). At EP > 1 the second forward is collective like
-        the first.
+        the first. "budget" (with ``activation_budget_mb``): a layer call keeps its activations
+        while all the calls of this process that kept theirs and await their backward hold at most
+        that many MiB, else it recomputes ("keep what fits, recompute the rest", per layer call in
+        forward order; a call's activations are released by its backward).
     validate_routing: check topk_idx values before the step (one host sync; turn off for
         CUDA-graph capture). Off, an id outside [-1, E) is skipped like a -1 slot (EP = 1; the
         EP > 1 plan likewise) and raised as RuntimeError by a later call or
@@ -63,10 +66,17 @@ class MoKConfig:
     device_timeout_s: float = 30.0
     validate_routing: bool = True
     activations: str = "save"
+    activation_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
         _choice("activations", self.activations, ACTIVATIONS)
+        b = self.activation_budget_mb
+        if (self.activations == "budget") != (b is not None):
+            raise ValueError(f"activation_budget_mb must be given exactly with activations='budget', got "
+                             f"activations={self.activations!r}, activation_budget_mb={b!r}")
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0):
+            raise ValueError(f"activation_budget_mb must be a finite number of MiB >= 0, got {b!r}")
         _choice("backend", self.backend, BACKENDS)
         _int("minibatch_tokens", self.minibatch_tokens)
         if self.minibatch_tokens < 256 or self.minibatch_tokens % 256:

@@ -60,10 +60,47 @@ def _drop(i: int) -> None:
     _STATES.pop(i, None)
 
 
+class _Held:
+    """The bytes one kept layer state counts against ``activations="budget"`` (:data:`_HELD`),
+    given back when the state goes (its backward ran, or its graph was dropped)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        _HELD[0] += nbytes
+
+    def __del__(self):
+        _HELD[0] -= self.nbytes
+
+
+_HELD = [0]  # bytes of activations held by kept states under activations="budget"
+
+
+def _state_bytes(state, inputs) -> int:
+    """Bytes of the distinct tensor storages reachable from ``state`` (dataclasses, tuples, lists,
+    dicts) that are not the layer's inputs' (those autograd keeps anyway)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    total, stack = 0, [state]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            p = o.untyped_storage().data_ptr()
+            if p not in seen:
+                seen.add(p)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dataclass_fields__"):
+            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+    return total
+
+
 def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, swiglu_limit,
                 cfg: MoKConfig, grp, keep: bool):
     """The backend's forward: ``(y, entry)``, ``entry`` what :func:`run_backward` needs (None
-    without ``keep``; with ``activations="recompute"`` the inputs instead of the state)."""
+    without ``keep``; with ``activations="recompute"``, or "budget" when this state would not
+    fit, the inputs instead of the state)."""
     from .layers.select import MoEInputs, get_backend, select_backend
 
     backend = get_backend(select_backend(x.device, cfg))
@@ -75,13 +112,21 @@ def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_do
     y, state = backend.forward(inp, cfg, grp)
     if not keep:
         return y, None
-    return y, (backend, None, (inp, cfg, grp)) if cfg.activations == "recompute" else (backend, state, None)
+    if cfg.activations == "recompute":
+        return y, (backend, None, (inp, cfg, grp))
+    if cfg.activations == "budget":
+        nbytes = _state_bytes(state, (x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                                      shared_gate))
+        if _HELD[0] + nbytes > cfg.activation_budget_mb * 2 ** 20:
+            return y, (backend, None, (inp, cfg, grp))  # does not fit: recompute in the backward
+        return y, (backend, state, None, _Held(nbytes))
+    return y, (backend, state, None)
 
 
 def run_backward(entry, dy, weights, main_grads) -> list:
     """``[dx, d topk_w, one per weight]`` of the forward that made ``entry``; with ``main_grads``
     (one fp32 tensor per weight) the weight gradients are added into them and given as None."""
-    backend, state, recompute = entry
+    backend, state, recompute = entry[:3]  # (a 4th item: the budget's hold, released with the entry)
     if recompute is not None:  # run the forward again, then the backward
         with torch.no_grad():
             _, state = backend.forward(*recompute)

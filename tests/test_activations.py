@@ -69,3 +69,63 @@ def test_recompute_with_main_grads():
 def test_bad_policy():
     with pytest.raises(ValueError, match="activations"):
         MoKConfig(activations="offload")
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = select.get_backend
+
+    class Spy:
+        def __init__(self, be):
+            self.be = be
+
+        def forward(self, *a):
+            calls.append("forward")
+            return self.be.forward(*a)
+
+        def backward(self, state, dy, main_grads=None):
+            return self.be.backward(state, dy, main_grads=main_grads)
+
+    monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))
+    return calls
+
+
+def _two_layers(p, dy, cfg):
+    """Two layer calls in a row (the second on the first's output), then one backward: every
+    gradient of the inputs and of both calls' weights."""
+    leaves = [p["x"].clone().requires_grad_()] + [p[n].clone().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
+    y = mok_cute.moe(leaves[0], p["topk_idx"], p["topk_w"], *leaves[1:], swiglu_limit=4.0, config=cfg)
+    y = mok_cute.moe(y, p["topk_idx"], p["topk_w"], *leaves[1:], swiglu_limit=4.0, config=cfg)
+    return [y] + list(torch.autograd.grad(y, leaves, dy))
+
+
+def test_budget_keeps_what_fits_and_recomputes_the_rest(monkeypatch):
+    """activations="budget": with room for one call's activations the first call keeps them and
+    the second recomputes (three forwards in all); no room: both recompute; room for both: none
+    does; every gradient bitwise the "save" policy's; the held bytes return to where they were."""
+    from mok_cute import custom_ops
+
+    p, dy = make_problem(T=32, H=64, I=64, E=4, k=2, seed=8)
+    want = _two_layers(p, dy, MoKConfig(backend="reference"))
+    calls = _spy(monkeypatch)
+    held0 = custom_ops._HELD[0]
+    leaves = [p["x"]] + [p[n] for n in ("w_gate", "w_up", "w_down")]
+    _, state = mok_cute.reference.moe_forward(p["x"], p["topk_idx"], p["topk_w"], *leaves[1:], None, 4.0)
+    one = custom_ops._state_bytes(state, leaves + [p["topk_idx"], p["topk_w"]])
+    assert one > 0
+    for budget_mb, forwards in ((0.0, 4), (1.5 * one / 2 ** 20, 3), (4 * one / 2 ** 20, 2)):
+        calls.clear()
+        got = _two_layers(p, dy, MoKConfig(backend="reference", activations="budget", activation_budget_mb=budget_mb))
+        assert calls.count("forward") == forwards, (budget_mb, calls)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert custom_ops._HELD[0] == held0
+
+
+def test_budget_config_errors():
+    with pytest.raises(ValueError, match="activation_budget_mb"):
+        MoKConfig(activations="budget")
+    with pytest.raises(ValueError, match="activation_budget_mb"):
+        MoKConfig(activation_budget_mb=10.0)
+    with pytest.raises(ValueError, match="activation_budget_mb"):
+        MoKConfig(activations="budget", activation_budget_mb=-1.0)
+    assert MoKConfig(activations="budget", activation_budget_mb=0).activation_budget_mb == 0
