@@ -32,22 +32,7 @@ def test_recompute_gives_the_saved_gradients_bitwise(shared_I):
 
 
 def test_recompute_runs_the_forward_again_and_keeps_no_state(monkeypatch):
-    calls = []
-    real = select.get_backend
-
-    class Spy:
-        def __init__(self, be):
-            self.be = be
-
-        def forward(self, *a):
-            calls.append("forward")
-            return self.be.forward(*a)
-
-        def backward(self, state, dy, main_grads=None):
-            calls.append(("backward", state is not None))
-            return self.be.backward(state, dy, main_grads=main_grads)
-
-    monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))  # what the custom op looks up
+    calls = _spy(monkeypatch)
     p, dy = make_problem(T=24, H=64, I=64, E=4, k=2, seed=5)
     for policy, want in (("save", ["forward", ("backward", True)]),
                          ("recompute", ["forward", "forward", ("backward", True)])):
@@ -72,6 +57,7 @@ def test_bad_policy():
 
 
 def _spy(monkeypatch):
+    """The calls the layer makes of its backend (what the custom op looks up), recorded in order."""
     calls = []
     real = select.get_backend
 
@@ -84,6 +70,7 @@ def _spy(monkeypatch):
             return self.be.forward(*a)
 
         def backward(self, state, dy, main_grads=None):
+            calls.append(("backward", state is not None))
             return self.be.backward(state, dy, main_grads=main_grads)
 
     monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))
