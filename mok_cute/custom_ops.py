@@ -75,25 +75,28 @@ class _Held:
 _HELD = [0]  # bytes of activations held by kept states under activations="budget"
 
 
-def _state_bytes(state, inputs) -> int:
-    """Bytes of the distinct tensor storages reachable from ``state`` (dataclasses, tuples, lists,
-    dicts) that are not the layer's inputs' (those autograd keeps anyway)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    total, stack = 0, [state]
+def _storages(obj) -> dict:
+    """``{storage pointer: bytes}`` of the tensors reachable from ``obj`` (through dataclasses,
+    tuples, lists, dicts)."""
+    out, stack = {}, [obj]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            p = o.untyped_storage().data_ptr()
-            if p not in seen:
-                seen.add(p)
-                total += o.untyped_storage().nbytes()
+            out[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
         elif isinstance(o, (tuple, list)):
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif hasattr(o, "__dataclass_fields__"):
             stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
-    return total
+    return out
+
+
+def _state_bytes(state, inputs) -> int:
+    """Bytes of the distinct tensor storages reachable from ``state`` that are not reachable from
+    ``inputs`` (the layer's inputs: autograd keeps those anyway)."""
+    held = _storages(inputs)
+    return sum(n for p, n in _storages(state).items() if p not in held)
 
 
 def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, swiglu_limit,
@@ -115,8 +118,7 @@ def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_do
     if cfg.activations == "recompute":
         return y, (backend, None, (inp, cfg, grp))
     if cfg.activations == "budget":
-        nbytes = _state_bytes(state, (x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                      shared_gate))
+        nbytes = _state_bytes(state, inp)
         if _HELD[0] + nbytes > cfg.activation_budget_mb * 2 ** 20:
             return y, (backend, None, (inp, cfg, grp))  # does not fit: recompute in the backward
         return y, (backend, state, None, _Held(nbytes))
@@ -135,15 +137,20 @@ def run_backward(entry, dy, weights, main_grads) -> list:
     if len(weights) > 3:
         d_w += list(g.d_shared)
     if len(weights) > 6:
-        d_w.append(g.d_shared_gate.to(weights[6].dtype))  # the gate's fp32 gradient as its weight's dtype
+        d_w.append(g.d_shared_gate)  # fp32
     if main_grads:  # accumulate in fp32 (Megatron's main_grad); the weights get no gradient
-        if len(weights) > 6:
-            d_w[6] = g.d_shared_gate  # in fp32
         for acc, d in zip(main_grads, d_w):
             if d is not None:  # None: the backend accumulated it already (the fused backward's epilogue)
                 acc.add_(d.float())
         d_w = [None] * len(weights)
+    elif len(weights) > 6:
+        d_w[6] = d_w[6].to(weights[6].dtype)  # the gate's fp32 gradient as its weight's dtype
     return [g.dx, g.d_topk_w, *d_w]
+
+
+def _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) -> list:
+    """The layer's weights present, in :func:`run_backward`'s order (routed, shared, gate)."""
+    return [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) if w is not None]
 
 
 def _input_grads(grads: list, has_shared: bool, has_gate: bool, n_main: int | None):
@@ -166,8 +173,7 @@ class MoEFunction(torch.autograd.Function):
                 shared_gate, main_grads):
         y, ctx.entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
                                    swiglu_limit, cfg, grp, keep)
-        ws = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if ws_gate is not None else [])
-        ctx.weights = ws + ([shared_gate] if shared_gate is not None else [])
+        ctx.weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate)
         ctx.has_shared, ctx.has_gate, ctx.main_grads = ws_gate is not None, shared_gate is not None, main_grads
         ctx.mark_non_differentiable(topk_idx)
         return y
@@ -238,8 +244,7 @@ def _(dy, handle, x, topk_w, weights, main_grads):
 
 def _setup(ctx, inputs, output):
     x, _, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, main_grads = inputs[:11]
-    weights = [w_gate, w_up, w_down] + ([ws_gate, ws_up, ws_down] if ws_gate is not None else [])
-    weights += [shared_gate] if shared_gate is not None else []
+    weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate)
     ctx.n_weights, ctx.has_shared, ctx.has_gate = len(weights), ws_gate is not None, shared_gate is not None
     ctx.n_main = len(main_grads)
     ctx.save_for_backward(output[1], x, topk_w, *weights, *main_grads)

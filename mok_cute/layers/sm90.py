@@ -67,7 +67,12 @@ def _mx_dequant_weight(w, axis):
 
 
 def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
-    """Whether the fused backward core takes these operands (the unfused path takes any)."""
+    """Whether the fused backward core takes these operands (the unfused path takes any): BF16, or
+    MXFP8 with its variant on (``grouped.fused_bwd_mx``), contiguous rows."""
+    from mok_cute.layers.grouped import fused_bwd_mx
+
+    if not (g.precision == "bf16" or (g.precision == "mxfp8" and fused_bwd_mx())):
+        return False
     return g.x is not None and g.x.is_contiguous() and dy_rows.is_contiguous() and g.gu.is_contiguous()
 
 
@@ -191,9 +196,9 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
-        from mok_cute.layers.grouped import fused_bwd_mode, fused_bwd_mx
+        from mok_cute.layers.grouped import fused_bwd_mode
 
-        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows) and (g.precision == "bf16" or fused_bwd_mx()):
+        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
             from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
             return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
@@ -212,10 +217,8 @@ class Sm90ExpertMLP:
         launch does not apply (then call :meth:`backward`)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
-        from mok_cute.layers.grouped import fused_bwd_mx
 
-        precisions = ("bf16", "mxfp8") if fused_bwd_mx() else ("bf16",)
-        if g.precision not in precisions or not _fused_bwd_ok(g, dy_rows):
+        if not _fused_bwd_ok(g, dy_rows):
             return None
         if dx_shared is not None and not dx_shared.is_contiguous():
             return None
@@ -328,8 +331,9 @@ def _ring_chunks(config, topk_idx) -> int:
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
     """Validate, once, everything the expert MLP's seven launches need (the kernels then run
     unchecked): x [M, H] contiguous, w_gate/w_up [E, I, H], w_down [E, H, I] bf16 addressable in
-    place by TMA (``dsl.host.tma_weight``: e.g. the halves of one fc1 tensor) on one CUDA device, offsets int32/int64 [E+1], H and I multiples of tile_n (256:
-    also the 128 of the FP8 blocks and the 32 of the MX blocks)."""
+    place by TMA (``dsl.host.tma_weight``: e.g. the halves of one fc1 tensor) on one CUDA device,
+    offsets int32/int64 [E+1], H and I multiples of tile_n (256: also the 128 of the FP8 blocks
+    and the 32 of the MX blocks)."""
     cfg = fwd.DEFAULT_CONFIG
     m, hid, e = fwd._check_operands(x_rows, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
     if w_gate.shape != w_up.shape:

@@ -371,10 +371,9 @@ def _mx_rows_rt(r: cute.Tensor) -> cute.Tensor:
     rows, bitwise ``dequant_mxfp8.mxfp8_round_trip`` (every lane joins the shuffles)."""
     rt = cute.make_rmem_tensor_like(r)
     words, rt_words = cute.recast_tensor(r, cutlass.Uint32), cute.recast_tensor(rt, cutlass.Uint32)
-    ops = Fp8Ops(bf16=True)
     for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
         for n in cutlass.range_constexpr(cute.size(words, mode=[2])):
-            o = ops.mx_round_trip([words[(j, m, n)] for j in range(4)], 4)
+            o = _BF16_OPS.mx_round_trip([words[(j, m, n)] for j in range(4)], 4)
             for j in cutlass.range_constexpr(4):
                 rt_words[(j, m, n)] = o[j]
     return rt
