@@ -14,7 +14,7 @@ unfused (MOK_CUTE_FUSED=0, and the unfused backward, ``MOK_CUTE_FUSED_BWD=0``); 
 library's default backward (``MOK_CUTE_FUSED_BWD`` unset: mode 2), the rows of ``--bwd`` modes that mode
 (0 unfused, 1 the routed backward's GEMMs in one launch, 2 also the dx scatter and slot sum, 3 the whole
 backward in one launch; ``--bwd-comm`` mode 3 at other ``comm_sms_bwd``; the MXFP8 rows run the fused
-backward's MXFP8 variant, ``MOK_CUTE_FUSED_BWD_MX=1``); "GEMM tiles alone": the
+backward's MXFP8 variant, the default); "GEMM tiles alone": the
 forward's grouped GEMM kernels on pre-gathered rows (its fwd+bwd: then the backward's GEMM kernels,
 unfused, on its gu / h: a backward's "GEMM tiles alone" is that row's fwd+bwd minus its fwd). Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
@@ -127,7 +127,6 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
             os.environ.pop("MOK_CUTE_FUSED_BWD", None)
         else:
             os.environ["MOK_CUTE_FUSED_BWD"] = bwd
-        os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"  # MXFP8 rows: the fused backward's mx variant too
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -242,7 +241,6 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             p.grad = None
     os.environ.pop("MOK_CUTE_FUSED", None)
     os.environ.pop("MOK_CUTE_FUSED_BWD", None)
-    os.environ.pop("MOK_CUTE_FUSED_BWD_MX", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
     if trace:
         s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)

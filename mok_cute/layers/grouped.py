@@ -78,10 +78,10 @@ def fused_bwd_mode() -> int:
 
 
 def fused_bwd_mx() -> bool:
-    """``MOK_CUTE_FUSED_BWD_MX=1`` (read at every call): the MXFP8 backward through the fused
-    backward too (its ``mx`` variant). Off by default: compiled and benchmarked on an H200, its
-    bitwise check against the unfused MXFP8 backward (``tools/checks/fused_bwd.py``) not yet run."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "0").strip() == "1"
+    """The MXFP8 backward through the fused backward too (its ``mx`` variant): on by default
+    (bitwise equal to the unfused MXFP8 backward on an H200, ``tools/checks/fused_bwd.py``, and
+    faster: docs/benchmarks.md); ``MOK_CUTE_FUSED_BWD_MX=0`` (read at every call) turns it off."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "1").strip() != "0"
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
