@@ -38,9 +38,10 @@ def test_no_spills_and_registers_fit(compiled):
 
 def test_tma_descriptors(compiled):
     """One CUtensorMap kernel parameter (128 bytes, 64-aligned) per TMA operand: A, B, (MXFP8)
-    SFA, SFB, and (dgrad1) the second part of B along K: w_gate and w_up are read in place."""
+    SFA, SFB, and (dgrad1) the second parts of A and B along K: dgu's halves, w_gate and w_up
+    are read in place."""
     name, rep, _ = compiled
-    expect = 2 + 2 * name.startswith("mxfp8") + ("dgrad1" in name)
+    expect = 2 + 2 * name.startswith("mxfp8") + 2 * ("dgrad1" in name)
     assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == expect
 
 
@@ -62,8 +63,8 @@ def test_majorness_and_epilogue_validated():
         Sm100Mainloop(Sm100Config(), a_major="m")
     with pytest.raises(ValueError, match="epilogue"):
         g.GroupedGemmSm100(Sm100Config(), "relu")
-    with pytest.raises(ValueError, match="split_b"):
-        g.GroupedGemmSm100(Sm100Config(), split_b=True)  # K-major B
+    with pytest.raises(ValueError, match="split_k"):
+        g.GroupedGemmSm100(Sm100Config(), split_k=True)  # K-major B
     with pytest.raises(ValueError, match="arch"):
         g.compile_grouped_gemm("plain", arch="sm_90a")
 
@@ -95,7 +96,8 @@ def _offs():
     (dict(a="x"), TypeError, "a"),
     (dict(a=torch.zeros(300, 64)), TypeError, "a"),
     (dict(a=torch.zeros(300, 60, dtype=bf)), ValueError, "a"),
-    (dict(w=torch.zeros(3, 200, 64, dtype=bf)), ValueError, "tile_n"),
+    (dict(w=torch.zeros(3, 200, 64, dtype=bf)), ValueError, "multiple of 32"),
+    (dict(w=torch.zeros(3, 192, 64, dtype=bf)), ValueError, "CUDA"),  # N tail: valid
     (dict(w=torch.zeros(2, 256, 64, dtype=bf)), ValueError, "w"),
     (dict(offsets=torch.zeros(4)), TypeError, "offsets"),
     (dict(a=torch.zeros(300, 64, dtype=f8), w=torch.zeros(3, 256, 64, dtype=f8)), ValueError, "a_scales"),
@@ -113,7 +115,8 @@ def test_grouped_gemm_validation(kwargs, exc, name):
 
 @pytest.mark.parametrize("kwargs, exc, name", [
     (dict(w_up=torch.zeros(3, 128, 64, dtype=bf)), ValueError, "w_up"),
-    (dict(w_gate=torch.zeros(3, 192, 64, dtype=bf), w_up=torch.zeros(3, 192, 64, dtype=bf)), ValueError, "w_gate"),
+    (dict(w_gate=torch.zeros(3, 200, 64, dtype=bf), w_up=torch.zeros(3, 200, 64, dtype=bf)), ValueError, "w_gate"),
+    (dict(w_gate=torch.zeros(3, 192, 64, dtype=bf), w_up=torch.zeros(3, 192, 64, dtype=bf)), ValueError, "CUDA"),
     (dict(limit="4"), TypeError, "limit"),
     (dict(limit=-1.0), ValueError, "limit"),
     (dict(x=torch.zeros(300, 64, dtype=f8), w_gate=torch.zeros(3, 256, 64, dtype=f8),
@@ -128,6 +131,7 @@ def test_swiglu_validation(kwargs, exc, name):
 
 @pytest.mark.parametrize("kwargs, exc, name", [
     (dict(w_down=torch.zeros(3, 64, 200, dtype=bf)), ValueError, "w_down"),
+    (dict(w_down=torch.zeros(3, 64, 192, dtype=bf), gu=torch.zeros(300, 384, dtype=bf)), ValueError, "CUDA"),
     (dict(gu=torch.zeros(300, 256, dtype=bf)), ValueError, "gu"),
     (dict(dy=torch.zeros(300, 64, dtype=f8), w_down=torch.zeros(3, 64, 256, dtype=f8)), ValueError, "dy_scales"),
     (dict(limit=0.0), ValueError, "limit"),
@@ -143,9 +147,13 @@ def test_dswiglu_validation(kwargs, exc, name):
     (dict(w_gate=torch.zeros(3, 128, 256, dtype=bf)), ValueError, "w_gate"),
     (dict(w_up=torch.zeros(3, 256, 512, dtype=bf)[:, :, 1:257]), ValueError, "w_up"),  # misaligned
     (dict(w_up=torch.zeros(3, 256, 256, dtype=f8)), TypeError, "w_up"),
-    (dict(dgu=torch.zeros(300, 448, dtype=bf), w_gate=torch.zeros(3, 224, 256, dtype=bf),
-          w_up=torch.zeros(3, 224, 256, dtype=bf)), ValueError, "tile_k"),
-    (dict(w_gate=torch.zeros(3, 256, 192, dtype=bf), w_up=torch.zeros(3, 256, 192, dtype=bf)), ValueError, "tile_n"),
+    (dict(dgu=torch.zeros(300, 72, dtype=bf), w_gate=torch.zeros(3, 36, 256, dtype=bf),
+          w_up=torch.zeros(3, 36, 256, dtype=bf)), ValueError, "dgu"),
+    (dict(dgu=torch.zeros(300, 96, dtype=f8), w_gate=torch.zeros(3, 48, 256, dtype=f8),
+          w_up=torch.zeros(3, 48, 256, dtype=f8)), ValueError, "dgu"),
+    (dict(w_gate=torch.zeros(3, 256, 200, dtype=bf), w_up=torch.zeros(3, 256, 200, dtype=bf)), ValueError, "w_gate"),
+    (dict(dgu=torch.zeros(300, 384, dtype=bf), w_gate=torch.zeros(3, 192, 192, dtype=bf),
+          w_up=torch.zeros(3, 192, 192, dtype=bf)), ValueError, "CUDA"),  # K split at I % 128 == 64, N tail
     (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
           w_up=torch.zeros(3, 256, 256, dtype=f8)), ValueError, "dgu_scales"),
     (dict(dgu=torch.zeros(300, 512, dtype=f8), w_gate=torch.zeros(3, 256, 256, dtype=f8),
@@ -174,7 +182,8 @@ def test_dgrad1_validation(kwargs, exc, name):
     (dict(a=torch.zeros(300, 70, dtype=bf)[:, 1:65]), ValueError, "a"),  # misaligned slice
     (dict(b=torch.zeros(300, 260, dtype=bf)[:, :256]), ValueError, "b"),  # row stride not 16 bytes
     (dict(b=torch.zeros(299, 256, dtype=bf)), ValueError, "b"),
-    (dict(b=torch.zeros(300, 200, dtype=bf)), ValueError, "tile_n"),
+    (dict(b=torch.zeros(300, 200, dtype=bf)), ValueError, "Nb=200"),
+    (dict(a=torch.zeros(300, 192, dtype=bf), b=torch.zeros(300, 320, dtype=bf)), ValueError, "CUDA"),  # M, N tails
     (dict(a=torch.zeros(300, 64, dtype=f8), b=torch.zeros(300, 256, dtype=f8)), ValueError, "a_scales"),
     (dict(a=torch.zeros(300, 64, dtype=f8), b=torch.zeros(300, 256, dtype=f8),
           a_scales=torch.zeros(10, dtype=u8), b_scales=torch.zeros(10, dtype=u8)), ValueError, "a_scales"),

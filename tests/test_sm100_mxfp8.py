@@ -281,12 +281,13 @@ def test_mxfp8_glue_operands_equal_reference_quantization(emu):
 
 
 # ------------------------------------------------------------------ (2) the layer end to end
-@pytest.mark.parametrize("shared_i,limit", [(256, 4.0), (None, None)])
-def test_sm100_mxfp8_layer_equals_reference(emu, shared_i, limit):
+@pytest.mark.parametrize("hid,inter,shared_i,limit", [(256, 256, 256, 4.0), (256, 256, None, None),
+                                                      (192, 320, 64, 4.0)])  # the last: N and K tails
+def test_sm100_mxfp8_layer_equals_reference(emu, hid, inter, shared_i, limit):
     from mok_cute.layers import select as B
     from mok_cute.config import MoKConfig
 
-    p, dy = make_problem(T=40, H=256, I=256, E=5, k=3, shared_I=shared_i, seed=21)
+    p, dy = make_problem(T=40, H=hid, I=inter, E=5, k=3, shared_I=shared_i, seed=21)
     p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
     be = B.get_backend("sm100")
@@ -311,9 +312,11 @@ def test_sm100_mxfp8_layer_equals_reference(emu, shared_i, limit):
 
 
 # ------------------------------------------------------------------ the real wrappers accept the glue's operands
-def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant):
+@pytest.mark.parametrize("hid,inter", [(256, 256), (192, 320)])
+def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant, hid, inter):
     """The real sm100 wrappers (validation + scale repacking on CPU) take every operand the glue
-    builds; only the launch (and the wgrad's arch lookup, after its checks) is stubbed out."""
+    builds, tail shapes too; only the launch (and the wgrad's arch lookup, after its checks) is
+    stubbed out."""
     from mok_cute.kernels.sm100 import grouped_gemm as k
 
     launches = []
@@ -343,7 +346,7 @@ def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant):
     monkeypatch.setattr(k, "_arch", arch)
     monkeypatch.setattr(k, "grouped_wgrad", wgrad)
     g = torch.Generator().manual_seed(5)
-    num_e, hid, inter = 3, 256, 256
+    num_e = 3
     offs = torch.tensor([0, 140, 140, 200], dtype=torch.int32)
     m = 230
     x = torch.randn(m, hid, generator=g).bfloat16()

@@ -148,10 +148,11 @@ def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quan
 
 
 class Sm100ExpertMLP:
-    """BF16 / MXFP8 expert MLP on the SM100 kernels (output tile 256 wide)."""
+    """BF16 / MXFP8 expert MLP on the SM100 kernels (output tiles 256 wide; H, I, I_s any
+    multiple of 64: partial last tiles along N are masked, K tails zero-filled)."""
 
     arch = "sm100"
-    tile_n = 256
+    dim_multiple = {"bf16": 64, "mxfp8": 64}
     precisions = ("bf16", "mxfp8")
 
     def __init__(self):

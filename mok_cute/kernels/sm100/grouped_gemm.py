@@ -11,14 +11,20 @@ Tiles are scheduled by :mod:`mok_cute.schedule.group_tiles` (grid = SMs; with
 
 Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-major or
 ``[E, K, N]`` MN-major):
-  ``plain``:   out [M, N] = bf16(A_e @ B_e); with split B (dgrad1: B = [w_gate; w_up] along
-               K, MN-major) B's two parts have their own TMA descriptors, switched at k = K1,
-               into one FP32 TMEM accumulator (no concatenated copy).
-  ``swiglu``:  B = ``interleave_gate_up(w_gate, w_up, tile_n)``; gu [M, 2I] (gate cols [0, I),
-               up [I, 2I)) and h [M, I] = bf16(silu(g) * u) from the bf16 g, u in FP32,
-               optional clamp L: g = min(g, L), u = clamp(u, -L, L) (as the SM90 epilogue).
+  ``plain``:   out [M, N] = bf16(A_e @ B_e); with split K (dgrad1: A = dgu = [dg | du], B =
+               [w_gate; w_up] along K, MN-major) A's and B's two parts have their own TMA
+               descriptors, switched at the k-tile k1 = ceil(I / tile_k), into one FP32 TMEM
+               accumulator (no concatenated copy; each part's K tail is zero-filled).
+  ``swiglu``:  B = :func:`interleave_gate_up` (w_gate, w_up; I padded to tile_n/2 with zero
+               rows); gu [M, 2I] (gate cols [0, I), up [I, 2I)) and h [M, I] = bf16(silu(g) * u)
+               from the bf16 g, u in FP32, optional clamp L: g = min(g, L), u = clamp(u, -L, L)
+               (as the SM90 epilogue).
   ``dswiglu``: N = I, the FP32 accumulator dh (never rounded) meets g, u read from gu:
                dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
+N tails: N (H or I) need only be a multiple of :data:`EPI_N` (32); the tile count over N
+rounds up, TMA zero-fills B's rows past N (B is viewed 3-D per expert) and the epilogues
+store (dswiglu: also read) only the 32-column chunks inside N. K tails are zero-filled too
+(MXFP8: with zero scales from the padded blocked layouts).
 Weight gradient: dW[e] = bf16(a_e^T . b_e), a [M, Na], b [M, Nb] token-row-major, column
 slices allowed (read MN-major, K = the expert's tokens in order through the ragged TMA view of
 :mod:`sm90.expert_bwd`: no split-K, no atomics, bitwise reproducible; empty experts get 0).
@@ -27,10 +33,12 @@ MXFP8 (``ab_dtype=Float8E4M3FN``): operands are e4m3 data plus flat uint8 E8M0 s
 in the layouts of :mod:`mok_cute.kernels.sm100.layouts`: token-row A scales grouped per
 expert (:func:`~sm100.layouts.pack_row_scales`), weight scales ``to_blocked`` per expert
 (B viewed (N, K): [E, N_pad * K_pad / 32]; MN-major weights via
-:func:`~sm100.layouts.pack_kn_weight_scales`, one matrix over both parts of a split B),
+:func:`~sm100.layouts.pack_kn_weight_scales`; split K: one matrix over both parts, each
+part's blocks padded to whole 128-element k-tiles, :func:`~sm100.layouts.pad_k_parts`),
 wgrad scales along tokens
-(:func:`~sm100.layouts.pack_token_scales`). Stores are row-masked 16-byte vectors straight
-from registers (rows past an expert's end are computed, never written).
+(:func:`~sm100.layouts.pack_token_scales`). Stores are row- and column-masked 16-byte vectors
+straight from registers (rows past an expert's end and columns past N are computed, never
+written).
 """
 from __future__ import annotations
 
@@ -52,7 +60,6 @@ from mok_cute.dsl.host import (
     _FP8, _check_devices, _check_limit, _check_offsets, _check_out, _check_tensor, check_wgrad_operands, offsets_i32,
     sm_count, wgrad_out,
 )
-from mok_cute.kernels.sm90.grouped_gemm import interleave_gate_up
 from mok_cute.kernels.sm100.mainloop import (
     EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
     Sm100Mainloop, epi_barrier, tmem_load,
@@ -93,32 +100,34 @@ class GroupedGemmSm100:
 
     Call (jit), grouped: ``(mA [M, K], mB, mB2, mSFA, mSFB, mOffsets [E+1] int32, mOut0,
     mOut1, limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N]
-    (``"mn"``); ``split_b``: ``mB`` [E, K1, N] holds B's first K1 rows along K and ``mB2``
-    [E, K - K1, N] the rest (K1 a multiple of tile_k; two TMA descriptors), else ``mB2`` None;
-    plain: ``mOut0`` = out [M, N] (``mOut1`` = mOut0); swiglu: gu [M, 2, N/2], h [M, N/2];
-    dswiglu: dgu, gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], None, mSFA, mSFB, mOffsets,
-    mOut [E, Na, Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale
-    buffers (MXFP8; SFB over the whole K) or None. N (Nb) a multiple of tile_n; ``num_ctas`` a
-    multiple of the cluster size.
+    (``"mn"``); ``split_k``: ``mA`` [M, 2, K1] and ``mB`` [E, K1, N], ``mB2`` [E, K1, N] are
+    A's and B's two parts along K (four TMA descriptors; MXFP8 scales padded per part to
+    whole k-tiles), else ``mB2`` None; plain: ``mOut0`` = out [M, N] (``mOut1`` = mOut0);
+    swiglu: B's N = 2 I_p (I_p = I padded to tile_n/2), gu [M, 2, I], h [M, I]; dswiglu: dgu,
+    gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], None, mSFA, mSFB, mOffsets, mOut [E, Na,
+    Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale buffers
+    (MXFP8; SFB over the whole K) or None. N (Nb, I) a multiple of :data:`EPI_N`, tiles over
+    it round up; ``num_ctas`` a multiple of the cluster size.
     """
 
     def __init__(self, cfg: Sm100Config, epilogue: str = "plain", clamp: bool = False, b_major: str = K_MAJOR,
-                 wgrad: bool = False, split_b: bool = False):
+                 wgrad: bool = False, split_k: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if wgrad and epilogue != "plain":
             raise ValueError("wgrad has the plain epilogue only")
-        if split_b and (wgrad or b_major != MN_MAJOR):
-            raise ValueError("split_b needs b_major='mn' (and no wgrad)")
+        if split_k and (wgrad or b_major != MN_MAJOR):
+            raise ValueError("split_k needs b_major='mn' (and no wgrad)")
         if epilogue == "swiglu" and (cfg.tile_n // 2) % EPI_N:
             raise ValueError(f"swiglu needs tile_n a multiple of {2 * EPI_N}, got {cfg.tile_n}")
-        self.cfg, self.epilogue, self.clamp, self.wgrad, self.split_b = cfg, epilogue, clamp, wgrad, split_b
+        self.cfg, self.epilogue, self.clamp, self.wgrad, self.split_k = cfg, epilogue, clamp, wgrad, split_k
         self.b_major = MN_MAJOR if wgrad else b_major
         self.mainloop = Sm100Mainloop(cfg, a_major=MN_MAJOR if wgrad else K_MAJOR, b_major=self.b_major)
 
     # ------------------------------------------------------------ launcher
     def _views(self, mA, mB, mSFA, mSFB, num_experts):
-        """(M|N, K, L) views of A, B and, for MXFP8, the blocked scale tensors (SFB over A's K)."""
+        """(M|N, K, L) views of A (split K: its first part), B and, for MXFP8, the blocked scale
+        tensors (SFB over A's K; split K: both parts, each padded to whole k-tiles)."""
         cfg = self.cfg
         sfa = sfb = None
         if cutlass.const_expr(self.wgrad):
@@ -130,15 +139,23 @@ class GroupedGemmSm100:
                 sfa = self._sf(mSFA, (mA.shape[1], k_sf, 1))
                 sfb = self._sf(mSFB, (mB.shape[1], k_sf, 1))
         else:
-            a = cute.make_tensor(mA.iterator, cute.append(mA.layout, cute.make_layout(1)))
+            a = self._rows(mA[(None, 0, None)] if cutlass.const_expr(self.split_k) else mA)
             modes = [1, 2, 0] if self.b_major == K_MAJOR else [2, 1, 0]
             b = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=modes))
             if cutlass.const_expr(cfg.mx):
                 m_sf = (mA.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS * lay.SF_ATOM_ROWS \
                     + lay.SF_ATOM_ROWS * num_experts
-                sfa = self._sf(mSFA, (m_sf, mA.shape[1], 1))
-                sfb = self._sf(mSFB, (b.shape[0], mA.shape[1], b.shape[2]))
+                k_sf = mA.shape[1]
+                if cutlass.const_expr(self.split_k):
+                    k_sf = 2 * ((mA.shape[2] + (cfg.tile_k - 1)) // cfg.tile_k * cfg.tile_k)
+                sfa = self._sf(mSFA, (m_sf, k_sf, 1))
+                sfb = self._sf(mSFB, (b.shape[0], k_sf, b.shape[2]))
         return a, b, sfa, sfb
+
+    @staticmethod
+    def _rows(t: cute.Tensor) -> cute.Tensor:
+        """(M, K) token rows -> the (M, K, 1) view TMA reads."""
+        return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
 
     @staticmethod
     def _sf(flat: cute.Tensor, shape):
@@ -151,10 +168,11 @@ class GroupedGemmSm100:
                  stream: cuda.CUstream):
         ml, cfg = self.mainloop, self.cfg
         ml.setup()
-        b2 = None
-        if cutlass.const_expr(self.split_b):
+        a2 = b2 = None
+        if cutlass.const_expr(self.split_k):
+            a2 = self._rows(mA[(None, 1, None)])
             b2 = cute.make_tensor(mB2.iterator, cute.select(mB2.layout, mode=[2, 1, 0]))
-        tmas = ml.make_tma(*self._views(mA, mB, mSFA, mSFB, mOffsets.shape[0] - 1), mB2=b2)
+        tmas = ml.make_tma(*self._views(mA, mB, mSFA, mSFB, mOffsets.shape[0] - 1), mA2=a2, mB2=b2)
         ab, stages, acc_stages = cfg.ab_dtype, ml.stages, ml.acc_stages
         a_n, b_n = cute.cosize(ml.a_smem.outer), cute.cosize(ml.b_smem.outer)
 
@@ -217,10 +235,10 @@ class GroupedGemmSm100:
         if warp == TMA_WARP:
             for atom in atoms:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        atom_b2 = coord_b2 = None
-        if cutlass.const_expr(self.split_b):  # B's second part along K: last in the lists
-            atom_b2, coord_b2 = atoms[-1], coords[-1]
-            atoms, coords = atoms[:-1], coords[:-1]
+        atoms2 = coords2 = None
+        if cutlass.const_expr(self.split_k):  # A's and B's second parts along K: last in the lists
+            atoms2, coords2 = atoms[-2:], coords[-2:]
+            atoms, coords = atoms[:-2], coords[:-2]
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         ab_pipe, acc_pipe = self.mainloop.make_pipelines(storage)
@@ -235,12 +253,16 @@ class GroupedGemmSm100:
         m_tiles = Int32(0)
         total = Int32(0)
         k_tiles = Int32(0)
+        k_tiles1 = None
         if cutlass.const_expr(self.wgrad):
             na = coords[0].shape[0]
             m_tiles = (na + (cfg.tile_m - 1)) // cfg.tile_m
         else:
             k_tiles = (coords[0].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
-        n_tiles = coord_b.shape[0] // cfg.tile_n
+            if cutlass.const_expr(self.split_k):
+                k_tiles1 = k_tiles
+                k_tiles = k_tiles1 + (coords2[0].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        n_tiles = (coord_b.shape[0] + (cfg.tile_n - 1)) // cfg.tile_n
         if cutlass.const_expr(self.wgrad):
             total = num_experts * m_tiles * n_tiles
         linear0 = Int32(bidx // cfg.cta_group)
@@ -256,11 +278,10 @@ class GroupedGemmSm100:
             if cutlass.const_expr(not self.wgrad):
                 tBsB, tBgB_all = self.mainloop.partition_b(
                     atoms[1], cute.local_tile(coord_b, tiler_b, (None, None, None)), sB, cta_v)
-            tBgB2_all = k_tiles1 = None
-            if cutlass.const_expr(self.split_b):
+            tBgB2_all = None
+            if cutlass.const_expr(self.split_k):
                 _, tBgB2_all = self.mainloop.partition_b(
-                    atom_b2, cute.local_tile(coord_b2, tiler_b, (None, None, None)), sB, cta_v)
-                k_tiles1 = coord_b.shape[1] // cfg.tile_k
+                    atoms2[1], cute.local_tile(coords2[1], tiler_b, (None, None, None)), sB, cta_v)
             sf_src = None
             if cutlass.const_expr(cfg.mx):
                 tAsSFA, tAgSFA_all = self.mainloop.partition_a(
@@ -274,7 +295,7 @@ class GroupedGemmSm100:
             while valid:
                 e, m_tile, n_tile, row0, _, kt, sf_tile, lo, length = self._coords(
                     mOffsets, linear, expert, base, m_tiles, n_tiles, k_tiles, na)
-                b2 = None
+                part2 = None
                 if cutlass.const_expr(self.wgrad):
                     gA = cute.local_tile(_expert_k(coords[0], lo, length), tiler_a, (m_tile, None))
                     gB = cute.local_tile(_expert_k(coord_b, lo, length), tiler_b, (n_tile, None))
@@ -283,8 +304,11 @@ class GroupedGemmSm100:
                     sB_t = tBsB
                     gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
                     tBgB = tBgB_all[(None, n_tile, None, e)]
-                    if cutlass.const_expr(self.split_b):
-                        b2 = (atom_b2, tBgB2_all[(None, n_tile, None, e)], k_tiles1)
+                    if cutlass.const_expr(self.split_k):
+                        gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords2[0][(None, None, 0)]), tiler_a,
+                                              (0, None))
+                        _, tAgA2 = self.mainloop.partition_a(atoms2[0], gA2, sA, cta_v)
+                        part2 = (atoms2, (tAgA2, tBgB2_all[(None, n_tile, None, e)]), k_tiles1)
                 tAsA, tAgA = self.mainloop.partition_a(atoms[0], gA, sA, cta_v)
                 srcs, dsts, sf_k0 = (tAgA, tBgB), (tAsA, sB_t), Int32(0)
                 if cutlass.const_expr(cfg.mx):
@@ -299,7 +323,7 @@ class GroupedGemmSm100:
                                                                   coords[2][(None, None, 0)]), tiler_a, (0, None))
                         _, tAgSFA = self.mainloop.partition_a(atoms[2], gSFA, sSFA, cta_v)
                         srcs = srcs + (tAgSFA, sf_src[1][(None, n_tile, None, e)])
-                state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, dsts, kt, sf_k0, masks, b2)
+                state = self.mainloop.load_tile(ab_pipe, state, atoms, srcs, dsts, kt, sf_k0, masks, part2)
                 linear = linear + stride
                 expert, base, valid = self._advance(mOffsets, num_experts, n_tiles, total, linear, expert, base)
             ab_pipe.producer_tail(state)
@@ -363,23 +387,28 @@ class GroupedGemmSm100:
     # ------------------------------------------------------------ epilogues (epilogue warps)
     @cute.jit
     def _store_plain(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mOut: cute.Tensor):
-        """out[row0 + r, n_tile * tile_n + c] = bf16(acc[r, c]) for r < rows."""
+        """out[row0 + r, n_tile * tile_n + c] = bf16(acc[r, c]) for r < rows and columns inside
+        out's N (a multiple of EPI_N)."""
         row = chunks.row
+        cols = mOut.shape[1] - n_tile * self.cfg.tile_n
         g = cute.local_tile(cute.domain_offset((row0, 0), mOut), (EPI_THREADS, self.cfg.tile_n), (0, n_tile))
         for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
             r = _bf16(chunks.load(c))
             dst = chunks.part(cute.local_tile(g, (EPI_THREADS, EPI_N), (0, c)))
             if row < rows:
-                cute.autovec_copy(r, dst)
+                if c * EPI_N < cols:
+                    cute.autovec_copy(r, dst)
 
     @cute.jit
     def _store_swiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
                       mH: cute.Tensor, limit: Float32):
         """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, of intermediate columns
-        ``n_tile * tile_n/2 + c``: writes gu (gate, up halves of [M, 2, I]) and h."""
+        ``n_tile * tile_n/2 + c``: writes gu (gate, up halves of [M, 2, I]) and h, for
+        columns < I (a multiple of EPI_N; B's padding rows past I gave zeros)."""
         half = self.cfg.tile_n // 2
         shape = (EPI_THREADS, half)
         row = chunks.row
+        cols = mH.shape[1] - n_tile * half
         g_gate = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 0, None)]), shape, (0, n_tile))
         g_up = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 1, None)]), shape, (0, n_tile))
         g_h = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
@@ -396,22 +425,25 @@ class GroupedGemmSm100:
             d_up = chunks.part(cute.local_tile(g_up, (EPI_THREADS, EPI_N), (0, c)))
             d_h = chunks.part(cute.local_tile(g_h, (EPI_THREADS, EPI_N), (0, c)))
             if row < rows:
-                cute.autovec_copy(rg, d_gate)
-                cute.autovec_copy(ru, d_up)
-                cute.autovec_copy(rh, d_h)
+                if c * EPI_N < cols:
+                    cute.autovec_copy(rg, d_gate)
+                    cute.autovec_copy(ru, d_up)
+                    cute.autovec_copy(rh, d_h)
 
     @cute.jit
     def _store_dswiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor,
                        mGU: cute.Tensor, limit: Float32):
         """dSwiGLU of the FP32 accumulator dh (intermediate columns ``n_tile * tile_n + c``)
-        with g, u read from gu [M, 2, I] (this thread's row); writes dgu [M, 2, I]."""
+        with g, u read from gu [M, 2, I] (this thread's row); writes dgu [M, 2, I]. Only the
+        chunks inside I (a multiple of EPI_N) are read, computed and written."""
         shape = (EPI_THREADS, self.cfg.tile_n)
         row = chunks.row
+        live = cutlass.min(mGU.shape[2] - n_tile * self.cfg.tile_n, self.cfg.tile_n) // EPI_N
         copy, src, reg_shape = chunks.copy, chunks.src, chunks.reg_shape
         src_g, src_u, dst_g, dst_u = [
             chunks.part_all(cute.local_tile(cute.domain_offset((row0, 0), t[(None, j, None)]), shape, (0, n_tile)))
             for t in (mGU, mDGU) for j in (0, 1)]
-        for c in cutlass.range(self.cfg.tile_n // EPI_N, unroll=2):
+        for c in cutlass.range(live, unroll=2):
             dh = tmem_load(copy, src[(None, None, None, 0, c)], reg_shape)
             g = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
             u = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
@@ -461,12 +493,12 @@ def _check_arch(arch: str):
 
 
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config = Sm100Config(),
-                         b_major: str = K_MAJOR, split_b: bool = False, arch: str = "sm_100a",
+                         b_major: str = K_MAJOR, split_k: bool = False, arch: str = "sm_100a",
                          inspect: bool = False):
-    """Compile one grouped GEMM variant with symbolic M_total, N, K, E (and strides; ``split_b``:
-    B = [E, K1, N] + [E, K - K1, N]); returns ``(compiled, report)``."""
+    """Compile one grouped GEMM variant with symbolic M_total, N, K, E (and strides; ``split_k``:
+    A = [M, 2, K1], B = [E, K1, N] + [E, K1, N]); returns ``(compiled, report)``."""
     _check_arch(arch)
-    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_b=split_b)
+    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_k=split_k)
     ab = cfg.ab_dtype
     div = _VEC * 8 // ab.width
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=div), cute.sym_int(), cute.sym_int()
@@ -474,7 +506,8 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config
     mB2 = None
     if b_major == K_MAJOR:
         mB = _fake_3d(ab, e, n, k)
-    elif split_b:
+    elif split_k:
+        mA = _fake_3d(ab, m, cute.sym_int(), cute.sym_int(divisibility=div))
         mB, mB2 = _fake_3d(ab, e, cute.sym_int(divisibility=div), n), _fake_3d(ab, e, cute.sym_int(divisibility=div), n)
     else:
         mB = _fake_3d(ab, e, k, n)
@@ -589,15 +622,15 @@ def _num_ctas(device, cfg: Sm100Config, tiles: int) -> int:
 def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_sf, w_sf, offsets, out0, out1,
             limit: float, n: int, w2=None):
     """Compile (once per variant and arch) and launch one grouped GEMM on the current stream
-    (``w2``: B's second part along K, split B)."""
+    (``w2``: B's second part along K, split K: ``a`` is then [M, 2, K1]); ``n``: B's N."""
     arch = _arch(a.device)
-    split_b = w2 is not None
+    split_k = w2 is not None
     compiled = compile_cached(
-        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_b, cfg.key()),
-        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_b=split_b,
+        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_k, cfg.key()),
+        lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_k=split_k,
                                      arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
-    tiles = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    tiles = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     offs32 = offsets_i32(offsets)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
@@ -606,12 +639,34 @@ def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_
              Int32(_num_ctas(a.device, cfg, tiles)), stream)
 
 
+def _check_n(name, n):
+    """N dims (H, I): positive multiples of :data:`EPI_N` (the epilogue's column chunk; tiles
+    over N round up)."""
+    if n % EPI_N or n == 0:
+        raise ValueError(f"{name} must be a positive multiple of {EPI_N}")
+
+
+def interleave_gate_up(w_gate, w_up, half: int):
+    """[E, I, C] gate and up weights (or their MXFP8 scales) -> [E, 2 I_p, C], I_p = I rounded
+    up to ``half`` (= tile_n / 2): blocks of ``half`` rows alternating gate, up, zero rows past
+    I, so one tile_n-wide output tile holds matching gate and up columns. One copy."""
+    e, inter, c = w_gate.shape
+    full, rem = divmod(inter, half)
+    out = w_gate.new_empty(e, full + (rem > 0), 2, half, c)
+    for j, w in enumerate((w_gate, w_up)):
+        out[:, :full, j] = w[:, :full * half].reshape(e, full, half, c)
+        if rem:
+            out[:, full, j, :rem] = w[:, full * half:]
+            out[:, full, j, rem:] = 0
+    return out.view(e, -1, c)
+
+
 def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: Sm100Config | None = None):
     """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
 
     a [M, K] bf16 or float8_e4m3fn, contiguous; offsets [E+1] int32/int64 on the device (0,
-    non-decreasing, last = M; not checked); w [E, N, K] same dtype, N a multiple of
-    ``cfg.tile_n``. MXFP8: ``a_scales`` [M, K/32] and ``w_scales`` [E, N, K/32] uint8 E8M0
+    non-decreasing, last = M; not checked); w [E, N, K] same dtype, N a multiple of 32
+    (:data:`EPI_N`). MXFP8: ``a_scales`` [M, K/32] and ``w_scales`` [E, N, K/32] uint8 E8M0
     (``mxfp8_quantize`` along K), repacked on the device into the blocked layouts.
     """
     cfg, e = _row_operand("a", a, offsets, cfg)
@@ -619,8 +674,7 @@ def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: 
     _check_tensor("w", w, 3, (a.dtype,))
     _check_weight("w", w, (e, w.shape[1], k), cfg.mx)
     n = w.shape[1]
-    if n % cfg.tile_n or n == 0:
-        raise ValueError(f"w: N={n} must be a positive multiple of tile_n={cfg.tile_n}")
+    _check_n(f"w: N={n}", n)
     a_sf = w_sf = None
     if cfg.mx:
         _check_scales("a_scales", a_scales, (m, k // lay.SF_VEC))
@@ -641,8 +695,9 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     limit), u = clamp(u, -limit, limit) when ``limit`` is given.
 
     x [M, H], w_gate/w_up [E, I, H] (bf16, or float8_e4m3fn with ``x_scales`` [M, H/32] and
-    ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of ``tile_n / 2``.
-    The weights (and scales) are interleaved into one [E, 2I, H] copy per call.
+    ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of 32. The
+    weights (and scales) are interleaved into one [E, 2 I_p, H] copy per call
+    (:func:`interleave_gate_up`, I_p = I rounded up to ``tile_n / 2``).
     """
     cfg, e = _row_operand("x", x, offsets, cfg, "H")
     m, hid = x.shape
@@ -650,8 +705,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     inter = w_gate.shape[1]
     _check_weight("w_gate", w_gate, (e, inter, hid), cfg.mx)
     _check_weight("w_up", w_up, (e, inter, hid), cfg.mx)
-    if inter % (cfg.tile_n // 2) or inter == 0:
-        raise ValueError(f"w_gate: I={inter} must be a positive multiple of tile_n/2={cfg.tile_n // 2}")
+    _check_n(f"w_gate: I={inter}", inter)
     _check_limit(limit)
     if cfg.mx:
         _check_scales("x_scales", x_scales, (m, hid // lay.SF_VEC))
@@ -661,13 +715,13 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     h = _check_out("h", h, (m, inter), x.device)
     _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
     if m:
-        w = interleave_gate_up(w_gate, w_up, cfg.tile_n)
+        w = interleave_gate_up(w_gate, w_up, cfg.tile_n // 2)
         x_sf = w_sf = None
         if cfg.mx:
             x_sf = lay.pack_row_scales(x_scales, offsets)
-            w_sf = lay.to_blocked(interleave_gate_up(*w_scales, cfg.tile_n)).reshape(-1)
+            w_sf = lay.to_blocked(interleave_gate_up(*w_scales, cfg.tile_n // 2)).reshape(-1)
         _launch(cfg, "swiglu", limit is not None, K_MAJOR, x, w, x_sf, w_sf, offsets, gu.view(m, 2, inter), h,
-                0.0 if limit is None else float(limit), 2 * inter)
+                0.0 if limit is None else float(limit), w.shape[1])
     return gu, h
 
 
@@ -678,15 +732,14 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
 
     dy [M, H] (routed rows, scaled by topk_w), w_down [E, H, I] contiguous (read N-major in
     place), bf16 or float8_e4m3fn with ``dy_scales`` [M, H/32] and ``w_scales`` [E, H/32, I]
-    (w_down quantized along H); gu [M, 2I] bf16; I a multiple of ``tile_n``.
+    (w_down quantized along H); gu [M, 2I] bf16; I a multiple of 32.
     """
     cfg, e = _row_operand("dy", dy, offsets, cfg, "H")
     m, hid = dy.shape
     _check_tensor("w_down", w_down, 3, (dy.dtype,))
     inter = w_down.shape[2]
     _check_weight("w_down", w_down, (e, hid, inter), cfg.mx)
-    if inter % cfg.tile_n or inter == 0:
-        raise ValueError(f"w_down: I={inter} must be a positive multiple of tile_n={cfg.tile_n}")
+    _check_n(f"w_down: I={inter}", inter)
     _check_tensor("gu", gu, 2, (torch.bfloat16,))
     if tuple(gu.shape) != (m, 2 * inter) or not gu.is_contiguous():
         raise ValueError(f"gu must be contiguous with shape {(m, 2 * inter)}, got {tuple(gu.shape)}")
@@ -711,13 +764,15 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
     """dx [M, H] bf16 = bf16(dgu_e . [w_gate[e]; w_up[e]]): one FP32 TMEM accumulator over
     K = 2I (gate rows first, then up rows).
 
-    dgu [M, 2I] contiguous; w_gate, w_up [E, I, H] with unit last stride and the other strides
-    multiples of 16 bytes (two tensors, or the halves ``w[:, :I]``, ``w[:, I:]`` of one stacked
-    [E, 2I, H]), read MN-major in place through two TMA descriptors switched at k = I; bf16, or
-    float8_e4m3fn with ``dgu_scales`` [M, 2I/32] (dgu quantized along I) and ``w_scales =
-    (gate_scales, up_scales)`` each [E, I/32, H] (quantized along I, the columns of [I, H]),
-    repacked on the device into the blocked layouts (one [E, H, 2I/32] weight scale matrix).
-    I a multiple of ``cfg.tile_k``, H of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
+    dgu [M, 2I] contiguous (read as its two halves); w_gate, w_up [E, I, H] with unit last
+    stride and the other strides multiples of 16 bytes (two tensors, or the halves ``w[:, :I]``,
+    ``w[:, I:]`` of one stacked [E, 2I, H]), read MN-major in place; A's and B's halves have
+    their own TMA descriptors, switched at k-tile ceil(I / tile_k) (each half's K tail
+    zero-filled); bf16, or float8_e4m3fn with ``dgu_scales`` [M, 2I/32] (dgu quantized along
+    I) and ``w_scales = (gate_scales, up_scales)`` each [E, I/32, H] (quantized along I, the
+    columns of [I, H]), repacked on the device into the blocked layouts with each half padded
+    to whole k-tiles (:func:`~sm100.layouts.pad_k_parts`). I a multiple of 8 (MXFP8: 32), H of
+    32; ``out``: optional preallocated [M, H].
     """
     cfg, e = _row_operand("dgu", dgu, offsets, cfg, "2I")
     m, two_i = dgu.shape
@@ -726,10 +781,10 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
     hid = w_gate.shape[2]
     _check_weight("w_gate", w_gate, (e, inter, hid), cfg.mx, strided=True)
     _check_weight("w_up", w_up, (e, inter, hid), cfg.mx, strided=True)
-    if two_i % (2 * cfg.tile_k):
-        raise ValueError(f"dgu: 2I={two_i} must be a multiple of 2 * tile_k={2 * cfg.tile_k}")
-    if hid % cfg.tile_n or hid == 0:
-        raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
+    k_mult = lay.SF_VEC if cfg.mx else 8
+    if inter % k_mult:
+        raise ValueError(f"dgu: I={inter} (half of its columns) must be a multiple of {k_mult}")
+    _check_n(f"w_gate: H={hid}", hid)
     if cfg.mx:
         _check_scales("dgu_scales", dgu_scales, (m, two_i // lay.SF_VEC))
         _check_gate_up_scales(w_scales, (e, inter // lay.SF_VEC, hid))
@@ -738,9 +793,10 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
     if m:
         dgu_sf = w_sf = None
         if cfg.mx:
-            dgu_sf = lay.pack_row_scales(dgu_scales, offsets)
+            dgu_sf = lay.pack_row_scales(lay.pad_k_parts(dgu_scales.chunk(2, 1), 1), offsets)
             w_sf = lay.pack_kn_weight_scales(*w_scales)
-        _launch(cfg, "plain", False, MN_MAJOR, dgu, w_gate, dgu_sf, w_sf, offsets, out, out, 0.0, hid, w2=w_up)
+        _launch(cfg, "plain", False, MN_MAJOR, dgu.view(m, 2, inter), w_gate, dgu_sf, w_sf, offsets, out, out, 0.0,
+                hid, w2=w_up)
     return out
 
 
@@ -753,10 +809,11 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     quantized along tokens per expert (blocks of 32 from each expert's first row) with
     ``a_scales`` / ``b_scales`` already in the grouped token layout
     (:func:`~mok_cute.kernels.sm100.layouts.pack_token_scales`: flat uint8 of
-    ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Na, Nb multiples of 16 bytes, Nb of ``tile_n``.
+    ``sf_bytes(N, grouped_sf_rows(M, E) / 32)``); Na, Nb multiples of 16 bytes, Nb of 32 (tiles
+    over Na and Nb round up: rows past Na and columns past Nb are not written).
     """
     cfg = _config(a, cfg)
-    m, na, nb, e = check_wgrad_operands(a, b, offsets, cfg.tile_n, cfg.mx)
+    m, na, nb, e = check_wgrad_operands(a, b, offsets, EPI_N, cfg.mx)
     if cfg.mx:
         kbs = lay.grouped_sf_rows(m, e) // lay.SF_VEC
         _check_scales("a_scales", a_scales, (lay.sf_bytes(na, kbs),))
@@ -768,7 +825,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
         return out.zero_()
     compiled = compile_cached(("sm100_grouped_wgrad", arch, cfg.key()),
                               lambda: compile_grouped_wgrad(cfg=cfg, arch=arch)[0])
-    tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
+    tiles = e * -(-na // cfg.tile_m) * -(-nb // cfg.tile_n)
     offs32 = offsets_i32(offsets)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(b), None, None if a_scales is None else _cute_tensor(a_scales),
@@ -798,18 +855,18 @@ def variants() -> dict:
         "bf16-plain": (gemm("plain"), _BF16_PTX),
         "bf16-swiglu-clamp": (gemm("swiglu", clamp=True), _BF16_PTX),
         "bf16-dswiglu-clamp": (gemm("dswiglu", clamp=True, b_major=MN_MAJOR), _BF16_PTX),
-        "bf16-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_b=True), _BF16_PTX),
+        "bf16-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_k=True), _BF16_PTX),
         "bf16-wgrad": (wgrad(), _BF16_PTX),
         "bf16-plain-2cta": (gemm("plain", cfg=Sm100Config(tile_m=256)), _BF16_PTX + ("cta_group::2",)),
         "mxfp8-plain": (gemm("plain", cfg=mx), _MX_PTX),
         "mxfp8-swiglu-clamp": (gemm("swiglu", clamp=True, cfg=mx), _MX_PTX),
         "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),
-        "mxfp8-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=mx), _MX_PTX),
+        "mxfp8-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_k=True, cfg=mx), _MX_PTX),
         "mxfp8-wgrad": (wgrad(cfg=mx), _MX_PTX),
         "mxfp8-plain-2cta": (gemm("plain", cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
         "mxfp8-swiglu-2cta": (gemm("swiglu", clamp=True, cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
         "mxfp8-dswiglu-2cta": (gemm("dswiglu", b_major=MN_MAJOR, cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
-        "mxfp8-dgrad1-2cta": (gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=MXFP8_2CTA_CONFIG),
+        "mxfp8-dgrad1-2cta": (gemm("plain", b_major=MN_MAJOR, split_k=True, cfg=MXFP8_2CTA_CONFIG),
                               _MX_PTX + ("cta_group::2",)),
         "mxfp8-wgrad-2cta": (wgrad(cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),
     }

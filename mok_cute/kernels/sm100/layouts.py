@@ -97,11 +97,25 @@ def pack_row_scales(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     return to_blocked(grouped)
 
 
+def pad_k_parts(parts, dim: int) -> torch.Tensor:
+    """Scales of K in parts (split K: A's and B's pieces through their own TMA descriptors):
+    each part's blocks (along ``dim``) zero-padded to whole k-tiles of :data:`SF_ATOM_KBLOCKS`
+    blocks (128 elements), then concatenated along ``dim``, so part 2 starts at k-tile
+    ceil(K1 / 128) as its data does."""
+    out = []
+    for p in parts:
+        pad = list(p.shape)
+        pad[dim] = -p.shape[dim] % SF_ATOM_KBLOCKS
+        out += [p, p.new_zeros(pad)]
+    return torch.cat(out, dim)
+
+
 def pack_kn_weight_scales(*parts: torch.Tensor) -> torch.Tensor:
     """Scales of a weight stored [E, K, N] and read as B (N, K), quantized along K (its rows,
     ``mxfp8_quantize(w[e], 0)``): ``parts`` uint8 [E, K_i/32, N], consecutive pieces of K
-    (dgrad1: gate then up) -> flat blocked [E * sf_bytes(N, K/32)] of the (N, K/32) matrices."""
-    return to_blocked(torch.cat(parts, dim=1).transpose(1, 2)).reshape(-1)
+    (dgrad1: gate then up, each padded to whole k-tiles by :func:`pad_k_parts`) -> flat blocked
+    [E * sf_bytes(N, KB)] of the (N, KB) matrices (KB = the padded blocks of all parts)."""
+    return to_blocked(pad_k_parts(parts, 1).transpose(1, 2)).reshape(-1)
 
 
 def pack_token_scales(expert_scales: list[torch.Tensor], offsets, n: int) -> torch.Tensor:

@@ -186,11 +186,11 @@ class Sm100Mainloop:
             cfg.ab_dtype, cfg.ab_dtype, self.a_major, self.b_major, cutlass.Float32, group, (cfg.tile_m, cfg.tile_n))
 
     def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor = None, mSFB: cute.Tensor = None,
-                 mB2: cute.Tensor = None):
-        """TMA load atoms for A (M, K, ...), B (N, K, ...), (MXFP8) their scale tensors, shaped
-        like A and B, and optionally a second B (N, K2, ...) holding B's k-tiles past B's K
-        (same smem layout: :meth:`load_tile` ``b2``). Returns ``[(atom, coords)]`` for A, B[,
-        SFA, SFB][, B2]."""
+                 mA2: cute.Tensor = None, mB2: cute.Tensor = None):
+        """TMA load atoms for A (M, K, ...), B (N, K, ...), (MXFP8) their scale tensors, and
+        optionally the second parts A2 (M, K2, ...), B2 (N, K2, ...) of a K in two parts (the
+        k-tiles after A's and B's; same smem layouts: :meth:`load_tile` ``part2``). Returns
+        ``[(atom, coords)]`` for A, B[, SFA, SFB][, A2, B2]."""
         cfg = self.cfg
         cl = self.cluster_vmnk.shape
         op_a = sm100.cluster_shape_to_tma_atom_A((cfg.cta_group, 1), self.tiled_mma.thr_id)
@@ -211,7 +211,9 @@ class Sm100Mainloop:
             out.append(cute.nvgpu.make_tiled_tma_atom_B(
                 op_sfb, mSFB, cute.slice_(self.sfb_smem, (None, None, None, 0)), self.mma_tiler_sfb,
                 self.tiled_mma_sfb, self.cluster_sfb_vmnk.shape, internal_type=cutlass.Int16))
-        if cutlass.const_expr(mB2 is not None):
+        if cutlass.const_expr(mA2 is not None):
+            out.append(cute.nvgpu.make_tiled_tma_atom_A(op_a, mA2, cute.slice_(self.a_smem, (None, None, None, 0)),
+                                                        self.mma_tiler, self.tiled_mma, cl))
             out.append(cute.nvgpu.make_tiled_tma_atom_B(op_b, mB2, cute.slice_(self.b_smem, (None, None, None, 0)),
                                                         self.mma_tiler, self.tiled_mma, cl))
         return out
@@ -304,29 +306,29 @@ class Sm100Mainloop:
 
     @cute.jit
     def load_tile(self, pipe, state, atoms, srcs, dsts, k_tiles: cutlass.Int32, sf_k0: cutlass.Int32, masks,
-                  b2=None):
+                  part2=None):
         """TMA warp: load k-tiles ``0 .. k_tiles-1`` of one tile into the ring; returns the state.
 
         ``atoms``/``srcs``/``dsts``: A, B[, SFA, SFB] atoms, per-tile gmem TMA partitions
         ((atom_v), k) and staged smem partitions ((atom_v), stage). Scale k-tile ``k`` is read
-        at ``sf_k0 + k`` (wgrad: the expert's first scale atom column; else 0). ``b2``: None or
-        ``(atom, src, k1)``: B k-tiles ``k >= k1`` are ``src`` k-tile ``k - k1`` (split B).
+        at ``sf_k0 + k`` (wgrad: the expert's first scale atom column; else 0). ``part2``: None
+        or ``((atom_a2, atom_b2), (src_a2, src_b2), k1)``: A and B k-tiles ``k >= k1`` are
+        k-tile ``k - k1`` of the second parts (K in two parts).
         """
         for k in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
             for i in cutlass.range_constexpr(len(atoms)):
-                kk = k if i < 2 else sf_k0 + k
-                if cutlass.const_expr(i == 1 and b2 is not None):
-                    if k < b2[2]:
-                        cute.copy(atoms[1], srcs[1][(None, k)], dsts[1][(None, state.index)], tma_bar_ptr=bar,
-                                  mcast_mask=masks[1])
+                dst = dsts[i][(None, state.index)]
+                if cutlass.const_expr(i < 2 and part2 is not None):
+                    if k < part2[2]:
+                        cute.copy(atoms[i], srcs[i][(None, k)], dst, tma_bar_ptr=bar, mcast_mask=masks[i])
                     else:
-                        cute.copy(b2[0], b2[1][(None, k - b2[2])], dsts[1][(None, state.index)], tma_bar_ptr=bar,
-                                  mcast_mask=masks[1])
+                        cute.copy(part2[0][i], part2[1][i][(None, k - part2[2])], dst, tma_bar_ptr=bar,
+                                  mcast_mask=masks[i])
                 else:
-                    cute.copy(atoms[i], srcs[i][(None, kk)], dsts[i][(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=masks[i])
+                    kk = k if i < 2 else sf_k0 + k
+                    cute.copy(atoms[i], srcs[i][(None, kk)], dst, tma_bar_ptr=bar, mcast_mask=masks[i])
             pipe.producer_commit(state)
             state.advance()
         return state
