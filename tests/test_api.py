@@ -247,10 +247,18 @@ def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
     small, _ = make_problem(T=4, H=128, I=256)
     inp2 = B.MoEInputs(small["x"], small["topk_idx"], small["topk_w"], small["w_gate"], small["w_up"],
                        small["w_down"], None, None)
-    with pytest.raises(ValueError, match="H = 128 must be a multiple of 256"):
-        B.get_backend("sm100").check(inp2, MoKConfig(), None)
-    with pytest.raises(ValueError, match="H = 128 must be a multiple of 256"):
-        B.get_backend("sm90").check(inp2, MoKConfig(), None)
+    for be in ("sm90", "sm100"):  # H, I multiples of 64 (partial last tiles)
+        for precision in ("bf16", "mxfp8"):
+            B.get_backend(be).check(inp2, MoKConfig(precision=precision), None)
+        with pytest.raises(ValueError, match="I = 96 must be a multiple of 64"):
+            B.get_backend(be).check(_inputs(128, 96), MoKConfig(), None)
+    with pytest.raises(ValueError, match="H = 192 must be a multiple of 128"):  # fp8_block: its 128-blocks
+        B.get_backend("sm90").check(_inputs(192, 256), MoKConfig(precision="fp8_block"), None)
+
+
+def _inputs(h, inter):
+    p, _ = make_problem(T=4, H=h, I=inter)
+    return B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
 
 
 def test_route_sort_matches_reference_order():

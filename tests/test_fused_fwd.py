@@ -330,7 +330,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            num_ctas=66 if ep else None, ring_chunks=5)
     (path, args), = fake.calls
     assert path == ("direct" if ep else "graph")
-    assert keys[0][-4:-2] == (mx, ep) and keys[0][-1] is False  # (..., mx, ep, sum batch, gate)
+    assert keys[0][-5:-3] == (mx, ep) and keys[0][-2:] == (False, False)  # (..., mx, ep, sum batch, gate, n_tail)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))

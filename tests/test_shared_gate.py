@@ -193,7 +193,7 @@ def test_grouped_backend_glue_with_the_gate_is_the_reference():
         saved: tuple
 
     class RefMLP:
-        arch, tile_n, precisions = "ref-mlp", 64, ("bf16",)
+        arch, dim_multiple, precisions = "ref-mlp", {"bf16": 64}, ("bf16",)
 
         def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
             m = int(offsets[-1])

@@ -442,6 +442,6 @@ def test_precision_validation(emu, monkeypatch):
     x = p["x"][:8].contiguous()
     with pytest.raises(ValueError, match="precision"):
         mlp.forward(x, offs, p["w_gate"], p["w_up"], p["w_down"], None, precision="fp4")
-    bad = make_problem(T=8, H=384, I=256, E=2, k=2)[0]
-    with pytest.raises(ValueError, match="multiple of tile_n"):
+    bad = make_problem(T=8, H=320, I=256, E=2, k=2)[0]  # a multiple of 64, not of fp8_block's 128
+    with pytest.raises(ValueError, match="H = 320 must be a positive multiple of 128"):
         mlp.forward(bad["x"], offs, bad["w_gate"], bad["w_up"], bad["w_down"], None, precision="fp8_block")

@@ -9,7 +9,7 @@ from mok_cute.kernels.sm90.expert_bwd import (
     compile_grouped_wgrad, grouped_dgrad1, grouped_dswiglu_dgrad, grouped_wgrad,
 )
 from mok_cute.kernels.sm90.grouped_gemm import (
-    compile_grouped_gemm, grouped_gemm, grouped_gemm1_swiglu, interleave_gate_up,
+    compile_grouped_gemm, grouped_gemm, grouped_gemm1_swiglu,
 )
 from mok_cute.kernels.sm90.mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
 
@@ -99,15 +99,6 @@ def test_majorness_validated():
         Sm90Mainloop(MainloopConfig(), 0, a_major="m")
 
 
-def test_interleave_gate_up():
-    g = torch.randn(2, 256, 16)
-    u = torch.randn(2, 256, 16)
-    w = interleave_gate_up(g, u, 256)
-    assert w.shape == (2, 512, 16)
-    assert torch.equal(w[:, :128], g[:, :128]) and torch.equal(w[:, 128:256], u[:, :128])
-    assert torch.equal(w[:, 256:384], g[:, 128:]) and torch.equal(w[:, 384:], u[:, 128:])
-
-
 def _inputs(m=300, k=64, e=3, n=256):
     a = torch.zeros(m, k, dtype=torch.bfloat16)
     offs = torch.tensor([0, 100, 100, m], dtype=torch.int32)[: e + 1]
@@ -136,8 +127,8 @@ def test_grouped_gemm_validation(mutate, exc, name):
 
 @pytest.mark.parametrize("kwargs, exc, name", [
     (dict(w_up=torch.zeros(3, 128, 64, dtype=torch.bfloat16)), ValueError, "w_up"),
-    (dict(w_gate=torch.zeros(3, 192, 64, dtype=torch.bfloat16),
-          w_up=torch.zeros(3, 192, 64, dtype=torch.bfloat16)), ValueError, "w_gate"),
+    (dict(w_gate=torch.zeros(3, 160, 64, dtype=torch.bfloat16),
+          w_up=torch.zeros(3, 160, 64, dtype=torch.bfloat16)), ValueError, "w_gate: I=160 must be a multiple of 64"),
     (dict(limit="4"), TypeError, "limit"),
     (dict(limit=-1.0), ValueError, "limit"),
     (dict(limit=float("inf")), ValueError, "limit"),
@@ -185,8 +176,8 @@ def test_dswiglu_dgrad_validation(kwargs, exc, name):
     (dict(dgu=torch.zeros(300, 64, dtype=torch.bfloat16), w_gate=torch.zeros(3, 32, 256, dtype=torch.bfloat16),
           w_up=torch.zeros(3, 32, 256, dtype=torch.bfloat16)), ValueError, "tile_k"),
     (dict(w_up=torch.zeros(3, 256, 128, dtype=torch.bfloat16)), ValueError, "w_up"),
-    (dict(w_gate=torch.zeros(3, 256, 128, dtype=torch.bfloat16),
-          w_up=torch.zeros(3, 256, 128, dtype=torch.bfloat16)), ValueError, "tile_n"),
+    (dict(w_gate=torch.zeros(3, 256, 96, dtype=torch.bfloat16),
+          w_up=torch.zeros(3, 256, 96, dtype=torch.bfloat16)), ValueError, "H=96 must be a positive multiple of 64"),
     (dict(out=torch.zeros(300, 256)), TypeError, "out"),
     (dict(), ValueError, "CUDA"),
 ])
@@ -202,7 +193,7 @@ def test_dgrad1_validation(kwargs, exc, name):
 @pytest.mark.parametrize("kwargs, exc, name", [
     (dict(a=torch.zeros(300, 64)), TypeError, "a"),
     (dict(b=torch.zeros(299, 256, dtype=torch.bfloat16)), ValueError, "b"),
-    (dict(b=torch.zeros(300, 200, dtype=torch.bfloat16)), ValueError, "tile_n"),
+    (dict(b=torch.zeros(300, 200, dtype=torch.bfloat16)), ValueError, "Nb=200 must be a multiple of 64"),
     (dict(a=torch.zeros(64, 300, dtype=torch.bfloat16).t()), ValueError, "a"),  # column-major
     (dict(a=torch.zeros(300, 70, dtype=torch.bfloat16)[:, 1:65]), ValueError, "a"),  # misaligned slice
     (dict(offsets=torch.tensor([0], dtype=torch.int32)), ValueError, "offsets"),

@@ -21,7 +21,8 @@ UNVERIFIED = (
     "MXFP8 cta_group::2: SFB split + multicast over the CTA pair, SFA tiles at odd 128-row atoms",
     "scale-factor TMEM placement (tcgen05.cp) and the grouped 128x4 SF layouts on hardware",
     "TMA ragged-K wrap-around (wgrad, incl. column-slice operands) on sm_100a",
-    "dgrad1's switch between the w_gate / w_up descriptors at k = I on hardware",
+    "dgrad1's switch between the dgu-half / w_gate / w_up descriptors at k-tile ceil(I / tile_k) on hardware",
+    "N / K tails on hardware: partial last tiles, TMA boxes past (or wider than) the tensor, e.g. I = 128 < tile_n",
     "performance (stores are per-row 16-byte vectors, no TMA store; multicast only for the 2-CTA MXFP8 SFB)",
 )
 

@@ -151,16 +151,16 @@ def _check_token_operand(name, t, m, mx=False):
                          f"of {vec} and 16-byte alignment, got strides {t.stride()}")
 
 
-def check_wgrad_operands(a, b, offsets, tile_n: int, mx: bool = False):
+def check_wgrad_operands(a, b, offsets, n_mult: int, mx: bool = False):
     """Validate the weight gradient's a [M, Na], b [M, Nb] (:func:`_check_token_operand`) and
-    offsets; Nb a multiple of ``tile_n``, M < 2^31. Returns ``(M, Na, Nb, E)``."""
+    offsets; Nb a multiple of ``n_mult``, M < 2^31. Returns ``(M, Na, Nb, E)``."""
     m, na = a.shape
     _check_token_operand("a", a, m, mx)
     _check_token_operand("b", b, m, mx)
     e = _check_offsets(offsets)
     nb = b.shape[1]
-    if nb % tile_n:
-        raise ValueError(f"b: Nb={nb} must be a multiple of tile_n={tile_n}")
+    if nb % n_mult:
+        raise ValueError(f"b: Nb={nb} must be a multiple of {n_mult}")
     if m >= 2 ** 31:
         raise ValueError(f"a: M={m} rows must be < 2^31")
     return m, na, nb, e

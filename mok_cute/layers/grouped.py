@@ -9,7 +9,8 @@ shared expert runs through the same kernels as one more group; the combine is th
 reference's fixed-order slot sum. Numerics follow mok_cute.reference except that the GEMMs
 accumulate in fp32 and d topk_w sums in fp32 (compared with tolerances).
 
-An expert MLP implementation has ``arch``, ``tile_n``, ``precisions``,
+An expert MLP implementation has ``arch``, ``dim_multiple`` (precision -> what H, I, I_s must be
+multiples of), ``precisions``,
 ``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=]) -> (rows, ExpertGroup)``
 (``precision`` passed only when not "bf16") and
 ``backward(group, dy_rows, w_gate, w_up, w_down, limit) -> (dx_rows, dWg, dWu, dWd)`` (in the
@@ -149,10 +150,11 @@ class GroupedExpertBackend:
                                       f"is not wired yet ({', '.join(self.mlp.precisions)} only)")
         h, inter = inp.x.shape[1], inp.w_gate.shape[1]
         sizes = [("H", h), ("I", inter)] + ([("I_s", inp.shared[0].shape[0])] if inp.shared else [])
+        mult = self.mlp.dim_multiple[config.precision]
         for name, v in sizes:
-            if v % self.mlp.tile_n:
-                raise ValueError(f"backend {self.name!r}: {name} = {v} must be a multiple of "
-                                 f"{self.mlp.tile_n} (the output tile width of its GEMMs)")
+            if v % mult:
+                raise ValueError(f"backend {self.name!r}: {name} = {v} must be a multiple of {mult} "
+                                 f"at precision {config.precision!r}")
 
     def forward(self, inp, config, group):
         self.check(inp, config, group)

@@ -68,12 +68,14 @@ def _mx_dequant_weight(w, axis):
 
 def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
     """Whether the fused backward core takes these operands (the unfused path takes any): BF16, or
-    MXFP8 with its variant on (``grouped.fused_bwd_mx``), contiguous rows."""
+    MXFP8 with its variant on (``grouped.fused_bwd_mx``), contiguous CUDA rows (elsewhere: the unfused
+    path, whose kernels the CPU tests emulate)."""
     from mok_cute.layers.grouped import fused_bwd_mx
 
     if not (g.precision == "bf16" or (g.precision == "mxfp8" and fused_bwd_mx())):
         return False
-    return g.x is not None and g.x.is_contiguous() and dy_rows.is_contiguous() and g.gu.is_contiguous()
+    return (g.x is not None and dy_rows.is_cuda and g.x.is_contiguous() and dy_rows.is_contiguous()
+            and g.gu.is_contiguous())
 
 
 def _mx_rows(x):
@@ -113,10 +115,11 @@ def _fp8_tokens(x, offs32):
 
 
 class Sm90ExpertMLP:
-    """BF16 / MXFP8 / FP8-blockwise expert MLP on the SM90 kernels (output tile 256 wide)."""
+    """BF16 / MXFP8 / FP8-blockwise expert MLP on the SM90 kernels (output tile 256 wide; a
+    partial last tile where H or I is not a multiple of it)."""
 
     arch = "sm90"
-    tile_n = 256
+    dim_multiple = {"bf16": 64, "mxfp8": 64, "fp8_block": 128}  # H, I, I_s (fp8_block: its 128-blocks)
     strided_weights = True  # weights in place when TMA addresses them (dsl.host.tma_weight), no copy
     precisions = ("bf16", "mxfp8", "fp8_block")
     fused_precisions = ("bf16", "mxfp8")  # EP = 1 forward in one persistent launch (fused_forward)
@@ -132,7 +135,7 @@ class Sm90ExpertMLP:
 
         if precision not in self.precisions:
             raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
-        _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
+        _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, self.dim_multiple[precision])
         if precision == "mxfp8":
             return self._mx_forward(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
         if precision == "fp8_block":
@@ -177,9 +180,10 @@ class Sm90ExpertMLP:
 
         if config.precision not in self.fused_precisions:
             raise ValueError(f"the sm90 fused forward runs {self.fused_precisions}, not {config.precision!r}")
-        _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit)
+        mult = self.dim_multiple[config.precision]
+        _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit, mult)
         if shared is not None:
-            _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit)
+            _check_mlp(fwd, x, offsets[:2], *(w[None] for w in shared), limit, mult)
         mx = config.precision == "mxfp8"
         if mx:  # x stays as given: the kernel moves its MXFP8 rows (fused_moe._mx_source)
             w_gate, w_up, w_down = (self._mx_weight(w, 2) for w in (w_gate, w_up, w_down))
@@ -328,13 +332,12 @@ def _ring_chunks(config, topk_idx) -> int:
     return -(-config.minibatch_tokens * topk_idx.shape[1] // CHUNK)
 
 
-def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
+def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
     """Validate, once, everything the expert MLP's seven launches need (the kernels then run
     unchecked): x [M, H] contiguous, w_gate/w_up [E, I, H], w_down [E, H, I] bf16 addressable in
     place by TMA (``dsl.host.tma_weight``: e.g. the halves of one fc1 tensor) on one CUDA device,
-    offsets int32/int64 [E+1], H and I multiples of tile_n (256: also the 128 of the FP8 blocks
-    and the 32 of the MX blocks)."""
-    cfg = fwd.DEFAULT_CONFIG
+    offsets int32/int64 [E+1], H and I multiples of ``mult`` (the precision's ``dim_multiple``: 64,
+    also the 32 of the MX blocks; fp8_block 128, its blocks)."""
     m, hid, e = fwd._check_operands(x_rows, offsets, {"w_gate": w_gate, "w_up": w_up}, a_name="x")
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
@@ -344,8 +347,8 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
         raise ValueError(f"w_down must be [E, H, I] = {(e, hid, inter)} with I contiguous, 16-byte strides and "
                          f"alignment, got shape {tuple(w_down.shape)} strides {w_down.stride()}")
     for name, v in (("H", hid), ("I", inter)):
-        if v % cfg.tile_n or v == 0:
-            raise ValueError(f"expert MLP: {name} = {v} must be a positive multiple of tile_n = {cfg.tile_n}")
+        if v % mult or v == 0:
+            raise ValueError(f"expert MLP: {name} = {v} must be a positive multiple of {mult}")
     if m >= 2 ** 31:
         raise ValueError(f"x: M = {m} rows must be < 2^31")
     fwd._check_limit(limit)

@@ -111,16 +111,23 @@ def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int
     return e, b
 
 
+def tiles_over(n, tile, n_tail: bool):
+    """Tiles of ``tile`` over ``n``: rounded up with ``n_tail`` (a partial last tile), else ``n``
+    is a multiple of ``tile`` (exact division: the aligned kernels' code as it always was)."""
+    return (n + (tile - 1)) // tile if n_tail else n // tile
+
+
 @cute.jit
 def grouped_start(offsets: cute.Tensor, b_len: Int32, b_rows, k_len: Int32, tile_m: cutlass.Constexpr[int],
-                  tile_k: cutlass.Constexpr[int]):
+                  tile_k: cutlass.Constexpr[int], n_tail: cutlass.Constexpr[bool] = False):
     """This CTA's start in the persistent tile sequence of a grouped GEMM whose B has ``b_len``
-    rows of N loaded ``b_rows`` per tile and whose reduction is ``k_len`` long:
+    rows of N loaded ``b_rows`` per tile (``n_tail``: the last tile may run past them; else
+    ``b_len`` is a multiple of ``b_rows``) and whose reduction is ``k_len`` long:
     ``(num_experts, n_tiles, k_tiles, linear, grid, expert, base)`` with ``linear`` = the block
     index, ``grid`` = the stride (number of CTAs) and ``(expert, base)`` = :func:`seek` of
     ``linear`` from the first expert."""
     num_experts = offsets.shape[0] - 1
-    n_tiles = b_len // b_rows
+    n_tiles = tiles_over(b_len, b_rows, n_tail)
     k_tiles = (k_len + (tile_k - 1)) // tile_k
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
@@ -148,14 +155,14 @@ def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: In
 
 @cute.jit
 def wgrad_start(offsets: cute.Tensor, rows_out: Int32, cols_out: Int32, tile_m: cutlass.Constexpr[int],
-                tile_n: cutlass.Constexpr[int]):
+                tile_n: cutlass.Constexpr[int], n_tail: cutlass.Constexpr[bool] = False):
     """This CTA's start in the weight-gradient walk over an [E, rows_out, cols_out] output:
-    ``(num_experts, m_tiles, n_tiles, total, linear, grid)`` (``cols_out`` a multiple of
-    ``tile_n``; ``linear`` the block index, ``grid`` the stride, ``total`` the tiles of all
+    ``(num_experts, m_tiles, n_tiles, total, linear, grid)`` (the last m-tile may run past
+    ``rows_out``, with ``n_tail`` the last n-tile past ``cols_out``; ``linear`` the block index, ``grid`` the stride, ``total`` the tiles of all
     experts; :func:`wgrad_tile` maps a linear tile)."""
     num_experts = offsets.shape[0] - 1
     m_tiles = (rows_out + (tile_m - 1)) // tile_m
-    n_tiles = cols_out // tile_n
+    n_tiles = tiles_over(cols_out, tile_n, n_tail)
     total = num_experts * m_tiles * n_tiles
     bidx, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()

@@ -52,7 +52,8 @@ SIZES = (2,) if QUICK else (2, 4)
 MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "unfused" if os.environ.get("MOK_CUTE_FUSED_EP") == "0"
                        else "fused").split(",")
 REPEATS = 3
-SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k
+# T per rank, H, I, E (global), k; MOK_EP_VIRTUAL_SHAPE="T,H,I,E,k" overrides (e.g. H, I not multiples of 256)
+SHAPE = tuple(int(v) for v in os.environ.get("MOK_EP_VIRTUAL_SHAPE", "512,1024,512,8,4").split(","))
 COMM_CTAS = 8
 # minibatch_tokens 256: the fused forward's ring holds 8 slots of 128 rows, reused (~16 m-tiles per rank)
 CONFIG = dict(comm_sms_fwd=COMM_CTAS, comm_sms_bwd=COMM_CTAS, device_timeout_s=10.0, minibatch_tokens=256)

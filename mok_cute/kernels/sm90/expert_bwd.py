@@ -46,7 +46,7 @@ from mok_cute.dsl.host import (
     sm_count, wgrad_out,
 )
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, DEFAULT_CONFIG, PlainEpilogue, _launch, effective_config, make_tma_store,
+    _VEC, DEFAULT_CONFIG, N_ALIGN, PlainEpilogue, _launch, effective_config, make_tma_store,
     tma_store_drain, tma_store_tile,
 )
 from mok_cute.kernels.sm90.mainloop import (
@@ -78,14 +78,14 @@ class GroupedWgradSm90:
     """Persistent warp-specialized weight-gradient GEMM over experts (both operands MN-major).
 
     Call (jit): ``(mA [M, Na], mB [M, Nb], mOffsets [E+1] int32, mOut [E, Na, Nb], num_ctas,
-    stream)``; out[e] = bf16(A_e^T . B_e). Nb must be a multiple of tile_n; rows of a tile
-    past Na are masked (``cfg.tma_store``: one TMA store per tile, rows past Na clipped by
+    stream)``; out[e] = bf16(A_e^T . B_e). Nb a multiple of tile_n (``n_tail``: of ``N_ALIGN``, the
+    columns past Nb masked); rows of a tile past Na are masked (``cfg.tma_store``: one TMA store per tile, rows past Na clipped by
     the TMA unit).
     """
 
-    def __init__(self, cfg: MainloopConfig):
+    def __init__(self, cfg: MainloopConfig, n_tail: bool = False):
         self.cfg = cfg
-        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, a_major=MN_MAJOR,
                                      b_major=MN_MAJOR)
 
@@ -118,7 +118,7 @@ class GroupedWgradSm90:
 
         na = coord_a.shape[0]
         num_experts, m_tiles, n_tiles, total, linear, grid = wgrad_start(mOffsets, na, coord_b.shape[0], cfg.tile_m,
-                                                                         cfg.tile_n)
+                                                                         cfg.tile_n, self.epi.n_tail)
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -158,12 +158,13 @@ class GroupedWgradSm90:
 
 
 # ---------------------------------------------------------------- compile
-def compile_grouped_wgrad(*, cfg: MainloopConfig = MainloopConfig(), arch: str = "sm_90a", inspect: bool = False):
+def compile_grouped_wgrad(*, cfg: MainloopConfig = MainloopConfig(), n_tail: bool = False, arch: str = "sm_90a",
+                          inspect: bool = False):
     """Compile the weight-gradient kernel with symbolic M, Na, Nb, E and row strides;
     returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped wgrad needs arch sm_90a, got {arch!r}")
-    op = GroupedWgradSm90(cfg)
+    op = GroupedWgradSm90(cfg, n_tail)
     m = cute.sym_int()
     mA = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=_VEC))
     mB = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=_VEC))
@@ -201,7 +202,7 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg:
 
     dy [M, H] bf16 contiguous (routed rows, already scaled by topk_w); w_down [E, H, I] bf16
     with unit last stride (read N-major in place); gu [M, 2I] bf16 contiguous; I a multiple of
-    ``cfg.tile_n``; ``out``: optional preallocated dgu (every row is written).
+    ``N_ALIGN`` (64); ``out``: optional preallocated dgu (every row is written).
     """
     _check_rows("dy", dy, "H")
     e = _check_offsets(offsets)
@@ -209,8 +210,8 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg:
     _check_tensor("w_down", w_down, 3, (torch.bfloat16,))
     inter = w_down.shape[2]
     _check_weight("w_down", w_down, (e, hid, inter))
-    if inter % cfg.tile_n or inter == 0:
-        raise ValueError(f"w_down: I={inter} must be a positive multiple of tile_n={cfg.tile_n}")
+    if inter % N_ALIGN or inter == 0:
+        raise ValueError(f"w_down: I={inter} must be a positive multiple of {N_ALIGN}")
     _check_rows("gu", gu)
     if tuple(gu.shape) != (m, 2 * inter):
         raise ValueError(f"gu must have shape {(m, 2 * inter)}, got {tuple(gu.shape)}")
@@ -238,7 +239,7 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, out=None, cfg: MainloopConfig 
     dgu [M, 2I] bf16 contiguous; w_gate, w_up [E, I, H] bf16 with unit last stride (two
     separate tensors, or the halves ``w[:, :I]``, ``w[:, I:]`` of one stacked [E, 2I, H];
     read N-major in place, each through its own TMA descriptor); I a multiple of
-    ``cfg.tile_k``, H a multiple of ``cfg.tile_n``; ``out``: optional preallocated [M, H].
+    ``cfg.tile_k``, H a multiple of ``N_ALIGN`` (64); ``out``: optional preallocated [M, H].
     """
     _check_rows("dgu", dgu)
     e = _check_offsets(offsets)
@@ -249,8 +250,8 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, out=None, cfg: MainloopConfig 
     _check_weight("w_up", w_up, (e, two_i // 2, hid))
     if two_i % (2 * cfg.tile_k):
         raise ValueError(f"dgu: 2I={two_i} must be a multiple of 2 * tile_k={2 * cfg.tile_k}")
-    if hid % cfg.tile_n or hid == 0:
-        raise ValueError(f"w_gate: H={hid} must be a positive multiple of tile_n={cfg.tile_n}")
+    if hid % N_ALIGN or hid == 0:
+        raise ValueError(f"w_gate: H={hid} must be a positive multiple of {N_ALIGN}")
     out = _check_out("out", out, (m, hid), dgu.device)
     _check_devices(dgu=dgu, offsets=offsets, w_gate=w_gate, w_up=w_up, out=out)
     return _run_dgrad1(dgu, offsets, w_gate, w_up, out, cfg)
@@ -272,11 +273,11 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
     experts without rows get zeros.
 
     a [M, Na], b [M, Nb] bf16, row-major with unit column stride (column slices such as
-    ``dgu[:, :I]`` are read in place); Na a multiple of 8, Nb a multiple of ``cfg.tile_n``;
+    ``dgu[:, :I]`` are read in place); Na a multiple of 8, Nb a multiple of ``N_ALIGN`` (64);
     ``out``: optional preallocated contiguous [E, Na, Nb].
     """
     _check_tensor("a", a, 2, (torch.bfloat16,))
-    _, na, nb, e = check_wgrad_operands(a, b, offsets, cfg.tile_n)
+    _, na, nb, e = check_wgrad_operands(a, b, offsets, N_ALIGN)
     out = wgrad_out(out, (e, na, nb), a.device)
     _check_devices(a=a, b=b, offsets=offsets, out=out)
     return _run_wgrad(a, b, offsets, out, cfg)
@@ -293,9 +294,10 @@ def _run_wgrad(a, b, offsets, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
         raise ValueError(f"a: the SM90 grouped wgrad needs an sm_90a device, got {arch}")
     if m == 0:
         return out.zero_()
-    launcher = compile_cached(("sm90_grouped_wgrad", arch, cfg.key()),
-                              lambda: GraphLauncher(compile_grouped_wgrad(cfg=cfg, arch=arch)[0]))
-    tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)
+    n_tail = nb % cfg.tile_n != 0
+    launcher = compile_cached(("sm90_grouped_wgrad", arch, n_tail, cfg.key()),
+                              lambda: GraphLauncher(compile_grouped_wgrad(cfg=cfg, n_tail=n_tail, arch=arch)[0]))
+    tiles = e * -(-na // cfg.tile_m) * -(-nb // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles))
     offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(b), offs32.data_ptr(), offs32.shape, tensor_key(out), num_ctas)

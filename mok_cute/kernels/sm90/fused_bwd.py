@@ -54,6 +54,7 @@ from mok_cute.kernels.sm90.mainloop import (
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
+from mok_cute.schedule.group_tiles import tiles_over
 
 D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
@@ -67,20 +68,21 @@ X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
 
 class FusedMoeBwdCoreSm90:
-    """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given."""
+    """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given;
+    ``n_tail``: H, I or I_s not a multiple of tile_n (the last n-tiles' stores masked)."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
                  shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
+                 n_tail: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         if mx and (gather or shared):
             raise ValueError("mx (the MXFP8 backward) is the routed core's, with or without scatter")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
-        self.trace, self.mx = trace, mx
-        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx)
-        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.trace, self.mx, self.n_tail = trace, mx, n_tail
+        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
+        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
         self.epi_elems = epi
         self.ml_d = Sm90Mainloop(cfg, epi_smem_bytes=epi * 2, b_major=MN_MAJOR)  # D2, D1
@@ -166,8 +168,8 @@ class FusedMoeBwdCoreSm90:
         sB_w = storage.sB.get_tensor(mw.b_smem_staged.outer, swizzle=mw.b_smem_staged.inner)
         sTask = storage.extra.get_tensor(cute.make_layout(2))
         views = (sA, sB, sA_w, sB_w)
-        routed = _Group(r_tma, r_t, cfg)
-        shared = _Group(s_tma, s_t, cfg) if cutlass.const_expr(self.shared) else None
+        routed = _Group(r_tma, r_t, cfg, self.n_tail)
+        shared = _Group(s_tma, s_t, cfg, self.n_tail) if cutlass.const_expr(self.shared) else None
         n_tasks = routed.n_tasks
         n_done = routed.n_d1  # the tiles the dx slot sum waits for
         if cutlass.const_expr(self.shared):
@@ -374,7 +376,7 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(scatter):
                 acc_to_smem(thr_d, acc, s_plain)
                 consumer_barrier()
-                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None)
+                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None, self.n_tail)
             else:
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
                                Float32(0.0))
@@ -395,13 +397,13 @@ class FusedMoeBwdCoreSm90:
                 consumer_barrier()
                 if which == WD:
                     route_rows.accumulate(s_plain, et, r0, cutlass.min(g.hidden - r0, cfg.tile_m), n_tile,
-                                          g.dwd[(expert, None, None)], cfg.tile_n)
+                                          g.dwd[(expert, None, None)], cfg.tile_n, self.n_tail)
                 elif which == WG:
                     route_rows.accumulate(s_plain, et, r0, cutlass.min(g.inter - r0, cfg.tile_m), n_tile,
-                                          g.dwg[(expert, None, None)], cfg.tile_n)
+                                          g.dwg[(expert, None, None)], cfg.tile_n, self.n_tail)
                 else:
                     route_rows.accumulate(s_plain, et, r0, cutlass.min(g.inter - r0, cfg.tile_m), n_tile,
-                                          g.dwu[(expert, None, None)], cfg.tile_n)
+                                          g.dwu[(expert, None, None)], cfg.tile_n, self.n_tail)
                 consumer_barrier()
             else:
                 if which == WD:
@@ -489,7 +491,7 @@ class _Group:
 
     NAMES = ("dy", "wd", "dgu", "wg", "wu", "dyt", "ht", "dgt", "xt", "dut")
 
-    def __init__(self, tma: tuple, t: tuple, cfg: MainloopConfig):
+    def __init__(self, tma: tuple, t: tuple, cfg: MainloopConfig, n_tail: bool):
         for i, name in enumerate(self.NAMES):
             setattr(self, "atom_" + name, tma[2 * i])
             setattr(self, "coord_" + name, tma[2 * i + 1])
@@ -497,10 +499,10 @@ class _Group:
         self.num_experts = self.offsets.shape[0] - 1
         self.inter = self.gu3.shape[2]
         self.hidden = self.dwd.shape[1]
-        self.n_i = self.inter // cfg.tile_n  # D2 n-tiles
-        self.n_h = self.hidden // cfg.tile_n  # D1 n-tiles
-        self.wdims = ((self.hidden + cfg.tile_m - 1) // cfg.tile_m, self.inter // cfg.tile_n,
-                      (self.inter + cfg.tile_m - 1) // cfg.tile_m, self.hidden // cfg.tile_n)
+        self.n_i = tiles_over(self.inter, cfg.tile_n, n_tail)  # D2 n-tiles (n_tail: the last may run past I)
+        self.n_h = tiles_over(self.hidden, cfg.tile_n, n_tail)  # D1 n-tiles
+        self.wdims = ((self.hidden + cfg.tile_m - 1) // cfg.tile_m, self.n_i,
+                      (self.inter + cfg.tile_m - 1) // cfg.tile_m, self.n_h)
         self.mt = routed_mtiles(self.offsets, self.num_experts, cfg.tile_m)
         self.n_d2, self.n_d1 = self.mt * self.n_i, self.mt * self.n_h
         self.n_w = self.num_experts * (self.wdims[0] * self.wdims[1] + 2 * self.wdims[2] * self.wdims[3])
@@ -542,15 +544,16 @@ def _split(t: Int32, s: _Group, r: _Group):
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
-                                trace: bool = False, mx: bool = False, add: bool = False, *, arch: str = "sm_90a",
-                                inspect: bool = False):
+                                trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False, *,
+                                arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
     in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
     ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
     per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
-    ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``); returns ``(compiled, report)``."""
+    ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``; ``n_tail``: H, I or I_s
+    not a multiple of tile_n); returns ``(compiled, report)``."""
     if add and not scatter:
         raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
@@ -559,7 +562,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -723,7 +726,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
-               trace, mx_dyt is not None, tokens is not None and tokens[3] is not None)
+               trace, mx_dyt is not None, tokens is not None and tokens[3] is not None,
+               any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))))
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
@@ -752,7 +756,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
 def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:
     """An upper bound of the launch's task count (routed m-tiles at most ``m // 128 + e + 1``)."""
     def group(mt: int, experts: int, i: int) -> int:  # D2 + D1 tiles, then dWd + dWg + dWu tiles
-        return mt * (i // 256 + hid // 256) + experts * (-(-hid // 128) * (i // 256) + 2 * -(-i // 128) * (hid // 256))
+        ni, nh = -(-i // 256), -(-hid // 256)
+        return mt * (ni + nh) + experts * (-(-hid // 128) * ni + 2 * -(-i // 128) * nh)
     cap = group(m // 128 + e + 1, e, inter)
     if shared is not None:
         cap += group(shared[1].shape[0] // 128 + 2, 1, shared[3].shape[0])

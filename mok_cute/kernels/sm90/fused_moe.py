@@ -80,6 +80,7 @@ from mok_cute.kernels.sm90.mainloop import (
 )
 from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
+from mok_cute.schedule.group_tiles import tiles_over
 
 CHUNK = 128  # rows per gather chunk (= tile_m)
 # wait channels recorded in status on a timeout (after the comm protocol's own)
@@ -99,19 +100,21 @@ SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.asyn
 
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
-    ``shared``: a shared expert is fused in."""
+    ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
+    tile_n / 2 (the last n-tiles' stores masked)."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
-                 mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
+                 mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
                  cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
-        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx)
+        self.n_tail = n_tail
+        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
-        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+        self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
         b_bytes = self.mainloop.stages * cfg.tile_n * cfg.tile_k * 2
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
@@ -187,15 +190,15 @@ class FusedMoeFwdSm90:
         tokens = mX.shape[0]
         hidden = mX.shape[1]
         num_experts = mOffsets.shape[0] - 1
-        n1 = coord_wg.shape[0] // (cfg.tile_n // 2)  # GEMM1 n-tiles (2I / tile_n)
-        n2 = coord_wd.shape[0] // cfg.tile_n  # GEMM2 n-tiles (H / tile_n)
+        n1 = tiles_over(coord_wg.shape[0], cfg.tile_n // 2, self.n_tail)  # GEMM1 n-tiles (2I / tile_n)
+        n2 = tiles_over(coord_wd.shape[0], cfg.tile_n, self.n_tail)  # GEMM2 n-tiles (H / tile_n)
         k1 = (hidden + (cfg.tile_k - 1)) // cfg.tile_k
         k2 = (coord_h.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         m_sh = (tokens + (cfg.tile_m - 1)) // cfg.tile_m
         n1s = Int32(0)
         k2s = Int32(0)
         if cutlass.const_expr(self.shared):
-            n1s = coord_sg.shape[0] // (cfg.tile_n // 2)
+            n1s = tiles_over(coord_sg.shape[0], cfg.tile_n // 2, self.n_tail)
             k2s = (coord_hs.shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         mt_routed = tasks.routed_mtiles(mOffsets, num_experts, cfg.tile_m)
         n_s1 = m_sh * n1s
@@ -495,7 +498,7 @@ class FusedMoeFwdSm90:
                                        ep.timeout_ns, ep.status)
                         consumer_barrier()
                         freed = Int32(1)
-                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep)
+                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -526,15 +529,15 @@ class FusedMoeFwdSm90:
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
-                          gate: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                          gate: bool = False, n_tail: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts
-    from the shared output times the per-token output gate, ``mGate`` fp32 [T]); returns
-    ``(compiled, report)``."""
+    from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
+    :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -689,11 +692,13 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     progress = progress_mode() and not trace
     nb = slot_sum_batch()
+    tn = MainloopConfig().tile_n
+    n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None)
+               gate is not None, n_tail)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, arch=arch)[0]))
+        gate=gate is not None, n_tail=n_tail, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -703,9 +708,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((num_ctas, PROGRESS_WORDS), dtype=torch.int64, pin_memory=True)
         _last_progress[:] = [records]
     if trace:  # gather chunks, then every possible task, then two per CTA (see the kernel)
-        n1s = 0 if shared is None else shared[0].shape[0] // 128
-        m_sh, mt = sizes[2], sizes[1]
-        n_tasks = m_sh * (n1s + (hid // 256 if shared is not None else 0)) + mt * (inter // 128 + hid // 256)
+        n1s = 0 if shared is None else -(-shared[0].shape[0] // 128)
+        m_sh, mt, n2 = sizes[2], sizes[1], -(-hid // 256)
+        n_tasks = m_sh * (n1s + (n2 if shared is not None else 0)) + mt * (-(-inter // 128) + n2)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,

@@ -68,6 +68,7 @@ from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
+N_ALIGN = 64  # N (I for swiglu / dswiglu) of every GEMM: a multiple of this; a tile's columns past N are masked
 MX_BLOCK = 32  # MXFP8 block (SwiGLU epilogue's h copy)
 _BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
 
@@ -93,19 +94,35 @@ def _load_rows(tiled_copy: cute.TiledCopy, tid: Int32, s_tile: cute.Tensor):
 
 @cute.jit
 def _store_rows(tiled_copy: cute.TiledCopy, tid: Int32, r: cute.Tensor, coords: cute.Tensor,
-                g_tile: cute.Tensor, rows: Int32):
-    """Store register vectors ``r`` to the gmem tile, skipping rows ``>= rows``."""
+                g_tile: cute.Tensor, rows: Int32, cols: Int32 = None):
+    """Store register vectors ``r`` to the gmem tile, skipping rows ``>= rows`` and (``cols``
+    given: the tile's columns inside N, a multiple of 8) columns ``>= cols``."""
     tD = tiled_copy.get_slice(tid).partition_D(g_tile)
-    for m in cutlass.range_constexpr(cute.size(tD, mode=[1])):
-        for n in cutlass.range_constexpr(cute.size(tD, mode=[2])):
-            if coords[(0, m, n)][0] < rows:
-                cute.copy(tiled_copy, r[(None, m, n)], tD[(None, m, n)])
+    if _in_cols(coords, cols):
+        for m in cutlass.range_constexpr(cute.size(tD, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(tD, mode=[2])):
+                if coords[(0, m, n)][0] < rows:
+                    cute.copy(tiled_copy, r[(None, m, n)], tD[(None, m, n)])
 
 
 @cute.jit
-def _fetch_rows(width: cutlass.Constexpr[int], tid: Int32, g_tile: cute.Tensor, s_tile: cute.Tensor, rows: Int32):
-    """Issue cp.async 16-byte copies of rows ``< rows`` of a gmem (rows, width) tile into the
-    shared tile (other rows are left as they are); the caller commits and waits."""
+def _in_cols(coords: cute.Tensor, cols: Int32):
+    """Whether this thread's vectors (one 8-column group: a :func:`_row_copy` thread's, the same
+    in every row) lie inside the tile's first ``cols`` columns (``cols`` None: all columns)."""
+    if cutlass.const_expr(cute.size(coords, mode=[2]) != 1):
+        raise ValueError("_in_cols: one 8-column group per thread expected")
+    ok = True
+    if cutlass.const_expr(cols is not None):
+        ok = coords[(0, 0, 0)][1] < cols
+    return ok
+
+
+@cute.jit
+def _fetch_rows(width: cutlass.Constexpr[int], tid: Int32, g_tile: cute.Tensor, s_tile: cute.Tensor, rows: Int32,
+                cols: Int32 = None):
+    """Issue cp.async 16-byte copies of rows ``< rows`` (and, ``cols`` given, columns ``< cols``)
+    of a gmem (rows, width) tile into the shared tile (the rest is left as it is); the caller
+    commits and waits."""
     tpr = width // _VEC
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
     thr = cute.make_layout((NUM_CONSUMER_THREADS // tpr, tpr), stride=(tpr, 1))
@@ -114,10 +131,11 @@ def _fetch_rows(width: cutlass.Constexpr[int], tid: Int32, g_tile: cute.Tensor, 
     tG = thr_copy.partition_S(g_tile)
     tS = thr_copy.partition_D(s_tile)
     coords = thr_copy.partition_S(cute.make_identity_tensor(cute.product_each(s_tile.shape)))
-    for m in cutlass.range_constexpr(cute.size(tG, mode=[1])):
-        for n in cutlass.range_constexpr(cute.size(tG, mode=[2])):
-            if coords[(0, m, n)][0] < rows:
-                cute.copy(tiled_copy, tG[(None, m, n)], tS[(None, m, n)])
+    if _in_cols(coords, cols):
+        for m in cutlass.range_constexpr(cute.size(tG, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(tG, mode=[2])):
+                if coords[(0, m, n)][0] < rows:
+                    cute.copy(tiled_copy, tG[(None, m, n)], tS[(None, m, n)])
 
 
 class _StagedEpilogue:
@@ -144,10 +162,11 @@ class _StagedEpilogue:
 
 
 class PlainEpilogue(_StagedEpilogue):
-    """out[row0 + r, n_tile * tile_n + c] = tile[r, c] for r < rows."""
+    """out[row0 + r, n_tile * tile_n + c] = tile[r, c] for r < rows (``n_tail``: and columns inside
+    out's N; without it N must be a multiple of tile_n)."""
 
-    def __init__(self, tile_m: int, tile_n: int):
-        self.tile_m, self.tile_n = tile_m, tile_n
+    def __init__(self, tile_m: int, tile_n: int, n_tail: bool = False):
+        self.tile_m, self.tile_n, self.n_tail = tile_m, tile_n, n_tail
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
@@ -155,7 +174,7 @@ class PlainEpilogue(_StagedEpilogue):
         copy = _row_copy(self.tile_n)
         r, coords = _load_rows(copy, tid, sC)
         g = cute.local_tile(cute.domain_offset((row0, 0), mOut), (self.tile_m, self.tile_n), (0, n_tile))
-        _store_rows(copy, tid, r, coords, g, rows)
+        _store_rows(copy, tid, r, coords, g, rows, mOut.shape[1] - n_tile * self.tile_n if self.n_tail else None)
 
 
 # ---------------------------------------------------------------- TMA-store epilogue
@@ -270,11 +289,15 @@ class SwigluEpilogue(_StagedEpilogue):
 
     ``mx_rt``: also writes h's MXFP8 round trip along I as bf16 (``mHrt`` [M, I], the fused
     MXFP8 forward's GEMM2 operand), bitwise ``dequant_mxfp8.mxfp8_round_trip(h)``.
+
+    ``n_tail``: the last tile's columns past I are not stored (without it I must be a multiple of
+    tile_n / 2).
     """
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False, mx_rt: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False, mx_rt: bool = False,
+                 n_tail: bool = False):
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx_h = tile_m, tile_n, tile_n // 2, clamp, mx_h
-        self.mx_rt = mx_rt
+        self.mx_rt, self.n_tail = mx_rt, n_tail
         if (mx_h or mx_rt) and self.half % MX_BLOCK:
             raise ValueError(f"mx_h / mx_rt need tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
 
@@ -288,23 +311,24 @@ class SwigluEpilogue(_StagedEpilogue):
         ru, _ = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 1)))
         gate_rows = cute.domain_offset((row0, 0), mGU[(None, 0, None)])
         up_rows = cute.domain_offset((row0, 0), mGU[(None, 1, None)])
-        _store_rows(copy, tid, rg, coords, cute.local_tile(gate_rows, shape, (0, n_tile)), rows)
-        _store_rows(copy, tid, ru, coords, cute.local_tile(up_rows, shape, (0, n_tile)), rows)
+        cols = mH.shape[1] - n_tile * self.half if self.n_tail else None  # the tile's columns inside I
+        _store_rows(copy, tid, rg, coords, cute.local_tile(gate_rows, shape, (0, n_tile)), rows, cols)
+        _store_rows(copy, tid, ru, coords, cute.local_tile(up_rows, shape, (0, n_tile)), rows, cols)
         rh = self._h(rg, ru, limit)
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
-        _store_rows(copy, tid, rh, coords, h_tile, rows)
+        _store_rows(copy, tid, rh, coords, h_tile, rows, cols)
         if cutlass.const_expr(self.mx_h):
             self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
         if cutlass.const_expr(self.mx_rt):
             rt_tile = cute.local_tile(cute.domain_offset((row0, 0), mHrt), shape, (0, n_tile))
-            _store_rows(copy, tid, _mx_rows_rt(rh), coords, rt_tile, rows)
+            _store_rows(copy, tid, _mx_rows_rt(rh), coords, rt_tile, rows, cols)
 
     @cute.jit
     def _store_mx(self, rh: cute.Tensor, coords: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
                   mHq: cute.Tensor, mHs: cute.Tensor):
         """MXFP8 of this thread's h vectors (see the class doc): 8 data bytes per vector as two
-        words of hq, one scale byte per block from its first lane; rows ``>= rows`` skipped
-        (every lane still joins the shuffles)."""
+        words of hq, one scale byte per block from its first lane; rows ``>= rows`` and columns
+        past I skipped (every lane still joins the shuffles)."""
         ops = Fp8Ops(bf16=True)
         words = cute.recast_tensor(rh, cutlass.Uint32)
         for m in cutlass.range_constexpr(cute.size(words, mode=[1])):
@@ -314,10 +338,14 @@ class SwigluEpilogue(_StagedEpilogue):
                 r, c = coords[(0, m, n)]
                 if r < rows:
                     col = n_tile * self.half + c
-                    mHq[row0 + r, col // 4] = o[0]
-                    mHq[row0 + r, col // 4 + 1] = o[1]
-                    if c % MX_BLOCK == 0:
-                        mHs[row0 + r, col // MX_BLOCK] = cutlass.Uint8(byte)
+                    inside = True
+                    if cutlass.const_expr(self.n_tail):
+                        inside = col < mHs.shape[1] * MX_BLOCK
+                    if inside:
+                        mHq[row0 + r, col // 4] = o[0]
+                        mHq[row0 + r, col // 4 + 1] = o[1]
+                        if c % MX_BLOCK == 0:
+                            mHs[row0 + r, col // MX_BLOCK] = cutlass.Uint8(byte)
 
     @cute.jit
     def _h(self, rg: cute.Tensor, ru: cute.Tensor, limit: Float32):
@@ -441,20 +469,22 @@ class DSwigluEpilogue:
     than 8 (within one 8-column group), so an element's half is a compile-time fact
     (taken from thread 0's coordinates; checked for every 5th thread, tile_n 128 and 256).
 
-    ``mx`` (the MXFP8 backward's operands): instead of dgu, ``mDGU`` gets dgu's MXFP8 round trip
+    ``n_tail``: columns past I are neither fetched nor stored (without it I must be a multiple of
+    tile_n). ``mx`` (the MXFP8 backward's operands): instead of dgu, ``mDGU`` gets dgu's MXFP8 round trip
     along its rows (dgrad1's operand) and ``mDGUt`` its round trip along the tokens in blocks
     of 32 rows from the tile's first row (the weight gradients' operand; a tile's rows are one
     expert's, from a multiple of 128 of them), bitwise ``dequant_mxfp8.mxfp8_round_trip`` and
     ``mxfp8_round_trip_tokens`` of the unfused dgu.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx: bool = False, n_tail: bool = False):
         if tile_n % 16:
             raise ValueError(f"dswiglu needs tile_n a multiple of 16, got {tile_n}")
         if mx and (tile_n // 2) % MX_BLOCK:
             raise ValueError(f"mx needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx = tile_m, tile_n, tile_n // 2, clamp, mx
         self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
+        self.n_tail = n_tail
 
     def smem_elems(self) -> int:
         return 2 * self.tile_m * self.pitch
@@ -468,6 +498,14 @@ class DSwigluEpilogue:
         return sC[(None, None, 0)], sC[(None, None, 1)]  # g, u
 
     @cute.jit
+    def _valid(self, n_tile: Int32, h: cutlass.Constexpr[int], mGU: cute.Tensor):
+        """Columns of half ``h`` of the tile inside I (``n_tail``; else None: all)."""
+        valid = None
+        if cutlass.const_expr(self.n_tail):
+            valid = mGU.shape[2] - (2 * n_tile + h) * self.half
+        return valid
+
+    @cute.jit
     def _fetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
                h: cutlass.Constexpr[int]):
         """Start the cp.async loads of column half ``h`` of the tile's g and u."""
@@ -475,7 +513,7 @@ class DSwigluEpilogue:
         for j in cutlass.range_constexpr(2):  # 0: gate half of gu, 1: up half
             src = cute.domain_offset((row0, 0), mGU[(None, j, None)])
             _fetch_rows(self.half, tid, cute.local_tile(src, (self.tile_m, self.half), (0, 2 * n_tile + h)),
-                        bufs[j], rows)
+                        bufs[j], rows, self._valid(n_tile, h, mGU))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -510,12 +548,13 @@ class DSwigluEpilogue:
                     tG[i] = dg.to(cutlass.BFloat16)
                     tU[i] = du.to(cutlass.BFloat16)
             consumer_barrier()
+            valid = self._valid(n_tile, h, mGU)
             for j in cutlass.range_constexpr(2):
                 r, coords = _load_rows(copy, tid, bufs[j])
                 if cutlass.const_expr(self.mx):
                     r = _mx_rows_rt(r)
                 dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
-                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
+                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows, valid)
             if cutlass.const_expr(self.mx):  # then the round trip along the tokens, in place
                 consumer_barrier()
                 for j in cutlass.range_constexpr(2):
@@ -524,7 +563,7 @@ class DSwigluEpilogue:
                 for j in cutlass.range_constexpr(2):
                     r, coords = _load_rows(copy, tid, bufs[j])
                     dst = cute.domain_offset((row0, 0), mDGUt[(None, j, None)])
-                    _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows)
+                    _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows, valid)
             consumer_barrier()
 
 
@@ -536,12 +575,13 @@ class GroupedGemmSm90:
     or (``split_b``) the [E, K - K1, N] second part of B along K, or (swiglu) w_up [E, I, K]
     stacked along N with ``mB`` = w_gate. plain: ``mOut0`` = out [M, N] (``mOut1`` ignored,
     pass mOut0); swiglu: ``mOut0`` = gu [M, 2, I], ``mOut1`` = h [M, I]; dswiglu: ``mOut0``
-    = dgu, ``mOut1`` = gu, both [M, 2, N]. N (I for swiglu) must be a multiple of tile_n
-    (tile_n/2); K1 of tile_k.
+    = dgu, ``mOut1`` = gu, both [M, 2, N]. N (I for swiglu) a multiple of tile_n (tile_n/2), or
+    with ``n_tail`` of ``N_ALIGN`` (the last n-tile's columns past N: B rows zero-filled by TMA,
+    stores masked or clipped); K1 a multiple of tile_k.
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
-                 split_b: bool = False, mx_h: bool = False):
+                 split_b: bool = False, mx_h: bool = False, n_tail: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if mx_h and epilogue != "swiglu":
@@ -554,11 +594,11 @@ class GroupedGemmSm90:
         if self.stack_n and (b_major != K_MAJOR or split_b):
             raise ValueError("swiglu needs b_major='k' and no split_b")
         if epilogue == "plain":
-            self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
+            self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         elif epilogue == "swiglu":
-            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h)
+            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail)
         else:
-            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
@@ -606,7 +646,7 @@ class GroupedGemmSm90:
 
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
         num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
-            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k)
+            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k, self.epi.n_tail)
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
             k_tiles1 = coord_b.shape[1] // cfg.tile_k
@@ -655,12 +695,13 @@ class GroupedGemmSm90:
 
 # ---------------------------------------------------------------- compile
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
-                         b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, arch: str = "sm_90a",
-                         inspect: bool = False):
-    """Compile one kernel variant with symbolic M_total, N, K, E; returns ``(compiled, report)``."""
+                         b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, n_tail: bool = False,
+                         arch: str = "sm_90a", inspect: bool = False):
+    """Compile one kernel variant with symbolic M_total, N, K, E (``n_tail``: N not a multiple of
+    the tile, see :class:`GroupedGemmSm90`); returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
@@ -718,17 +759,6 @@ def effective_config(cfg: MainloopConfig) -> MainloopConfig:
     return out
 
 
-def interleave_gate_up(w_gate, w_up, tile_n: int = DEFAULT_CONFIG.tile_n):
-    """[E, I, H] gate and up weights -> [E, 2I, H] with blocks of ``tile_n/2`` rows alternating
-    gate, up (so one ``tile_n``-wide output tile holds matching gate and up columns)."""
-    e, inter, h = w_gate.shape
-    half = tile_n // 2
-    if inter % half:
-        raise ValueError(f"w_gate: I={inter} must be a multiple of tile_n/2={half}")
-    blocks = (w_gate.reshape(e, inter // half, 1, half, h), w_up.reshape(e, inter // half, 1, half, h))
-    return torch.cat(blocks, dim=2).reshape(e, 2 * inter, h)
-
-
 def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     """Validate A [M, K], offsets [E+1], weights [E, N, K] (not devices); returns (M, K, E)."""
     _check_tensor(a_name, a, 2, (torch.bfloat16,))
@@ -765,12 +795,13 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
         cfg = effective_config(cfg)
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     mx_h = hq is not None
+    n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
     launcher = compile_cached(
-        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, cfg.key()),
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
-                                                   split_b=split_b, mx_h=mx_h, arch=arch)[0]))
+                                                   split_b=split_b, mx_h=mx_h, n_tail=n_tail, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
-    tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)
+    tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
@@ -784,13 +815,13 @@ def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFI
     """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
 
     a [M, K] bf16 contiguous; offsets [E+1] int32/int64 on the device (0, non-decreasing,
-    last = M; not checked); w [E, N, K] bf16 contiguous, N a multiple of ``cfg.tile_n``;
+    last = M; not checked); w [E, N, K] bf16 contiguous, N a multiple of ``N_ALIGN`` (64);
     ``out``: optional preallocated [M, N] bf16 result (every row is written).
     """
     m, _, _ = _check_operands(a, offsets, {"w": w})
     n = w.shape[1]
-    if n % cfg.tile_n:
-        raise ValueError(f"w: N={n} must be a multiple of tile_n={cfg.tile_n}")
+    if n % N_ALIGN:
+        raise ValueError(f"w: N={n} must be a multiple of {N_ALIGN}")
     out = _check_out("out", out, (m, n), a.device)
     _check_devices(a=a, offsets=offsets, w=w, out=out)
     return _run_gemm(a, offsets, w, out, cfg)
@@ -811,7 +842,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     (gate in columns [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u,
     with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given.
 
-    w_gate, w_up [E, I, H] bf16 contiguous, I a multiple of ``cfg.tile_n / 2``; read in place
+    w_gate, w_up [E, I, H] bf16 contiguous, I a multiple of ``N_ALIGN`` (64); read in place
     (each B tile is tile_n/2 gate rows stacked on the matching up rows by two TMA loads).
     ``out``: optional preallocated ``(gu, h)``.
     """
@@ -819,8 +850,8 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
     inter = w_gate.shape[1]
-    if inter % (cfg.tile_n // 2):
-        raise ValueError(f"w_gate: I={inter} must be a multiple of tile_n/2={cfg.tile_n // 2}")
+    if inter % N_ALIGN:
+        raise ValueError(f"w_gate: I={inter} must be a multiple of {N_ALIGN}")
     _check_limit(limit)
     gu, h = (None, None) if out is None else out
     gu = _check_out("gu", gu, (m, 2 * inter), x.device)

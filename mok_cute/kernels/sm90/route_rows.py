@@ -34,8 +34,9 @@ SUM_REGS = 160  # per thread in every warpgroup for the slot sum after the GEMM 
 
 @cute.jit
 def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
-            mOrder: cute.Tensor, tile_n: cutlass.Constexpr[int], ep):
-    """Store the staged tile's rows ``r < rows`` to ``slot[order[row0 + r]]`` (see the module doc)."""
+            mOrder: cute.Tensor, tile_n: cutlass.Constexpr[int], ep, n_tail: cutlass.Constexpr[bool] = False):
+    """Store the staged tile's rows ``r < rows`` to ``slot[order[row0 + r]]`` (see the module doc;
+    ``n_tail``: only the columns inside N)."""
     copy = _row_copy(tile_n)
     r, coords = _load_rows(copy, tid, sC)
     v = mSlot.shape[1] // _VEC
@@ -47,10 +48,14 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
             route = mOrder[row0 + rr]
             for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
                 _, cn = coords[(0, m, n)]
-                if cutlass.const_expr(ep is not None):
-                    ep.push_vec(route, col0 + cn // _VEC, v, r[(None, m, n)].load())
-                else:
-                    dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
+                inside = True
+                if cutlass.const_expr(n_tail):
+                    inside = col0 + cn // _VEC < v
+                if inside:
+                    if cutlass.const_expr(ep is not None):
+                        ep.push_vec(route, col0 + cn // _VEC, v, r[(None, m, n)].load())
+                    else:
+                        dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
 
 
 @cute.jit
@@ -112,10 +117,10 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
 
 @cute.jit
 def accumulate(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mMain: cute.Tensor,
-               tile_n: cutlass.Constexpr[int]):
-    """``main[row0 + r, n_tile * tile_n + c] += fp32(tile[r, c])`` for rows ``r < rows`` of the staged
-    bf16 tile (``add.rn.f32``: Megatron's gradient-accumulation fusion, bitwise
-    ``main.add_(bf16_grad.float())``); ``mMain`` fp32 [R, C] row-major."""
+               tile_n: cutlass.Constexpr[int], n_tail: cutlass.Constexpr[bool] = False):
+    """``main[row0 + r, n_tile * tile_n + c] += fp32(tile[r, c])`` for rows ``r < rows`` (and with
+    ``n_tail`` columns ``< C``) of the staged bf16 tile (``add.rn.f32``: Megatron's gradient-accumulation fusion,
+    bitwise ``main.add_(bf16_grad.float())``); ``mMain`` fp32 [R, C] row-major."""
     copy = _row_copy(tile_n)
     r, coords = _load_rows(copy, tid, sC)
     g = cute.local_tile(cute.domain_offset((row0, 0), mMain), (cute.size(sC, mode=[0]), tile_n), (0, n_tile))
@@ -124,9 +129,13 @@ def accumulate(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: In
         if rr < rows:
             for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
                 _, cn = coords[(0, m, n)]
-                vals = r[(None, m, n)].load().to(Float32)
-                for j in cutlass.range_constexpr(_VEC):
-                    g[rr, cn + j] = add_rn(g[rr, cn + j], vals[j])
+                inside = True
+                if cutlass.const_expr(n_tail):
+                    inside = cn < mMain.shape[1] - n_tile * tile_n
+                if inside:
+                    vals = r[(None, m, n)].load().to(Float32)
+                    for j in cutlass.range_constexpr(_VEC):
+                        g[rr, cn + j] = add_rn(g[rr, cn + j], vals[j])
 
 
 @cute.jit
