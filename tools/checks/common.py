@@ -93,6 +93,13 @@ def sm90_skip(ctx: Ctx, check: str) -> list[Row] | None:
     return None
 
 
+def sm100_skip(ctx: Ctx, check: str) -> list[Row] | None:
+    """The one skipped row of ``check`` unless the device is a Blackwell (sm_100 / sm_103) GPU."""
+    if torch.cuda.get_device_capability(ctx.device) not in ((10, 0), (10, 3)):
+        return [Row(f"{check}: skipped", ok=True, note=f"needs sm_100 / sm_103, have {ctx.device_name}")]
+    return None
+
+
 def seeded(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``, after seeding torch's global RNG with it too."""
     gen = torch.Generator().manual_seed(seed)

@@ -617,8 +617,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
                         num_ctas: int | None = None, tokens=None, mx: bool = False):
     """The routed backward in one launch (module doc) on operands the unfused path accepts
     (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
-    stride; I, H multiples of 256; offsets int32 [E+1] on the device). Returns ``(dx [M, H],
-    dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s.
+    stride; I, H multiples of 64, not of 256: the n_tail variant; offsets int32 [E+1] on the
+    device). Returns ``(dx [M, H], dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused
+    ``mlp_backward``'s.
 
     ``tokens`` = ``(order, topk_idx, dx_shared)``: the dx rows go straight to their (token,
     slot) rows and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the

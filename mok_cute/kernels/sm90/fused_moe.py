@@ -43,7 +43,8 @@ Operands (bf16, row-major, 16-byte aligned): x [T, H]; w_gate, w_up [E, I, H]; w
 [T*k], topk_w fp32 [T*k]. Outputs: xg [ring * 128, H] (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out
 [T*k, H] (rows of -1 slots untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H].
 Counters int32, zero at launch: gather_ready and h_ready [ceil(M_cap/128) + E] (per routed m-tile),
-sh_ready [ceil(T/128)], [done, ticket, gather CTAs, slot-sum CTAs]. H, I, I_s multiples of 256.
+sh_ready [ceil(T/128)], [done, ticket, gather CTAs, slot-sum CTAs]. H, I, I_s multiples of 64
+(H not of 256, or I, I_s not of 128: the ``n_tail`` variant, its last n-tiles masked).
 
 Variants: ``mx`` (MXFP8: the SwiGLU epilogue also writes h's MXFP8 round trip, GEMM2's A
 operand); ``ep`` (EP > 1, :func:`fused_forward` with a workspace: the gather pulls rows and

@@ -1,0 +1,69 @@
+"""Device check for a first Blackwell run (sm_100 / sm_103; docs/blackwell.md), never run yet
+(no Blackwell GPU was lent).
+
+BF16 expert GEMMs of :mod:`mok_cute.kernels.sm100.grouped_gemm` (plain, GEMM1+SwiGLU, dSwiGLU
+dgrad, dgrad1 with stacked and separate weights, wgrad with a column-slice operand) through the
+checks of :mod:`checks.gemm_sm90` (vs the reference, NaN-poisoned outputs, guard rows, 5 repeats
+bitwise) at H/I 1024/512 and 320/128 (partial tiles). Then the layer:
+
+``mok_cute.moe(backend="sm100")`` (the unfused tcgen05 expert GEMMs) vs ``backend="reference"``
+at the same precision, y and every gradient, shared expert on, skewed routing with -1 slots,
+SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
+BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
+bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from checks.common import Row, sm100_skip
+from checks.layer_sm90 import _problem, _run
+from checks.tails import TOL, _dims, _errors
+
+SHAPES = [("aligned T600 H1024 I512", 600, 1024, 512, 8, 4, None),
+          ("tails T500 H320 I128 I_s192", 500, 320, 128, 6, 3, 192)]
+
+
+def _gemm_rows(dev) -> list[Row]:
+    from checks import gemm_sm90 as G
+    from checks.common import seeded
+    from mok_cute import reference as ref
+    from mok_cute.kernels.sm100 import grouped_gemm as k
+
+    gen, rows = seeded(99), []
+    for h, inter in ((1024, 512), (320, 128)):
+        with _dims(G, h, inter):
+            for r in (G._guarded("plain", G._check_plain, k, ref, dev, gen, "skewed", torch.int32),
+                      G._guarded("swiglu", G._check_swiglu, k, ref, dev, gen, "skewed", 4.0),
+                      G._guarded("dswiglu dgrad", G._check_dswiglu_dgrad, k, ref, dev, gen, "skewed", 4.0),
+                      G._guarded("dgrad1", G._check_dgrad1, k, ref, dev, gen, "skewed"),
+                      G._guarded("wgrad", G._check_wgrad, k, ref, dev, gen, "uniform", True)):
+                r.name = f"sm100 {r.name} H{h} I{inter}"
+                rows.append(r)
+    return rows
+
+
+def _layer_rows(dev) -> list[Row]:
+    rows = []
+    for si, (name, t, h, inter, e, k, i_s) in enumerate(SHAPES):
+        x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=500 + si)
+        if i_s is not None:  # a shared expert of another width
+            g = torch.Generator(device=dev).manual_seed(9)
+            sh = tuple((torch.randn(*s, device=dev, generator=g) * f ** -0.5).bfloat16()
+                       for s, f in (((i_s, h), h), ((i_s, h), h), ((h, i_s), i_s)))
+        for precision in ("bf16", "mxfp8"):
+            max_abs, max_rel = TOL[precision]
+            want = _run("reference", x, idx, w, ws, sh, dy, 4.0, precision=precision)
+            runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
+            rep = all(all(torch.equal(a, b) for a, b in zip(runs[0], r)) for r in runs[1:])
+            a, rel, bad = _errors(runs[0], want)
+            rows.append(Row(f"sm100 layer {name} {precision}", max_err=a, bitwise=rep,
+                            ok=rep and not bad and a <= max_abs and rel <= max_rel,
+                            note=f"relL1={rel:.2e} vs reference; repeats equal {rep} {' '.join(bad)}"))
+    return rows
+
+
+def run(ctx) -> list[Row]:
+    if skipped := sm100_skip(ctx, "sm100"):
+        return skipped
+    return _gemm_rows(ctx.device) + _layer_rows(ctx.device)
