@@ -6,26 +6,20 @@ backward's of dx).
   ``order[row0 + r]`` = ``t*k + j`` of ``slot`` [T*k, N] (EP > 1, ``ep`` a
   :class:`~mok_cute.comm.peer_rows.PeerRows`: to the source rank's slot buffer, ``order`` then
   holding ``p*T*k + t*k + j``).
-* :func:`slot_sum`: ``out[t] = bf16(acc)``, ``acc = fp32(init[t])`` (or 0 without ``init``; with
-  ``gate`` fp32 [T]: ``acc = fp32(init[t]) * gate[t]``, the shared expert's output gate; with
-  ``add`` fp32 [T, H]: ``acc = acc + add[t]``, the gate's share of dx), then
-  for each slot j in order with ``idx[t*k + j] >= 0``: ``acc = acc + w[t, j] * fp32(slot[t*k + j])``
-  (``w`` None: ``acc + fp32(slot)``), single-rounded fp32 operations: the reference's
-  ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
-  vectors in flight as cp.async copies into ``sbuf`` [nb * NUM_THREADS, 8] bf16 (idle shared
-  memory: no register holds them).
+* :func:`slot_sum`: :func:`mok_cute.kernels.slot_rows.slot_sum` (arch-neutral) over the SM90
+  kernels' ``NUM_THREADS``.
 * :func:`accumulate`: a staged bf16 tile added into fp32 rows (main_grad accumulation).
-* :func:`copy_row`: one warp copies a bf16 row between global addresses, loads batched.
+* :func:`copy_row`: :func:`mok_cute.kernels.slot_rows.copy_row` (one warp copies a bf16 row).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32
 
-from mok_cute.comm import protocol as P
-from mok_cute.comm.combine import add_rn, mul_rn
+from mok_cute.comm.combine import add_rn
+from mok_cute.kernels import slot_rows
+from mok_cute.kernels.slot_rows import copy_row  # noqa: F401 (the megakernels' route_rows.copy_row)
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
 
@@ -58,61 +52,12 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
                         dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
 
 
-@cute.jit
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
-             nb: cutlass.Constexpr[int], mGate: cute.Tensor = None, mAdd: cute.Tensor = None):
-    """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc); ``mInit``
-    [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
-    (with ``mInit``), ``mAdd`` fp32 [T, H] or None."""
-    v = hidden // _VEC
-    slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
-    y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-    s = add = None
-    if cutlass.const_expr(mInit is not None):
-        s = cute.make_tensor(mInit.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-    if cutlass.const_expr(mAdd is not None):
-        add = cute.make_tensor(mAdd.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
-    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
-                              num_bits_per_copy=128)
-    acc = cute.make_rmem_tensor((_VEC,), Float32)
-    ws = cute.make_rmem_tensor((nb,), Float32)
-    es = cute.make_rmem_tensor((nb,), Int32)
-    for i in cutlass.range(bidx * NUM_THREADS + tidx, tokens * v, grid * NUM_THREADS, unroll=1):
-        t = i // v
-        c = i - t * v
-        if cutlass.const_expr(mInit is not None):
-            acc.store(s[i, None].load().to(Float32))
-        else:
-            acc.fill(0.0)
-        if cutlass.const_expr(mGate is not None):
-            g = mGate[t]
-            for e in cutlass.range_constexpr(_VEC):
-                acc[e] = mul_rn(acc[e], g)
-        if cutlass.const_expr(mAdd is not None):
-            a = add[i, None].load()
-            for e in cutlass.range_constexpr(_VEC):
-                acc[e] = add_rn(acc[e], a[e])
-        for j0 in cutlass.range(0, k, nb, unroll=1):
-            for u in cutlass.range_constexpr(nb):  # nb slot rows in flight
-                es[u] = Int32(-1)
-                if j0 + u < k:
-                    r = t * k + j0 + u
-                    es[u] = mIdx[r]
-                    if cutlass.const_expr(mW is not None):
-                        ws[u] = mW[r]
-                    cute.copy(g2s, slot[r * v + c, None], sbuf[u * NUM_THREADS + tidx, None])
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            for u in cutlass.range_constexpr(nb):  # added in slot order
-                if es[u] >= 0:
-                    xs = sbuf[u * NUM_THREADS + tidx, None].load().to(Float32)
-                    for e in cutlass.range_constexpr(_VEC):
-                        if cutlass.const_expr(mW is not None):
-                            acc[e] = add_rn(acc[e], mul_rn(ws[u], xs[e]))
-                        else:
-                            acc[e] = add_rn(acc[e], xs[e])
-        y[i, None].store(acc.load().to(cutlass.BFloat16))
+             nb: int, mGate: cute.Tensor = None, mAdd: cute.Tensor = None):
+    """:func:`mok_cute.kernels.slot_rows.slot_sum` over this kernel's ``NUM_THREADS`` per CTA."""
+    slot_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, mW, k, tokens, hidden, sbuf, nb, NUM_THREADS,
+                       mGate, mAdd)
 
 
 @cute.jit
@@ -136,21 +81,3 @@ def accumulate(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: In
                     vals = r[(None, m, n)].load().to(Float32)
                     for j in cutlass.range_constexpr(_VEC):
                         g[rr, cn + j] = add_rn(g[rr, cn + j], vals[j])
-
-
-@cute.jit
-def copy_row(lane: Int32, src: Int64, dst: Int64, units: Int32, unroll: cutlass.Constexpr[int]):
-    """One warp: the ``units`` 16-byte units of a bf16 row at global address ``src`` to ``dst``;
-    lane l moves units l, l + 32, ..., ``unroll`` loads in flight before their stores."""
-    buf = cute.make_rmem_tensor((_VEC, unroll), cutlass.BFloat16)
-    for c0 in cutlass.range(lane, units, 32 * unroll, unroll=1):
-        for u in cutlass.range_constexpr(unroll):  # every load first
-            cu = c0 + u * 32
-            if cu < units:
-                buf[None, u].store(cute.make_tensor(P.gptr(cutlass.BFloat16, src + Int64(cu) * 16, 16),
-                                                    cute.make_layout((_VEC,))).load())
-        for u in cutlass.range_constexpr(unroll):
-            cu = c0 + u * 32
-            if cu < units:
-                cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
-                                 cute.make_layout((_VEC,))).store(buf[None, u].load())
