@@ -1,4 +1,5 @@
-"""Compile every SM100 expert-GEMM kernel for sm_100a and sm_103a (CPU only) and print a
+"""Compile every SM100 kernel (expert GEMMs and the fused forward) for sm_100a and sm_103a
+(CPU only) and print a
 readiness table: compiled per arch, key PTX instructions, TMA descriptors (kernel
 CUtensorMap parameters), registers, spills, shared memory.
 
@@ -12,7 +13,7 @@ import re
 import sys
 import time
 
-from mok_cute.kernels.sm100.grouped_gemm import variants
+from mok_cute.kernels.sm100 import fused_moe, grouped_gemm
 
 ARCHS = ("sm_100a", "sm_103a")
 UNVERIFIED = (
@@ -24,12 +25,14 @@ UNVERIFIED = (
     "dgrad1's switch between the dgu-half / w_gate / w_up descriptors at k-tile ceil(I / tile_k) on hardware",
     "N / K tails on hardware: partial last tiles, TMA boxes past (or wider than) the tensor, e.g. I = 128 < tile_n",
     "performance (stores are per-row 16-byte vectors, no TMA store; multicast only for the 2-CTA MXFP8 SFB)",
+    "fused forward: ticket / readiness counters, the task-id mbarrier ring (TMA -> MMA + epilogue warps), "
+    "ring-slot reuse, bounded waits and the slot sum on hardware; bitwise equality with the unfused SM100 path",
 )
 
 
 def main() -> int:
     rows, failed = [], 0
-    for name, (build, needed) in variants().items():
+    for name, (build, needed) in {**grouped_gemm.variants(), **fused_moe.variants()}.items():
         cells, regs, spills, info = [name], [], [], ""
         for arch in ARCHS:
             t0 = time.time()
