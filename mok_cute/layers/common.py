@@ -67,3 +67,9 @@ def topk_w_grad(dy, slot_out, topk_idx):
     """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots."""
     dtw = (dy.float()[:, None, :] * slot_out.float()).sum(-1)
     return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
+
+
+def ring_chunks(config, topk_idx) -> int:
+    """Slots of 128 rows (the fused kernels' ``CHUNK``, one m-tile) in a fused forward's ring: the
+    routed rows of ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
+    return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)

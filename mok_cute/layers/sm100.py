@@ -29,9 +29,11 @@ the reference quantizers.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks
 from mok_cute.layers.weight_cache import WeightCache
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.dsl.host import offsets_i32
@@ -157,6 +159,29 @@ class Sm100ExpertMLP:
 
     def __init__(self):
         self.weights = WeightCache()
+
+    @property
+    def fused_precisions(self) -> tuple:
+        """The precisions the EP = 1 forward runs through the fused forward
+        (:mod:`mok_cute.kernels.sm100.fused_moe`, BF16): opt-in with ``MOK_CUTE_SM100_FUSED=1``
+        (read at every call) until it has run on a Blackwell GPU; else none (the unfused path)."""
+        return ("bf16",) if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
+
+    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
+                      gate=None):
+        """The fused forward at EP = 1, BF16: the contract of the sm90 MLP's ``fused_forward``
+        (``(y, gu, h, slot_out, gus, hs, s_out)``; the ring of ``ring_chunks`` slots; the kernel's
+        status watched on the device, raised by a later call)."""
+        from mok_cute.kernels.sm100 import fused_moe as fused
+        from mok_cute.kernels.sm90.fused_moe import watch_status
+
+        if config.precision not in self.fused_precisions:
+            raise ValueError(f"the sm100 fused forward runs {self.fused_precisions}, not {config.precision!r}")
+        out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
+                                  config.comm_ctas_fwd(1), config.device_timeout_s,
+                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate)
+        watch_status(out[7][-1], first=config.validate_routing)
+        return out[:7]
 
     def _qw(self, w, axis):
         """MXFP8 of a weight along ``axis``, quantized once while the weight is unchanged."""

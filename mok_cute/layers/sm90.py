@@ -34,7 +34,7 @@ import importlib
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, whole_offsets
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks, whole_offsets
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
 
@@ -150,12 +150,12 @@ class Sm90ExpertMLP:
         ``gate``: fp32 [T], the shared expert's output gate per token; returns ``(y, gu, h,
         slot_out, gus, hs, s_out)`` (``s_out`` the shared expert's output, None without one). The
         gathered rows pass through a ring of ``config.minibatch_tokens * k`` rows
-        (:func:`_ring_chunks`), not kept."""
+        (:func:`~mok_cute.layers.common.ring_chunks`), not kept."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_ctas_fwd(1),
-                                  config.device_timeout_s, mx=mx, ring_chunks=_ring_chunks(config, topk_idx), gate=gate)
+                                  config.device_timeout_s, mx=mx, ring_chunks=ring_chunks(config, topk_idx), gate=gate)
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:7]
 
@@ -170,7 +170,7 @@ class Sm90ExpertMLP:
         args, mx = self._fused_operands(x, plan.offsets, w_gate, w_up, w_down, shared, limit, config)
         out = fused.fused_forward(args[0], plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w,
                                   *args[1:], limit, config.comm_ctas_fwd(ws.EP), config.device_timeout_s, mx=mx, ws=ws,
-                                  num_ctas=num_ctas, ring_chunks=_ring_chunks(config, topk_idx))
+                                  num_ctas=num_ctas, ring_chunks=ring_chunks(config, topk_idx))
         return (*out[:6], out[8])
 
     def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
@@ -322,14 +322,6 @@ class Sm90ExpertMLP:
         dwg = wgrad(dgu_t[:inter], dgu_s[:, :inter], x_t, x_s, g.offsets)
         dwu = wgrad(dgu_t[inter:], dgu_s[:, inter:], x_t, x_s, g.offsets)
         return dx, dwg, dwu, dwd
-
-
-def _ring_chunks(config, topk_idx) -> int:
-    """Slots of 128 rows (``fused_moe.CHUNK``) in the fused forward's ring: the routed rows of
-    ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
-    from mok_cute.kernels.sm90.fused_moe import CHUNK
-
-    return -(-config.minibatch_tokens * topk_idx.shape[1] // CHUNK)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):

@@ -10,7 +10,8 @@ bitwise) at H/I 1024/512 and 320/128 (partial tiles). Then the layer:
 at the same precision, y and every gradient, shared expert on, skewed routing with -1 slots,
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
-bitwise.
+bitwise. Last, the opt-in fused forward (``MOK_CUTE_SM100_FUSED=1``, BF16) bitwise the unfused
+path at both shapes.
 """
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ def _gemm_rows(dev) -> list[Row]:
     return rows
 
 
+def _fused_rows(dev) -> list[Row]:
+    """The opt-in fused forward (``MOK_CUTE_SM100_FUSED=1``, BF16, EP = 1): y and every gradient
+    bitwise the unfused sm100 path's, 3 repeats bitwise."""
+    import os
+
+    rows = []
+    for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
+        x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
+        want = _run("sm100", x, idx, w, ws, sh, dy, 4.0)
+        os.environ["MOK_CUTE_SM100_FUSED"] = "1"
+        try:
+            runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0) for _ in range(3)]
+        finally:
+            del os.environ["MOK_CUTE_SM100_FUSED"]
+        same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
+        rows.append(Row(f"sm100 fused forward {name} == unfused", bitwise=all(same), ok=all(same),
+                        note=f"[y and every gradient] equal per run: {same}"))
+    return rows
+
+
 def _layer_rows(dev) -> list[Row]:
     rows = []
     for si, (name, t, h, inter, e, k, i_s) in enumerate(SHAPES):
@@ -66,4 +87,4 @@ def _layer_rows(dev) -> list[Row]:
 def run(ctx) -> list[Row]:
     if skipped := sm100_skip(ctx, "sm100"):
         return skipped
-    return _gemm_rows(ctx.device) + _layer_rows(ctx.device)
+    return _gemm_rows(ctx.device) + _layer_rows(ctx.device) + _fused_rows(ctx.device)

@@ -1,0 +1,100 @@
+"""The sm100 backend's fused forward in the layer (issue 15), on CPU: no Blackwell GPU exists
+here, so the kernel never runs.
+
+* opt-in: ``MOK_CUTE_SM100_FUSED=1`` (read at every call) makes BF16 a fused precision;
+* ``Sm100ExpertMLP.fused_forward`` passes the config's comm CTAs, timeout and ring to
+  :func:`mok_cute.kernels.sm100.fused_moe.fused_forward`, watches its status word and returns
+  the seven outputs the layer reads;
+* the layer's fused glue (state with route-order rows, x gathered again by the backward) over
+  a torch model of the kernel's contract (the unfused sm100 wrappers with their launches
+  modelled: ``test_sm100_tails.model``) gives y and every gradient bitwise the reference's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_problem
+from mok_cute import reference as R
+from mok_cute.config import MoKConfig
+from mok_cute.layers import select as B
+from mok_cute.layers.common import ring_chunks
+from mok_cute.layers.grouped import routing_plan
+from mok_cute.layers.sm100 import Sm100ExpertMLP
+from test_sm100_mxfp8 import ref_quant  # noqa: F401 (fixture of the model fixture)
+from test_sm100_tails import model  # noqa: F401 (fixture)
+
+
+def test_opt_in(monkeypatch):
+    monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
+    assert Sm100ExpertMLP().fused_precisions == ()
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert Sm100ExpertMLP().fused_precisions == ("bf16",)
+    with pytest.raises(ValueError, match="mxfp8"):
+        Sm100ExpertMLP().fused_forward(*[None] * 10, MoKConfig(precision="mxfp8"))
+
+
+def test_ring_chunks_counts_the_kernels_chunks():
+    from mok_cute.kernels.sm90.fused_moe import CHUNK
+
+    idx = torch.zeros(7, 10, dtype=torch.int32)
+    for mb in (256, 512, 4096):
+        assert ring_chunks(MoKConfig(minibatch_tokens=mb), idx) == -(-mb * 10 // CHUNK)
+
+
+def _kernel_model(mlp):
+    """A torch model of ``fused_moe.fused_forward``'s contract on the unfused sm100 wrappers."""
+    calls = []
+
+    def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
+                      timeout_s, num_ctas=None, ring_chunks=None, gate=None):
+        calls.append(dict(comm_ctas=comm_ctas, timeout_s=timeout_s, ring_chunks=ring_chunks, gate=gate))
+        t, k = topk_idx.shape
+        rows, g = mlp.forward(x.index_select(0, order.long() // k), offsets, w_gate, w_up, w_down, limit)
+        m = int(offsets[-1])
+        slot = torch.full((t * k, x.shape[1]), float("nan"), dtype=torch.bfloat16)  # -1 slots: never written
+        slot[order[:m].long()] = rows[:m]
+        gus = hs = s_out = None
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        if shared is not None:
+            s_out, sg = mlp.forward(x, torch.tensor([0, t], dtype=torch.int32), *(w[None] for w in shared), limit)
+            gus, hs, acc = sg.gu, sg.h, s_out.float()
+        y = R.slot_sum(acc, slot.view(t, k, -1), topk_idx, topk_w).bfloat16()
+        status = torch.zeros(4, dtype=torch.int32)
+        return y, g.gu, g.h, slot, gus, hs, s_out, [status], None
+
+    return fused_forward, calls
+
+
+@pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
+def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):  # noqa: F811
+    from mok_cute.kernels.sm100 import fused_moe
+    from mok_cute.kernels.sm90 import fused_moe as fm90
+
+    be = B.get_backend("sm100")
+    fake, calls = _kernel_model(be.mlp)
+    watched = []
+    monkeypatch.setattr(fused_moe, "fused_forward", fake)
+    monkeypatch.setattr(fm90, "watch_status", lambda st, first: watched.append(first))
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    p, dy = make_problem(T=40, H=192, I=320, E=5, k=3, shared_I=shared_i, seed=23)
+    p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
+    p["topk_idx"][3, 1] = -1
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
+    cfg = MoKConfig(comm_sms_fwd=12, device_timeout_s=3.0, minibatch_tokens=512)
+    be.check(inp, cfg, None)
+    order32, offsets, idx = routing_plan(inp.topk_idx, 5, watch=False)
+    y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
+    assert calls == [dict(comm_ctas=cfg.comm_ctas_fwd(1), timeout_s=3.0, ring_chunks=ring_chunks(cfg, idx), gate=None)]
+    assert watched == [cfg.validate_routing]
+    assert st.rows_by_route and st.routed.x is None  # the backward gathers x's rows again
+    grads = be.backward(st, dy)
+    ry, saved = R.moe_forward(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"],
+                              limit)
+    rg = R.moe_backward(saved, dy)
+    assert torch.equal(y, ry)
+    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(grads, name), getattr(rg, name)), name
+    for a, b in zip(grads.d_shared or (), rg.d_shared or ()):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(grads.d_topk_w, rg.d_topk_w, rtol=1e-5, atol=1e-5)
