@@ -233,3 +233,16 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
         row0 = mt * tile_m
         rows = cutlass.min(tokens - row0, tile_m)
     return phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2
+
+
+@cute.jit
+def publish(phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor):
+    """One thread, after a finished task's stores are fenced: bump the counter it publishes
+    (:func:`publishes`: ``sh_ready[mt]`` after S1, ``h_ready[mt]`` after R1, ``done`` after S2 /
+    R2) by one, a release add at GPU scope."""
+    counter = mDone.iterator
+    if phase == R1:
+        counter = mHready.iterator + mt
+    if phase == S1:
+        counter = mShready.iterator + mt
+    cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")

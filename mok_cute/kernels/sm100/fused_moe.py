@@ -403,12 +403,7 @@ class FusedMoeFwdSm100:
             cute.arch.fence_acq_rel_gpu()  # this thread's stores before thread 0's release below
             epi_barrier()
             if tidx == 0:
-                counter = mDone.iterator
-                if phase == R1:
-                    counter = mHready.iterator + mt
-                if phase == S1:
-                    counter = mShready.iterator + mt
-                cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+                tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
             t, tstate = self._take(task_pipe, tstate, sTask, False)

@@ -514,12 +514,7 @@ class FusedMoeFwdSm90:
                 cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
             consumer_barrier()
             if tid == 0:
-                counter = mDone.iterator
-                if phase == R1:
-                    counter = mHready.iterator + mt
-                if phase == S1:
-                    counter = mShready.iterator + mt
-                cute.arch.atomic_add(counter, Int32(1), sem="release", scope="gpu")
+                tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
