@@ -42,13 +42,28 @@ def test_ring_chunks_counts_the_kernels_chunks():
         assert ring_chunks(MoKConfig(minibatch_tokens=mb), idx) == -(-mb * 10 // CHUNK)
 
 
+def test_interleaved_weights_cached_per_version():
+    from mok_cute.kernels.sm100.grouped_gemm import interleave_gate_up
+
+    mlp = Sm100ExpertMLP()
+    wg, wu = torch.randn(3, 192, 64).bfloat16(), torch.randn(3, 192, 64).bfloat16()
+    first = mlp._interleaved(wg, wu, 128)
+    assert torch.equal(first, interleave_gate_up(wg, wu, 128))
+    assert mlp._interleaved(wg, wu, 128) is first  # unchanged weights: no new copy
+    with torch.no_grad():
+        wu.add_(1.0)  # an optimizer step: version bump
+    again = mlp._interleaved(wg, wu, 128)
+    assert again is not first and torch.equal(again, interleave_gate_up(wg, wu, 128))
+
+
 def _kernel_model(mlp):
     """A torch model of ``fused_moe.fused_forward``'s contract on the unfused sm100 wrappers."""
     calls = []
 
     def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                      timeout_s, num_ctas=None, ring_chunks=None, gate=None):
-        calls.append(dict(comm_ctas=comm_ctas, timeout_s=timeout_s, ring_chunks=ring_chunks, gate=gate))
+                      timeout_s, num_ctas=None, ring_chunks=None, gate=None, interleave=None):
+        calls.append(dict(comm_ctas=comm_ctas, timeout_s=timeout_s, ring_chunks=ring_chunks, gate=gate,
+                          interleave=interleave == mlp._interleaved))
         t, k = topk_idx.shape
         rows, g = mlp.forward(x.index_select(0, order.long() // k), offsets, w_gate, w_up, w_down, limit)
         m = int(offsets[-1])
@@ -85,7 +100,8 @@ def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):
     be.check(inp, cfg, None)
     order32, offsets, idx = routing_plan(inp.topk_idx, 5, watch=False)
     y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
-    assert calls == [dict(comm_ctas=cfg.comm_ctas_fwd(1), timeout_s=3.0, ring_chunks=ring_chunks(cfg, idx), gate=None)]
+    assert calls == [dict(comm_ctas=cfg.comm_ctas_fwd(1), timeout_s=3.0, ring_chunks=ring_chunks(cfg, idx), gate=None,
+                          interleave=True)]  # the MLP's cached interleave
     assert watched == [cfg.validate_routing]
     assert st.rows_by_route and st.routed.x is None  # the backward gathers x's rows again
     grads = be.backward(st, dy)

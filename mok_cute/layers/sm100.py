@@ -179,9 +179,16 @@ class Sm100ExpertMLP:
             raise ValueError(f"the sm100 fused forward runs {self.fused_precisions}, not {config.precision!r}")
         out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
                                   config.comm_ctas_fwd(1), config.device_timeout_s,
-                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate)
+                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved)
         watch_status(out[7][-1], first=config.validate_routing)
         return out[:7]
+
+    def _interleaved(self, w_gate, w_up, half: int):
+        """GEMM1's interleaved gate / up weights (``grouped_gemm.interleave_gate_up``), built once
+        while both weights are unchanged."""
+        from mok_cute.kernels.sm100.grouped_gemm import interleave_gate_up
+
+        return self.weights.get(("interleave", half), (w_gate, w_up), lambda g, u: interleave_gate_up(g, u, half))
 
     def _qw(self, w, axis):
         """MXFP8 of a weight along ``axis``, quantized once while the weight is unchanged."""

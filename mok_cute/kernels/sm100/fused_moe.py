@@ -517,7 +517,8 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
 
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
-                  timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None):
+                  timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
+                  interleave=interleave_gate_up):
     """Validate, then launch the fused forward on the current stream (EP = 1, BF16; the contract
     of :func:`mok_cute.kernels.sm90.fused_moe.fused_forward` without ``mx`` / ``ws``): x [T, H]; ``order``
     int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
@@ -525,8 +526,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     [T, k]; w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or (ws_gate [I_s, H], ws_up
     [I_s, H], ws_down [H, I_s]); ``limit`` None or the SwiGLU clamp; ``gate`` None or fp32 [T] (y
     starts from fp32(s_out) * gate; needs ``shared``); H, I, I_s multiples of 64; every tensor
-    contiguous on one sm_100 / sm_103 device. gate / up are interleaved into one copy per call
-    (:func:`~mok_cute.kernels.sm100.grouped_gemm.interleave_gate_up`, the unfused GEMM1's operand).
+    contiguous on one sm_100 / sm_103 device. gate / up are interleaved into one copy by
+    ``interleave(w_gate, w_up, tile_n / 2)`` (default
+    :func:`~mok_cute.kernels.sm100.grouped_gemm.interleave_gate_up`, the unfused GEMM1's operand, a
+    copy per call; a caller may pass one that caches it while the weights are unchanged).
     ``ring_chunks``: ring slots of 128 gathered rows (None: one per routed m-tile), R1's band
     ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
     ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
@@ -547,7 +550,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ring = sizes[0] if ring_chunks is None else min(int(ring_chunks), sizes[0])
     band = min(ring_band(), ring)
     xg = torch.empty((ring * CHUNK, hid), **bf)
-    w1 = interleave_gate_up(w_gate, w_up, half)
+    w1 = interleave(w_gate, w_up, half)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
     slot = torch.empty((t * k, hid), **bf)
@@ -559,7 +562,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     if shared is not None:
         inter_s = shared[0].shape[0]
         n1s = -(-inter_s // half)
-        s1, sd = interleave_gate_up(shared[0][None], shared[1][None], half), shared[2][None]
+        s1, sd = interleave(shared[0][None], shared[1][None], half), shared[2][None]
         gus = torch.empty((t, 2, inter_s), **bf)
         hs = torch.empty((t, inter_s), **bf)
         s_out = torch.empty((t, hid), **bf)
