@@ -114,3 +114,26 @@ def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):
     for a, b in zip(grads.d_shared or (), rg.d_shared or ()):
         assert torch.equal(a, b)
     torch.testing.assert_close(grads.d_topk_w, rg.d_topk_w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_unfused_forward_interleaves_once_per_weight_version(model, monkeypatch, precision):  # noqa: F811
+    """The unfused sm100 layer's GEMM1 reads the MLP's cached interleave: two forwards with the
+    same weights build it once (weights, and at MXFP8 their scales), an update rebuilds it."""
+    from mok_cute.kernels.sm100 import grouped_gemm as k
+
+    built = []
+    real = k.interleave_gate_up
+    monkeypatch.setattr(k, "interleave_gate_up", lambda g, u, half: built.append(g.dtype) or real(g, u, half))
+    be = B.get_backend("sm100")
+    be.mlp.weights = type(be.mlp.weights)()  # a fresh cache
+    p, dy = make_problem(T=24, H=192, I=320, E=3, k=2, seed=4)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    for _ in range(2):
+        be.forward(inp, MoKConfig(precision=precision), None)
+    per_build = 1 if precision == "bf16" else 2  # MXFP8: the e4m3 data and the E8M0 scales
+    assert len(built) == per_build
+    with torch.no_grad():
+        p["w_up"].mul_(0.5)
+    be.forward(inp, MoKConfig(precision=precision), None)
+    assert len(built) == 2 * per_build

@@ -66,7 +66,7 @@ class Emu:
         o = offsets.tolist()
         return [(e, lo, hi) for e, (lo, hi) in enumerate(zip(o[:-1], o[1:])) if hi > lo]
 
-    def grouped_gemm1_swiglu(self, x, offsets, w_gate, w_up, limit=None, *, x_scales, w_scales):
+    def grouped_gemm1_swiglu(self, x, offsets, w_gate, w_up, limit=None, *, x_scales, w_scales, interleave=None):
         self.calls.append(("gemm1", dict(x=x, x_scales=x_scales, w_gate=w_gate, w_up=w_up, w_scales=w_scales)))
         inter = w_gate.shape[1]
         gu = torch.zeros(x.shape[0], 2 * inter, dtype=torch.bfloat16)

@@ -29,6 +29,7 @@ the reference quantizers.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -117,12 +118,13 @@ class TokenOperand:
         return pack_token_scales_device(self._scales[:, lo:hi], self.offsets, self.m)
 
 
-def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, qw=quantize_weight):
+def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, qw=quantize_weight, interleave=None):
     """MXFP8 forward through the sm100 wrappers ``k``: (rows [M, H], ExpertGroup); ``qw(w,
-    axis)`` quantizes a weight (:func:`quantize_weight`, or a cached lookup of it)."""
+    axis)`` quantizes a weight (:func:`quantize_weight`, or a cached lookup of it);
+    ``interleave``: GEMM1's gate / up interleave (None: a copy per call)."""
     xq, xs = quantize_rows(x_rows)
     (gq, gs), (uq, us) = qw(w_gate, 2), qw(w_up, 2)
-    gu, h = k.grouped_gemm1_swiglu(xq, offsets, gq, uq, limit, x_scales=xs, w_scales=(gs, us))
+    gu, h = k.grouped_gemm1_swiglu(xq, offsets, gq, uq, limit, x_scales=xs, w_scales=(gs, us), interleave=interleave)
     hq, hs = quantize_rows(h)
     dq, ds = qw(w_down, 2)
     out = k.grouped_gemm(hq, offsets, dq, a_scales=hs, w_scales=ds)
@@ -184,8 +186,8 @@ class Sm100ExpertMLP:
         return out[:7]
 
     def _interleaved(self, w_gate, w_up, half: int):
-        """GEMM1's interleaved gate / up weights (``grouped_gemm.interleave_gate_up``), built once
-        while both weights are unchanged."""
+        """GEMM1's interleaved gate / up weights, or their MXFP8 scales
+        (``grouped_gemm.interleave_gate_up``), built once while both are unchanged."""
         from mok_cute.kernels.sm100.grouped_gemm import interleave_gate_up
 
         return self.weights.get(("interleave", half), (w_gate, w_up), lambda g, u: interleave_gate_up(g, u, half))
@@ -199,10 +201,11 @@ class Sm100ExpertMLP:
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if precision == "mxfp8":
-            return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw)
+            return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw, self._interleaved)
         if precision != "bf16":
             raise NotImplementedError(f"sm100 expert MLP: precision {precision!r} is not wired")
-        return mlp_forward(k.grouped_gemm1_swiglu, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
+        gemm1 = functools.partial(k.grouped_gemm1_swiglu, interleave=self._interleaved)
+        return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``."""

@@ -689,16 +689,18 @@ def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: 
 
 
 def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None, w_scales=None, out=None,
-                         cfg: Sm100Config | None = None):
+                         cfg: Sm100Config | None = None, interleave=None):
     """(gu [M, 2I], h [M, I]) bf16: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T) (gate in columns
     [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u, with g = min(g,
     limit), u = clamp(u, -limit, limit) when ``limit`` is given.
 
     x [M, H], w_gate/w_up [E, I, H] (bf16, or float8_e4m3fn with ``x_scales`` [M, H/32] and
     ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of 32. The
-    weights (and scales) are interleaved into one [E, 2 I_p, H] copy per call
-    (:func:`interleave_gate_up`, I_p = I rounded up to ``tile_n / 2``).
+    weights (and scales) are interleaved into one [E, 2 I_p, H] copy by ``interleave(w_gate, w_up,
+    tile_n / 2)`` (default :func:`interleave_gate_up`, a copy per call; I_p = I rounded up to
+    ``tile_n / 2``; a caller may pass one that caches it while the weights are unchanged).
     """
+    interleave = interleave_gate_up if interleave is None else interleave
     cfg, e = _row_operand("x", x, offsets, cfg, "H")
     m, hid = x.shape
     _check_tensor("w_gate", w_gate, 3, (x.dtype,))
@@ -715,11 +717,11 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     h = _check_out("h", h, (m, inter), x.device)
     _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
     if m:
-        w = interleave_gate_up(w_gate, w_up, cfg.tile_n // 2)
+        w = interleave(w_gate, w_up, cfg.tile_n // 2)
         x_sf = w_sf = None
         if cfg.mx:
             x_sf = lay.pack_row_scales(x_scales, offsets)
-            w_sf = lay.to_blocked(interleave_gate_up(*w_scales, cfg.tile_n // 2)).reshape(-1)
+            w_sf = lay.to_blocked(interleave(*w_scales, cfg.tile_n // 2)).reshape(-1)
         _launch(cfg, "swiglu", limit is not None, K_MAJOR, x, w, x_sf, w_sf, offsets, gu.view(m, 2, inter), h,
                 0.0 if limit is None else float(limit), w.shape[1])
     return gu, h
