@@ -11,13 +11,15 @@ at the same precision, y and every gradient, shared expert on, skewed routing wi
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
 bitwise. Last, the opt-in fused forward (``MOK_CUTE_SM100_FUSED=1``, BF16) bitwise the unfused
-path at both shapes.
+path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
+fused forward, MXFP8) beside the torch layer at T4096 H7168 I2048 E16 k8 + shared.
 """
 from __future__ import annotations
 
 import torch
 
-from checks.common import Row, sm100_skip
+import mok_cute
+from checks.common import Row, bench_us, sm100_skip
 from checks.layer_sm90 import _problem, _run
 from checks.tails import TOL, _dims, _errors
 
@@ -84,7 +86,39 @@ def _layer_rows(dev) -> list[Row]:
     return rows
 
 
+def _bench_rows(dev) -> list[Row]:
+    """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused; fused forward
+    opt-in) beside the torch layer a user writes (``bench_layer.torch_layer``) in the same run."""
+    import os
+
+    from bench_layer import torch_layer
+
+    x, idx, w, ws, sh, dy = _problem(4096, 7168, 2048, 16, 8, True, False, dev, seed=11)
+    w1 = torch.cat(ws[:2], 1)
+    leaves = [t.requires_grad_() for t in (x, w, *ws, *sh, w1)]
+
+    def step(fn):
+        def go():
+            for t in leaves:
+                t.grad = None
+            fn().backward(dy)
+        return go
+
+    t_torch = bench_us(step(lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)), 3, 10)
+    rows = [Row("bench torch layer fwd+bwd T4096 H7168 I2048 E16 k8 +shared", time_us=t_torch)]
+    for name, precision, fused in (("bf16", "bf16", False), ("bf16 fused fwd", "bf16", True),
+                                   ("mxfp8", "mxfp8", False)):
+        cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False)
+        os.environ["MOK_CUTE_SM100_FUSED"] = "1" if fused else "0"
+        try:
+            t = bench_us(step(lambda: mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg)), 3, 10)
+        finally:
+            del os.environ["MOK_CUTE_SM100_FUSED"]
+        rows.append(Row(f"bench sm100 {name} fwd+bwd (same shape)", time_us=t, note=f"{t_torch / t:.2f}x the torch layer"))
+    return rows
+
+
 def run(ctx) -> list[Row]:
     if skipped := sm100_skip(ctx, "sm100"):
         return skipped
-    return _gemm_rows(ctx.device) + _layer_rows(ctx.device) + _fused_rows(ctx.device)
+    return _gemm_rows(ctx.device) + _layer_rows(ctx.device) + _fused_rows(ctx.device) + _bench_rows(ctx.device)
