@@ -211,3 +211,15 @@ def test_strided_gate_up_halves_accepted(monkeypatch):
     (args,) = fake.calls
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
     assert by["mWg"]._keep.stride() == (384 * 256, 256, 1) and by["mWu"]._keep.data_ptr() == w[:, 192:].data_ptr()
+
+
+def test_variants_registry():
+    """tools/blackwell_readiness.py's entries: both clamp variants, each PTX item in the compiled kernel."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    reg = fb.variants()
+    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp"]
+    for name, (build, needed) in reg.items():
+        assert callable(build)
+        rep = _rep("sm_100a", name.endswith("-clamp"))
+        assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]

@@ -1,7 +1,6 @@
-"""Compile every SM100 kernel (expert GEMMs and the fused forward) for sm_100a and sm_103a
-(CPU only) and print a
-readiness table: compiled per arch, key PTX instructions, TMA descriptors (kernel
-CUtensorMap parameters), registers, spills, shared memory.
+"""Compile every SM100 kernel (expert GEMMs, the fused forward, the fused backward core) for
+sm_100a and sm_103a (CPU only) and print a readiness table: compiled per arch, key PTX
+instructions, TMA descriptors (kernel CUtensorMap parameters), registers, spills, shared memory.
 
 Nothing here runs a kernel: no Blackwell GPU was available, so everything at run time
 (numerics, barrier protocol, TMEM/scale-factor layouts on hardware, performance) stays
@@ -13,7 +12,7 @@ import re
 import sys
 import time
 
-from mok_cute.kernels.sm100 import fused_moe, grouped_gemm
+from mok_cute.kernels.sm100 import fused_bwd, fused_moe, grouped_gemm
 
 ARCHS = ("sm_100a", "sm_103a")
 UNVERIFIED = (
@@ -27,12 +26,15 @@ UNVERIFIED = (
     "performance (stores are per-row 16-byte vectors, no TMA store; multicast only for the 2-CTA MXFP8 SFB)",
     "fused forward: ticket / readiness counters, the task-id mbarrier ring (TMA -> MMA + epilogue warps), "
     "ring-slot reuse, bounded waits and the slot sum on hardware; bitwise equality with the unfused SM100 path",
+    "fused backward core: the ticket, d2[mt] readiness counts and bounded waits, D2 / D1 / W tiles through one "
+    "ring read with two smem layouts (K- and MN-major A) on hardware; bitwise equality with the unfused SM100 "
+    "backward",
 )
 
 
 def main() -> int:
     rows, failed = [], 0
-    for name, (build, needed) in {**grouped_gemm.variants(), **fused_moe.variants()}.items():
+    for name, (build, needed) in {**grouped_gemm.variants(), **fused_moe.variants(), **fused_bwd.variants()}.items():
         cells, regs, spills, info = [name], [], [], ""
         for arch in ARCHS:
             t0 = time.time()

@@ -54,7 +54,7 @@ from mok_cute.kernels.sm100.mainloop import (
     EPI_THREADS, MMA_WARP, MN_MAJOR, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
-from mok_cute.schedule.fused_bwd_tasks import D1, D2, W, WD, WG
+from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
@@ -169,7 +169,7 @@ class FusedMoeBwdSm100:
     @cute.jit
     def _decode(self, t: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, cur):
         """:func:`~mok_cute.schedule.fused_bwd_tasks.core_task` of task ``t`` with the role's cursors ``cur``."""
-        n_tasks, n_d2, n_d1, n_i, n_h, wd_m, wgu_m = dims[:7]
+        n_d2, n_d1, n_i, n_h, wd_m, wgu_m = dims[1:7]
         return tasks.core_task(t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, self.cfg.tile_m, wd_m, n_i, wgu_m,
                                n_h, *cur)
 
@@ -464,3 +464,18 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         *(_Desc(a) for a in tensors), Float32(lim), Int32(num_ctas), Int64(timeout_ns), st))
     deferred.watch(words[1:], describe)
     return dx, dwg, dwu, dwd
+
+
+# ---------------------------------------------------------------- variant registry (readiness tool)
+_PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
+        "mbarrier", "atom.global.add.u32", "atom.global.release.add.u32", "ld.acquire", "%globaltimer",
+        "fence.proxy.async.global")
+
+
+def variants() -> dict:
+    """``name -> (compile(arch, inspect) -> (compiled, report), PTX substrings it must hold)`` for
+    every fused-backward variant this module builds."""
+    def core(clamp):
+        return lambda arch, inspect=True: compile_fused_backward_sm100(clamp, arch=arch, inspect=inspect)
+
+    return {"fused-bwd-core-clamp": (core(True), _PTX), "fused-bwd-core-noclamp": (core(False), _PTX)}
