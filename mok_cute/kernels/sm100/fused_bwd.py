@@ -6,7 +6,7 @@ tcgen05 building blocks of :mod:`mok_cute.kernels.sm100.mainloop` (192 threads: 
 MMA warp 4, TMA warp 5; FP32 accumulators in tensor memory, ``tile_m`` 128, ``tile_n`` 256, one CTA
 per SM). Tasks, :func:`mok_cute.schedule.fused_bwd_tasks.core_task` order, claimed by the TMA warp
 from the device ticket and handed to the MMA and epilogue warps through a shared-memory ring of
-task ids (``TASK_STAGES`` mbarrier stages), as in :mod:`mok_cute.kernels.sm100.fused_moe`:
+task ids (:mod:`~mok_cute.kernels.sm100.task_ring`), as in :mod:`mok_cute.kernels.sm100.fused_moe`:
 
   D2  dh = dy_e . w_down[e] -> dSwiGLU with gu -> dgu   needs nothing; publishes ``d2[mt]``
   D1  dx = dgu_e . [w_gate[e]; w_up[e]] (split K)       needs ``d2[mt] >= n_i`` (every D2 tile
@@ -50,18 +50,17 @@ from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels.sm90.fused_bwd import D2_READY, describe
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS, GroupedGemmSm100, _check_weight
+from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    EPI_THREADS, MMA_WARP, MN_MAJOR, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
+    MMA_WARP, MN_MAJOR, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
-TASK_STAGES = 4  # task ids in flight from the TMA warp to the MMA and epilogue warps
 DIM_MULTIPLE = 64  # H, I
 WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
-_EPI_TASK_ARRIVALS = 1 + EPI_THREADS  # a task slot is free once MMA lane 0 and every epilogue thread read it
 
 
 class FusedMoeBwdSm100:
@@ -82,8 +81,7 @@ class FusedMoeBwdSm100:
         fields = {
             "ab_bar": cute.struct.MemRange[cutlass.Int64, 2 * md.stages],
             "acc_bar": cute.struct.MemRange[cutlass.Int64, 2 * md.acc_stages],
-            "task_bar": cute.struct.MemRange[cutlass.Int64, 2 * TASK_STAGES],
-            "task": cute.struct.MemRange[cutlass.Int32, TASK_STAGES],
+            **task_ring.STORAGE,
             "tmem_dealloc_bar": cutlass.Int64,
             "tmem_ptr": cutlass.Int32,
             "sA": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_n], 1024],
@@ -130,15 +128,11 @@ class FusedMoeBwdSm100:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         ab_pipe, acc_pipe = md.make_pipelines(storage)
-        task_pipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.task_bar.data_ptr(), num_stages=TASK_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _EPI_TASK_ARRIVALS), defer_sync=True)
+        task_pipe, sTask = task_ring.make(storage)
         tmem = md.make_tmem_allocator(storage)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sA, sB, _, _ = md.smem_tensors(storage)
         sA_w, sB_w, _, _ = mw.smem_tensors(storage)
-        sTask = storage.task.get_tensor(cute.make_layout(TASK_STAGES))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         num_experts = mOffsets.shape[0] - 1
@@ -174,31 +168,6 @@ class FusedMoeBwdSm100:
                                n_h, *cur)
 
     # ------------------------------------------------------------------ task hand-off
-    @cute.jit
-    def _publish_task(self, task_pipe, state, sTask: cute.Tensor, t: Int32):
-        """TMA warp: task id ``t`` into the next task slot (lane 0 writes and arrives)."""
-        task_pipe.producer_acquire(state)
-        if cute.arch.lane_idx() == 0:
-            sTask[state.index] = t
-            task_pipe.producer_commit(state)
-        state.advance()
-        return state
-
-    @cute.jit
-    def _take(self, task_pipe, state, sTask: cute.Tensor, mma: cutlass.Constexpr[bool]):
-        """MMA warp (``mma``: lane 0 frees the slot once the warp has read it) or epilogue thread
-        (each frees it): ``(task id, state)``."""
-        task_pipe.consumer_wait(state)
-        t = sTask[state.index]
-        if cutlass.const_expr(mma):
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                task_pipe.consumer_release(state)
-        else:
-            task_pipe.consumer_release(state)
-        state.advance()
-        return t, state
-
     # ------------------------------------------------------------------ roles
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, atoms, coords, ticket: cute.Pointer, dims,
@@ -216,11 +185,11 @@ class FusedMoeBwdSm100:
         _, tBgWu = md.partition_b(atoms[5], cute.local_tile(coords[5], tiler_b, (None, None, None)), sB, 0)
         no_mask = (None, None)
         state = md.producer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TASK_STAGES)
+        tstate = task_ring.producer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
         ready_e = Int32(-1)  # the last expert whose D2 tiles this CTA saw complete
         t = persistent.claim(ticket)
-        tstate = self._publish_task(task_pipe, tstate, sTask, t)
+        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         while t < n_tasks:
             phase, expert, n_tile, m_tile, row0, _, mt, which, e1, b1, e2, b2 = self._decode(
                 t, dims, mOffsets, num_experts, cur)
@@ -260,7 +229,7 @@ class FusedMoeBwdSm100:
                         state = self._load_w(ab_pipe, state, atoms[10], coords[10], atoms[9], coords[9], sA_w,
                                              sB_w, lo, length, m_tile, n_tile, kt)
             t = persistent.claim(ticket)
-            tstate = self._publish_task(task_pipe, tstate, sTask, t)
+            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         ab_pipe.producer_tail(state)
 
     @cute.jit
@@ -293,8 +262,8 @@ class FusedMoeBwdSm100:
         mma_w = mw.make_tiled_mma()
         state = md.consumer_state()
         acc_state = md.acc_producer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TASK_STAGES)
-        t, tstate = self._take(task_pipe, tstate, sTask, True)
+        tstate = task_ring.consumer_state()
+        t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         while t < n_tasks:
             acc_pipe.producer_acquire(acc_state)
             if t >= n_d2 + n_d1:  # W: K = the expert's rows
@@ -311,7 +280,7 @@ class FusedMoeBwdSm100:
                                            acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
-            t, tstate = self._take(task_pipe, tstate, sTask, True)
+            t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
@@ -327,9 +296,9 @@ class FusedMoeBwdSm100:
         acc_ptr = tmem.retrieve_ptr(Float32)
         acc = self.ml_d.acc_tensor(acc_ptr)
         acc_state = self.ml_d.acc_consumer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TASK_STAGES)
+        tstate = task_ring.consumer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
-        t, tstate = self._take(task_pipe, tstate, sTask, False)
+        t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
             phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = self._decode(
                 t, dims, mOffsets, num_experts, cur)
@@ -356,7 +325,7 @@ class FusedMoeBwdSm100:
                 epi_barrier()
                 if tidx == 0:
                     cute.arch.atomic_add(mD2.iterator + mt, Int32(1), sem="release", scope="gpu")
-            t, tstate = self._take(task_pipe, tstate, sTask, False)
+            t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)

@@ -11,7 +11,7 @@ FP32 accumulators in tensor memory, ``tile_m`` 128, ``tile_n`` 256, one CTA per 
    has all its GEMM1 tiles (``h_ready``); each chunk bumps ``gather_ready[c]`` (release).
 2. GEMM tasks S1 / R1 / S2 / R2 of the static list of :mod:`mok_cute.schedule.fused_tasks`, claimed
    by the TMA warp from the device ticket (list order across the grid), handed to the MMA warp and
-   the epilogue warps through a shared-memory ring of task ids (``TASK_STAGES`` mbarrier stages).
+   the epilogue warps through a shared-memory ring of task ids (:mod:`~mok_cute.kernels.sm100.task_ring`).
    The TMA warp waits for the task's inputs (bounded, :func:`~mok_cute.kernels.sm90.persistent.wait_input`)
    and loads its k-tiles; the MMA warp accumulates the tile in TMEM; the epilogue warps store it
    (R1 / S1: the SwiGLU epilogue of :class:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100`
@@ -56,8 +56,9 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS, GroupedGemmSm100, interleave_gate_up
+from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    EPI_THREADS, MMA_WARP, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
+    MMA_WARP, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
@@ -70,10 +71,8 @@ from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
-TASK_STAGES = 4  # task ids in flight from the TMA warp to the MMA and epilogue warps
 DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
-_EPI_TASK_ARRIVALS = 1 + EPI_THREADS  # a task slot is free once MMA lane 0 and every epilogue thread read it
 
 
 class FusedMoeFwdSm100:
@@ -98,8 +97,7 @@ class FusedMoeFwdSm100:
         fields = {
             "ab_bar": cute.struct.MemRange[cutlass.Int64, 2 * ml.stages],
             "acc_bar": cute.struct.MemRange[cutlass.Int64, 2 * ml.acc_stages],
-            "task_bar": cute.struct.MemRange[cutlass.Int64, 2 * TASK_STAGES],
-            "task": cute.struct.MemRange[cutlass.Int32, TASK_STAGES],
+            **task_ring.STORAGE,
             "tmem_dealloc_bar": cutlass.Int64,
             "tmem_ptr": cutlass.Int32,
             "sA": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(ml.a_smem.outer)], 1024],
@@ -151,14 +149,10 @@ class FusedMoeFwdSm100:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         ab_pipe, acc_pipe = ml.make_pipelines(storage)
-        task_pipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.task_bar.data_ptr(), num_stages=TASK_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _EPI_TASK_ARRIVALS), defer_sync=True)
+        task_pipe, sTask = task_ring.make(storage)
         tmem = ml.make_tmem_allocator(storage)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sA, sB, _, _ = ml.smem_tensors(storage)
-        sTask = storage.task.get_tensor(cute.make_layout(TASK_STAGES))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         status = mStatus.iterator
 
@@ -248,16 +242,6 @@ class FusedMoeFwdSm100:
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
 
     @cute.jit
-    def _publish_task(self, task_pipe, state, sTask: cute.Tensor, t: Int32):
-        """TMA warp: task id ``t`` into the next task slot (lane 0 writes and arrives)."""
-        task_pipe.producer_acquire(state)
-        if cute.arch.lane_idx() == 0:
-            sTask[state.index] = t
-            task_pipe.producer_commit(state)
-        state.advance()
-        return state
-
-    @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, atoms, coords,
                  ticket: cute.Pointer, shape, k1: Int32, k2: Int32, k2s: Int32, ring: Int32, mOffsets: cute.Tensor,
                  num_experts: Int32, tokens: Int32, mGather: cute.Tensor, mHready: cute.Tensor,
@@ -272,10 +256,10 @@ class FusedMoeFwdSm100:
                    for i in range(1, len(atoms), 2)]  # (smem, gmem) of w1, w_down[, s1, s_down]
         no_mask = (None, None)
         state = self.mainloop.producer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TASK_STAGES)
+        tstate = task_ring.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         t = persistent.claim(ticket)
-        tstate = self._publish_task(task_pipe, tstate, sTask, t)
+        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2, b2)
@@ -314,23 +298,8 @@ class FusedMoeFwdSm100:
                                              (tAgA, b_parts[3][1][(None, n_tile, None, 0)]), (tAsA, b_parts[3][0]),
                                              k2s, Int32(0), no_mask)
             t = persistent.claim(ticket)
-            tstate = self._publish_task(task_pipe, tstate, sTask, t)
+            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def _take(self, task_pipe, state, sTask: cute.Tensor, mma: cutlass.Constexpr[bool]):
-        """MMA warp (``mma``: lane 0 frees the slot once the warp has read it) or epilogue thread
-        (each frees it): ``(task id, state)``."""
-        task_pipe.consumer_wait(state)
-        t = sTask[state.index]
-        if cutlass.const_expr(mma):
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                task_pipe.consumer_release(state)
-        else:
-            task_pipe.consumer_release(state)
-        state.advance()
-        return t, state
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tmem, shape,
@@ -344,8 +313,8 @@ class FusedMoeFwdSm100:
         tiled_mma = self.mainloop.make_tiled_mma()
         state = self.mainloop.consumer_state()
         acc_state = self.mainloop.acc_producer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TASK_STAGES)
-        t, tstate = self._take(task_pipe, tstate, sTask, True)
+        tstate = task_ring.consumer_state()
+        t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         while t < n_tasks:
             kt = k1  # S1, R1
             if t >= n_s1 + n_r1 + n_s2:
@@ -357,7 +326,7 @@ class FusedMoeFwdSm100:
                                            acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
-            t, tstate = self._take(task_pipe, tstate, sTask, True)
+            t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
@@ -374,9 +343,9 @@ class FusedMoeFwdSm100:
         acc_ptr = tmem.retrieve_ptr(Float32)
         acc = self.mainloop.acc_tensor(acc_ptr)
         acc_state = self.mainloop.acc_consumer_state()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TASK_STAGES)
+        tstate = task_ring.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        t, tstate = self._take(task_pipe, tstate, sTask, False)
+        t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
             phase, _, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
@@ -406,7 +375,7 @@ class FusedMoeFwdSm100:
                 tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
-            t, tstate = self._take(task_pipe, tstate, sTask, False)
+            t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
