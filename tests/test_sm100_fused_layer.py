@@ -11,6 +11,8 @@ here, so the kernel never runs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -137,3 +139,29 @@ def test_unfused_forward_interleaves_once_per_weight_version(model, monkeypatch,
         p["w_up"].mul_(0.5)
     be.forward(inp, MoKConfig(precision=precision), None)
     assert len(built) == 2 * per_build
+
+
+def test_backward_takes_the_fused_core_when_opted_in(monkeypatch):
+    """With MOK_CUTE_SM100_FUSED=1 a BF16 backward is one fused_backward_core call on the group's
+    operands (the kernel faked); without it, or at MXFP8, the unfused kernels run."""
+    from mok_cute.kernels.sm100 import fused_bwd
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    calls = []
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", lambda *a: calls.append(a) or "fused")
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
+    x, dy = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
+    g = ExpertGroup(x, torch.tensor([0, 6]), torch.randn(6, 128).bfloat16(), torch.randn(6, 64).bfloat16())
+    w = (torch.randn(1, 64, 64).bfloat16(),) * 3
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert Sm100ExpertMLP().backward(g, dy, *w, 4.0) == "fused"
+    (args,) = calls
+    assert args[0] is dy and args[1] is x and args[2] is g.gu and args[3] is g.h and args[4].dtype == torch.int32
+    assert args[5:9] == (*w, 4.0) and args[9] == S.FUSED_BWD_TIMEOUT_S
+    monkeypatch.setattr(S, "mlp_backward", lambda *a: "unfused")
+    monkeypatch.setattr(S, "mx_backward", lambda *a: "unfused mxfp8")
+    assert Sm100ExpertMLP().backward(replace(g, precision="mxfp8"), dy, *w, 4.0) == "unfused mxfp8"
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")
+    assert Sm100ExpertMLP().backward(g, dy, *w, 4.0) == "unfused"
+    assert len(calls) == 1

@@ -151,6 +151,15 @@ def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quan
     return dx, dwg, dwu, dwd
 
 
+FUSED_BWD_TIMEOUT_S = 30.0  # the fused backward core's bounded waits (the sm90 core's default)
+
+
+def _fused_core_ok(g: ExpertGroup, dy_rows) -> bool:
+    """Whether the fused backward core takes these operands: contiguous CUDA rows (elsewhere the
+    unfused path, whose kernels the CPU tests emulate)."""
+    return g.x is not None and dy_rows.is_cuda and all(t.is_contiguous() for t in (dy_rows, g.x, g.gu, g.h))
+
+
 class Sm100ExpertMLP:
     """BF16 / MXFP8 expert MLP on the SM100 kernels (output tiles 256 wide; H, I, I_s any
     multiple of 64: partial last tiles along N are masked, K tails zero-filled)."""
@@ -208,8 +217,17 @@ class Sm100ExpertMLP:
         return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``."""
+        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``: BF16 through
+        the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch) with
+        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else the unfused
+        kernels."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
+
+        if g.precision in self.fused_precisions and _fused_core_ok(g, dy_rows):
+            from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
+
+            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
+                                       FUSED_BWD_TIMEOUT_S)
 
         if g.precision == "mxfp8":
             return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)
