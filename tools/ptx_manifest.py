@@ -96,10 +96,11 @@ def _sm90_fp8():
 
 
 def _sm100():
-    from mok_cute.kernels.sm100 import grouped_gemm as g
+    from mok_cute.kernels.sm100 import fused_bwd, fused_moe, grouped_gemm as g
 
+    variants = {**g.variants(), **fused_moe.variants(), **fused_bwd.variants()}
     return {f"sm100/{name}@{arch}": (lambda b=build, a=arch: b(a, inspect=True))
-            for name, (build, _) in g.variants().items() for arch in g.ARCHS}
+            for name, (build, _) in variants.items() for arch in g.ARCHS}
 
 
 def _quant():
