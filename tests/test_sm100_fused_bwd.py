@@ -16,10 +16,10 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 
 @functools.cache
-def _rep(arch: str, clamp: bool):
+def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    return fb.compile_fused_backward_sm100(clamp, arch=arch, inspect=True)[1]
+    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, arch=arch, inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -112,7 +112,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -125,6 +125,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     d2, words = by["mD2"]._keep, by["mWords"]._keep
     assert tuple(d2.shape) == (6,) and tuple(words.shape) == (5,) and not d2.any() and not words.any()
     assert words.data_ptr() == d2.data_ptr() + 6 * 4
+    assert all(by[n] is None for n in ("mOrder", "mIdx", "mInit", "mAdd", "mOut"))
     assert int(by["num_ctas"]) == 148 and int(by["timeout_ns"]) == 10 ** 9
     assert by["limit"].value == (0.0 if limit is None else 4.0)
     fb.fused_backward_core(**ops, num_ctas=7)
@@ -218,8 +219,161 @@ def test_variants_registry():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     reg = fb.variants()
-    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp"]
+    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-tokens-clamp",
+                           "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
-        rep = _rep("sm_100a", name.endswith("-clamp"))
+        clamp, tokens = name.endswith("-clamp"), "tokens" in name
+        rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
+
+
+# ---------------------------------------------------------------- the tokens variant (dx scatter + slot sum)
+TOKEN_VARIANTS = [(True, True, True), (False, False, False)]  # (clamp, init, add)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp, init, add", TOKEN_VARIANTS)
+def test_tokens_variant_compiles_with_its_protocol(arch, clamp, init, add):
+    """The core's protocol plus a release add per stored D1 tile (on ``done``), the slot sum's
+    bounded acquire wait on it, and the slot sum itself (single-rounded fp32 adds over cp.async
+    slot rows; unweighted: dy is already scaled, so no mul.rn); no spills."""
+    rep, core = _rep(arch, clamp, True, init, add), _rep(arch, clamp)
+    missing = [i for i in NEEDED + ("add.rn.f32", "cp.async.cg", "bar.sync") if not rep.has(i)]
+    assert not missing, missing
+    assert "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.total_spill_bytes == 0 and rep.registers
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    assert rep.ptx.count("atom.global.release.add.u32") == 2  # d2[mt] per D2 tile, done per D1 tile
+    waits = re.findall(r"ld\.acquire\.\S+", rep.ptx)
+    assert len(waits) == core.ptx.count("ld.acquire") + 2  # wait_geq's first load and its loop's
+    assert all(w == "ld.acquire.sys.global.b32" for w in waits), set(waits)
+    assert rep.ptx.count("%globaltimer") > core.ptx.count("%globaltimer")  # the done wait is bounded
+    ops = re.findall(r"\b(?:atom|red)\.global\.(\S+)", rep.ptx)
+    assert sorted(set(ops)) == ["add.u32", "cas.b32", "release.add.u32"] and ops.count("add.u32") == 2, ops
+    assert "mul.rn.f32" not in rep.ptx
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == 11  # no new TMA operand
+
+
+def test_tokens_start_terms_change_only_the_slot_sum():
+    """init / add add the start's loads and fp32 adds; the GEMM and protocol code is the same."""
+    full, bare = _rep("sm_100a", True, True, True, True), _rep("sm_100a", True, True)
+    for i in ("tcgen05.mma", "cp.async.bulk.tensor", "atom.global", "ld.acquire", "cp.async.cg"):
+        assert full.ptx.count(i) == bare.ptx.count(i), i
+    assert full.ptx.count("add.rn.f32") > bare.ptx.count("add.rn.f32")
+
+
+def test_tokens_compile_arguments_validated():
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    for kw in (dict(init=True), dict(add=True)):
+        with pytest.raises(ValueError, match="need tokens"):
+            fb.compile_fused_backward_sm100(True, **kw)
+
+
+def _tokens(t=90, k=3, h=256, m=200, shared=True, add=True, seed=0):
+    """(order [m + 7] int64: grouped row -> t*k + j, topk_idx [T, k] with -1 slots, dx_shared, dx_add)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    routes = torch.randperm(t * k, generator=g)[:m]
+    idx = torch.full((t * k,), -1, dtype=torch.int64)
+    idx[routes] = torch.randint(0, 4, (m,), generator=g)
+    order = torch.cat([routes, torch.full((7,), -1)])  # past M: unread
+    dxs = torch.randn(t, h, generator=g).bfloat16() if shared else None
+    dxa = torch.randn(t, h, generator=g) if add else None
+    return order, idx.view(t, k), dxs, dxa
+
+
+@pytest.mark.parametrize("shared, add", [(True, True), (True, False), (False, False)])
+def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, add):
+    """fused_backward_core(tokens=...) on CPU tensors (compile and launch replaced): dx is [T, H]
+    (the kernel's mOut), D1 rows go to a [T*k, H] slot buffer (mDx), order / topk_idx as int32
+    vectors, the done word after the status words, one argument per kernel parameter."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _operands()
+    order, idx, dxs, dxa = _tokens(shared=shared, add=add)
+    tokens = (order, idx, dxs) + ((dxa,) if add else ())
+    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops, tokens=tokens)
+    (args,) = fake.calls
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    by = dict(zip(params, args))
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add)]
+    assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
+    assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
+    assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())
+    assert by["mIdx"]._keep.dtype == torch.int32 and torch.equal(by["mIdx"]._keep, idx.reshape(-1).int())
+    assert (by["mInit"] is None) != shared and (not shared or by["mInit"]._keep is dxs)
+    assert (by["mAdd"] is None) != add and (not add or by["mAdd"]._keep is dxa)
+    assert int(by["k"]) == 3
+    d2, words = by["mD2"]._keep, by["mWords"]._keep
+    assert tuple(words.shape) == (fb.DONE_WORD + 1,) and not words.any()  # ticket, status, done
+    assert words.data_ptr() == d2.data_ptr() + d2.numel() * 4
+    assert tuple(dwg.shape) == (4, 192, 256) and tuple(dwd.shape) == (4, 256, 192)
+
+
+@pytest.mark.parametrize("shared, add", [(True, True), (True, False), (False, True), (False, False)])
+def test_host_tokens_no_rows(monkeypatch, shared, add):
+    """M = 0: dx is the slot sum's start, bf16(fp32(dx_shared) or 0 [+ dx_add]) (the reference's),
+    nothing compiled or launched."""
+    import torch
+
+    from mok_cute import reference as R
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _operands()
+    ops.update(dy=ops["dy"][:0], x=ops["x"][:0], offsets=torch.zeros(5, dtype=torch.int32))
+    order, idx, dxs, dxa = _tokens(m=0, shared=shared, add=add)
+    dx, dwg, _, _ = fb.fused_backward_core(**ops, tokens=(order, idx, dxs, dxa))
+    start = torch.zeros(90, 256) if dxs is None else dxs.float()
+    if dxa is not None:
+        start = start + dxa
+    want = R.slot_sum(start, torch.zeros(90, 3, 256, dtype=torch.bfloat16), idx).bfloat16()
+    assert torch.equal(dx, want) and not fake.calls and not keys and not dwg.any()
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ("not_tuple", ValueError, "tokens"),
+    ("order_float", TypeError, "order"),
+    ("order_short", ValueError, "order"),
+    ("idx_1d", ValueError, "topk_idx"),
+    ("idx_float", TypeError, "topk_idx"),
+    ("idx_k0", ValueError, "topk_idx"),
+    ("shared_float", TypeError, "dx_shared"),
+    ("shared_shape", ValueError, "dx_shared"),
+    ("shared_strided", ValueError, "dx_shared"),
+    ("add_bf16", TypeError, "dx_add"),
+    ("add_shape", ValueError, "dx_add"),
+    ("add_strided", ValueError, "dx_add"),
+])
+def test_host_tokens_validated_before_launch(monkeypatch, change, exc, match):
+    """Every bad tokens entry raises, naming it, before anything is compiled or launched."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _operands()
+    order, idx, dxs, dxa = _tokens()
+    tok = dict(order=order, idx=idx, dxs=dxs, dxa=dxa)
+    edits = {
+        "order_float": dict(order=order.float()),
+        "order_short": dict(order=order[:199]),
+        "idx_1d": dict(idx=idx.reshape(-1)),
+        "idx_float": dict(idx=idx.float()),
+        "idx_k0": dict(idx=idx[:, :0]),
+        "shared_float": dict(dxs=dxs.float()),
+        "shared_shape": dict(dxs=dxs[:89]),
+        "shared_strided": dict(dxs=torch.zeros(90, 512, dtype=torch.bfloat16)[:, :256]),
+        "add_bf16": dict(dxa=dxa.bfloat16()),
+        "add_shape": dict(dxa=dxa[:, :128]),
+        "add_strided": dict(dxa=torch.zeros(90, 512)[:, ::2]),
+    }
+    tokens = (order, idx)
+    if change != "not_tuple":
+        tok.update(edits[change])
+        tokens = (tok["order"], tok["idx"], tok["dxs"], tok["dxa"])
+    with pytest.raises(exc, match=match):
+        fb.fused_backward_core(**ops, tokens=tokens)
+    assert not fake.calls and not keys

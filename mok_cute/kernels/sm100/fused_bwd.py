@@ -1,7 +1,7 @@
 """The fused routed MoE backward core on Blackwell (sm_100a / sm_103a), BF16, EP = 1: one persistent launch.
 
-The SM100 counterpart of the core of :mod:`mok_cute.kernels.sm90.fused_bwd` (no dx scatter / slot
-sum, no gather, no shared group, no MXFP8), with its task list, counters and numerics, on the
+The SM100 counterpart of the core of :mod:`mok_cute.kernels.sm90.fused_bwd` and of its ``tokens``
+variant (no gather, no shared group, no MXFP8), with its task list, counters and numerics, on the
 tcgen05 building blocks of :mod:`mok_cute.kernels.sm100.mainloop` (192 threads: epilogue warps 0-3,
 MMA warp 4, TMA warp 5; FP32 accumulators in tensor memory, ``tile_m`` 128, ``tile_n`` 256, one CTA
 per SM). Tasks, :func:`mok_cute.schedule.fused_bwd_tasks.core_task` order, claimed by the TMA warp
@@ -28,6 +28,12 @@ Operands (bf16, row-major, 16-byte aligned; grouped rows sorted by expert, ``off
 dgu [M, 2, I] (scratch the D1 and W tiles read), dx [M, H], dWg, dWu [E, I, H], dWd [E, H, I].
 Counters int32, zero at launch: ``d2`` [>= routed m-tiles], ``words`` [1 + STATUS_WORDS] (the
 ticket, then the status words). H, I multiples of 64.
+
+``tokens`` variant: each D1 row r goes to slot row ``order[row0 + r]`` of [T*k, H] (the fused
+forward's R2 store, :func:`~mok_cute.kernels.sm100.fused_moe.store_routed`), every stored D1 tile
+is counted on a last ``words`` entry (release add), and once it counts them all (bounded
+acquire wait) every CTA runs its share of :func:`mok_cute.kernels.slot_rows.slot_sum` into dx
+[T, H] (start fp32(dx_shared) or 0, plus dx_add if given; the slots in order).
 """
 from __future__ import annotations
 
@@ -48,7 +54,9 @@ from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
-from mok_cute.kernels.sm90.fused_bwd import D2_READY, describe
+from mok_cute.kernels import slot_rows
+from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, SUM_BATCH, describe
+from mok_cute.kernels.sm100.fused_moe import store_routed
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS, GroupedGemmSm100, _check_weight
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
@@ -61,13 +69,19 @@ from mok_cute.schedule.fused_tasks import routed_mtiles
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
 DIM_MULTIPLE = 64  # H, I
 WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
+DONE_WORD = WORDS  # tokens variant: a last word, the stored D1 tiles (the slot sum's wait)
+_VEC = 8  # bf16 elements per 16-byte vector
 
 
 class FusedMoeBwdSm100:
-    """The persistent routed backward core (see the module doc); ``clamp``: SwiGLU limit given."""
+    """The persistent routed backward core (see the module doc); ``clamp``: SwiGLU limit given;
+    ``tokens``: D1 rows to their (token, slot) rows and the dx slot sum in the launch, starting
+    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term."""
 
-    def __init__(self, clamp: bool):
-        self.cfg, self.clamp = CONFIG, clamp
+    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False):
+        if (init or add) and not tokens:
+            raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
+        self.cfg, self.clamp, self.tokens, self.init, self.add = CONFIG, clamp, tokens, init, add
         self.dswiglu = GroupedGemmSm100(CONFIG, "dswiglu", clamp, MN_MAJOR)  # D2
         self.dgrad1 = GroupedGemmSm100(CONFIG, "plain", b_major=MN_MAJOR, split_k=True)  # D1
         self.wgrad = GroupedGemmSm100(CONFIG, wgrad=True)  # W
@@ -93,7 +107,12 @@ class FusedMoeBwdSm100:
     def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mWg: cute.Tensor,
                  mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
                  mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mWords: cute.Tensor,
-                 limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor, mOut: cute.Tensor,
+                 k: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+        """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
+        int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
+        [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
+        the done word too. Otherwise those five are None and ``mDx`` is dx [M, H]."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -110,14 +129,15 @@ class FusedMoeBwdSm100:
             + mw.make_tma(wd_a, wd_b) + mw.make_tma(wg_a, x_b) + mw.make_tma(wu_a, x_b)[:1]
         self.shared_storage = self._storage()
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
-                    mWords, limit, timeout_ns).launch(
+                    mWords, mOrder, mIdx, mInit, mAdd, mOut, k, limit, timeout_ns).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, atoms: list, coords: list, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor,
                mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor,
-               mWords: cute.Tensor, limit: Float32, timeout_ns: Int64):
+               mWords: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor,
+               mOut: cute.Tensor, k: Int32, limit: Float32, timeout_ns: Int64):
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -158,7 +178,19 @@ class FusedMoeBwdSm100:
             self._mma(ab_pipe, acc_pipe, task_pipe, sTask, (sA, sB, sA_w, sB_w), tmem, dims, mOffsets)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, dims, mOffsets, num_experts, mGU, mDgu, mDx,
-                           mDWg, mDWu, mDWd, mD2, limit)
+                           mDWg, mDWu, mDWd, mD2, limit, mOrder, mWords.iterator + DONE_WORD)
+        if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
+            cute.arch.barrier()
+            if tidx == 0:
+                P.wait_geq(mWords.iterator + DONE_WORD, n_d1, timeout_ns, mWords.iterator + 1, Int32(0),
+                           Int32(D1_DONE))
+            cute.arch.barrier()
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
+                                                                            stride=(_VEC, 1)))
+            slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], hidden, sbuf,
+                               SUM_BATCH, NUM_THREADS, None, mAdd)
 
     @cute.jit
     def _decode(self, t: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, cur):
@@ -286,10 +318,12 @@ class FusedMoeBwdSm100:
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, dims, mOffsets: cute.Tensor,
                   num_experts: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
-                  mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32):
-        """Epilogue warps: store each task's accumulator with the unfused kernels' epilogue; a D2
-        tile is then published on ``d2[mt]`` (release add by thread 0 after every thread's
-        GPU-scope fence and the epilogue barrier)."""
+                  mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32, mOrder: cute.Tensor,
+                  done: cute.Pointer):
+        """Epilogue warps: store each task's accumulator with the unfused kernels' epilogue (tokens
+        variant: D1 row r to slot row ``order[row0 + r]``); a D2 tile is then published on
+        ``d2[mt]``, a D1 tile of the tokens variant counted on ``done`` (release add by thread 0
+        after every thread's GPU-scope fence and the epilogue barrier)."""
         n_tasks = dims[0]
         tmem.allocate(self.ml_d.tmem_alloc)
         tmem.wait_for_alloc()
@@ -308,7 +342,10 @@ class FusedMoeBwdSm100:
             if phase == D2:
                 self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, mDgu, mGU, limit)
             elif phase == D1:
-                self.dgrad1._store_plain(chunks, row0, rows, n_tile, mDx)
+                if cutlass.const_expr(self.tokens):
+                    store_routed(self.dgrad1, chunks, row0, rows, n_tile, mDx, mOrder)
+                else:
+                    self.dgrad1._store_plain(chunks, row0, rows, n_tile, mDx)
             else:
                 r0 = m_tile * self.cfg.tile_m
                 if which == WD:
@@ -325,6 +362,12 @@ class FusedMoeBwdSm100:
                 epi_barrier()
                 if tidx == 0:
                     cute.arch.atomic_add(mD2.iterator + mt, Int32(1), sem="release", scope="gpu")
+            if cutlass.const_expr(self.tokens):
+                if phase == D1:
+                    cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
+                    epi_barrier()
+                    if tidx == 0:
+                        cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
             t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         tmem.relinquish_alloc_permit()
         epi_barrier()
@@ -332,25 +375,32 @@ class FusedMoeBwdSm100:
 
 
 # ---------------------------------------------------------------- compile
-def compile_fused_backward_sm100(clamp: bool, *, arch: str = "sm_100a", inspect: bool = False):
-    """Compile the routed core with symbolic M, H, I, E for ``arch`` (sm_100a / sm_103a);
-    returns ``(compiled, report)``."""
+def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, *,
+                                 arch: str = "sm_100a", inspect: bool = False):
+    """Compile the routed core with symbolic M, T, T*k, H, I, E for ``arch`` (sm_100a / sm_103a;
+    ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
+    start terms, need ``tokens``); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add)
     bf = cutlass.BFloat16
-    m, e, two = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    m, e, two, t, tk = (cute.sym_int() for _ in range(5))
     hid, inter = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(2))
 
-    def vec():
-        return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    def vec(n=None):
+        return cute.runtime.make_fake_tensor(Int32, (cute.sym_int() if n is None else n,), stride=(1,),
+                                             assumed_align=4)
 
     args = (_fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(bf, m, inter),
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
-            _fake_3d(bf, m, two, inter), _fake_2d(bf, m, hid), _fake_3d(bf, e, inter, hid),
+            _fake_3d(bf, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(), vec(), vec())
-    return compile_kernel(op, *args, Float32(0.0), Int32(1), Int64(1), cute.runtime.make_fake_stream(), arch=arch,
-                          inspect=inspect)
+    toks = (None,) * 5
+    if tokens:
+        toks = (vec(), vec(tk), _fake_2d(bf, t, hid) if init else None, _fake_2d(Float32, t, hid) if add else None,
+                _fake_2d(bf, t, hid))
+    return compile_kernel(op, *args, *toks, Int32(1), Float32(0.0), Int32(1), Int64(1), cute.runtime.make_fake_stream(),
+                          arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
@@ -393,8 +443,38 @@ def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_
         raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
 
 
+def _check_tokens(tokens, dy):
+    """Raise TypeError / ValueError for a ``tokens`` argument :func:`fused_backward_core` cannot
+    launch on; returns ``(order int32 [M], topk_idx int32 [T*k], dx_shared, dx_add, T, k)``."""
+    if not isinstance(tokens, (tuple, list)) or len(tokens) not in (3, 4):
+        raise ValueError("tokens must be (order, topk_idx, dx_shared) or (order, topk_idx, dx_shared, dx_add)")
+    order, topk_idx, dxs, add = (*tokens, None)[:4]
+    m, hid = dy.shape
+    ints = (torch.int32, torch.int64)
+    _check_tensor("order", order, 1, ints)
+    if order.numel() < m:
+        raise ValueError(f"order must hold >= M = {m} entries, got {order.numel()}")
+    _check_tensor("topk_idx", topk_idx, 2, ints)
+    t, k = topk_idx.shape
+    if k == 0:
+        raise ValueError(f"topk_idx must be [T, k >= 1], got {tuple(topk_idx.shape)}")
+    for name, a, dtype in (("dx_shared", dxs, torch.bfloat16), ("dx_add", add, torch.float32)):
+        if a is None:
+            continue
+        _check_tensor(name, a, 2, (dtype,))
+        if tuple(a.shape) != (t, hid):
+            raise ValueError(f"{name} must be [T, H] = {(t, hid)}, got {tuple(a.shape)}")
+        if not a.is_contiguous() or a.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+    for name, a in dict(order=order, topk_idx=topk_idx, dx_shared=dxs, dx_add=add).items():
+        if a is not None and a.device != dy.device:
+            raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
+    return (order[:m].to(torch.int32).contiguous(), topk_idx.reshape(-1).to(torch.int32).contiguous(), dxs, add,
+            t, k)
+
+
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float,
-                        num_ctas: int | None = None):
+                        num_ctas: int | None = None, tokens=None):
     """Validate, then launch the routed backward core on the current stream (the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_core` without ``tokens`` / ``mx``):
     dy, x [M, H] bf16 (grouped rows, dy already scaled by the router weights); gu [>= M, 2I] and
@@ -403,35 +483,54 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     16 bytes), w_down [E, H, I]; ``limit`` None or the SwiGLU clamp; H, I multiples of 64; one
     sm_100 / sm_103 device. ``num_ctas``: the grid (default all SMs). Returns ``(dx [M, H], dWg,
     dWu [E, I, H], dWd [E, H, I])``, meant bitwise the unfused SM100 backward's (unverified on
-    hardware). A device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    hardware). ``tokens`` = ``(order, topk_idx, dx_shared[, dx_add])``: each dx row goes to its
+    (token, slot) row and the launch ends with the fixed-order slot sum, so dx is [T, H] =
+    bf16(fp32(dx_shared) (or 0) [+ dx_add] + the slot rows j = 0.. of each token with
+    topk_idx >= 0), bitwise the unfused scatter and reference slot sum; ``order`` int [>= M]
+    (grouped row -> t*k + j, trusted), ``topk_idx`` int [T, k], ``dx_shared`` bf16 [T, H] or None,
+    ``dx_add`` fp32 [T, H] or None (both contiguous). A device wait's timeout is raised by a later
+    call (:mod:`mok_cute.dsl.deferred`)."""
     _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas)
+    toks = None if tokens is None else _check_tokens(tokens, dy)
     dev, arch = device_arch(dy.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs an sm_100a / sm_103a device, got {arch}")
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     bf = dict(dtype=torch.bfloat16, device=dy.device)
-    dx = torch.empty((m, hid), **bf)
+    dx = torch.empty((m if toks is None else toks[4], hid), **bf)
     dwg = torch.empty((e, inter, hid), **bf)
     dwu = torch.empty((e, inter, hid), **bf)
     dwd = torch.empty((e, hid, inter), **bf)
-    if m == 0:  # no rows: no tile reads anything, zero gradients
+    if m == 0:  # no rows: no tile reads anything, zero gradients (dx: the slot sum's start)
+        if toks is not None:
+            dx.copy_(toks[2]) if toks[2] is not None else dx.zero_()
+            if toks[3] is not None:
+                dx.copy_((dx.float() + toks[3]).bfloat16())
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2, inter), **bf)
     mt_cap = m // CONFIG.tile_m + e + 1  # routed m-tiles: at most one partial per expert
-    counters = torch.zeros(mt_cap + WORDS, dtype=torch.int32, device=dy.device)
+    n_words = WORDS if toks is None else DONE_WORD + 1
+    counters = torch.zeros(mt_cap + n_words, dtype=torch.int32, device=dy.device)
     d2, words = counters[:mt_cap], counters[mt_cap:]
-    clamp = limit is not None
-    launcher = compile_cached(("sm100_fused_moe_bwd_core", arch, clamp), lambda: GraphLauncher(
-        compile_fused_backward_sm100(clamp, arch=arch)[0]))
+    k, tok_args, rows = 1, (None,) * 5, dx
+    if toks is not None:
+        order32, idx32, dxs, add, t, k = toks
+        rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
+        tok_args = (order32, idx32, dxs, add, dx)
+    variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
+               toks is not None and toks[3] is not None)
+    launcher = compile_cached(("sm100_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
+        compile_fused_backward_sm100(variant[0], *variant[1:], arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
-    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dx, dwg, dwu, dwd, offsets, d2,
-               words)
+    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd, offsets, d2,
+               words, *tok_args)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key = tuple(tensor_key(a) for a in tensors) + (lim, num_ctas, timeout_ns)
+    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(_Desc(a) for a in tensors), Float32(lim), Int32(num_ctas), Int64(timeout_ns), st))
-    deferred.watch(words[1:], describe)
+        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(lim), Int32(num_ctas),
+        Int64(timeout_ns), st))
+    deferred.watch(words[1:WORDS], describe)
     return dx, dwg, dwu, dwd
 
 
@@ -439,12 +538,15 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
         "mbarrier", "atom.global.add.u32", "atom.global.release.add.u32", "ld.acquire", "%globaltimer",
         "fence.proxy.async.global")
+_PTX_TOKENS = ("add.rn.f32", "cp.async.cg")  # the dx slot sum: single-rounded fp32 adds, slot rows via cp.async
 
 
 def variants() -> dict:
     """``name -> (compile(arch, inspect) -> (compiled, report), PTX substrings it must hold)`` for
     every fused-backward variant this module builds."""
-    def core(clamp):
-        return lambda arch, inspect=True: compile_fused_backward_sm100(clamp, arch=arch, inspect=inspect)
+    def core(clamp, **kw):
+        return lambda arch, inspect=True: compile_fused_backward_sm100(clamp, arch=arch, inspect=inspect, **kw)
 
-    return {"fused-bwd-core-clamp": (core(True), _PTX), "fused-bwd-core-noclamp": (core(False), _PTX)}
+    return {"fused-bwd-core-clamp": (core(True), _PTX), "fused-bwd-core-noclamp": (core(False), _PTX),
+            "fused-bwd-tokens-clamp": (core(True, tokens=True, init=True, add=True), _PTX + _PTX_TOKENS),
+            "fused-bwd-tokens-noclamp": (core(False, tokens=True), _PTX + _PTX_TOKENS)}

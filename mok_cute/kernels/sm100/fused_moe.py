@@ -75,6 +75,17 @@ DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
 
 
+@cute.jit
+def store_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
+                 mSlot: cute.Tensor, mOrder: cute.Tensor):
+    """``epi``'s plain epilogue with tile row r (< rows) stored to row ``order[row0 + r]`` of
+    ``slot`` (its (token, slot) row): the fused forward's R2 and the fused backward's D1 rows."""
+    route = chunks.row
+    if chunks.row < rows:
+        route = mOrder[row0 + chunks.row]
+    epi._store_plain(chunks, route - chunks.row, rows, n_tile, mSlot)
+
+
 class FusedMoeFwdSm100:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
@@ -355,11 +366,8 @@ class FusedMoeFwdSm100:
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
             if phase == R1:
                 self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit)
-            elif phase == R2:  # row r to its (token, slot) row order[row0 + r]
-                route = chunks.row
-                if chunks.row < rows:
-                    route = mOrder[row0 + chunks.row]
-                self.plain._store_plain(chunks, route - chunks.row, rows, n_tile, mSlot)
+            elif phase == R2:
+                store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
