@@ -165,3 +165,93 @@ def test_backward_takes_the_fused_core_when_opted_in(monkeypatch):
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")
     assert Sm100ExpertMLP().backward(g, dy, *w, 4.0) == "unfused"
     assert len(calls) == 1
+
+
+def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch):
+    """With MOK_CUTE_SM100_FUSED=1 a BF16 ``backward_tokens`` is one fused_backward_core call with
+    ``tokens`` (the kernel faked); None (the layer then runs ``backward``) without the opt-in, at
+    MXFP8, for operands the core does not take or a non-contiguous dx_shared / dx_add."""
+    from mok_cute.kernels.sm100 import fused_bwd
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    calls = []
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", lambda *a, **kw: calls.append((a, kw)) or "fused")
+    ok = [True]
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: ok[0])  # CPU tensors stand in for CUDA ones
+    x, dy = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
+    g = ExpertGroup(x, torch.tensor([0, 6]), torch.randn(6, 128).bfloat16(), torch.randn(6, 64).bfloat16())
+    w = (torch.randn(1, 64, 64).bfloat16(),) * 3
+    order, idx = torch.arange(6), torch.zeros(3, 2, dtype=torch.int32)
+    dxs, dxa = torch.randn(3, 64).bfloat16(), torch.randn(3, 64)
+    mlp = S.Sm100ExpertMLP()
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs, dxa) == "fused"
+    ((args, kw),) = calls
+    assert args[0] is dy and args[1] is x and args[2] is g.gu and args[3] is g.h and args[4].dtype == torch.int32
+    assert args[5:9] == (*w, 4.0) and args[9] == S.FUSED_BWD_TIMEOUT_S
+    assert kw.keys() == {"tokens"} and all(a is b for a, b in zip(kw["tokens"], (order, idx, dxs, dxa)))
+    assert mlp.backward_tokens(g, dy, *w, None, order, idx, None) == "fused"
+    assert calls[1][1]["tokens"][2:] == (None, None)
+    assert mlp.backward_tokens(replace(g, precision="mxfp8"), dy, *w, 4.0, order, idx, dxs) is None
+    assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, torch.randn(64, 3).bfloat16().t()) is None
+    assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs, torch.randn(64, 3).t()) is None
+    ok[0] = False
+    assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs) is None
+    ok[0] = True
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")
+    assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs) is None
+    assert len(calls) == 2
+
+
+
+@pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
+def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared_i, limit):  # noqa: F811
+    """The layer's mode-2 backward (``MOK_CUTE_FUSED_BWD=2``) on the sm100 backend, opted in, calls
+    ``backward_tokens``; over a torch model of ``fused_backward_core(tokens=...)``'s contract (the
+    unfused sm100 backward, the rows scattered by ``order``, the reference slot sum from
+    fp32(dx_shared)) every gradient is bitwise the reference's."""
+    from mok_cute.kernels.sm100 import fused_bwd
+    from mok_cute.kernels.sm100 import grouped_gemm as k_
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    be = B.get_backend("sm100")
+    calls = []
+
+    def core(dy, x, gu, h, offsets, w_gate, w_up, w_down, lim, timeout_s, num_ctas=None, tokens=None):
+        dxr, dwg, dwu, dwd = S.mlp_backward(k_.grouped_dswiglu_dgrad, k_.grouped_dgrad1, k_.grouped_wgrad,
+                                            ExpertGroup(x, offsets, gu, h), dy, w_gate, w_up, w_down, lim)
+        if tokens is None:  # the shared expert's backward
+            return dxr, dwg, dwu, dwd
+        order, topk_idx, dxs, dxa = tokens
+        calls.append((dxs is not None, dxa is not None))
+        m = int(offsets[-1])
+        t, k = topk_idx.shape
+        slot = torch.zeros((t * k, dy.shape[1]), dtype=torch.bfloat16)
+        slot[order[:m].long()] = dxr[:m]
+        acc = torch.zeros((t, dy.shape[1])) if dxs is None else dxs.float()
+        if dxa is not None:
+            acc = acc + dxa
+        return R.slot_sum(acc, slot.view(t, k, -1), topk_idx).bfloat16(), dwg, dwu, dwd
+
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", core)
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")  # the unfused forward; the backward opts in below
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "2")
+    p, dy = make_problem(T=40, H=192, I=320, E=5, k=3, shared_I=shared_i, seed=29)
+    p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
+    p["topk_idx"][3, 1] = -1
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
+    y, st = be.forward(inp, MoKConfig(), None)
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    grads = be.backward(st, dy)
+    assert calls == [(shared_i is not None, False)]
+    ry, saved = R.moe_forward(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"],
+                              limit)
+    rg = R.moe_backward(saved, dy)
+    assert torch.equal(y, ry)
+    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(grads, name), getattr(rg, name)), name
+    for a, b in zip(grads.d_shared or (), rg.d_shared or ()):
+        assert torch.equal(a, b)
