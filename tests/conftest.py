@@ -46,3 +46,24 @@ def forbid(monkeypatch):
         for name in names:
             monkeypatch.setattr(module, name, boom)
     return apply
+
+
+class FakeLauncher:
+    """Stands in for a compiled kernel's GraphLauncher: records the arguments each launch packs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, dev, stream, key, make_args):
+        self.calls.append(make_args(None))
+
+
+def fake_sm100_device(monkeypatch, module, arch="sm_100a"):
+    """``module``'s host path as on an ``arch`` device with 148 SMs, its compile cache returning a
+    :class:`FakeLauncher`: ``(module, launcher, compile keys)``."""
+    fake, keys = FakeLauncher(), []
+    monkeypatch.setattr(module, "device_arch", lambda d: (0, arch))
+    monkeypatch.setattr(module, "sm_count", lambda d: 148)
+    monkeypatch.setattr(module, "compile_cached", lambda key, build: keys.append(key) or fake)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    return module, fake, keys

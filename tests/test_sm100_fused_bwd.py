@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from conftest import fake_sm100_device
+
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 from mok_cute.kernels.sm100.mainloop import NUM_THREADS
 
@@ -62,27 +64,10 @@ def test_compile_arguments_validated():
         fb.compile_fused_backward_sm100(True, arch="sm_90a")
 
 
-class _FakeLauncher:
-    """Records the arguments fused_backward_core launches with (graph path)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, dev, stream, key, make_args):
-        self.calls.append(make_args(None))
-
-
 def _fake_device(monkeypatch, arch="sm_100a"):
-    import torch
-
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    fake, keys = _FakeLauncher(), []
-    monkeypatch.setattr(fb, "device_arch", lambda d: (0, arch))
-    monkeypatch.setattr(fb, "sm_count", lambda d: 148)
-    monkeypatch.setattr(fb, "compile_cached", lambda key, build: keys.append(key) or fake)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
-    return fb, fake, keys
+    return fake_sm100_device(monkeypatch, fb, arch)
 
 
 def _operands(m=200, h=256, inter=192, e=4, mcap=260):

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from conftest import fake_sm100_device
+
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 from mok_cute.kernels.sm100.mainloop import NUM_THREADS
 
@@ -67,16 +69,6 @@ def test_compile_arguments_validated():
         fm.FusedMoeFwdSm100(True, True, sum_batch=100)
 
 
-class _FakeLauncher:
-    """Records the arguments fused_forward launches with (graph path)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, dev, stream, key, make_args):
-        self.calls.append(make_args(None))
-
-
 def _operands(shared=True, t=100, h=256, inter=192, inter_s=128, e=4, k=2):
     import torch
 
@@ -93,16 +85,9 @@ def _operands(shared=True, t=100, h=256, inter=192, inter_s=128, e=4, k=2):
 
 
 def _fake_device(monkeypatch, arch="sm_100a"):
-    import torch
-
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    fake, keys = _FakeLauncher(), []
-    monkeypatch.setattr(fm, "device_arch", lambda d: (0, arch))
-    monkeypatch.setattr(fm, "sm_count", lambda d: 148)
-    monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
-    return fm, fake, keys
+    return fake_sm100_device(monkeypatch, fm, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
