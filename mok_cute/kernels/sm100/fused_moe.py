@@ -62,9 +62,8 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
-    CHUNK, COUNTER_WORDS, DONE, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH, SUM_KIND,
-    WAIT_KIND,
-    counter_sizes, ring_band, slot_sum_batch,
+    CHUNK, COUNTER_WORDS, DONE, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
+    counter_sizes, record_sum, ring_band, slot_sum_batch,
 )
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.schedule import fused_tasks as tasks
@@ -215,10 +214,8 @@ class FusedMoeFwdSm100:
         slot_rows.slot_sum(tidx, bidx, grid, mSlot, s_out, mY, mIdx, mW, k, tokens, hidden, sbuf, self.sum_batch,
                            NUM_THREADS, mGate)
         if cutlass.const_expr(self.trace):
-            if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
-                base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
-                persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
-                persistent.record(mTrace, base + 1, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
+            if tidx == 0:
+                record_sum(mTrace, grid, bidx, t0, t1)
 
     # ------------------------------------------------------------------ roles
     @cute.jit

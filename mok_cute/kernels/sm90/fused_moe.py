@@ -272,10 +272,8 @@ class FusedMoeFwdSm90:
                     if not P.failed(status):
                         P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
         if cutlass.const_expr(self.trace):
-            if tidx == 0:  # the two last records of each CTA, after the gather chunks and tasks
-                base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
-                persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
-                persistent.record(mTrace, base + 1, t1, persistent.now(self.trace), SUM_KIND, bidx, Int32(0))
+            if tidx == 0:
+                record_sum(mTrace, grid, bidx, t0, t1)
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -523,6 +521,16 @@ class FusedMoeFwdSm90:
             self._mark(mTrace, bidx, 1, 5, i)
 
 # ---------------------------------------------------------------- compile and launch
+@cute.jit
+def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int64):
+    """Thread 0 of a traced fused forward's CTA ``bidx``: its two last records, after the gather
+    chunks and the tasks: the wait for every GEMM2 tile (``t0`` .. ``t1``) and the slot sum
+    (``t1`` .. now)."""
+    base = mTrace.shape[0] // TRACE_WORDS - 2 * grid + 2 * bidx
+    persistent.record(mTrace, base, t0, t1, WAIT_KIND, bidx, Int32(0))
+    persistent.record(mTrace, base + 1, t1, persistent.now(True), SUM_KIND, bidx, Int32(0))
+
+
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, arch: str = "sm_90a", inspect: bool = False):
