@@ -24,7 +24,7 @@ from mok_cute.layers.common import ring_chunks
 from mok_cute.layers.grouped import routing_plan
 from mok_cute.layers.sm100 import Sm100ExpertMLP
 from test_sm100_mxfp8 import ref_quant  # noqa: F401 (fixture of the model fixture)
-from test_sm100_tails import model  # noqa: F401 (fixture)
+from test_sm100_tails import assert_reference_layer, model  # noqa: F401 (model: fixture)
 
 
 def test_opt_in(monkeypatch):
@@ -106,16 +106,7 @@ def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):
                           interleave=True)]  # the MLP's cached interleave
     assert watched == [cfg.validate_routing]
     assert st.rows_by_route and st.routed.x is None  # the backward gathers x's rows again
-    grads = be.backward(st, dy)
-    ry, saved = R.moe_forward(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"],
-                              limit)
-    rg = R.moe_backward(saved, dy)
-    assert torch.equal(y, ry)
-    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
-        assert torch.equal(getattr(grads, name), getattr(rg, name)), name
-    for a, b in zip(grads.d_shared or (), rg.d_shared or ()):
-        assert torch.equal(a, b)
-    torch.testing.assert_close(grads.d_topk_w, rg.d_topk_w, rtol=1e-5, atol=1e-5)
+    assert_reference_layer(p, dy, limit, y, be.backward(st, dy))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -247,11 +238,4 @@ def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
     grads = be.backward(st, dy)
     assert calls == [(shared_i is not None, False)]
-    ry, saved = R.moe_forward(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"],
-                              limit)
-    rg = R.moe_backward(saved, dy)
-    assert torch.equal(y, ry)
-    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
-        assert torch.equal(getattr(grads, name), getattr(rg, name)), name
-    for a, b in zip(grads.d_shared or (), rg.d_shared or ()):
-        assert torch.equal(a, b)
+    assert_reference_layer(p, dy, limit, y, grads)
