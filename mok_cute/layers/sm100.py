@@ -173,9 +173,10 @@ class Sm100ExpertMLP:
 
     @property
     def fused_precisions(self) -> tuple:
-        """The precisions the EP = 1 forward runs through the fused forward
-        (:mod:`mok_cute.kernels.sm100.fused_moe`, BF16): opt-in with ``MOK_CUTE_SM100_FUSED=1``
-        (read at every call) until it has run on a Blackwell GPU; else none (the unfused path)."""
+        """The precisions the EP = 1 layer runs through the fused kernels (the forward,
+        :mod:`mok_cute.kernels.sm100.fused_moe`, and the backward core,
+        :mod:`mok_cute.kernels.sm100.fused_bwd`; BF16): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read
+        at every call) until they have run on a Blackwell GPU; else none (the unfused path)."""
         return ("bf16",) if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,

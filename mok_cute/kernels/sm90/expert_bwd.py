@@ -79,8 +79,8 @@ class GroupedWgradSm90:
 
     Call (jit): ``(mA [M, Na], mB [M, Nb], mOffsets [E+1] int32, mOut [E, Na, Nb], num_ctas,
     stream)``; out[e] = bf16(A_e^T . B_e). Nb a multiple of tile_n (``n_tail``: of ``N_ALIGN``, the
-    columns past Nb masked); rows of a tile past Na are masked (``cfg.tma_store``: one TMA store per tile, rows past Na clipped by
-    the TMA unit).
+    columns past Nb masked); rows of a tile past Na are masked (``cfg.tma_store``: one TMA store
+    per tile, rows past Na clipped by the TMA unit).
     """
 
     def __init__(self, cfg: MainloopConfig, n_tail: bool = False):
