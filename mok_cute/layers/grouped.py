@@ -233,10 +233,11 @@ class GroupedExpertBackend:
             st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                       rows_by_route=st.rows_by_route)
+        st.rows = None  # the backward is one-shot (its caller drops the state): the GEMM2 rows go now
         if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
             shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
             out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0],
-                                           dx_gate)
+                                           dx_gate, consume=True)
             if out is not None:
                 return MoEGrads(out[0], dtw, *out[1:], shared[1], d_gate)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)

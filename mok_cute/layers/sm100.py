@@ -237,13 +237,14 @@ class Sm100ExpertMLP:
 
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
-                        dx_add=None):
+                        dx_add=None, consume: bool = False):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), meant bitwise the unfused scatter and slot sum; None where
         that launch does not apply (not BF16, not opted in, operands not contiguous CUDA: then call
-        :meth:`backward`)."""
+        :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.h) changes nothing here:
+        the BF16 core makes no round trips."""
         if g.precision not in self.fused_precisions or not _fused_core_ok(g, dy_rows):  # BF16, opted in
             return None
         if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):

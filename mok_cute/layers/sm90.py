@@ -213,12 +213,13 @@ class Sm90ExpertMLP:
                             w_down, limit)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
-                        dx_add=None):
+                        dx_add=None, consume: bool = False):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), bitwise the unfused scatter and slot sum; None where that
-        launch does not apply (then call :meth:`backward`)."""
+        launch does not apply (then call :meth:`backward`). ``consume``: the caller gives up
+        ``dy_rows``, ``g.x`` and ``g.h`` (MXFP8: their round trips are made in place)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
@@ -229,7 +230,8 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
                                    *self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                   tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8")
+                                   tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8",
+                                   consume=consume)
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8

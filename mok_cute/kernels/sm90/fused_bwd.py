@@ -614,7 +614,7 @@ def last_trace():
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
-                        num_ctas: int | None = None, tokens=None, mx: bool = False):
+                        num_ctas: int | None = None, tokens=None, mx: bool = False, consume: bool = False):
     """The routed backward in one launch (module doc) on operands the unfused path accepts
     (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
     stride; I, H multiples of 64, not of 256: the n_tail variant; offsets int32 [E+1] on the
@@ -631,7 +631,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     ``mx``: the MXFP8 backward, bitwise the unfused one (``layers.sm90``'s ``_mx_backward``): dy,
     x, h as above, the weights given dequantized from their MXFP8 along dgrad's reduction axis
     (the caller's cache); dy's round trips along H and along the tokens and those of x and h
-    along the tokens are made here, dgu's two in the dSwiGLU epilogue.
+    along the tokens are made here, dgu's two in the dSwiGLU epilogue; ``consume`` (the caller gives
+    up dy, x and h: a one-shot layer backward) makes the round trips of the contiguous ones in place
+    instead of in new [M, H] / [M, I] buffers.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
     toks = None
@@ -642,8 +644,12 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     if mx and m:
         from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
 
-        dyt, x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets) for a in (dy, x, h[:m]))
-        dy = mxfp8_round_trip(dy)
+        def into(a):  # the round trip's buffer: ``a`` itself when consumed
+            return a if consume and a.is_contiguous() else None
+
+        dyt = mxfp8_round_trip_tokens(dy.contiguous(), offsets)
+        x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets, out=into(a)) for a in (x, h[:m]))
+        dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
     return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
                    mx_dyt=dyt)
 
