@@ -9,6 +9,7 @@ import re
 import pytest
 
 from conftest import fake_sm100_device
+from test_sm100_mxfp8 import ref_quant  # noqa: F401 (fixture)
 
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 from mok_cute.kernels.sm100.mainloop import NUM_THREADS
@@ -17,13 +18,15 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 
 @functools.cache
-def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False):
+def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, inspect=True)[1]
+    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, inspect=True)[1]
 
 
 VARIANTS = [(True, True), (False, False), (True, False), (False, True)]
+MX_VARIANTS = [(True, True), (False, False)]
+MX_PARAMS = ("mXsw", "mXgsf", "mW1sf", "mHq", "mHsf", "mWdsf", "mXsf", "mS1sf", "mHsq", "mHssf", "mSdsf")
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
           "mbarrier.try_wait", "atom.global.add.u32",  # the ticket (relaxed)
           "atom.global.release.add.u32",  # readiness counters
@@ -111,7 +114,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-1] == gate
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-2] == gate
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -120,6 +123,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
+    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-1] is False  # BF16: no MXFP8 operands
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -201,3 +205,214 @@ def test_host_validates_before_launch(monkeypatch, change, exc, match):
     with pytest.raises(exc, match=match):
         fm.fused_forward(**ops)
     assert not fake.calls and (change == "arch" or not keys)
+
+
+# ------------------------------------------------------------------ MXFP8 variant
+MX_NEEDED = tuple(i for i in NEEDED if i != "kind::f16") + (
+    "kind::mxf8f6f4", "block_scale", "tcgen05.cp",  # block-scaled MMA, scales shared -> TMEM
+    "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2")  # h quantized in the SwiGLU epilogue (the quantizer's ops)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp,shared", MX_VARIANTS)
+def test_mx_compiles_block_scaled(arch, clamp, shared):
+    """The MXFP8 variant: block-scaled tcgen05 MMAs only, 0 spills, one CUtensorMap per operand and
+    scale tensor, the BF16 variant's task code (same MMA count); each SwiGLU epilogue (R1, S1)
+    quantizes its 4 chunks of 32 h values (8 e4m3 words = 16 cvt each) and stores one scale byte
+    per chunk."""
+    rep = _rep(arch, clamp, shared, mx=True)
+    missing = [i for i in MX_NEEDED if not rep.has(i)]
+    assert not missing, missing
+    assert "kind::f16" not in rep.ptx and "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.total_spill_bytes == 0
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    # A, B, SFA, SFB of R1 (ring) and R2 (hq) (+ S1 (x), S2 (hsq))
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == (16 if shared else 8)
+    assert rep.ptx.count("tcgen05.mma") == _rep(arch, clamp, shared).ptx.count("tcgen05.mma")
+    epilogues = 2 if shared else 1
+    assert rep.ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 64 * epilogues
+    assert len(re.findall(r"st\.global\.b8\b", rep.ptx)) == 4 * epilogues
+
+
+def test_variants_registry_has_the_mx_variants():
+    """tools/blackwell_readiness.py's and ptx_manifest's MXFP8 entries: each PTX item in the kernel."""
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    reg = fm.variants()
+    for name, (clamp, shared) in (("fused-fwd-mxfp8-clamp-shared", (True, True)),
+                                  ("fused-fwd-mxfp8-noclamp-routed", (False, False))):
+        rep = _rep("sm_100a", clamp, shared, mx=True)
+        assert "kind::mxf8f6f4" in reg[name][1] and all(rep.has(i) for i in reg[name][1]), name
+
+
+def _mx_weights(ops):
+    """``ops`` with its weights MXFP8-quantized along their rows (the reference quantizer) and
+    their scales as ``w_scales`` / ``shared_scales``."""
+    from mok_cute import reference as R
+
+    def q(w):
+        d, s = R.mxfp8_quantize(w.reshape(-1, w.shape[-1]), -1)
+        return d.view(w.shape), s.view(*w.shape[:-1], -1)
+
+    (gq, gs), (uq, us), (dq, ds) = (q(ops[n]) for n in ("w_gate", "w_up", "w_down"))
+    out = dict(ops, w_gate=gq, w_up=uq, w_down=dq, w_scales=(gs, us, ds))
+    if ops["shared"] is not None:
+        qs = [q(w) for w in ops["shared"]]
+        out.update(shared=tuple(d for d, _ in qs), shared_scales=tuple(s for _, s in qs))
+    return out
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, shared):  # noqa: F811
+    """fused_forward(w_scales=...) on CPU (compile and launch faked): one argument per kernel
+    parameter, the MXFP8 variant's cache key, x's e4m3 rows and scale words, and every weight and
+    weight-scale operand byte-equal to what the unfused SM100 MXFP8 GEMMs hand their launch
+    (``grouped_gemm1_swiglu`` / ``grouped_gemm`` with the same quantized weights)."""
+    import inspect
+
+    import torch
+
+    from mok_cute import reference as R
+    from mok_cute.kernels.sm100 import grouped_gemm as k
+    from mok_cute.kernels.sm100 import layouts as lay
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    ops = _mx_weights(_operands(shared))
+    out = fm.fused_forward(**ops, ring_chunks=5)
+    (args,) = fake.calls
+    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
+    assert len(args) == len(params)
+    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    assert keys[0][-1] is True and keys[0][2:4] == (True, shared)
+    f8 = torch.float8_e4m3fn
+    xq, xs = R.mxfp8_quantize(ops["x"], -1)
+    assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
+    assert by["mXg"].dtype == f8 and tuple(by["mXg"].shape) == (5 * 128, 256)
+    words = by["mXsw"].view(torch.uint8)  # H = 256: 8 blocks = 2 whole scale atoms' words
+    assert by["mXsw"].dtype == torch.int32 and torch.equal(words, xs)
+    assert tuple(by["mXgsf"].shape) == (lay.sf_bytes(5 * 128, 8),)
+    assert by["mHq"].dtype == f8 and tuple(by["mHq"].shape) == (200, 192)
+    assert tuple(by["mHsf"].shape) == (lay.sf_bytes(lay.grouped_sf_rows(200, 4), 6),) and not by["mHsf"].any()
+    assert by["mH"].dtype == torch.bfloat16 and out[2] is by["mH"] and out[1].dtype == torch.bfloat16
+
+    launched = []
+    monkeypatch.setattr(k, "_launch", lambda *a, **kw: launched.append(a))
+    monkeypatch.setattr(k, "_check_devices", lambda **t: None)
+    off = ops["offsets"]
+    gs, us, ds = ops["w_scales"]
+    k.grouped_gemm1_swiglu(xq, off, ops["w_gate"], ops["w_up"], 4.0, x_scales=xs, w_scales=(gs, us))
+    k.grouped_gemm(torch.zeros(200, 192, dtype=f8), off, ops["w_down"], a_scales=torch.zeros(200, 6, dtype=torch.uint8),
+                   w_scales=ds)
+    (g1, g2) = launched[:2]
+    assert torch.equal(by["mW1"].view(torch.uint8), g1[5].view(torch.uint8)) and torch.equal(by["mW1sf"], g1[7])
+    assert by["mWd"] is ops["w_down"] and torch.equal(by["mWdsf"], g2[7])
+    assert all((by[n] is None) != shared for n in MX_PARAMS[6:])
+    if shared:
+        ts = torch.tensor([0, 100], dtype=torch.int32)
+        sg, su, sd = (w[None] for w in ops["shared"])
+        ssg, ssu, ssd = (s[None] for s in ops["shared_scales"])
+        k.grouped_gemm1_swiglu(xq, ts, sg, su, 4.0, x_scales=xs, w_scales=(ssg, ssu))
+        k.grouped_gemm(torch.zeros(100, 128, dtype=f8), ts, sd, a_scales=torch.zeros(100, 4, dtype=torch.uint8),
+                       w_scales=ssd)
+        s1, s2 = launched[2:]
+        n = by["mXsf"].numel()  # x's blocked scales: the unfused one-expert packing less its spare atom row
+        assert torch.equal(by["mXsf"], s1[6][:n]) and not s1[6][n:].any()
+        assert torch.equal(by["mS1"].view(torch.uint8), s1[5].view(torch.uint8)) and torch.equal(by["mS1sf"], s1[7])
+        assert torch.equal(by["mSdsf"], s2[7])
+        assert by["mHsq"].dtype == f8 and tuple(by["mHsq"].shape) == (100, 128)
+        assert tuple(by["mHssf"].shape) == (lay.sf_bytes(100, 4),) and not by["mHssf"].any()
+
+
+def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant):  # noqa: F811
+    """The kernel's scale stores modelled in torch with the index calls the kernel makes
+    (``layouts.sf_byte``): the gather's words into ring slot ``c % ring`` (read by R1 as scale atom
+    row ``c % ring``) hold m-tile c's rows as the unfused GEMM1's ``pack_row_scales`` operand holds
+    them at atom row ``o_e // 128 + e + m_tile``; the SwiGLU epilogue's h scale bytes (rows inside
+    the expert, blocks < I / 32, into the zeroed buffer) are ``pack_row_scales`` of h's scales byte
+    for byte over every expert's atoms. H = 320, I = 192: partial scale atoms."""
+    import torch
+
+    from mok_cute import reference as R
+    from mok_cute.kernels.sm100 import fused_moe as fm
+    from mok_cute.kernels.sm100 import layouts as lay
+    from mok_cute.kernels.sm100.grouped_gemm import interleave_gate_up
+
+    g = torch.Generator().manual_seed(5)
+    t, k, hid, inter, ring = 160, 2, 320, 192, 2
+    offs = [0, 130, 130, 300, 301]  # an empty expert, two-tile experts, a one-row expert
+    e, mcap = len(offs) - 1, t * k
+    order = torch.randperm(mcap, generator=g).to(torch.int32)
+    x = torch.randn(t, hid, generator=g).bfloat16()
+    ws = (torch.zeros(e, inter, hid // 32, dtype=torch.uint8),) * 2 + (torch.zeros(e, hid, inter // 32, dtype=torch.uint8),)
+    xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring, ws, None, interleave_gate_up)
+    tok = order.long() // k
+    unfused = lay.pack_row_scales(R.mxfp8_quantize(x, -1)[1][tok], torch.tensor(offs))
+    words = xs_w.shape[1]
+    ring_w, unfused_w = ring_sf.view(torch.int32).clone(), unfused.view(torch.int32)
+    tiles = [(ex, mt) for ex in range(e) for mt in range(-(-(offs[ex + 1] - offs[ex]) // 128))]
+    for c, (ex, mt) in enumerate(tiles):  # the gather, chunk by chunk (slots reused)
+        row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
+        for rr in range(rows):
+            for j in range(words):
+                ring_w[lay.sf_byte(c % ring, rr, 4 * j, words) // 4] = xs_w[tok[row0 + rr], j]
+        sf_row = offs[ex] // 128 + ex + mt  # fused_moe._sf_row: the unfused tile's atom row
+        for rr in range(rows):
+            got = [int(ring_w[lay.sf_byte(c % ring, rr, 4 * j, words) // 4]) for j in range(words)]
+            want = [int(unfused_w[lay.sf_byte(sf_row, rr, 4 * j, words) // 4]) for j in range(words)]
+            assert got == want, (c, rr)
+
+    hs = torch.randint(0, 255, (mcap, inter // 32), dtype=torch.uint8, generator=g)  # h's scales (quantizer's)
+    model = h_sf.clone()
+    kb_atoms = -(-inter // 128)
+    for ex, mt in tiles:  # R1 epilogue: n-tile nt's chunk c is block 4 nt + c (tile_n / 2 = 128 columns)
+        row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
+        for r in range(rows):
+            for kb in range(inter // 32):
+                model[lay.sf_byte(offs[ex] // 128 + ex + mt, r, kb, kb_atoms)] = hs[row0 + r, kb]
+    want = lay.pack_row_scales(hs, torch.tensor(offs))  # the unfused GEMM2's A scales
+    used = (offs[-1] // 128 + e) * kb_atoms * lay.SF_ATOM_BYTES  # every expert's atoms (rows past M: never read)
+    assert model.shape == want.shape and torch.equal(model[:used], want[:used])
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ("bf16_weights", TypeError, "w_gate"),
+    ("no_scales", TypeError, "w_gate"),
+    ("scales_len", ValueError, "w_scales must be"),
+    ("scale_shape", ValueError, r"w_scales\[2\]"),
+    ("scale_dtype", TypeError, r"w_scales\[0\]"),
+    ("no_shared_scales", ValueError, "shared_scales must be"),
+    ("shared_scale_shape", ValueError, r"shared_scales\[2\]"),
+    ("shared_scales_unshared", ValueError, "without a shared expert"),
+    ("shared_scales_only", ValueError, "needs w_scales"),
+    ("x_fp8", TypeError, "x"),
+    ("scales_device", ValueError, "w_scales"),
+])
+def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
+    """Every bad MXFP8 operand raises before anything is quantized, compiled or launched."""
+    import torch
+
+    from mok_cute.kernels.quant import quantize
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    monkeypatch.setattr(quantize, "quantize_mxfp8", lambda *a: pytest.fail("quantized before validation"))
+    bf16 = _operands(True)
+    ops = _mx_weights(bf16)
+    gs, us, ds = ops["w_scales"]
+    edits = {
+        "bf16_weights": dict(w_gate=bf16["w_gate"], w_up=bf16["w_up"], w_down=bf16["w_down"]),
+        "no_scales": dict(w_scales=None, shared_scales=None),
+        "scales_len": dict(w_scales=(gs, us)),
+        "scale_shape": dict(w_scales=(gs, us, ds[:, :, :5])),
+        "scale_dtype": dict(w_scales=(gs.int(), us, ds)),
+        "no_shared_scales": dict(shared_scales=None),
+        "shared_scale_shape": dict(shared_scales=ops["shared_scales"][:2] + (ops["shared_scales"][0],)),
+        "shared_scales_unshared": dict(shared=None),
+        "shared_scales_only": dict(w_gate=bf16["w_gate"], w_up=bf16["w_up"], w_down=bf16["w_down"],
+                                   shared=bf16["shared"], w_scales=None),
+        "x_fp8": dict(x=ops["x"].to(torch.float8_e4m3fn)),
+        "scales_device": dict(w_scales=(gs, us, ds.to("meta"))),
+    }
+    ops.update(edits[change])
+    with pytest.raises(exc, match=match):
+        fm.fused_forward(**ops)
+    assert not fake.calls and not keys

@@ -30,10 +30,10 @@ from test_sm100_tails import assert_reference_layer, model  # noqa: F401 (model:
 def test_opt_in(monkeypatch):
     monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
     assert Sm100ExpertMLP().fused_precisions == ()
-    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
-    assert Sm100ExpertMLP().fused_precisions == ("bf16",)
     with pytest.raises(ValueError, match="mxfp8"):
         Sm100ExpertMLP().fused_forward(*[None] * 10, MoKConfig(precision="mxfp8"))
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert Sm100ExpertMLP().fused_precisions == ("bf16", "mxfp8")
 
 
 def test_ring_chunks_counts_the_kernels_chunks():
@@ -58,35 +58,67 @@ def test_interleaved_weights_cached_per_version():
     assert again is not first and torch.equal(again, interleave_gate_up(wg, wu, 128))
 
 
+def _mx_expert(x, rows, offsets, w_gate, w_up, w_down, limit, scales, interleave):
+    """The MXFP8 kernel's contract for one set of experts on the unfused sm100 wrappers: x's MXFP8
+    token rows (quantized once, then gathered by ``rows``), the given e4m3 weights and scales,
+    GEMM1 + SwiGLU, h quantized along I, GEMM2: ``(out, gu, h)``."""
+    from mok_cute.kernels.quant import quantize
+    from mok_cute.kernels.sm100 import grouped_gemm as k_
+
+    xq, xs = quantize.quantize_mxfp8(x, -1)
+    gu, h = k_.grouped_gemm1_swiglu(xq[rows], offsets, w_gate, w_up, limit, x_scales=xs[rows], w_scales=scales[:2],
+                                    interleave=interleave)
+    hq, hs = quantize.quantize_mxfp8(h, -1)
+    return k_.grouped_gemm(hq, offsets, w_down, a_scales=hs, w_scales=scales[2]), gu, h
+
+
 def _kernel_model(mlp):
-    """A torch model of ``fused_moe.fused_forward``'s contract on the unfused sm100 wrappers."""
+    """A torch model of ``fused_moe.fused_forward``'s contract on the unfused sm100 wrappers (BF16:
+    the MLP's forward on the gathered rows; MXFP8: :func:`_mx_expert` on what the layer hands it)."""
     calls = []
 
     def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                      timeout_s, num_ctas=None, ring_chunks=None, gate=None, interleave=None):
+                      timeout_s, num_ctas=None, ring_chunks=None, gate=None, interleave=None, w_scales=None,
+                      shared_scales=None):
         calls.append(dict(comm_ctas=comm_ctas, timeout_s=timeout_s, ring_chunks=ring_chunks, gate=gate,
-                          interleave=interleave == mlp._interleaved))
+                          interleave=interleave == mlp._interleaved, mx=w_scales is not None))
         t, k = topk_idx.shape
-        rows, g = mlp.forward(x.index_select(0, order.long() // k), offsets, w_gate, w_up, w_down, limit)
+        rows = order.long() // k
+        whole = torch.tensor([0, t], dtype=torch.int32)
+        if w_scales is None:
+            out, g = mlp.forward(x.index_select(0, rows), offsets, w_gate, w_up, w_down, limit)
+            gu, h = g.gu, g.h
+        else:
+            out, gu, h = _mx_expert(x, rows, offsets, w_gate, w_up, w_down, limit, w_scales, interleave)
         m = int(offsets[-1])
         slot = torch.full((t * k, x.shape[1]), float("nan"), dtype=torch.bfloat16)  # -1 slots: never written
-        slot[order[:m].long()] = rows[:m]
+        slot[order[:m].long()] = out[:m]
         gus = hs = s_out = None
         acc = torch.zeros(x.shape, dtype=torch.float32)
         if shared is not None:
-            s_out, sg = mlp.forward(x, torch.tensor([0, t], dtype=torch.int32), *(w[None] for w in shared), limit)
-            gus, hs, acc = sg.gu, sg.h, s_out.float()
+            if w_scales is None:
+                s_out, sg = mlp.forward(x, whole, *(w[None] for w in shared), limit)
+                gus, hs = sg.gu, sg.h
+            else:
+                s_out, gus, hs = _mx_expert(x, torch.arange(t), whole, *(w[None] for w in shared), limit,
+                                            [s[None] for s in shared_scales], interleave)
+            acc = s_out.float()
         y = R.slot_sum(acc, slot.view(t, k, -1), topk_idx, topk_w).bfloat16()
         status = torch.zeros(4, dtype=torch.int32)
-        return y, g.gu, g.h, slot, gus, hs, s_out, [status], None
+        return y, gu, h, slot, gus, hs, s_out, [status], None
 
     return fused_forward, calls
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
-def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):  # noqa: F811
-    from mok_cute.kernels.sm100 import fused_moe
+def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit, precision):  # noqa: F811
+    """The layer's fused forward glue, BF16 and MXFP8 (weights quantized and cached by the MLP, the
+    forward's state what the unfused backward reads: an MXFP8 group takes the unfused MXFP8
+    backward), over the kernel model: y and every gradient bitwise the reference's."""
+    from mok_cute.kernels.sm100 import fused_bwd, fused_moe
     from mok_cute.kernels.sm90 import fused_moe as fm90
+    from mok_cute.layers import sm100 as S
 
     be = B.get_backend("sm100")
     fake, calls = _kernel_model(be.mlp)
@@ -98,15 +130,19 @@ def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit):
     p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
     p["topk_idx"][3, 1] = -1
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
-    cfg = MoKConfig(comm_sms_fwd=12, device_timeout_s=3.0, minibatch_tokens=512)
+    cfg = MoKConfig(comm_sms_fwd=12, device_timeout_s=3.0, minibatch_tokens=512, precision=precision)
     be.check(inp, cfg, None)
     order32, offsets, idx = routing_plan(inp.topk_idx, 5, watch=False)
     y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
     assert calls == [dict(comm_ctas=cfg.comm_ctas_fwd(1), timeout_s=3.0, ring_chunks=ring_chunks(cfg, idx), gate=None,
-                          interleave=True)]  # the MLP's cached interleave
+                          interleave=True, mx=precision == "mxfp8")]  # the MLP's cached interleave
     assert watched == [cfg.validate_routing]
     assert st.rows_by_route and st.routed.x is None  # the backward gathers x's rows again
-    assert_reference_layer(p, dy, limit, y, be.backward(st, dy))
+    assert st.routed.precision == precision and st.routed.gu.dtype == st.routed.h.dtype == torch.bfloat16
+    if precision == "mxfp8":  # opted in, operands it would take: the BF16 core must still not take an MXFP8 group
+        monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
+        monkeypatch.setattr(fused_bwd, "fused_backward_core", lambda *a, **kw: pytest.fail("fused core at MXFP8"))
+    assert_reference_layer(p, dy, limit, y, be.backward(st, dy), precision)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])

@@ -160,6 +160,9 @@ def _fused_core_ok(g: ExpertGroup, dy_rows) -> bool:
     return g.x is not None and dy_rows.is_cuda and all(t.is_contiguous() for t in (dy_rows, g.x, g.gu, g.h))
 
 
+FUSED_CORE_PRECISIONS = ("bf16",)  # the fused backward core's (an MXFP8 group takes the unfused MXFP8 backward)
+
+
 class Sm100ExpertMLP:
     """BF16 / MXFP8 expert MLP on the SM100 kernels (output tiles 256 wide; H, I, I_s any
     multiple of 64: partial last tiles along N are masked, K tails zero-filled)."""
@@ -173,25 +176,42 @@ class Sm100ExpertMLP:
 
     @property
     def fused_precisions(self) -> tuple:
-        """The precisions the EP = 1 layer runs through the fused kernels (the forward,
-        :mod:`mok_cute.kernels.sm100.fused_moe`, and the backward core,
-        :mod:`mok_cute.kernels.sm100.fused_bwd`; BF16): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read
-        at every call) until they have run on a Blackwell GPU; else none (the unfused path)."""
-        return ("bf16",) if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
+        """The precisions the EP = 1 layer runs through the fused forward
+        (:mod:`mok_cute.kernels.sm100.fused_moe`: BF16 and MXFP8) and, where it takes the group
+        (:data:`FUSED_CORE_PRECISIONS`: BF16), the fused backward core
+        (:mod:`mok_cute.kernels.sm100.fused_bwd`; an MXFP8 group takes the unfused MXFP8 backward):
+        opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at every call) until they have run on a
+        Blackwell GPU; else none (the unfused path)."""
+        return ("bf16", "mxfp8") if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
+
+    def _fused_core(self, g: ExpertGroup, dy_rows) -> bool:
+        """Whether the fused backward core runs this backward: opted in, a BF16 group, operands it takes."""
+        return g.precision in FUSED_CORE_PRECISIONS and g.precision in self.fused_precisions \
+            and _fused_core_ok(g, dy_rows)
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                       gate=None):
-        """The fused forward at EP = 1, BF16: the contract of the sm90 MLP's ``fused_forward``
-        (``(y, gu, h, slot_out, gus, hs, s_out)``; the ring of ``ring_chunks`` slots; the kernel's
-        status watched on the device, raised by a later call)."""
+        """The fused forward at EP = 1 in ``config.precision`` (bf16, or mxfp8: the weights quantized
+        along their rows as the unfused MXFP8 forward does, cached per version; x quantized by the
+        kernel's host): the contract of the sm90 MLP's ``fused_forward`` (``(y, gu, h, slot_out, gus,
+        hs, s_out)``, gu / h / gus / hs bf16 for the unfused MXFP8 backward; the ring of
+        ``ring_chunks`` slots; the kernel's status watched on the device, raised by a later call)."""
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
         if config.precision not in self.fused_precisions:
             raise ValueError(f"the sm100 fused forward runs {self.fused_precisions}, not {config.precision!r}")
+        mx = {}
+        if config.precision == "mxfp8":
+            (w_gate, gs), (w_up, us), (w_down, ds) = (self._qw(w, 2) for w in (w_gate, w_up, w_down))
+            mx["w_scales"] = (gs, us, ds)
+            if shared is not None:  # as shared_forward's [1, R, C] weights: the same rows quantized
+                q = [self._qw(w[None], 2) for w in shared]
+                shared, mx["shared_scales"] = tuple(d[0] for d, _ in q), tuple(s[0] for _, s in q)
         out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
                                   config.comm_ctas_fwd(1), config.device_timeout_s,
-                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved)
+                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved,
+                                  **mx)
         watch_status(out[7][-1], first=config.validate_routing)
         return out[:7]
 
@@ -220,11 +240,11 @@ class Sm100ExpertMLP:
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``: BF16 through
         the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch) with
-        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else the unfused
-        kernels."""
+        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else (MXFP8 too)
+        the unfused kernels."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
-        if g.precision in self.fused_precisions and _fused_core_ok(g, dy_rows):
+        if self._fused_core(g, dy_rows):
             from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
             return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
@@ -245,7 +265,7 @@ class Sm100ExpertMLP:
         that launch does not apply (not BF16, not opted in, operands not contiguous CUDA: then call
         :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.h) changes nothing here:
         the BF16 core makes no round trips."""
-        if g.precision not in self.fused_precisions or not _fused_core_ok(g, dy_rows):  # BF16, opted in
+        if not self._fused_core(g, dy_rows):
             return None
         if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):
             return None

@@ -1,4 +1,4 @@
-"""The fused MoE forward on Blackwell (sm_100a / sm_103a), BF16, EP = 1: one persistent launch.
+"""The fused MoE forward on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1: one persistent launch.
 
 The SM100 counterpart of :mod:`mok_cute.kernels.sm90.fused_moe`, with the same schedule, the
 same counters and the same numerics, on the tcgen05 building blocks of
@@ -36,7 +36,19 @@ Outputs: xg (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out [T*k, H] (rows o
 untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H]. Counters int32, zero at launch,
 as :func:`mok_cute.kernels.sm90.fused_moe.counter_sizes`. H, I, I_s multiples of 64.
 Variants: ``clamp``, ``shared``, ``gate`` (y starts from fp32(s_out) * gate), ``trace`` (per-task
-records in the SM90 kernel's layout).
+records in the SM90 kernel's layout), ``mx``.
+
+MXFP8 (``mx``, the tiles of ``MXFP8_CONFIG``: 128 x 256 x 128, ``kind::mxf8f6f4.block_scale``):
+every GEMM operand is e4m3 with E8M0 scales in the blocked layouts of
+:mod:`~mok_cute.kernels.sm100.layouts`, the unfused SM100 MXFP8 GEMMs' operands, so every tile is
+bitwise theirs. x is quantized along H once per call (a token row's quantization does not depend
+on the other rows); the gather moves a row's e4m3 bytes and its scale words into ring slot ``s``
+(scale atom row ``s`` of the ring's blocked scales); S1 reads x's e4m3 rows and blocked scales.
+R1 / S1's SwiGLU epilogue also writes h / hs quantized along I (an epilogue thread's 32 columns
+are one MX block) into hq [M_cap, I] / hsq [T, I_s] e4m3 and blocked scales (hq's at the grouped
+row placement of ``pack_row_scales``, zero-initialised), GEMM2's A operands. gu, h, gus, hs stay
+bf16 (what the unfused MXFP8 backward reads). Weights and their scales come quantized from the
+caller (along their rows: ``layers.sm100.quantize_weight(w, 2)``).
 """
 from __future__ import annotations
 
@@ -55,10 +67,13 @@ from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.sm100.grouped_gemm import ARCHS, GroupedGemmSm100, interleave_gate_up
+from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.grouped_gemm import (
+    ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _fake_sf, interleave_gate_up,
+)
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    MMA_WARP, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
+    MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
@@ -70,8 +85,10 @@ from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
+MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
 DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
+_FP8 = torch.float8_e4m3fn
 
 
 @cute.jit
@@ -91,13 +108,15 @@ class FusedMoeFwdSm100:
     ``sum_batch``: slot rows in flight per slot-sum thread (cp.async into the idle B stages)."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
-                 sum_batch: int = SUM_BATCH):
-        self.cfg, self.clamp, self.shared, self.unroll, self.trace = CONFIG, clamp, shared, unroll, trace
+                 sum_batch: int = SUM_BATCH, mx: bool = False):
+        cfg = MX_CONFIG if mx else CONFIG
+        self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
         self.sum_batch = sum_batch
-        self.mainloop = Sm100Mainloop(CONFIG)
-        self.swiglu = GroupedGemmSm100(CONFIG, "swiglu", clamp)  # its epilogues (the unfused path's)
-        self.plain = GroupedGemmSm100(CONFIG, "plain")
-        b_bytes = self.mainloop.stages * CONFIG.tile_n * CONFIG.tile_k * 2
+        self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
+        self.mainloop = Sm100Mainloop(cfg)
+        self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
+        self.plain = GroupedGemmSm100(cfg, "plain")
+        b_bytes = self.mainloop.stages * cfg.tile_n * lay.K_TILE_BYTES
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
             raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
                              f"({b_bytes} bytes)")
@@ -110,34 +129,36 @@ class FusedMoeFwdSm100:
             **task_ring.STORAGE,
             "tmem_dealloc_bar": cutlass.Int64,
             "tmem_ptr": cutlass.Int32,
-            "sA": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(ml.a_smem.outer)], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(ml.b_smem.outer)], 1024],
+            "sA": cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.a_smem.outer)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, cute.cosize(ml.b_smem.outer)], 1024],
         }
+        if cutlass.const_expr(self.mx):
+            fields["sSFA"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfa_smem)], 1024]
+            fields["sSFB"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfb_smem)], 1024]
         return cute.struct(type("FusedFwdStorage", (), {"__annotations__": fields}))
-
-    @staticmethod
-    def _b(w: cute.Tensor) -> cute.Tensor:
-        """[E, N, K] weights -> the (N, K, E) view TMA reads."""
-        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mW1: cute.Tensor, mWd: cute.Tensor, mS1: cute.Tensor,
                  mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor,
                  mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor, mHready: cute.Tensor,
-                 mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32,
-                 limit: Float32, comm_ctas: Int32, num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64,
-                 stream: cuda.CUstream):
+                 mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor,
+                 mXsw: cute.Tensor, mXgsf: cute.Tensor, mW1sf: cute.Tensor, mHq: cute.Tensor, mHsf: cute.Tensor,
+                 mWdsf: cute.Tensor, mXsf: cute.Tensor, mS1sf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor,
+                 mSdsf: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, num_ctas: Int32, ring: Int32,
+                 band: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        rows = GroupedGemmSm100._rows
-        tmas = ml.make_tma(rows(mXg), self._b(mW1)) + ml.make_tma(rows(mH), self._b(mWd))
+        views = self.swiglu._views  # (M|N, K, L) views of A, B[, SFA, SFB] (ring, shared: one 0-based group)
+        a2, a2s = (mHq, mHsq) if cutlass.const_expr(self.mx) else (mH, mHs)  # GEMM2's A operands
+        tmas = ml.make_tma(*views(mXg, mW1, mXgsf, mW1sf, 0)) + \
+            ml.make_tma(*views(a2, mWd, mHsf, mWdsf, mOffsets.shape[0] - 1))
         if cutlass.const_expr(self.shared):
-            tmas = tmas + ml.make_tma(rows(mX), self._b(mS1)) + ml.make_tma(rows(mHs), self._b(mSd))
+            tmas = tmas + ml.make_tma(*views(mX, mS1, mXsf, mS1sf, 0)) + ml.make_tma(*views(a2s, mSd, mHssf, mSdsf, 0))
         self.shared_storage = self._storage()
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder,
-                    mOffsets, mIdx, mW, mGate, mGather, mHready, mShready, mDone, mStatus, mTrace, k, limit, comm_ctas,
-                    ring, band, timeout_ns).launch(
+                    mOffsets, mIdx, mW, mGate, mGather, mHready, mShready, mDone, mStatus, mTrace, mXsw, mXgsf, mHq,
+                    mHsf, mHsq, mHssf, k, limit, comm_ctas, ring, band, timeout_ns).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -146,9 +167,10 @@ class FusedMoeFwdSm100:
                mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
                mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
                mGate: cute.Tensor, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
-               mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32,
+               mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor, mXsw: cute.Tensor, mXgsf: cute.Tensor,
+               mHq: cute.Tensor, mHsf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor, k: Int32, limit: Float32,
                comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64):
-        cfg, ml = self.cfg, self.mainloop
+        cfg, ml, per = self.cfg, self.mainloop, self.per
         ml.setup()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -162,7 +184,7 @@ class FusedMoeFwdSm100:
         task_pipe, sTask = task_ring.make(storage)
         tmem = ml.make_tmem_allocator(storage)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        sA, sB, _, _ = ml.smem_tensors(storage)
+        smem = ml.smem_tensors(storage)  # sA, sB, sSFA, sSFB (MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         status = mStatus.iterator
 
@@ -170,16 +192,16 @@ class FusedMoeFwdSm100:
         hidden = mX.shape[1]
         num_experts = mOffsets.shape[0] - 1
         n1 = (coords[1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM1 n-tiles (2 I_p / tile_n)
-        n2 = (coords[3].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM2 n-tiles (H / tile_n, rounded up)
+        n2 = (coords[per + 1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM2 n-tiles (H / tile_n, rounded up)
         k1 = (hidden + (cfg.tile_k - 1)) // cfg.tile_k
-        k2 = (coords[2].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+        k2 = (coords[per].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
         m_sh = (tokens + (cfg.tile_m - 1)) // cfg.tile_m
         n1s = Int32(0)
         k2s = Int32(0)
         n_s2 = Int32(0)
         if cutlass.const_expr(self.shared):
-            n1s = (coords[5].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n
-            k2s = (coords[6].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
+            n1s = (coords[2 * per + 1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n
+            k2s = (coords[3 * per].shape[1] + (cfg.tile_k - 1)) // cfg.tile_k
             n_s2 = m_sh * n2
         mt_routed = tasks.routed_mtiles(mOffsets, num_experts, cfg.tile_m)
         n_s1 = m_sh * n1s
@@ -189,17 +211,17 @@ class FusedMoeFwdSm100:
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
             self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
-                         mGather, mHready, mTrace, timeout_ns, status)
+                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf)
             cute.arch.barrier()
         if warp == TMA_WARP:
-            self._produce(ab_pipe, task_pipe, sTask, sA, sB, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
+            self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
                           ring, mOffsets, num_experts, tokens, mGather, mHready, mShready, status, timeout_ns)
         if warp == MMA_WARP:
-            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, sA, sB, tmem, shape, k1, k2, k2s)
+            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
                            mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                           mGather.shape[0])
+                           mGather.shape[0], mHq, mHsf, mHsq, mHssf)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
@@ -208,8 +230,8 @@ class FusedMoeFwdSm100:
             P.wait_geq(mDone.iterator, n_s2 + mt_routed * n2, timeout_ns, status, Int32(0), Int32(DONE))
         cute.arch.barrier()
         t1 = persistent.now(self.trace)
-        sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
-                                                                        stride=(_VEC, 1)))
+        sbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
+                                cute.make_layout((self.sum_batch * NUM_THREADS, _VEC), stride=(_VEC, 1)))
         s_out = mSout if cutlass.const_expr(self.shared) else None
         slot_rows.slot_sum(tidx, bidx, grid, mSlot, s_out, mY, mIdx, mW, k, tokens, hidden, sbuf, self.sum_batch,
                            NUM_THREADS, mGate)
@@ -222,13 +244,22 @@ class FusedMoeFwdSm100:
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
                 mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
                 k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, timeout_ns: Int64,
-                status: cute.Pointer):
-        """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc)."""
+                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor):
+        """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc).
+        MXFP8: a row's e4m3 bytes, then its scale words (``mXsw`` [T, W] int32, W = ceil(H / 128):
+        4 E8M0 bytes of one scale atom each) to ring slot ``c % ring``'s scale atom row of the blocked
+        ``mXgsf`` (:func:`~mok_cute.kernels.sm100.layouts.sf_byte`)."""
         hid = mXg.shape[1]
+        row_bytes = hid * (self.cfg.ab_dtype.width // 8)
         warp = tidx // 32
         lane = tidx % 32
         base = mX.iterator.toint()
         dbase = mXg.iterator.toint()
+        xsw = rsw = None
+        if cutlass.const_expr(self.mx):
+            xsw = mXsw
+            rsw = cute.make_tensor(cute.recast_ptr(mXgsf.iterator, dtype=Int32),
+                                   cute.make_layout((mXgsf.shape[0] // 4,)))
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
@@ -239,9 +270,14 @@ class FusedMoeFwdSm100:
                 cute.arch.barrier()
             slot_row = (c % ring) * CHUNK
             for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                src = base + Int64(mOrder[row0 + rr] // k) * Int64(hid * 2)
-                dst = dbase + Int64(slot_row + rr) * Int64(hid * 2)
-                slot_rows.copy_row(lane, src, dst, hid // _VEC, self.unroll)
+                tok = mOrder[row0 + rr] // k
+                src = base + Int64(tok) * Int64(row_bytes)
+                dst = dbase + Int64(slot_row + rr) * Int64(row_bytes)
+                slot_rows.copy_row(lane, src, dst, hid // (128 // self.cfg.ab_dtype.width), self.unroll)
+                if cutlass.const_expr(self.mx):
+                    words = xsw.shape[1]
+                    for j in cutlass.range(lane, words, 32, unroll=1):
+                        rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = xsw[tok, j]
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -250,19 +286,14 @@ class FusedMoeFwdSm100:
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
 
     @cute.jit
-    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, atoms, coords,
-                 ticket: cute.Pointer, shape, k1: Int32, k2: Int32, k2s: Int32, ring: Int32, mOffsets: cute.Tensor,
-                 num_experts: Int32, tokens: Int32, mGather: cute.Tensor, mHready: cute.Tensor,
-                 mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, smem, atoms, coords, ticket: cute.Pointer, shape,
+                 k1: Int32, k2: Int32, k2s: Int32, ring: Int32, mOffsets: cute.Tensor, num_experts: Int32,
+                 tokens: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
+                 status: cute.Pointer, timeout_ns: Int64):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
         for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop)."""
-        cfg = self.cfg
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
-        tiler_a = (cfg.tile_m, cfg.tile_k)
-        tiler_b = (cfg.tile_n, cfg.tile_k)
-        b_parts = [self.mainloop.partition_b(atoms[i], cute.local_tile(coords[i], tiler_b, (None, None, None)), sB, 0)
-                   for i in range(1, len(atoms), 2)]  # (smem, gmem) of w1, w_down[, s1, s_down]
-        no_mask = (None, None)
+        parts = self._b_parts(atoms, coords, smem)
         state = self.mainloop.producer_state()
         tstate = task_ring.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -279,45 +310,77 @@ class FusedMoeFwdSm100:
                 if phase == S2:
                     persistent.wait_input(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
             if phase == R1:
-                gA = cute.local_tile(cute.domain_offset(((mt % ring) * CHUNK, 0), coords[0][(None, None, 0)]),
-                                     tiler_a, (0, None))
-                tAsA, tAgA = self.mainloop.partition_a(atoms[0], gA, sA, 0)
-                state = self.mainloop.load_tile(ab_pipe, state, atoms[0:2], (tAgA, b_parts[0][1][(None, n_tile, None, expert)]),
-                                     (tAsA, b_parts[0][0]), k1, Int32(0), no_mask)
+                slot = mt % ring
+                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, slot * CHUNK, slot, n_tile, expert,
+                                   k1)
             elif phase == R2:
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coords[2][(None, None, 0)]), tiler_a, (0, None))
-                tAsA, tAgA = self.mainloop.partition_a(atoms[2], gA, sA, 0)
-                state = self.mainloop.load_tile(ab_pipe, state, atoms[2:4], (tAgA, b_parts[1][1][(None, n_tile, None, expert)]),
-                                     (tAsA, b_parts[1][0]), k2, Int32(0), no_mask)
+                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 1, row0,
+                                   self._sf_row(mOffsets, expert, row0), n_tile, expert, k2)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        gA = cute.local_tile(cute.domain_offset((row0, 0), coords[4][(None, None, 0)]), tiler_a,
-                                             (0, None))
-                        tAsA, tAgA = self.mainloop.partition_a(atoms[4], gA, sA, 0)
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms[4:6],
-                                             (tAgA, b_parts[2][1][(None, n_tile, None, 0)]), (tAsA, b_parts[2][0]),
-                                             k1, Int32(0), no_mask)
+                        state = self._load(ab_pipe, state, atoms, coords, parts, smem, 2, row0, mt, n_tile, Int32(0),
+                                           k1)
                     else:
-                        gA = cute.local_tile(cute.domain_offset((row0, 0), coords[6][(None, None, 0)]), tiler_a,
-                                             (0, None))
-                        tAsA, tAgA = self.mainloop.partition_a(atoms[6], gA, sA, 0)
-                        state = self.mainloop.load_tile(ab_pipe, state, atoms[6:8],
-                                             (tAgA, b_parts[3][1][(None, n_tile, None, 0)]), (tAsA, b_parts[3][0]),
-                                             k2s, Int32(0), no_mask)
+                        state = self._load(ab_pipe, state, atoms, coords, parts, smem, 3, row0, mt, n_tile, Int32(0),
+                                           k2s)
             t = persistent.claim(ticket)
             tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         ab_pipe.producer_tail(state)
 
+    def _b_parts(self, atoms, coords, smem):
+        """Per GEMM (R1, R2[, S1, S2]): the (smem, gmem) TMA partitions of B over every (n-tile,
+        k-tile, expert) and, MXFP8, of SFA over every (atom row, k-tile) and SFB as B's."""
+        cfg, ml, per = self.cfg, self.mainloop, self.per
+        sA, sB, sSFA, sSFB = smem
+        tiler_a = (cfg.tile_m, cfg.tile_k)
+        tiler_b = (cfg.tile_n, cfg.tile_k)
+        every = (None, None, None)
+        parts = []
+        for g in range(len(atoms) // per):
+            i = g * per
+            p = [ml.partition_b(atoms[i + 1], cute.local_tile(coords[i + 1], tiler_b, every), sB, 0)]
+            if cutlass.const_expr(self.mx):
+                p.append(ml.partition_a(atoms[i + 2], cute.local_tile(coords[i + 2], tiler_a, every), sSFA, 0))
+                p.append(ml.partition_sfb(atoms[i + 3], cute.local_tile(coords[i + 3], tiler_b, every), sSFB, 0))
+            parts.append(p)
+        return parts
+
     @cute.jit
-    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tmem, shape,
-             k1: Int32, k2: Int32, k2s: Int32):
-        """MMA warp: each task's tile into the next TMEM accumulator stage."""
+    def _load(self, ab_pipe, state, atoms, coords, parts, smem, g: cutlass.Constexpr[int], row0: Int32,
+              sf_row: Int32, n_tile: Int32, expert: Int32, k_tiles: Int32):
+        """TMA warp: the k-tiles of GEMM ``g``'s tile (A rows from ``row0``, B's ``n_tile`` of
+        ``expert``; MXFP8: SFA's scale atom row ``sf_row``, SFB as B) into the ring."""
+        ml, per = self.mainloop, self.per
+        i = g * per
+        gA = cute.local_tile(cute.domain_offset((row0, 0), coords[i][(None, None, 0)]),
+                             (self.cfg.tile_m, self.cfg.tile_k), (0, None))
+        tAsA, tAgA = ml.partition_a(atoms[i], gA, smem[0], 0)
+        sB, gB = parts[g][0]
+        srcs, dsts = (tAgA, gB[(None, n_tile, None, expert)]), (tAsA, sB)
+        if cutlass.const_expr(self.mx):
+            (sSFA, gSFA), (sSFB, gSFB) = parts[g][1], parts[g][2]
+            srcs = srcs + (gSFA[(None, sf_row, None, 0)], gSFB[(None, n_tile, None, expert)])
+            dsts = dsts + (sSFA, sSFB)
+        return ml.load_tile(ab_pipe, state, atoms[i:i + per], srcs, dsts, k_tiles, Int32(0), (None,) * per)
+
+    @cute.jit
+    def _sf_row(self, mOffsets: cute.Tensor, expert: Int32, row0: Int32) -> Int32:
+        """The scale atom row of a routed tile (grouped row ``row0`` of ``expert``) in the grouped
+        blocked layout (:func:`~mok_cute.kernels.sm100.layouts.pack_row_scales`)."""
+        lo = mOffsets[expert]
+        return lo // lay.SF_ATOM_ROWS + expert + (row0 - lo) // self.cfg.tile_m
+
+    @cute.jit
+    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, smem, tmem, shape, k1: Int32, k2: Int32,
+             k2s: Int32):
+        """MMA warp: each task's tile into the next TMEM accumulator stage (MXFP8: each k-tile's
+        scales copied to TMEM first, :meth:`Sm100Mainloop.mma_tile`)."""
         n_tasks, n_s1, n_r1, n_s2 = shape[0], shape[1], shape[2], shape[3]
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
         acc = self.mainloop.acc_tensor(acc_ptr)
-        tCrA, tCrB, _ = self.mainloop.mma_fragments(sA, sB, None, None, acc_ptr)
+        tCrA, tCrB, sf = self.mainloop.mma_fragments(*smem, acc_ptr)
         tiled_mma = self.mainloop.make_tiled_mma()
         state = self.mainloop.consumer_state()
         acc_state = self.mainloop.acc_producer_state()
@@ -330,8 +393,8 @@ class FusedMoeFwdSm100:
             elif t >= n_s1 + n_r1:
                 kt = k2s
             acc_pipe.producer_acquire(acc_state)
-            state, tiled_mma = self.mainloop.mma_tile(tiled_mma, ab_pipe, state, tCrA, tCrB, None,
-                                           acc[(None, None, None, acc_state.index)], kt)
+            state, tiled_mma = self.mainloop.mma_tile(tiled_mma, ab_pipe, state, tCrA, tCrB, sf,
+                                                      acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
             t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
@@ -342,9 +405,12 @@ class FusedMoeFwdSm100:
                   num_experts: Int32, tokens: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
                   mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor,
                   mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32,
-                  mTrace: cute.Tensor, bidx: Int32, trace_base: Int32):
+                  mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, mHq: cute.Tensor, mHsf: cute.Tensor,
+                  mHsq: cute.Tensor, mHssf: cute.Tensor):
         """Epilogue warps: store each task's accumulator, then publish it (release add by thread 0
-        after every thread's GPU-scope fence and the epilogue barrier)."""
+        after every thread's GPU-scope fence and the epilogue barrier). MXFP8: R1 / S1 also store
+        h / hs quantized (GEMM2's A: ``mHq`` + ``mHsf`` at the tile's grouped scale atom row,
+        ``mHsq`` + ``mHssf`` at its m-tile)."""
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         tmem.allocate(self.mainloop.tmem_alloc)
         tmem.wait_for_alloc()
@@ -355,20 +421,24 @@ class FusedMoeFwdSm100:
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
-            phase, _, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
+            phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             t0 = persistent.now(self.trace)
             acc_pipe.consumer_wait(acc_state)
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
             if phase == R1:
-                self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit)
+                if cutlass.const_expr(self.mx):
+                    self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit, mHq, mHsf,
+                                              self._sf_row(mOffsets, expert, row0))
+                else:
+                    self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit)
             elif phase == R2:
                 store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGUs, mHs, limit)
+                        self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGUs, mHs, limit, mHsq, mHssf, mt)
                     else:
                         self.plain._store_plain(chunks, row0, rows, n_tile, mSout)
             cute.arch.fence_view_async_tmem_load()
@@ -388,32 +458,38 @@ class FusedMoeFwdSm100:
 
 # ---------------------------------------------------------------- compile
 def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
-                                trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False,
+                                trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
                                 inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
-    ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``); returns
-    ``(compiled, report)``."""
+    ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
+    GEMM operands e4m3 with blocked E8M0 scales); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch)
-    bf = cutlass.BFloat16
+    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx)
+    bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
 
     def vec(dtype, n, align=4):
         return cute.runtime.make_fake_tensor(dtype, (n,), stride=(1,), assumed_align=align)
 
-    shared_w = (_fake_3d(bf, cute.sym_int(), cute.sym_int(), hid), _fake_3d(bf, cute.sym_int(), hid, inter_s)) \
+    shared_w = (_fake_3d(ab, cute.sym_int(), cute.sym_int(), hid), _fake_3d(ab, cute.sym_int(), hid, inter_s)) \
         if shared else (None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
-    args = (_fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), _fake_3d(bf, e, cute.sym_int(), hid),
-            _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter), _fake_2d(bf, mcap, inter),
+    mx_args = (None,) * 11
+    if mx:  # x scale words, ring / w1 scales, hq + scales, w_down scales, [x, s1 scales, hsq + scales, s_down scales]
+        sf = _fake_sf(op.cfg)
+        words = cute.runtime.make_fake_tensor(Int32, (t, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
+        mx_args = (words, sf, sf, _fake_2d(ab, mcap, inter), sf, sf,
+                   *((sf, sf, _fake_2d(ab, t, inter_s), sf, sf) if shared else (None,) * 5))
+    args = (_fake_2d(ab, t, hid), _fake_2d(ab, cute.sym_int(), hid), _fake_3d(ab, e, cute.sym_int(), hid),
+            _fake_3d(ab, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter), _fake_2d(bf, mcap, inter),
             *shared_out, _fake_2d(bf, tk, hid), _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid),
             vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
             vec(Float32, t) if gate else None, *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace else None)
+            vec(Int64, cute.sym_int(), 8) if trace else None, *mx_args)
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
@@ -429,9 +505,11 @@ def last_trace():
 
 
 def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                    timeout_s, num_ctas, ring_chunks, gate):
+                    timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales):
     """Raise TypeError / ValueError for operands :func:`fused_forward` cannot launch on."""
     bf = (torch.bfloat16,)
+    mx = w_scales is not None
+    wdt = (_FP8,) if mx else bf  # the weights' dtype
     _check_tensor("x", x, 2, bf)
     t, hid = x.shape
     if t == 0 or hid == 0 or hid % DIM_MULTIPLE:
@@ -443,7 +521,7 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
                          f"{tuple(topk_w.shape)}")
     _check_tensor("order", order, 1, (torch.int32,))
     _check_tensor("offsets", offsets, 1, (torch.int32,))
-    _check_tensor("w_gate", w_gate, 3, bf)
+    _check_tensor("w_gate", w_gate, 3, wdt)
     e, inter = w_gate.shape[0], w_gate.shape[1]
     if inter == 0 or inter % DIM_MULTIPLE or e == 0:
         raise ValueError(f"w_gate must be [E >= 1, I, H] with I a positive multiple of {DIM_MULTIPLE}, "
@@ -455,7 +533,7 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
     if shared is not None:
         if not isinstance(shared, (tuple, list)) or len(shared) != 3:
             raise ValueError("shared must be None or (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s])")
-        _check_tensor("ws_gate", shared[0], 2, bf)
+        _check_tensor("ws_gate", shared[0], 2, wdt)
         inter_s = shared[0].shape[0]
         if inter_s == 0 or inter_s % DIM_MULTIPLE:
             raise ValueError(f"ws_gate: I_s={inter_s} must be a positive multiple of {DIM_MULTIPLE}")
@@ -468,16 +546,18 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
         if gate.shape[0] != t:
             raise ValueError(f"gate must be [T={t}], got {tuple(gate.shape)}")
     for name, (w, shape) in weights.items():
-        _check_tensor(name, w, len(shape), bf)
+        _check_tensor(name, w, len(shape), wdt)
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    scales = _check_mx_scales(w_scales, shared_scales, shared is not None, e, hid, inter,
+                              None if shared is None else shared[0].shape[0])
     for name, a in dict(x=x, order=order, offsets=offsets, topk_idx=topk_idx, topk_w=topk_w, gate=gate,
-                        **{n: w for n, (w, _) in weights.items()}).items():
+                        **{n: w for n, (w, _) in weights.items()}, **scales).items():
         if a is None:
             continue
         if a.device != x.device:
             raise ValueError(f"{name} is on {a.device} but x is on {x.device}")
-        if not a.is_contiguous() or a.data_ptr() % 16:
+        if name not in scales and (not a.is_contiguous() or a.data_ptr() % 16):
             raise ValueError(f"{name} must be contiguous and 16-byte aligned")
     _check_limit(limit)
     if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
@@ -490,31 +570,67 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
         raise ValueError(f"ring_chunks must be None or >= 1, got {ring_chunks}")
 
 
+def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, inter: int, inter_s):
+    """The MXFP8 weight scales (uint8 E8M0, the weights quantized along their rows) by name, {}
+    for BF16 (``w_scales`` None); ValueError / TypeError for missing or misshapen ones."""
+    if w_scales is None:
+        if shared_scales is not None:
+            raise ValueError("shared_scales (MXFP8) needs w_scales")
+        return {}
+    if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 3:
+        raise ValueError("w_scales must be (gate [E, I, H/32], up [E, I, H/32], down [E, H, I/32]) for MXFP8")
+    _check_gate_up_scales(w_scales[:2], (e, inter, hid // lay.SF_VEC))
+    _check_scales("w_scales[2]", w_scales[2], (e, hid, inter // lay.SF_VEC))
+    out = {"w_scales[0]": w_scales[0], "w_scales[1]": w_scales[1], "w_scales[2]": w_scales[2]}
+    if not shared:
+        if shared_scales is not None:
+            raise ValueError("shared_scales given without a shared expert")
+        return out
+    if not isinstance(shared_scales, (tuple, list)) or len(shared_scales) != 3:
+        raise ValueError("shared_scales must be (gate [I_s, H/32], up [I_s, H/32], down [H, I_s/32]) for MXFP8 "
+                         "with a shared expert")
+    for i, shape in enumerate(((inter_s, hid // lay.SF_VEC),) * 2 + ((hid, inter_s // lay.SF_VEC),)):
+        _check_scales(f"shared_scales[{i}]", shared_scales[i], shape)
+        out[f"shared_scales[{i}]"] = shared_scales[i]
+    return out
+
+
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
-                  interleave=interleave_gate_up):
-    """Validate, then launch the fused forward on the current stream (EP = 1, BF16; the contract
-    of :func:`mok_cute.kernels.sm90.fused_moe.fused_forward` without ``mx`` / ``ws``): x [T, H]; ``order``
-    int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
+                  interleave=interleave_gate_up, w_scales=None, shared_scales=None):
+    """Validate, then launch the fused forward on the current stream (EP = 1, BF16 or MXFP8; the
+    contract of :func:`mok_cute.kernels.sm90.fused_moe.fused_forward` without ``ws``): x [T, H] bf16;
+    ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
     int32 [E+1] (trusted: 0, non-decreasing, last <= M_cap); ``topk_idx`` int32 / ``topk_w`` fp32
     [T, k]; w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or (ws_gate [I_s, H], ws_up
     [I_s, H], ws_down [H, I_s]); ``limit`` None or the SwiGLU clamp; ``gate`` None or fp32 [T] (y
     starts from fp32(s_out) * gate; needs ``shared``); H, I, I_s multiples of 64; every tensor
-    contiguous on one sm_100 / sm_103 device. gate / up are interleaved into one copy by
+    contiguous on one sm_100 / sm_103 device. gate / up (and their MXFP8 scales) are interleaved by
     ``interleave(w_gate, w_up, tile_n / 2)`` (default
     :func:`~mok_cute.kernels.sm100.grouped_gemm.interleave_gate_up`, the unfused GEMM1's operand, a
     copy per call; a caller may pass one that caches it while the weights are unchanged).
+
+    MXFP8 (``w_scales`` given): every weight float8_e4m3fn quantized along its rows (K), ``w_scales``
+    = (gate [E, I, H/32], up [E, I, H/32], down [E, H, I/32]) uint8 E8M0, ``shared_scales`` the
+    shared expert's (gate [I_s, H/32], up, down [H, I_s/32]); x is quantized along H here
+    (``quantize.quantize_mxfp8(x, -1)``, looked up at call time) and the gather moves its e4m3 rows
+    and scales; GEMM1's epilogue quantizes h along I for GEMM2 (:meth:`GroupedGemmSm100._store_swiglu`):
+    bitwise the unfused SM100 MXFP8 forward (``layers.sm100.mx_forward``: x rows quantized, the
+    MXFP8 GEMM1 + SwiGLU, h quantized, the MXFP8 GEMM2 on the same tiles).
+
     ``ring_chunks``: ring slots of 128 gathered rows (None: one per routed m-tile), R1's band
     ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
     ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
-    counters, None)`` (shared outputs None without a shared expert; ``counters``: gather_ready,
-    h_ready, sh_ready, done + ticket + 2 spare words, status, int32 device tensors; read status with
+    counters, None)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
+    without a shared expert; ``counters``: gather_ready, h_ready, sh_ready, done + ticket + 2 spare
+    words, status, int32 device tensors; read status with
     :func:`mok_cute.kernels.sm90.fused_moe.watch_status`: the same wait channels)."""
     _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                    timeout_s, num_ctas, ring_chunks, gate)
+                    timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales)
     dev, arch = device_arch(x.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs an sm_100a / sm_103a device, got {arch}")
+    mx = w_scales is not None
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
@@ -523,7 +639,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     sizes = counter_sizes(t, mcap, e)
     ring = sizes[0] if ring_chunks is None else min(int(ring_chunks), sizes[0])
     band = min(ring_band(), ring)
-    xg = torch.empty((ring * CHUNK, hid), **bf)
+    xg = torch.empty((ring * CHUNK, hid), dtype=_FP8 if mx else torch.bfloat16, device=x.device)
     w1 = interleave(w_gate, w_up, half)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
@@ -540,12 +656,15 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         gus = torch.empty((t, 2, inter_s), **bf)
         hs = torch.empty((t, inter_s), **bf)
         s_out = torch.empty((t, hid), **bf)
+    mx_tensors = (None,) * 11
+    if mx:
+        x, mx_tensors = _mx_operands(x, mcap, e, inter, ring, w_scales, shared_scales, interleave)
     trace = tracing()
     nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
         compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
-                                    sum_batch=nb, gate=gate is not None)[0]))
+                                    sum_batch=nb, gate=gate is not None, mx=mx)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
@@ -556,7 +675,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xg, w1, w_down, s1, sd, gu, h, gus, hs, slot, s_out, y, order, offsets, topk_idx.reshape(-1),
-               topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
+               topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
@@ -566,10 +685,44 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, None)
 
 
+def _mx_operands(x, mcap: int, e: int, inter: int, ring: int, w_scales, shared_scales, interleave):
+    """``(xq, tensors)`` of the MXFP8 variant: x's e4m3 rows (the gather's source and S1's A) and
+    the kernel's eleven MXFP8 tensors in ``__call__`` order: x's scale words [T, ceil(H / 128)]
+    int32 (each row's E8M0 bytes zero-padded to whole scale atoms), the ring's blocked scales,
+    GEMM1's interleaved weight scales (blocked per expert), hq [M_cap, I] e4m3 and its grouped
+    blocked scales (zeroed: padding stays 0), w_down's blocked scales, then with a shared expert
+    x's blocked scales, s1's, hsq [T, I_s] and its blocked scales (zeroed), s_down's (else None).
+    The scale layouts are the unfused MXFP8 GEMMs' (:mod:`~mok_cute.kernels.sm100.layouts`)."""
+    from mok_cute.kernels.quant import quantize
+
+    t, hid = x.shape
+    dev, u8 = x.device, torch.uint8
+    half = MX_CONFIG.tile_n // 2
+    xq, xs = quantize.quantize_mxfp8(x, -1)
+    words = -(-hid // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC))
+    xs_w = torch.zeros((t, lay.SF_ATOM_KBLOCKS * words), dtype=u8, device=dev)
+    xs_w[:, :hid // lay.SF_VEC] = xs
+    out = [xs_w.view(torch.int32), torch.empty(lay.sf_bytes(ring * CHUNK, hid // lay.SF_VEC), dtype=u8, device=dev),
+           lay.to_blocked(interleave(w_scales[0], w_scales[1], half)).reshape(-1),
+           torch.empty((mcap, inter), dtype=_FP8, device=dev),
+           torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(mcap, e), inter // lay.SF_VEC), dtype=u8, device=dev),
+           lay.to_blocked(w_scales[2]).reshape(-1)]
+    if shared_scales is None:
+        return xq, (*out, None, None, None, None, None)
+    inter_s = shared_scales[0].shape[0]
+    out += [lay.to_blocked(xs), lay.to_blocked(interleave(shared_scales[0][None], shared_scales[1][None], half)).reshape(-1),
+            torch.empty((t, inter_s), dtype=_FP8, device=dev),
+            torch.zeros(lay.sf_bytes(t, inter_s // lay.SF_VEC), dtype=u8, device=dev),
+            lay.to_blocked(shared_scales[2][None]).reshape(-1)]
+    return xq, tuple(out)
+
+
 # ---------------------------------------------------------------- variant registry (readiness tool)
 _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
         "mbarrier", "atom.global.add.u32", "atom.global.release.add.u32", "ld.acquire", "%globaltimer",
         "fence.proxy.async.global", "add.rn.f32")
+_MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (
+    "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2")
 
 
 def variants() -> dict:
@@ -585,4 +738,6 @@ def variants() -> dict:
         "fused-fwd-noclamp-routed": (fused(False, False), _PTX),
         "fused-fwd-clamp-shared-gate": (fused(True, True, gate=True), _PTX),
         "fused-fwd-clamp-shared-trace": (fused(True, True, trace=True), _PTX),
+        "fused-fwd-mxfp8-clamp-shared": (fused(True, True, mx=True), _MX_PTX),
+        "fused-fwd-mxfp8-noclamp-routed": (fused(False, False, mx=True), _MX_PTX),
     }

@@ -52,6 +52,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass import Float32, Int32
 
+from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
@@ -76,6 +77,34 @@ def _bf16(r: cute.Tensor) -> cute.Tensor:
     out = cute.make_rmem_tensor_like(r, cutlass.BFloat16)
     out.store(r.load().to(cutlass.BFloat16))
     return out
+
+
+_BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
+
+
+@cute.jit
+def _mxfp8_block(r: cute.Tensor):
+    """``(e4m3 registers shaped like r, E8M0 scale byte)`` of one MX block, the 32 bf16 values
+    ``r`` of one thread: the ops of the MXFP8 row quantizer (:mod:`mok_cute.kernels.quant.quantize`:
+    amax of the |x| bit patterns, :meth:`Fp8Ops.e8m0`, ``mul.rn.f32`` + ``cvt.rn.satfinite``;
+    NaN / Inf blocks get 0xFF and 0x7F), so bitwise its output on the same values."""
+    ops = _BF16_OPS
+    words = cute.recast_tensor(r, cutlass.Uint32)
+    n = cute.size(words)
+    acc = None
+    for j in cutlass.range_constexpr(n):
+        acc = ops.amax_acc(acc, words[j])
+    a = ops.umax(acc & cutlass.Uint32(0xFFFF), acc >> 16)
+    sc, byte, nf = ops.e8m0(Int32(a) << 16)
+    elems = []
+    for j in cutlass.range_constexpr(n // 4):
+        elems += ops.elems([words[4 * j + i] for i in range(4)])
+    o = ops.fp8_words(elems, [sc] * len(elems), [nf] * (n // 2))
+    q = cute.make_rmem_tensor_like(r, cutlass.Float8E4M3FN)
+    qw = cute.recast_tensor(q, cutlass.Uint32)
+    for j in cutlass.range_constexpr(n // 2):
+        qw[j] = o[j]
+    return q, cutlass.Uint8(byte)
 
 
 def _shared_storage(ab, stages: int, acc_stages: int, a_n: int, b_n: int, sf_n=None):
@@ -401,10 +430,17 @@ class GroupedGemmSm100:
 
     @cute.jit
     def _store_swiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
-                      mH: cute.Tensor, limit: Float32):
+                      mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHsf: cute.Tensor = None,
+                      sf_row: Int32 = None):
         """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, of intermediate columns
         ``n_tile * tile_n/2 + c``: writes gu (gate, up halves of [M, 2, I]) and h, for
-        columns < I (a multiple of EPI_N; B's padding rows past I gave zeros)."""
+        columns < I (a multiple of EPI_N; B's padding rows past I gave zeros).
+
+        ``mHq`` given (the fused MXFP8 forward): also h quantized along I, GEMM2's A operand:
+        e4m3 ``mHq`` [M, I] and each row's E8M0 scales into the flat blocked ``mHsf`` at scale
+        atom row ``sf_row`` (:func:`~sm100.layouts.sf_byte`, I / 128 atoms per atom row rounded
+        up), bitwise ``quantize_mxfp8(h, -1)`` placed as ``pack_row_scales`` places it (an
+        epilogue thread's EPI_N = 32 columns are one MX block: :func:`_mxfp8_block`)."""
         half = self.cfg.tile_n // 2
         shape = (EPI_THREADS, half)
         row = chunks.row
@@ -412,6 +448,11 @@ class GroupedGemmSm100:
         g_gate = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 0, None)]), shape, (0, n_tile))
         g_up = cute.local_tile(cute.domain_offset((row0, 0), mGU[(None, 1, None)]), shape, (0, n_tile))
         g_h = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
+        g_hq = None
+        kb_atoms = None
+        if cutlass.const_expr(mHq is not None):
+            g_hq = cute.local_tile(cute.domain_offset((row0, 0), mHq), shape, (0, n_tile))
+            kb_atoms = (mH.shape[1] + (lay.SF_ATOM_KBLOCKS * lay.SF_VEC - 1)) // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC)
         for c in cutlass.range_constexpr(half // EPI_N):
             rg = _bf16(chunks.load(c))
             ru = _bf16(chunks.load(c + half // EPI_N))
@@ -429,6 +470,13 @@ class GroupedGemmSm100:
                     cute.autovec_copy(rg, d_gate)
                     cute.autovec_copy(ru, d_up)
                     cute.autovec_copy(rh, d_h)
+            if cutlass.const_expr(mHq is not None):
+                q, byte = _mxfp8_block(rh)
+                d_q = chunks.part(cute.local_tile(g_hq, (EPI_THREADS, EPI_N), (0, c)))
+                if row < rows:
+                    if c * EPI_N < cols:
+                        cute.autovec_copy(q, d_q)
+                        mHsf[lay.sf_byte(sf_row, row, n_tile * (half // lay.SF_VEC) + c, kb_atoms)] = byte
 
     @cute.jit
     def _store_dswiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor,

@@ -48,9 +48,14 @@ def _ceil(a: int, b: int) -> int:
 # ---------------------------------------------------------------- scale-factor layout
 def sf_offset(row: int, kb: int, k_blocks: int) -> int:
     """Byte offset of scale (row, k-block kb) in the blocked layout of a [*, k_blocks] matrix."""
-    kb_atoms = _ceil(k_blocks, SF_ATOM_KBLOCKS)
-    atom = (row // SF_ATOM_ROWS) * kb_atoms + kb // SF_ATOM_KBLOCKS
-    r = row % SF_ATOM_ROWS
+    return sf_byte(row // SF_ATOM_ROWS, row % SF_ATOM_ROWS, kb, _ceil(k_blocks, SF_ATOM_KBLOCKS))
+
+
+def sf_byte(atom_row, r, kb, kb_atoms):
+    """Byte offset of scale (row ``r`` < 128 of atom row ``atom_row``, k-block kb) in a blocked
+    matrix of ``kb_atoms`` atoms per atom row; non-negative ints or DSL integers (the fused
+    forward's in-kernel scale stores use it)."""
+    atom = atom_row * kb_atoms + kb // SF_ATOM_KBLOCKS
     return atom * SF_ATOM_BYTES + 16 * (r % 32) + 4 * (r // 32) + kb % SF_ATOM_KBLOCKS
 
 
