@@ -10,9 +10,11 @@ bitwise) at H/I 1024/512 and 320/128 (partial tiles). Then the layer:
 at the same precision, y and every gradient, shared expert on, skewed routing with -1 slots,
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
-bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, BF16: the fused forward and
-the fused backward core) bitwise the unfused path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
-fused forward, MXFP8) beside the torch layer at T4096 H7168 I2048 E16 k8 + shared.
+bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fused forward and
+the fused backward core; MXFP8: the fused forward, the unfused MXFP8 backward) bitwise the unfused
+path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
+fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
+k8 + shared.
 """
 from __future__ import annotations
 
@@ -47,22 +49,24 @@ def _gemm_rows(dev) -> list[Row]:
 
 
 def _fused_rows(dev) -> list[Row]:
-    """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, BF16, EP = 1: the fused forward and the
-    fused backward core): y and every gradient bitwise the unfused sm100 path's, 3 repeats."""
+    """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 through the fused forward and
+    the fused backward core, MXFP8 through the fused forward and the unfused MXFP8 backward): y and
+    every gradient bitwise the unfused sm100 path's, 3 repeats."""
     import os
 
     rows = []
-    for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
-        x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
-        want = _run("sm100", x, idx, w, ws, sh, dy, 4.0)
-        os.environ["MOK_CUTE_SM100_FUSED"] = "1"
-        try:
-            runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0) for _ in range(3)]
-        finally:
-            del os.environ["MOK_CUTE_SM100_FUSED"]
-        same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
-        rows.append(Row(f"sm100 fused fwd + bwd core {name} == unfused", bitwise=all(same), ok=all(same),
-                        note=f"[y and every gradient] equal per run: {same}"))
+    for precision, what in (("bf16", "fwd + bwd core"), ("mxfp8", "fwd")):
+        for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
+            x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
+            want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
+            os.environ["MOK_CUTE_SM100_FUSED"] = "1"
+            try:
+                runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
+            finally:
+                del os.environ["MOK_CUTE_SM100_FUSED"]
+            same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
+            rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),
+                            note=f"[y and every gradient] equal per run: {same}"))
     return rows
 
 
@@ -107,7 +111,7 @@ def _bench_rows(dev) -> list[Row]:
     t_torch = bench_us(step(lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)), 3, 10)
     rows = [Row("bench torch layer fwd+bwd T4096 H7168 I2048 E16 k8 +shared", time_us=t_torch)]
     for name, precision, fused in (("bf16", "bf16", False), ("bf16 fused", "bf16", True),
-                                   ("mxfp8", "mxfp8", False)):
+                                   ("mxfp8", "mxfp8", False), ("mxfp8 fused fwd", "mxfp8", True)):
         cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False)
         os.environ["MOK_CUTE_SM100_FUSED"] = "1" if fused else "0"
         try:

@@ -105,7 +105,8 @@ def store_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: In
 class FusedMoeFwdSm100:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
-    ``sum_batch``: slot rows in flight per slot-sum thread (cp.async into the idle B stages)."""
+    ``sum_batch``: slot rows in flight per slot-sum thread (cp.async into the idle B stages); ``mx``:
+    MXFP8 (the module doc; ``__call__``'s ``mXsw`` .. ``mSdsf`` are its operands, None for BF16)."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
                  sum_batch: int = SUM_BATCH, mx: bool = False):
@@ -149,7 +150,7 @@ class FusedMoeFwdSm100:
                  band: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
-        views = self.swiglu._views  # (M|N, K, L) views of A, B[, SFA, SFB] (ring, shared: one 0-based group)
+        views = self.swiglu._views  # (M|N, K, L) views of A, B[, SFA, SFB]; ring and shared: no per-expert atoms
         a2, a2s = (mHq, mHsq) if cutlass.const_expr(self.mx) else (mH, mHs)  # GEMM2's A operands
         tmas = ml.make_tma(*views(mXg, mW1, mXgsf, mW1sf, 0)) + \
             ml.make_tma(*views(a2, mWd, mHsf, mWdsf, mOffsets.shape[0] - 1))
