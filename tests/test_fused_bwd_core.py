@@ -214,3 +214,20 @@ def test_add_variant():
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="add.*needs scatter"):
         fused_bwd.compile_fused_backward_core(True, add=True)
+
+
+def test_ep_variant():
+    """The EP > 1 whole backward (rows pulled from the peers' workspaces, dgrad1 rows pushed to
+    them, the slot sum after every rank's DATA): 0 spills, the shared variant's GEMM code, the
+    pull / push protocol's system-scope signals and waits, and d topk_w's fixed-order sum."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, ep=True, inspect=True)[1]
+    local = fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, inspect=True)[1]
+    _clean(rep)
+    assert rep.ptx.count("wgmma.mma_async") == local.ptx.count("wgmma.mma_async")
+    for needed in ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys", "fma.rn.f32", "shfl.sync.bfly"):
+        assert needed in rep.ptx, needed
+    assert "st.release.sys" not in local.ptx
+    with pytest.raises(ValueError, match="ep"):
+        fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, ep=True)

@@ -9,6 +9,7 @@ every rank (peer address = ``peer_bases[q] + offset``):
   counts  int32 [EP, E]             per-source per-expert route counts (plan exchange)
   recv    int32 [EP*T*k]            packed source indices pushed by the sources (plan)
   src     bf16  [T, H]              pull source: x (dispatch) or dy (reverse combine)
+  dy      bf16  [T, H]              pull source of the fused backward's dy rows (x stays in src)
   slots   bf16  [T*k, H]            push target: combine / reverse-dispatch rows
   w       fp32  [T, k]              pull source of the router weights (dispatch with topk_w)
 
@@ -122,7 +123,7 @@ class CommWorkspace:
         self.arch = arch_of_device(self.device)
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
                  "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2,
-                 "w": T * k * 4}
+                 "w": T * k * 4, "dy": T * H * 2}
         import os
         if os.environ.get("MOK_COMM_COMBINE", "push") == "pull":  # staged expert rows
             sizes["eo"] = self.recv_capacity * H * 2

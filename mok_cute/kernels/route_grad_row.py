@@ -42,7 +42,8 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
     """One warp, one routed row (the module contract): ``out`` row p = bf16(fp32(dy row t) * w)
     (``wq``: w's fp32 bits), and the returned fp32 bits (every lane's, after the butterfly) of
     sum_h dy[t, h] * r[rr, h]. ``dy``, ``r``, ``out``: (rows * hc, 4) uint32 views of bf16 rows
-    (``hc`` = H / 8 16-byte chunks per row)."""
+    (``hc`` = H / 8 16-byte chunks per row). ``r`` None: the scaled row only (returns 0); ``out``
+    None: the sum only (the EP > 1 backward makes the two on different ranks)."""
     acc = Uint32(0)
     a = cute.make_rmem_tensor((4, ROW_BATCH), Uint32)
     b = cute.make_rmem_tensor((4, ROW_BATCH), Uint32)
@@ -51,17 +52,22 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
             c = c0 + u * 32
             if c < hc:
                 a[None, u].store(dy[t * hc + c, None].load())
-                b[None, u].store(r[rr * hc + c, None].load())
+                if cutlass.const_expr(r is not None):
+                    b[None, u].store(r[rr * hc + c, None].load())
         for u in cutlass.range_constexpr(ROW_BATCH):  # then the chunks in order: the sum's order
             c = c0 + u * 32
             if c < hc:
                 o = cute.make_rmem_tensor((4,), Uint32)
                 for j in cutlass.range_constexpr(4):
-                    o[j] = _scale_pair(a[j, u], wq)
-                    acc = _dot_pair(acc, a[j, u], b[j, u])
-                out[p * hc + c, None].store(o.load())
-    for s in cutlass.range_constexpr(5):
-        acc = _ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", acc, cute.arch.shuffle_sync_bfly(acc, offset=16 >> s))
+                    if cutlass.const_expr(out is not None):
+                        o[j] = _scale_pair(a[j, u], wq)
+                    if cutlass.const_expr(r is not None):
+                        acc = _dot_pair(acc, a[j, u], b[j, u])
+                if cutlass.const_expr(out is not None):
+                    out[p * hc + c, None].store(o.load())
+    if cutlass.const_expr(r is not None):
+        for s in cutlass.range_constexpr(5):
+            acc = _ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", acc, cute.arch.shuffle_sync_bfly(acc, offset=16 >> s))
     return acc
 
 

@@ -120,11 +120,29 @@ def _fused_forward(mlp, inp, ws, plan, config):
                       shared_group, slot_out, config.comm_sms_bwd, x=x)
 
 
+def fused_ep_backward_enabled() -> bool:
+    """The EP > 1 backward as one persistent launch per rank (the arch's ``backward_fused_ep``:
+    dy / x rows pulled, dx rows pushed, d topk_w, the shared expert, in the launch) after a fused
+    forward, where ``MOK_CUTE_FUSED_BWD`` is 2 or 3 (the default 2) and the fused EP forward is on
+    (:func:`fused_ep_enabled`); mode 1: the routed GEMMs in one launch between the unfused comm
+    kernels; 0: unfused. Read at every call."""
+    from mok_cute.layers.grouped import fused_bwd_mode
+
+    return fused_ep_enabled() and fused_bwd_mode() >= 2
+
+
 def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
     from mok_cute.comm.combine import reverse_dispatch
     from mok_cute.comm.dispatch import dispatch, reverse_combine
 
     ws, plan = st.ws, st.plan
+    if st.x is not None and dy.is_cuda and fused_ep_backward_enabled() and hasattr(mlp, "backward_fused_ep"):
+        out = mlp.backward_fused_ep(ws, plan, st.routed, dy, st.x, st.slot_out, st.w_rows, st.topk_idx, *st.weights,
+                                    st.limit, st.shared_group, st.shared, comm_ctas=st.ctas_bwd,
+                                    num_ctas=ws.grid_ctas)
+        if out is not None:
+            ws.check_status()
+            return MoEGrads(*out)
     if st.x is not None:  # the fused forward's rows went through its ring: pull them again
         st.routed = replace(st.routed, x=dispatch(ws, st.x, plan, num_ctas=st.ctas_bwd))
     dyr = reverse_combine(ws, dy, plan, num_ctas=st.ctas_bwd)

@@ -270,6 +270,28 @@ class Sm90ExpertMLP:
                              main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
+    def backward_fused_ep(self, ws, plan, g: ExpertGroup, dy, x, slot_rows, w_rows, topk_idx, w_gate, w_up, w_down,
+                          limit, shared_group: ExpertGroup | None = None, shared=None, comm_ctas: int = 16,
+                          num_ctas: int | None = None):
+        """The whole backward at EP > 1 in one launch per rank (``fused_bwd.fused_backward_ep``; collective
+        over ``ws``'s ranks): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
+        the unfused EP backward's (reverse combine, expert backward, reverse dispatch) with d topk_w
+        a fixed-order fp32 sum; None where it does not apply (BF16, contiguous operands), the same
+        answer on every rank. The caller checks ``ws``'s status."""
+        from mok_cute.kernels.sm90.fused_bwd import fused_backward_ep
+
+        if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
+            return None
+        sh = None
+        if shared is not None:
+            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous()
+                    and all(w.stride(-1) == 1 for w in shared)):
+                return None
+            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        out = fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, g.gu, g.h, w_gate, w_up, w_down, limit,
+                                comm_ctas, num_ctas, shared=sh)
+        return (*out[:5], tuple(out[5:]) if shared is not None else None)
+
     # ------------------------------------------------------------------ MXFP8
     def _mx_weight(self, w, axis):
         return self.weights.get(("mxfp8", axis), (w,), lambda t: _mx_dequant_weight(t, axis))

@@ -30,6 +30,7 @@ fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -90,9 +91,24 @@ def _starve(prob, rank: int, size: int, e_local: int):
     return x, idx, w, ws, sh, dy
 
 
+@contextlib.contextmanager
+def _bwd_mode(mode: str):
+    """``MOK_CUTE_FUSED_BWD=mode`` inside the block, the caller's value after it."""
+    prev = os.environ.get("MOK_CUTE_FUSED_BWD")
+    os.environ["MOK_CUTE_FUSED_BWD"] = mode
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("MOK_CUTE_FUSED_BWD")
+        else:
+            os.environ["MOK_CUTE_FUSED_BWD"] = prev
+
+
 def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     """Compile and load every kernel of an EP step at the case's shapes with no peer to wait for:
-    one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts)."""
+    one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts), with
+    the backward mode given and with the unfused one (:func:`_vs_unfused_backward` runs it)."""
     import mok_cute
     from mok_cute.layers import ep as ep_layer
     from mok_cute.layers.select import MoEInputs, get_backend
@@ -103,26 +119,31 @@ def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     cfg = mok_cute.MoKConfig(backend="sm90", precision=precision, **CONFIG)
     inp = MoEInputs(x, idx, w, *ws, sh, limit)
     run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+    with _bwd_mode("0"):
+        run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
 
 
-_FUSED_CALLS = [0]  # Sm90ExpertMLP.fused_forward_ep calls (counted while the fused mode runs)
+_FUSED_CALLS = {"fused_forward_ep": 0, "backward_fused_ep": 0}  # Sm90ExpertMLP's fused EP entries, per call
 
 
 def _count_fused_calls():
-    """Wrap the EP fused forward's host entry with a call counter (so the fused rows prove the
-    fused kernel ran rather than a fallback to the unfused stages)."""
+    """Wrap the EP fused forward's and backward's host entries with call counters (so the fused
+    rows prove the fused kernels ran rather than a fallback to the unfused stages; the backward's
+    counts only the calls that launched)."""
     from mok_cute.layers.sm90 import Sm90ExpertMLP
 
-    real = Sm90ExpertMLP.fused_forward_ep
-    if getattr(real, "counted", False):
-        return
+    for name in _FUSED_CALLS:
+        real = getattr(Sm90ExpertMLP, name)
+        if getattr(real, "counted", False):
+            continue
 
-    def counted(self, *a, **kw):
-        _FUSED_CALLS[0] += 1
-        return real(self, *a, **kw)
+        def counted(self, *a, _real=real, _name=name, **kw):
+            out = _real(self, *a, **kw)
+            _FUSED_CALLS[_name] += out is not None
+            return out
 
-    counted.counted = True
-    Sm90ExpertMLP.fused_forward_ep = counted
+        counted.counted = True
+        setattr(Sm90ExpertMLP, name, counted)
 
 
 def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limit) -> list[Row]:
@@ -134,14 +155,19 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
     _warm(ctx, shared, limit, seed, prec)
     group = VirtualGroup(size, ctx.device)
     ref = run_ranks(group, lambda r: _run("reference", *probs[r], limit, group, precision=prec))
-    calls = _FUSED_CALLS[0]
+    calls = dict(_FUSED_CALLS)
     outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
             for _ in range(REPEATS)]
     rows = []
     if os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0":
-        n = _FUSED_CALLS[0] - calls
-        rows.append(Row(f"layer_ep{size}v {name} fused launches", ok=n == size * REPEATS,
-                        note=f"{n} fused forwards for {size} ranks x {REPEATS} repeats"))
+        n = {key: _FUSED_CALLS[key] - calls[key] for key in calls}
+        want_bwd = size * REPEATS if prec == "bf16" and os.environ.get("MOK_CUTE_FUSED_BWD", "2") in ("2", "3") else 0
+        rows.append(Row(f"layer_ep{size}v {name} fused launches",
+                        ok=n["fused_forward_ep"] == size * REPEATS and n["backward_fused_ep"] == want_bwd,
+                        note=f"{n['fused_forward_ep']} fused forwards, {n['backward_fused_ep']} fused backwards "
+                             f"(want {want_bwd}) for {size} ranks x {REPEATS} repeats"))
+        if want_bwd:
+            rows += _vs_unfused_backward(group, probs, limit, prec, size, name, outs[0])
     for r in range(size):
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0][r], o[r]))
         if prec == "bf16":
@@ -151,6 +177,23 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
                   for o, g in zip(outs[0][r], ref[r]))
         rows.append(Row(f"layer_ep{size}v {name} r{r}", bitwise=same, ok=same and rel <= 2e-2,
                         note=f"max relL1 {rel:.2e} (<= 2e-2)"))
+    return rows
+
+
+def _vs_unfused_backward(group, probs, limit, prec, size: int, name: str, fused) -> list[Row]:
+    """The fused EP backward's gradients against the unfused EP backward's (``MOK_CUTE_FUSED_BWD=0``,
+    same fused forward): dx and every weight gradient bitwise, d topk_w (a fixed-order fp32 sum
+    there, torch's sum here) within 1e-5 relative L1."""
+    with _bwd_mode("0"):
+        base = run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
+    rows = []
+    for r in range(size):
+        eq = [torch.equal(a, b) for i, (a, b) in enumerate(zip(fused[r], base[r])) if i != 2]
+        dtw, dtw0 = fused[r][2].float(), base[r][2].float()
+        rel = float((dtw - dtw0).abs().sum() / dtw0.abs().sum().clamp_min(1e-30))
+        rows.append(Row(f"layer_ep{size}v {name} r{r} fused bwd == unfused", bitwise=all(eq),
+                        ok=all(eq) and rel <= 1e-5,
+                        note=f"y, dx, dW... equal: {eq}; d topk_w relL1 {rel:.1e} (<= 1e-5)"))
     return rows
 
 

@@ -42,6 +42,7 @@ from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
+from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.kernels.route_grad_row import route_row
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
@@ -62,25 +63,30 @@ KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd"
          "gather dy", "wait dgrad1", "slot sum", "CTA", "gather x")  # trace record kinds (MOK_CUTE_TRACE=1)
 GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND, GATHER_X_KIND = 10, 5, 10, 11, 12, 13, 14
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
-COUNTER_WORDS = DONE_WORD + 1
+PULLED_WORD, SUMMED_WORD = DONE_WORD + 1, DONE_WORD + 2  # EP > 1: comm CTAs done pulling, CTAs done summing
+COUNTER_WORDS = DONE_WORD + 3
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
 
 class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given;
-    ``n_tail``: H, I or I_s not a multiple of tile_n (the last n-tiles' stores masked)."""
+    ``n_tail``: H, I or I_s not a multiple of tile_n (the last n-tiles' stores masked); ``ep``: EP > 1
+    (with gather and scatter: the dy / x rows pulled from the source ranks, the dx rows pushed to
+    them, d topk_w of this rank's routes, :func:`fused_backward_ep`)."""
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
                  shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
-                 n_tail: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 n_tail: bool = False, ep: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         if mx and (gather or shared):
             raise ValueError("mx (the MXFP8 backward) is the routed core's, with or without scatter")
+        if ep and not (gather and not by_route):
+            raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
-        self.trace, self.mx, self.n_tail = trace, mx, n_tail
+        self.trace, self.mx, self.n_tail, self.ep = trace, mx, n_tail, ep
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -99,8 +105,10 @@ class FusedMoeBwdCoreSm90:
                  mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
                  mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
-                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64,
-                 stream: cuda.CUstream):
+                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32,
+                 comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor,
+                 mStatus: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, dy_off: Int64, slots_off: Int64,
+                 flags_off: Int64, epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
         slot rows), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k], ``mInit``
@@ -120,7 +128,12 @@ class FusedMoeBwdCoreSm90:
         dequantized; the dSwiGLU epilogue writes dgu's round trip along 2I into ``mDgu`` (dgrad1's
         A) and along the tokens into ``mDguT3`` = [M, 2, I] of the buffer ``mDg`` / ``mDu`` view
         (the weight gradients' A); else both None. ``mAdd`` fp32 [T, H] (scatter variant) or
-        None: added to the slot sum's start (the shared expert's output gate's share of dx)."""
+        None: added to the slot sum's start (the shared expert's output gate's share of dx). ``ep``
+        variant: ``mPeer`` int64 [R] (the workspaces' bases), ``mStatus`` int32[4] (the workspace's
+        status, every wait's error), rank ``me`` of ``n_ranks``, the sections' offsets (``src``: x,
+        ``dy``, ``slots``, ``flags``) and the launch's pull and push epochs; ``mOrder`` [M] packed
+        ``p*T*k + t*k + j``, ``mW`` fp32 [M] each grouped row's router weight, ``mR`` [T*k, H] this
+        rank's slot rows of the forward, ``mSlot`` the workspace's slot section; else None / 0."""
         self.ml_d.setup()
         self.ml_w.setup()
         r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT)
@@ -129,9 +142,12 @@ class FusedMoeBwdCoreSm90:
             s_tma = self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSDg, mSDu)
             s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2, None)
         self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
+        ep_args = None
+        if cutlass.const_expr(self.ep):
+            ep_args = (mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push)
         self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mDguT3), s_tma, s_t, mCounters, mSlot, mOrder,
                     mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mAdd, mTrace, k, comm_ctas, limit,
-                    timeout_ns).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                    timeout_ns, ep_args).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
     def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT=None):
@@ -153,8 +169,7 @@ class FusedMoeBwdCoreSm90:
                mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
                mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
                mDyRows: cute.Tensor, mXRows: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32,
-               comm_ctas: Int32,
-               limit: Float32, timeout_ns: Int64):
+               comm_ctas: Int32, limit: Float32, timeout_ns: Int64, ep_args: tuple):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         t_entry = persistent.now(self.trace)
@@ -176,11 +191,20 @@ class FusedMoeBwdCoreSm90:
             n_tasks += shared.n_tasks
             n_done += shared.n_d1
         status = mCounters.iterator + 1
+        ep = ep_dy = None  # EP > 1: the workspace's x rows (``src``) and dy rows as pull sources
+        if cutlass.const_expr(self.ep):
+            mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push = ep_args
+            status = mStatus.iterator
+            ep = PeerRows(mPeer, mW, me, n_ranks, src_off, slots_off, Int64(0), flags_off, epoch_pull, epoch_push,
+                          mIdx.shape[0], timeout_ns, status)
+            ep_dy = PeerRows(mPeer, mW, me, n_ranks, dy_off, slots_off, Int64(0), flags_off, epoch_pull, epoch_push,
+                             mIdx.shape[0], timeout_ns, status)
         if cutlass.const_expr(self.gather):
             bidx, _, _ = cute.arch.block_idx()
             if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
-                self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mDyTok,
-                             mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden, mTrace, n_tasks)
+                self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mIdx,
+                             mDyTok, mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden, mTrace, n_tasks,
+                             ep, ep_dy, mCounters.iterator)
                 cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -190,7 +214,7 @@ class FusedMoeBwdCoreSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, views, storage, sTask, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, mSlot,
-                          mOrder, mCounters.iterator + DONE_WORD, mTrace)
+                          mOrder, mCounters.iterator + DONE_WORD, mTrace, ep)
         if cutlass.const_expr(self.scatter):
             # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
             # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
@@ -202,6 +226,11 @@ class FusedMoeBwdCoreSm90:
             t0 = persistent.now(self.trace)
             if tidx == 0:
                 P.wait_geq(mCounters.iterator + DONE_WORD, n_done, timeout_ns, status, Int32(0), Int32(D1_DONE))
+                if cutlass.const_expr(self.ep):  # every rank's dx rows are in my slot buffer (DATA)
+                    if cute.arch.block_idx()[0] == 0:
+                        if not P.failed(status):
+                            P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
+                    P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
             cute.arch.barrier()
             t1 = persistent.now(self.trace)
             bidx, _, _ = cute.arch.block_idx()
@@ -210,6 +239,12 @@ class FusedMoeBwdCoreSm90:
                                                                             stride=(_VEC, 1)))
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
                                 sbuf, SUM_BATCH, None, mAdd)
+            if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
+                cute.arch.barrier()
+                if tidx == 0:
+                    if P.arrive_last(mCounters.iterator + SUMMED_WORD, grid):
+                        if not P.failed(status):
+                            P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
             if cutlass.const_expr(self.trace):
                 if tidx == 0:
                     base = mTrace.shape[0] // persistent.TRACE_WORDS - 3 * grid + 3 * bidx
@@ -311,9 +346,16 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _consume(self, pipe, views, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, routed, shared,
-                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor):
+                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor, ep):
         """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`); traced,
-        consumer thread 0 records each task from its hand-off to its epilogue's end."""
+        consumer thread 0 records each task from its hand-off to its epilogue's end. EP > 1: first,
+        every rank must have freed its slot buffer of the previous push round (FREE >= epoch - 1;
+        an earlier launch's, so nothing in this one waits for it)."""
+        if cutlass.const_expr(self.ep):
+            if tid == 0:
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1, ep.timeout_ns,
+                           ep.status)
+            consumer_barrier()
         state = self.ml_d.consumer_state()
         rc = (Int32(0), Int32(0), Int32(0), Int32(0))
         sc = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -331,10 +373,10 @@ class FusedMoeBwdCoreSm90:
                     kind += SHARED_KIND
                 else:
                     state, rc, kind = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                    mOrder, done, self.scatter)
+                                                    mOrder, done, self.scatter, ep)
             else:
                 state, rc, kind = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                mOrder, done, self.scatter)
+                                                mOrder, done, self.scatter, ep)
             if cutlass.const_expr(self.trace):
                 if tid == 0:
                     bidx, _, _ = cute.arch.block_idx()
@@ -343,10 +385,10 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,
-                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr):
+                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr, ep=None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
-        their (token, slot) rows); in a kernel with the slot sum every D1 tile is counted on
+        their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted on
         ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
         (D2 0, D1 1, dWd / dWg / dWu 2-4)."""
         cfg = self.cfg
@@ -376,12 +418,15 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(scatter):
                 acc_to_smem(thr_d, acc, s_plain)
                 consumer_barrier()
-                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, None, self.n_tail)
+                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, ep, self.n_tail)
             else:
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
                                Float32(0.0))
             if cutlass.const_expr(self.scatter):  # the slot sum counts this tile
-                cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
+                if cutlass.const_expr(ep is not None):  # rows stored into peers: order them at system scope
+                    cute.arch.fence_acq_rel_sys()
+                else:
+                    cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
                 consumer_barrier()
                 if tid == 0:
                     cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
@@ -428,9 +473,10 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, mOffsets: cute.Tensor,
-                num_experts: Int32, mOrder: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor, mR: cute.Tensor,
-                mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor, mGdy: cute.Tensor,
-                k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32):
+                num_experts: Int32, mOrder: cute.Tensor, mIdx: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor,
+                mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor,
+                mGdy: cute.Tensor, k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32, ep, ep_dy,
+                counters: cute.Pointer):
         """Comm CTAs: routed m-tile c (its grouped rows p, route q = order[p] = t*k + j), by CTA
         ``c % comm_ctas``, one warp per row, in two passes over the chunks: first dy_rows[p] =
         bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] . r[p or q] (``kernels.route_grad_row.route_row``,
@@ -438,7 +484,14 @@ class FusedMoeBwdCoreSm90:
         which only the later dW_gate / dW_up tiles read; each pass publishes chunk c by a release add
         on ``gdy[c]`` (1: dy rows, 2: x rows too). Then d_topk_w = 0 for the routes past the experts'
         rows (-1 slots), as route_grad writes them. Traced, chunk c's passes are records n_tasks + c
-        and n_tasks + chunks + c."""
+        and n_tasks + chunks + c.
+
+        EP > 1 (``ep`` / ``ep_dy``: the workspace's x and dy sections as pull sources): the rows
+        of route q (packed ``p*T*k + t*k + j``) are pulled from rank p's staged dy and x (pull
+        protocol: CTA 0 signals READY, every comm CTA waits READY from every rank, the last comm CTA
+        to finish signals DONE), dy scaled by ``w[p]`` (the router weight the forward pulled); then
+        the comm CTAs make d_topk_w of this rank's routes from its slot rows ``mR`` (0 for -1 slots),
+        where the forward's rows of those routes are."""
         hc = hidden // _VEC
         u32 = cutlass.Uint32
 
@@ -452,6 +505,13 @@ class FusedMoeBwdCoreSm90:
         dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
         warp = tidx // 32
         lane = tidx % 32
+        if cutlass.const_expr(self.ep):
+            if tidx == 0:
+                if bidx == 0:
+                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, ep.timeout_ns,
+                           ep.status)
+            cute.arch.barrier()
         for xpass in cutlass.range_constexpr(2):
             ge, gb = Int32(0), Int32(0)
             for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
@@ -462,15 +522,22 @@ class FusedMoeBwdCoreSm90:
                     q = mOrder[p]
                     t = q // k
                     if cutlass.const_expr(xpass == 0):
-                        src = p
-                        if cutlass.const_expr(self.by_route):
-                            src = q
-                        acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
-                        if lane == 0:
-                            dtw[q] = acc
+                        if cutlass.const_expr(self.ep):
+                            src = cute.make_tensor(P.gptr(u32, ep_dy.src_row(q, k, hidden * 2), 16),
+                                                   cute.make_layout((hc, 4), stride=(4, 1)))
+                            route_row(lane, src, None, outv, Int32(0), Int32(0), p, w[p], hc)
+                        else:
+                            src = p
+                            if cutlass.const_expr(self.by_route):
+                                src = q
+                            acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
+                            if lane == 0:
+                                dtw[q] = acc
                     else:
-                        route_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2),
-                                            xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
+                        src = xtok + Int64(t) * Int64(hidden * 2)
+                        if cutlass.const_expr(self.ep):
+                            src = ep.src_row(q, k, hidden * 2)
+                        route_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.barrier()
                 if tidx == 0:
@@ -478,9 +545,23 @@ class FusedMoeBwdCoreSm90:
                     if cutlass.const_expr(self.trace):
                         persistent.record(mTrace, n_tasks + xpass * chunks + c, t0, persistent.now(self.trace),
                                           GATHER_KIND + xpass * (GATHER_X_KIND - GATHER_KIND), bidx, c)
-        for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
-                               comm_ctas * NUM_THREADS, unroll=1):
-            dtw[mOrder[p]] = u32(0)
+        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its rows: the last one says DONE
+            cute.arch.barrier()
+            if tidx == 0:
+                if P.arrive_last(counters + PULLED_WORD, comm_ctas):
+                    if not P.failed(ep.status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
+            for q in cutlass.range(bidx * (NUM_THREADS // 32) + warp, mIdx.shape[0],
+                                   comm_ctas * (NUM_THREADS // 32), unroll=1):
+                acc = u32(0)
+                if mIdx[q] >= 0:
+                    acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), u32(0), hc)
+                if lane == 0:
+                    dtw[q] = acc
+        else:
+            for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
+                                   comm_ctas * NUM_THREADS, unroll=1):
+                dtw[mOrder[p]] = u32(0)
 
 
 class _Group:
@@ -544,8 +625,8 @@ def _split(t: Int32, s: _Group, r: _Group):
 # ---------------------------------------------------------------- compile and launch
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
-                                trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False, *,
-                                arch: str = "sm_90a", inspect: bool = False):
+                                trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False,
+                                ep: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
@@ -553,7 +634,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
     ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
     per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
     ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``; ``n_tail``: H, I or I_s
-    not a multiple of tile_n); returns ``(compiled, report)``."""
+    not a multiple of tile_n; ``ep``: EP > 1, the rows pulled and pushed through the workspace);
+    returns ``(compiled, report)``."""
     if add and not scatter:
         raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
@@ -562,7 +644,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -586,7 +668,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
     if gather or shared:
         rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), None, None, None, None)
     if gather:
-        rows = rows[:2] + (_fake_2d(bf, cute.sym_int(), hid), vec(Float32, tk), vec(Float32, tk), vec(Int32))
+        rows = rows[:2] + (_fake_2d(bf, cute.sym_int(), hid), vec(Float32, m if ep else tk), vec(Float32, tk),
+                           vec(Int32))
     sh = (None,) * 14
     if shared:
         i_s = cute.sym_int(divisibility=_VEC)
@@ -598,8 +681,13 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
     rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if trace else None
     mxa = (_fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter)) if mx else (None, None)
     addf = _fake_2d(Float32, t, hid) if add else None
-    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, addf, rec, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
-                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+    ep_t = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
+            vec(Int32)) if ep else (None, None)
+    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, addf, rec, Int32(1), Int32(1), Float32(0.0), Int32(1),
+                          Int64(1), *ep_t, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+
+
+_NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int32(0))  # EP = 1 launches
 
 
 _WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
@@ -686,12 +774,46 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     return (out[0], dtw, *out[1:])
 
 
+def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
+                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None):
+    """The backward at EP > 1 in one launch per rank (collective over ``ws``'s ranks, every rank
+    calls it in the same order): :func:`fused_backward` with the rows moved through the workspace.
+    This rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every
+    peer finished the previous pull), the launch's comm CTAs pull the dy rows (times ``w_rows``
+    [M] fp32, the forward's router weight of each grouped row) and x rows of the routes this
+    rank's experts serve (``plan``: the forward's device plan, ``recv_src`` packed sources, local
+    expert ``offsets``), the dgrad1 rows are pushed to their (token, slot) rows of the source
+    ranks' slot buffers, and every rank sums its own, from the shared expert's dx when ``shared``
+    (as :func:`fused_backward`, its tiles in the launch). d topk_w [T, k] of this rank's routes is
+    made from ``slot_rows`` [T*k, H] (its routed rows of the forward, rows of -1 slots unread).
+    gu [M, 2I], h [M, I]: the forward's, M = ``plan.recv_src.shape[0]``. Returns ``(dx [T, H],
+    d topk_w [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``;
+    ``main_grads`` as in :func:`fused_backward`. Errors of the device waits (a peer's timeout
+    included) go to ``ws.status``: the caller runs ``ws.check_status()``. ``num_ctas``: this rank's
+    grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU)."""
+    t, k = topk_idx.shape
+    m, hid = plan.recv_src.shape[0], dy.shape[1]
+    src = ws.acquire_src()  # device wait: every peer finished the previous pull from this rank
+    src.copy_(x)
+    ws.view("dy", torch.bfloat16, (t, hid)).copy_(dy)
+    bf = dict(dtype=torch.bfloat16, device=dy.device)
+    dy_rows = torch.empty((m, hid), **bf)
+    x_rows = torch.empty((m, hid), **bf)
+    dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
+    dx_shared = None if shared is None else torch.empty_like(dy)
+    gather = (dy, x, slot_rows, w_rows, dtw.view(-1), False, comm_ctas)
+    out = _launch(dy_rows, x_rows, gu, h, plan.offsets, (w_gate, w_up, w_down), limit, ws.timeout_s, num_ctas,
+                  (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, ws=ws)
+    return (out[0], dtw, *out[1:])
+
+
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None, mx_dyt=None):
-    """One launch of the variant the arguments ask for (see the two entries above); with
+            main_grads=None, mx_dyt=None, ws=None):
+    """One launch of the variant the arguments ask for (see the entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
     with ``main_grads`` the weight gradients are accumulated there and returned as None;
-    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs)."""
+    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs);
+    ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`)."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -710,7 +832,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         order32, topk_idx, dxs, _ = tokens
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
-        slot_args = (torch.empty((t * k, hid), **bf), order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
+        slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
+        slot_args = (slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
     mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
@@ -720,7 +843,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     sh_args, sh_out = (None,) * 14, ()
     if shared is not None:
         sh_args, sh_out = _shared_args(shared, dy.device, None if main_grads is None else main_grads[3:])
-    if m == 0 and shared is None and main_grads is None:  # no rows: no tile reads anything, zero gradients
+    if m == 0 and shared is None and main_grads is None and ws is None:  # no rows: no tile reads, zero gradients
         if tokens is not None:
             dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
             if tokens[3] is not None:
@@ -734,7 +857,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
                trace, mx_dyt is not None, tokens is not None and tokens[3] is not None,
-               any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))))
+               any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
+               ws is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
@@ -750,11 +874,20 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
                *slot_args, *row_args, *sh_args, *mx_args, None if tokens is None else tokens[3],
                None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim), Int32(num_ctas),
-        Int64(timeout_ns), st))
-    deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
+    scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+    if ws is None:
+        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
+        launcher.launch(dev, stream, key, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, *_NO_EP, st))
+        deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
+    else:  # the epochs change every call: through the DSL
+        o = ws.offsets
+        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["dy"]), Int64(o["slots"]),
+                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
+        launcher.launch_direct(stream, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(ws.status),
+            *ep_scalars, st))
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
