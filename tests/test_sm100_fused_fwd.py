@@ -343,7 +343,8 @@ def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant):  # no
     e, mcap = len(offs) - 1, t * k
     order = torch.randperm(mcap, generator=g).to(torch.int32)
     x = torch.randn(t, hid, generator=g).bfloat16()
-    ws = (torch.zeros(e, inter, hid // 32, dtype=torch.uint8),) * 2 + (torch.zeros(e, hid, inter // 32, dtype=torch.uint8),)
+    u8 = torch.uint8
+    ws = (torch.zeros(e, inter, hid // 32, dtype=u8),) * 2 + (torch.zeros(e, hid, inter // 32, dtype=u8),)
     xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring, ws, None, interleave_gate_up)
     tok = order.long() // k
     unfused = lay.pack_row_scales(R.mxfp8_quantize(x, -1)[1][tok], torch.tensor(offs))

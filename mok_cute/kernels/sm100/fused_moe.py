@@ -711,8 +711,8 @@ def _mx_operands(x, mcap: int, e: int, inter: int, ring: int, w_scales, shared_s
     if shared_scales is None:
         return xq, (*out, None, None, None, None, None)
     inter_s = shared_scales[0].shape[0]
-    out += [lay.to_blocked(xs), lay.to_blocked(interleave(shared_scales[0][None], shared_scales[1][None], half)).reshape(-1),
-            torch.empty((t, inter_s), dtype=_FP8, device=dev),
+    s1_sf = lay.to_blocked(interleave(shared_scales[0][None], shared_scales[1][None], half)).reshape(-1)
+    out += [lay.to_blocked(xs), s1_sf, torch.empty((t, inter_s), dtype=_FP8, device=dev),
             torch.zeros(lay.sf_bytes(t, inter_s // lay.SF_VEC), dtype=u8, device=dev),
             lay.to_blocked(shared_scales[2][None]).reshape(-1)]
     return xq, tuple(out)
