@@ -49,13 +49,41 @@ def forbid(monkeypatch):
 
 
 class FakeLauncher:
-    """Stands in for a compiled kernel's GraphLauncher: records the arguments each launch packs."""
+    """Stands in for a compiled kernel's GraphLauncher: records the arguments each launch packs
+    (``calls``: the graph-replay path, ``direct``: the DSL path of EP launches)."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.direct = [], []
 
     def launch(self, dev, stream, key, make_args):
         self.calls.append(make_args(None))
+
+    def launch_direct(self, stream, make_args):
+        self.direct.append(make_args(None))
+
+
+class FakeWorkspace:
+    """The attributes of a CommWorkspace that the fused kernels' EP launches read (CPU tensors,
+    rank 1 of 2)."""
+
+    def __init__(self, t, h, k):
+        self.me, self.EP, self.status = 1, 2, torch.zeros(4, dtype=torch.int32)
+        self.peer_bases = torch.zeros(2, dtype=torch.int64)
+        self.offsets = {"src": 0, "slots": 4096, "w": 8192, "flags": 12288, "dy": 16384}
+        self.epoch = {"pull": 0, "push": 0}
+        self.timeout_s = 3.0
+        self._src, self._slots = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t * k, h, dtype=torch.bfloat16)
+        self._dy, self._w = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k)
+
+    def acquire_src(self, row_bytes=None):
+        return self._src if row_bytes is None else self._src.view(torch.uint8)[:, :row_bytes]
+
+    def view(self, name, dtype, shape):
+        return {"slots": self._slots, "w": self._w, "dy": self._dy}[name].view(shape)
+
+    def next_epoch(self, kind):
+        self.epoch[kind] += 1
+        return self.epoch[kind]
 
 
 def fake_sm100_device(monkeypatch, module, arch="sm_100a"):

@@ -6,6 +6,7 @@ import functools
 import re
 
 import pytest
+import torch
 
 from mok_cute.schedule import fused_bwd_tasks as bt
 from conftest import offsets_from
@@ -61,14 +62,14 @@ def test_tokens_variant(clamp, init):
 
 
 def test_mode_env(monkeypatch):
-    from mok_cute.layers.grouped import fused_bwd_mode
+    from mok_cute.layers.common import fused_bwd_mode
 
     monkeypatch.delenv("MOK_CUTE_FUSED_BWD", raising=False)
     assert fused_bwd_mode() == 2  # the default: the fastest measured mode
     for v, want in (("", 2), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
         monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
         assert fused_bwd_mode() == want
-    from mok_cute.layers.grouped import fused_bwd_mx
+    from mok_cute.layers.common import fused_bwd_mx
 
     monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX", raising=False)
     assert fused_bwd_mx()  # on by default: bitwise equal to the unfused MXFP8 backward on an H200
@@ -231,3 +232,48 @@ def test_ep_variant():
     assert "st.release.sys" not in local.ptx
     with pytest.raises(ValueError, match="ep"):
         fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, ep=True)
+
+
+def test_ep_host_launch(monkeypatch):
+    """fused_backward_ep's host side on CPU tensors (compile and launch replaced): x and dy are
+    staged in the workspace's src and dy sections, the ep variant launches directly (the epochs
+    change every call) with one argument per ``__call__`` parameter, the plan's packed sources
+    as the row order, the forward's router weight per grouped row, this rank's slot rows for d
+    topk_w, the workspace's slot section as the push target and its status for every wait."""
+    import inspect
+    from types import SimpleNamespace
+
+    from conftest import FakeLauncher, FakeWorkspace
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys = FakeLauncher(), []
+    monkeypatch.setattr(fused_bwd, "device_arch", lambda d: (0, "sm_90a"))
+    monkeypatch.setattr(fused_bwd, "sm_count", lambda d: 132)
+    monkeypatch.setattr(fused_bwd, "compile_cached", lambda key, build: keys.append(key) or fake)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    t, h, inter, e, k, m = 64, 256, 128, 2, 2, 256  # m: the receive capacity (EP * T * k)
+    bf = torch.bfloat16
+    ws = FakeWorkspace(t, h, k)
+    plan = SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=torch.tensor([0, 90, 200], dtype=torch.int32))
+    dy, x = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf)
+    slot_rows, w_rows = torch.randn(t * k, h).to(bf), torch.rand(m)
+    idx = torch.zeros(t, k, dtype=torch.int64)
+    weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
+    gu, hh = torch.randn(m, 2 * inter).to(bf), torch.randn(m, inter).to(bf)
+    sh = (torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * inter).to(bf), torch.randn(t, inter).to(bf),
+          *(w[0] for w in weights[:2]), weights[2][0])
+    out = fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
+                                      num_ctas=66, shared=sh)
+    assert not fake.calls and len(fake.direct) == 1 and keys[0][-1] is True  # (..., n_tail, ep)
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    (args,) = fake.direct
+    assert len(args) == len(params), (len(args), len(params))
+    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    assert torch.equal(ws._src, x) and torch.equal(ws._dy, dy)
+    assert a["mSlot"].data_ptr() == ws._slots.data_ptr() and a["mStatus"] is ws.status
+    assert a["mOrder"] is plan.recv_src and a["mW"] is w_rows and a["mR"] is slot_rows
+    assert a["mDyTok"] is dy and a["mXTok"] is x and tuple(a["mDy"].shape) == (m, h)
+    assert (int(a["epoch_pull"]), int(a["epoch_push"]), int(a["me"]), int(a["n_ranks"])) == (1, 1, 1, 2)
+    assert int(a["dy_off"]) == ws.offsets["dy"] and int(a["slots_off"]) == ws.offsets["slots"]
+    assert (int(a["num_ctas"]), int(a["comm_ctas"])) == (66, 6)
+    assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW

@@ -259,41 +259,6 @@ def test_ptxas_report_parses_wrapped_entries():
     assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
 
 
-class _FakeLauncher:
-    """Records how fused_forward launches (graph replay path or direct) and with what."""
-
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, dev, stream, key, make_args):
-        self.calls.append(("graph", make_args(None)))
-
-    def launch_direct(self, stream, make_args):
-        self.calls.append(("direct", make_args(None)))
-
-
-class _FakeWorkspace:
-    """The attributes of a CommWorkspace that the EP launch reads (CPU tensors)."""
-
-    def __init__(self, t, h, k):
-        self.me, self.EP, self.status = 1, 2, torch.zeros(4, dtype=torch.int32)
-        self.peer_bases = torch.zeros(2, dtype=torch.int64)
-        self.offsets = {"src": 0, "slots": 4096, "w": 8192, "flags": 12288}
-        self.epoch = {"pull": 0, "push": 0}
-        self._src, self._slots = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t * k, h, dtype=torch.bfloat16)
-        self._w = torch.zeros(t, k)
-
-    def acquire_src(self, row_bytes=None):
-        return self._src if row_bytes is None else self._src.view(torch.uint8)[:, :row_bytes]
-
-    def view(self, name, dtype, shape):
-        return {"slots": self._slots, "w": self._w}[name].view(shape)
-
-    def next_epoch(self, kind):
-        self.epoch[kind] += 1
-        return self.epoch[kind]
-
-
 @pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
                                           (True, False, True), (False, True, True)])
 def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
@@ -305,7 +270,9 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
 
     from mok_cute.kernels.sm90 import fused_moe as fm
 
-    fake, keys = _FakeLauncher(), []
+    from conftest import FakeLauncher, FakeWorkspace
+
+    fake, keys = FakeLauncher(), []
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
@@ -325,16 +292,16 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     w = torch.rand(t, k)
     weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
     sh = (torch.randn(inter, h).to(bf), torch.randn(inter, h).to(bf), torch.randn(h, inter).to(bf)) if shared else None
-    ws = _FakeWorkspace(t, h, k) if ep else None
+    ws = FakeWorkspace(t, h, k) if ep else None
     out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 100 if ep else 8, 1.0, mx=mx, ws=ws,
                            num_ctas=66 if ep else None, ring_chunks=5)
-    (path, args), = fake.calls
-    assert path == ("direct" if ep else "graph")
+    (args,) = fake.direct if ep else fake.calls
+    assert len(fake.calls) + len(fake.direct) == 1
     assert keys[0][-5:-3] == (mx, ep) and keys[0][-2:] == (False, False)  # (..., mx, ep, sum batch, gate, n_tail)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
-    assert (by_name["mPeer"] is not None) == ep and (by_name["mWrows"] is not None) == ep
+    assert all((by_name[n] is not None) == ep for n in ("mPeer", "mWrows", "mSlotCopy"))
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     assert (by_name["mXq"] is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
     assert by_name["mGate"] is None  # no shared-expert output gate
@@ -349,7 +316,8 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     assert (int(by_name["ring"]), int(by_name["band"])) == (5, 5) and tuple(by_name["mXg"]._keep.shape) == (5 * 128, h)
     if ep:
         assert out[8] is not None and out[8].shape == (t * k,)
-        assert out[3].data_ptr() == ws._slots.data_ptr() and out[7][-1] is ws.status
+        assert by_name["mSlot"]._keep.data_ptr() == ws._slots.data_ptr() and out[7][-1] is ws.status
+        assert out[3] is by_name["mSlotCopy"]._keep and out[3].shape == (t * k, h)  # the slot sum's copy
         assert (int(by_name["epoch_pull"]), int(by_name["epoch_push"]), int(by_name["me"])) == (1, 1, 1)
     else:
         assert out[8] is None

@@ -28,11 +28,12 @@ _VEC = 8  # bf16 elements per 16-byte vector
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
              nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mGate: cute.Tensor = None,
-             mAdd: cute.Tensor = None):
+             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None):
     """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc; ``threads``
     per CTA, all of them here); ``mInit``
     [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
-    (with ``mInit``), ``mAdd`` fp32 [T, H] or None."""
+    (with ``mInit``), ``mAdd`` fp32 [T, H] or None; ``mCopy`` [T*k, H] bf16 or None: the slot rows
+    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer)."""
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
@@ -41,6 +42,9 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
         s = cute.make_tensor(mInit.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
     if cutlass.const_expr(mAdd is not None):
         add = cute.make_tensor(mAdd.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
+    copy = None
+    if cutlass.const_expr(mCopy is not None):
+        copy = cute.make_tensor(mCopy.iterator, cute.make_layout((mCopy.shape[0] * v, _VEC), stride=(_VEC, 1)))
     g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
                               num_bits_per_copy=128)
     acc = cute.make_rmem_tensor((_VEC,), Float32)
@@ -74,6 +78,8 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
             cute.arch.cp_async_wait_group(0)
             for u in cutlass.range_constexpr(nb):  # added in slot order
                 if es[u] >= 0:
+                    if cutlass.const_expr(mCopy is not None):
+                        copy[(t * k + j0 + u) * v + c, None].store(sbuf[u * threads + tidx, None].load())
                     xs = sbuf[u * threads + tidx, None].load().to(Float32)
                     for e in cutlass.range_constexpr(_VEC):
                         if cutlass.const_expr(mW is not None):

@@ -1,9 +1,11 @@
 """What both layer paths (EP = 1: :mod:`mok_cute.layers.grouped`, EP > 1:
 :mod:`mok_cute.layers.ep`) and the arch expert MLPs (:mod:`mok_cute.layers.sm90`,
 :mod:`mok_cute.layers.sm100`) share: the expert group's forward state, the MLP's GEMM
-sequence over an arch's grouped GEMM calls, the shared expert as one more group, d topk_w."""
+sequence over an arch's grouped GEMM calls, the shared expert as one more group, d topk_w, and
+the fused backward's switches."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,3 +75,23 @@ def ring_chunks(config, topk_idx) -> int:
     """Slots of 128 rows (the fused kernels' ``CHUNK``, one m-tile) in a fused forward's ring: the
     routed rows of ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
     return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)
+
+
+def fused_bwd_mode() -> int:
+    """``MOK_CUTE_FUSED_BWD`` (read at every call; every mode bitwise the unfused backward on an
+    H200): 0 the unfused backward; 1 the routed backward's GEMMs in one fused launch
+    (``kernels/sm90/fused_bwd.py``); 2 (default: the fastest measured, docs/benchmarks.md) the
+    same launch also scattering the dx rows to their slots and summing them; 3 also the routed
+    dy rows, d topk_w and x rows (the route_grad pass and the x gather) and the shared expert's
+    tiles in it: the whole backward in one launch."""
+    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "2").strip() or "2"
+    if mode not in ("0", "1", "2", "3"):
+        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1, 2 or 3, got {mode!r}")
+    return int(mode)
+
+
+def fused_bwd_mx() -> bool:
+    """The MXFP8 backward through the fused backward too (its ``mx`` variant): on by default
+    (bitwise equal to the unfused MXFP8 backward on an H200, ``tools/checks/fused_bwd.py``, and
+    faster: docs/benchmarks.md); ``MOK_CUTE_FUSED_BWD_MX=0`` (read at every call) turns it off."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "1").strip() != "0"

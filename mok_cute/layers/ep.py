@@ -41,7 +41,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, topk_w_grad, whole_offsets
+from mok_cute.layers.common import (
+    ExpertGroup, fused_bwd_mode, shared_backward, shared_forward, topk_w_grad, whole_offsets,
+)
 from mok_cute.reference import MoEGrads
 
 @dataclass
@@ -106,7 +108,7 @@ def _fused_forward(mlp, inp, ws, plan, config):
     out of the workspace for d topk_w)."""
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
-    y, gu, h, _, gus, hs, w_rows = mlp.fused_forward_ep(
+    y, gu, h, slot_out, gus, hs, w_rows = mlp.fused_forward_ep(
         ws, plan, x, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config,
         num_ctas=ws.grid_ctas)
     prec = config.precision
@@ -114,10 +116,9 @@ def _fused_forward(mlp, inp, ws, plan, config):
     shared_group = None
     if inp.shared is not None:
         shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
-    slot_out = ws.view("slots", torch.bfloat16, (t, k, x.shape[1])).clone()
     ws.check_status()
     return y, EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared, routed,
-                      shared_group, slot_out, config.comm_sms_bwd, x=x)
+                      shared_group, slot_out.view(t, k, -1), config.comm_sms_bwd, x=x)
 
 
 def fused_ep_backward_enabled() -> bool:
@@ -126,8 +127,6 @@ def fused_ep_backward_enabled() -> bool:
     forward, where ``MOK_CUTE_FUSED_BWD`` is 2 or 3 (the default 2) and the fused EP forward is on
     (:func:`fused_ep_enabled`); mode 1: the routed GEMMs in one launch between the unfused comm
     kernels; 0: unfused. Read at every call."""
-    from mok_cute.layers.grouped import fused_bwd_mode
-
     return fused_ep_enabled() and fused_bwd_mode() >= 2
 
 

@@ -26,7 +26,7 @@ import torch
 from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
-from mok_cute.layers.common import ExpertGroup, shared_backward, shared_forward, whole_offsets
+from mok_cute.layers.common import ExpertGroup, fused_bwd_mode, shared_backward, shared_forward, whole_offsets
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
 
@@ -63,26 +63,6 @@ def fused_enabled() -> bool:
     """The fused forward runs where an arch has one unless ``MOK_CUTE_FUSED=0`` (the unfused
     stages; read at every call)."""
     return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
-
-
-def fused_bwd_mode() -> int:
-    """``MOK_CUTE_FUSED_BWD`` (read at every call; every mode bitwise the unfused backward on an
-    H200): 0 the unfused backward; 1 the routed backward's GEMMs in one fused launch
-    (``kernels/sm90/fused_bwd.py``); 2 (default: the fastest measured, docs/benchmarks.md) the
-    same launch also scattering the dx rows to their slots and summing them; 3 also the routed
-    dy rows, d topk_w and x rows (the route_grad pass and the x gather) and the shared expert's
-    tiles in it: the whole backward in one launch."""
-    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "2").strip() or "2"
-    if mode not in ("0", "1", "2", "3"):
-        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1, 2 or 3, got {mode!r}")
-    return int(mode)
-
-
-def fused_bwd_mx() -> bool:
-    """The MXFP8 backward through the fused backward too (its ``mx`` variant): on by default
-    (bitwise equal to the unfused MXFP8 backward on an H200, ``tools/checks/fused_bwd.py``, and
-    faster: docs/benchmarks.md); ``MOK_CUTE_FUSED_BWD_MX=0`` (read at every call) turns it off."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "1").strip() != "0"
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):

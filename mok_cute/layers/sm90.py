@@ -68,9 +68,9 @@ def _mx_dequant_weight(w, axis):
 
 def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
     """Whether the fused backward core takes these operands (the unfused path takes any): BF16, or
-    MXFP8 with its variant on (``grouped.fused_bwd_mx``), contiguous CUDA rows (elsewhere: the unfused
+    MXFP8 with its variant on (``common.fused_bwd_mx``), contiguous CUDA rows (elsewhere: the unfused
     path, whose kernels the CPU tests emulate)."""
-    from mok_cute.layers.grouped import fused_bwd_mx
+    from mok_cute.layers.common import fused_bwd_mx
 
     if not (g.precision == "bf16" or (g.precision == "mxfp8" and fused_bwd_mx())):
         return False
@@ -200,7 +200,7 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
-        from mok_cute.layers.grouped import fused_bwd_mode
+        from mok_cute.layers.common import fused_bwd_mode
 
         if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
             from mok_cute.kernels.sm90.fused_bwd import fused_backward_core

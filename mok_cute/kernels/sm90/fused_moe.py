@@ -130,7 +130,8 @@ class FusedMoeFwdSm90:
                  mW: cute.Tensor, mGate: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
-                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32,
+                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor,
+                 mSlotCopy: cute.Tensor, me: Int32,
                  n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64, epoch_pull: Int32,
                  epoch_push: Int32, stream: cuda.CUstream):
         ml = self.mainloop
@@ -153,7 +154,7 @@ class FusedMoeFwdSm90:
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
                     mGather,
                     mHready,
-                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, me, n_ranks,
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, mSlotCopy, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -171,7 +172,7 @@ class FusedMoeFwdSm90:
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
-               timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
+               timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
                w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
@@ -262,7 +263,7 @@ class FusedMoeFwdSm90:
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
         route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                            self.sum_batch, mGate)
+                            self.sum_batch, mGate, mCopy=mSlotCopy)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -561,7 +562,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
             *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
-    ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap)) if ep else (None, None)
+    ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), *ep_args,
                           Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
@@ -649,7 +650,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     and ``offsets`` are the device plan's ``recv_src`` (packed ``p*T*k + t*k + j``) and local
     expert offsets; x and topk_w are staged in the workspace (after every peer finished the
     previous pull), the rows are pulled from the peers, the GEMM2 rows pushed into the source
-    ranks' slot buffers (``slot_out`` is this rank's, valid until the next push), peer errors go
+    ranks' slot buffers (``slot_out``: a copy of this rank's slot rows made by the slot sum before it
+    frees the buffer; rows of -1 slots unwritten), peer errors go
     to ``ws.status``, ``w_rows`` [M_cap] fp32 holds each grouped row's router weight (None at
     EP = 1); ``num_ctas`` (default all SMs) is this rank's grid, fewer for virtual ranks sharing
     one GPU. Launched through the DSL (the epochs change every call). ``gate``: fp32 [T] on x's
@@ -671,6 +673,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     if ws is not None:
         ws.view("w", torch.float32, (t, k)).copy_(topk_w)
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
+        slot_copy = torch.empty((t * k, hid), dtype=torch.bfloat16, device=x.device)
     sizes = counter_sizes(t, mcap, e)
     ring = sizes[0] if ring_chunks is None else max(1, min(int(ring_chunks), sizes[0]))
     band = min(ring_band(), ring)
@@ -726,14 +729,15 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
                                                                                timeout_ns)
         launcher.launch(dev, stream, key, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, *_NO_EP, st))
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, None, *_NO_EP, st))
     else:
         o = ws.offsets
         ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
                       Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
         launcher.launch_direct(stream, lambda st: (
             *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(w_rows),
-            *ep_scalars, st))
+            _Desc(slot_copy), *ep_scalars, st))
+    slot = slot if ws is None else slot_copy
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
 
