@@ -17,7 +17,9 @@ backward in one launch; ``--bwd-comm`` mode 3 at other ``comm_sms_bwd``; the MXF
 backward's MXFP8 variant, the default); "GEMM tiles alone": the
 forward's grouped GEMM kernels on pre-gathered rows (its fwd+bwd: then the backward's GEMM kernels,
 unfused, on its gu / h: a backward's "GEMM tiles alone" is that row's fwd+bwd minus its fwd). Times: the mean over back-to-back calls
-(``bench_pipelined_us``: a training step's view, host work overlapped) and, last columns, the
+(``bench_pipelined_us``: a training step's view, host work overlapped), measured in ``--rounds`` rounds
+that visit every row in turn (clock and thermal drift hit all rows alike), the median round
+reported, and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
 by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
 fwd+bwd: each backward starts from ``.grad = None`` (``zero_grad(set_to_none=True)``, as a training
@@ -172,7 +174,7 @@ def traced_bwd(fn, dy, path: str) -> dict:
 
 
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False):
+              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False, rounds=3):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -209,19 +211,20 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
                                                                    bwd="0")(x, idx, w, ws, sh)
         if refs:
             impls["unfused mxfp8"] = lambda: _ours(False, 8, "mxfp8", bwd="0")(x, idx, w, ws, sh)
-    out = {}
-    for name, fn in impls.items():
+    out, steps = {}, {}
+    for name, fn in impls.items():  # warm-up, synced time and memory, once per row
         with torch.no_grad():
             t_sync = bench_us(fn, warmup=3, iters=10)
-            t_f = bench_pipelined_us(fn, warmup=2, iters=10)
+
         def step(fn=fn):  # a training step's view: zero_grad(set_to_none=True), no accumulation kernel
             for p in leaves:
                 p.grad = None
             torch.autograd.backward(fn(), dy)
         if name == "GEMM tiles alone":  # fwd+bwd: the forward's tiles then the backward's (unfused kernels)
-            t_fb = bench_pipelined_us(lambda: (fn(), fn.backward_tiles()), warmup=2, iters=5)
+            steps[name] = lambda fn=fn: (fn(), fn.backward_tiles())
         else:
-            t_fb = bench_pipelined_us(step, warmup=2, iters=5)
+            steps[name] = step
+        steps[name]()
         peak = held = float("nan")
         if name != "GEMM tiles alone":  # one forward + backward from a clean peak counter
             for p in leaves:
@@ -236,9 +239,18 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             del y
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        out[name] = (t_f, t_fb, t_sync, peak, held)
+        out[name] = [[], [], t_sync, peak, held]
         for p in leaves:
             p.grad = None
+    for _ in range(rounds):  # the rows interleaved, round after round: drift hits every row alike
+        for name, fn in impls.items():
+            with torch.no_grad():
+                out[name][0].append(bench_pipelined_us(fn, warmup=1, iters=10))
+            out[name][1].append(bench_pipelined_us(steps[name], warmup=1, iters=5))
+            for p in leaves:
+                p.grad = None
+    for row in out.values():  # the median round
+        row[0], row[1] = (sorted(v)[len(v) // 2] for v in row[:2])
     os.environ.pop("MOK_CUTE_FUSED", None)
     os.environ.pop("MOK_CUTE_FUSED_BWD", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
@@ -282,6 +294,8 @@ def main() -> int:
     ap.add_argument("--bwd", default="", help="extra fused rows at these MOK_CUTE_FUSED_BWD modes (1, 2, 3)")
     ap.add_argument("--recompute", action="store_true",
                     help="extra rows with MoKConfig(activations='recompute') (per --bwd mode)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timing rounds over all rows, interleaved; each row's median round is reported")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -295,7 +309,8 @@ def main() -> int:
                            bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
                            bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute,
                            trace_bwd=args.trace_bwd if i == 0 else None,
-                           bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c], tiles=args.tiles)
+                           bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c], tiles=args.tiles,
+                           rounds=args.rounds)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "
