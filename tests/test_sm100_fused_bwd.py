@@ -15,13 +15,15 @@ from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 from mok_cute.kernels.sm100.mainloop import NUM_THREADS
 
 MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
+MX_PARAMS = ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "mDgut", "mDgtsf", "mDutsf", "mXtsf")
 
 
 @functools.cache
-def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False):
+def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, arch=arch, inspect=True)[1]
+    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, arch=arch,
+                                           inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -97,7 +99,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -110,7 +112,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     d2, words = by["mD2"]._keep, by["mWords"]._keep
     assert tuple(d2.shape) == (6,) and tuple(words.shape) == (5,) and not d2.any() and not words.any()
     assert words.data_ptr() == d2.data_ptr() + 6 * 4
-    assert all(by[n] is None for n in ("mOrder", "mIdx", "mInit", "mAdd", "mOut"))
+    assert all(by[n] is None for n in ("mOrder", "mIdx", "mInit", "mAdd", "mOut") + MX_PARAMS)
     assert int(by["num_ctas"]) == 148 and int(by["timeout_ns"]) == 10 ** 9
     assert by["limit"].value == (0.0 if limit is None else 4.0)
     fb.fused_backward_core(**ops, num_ctas=7)
@@ -204,12 +206,12 @@ def test_variants_registry():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     reg = fb.variants()
-    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-tokens-clamp",
-                           "fused-bwd-tokens-noclamp"]
+    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-mxfp8-core-clamp",
+                           "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
-        clamp, tokens = name.endswith("-clamp"), "tokens" in name
-        rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp)
+        clamp, tokens, mx = name.endswith("-clamp"), "tokens" in name, "mxfp8" in name
+        rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
 
 
@@ -286,7 +288,7 @@ def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, ad
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False)]
     assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
     assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
     assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())

@@ -37,6 +37,7 @@ import torch
 from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks
 from mok_cute.layers.weight_cache import WeightCache
 from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.layouts import TokenOperand, pack_token_scales_device, token_rows  # noqa: F401
 from mok_cute.dsl.host import offsets_i32
 
 MX_BLOCK = lay.SF_VEC
@@ -63,59 +64,6 @@ def quantize_weight(w: torch.Tensor, axis: int):
     data, scales = quantize.quantize_mxfp8(w.reshape(e * r, c), -1 if axis == 2 else 0)
     shape = (e, r, c // MX_BLOCK) if axis == 2 else (e, r // MX_BLOCK, c)
     return data.view(e, r, c), scales.view(shape)
-
-
-def token_rows(data_t: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Tensor:
-    """Token-wise quantized data in the transposed tile-aligned layout of ``quantize_tokens``
-    (data_t [N, 32 S]: token offsets[e] + t of expert e at column 32 (offsets[e] // 32 + e) + t)
-    -> token rows [m, N] e4m3 (row r = token r; rows at or past offsets[E] are 0). Device ops."""
-    offs = offsets.to(device=data_t.device, dtype=torch.int64)
-    rows = torch.arange(m, device=data_t.device)
-    e = torch.searchsorted(offs[1:], rows, right=True)  # expert of each row (E: past offsets[E])
-    valid = e < offs.numel() - 1
-    col = MX_BLOCK * (offs[e] // MX_BLOCK + e) + rows - offs[e]
-    col = torch.where(valid, col, torch.zeros_like(col))
-    raw = data_t.view(torch.uint8).index_select(1, col).t()
-    raw = torch.where(valid[:, None], raw, torch.zeros((), dtype=torch.uint8, device=raw.device))
-    return raw.contiguous().view(torch.float8_e4m3fn)
-
-
-def pack_token_scales_device(scales: torch.Tensor, offsets: torch.Tensor, m: int) -> torch.Tensor:
-    """Token-wise scales [S, N] of ``quantize_tokens(x [m, *], offsets, "mxfp8")`` (S = m // 32 +
-    E, expert e's blocks from slot offsets[e] // 32 + e; a column slice picks features) -> the
-    wgrad kernel's flat blocked layout, equal to ``sm100.layouts.pack_token_scales`` of the
-    per-expert scales: block j of expert e at column 4 (offsets[e] // 128 + e) + j of a
-    [N, grouped_sf_rows(m, E) / 32] matrix. Torch ops on device tensors, no host sync."""
-    s_n, n = scales.shape
-    dev = scales.device
-    offs = offsets.to(device=dev, dtype=torch.int64)
-    num_e = offs.numel() - 1
-    kbs = lay.grouped_sf_rows(m, num_e) // MX_BLOCK
-    base = offs[:-1] // MX_BLOCK + torch.arange(num_e, device=dev)  # strictly increasing, base[0] = 0
-    blocks = (offs[1:] - offs[:-1] + MX_BLOCK - 1) // MX_BLOCK
-    slot = torch.arange(s_n, device=dev)
-    e = (torch.searchsorted(base, slot, right=True) - 1).clamp(min=0)  # largest e with base[e] <= slot
-    j = slot - base[e]
-    dest = lay.SF_ATOM_KBLOCKS * (offs[:-1][e] // lay.SF_ATOM_ROWS + e) + j
-    dest = torch.where(j < blocks[e], dest, torch.full_like(dest, kbs))  # unused slots -> dump column
-    grouped = torch.zeros(n, kbs + 1, dtype=torch.uint8, device=dev)
-    grouped[:, dest] = scales.t()
-    return lay.to_blocked(grouped[:, :kbs])
-
-
-class TokenOperand:
-    """A wgrad operand x [M, N] quantized along tokens per expert, in the wgrad kernel's
-    layout: ``data`` e4m3 token rows [M, N]; :meth:`scales` packs a feature range."""
-
-    def __init__(self, x: torch.Tensor, offsets: torch.Tensor):
-        from mok_cute.kernels.quant import quantize_fp8
-
-        data_t, self._scales = quantize_fp8.quantize_tokens(x, offsets_i32(offsets), "mxfp8")
-        self.m, self.offsets = x.shape[0], offsets
-        self.data = token_rows(data_t, offsets, self.m)
-
-    def scales(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        return pack_token_scales_device(self._scales[:, lo:hi], self.offsets, self.m)
 
 
 def mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, qw=quantize_weight, interleave=None):

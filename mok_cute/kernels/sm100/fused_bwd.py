@@ -57,34 +57,41 @@ from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, SUM_BATCH, describe
 from mok_cute.kernels.sm100.fused_moe import store_routed
-from mok_cute.kernels.sm100.grouped_gemm import ARCHS, GroupedGemmSm100, _check_weight
+from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.grouped_gemm import (
+    ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _check_weight, _fake_sf,
+)
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    MMA_WARP, MN_MAJOR, NUM_THREADS, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
+    MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
+MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
 DIM_MULTIPLE = 64  # H, I
 WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
 DONE_WORD = WORDS  # tokens variant: a last word, the stored D1 tiles (the slot sum's wait)
 _VEC = 8  # bf16 elements per 16-byte vector
+_FP8 = torch.float8_e4m3fn
 
 
 class FusedMoeBwdSm100:
     """The persistent routed backward core (see the module doc); ``clamp``: SwiGLU limit given;
     ``tokens``: D1 rows to their (token, slot) rows and the dx slot sum in the launch, starting
-    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term."""
+    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term; ``mx``: MXFP8 tiles."""
 
-    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False):
+    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
-        self.cfg, self.clamp, self.tokens, self.init, self.add = CONFIG, clamp, tokens, init, add
-        self.dswiglu = GroupedGemmSm100(CONFIG, "dswiglu", clamp, MN_MAJOR)  # D2
-        self.dgrad1 = GroupedGemmSm100(CONFIG, "plain", b_major=MN_MAJOR, split_k=True)  # D1
-        self.wgrad = GroupedGemmSm100(CONFIG, wgrad=True)  # W
+        cfg = MX_CONFIG if mx else CONFIG
+        self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
+        self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
+        self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR)  # D2
+        self.dgrad1 = GroupedGemmSm100(cfg, "plain", b_major=MN_MAJOR, split_k=True)  # D1
+        self.wgrad = GroupedGemmSm100(cfg, wgrad=True)  # W
         self.ml_d, self.ml_w = self.dswiglu.mainloop, self.wgrad.mainloop  # (K, MN) and (MN, MN) majors
         assert self.dgrad1.mainloop.stages == self.ml_d.stages == self.ml_w.stages
 
@@ -98,9 +105,13 @@ class FusedMoeBwdSm100:
             **task_ring.STORAGE,
             "tmem_dealloc_bar": cutlass.Int64,
             "tmem_ptr": cutlass.Int32,
-            "sA": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_n], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, b_n], 1024],
+            "sA": cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, a_n], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[self.cfg.ab_dtype, b_n], 1024],
         }
+        if cutlass.const_expr(self.mx):
+            for name, sd, sw in (("sSFA", md.sfa_smem, mw.sfa_smem), ("sSFB", md.sfb_smem, mw.sfb_smem)):
+                fields[name] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, max(cute.cosize(sd), cute.cosize(sw))],
+                                                 1024]
         return cute.struct(type("FusedBwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -108,28 +119,46 @@ class FusedMoeBwdSm100:
                  mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
                  mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mWords: cute.Tensor,
                  mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor, mOut: cute.Tensor,
+                 mDysf: cute.Tensor, mWdsf: cute.Tensor, mDgusf: cute.Tensor, mWgusf: cute.Tensor,
+                 mDyt: cute.Tensor, mDytsf: cute.Tensor, mHtsf: cute.Tensor, mDgut: cute.Tensor,
+                 mDgtsf: cute.Tensor, mDutsf: cute.Tensor, mXtsf: cute.Tensor,
                  k: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
         int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
         [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
-        the done word too. Otherwise those five are None and ``mDx`` is dx [M, H]."""
+        the done word too. Otherwise those five are None and ``mDx`` is dx [M, H].
+
+        MXFP8 (``mx``; else the eleven ``m*sf`` / ``mDyt`` / ``mDgut`` are None): ``mDy`` is dy
+        quantized along H, ``mX`` / ``mH`` / ``mDyt`` x, h, dy quantized along tokens (token rows),
+        ``mDgu`` / ``mDgut`` dgu quantized along I / along tokens (written by D2), the weights e4m3;
+        the flat uint8 blocked scales: ``mDysf`` (dy rows), ``mWdsf`` / ``mWgusf`` (w_down /
+        [w_gate; w_up] along K), ``mDgusf`` (dgu rows, halves padded to whole atoms), ``mDytsf``,
+        ``mHtsf``, ``mXtsf``, ``mDgtsf``, ``mDutsf`` (token scales of dy, h, x, dg, du)."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
         e = mOffsets.shape[0] - 1
-        dg, du = mDgu[(None, 0, None)], mDgu[(None, 1, None)]
-        d2_a, d2_b, _, _ = self.dswiglu._views(mDy, mWd, None, None, e)
-        d1_a, d1_b, _, _ = self.dgrad1._views(mDgu, mWg, None, None, e)
+        dgt = mDgut if cutlass.const_expr(self.mx) else mDgu  # the wgrads' dg / du (MXFP8: along tokens)
+        dg, du = dgt[(None, 0, None)], dgt[(None, 1, None)]
+        dyt = mDyt if cutlass.const_expr(self.mx) else mDy
+        d2 = self.dswiglu._views(mDy, mWd, mDysf, mWdsf, e)
+        d1 = self.dgrad1._views(mDgu, mWg, mDgusf, mWgusf, e)
         d1_b2 = cute.make_tensor(mWu.iterator, cute.select(mWu.layout, mode=[2, 1, 0]))
-        wd_a, wd_b, _, _ = self.wgrad._views(mDy, mH, None, None, e)
-        wg_a, x_b, _, _ = self.wgrad._views(dg, mX, None, None, e)
-        wu_a, _, _, _ = self.wgrad._views(du, mX, None, None, e)
-        # atoms: 0-1 D2 (dy, w_down), 2-5 D1 (dg, w_gate, du, w_up), 6-7 dWd (dy, h), 8-9 dWg (dg, x), 10 dWu's du
-        tmas = md.make_tma(d2_a, d2_b) + md.make_tma(d1_a, d1_b, mA2=GroupedGemmSm100._rows(du), mB2=d1_b2) \
-            + mw.make_tma(wd_a, wd_b) + mw.make_tma(wg_a, x_b) + mw.make_tma(wu_a, x_b)[:1]
+        wd = self.wgrad._views(dyt, mH, mDytsf, mHtsf, e)
+        wg = self.wgrad._views(dg, mX, mDgtsf, mXtsf, e)
+        wu = self.wgrad._views(du, mX, mDutsf, mXtsf, e)
+        # atoms (p = self.per: A, B[, SFA, SFB]): D2 (dy, w_down) from 0, D1 (dg, w_gate) from p and
+        # its second part (du, w_up) at 2p, dWd (dy, h) from 2p + 2, dWg (dg, x) from 3p + 2, dWu's du
+        # [and its scales] from 4p + 2 (its x operands: dWg's)
+        d1_a2 = mDgu[(None, 1, None)] if cutlass.const_expr(self.mx) else du
+        tmas = md.make_tma(*d2) + md.make_tma(*d1, mA2=GroupedGemmSm100._rows(d1_a2), mB2=d1_b2) \
+            + mw.make_tma(*wd) + mw.make_tma(*wg)
+        wu_tma = mw.make_tma(*wu)
+        tmas = tmas + wu_tma[:1] + wu_tma[2:3]
         self.shared_storage = self._storage()
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
-                    mWords, mOrder, mIdx, mInit, mAdd, mOut, k, limit, timeout_ns).launch(
+                    mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
+                    timeout_ns).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -137,7 +166,8 @@ class FusedMoeBwdSm100:
     def kernel(self, atoms: list, coords: list, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor,
                mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor,
                mWords: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor,
-               mOut: cute.Tensor, k: Int32, limit: Float32, timeout_ns: Int64):
+               mOut: cute.Tensor, mDgusf: cute.Tensor, mDgut: cute.Tensor, mDgtsf: cute.Tensor, mDutsf: cute.Tensor,
+               k: Int32, limit: Float32, timeout_ns: Int64):
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -151,8 +181,7 @@ class FusedMoeBwdSm100:
         task_pipe, sTask = task_ring.make(storage)
         tmem = md.make_tmem_allocator(storage)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        sA, sB, _, _ = md.smem_tensors(storage)
-        sA_w, sB_w, _, _ = mw.smem_tensors(storage)
+        smem = md.smem_tensors(storage) + mw.smem_tensors(storage)  # sA, sB, sSFA, sSFB of each (SF: MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         num_experts = mOffsets.shape[0] - 1
@@ -172,13 +201,14 @@ class FusedMoeBwdSm100:
         dims = (n_tasks, n_d2, n_d1, n_i, n_h, wd_m, wgu_m, per_e, k_h, k_i)
 
         if warp == TMA_WARP:
-            self._produce(ab_pipe, task_pipe, sTask, (sA, sB, sA_w, sB_w), atoms, coords, mWords.iterator, dims,
+            self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mWords.iterator, dims,
                           mOffsets, num_experts, mD2, mWords.iterator + 1, timeout_ns)
         if warp == MMA_WARP:
-            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, (sA, sB, sA_w, sB_w), tmem, dims, mOffsets)
+            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, dims, mOffsets)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, dims, mOffsets, num_experts, mGU, mDgu, mDx,
-                           mDWg, mDWu, mDWd, mD2, limit, mOrder, mWords.iterator + DONE_WORD)
+                           mDWg, mDWu, mDWd, mD2, limit, mOrder, mWords.iterator + DONE_WORD,
+                           (mDgusf, mDgut, mDgtsf, mDutsf))
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
@@ -187,8 +217,10 @@ class FusedMoeBwdSm100:
             cute.arch.barrier()
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
-            sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
-                                                                            stride=(_VEC, 1)))
+            buf = storage.sB.data_ptr()
+            if cutlass.const_expr(self.mx):
+                buf = cute.recast_ptr(buf, dtype=cutlass.BFloat16)
+            sbuf = cute.make_tensor(buf, cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC), stride=(_VEC, 1)))
             slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], hidden, sbuf,
                                SUM_BATCH, NUM_THREADS, None, mAdd)
 
@@ -207,15 +239,25 @@ class FusedMoeBwdSm100:
                  timeout_ns: Int64):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
         for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop)."""
-        cfg, md = self.cfg, self.ml_d
-        sA, sB, sA_w, sB_w = views
+        cfg, md, p = self.cfg, self.ml_d, self.per
+        sA, sB, sSFA, sSFB = views[:4]
         n_tasks, n_i, k_h, k_i = dims[0], dims[3], dims[8], dims[9]
         tiler_a = (cfg.tile_m, cfg.tile_k)
         tiler_b = (cfg.tile_n, cfg.tile_k)
-        tBsB, tBgWd = md.partition_b(atoms[1], cute.local_tile(coords[1], tiler_b, (None, None, None)), sB, 0)
-        _, tBgWg = md.partition_b(atoms[3], cute.local_tile(coords[3], tiler_b, (None, None, None)), sB, 0)
-        _, tBgWu = md.partition_b(atoms[5], cute.local_tile(coords[5], tiler_b, (None, None, None)), sB, 0)
-        no_mask = (None, None)
+        every = (None, None, None)
+        tBsB, tBgWd = md.partition_b(atoms[1], cute.local_tile(coords[1], tiler_b, every), sB, 0)
+        _, tBgWg = md.partition_b(atoms[p + 1], cute.local_tile(coords[p + 1], tiler_b, every), sB, 0)
+        _, tBgWu = md.partition_b(atoms[2 * p + 1], cute.local_tile(coords[2 * p + 1], tiler_b, every), sB, 0)
+        no_mask = (None,) * p
+        sf = None
+        if cutlass.const_expr(self.mx):  # D2's and D1's scale tensors: (SFA, SFB) partitions of each
+            sf = []
+            for i in (2, p + 2):
+                tAsSFA, tAgSFA = md.partition_a(atoms[i], cute.local_tile(coords[i], tiler_a, every), sSFA, 0)
+                tBsSFB, tBgSFB = md.partition_sfb(atoms[i + 1], cute.local_tile(coords[i + 1], tiler_b, every), sSFB,
+                                                  0)
+                sf.append((tAgSFA, tBgSFB))
+            sf_dst = (tAsSFA, tBsSFB)
         state = md.producer_state()
         tstate = task_ring.producer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -229,24 +271,31 @@ class FusedMoeBwdSm100:
             if phase == D2:
                 gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
                 tAsA, tAgA = self.ml_d.partition_a(atoms[0], gA, sA, 0)
-                state = self.ml_d.load_tile(ab_pipe, state, atoms[0:2], (tAgA, tBgWd[(None, n_tile, None, expert)]),
-                                     (tAsA, tBsB), k_h, Int32(0), no_mask)
+                srcs, dsts = (tAgA, tBgWd[(None, n_tile, None, expert)]), (tAsA, tBsB)
+                if cutlass.const_expr(self.mx):
+                    srcs, dsts = srcs + self._sf_tile(sf[0], mOffsets, expert, m_tile, n_tile), dsts + sf_dst
+                state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
             elif phase == D1:
                 persistent.wait_input(mD2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coords[2][(None, None, 0)]), tiler_a, (0, None))
-                gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[4][(None, None, 0)]), tiler_a, (0, None))
-                tAsA, tAgA = self.ml_d.partition_a(atoms[2], gA, sA, 0)
-                _, tAgA2 = self.ml_d.partition_a(atoms[4], gA2, sA, 0)
-                part2 = (atoms[4:6], (tAgA2, tBgWu[(None, n_tile, None, expert)]), k_i)
-                state = self.ml_d.load_tile(ab_pipe, state, atoms[2:4], (tAgA, tBgWg[(None, n_tile, None, expert)]),
-                                     (tAsA, tBsB), 2 * k_i, Int32(0), no_mask, part2)
+                gA = cute.local_tile(cute.domain_offset((row0, 0), coords[p][(None, None, 0)]), tiler_a, (0, None))
+                gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[2 * p][(None, None, 0)]), tiler_a,
+                                      (0, None))
+                tAsA, tAgA = self.ml_d.partition_a(atoms[p], gA, sA, 0)
+                _, tAgA2 = self.ml_d.partition_a(atoms[2 * p], gA2, sA, 0)
+                part2 = (atoms[2 * p:2 * p + 2], (tAgA2, tBgWu[(None, n_tile, None, expert)]), k_i)
+                srcs, dsts = (tAgA, tBgWg[(None, n_tile, None, expert)]), (tAsA, tBsB)
+                if cutlass.const_expr(self.mx):
+                    srcs, dsts = srcs + self._sf_tile(sf[1], mOffsets, expert, m_tile, n_tile), dsts + sf_dst
+                state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), no_mask,
+                                            part2)
             else:
                 lo = mOffsets[expert]
                 length = mOffsets[expert + 1] - lo
                 kt = cutlass.max((length + (self.cfg.tile_k - 1)) // self.cfg.tile_k, 1)
+                w0 = 2 * p + 2  # dWd's atoms, then dWg's, dWu's
                 if which == WD:
-                    state = self._load_w(ab_pipe, state, atoms[6], coords[6], atoms[7], coords[7], sA_w, sB_w, lo,
-                                         length, m_tile, n_tile, kt)
+                    state = self._load_w(ab_pipe, state, atoms, coords, (w0, w0 + 1, w0 + 2, w0 + 3), views[4:], lo,
+                                         length, m_tile, n_tile, kt, expert)
                 else:
                     if expert != ready_e:  # once per expert and CTA: its tickets only grow
                         first, count = tasks.expert_mtile_range(mOffsets, expert, self.cfg.tile_m)
@@ -254,42 +303,61 @@ class FusedMoeBwdSm100:
                             persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status,
                                                   Int32(D2_READY), first + m)
                         ready_e = expert
+                    wg = w0 + p
                     if which == WG:
-                        state = self._load_w(ab_pipe, state, atoms[8], coords[8], atoms[9], coords[9], sA_w, sB_w,
-                                             lo, length, m_tile, n_tile, kt)
+                        state = self._load_w(ab_pipe, state, atoms, coords, (wg, wg + 1, wg + 2, wg + 3), views[4:],
+                                             lo, length, m_tile, n_tile, kt, expert)
                     else:
-                        state = self._load_w(ab_pipe, state, atoms[10], coords[10], atoms[9], coords[9], sA_w,
-                                             sB_w, lo, length, m_tile, n_tile, kt)
+                        state = self._load_w(ab_pipe, state, atoms, coords, (wg + p, wg + 1, wg + p + 1, wg + 3),
+                                             views[4:], lo, length, m_tile, n_tile, kt, expert)
             t = persistent.claim(ticket)
             tstate = task_ring.publish(task_pipe, tstate, sTask, t)
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def _load_w(self, ab_pipe, state, atom_a, coord_a: cute.Tensor, atom_b, coord_b: cute.Tensor, sA: cute.Tensor,
-                sB: cute.Tensor, lo: Int32, length: Int32, m_tile: Int32, n_tile: Int32, kt: Int32):
+    def _sf_tile(self, sf, mOffsets: cute.Tensor, expert: Int32, m_tile: Int32, n_tile: Int32):
+        """MXFP8 D2 / D1 tile: its (SFA, SFB) k-tile sources, as the unfused grouped GEMM reads them
+        (SFA at scale atom row ``o_e // 128 + e + m_tile``, SFB of the expert's n-tile)."""
+        sf_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
+        return sf[0][(None, sf_row, None, 0)], sf[1][(None, n_tile, None, expert)]
+
+    @cute.jit
+    def _load_w(self, ab_pipe, state, atoms, coords, idx, smem, lo: Int32, length: Int32, m_tile: Int32,
+                n_tile: Int32, kt: Int32, expert: Int32):
         """TMA warp: the k-tiles of weight-gradient tile (m_tile, n_tile) over the expert's rows
-        ``lo .. lo + length`` (the unfused wgrad's ragged views); returns the state."""
+        ``lo .. lo + length`` (the unfused wgrad's ragged views; ``idx``: the atoms of A, B[, SFA,
+        SFB], MXFP8: scale k-tiles from the expert's first, ``lo // 128 + e``); returns the state."""
         cfg, mw = self.cfg, self.ml_w
-        gA = cute.local_tile(_expert_k(coord_a, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
-        gB = cute.local_tile(_expert_k(coord_b, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-        tAsA, tAgA = mw.partition_a(atom_a, gA, sA, 0)
-        tBsB, tBgB = mw.partition_b(atom_b, gB, sB, 0)
-        return mw.load_tile(ab_pipe, state, [atom_a, atom_b], (tAgA, tBgB), (tAsA, tBsB), kt, Int32(0),
-                            (None, None))
+        atom_a, atom_b = atoms[idx[0]], atoms[idx[1]]
+        gA = cute.local_tile(_expert_k(coords[idx[0]], lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
+        gB = cute.local_tile(_expert_k(coords[idx[1]], lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+        tAsA, tAgA = mw.partition_a(atom_a, gA, smem[0], 0)
+        tBsB, tBgB = mw.partition_b(atom_b, gB, smem[1], 0)
+        used, srcs, dsts, sf_k0 = [atom_a, atom_b], (tAgA, tBgB), (tAsA, tBsB), Int32(0)
+        if cutlass.const_expr(self.mx):
+            every = (None, None, None)
+            tAsSFA, tAgSFA = mw.partition_a(atoms[idx[2]], cute.local_tile(coords[idx[2]], (cfg.tile_m, cfg.tile_k),
+                                                                           every), smem[2], 0)
+            tBsSFB, tBgSFB = mw.partition_sfb(atoms[idx[3]], cute.local_tile(coords[idx[3]], (cfg.tile_n, cfg.tile_k),
+                                                                             every), smem[3], 0)
+            used = used + [atoms[idx[2]], atoms[idx[3]]]
+            srcs = srcs + (tAgSFA[(None, m_tile, None, 0)], tBgSFB[(None, n_tile, None, 0)])
+            dsts = dsts + (tAsSFA, tBsSFB)
+            sf_k0 = lo // lay.SF_ATOM_ROWS + expert
+        return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, (None,) * self.per)
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, dims, mOffsets: cute.Tensor):
         """MMA warp: each task's tile into the next TMEM accumulator stage (D2, D1: the (K, MN)
         tiled MMA; W: the (MN, MN) one)."""
         md, mw = self.ml_d, self.ml_w
-        sA, sB, sA_w, sB_w = views
         n_tasks, n_d2, n_d1, per_e, k_h, k_i = dims[0], dims[1], dims[2], dims[7], dims[8], dims[9]
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
         acc = md.acc_tensor(acc_ptr)
         acc_w = mw.acc_tensor(acc_ptr)
-        tCrA, tCrB, _ = md.mma_fragments(sA, sB, None, None, acc_ptr)
-        tCrA_w, tCrB_w, _ = mw.mma_fragments(sA_w, sB_w, None, None, acc_ptr)
+        tCrA, tCrB, sf = md.mma_fragments(*views[:4], acc_ptr)
+        tCrA_w, tCrB_w, sf_w = mw.mma_fragments(*views[4:], acc_ptr)
         mma_d = md.make_tiled_mma()
         mma_w = mw.make_tiled_mma()
         state = md.consumer_state()
@@ -302,13 +370,13 @@ class FusedMoeBwdSm100:
                 expert = (t - n_d2 - n_d1) // per_e
                 length = mOffsets[expert + 1] - mOffsets[expert]
                 kt = cutlass.max((length + (self.cfg.tile_k - 1)) // self.cfg.tile_k, 1)
-                state, mma_w = self.ml_w.mma_tile(mma_w, ab_pipe, state, tCrA_w, tCrB_w, None,
+                state, mma_w = self.ml_w.mma_tile(mma_w, ab_pipe, state, tCrA_w, tCrB_w, sf_w,
                                            acc_w[(None, None, None, acc_state.index)], kt)
             else:
                 kt = k_h  # D2: K = H; D1: K = 2 x I in k-tiles of each half
                 if t >= n_d2:
                     kt = 2 * k_i
-                state, mma_d = self.ml_d.mma_tile(mma_d, ab_pipe, state, tCrA, tCrB, None,
+                state, mma_d = self.ml_d.mma_tile(mma_d, ab_pipe, state, tCrA, tCrB, sf,
                                            acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
@@ -319,12 +387,16 @@ class FusedMoeBwdSm100:
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, dims, mOffsets: cute.Tensor,
                   num_experts: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
                   mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32, mOrder: cute.Tensor,
-                  done: cute.Pointer):
+                  done: cute.Pointer, mx_out):
         """Epilogue warps: store each task's accumulator with the unfused kernels' epilogue (tokens
-        variant: D1 row r to slot row ``order[row0 + r]``); a D2 tile is then published on
-        ``d2[mt]``, a D1 tile of the tokens variant counted on ``done`` (release add by thread 0
-        after every thread's GPU-scope fence and the epilogue barrier)."""
+        variant: D1 row r to slot row ``order[row0 + r]``; MXFP8: D2 stores dgu's two quantizations,
+        ``mx_out`` = (dgu_sf, dgut, dg_tsf, du_tsf) beside ``mDgu``, the e4m3 dgu along I); a D2 tile
+        is then published on ``d2[mt]``, a D1 tile of the tokens variant counted on ``done`` (release
+        add by thread 0 after every thread's GPU-scope fence and the epilogue barrier)."""
         n_tasks = dims[0]
+        t_atoms = None
+        if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
+            t_atoms = (mGU.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + num_experts
         tmem.allocate(self.ml_d.tmem_alloc)
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
@@ -340,7 +412,12 @@ class FusedMoeBwdSm100:
             acc_pipe.consumer_wait(acc_state)
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
             if phase == D2:
-                self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, mDgu, mGU, limit)
+                if cutlass.const_expr(self.mx):
+                    sf_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
+                    self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, None, mGU, limit,
+                                                (mDgu, *mx_out, sf_row, t_atoms))
+                else:
+                    self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, mDgu, mGU, limit)
             elif phase == D1:
                 if cutlass.const_expr(self.tokens):
                     store_routed(self.dgrad1, chunks, row0, rows, n_tile, mDx, mOrder)
@@ -375,15 +452,16 @@ class FusedMoeBwdSm100:
 
 
 # ---------------------------------------------------------------- compile
-def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, *,
-                                 arch: str = "sm_100a", inspect: bool = False):
+def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
+                                 mx: bool = False, *, arch: str = "sm_100a", inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
-    start terms, need ``tokens``); returns ``(compiled, report)``."""
+    start terms, need ``tokens``; ``mx``: MXFP8); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx)
     bf = cutlass.BFloat16
+    q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
     m, e, two, t, tk = (cute.sym_int() for _ in range(5))
     hid, inter = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(2))
 
@@ -391,22 +469,29 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
         return cute.runtime.make_fake_tensor(Int32, (cute.sym_int() if n is None else n,), stride=(1,),
                                              assumed_align=4)
 
-    args = (_fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(bf, m, inter),
-            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
-            _fake_3d(bf, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(bf, e, inter, hid),
+    args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
+            _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
+            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(), vec(), vec())
     toks = (None,) * 5
     if tokens:
         toks = (vec(), vec(tk), _fake_2d(bf, t, hid) if init else None, _fake_2d(Float32, t, hid) if add else None,
                 _fake_2d(bf, t, hid))
-    return compile_kernel(op, *args, *toks, Int32(1), Float32(0.0), Int32(1), Int64(1), cute.runtime.make_fake_stream(),
-                          arch=arch, inspect=inspect)
+    mxs = (None,) * 11
+    if mx:
+        sf = MX_CONFIG
+        mxs = (_fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_2d(q, m, hid), _fake_sf(sf),
+               _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
+    return compile_kernel(op, *args, *toks, *mxs, Int32(1), Float32(0.0), Int32(1), Int64(1),
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
-def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas):
-    """Raise TypeError / ValueError for operands :func:`fused_backward_core` cannot launch on."""
+def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales=None):
+    """Raise TypeError / ValueError for operands :func:`fused_backward_core` cannot launch on
+    (``w_scales`` given: MXFP8, e4m3 weights with those scales)."""
     bf = (torch.bfloat16,)
+    mx = w_scales is not None
     _check_tensor("dy", dy, 2, bf)
     m, hid = dy.shape
     if hid == 0 or hid % DIM_MULTIPLE:
@@ -415,24 +500,32 @@ def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_
     if tuple(x.shape) != (m, hid):
         raise ValueError(f"x must have dy's shape {(m, hid)}, got {tuple(x.shape)}")
     _check_tensor("offsets", offsets, 1, (torch.int32,))
-    _check_tensor("w_gate", w_gate, 3, bf)
+    _check_tensor("w_gate", w_gate, 3, (_FP8,) if mx else bf)
     e, inter = w_gate.shape[0], w_gate.shape[1]
     if e == 0 or inter == 0 or inter % DIM_MULTIPLE:
         raise ValueError(f"w_gate must be [E >= 1, I, H] with I a positive multiple of {DIM_MULTIPLE}, "
                          f"got {tuple(w_gate.shape)}")
     if offsets.numel() != e + 1:
         raise ValueError(f"offsets must hold E+1 = {e + 1} entries, got {offsets.numel()}")
-    _check_weight("w_gate", w_gate, (e, inter, hid), False, strided=True)
-    _check_weight("w_up", w_up, (e, inter, hid), False, strided=True)
-    _check_weight("w_down", w_down, (e, hid, inter), False)
+    _check_weight("w_gate", w_gate, (e, inter, hid), mx, strided=True)
+    _check_weight("w_up", w_up, (e, inter, hid), mx, strided=True)
+    _check_weight("w_down", w_down, (e, hid, inter), mx)
+    scales = {}
+    if mx:
+        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 3:
+            raise ValueError("w_scales must be (gate [E, I/32, H], up [E, I/32, H], down [E, H/32, I]) for MXFP8")
+        _check_gate_up_scales(w_scales[:2], (e, inter // lay.SF_VEC, hid))
+        _check_scales("w_scales[2]", w_scales[2], (e, hid // lay.SF_VEC, inter))
+        scales = {f"w_scales[{i}]": s for i, s in enumerate(w_scales)}
     for name, a, cols in (("gu", gu, 2 * inter), ("h", h, inter)):
         _check_tensor(name, a, 2, bf)
         if a.shape[0] < m or a.shape[1] != cols:
             raise ValueError(f"{name} must be [>= M={m}, {cols}], got {tuple(a.shape)}")
-    for name, a in dict(dy=dy, x=x, gu=gu, h=h, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down).items():
+    for name, a in dict(dy=dy, x=x, gu=gu, h=h, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                        **scales).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
-        if name not in ("w_gate", "w_up") and (not a.is_contiguous() or a.data_ptr() % 16):
+        if name not in ("w_gate", "w_up", *scales) and (not a.is_contiguous() or a.data_ptr() % 16):
             raise ValueError(f"{name} must be contiguous and 16-byte aligned")
     _check_limit(limit)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
@@ -474,7 +567,7 @@ def _check_tokens(tokens, dy):
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float,
-                        num_ctas: int | None = None, tokens=None):
+                        num_ctas: int | None = None, tokens=None, w_scales=None):
     """Validate, then launch the routed backward core on the current stream (the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_core` without ``tokens`` / ``mx``):
     dy, x [M, H] bf16 (grouped rows, dy already scaled by the router weights); gu [>= M, 2I] and
@@ -489,8 +582,18 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     topk_idx >= 0), bitwise the unfused scatter and reference slot sum; ``order`` int [>= M]
     (grouped row -> t*k + j, trusted), ``topk_idx`` int [T, k], ``dx_shared`` bf16 [T, H] or None,
     ``dx_add`` fp32 [T, H] or None (both contiguous). A device wait's timeout is raised by a later
-    call (:mod:`mok_cute.dsl.deferred`)."""
-    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas)
+    call (:mod:`mok_cute.dsl.deferred`).
+
+    MXFP8 (``w_scales`` given): the weights float8_e4m3fn quantized along their rows' K as the
+    unfused MXFP8 backward reads them (``layers.sm100.quantize_weight(w, 1)``: w_gate, w_up along
+    I, w_down along H), ``w_scales`` = (gate [E, I/32, H], up [E, I/32, H], down [E, H/32, I])
+    uint8 E8M0; dy, x, h stay bf16 and are quantized here as ``layers.sm100.mx_backward`` does
+    (dy along H, ``quantize.quantize_mxfp8``; dy, x, h along tokens,
+    :class:`~mok_cute.kernels.sm100.layouts.TokenOperand`; the quantizers looked up at call time);
+    D2's epilogue quantizes dgu along I and along tokens
+    (:meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`), so every tile is
+    the unfused MXFP8 GEMMs' on the same operands (meant bitwise ``mx_backward``)."""
+    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales)
     toks = None if tokens is None else _check_tokens(tokens, dy)
     dev, arch = device_arch(dy.device)
     if arch not in ARCHS:
@@ -508,7 +611,12 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
             if toks[3] is not None:
                 dx.copy_((dx.float() + toks[3]).bfloat16())
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
-    dgu = torch.empty((m, 2, inter), **bf)
+    mx = w_scales is not None
+    mx_args = (None,) * 11
+    ops = (dy, x, h[:m])
+    dgu = torch.empty((m, 2, inter), dtype=_FP8 if mx else torch.bfloat16, device=dy.device)
+    if mx:
+        ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     mt_cap = m // CONFIG.tile_m + e + 1  # routed m-tiles: at most one partial per expert
     n_words = WORDS if toks is None else DONE_WORD + 1
     counters = torch.zeros(mt_cap + n_words, dtype=torch.int32, device=dy.device)
@@ -519,12 +627,12 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
         tok_args = (order32, idx32, dxs, add, dx)
     variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
-               toks is not None and toks[3] is not None)
+               toks is not None and toks[3] is not None, mx)
     launcher = compile_cached(("sm100_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_sm100(variant[0], *variant[1:], arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
-    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd, offsets, d2,
-               words, *tok_args)
+    tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd,
+               offsets, d2, words, *tok_args, *mx_args)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, num_ctas, timeout_ns)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
@@ -534,11 +642,39 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     return dx, dwg, dwu, dwd
 
 
+def _mx_operands(dy, x, h, offsets, w_scales):
+    """``((dyq, x_t, h_t), tensors)`` of the MXFP8 variant, what ``layers.sm100.mx_backward`` hands
+    the unfused MXFP8 GEMMs: dy quantized along H (D2's A) and x, h token rows quantized along
+    tokens (dWg / dWu's and dWd's B), then the kernel's eleven MXFP8 tensors in ``__call__`` order:
+    dy's grouped blocked row scales, w_down's and [w_gate; w_up]'s blocked scales along K
+    (``pack_kn_weight_scales``), dgu's row scales (zeroed: the halves' padding stays 0), dy's token
+    rows and token scales, h's token scales, dgu's token rows (scratch), dg's and du's token scales
+    (zeroed), x's token scales (the grouped blocked layouts of
+    :mod:`~mok_cute.kernels.sm100.layouts`)."""
+    from mok_cute.kernels.quant import quantize
+
+    m, inter = h.shape
+    e = offsets.numel() - 1
+    u8 = dict(dtype=torch.uint8, device=dy.device)
+    dyq, dys = quantize.quantize_mxfp8(dy, -1)
+    dy_t, x_t, h_t = (lay.TokenOperand(a, offsets) for a in (dy, x, h))
+    half_kb = -(-inter // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC)) * lay.SF_ATOM_KBLOCKS  # blocks per half, padded
+    tok_kb = lay.grouped_sf_rows(m, e) // lay.SF_VEC
+    tensors = (lay.pack_row_scales(dys, offsets), lay.pack_kn_weight_scales(w_scales[2]),
+               torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), 2 * half_kb), **u8),
+               lay.pack_kn_weight_scales(*w_scales[:2]), dy_t.data, dy_t.scales(), h_t.scales(),
+               torch.empty((m, 2, inter), dtype=_FP8, device=dy.device), torch.zeros(lay.sf_bytes(inter, tok_kb), **u8),
+               torch.zeros(lay.sf_bytes(inter, tok_kb), **u8), x_t.scales())
+    return (dyq, x_t.data, h_t.data), tensors
+
+
 # ---------------------------------------------------------------- variant registry (readiness tool)
 _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
         "mbarrier", "atom.global.add.u32", "atom.global.release.add.u32", "ld.acquire", "%globaltimer",
         "fence.proxy.async.global")
 _PTX_TOKENS = ("add.rn.f32", "cp.async.cg")  # the dx slot sum: single-rounded fp32 adds, slot rows via cp.async
+_MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (  # block-scaled MMAs, dgu's two quantizations
+    "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2", "shfl.sync.bfly")
 
 
 def variants() -> dict:
@@ -549,4 +685,6 @@ def variants() -> dict:
 
     return {"fused-bwd-core-clamp": (core(True), _PTX), "fused-bwd-core-noclamp": (core(False), _PTX),
             "fused-bwd-tokens-clamp": (core(True, tokens=True, init=True, add=True), _PTX + _PTX_TOKENS),
-            "fused-bwd-tokens-noclamp": (core(False, tokens=True), _PTX + _PTX_TOKENS)}
+            "fused-bwd-tokens-noclamp": (core(False, tokens=True), _PTX + _PTX_TOKENS),
+            "fused-bwd-mxfp8-core-clamp": (core(True, mx=True), _MX_PTX),
+            "fused-bwd-mxfp8-tokens-noclamp": (core(False, tokens=True, mx=True), _MX_PTX + _PTX_TOKENS)}

@@ -107,6 +107,58 @@ def _mxfp8_block(r: cute.Tensor):
     return q, cutlass.Uint8(byte)
 
 
+@cute.jit
+def _mxfp8_tokens(r: cute.Tensor, valid, lane: Int32):
+    """``(e4m3 registers shaped like r, E8M0 scale byte of column lane)``: MXFP8 along tokens of
+    one 32-row block held by a warp, lane l's row in ``r`` (32 bf16 values, one per column; rows
+    with ``valid`` false count as 0, the quantizer's zero padding): the ops of the token quantizer
+    (``reference.mxfp8_quantize_tokens``: per column the amax of the |x| bit patterns, then
+    :meth:`Fp8Ops.e8m0`, ``mul.rn.f32`` + ``cvt.rn.satfinite``, NaN / Inf columns 0xFF and 0x7F),
+    so bitwise its output. The column amaxes (``max.u16x2`` on |x| word pairs) are a warp
+    reduce-scatter (16 butterfly shuffles: lanes 2w, 2w+1 end with word w, columns 2w, 2w+1);
+    lane l computes column l's byte, four lanes pack theirs into a word (2 shuffles) and each
+    output word reads its columns' bytes back (8 indexed shuffles), the multiplier 2^-e being
+    ``(254 - byte) << 23`` (e8m0's; a 0xFF column's bytes are masked to 0x7F)."""
+    ops = _BF16_OPS
+    words = cute.recast_tensor(r, cutlass.Uint32)
+    n = cute.size(words)
+    cur = [cutlass.select_(valid, words[j] & cutlass.Uint32(0x7FFF7FFF), cutlass.Uint32(0))
+           for j in range(n)]
+    for st in cutlass.range_constexpr(5):  # offsets 16 .. 1: keep the half this lane's bit selects
+        off = 16 >> st
+        upper = (lane & off) != 0
+        half = len(cur) // 2
+        if cutlass.const_expr(half == 0):
+            cur = [ops.wmax(cur[0], cute.arch.shuffle_sync_bfly(cur[0], offset=off))]
+        else:
+            nxt = []
+            for j in cutlass.range_constexpr(half):
+                keep = cutlass.select_(upper, cur[j + half], cur[j])
+                send = cutlass.select_(upper, cur[j], cur[j + half])
+                nxt.append(ops.wmax(keep, cute.arch.shuffle_sync_bfly(send, offset=off)))
+            cur = nxt
+    mine = cur[0]  # amax word lane // 2
+    _, own, _ = ops.e8m0(Int32(cutlass.select_((lane & 1) != 0, mine & cutlass.Uint32(0xFFFF0000), mine << 16)))
+    packed = cutlass.Uint32(own) << (8 * (lane & 3))  # then lanes 4g .. 4g+3: the bytes of columns 4g ..
+    for b in cutlass.range_constexpr(2):
+        packed = packed | cute.arch.shuffle_sync_bfly(packed, offset=1 << b)
+    q = cute.make_rmem_tensor_like(r, cutlass.Float8E4M3FN)
+    qw = cute.recast_tensor(q, cutlass.Uint32)
+    for w in cutlass.range_constexpr(n // 2):  # output word w: columns 4w .. 4w+3, input words 2w, 2w+1
+        bw = cute.arch.shuffle_sync(packed, offset=4 * w)
+        scs = []
+        nan = cutlass.Uint32(0)
+        for i in cutlass.range_constexpr(4):  # 2^-e of byte b (e8m0's multiplier; 0xFF: NaN / Inf, masked)
+            byte = (bw >> (8 * i)) & cutlass.Uint32(0xFF)
+            scs.append((cutlass.Uint32(254) - byte) << 23)
+            nan = nan | cutlass.select_(byte == cutlass.Uint32(0xFF), cutlass.Uint32(0xFF << (8 * i)), cutlass.Uint32(0))
+        f = []
+        for h in cutlass.range_constexpr(2):  # fp32 bits of the words' bf16 (low half first)
+            f += [words[2 * w + h] << 16, words[2 * w + h] & cutlass.Uint32(0xFFFF0000)]
+        qw[w] = ops.fp8x4(f, scs, nan)
+    return q, cutlass.Uint8(own)
+
+
 def _shared_storage(ab, stages: int, acc_stages: int, a_n: int, b_n: int, sf_n=None):
     """The kernel's shared storage struct: pipeline barriers, the TMEM pointer, 1024-aligned
     A/B stages and, for MXFP8 (``sf_n`` = (SFA, SFB) sizes), the scale factor stages."""
@@ -480,25 +532,31 @@ class GroupedGemmSm100:
 
     @cute.jit
     def _store_dswiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor,
-                       mGU: cute.Tensor, limit: Float32):
+                       mGU: cute.Tensor, limit: Float32, mx=None):
         """dSwiGLU of the FP32 accumulator dh (intermediate columns ``n_tile * tile_n + c``)
         with g, u read from gu [M, 2, I] (this thread's row); writes dgu [M, 2, I]. Only the
-        chunks inside I (a multiple of EPI_N) are read, computed and written."""
+        chunks inside I (a multiple of EPI_N) are read, computed and written.
+
+        ``mx`` given (the fused MXFP8 backward; ``mDGU`` then None): instead of bf16 dgu, its two
+        MXFP8 quantizations (:meth:`_store_dgu_mx`), ``mx = (dguq, dgu_sf, dgut, dg_tsf, du_tsf,
+        sf_row, t_atoms)``."""
         shape = (EPI_THREADS, self.cfg.tile_n)
         row = chunks.row
         live = cutlass.min(mGU.shape[2] - n_tile * self.cfg.tile_n, self.cfg.tile_n) // EPI_N
         copy, src, reg_shape = chunks.copy, chunks.src, chunks.reg_shape
-        src_g, src_u, dst_g, dst_u = [
+        outs = (mDGU,) if cutlass.const_expr(mx is None) else (mx[0], mx[2])
+        parts = [
             chunks.part_all(cute.local_tile(cute.domain_offset((row0, 0), t[(None, j, None)]), shape, (0, n_tile)))
-            for t in (mGU, mDGU) for j in (0, 1)]
-        for c in cutlass.range(live, unroll=2):
+            for t in (mGU,) + outs for j in (0, 1)]
+        src_g, src_u = parts[:2]
+        for c in cutlass.range(live, unroll=2 if cutlass.const_expr(mx is None) else 1):
             dh = tmem_load(copy, src[(None, None, None, 0, c)], reg_shape)
             g = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
             u = cute.make_rmem_tensor_like(dh, cutlass.BFloat16)
             g.fill(0.0)
             u.fill(0.0)
-            d_g = dst_g[(None, None, None, 0, c)]
-            d_u = dst_u[(None, None, None, 0, c)]
+            d_g = parts[2][(None, None, None, 0, c)]
+            d_u = parts[3][(None, None, None, 0, c)]
             if row < rows:
                 cute.autovec_copy(src_g[(None, None, None, 0, c)], g)
                 cute.autovec_copy(src_u[(None, None, None, 0, c)], u)
@@ -522,9 +580,43 @@ class GroupedGemmSm100:
                 du[i] = b
             rdg = _bf16(dg)
             rdu = _bf16(du)
+            if cutlass.const_expr(mx is None):
+                if row < rows:
+                    cute.autovec_copy(rdg, d_g)
+                    cute.autovec_copy(rdu, d_u)
+            else:
+                self._store_dgu_mx((rdg, rdu), row, rows, n_tile, c, parts[2:], mx)
+
+    @cute.jit
+    def _store_dgu_mx(self, vals, row: Int32, rows: Int32, n_tile: Int32, c: Int32, dsts, mx):
+        """The fused MXFP8 backward's dgu operands from this thread's bf16 dg, du (``vals``, chunk
+        ``c`` of the tile's row ``row``), each a 32-column MX block, as the unfused path quantizes
+        bf16 dgu: along I (dgrad1's A, ``quantize_mxfp8(dgu, -1)``: :func:`_mxfp8_block`) into
+        e4m3 ``dguq`` [M, 2, I] and the blocked ``dgu_sf`` at scale atom row ``sf_row`` (blocks
+        of each half padded to whole scale atoms, ``pad_k_parts`` + ``pack_row_scales``), and
+        along tokens (dWg / dWu's A, ``quantize_tokens``: :func:`_mxfp8_tokens`, a warp's 32 rows
+        are a token block: m-tiles start at their expert's first row) into e4m3 ``dgut`` [M, 2, I]
+        and the blocked ``dg_tsf`` / ``du_tsf`` (features x token blocks, ``t_atoms`` scale atoms
+        per atom row; the warp's block 4 sf_row + warp written once it holds a row of the
+        expert). The scale buffers are zeroed by the host (their padding stays 0)."""
+        dguq, dgu_sf, _, dg_tsf, du_tsf, sf_row, t_atoms = mx
+        cfg = self.cfg
+        atom_k = lay.SF_ATOM_KBLOCKS * lay.SF_VEC
+        half_atoms = (dguq.shape[2] + (atom_k - 1)) // atom_k  # scale atoms per half along I
+        lane = row % 32
+        warp = row // 32
+        n = n_tile * cfg.tile_n + c * EPI_N + lane  # the feature column of this lane's token scale
+        for j in cutlass.range_constexpr(2):
+            q, byte = _mxfp8_block(vals[j])
+            tq, tbyte = _mxfp8_tokens(vals[j], row < rows, lane)
             if row < rows:
-                cute.autovec_copy(rdg, d_g)
-                cute.autovec_copy(rdu, d_u)
+                cute.autovec_copy(q, dsts[j][(None, None, None, 0, c)])
+                kb = j * half_atoms * lay.SF_ATOM_KBLOCKS + n_tile * (cfg.tile_n // lay.SF_VEC) + c
+                dgu_sf[lay.sf_byte(sf_row, row, kb, 2 * half_atoms)] = byte
+                cute.autovec_copy(tq, dsts[2 + j][(None, None, None, 0, c)])
+            if warp * 32 < rows:
+                (dg_tsf, du_tsf)[j][lay.sf_byte(n // lay.SF_ATOM_ROWS, n % lay.SF_ATOM_ROWS,
+                                                4 * sf_row + warp, t_atoms)] = tbyte
 
 
 # ---------------------------------------------------------------- compile
