@@ -110,12 +110,48 @@ def _kernel_model(mlp):
     return fused_forward, calls
 
 
+def _core_model(calls):
+    """A torch model of ``fused_bwd.fused_backward_core``'s contract on the unfused sm100 wrappers:
+    the unfused backward (MXFP8, ``w_scales`` given: :func:`~mok_cute.layers.sm100.mx_backward` on
+    the given quantized weights), with ``tokens`` the rows scattered by ``order`` and the reference
+    slot sum from fp32(dx_shared) [+ dx_add]; ``calls`` gets ``(tokens?, dx_shared?, dx_add?, mx?)``."""
+    from mok_cute.kernels.sm100 import grouped_gemm as k_
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    def core(dy, x, gu, h, offsets, w_gate, w_up, w_down, lim, timeout_s, num_ctas=None, tokens=None,
+             w_scales=None):
+        m = dy.shape[0]
+        calls.append((tokens is not None, tokens is not None and tokens[2] is not None,
+                      tokens is not None and tokens[3] is not None, w_scales is not None))
+        if w_scales is None:
+            dxr, dwg, dwu, dwd = S.mlp_backward(k_.grouped_dswiglu_dgrad, k_.grouped_dgrad1, k_.grouped_wgrad,
+                                                ExpertGroup(x, offsets, gu[:m], h[:m]), dy, w_gate, w_up, w_down, lim)
+        else:
+            given = {id(w): (w, s) for w, s in zip((w_gate, w_up, w_down), w_scales)}
+            dxr, dwg, dwu, dwd = S.mx_backward(k_, ExpertGroup(x, offsets, gu[:m], h[:m], "mxfp8"), dy, w_gate, w_up,
+                                               w_down, lim, lambda w, axis: given[id(w)])
+        if tokens is None:
+            return dxr, dwg, dwu, dwd
+        order, topk_idx, dxs, dxa = tokens
+        t, k = topk_idx.shape
+        slot = torch.zeros((t * k, dy.shape[1]), dtype=torch.bfloat16)
+        slot[order[:m].long()] = dxr[:m]
+        acc = torch.zeros((t, dy.shape[1])) if dxs is None else dxs.float()
+        if dxa is not None:
+            acc = acc + dxa
+        return R.slot_sum(acc, slot.view(t, k, -1), topk_idx).bfloat16(), dwg, dwu, dwd
+
+    return core
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
 def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit, precision):  # noqa: F811
     """The layer's fused forward glue, BF16 and MXFP8 (weights quantized and cached by the MLP, the
-    forward's state what the unfused backward reads: an MXFP8 group takes the unfused MXFP8
-    backward), over the kernel model: y and every gradient bitwise the reference's."""
+    forward's state what the backward reads), over the kernel model; at MXFP8 the backward is the
+    fused core (its mx variant, over :func:`_core_model`): y and every gradient bitwise the
+    reference's."""
     from mok_cute.kernels.sm100 import fused_bwd, fused_moe
     from mok_cute.kernels.sm90 import fused_moe as fm90
     from mok_cute.layers import sm100 as S
@@ -139,10 +175,12 @@ def test_layer_fused_glue_equals_reference(model, monkeypatch, shared_i, limit, 
     assert watched == [cfg.validate_routing]
     assert st.rows_by_route and st.routed.x is None  # the backward gathers x's rows again
     assert st.routed.precision == precision and st.routed.gu.dtype == st.routed.h.dtype == torch.bfloat16
-    if precision == "mxfp8":  # opted in, operands it would take: the BF16 core must still not take an MXFP8 group
+    core_calls = []
+    if precision == "mxfp8":  # opted in, operands it takes: the MXFP8 core
         monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
-        monkeypatch.setattr(fused_bwd, "fused_backward_core", lambda *a, **kw: pytest.fail("fused core at MXFP8"))
+        monkeypatch.setattr(fused_bwd, "fused_backward_core", _core_model(core_calls))
     assert_reference_layer(p, dy, limit, y, be.backward(st, dy), precision)
+    assert all(c[3] for c in core_calls) and len(core_calls) == (precision == "mxfp8") * (1 + (shared_i is not None))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -168,9 +206,10 @@ def test_unfused_forward_interleaves_once_per_weight_version(model, monkeypatch,
     assert len(built) == 2 * per_build
 
 
-def test_backward_takes_the_fused_core_when_opted_in(monkeypatch):
-    """With MOK_CUTE_SM100_FUSED=1 a BF16 backward is one fused_backward_core call on the group's
-    operands (the kernel faked); without it, or at MXFP8, the unfused kernels run."""
+def test_backward_takes_the_fused_core_when_opted_in(monkeypatch, ref_quant):  # noqa: F811
+    """With MOK_CUTE_SM100_FUSED=1 a BF16 or MXFP8 backward is one fused_backward_core call on the
+    group's operands (MXFP8: the cached quantized weights and their scales; the kernel faked);
+    without it the unfused kernels run."""
     from mok_cute.kernels.sm100 import fused_bwd
     from mok_cute.layers import sm100 as S
     from mok_cute.layers.common import ExpertGroup
@@ -188,16 +227,24 @@ def test_backward_takes_the_fused_core_when_opted_in(monkeypatch):
     assert args[5:9] == (*w, 4.0) and args[9] == S.FUSED_BWD_TIMEOUT_S
     monkeypatch.setattr(S, "mlp_backward", lambda *a: "unfused")
     monkeypatch.setattr(S, "mx_backward", lambda *a: "unfused mxfp8")
-    assert Sm100ExpertMLP().backward(replace(g, precision="mxfp8"), dy, *w, 4.0) == "unfused mxfp8"
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", lambda *a, **kw: calls.append((a, kw)) or "fused mxfp8")
+    mlp = Sm100ExpertMLP()
+    assert mlp.backward(replace(g, precision="mxfp8"), dy, *w, 4.0) == "fused mxfp8"
+    a, kw = calls[1]  # the weights quantized along their rows' K (axis 1), as mx_backward's, cached
+    want = [mlp._qw(t, 1) for t in w]
+    assert all(x is q for x, (q, _) in zip(a[5:8], want)) and a[8] == 4.0
+    assert kw.keys() == {"w_scales"} and all(x is s for x, (_, s) in zip(kw["w_scales"], want))
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")
     assert Sm100ExpertMLP().backward(g, dy, *w, 4.0) == "unfused"
-    assert len(calls) == 1
+    assert Sm100ExpertMLP().backward(replace(g, precision="mxfp8"), dy, *w, 4.0) == "unfused mxfp8"
+    assert len(calls) == 2
 
 
-def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch):
-    """With MOK_CUTE_SM100_FUSED=1 a BF16 ``backward_tokens`` is one fused_backward_core call with
-    ``tokens`` (the kernel faked); None (the layer then runs ``backward``) without the opt-in, at
-    MXFP8, for operands the core does not take or a non-contiguous dx_shared / dx_add."""
+def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch, ref_quant):  # noqa: F811
+    """With MOK_CUTE_SM100_FUSED=1 a BF16 / MXFP8 ``backward_tokens`` is one fused_backward_core
+    call with ``tokens`` (MXFP8: and ``w_scales``; the kernel faked); None (the layer then runs
+    ``backward``) without the opt-in, at other precisions, for operands the core does not take or
+    a non-contiguous dx_shared / dx_add."""
     from mok_cute.kernels.sm100 import fused_bwd
     from mok_cute.layers import sm100 as S
     from mok_cute.layers.common import ExpertGroup
@@ -220,7 +267,9 @@ def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch):
     assert kw.keys() == {"tokens"} and all(a is b for a, b in zip(kw["tokens"], (order, idx, dxs, dxa)))
     assert mlp.backward_tokens(g, dy, *w, None, order, idx, None) == "fused"
     assert calls[1][1]["tokens"][2:] == (None, None)
-    assert mlp.backward_tokens(replace(g, precision="mxfp8"), dy, *w, 4.0, order, idx, dxs) is None
+    assert mlp.backward_tokens(replace(g, precision="mxfp8"), dy, *w, 4.0, order, idx, dxs) == "fused"
+    assert calls[2][1].keys() == {"tokens", "w_scales"} and calls[2][0][5].dtype == torch.float8_e4m3fn
+    assert mlp.backward_tokens(replace(g, precision="fp8"), dy, *w, 4.0, order, idx, dxs) is None
     assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, torch.randn(64, 3).bfloat16().t()) is None
     assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs, torch.randn(64, 3).t()) is None
     ok[0] = False
@@ -228,41 +277,22 @@ def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch):
     ok[0] = True
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")
     assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs) is None
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
-def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared_i, limit):  # noqa: F811
+def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared_i, limit, precision):  # noqa: F811
     """The layer's mode-2 backward (``MOK_CUTE_FUSED_BWD=2``) on the sm100 backend, opted in, calls
-    ``backward_tokens``; over a torch model of ``fused_backward_core(tokens=...)``'s contract (the
-    unfused sm100 backward, the rows scattered by ``order``, the reference slot sum from
-    fp32(dx_shared)) every gradient is bitwise the reference's."""
+    ``backward_tokens`` (BF16 and MXFP8); over :func:`_core_model` (the contract of
+    ``fused_backward_core(tokens=...)``) every gradient is bitwise the reference's."""
     from mok_cute.kernels.sm100 import fused_bwd
-    from mok_cute.kernels.sm100 import grouped_gemm as k_
     from mok_cute.layers import sm100 as S
-    from mok_cute.layers.common import ExpertGroup
 
     be = B.get_backend("sm100")
     calls = []
-
-    def core(dy, x, gu, h, offsets, w_gate, w_up, w_down, lim, timeout_s, num_ctas=None, tokens=None):
-        dxr, dwg, dwu, dwd = S.mlp_backward(k_.grouped_dswiglu_dgrad, k_.grouped_dgrad1, k_.grouped_wgrad,
-                                            ExpertGroup(x, offsets, gu, h), dy, w_gate, w_up, w_down, lim)
-        if tokens is None:  # the shared expert's backward
-            return dxr, dwg, dwu, dwd
-        order, topk_idx, dxs, dxa = tokens
-        calls.append((dxs is not None, dxa is not None))
-        m = int(offsets[-1])
-        t, k = topk_idx.shape
-        slot = torch.zeros((t * k, dy.shape[1]), dtype=torch.bfloat16)
-        slot[order[:m].long()] = dxr[:m]
-        acc = torch.zeros((t, dy.shape[1])) if dxs is None else dxs.float()
-        if dxa is not None:
-            acc = acc + dxa
-        return R.slot_sum(acc, slot.view(t, k, -1), topk_idx).bfloat16(), dwg, dwu, dwd
-
-    monkeypatch.setattr(fused_bwd, "fused_backward_core", core)
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", _core_model(calls))
     monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "0")  # the unfused forward; the backward opts in below
     monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "2")
@@ -270,8 +300,10 @@ def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared
     p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
     p["topk_idx"][3, 1] = -1
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
-    y, st = be.forward(inp, MoKConfig(), None)
+    y, st = be.forward(inp, MoKConfig(precision=precision), None)
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
     grads = be.backward(st, dy)
-    assert calls == [(shared_i is not None, False)]
-    assert_reference_layer(p, dy, limit, y, grads)
+    mx = precision == "mxfp8"
+    routed = (True, shared_i is not None, False, mx)
+    assert sorted(calls) == sorted([routed] + [(False, False, False, mx)] * (shared_i is not None))  # + the shared
+    assert_reference_layer(p, dy, limit, y, grads, precision)

@@ -108,7 +108,7 @@ def _fused_core_ok(g: ExpertGroup, dy_rows) -> bool:
     return g.x is not None and dy_rows.is_cuda and all(t.is_contiguous() for t in (dy_rows, g.x, g.gu, g.h))
 
 
-FUSED_CORE_PRECISIONS = ("bf16",)  # the fused backward core's (an MXFP8 group takes the unfused MXFP8 backward)
+FUSED_CORE_PRECISIONS = ("bf16", "mxfp8")  # the fused backward core's (fused_bwd: BF16 and its mx variant)
 
 
 class Sm100ExpertMLP:
@@ -126,16 +126,23 @@ class Sm100ExpertMLP:
     def fused_precisions(self) -> tuple:
         """The precisions the EP = 1 layer runs through the fused forward
         (:mod:`mok_cute.kernels.sm100.fused_moe`: BF16 and MXFP8) and, where it takes the group
-        (:data:`FUSED_CORE_PRECISIONS`: BF16), the fused backward core
-        (:mod:`mok_cute.kernels.sm100.fused_bwd`; an MXFP8 group takes the unfused MXFP8 backward):
-        opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at every call) until they have run on a
+        (:data:`FUSED_CORE_PRECISIONS`: BF16 and MXFP8), the fused backward core
+        (:mod:`mok_cute.kernels.sm100.fused_bwd`): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at every call) until they have run on a
         Blackwell GPU; else none (the unfused path)."""
         return ("bf16", "mxfp8") if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
 
     def _fused_core(self, g: ExpertGroup, dy_rows) -> bool:
-        """Whether the fused backward core runs this backward: opted in, a BF16 group, operands it takes."""
+        """Whether the fused backward core runs this backward: opted in, a BF16 / MXFP8 group, operands it takes."""
         return g.precision in FUSED_CORE_PRECISIONS and g.precision in self.fused_precisions \
             and _fused_core_ok(g, dy_rows)
+
+    def _core_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
+        """``(w_gate, w_up, w_down, {"w_scales": ...} or {})``: the fused core's weights, at MXFP8
+        quantized along their rows' K as :func:`mx_backward` reads them (cached per version)."""
+        if g.precision != "mxfp8":
+            return w_gate, w_up, w_down, {}
+        (gq, gs), (uq, us), (dq, ds) = (self._qw(w, 1) for w in (w_gate, w_up, w_down))
+        return gq, uq, dq, {"w_scales": (gs, us, ds)}
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                       gate=None):
@@ -186,17 +193,18 @@ class Sm100ExpertMLP:
         return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``: BF16 through
-        the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch) with
-        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else (MXFP8 too)
-        the unfused kernels."""
+        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``: BF16 or MXFP8
+        through the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch) with
+        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else the unfused
+        kernels."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if self._fused_core(g, dy_rows):
             from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
-            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
-                                       FUSED_BWD_TIMEOUT_S)
+            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
+            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit,
+                                       FUSED_BWD_TIMEOUT_S, **mx)
 
         if g.precision == "mxfp8":
             return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)
@@ -210,14 +218,15 @@ class Sm100ExpertMLP:
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), meant bitwise the unfused scatter and slot sum; None where
-        that launch does not apply (not BF16, not opted in, operands not contiguous CUDA: then call
-        :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.h) changes nothing here:
-        the BF16 core makes no round trips."""
+        that launch does not apply (not BF16 / MXFP8, not opted in, operands not contiguous CUDA:
+        then call :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.h) changes
+        nothing here: the core makes no round trips."""
         if not self._fused_core(g, dy_rows):
             return None
         if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):
             return None
         from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
-        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), w_gate, w_up, w_down, limit,
-                                   FUSED_BWD_TIMEOUT_S, tokens=(order, topk_idx, dx_shared, dx_add))
+        *w, mx = self._core_weights(g, w_gate, w_up, w_down)
+        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit, FUSED_BWD_TIMEOUT_S,
+                                   tokens=(order, topk_idx, dx_shared, dx_add), **mx)
