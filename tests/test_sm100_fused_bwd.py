@@ -10,6 +10,7 @@ import re
 import pytest
 
 from conftest import fake_sm100_device
+from test_sm100_mxfp8 import ref_quant  # noqa: F401 (fixture)
 
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 from mok_cute.kernels.sm100.mainloop import NUM_THREADS
@@ -363,4 +364,179 @@ def test_host_tokens_validated_before_launch(monkeypatch, change, exc, match):
         tokens = (tok["order"], tok["idx"], tok["dxs"], tok["dxa"])
     with pytest.raises(exc, match=match):
         fb.fused_backward_core(**ops, tokens=tokens)
+    assert not fake.calls and not keys
+
+
+# ---------------------------------------------------------------- the MXFP8 variant (mx)
+MX_REGISTERS = 255  # 0 spills; D2's two dgu quantizations (token-wise: warp shuffles) raise the epilogue's demand
+MX_NEEDED = tuple(i for i in NEEDED if i != "kind::f16") + (
+    "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2", "shfl.sync.bfly",
+    "shfl.sync.idx")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp, tokens", [(True, False), (False, True)])
+def test_mx_variant_compiles_with_its_protocol(arch, clamp, tokens):
+    """Block-scaled tcgen05 MMAs (no kind::f16), scale k-tiles to TMEM, D2's in-epilogue dgu
+    quantizations; the same counters and atomics as BF16; one CUtensorMap per operand and scale
+    tensor: D2 dy, w_down + 2 scales, D1 dg, w_gate + 2 scales + du, w_up, dWd dy, h + 2, dWg dg, x
+    + 2, dWu du + its scales; no spills."""
+    rep, bf16 = _rep(arch, clamp, tokens, False, False, True), _rep(arch, clamp, tokens)
+    missing = [i for i in MX_NEEDED if not rep.has(i)]
+    assert not missing, missing
+    assert "kind::f16" not in rep.ptx and "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.registers and rep.total_spill_bytes == 0
+    assert rep.max_registers <= MX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == 20
+    for i in ("atom.global.release.add.u32", "ld.acquire", "atom.global.add.u32", "cas.b32"):
+        assert rep.ptx.count(i) == bf16.ptx.count(i), i
+
+
+def _mx_operands(monkeypatch):
+    """``_operands()`` with the weights MXFP8-quantized along their rows' K as the unfused MXFP8
+    backward reads them (``layers.sm100.quantize_weight(w, 1)``; the reference quantizer)."""
+    from mok_cute import reference as R
+    from mok_cute.kernels.quant import quantize
+    from mok_cute.layers import sm100 as S
+
+    monkeypatch.setattr(quantize, "quantize_mxfp8", R.mxfp8_quantize)
+    ops = _operands()
+    (gq, gs), (uq, us), (dq, ds) = (S.quantize_weight(ops[n], 1) for n in ("w_gate", "w_up", "w_down"))
+    return dict(ops, w_gate=gq, w_up=uq, w_down=dq, w_scales=(gs, us, ds)), ops
+
+
+def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # noqa: F811
+    """fused_backward_core(w_scales=...) on CPU (compile and launch faked): one argument per kernel
+    parameter, the mx cache key, and every operand byte-equal to what ``layers.sm100.mx_backward``
+    hands the unfused SM100 MXFP8 GEMMs (their launches / the wgrad calls recorded) on the same
+    quantized weights: dy's e4m3 rows and scales, w_down's and [w_gate; w_up]'s blocked scales, dy /
+    h / x token rows and token scales; dgu's in-kernel operands shaped and zeroed as theirs."""
+    import torch
+
+    from mok_cute.kernels.sm100 import grouped_gemm as k
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops, bf = _mx_operands(monkeypatch)
+    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops)
+    (args,) = fake.calls
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    assert len(args) == len(params)
+    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True)]
+    assert tuple(dx.shape) == (200, 256) and dx.dtype == torch.bfloat16 and tuple(dwd.shape) == (4, 256, 192)
+
+    launched, wgrads = [], []
+    monkeypatch.setattr(k, "_launch", lambda *a, **kw: launched.append((a, kw)))
+    monkeypatch.setattr(k, "_check_devices", lambda **t: None)
+
+    class Wrappers:  # the unfused wrappers, grouped_wgrad recorded
+        grouped_dswiglu_dgrad, grouped_dgrad1 = k.grouped_dswiglu_dgrad, k.grouped_dgrad1
+
+        @staticmethod
+        def grouped_wgrad(a, b, offsets, a_scales=None, b_scales=None):
+            wgrads.append((a, b, a_scales, b_scales))
+
+    given = {id(w): (w, s) for w, s in zip((ops["w_gate"], ops["w_up"], ops["w_down"]), ops["w_scales"])}
+    g = ExpertGroup(bf["x"], bf["offsets"], bf["gu"][:200], bf["h"][:200], "mxfp8")
+    S.mx_backward(Wrappers, g, bf["dy"], ops["w_gate"], ops["w_up"], ops["w_down"], 4.0, lambda w, ax: given[id(w)])
+    (d2, _), (d1, d1_kw) = launched
+    u8 = torch.uint8
+    f8 = torch.float8_e4m3fn
+    assert torch.equal(by["mDy"].view(u8), d2[4].view(u8)) and by["mWd"] is d2[5] is ops["w_down"]
+    assert torch.equal(by["mDysf"], d2[6]) and torch.equal(by["mWdsf"], d2[7])
+    assert torch.equal(by["mGU"], d2[10]) and torch.equal(by["mGU"], bf["gu"][:200].view(200, 2, 192))
+    assert by["mWg"] is d1[5] and by["mWu"] is d1_kw["w2"] and torch.equal(by["mWgusf"], d1[7])
+    assert by["mDgu"].dtype == f8 and by["mDgu"].shape == d1[4].shape  # written by D2 (along I)
+    assert by["mDgusf"].shape == d1[6].shape and not by["mDgusf"].any()  # zeroed: the padding stays 0
+    (wd_a, wd_b, wd_as, wd_bs), (wg_a, wg_b, wg_as, wg_bs), (wu_a, wu_b, wu_as, wu_bs) = wgrads
+    assert torch.equal(by["mDyt"].view(u8), wd_a.view(u8)) and torch.equal(by["mH"].view(u8), wd_b.view(u8))
+    assert torch.equal(by["mDytsf"], wd_as) and torch.equal(by["mHtsf"], wd_bs)
+    assert torch.equal(by["mX"].view(u8), wg_b.view(u8)) and wg_b is wu_b
+    assert torch.equal(by["mXtsf"], wg_bs) and torch.equal(by["mXtsf"], wu_bs)
+    assert by["mDgut"].dtype == f8 and by["mDgut"][:, 0].shape == wg_a.shape == wu_a.shape  # written by D2
+    for name, want in (("mDgtsf", wg_as), ("mDutsf", wu_as)):
+        assert by[name].shape == want.shape and not by[name].any(), name
+
+
+def test_mx_dgu_scale_placement_is_the_unfused_layout():
+    """D2's dgu scale stores modelled in torch with the index calls the epilogue makes
+    (``layouts.sf_byte``, ``GroupedGemmSm100._store_dgu_mx``): the row scales (tile row r, chunk c
+    of n-tile nt, half j) are the unfused dgrad1's ``pack_row_scales(pad_k_parts(...))`` operand and
+    the token scales (warp w's block, lane l's feature) the unfused wgrads'
+    ``pack_token_scales_device`` operands, byte for byte over every expert's atoms. I = 320:
+    partial scale atoms and a partial last n-tile; an empty expert, a one-row expert."""
+    import torch
+
+    from mok_cute.kernels.sm100 import layouts as lay
+
+    g = torch.Generator().manual_seed(7)
+    offs, inter, tile_n = [0, 130, 130, 300, 301], 320, 256
+    e, m = len(offs) - 1, offs[-1]
+    kb_i = inter // 32
+    rs = torch.randint(0, 255, (m, 2 * kb_i), dtype=torch.uint8, generator=g)  # dgu's row scales (quantizer's)
+    ts = torch.randint(0, 255, (m // 32 + e, 2 * inter), dtype=torch.uint8, generator=g)  # its token scales
+    half_atoms = -(-inter // 128)
+    t_atoms = -(-m // 128) + e
+    row_sf = torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), 2 * 4 * half_atoms), dtype=torch.uint8)
+    tok_sf = [torch.zeros(lay.sf_bytes(inter, lay.grouped_sf_rows(m, e) // 32), dtype=torch.uint8) for _ in "gu"]
+    for ex in range(e):
+        for mt in range(-(-(offs[ex + 1] - offs[ex]) // 128)):
+            row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
+            sf_row = offs[ex] // 128 + ex + mt
+            for nt in range(-(-inter // tile_n)):
+                for c in range(min(inter - nt * tile_n, tile_n) // 32):  # live chunks
+                    for j in range(2):
+                        blk = nt * (tile_n // 32) + c
+                        for r in range(rows):
+                            row_sf[lay.sf_byte(sf_row, r, j * half_atoms * 4 + blk, 2 * half_atoms)] = rs[row0 + r,
+                                                                                                         j * kb_i + blk]
+                        for w in range(4):
+                            if 32 * w >= rows:
+                                continue
+                            slot = offs[ex] // 32 + ex + 4 * mt + w  # quantize_tokens' block slot
+                            for lane in range(32):
+                                n = nt * tile_n + c * 32 + lane
+                                tok_sf[j][lay.sf_byte(n // 128, n % 128, 4 * sf_row + w, t_atoms)] = \
+                                    ts[slot, j * inter + n]
+    offsets = torch.tensor(offs)
+    want = lay.pack_row_scales(lay.pad_k_parts(rs.chunk(2, 1), 1), offsets)
+    used = (m // 128 + e) * 2 * half_atoms * lay.SF_ATOM_BYTES  # every expert's atom rows (past them: never read)
+    assert row_sf.shape == want.shape and torch.equal(row_sf[:used], want[:used])
+    for j in range(2):
+        assert torch.equal(tok_sf[j], lay.pack_token_scales_device(ts[:, j * inter:(j + 1) * inter], offsets, m)), j
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ("bf16_weights", TypeError, "w_gate"),
+    ("no_scales", TypeError, "w_gate"),
+    ("scales_len", ValueError, "w_scales must be"),
+    ("scale_shape", ValueError, r"w_scales\[2\]"),
+    ("scale_dtype", TypeError, r"w_scales\[0\]"),
+    ("up_scale_shape", ValueError, r"w_scales\[1\]"),
+    ("w_down_fp8_bf16", TypeError, "w_down"),
+    ("scales_device", ValueError, "w_scales"),
+])
+def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
+    """Every bad MXFP8 operand raises before anything is quantized, compiled or launched."""
+    from mok_cute.kernels.quant import quantize
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops, bf = _mx_operands(monkeypatch)
+    monkeypatch.setattr(quantize, "quantize_mxfp8", lambda *a: pytest.fail("quantized before validation"))
+    gs, us, ds = ops["w_scales"]
+    edits = {
+        "bf16_weights": dict(w_gate=bf["w_gate"], w_up=bf["w_up"], w_down=bf["w_down"]),
+        "no_scales": dict(w_scales=None),
+        "scales_len": dict(w_scales=(gs, us)),
+        "scale_shape": dict(w_scales=(gs, us, ds[:, :, :5])),
+        "scale_dtype": dict(w_scales=(gs.int(), us, ds)),
+        "up_scale_shape": dict(w_scales=(gs, us[:, :3], ds)),
+        "w_down_fp8_bf16": dict(w_down=bf["w_down"]),
+        "scales_device": dict(w_scales=(gs, us, ds.to("meta"))),
+    }
+    ops.update(edits[change])
+    with pytest.raises(exc, match=match):
+        fb.fused_backward_core(**ops)
     assert not fake.calls and not keys
