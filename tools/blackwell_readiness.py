@@ -31,6 +31,8 @@ UNVERIFIED = (
     "fused backward core: the ticket, d2[mt] readiness counts and bounded waits, D2 / D1 / W tiles through one "
     "ring read with two smem layouts (K- and MN-major A) on hardware; bitwise equality with the unfused SM100 "
     "backward",
+    "fused backward core MXFP8: D2's dgu quantizations (along I into the blocked row scales, along tokens by "
+    "warp shuffles into the token scales) read by D1 / dWg / dWu's TMA after d2[mt]; bitwise mx_backward",
 )
 
 

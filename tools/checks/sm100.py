@@ -49,13 +49,13 @@ def _gemm_rows(dev) -> list[Row]:
 
 
 def _fused_rows(dev) -> list[Row]:
-    """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 through the fused forward and
-    the fused backward core, MXFP8 through the fused forward and the unfused MXFP8 backward): y and
-    every gradient bitwise the unfused sm100 path's, 3 repeats."""
+    """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 and MXFP8 through the fused
+    forward and the fused backward core, MXFP8 their ``mx`` variants): y and every gradient bitwise
+    the unfused sm100 path's, 3 repeats."""
     import os
 
     rows = []
-    for precision, what in (("bf16", "fwd + bwd core"), ("mxfp8", "fwd")):
+    for precision, what in (("bf16", "fwd + bwd core"), ("mxfp8", "fwd + bwd core")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
             want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
@@ -91,8 +91,8 @@ def _layer_rows(dev) -> list[Row]:
 
 
 def _bench_rows(dev) -> list[Row]:
-    """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused; fused forward
-    opt-in) beside the torch layer a user writes (``bench_layer.torch_layer``) in the same run."""
+    """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused; the fused forward
+    and backward core opt-in) beside the torch layer a user writes (``bench_layer.torch_layer``) in the same run."""
     import os
 
     from bench_layer import torch_layer
@@ -111,7 +111,7 @@ def _bench_rows(dev) -> list[Row]:
     t_torch = bench_us(step(lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)), 3, 10)
     rows = [Row("bench torch layer fwd+bwd T4096 H7168 I2048 E16 k8 +shared", time_us=t_torch)]
     for name, precision, fused in (("bf16", "bf16", False), ("bf16 fused", "bf16", True),
-                                   ("mxfp8", "mxfp8", False), ("mxfp8 fused fwd", "mxfp8", True)):
+                                   ("mxfp8", "mxfp8", False), ("mxfp8 fused", "mxfp8", True)):
         cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False)
         os.environ["MOK_CUTE_SM100_FUSED"] = "1" if fused else "0"
         try:

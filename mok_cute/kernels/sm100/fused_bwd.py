@@ -1,7 +1,7 @@
-"""The fused routed MoE backward core on Blackwell (sm_100a / sm_103a), BF16, EP = 1: one persistent launch.
+"""The fused routed MoE backward core on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1: one persistent launch.
 
 The SM100 counterpart of the core of :mod:`mok_cute.kernels.sm90.fused_bwd` and of its ``tokens``
-variant (no gather, no shared group, no MXFP8), with its task list, counters and numerics, on the
+variant (no gather, no shared group), with its task list, counters and numerics, on the
 tcgen05 building blocks of :mod:`mok_cute.kernels.sm100.mainloop` (192 threads: epilogue warps 0-3,
 MMA warp 4, TMA warp 5; FP32 accumulators in tensor memory, ``tile_m`` 128, ``tile_n`` 256, one CTA
 per SM). Tasks, :func:`mok_cute.schedule.fused_bwd_tasks.core_task` order, claimed by the TMA warp
@@ -34,6 +34,16 @@ forward's R2 store, :func:`~mok_cute.kernels.sm100.fused_moe.store_routed`), eve
 is counted on a last ``words`` entry (release add), and once it counts them all (bounded
 acquire wait) every CTA runs its share of :func:`mok_cute.kernels.slot_rows.slot_sum` into dx
 [T, H] (start fp32(dx_shared) or 0, plus dx_add if given; the slots in order).
+
+MXFP8 (``mx``, the tiles of ``MXFP8_CONFIG``: 128 x 256 x 128, ``kind::mxf8f6f4.block_scale``):
+every GEMM operand is e4m3 with E8M0 scales in the blocked layouts of
+:mod:`~mok_cute.kernels.sm100.layouts`, the operands ``layers.sm100.mx_backward`` hands the unfused
+MXFP8 GEMMs, so every tile is bitwise theirs: D2 reads dy quantized along H and w_down along H,
+D1 dgu quantized along I and w_gate / w_up along I, the weight gradients dy, h, x and dgu quantized
+along tokens (blocks of 32 from each expert's first row). The host quantizes dy, x, h (the unfused
+quantizers); D2's dSwiGLU epilogue writes dgu's two quantizations instead of bf16 dgu (the
+quantizers' ops: :meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`).
+The weights come quantized from the caller (``layers.sm100.quantize_weight(w, 1)``).
 """
 from __future__ import annotations
 
