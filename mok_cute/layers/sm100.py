@@ -127,8 +127,8 @@ class Sm100ExpertMLP:
         """The precisions the EP = 1 layer runs through the fused forward
         (:mod:`mok_cute.kernels.sm100.fused_moe`: BF16 and MXFP8) and, where it takes the group
         (:data:`FUSED_CORE_PRECISIONS`: BF16 and MXFP8), the fused backward core
-        (:mod:`mok_cute.kernels.sm100.fused_bwd`): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at every call) until they have run on a
-        Blackwell GPU; else none (the unfused path)."""
+        (:mod:`mok_cute.kernels.sm100.fused_bwd`): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at
+        every call) until they have run on a Blackwell GPU; else none (the unfused path)."""
         return ("bf16", "mxfp8") if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
 
     def _fused_core(self, g: ExpertGroup, dy_rows) -> bool:

@@ -151,7 +151,8 @@ def _mxfp8_tokens(r: cute.Tensor, valid, lane: Int32):
         for i in cutlass.range_constexpr(4):  # 2^-e of byte b (e8m0's multiplier; 0xFF: NaN / Inf, masked)
             byte = (bw >> (8 * i)) & cutlass.Uint32(0xFF)
             scs.append((cutlass.Uint32(254) - byte) << 23)
-            nan = nan | cutlass.select_(byte == cutlass.Uint32(0xFF), cutlass.Uint32(0xFF << (8 * i)), cutlass.Uint32(0))
+            nan = nan | cutlass.select_(byte == cutlass.Uint32(0xFF), cutlass.Uint32(0xFF << (8 * i)),
+                                        cutlass.Uint32(0))
         f = []
         for h in cutlass.range_constexpr(2):  # fp32 bits of the words' bf16 (low half first)
             f += [words[2 * w + h] << 16, words[2 * w + h] & cutlass.Uint32(0xFFFF0000)]
