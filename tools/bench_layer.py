@@ -242,13 +242,28 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         out[name] = [[], [], t_sync, peak, held]
         for p in leaves:
             p.grad = None
+    from mok_cute.dsl import launch
+
+    captures = 0  # kernel graphs captured inside the timed calls (each row's warm-up captures its own)
+
+    def timed(f, iters):
+        nonlocal captures
+        for _ in range(2):  # warm-up: the row's allocations, hence its cached kernel graphs, come back
+            f()
+        c0 = launch._stats["capture"]
+        us = bench_pipelined_us(f, warmup=0, iters=iters)
+        captures += launch._stats["capture"] - c0
+        return us
     for _ in range(rounds):  # the rows interleaved, round after round: drift hits every row alike
         for name, fn in impls.items():
             with torch.no_grad():
-                out[name][0].append(bench_pipelined_us(fn, warmup=1, iters=10))
-            out[name][1].append(bench_pipelined_us(steps[name], warmup=1, iters=5))
+                out[name][0].append(timed(fn, 10))
+            out[name][1].append(timed(steps[name], 5))
             for p in leaves:
                 p.grad = None
+    print(f"[launch] T{t} H{h}: {captures} kernel graphs captured inside the timed calls; "
+          f"per row and round fwd us {[[round(v) for v in row[0]] for row in out.values()]}, "
+          f"fwd+bwd us {[[round(v) for v in row[1]] for row in out.values()]}", flush=True)
     for row in out.values():  # the median round
         row[0], row[1] = (sorted(v)[len(v) // 2] for v in row[:2])
     os.environ.pop("MOK_CUTE_FUSED", None)
