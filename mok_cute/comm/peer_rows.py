@@ -11,11 +11,16 @@ move single 16-byte vectors of routed rows with unicast peer loads and stores:
   :meth:`src_row` is the row's address for other row formats (MXFP8 rows);
 * :meth:`push_vec`: a vector into rank p's ``slots[t*k + j]``.
 
-The signalling itself is :mod:`mok_cute.comm.protocol`'s (``signal_all`` / ``wait_all`` /
-``arrive_last``). Built at trace time inside a kernel (its fields are kernel values).
+The launch's rounds, on :mod:`mok_cute.comm.protocol`'s signalling (``signal_all`` / ``wait_all``
+/ ``arrive_last``): :meth:`open_pull` / :meth:`close_pull` around the pulls (READY, DONE),
+:meth:`wait_free` before the first push, :meth:`wait_rows` / :meth:`close_push` around the reads
+of this rank's slot buffer (DATA, FREE). Built at trace time inside a kernel (its fields are
+kernel values).
 """
-from mok_cute.comm.protocol import cute, gptr
-from cutlass import BFloat16, Float32, Int64
+from mok_cute.comm.protocol import (
+    DATA, DONE, FREE, READY, arrive_last, cute, failed, gptr, signal_all, wait_all,
+)
+from cutlass import BFloat16, Float32, Int32, Int64
 
 VEC = 8  # bf16 elements per 16-byte vector
 
@@ -74,3 +79,52 @@ class PeerRows:
         rem = q - p * self.tk
         addr = self.pb[p] + self.slots_off + Int64(rem) * Int64(v * 16) + Int64(c) * 16
         cute.make_tensor(gptr(BFloat16, addr, 16), cute.make_layout((VEC,))).store(val)
+
+    @cute.jit
+    def open_pull(self, tidx, bidx):
+        """Every pulling CTA, before its first pull: CTA 0 tells every rank this rank's sources are
+        staged (READY), thread 0 waits for every rank's READY, then the CTA's barrier."""
+        if tidx == 0:
+            if bidx == 0:
+                signal_all(self.pb, self.flags_off, Int32(READY), self.me, self.n, self.epoch_pull)
+            wait_all(self.pb[self.me] + self.flags_off, Int32(READY), self.n, self.epoch_pull, self.timeout_ns,
+                     self.status)
+        cute.arch.barrier()
+
+    @cute.jit
+    def close_pull(self, tidx, arrivals, ctas):
+        """Every pulling CTA, after its last pull: the CTA's barrier, then the last of ``ctas`` to
+        arrive on ``arrivals`` (an int32 counter, zero at launch) tells every rank it may overwrite its
+        sources (DONE), unless a wait failed."""
+        cute.arch.barrier()
+        if tidx == 0:
+            if arrive_last(arrivals, ctas):
+                if not failed(self.status):
+                    signal_all(self.pb, self.flags_off, Int32(DONE), self.me, self.n, self.epoch_pull)
+
+    @cute.jit
+    def wait_free(self):
+        """The calling thread waits until every rank has read its slot buffer of the previous push
+        round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it)."""
+        wait_all(self.pb[self.me] + self.flags_off, Int32(FREE), self.n, self.epoch_push - 1, self.timeout_ns,
+                 self.status)
+
+    @cute.jit
+    def wait_rows(self, bidx):
+        """Thread 0 of each CTA once this rank's pushes are all in (its caller's count): CTA 0 tells
+        every rank (DATA, unless a wait failed), then it waits for every rank's DATA: every row of
+        this rank's slot buffer is in."""
+        if bidx == 0:
+            if not failed(self.status):
+                signal_all(self.pb, self.flags_off, Int32(DATA), self.me, self.n, self.epoch_push)
+        wait_all(self.pb[self.me] + self.flags_off, Int32(DATA), self.n, self.epoch_push, self.timeout_ns, self.status)
+
+    @cute.jit
+    def close_push(self, tidx, arrivals, ctas):
+        """Every CTA after reading its slot rows: the CTA's barrier, then the last of ``ctas`` to
+        arrive on ``arrivals`` tells every rank the slot buffer is free (FREE), unless a wait failed."""
+        cute.arch.barrier()
+        if tidx == 0:
+            if arrive_last(arrivals, ctas):
+                if not failed(self.status):
+                    signal_all(self.pb, self.flags_off, Int32(FREE), self.me, self.n, self.epoch_push)

@@ -257,12 +257,9 @@ class Sm90ExpertMLP:
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
-        sh = None
-        if shared is not None:
-            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous()
-                    and all(w.stride(-1) == 1 for w in shared)):
-                return None
-            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        sh = _shared_operands(shared_group, shared)
+        if sh is False:
+            return None
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
@@ -282,12 +279,9 @@ class Sm90ExpertMLP:
 
         if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
             return None
-        sh = None
-        if shared is not None:
-            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous()
-                    and all(w.stride(-1) == 1 for w in shared)):
-                return None
-            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        sh = _shared_operands(shared_group, shared)
+        if sh is False:
+            return None
         out = fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, g.gu, g.h, w_gate, w_up, w_down, limit,
                                 comm_ctas, num_ctas, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
@@ -346,6 +340,16 @@ class Sm90ExpertMLP:
         dwg = wgrad(dgu_t[:inter], dgu_s[:, :inter], x_t, x_s, g.offsets)
         dwu = wgrad(dgu_t[inter:], dgu_s[:, inter:], x_t, x_s, g.offsets)
         return dx, dwg, dwu, dwd
+
+
+def _shared_operands(group: ExpertGroup | None, shared):
+    """The shared expert's operands of a whole-backward launch, ``(offsets int32, gu, h, ws_gate,
+    ws_up, ws_down)``; None without one; False where the launch does not take them (not contiguous)."""
+    if shared is None:
+        return None
+    if not (group.gu.is_contiguous() and group.h.is_contiguous() and all(w.stride(-1) == 1 for w in shared)):
+        return False
+    return (offsets_i32(group.offsets), group.gu, group.h, *shared)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):

@@ -227,10 +227,7 @@ class FusedMoeBwdCoreSm90:
             if tidx == 0:
                 P.wait_geq(mCounters.iterator + DONE_WORD, n_done, timeout_ns, status, Int32(0), Int32(D1_DONE))
                 if cutlass.const_expr(self.ep):  # every rank's dx rows are in my slot buffer (DATA)
-                    if cute.arch.block_idx()[0] == 0:
-                        if not P.failed(status):
-                            P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
-                    P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
+                    ep.wait_rows(cute.arch.block_idx()[0])
             cute.arch.barrier()
             t1 = persistent.now(self.trace)
             bidx, _, _ = cute.arch.block_idx()
@@ -240,11 +237,7 @@ class FusedMoeBwdCoreSm90:
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
                                 sbuf, SUM_BATCH, None, mAdd)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
-                cute.arch.barrier()
-                if tidx == 0:
-                    if P.arrive_last(mCounters.iterator + SUMMED_WORD, grid):
-                        if not P.failed(status):
-                            P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
+                ep.close_push(tidx, mCounters.iterator + SUMMED_WORD, grid)
             if cutlass.const_expr(self.trace):
                 if tidx == 0:
                     base = mTrace.shape[0] // persistent.TRACE_WORDS - 3 * grid + 3 * bidx
@@ -353,8 +346,7 @@ class FusedMoeBwdCoreSm90:
         an earlier launch's, so nothing in this one waits for it)."""
         if cutlass.const_expr(self.ep):
             if tid == 0:
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1, ep.timeout_ns,
-                           ep.status)
+                ep.wait_free()
             consumer_barrier()
         state = self.ml_d.consumer_state()
         rc = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -506,12 +498,7 @@ class FusedMoeBwdCoreSm90:
         warp = tidx // 32
         lane = tidx % 32
         if cutlass.const_expr(self.ep):
-            if tidx == 0:
-                if bidx == 0:
-                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, ep.timeout_ns,
-                           ep.status)
-            cute.arch.barrier()
+            ep.open_pull(tidx, bidx)
         for xpass in cutlass.range_constexpr(2):
             ge, gb = Int32(0), Int32(0)
             for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
@@ -546,11 +533,7 @@ class FusedMoeBwdCoreSm90:
                         persistent.record(mTrace, n_tasks + xpass * chunks + c, t0, persistent.now(self.trace),
                                           GATHER_KIND + xpass * (GATHER_X_KIND - GATHER_KIND), bidx, c)
         if cutlass.const_expr(self.ep):  # every comm CTA has pulled its rows: the last one says DONE
-            cute.arch.barrier()
-            if tidx == 0:
-                if P.arrive_last(counters + PULLED_WORD, comm_ctas):
-                    if not P.failed(ep.status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
+            ep.close_pull(tidx, counters + PULLED_WORD, comm_ctas)
             for q in cutlass.range(bidx * (NUM_THREADS // 32) + warp, mIdx.shape[0],
                                    comm_ctas * (NUM_THREADS // 32), unroll=1):
                 acc = u32(0)

@@ -252,10 +252,7 @@ class FusedMoeFwdSm90:
             P.wait_geq(mDone.iterator, gemm2_tiles, timeout_ns, status, Int32(0), Int32(DONE))
             self._mark(mTrace, bidx, 0, 8, Int32(0))
             if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
-                if bidx == 0:
-                    if not P.failed(status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
+                ep.wait_rows(bidx)
         cute.arch.barrier()
         t1 = persistent.now(self.trace)
         if tidx == 0:
@@ -267,11 +264,7 @@ class FusedMoeFwdSm90:
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
-            cute.arch.barrier()
-            if tidx == 0:
-                if P.arrive_last(mDone.iterator + 3, grid):
-                    if not P.failed(status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
+            ep.close_push(tidx, mDone.iterator + 3, grid)
         if cutlass.const_expr(self.trace):
             if tidx == 0:
                 record_sum(mTrace, grid, bidx, t0, t1)
@@ -291,12 +284,7 @@ class FusedMoeFwdSm90:
         (``w_rows``). MXFP8 (``mx``): the rows move as e4m3 + E8M0 (``mXq``) and are
         dequantized into the ring (:meth:`_gather_rows`)."""
         if cutlass.const_expr(self.ep):
-            if tidx == 0:
-                if bidx == 0:
-                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, ep.timeout_ns,
-                           ep.status)
-            cute.arch.barrier()
+            ep.open_pull(tidx, bidx)
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
@@ -314,11 +302,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
         if cutlass.const_expr(self.ep):  # every comm CTA has pulled its chunks: the last one says DONE
-            cute.arch.barrier()
-            if tidx == 0:
-                if P.arrive_last(mDone.iterator + 2, comm_ctas):
-                    if not P.failed(ep.status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
+            ep.close_pull(tidx, mDone.iterator + 2, comm_ctas)
 
     @cute.jit
     def _gather_rows(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
@@ -494,8 +478,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.ep):
                     if freed == 0:
                         if tid == 0:
-                            P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1,
-                                       ep.timeout_ns, ep.status)
+                            ep.wait_free()
                         consumer_barrier()
                         freed = Int32(1)
                 route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail)
