@@ -53,3 +53,34 @@ def test_validation():
         route_grad.dy_rows_and_dtopk_w(dy[:, :60].contiguous(), r[:, :60].contiguous(), order, w, offsets)
     with pytest.raises(TypeError, match="order"):
         route_grad.dy_rows_and_dtopk_w(dy, r, order.int(), w, offsets)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_slot_variant_compiles_to_the_dot_only(arch):
+    """slot_dtopk_w's kernel (the EP > 1 unfused backward's d topk_w from the slot rows): 0 spills,
+    route_row's fma.rn sum and butterfly, and no scaled row (no mul.rn, no bf16 convert, no store
+    of rows)."""
+    _, rep = route_grad.compiled_slot_dtopk_w(arch)
+    assert rep.total_spill_bytes == 0
+    for inst in ("fma.rn.f32", "shfl.sync.bfly", "ld.global.v4"):
+        assert rep.has(inst), inst
+    for inst in ("mul.rn.f32", "cvt.rn.bf16x2.f32", "st.global.v4"):
+        assert not rep.has(inst), inst
+
+
+def test_slot_dtopk_w_torch_path_and_checks():
+    """The CPU path: dy . slot row per route, 0 on -1 slots (whatever those rows hold, NaN too);
+    [T, k, H] slot rows are taken as [T*k, H]; bad arguments raise before any launch."""
+    dy, r, _, _, _, idx = _problem()
+    t, k = idx.shape
+    r[(idx.reshape(-1) < 0).nonzero()[:, 0]] = float("nan")
+    got = route_grad.slot_dtopk_w(dy, r, idx)
+    want = torch.where(idx >= 0, (dy.double()[:, None] * r.view(t, k, -1).double()).sum(-1), 0.0)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5) and bool(torch.all(got[idx < 0] == 0))
+    assert torch.equal(route_grad.slot_dtopk_w(dy, r.view(t, k, -1), idx), got)
+    with pytest.raises(TypeError, match="topk_idx"):
+        route_grad.slot_dtopk_w(dy, r, idx.int())
+    with pytest.raises(ValueError, match="slot_rows"):
+        route_grad.slot_dtopk_w(dy, r[:-1], idx)
+    with pytest.raises(ValueError, match="contiguous"):
+        route_grad.slot_dtopk_w(dy.t().contiguous().t(), r, idx)

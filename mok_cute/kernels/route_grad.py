@@ -71,14 +71,92 @@ def _build(arch: str, by_route: bool = False):
                           arch=arch, inspect=True)
 
 
+def _build_dots(arch: str):
+    """The slot-row variant (:func:`slot_dtopk_w`): one warp per route q of [T*k]."""
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    cutlass, cute = dsl()
+    from mok_cute.kernels.route_grad_row import route_row  # noqa: PLC0415
+
+    Int32, Uint32 = cutlass.Int32, cutlass.Uint32
+
+    @cute.kernel
+    def kernel(dy: cute.Tensor, r: cute.Tensor, idx: cute.Tensor, dtw: cute.Tensor, m: Int32, k: Int32, hc: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        q = bid * _WARPS + tid // 32
+        if q < m:
+            acc = Uint32(0)
+            if idx[q] >= 0:
+                acc = route_row(tid % 32, dy, r, None, q // k, q, Int32(0), Uint32(0), hc)
+            if tid % 32 == 0:
+                dtw[q] = acc
+
+    @cute.jit
+    def launch(dyp: cute.Pointer, rp: cute.Pointer, idxp: cute.Pointer, dtwp: cute.Pointer, t: Int32, k: Int32,
+               hc: Int32, stream: cuda.CUstream):
+        m = t * k
+        dy = cute.make_tensor(dyp, cute.make_layout((t * hc, 4), stride=(4, 1)))
+        r = cute.make_tensor(rp, cute.make_layout((m * hc, 4), stride=(4, 1)))
+        kernel(dy, r, cute.make_tensor(idxp, cute.make_layout((m,))), cute.make_tensor(dtwp, cute.make_layout((m,))),
+               m, k, hc).launch(grid=[(m + _WARPS - 1) // _WARPS, 1, 1], block=[32 * _WARPS, 1, 1], stream=stream)
+
+    return compile_kernel(launch, *_slot_pointers(0, 0, 0, 0), Int32(1), Int32(1), Int32(1), cuda.CUstream(0),
+                          arch=arch, inspect=True)
+
+
+def compiled_slot_dtopk_w(arch: str):
+    """The cached ``(compiled, CompileReport)`` of :func:`slot_dtopk_w`'s kernel for an arch."""
+    return compile_cached(("route_grad_slots", arch), lambda: _build_dots(arch))
+
+
+def slot_dtopk_w(dy: torch.Tensor, slot_rows: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """d topk_w [T, k] fp32 from the slot rows: ``fp32 sum_h dy[t, h] * slot_rows[t*k + j, h]`` in
+    route_row's fixed order (the EP > 1 fused backward's), 0 where ``topk_idx`` is -1 (those slot
+    rows are never read). dy [T, H] bf16, slot_rows [T*k, H] bf16 (or [T, k, H]), topk_idx [T, k]
+    int64; contiguous, one device; CPU tensors: the same sum in torch ops (fp32, torch's order)."""
+    t, k = topk_idx.shape
+    slot_rows = slot_rows.reshape(t * k, -1) if slot_rows.dim() == 3 else slot_rows
+    for name, x, dtype in (("dy", dy, torch.bfloat16), ("slot_rows", slot_rows, torch.bfloat16),
+                           ("topk_idx", topk_idx, torch.int64)):
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    h = dy.shape[1]
+    if dy.dim() != 2 or dy.shape[0] != t or slot_rows.shape != (t * k, h) or h % 8:
+        raise ValueError(f"shapes must be dy [T, H] (H % 8 == 0), slot_rows [T*k, H], topk_idx [T, k]: got dy "
+                         f"{tuple(dy.shape)}, slot_rows {tuple(slot_rows.shape)}, topk_idx {tuple(topk_idx.shape)}")
+    if not dy.is_cuda:
+        dtw = (dy.float()[:, None, :] * slot_rows.view(t, k, h).float()).sum(-1)
+        return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
+    if max(dy.numel(), slot_rows.numel()) > MAX_NUMEL:
+        raise ValueError("dy and slot_rows must hold < 2^31 elements")
+    dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
+    if t * k:
+        fn, _ = compiled_slot_dtopk_w(arch_of_device(dy.device))
+        with torch.cuda.device(dy.device):
+            fn(*_slot_pointers(dy.data_ptr(), slot_rows.data_ptr(), topk_idx.data_ptr(), dtw.data_ptr()), t, k, h // 8,
+               current_stream(dy.device))
+    return dtw
+
+
+def _ptr(kind: str, addr: int, align: int):
+    """A global pointer argument: ``kind`` u32 (bf16 rows as 32-bit words, fp32 bits), i64 or i32."""
+    cutlass, cute = dsl()
+    dtype = {"u32": cutlass.Uint32, "i64": cutlass.Int64, "i32": cutlass.Int32}[kind]
+    return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
 def _pointers(dy: int, r: int, out: int, order: int, w: int, dtw: int, offs: int):
     """Kernel pointer arguments (rows as 32-bit words, order int64, weights as fp32 bits)."""
-    cutlass, cute = dsl()
-    gmem, make_ptr, u32 = cute.AddressSpace.gmem, cute.runtime.make_ptr, cutlass.Uint32
-    return (make_ptr(u32, dy, gmem, assumed_align=16), make_ptr(u32, r, gmem, assumed_align=16),
-            make_ptr(u32, out, gmem, assumed_align=16), make_ptr(cutlass.Int64, order, gmem, assumed_align=8),
-            make_ptr(u32, w, gmem, assumed_align=4), make_ptr(u32, dtw, gmem, assumed_align=4),
-            make_ptr(cutlass.Int32, offs, gmem, assumed_align=4))
+    return (_ptr("u32", dy, 16), _ptr("u32", r, 16), _ptr("u32", out, 16), _ptr("i64", order, 8), _ptr("u32", w, 4),
+            _ptr("u32", dtw, 4), _ptr("i32", offs, 4))
+
+
+def _slot_pointers(dy: int, slots: int, idx: int, dtw: int):
+    """:func:`slot_dtopk_w`'s kernel pointers (topk_idx int64, d topk_w as fp32 bits)."""
+    return _ptr("u32", dy, 16), _ptr("u32", slots, 16), _ptr("i64", idx, 8), _ptr("u32", dtw, 4)
 
 
 def compiled_route_grad(arch: str, by_route: bool = False):

@@ -66,9 +66,11 @@ def shared_backward(mlp, group, dy, shared, limit):
 
 
 def topk_w_grad(dy, slot_out, topk_idx):
-    """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots."""
-    dtw = (dy.float()[:, None, :] * slot_out.float()).sum(-1)
-    return torch.where(topk_idx >= 0, dtw, torch.zeros_like(dtw))
+    """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots
+    (:func:`mok_cute.kernels.route_grad.slot_dtopk_w`: one pass, no [T, k, H] temporaries)."""
+    from mok_cute.kernels.route_grad import slot_dtopk_w
+
+    return slot_dtopk_w(dy.contiguous(), slot_out.contiguous(), topk_idx.long().contiguous())
 
 
 def ring_chunks(config, topk_idx) -> int:

@@ -4,7 +4,9 @@ mirror / the reference formulas.
 Random routings with -1 slots (and one with every slot -1 on half the tokens), T 1..4096,
 k 1..8, H 64..7168: dy rows bitwise equal to bf16(fp32(dy) * topk_w) on rows < offsets[E];
 d topk_w within 1e-5 of the fp64 sum (relative to sum |dy * r|), exactly 0 on -1 slots;
-5 repeats bitwise. Timed: T 4096, k 8, H 7168, kernel vs the torch ops it replaced.
+5 repeats bitwise. Timed: T 4096, k 8, H 7168, kernel vs the torch ops it replaced. The same for
+``slot_dtopk_w`` (d topk_w from [T*k, H] slot rows, the EP > 1 unfused backward's): within 1e-5
+of the fp64 sum, 0 on -1 slots (their rows NaN), 5 repeats bitwise, timed vs the torch sum.
 """
 from __future__ import annotations
 
@@ -43,6 +45,18 @@ def _check(rg, route_sort, name, t, k, e, h, drop, dev, gen):
                note=f"T{t} k{k} E{e} H{h}: dy rows mismatches {rows_bad}, -1 slots zero {zeros_ok}")
 
 
+def _check_slots(rg, name, t, k, e, h, drop, dev, gen):
+    idx, _, dy, r = _problem(t, k, e, h, drop, dev, gen)
+    r[idx.reshape(-1) < 0] = float("nan")  # rows of -1 slots are never read
+    outs = [rg.slot_dtopk_w(dy, r, idx) for _ in range(5)]
+    same = all(torch.equal(o, outs[0]) for o in outs[1:])
+    terms = torch.where((idx >= 0)[..., None], dy.double()[:, None] * r.view(t, k, h).double(), 0.0)
+    err = ((outs[0].double() - terms.sum(-1)).abs() / terms.abs().sum(-1).clamp_min(1e-30)).max().item()
+    zeros_ok = bool(torch.all(outs[0][idx < 0] == 0))
+    return Row(f"slot_dtopk_w {name}", max_err=err, bitwise=same, ok=err <= 1e-5 and zeros_ok and same,
+               note=f"T{t} k{k} H{h}: -1 slots zero {zeros_ok}")
+
+
 def run(ctx) -> list[Row]:
     from mok_cute.layers.grouped import route_sort  # noqa: PLC0415
     from mok_cute.kernels import route_grad as rg  # noqa: PLC0415
@@ -58,4 +72,11 @@ def run(ctx) -> list[Row]:
     gbytes = (2 * r.numel() * 2 + r.numel() * 2) / 1e9  # read dy rows + r, write dy rows
     rows.append(Row("route_grad speed T4096 k8 H7168", time_us=t_k,
                     note=f"{gbytes / t_k * 1e6:.0f} GB/s; torch ops {t_t:.0f} us (x{t_t / t_k:.1f})"))
+    rows += [_check_slots(rg, n, *a, dev, gen) for n, a in [("small", (37, 4, 6, 64, 0.2)),
+                                                           ("large", (4096, 8, 64, 7168, 0.05))]]
+    idx, _, dy, r = _problem(4096, 8, 64, 7168, 0.05, dev, gen)
+    t_k = bench_us(lambda: rg.slot_dtopk_w(dy, r, idx))
+    t_t = bench_us(lambda: (dy.float()[:, None, :] * r.view(4096, 8, -1).float()).sum(-1))
+    rows.append(Row("slot_dtopk_w speed T4096 k8 H7168", time_us=t_k,
+                    note=f"{r.numel() * 2 / t_k / 1e3:.0f} GB/s of slot rows; torch sum {t_t:.0f} us (x{t_t / t_k:.1f})"))
     return rows
