@@ -18,14 +18,17 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 
 @functools.cache
-def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False):
+def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False,
+         ep: bool = False):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, inspect=True)[1]
+    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, ep=ep,
+                                          inspect=True)[1]
 
 
 VARIANTS = [(True, True), (False, False), (True, False), (False, True)]
 MX_VARIANTS = [(True, True), (False, False)]
+EP_PARAMS = ("mPeer", "mWrows", "mSlotCopy")
 MX_PARAMS = ("mXsw", "mXgsf", "mW1sf", "mHq", "mHsf", "mWdsf", "mXsf", "mS1sf", "mHsq", "mHssf", "mSdsf")
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
           "mbarrier.try_wait", "atom.global.add.u32",  # the ticket (relaxed)
@@ -417,3 +420,106 @@ def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
     with pytest.raises(exc, match=match):
         fm.fused_forward(**ops)
     assert not fake.calls and not keys
+
+
+# ------------------------------------------------------------------ EP > 1 variant
+EP_NEEDED = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the protocol's signals, waits, fences
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp,shared,mx", [(True, True, False), (False, False, False), (True, True, True)])
+def test_ep_compiles_with_the_pull_push_protocol(arch, clamp, shared, mx):
+    """The EP > 1 variant (BF16 and MXFP8): the system-scope release stores (READY / DONE / DATA /
+    FREE), acquire waits and fences of the protocol, which the EP = 1 variant has none of (its
+    bounded waits load acquire at system scope too, fewer of them); the same GEMM code (MMA count,
+    TMA descriptors), 0 spills."""
+    rep, local = _rep(arch, clamp, shared, mx=mx, ep=True), _rep(arch, clamp, shared, mx=mx)
+    missing = [i for i in EP_NEEDED + (MX_NEEDED if mx else NEEDED) if not rep.has(i)]
+    assert not missing, missing
+    assert "st.release.sys" not in local.ptx and "fence.acq_rel.sys" not in local.ptx
+    assert rep.ptx.count("ld.acquire.sys") > local.ptx.count("ld.acquire.sys")
+    assert "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.total_spill_bytes == 0
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    assert rep.ptx.count("tcgen05.mma") == local.ptx.count("tcgen05.mma")
+    tma = r"\.param \.align 64 \.b8 \S+\[128\]"
+    assert len(re.findall(tma, rep.ptx)) == len(re.findall(tma, local.ptx))
+
+
+def test_variants_registry_has_the_ep_variants():
+    """tools/blackwell_readiness.py's and ptx_manifest's EP entries: each PTX item in the kernel."""
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    reg = fm.variants()
+    for name, (clamp, shared, mx) in (("fused-fwd-ep-clamp-shared", (True, True, False)),
+                                      ("fused-fwd-ep-noclamp-routed", (False, False, False)),
+                                      ("fused-fwd-mxfp8-ep-clamp-shared", (True, True, True))):
+        rep = _rep("sm_100a", clamp, shared, mx=mx, ep=True)
+        assert "st.release.sys" in reg[name][1] and all(rep.has(i) for i in reg[name][1]), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shared,mx", [(True, False), (False, False), (True, True), (False, True)])
+def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arch, shared, mx):  # noqa: F811
+    """fused_forward(ws=...) on CPU (compile and launch faked, a FakeWorkspace of rank 1 of 2): one
+    direct launch (no graph: the epochs change every call) of the ep variant with one argument per
+    ``__call__`` parameter, x (MXFP8: its e4m3 rows and scale words) and topk_w staged in the
+    workspace, mSlot = the workspace's slots, status = ``ws.status``, the epochs bumped, the slot
+    sum's copy and w_rows returned; the EP = 1 launch passes None / the neutral scalars there."""
+    import inspect
+
+    import torch
+
+    from conftest import FakeWorkspace
+    from mok_cute import reference as R
+    from mok_cute.comm.workspace import mxfp8_row_bytes
+
+    fm, fake, keys = _fake_device(monkeypatch, arch)
+    ops = _operands(shared)
+    if mx:
+        ops = _mx_weights(ops)
+    t, h, k = 100, 256, 2
+    ws = FakeWorkspace(t, h, k)
+    out = fm.fused_forward(**dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
+    assert not fake.calls
+    (args,) = fake.direct
+    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-2:] == (mx, True)  # (..., mx, ep)
+    assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
+    assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
+    assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]
+    assert torch.equal(ws._w, ops["topk_w"])
+    assert (int(by["me"]), int(by["n_ranks"]), int(by["epoch_pull"]), int(by["epoch_push"])) == (1, 2, 1, 1)
+    assert [int(by[n]) for n in ("src_off", "slots_off", "w_off", "flags_off")] == [0, 4096, 8192, 12288]
+    assert (int(by["num_ctas"]), int(by["comm_ctas"])) == (74, 73)  # a GEMM CTA is left to free ring slots
+    if mx:  # the staged rows: H e4m3 bytes, then the scale words the gather copies (zero-padded atoms)
+        q, sc = R.mxfp8_quantize(ops["x"], -1)
+        rows = ws.acquire_src(mxfp8_row_bytes(h))
+        assert torch.equal(rows[:, :h], q.view(torch.uint8)) and torch.equal(rows[:, h:h + 8], sc)
+        assert torch.equal(by["mX"].view(torch.uint8), q.view(torch.uint8))  # S1 reads the local e4m3 rows
+    else:
+        assert torch.equal(ws._src, ops["x"]) and by["mX"] is ops["x"]  # S1 reads the caller's x
+    fm.fused_forward(**dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
+    assert (int(fake.direct[1][params.index("epoch_pull")]), int(fake.direct[1][params.index("epoch_push")])) == (2, 2)
+    fm.fused_forward(**ops)  # EP = 1: the graph path, no workspace operands
+    local = dict(zip(params, fake.calls[0]))
+    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-1] is False
+
+
+def test_ep_host_validates_before_launch(monkeypatch):
+    """At EP > 1 the shared expert's output gate is refused before anything is staged or launched
+    (so are the EP = 1 checks: a bad operand with a workspace)."""
+    import torch
+
+    from conftest import FakeWorkspace
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    ws = FakeWorkspace(100, 256, 2)
+    monkeypatch.setattr(ws, "acquire_src", lambda *a: pytest.fail("staged before validation"))
+    with pytest.raises(ValueError, match="EP = 1 only"):
+        fm.fused_forward(**_operands(True), gate=torch.rand(100), ws=ws)
+    with pytest.raises(ValueError, match="comm_ctas"):
+        fm.fused_forward(**dict(_operands(True), comm_ctas=0), ws=ws)
+    assert not fake.calls and not fake.direct and not keys and ws.epoch == {"pull": 0, "push": 0}

@@ -1,4 +1,4 @@
-"""The fused MoE forward on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1: one persistent launch.
+"""The fused MoE forward on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1 or > 1: one persistent launch.
 
 The SM100 counterpart of :mod:`mok_cute.kernels.sm90.fused_moe`, with the same schedule, the
 same counters and the same numerics, on the tcgen05 building blocks of
@@ -36,7 +36,20 @@ Outputs: xg (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out [T*k, H] (rows o
 untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H]. Counters int32, zero at launch,
 as :func:`mok_cute.kernels.sm90.fused_moe.counter_sizes`. H, I, I_s multiples of 64.
 Variants: ``clamp``, ``shared``, ``gate`` (y starts from fp32(s_out) * gate), ``trace`` (per-task
-records in the SM90 kernel's layout), ``mx``.
+records in the SM90 kernel's layout), ``mx``, ``ep``.
+
+EP > 1 (``ep``, :func:`fused_forward` with a workspace): the SM90 ep variant's protocol
+(:class:`~mok_cute.comm.peer_rows.PeerRows`, :mod:`mok_cute.comm.protocol`). ``order`` holds packed
+sources ``p*T*k + t*k + j`` (the device plan's ``recv_src``). The gather pulls each grouped row from
+rank p's staged ``src[t]`` and its router weight ``w[t, j]`` into ``w_rows`` (CTA 0 signals READY,
+every comm CTA waits READY from every rank, the last comm CTA to finish signals DONE); R2 pushes
+each row into rank p's ``slots[t*k + j]`` (the epilogue first waits FREE of the previous push
+epoch from every rank; a system-scope fence before the tile is published); the slot sum waits
+until every GEMM2 tile is stored, CTA 0 signals DATA, every CTA waits DATA from every rank, sums
+this rank's slot buffer while copying its rows into ``slot_copy`` (``slot_rows.slot_sum(mCopy=)``),
+and the last CTA to finish signals FREE. MXFP8 at EP > 1: the staged rows are
+:func:`~mok_cute.comm.workspace.mxfp8_row_bytes` wide (H e4m3 bytes, then x's scale words,
+zero-padded), the gather reads both from the source rank.
 
 MXFP8 (``mx``, the tiles of ``MXFP8_CONFIG``: 128 x 256 x 128, ``kind::mxf8f6f4.block_scale``):
 every GEMM operand is e4m3 with E8M0 scales in the blocked layouts of
@@ -62,6 +75,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
+from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
@@ -77,7 +91,7 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
-    CHUNK, COUNTER_WORDS, DONE, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
+    _NO_EP, CHUNK, COUNTER_WORDS, DONE, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
     counter_sizes, record_sum, ring_band, slot_sum_batch,
 )
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
@@ -102,16 +116,36 @@ def store_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: In
     epi._store_plain(chunks, route - chunks.row, rows, n_tile, mSlot)
 
 
+@cute.jit
+def push_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
+                mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows):
+    """:func:`store_routed` at EP > 1: tile row r (< rows) stored to rank p's slot row ``t*k + j``
+    (``order[row0 + r]`` = ``p*T*k + t*k + j``; ``mSlot`` gives the slot section's layout)."""
+    route = chunks.row
+    addr = ep.pb[ep.me] + ep.slots_off
+    if chunks.row < rows:
+        q = mOrder[row0 + chunks.row]
+        p = q // ep.tk
+        route = q - p * ep.tk
+        addr = ep.pb[p] + ep.slots_off
+    dst = cute.make_tensor(P.gptr(cutlass.BFloat16, addr, 16), mSlot.layout)
+    epi._store_plain(chunks, route - chunks.row, rows, n_tile, dst)
+
+
 class FusedMoeFwdSm100:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
     ``sum_batch``: slot rows in flight per slot-sum thread (cp.async into the idle B stages); ``mx``:
-    MXFP8 (the module doc; ``__call__``'s ``mXsw`` .. ``mSdsf`` are its operands, None for BF16)."""
+    MXFP8 (the module doc; ``__call__``'s ``mXsw`` .. ``mSdsf`` are its operands, None for BF16); ``ep``:
+    EP > 1 (the module doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands: peer bases
+    int64 [EP], w_rows fp32 [M_cap], slot_copy [T*k, H], this rank, EP, the workspace's section offsets
+    and the pull / push epochs; None / ignored at EP = 1)."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
-                 sum_batch: int = SUM_BATCH, mx: bool = False):
+                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False):
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
+        self.ep = ep
         self.sum_batch = sum_batch
         self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
         self.mainloop = Sm100Mainloop(cfg)
@@ -147,7 +181,9 @@ class FusedMoeFwdSm100:
                  mXsw: cute.Tensor, mXgsf: cute.Tensor, mW1sf: cute.Tensor, mHq: cute.Tensor, mHsf: cute.Tensor,
                  mWdsf: cute.Tensor, mXsf: cute.Tensor, mS1sf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor,
                  mSdsf: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, num_ctas: Int32, ring: Int32,
-                 band: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor,
+                 me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64,
+                 epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
         views = self.swiglu._views  # (M|N, K, L) views of A, B[, SFA, SFB]; ring and shared: no per-expert atoms
@@ -157,9 +193,13 @@ class FusedMoeFwdSm100:
         if cutlass.const_expr(self.shared):
             tmas = tmas + ml.make_tma(*views(mX, mS1, mXsf, mS1sf, 0)) + ml.make_tma(*views(a2s, mSd, mHssf, mSdsf, 0))
         self.shared_storage = self._storage()
+        peer = []  # EP = 1: no kernel parameters for the workspace
+        if cutlass.const_expr(self.ep):
+            peer = [mPeer, mWrows, mSlotCopy, me, n_ranks, src_off, slots_off, w_off, flags_off, epoch_pull,
+                    epoch_push]
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder,
                     mOffsets, mIdx, mW, mGate, mGather, mHready, mShready, mDone, mStatus, mTrace, mXsw, mXgsf, mHq,
-                    mHsf, mHsq, mHssf, k, limit, comm_ctas, ring, band, timeout_ns).launch(
+                    mHsf, mHsq, mHssf, k, limit, comm_ctas, ring, band, timeout_ns, peer).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -170,7 +210,7 @@ class FusedMoeFwdSm100:
                mGate: cute.Tensor, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
                mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor, mXsw: cute.Tensor, mXgsf: cute.Tensor,
                mHq: cute.Tensor, mHsf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor, k: Int32, limit: Float32,
-               comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64):
+               comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, peer: list):
         cfg, ml, per = self.cfg, self.mainloop, self.per
         ml.setup()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -191,6 +231,10 @@ class FusedMoeFwdSm100:
 
         tokens = mX.shape[0]
         hidden = mX.shape[1]
+        ep = slot_copy = None  # EP > 1: the symmetric workspace's rows and flags
+        if cutlass.const_expr(self.ep):
+            slot_copy = peer[2]
+            ep = PeerRows(peer[0], peer[1], *peer[3:], tokens * k, timeout_ns, status)
         num_experts = mOffsets.shape[0] - 1
         n1 = (coords[1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM1 n-tiles (2 I_p / tile_n)
         n2 = (coords[per + 1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM2 n-tiles (H / tile_n, rounded up)
@@ -212,7 +256,7 @@ class FusedMoeFwdSm100:
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
             self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
-                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf)
+                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone)
             cute.arch.barrier()
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
@@ -222,20 +266,31 @@ class FusedMoeFwdSm100:
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
                            mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                           mGather.shape[0], mHq, mHsf, mHsq, mHssf)
+                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
         t0 = persistent.now(self.trace)
         if tidx == 0:
             P.wait_geq(mDone.iterator, n_s2 + mt_routed * n2, timeout_ns, status, Int32(0), Int32(DONE))
+            if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
+                if bidx == 0:
+                    if not P.failed(status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
         cute.arch.barrier()
         t1 = persistent.now(self.trace)
         sbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
                                 cute.make_layout((self.sum_batch * NUM_THREADS, _VEC), stride=(_VEC, 1)))
         s_out = mSout if cutlass.const_expr(self.shared) else None
         slot_rows.slot_sum(tidx, bidx, grid, mSlot, s_out, mY, mIdx, mW, k, tokens, hidden, sbuf, self.sum_batch,
-                           NUM_THREADS, mGate)
+                           NUM_THREADS, mGate, mCopy=slot_copy)
+        if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
+            cute.arch.barrier()
+            if tidx == 0:
+                if P.arrive_last(mDone.iterator + 3, grid):
+                    if not P.failed(status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
         if cutlass.const_expr(self.trace):
             if tidx == 0:
                 record_sum(mTrace, grid, bidx, t0, t1)
@@ -245,11 +300,14 @@ class FusedMoeFwdSm100:
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
                 mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
                 k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, timeout_ns: Int64,
-                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor):
+                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor, ep, mDone: cute.Tensor):
         """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc).
         MXFP8: a row's e4m3 bytes, then its scale words (``mXsw`` [T, W] int32, W = ceil(H / 128):
         4 E8M0 bytes of one scale atom each) to ring slot ``c % ring``'s scale atom row of the blocked
-        ``mXgsf`` (:func:`~mok_cute.kernels.sm100.layouts.sf_byte`)."""
+        ``mXgsf`` (:func:`~mok_cute.kernels.sm100.layouts.sf_byte`). EP > 1 (``ep``): the rows (and
+        MXFP8 scale words, after a staged row's H data bytes) are pulled from the source ranks' staged
+        rows and lane 0 pulls each row's router weight into ``w_rows``, between the READY and DONE
+        signals of the pull protocol (the module doc)."""
         hid = mXg.shape[1]
         row_bytes = hid * (self.cfg.ab_dtype.width // 8)
         warp = tidx // 32
@@ -261,6 +319,16 @@ class FusedMoeFwdSm100:
             xsw = mXsw
             rsw = cute.make_tensor(cute.recast_ptr(mXgsf.iterator, dtype=Int32),
                                    cute.make_layout((mXgsf.shape[0] // 4,)))
+        src_bytes = None  # a staged source row's bytes (EP > 1)
+        if cutlass.const_expr(self.ep):
+            src_bytes = row_bytes
+            if cutlass.const_expr(self.mx):
+                src_bytes = hid + (hid // lay.SF_VEC + 15) // 16 * 16  # comm.workspace.mxfp8_row_bytes
+            if tidx == 0:
+                if bidx == 0:
+                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
+                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, timeout_ns, status)
+            cute.arch.barrier()
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
@@ -271,20 +339,36 @@ class FusedMoeFwdSm100:
                 cute.arch.barrier()
             slot_row = (c % ring) * CHUNK
             for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                tok = mOrder[row0 + rr] // k
-                src = base + Int64(tok) * Int64(row_bytes)
+                q = mOrder[row0 + rr]
+                tok = q // k
+                if cutlass.const_expr(self.ep):
+                    src = ep.src_row(q, k, src_bytes)
+                    if lane == 0:
+                        ep.pull_w(q, row0 + rr)
+                else:
+                    src = base + Int64(tok) * Int64(row_bytes)
                 dst = dbase + Int64(slot_row + rr) * Int64(row_bytes)
                 slot_rows.copy_row(lane, src, dst, hid // (128 // self.cfg.ab_dtype.width), self.unroll)
                 if cutlass.const_expr(self.mx):
                     words = xsw.shape[1]
                     for j in cutlass.range(lane, words, 32, unroll=1):
-                        rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = xsw[tok, j]
+                        if cutlass.const_expr(self.ep):
+                            w = cute.make_tensor(P.gptr(Int32, src + Int64(hid + 4 * j)), cute.make_layout((1,)))[0]
+                        else:
+                            w = xsw[tok, j]
+                        rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
+        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its chunks: the last one says DONE
+            cute.arch.barrier()
+            if tidx == 0:
+                if P.arrive_last(mDone.iterator + 2, comm_ctas):
+                    if not P.failed(status):
+                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, smem, atoms, coords, ticket: cute.Pointer, shape,
@@ -407,11 +491,14 @@ class FusedMoeFwdSm100:
                   mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor,
                   mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32,
                   mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, mHq: cute.Tensor, mHsf: cute.Tensor,
-                  mHsq: cute.Tensor, mHssf: cute.Tensor):
+                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep):
         """Epilogue warps: store each task's accumulator, then publish it (release add by thread 0
         after every thread's GPU-scope fence and the epilogue barrier). MXFP8: R1 / S1 also store
         h / hs quantized (GEMM2's A: ``mHq`` + ``mHsf`` at the tile's grouped scale atom row,
-        ``mHsq`` + ``mHssf`` at its m-tile)."""
+        ``mHsq`` + ``mHssf`` at its m-tile). EP > 1 (``ep``): R2 rows go to the source ranks' slot
+        sections (:func:`push_routed`) once every rank freed its slot buffer of the previous push
+        epoch (thread 0 waits FREE >= epoch - 1 before this CTA's first R2 tile), and the fences are
+        system-scope."""
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         tmem.allocate(self.mainloop.tmem_alloc)
         tmem.wait_for_alloc()
@@ -420,6 +507,7 @@ class FusedMoeFwdSm100:
         acc_state = self.mainloop.acc_consumer_state()
         tstate = task_ring.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        freed = Int32(0)
         t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
@@ -435,7 +523,16 @@ class FusedMoeFwdSm100:
                 else:
                     self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit)
             elif phase == R2:
-                store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
+                if cutlass.const_expr(self.ep):
+                    if freed == 0:
+                        if tidx == 0:
+                            P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1,
+                                       ep.timeout_ns, ep.status)
+                        epi_barrier()
+                        freed = Int32(1)
+                    push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep)
+                else:
+                    store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -445,7 +542,10 @@ class FusedMoeFwdSm100:
             cute.arch.fence_view_async_tmem_load()
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
-            cute.arch.fence_acq_rel_gpu()  # this thread's stores before thread 0's release below
+            if cutlass.const_expr(self.ep):  # rows stored into peers: order them at system scope
+                cute.arch.fence_acq_rel_sys()
+            else:
+                cute.arch.fence_acq_rel_gpu()  # this thread's stores before thread 0's release below
             epi_barrier()
             if tidx == 0:
                 tasks.publish(phase, mt, mDone, mHready, mShready)
@@ -460,15 +560,16 @@ class FusedMoeFwdSm100:
 # ---------------------------------------------------------------- compile
 def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
                                 trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
-                                inspect: bool = False):
+                                ep: bool = False, inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
     ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
-    GEMM operands e4m3 with blocked E8M0 scales); returns ``(compiled, report)``."""
+    GEMM operands e4m3 with blocked E8M0 scales; ``ep``: EP > 1, rows pulled from and pushed to the
+    workspace's peers); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx)
+    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep)
     bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
@@ -491,8 +592,9 @@ def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_10
             vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
             vec(Float32, t) if gate else None, *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace else None, *mx_args)
+    ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1),
-                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+                          *ep_args, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
@@ -598,9 +700,9 @@ def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, in
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
-                  interleave=interleave_gate_up, w_scales=None, shared_scales=None):
-    """Validate, then launch the fused forward on the current stream (EP = 1, BF16 or MXFP8; the
-    contract of :func:`mok_cute.kernels.sm90.fused_moe.fused_forward` without ``ws``): x [T, H] bf16;
+                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None):
+    """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
+    :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16;
     ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
     int32 [E+1] (trusted: 0, non-decreasing, last <= M_cap); ``topk_idx`` int32 / ``topk_w`` fp32
     [T, k]; w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or (ws_gate [I_s, H], ws_up
@@ -622,12 +724,24 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ``ring_chunks``: ring slots of 128 gathered rows (None: one per routed m-tile), R1's band
     ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
     ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
-    counters, None)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
-    without a shared expert; ``counters``: gather_ready, h_ready, sh_ready, done + ticket + 2 spare
-    words, status, int32 device tensors; read status with
-    :func:`mok_cute.kernels.sm90.fused_moe.watch_status`: the same wait channels)."""
+    counters, w_rows)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
+    without a shared expert; ``counters``: gather_ready, h_ready, sh_ready, done + ticket + gather
+    and slot-sum arrivals, status, int32 device tensors; read status with
+    :func:`mok_cute.kernels.sm90.fused_moe.watch_status`: the same wait channels; ``w_rows`` None at
+    EP = 1).
+
+    EP > 1 with ``ws`` (this rank's :class:`~mok_cute.comm.workspace.CommWorkspace`; no ``gate``):
+    ``order`` / ``offsets`` are the device plan's ``recv_src`` (packed ``p*T*k + t*k + j``) and local
+    expert offsets; x (MXFP8: its e4m3 rows and scale words) and topk_w are staged in the workspace
+    (after every peer finished the previous pull), ``slot_out`` is the slot sum's copy of this
+    rank's slot rows (rows of -1 slots unwritten), ``w_rows`` [M_cap] fp32 each grouped row's router
+    weight, status = ``ws.status`` (peer errors: the caller's ``ws.check_status()``); ``num_ctas``
+    this rank's grid (fewer for virtual ranks on one GPU). Launched through the DSL (the epochs
+    change every call)."""
     _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
                     timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales)
+    if ws is not None and gate is not None:
+        raise ValueError("gate (the shared expert's output gate) runs at EP = 1 only")
     dev, arch = device_arch(x.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs an sm_100a / sm_103a device, got {arch}")
@@ -644,10 +758,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     w1 = interleave(w_gate, w_up, half)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
-    slot = torch.empty((t * k, hid), **bf)
+    slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
     y = torch.empty((t, hid), **bf)
     counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
     parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
+    if ws is not None:
+        parts[-1] = ws.status
     s1 = sd = gus = hs = s_out = None
     n1s = 0
     if shared is not None:
@@ -660,12 +776,18 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     mx_tensors = (None,) * 11
     if mx:
         x, mx_tensors = _mx_operands(x, mcap, e, inter, ring, w_scales, shared_scales, interleave)
+    w_rows = slot_copy = None
+    if ws is not None:
+        _stage_source(ws, x, mx_tensors[0])
+        ws.view("w", torch.float32, (t, k)).copy_(topk_w)
+        w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
+        slot_copy = torch.empty((t * k, hid), **bf)
     trace = tracing()
     nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
         compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
-                                    sum_batch=nb, gate=gate is not None, mx=mx)[0]))
+                                    sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
@@ -679,11 +801,39 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
                topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
-    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
-                                                                           timeout_ns)
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(None if a is None else _Desc(a) for a in tensors), *scalars, st))
-    return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, None)
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+    if ws is None:
+        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
+                                                                               timeout_ns)
+        launcher.launch(dev, stream, key, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, None, *_NO_EP, st))
+    else:
+        o = ws.offsets
+        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
+                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
+        launcher.launch_direct(stream, lambda st: (
+            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(w_rows),
+            _Desc(slot_copy), *ep_scalars, st))
+        slot = slot_copy
+    return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
+
+
+def _stage_source(ws, x, x_words):
+    """x's rows into the workspace's pull source (a device wait first: every peer finished the
+    previous pull from it): bf16 [T, H], or MXFP8 (``x`` e4m3, ``x_words`` its scale words [T, W]
+    int32) rows of ``mxfp8_row_bytes(H)``: H e4m3 bytes, then the 4W scale bytes (zero-padded to
+    whole scale atoms, as the gather copies them)."""
+    if x_words is None:
+        src = ws.acquire_src()
+        if src.data_ptr() != x.data_ptr():
+            src.copy_(x)
+        return
+    from mok_cute.comm.workspace import mxfp8_row_bytes
+
+    hid = x.shape[1]
+    src = ws.acquire_src(mxfp8_row_bytes(hid))
+    src[:, :hid].copy_(x.view(torch.uint8))
+    src[:, hid:hid + 4 * x_words.shape[1]].copy_(x_words.view(torch.uint8))
 
 
 def _mx_operands(x, mcap: int, e: int, inter: int, ring: int, w_scales, shared_scales, interleave):
@@ -724,6 +874,7 @@ _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05
         "fence.proxy.async.global", "add.rn.f32")
 _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2")
+_EP_PTX = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the EP > 1 signals and fences
 
 
 def variants() -> dict:
@@ -741,4 +892,7 @@ def variants() -> dict:
         "fused-fwd-clamp-shared-trace": (fused(True, True, trace=True), _PTX),
         "fused-fwd-mxfp8-clamp-shared": (fused(True, True, mx=True), _MX_PTX),
         "fused-fwd-mxfp8-noclamp-routed": (fused(False, False, mx=True), _MX_PTX),
+        "fused-fwd-ep-clamp-shared": (fused(True, True, ep=True), _PTX + _EP_PTX),
+        "fused-fwd-ep-noclamp-routed": (fused(False, False, ep=True), _PTX + _EP_PTX),
+        "fused-fwd-mxfp8-ep-clamp-shared": (fused(True, True, mx=True, ep=True), _MX_PTX + _EP_PTX),
     }
