@@ -65,7 +65,8 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, SUM_BATCH, describe
+from mok_cute.kernels.route_grad_row import route_row
+from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe
 from mok_cute.kernels.sm100.fused_moe import store_routed
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
@@ -77,7 +78,7 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
-from mok_cute.schedule.fused_tasks import routed_mtiles
+from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
 MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
@@ -91,13 +92,22 @@ _FP8 = torch.float8_e4m3fn
 class FusedMoeBwdSm100:
     """The persistent routed backward core (see the module doc); ``clamp``: SwiGLU limit given;
     ``tokens``: D1 rows to their (token, slot) rows and the dx slot sum in the launch, starting
-    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term; ``mx``: MXFP8 tiles."""
+    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term; ``mx``: MXFP8 tiles;
+    ``gather``: the routed dy rows, d topk_w and x rows built in the launch by its first
+    ``comm_ctas`` CTAs (``by_route``: the forward's GEMM2 rows in route order); ``shared``: the
+    shared expert's tiles as a second group, its dx the slot sum's ``init``."""
 
-    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False):
+    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
+                 gather: bool = False, by_route: bool = False, shared: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
+        if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
+            raise ValueError("gather needs tokens, by_route needs gather, shared needs gather and init (its dx)")
+        if mx and gather:
+            raise ValueError("gather / shared (the whole backward in the launch) are BF16 only")
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
+        self.gather, self.by_route, self.shared = gather, by_route, shared
         self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
         self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR)  # D2
         self.dgrad1 = GroupedGemmSm100(cfg, "plain", b_major=MN_MAJOR, split_k=True)  # D1
@@ -131,8 +141,12 @@ class FusedMoeBwdSm100:
                  mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor, mOut: cute.Tensor,
                  mDysf: cute.Tensor, mWdsf: cute.Tensor, mDgusf: cute.Tensor, mWgusf: cute.Tensor,
                  mDyt: cute.Tensor, mDytsf: cute.Tensor, mHtsf: cute.Tensor, mDgut: cute.Tensor,
-                 mDgtsf: cute.Tensor, mDutsf: cute.Tensor, mXtsf: cute.Tensor,
-                 k: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 mDgtsf: cute.Tensor, mDutsf: cute.Tensor, mXtsf: cute.Tensor, mDyTok: cute.Tensor,
+                 mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
+                 mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
+                 mSDgu: cute.Tensor, mSDWg: cute.Tensor, mSDWu: cute.Tensor, mSDWd: cute.Tensor,
+                 mSOffsets: cute.Tensor, mSD2: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
+                 num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
         int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
         [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
@@ -143,11 +157,40 @@ class FusedMoeBwdSm100:
         ``mDgu`` / ``mDgut`` dgu quantized along I / along tokens (written by D2), the weights e4m3;
         the flat uint8 blocked scales: ``mDysf`` (dy rows), ``mWdsf`` / ``mWgusf`` (w_down /
         [w_gate; w_up] along K), ``mDgusf`` (dgu rows, halves padded to whole atoms), ``mDytsf``,
-        ``mHtsf``, ``mXtsf``, ``mDgtsf``, ``mDutsf`` (token scales of dy, h, x, dg, du)."""
+        ``mHtsf``, ``mXtsf``, ``mDgtsf``, ``mDutsf`` (token scales of dy, h, x, dg, du).
+
+        Gather (else the six None, ``comm_ctas`` unread): ``mDy`` / ``mX`` [M, H] are written by the
+        comm CTAs from ``mDyTok`` / ``mXTok`` [T, H] and ``mR`` (the forward's GEMM2 rows: grouped
+        [M, H], ``by_route``: [T*k, H] in route order), ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in,
+        d topk_w out), routed m-tile c published on ``mGdy[c]`` int32 (1: dy rows, 2: x rows too);
+        ``mOrder`` then holds all T*k routes (routes without an expert last). Shared (else the
+        eleven ``mS*`` None): the shared expert's gu [T, 2, I_s], h [T, I_s], weights [1, I_s, H] x 2,
+        [1, H, I_s], dgu scratch [T, 2, I_s], dW [1, ...], offsets [0, T] and dgrad2 counters; its dy
+        / x are ``mDyTok`` / ``mXTok``, its dx goes to ``mInit``."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
-        e = mOffsets.shape[0] - 1
+        tmas = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mOffsets.shape[0] - 1,
+                         (mDysf, mWdsf, mDgusf, mWgusf, mDyt, mDytsf, mHtsf, mDgut, mDgtsf, mDutsf, mXtsf))
+        s_t = g_t = None
+        if cutlass.const_expr(self.shared):
+            tmas = tmas + self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSOffsets.shape[0] - 1, (None,) * 11)
+            s_t = (mSGU, mSDgu, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
+        if cutlass.const_expr(self.gather):
+            g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, comm_ctas)
+        self.shared_storage = self._storage()
+        self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
+                    mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
+                    timeout_ns, s_t, g_t).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, e, mx_ops):
+        """One group's TMA (atom, coordinates) pairs (p = self.per: A, B[, SFA, SFB]): D2 (dy,
+        w_down) from 0, D1 (dg, w_gate) from p and its second part (du, w_up) at 2p, dWd (dy, h) from
+        2p + 2, dWg (dg, x) from 3p + 2, dWu's du [and its scales] from 4p + 2 (its x operands:
+        dWg's); ``e`` experts, ``mx_ops``: ``__call__``'s eleven MXFP8 tensors (None each for BF16)."""
+        md, mw = self.ml_d, self.ml_w
+        mDysf, mWdsf, mDgusf, mWgusf, mDyt, mDytsf, mHtsf, mDgut, mDgtsf, mDutsf, mXtsf = mx_ops
         dgt = mDgut if cutlass.const_expr(self.mx) else mDgu  # the wgrads' dg / du (MXFP8: along tokens)
         dg, du = dgt[(None, 0, None)], dgt[(None, 1, None)]
         dyt = mDyt if cutlass.const_expr(self.mx) else mDy
@@ -157,19 +200,11 @@ class FusedMoeBwdSm100:
         wd = self.wgrad._views(dyt, mH, mDytsf, mHtsf, e)
         wg = self.wgrad._views(dg, mX, mDgtsf, mXtsf, e)
         wu = self.wgrad._views(du, mX, mDutsf, mXtsf, e)
-        # atoms (p = self.per: A, B[, SFA, SFB]): D2 (dy, w_down) from 0, D1 (dg, w_gate) from p and
-        # its second part (du, w_up) at 2p, dWd (dy, h) from 2p + 2, dWg (dg, x) from 3p + 2, dWu's du
-        # [and its scales] from 4p + 2 (its x operands: dWg's)
         d1_a2 = mDgu[(None, 1, None)] if cutlass.const_expr(self.mx) else du
         tmas = md.make_tma(*d2) + md.make_tma(*d1, mA2=GroupedGemmSm100._rows(d1_a2), mB2=d1_b2) \
             + mw.make_tma(*wd) + mw.make_tma(*wg)
         wu_tma = mw.make_tma(*wu)
-        tmas = tmas + wu_tma[:1] + wu_tma[2:3]
-        self.shared_storage = self._storage()
-        self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
-                    mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
-                    timeout_ns).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
+        return tmas + wu_tma[:1] + wu_tma[2:3]
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -177,7 +212,7 @@ class FusedMoeBwdSm100:
                mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor,
                mWords: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor,
                mOut: cute.Tensor, mDgusf: cute.Tensor, mDgut: cute.Tensor, mDgtsf: cute.Tensor, mDutsf: cute.Tensor,
-               k: Int32, limit: Float32, timeout_ns: Int64):
+               k: Int32, limit: Float32, timeout_ns: Int64, s_t: tuple, g_t: tuple):
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -194,35 +229,34 @@ class FusedMoeBwdSm100:
         smem = md.smem_tensors(storage) + mw.smem_tensors(storage)  # sA, sB, sSFA, sSFB of each (SF: MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-        num_experts = mOffsets.shape[0] - 1
-        hidden = mDx.shape[1]
-        inter = mGU.shape[2]
-        n_i = (inter + (cfg.tile_n - 1)) // cfg.tile_n  # D2 n-tiles
-        n_h = (hidden + (cfg.tile_n - 1)) // cfg.tile_n  # D1 n-tiles
-        wd_m = (hidden + (cfg.tile_m - 1)) // cfg.tile_m  # dWd [H, I] tiles: (wd_m, n_i); dWg, dWu: (wgu_m, n_h)
-        wgu_m = (inter + (cfg.tile_m - 1)) // cfg.tile_m
-        mt = routed_mtiles(mOffsets, num_experts, cfg.tile_m)
-        n_d2 = mt * n_i
-        n_d1 = mt * n_h
-        per_e = wd_m * n_i + 2 * wgu_m * n_h
-        n_tasks = n_d2 + n_d1 + num_experts * per_e
-        k_h = (hidden + (cfg.tile_k - 1)) // cfg.tile_k
-        k_i = (inter + (cfg.tile_k - 1)) // cfg.tile_k
-        dims = (n_tasks, n_d2, n_d1, n_i, n_h, wd_m, wgu_m, per_e, k_h, k_i)
+        n_r = len(atoms) // 2 if cutlass.const_expr(self.shared) else len(atoms)  # the routed group's atoms
+        routed = _Group(cfg, atoms[:n_r], coords[:n_r], (mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2),
+                        self.gather, self.tokens)
+        shared = None
+        n_tasks, n_done = routed.dims[0], routed.n_d1  # the tasks, the D1 tiles the slot sum waits for
+        if cutlass.const_expr(self.shared):
+            shared = _Group(cfg, atoms[n_r:], coords[n_r:], s_t, False, False)
+            n_tasks, n_done = n_tasks + shared.dims[0], n_done + shared.n_d1
+        gdy = None
+        if cutlass.const_expr(self.gather):
+            gdy = g_t[5]
+            bidx, _, _ = cute.arch.block_idx()
+            if bidx < g_t[8]:  # a comm CTA: first the routed rows, then GEMM tasks like every CTA
+                self._gather(tidx, bidx, routed, mOrder, k, g_t)
+                cute.arch.barrier()
 
         if warp == TMA_WARP:
-            self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mWords.iterator, dims,
-                          mOffsets, num_experts, mD2, mWords.iterator + 1, timeout_ns)
+            self._produce(ab_pipe, task_pipe, sTask, smem, routed, shared, mWords.iterator, n_tasks, gdy,
+                          mWords.iterator + 1, timeout_ns)
         if warp == MMA_WARP:
-            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, dims, mOffsets)
+            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
         if warp < MMA_WARP:
-            self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, dims, mOffsets, num_experts, mGU, mDgu, mDx,
-                           mDWg, mDWu, mDWd, mD2, limit, mOrder, mWords.iterator + DONE_WORD,
-                           (mDgusf, mDgut, mDgtsf, mDutsf))
+            self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, routed, shared, n_tasks, limit, mOrder,
+                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf))
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
-                P.wait_geq(mWords.iterator + DONE_WORD, n_d1, timeout_ns, mWords.iterator + 1, Int32(0),
+                P.wait_geq(mWords.iterator + DONE_WORD, n_done, timeout_ns, mWords.iterator + 1, Int32(0),
                            Int32(D1_DONE))
             cute.arch.barrier()
             bidx, _, _ = cute.arch.block_idx()
@@ -231,36 +265,116 @@ class FusedMoeBwdSm100:
             if cutlass.const_expr(self.mx):
                 buf = cute.recast_ptr(buf, dtype=cutlass.BFloat16)
             sbuf = cute.make_tensor(buf, cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC), stride=(_VEC, 1)))
-            slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], hidden, sbuf,
+            slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden, sbuf,
                                SUM_BATCH, NUM_THREADS, None, mAdd)
 
     @cute.jit
-    def _decode(self, t: Int32, dims, mOffsets: cute.Tensor, num_experts: Int32, cur):
-        """:func:`~mok_cute.schedule.fused_bwd_tasks.core_task` of task ``t`` with the role's cursors ``cur``."""
-        n_d2, n_d1, n_i, n_h, wd_m, wgu_m = dims[1:7]
-        return tasks.core_task(t, n_d2, n_d1, n_i, n_h, mOffsets, num_experts, self.cfg.tile_m, wd_m, n_i, wgu_m,
-                               n_h, *cur)
+    def _decode(self, g, t: Int32, cur):
+        """:func:`~mok_cute.schedule.fused_bwd_tasks.core_task` of group ``g``'s task ``t`` with the
+        role's cursors ``cur``: ``(phase, expert, n_tile, m_tile, row0, rows, mt, which, cur)``."""
+        n_d2, n_d1, n_i, n_h, wd_m, wgu_m = g.dims[1:7]
+        phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
+            t, n_d2, n_d1, n_i, n_h, g.offsets, g.num_experts, self.cfg.tile_m, wd_m, n_i, wgu_m, n_h, *cur)
+        return phase, expert, n_tile, m_tile, row0, rows, mt, which, (e1, b1, e2, b2)
 
-    # ------------------------------------------------------------------ task hand-off
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, atoms, coords, ticket: cute.Pointer, dims,
-                 mOffsets: cute.Tensor, num_experts: Int32, mD2: cute.Tensor, status: cute.Pointer,
-                 timeout_ns: Int64):
+    def _gather(self, tidx: Int32, bidx: Int32, g, mOrder: cute.Tensor, k: Int32, g_t: tuple):
+        """Comm CTA ``bidx`` (gather variant): routed m-tiles ``c = bidx, bidx + comm_ctas, ...`` of
+        group ``g``, one warp per grouped row p (route q = order[p] = t*k + j), in two passes: dy
+        rows[p] = bf16(dy[t] * w[q]) and d topk_w[q] = dy[t] . r[p or q]
+        (:func:`~mok_cute.kernels.route_grad_row.route_row`), then x rows[p] = x[t]
+        (:func:`~mok_cute.kernels.slot_rows.copy_row`); each pass bumps ``gdy[c]`` (release, after
+        the CTA's GPU-scope fences). Then d topk_w = 0 for the routes past the experts' rows."""
+        mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas = g_t
+        hidden = g.hidden
+        hc = hidden // _VEC
+        u32 = cutlass.Uint32
+
+        def rows4(m: cute.Tensor):
+            return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=u32),
+                                    cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
+
+        dyv, rv, outv = rows4(mDyTok), rows4(mR), rows4(mDyRows)
+        xtok, xrows = mXTok.iterator.toint(), mXRows.iterator.toint()
+        w = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=u32), cute.make_layout(mW.shape[0]))
+        dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
+        warp = tidx // 32
+        lane = tidx % 32
+        for xpass in cutlass.range_constexpr(2):
+            ge, gb = Int32(0), Int32(0)
+            for c in cutlass.range(bidx, g.mt, comm_ctas, unroll=1):
+                row0, rows, ge, gb = mtile(g.offsets, g.num_experts, self.cfg.tile_m, c, ge, gb)
+                for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
+                    p = row0 + rr
+                    q = mOrder[p]
+                    t = q // k
+                    if cutlass.const_expr(xpass == 0):
+                        src = p
+                        if cutlass.const_expr(self.by_route):
+                            src = q
+                        acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
+                        if lane == 0:
+                            dtw[q] = acc
+                    else:
+                        slot_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2),
+                                           xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                if tidx == 0:
+                    cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
+        for p in cutlass.range(g.offsets[g.num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
+                               comm_ctas * NUM_THREADS, unroll=1):
+            dtw[mOrder[p]] = u32(0)
+
+    @cute.jit
+    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,
+                 n_tasks: Int32, gdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
-        for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop)."""
+        for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop). With a
+        shared group, list task t is ``fused_bwd90._split``'s (group, task)."""
+        r_parts = self._parts(routed, views)
+        s_parts = self._parts(shared, views) if cutlass.const_expr(self.shared) else None
+        state = self.ml_d.producer_state()
+        tstate = task_ring.producer_state()
+        cur = (Int32(0), Int32(0), Int32(0), Int32(0))
+        ready = (Int32(-1), Int32(-1))  # the last expert whose D2 tiles / gathered rows this CTA saw complete
+        s_cur, s_ready = cur, ready
+        t = persistent.claim(ticket)
+        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+        while t < n_tasks:
+            if cutlass.const_expr(self.shared):
+                grp, lt = _split(t, shared, routed)
+                if grp == 0:
+                    *tile, s_cur = self._decode(shared, lt, s_cur)
+                    state, s_ready = self._load(shared, s_parts, tile, ab_pipe, state, views, s_ready, gdy, status,
+                                                timeout_ns)
+                else:
+                    *tile, cur = self._decode(routed, lt, cur)
+                    state, ready = self._load(routed, r_parts, tile, ab_pipe, state, views, ready, gdy, status,
+                                              timeout_ns)
+            else:
+                *tile, cur = self._decode(routed, t, cur)
+                state, ready = self._load(routed, r_parts, tile, ab_pipe, state, views, ready, gdy, status, timeout_ns)
+            t = persistent.claim(ticket)
+            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+        ab_pipe.producer_tail(state)
+
+    def _parts(self, g, views):
+        """TMA warp, group ``g``: the B partitions over every (n-tile, k-tile, expert) of D2's
+        w_down, D1's w_gate and w_up, and (MXFP8) D2's and D1's (SFA, SFB) partitions with their
+        smem destinations: ``(sB, w_down, w_gate, w_up, sf, sf_dst)``."""
         cfg, md, p = self.cfg, self.ml_d, self.per
-        sA, sB, sSFA, sSFB = views[:4]
-        n_tasks, n_i, k_h, k_i = dims[0], dims[3], dims[8], dims[9]
+        atoms, coords = g.atoms, g.coords
+        sB, sSFA, sSFB = views[1:4]
         tiler_a = (cfg.tile_m, cfg.tile_k)
         tiler_b = (cfg.tile_n, cfg.tile_k)
         every = (None, None, None)
         tBsB, tBgWd = md.partition_b(atoms[1], cute.local_tile(coords[1], tiler_b, every), sB, 0)
         _, tBgWg = md.partition_b(atoms[p + 1], cute.local_tile(coords[p + 1], tiler_b, every), sB, 0)
         _, tBgWu = md.partition_b(atoms[2 * p + 1], cute.local_tile(coords[2 * p + 1], tiler_b, every), sB, 0)
-        no_mask = (None,) * p
-        sf = None
-        if cutlass.const_expr(self.mx):  # D2's and D1's scale tensors: (SFA, SFB) partitions of each
+        sf = sf_dst = None
+        if cutlass.const_expr(self.mx):
             sf = []
             for i in (2, p + 2):
                 tAsSFA, tAgSFA = md.partition_a(atoms[i], cute.local_tile(coords[i], tiler_a, every), sSFA, 0)
@@ -268,61 +382,76 @@ class FusedMoeBwdSm100:
                                                   0)
                 sf.append((tAgSFA, tBgSFB))
             sf_dst = (tAsSFA, tBsSFB)
-        state = md.producer_state()
-        tstate = task_ring.producer_state()
-        cur = (Int32(0), Int32(0), Int32(0), Int32(0))
-        ready_e = Int32(-1)  # the last expert whose D2 tiles this CTA saw complete
-        t = persistent.claim(ticket)
-        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
-        while t < n_tasks:
-            phase, expert, n_tile, m_tile, row0, _, mt, which, e1, b1, e2, b2 = self._decode(
-                t, dims, mOffsets, num_experts, cur)
-            cur = (e1, b1, e2, b2)
-            if phase == D2:
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
-                tAsA, tAgA = self.ml_d.partition_a(atoms[0], gA, sA, 0)
-                srcs, dsts = (tAgA, tBgWd[(None, n_tile, None, expert)]), (tAsA, tBsB)
-                if cutlass.const_expr(self.mx):
-                    srcs, dsts = srcs + self._sf_tile(sf[0], mOffsets, expert, m_tile, n_tile), dsts + sf_dst
-                state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
-            elif phase == D1:
-                persistent.wait_input(mD2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
-                gA = cute.local_tile(cute.domain_offset((row0, 0), coords[p][(None, None, 0)]), tiler_a, (0, None))
-                gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[2 * p][(None, None, 0)]), tiler_a,
-                                      (0, None))
-                tAsA, tAgA = self.ml_d.partition_a(atoms[p], gA, sA, 0)
-                _, tAgA2 = self.ml_d.partition_a(atoms[2 * p], gA2, sA, 0)
-                part2 = (atoms[2 * p:2 * p + 2], (tAgA2, tBgWu[(None, n_tile, None, expert)]), k_i)
-                srcs, dsts = (tAgA, tBgWg[(None, n_tile, None, expert)]), (tAsA, tBsB)
-                if cutlass.const_expr(self.mx):
-                    srcs, dsts = srcs + self._sf_tile(sf[1], mOffsets, expert, m_tile, n_tile), dsts + sf_dst
-                state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), no_mask,
-                                            part2)
+        return tBsB, tBgWd, tBgWg, tBgWu, sf, sf_dst
+
+    @cute.jit
+    def _load(self, g, parts, tile, ab_pipe, state, views, ready, gdy: cute.Tensor, status: cute.Pointer,
+              timeout_ns: Int64):
+        """TMA warp, group ``g``'s task (``tile``: :meth:`_decode`'s): wait for its inputs (D1: ``d2[mt]``; dWg / dWu: every
+        D2 tile of the expert; gather: D2 its m-tile's dy rows, W the expert's dy and x rows), load its
+        k-tiles. ``ready``: the last experts whose D2 tiles / gathered
+        rows this CTA saw complete (their tickets only grow); returns ``(state, ready)``."""
+        cfg, p = self.cfg, self.per
+        atoms, coords = g.atoms, g.coords
+        sA = views[0]
+        n_i, k_h, k_i = g.dims[3], g.dims[8], g.dims[9]
+        tBsB, tBgWd, tBgWg, tBgWu, sf, sf_dst = parts
+        tiler_a = (cfg.tile_m, cfg.tile_k)
+        no_mask = (None,) * p
+        ready_e, ready_g = ready
+        phase, expert, n_tile, m_tile, row0, _, mt, which = tile
+        if phase == D2:
+            if cutlass.const_expr(g.gather):
+                persistent.wait_input(gdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
+            tAsA, tAgA = self.ml_d.partition_a(atoms[0], gA, sA, 0)
+            srcs, dsts = (tAgA, tBgWd[(None, n_tile, None, expert)]), (tAsA, tBsB)
+            if cutlass.const_expr(self.mx):
+                srcs, dsts = srcs + self._sf_tile(sf[0], g.offsets, expert, m_tile, n_tile), dsts + sf_dst
+            state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
+        elif phase == D1:
+            persistent.wait_input(g.d2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
+            gA = cute.local_tile(cute.domain_offset((row0, 0), coords[p][(None, None, 0)]), tiler_a, (0, None))
+            gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[2 * p][(None, None, 0)]), tiler_a,
+                                  (0, None))
+            tAsA, tAgA = self.ml_d.partition_a(atoms[p], gA, sA, 0)
+            _, tAgA2 = self.ml_d.partition_a(atoms[2 * p], gA2, sA, 0)
+            part2 = (atoms[2 * p:2 * p + 2], (tAgA2, tBgWu[(None, n_tile, None, expert)]), k_i)
+            srcs, dsts = (tAgA, tBgWg[(None, n_tile, None, expert)]), (tAsA, tBsB)
+            if cutlass.const_expr(self.mx):
+                srcs, dsts = srcs + self._sf_tile(sf[1], g.offsets, expert, m_tile, n_tile), dsts + sf_dst
+            state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), no_mask,
+                                        part2)
+        else:
+            lo = g.offsets[expert]
+            length = g.offsets[expert + 1] - lo
+            kt = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
+            if cutlass.const_expr(g.gather):
+                if expert != ready_g:  # the expert's dy and x rows, once per expert and CTA
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
+                    for m in cutlass.range(count, unroll=1):
+                        persistent.wait_input(gdy.iterator + first + m, Int32(2), timeout_ns, status,
+                                              Int32(ROWS_READY), first + m)
+                    ready_g = expert
+            w0 = 2 * p + 2  # dWd's atoms, then dWg's, dWu's
+            if which == WD:
+                state = self._load_w(ab_pipe, state, atoms, coords, (w0, w0 + 1, w0 + 2, w0 + 3), views[4:], lo,
+                                     length, m_tile, n_tile, kt, expert)
             else:
-                lo = mOffsets[expert]
-                length = mOffsets[expert + 1] - lo
-                kt = cutlass.max((length + (self.cfg.tile_k - 1)) // self.cfg.tile_k, 1)
-                w0 = 2 * p + 2  # dWd's atoms, then dWg's, dWu's
-                if which == WD:
-                    state = self._load_w(ab_pipe, state, atoms, coords, (w0, w0 + 1, w0 + 2, w0 + 3), views[4:], lo,
-                                         length, m_tile, n_tile, kt, expert)
+                if expert != ready_e:  # once per expert and CTA: its tickets only grow
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
+                    for m in cutlass.range(count, unroll=1):
+                        persistent.wait_input(g.d2.iterator + first + m, n_i, timeout_ns, status,
+                                              Int32(D2_READY), first + m)
+                    ready_e = expert
+                wg = w0 + p
+                if which == WG:
+                    state = self._load_w(ab_pipe, state, atoms, coords, (wg, wg + 1, wg + 2, wg + 3), views[4:],
+                                         lo, length, m_tile, n_tile, kt, expert)
                 else:
-                    if expert != ready_e:  # once per expert and CTA: its tickets only grow
-                        first, count = tasks.expert_mtile_range(mOffsets, expert, self.cfg.tile_m)
-                        for m in cutlass.range(count, unroll=1):
-                            persistent.wait_input(mD2.iterator + first + m, n_i, timeout_ns, status,
-                                                  Int32(D2_READY), first + m)
-                        ready_e = expert
-                    wg = w0 + p
-                    if which == WG:
-                        state = self._load_w(ab_pipe, state, atoms, coords, (wg, wg + 1, wg + 2, wg + 3), views[4:],
-                                             lo, length, m_tile, n_tile, kt, expert)
-                    else:
-                        state = self._load_w(ab_pipe, state, atoms, coords, (wg + p, wg + 1, wg + p + 1, wg + 3),
-                                             views[4:], lo, length, m_tile, n_tile, kt, expert)
-            t = persistent.claim(ticket)
-            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
-        ab_pipe.producer_tail(state)
+                    state = self._load_w(ab_pipe, state, atoms, coords, (wg + p, wg + 1, wg + p + 1, wg + 3),
+                                         views[4:], lo, length, m_tile, n_tile, kt, expert)
+        return state, (ready_e, ready_g)
 
     @cute.jit
     def _sf_tile(self, sf, mOffsets: cute.Tensor, expert: Int32, m_tile: Int32, n_tile: Int32):
@@ -357,17 +486,14 @@ class FusedMoeBwdSm100:
         return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, (None,) * self.per)
 
     @cute.jit
-    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, dims, mOffsets: cute.Tensor):
+    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, routed, shared, n_tasks: Int32):
         """MMA warp: each task's tile into the next TMEM accumulator stage (D2, D1: the (K, MN)
         tiled MMA; W: the (MN, MN) one)."""
         md, mw = self.ml_d, self.ml_w
-        n_tasks, n_d2, n_d1, per_e, k_h, k_i = dims[0], dims[1], dims[2], dims[7], dims[8], dims[9]
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
-        acc = md.acc_tensor(acc_ptr)
-        acc_w = mw.acc_tensor(acc_ptr)
-        tCrA, tCrB, sf = md.mma_fragments(*views[:4], acc_ptr)
-        tCrA_w, tCrB_w, sf_w = mw.mma_fragments(*views[4:], acc_ptr)
+        accs = (md.acc_tensor(acc_ptr), mw.acc_tensor(acc_ptr))
+        frags = md.mma_fragments(*views[:4], acc_ptr) + mw.mma_fragments(*views[4:], acc_ptr)
         mma_d = md.make_tiled_mma()
         mma_w = mw.make_tiled_mma()
         state = md.consumer_state()
@@ -376,37 +502,51 @@ class FusedMoeBwdSm100:
         t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         while t < n_tasks:
             acc_pipe.producer_acquire(acc_state)
-            if t >= n_d2 + n_d1:  # W: K = the expert's rows
-                expert = (t - n_d2 - n_d1) // per_e
-                length = mOffsets[expert + 1] - mOffsets[expert]
-                kt = cutlass.max((length + (self.cfg.tile_k - 1)) // self.cfg.tile_k, 1)
-                state, mma_w = self.ml_w.mma_tile(mma_w, ab_pipe, state, tCrA_w, tCrB_w, sf_w,
-                                           acc_w[(None, None, None, acc_state.index)], kt)
+            if cutlass.const_expr(self.shared):
+                grp, lt = _split(t, shared, routed)
+                if grp == 0:
+                    state, mma_d, mma_w = self._mma_tile(shared, lt, ab_pipe, state, frags, mma_d, mma_w, accs,
+                                                         acc_state.index)
+                else:
+                    state, mma_d, mma_w = self._mma_tile(routed, lt, ab_pipe, state, frags, mma_d, mma_w, accs,
+                                                         acc_state.index)
             else:
-                kt = k_h  # D2: K = H; D1: K = 2 x I in k-tiles of each half
-                if t >= n_d2:
-                    kt = 2 * k_i
-                state, mma_d = self.ml_d.mma_tile(mma_d, ab_pipe, state, tCrA, tCrB, sf,
-                                           acc[(None, None, None, acc_state.index)], kt)
+                state, mma_d, mma_w = self._mma_tile(routed, t, ab_pipe, state, frags, mma_d, mma_w, accs,
+                                                     acc_state.index)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
             t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
-    def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, dims, mOffsets: cute.Tensor,
-                  num_experts: Int32, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
-                  mDWu: cute.Tensor, mDWd: cute.Tensor, mD2: cute.Tensor, limit: Float32, mOrder: cute.Tensor,
-                  done: cute.Pointer, mx_out):
-        """Epilogue warps: store each task's accumulator with the unfused kernels' epilogue (tokens
-        variant: D1 row r to slot row ``order[row0 + r]``; MXFP8: D2 stores dgu's two quantizations,
-        ``mx_out`` = (dgu_sf, dgut, dg_tsf, du_tsf) beside ``mDgu``, the e4m3 dgu along I); a D2 tile
-        is then published on ``d2[mt]``, a D1 tile of the tokens variant counted on ``done`` (release
-        add by thread 0 after every thread's GPU-scope fence and the epilogue barrier)."""
-        n_tasks = dims[0]
+    def _mma_tile(self, g, t: Int32, ab_pipe, state, frags, mma_d, mma_w, accs, stage: Int32):
+        """MMA warp, group ``g``'s task ``t``: its k-tiles (D2: K = H; D1: 2 x I in k-tiles of each
+        half; W: the expert's rows) into accumulator ``stage`` of ``accs`` (the (K, MN) / (MN, MN)
+        views); returns ``(state, mma_d, mma_w)``."""
+        n_d2, n_d1, per_e, k_h, k_i = g.dims[1], g.dims[2], g.dims[7], g.dims[8], g.dims[9]
+        tCrA, tCrB, sf, tCrA_w, tCrB_w, sf_w = frags
+        if t >= n_d2 + n_d1:  # W: K = the expert's rows
+            expert = (t - n_d2 - n_d1) // per_e
+            length = g.offsets[expert + 1] - g.offsets[expert]
+            kt = cutlass.max((length + (self.cfg.tile_k - 1)) // self.cfg.tile_k, 1)
+            state, mma_w = self.ml_w.mma_tile(mma_w, ab_pipe, state, tCrA_w, tCrB_w, sf_w,
+                                              accs[1][(None, None, None, stage)], kt)
+        else:
+            kt = k_h  # D2: K = H; D1: K = 2 x I in k-tiles of each half
+            if t >= n_d2:
+                kt = 2 * k_i
+            state, mma_d = self.ml_d.mma_tile(mma_d, ab_pipe, state, tCrA, tCrB, sf, accs[0][(None, None, None, stage)],
+                                              kt)
+        return state, mma_d, mma_w
+
+    @cute.jit
+    def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, routed, shared, n_tasks: Int32,
+                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out):
+        """Epilogue warps: store each task's accumulator (:meth:`_store`), then publish it
+        (:meth:`_publish`)."""
         t_atoms = None
         if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
-            t_atoms = (mGU.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + num_experts
+            t_atoms = (routed.gu.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + routed.num_experts
         tmem.allocate(self.ml_d.tmem_alloc)
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
@@ -414,69 +554,137 @@ class FusedMoeBwdSm100:
         acc_state = self.ml_d.acc_consumer_state()
         tstate = task_ring.consumer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
+        s_cur = cur
         t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
-            phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = self._decode(
-                t, dims, mOffsets, num_experts, cur)
-            cur = (e1, b1, e2, b2)
+            if cutlass.const_expr(self.shared):
+                grp, lt = _split(t, shared, routed)
+                phase, expert, n_tile, m_tile, row0, rows, mt, which = (Int32(0),) * 8
+                if grp == 0:
+                    phase, expert, n_tile, m_tile, row0, rows, mt, which, s_cur = self._decode(shared, lt, s_cur)
+                else:
+                    phase, expert, n_tile, m_tile, row0, rows, mt, which, cur = self._decode(routed, lt, cur)
+            else:
+                phase, expert, n_tile, m_tile, row0, rows, mt, which, cur = self._decode(routed, t, cur)
             acc_pipe.consumer_wait(acc_state)
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
-            if phase == D2:
-                if cutlass.const_expr(self.mx):
-                    sf_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
-                    self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, None, mGU, limit,
-                                                (mDgu, *mx_out, sf_row, t_atoms))
+            tile = (phase, expert, n_tile, m_tile, row0, rows, which)
+            if cutlass.const_expr(self.shared):
+                if grp == 0:
+                    self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms)
                 else:
-                    self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, mDgu, mGU, limit)
-            elif phase == D1:
-                if cutlass.const_expr(self.tokens):
-                    store_routed(self.dgrad1, chunks, row0, rows, n_tile, mDx, mOrder)
-                else:
-                    self.dgrad1._store_plain(chunks, row0, rows, n_tile, mDx)
+                    self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms)
             else:
-                r0 = m_tile * self.cfg.tile_m
-                if which == WD:
-                    self.wgrad._store_plain(chunks, r0, mDWd.shape[1] - r0, n_tile, mDWd[(expert, None, None)])
-                elif which == WG:
-                    self.wgrad._store_plain(chunks, r0, mDWg.shape[1] - r0, n_tile, mDWg[(expert, None, None)])
-                else:
-                    self.wgrad._store_plain(chunks, r0, mDWu.shape[1] - r0, n_tile, mDWu[(expert, None, None)])
+                self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms)
             cute.arch.fence_view_async_tmem_load()
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
-            if phase == D2:
-                cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before thread 0's release below
-                epi_barrier()
-                if tidx == 0:
-                    cute.arch.atomic_add(mD2.iterator + mt, Int32(1), sem="release", scope="gpu")
-            if cutlass.const_expr(self.tokens):
-                if phase == D1:
-                    cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
-                    epi_barrier()
-                    if tidx == 0:
-                        cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
+            if cutlass.const_expr(self.shared):
+                if grp == 0:
+                    self._publish(shared, phase, mt, tidx, done)
+                else:
+                    self._publish(routed, phase, mt, tidx, done)
+            else:
+                self._publish(routed, phase, mt, tidx, done)
             t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
 
+    @cute.jit
+    def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms):
+        """Epilogue warps, group ``g``'s tile ``(phase, expert, n_tile, m_tile, row0, rows, which)``:
+        the unfused kernels' epilogue (D1 of a ``routed`` group in the tokens variant: row r to slot
+        row ``order[row0 + r]``; MXFP8: D2 stores dgu's two quantizations, ``mx_out`` = (dgu_sf,
+        dgut, dg_tsf, du_tsf) beside the e4m3 dgu along I)."""
+        phase, expert, n_tile, m_tile, row0, rows, which = tile
+        if phase == D2:
+            if cutlass.const_expr(self.mx):
+                sf_row = g.offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
+                self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, None, g.gu, limit,
+                                            (g.dgu, *mx_out, sf_row, t_atoms))
+            else:
+                self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, g.dgu, g.gu, limit)
+        elif phase == D1:
+            if cutlass.const_expr(g.routed):
+                store_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder)
+            else:
+                self.dgrad1._store_plain(chunks, row0, rows, n_tile, g.dx)
+        else:
+            r0 = m_tile * self.cfg.tile_m
+            if which == WD:
+                self.wgrad._store_plain(chunks, r0, g.dwd.shape[1] - r0, n_tile, g.dwd[(expert, None, None)])
+            elif which == WG:
+                self.wgrad._store_plain(chunks, r0, g.dwg.shape[1] - r0, n_tile, g.dwg[(expert, None, None)])
+            else:
+                self.wgrad._store_plain(chunks, r0, g.dwu.shape[1] - r0, n_tile, g.dwu[(expert, None, None)])
+
+    @cute.jit
+    def _publish(self, g, phase: Int32, mt: Int32, tidx: Int32, done: cute.Pointer):
+        """Epilogue warps: a D2 tile is published on ``g.d2[mt]``, a D1 tile of the tokens variant
+        counted on ``done`` (release add by thread 0 after every thread's GPU-scope fence and the
+        epilogue barrier)."""
+        if phase == D2:
+            cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before thread 0's release below
+            epi_barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
+        if cutlass.const_expr(self.tokens):
+            if phase == D1:
+                cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
+                epi_barrier()
+                if tidx == 0:
+                    cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
+
+
+class _Group:
+    """One group of the backward's tiles inside the kernel: the routed experts, or (``shared``) the
+    shared expert as one expert over the T tokens. ``atoms`` / ``coords``: its TMA atoms and
+    coordinates (:meth:`FusedMoeBwdSm100._tma` order); ``t`` = ``(gu, dgu, dx, dWg, dWu, dWd,
+    offsets, d2)``; ``gather``: its D2 / W tiles wait for the comm CTAs' rows; ``routed``: D1 rows to
+    their (token, slot) rows. ``dims`` = ``(n_tasks, n_d2, n_d1, n_i, n_h, wd_m, wgu_m, per_e, k_h,
+    k_i)``; ``n_d2`` / ``n_d1`` / ``n_w``: its phases' sizes (``fused_bwd90._split``)."""
+
+    def __init__(self, cfg, atoms, coords, t: tuple, gather: bool, routed: bool):
+        self.atoms, self.coords, self.gather, self.routed = atoms, coords, gather, routed
+        self.gu, self.dgu, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2 = t
+        self.num_experts = self.offsets.shape[0] - 1
+        self.hidden = self.dx.shape[1]
+        inter = self.gu.shape[2]
+        n_i = (inter + (cfg.tile_n - 1)) // cfg.tile_n  # D2 n-tiles
+        n_h = (self.hidden + (cfg.tile_n - 1)) // cfg.tile_n  # D1 n-tiles
+        wd_m = (self.hidden + (cfg.tile_m - 1)) // cfg.tile_m  # dWd [H, I] tiles: (wd_m, n_i); dWg, dWu: (wgu_m, n_h)
+        wgu_m = (inter + (cfg.tile_m - 1)) // cfg.tile_m
+        self.mt = routed_mtiles(self.offsets, self.num_experts, cfg.tile_m)
+        self.n_d2 = self.mt * n_i
+        self.n_d1 = self.mt * n_h
+        per_e = wd_m * n_i + 2 * wgu_m * n_h
+        self.n_w = self.num_experts * per_e
+        n_tasks = self.n_d2 + self.n_d1 + self.n_w
+        k_h = (self.hidden + (cfg.tile_k - 1)) // cfg.tile_k
+        k_i = (inter + (cfg.tile_k - 1)) // cfg.tile_k
+        self.dims = (n_tasks, self.n_d2, self.n_d1, n_i, n_h, wd_m, wgu_m, per_e, k_h, k_i)
+
 
 # ---------------------------------------------------------------- compile
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
-                                 mx: bool = False, *, arch: str = "sm_100a", inspect: bool = False):
-    """Compile the routed core with symbolic M, T, T*k, H, I, E for ``arch`` (sm_100a / sm_103a;
+                                 mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
+                                 *, arch: str = "sm_100a", inspect: bool = False):
+    """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
-    start terms, need ``tokens``; ``mx``: MXFP8); returns ``(compiled, report)``."""
+    start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
+    rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
+    expert's tiles, its dx the slot sum's ``init``); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared)
     bf = cutlass.BFloat16
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
     m, e, two, t, tk = (cute.sym_int() for _ in range(5))
     hid, inter = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(2))
 
-    def vec(n=None):
-        return cute.runtime.make_fake_tensor(Int32, (cute.sym_int() if n is None else n,), stride=(1,),
+    def vec(n=None, dtype=Int32):
+        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int() if n is None else n,), stride=(1,),
                                              assumed_align=4)
 
     args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
@@ -492,14 +700,26 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
         sf = MX_CONFIG
         mxs = (_fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_2d(q, m, hid), _fake_sf(sf),
                _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
-    return compile_kernel(op, *args, *toks, *mxs, Int32(1), Float32(0.0), Int32(1), Int64(1),
+    rows = (None,) * 6
+    if gather:
+        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), vec(tk, Float32),
+                vec(tk, Float32), vec())
+    sh = (None,) * 11
+    if shared:
+        i_s, one = cute.sym_int(divisibility=DIM_MULTIPLE), cute.sym_int()
+        sh = (_fake_3d(bf, t, two, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, i_s, hid),
+              _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), _fake_3d(bf, one, i_s, hid),
+              _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, hid, i_s), vec(), vec())
+    return compile_kernel(op, *args, *toks, *mxs, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
-def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales=None):
+def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales=None,
+                    rows=None):
     """Raise TypeError / ValueError for operands :func:`fused_backward_core` cannot launch on
-    (``w_scales`` given: MXFP8, e4m3 weights with those scales)."""
+    (``w_scales`` given: MXFP8, e4m3 weights with those scales; ``rows``: the grouped rows gu and h
+    hold at least, default dy's)."""
     bf = (torch.bfloat16,)
     mx = w_scales is not None
     _check_tensor("dy", dy, 2, bf)
@@ -527,6 +747,7 @@ def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_
         _check_gate_up_scales(w_scales[:2], (e, inter // lay.SF_VEC, hid))
         _check_scales("w_scales[2]", w_scales[2], (e, hid // lay.SF_VEC, inter))
         scales = {f"w_scales[{i}]": s for i, s in enumerate(w_scales)}
+    m = m if rows is None else rows
     for name, a, cols in (("gu", gu, 2 * inter), ("h", h, inter)):
         _check_tensor(name, a, 2, bf)
         if a.shape[0] < m or a.shape[1] != cols:
@@ -546,13 +767,15 @@ def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_
         raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
 
 
-def _check_tokens(tokens, dy):
+def _check_tokens(tokens, dy, rows=None):
     """Raise TypeError / ValueError for a ``tokens`` argument :func:`fused_backward_core` cannot
-    launch on; returns ``(order int32 [M], topk_idx int32 [T*k], dx_shared, dx_add, T, k)``."""
+    launch on; returns ``(order int32 [M], topk_idx int32 [T*k], dx_shared, dx_add, T, k)`` (``rows``:
+    the order entries used, default M = dy's rows)."""
     if not isinstance(tokens, (tuple, list)) or len(tokens) not in (3, 4):
         raise ValueError("tokens must be (order, topk_idx, dx_shared) or (order, topk_idx, dx_shared, dx_add)")
     order, topk_idx, dxs, add = (*tokens, None)[:4]
     m, hid = dy.shape
+    m = m if rows is None else rows
     ints = (torch.int32, torch.int64)
     _check_tensor("order", order, 1, ints)
     if order.numel() < m:
@@ -627,10 +850,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     dgu = torch.empty((m, 2, inter), dtype=_FP8 if mx else torch.bfloat16, device=dy.device)
     if mx:
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
-    mt_cap = m // CONFIG.tile_m + e + 1  # routed m-tiles: at most one partial per expert
-    n_words = WORDS if toks is None else DONE_WORD + 1
-    counters = torch.zeros(mt_cap + n_words, dtype=torch.int32, device=dy.device)
-    d2, words = counters[:mt_cap], counters[mt_cap:]
+    _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)
     k, tok_args, rows = 1, (None,) * 5, dx
     if toks is not None:
         order32, idx32, dxs, add, t, k = toks
@@ -638,18 +858,139 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         tok_args = (order32, idx32, dxs, add, dx)
     variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
                toks is not None and toks[3] is not None, mx)
-    launcher = compile_cached(("sm100_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
-        compile_fused_backward_sm100(variant[0], *variant[1:], arch=arch)[0]))
-    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd,
-               offsets, d2, words, *tok_args, *mx_args)
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, num_ctas, timeout_ns)
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda st: (
-        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Float32(lim), Int32(num_ctas),
-        Int64(timeout_ns), st))
-    deferred.watch(words[1:WORDS], describe)
+               offsets, d2, words, *tok_args, *mx_args) + (None,) * 17
+    _launch(("sm100_fused_moe_bwd_core", arch) + variant, variant, tensors, k, 1, limit, num_ctas, timeout_s, dev,
+            words)
     return dx, dwg, dwu, dwd
+
+
+def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
+                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
+                   shared=None):
+    """The routed backward from the layer's tokens in one launch (BF16; the contract of
+    :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward` without ``main_grads``):
+    :func:`fused_backward_core` with ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of
+    ``route_grad.dy_rows_and_dtopk_w`` and of gathering x's rows (meant bitwise theirs). dy, x [T, H]
+    bf16; ``r_rows`` [T*k, H] (the forward's GEMM2 rows, expert-grouped or, ``rows_by_route``, in
+    route order); ``order`` int [T*k] (grouped row -> t*k + j, routes without an expert last, trusted);
+    ``topk_w`` fp32, ``topk_idx`` int [T, k]; ``offsets`` int32 [E+1] (trusted); gu [>= T*k, 2I], h
+    [>= T*k, I]; ``dx_shared`` bf16 [T, H] or None (the slot sum's start). Returns ``(dx [T, H],
+    d topk_w [T, k] fp32, dWg, dWu, dWd)`` (d topk_w 0 for -1 slots).
+
+    ``shared`` = ``(offsets_s int32 [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H],
+    ws_down [H, I_s])`` (the shared expert's group, as the forward made it): its tiles run in the same
+    launch as a second group (``dx_shared`` must be None: its dx is made there and starts the slot
+    sum) and its three weight gradients [I_s, H], [I_s, H], [H, I_s] follow the routed ones. Every
+    operand is validated before anything is compiled or launched; a device wait's timeout is raised
+    by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    ints = (torch.int32, torch.int64)
+    _check_tensor("topk_idx", topk_idx, 2, ints)
+    t, k = topk_idx.shape
+    m = t * k
+    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, rows=m)
+    hid = dy.shape[1]
+    if dy.shape[0] != t:
+        raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
+    if shared is not None and dx_shared is not None:
+        raise ValueError("dx_shared must be None when the shared expert runs in the launch")
+    order32, idx32, _, _, _, _ = _check_tokens((order, topk_idx, dx_shared), dy, rows=m)
+    _check_tensor("r_rows", r_rows, 2, (torch.bfloat16,))
+    _check_tensor("topk_w", topk_w, 2, (torch.float32,))
+    if tuple(r_rows.shape) != (m, hid) or not r_rows.is_contiguous() or r_rows.data_ptr() % 16:
+        raise ValueError(f"r_rows must be contiguous [T*k, H] = {(m, hid)}, got {tuple(r_rows.shape)}")
+    if tuple(topk_w.shape) != (t, k):
+        raise ValueError(f"topk_w must be [T, k] = {(t, k)}, got {tuple(topk_w.shape)}")
+    if not isinstance(rows_by_route, bool):
+        raise TypeError(f"rows_by_route must be a bool, got {type(rows_by_route).__name__}")
+    if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
+        raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
+    sh = None if shared is None else _check_shared(shared, t, hid)
+    for name, a in dict(r_rows=r_rows, topk_w=topk_w, **(sh or {})).items():
+        if a.device != dy.device:
+            raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
+    dev, arch = device_arch(dy.device)
+    if arch not in ARCHS:
+        raise ValueError(f"the SM100 fused backward needs an sm_100a / sm_103a device, got {arch}")
+    e, inter = w_gate.shape[0], w_gate.shape[1]
+    bf = dict(dtype=torch.bfloat16, device=dy.device)
+    dx = torch.empty((t, hid), **bf)
+    dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
+    dw = (torch.empty((e, inter, hid), **bf), torch.empty((e, inter, hid), **bf), torch.empty((e, hid, inter), **bf))
+    dws = ()
+    if sh is not None:
+        i_s = sh["ws_gate"].shape[0]
+        dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
+    if t == 0:  # no tokens: no tile reads anything
+        return (dx, dtw, *(d.zero_() for d in dw), *(d[0].zero_() for d in dws))
+    mt_cap, sd2_cap = m // CONFIG.tile_m + e + 1, t // CONFIG.tile_m + 2
+    counters, d2, words = _counters(m, e, DONE_WORD + 1, dy.device, mt_cap + sd2_cap)
+    gdy, sd2 = counters[-(mt_cap + sd2_cap):-sd2_cap], counters[-sd2_cap:]
+    init = dx_shared if sh is None else torch.empty((t, hid), **bf)  # the shared expert's dx: D1 of its group
+    gather = (dy, x, r_rows, topk_w.reshape(-1).contiguous(), dtw.view(-1), gdy)
+    sh_args = (None,) * 11
+    if sh is not None:
+        i_s = sh["ws_gate"].shape[0]
+        sh_args = (sh["gu_s"].view(t, 2, i_s), sh["h_s"], sh["ws_gate"][None], sh["ws_up"][None],
+                   sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), *dws, sh["offsets_s"], sd2)
+    tensors = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), gu[:m].view(m, 2, inter), h[:m], w_gate,
+               w_up, w_down, torch.empty((m, 2, inter), **bf), torch.empty((m, hid), **bf), *dw, offsets, d2, words,
+               order32, idx32, init, None, dx, *(None,) * 11, *gather, *sh_args)
+    variant = (limit is not None, True, init is not None, False, False, True, rows_by_route, sh is not None)
+    _launch(("sm100_fused_moe_bwd", arch) + variant, variant, tensors, k, comm_ctas, limit, num_ctas, timeout_s, dev,
+            words)
+    return (dx, dtw, *dw, *(d[0] for d in dws))
+
+
+def _check_shared(shared, t: int, hid: int) -> dict:
+    """Raise TypeError / ValueError for a ``shared`` group :func:`fused_backward` cannot launch on;
+    returns its tensors by name."""
+    names = ("offsets_s", "gu_s", "h_s", "ws_gate", "ws_up", "ws_down")
+    if not isinstance(shared, (tuple, list)) or len(shared) != len(names):
+        raise ValueError("shared must be (offsets_s [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H], "
+                         "ws_down [H, I_s])")
+    sh = dict(zip(names, shared))
+    _check_tensor("offsets_s", sh["offsets_s"], 1, (torch.int32,))
+    if sh["offsets_s"].numel() != 2:
+        raise ValueError(f"offsets_s must be [0, T] (2 entries), got {sh['offsets_s'].numel()}")
+    _check_tensor("ws_gate", sh["ws_gate"], 2, (torch.bfloat16,))
+    i_s = sh["ws_gate"].shape[0]
+    if i_s == 0 or i_s % DIM_MULTIPLE:
+        raise ValueError(f"ws_gate must be [I_s, H] with I_s a positive multiple of {DIM_MULTIPLE}, "
+                         f"got {tuple(sh['ws_gate'].shape)}")
+    for name, shape, strided in (("ws_gate", (i_s, hid), True), ("ws_up", (i_s, hid), True),
+                                 ("ws_down", (hid, i_s), False)):
+        _check_tensor(name, sh[name], 2, (torch.bfloat16,))
+        _check_weight(name, sh[name][None], (1, *shape), False, strided)
+    for name, cols in (("gu_s", 2 * i_s), ("h_s", i_s)):
+        a = sh[name]
+        _check_tensor(name, a, 2, (torch.bfloat16,))
+        if tuple(a.shape) != (t, cols) or not a.is_contiguous() or a.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous [T, {cols}] = {(t, cols)}, got {tuple(a.shape)}")
+    return sh
+
+
+def _counters(m: int, e: int, n_words: int, device, extra: int = 0):
+    """``(counters, d2, words)``: one zeroed int32 buffer, ``d2`` [the routed m-tiles at most: one
+    partial per expert], then ``words`` [n_words], then ``extra`` more (the gather / shared counters)."""
+    mt_cap = m // CONFIG.tile_m + e + 1
+    counters = torch.zeros(mt_cap + n_words + extra, dtype=torch.int32, device=device)
+    return counters, counters[:mt_cap], counters[mt_cap:mt_cap + n_words]
+
+
+def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words):
+    """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant)`` and launch it on
+    the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words watched."""
+    launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(*variant, arch=key[1])[0]))
+    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
+    comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
+    args = (k, comm, lim, num_ctas, timeout_ns)
+    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev),
+                    tuple(None if a is None else tensor_key(a) for a in tensors) + args, lambda st: (
+                        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim),
+                        Int32(num_ctas), Int64(timeout_ns), st))
+    deferred.watch(words[1:WORDS], describe)
 
 
 def _mx_operands(dy, x, h, offsets, w_scales):
@@ -683,6 +1024,7 @@ _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05
         "mbarrier", "atom.global.add.u32", "atom.global.release.add.u32", "ld.acquire", "%globaltimer",
         "fence.proxy.async.global")
 _PTX_TOKENS = ("add.rn.f32", "cp.async.cg")  # the dx slot sum: single-rounded fp32 adds, slot rows via cp.async
+_PTX_GATHER = ("mul.rn.f32", "fma.rn.f32", "shfl.sync.bfly")  # route_row: dy * w, dy . r, its butterfly
 _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (  # block-scaled MMAs, dgu's two quantizations
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2", "shfl.sync.bfly")
 
@@ -697,4 +1039,8 @@ def variants() -> dict:
             "fused-bwd-tokens-clamp": (core(True, tokens=True, init=True, add=True), _PTX + _PTX_TOKENS),
             "fused-bwd-tokens-noclamp": (core(False, tokens=True), _PTX + _PTX_TOKENS),
             "fused-bwd-mxfp8-core-clamp": (core(True, mx=True), _MX_PTX),
-            "fused-bwd-mxfp8-tokens-noclamp": (core(False, tokens=True, mx=True), _MX_PTX + _PTX_TOKENS)}
+            "fused-bwd-mxfp8-tokens-noclamp": (core(False, tokens=True, mx=True), _MX_PTX + _PTX_TOKENS),
+            "fused-bwd-gather-clamp": (core(True, tokens=True, gather=True, by_route=True),
+                                       _PTX + _PTX_TOKENS + _PTX_GATHER),
+            "fused-bwd-gather-shared-noclamp": (core(False, tokens=True, init=True, gather=True, by_route=True,
+                                                     shared=True), _PTX + _PTX_TOKENS + _PTX_GATHER)}
