@@ -117,7 +117,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-2] == gate
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-3] == gate
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -126,7 +126,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
-    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-1] is False  # BF16: no MXFP8 operands
+    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-2:] == (False, False)  # BF16, EP = 1
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -286,7 +286,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][-1] is True and keys[0][2:4] == (True, shared)
+    assert keys[0][-2:] == (True, False) and keys[0][2:4] == (True, shared)
     f8 = torch.float8_e4m3fn
     xq, xs = R.mxfp8_quantize(ops["x"], -1)
     assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
