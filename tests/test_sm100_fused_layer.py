@@ -307,3 +307,68 @@ def test_layer_mode2_backward_through_backward_tokens(model, monkeypatch, shared
     routed = (True, shared_i is not None, False, mx)
     assert sorted(calls) == sorted([routed] + [(False, False, False, mx)] * (shared_i is not None))  # + the shared
     assert_reference_layer(p, dy, limit, y, grads, precision)
+
+
+def test_ep_is_opt_in(monkeypatch):
+    """EP > 1 on the sm100 backend only with ``MOK_CUTE_SM100_FUSED=1`` (``expert_parallel``,
+    ``ep_precisions`` read by ``GroupedExpertBackend.check``): refused before any kernel without it."""
+    from mok_cute.layers import grouped
+
+    monkeypatch.setattr(grouped, "_world", lambda group: (2, 0))
+    be = B.get_backend("sm100")
+    p, _ = make_problem(T=8, H=64, I=64, E=2, k=2)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
+    assert not be.mlp.expert_parallel and be.mlp.ep_precisions == ()
+    with pytest.raises(NotImplementedError, match="EP > 1"):
+        be.check(inp, MoKConfig(), "group")
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert be.mlp.expert_parallel and be.mlp.ep_precisions == ("bf16", "mxfp8")
+    for precision in ("bf16", "mxfp8"):
+        be.check(inp, MoKConfig(precision=precision), "group")
+    assert not hasattr(be.mlp, "backward_fused_ep")  # layers.ep's backward: the unfused EP stages
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("shared_i", [64, None])
+def test_fused_forward_ep_hands_the_plan_and_workspace(monkeypatch, ref_quant, precision, shared_i):  # noqa: F811
+    """``Sm100ExpertMLP.fused_forward_ep`` (the sm90 MLP's contract): one ``fused_moe.fused_forward``
+    call with the plan's packed sources and offsets, int32 topk_idx, the workspace, the EP comm CTAs,
+    the timeout, the ring, the grid, the MLP's cached interleave and (MXFP8) its cached row-quantized
+    weights and scales; returns ``(y, gu, h, slot_out, gus, hs, w_rows)``; refused unless opted in."""
+    from types import SimpleNamespace
+
+    from mok_cute.kernels.sm100 import fused_moe
+
+    calls = []
+    out = tuple(f"out{i}" for i in range(9))
+    monkeypatch.setattr(fused_moe, "fused_forward", lambda *a, **kw: calls.append((a, kw)) or out)
+    mlp = Sm100ExpertMLP()
+    p, _ = make_problem(T=24, H=64, I=64, E=2, k=2, shared_I=shared_i, seed=3)
+    plan = SimpleNamespace(recv_src=torch.arange(96, dtype=torch.int32), offsets=torch.tensor([0, 40, 70]).int())
+    ws = SimpleNamespace(EP=2)
+    cfg = MoKConfig(precision=precision, comm_sms_fwd=None, device_timeout_s=2.5, minibatch_tokens=256)
+    idx = p["topk_idx"].long()
+    args = (ws, plan, p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], 4.0, cfg)
+    monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
+    with pytest.raises(ValueError, match="fused forward runs"):
+        mlp.fused_forward_ep(*args, num_ctas=66)
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert mlp.fused_forward_ep(*args, num_ctas=66) == (*out[:6], out[8])
+    ((a, kw),) = calls
+    assert a[0] is p["x"] and a[1] is plan.recv_src and a[2] is plan.offsets and a[4] is p["topk_w"]
+    assert a[3].dtype == torch.int32 and torch.equal(a[3], idx.int())
+    assert a[9:] == (4.0, cfg.comm_ctas_fwd(2), 2.5) and cfg.comm_ctas_fwd(2) != cfg.comm_ctas_fwd(1)
+    assert kw["ws"] is ws and kw["num_ctas"] == 66 and kw["ring_chunks"] == ring_chunks(cfg, idx)
+    assert kw["interleave"] == mlp._interleaved and "gate" not in kw
+    if precision == "bf16":
+        assert a[5:9] == (p["w_gate"], p["w_up"], p["w_down"], p["shared"]) and "w_scales" not in kw
+        return
+    want = [mlp._qw(w, 2) for w in (p["w_gate"], p["w_up"], p["w_down"])]  # cached: the same tensors
+    assert all(x is q for x, (q, _) in zip(a[5:8], want)) and all(x is s for x, (_, s) in zip(kw["w_scales"], want))
+    if shared_i is None:
+        assert a[8] is None and "shared_scales" not in kw
+    else:
+        qs = [mlp._qw(w[None], 2) for w in p["shared"]]
+        assert all(torch.equal(x.view(torch.uint8), q[0].view(torch.uint8)) for x, (q, _) in zip(a[8], qs))
+        assert all(torch.equal(x, s[0]) for x, (_, s) in zip(kw["shared_scales"], qs))

@@ -2,7 +2,9 @@
 
 Compile-verified only: no Blackwell GPU is available to this project, so this path has
 never run. Forward: GEMM1 + SwiGLU (gu, h), GEMM2; backward: dgrad2 + dSwiGLU, dgrad1, three
-wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call).
+wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call). EP > 1 (opt-in,
+``MOK_CUTE_SM100_FUSED=1``): the fused forward's EP mode (:meth:`Sm100ExpertMLP.fused_forward_ep`),
+the unfused EP backward of :mod:`mok_cute.layers.ep` over :meth:`Sm100ExpertMLP.backward`.
 
 Precisions "bf16" and "mxfp8". MXFP8 quantizes every GEMM operand along the axes of the
 table in :mod:`mok_cute.reference` with the CuTe quantize kernels, then calls the MXFP8
@@ -131,6 +133,19 @@ class Sm100ExpertMLP:
         every call) until they have run on a Blackwell GPU; else none (the unfused path)."""
         return ("bf16", "mxfp8") if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
 
+    @property
+    def expert_parallel(self) -> bool:
+        """EP > 1 through :mod:`mok_cute.layers.ep` (its forward the fused kernel's EP mode,
+        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward the unfused EP
+        stages over :meth:`backward`): opted in with ``MOK_CUTE_SM100_FUSED=1`` only, as the fused
+        kernels (never run on a Blackwell GPU)."""
+        return bool(self.fused_precisions)
+
+    @property
+    def ep_precisions(self) -> tuple:
+        """The precisions EP > 1 runs in (``GroupedExpertBackend.check``): those of the fused forward."""
+        return self.fused_precisions
+
     def _fused_core(self, g: ExpertGroup, dy_rows) -> bool:
         """Whether the fused backward core runs this backward: opted in, a BF16 / MXFP8 group, operands it takes."""
         return g.precision in FUSED_CORE_PRECISIONS and g.precision in self.fused_precisions \
@@ -154,6 +169,35 @@ class Sm100ExpertMLP:
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
+        w_gate, w_up, w_down, shared, mx = self._fused_weights(config, w_gate, w_up, w_down, shared)
+        out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
+                                  config.comm_ctas_fwd(1), config.device_timeout_s,
+                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved,
+                                  **mx)
+        watch_status(out[7][-1], first=config.validate_routing)
+        return out[:7]
+
+    def fused_forward_ep(self, ws, plan, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
+                         num_ctas: int | None = None):
+        """The fused forward at EP > 1 (this rank's launch; collective over ``ws``'s ranks) on the
+        device plan ``plan`` (``recv_src``, ``offsets``), the contract of the sm90 MLP's
+        ``fused_forward_ep``: returns ``(y, gu, h, slot_out, gus, hs, w_rows)`` (``slot_out`` this
+        rank's slot rows [T*k, H], ``w_rows`` each grouped row's router weight); peer errors are in
+        ``ws.status`` (the caller's ``ws.check_status()``); ``num_ctas``: this rank's grid."""
+        from mok_cute.kernels.sm100 import fused_moe as fused
+
+        w_gate, w_up, w_down, shared, mx = self._fused_weights(config, w_gate, w_up, w_down, shared)
+        out = fused.fused_forward(x, plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w, w_gate, w_up,
+                                  w_down, shared, limit, config.comm_ctas_fwd(ws.EP), config.device_timeout_s,
+                                  num_ctas=num_ctas, ring_chunks=ring_chunks(config, topk_idx),
+                                  interleave=self._interleaved, ws=ws, **mx)
+        return (*out[:6], out[8])
+
+    def _fused_weights(self, config, w_gate, w_up, w_down, shared):
+        """``(w_gate, w_up, w_down, shared, mx kwargs)`` as the fused forward reads them in
+        ``config.precision`` (ValueError unless a fused precision): BF16 as given; MXFP8 quantized
+        along their rows as the unfused MXFP8 forward does (cached per version), ``mx`` holding
+        ``w_scales`` [and ``shared_scales``]."""
         if config.precision not in self.fused_precisions:
             raise ValueError(f"the sm100 fused forward runs {self.fused_precisions}, not {config.precision!r}")
         mx = {}
@@ -163,12 +207,7 @@ class Sm100ExpertMLP:
             if shared is not None:  # as shared_forward's [1, R, C] weights: the same rows quantized
                 q = [self._qw(w[None], 2) for w in shared]
                 shared, mx["shared_scales"] = tuple(d[0] for d, _ in q), tuple(s[0] for _, s in q)
-        out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
-                                  config.comm_ctas_fwd(1), config.device_timeout_s,
-                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved,
-                                  **mx)
-        watch_status(out[7][-1], first=config.validate_routing)
-        return out[:7]
+        return w_gate, w_up, w_down, shared, mx
 
     def _interleaved(self, w_gate, w_up, half: int):
         """GEMM1's interleaved gate / up weights, or their MXFP8 scales
