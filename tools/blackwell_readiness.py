@@ -31,6 +31,8 @@ UNVERIFIED = (
     "fused backward core: the ticket, d2[mt] readiness counts and bounded waits, D2 / D1 / W tiles through one "
     "ring read with two smem layouts (K- and MN-major A) on hardware; bitwise equality with the unfused SM100 "
     "backward",
+    "fused forward EP > 1 (ep): the READY / DONE / DATA / FREE flags across ranks, peer pulls into the ring (MXFP8: "
+    "the staged rows' scale words), R2's pushes to peer slot rows after FREE, the system-scope fences",
     "fused backward core MXFP8: D2's dgu quantizations (along I into the blocked row scales, along tokens by "
     "warp shuffles into the token scales) read by D1 / dWg / dWu's TMA after d2[mt]; bitwise mx_backward",
 )

@@ -14,9 +14,17 @@ bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fuse
 the fused backward core; MXFP8: the fused forward, the unfused MXFP8 backward) bitwise the unfused
 path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
 fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
-k8 + shared.
+k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
+layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages.
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -52,8 +60,6 @@ def _fused_rows(dev) -> list[Row]:
     """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 and MXFP8 through the fused
     forward and the fused backward core, MXFP8 their ``mx`` variants): y and every gradient bitwise
     the unfused sm100 path's, 3 repeats."""
-    import os
-
     rows = []
     for precision, what in (("bf16", "fwd + bwd core"), ("mxfp8", "fwd + bwd core")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
@@ -93,8 +99,6 @@ def _layer_rows(dev) -> list[Row]:
 def _bench_rows(dev) -> list[Row]:
     """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused; the fused forward
     and backward core opt-in) beside the torch layer a user writes (``bench_layer.torch_layer``) in the same run."""
-    import os
-
     from bench_layer import torch_layer
 
     x, idx, w, ws, sh, dy = _problem(4096, 7168, 2048, 16, 8, True, False, dev, seed=11)
@@ -122,7 +126,79 @@ def _bench_rows(dev) -> list[Row]:
     return rows
 
 
+EP_SHAPE = (512, 1024, 512, 8, 4)  # T per rank, H, I, E (global), k: layer_ep_virtual's
+EP_CONFIG = dict(comm_sms_fwd=8, comm_sms_bwd=8, device_timeout_s=10.0, minibatch_tokens=256)  # ring reused
+EP_CASES = [("uniform+sh", False, None, "bf16"), ("skew+sh L=4", True, 4.0, "bf16"),
+            ("skew+sh L=4 mxfp8", True, 4.0, "mxfp8")]
+EP_CHILD = "MOK_SM100_EP_CHILD"  # set in the child that runs only the EP rows
+
+
+def _ep_rows(dev) -> list[Row]:
+    """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend opted in
+    (``MOK_CUTE_SM100_FUSED=1``): per case and rank, y and every gradient with the fused forward's
+    ep variant (``MOK_CUTE_FUSED_EP=1``) bitwise those of the unfused EP stages (``=0``; both
+    backwards the unfused EP one), and one fused forward per rank. Every kernel is compiled and
+    loaded first on a 1-rank group (no peer waits while one compiles)."""
+    from checks.layer_ep import _problem as ep_problem
+    from mok_cute.comm.virtual import VirtualGroup, run_ranks
+    from mok_cute.layers import ep as ep_layer
+    from mok_cute.layers.select import MoEInputs
+    from mok_cute.layers.sm100 import Sm100ExpertMLP
+
+    t, h, inter, e, k = EP_SHAPE
+    size, rows, calls = 2, [], []
+    real = Sm100ExpertMLP.fused_forward_ep
+    Sm100ExpertMLP.fused_forward_ep = lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw)
+    os.environ["MOK_CUTE_SM100_FUSED"] = "1"
+    group, one, mlp = VirtualGroup(size, dev), VirtualGroup(1, dev), Sm100ExpertMLP()
+    try:
+        for seed, (name, skew, limit, prec) in enumerate(EP_CASES):
+            probs = [ep_problem(t, h, inter, e, k, size, r, True, skew, dev, 700 + seed) for r in range(size)]
+            x, idx, w, ws, sh, dy = ep_problem(t, h, inter, e, k, 1, 0, True, skew, dev, 700 + seed)
+            cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **EP_CONFIG)
+            out = {}
+            for mode in ("0", "1"):
+                os.environ["MOK_CUTE_FUSED_EP"] = mode
+                inp = MoEInputs(x, idx, w, *ws, sh, limit)
+                run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+                n = len(calls)
+                out[mode] = run_ranks(group, lambda r: _run("sm100", *probs[r], limit, group, precision=prec,
+                                                             **EP_CONFIG))
+                fused = len(calls) - n
+            for r in range(size):
+                eq = [torch.equal(a, b) for a, b in zip(out["1"][r], out["0"][r])]
+                rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused fwd == unfused", bitwise=all(eq),
+                                ok=all(eq) and fused == size,
+                                note=f"[y and every gradient] equal: {eq}; {fused} fused forwards (want {size})"))
+    finally:
+        Sm100ExpertMLP.fused_forward_ep = real
+        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP"):
+            os.environ.pop(key, None)
+    return rows
+
+
+def _ep_child() -> list[Row]:
+    """:func:`_ep_rows` from a child ``gpu_check.py sm100`` with layer_ep_virtual's CHILD_ENV (eager
+    module loading, DSL launches: nothing loaded or captured while a peer waits)."""
+    from checks.layer_ep_virtual import CHILD_ENV, CHILD_TIMEOUT_S
+
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, **CHILD_ENV, EP_CHILD: "1", "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), "sm100"]
+        try:
+            code = subprocess.run(cmd, env=env, timeout=CHILD_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            return [Row("sm100 layer_ep2v: child timed out", ok=False, note=f"killed after {CHILD_TIMEOUT_S} s")]
+        lines = Path(out) / "gpu_check.jsonl"
+        if not lines.exists():
+            return [Row("sm100 layer_ep2v: child failed", ok=False, note=f"exit code {code}, no rows written")]
+        return [Row(**json.loads(line)) for line in lines.read_text().splitlines()]
+
+
 def run(ctx) -> list[Row]:
     if skipped := sm100_skip(ctx, "sm100"):
         return skipped
-    return _gemm_rows(ctx.device) + _layer_rows(ctx.device) + _fused_rows(ctx.device) + _bench_rows(ctx.device)
+    if os.environ.get(EP_CHILD) == "1":
+        return _ep_rows(ctx.device)
+    return _gemm_rows(ctx.device) + _layer_rows(ctx.device) + _fused_rows(ctx.device) + _bench_rows(ctx.device) + \
+        _ep_child()
