@@ -4,6 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mok_cute.comm.workspace import CommWorkspace
+from mok_cute.dsl.launch import GraphLauncher
+
 
 def offsets_from(counts) -> list[int]:
     """Group offsets [0, c0, c0 + c1, ...] of per-group row counts."""
@@ -48,9 +51,10 @@ def forbid(monkeypatch):
     return apply
 
 
-class FakeLauncher:
-    """Stands in for a compiled kernel's GraphLauncher: records the arguments each launch packs
-    (``calls``: the graph-replay path, ``direct``: the DSL path of EP launches)."""
+class FakeLauncher(GraphLauncher):
+    """Stands in for a compiled kernel's GraphLauncher (its ``launch_tensors`` kept): records the
+    arguments each launch packs (``calls``: the graph-replay path, ``direct``: the DSL path of EP
+    launches)."""
 
     def __init__(self):
         self.calls, self.direct = [], []
@@ -84,6 +88,8 @@ class FakeWorkspace:
     def next_epoch(self, kind):
         self.epoch[kind] += 1
         return self.epoch[kind]
+
+    kernel_args = CommWorkspace.kernel_args  # the real packing of the EP arguments
 
 
 def fake_sm100_device(monkeypatch, module, arch="sm_100a"):

@@ -244,6 +244,19 @@ class CommWorkspace:
         if rows.data_ptr() != eo.data_ptr():
             eo[:n].copy_(rows[:n])
 
+    def kernel_args(self, tensors: tuple, sections: tuple[str, ...]) -> tuple:
+        """A fused kernel's EP arguments for one launch (:class:`~mok_cute.comm.peer_rows.PeerRows`
+        order): the peer table, ``tensors`` (torch, wrapped), this rank and the group size, the
+        offsets of ``sections``, and the launch's new pull and push epochs (bumped here: once per
+        launch)."""
+        from cutlass import Int32, Int64
+
+        from mok_cute.dsl.launch import _Desc
+
+        return (_Desc(self.peer_bases), *(_Desc(t) for t in tensors), Int32(self.me), Int32(self.EP),
+                *(Int64(self.offsets[s]) for s in sections), Int32(self.next_epoch("pull")),
+                Int32(self.next_epoch("push")))
+
     @property
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)

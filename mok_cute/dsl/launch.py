@@ -93,6 +93,22 @@ class GraphLauncher:
         """Launch through the DSL call path (for arguments that change every call, e.g. epochs)."""
         self._dsl(make_args, stream)
 
+    def launch_tensors(self, dev: int, tensors: tuple, scalars: tuple, key_scalars: tuple, absent: tuple,
+                       direct: tuple | None = None) -> None:
+        """Launch on the current stream with ``tensors`` (torch tensors or None) then ``scalars`` (DSL
+        values; ``key_scalars`` their Python values): a graph replay keyed by both, the kernel's
+        trailing parameters ``absent`` (their stand-ins: None, zeros); or, with ``direct`` (trailing
+        arguments that change every call, e.g. :meth:`CommWorkspace.kernel_args`), through the DSL."""
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+
+        def args(tail):
+            return lambda st: (*(None if a is None else _Desc(a) for a in tensors), *scalars, *tail, st)
+        if direct is None:
+            key = tuple(None if a is None else tensor_key(a) for a in tensors) + tuple(key_scalars)
+            self.launch(dev, stream, key, args(absent))
+        else:
+            self.launch_direct(stream, args(direct))
+
     def launch(self, dev: int, stream: int, key, make_args) -> None:
         global _enabled
         if not _enabled or dev not in self._loaded or torch.cuda.is_current_stream_capturing():

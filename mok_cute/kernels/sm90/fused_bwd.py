@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
-from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
@@ -671,6 +671,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
 
 
 _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int32(0))  # EP = 1 launches
+EP_SECTIONS = ("src", "dy", "slots", "flags")  # the workspace sections the ep variant addresses (kernel order)
 
 
 _WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
@@ -858,19 +859,10 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
                None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
-    stream = torch._C._cuda_getCurrentRawStream(dev)
-    if ws is None:
-        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, comm, lim, num_ctas, timeout_ns)
-        launcher.launch(dev, stream, key, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, *_NO_EP, st))
+    launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
+                            None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))
+    if ws is None:  # at EP > 1 errors go to the workspace's status (the caller's check_status)
         deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
-    else:  # the epochs change every call: through the DSL
-        o = ws.offsets
-        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["dy"]), Int64(o["slots"]),
-                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
-        launcher.launch_direct(stream, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(ws.status),
-            *ep_scalars, st))
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)

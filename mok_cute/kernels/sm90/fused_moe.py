@@ -68,7 +68,7 @@ from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
-from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
@@ -552,6 +552,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
 
 
 COUNTER_WORDS = 4  # status
+EP_SECTIONS = ("src", "slots", "w", "flags")  # the workspace sections the ep variant addresses (kernel order)
 _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int32(0))  # EP = 1 launches
 GATHER_UNROLL = int(os.environ.get("MOK_CUTE_GATHER_UNROLL", "8"))  # 16-byte loads in flight per gather thread
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
@@ -706,20 +707,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
                topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
+    key_scalars = (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
-    stream = torch._C._cuda_getCurrentRawStream(dev)
-    if ws is None:
-        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
-                                                                               timeout_ns)
-        launcher.launch(dev, stream, key, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, None, *_NO_EP, st))
-    else:
-        o = ws.offsets
-        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
-                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
-        launcher.launch_direct(stream, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(w_rows),
-            _Desc(slot_copy), *ep_scalars, st))
+    launcher.launch_tensors(dev, tensors, scalars, key_scalars, (None, None, None, *_NO_EP),
+                            None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
     slot = slot if ws is None else slot_copy
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
