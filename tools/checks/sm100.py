@@ -137,8 +137,10 @@ def _ep_rows(dev) -> list[Row]:
     """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend opted in
     (``MOK_CUTE_SM100_FUSED=1``): per case and rank, y and every gradient with the fused forward's
     ep variant (``MOK_CUTE_FUSED_EP=1``) bitwise those of the unfused EP stages (``=0``; both
-    backwards the unfused EP one), and one fused forward per rank. Every kernel is compiled and
-    loaded first on a 1-rank group (no peer waits while one compiles)."""
+    backwards the unfused EP one), and one fused forward per rank. MXFP8: dWg / dWu within rel-L1
+    2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round trip as the
+    unfused dispatch's: ``layers.ep``'s doc). Every kernel is compiled and loaded first on a 1-rank
+    group (no peer waits while one compiles)."""
     from checks.layer_ep import _problem as ep_problem
     from mok_cute.comm.virtual import VirtualGroup, run_ranks
     from mok_cute.layers import ep as ep_layer
@@ -165,11 +167,16 @@ def _ep_rows(dev) -> list[Row]:
                 out[mode] = run_ranks(group, lambda r: _run("sm100", *probs[r], limit, group, precision=prec,
                                                              **EP_CONFIG))
                 fused = len(calls) - n
+            loose = (3, 4) if prec == "mxfp8" else ()  # dWg, dWu
             for r in range(size):
-                eq = [torch.equal(a, b) for a, b in zip(out["1"][r], out["0"][r])]
-                rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused fwd == unfused", bitwise=all(eq),
-                                ok=all(eq) and fused == size,
-                                note=f"[y and every gradient] equal: {eq}; {fused} fused forwards (want {size})"))
+                pairs = list(zip(out["1"][r], out["0"][r]))
+                eq = [torch.equal(a, b) for a, b in pairs]
+                rel = max((float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
+                           for i, (a, b) in enumerate(pairs) if i in loose), default=0.0)
+                ok = all(e for i, e in enumerate(eq) if i not in loose) and rel <= 2e-2 and fused == size
+                rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused fwd == unfused", bitwise=all(eq), ok=ok,
+                                note=f"[y and every gradient] equal: {eq}; dWg / dWu relL1 {rel:.1e}; "
+                                     f"{fused} fused forwards (want {size})"))
     finally:
         Sm100ExpertMLP.fused_forward_ep = real
         for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP"):
