@@ -269,3 +269,34 @@ class Sm100ExpertMLP:
         *w, mx = self._core_weights(g, w_gate, w_up, w_down)
         return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit, FUSED_BWD_TIMEOUT_S,
                                    tokens=(order, topk_idx, dx_shared, dx_add), **mx)
+
+    def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
+                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,
+                       comm_ctas: int = 28):
+        """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``: the
+        route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter and slot
+        sum), the contract of the sm90 MLP's ``backward_fused``: ``(dx [T, H], d topk_w [T, k], dWg, dWu,
+        dWd, d shared weights or None)``, meant bitwise the unfused backward; ``main_grads`` is not
+        accumulated in the launch (the weight gradients are returned, the caller adds them); None where
+        it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, not BF16, operands not
+        contiguous CUDA tensors of the forward's shapes: the layer falls back)."""
+        t, k = topk_idx.shape
+        rows = t * k
+        if rows == 0 or g.precision != "bf16" or g.precision not in self.fused_precisions:
+            return None
+        if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and r_rows.is_contiguous()):
+            return None
+        if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
+            return None
+        sh = None
+        if shared is not None:
+            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous() and shared[2].is_contiguous()
+                    and all(w.stride(-1) == 1 for w in shared)):
+                return None
+            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        from mok_cute.kernels.sm100.fused_bwd import fused_backward
+
+        out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
+                             w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, FUSED_BWD_TIMEOUT_S,
+                             shared=sh)
+        return (*out[:5], tuple(out[5:]) if shared is not None else None)
