@@ -20,11 +20,12 @@ MX_PARAMS = ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "m
 
 
 @functools.cache
-def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False):
+def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
+         gather: bool = False, shared: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, arch=arch,
-                                           inspect=True)[1]
+    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather,
+                                           by_route=gather, shared=shared, arch=arch, inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -207,12 +208,17 @@ def test_variants_registry():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     reg = fb.variants()
-    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-mxfp8-core-clamp",
+    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-gather-clamp",
+                           "fused-bwd-gather-shared-noclamp", "fused-bwd-mxfp8-core-clamp",
                            "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
-        clamp, tokens, mx = name.endswith("-clamp"), "tokens" in name, "mxfp8" in name
-        rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
+        clamp, tokens, mx, gather, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
+                                             "gather" in name, "shared" in name)
+        if gather:
+            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared)
+        else:
+            rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
 
 
@@ -540,3 +546,203 @@ def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
     with pytest.raises(exc, match=match):
         fb.fused_backward_core(**ops)
     assert not fake.calls and not keys
+
+
+# ---------------------------------------------------------------- the gather / shared variants (mode 3)
+GATHER_VARIANTS = [(True, False), (False, True)]  # (clamp, shared)
+ROUTE_ROW_PTX = ("mul.rn.f32", "fma.rn.f32", "shfl.sync.bfly")  # route_row: dy * w, dy . r, its butterfly
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp, shared", GATHER_VARIANTS)
+def test_gather_variant_compiles_with_its_protocol(arch, clamp, shared):
+    """The tokens variant's protocol plus the comm CTAs' rows: route_row's single-rounded products /
+    FMAs and butterfly, a release add per gathered pass (gdy), the D2 / W tiles' bounded waits on it;
+    the shared group: its own descriptors (11 more), the same tcgen05.mma count as the routed group
+    and its own d2 / done publishes; no spills."""
+    rep, toks = _rep(arch, clamp, True, shared, False, False, True, shared), _rep(arch, clamp, True)
+    missing = [i for i in NEEDED + ("add.rn.f32", "cp.async.cg", "bar.sync") + ROUTE_ROW_PTX if not rep.has(i)]
+    assert not missing, missing
+    assert "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.registers and rep.total_spill_bytes == 0, rep.log[-2000:]
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    groups = 2 if shared else 1
+    assert rep.ptx.count("tcgen05.mma") == groups * toks.ptx.count("tcgen05.mma")
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == 11 * groups
+    # d2[mt] and done per group, gdy once per gather pass (dy rows, then x rows)
+    assert rep.ptx.count("atom.global.release.add.u32") == 2 * groups + 2
+    assert rep.ptx.count("ld.acquire") > toks.ptx.count("ld.acquire")  # the gdy waits
+    ops = re.findall(r"\b(?:atom|red)\.global\.(\S+)", rep.ptx)
+    assert sorted(set(ops)) == ["add.u32", "cas.b32", "release.add.u32"] and ops.count("add.u32") == 2, ops
+    assert "mul.rn.f32" not in toks.ptx and "shfl.sync.bfly" not in toks.ptx
+
+
+def test_gather_compile_arguments_validated():
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    for kw in (dict(gather=True), dict(tokens=True, by_route=True), dict(tokens=True, shared=True, init=True),
+               dict(tokens=True, gather=True, shared=True), dict(tokens=True, gather=True, mx=True)):
+        with pytest.raises(ValueError, match="need|BF16"):
+            fb.compile_fused_backward_sm100(True, **kw)
+
+
+def _gather_operands(t=90, k=3, h=256, inter=192, e=4, i_s=128, shared=True, seed=3):
+    """fused_backward's operands on CPU: T tokens routed to k slots (-1 slots last in order)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    idx = torch.randint(0, e, (t, k), generator=g)
+    idx[idx == 2] = -1  # expert 2 gets no row, some routes no expert
+    flat = idx.reshape(-1)
+    valid = (flat >= 0).nonzero().squeeze(1)
+    order = torch.cat([valid[torch.argsort(flat[valid], stable=True)], (flat < 0).nonzero().squeeze(1)])
+    counts = torch.bincount(flat[valid], minlength=e)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int()
+    ops = dict(dy=torch.randn(t, h, generator=g).to(bf), x=torch.randn(t, h, generator=g).to(bf),
+               r_rows=torch.randn(t * k, h, generator=g).to(bf), order=order, topk_w=torch.rand(t, k, generator=g),
+               topk_idx=idx, offsets=offsets, gu=torch.randn(t * k, 2 * inter, generator=g).to(bf),
+               h=torch.randn(t * k, inter, generator=g).to(bf), w_gate=torch.randn(e, inter, h, generator=g).to(bf),
+               w_up=torch.randn(e, inter, h, generator=g).to(bf), w_down=torch.randn(e, h, inter, generator=g).to(bf),
+               limit=4.0, dx_shared=None, rows_by_route=True, comm_ctas=12, timeout_s=1.0)
+    if shared:
+        ops["shared"] = (torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * i_s, generator=g).to(bf),
+                         torch.randn(t, i_s, generator=g).to(bf), torch.randn(i_s, h, generator=g).to(bf),
+                         torch.randn(i_s, h, generator=g).to(bf), torch.randn(h, i_s, generator=g).to(bf))
+    return ops
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
+    """fused_backward on CPU tensors (compile and launch faked): one argument per kernel parameter,
+    the variant's cache key, the token operands handed as the gather's sources (dy, x, the GEMM2 rows,
+    topk_w flat; d topk_w the returned [T, k]), the grouped dy / x rows [T*k, H] the tiles read, the
+    whole order, the gdy / shared d2 counters zeroed after the words, the shared group's tensors (its
+    dx the slot sum's init) and the comm CTAs clamped below the grid."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _gather_operands(shared=shared)
+    out = fb.fused_backward(**ops)
+    (args,) = fake.calls
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared)]
+    assert len(out) == 5 + 3 * shared
+    dx, dtw, dwg, dwu, dwd = out[:5]
+    assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
+    assert tuple(dtw.shape) == (90, 3) and by["mDtw"].data_ptr() == dtw.data_ptr() and by["mDtw"].shape == (270,)
+    assert by["mDyTok"] is ops["dy"] and by["mXTok"] is ops["x"] and by["mR"] is ops["r_rows"]
+    assert torch.equal(by["mW"], ops["topk_w"].reshape(-1))
+    assert tuple(by["mDy"].shape) == tuple(by["mX"].shape) == (270, 256) and by["mDy"].dtype == torch.bfloat16
+    assert tuple(by["mDx"].shape) == (270, 256)  # the slot rows
+    assert by["mOrder"].dtype == torch.int32 and torch.equal(by["mOrder"], ops["order"].int())
+    assert torch.equal(by["mIdx"], ops["topk_idx"].reshape(-1).int())
+    assert torch.equal(by["mGU"], ops["gu"].view(270, 2, 192)) and by["mWd"] is ops["w_down"]
+    assert by["mDWg"] is dwg and by["mDWu"] is dwu and by["mDWd"] is dwd and by["mAdd"] is None
+    mt_cap = 270 // 128 + 4 + 1
+    d2, words, gdy = by["mD2"], by["mWords"], by["mGdy"]
+    assert d2.shape == (mt_cap,) and words.shape == (fb.DONE_WORD + 1,) and gdy.shape == (mt_cap,)
+    assert words.data_ptr() == d2.data_ptr() + mt_cap * 4 and gdy.data_ptr() == words.data_ptr() + words.numel() * 4
+    assert not d2.any() and not words.any() and not gdy.any()
+    assert int(by["k"]) == 3 and int(by["comm_ctas"]) == 12 and int(by["num_ctas"]) == 148
+    assert all(by[n] is None for n in MX_PARAMS)
+    names = ("mSGU", "mSH", "mSWg", "mSWu", "mSWd", "mSDgu", "mSDWg", "mSDWu", "mSDWd", "mSOffsets", "mSD2")
+    if not shared:
+        assert by["mInit"] is None and all(by[n] is None for n in names)
+    else:
+        offs, gus, hs, wsg, wsu, wsd = ops["shared"]
+        assert tuple(by["mInit"].shape) == (90, 256)  # the shared expert's dx, made in the launch
+        assert torch.equal(by["mSGU"], gus.view(90, 2, 128)) and by["mSH"] is hs and by["mSOffsets"] is offs
+        assert by["mSWg"].shape == (1, 128, 256) and by["mSWg"].data_ptr() == wsg.data_ptr()
+        assert by["mSWu"].data_ptr() == wsu.data_ptr() and by["mSWd"].data_ptr() == wsd.data_ptr()
+        assert tuple(by["mSDgu"].shape) == (90, 2, 128)
+        assert [by[n].data_ptr() for n in ("mSDWg", "mSDWu", "mSDWd")] == [d.data_ptr() for d in out[5:]]
+        assert tuple(out[5].shape) == tuple(out[6].shape) == (128, 256) and tuple(out[7].shape) == (256, 128)
+        assert by["mSD2"].shape == (90 // 128 + 2,) and not by["mSD2"].any()
+        assert by["mSD2"].data_ptr() == gdy.data_ptr() + gdy.numel() * 4
+    fb.fused_backward(**dict(ops, comm_ctas=500, num_ctas=20))
+    assert int(dict(zip(params, fake.calls[1]))["comm_ctas"]) == 19  # one GEMM CTA remains
+
+
+def test_host_gather_dx_shared_is_the_init(monkeypatch):
+    """Without the shared group a given dx_shared starts the slot sum (the init variant)."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    dxs = torch.randn(90, 256).bfloat16()
+    fb.fused_backward(**dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
+    by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
+    assert by["mInit"]._keep is dxs
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False)]
+
+
+def test_host_gather_no_tokens(monkeypatch):
+    """T = 0: empty dx and d topk_w, zero weight gradients (the shared expert's too), no launch."""
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _gather_operands()
+    offs, gus, hs, *w = ops["shared"]
+    ops.update(dy=ops["dy"][:0], x=ops["x"][:0], r_rows=ops["r_rows"][:0], order=ops["order"][:0],
+               topk_w=ops["topk_w"][:0], topk_idx=ops["topk_idx"][:0], shared=(offs, gus[:0], hs[:0], *w))
+    out = fb.fused_backward(**ops)
+    assert tuple(out[0].shape) == (0, 256) and tuple(out[1].shape) == (0, 3) and not fake.calls and not keys
+    assert all(not d.any() for d in out[2:]) and len(out) == 8
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ("idx_float", TypeError, "topk_idx"),
+    ("dy_tokens", ValueError, "dy"),
+    ("gu_rows", ValueError, "gu"),
+    ("order_short", ValueError, "order"),
+    ("r_rows_shape", ValueError, "r_rows"),
+    ("r_rows_float", TypeError, "r_rows"),
+    ("topk_w_bf16", TypeError, "topk_w"),
+    ("topk_w_shape", ValueError, "topk_w"),
+    ("by_route", TypeError, "rows_by_route"),
+    ("comm", ValueError, "comm_ctas"),
+    ("dx_shared_and_shared", ValueError, "dx_shared"),
+    ("shared_len", ValueError, "shared must be"),
+    ("shared_offsets", ValueError, "offsets_s"),
+    ("shared_inter", ValueError, "ws_gate"),
+    ("shared_down", ValueError, "ws_down"),
+    ("shared_gu", ValueError, "gu_s"),
+    ("shared_h_float", TypeError, "h_s"),
+    ("limit", ValueError, "limit"),
+    ("device", ValueError, "topk_w"),
+    ("arch", ValueError, "sm_100a / sm_103a"),
+])
+def test_host_gather_validates_before_launch(monkeypatch, change, exc, match):
+    """Every bad fused_backward operand raises, naming it, before anything is compiled or launched."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch, "sm_90a" if change == "arch" else "sm_100a")
+    ops = _gather_operands()
+    offs, gus, hs, wsg, wsu, wsd = ops["shared"]
+    bf = torch.bfloat16
+    edits = {
+        "idx_float": dict(topk_idx=ops["topk_idx"].float()),
+        "dy_tokens": dict(dy=ops["dy"][:89], x=ops["x"][:89]),
+        "gu_rows": dict(gu=ops["gu"][:269]),
+        "order_short": dict(order=ops["order"][:269]),
+        "r_rows_shape": dict(r_rows=ops["r_rows"][:200]),
+        "r_rows_float": dict(r_rows=ops["r_rows"].float()),
+        "topk_w_bf16": dict(topk_w=ops["topk_w"].bfloat16()),
+        "topk_w_shape": dict(topk_w=ops["topk_w"][:, :2]),
+        "by_route": dict(rows_by_route=1),
+        "comm": dict(comm_ctas=0),
+        "dx_shared_and_shared": dict(dx_shared=torch.zeros(90, 256, dtype=bf)),
+        "shared_len": dict(shared=ops["shared"][:5]),
+        "shared_offsets": dict(shared=(offs[:1], gus, hs, wsg, wsu, wsd)),
+        "shared_inter": dict(shared=(offs, gus, hs, wsg[:100], wsu, wsd)),
+        "shared_down": dict(shared=(offs, gus, hs, wsg, wsu, wsd.t())),
+        "shared_gu": dict(shared=(offs, gus[:89], hs, wsg, wsu, wsd)),
+        "shared_h_float": dict(shared=(offs, gus, hs.float(), wsg, wsu, wsd)),
+        "limit": dict(limit=-1.0),
+        "device": dict(topk_w=ops["topk_w"].to("meta")),
+        "arch": {},
+    }
+    ops.update(edits[change])
+    with pytest.raises(exc, match=match):
+        fb.fused_backward(**ops)
+    assert not fake.calls and (change == "arch" or not keys)
