@@ -372,3 +372,108 @@ def test_fused_forward_ep_hands_the_plan_and_workspace(monkeypatch, ref_quant, p
         qs = [mlp._qw(w[None], 2) for w in p["shared"]]
         assert all(torch.equal(x.view(torch.uint8), q[0].view(torch.uint8)) for x, (q, _) in zip(a[8], qs))
         assert all(torch.equal(x, s[0]) for x, (_, s) in zip(kw["shared_scales"], qs))
+
+
+def _fused_backward_model(calls):
+    """A torch model of ``fused_bwd.fused_backward``'s contract (mode 3) on the unfused sm100 wrappers:
+    the route_grad pass (its torch mirror), x's rows gathered by ``order``, the shared expert's
+    unfused backward (its dx the slot sum's start) and :func:`_core_model` with ``tokens``; ``calls``
+    gets what the layer handed it."""
+    from mok_cute.kernels import route_grad
+    from mok_cute.kernels.sm100 import grouped_gemm as k_
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    core = _core_model([])
+
+    def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
+                       rows_by_route, comm_ctas=16, timeout_s=30.0, num_ctas=None, shared=None):
+        calls.append(dict(rows_by_route=rows_by_route, comm_ctas=comm_ctas, timeout_s=timeout_s,
+                          shared=shared is not None, dx_shared=dx_shared, offsets=offsets.dtype))
+        k = topk_idx.shape[1]
+        order = order.long()
+        dy_rows, dtw = route_grad.dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
+        dws = ()
+        if shared is not None:
+            offs_s, gus, hs, *ws = shared
+            dx_shared, *dws = S.mlp_backward(k_.grouped_dswiglu_dgrad, k_.grouped_dgrad1, k_.grouped_wgrad,
+                                             ExpertGroup(x, offs_s, gus, hs), dy, *(w[None] for w in ws), limit)
+            dws = tuple(d[0] for d in dws)
+        m = int(offsets[-1])
+        dx, dwg, dwu, dwd = core(dy_rows[:m], x.index_select(0, order[:m] // k), gu, h, offsets, w_gate, w_up, w_down,
+                                 limit, timeout_s, tokens=(order, topk_idx, dx_shared, None))
+        return (dx, dtw, dwg, dwu, dwd, *dws)
+
+    return fused_backward
+
+
+@pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
+def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_i, limit):  # noqa: F811
+    """The layer's mode-3 backward (``MOK_CUTE_FUSED_BWD=3``) after the fused forward, opted in: one
+    ``backward_fused`` -> ``fused_bwd.fused_backward`` call with the forward's route-order rows, the
+    shared expert's group in the same launch and the config's backward comm CTAs; over
+    :func:`_fused_backward_model` y and every gradient are bitwise the reference's."""
+    from mok_cute.kernels.sm100 import fused_bwd, fused_moe
+    from mok_cute.kernels.sm90 import fused_moe as fm90
+    from mok_cute.layers import sm100 as S
+
+    be = B.get_backend("sm100")
+    fake, _ = _kernel_model(be.mlp)
+    calls = []
+    monkeypatch.setattr(fused_moe, "fused_forward", fake)
+    monkeypatch.setattr(fm90, "watch_status", lambda st, first: None)
+    monkeypatch.setattr(fused_bwd, "fused_backward", _fused_backward_model(calls))
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "3")
+    p, dy = make_problem(T=40, H=192, I=320, E=5, k=3, shared_I=shared_i, seed=31)
+    p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
+    p["topk_idx"][3, 1] = -1
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
+    cfg = MoKConfig(comm_sms_fwd=12, comm_sms_bwd=20, minibatch_tokens=512)
+    be.check(inp, cfg, None)
+    order32, offsets, idx = routing_plan(inp.topk_idx, 5, watch=False)
+    y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
+    grads = be.backward(st, dy)
+    assert calls == [dict(rows_by_route=True, comm_ctas=20, timeout_s=S.FUSED_BWD_TIMEOUT_S,
+                          shared=shared_i is not None, dx_shared=None, offsets=torch.int32)]
+    assert_reference_layer(p, dy, limit, y, grads)
+
+
+def test_backward_fused_applies_only_when_opted_in(monkeypatch):
+    """``backward_fused`` is None (the layer falls back) without the opt-in, at MXFP8, for operands
+    the launch does not take (not CUDA / contiguous, rows of other shapes, a strided shared w_down);
+    else one ``fused_backward`` call returning ``(dx, d topk_w, dWg, dWu, dWd, d shared or None)``."""
+    from mok_cute.kernels.sm100 import fused_bwd
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    calls = []
+    monkeypatch.setattr(fused_bwd, "fused_backward", lambda *a, **kw: calls.append((a, kw)) or tuple(range(8)))
+    ok = [True]
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: ok[0])
+    t, k, h, i = 4, 2, 64, 64
+    bf = torch.bfloat16
+    g = ExpertGroup(None, torch.tensor([0, 5, 8]), torch.randn(8, 2 * i).to(bf), torch.randn(8, i).to(bf))
+    sg = ExpertGroup(None, torch.tensor([0, t]), torch.randn(t, 2 * i).to(bf), torch.randn(t, i).to(bf))
+    dy, x, r = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf), torch.randn(t * k, h).to(bf)
+    order, topk_w, idx = torch.arange(t * k), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32)
+    w = (torch.randn(2, i, h).to(bf), torch.randn(2, i, h).to(bf), torch.randn(2, h, i).to(bf))
+    sh = (torch.randn(i, h).to(bf), torch.randn(i, h).to(bf), torch.randn(h, i).to(bf))
+    mlp = S.Sm100ExpertMLP()
+    args = (g, dy, x, r, order, topk_w, idx, *w, 4.0, True)
+    monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
+    assert mlp.backward_fused(*args) is None
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert mlp.backward_fused(*args, comm_ctas=9) == (0, 1, 2, 3, 4, None)
+    (a, kw), = calls
+    assert a[:4] == (dy, x, r, order) and a[5] is idx and a[6].dtype == torch.int32 and a[7] is g.gu
+    assert a[9:12] == w and a[12:16] == (4.0, None, True, 9) and kw == {"shared": None}
+    assert mlp.backward_fused(*args, sg, sh) == (0, 1, 2, 3, 4, (5, 6, 7))
+    assert calls[1][1]["shared"][1] is sg.gu and calls[1][1]["shared"][3:] == sh
+    assert mlp.backward_fused(replace(g, precision="mxfp8"), *args[1:]) is None
+    assert mlp.backward_fused(*args[:3], r[:7], *args[4:]) is None
+    assert mlp.backward_fused(*args, sg, (sh[0], sh[1], torch.randn(i, h).to(bf).t())) is None
+    ok[0] = False
+    assert mlp.backward_fused(*args) is None
+    assert len(calls) == 2
