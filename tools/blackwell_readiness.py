@@ -33,6 +33,8 @@ UNVERIFIED = (
     "backward",
     "fused forward EP > 1 (ep): the READY / DONE / DATA / FREE flags across ranks, peer pulls into the ring (MXFP8: "
     "the staged rows' scale words), R2's pushes to peer slot rows after FREE, the system-scope fences",
+    "fused backward gather / shared (mode 3): the comm CTAs' routed rows (route_row, copy_row) read by TMA after "
+    "gdy[mt], the shared expert's group interleaved in the ticket order; bitwise the unfused backward",
     "fused backward core MXFP8: D2's dgu quantizations (along I into the blocked row scales, along tokens by "
     "warp shuffles into the token scales) read by D1 / dWg / dWu's TMA after d2[mt]; bitwise mx_backward",
 )

@@ -11,8 +11,8 @@ at the same precision, y and every gradient, shared expert on, skewed routing wi
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
 bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fused forward and
-the fused backward core; MXFP8: the fused forward, the unfused MXFP8 backward) bitwise the unfused
-path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
+the fused backward core, and the whole backward in one launch, mode 3; MXFP8: the fused forward, the
+unfused MXFP8 backward) bitwise the unfused path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
 fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
 k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
 layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages.
@@ -58,18 +58,22 @@ def _gemm_rows(dev) -> list[Row]:
 
 def _fused_rows(dev) -> list[Row]:
     """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 and MXFP8 through the fused
-    forward and the fused backward core, MXFP8 their ``mx`` variants): y and every gradient bitwise
-    the unfused sm100 path's, 3 repeats."""
+    forward and the fused backward core, MXFP8 their ``mx`` variants; BF16 with the whole backward in
+    one launch, ``MOK_CUTE_FUSED_BWD=3``: ``fused_bwd.fused_backward``, gather + shared): y and every
+    gradient bitwise the unfused sm100 path's (``MOK_CUTE_FUSED_BWD=0``), 3 repeats."""
     rows = []
-    for precision, what in (("bf16", "fwd + bwd core"), ("mxfp8", "fwd + bwd core")):
+    for precision, what, mode in (("bf16", "fwd + bwd core", "2"), ("mxfp8", "fwd + bwd core", "2"),
+                                  ("bf16", "fwd + bwd mode 3", "3")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
-            want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
-            os.environ["MOK_CUTE_SM100_FUSED"] = "1"
+            os.environ["MOK_CUTE_FUSED_BWD"] = "0"
             try:
+                want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
+                os.environ.update(MOK_CUTE_SM100_FUSED="1", MOK_CUTE_FUSED_BWD=mode)
                 runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
             finally:
-                del os.environ["MOK_CUTE_SM100_FUSED"]
+                os.environ.pop("MOK_CUTE_SM100_FUSED", None)
+                os.environ.pop("MOK_CUTE_FUSED_BWD", None)
             same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
             rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),
                             note=f"[y and every gradient] equal per run: {same}"))
