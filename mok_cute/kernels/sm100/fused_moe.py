@@ -78,7 +78,7 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
-from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100 import layouts as lay
@@ -91,7 +91,7 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
-    _NO_EP, CHUNK, COUNTER_WORDS, DONE, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
+    _NO_EP, CHUNK, COUNTER_WORDS, DONE, EP_SECTIONS, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
     counter_sizes, record_sum, ring_band, slot_sum_batch,
 )
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
@@ -801,20 +801,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
                topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
-    stream = torch._C._cuda_getCurrentRawStream(dev)
-    if ws is None:
-        key = tuple(None if a is None else tensor_key(a) for a in tensors) + (k, lim, comm_ctas, num_ctas, ring, band,
-                                                                               timeout_ns)
-        launcher.launch(dev, stream, key, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, None, None, None, *_NO_EP, st))
-    else:
-        o = ws.offsets
-        ep_scalars = (Int32(ws.me), Int32(ws.EP), Int64(o["src"]), Int64(o["slots"]), Int64(o["w"]),
-                      Int64(o["flags"]), Int32(ws.next_epoch("pull")), Int32(ws.next_epoch("push")))
-        launcher.launch_direct(stream, lambda st: (
-            *(None if a is None else _Desc(a) for a in tensors), *scalars, _Desc(ws.peer_bases), _Desc(w_rows),
-            _Desc(slot_copy), *ep_scalars, st))
-        slot = slot_copy
+    launcher.launch_tensors(dev, tensors, scalars, (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns),
+                            (None, None, None, *_NO_EP),
+                            None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
+    slot = slot if ws is None else slot_copy
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
 
