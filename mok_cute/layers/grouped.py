@@ -1,5 +1,6 @@
 """Layer backends built on grouped expert-MLP kernels: sm90 and sm100 (EP = 1; EP > 1 for
-sm90 through the symmetric-memory comm kernels, see :mod:`mok_cute.layers.ep`).
+sm90 and, opted in with ``MOK_CUTE_SM100_FUSED=1``, sm100 through the symmetric-memory comm
+kernels, see :mod:`mok_cute.layers.ep`).
 
 Unfused stages, no host sync (CUDA-graph friendly): a stable sort of the T*k (token, slot)
 routes by expert gives expert-grouped rows in the reference's order (token, then slot) and
@@ -101,7 +102,8 @@ def _scatter_slots(rows, order, valid, t, k):
 
 class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
-    through :mod:`mok_cute.layers.ep` when the MLP has ``expert_parallel = True`` (sm90)."""
+    through :mod:`mok_cute.layers.ep` when the MLP has ``expert_parallel`` true (sm90; sm100 opted in
+    with ``MOK_CUTE_SM100_FUSED=1``)."""
 
     shared_gate = True  # the shared expert's output gate, at EP = 1 (``check``)
 
@@ -112,8 +114,8 @@ class GroupedExpertBackend:
         """Raise for what this backend does not run yet, before any kernel."""
         ep, _ = _world(group)
         if ep != 1 and not getattr(self.mlp, "expert_parallel", False):
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 needs the "
-                                      "symmetric-memory dispatch/combine path, not built yet")
+            hint = " (opt in with MOK_CUTE_SM100_FUSED=1; it has not run on a GPU)" if self.mlp.arch == "sm100" else ""
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 is not enabled for this backend{hint}")
         if ep != 1 and inp.shared_gate is not None:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: shared_gate (the shared expert's output gate) "
                                       "runs at EP = 1 only so far")
