@@ -37,6 +37,21 @@ def _dot_pair(acc, a, b):
 
 
 @cute.jit
+def gather_dy_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor,
+                  p: Int32, q: Int32, k: Int32, hc: Int32, by_route: cutlass.Constexpr[bool]):
+    """One warp, grouped row ``p`` of route ``q = t*k + j`` in a fused backward's gather (EP = 1):
+    :func:`route_row` with w = ``w[q]`` into ``out`` row p, and lane 0 stores d topk_w[q] = dy[t] .
+    r[p] (``by_route``: r[q], the forward's rows in route order) into ``dtw``; ``w`` / ``dtw``: uint32
+    views of fp32 [T*k]."""
+    src = p
+    if cutlass.const_expr(by_route):
+        src = q
+    acc = route_row(lane, dy, r, out, q // k, src, p, w[q], hc)
+    if lane == 0:
+        dtw[q] = acc
+
+
+@cute.jit
 def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t: Int32, rr: Int32, p: Int32,
               wq: Uint32, hc: Int32):
     """One warp, one routed row (the module contract): ``out`` row p = bf16(fp32(dy row t) * w)

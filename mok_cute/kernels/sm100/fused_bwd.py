@@ -65,7 +65,7 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.route_grad_row import route_row
+from mok_cute.kernels.route_grad_row import gather_dy_row
 from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe
 from mok_cute.kernels.sm100.fused_moe import store_routed
 from mok_cute.kernels.sm100 import layouts as lay
@@ -283,7 +283,7 @@ class FusedMoeBwdSm100:
         """Comm CTA ``bidx`` (gather variant): routed m-tiles ``c = bidx, bidx + comm_ctas, ...`` of
         group ``g``, one warp per grouped row p (route q = order[p] = t*k + j), in two passes: dy
         rows[p] = bf16(dy[t] * w[q]) and d topk_w[q] = dy[t] . r[p or q]
-        (:func:`~mok_cute.kernels.route_grad_row.route_row`), then x rows[p] = x[t]
+        (:func:`~mok_cute.kernels.route_grad_row.gather_dy_row`), then x rows[p] = x[t]
         (:func:`~mok_cute.kernels.slot_rows.copy_row`); each pass bumps ``gdy[c]`` (release, after
         the CTA's GPU-scope fences). Then d topk_w = 0 for the routes past the experts' rows."""
         mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas = g_t
@@ -310,12 +310,7 @@ class FusedMoeBwdSm100:
                     q = mOrder[p]
                     t = q // k
                     if cutlass.const_expr(xpass == 0):
-                        src = p
-                        if cutlass.const_expr(self.by_route):
-                            src = q
-                        acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
-                        if lane == 0:
-                            dtw[q] = acc
+                        gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
                     else:
                         slot_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2),
                                            xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)

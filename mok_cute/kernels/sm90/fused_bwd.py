@@ -43,7 +43,7 @@ from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.kernels.route_grad_row import route_row
+from mok_cute.kernels.route_grad_row import gather_dy_row, route_row
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
@@ -514,12 +514,7 @@ class FusedMoeBwdCoreSm90:
                                                    cute.make_layout((hc, 4), stride=(4, 1)))
                             route_row(lane, src, None, outv, Int32(0), Int32(0), p, w[p], hc)
                         else:
-                            src = p
-                            if cutlass.const_expr(self.by_route):
-                                src = q
-                            acc = route_row(lane, dyv, rv, outv, t, src, p, w[q], hc)
-                            if lane == 0:
-                                dtw[q] = acc
+                            gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
                     else:
                         src = xtok + Int64(t) * Int64(hidden * 2)
                         if cutlass.const_expr(self.ep):
