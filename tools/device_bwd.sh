@@ -3,7 +3,7 @@
 #   source .gpu-node/activate.sh && bash tools/device_bwd.sh
 # fused_bwd (modes 1-3 bitwise vs the unfused backward, MXFP8, the core's speed), train_loop (50 steps per
 # mode, whole-step CUDA graph), layer_sm90 and layer_fp8 (regression), compile (torch.compile of the
-# layer), mode 1 at EP > 1 on virtual ranks, then
+# layer), the EP > 1 backward in one launch on virtual ranks, then
 # bench_layer with the fused backward rows (BWD_CHECKS: the checks to run, BWD_BENCH: bench_layer's
 # extra arguments, default --mx). One process per step; logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
@@ -15,14 +15,15 @@ for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_
     timeout 300 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1  # a fresh machine JIT-compiles
     echo "gpu_check $c rc=$?" >> "$out/summary.txt"
 done
-# mode 1 at EP > 1 on virtual ranks (the comm stays unfused there): vs the reference backend, bitwise repeats
-MOK_CUTE_FUSED_BWD=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=fused \
-    MOK_EP_VIRTUAL_QUICK=1 timeout -s KILL 240 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_ep_bwd1.log" 2>&1
-echo "gpu_check layer_ep_virtual with MOK_CUTE_FUSED_BWD=1 rc=$?" >> "$out/summary.txt"
+# the EP > 1 backward in one launch (the default mode) on virtual ranks: vs the reference backend, bitwise
+# repeats, bitwise the unfused EP backward (MOK_CUTE_FUSED_BWD=0)
+CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 MOK_CUTE_LAUNCH=dsl MOK_EP_VIRTUAL_MODES=fused \
+    MOK_EP_VIRTUAL_QUICK=1 timeout -s KILL 240 python3 tools/gpu_check.py layer_ep_virtual > "$out/check_ep_bwd.log" 2>&1
+echo "gpu_check layer_ep_virtual (fused EP backward) rc=$?" >> "$out/summary.txt"
 timeout 300 python3 tools/bench_layer.py --shapes ${BWD_SHAPES:-0,1} --comm 16 --no-ref --tiles --bwd 0,3 ${BWD_BENCH:---mx} \
     > "$out/bench_bwd.log" 2>&1
 echo "bench_layer --bwd rc=$?" >> "$out/summary.txt"
-for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate fc1_views} ep_bwd1; do
+for c in ${BWD_CHECKS:-fused_bwd train_loop layer_sm90 layer_fp8 compile shared_gate fc1_views} ep_bwd; do
     grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
 done
 grep "^|\|^\[trace" "$out/bench_bwd.log" | cut -c1-900
