@@ -21,11 +21,12 @@ MX_PARAMS = ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "m
 
 @functools.cache
 def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-         gather: bool = False, shared: bool = False):
+         gather: bool = False, shared: bool = False, ep: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather,
-                                           by_route=gather, shared=shared, arch=arch, inspect=True)[1]
+                                           by_route=gather and not ep, shared=shared, ep=ep, arch=arch,
+                                           inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -208,15 +209,16 @@ def test_variants_registry():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     reg = fb.variants()
-    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-gather-clamp",
+    assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-ep-clamp",
+                           "fused-bwd-ep-shared-noclamp", "fused-bwd-gather-clamp",
                            "fused-bwd-gather-shared-noclamp", "fused-bwd-mxfp8-core-clamp",
                            "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
-        clamp, tokens, mx, gather, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
-                                             "gather" in name, "shared" in name)
-        if gather:
-            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared)
+        clamp, tokens, mx, ep, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
+                                         "-ep-" in name, "shared" in name)
+        if "gather" in name or ep:
+            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared, ep)
         else:
             rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
@@ -628,7 +630,7 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False)]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -675,7 +677,7 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
     fb.fused_backward(**dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
     assert by["mInit"]._keep is dxs
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False)]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -746,3 +748,168 @@ def test_host_gather_validates_before_launch(monkeypatch, change, exc, match):
     with pytest.raises(exc, match=match):
         fb.fused_backward(**ops)
     assert not fake.calls and (change == "arch" or not keys)
+
+
+# ---------------------------------------------------------------- the EP > 1 variant (ep: mode 3 across ranks)
+EP_PTX = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the pull / push signals, waits, fences
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("clamp, shared", GATHER_VARIANTS)
+def test_ep_variant_compiles_with_its_protocol(arch, clamp, shared):
+    """The EP > 1 whole backward (dy / x rows pulled from the peers' workspaces, dgrad1 rows pushed to
+    them, the slot sum after every rank's DATA): the gather variant's GEMM code (tcgen05.mma count,
+    descriptors), route_row's products / sums, the protocol's system-scope signals, waits and fences
+    (signals and fences absent at EP = 1); no spills."""
+    rep, local = _rep(arch, clamp, True, shared, False, False, True, shared, True), \
+        _rep(arch, clamp, True, shared, False, False, True, shared)
+    missing = [i for i in NEEDED + ("add.rn.f32", "cp.async.cg") + ROUTE_ROW_PTX + EP_PTX if not rep.has(i)]
+    assert not missing, missing
+    assert "multimem" not in rep.ptx and "cta_group::2" not in rep.ptx
+    assert rep.registers and rep.total_spill_bytes == 0, rep.log[-2000:]
+    assert rep.max_registers <= MAX_REGISTERS and rep.max_registers * NUM_THREADS <= 65536
+    assert rep.ptx.count("tcgen05.mma") == local.ptx.count("tcgen05.mma")
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", rep.ptx)) == 11 * (2 if shared else 1)
+    assert "st.release.sys" not in local.ptx and "fence.acq_rel.sys" not in local.ptx
+    assert rep.ptx.count("ld.acquire.sys") > local.ptx.count("ld.acquire.sys")  # + the flag waits
+
+
+def test_ep_compile_arguments_validated():
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    for kw in (dict(tokens=True, ep=True), dict(tokens=True, gather=True, by_route=True, ep=True)):
+        with pytest.raises(ValueError, match="ep"):
+            fb.compile_fused_backward_sm100(True, **kw)
+
+
+def _ep_operands(t=64, h=256, inter=128, e=2, k=2, i_s=128, shared=True, seed=5):
+    """fused_backward_ep's operands on CPU: a FakeWorkspace (rank 1 of 2), a plan with M = EP * T * k
+    receive rows (packed sources, local expert offsets), this rank's slot rows and the grouped rows'
+    router weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from conftest import FakeWorkspace
+
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    m = 2 * t * k
+    rn = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
+    plan = SimpleNamespace(recv_src=torch.randperm(m, generator=g).int(),
+                           offsets=torch.tensor([0, 90, 200], dtype=torch.int32))
+    ops = dict(ws=FakeWorkspace(t, h, k), plan=plan, dy=rn(t, h), x=rn(t, h), slot_rows=rn(t * k, h),
+               w_rows=torch.rand(m, generator=g), topk_idx=torch.randint(-1, 2 * e, (t, k), generator=g),
+               gu=rn(m, 2 * inter), h=rn(m, inter), w_gate=rn(e, inter, h), w_up=rn(e, inter, h),
+               w_down=rn(e, h, inter), limit=4.0, comm_ctas=6, num_ctas=66)
+    if shared:
+        ops["shared"] = (torch.tensor([0, t], dtype=torch.int32), rn(t, 2 * i_s), rn(t, i_s), rn(i_s, h), rn(i_s, h),
+                         rn(h, i_s))
+    return ops
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
+    """fused_backward_ep on CPU tensors (compile and launch faked): x and dy staged in the workspace's
+    src and dy sections, the ep variant launched directly (the epochs change every call) with one
+    argument per ``__call__`` parameter: the plan's packed sources as the row order and its local
+    offsets, the forward's router weight per grouped row, this rank's slot rows for d topk_w, the
+    workspace's slot section as the push target, its status for every wait, its sections' offsets,
+    rank and size; the arrival words after the done word; the epochs bumped once per launch."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _ep_operands(shared=shared)
+    ws, plan = ops["ws"], ops["plan"]
+    out = fb.fused_backward_ep(**ops)
+    assert not fake.calls and len(fake.direct) == 1
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True)]
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    (args,) = fake.direct
+    assert len(args) == len(params), (len(args), len(params))
+    a = {n: None if v is None else getattr(v, "_keep", v) for n, v in zip(params, args)}
+    assert torch.equal(ws._src, ops["x"]) and torch.equal(ws._dy, ops["dy"])
+    assert a["mDx"].data_ptr() == ws._slots.data_ptr() and tuple(a["mDx"].shape) == (128, 256)
+    assert a["mStatus"] is ws.status and a["mPeer"] is ws.peer_bases
+    assert torch.equal(a["mOrder"], plan.recv_src) and a["mOrder"].data_ptr() == plan.recv_src.data_ptr()
+    assert a["mOffsets"] is plan.offsets and torch.equal(a["mIdx"], ops["topk_idx"].reshape(-1).int())
+    assert a["mW"] is ops["w_rows"] and a["mR"] is ops["slot_rows"]
+    assert a["mDyTok"] is ops["dy"] and a["mXTok"] is ops["x"]
+    assert tuple(a["mDy"].shape) == tuple(a["mX"].shape) == (256, 256)  # M = EP * T * k grouped rows
+    assert torch.equal(a["mGU"], ops["gu"].view(256, 2, 128))
+    assert (int(a["epoch_pull"]), int(a["epoch_push"]), int(a["me"]), int(a["n_ranks"])) == (1, 1, 1, 2)
+    assert [int(a[n]) for n in ("src_off", "dy_off", "slots_off", "flags_off")] == \
+        [ws.offsets[s] for s in fb.EP_SECTIONS] == [ws.offsets[s] for s in ("src", "dy", "slots", "flags")]
+    assert (int(a["num_ctas"]), int(a["comm_ctas"]), int(a["k"])) == (66, 6, 2)
+    words = a["mWords"]
+    assert words.shape == (fb.SUMMED_WORD + 1,) and not words.any() and fb.PULLED_WORD == fb.DONE_WORD + 1
+    assert int(a["timeout_ns"]) == int(ws.timeout_s * 1e9)
+    assert (a["mInit"] is not None) == shared and a["mAdd"] is None and all(a[n] is None for n in MX_PARAMS)
+    dx, dtw = out[:2]
+    assert a["mOut"] is dx and tuple(dx.shape) == (64, 256) and a["mDtw"].data_ptr() == dtw.data_ptr()
+    assert tuple(dtw.shape) == (64, 2) and len(out) == 5 + 3 * shared
+    fb.fused_backward_ep(**ops)
+    assert ws.epoch == {"pull": 2, "push": 2} and len(fake.direct) == 2
+
+
+def test_host_ep_no_tokens(monkeypatch):
+    """T = 0 (on every rank of the group): empty dx and d topk_w, zero weight gradients, nothing
+    staged or launched, the epochs unchanged."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _ep_operands(t=64)
+    offs, gus, hs, *w = ops["shared"]
+    ops.update(dy=ops["dy"][:0], x=ops["x"][:0], slot_rows=ops["slot_rows"][:0], topk_idx=ops["topk_idx"][:0],
+               w_rows=ops["w_rows"][:0], shared=(offs, gus[:0], hs[:0], *w))
+    ops["plan"].recv_src = ops["plan"].recv_src[:0]
+    ops["plan"].offsets = torch.zeros(3, dtype=torch.int32)
+    out = fb.fused_backward_ep(**ops)
+    assert tuple(out[0].shape) == (0, 256) and tuple(out[1].shape) == (0, 2) and all(not d.any() for d in out[2:])
+    assert not fake.direct and not fake.calls and not keys and ops["ws"].epoch == {"pull": 0, "push": 0}
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ("recv_src_long", TypeError, "recv_src"),
+    ("idx_float", TypeError, "topk_idx"),
+    ("dy_tokens", ValueError, "dy"),
+    ("gu_rows", ValueError, "gu"),
+    ("offsets_len", ValueError, "offsets"),
+    ("slot_rows_shape", ValueError, "slot_rows"),
+    ("slot_rows_float", TypeError, "slot_rows"),
+    ("w_rows_len", ValueError, "w_rows"),
+    ("w_rows_bf16", TypeError, "w_rows"),
+    ("comm", ValueError, "comm_ctas"),
+    ("shared_gu", ValueError, "gu_s"),
+    ("limit", ValueError, "limit"),
+    ("device", ValueError, "w_rows"),
+    ("arch", ValueError, "sm_100a / sm_103a"),
+])
+def test_host_ep_validates_before_launch(monkeypatch, change, exc, match):
+    """Every bad fused_backward_ep operand raises, naming it, before anything is staged in the
+    workspace, compiled or launched."""
+    fb, fake, keys = _fake_device(monkeypatch, "sm_90a" if change == "arch" else "sm_100a")
+    ops = _ep_operands()
+    plan, (offs, gus, hs, wsg, wsu, wsd) = ops["plan"], ops["shared"]
+    edits = {
+        "recv_src_long": lambda: setattr(plan, "recv_src", plan.recv_src.long()),
+        "idx_float": lambda: ops.update(topk_idx=ops["topk_idx"].float()),
+        "dy_tokens": lambda: ops.update(dy=ops["dy"][:63], x=ops["x"][:63]),
+        "gu_rows": lambda: ops.update(gu=ops["gu"][:255]),
+        "offsets_len": lambda: setattr(plan, "offsets", plan.offsets[:2]),
+        "slot_rows_shape": lambda: ops.update(slot_rows=ops["slot_rows"][:100]),
+        "slot_rows_float": lambda: ops.update(slot_rows=ops["slot_rows"].float()),
+        "w_rows_len": lambda: ops.update(w_rows=ops["w_rows"][:255]),
+        "w_rows_bf16": lambda: ops.update(w_rows=ops["w_rows"].bfloat16()),
+        "comm": lambda: ops.update(comm_ctas=0),
+        "shared_gu": lambda: ops.update(shared=(offs, gus[:63], hs, wsg, wsu, wsd)),
+        "limit": lambda: ops.update(limit=-1.0),
+        "device": lambda: ops.update(w_rows=ops["w_rows"].to("meta")),
+        "arch": lambda: None,
+    }
+    edits[change]()
+    with pytest.raises(exc, match=match):
+        fb.fused_backward_ep(**ops)
+    ws = ops["ws"]
+    assert not fake.direct and not fake.calls and (change == "arch" or not keys)
+    assert not ws._src.any() and not ws._dy.any() and ws.epoch == {"pull": 0, "push": 0}

@@ -1,4 +1,5 @@
-"""The fused routed MoE backward core on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1: one persistent launch.
+"""The fused routed MoE backward core on Blackwell (sm_100a / sm_103a), BF16 or MXFP8, EP = 1 (and the whole
+BF16 backward at EP > 1): one persistent launch.
 
 The SM100 counterpart of the core of :mod:`mok_cute.kernels.sm90.fused_bwd` and of its ``tokens``
 variant (no gather, no shared group), with its task list, counters and numerics, on the
@@ -44,6 +45,15 @@ along tokens (blocks of 32 from each expert's first row). The host quantizes dy,
 quantizers); D2's dSwiGLU epilogue writes dgu's two quantizations instead of bf16 dgu (the
 quantizers' ops: :meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`).
 The weights come quantized from the caller (``layers.sm100.quantize_weight(w, 1)``).
+
+EP > 1 (``ep``, with gather, :func:`fused_backward_ep`): the SM90 ep variant's protocol
+(:class:`~mok_cute.comm.peer_rows.PeerRows`). ``order`` holds packed sources ``p*T*k + t*k + j``
+(the device plan's ``recv_src``); the comm CTAs pull each grouped row's dy (times its router weight
+``w_rows[p]``) and x from rank p's ``dy`` / ``src`` sections between READY and DONE, then make d
+topk_w of this rank's routes from its slot rows (0 for -1 slots); the epilogue waits FREE of the
+previous push epoch, D1 pushes each row into rank p's ``slots[t*k + j]`` (a system-scope fence
+before the tile is counted); the slot sum waits DATA from every rank and the last CTA to finish
+says FREE. Every wait's error goes to the workspace's status.
 """
 from __future__ import annotations
 
@@ -57,17 +67,20 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
+from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
-from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
+from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.route_grad_row import gather_dy_row
-from mok_cute.kernels.sm90.fused_bwd import D1_DONE, D2_READY, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe
-from mok_cute.kernels.sm100.fused_moe import store_routed
+from mok_cute.kernels.route_grad_row import gather_dy_row, route_row
+from mok_cute.kernels.sm90.fused_bwd import (
+    _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe,
+)
+from mok_cute.kernels.sm100.fused_moe import push_routed, store_routed
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _check_weight, _fake_sf,
@@ -85,6 +98,7 @@ MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs
 DIM_MULTIPLE = 64  # H, I
 WORDS = 1 + P.STATUS_WORDS  # the ticket, then the status words
 DONE_WORD = WORDS  # tokens variant: a last word, the stored D1 tiles (the slot sum's wait)
+PULLED_WORD, SUMMED_WORD = DONE_WORD + 1, DONE_WORD + 2  # EP > 1: comm CTAs done pulling, CTAs done summing
 _VEC = 8  # bf16 elements per 16-byte vector
 _FP8 = torch.float8_e4m3fn
 
@@ -95,19 +109,22 @@ class FusedMoeBwdSm100:
     from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term; ``mx``: MXFP8 tiles;
     ``gather``: the routed dy rows, d topk_w and x rows built in the launch by its first
     ``comm_ctas`` CTAs (``by_route``: the forward's GEMM2 rows in route order); ``shared``: the
-    shared expert's tiles as a second group, its dx the slot sum's ``init``."""
+    shared expert's tiles as a second group, its dx the slot sum's ``init``; ``ep``: EP > 1 (the module
+    doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands, None / ignored at EP = 1)."""
 
     def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-                 gather: bool = False, by_route: bool = False, shared: bool = False):
+                 gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
             raise ValueError("gather needs tokens, by_route needs gather, shared needs gather and init (its dx)")
         if mx and gather:
             raise ValueError("gather / shared (the whole backward in the launch) are BF16 only")
+        if ep and not (gather and not by_route):
+            raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
-        self.gather, self.by_route, self.shared = gather, by_route, shared
+        self.gather, self.by_route, self.shared, self.ep = gather, by_route, shared, ep
         self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
         self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR)  # D2
         self.dgrad1 = GroupedGemmSm100(cfg, "plain", b_major=MN_MAJOR, split_k=True)  # D1
@@ -146,7 +163,9 @@ class FusedMoeBwdSm100:
                  mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDWg: cute.Tensor, mSDWu: cute.Tensor, mSDWd: cute.Tensor,
                  mSOffsets: cute.Tensor, mSD2: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
-                 num_ctas: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+                 num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mStatus: cute.Tensor, me: Int32,
+                 n_ranks: Int32, src_off: Int64, dy_off: Int64, slots_off: Int64, flags_off: Int64,
+                 epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
         """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
         int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
         [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
@@ -166,7 +185,14 @@ class FusedMoeBwdSm100:
         ``mOrder`` then holds all T*k routes (routes without an expert last). Shared (else the
         eleven ``mS*`` None): the shared expert's gu [T, 2, I_s], h [T, I_s], weights [1, I_s, H] x 2,
         [1, H, I_s], dgu scratch [T, 2, I_s], dW [1, ...], offsets [0, T] and dgrad2 counters; its dy
-        / x are ``mDyTok`` / ``mXTok``, its dx goes to ``mInit``."""
+        / x are ``mDyTok`` / ``mXTok``, its dx goes to ``mInit``.
+
+        EP > 1 (``ep``; else None / ignored): ``mPeer`` int64 [R] (the workspaces' bases), ``mStatus``
+        int32 [4] (the workspace's status, every wait's error), rank ``me`` of ``n_ranks``, the
+        sections' offsets (``src``: x, ``dy``, ``slots``, ``flags``) and the launch's pull and push
+        epochs; ``mOrder`` [M] packed ``p*T*k + t*k + j``, ``mW`` fp32 [M] each grouped row's router
+        weight, ``mR`` [T*k, H] this rank's slot rows of the forward, ``mDx`` the workspace's slot
+        section; ``mWords`` then holds the pull and sum arrival words too."""
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -179,9 +205,12 @@ class FusedMoeBwdSm100:
         if cutlass.const_expr(self.gather):
             g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, comm_ctas)
         self.shared_storage = self._storage()
+        peer = []  # EP = 1: no kernel parameters for the workspace
+        if cutlass.const_expr(self.ep):
+            peer = [mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push]
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
                     mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
-                    timeout_ns, s_t, g_t).launch(
+                    timeout_ns, s_t, g_t, peer).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, e, mx_ops):
@@ -212,7 +241,7 @@ class FusedMoeBwdSm100:
                mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor,
                mWords: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor,
                mOut: cute.Tensor, mDgusf: cute.Tensor, mDgut: cute.Tensor, mDgtsf: cute.Tensor, mDutsf: cute.Tensor,
-               k: Int32, limit: Float32, timeout_ns: Int64, s_t: tuple, g_t: tuple):
+               k: Int32, limit: Float32, timeout_ns: Int64, s_t: tuple, g_t: tuple, peer: list):
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
@@ -237,27 +266,37 @@ class FusedMoeBwdSm100:
         if cutlass.const_expr(self.shared):
             shared = _Group(cfg, atoms[n_r:], coords[n_r:], s_t, False, False)
             n_tasks, n_done = n_tasks + shared.dims[0], n_done + shared.n_d1
+        ep = ep_dy = None  # EP > 1: the workspace's x rows (``src``) and dy rows as pull sources
+        if cutlass.const_expr(self.ep):
+            mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push = peer
+            status = mStatus.iterator  # every wait's error: the workspace's status
+            ep = PeerRows(mPeer, g_t[3], me, n_ranks, src_off, slots_off, Int64(0), flags_off, epoch_pull,
+                          epoch_push, mIdx.shape[0], timeout_ns, status)
+            ep_dy = PeerRows(mPeer, g_t[3], me, n_ranks, dy_off, slots_off, Int64(0), flags_off, epoch_pull,
+                             epoch_push, mIdx.shape[0], timeout_ns, status)
         gdy = None
         if cutlass.const_expr(self.gather):
             gdy = g_t[5]
             bidx, _, _ = cute.arch.block_idx()
             if bidx < g_t[8]:  # a comm CTA: first the routed rows, then GEMM tasks like every CTA
-                self._gather(tidx, bidx, routed, mOrder, k, g_t)
+                self._gather(tidx, bidx, routed, mOrder, mIdx, k, g_t, ep, ep_dy, mWords.iterator + PULLED_WORD)
                 cute.arch.barrier()
 
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, routed, shared, mWords.iterator, n_tasks, gdy,
-                          mWords.iterator + 1, timeout_ns)
+                          mWords.iterator + 1 if ep is None else ep.status, timeout_ns)
         if warp == MMA_WARP:
             self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, routed, shared, n_tasks, limit, mOrder,
-                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf))
+                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep)
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
-                P.wait_geq(mWords.iterator + DONE_WORD, n_done, timeout_ns, mWords.iterator + 1, Int32(0),
-                           Int32(D1_DONE))
+                P.wait_geq(mWords.iterator + DONE_WORD, n_done, timeout_ns,
+                           mWords.iterator + 1 if ep is None else ep.status, Int32(0), Int32(D1_DONE))
+                if cutlass.const_expr(self.ep):  # every rank's dx rows are in my slot buffer (DATA)
+                    ep.wait_rows(cute.arch.block_idx()[0])
             cute.arch.barrier()
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
@@ -267,6 +306,8 @@ class FusedMoeBwdSm100:
             sbuf = cute.make_tensor(buf, cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC), stride=(_VEC, 1)))
             slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden, sbuf,
                                SUM_BATCH, NUM_THREADS, None, mAdd)
+            if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
+                ep.close_push(tidx, mWords.iterator + SUMMED_WORD, grid)
 
     @cute.jit
     def _decode(self, g, t: Int32, cur):
@@ -279,13 +320,20 @@ class FusedMoeBwdSm100:
 
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _gather(self, tidx: Int32, bidx: Int32, g, mOrder: cute.Tensor, k: Int32, g_t: tuple):
+    def _gather(self, tidx: Int32, bidx: Int32, g, mOrder: cute.Tensor, mIdx: cute.Tensor, k: Int32, g_t: tuple,
+                ep, ep_dy, pulled: cute.Pointer):
         """Comm CTA ``bidx`` (gather variant): routed m-tiles ``c = bidx, bidx + comm_ctas, ...`` of
         group ``g``, one warp per grouped row p (route q = order[p] = t*k + j), in two passes: dy
         rows[p] = bf16(dy[t] * w[q]) and d topk_w[q] = dy[t] . r[p or q]
         (:func:`~mok_cute.kernels.route_grad_row.gather_dy_row`), then x rows[p] = x[t]
         (:func:`~mok_cute.kernels.slot_rows.copy_row`); each pass bumps ``gdy[c]`` (release, after
-        the CTA's GPU-scope fences). Then d topk_w = 0 for the routes past the experts' rows."""
+        the CTA's GPU-scope fences). Then d topk_w = 0 for the routes past the experts' rows.
+
+        EP > 1 (``ep`` / ``ep_dy``: the workspace's x and dy sections as pull sources): the rows of
+        route q (packed ``p*T*k + t*k + j``) are pulled from rank p's staged dy and x between
+        :meth:`~mok_cute.comm.peer_rows.PeerRows.open_pull` and ``close_pull`` (the last comm CTA
+        arriving on ``pulled`` says DONE), dy scaled by ``w[p]`` (the router weight the forward
+        pulled); then d topk_w of this rank's routes from its slot rows ``mR`` (0 for -1 slots)."""
         mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas = g_t
         hidden = g.hidden
         hc = hidden // _VEC
@@ -301,6 +349,8 @@ class FusedMoeBwdSm100:
         dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
         warp = tidx // 32
         lane = tidx % 32
+        if cutlass.const_expr(self.ep):
+            ep.open_pull(tidx, bidx)
         for xpass in cutlass.range_constexpr(2):
             ge, gb = Int32(0), Int32(0)
             for c in cutlass.range(bidx, g.mt, comm_ctas, unroll=1):
@@ -310,17 +360,35 @@ class FusedMoeBwdSm100:
                     q = mOrder[p]
                     t = q // k
                     if cutlass.const_expr(xpass == 0):
-                        gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
+                        if cutlass.const_expr(self.ep):
+                            src = cute.make_tensor(P.gptr(u32, ep_dy.src_row(q, k, hidden * 2), 16),
+                                                   cute.make_layout((hc, 4), stride=(4, 1)))
+                            route_row(lane, src, None, outv, Int32(0), Int32(0), p, w[p], hc)
+                        else:
+                            gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
                     else:
-                        slot_rows.copy_row(lane, xtok + Int64(t) * Int64(hidden * 2),
-                                           xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
+                        if cutlass.const_expr(self.ep):
+                            src = ep.src_row(q, k, hidden * 2)
+                        else:
+                            src = xtok + Int64(t) * Int64(hidden * 2)
+                        slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.barrier()
                 if tidx == 0:
                     cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
-        for p in cutlass.range(g.offsets[g.num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
-                               comm_ctas * NUM_THREADS, unroll=1):
-            dtw[mOrder[p]] = u32(0)
+        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its rows: the last one says DONE
+            ep.close_pull(tidx, pulled, comm_ctas)
+            for q in cutlass.range(bidx * (NUM_THREADS // 32) + warp, mIdx.shape[0],
+                                   comm_ctas * (NUM_THREADS // 32), unroll=1):
+                acc = u32(0)
+                if mIdx[q] >= 0:
+                    acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), u32(0), hc)
+                if lane == 0:
+                    dtw[q] = acc
+        else:
+            for p in cutlass.range(g.offsets[g.num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
+                                   comm_ctas * NUM_THREADS, unroll=1):
+                dtw[mOrder[p]] = u32(0)
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,
@@ -536,9 +604,10 @@ class FusedMoeBwdSm100:
 
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, routed, shared, n_tasks: Int32,
-                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out):
+                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep):
         """Epilogue warps: store each task's accumulator (:meth:`_store`), then publish it
-        (:meth:`_publish`)."""
+        (:meth:`_publish`). EP > 1: first, every rank must have freed its slot buffer of the previous
+        push round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it)."""
         t_atoms = None
         if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
             t_atoms = (routed.gu.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + routed.num_experts
@@ -546,6 +615,10 @@ class FusedMoeBwdSm100:
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
         acc = self.ml_d.acc_tensor(acc_ptr)
+        if cutlass.const_expr(self.ep):
+            if tidx == 0:
+                ep.wait_free()
+            epi_barrier()
         acc_state = self.ml_d.acc_consumer_state()
         tstate = task_ring.consumer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -566,11 +639,11 @@ class FusedMoeBwdSm100:
             tile = (phase, expert, n_tile, m_tile, row0, rows, which)
             if cutlass.const_expr(self.shared):
                 if grp == 0:
-                    self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms)
+                    self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
                 else:
-                    self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms)
+                    self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
             else:
-                self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms)
+                self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
             cute.arch.fence_view_async_tmem_load()
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
@@ -587,11 +660,12 @@ class FusedMoeBwdSm100:
         tmem.free(acc_ptr)
 
     @cute.jit
-    def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms):
+    def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms, ep):
         """Epilogue warps, group ``g``'s tile ``(phase, expert, n_tile, m_tile, row0, rows, which)``:
         the unfused kernels' epilogue (D1 of a ``routed`` group in the tokens variant: row r to slot
-        row ``order[row0 + r]``; MXFP8: D2 stores dgu's two quantizations, ``mx_out`` = (dgu_sf,
-        dgut, dg_tsf, du_tsf) beside the e4m3 dgu along I)."""
+        row ``order[row0 + r]``, EP > 1 on its source rank, :func:`~mok_cute.kernels.sm100.fused_moe.push_routed`;
+        MXFP8: D2 stores dgu's two quantizations, ``mx_out`` = (dgu_sf, dgut, dg_tsf, du_tsf) beside
+        the e4m3 dgu along I)."""
         phase, expert, n_tile, m_tile, row0, rows, which = tile
         if phase == D2:
             if cutlass.const_expr(self.mx):
@@ -601,7 +675,9 @@ class FusedMoeBwdSm100:
             else:
                 self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, g.dgu, g.gu, limit)
         elif phase == D1:
-            if cutlass.const_expr(g.routed):
+            if cutlass.const_expr(g.routed and self.ep):
+                push_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder, ep)
+            elif cutlass.const_expr(g.routed):
                 store_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder)
             else:
                 self.dgrad1._store_plain(chunks, row0, rows, n_tile, g.dx)
@@ -617,8 +693,8 @@ class FusedMoeBwdSm100:
     @cute.jit
     def _publish(self, g, phase: Int32, mt: Int32, tidx: Int32, done: cute.Pointer):
         """Epilogue warps: a D2 tile is published on ``g.d2[mt]``, a D1 tile of the tokens variant
-        counted on ``done`` (release add by thread 0 after every thread's GPU-scope fence and the
-        epilogue barrier)."""
+        counted on ``done`` (release add by thread 0 after every thread's GPU-scope fence, EP > 1
+        system-scope for the routed rows pushed to peers, and the epilogue barrier)."""
         if phase == D2:
             cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before thread 0's release below
             epi_barrier()
@@ -626,7 +702,10 @@ class FusedMoeBwdSm100:
                 cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
         if cutlass.const_expr(self.tokens):
             if phase == D1:
-                cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
+                if cutlass.const_expr(g.routed and self.ep):  # rows stored into peers: order them at system scope
+                    cute.arch.fence_acq_rel_sys()
+                else:
+                    cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
                 epi_barrier()
                 if tidx == 0:
                     cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
@@ -664,15 +743,16 @@ class _Group:
 # ---------------------------------------------------------------- compile
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
                                  mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
-                                 *, arch: str = "sm_100a", inspect: bool = False):
+                                 ep: bool = False, *, arch: str = "sm_100a", inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
     start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
     rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
-    expert's tiles, its dx the slot sum's ``init``); returns ``(compiled, report)``."""
+    expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
+    through the workspace); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep)
     bf = cutlass.BFloat16
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
     m, e, two, t, tk = (cute.sym_int() for _ in range(5))
@@ -697,16 +777,18 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
                _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
     rows = (None,) * 6
     if gather:
-        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid), vec(tk, Float32),
-                vec(tk, Float32), vec())
+        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid),
+                vec(m if ep else tk, Float32), vec(tk, Float32), vec())
     sh = (None,) * 11
     if shared:
         i_s, one = cute.sym_int(divisibility=DIM_MULTIPLE), cute.sym_int()
         sh = (_fake_3d(bf, t, two, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, i_s, hid),
               _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), _fake_3d(bf, one, i_s, hid),
               _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, hid, i_s), vec(), vec())
+    ep_t = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
+            vec()) if ep else (None, None)
     return compile_kernel(op, *args, *toks, *mxs, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
-                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+                          *ep_t, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
@@ -904,6 +986,62 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     for name, a in dict(r_rows=r_rows, topk_w=topk_w, **(sh or {})).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
+    return _whole(dy, x, r_rows, topk_w.reshape(-1).contiguous(), order32, idx32, dx_shared, offsets, gu, h,
+                  (w_gate, w_up, w_down), limit, rows_by_route, sh, (t, k, m), comm_ctas, num_ctas, timeout_s)
+
+
+def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
+                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None):
+    """The backward at EP > 1 in one launch per rank (BF16; collective over ``ws``'s ranks, every rank
+    calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`
+    without ``main_grads``): :func:`fused_backward` with the rows moved through the workspace. This
+    rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every peer finished
+    the previous pull); the comm CTAs pull the dy rows (times ``w_rows`` [M] fp32, the forward's router
+    weight of each grouped row) and x rows of the routes this rank's experts serve (``plan``: the
+    forward's device plan, ``recv_src`` int32 [M] packed sources, local expert ``offsets`` int32 [E+1]),
+    the dgrad1 rows are pushed to their (token, slot) rows of the source ranks' slot sections, and every
+    rank sums its own (from the shared expert's dx with ``shared``, as :func:`fused_backward`). d topk_w
+    [T, k] of this rank's routes is made from ``slot_rows`` [T*k, H] (its routed rows of the forward,
+    rows of -1 slots unread). gu [>= M, 2I], h [>= M, I]: the forward's. Returns ``(dx [T, H], d topk_w
+    [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``. Every operand is
+    validated before anything is staged, compiled or launched; errors of the device waits (a peer's
+    timeout included) go to ``ws.status`` (the caller's ``ws.check_status()``); ``num_ctas``: this
+    rank's grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU)."""
+    _check_tensor("topk_idx", topk_idx, 2, (torch.int32, torch.int64))
+    t, k = topk_idx.shape
+    _check_tensor("recv_src", plan.recv_src, 1, (torch.int32,))
+    m = plan.recv_src.shape[0]
+    _check_operands(dy, x, gu, h, plan.offsets, w_gate, w_up, w_down, limit, ws.timeout_s, num_ctas, rows=m)
+    hid = dy.shape[1]
+    if dy.shape[0] != t:
+        raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
+    order32, idx32, _, _, _, _ = _check_tokens((plan.recv_src, topk_idx, None), dy, rows=m)
+    _check_tensor("slot_rows", slot_rows, 2, (torch.bfloat16,))
+    _check_tensor("w_rows", w_rows, 1, (torch.float32,))
+    if tuple(slot_rows.shape) != (t * k, hid) or not slot_rows.is_contiguous() or slot_rows.data_ptr() % 16:
+        raise ValueError(f"slot_rows must be contiguous [T*k, H] = {(t * k, hid)}, got {tuple(slot_rows.shape)}")
+    if w_rows.shape[0] != m:
+        raise ValueError(f"w_rows must be [M] = [{m}] (plan.recv_src's rows), got {tuple(w_rows.shape)}")
+    if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
+        raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
+    sh = None if shared is None else _check_shared(shared, t, hid)
+    for name, a in dict(recv_src=plan.recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {})).items():
+        if a.device != dy.device:
+            raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
+    return _whole(dy, x, slot_rows, w_rows, order32, idx32, None, plan.offsets, gu, h, (w_gate, w_up, w_down),
+                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws)
+
+
+def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, limit, by_route: bool, sh, dims,
+           comm_ctas: int, num_ctas, timeout_s, ws=None):
+    """The launch of :func:`fused_backward` (``ws`` None) or :func:`fused_backward_ep` on validated
+    operands: ``rows`` / ``w`` the gather's GEMM2 rows and flat topk_w (EP > 1: this rank's slot rows
+    and the grouped rows' router weights), ``sh`` the checked shared group or None, ``dims`` = (T, k,
+    M grouped rows); returns their outputs (T = 0: zeros, nothing launched; every rank of an EP group
+    holds the same T)."""
+    t, k, m = dims
+    w_gate, w_up, w_down = weights
+    hid = dy.shape[1]
     dev, arch = device_arch(dy.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs an sm_100a / sm_103a device, got {arch}")
@@ -918,22 +1056,28 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
         dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
     if t == 0:  # no tokens: no tile reads anything
         return (dx, dtw, *(d.zero_() for d in dw), *(d[0].zero_() for d in dws))
+    slot = torch.empty((m, hid), **bf)  # the dx rows by (token, slot); EP > 1: the workspace's slot section
+    if ws is not None:
+        ws.acquire_src().copy_(x)  # a device wait first: every peer finished the previous pull from it
+        ws.view("dy", torch.bfloat16, (t, hid)).copy_(dy)
+        slot = ws.view("slots", torch.bfloat16, (t * k, hid))
     mt_cap, sd2_cap = m // CONFIG.tile_m + e + 1, t // CONFIG.tile_m + 2
-    counters, d2, words = _counters(m, e, DONE_WORD + 1, dy.device, mt_cap + sd2_cap)
+    counters, d2, words = _counters(m, e, (DONE_WORD if ws is None else SUMMED_WORD) + 1, dy.device,
+                                    mt_cap + sd2_cap)
     gdy, sd2 = counters[-(mt_cap + sd2_cap):-sd2_cap], counters[-sd2_cap:]
     init = dx_shared if sh is None else torch.empty((t, hid), **bf)  # the shared expert's dx: D1 of its group
-    gather = (dy, x, r_rows, topk_w.reshape(-1).contiguous(), dtw.view(-1), gdy)
+    gather = (dy, x, rows, w, dtw.view(-1), gdy)
     sh_args = (None,) * 11
     if sh is not None:
         i_s = sh["ws_gate"].shape[0]
         sh_args = (sh["gu_s"].view(t, 2, i_s), sh["h_s"], sh["ws_gate"][None], sh["ws_up"][None],
                    sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), *dws, sh["offsets_s"], sd2)
     tensors = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), gu[:m].view(m, 2, inter), h[:m], w_gate,
-               w_up, w_down, torch.empty((m, 2, inter), **bf), torch.empty((m, hid), **bf), *dw, offsets, d2, words,
-               order32, idx32, init, None, dx, *(None,) * 11, *gather, *sh_args)
-    variant = (limit is not None, True, init is not None, False, False, True, rows_by_route, sh is not None)
+               w_up, w_down, torch.empty((m, 2, inter), **bf), slot, *dw, offsets, d2, words, order32, idx32, init,
+               None, dx, *(None,) * 11, *gather, *sh_args)
+    variant = (limit is not None, True, init is not None, False, False, True, by_route, sh is not None, ws is not None)
     _launch(("sm100_fused_moe_bwd", arch) + variant, variant, tensors, k, comm_ctas, limit, num_ctas, timeout_s, dev,
-            words)
+            words, ws)
     return (dx, dtw, *dw, *(d[0] for d in dws))
 
 
@@ -973,19 +1117,20 @@ def _counters(m: int, e: int, n_words: int, device, extra: int = 0):
     return counters, counters[:mt_cap], counters[mt_cap:mt_cap + n_words]
 
 
-def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words):
+def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words, ws=None):
     """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant)`` and launch it on
-    the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words watched."""
+    the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words watched.
+    ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
+    bumped; its status, not ``words``, holds the errors)."""
     launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(*variant, arch=key[1])[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
-    args = (k, comm, lim, num_ctas, timeout_ns)
-    launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev),
-                    tuple(None if a is None else tensor_key(a) for a in tensors) + args, lambda st: (
-                        *(None if a is None else _Desc(a) for a in tensors), Int32(k), Int32(comm), Float32(lim),
-                        Int32(num_ctas), Int64(timeout_ns), st))
-    deferred.watch(words[1:WORDS], describe)
+    scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
+    launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
+                            None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))
+    if ws is None:
+        deferred.watch(words[1:WORDS], describe)
 
 
 def _mx_operands(dy, x, h, offsets, w_scales):
@@ -1020,6 +1165,7 @@ _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05
         "fence.proxy.async.global")
 _PTX_TOKENS = ("add.rn.f32", "cp.async.cg")  # the dx slot sum: single-rounded fp32 adds, slot rows via cp.async
 _PTX_GATHER = ("mul.rn.f32", "fma.rn.f32", "shfl.sync.bfly")  # route_row: dy * w, dy . r, its butterfly
+_PTX_EP = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the EP > 1 signals, waits and fences
 _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (  # block-scaled MMAs, dgu's two quantizations
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2", "shfl.sync.bfly")
 
@@ -1038,4 +1184,8 @@ def variants() -> dict:
             "fused-bwd-gather-clamp": (core(True, tokens=True, gather=True, by_route=True),
                                        _PTX + _PTX_TOKENS + _PTX_GATHER),
             "fused-bwd-gather-shared-noclamp": (core(False, tokens=True, init=True, gather=True, by_route=True,
-                                                     shared=True), _PTX + _PTX_TOKENS + _PTX_GATHER)}
+                                                     shared=True), _PTX + _PTX_TOKENS + _PTX_GATHER),
+            "fused-bwd-ep-clamp": (core(True, tokens=True, gather=True, ep=True),
+                                   _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP),
+            "fused-bwd-ep-shared-noclamp": (core(False, tokens=True, init=True, gather=True, shared=True, ep=True),
+                                            _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP)}
