@@ -326,7 +326,7 @@ def test_ep_is_opt_in(monkeypatch):
     assert be.mlp.expert_parallel and be.mlp.ep_precisions == ("bf16", "mxfp8")
     for precision in ("bf16", "mxfp8"):
         be.check(inp, MoKConfig(precision=precision), "group")
-    assert not hasattr(be.mlp, "backward_fused_ep")  # layers.ep's backward: the unfused EP stages
+    assert hasattr(be.mlp, "backward_fused_ep")  # layers.ep's backward: the fused EP launch (BF16)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -476,4 +476,51 @@ def test_backward_fused_applies_only_when_opted_in(monkeypatch):
     assert mlp.backward_fused(*args, sg, (sh[0], sh[1], torch.randn(i, h).to(bf).t())) is None
     ok[0] = False
     assert mlp.backward_fused(*args) is None
+    assert len(calls) == 2
+
+
+def test_backward_fused_ep_applies_only_when_opted_in(monkeypatch):
+    """``backward_fused_ep`` (the sm90 MLP's contract) is None (layers.ep falls back to the unfused EP
+    stages) without the opt-in, at MXFP8, for operands the launch does not take (not CUDA / contiguous,
+    a strided shared w_down); else one ``fused_backward_ep`` call with the workspace, the plan, this
+    rank's slot rows as [T*k, H], the grouped rows' router weights, the comm CTAs and the grid, returning
+    ``(dx, d topk_w, dWg, dWu, dWd, d shared or None)``."""
+    from types import SimpleNamespace
+
+    from mok_cute.kernels.sm100 import fused_bwd
+    from mok_cute.layers import sm100 as S
+    from mok_cute.layers.common import ExpertGroup
+
+    calls = []
+    monkeypatch.setattr(fused_bwd, "fused_backward_ep", lambda *a, **kw: calls.append((a, kw)) or tuple(range(8)))
+    ok = [True]
+    monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: ok[0])
+    t, k, h, i, m = 4, 2, 64, 64, 16
+    bf = torch.bfloat16
+    g = ExpertGroup(None, torch.tensor([0, 5, 8], dtype=torch.int32), torch.randn(m, 2 * i).to(bf),
+                    torch.randn(m, i).to(bf))
+    sg = ExpertGroup(None, torch.tensor([0, t]), torch.randn(t, 2 * i).to(bf), torch.randn(t, i).to(bf))
+    ws, plan = object(), SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=g.offsets)
+    dy, x, slots = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf), torch.randn(t, k, h).to(bf)
+    w_rows, idx = torch.rand(m), torch.zeros(t, k, dtype=torch.int32)
+    w = (torch.randn(2, i, h).to(bf), torch.randn(2, i, h).to(bf), torch.randn(2, h, i).to(bf))
+    sh = (torch.randn(i, h).to(bf), torch.randn(i, h).to(bf), torch.randn(h, i).to(bf))
+    mlp = S.Sm100ExpertMLP()
+    args = (ws, plan, g, dy, x, slots, w_rows, idx, *w, 4.0)
+    monkeypatch.delenv("MOK_CUTE_SM100_FUSED", raising=False)
+    assert mlp.backward_fused_ep(*args) is None
+    monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
+    assert mlp.backward_fused_ep(*args, comm_ctas=9, num_ctas=40) == (0, 1, 2, 3, 4, None)
+    (a, kw), = calls
+    assert a[:4] == (ws, plan, dy, x) and a[4].shape == (t * k, h) and a[4].data_ptr() == slots.data_ptr()
+    assert a[5] is w_rows and a[6] is idx and a[7] is g.gu and a[8] is g.h and a[9:12] == w
+    assert a[12:] == (4.0, 9, 40) and kw == {"shared": None}
+    assert mlp.backward_fused_ep(*args, sg, sh) == (0, 1, 2, 3, 4, (5, 6, 7))
+    assert calls[1][1]["shared"][1] is sg.gu and calls[1][1]["shared"][3:] == sh
+    assert calls[1][1]["shared"][0].dtype == torch.int32
+    assert mlp.backward_fused_ep(*args[:2], replace(g, precision="mxfp8"), *args[3:]) is None
+    assert mlp.backward_fused_ep(*args[:5], slots.transpose(0, 1), *args[6:]) is None
+    assert mlp.backward_fused_ep(*args, sg, (sh[0], sh[1], torch.randn(i, h).to(bf).t())) is None
+    ok[0] = False
+    assert mlp.backward_fused_ep(*args) is None
     assert len(calls) == 2

@@ -29,7 +29,7 @@ run on x's round trip; they differ where a feature is small against its row's 32
 maximum but not against its token block's).
 
 sm100 (opted in with ``MOK_CUTE_SM100_FUSED=1``, compile-verified only): the fused forward's ep
-variant, then the unfused EP backward above (it has no ``backward_fused_ep``).
+variant, then its ``backward_fused_ep`` (BF16) as the sm90 MLP's, else the unfused EP backward above.
 
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
 the same sequence of layer calls. The group is a torch.distributed group or a virtual group

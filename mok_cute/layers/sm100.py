@@ -4,7 +4,8 @@ Compile-verified only: no Blackwell GPU is available to this project, so this pa
 never run. Forward: GEMM1 + SwiGLU (gu, h), GEMM2; backward: dgrad2 + dSwiGLU, dgrad1, three
 wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call). EP > 1 (opt-in,
 ``MOK_CUTE_SM100_FUSED=1``): the fused forward's EP mode (:meth:`Sm100ExpertMLP.fused_forward_ep`),
-the unfused EP backward of :mod:`mok_cute.layers.ep` over :meth:`Sm100ExpertMLP.backward`.
+the fused EP backward at BF16 (:meth:`Sm100ExpertMLP.backward_fused_ep`), else the unfused EP backward
+of :mod:`mok_cute.layers.ep` over :meth:`Sm100ExpertMLP.backward`.
 
 Precisions "bf16" and "mxfp8". MXFP8 quantizes every GEMM operand along the axes of the
 table in :mod:`mok_cute.reference` with the CuTe quantize kernels, then calls the MXFP8
@@ -136,9 +137,9 @@ class Sm100ExpertMLP:
     @property
     def expert_parallel(self) -> bool:
         """EP > 1 through :mod:`mok_cute.layers.ep` (its forward the fused kernel's EP mode,
-        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward the unfused EP
-        stages over :meth:`backward`): opted in with ``MOK_CUTE_SM100_FUSED=1`` only, as the fused
-        kernels (never run on a Blackwell GPU)."""
+        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward :meth:`backward_fused_ep`
+        at BF16, else the unfused EP stages over :meth:`backward`): opted in with
+        ``MOK_CUTE_SM100_FUSED=1`` only, as the fused kernels (never run on a Blackwell GPU)."""
         return bool(self.fused_precisions)
 
     @property
@@ -299,4 +300,30 @@ class Sm100ExpertMLP:
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
                              w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, FUSED_BWD_TIMEOUT_S,
                              shared=sh)
+        return (*out[:5], tuple(out[5:]) if shared is not None else None)
+
+    def backward_fused_ep(self, ws, plan, g: ExpertGroup, dy, x, slot_rows, w_rows, topk_idx, w_gate, w_up, w_down,
+                          limit, shared_group: ExpertGroup | None = None, shared=None, comm_ctas: int = 16,
+                          num_ctas: int | None = None):
+        """The whole backward at EP > 1 in one launch per rank (``fused_bwd.fused_backward_ep``; collective
+        over ``ws``'s ranks), the contract of the sm90 MLP's ``backward_fused_ep``: ``(dx [T, H], d topk_w
+        [T, k], dWg, dWu, dWd, d shared weights or None)``, meant the unfused EP backward's with d topk_w a
+        fixed-order fp32 sum (``slot_rows``: this rank's [T, k, H] or [T*k, H] slot rows of the forward);
+        None where it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, not BF16, operands not
+        contiguous CUDA tensors), the same answer on every rank. The caller checks ``ws``'s status."""
+        t, k = topk_idx.shape
+        if g.precision != "bf16" or g.precision not in self.fused_precisions:
+            return None
+        if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and slot_rows.is_contiguous()):
+            return None
+        sh = None
+        if shared is not None:
+            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous() and shared[2].is_contiguous()
+                    and all(w.stride(-1) == 1 for w in shared)):
+                return None
+            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        from mok_cute.kernels.sm100.fused_bwd import fused_backward_ep
+
+        out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, w_gate,
+                                w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
