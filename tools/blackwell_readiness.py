@@ -35,6 +35,9 @@ UNVERIFIED = (
     "the staged rows' scale words), R2's pushes to peer slot rows after FREE, the system-scope fences",
     "fused backward gather / shared (mode 3): the comm CTAs' routed rows (route_row, copy_row) read by TMA after "
     "gdy[mt], the shared expert's group interleaved in the ticket order; bitwise the unfused backward",
+    "fused backward EP > 1 (ep, mode 3): dy / x rows pulled from the peers' dy / src sections between READY and "
+    "DONE, D1 rows pushed to the source ranks' slots after FREE (system-scope fence), DATA before the slot sum, "
+    "FREE after; d topk_w from this rank's slot rows; bitwise the unfused EP backward",
     "fused backward core MXFP8: D2's dgu quantizations (along I into the blocked row scales, along tokens by "
     "warp shuffles into the token scales) read by D1 / dWg / dWu's TMA after d2[mt]; bitwise mx_backward",
 )

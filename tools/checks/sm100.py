@@ -15,7 +15,8 @@ the fused backward core, and the whole backward in one launch, mode 3; MXFP8: th
 unfused MXFP8 backward) bitwise the unfused path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
 fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
 k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
-layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages.
+layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages, and
+(BF16) the fused EP backward bitwise the unfused EP backward (``MOK_CUTE_FUSED_BWD=0``).
 """
 from __future__ import annotations
 
@@ -140,11 +141,13 @@ EP_CHILD = "MOK_SM100_EP_CHILD"  # set in the child that runs only the EP rows
 def _ep_rows(dev) -> list[Row]:
     """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend opted in
     (``MOK_CUTE_SM100_FUSED=1``): per case and rank, y and every gradient with the fused forward's
-    ep variant (``MOK_CUTE_FUSED_EP=1``) bitwise those of the unfused EP stages (``=0``; both
-    backwards the unfused EP one), and one fused forward per rank. MXFP8: dWg / dWu within rel-L1
-    2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round trip as the
-    unfused dispatch's: ``layers.ep``'s doc). Every kernel is compiled and loaded first on a 1-rank
-    group (no peer waits while one compiles)."""
+    ep variant (``MOK_CUTE_FUSED_EP=1``, the unfused EP backward: ``MOK_CUTE_FUSED_BWD=0``) bitwise
+    those of the unfused EP stages (``MOK_CUTE_FUSED_EP=0``), one fused forward per rank; BF16: then
+    with the fused EP backward too (``MOK_CUTE_FUSED_BWD=2``, ``Sm100ExpertMLP.backward_fused_ep``:
+    one launch per rank) bitwise the fused forward's run with the unfused EP backward. MXFP8: dWg / dWu
+    within rel-L1 2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round
+    trip as the unfused dispatch's: ``layers.ep``'s doc). Every kernel is compiled and loaded first on
+    a 1-rank group (no peer waits while one compiles)."""
     from checks.layer_ep import _problem as ep_problem
     from mok_cute.comm.virtual import VirtualGroup, run_ranks
     from mok_cute.layers import ep as ep_layer
@@ -152,9 +155,18 @@ def _ep_rows(dev) -> list[Row]:
     from mok_cute.layers.sm100 import Sm100ExpertMLP
 
     t, h, inter, e, k = EP_SHAPE
-    size, rows, calls = 2, [], []
-    real = Sm100ExpertMLP.fused_forward_ep
-    Sm100ExpertMLP.fused_forward_ep = lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw)
+    size, rows, calls = 2, [], {"fused_forward_ep": 0, "backward_fused_ep": 0}
+    real = {name: getattr(Sm100ExpertMLP, name) for name in calls}
+
+    def counted(name):
+        def call(self, *a, **kw):
+            out = real[name](self, *a, **kw)
+            calls[name] += out is not None
+            return out
+        return call
+
+    for name in calls:
+        setattr(Sm100ExpertMLP, name, counted(name))
     os.environ["MOK_CUTE_SM100_FUSED"] = "1"
     group, one, mlp = VirtualGroup(size, dev), VirtualGroup(1, dev), Sm100ExpertMLP()
     try:
@@ -162,18 +174,20 @@ def _ep_rows(dev) -> list[Row]:
             probs = [ep_problem(t, h, inter, e, k, size, r, True, skew, dev, 700 + seed) for r in range(size)]
             x, idx, w, ws, sh, dy = ep_problem(t, h, inter, e, k, 1, 0, True, skew, dev, 700 + seed)
             cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **EP_CONFIG)
-            out = {}
-            for mode in ("0", "1"):
-                os.environ["MOK_CUTE_FUSED_EP"] = mode
+            out, n = {}, {}
+            runs = (("0", "0"), ("1", "0")) + ((("1", "2"),) if prec == "bf16" else ())  # (FUSED_EP, FUSED_BWD)
+            for mode in runs:
+                os.environ["MOK_CUTE_FUSED_EP"], os.environ["MOK_CUTE_FUSED_BWD"] = mode
                 inp = MoEInputs(x, idx, w, *ws, sh, limit)
                 run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
-                n = len(calls)
+                before = dict(calls)
                 out[mode] = run_ranks(group, lambda r: _run("sm100", *probs[r], limit, group, precision=prec,
                                                              **EP_CONFIG))
-                fused = len(calls) - n
+                n[mode] = {key: calls[key] - before[key] for key in calls}
             loose = (3, 4) if prec == "mxfp8" else ()  # dWg, dWu
+            fused = n[("1", "0")]["fused_forward_ep"]
             for r in range(size):
-                pairs = list(zip(out["1"][r], out["0"][r]))
+                pairs = list(zip(out[("1", "0")][r], out[("0", "0")][r]))
                 eq = [torch.equal(a, b) for a, b in pairs]
                 rel = max((float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
                            for i, (a, b) in enumerate(pairs) if i in loose), default=0.0)
@@ -181,9 +195,18 @@ def _ep_rows(dev) -> list[Row]:
                 rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused fwd == unfused", bitwise=all(eq), ok=ok,
                                 note=f"[y and every gradient] equal: {eq}; dWg / dWu relL1 {rel:.1e}; "
                                      f"{fused} fused forwards (want {size})"))
+            if ("1", "2") in out:
+                bwd = n[("1", "2")]["backward_fused_ep"]
+                for r in range(size):
+                    eq = [torch.equal(a, b) for a, b in zip(out[("1", "2")][r], out[("1", "0")][r])]
+                    rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused bwd == unfused", bitwise=all(eq),
+                                    ok=all(eq) and bwd == size,
+                                    note=f"y, dx, d topk_w, dW... equal (vs MOK_CUTE_FUSED_BWD=0): {eq}; "
+                                         f"{bwd} fused EP backwards (want {size})"))
     finally:
-        Sm100ExpertMLP.fused_forward_ep = real
-        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP"):
+        for name, fn in real.items():
+            setattr(Sm100ExpertMLP, name, fn)
+        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP", "MOK_CUTE_FUSED_BWD"):
             os.environ.pop(key, None)
     return rows
 
