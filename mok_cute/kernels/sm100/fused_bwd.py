@@ -1056,11 +1056,12 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
         dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
     if t == 0:  # no tokens: no tile reads anything
         return (dx, dtw, *(d.zero_() for d in dw), *(d[0].zero_() for d in dws))
-    slot = torch.empty((m, hid), **bf)  # the dx rows by (token, slot); EP > 1: the workspace's slot section
-    if ws is not None:
+    if ws is None:
+        slot = torch.empty((m, hid), **bf)  # the dx rows by (token, slot)
+    else:
         ws.acquire_src().copy_(x)  # a device wait first: every peer finished the previous pull from it
         ws.view("dy", torch.bfloat16, (t, hid)).copy_(dy)
-        slot = ws.view("slots", torch.bfloat16, (t * k, hid))
+        slot = ws.view("slots", torch.bfloat16, (t * k, hid))  # the push target
     mt_cap, sd2_cap = m // CONFIG.tile_m + e + 1, t // CONFIG.tile_m + 2
     counters, d2, words = _counters(m, e, (DONE_WORD if ws is None else SUMMED_WORD) + 1, dy.device,
                                     mt_cap + sd2_cap)
