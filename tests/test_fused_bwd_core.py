@@ -277,3 +277,26 @@ def test_ep_host_launch(monkeypatch):
     assert int(a["dy_off"]) == ws.offsets["dy"] and int(a["slots_off"]) == ws.offsets["slots"]
     assert (int(a["num_ctas"]), int(a["comm_ctas"])) == (66, 6)
     assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW
+
+
+def test_ep_host_validates_before_staging(monkeypatch):
+    """fused_backward_ep refuses wrong operands (named) before it stages anything in the workspace
+    or compiles: slot rows not [T*k, H], w_rows not fp32 [M], a dy of the wrong shape."""
+    from types import SimpleNamespace
+
+    from conftest import FakeWorkspace
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    t, h, k, m = 16, 64, 2, 64
+    ws = FakeWorkspace(t, h, k)
+    monkeypatch.setattr(ws, "acquire_src", lambda *a: (_ for _ in ()).throw(AssertionError("staged")))
+    plan = SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=torch.tensor([0, m], dtype=torch.int32))
+    bf = torch.bfloat16
+    dy, x, slots, w = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf), torch.randn(t * k, h).to(bf), torch.rand(m)
+    gu, hh, idx = torch.randn(m, 64).to(bf), torch.randn(m, 32).to(bf), torch.zeros(t, k, dtype=torch.int64)
+    wts = (torch.randn(1, 32, h).to(bf), torch.randn(1, 32, h).to(bf), torch.randn(1, h, 32).to(bf))
+    for args, err, what in (((dy, x, slots.view(t, k, h), w), ValueError, "slot_rows"),
+                            ((dy, x, slots, w.double()), TypeError, "w_rows"),
+                            ((dy[:-1], x, slots, w), ValueError, "dy")):
+        with pytest.raises(err, match=what):
+            fused_bwd.fused_backward_ep(ws, plan, *args, idx, gu, hh, *wts, None)

@@ -282,8 +282,8 @@ class Sm90ExpertMLP:
         sh = _shared_operands(shared_group, shared)
         if sh is False:
             return None
-        out = fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, g.gu, g.h, w_gate, w_up, w_down, limit,
-                                comm_ctas, num_ctas, shared=sh)
+        out = fused_backward_ep(ws, plan, dy, x, slot_rows.reshape(-1, dy.shape[1]), w_rows, topk_idx, g.gu, g.h,
+                                w_gate, w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
     # ------------------------------------------------------------------ MXFP8

@@ -772,6 +772,7 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU)."""
     t, k = topk_idx.shape
     m, hid = plan.recv_src.shape[0], dy.shape[1]
+    _check_ep(dy, x, slot_rows, w_rows, gu, h, t, k, m)
     src = ws.acquire_src()  # device wait: every peer finished the previous pull from this rank
     src.copy_(x)
     ws.view("dy", torch.bfloat16, (t, hid)).copy_(dy)
@@ -784,6 +785,21 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     out = _launch(dy_rows, x_rows, gu, h, plan.offsets, (w_gate, w_up, w_down), limit, ws.timeout_s, num_ctas,
                   (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, ws=ws)
     return (out[0], dtw, *out[1:])
+
+
+def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
+    """:func:`fused_backward_ep`'s operands, before anything is staged: TypeError / ValueError naming
+    the argument and what it must be."""
+    hid = dy.shape[-1]
+    want = {"dy": (dy, (t, hid), torch.bfloat16), "x": (x, (t, hid), torch.bfloat16),
+            "slot_rows": (slot_rows, (t * k, hid), torch.bfloat16), "w_rows": (w_rows, (m,), torch.float32)}
+    for name, (a, shape, dtype) in want.items():
+        if not isinstance(a, torch.Tensor) or a.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor")
+        if tuple(a.shape) != shape or not a.is_contiguous():
+            raise ValueError(f"{name} must be contiguous of shape {shape}, got {tuple(a.shape)}")
+    if gu.shape[0] < m or h.shape[0] < m:
+        raise ValueError(f"gu and h must hold the M = {m} grouped rows of the plan, got {gu.shape[0]} / {h.shape[0]}")
 
 
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
