@@ -1,4 +1,7 @@
-"""Unfused expert-parallel (EP > 1) layer over an arch's expert MLP and the comm kernels.
+"""Expert-parallel (EP > 1) layer over an arch's expert MLP and the comm kernels: the fused
+paths (the forward and the backward each one persistent launch per rank, the comm inside:
+:func:`fused_ep_enabled`, :func:`fused_ep_backward_enabled`) and the unfused stages below (at
+BF16 the fused ones match them bitwise).
 
 Forward (no host sync before the status check): device plan (:func:`plan_routing_device`)
 -> dispatch by pull (this rank's expert-grouped rows, plan order: expert, source rank,
