@@ -1,12 +1,18 @@
 """The per-row warp work of the routed-gradient prologue (:mod:`mok_cute.kernels.route_grad`), shared
-by its kernel and the fused backward (``kernels/sm90/fused_bwd.py``): one warp scales a dy row by
+by its kernel and the fused backwards (``kernels/sm90/fused_bwd.py``, ``kernels/sm100/fused_bwd.py``,
+whose comm CTAs run :func:`gather_chunks`): one warp scales a dy row by
 its router weight (``mul.rn.f32``, ``cvt.rn.bf16x2.f32``) and sums dy . r in fp32 in a fixed order
 (each lane FMAs its 16-byte chunks ``lane, lane + 32, ...``, then a fixed butterfly). A lane
 loads ``ROW_BATCH`` chunks of each operand before it uses them (one CTA per SM in the fused
 backward: the loads' latency is hidden by the batch, not by other CTAs)."""
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Int32, Int64, Uint32
+
+from mok_cute.comm.protocol import gptr
+from mok_cute.kernels import slot_rows
+from mok_cute.kernels.sm90 import persistent
+from mok_cute.schedule.fused_tasks import mtile
 
 ROW_BATCH = 4  # 16-byte chunks of dy and of r in flight per lane
 
@@ -86,3 +92,83 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
     return acc
 
 
+@cute.jit
+def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, offsets: cute.Tensor,
+                  num_experts: Int32, order: cute.Tensor, idx: cute.Tensor, dy_tok: cute.Tensor, x_tok: cute.Tensor,
+                  r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, dy_rows: cute.Tensor, x_rows: cute.Tensor,
+                  ready: cute.Tensor, k: Int32, hidden: Int32, ep, ep_dy, counters, pulled_word: cutlass.Constexpr[int],
+                  trace_rec: tuple,
+                  tile_m: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                  by_route: cutlass.Constexpr[bool]):
+    """A fused backward's comm CTA ``bidx`` of ``comm_ctas`` (``threads`` per CTA, one warp per row):
+    routed m-tile ``c`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
+    for c = bidx, bidx + comm_ctas, ..., in two passes: ``dy_rows[p]`` = bf16(dy[t] * w[q]) with
+    d topk_w[q] = dy[t] . r[p] (``by_route``: r[q]) (:func:`gather_dy_row`), then ``x_rows[p]`` =
+    x[t]; each pass publishes chunk c by a release add on ``ready[c]`` (1: dy rows, 2: x rows too).
+    Then d topk_w = 0 for the routes past the experts' rows (-1 slots). bf16 rows [*, H]; ``w`` /
+    ``dtw`` fp32 [T*k]; ``unroll``: 16-byte loads in flight per lane of the x copy.
+
+    EP > 1 (``ep`` / ``ep_dy``: :class:`~mok_cute.comm.peer_rows.PeerRows` of the workspace's x and
+    dy sections; else None): the rows of route q (packed ``p*T*k + t*k + j``) are pulled from rank
+    p's staged dy and x between ``open_pull`` and ``close_pull`` (the last comm CTA arriving on
+    int32 ``counters + pulled_word`` says DONE), dy scaled by ``w[p]`` (``w``: the forward's router weight per grouped
+    row); then d topk_w of this rank's routes q in [T*k] from its slot rows ``r`` (0 where ``idx``
+    is -1). ``trace_rec``: ``(records, base, kinds)`` (chunk c's passes recorded at base + c and
+    base + chunks + c with kinds[0] / kinds[1]) or None."""
+    hc = hidden // 8
+    warps = threads // 32
+
+    def rows4(m: cute.Tensor):
+        return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
+                                cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
+
+    dyv, rv, outv = rows4(dy_tok), rows4(r), rows4(dy_rows)
+    xtok, xrows = x_tok.iterator.toint(), x_rows.iterator.toint()
+    wv = cute.make_tensor(cute.recast_ptr(w.iterator, dtype=Uint32), cute.make_layout(w.shape[0]))
+    dtwv = cute.make_tensor(cute.recast_ptr(dtw.iterator, dtype=Uint32), cute.make_layout(dtw.shape[0]))
+    warp = tidx // 32
+    lane = tidx % 32
+    traced = cutlass.const_expr(trace_rec is not None)
+    if cutlass.const_expr(ep is not None):
+        ep.open_pull(tidx, bidx)
+    for xpass in cutlass.range_constexpr(2):
+        ge, gb = Int32(0), Int32(0)
+        for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
+            t0 = persistent.now(traced)
+            row0, rows, ge, gb = mtile(offsets, num_experts, tile_m, c, ge, gb)
+            for rr in cutlass.range(warp, rows, warps, unroll=1):
+                p = row0 + rr
+                q = order[p]
+                t = q // k
+                if cutlass.const_expr(xpass == 0):
+                    if cutlass.const_expr(ep is not None):
+                        src = cute.make_tensor(gptr(Uint32, ep_dy.src_row(q, k, hidden * 2), 16),
+                                               cute.make_layout((hc, 4), stride=(4, 1)))
+                        route_row(lane, src, None, outv, Int32(0), Int32(0), p, wv[p], hc)
+                    else:
+                        gather_dy_row(lane, dyv, rv, outv, wv, dtwv, p, q, k, hc, by_route)
+                else:
+                    src = xtok + Int64(t) * Int64(hidden * 2)
+                    if cutlass.const_expr(ep is not None):
+                        src = ep.src_row(q, k, hidden * 2)
+                    slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, unroll)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(ready.iterator + c, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(traced):
+                    records, base, kinds = trace_rec
+                    persistent.record(records, base + xpass * chunks + c, t0, persistent.now(traced), kinds[xpass],
+                                      bidx, c)
+    if cutlass.const_expr(ep is not None):  # every comm CTA has pulled its rows: the last one says DONE
+        ep.close_pull(tidx, counters + pulled_word, comm_ctas)
+        for q in cutlass.range(bidx * warps + warp, idx.shape[0], comm_ctas * warps, unroll=1):
+            acc = Uint32(0)
+            if idx[q] >= 0:
+                acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), Uint32(0), hc)
+            if lane == 0:
+                dtwv[q] = acc
+    else:
+        for p in cutlass.range(offsets[num_experts] + bidx * threads + tidx, order.shape[0], comm_ctas * threads,
+                               unroll=1):
+            dtwv[order[p]] = Uint32(0)

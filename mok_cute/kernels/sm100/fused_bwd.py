@@ -76,7 +76,7 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.route_grad_row import gather_dy_row, route_row
+from mok_cute.kernels.route_grad_row import gather_chunks
 from mok_cute.kernels.sm90.fused_bwd import (
     _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe,
 )
@@ -91,7 +91,7 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
-from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
+from mok_cute.schedule.fused_tasks import routed_mtiles
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
 MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
@@ -279,7 +279,7 @@ class FusedMoeBwdSm100:
             gdy = g_t[5]
             bidx, _, _ = cute.arch.block_idx()
             if bidx < g_t[8]:  # a comm CTA: first the routed rows, then GEMM tasks like every CTA
-                self._gather(tidx, bidx, routed, mOrder, mIdx, k, g_t, ep, ep_dy, mWords.iterator + PULLED_WORD)
+                self._gather(tidx, bidx, routed, mOrder, mIdx, k, g_t, ep, ep_dy, mWords.iterator)
                 cute.arch.barrier()
 
         if warp == TMA_WARP:
@@ -321,74 +321,16 @@ class FusedMoeBwdSm100:
     # ------------------------------------------------------------------ roles
     @cute.jit
     def _gather(self, tidx: Int32, bidx: Int32, g, mOrder: cute.Tensor, mIdx: cute.Tensor, k: Int32, g_t: tuple,
-                ep, ep_dy, pulled: cute.Pointer):
-        """Comm CTA ``bidx`` (gather variant): routed m-tiles ``c = bidx, bidx + comm_ctas, ...`` of
-        group ``g``, one warp per grouped row p (route q = order[p] = t*k + j), in two passes: dy
-        rows[p] = bf16(dy[t] * w[q]) and d topk_w[q] = dy[t] . r[p or q]
-        (:func:`~mok_cute.kernels.route_grad_row.gather_dy_row`), then x rows[p] = x[t]
-        (:func:`~mok_cute.kernels.slot_rows.copy_row`); each pass bumps ``gdy[c]`` (release, after
-        the CTA's GPU-scope fences). Then d topk_w = 0 for the routes past the experts' rows.
-
-        EP > 1 (``ep`` / ``ep_dy``: the workspace's x and dy sections as pull sources): the rows of
-        route q (packed ``p*T*k + t*k + j``) are pulled from rank p's staged dy and x between
-        :meth:`~mok_cute.comm.peer_rows.PeerRows.open_pull` and ``close_pull`` (the last comm CTA
-        arriving on ``pulled`` says DONE), dy scaled by ``w[p]`` (the router weight the forward
-        pulled); then d topk_w of this rank's routes from its slot rows ``mR`` (0 for -1 slots)."""
+                ep, ep_dy, counters: cute.Pointer):
+        """Comm CTA ``bidx`` (gather variant): the routed rows group ``g``'s tiles read, routed m-tile
+        c by CTA ``c % comm_ctas`` (:func:`~mok_cute.kernels.route_grad_row.gather_chunks`, the SM90
+        kernel's: dy rows times topk_w and d topk_w, then x rows, each pass released on ``gdy[c]``;
+        EP > 1: pulled from the source ranks through ``ep`` / ``ep_dy``, the last comm CTA arriving on
+        ``counters + PULLED_WORD`` says DONE, d topk_w of this rank's routes)."""
         mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas = g_t
-        hidden = g.hidden
-        hc = hidden // _VEC
-        u32 = cutlass.Uint32
-
-        def rows4(m: cute.Tensor):
-            return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=u32),
-                                    cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
-
-        dyv, rv, outv = rows4(mDyTok), rows4(mR), rows4(mDyRows)
-        xtok, xrows = mXTok.iterator.toint(), mXRows.iterator.toint()
-        w = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=u32), cute.make_layout(mW.shape[0]))
-        dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
-        warp = tidx // 32
-        lane = tidx % 32
-        if cutlass.const_expr(self.ep):
-            ep.open_pull(tidx, bidx)
-        for xpass in cutlass.range_constexpr(2):
-            ge, gb = Int32(0), Int32(0)
-            for c in cutlass.range(bidx, g.mt, comm_ctas, unroll=1):
-                row0, rows, ge, gb = mtile(g.offsets, g.num_experts, self.cfg.tile_m, c, ge, gb)
-                for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                    p = row0 + rr
-                    q = mOrder[p]
-                    t = q // k
-                    if cutlass.const_expr(xpass == 0):
-                        if cutlass.const_expr(self.ep):
-                            src = cute.make_tensor(P.gptr(u32, ep_dy.src_row(q, k, hidden * 2), 16),
-                                                   cute.make_layout((hc, 4), stride=(4, 1)))
-                            route_row(lane, src, None, outv, Int32(0), Int32(0), p, w[p], hc)
-                        else:
-                            gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
-                    else:
-                        if cutlass.const_expr(self.ep):
-                            src = ep.src_row(q, k, hidden * 2)
-                        else:
-                            src = xtok + Int64(t) * Int64(hidden * 2)
-                        slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.barrier()
-                if tidx == 0:
-                    cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
-        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its rows: the last one says DONE
-            ep.close_pull(tidx, pulled, comm_ctas)
-            for q in cutlass.range(bidx * (NUM_THREADS // 32) + warp, mIdx.shape[0],
-                                   comm_ctas * (NUM_THREADS // 32), unroll=1):
-                acc = u32(0)
-                if mIdx[q] >= 0:
-                    acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), u32(0), hc)
-                if lane == 0:
-                    dtw[q] = acc
-        else:
-            for p in cutlass.range(g.offsets[g.num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
-                                   comm_ctas * NUM_THREADS, unroll=1):
-                dtw[mOrder[p]] = u32(0)
+        gather_chunks(tidx, bidx, comm_ctas, g.mt, g.offsets, g.num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
+                      mDyRows, mXRows, mGdy, k, g.hidden, ep, ep_dy, counters, PULLED_WORD, None, self.cfg.tile_m,
+                      NUM_THREADS, X_UNROLL, self.by_route)
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,

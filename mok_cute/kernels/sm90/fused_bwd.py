@@ -43,7 +43,7 @@ from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.kernels.route_grad_row import gather_dy_row, route_row
+from mok_cute.kernels.route_grad_row import gather_chunks
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
@@ -54,7 +54,7 @@ from mok_cute.kernels.sm90.mainloop import (
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
-from mok_cute.schedule.fused_tasks import mtile, routed_mtiles
+from mok_cute.schedule.fused_tasks import routed_mtiles
 from mok_cute.schedule.group_tiles import tiles_over
 
 D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
@@ -469,77 +469,15 @@ class FusedMoeBwdCoreSm90:
                 mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor,
                 mGdy: cute.Tensor, k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32, ep, ep_dy,
                 counters: cute.Pointer):
-        """Comm CTAs: routed m-tile c (its grouped rows p, route q = order[p] = t*k + j), by CTA
-        ``c % comm_ctas``, one warp per row, in two passes over the chunks: first dy_rows[p] =
-        bf16(dy[t] * w[q]) and d_topk_w[q] = dy[t] . r[p or q] (``kernels.route_grad_row.route_row``,
-        bitwise the route_grad kernel), which the dgrad2 and dW_down tiles read, then x_rows[p] = x[t],
-        which only the later dW_gate / dW_up tiles read; each pass publishes chunk c by a release add
-        on ``gdy[c]`` (1: dy rows, 2: x rows too). Then d_topk_w = 0 for the routes past the experts'
-        rows (-1 slots), as route_grad writes them. Traced, chunk c's passes are records n_tasks + c
-        and n_tasks + chunks + c.
-
-        EP > 1 (``ep`` / ``ep_dy``: the workspace's x and dy sections as pull sources): the rows
-        of route q (packed ``p*T*k + t*k + j``) are pulled from rank p's staged dy and x (pull
-        protocol: CTA 0 signals READY, every comm CTA waits READY from every rank, the last comm CTA
-        to finish signals DONE), dy scaled by ``w[p]`` (the router weight the forward pulled); then
-        the comm CTAs make d_topk_w of this rank's routes from its slot rows ``mR`` (0 for -1 slots),
-        where the forward's rows of those routes are."""
-        hc = hidden // _VEC
-        u32 = cutlass.Uint32
-
-        def rows4(m: cute.Tensor):
-            return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=u32),
-                                    cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
-
-        dyv, rv, outv = rows4(mDyTok), rows4(mR), rows4(mDyRows)
-        xtok, xrows = mXTok.iterator.toint(), mXRows.iterator.toint()
-        w = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=u32), cute.make_layout(mW.shape[0]))
-        dtw = cute.make_tensor(cute.recast_ptr(mDtw.iterator, dtype=u32), cute.make_layout(mDtw.shape[0]))
-        warp = tidx // 32
-        lane = tidx % 32
-        if cutlass.const_expr(self.ep):
-            ep.open_pull(tidx, bidx)
-        for xpass in cutlass.range_constexpr(2):
-            ge, gb = Int32(0), Int32(0)
-            for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
-                t0 = persistent.now(self.trace)
-                row0, rows, ge, gb = mtile(mOffsets, num_experts, self.cfg.tile_m, c, ge, gb)
-                for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                    p = row0 + rr
-                    q = mOrder[p]
-                    t = q // k
-                    if cutlass.const_expr(xpass == 0):
-                        if cutlass.const_expr(self.ep):
-                            src = cute.make_tensor(P.gptr(u32, ep_dy.src_row(q, k, hidden * 2), 16),
-                                                   cute.make_layout((hc, 4), stride=(4, 1)))
-                            route_row(lane, src, None, outv, Int32(0), Int32(0), p, w[p], hc)
-                        else:
-                            gather_dy_row(lane, dyv, rv, outv, w, dtw, p, q, k, hc, self.by_route)
-                    else:
-                        src = xtok + Int64(t) * Int64(hidden * 2)
-                        if cutlass.const_expr(self.ep):
-                            src = ep.src_row(q, k, hidden * 2)
-                        route_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, X_UNROLL)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.barrier()
-                if tidx == 0:
-                    cute.arch.atomic_add(mGdy.iterator + c, Int32(1), sem="release", scope="gpu")
-                    if cutlass.const_expr(self.trace):
-                        persistent.record(mTrace, n_tasks + xpass * chunks + c, t0, persistent.now(self.trace),
-                                          GATHER_KIND + xpass * (GATHER_X_KIND - GATHER_KIND), bidx, c)
-        if cutlass.const_expr(self.ep):  # every comm CTA has pulled its rows: the last one says DONE
-            ep.close_pull(tidx, counters + PULLED_WORD, comm_ctas)
-            for q in cutlass.range(bidx * (NUM_THREADS // 32) + warp, mIdx.shape[0],
-                                   comm_ctas * (NUM_THREADS // 32), unroll=1):
-                acc = u32(0)
-                if mIdx[q] >= 0:
-                    acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), u32(0), hc)
-                if lane == 0:
-                    dtw[q] = acc
-        else:
-            for p in cutlass.range(mOffsets[num_experts] + bidx * NUM_THREADS + tidx, mOrder.shape[0],
-                                   comm_ctas * NUM_THREADS, unroll=1):
-                dtw[mOrder[p]] = u32(0)
+        """Comm CTAs: the routed rows the tiles read (dy rows times topk_w, d topk_w, x rows; at EP > 1
+        pulled from the source ranks, d topk_w of this rank's routes), routed m-tile c by CTA
+        ``c % comm_ctas``: :func:`~mok_cute.kernels.route_grad_row.gather_chunks` (bitwise the
+        route_grad kernel and the x gather). Traced, chunk c's passes are records n_tasks + c and
+        n_tasks + chunks + c."""
+        trace_rec = (mTrace, n_tasks, (GATHER_KIND, GATHER_X_KIND)) if cutlass.const_expr(self.trace) else None
+        gather_chunks(tidx, bidx, comm_ctas, chunks, mOffsets, num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
+                      mDyRows, mXRows, mGdy, k, hidden, ep, ep_dy, counters, PULLED_WORD, trace_rec,
+                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route)
 
 
 class _Group:
