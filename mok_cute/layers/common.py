@@ -65,6 +65,21 @@ def shared_backward(mlp, group, dy, shared, limit):
     return dxs, tuple(d[0] for d in dws)
 
 
+def shared_launch_operands(group: ExpertGroup | None, shared, contiguous: bool = False):
+    """The shared expert's operands of a whole-backward launch, ``(offsets int32, gu, h, ws_gate,
+    ws_up, ws_down)``; None without one; False where the launch does not take them (gu / h not
+    contiguous, a weight without a unit last stride, or with ``contiguous`` any weight not
+    contiguous)."""
+    from mok_cute.dsl.host import offsets_i32
+
+    if shared is None:
+        return None
+    ok = group.gu.is_contiguous() and group.h.is_contiguous() and all(w.stride(-1) == 1 for w in shared)
+    if not ok or (contiguous and not all(w.is_contiguous() for w in shared)):
+        return False
+    return (offsets_i32(group.offsets), group.gu, group.h, *shared)
+
+
 def topk_w_grad(dy, slot_out, topk_idx):
     """d topk_w [T, k] fp32: dy . r_j per slot (fp32 sum over H), zero for -1 slots
     (:func:`mok_cute.kernels.route_grad.slot_dtopk_w`: one pass, no [T, k, H] temporaries)."""

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks
+from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_launch_operands
 from mok_cute.layers.weight_cache import WeightCache
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.layouts import TokenOperand, pack_token_scales_device, token_rows  # noqa: F401
@@ -289,12 +289,9 @@ class Sm100ExpertMLP:
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
-        sh = None
-        if shared is not None:
-            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous() and shared[2].is_contiguous()
-                    and all(w.stride(-1) == 1 for w in shared)):
-                return None
-            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        sh = shared_launch_operands(shared_group, shared, contiguous=True)
+        if sh is False:
+            return None
         from mok_cute.kernels.sm100.fused_bwd import fused_backward
 
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
@@ -316,12 +313,9 @@ class Sm100ExpertMLP:
             return None
         if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and slot_rows.is_contiguous()):
             return None
-        sh = None
-        if shared is not None:
-            if not (shared_group.gu.is_contiguous() and shared_group.h.is_contiguous() and shared[2].is_contiguous()
-                    and all(w.stride(-1) == 1 for w in shared)):
-                return None
-            sh = (offsets_i32(shared_group.offsets), shared_group.gu, shared_group.h, *shared)
+        sh = shared_launch_operands(shared_group, shared, contiguous=True)
+        if sh is False:
+            return None
         from mok_cute.kernels.sm100.fused_bwd import fused_backward_ep
 
         out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, w_gate,

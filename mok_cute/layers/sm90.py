@@ -34,7 +34,9 @@ import importlib
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks, whole_offsets
+from mok_cute.layers.common import (
+    ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_launch_operands, whole_offsets,
+)
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
 
@@ -257,7 +259,7 @@ class Sm90ExpertMLP:
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
-        sh = _shared_operands(shared_group, shared)
+        sh = shared_launch_operands(shared_group, shared)
         if sh is False:
             return None
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
@@ -279,7 +281,7 @@ class Sm90ExpertMLP:
 
         if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
             return None
-        sh = _shared_operands(shared_group, shared)
+        sh = shared_launch_operands(shared_group, shared)
         if sh is False:
             return None
         out = fused_backward_ep(ws, plan, dy, x, slot_rows.reshape(-1, dy.shape[1]), w_rows, topk_idx, g.gu, g.h,
@@ -340,16 +342,6 @@ class Sm90ExpertMLP:
         dwg = wgrad(dgu_t[:inter], dgu_s[:, :inter], x_t, x_s, g.offsets)
         dwu = wgrad(dgu_t[inter:], dgu_s[:, inter:], x_t, x_s, g.offsets)
         return dx, dwg, dwu, dwd
-
-
-def _shared_operands(group: ExpertGroup | None, shared):
-    """The shared expert's operands of a whole-backward launch, ``(offsets int32, gu, h, ws_gate,
-    ws_up, ws_down)``; None without one; False where the launch does not take them (not contiguous)."""
-    if shared is None:
-        return None
-    if not (group.gu.is_contiguous() and group.h.is_contiguous() and all(w.stride(-1) == 1 for w in shared)):
-        return False
-    return (offsets_i32(group.offsets), group.gu, group.h, *shared)
 
 
 def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
