@@ -19,7 +19,8 @@ forward's grouped GEMM kernels on pre-gathered rows (its fwd+bwd: then the backw
 unfused, on its gu / h: a backward's "GEMM tiles alone" is that row's fwd+bwd minus its fwd). Times: the mean over back-to-back calls
 (``bench_pipelined_us``: a training step's view, host work overlapped), measured in ``--rounds`` rounds
 that visit every row in turn (clock and thermal drift hit all rows alike), the median round
-reported, and, last columns, the
+reported (``[power]``: the SM clock and power nvidia-smi sampled meanwhile: the H200 reaches its
+700 W cap there), and, last columns, the
 median of calls each followed by a sync (``bench_us``: host time of a call exposed); TFLOP/s
 by MoK's count 6 (T + T k) H I forward (the shared expert has width I), twice that backward;
 fwd+bwd: each backward starts from ``.grad = None`` (``zero_grad(set_to_none=True)``, as a training
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checks.common import bench_pipelined_us, bench_us  # noqa: E402
+from checks.common import PowerSampler, bench_pipelined_us, bench_us  # noqa: E402
 from checks.layer_sm90 import _problem  # noqa: E402
 
 SHAPES = [  # (T, H, I, E, k, skewed)
@@ -254,13 +255,15 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         us = bench_pipelined_us(f, warmup=0, iters=iters)
         captures += launch._stats["capture"] - c0
         return us
-    for _ in range(rounds):  # the rows interleaved, round after round: drift hits every row alike
-        for name, fn in impls.items():
-            with torch.no_grad():
-                out[name][0].append(timed(fn, 10))
-            out[name][1].append(timed(steps[name], 5))
-            for p in leaves:
-                p.grad = None
+    with PowerSampler() as power:
+        for _ in range(rounds):  # the rows interleaved, round after round: drift hits every row alike
+            for name, fn in impls.items():
+                with torch.no_grad():
+                    out[name][0].append(timed(fn, 10))
+                out[name][1].append(timed(steps[name], 5))
+                for p in leaves:
+                    p.grad = None
+    print(f"[power] T{t} H{h} timed rounds: {power.summary()}", flush=True)
     print(f"[launch] T{t} H{h}: {captures} kernel graphs captured inside the timed calls; "
           f"per row and round fwd us {[[round(v) for v in row[0]] for row in out.values()]}, "
           f"fwd+bwd us {[[round(v) for v in row[1]] for row in out.values()]}", flush=True)

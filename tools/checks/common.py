@@ -1,7 +1,9 @@
-"""Shared pieces of the device checks: the result row, the run context, timing."""
+"""Shared pieces of the device checks: the result row, the run context, timing, power sampling."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +107,51 @@ def seeded(seed: int) -> torch.Generator:
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     return gen
+
+
+def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
+    """Summary of ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active
+    --format=csv,noheader,nounits`` samples (``"1980, 125.46, 0x0000000000000000"``): of those drawing
+    more than ``busy_w`` W (the GPU busy), the SM clock (mean, min), the mean power and the share with
+    the software power cap active (reason bit 0x4)."""
+    busy = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            mhz, watts, reasons = float(parts[0]), float(parts[1]), int(parts[2], 16)
+        except (IndexError, ValueError):
+            continue
+        if watts > busy_w:
+            busy.append((mhz, watts, reasons))
+    if not busy:
+        return f"no sample above {busy_w:.0f} W"
+    n = len(busy)
+    capped = sum(1 for *_, r in busy if r & 0x4)
+    return (f"{n} samples above {busy_w:.0f} W: SM clock mean {sum(b[0] for b in busy) / n:.0f} MHz (min "
+            f"{min(b[0] for b in busy):.0f}), power mean {sum(b[1] for b in busy) / n:.0f} W, power cap active in "
+            f"{100 * capped / n:.0f}%")
+
+
+class PowerSampler:
+    """``nvidia-smi`` samples of the SM clock, power and clock-event reasons every ``ms`` while the
+    block runs (none where nvidia-smi is absent); :meth:`summary` after it (:func:`power_summary`)."""
+
+    def __init__(self, ms: int = 250):
+        self.ms, self.proc, self.lines = ms, None, []
+
+    def __enter__(self) -> "PowerSampler":
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.ms)], stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.lines = out.splitlines()
+
+    def summary(self) -> str:
+        return power_summary(self.lines) if self.proc is not None else "nvidia-smi not found"
