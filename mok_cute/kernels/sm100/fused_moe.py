@@ -274,10 +274,7 @@ class FusedMoeFwdSm100:
         if tidx == 0:
             P.wait_geq(mDone.iterator, n_s2 + mt_routed * n2, timeout_ns, status, Int32(0), Int32(DONE))
             if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
-                if bidx == 0:
-                    if not P.failed(status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DATA), ep.me, ep.n, ep.epoch_push)
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.DATA), ep.n, ep.epoch_push, timeout_ns, status)
+                ep.wait_rows(bidx)
         cute.arch.barrier()
         t1 = persistent.now(self.trace)
         sbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
@@ -286,11 +283,7 @@ class FusedMoeFwdSm100:
         slot_rows.slot_sum(tidx, bidx, grid, mSlot, s_out, mY, mIdx, mW, k, tokens, hidden, sbuf, self.sum_batch,
                            NUM_THREADS, mGate, mCopy=slot_copy)
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
-            cute.arch.barrier()
-            if tidx == 0:
-                if P.arrive_last(mDone.iterator + 3, grid):
-                    if not P.failed(status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.FREE), ep.me, ep.n, ep.epoch_push)
+            ep.close_push(tidx, mDone.iterator + 3, grid)
         if cutlass.const_expr(self.trace):
             if tidx == 0:
                 record_sum(mTrace, grid, bidx, t0, t1)
@@ -324,11 +317,7 @@ class FusedMoeFwdSm100:
             src_bytes = row_bytes
             if cutlass.const_expr(self.mx):
                 src_bytes = hid + (hid // lay.SF_VEC + 15) // 16 * 16  # comm.workspace.mxfp8_row_bytes
-            if tidx == 0:
-                if bidx == 0:
-                    P.signal_all(ep.pb, ep.flags_off, Int32(P.READY), ep.me, ep.n, ep.epoch_pull)
-                P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.READY), ep.n, ep.epoch_pull, timeout_ns, status)
-            cute.arch.barrier()
+            ep.open_pull(tidx, bidx)
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
@@ -364,11 +353,7 @@ class FusedMoeFwdSm100:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
         if cutlass.const_expr(self.ep):  # every comm CTA has pulled its chunks: the last one says DONE
-            cute.arch.barrier()
-            if tidx == 0:
-                if P.arrive_last(mDone.iterator + 2, comm_ctas):
-                    if not P.failed(status):
-                        P.signal_all(ep.pb, ep.flags_off, Int32(P.DONE), ep.me, ep.n, ep.epoch_pull)
+            ep.close_pull(tidx, mDone.iterator + 2, comm_ctas)
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, smem, atoms, coords, ticket: cute.Pointer, shape,
@@ -526,8 +511,7 @@ class FusedMoeFwdSm100:
                 if cutlass.const_expr(self.ep):
                     if freed == 0:
                         if tidx == 0:
-                            P.wait_all(ep.pb[ep.me] + ep.flags_off, Int32(P.FREE), ep.n, ep.epoch_push - 1,
-                                       ep.timeout_ns, ep.status)
+                            ep.wait_free()
                         epi_barrier()
                         freed = Int32(1)
                     push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep)
