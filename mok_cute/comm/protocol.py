@@ -74,6 +74,16 @@ def report(status: cute.Pointer, code: Int32, peer: Int32, channel: Int32, epoch
 
 
 @cute.jit
+def fence_stores(to_peers: cutlass.Constexpr[bool]):
+    """Order this thread's stores before a release that publishes them: at system scope when some
+    went to peers (EP > 1), else at GPU scope."""
+    if cutlass.const_expr(to_peers):
+        cute.arch.fence_acq_rel_sys()
+    else:
+        cute.arch.fence_acq_rel_gpu()
+
+
+@cute.jit
 def failed(status: cute.Pointer) -> Boolean:
     """True once any error is recorded (relaxed load, GPU scope)."""
     return cute.arch.load(status, Int32, sem="relaxed", scope="gpu") != 0

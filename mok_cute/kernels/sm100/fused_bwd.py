@@ -644,10 +644,7 @@ class FusedMoeBwdSm100:
                 cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
         if cutlass.const_expr(self.tokens):
             if phase == D1:
-                if cutlass.const_expr(g.routed and self.ep):  # rows stored into peers: order them at system scope
-                    cute.arch.fence_acq_rel_sys()
-                else:
-                    cute.arch.fence_acq_rel_gpu()  # this thread's slot rows before thread 0's count below
+                P.fence_stores(g.routed and self.ep)  # this thread's slot rows (EP > 1: in peers) before the count
                 epi_barrier()
                 if tidx == 0:
                     cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")

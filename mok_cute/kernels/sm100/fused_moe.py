@@ -526,10 +526,7 @@ class FusedMoeFwdSm100:
             cute.arch.fence_view_async_tmem_load()
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
-            if cutlass.const_expr(self.ep):  # rows stored into peers: order them at system scope
-                cute.arch.fence_acq_rel_sys()
-            else:
-                cute.arch.fence_acq_rel_gpu()  # this thread's stores before thread 0's release below
+            P.fence_stores(self.ep)  # this thread's stores (EP > 1: into peers too) before thread 0's release
             epi_barrier()
             if tidx == 0:
                 tasks.publish(phase, mt, mDone, mHready, mShready)

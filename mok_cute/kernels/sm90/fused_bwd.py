@@ -415,10 +415,7 @@ class FusedMoeBwdCoreSm90:
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
                                Float32(0.0))
             if cutlass.const_expr(self.scatter):  # the slot sum counts this tile
-                if cutlass.const_expr(ep is not None):  # rows stored into peers: order them at system scope
-                    cute.arch.fence_acq_rel_sys()
-                else:
-                    cute.arch.fence_acq_rel_gpu()  # this thread's rows before the CTA's count below
+                P.fence_stores(ep is not None)  # this thread's rows (EP > 1: in peers) before the count
                 consumer_barrier()
                 if tid == 0:
                     cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")

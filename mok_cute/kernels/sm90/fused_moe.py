@@ -490,10 +490,7 @@ class FusedMoeFwdSm90:
                         self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
-            if cutlass.const_expr(self.ep):  # rows stored into peers: order them at system scope
-                cute.arch.fence_acq_rel_sys()
-            else:
-                cute.arch.fence_acq_rel_gpu()  # this thread's stores before the CTA's release below
+            P.fence_stores(self.ep)  # this thread's stores (EP > 1: into peers too) before the CTA's release
             consumer_barrier()
             if tid == 0:
                 tasks.publish(phase, mt, mDone, mHready, mShready)
