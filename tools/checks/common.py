@@ -1,10 +1,14 @@
 """Shared pieces of the device checks: the result row, the run context, timing, power sampling."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -155,3 +159,20 @@ class PowerSampler:
 
     def summary(self) -> str:
         return power_summary(self.lines) if self.proc is not None else "nvidia-smi not found"
+
+
+def child_rows(check: str, env: dict, timeout_s: float, label: str) -> list[Row]:
+    """The rows of ``gpu_check.py check`` run in a child process with ``env`` added (rank 0 of 1),
+    read back from its ``$OUT/gpu_check.jsonl``; one failed row named ``label`` if it times out or
+    writes none."""
+    with tempfile.TemporaryDirectory() as out:
+        full = {**os.environ, **env, "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), check]
+        try:
+            code = subprocess.run(cmd, env=full, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return [Row(f"{label}: child timed out", ok=False, note=f"killed after {timeout_s} s")]
+        rows = Path(out) / "gpu_check.jsonl"
+        if not rows.exists():
+            return [Row(f"{label}: child failed", ok=False, note=f"exit code {code}, no rows written")]
+        return [Row(**json.loads(line)) for line in rows.read_text().splitlines()]

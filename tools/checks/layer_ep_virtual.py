@@ -31,18 +31,13 @@ fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from checks.comm import _guard, _routing
-from checks.common import Row, sm90_skip
+from checks.common import Row, child_rows, sm90_skip
 from checks.layer_ep import _problem
 from checks.layer_sm90 import _compare, _run
 from mok_cute.comm.virtual import VirtualGroup, run_ranks
@@ -67,21 +62,6 @@ CASES = [  # name, routing, shared expert, SwiGLU limit
 ]
 CHILD_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32", "MOK_CUTE_LAUNCH": "dsl"}
 CHILD_TIMEOUT_S = 540
-
-
-def _child() -> list[Row]:
-    """This check's rows from a child gpu_check.py run with CHILD_ENV (one process, rank 0)."""
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, **CHILD_ENV, "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
-        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), "layer_ep_virtual"]
-        try:
-            code = subprocess.run(cmd, env=env, timeout=CHILD_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            return [Row("layer_ep_virtual: child timed out", ok=False, note=f"killed after {CHILD_TIMEOUT_S} s")]
-        rows = Path(out) / "gpu_check.jsonl"
-        if not rows.exists():
-            return [Row("layer_ep_virtual: child failed", ok=False, note=f"exit code {code}, no rows written")]
-        return [Row(**json.loads(line)) for line in rows.read_text().splitlines()]
 
 
 def _starve(prob, rank: int, size: int, e_local: int):
@@ -243,7 +223,7 @@ def run(ctx) -> list[Row]:
     if skip:
         return skip
     if any(os.environ.get(key) != value for key, value in CHILD_ENV.items()):
-        return _child()
+        return child_rows("layer_ep_virtual", CHILD_ENV, CHILD_TIMEOUT_S, "layer_ep_virtual")
     VirtualGroup(max(SIZES), ctx.device)  # creates the rank streams back to back (mok_cute.comm.virtual)
     _count_fused_calls()
     rows = []

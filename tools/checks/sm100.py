@@ -20,17 +20,12 @@ layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfu
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 import mok_cute
-from checks.common import Row, bench_us, sm100_skip
+from checks.common import Row, bench_us, child_rows, sm100_skip
 from checks.layer_sm90 import _problem, _run
 from checks.tails import TOL, _dims, _errors
 
@@ -216,17 +211,7 @@ def _ep_child() -> list[Row]:
     module loading, DSL launches: nothing loaded or captured while a peer waits)."""
     from checks.layer_ep_virtual import CHILD_ENV, CHILD_TIMEOUT_S
 
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, **CHILD_ENV, EP_CHILD: "1", "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
-        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), "sm100"]
-        try:
-            code = subprocess.run(cmd, env=env, timeout=CHILD_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            return [Row("sm100 layer_ep2v: child timed out", ok=False, note=f"killed after {CHILD_TIMEOUT_S} s")]
-        lines = Path(out) / "gpu_check.jsonl"
-        if not lines.exists():
-            return [Row("sm100 layer_ep2v: child failed", ok=False, note=f"exit code {code}, no rows written")]
-        return [Row(**json.loads(line)) for line in lines.read_text().splitlines()]
+    return child_rows("sm100", {**CHILD_ENV, EP_CHILD: "1"}, CHILD_TIMEOUT_S, "sm100 layer_ep2v")
 
 
 def run(ctx) -> list[Row]:
