@@ -207,7 +207,7 @@ def test_task_list_matches_the_grouped_walk():
 def test_simulate_detects_a_missing_dependency(monkeypatch):
     """The mirror is not vacuous: a task list whose GEMM2 waits for a GEMM1 tile that is never
     published deadlocks."""
-    monkeypatch.setattr(ft, "needs", lambda task, n1, n1s: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
+    monkeypatch.setattr(ft, "needs", lambda task, n1, n1s, units=1: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
 
@@ -297,7 +297,8 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            num_ctas=66 if ep else None, ring_chunks=5)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    assert keys[0][-5:-3] == (mx, ep) and keys[0][-2:] == (False, False)  # (..., mx, ep, sum batch, gate, n_tail)
+    # (..., mx, ep, sum batch, gate, n_tail, gather): MXFP8 and EP > 1 gather through registers
+    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if mx or ep else "bg")
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -343,3 +344,49 @@ def test_gate_variant_scales_the_shared_start():
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="gate.*needs shared"):
         fm.compile_fused_forward(True, False, gate=True)
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_background_gather_schedule_completes(name):
+    """gather="bg": the comm CTAs fill the ring, every CTA's background warps gather the later
+    chunks in pieces beside the GEMM tasks; complete down to one slot, one GEMM CTA and one comm
+    CTA, and with a ring as large as every chunk (no background pieces)."""
+    for e, tokens in ((1, 300), (8, 1000), (16, 129)):
+        offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
+        for ring, band in ((1, 1), (2, 2), (8, 8), (16, 4), (None, None)):
+            for gemm, comm in ((1, 1), (7, 2), (3, 40)):
+                ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=name != "ragged", gemm_ctas=gemm,
+                            comm_ctas=comm, ring=ring, band=band, seed=gemm, gather="bg")
+
+
+def test_background_gather_needs_every_piece(monkeypatch):
+    """The mirror is not vacuous about pieces: if an R1 tile waited for one piece only, the slot of a
+    chunk would be reused while its later pieces were still being written; the mirror's chunk
+    target is PIECES and dropping one piece of a chunk deadlocks."""
+    real = ft.strided
+    monkeypatch.setattr(ft, "strided", lambda jobs, ctas: real(jobs[1:], ctas))  # lose the first background piece
+    with pytest.raises(AssertionError, match="deadlock"):
+        ft.simulate(offsets_from([128 * 6]), 128, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=2, comm_ctas=1,
+                    ring=2, band=2, gather="bg")
+
+
+def test_gather_modes_compile():
+    """The three gathers of the bf16 EP = 1 forward compile with 0 spills: ``staged`` and ``bg`` move
+    the comm CTAs' rows with 16-byte cp.async copies into the stages (waiting one batch behind) and
+    fence them before the TMA loads; ``bg`` also has the background warps' named barrier and
+    release adds of a piece; ``regs`` has none of the staging."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    ptx = {}
+    for mode in fm.GATHER_MODES:
+        _, rep = fm.compile_fused_forward(True, True, gather=mode, inspect=True)
+        assert rep.total_spill_bytes == 0, mode
+        ptx[mode] = rep.ptx
+    wait1, bg_bar = r"cp\.async\.wait_group\s+1;", rf"bar\.sync\s+{fm.BG_BARRIER},\s*96;"
+    for mode in ("staged", "bg"):
+        assert "cp.async.cg.shared.global" in ptx[mode] and re.search(wait1, ptx[mode]), mode
+        assert "fence.proxy.async.shared::cta" in ptx[mode], mode
+    assert not re.search(wait1, ptx["regs"])
+    assert re.search(bg_bar, ptx["bg"]) and not re.search(bg_bar, ptx["staged"])
+    with pytest.raises(ValueError, match="gather must be one of"):
+        fm.FusedMoeFwdSm90(True, True, gather="tma")

@@ -16,7 +16,7 @@ from mok_cute.schedule import local_plan as lp
 def test_compiles(arch, kind):
     _, rep = lp.compile_local_plan(arch, 64, kind, inspect=True)
     assert rep.registers and rep.total_spill_bytes == 0
-    for needed in ("match.any.sync", "popc", "atom.shared", "bar.sync"):
+    for needed in ("vote.sync.ballot", "popc", "atom.shared", "bar.sync"):
         assert needed in rep.ptx, needed
 
 

@@ -115,7 +115,7 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None):
+          bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None, gather: str | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -130,6 +130,10 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
             os.environ.pop("MOK_CUTE_FUSED_BWD", None)
         else:
             os.environ["MOK_CUTE_FUSED_BWD"] = bwd
+        if gather is None:  # the library's default gather
+            os.environ.pop("MOK_CUTE_GATHER", None)
+        else:
+            os.environ["MOK_CUTE_GATHER"] = gather
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -175,7 +179,7 @@ def traced_bwd(fn, dy, path: str) -> dict:
 
 
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False, rounds=3):
+              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False, rounds=3, gathers=()):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -192,6 +196,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
         for m in minibatches:
             impls[f"fused c{c}{'' if m is None else f' m{m}'}"] = (
                 lambda c=c, m=m: _ours(True, c, minibatch=m)(x, idx, w, ws, sh))
+    for g in gathers:  # the forward's other gathers (MOK_CUTE_GATHER): the measured choice
+        for c in comms:
+            impls[f"fused c{c} gather {g}"] = lambda c=c, g=g: _ours(True, c, minibatch=mb0, gather=g)(x, idx, w, ws, sh)
     for b in bands:
         impls[f"fused c{comms[0]}{'' if mb0 is None else f' m{mb0}'} band{b}"] = (
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
@@ -272,6 +279,7 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     os.environ.pop("MOK_CUTE_FUSED", None)
     os.environ.pop("MOK_CUTE_FUSED_BWD", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
+    os.environ.pop("MOK_CUTE_GATHER", None)
     if trace:
         s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
         print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
@@ -314,6 +322,8 @@ def main() -> int:
                     help="extra rows with MoKConfig(activations='recompute') (per --bwd mode)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timing rounds over all rows, interleaved; each row's median round is reported")
+    ap.add_argument("--gather", default="",
+                    help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -326,7 +336,7 @@ def main() -> int:
                            minibatches=[int(m) for m in args.minibatch.split(",")] if args.minibatch else [None],
                            bands=[int(b) for b in args.band.split(",") if b], refs=not args.no_ref,
                            bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute,
-                           trace_bwd=args.trace_bwd if i == 0 else None,
+                           trace_bwd=args.trace_bwd if i == 0 else None, gathers=[g for g in args.gather.split(",") if g],
                            bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c], tiles=args.tiles,
                            rounds=args.rounds)
         torch.cuda.empty_cache()

@@ -32,6 +32,10 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--fused", default="1")
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
+    ap.add_argument("--host", action="store_true",
+                    help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print the last profiled call's GPU events in order: start, duration, gap before each")
     args = ap.parse_args()
     os.environ["MOK_CUTE_FUSED"] = args.fused
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
@@ -48,7 +52,8 @@ def main() -> int:
         host = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 20 * 1e6
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
+        with profile(activities=acts) as prof:
             for _ in range(args.calls):
                 fwd()
             torch.cuda.synchronize()
@@ -74,6 +79,30 @@ def main() -> int:
     print(f"host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
     print(f"GPU per call: span {whole / args.calls:.0f} us, kernels {busy / args.calls:.0f} us, "
           f"idle between kernels {(whole - busy) / args.calls:.0f} us, {len(evs) / args.calls:.0f} kernels")
+    if args.host:  # host calls by total time; GPU gaps before each call's first kernel (the plan)
+        api = collections.defaultdict(lambda: [0, 0.0])
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(("cuda", "cu")):
+                api[ev.name][0] += 1
+                api[ev.name][1] += ev.cpu_time_total
+        print("| host API call | per call | us per call |\n|---|---|---|")
+        for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:12]:
+            print(f"| {name[:60]} | {n / args.calls:.1f} | {us / args.calls:.1f} |")
+        by_start = sorted(evs, key=lambda ev: ev.time_range.start)
+        gaps, end = [], None
+        for ev in by_start:
+            if "plan_kernel" in ev.name and end is not None:
+                gaps.append(ev.time_range.start - end)
+            end = ev.time_range.end if end is None else max(end, ev.time_range.end)
+        print(f"GPU gap before each call's plan kernel (us): {[round(g) for g in gaps]}")
+    if args.timeline:  # the last call's events (its plan kernel starts it)
+        last = sorted(evs, key=lambda ev: ev.time_range.start)[-len(evs) // args.calls:]
+        prev = last[0].time_range.start
+        print("| event | start us | duration us | gap before us |\n|---|---|---|---|")
+        for ev in last:
+            print(f"| {ev.name[:60]} | {ev.time_range.start - last[0].time_range.start:.1f} | {ev.device_time:.1f} | "
+                  f"{ev.time_range.start - prev:.1f} |")
+            prev = max(prev, ev.time_range.end)
     print("| kernel | per call | us per call |\n|---|---|---|")
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"| {name[:90]} | {n / args.calls:.0f} | {us / args.calls:.1f} |")

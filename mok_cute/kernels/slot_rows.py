@@ -10,6 +10,8 @@ sum over each token's (token, slot) rows and a warp's copy of one bf16 row.
   vectors in flight as cp.async copies into ``sbuf`` [nb * threads, 8] bf16 (idle shared
   memory: no register holds them).
 * :func:`copy_row`: one warp copies a bf16 row between global addresses, loads batched.
+* :func:`gather_rows_staged`: a CTA copies token rows to grouped rows through idle shared memory
+  (cp.async), two batches of loads in flight per lane.
 """
 from __future__ import annotations
 
@@ -105,3 +107,67 @@ def copy_row(lane: Int32, src: Int64, dst: Int64, units: Int32, unroll: cutlass.
             if cu < units:
                 cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
                                  cute.make_layout((_VEC,))).store(buf[None, u].load())
+
+
+def staged_plan(rows, units, warp, warps: int, cap: int):
+    """``(per, cpr, n)`` of :func:`gather_rows_staged` for warp ``warp`` of ``warps``: units per lane
+    of a batch (balanced, <= ``cap``), batches per row (``units`` >= 1), and the warp's batches. Plain
+    integer arithmetic: the kernel's (DSL Int32) and the tests' (Python int) alike."""
+    per_row = (units + 31) // 32
+    cpr = (per_row + cap - 1) // cap
+    return (per_row + cpr - 1) // cpr, cpr, (rows - warp + warps - 1) // warps * cpr
+
+
+def staged_batch(b, warp, warps: int, cpr, per):
+    """``(row, first unit)`` of the warp's batch ``b``: lane l moves units ``c0 + u*32 + l``, u < ``per``."""
+    return warp + b // cpr * warps, b % cpr * per * 32
+
+
+@cute.jit
+def _issue_batch(g2s: cute.CopyAtom, src: Int64, c0: Int32, per: Int32, units: Int32, lane: Int32, tidx: Int32,
+                 sbuf: cute.Tensor, slot0: Int32, threads: cutlass.Constexpr[int]):
+    """A lane's units ``c0 + u*32 + lane`` (u < ``per``, inside the row) of the row at ``src`` as
+    cp.async copies into ``sbuf[(slot0 + u) * threads + tidx]``, committed as one group."""
+    for u in cutlass.range(per, unroll=4):
+        cu = c0 + u * 32 + lane
+        if cu < units:
+            cute.copy(g2s, cute.make_tensor(P.gptr(cutlass.BFloat16, src + Int64(cu) * 16, 16), cute.make_layout((_VEC,))),
+                      sbuf[(slot0 + u) * threads + tidx, None])
+    cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def gather_rows_staged(tidx: Int32, rows: Int32, units: Int32, mOrder: cute.Tensor, row0: Int32, k: Int32,
+                       src_base: Int64, src_bytes: Int32, dst_base: Int64, dst_row0: Int32, sbuf: cute.Tensor,
+                       threads: cutlass.Constexpr[int], cap: cutlass.Constexpr[int]):
+    """Grouped rows ``rr < rows`` of ``units`` 16-byte units: from token row ``order[row0 + rr] // k``
+    (``src_bytes`` apart from ``src_base``) to row ``dst_row0 + rr`` of a dense bf16 buffer at ``dst_base``.
+    Warp w takes rows w, w + warps, ...; a row's units go in batches of at most ``cap`` per lane, each
+    batch's loads cp.async copies into one half of ``sbuf`` [2 * cap * threads, 8] bf16 (idle shared
+    memory), batch b + 1 in flight while batch b is stored: up to 2 * cap 16-byte loads per lane in
+    flight, none held in registers. The caller fences the shared memory for its next (async-proxy) use."""
+    warps = threads // 32
+    warp = tidx // 32
+    lane = tidx % 32
+    per, cpr, n = staged_plan(rows, units, warp, warps, cap)
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
+                              num_bits_per_copy=128)
+    if n > 0:
+        _issue_batch(g2s, src_base + Int64(mOrder[row0 + warp] // k) * Int64(src_bytes), Int32(0), per, units, lane,
+                     tidx, sbuf, Int32(0), threads)
+    for b in cutlass.range(n, unroll=1):
+        half = b % 2
+        if b + 1 < n:
+            rr, c0 = staged_batch(b + 1, warp, warps, cpr, per)
+            _issue_batch(g2s, src_base + Int64(mOrder[row0 + rr] // k) * Int64(src_bytes), c0, per, units, lane, tidx,
+                         sbuf, (1 - half) * cap, threads)
+        else:
+            cute.arch.cp_async_commit_group()  # an empty group: the wait below still leaves batch b's done
+        cute.arch.cp_async_wait_group(1)
+        rr, c0 = staged_batch(b, warp, warps, cpr, per)
+        dst = dst_base + Int64(dst_row0 + rr) * Int64(units * 16)
+        for u in cutlass.range(per, unroll=4):
+            cu = c0 + u * 32 + lane
+            if cu < units:
+                cute.make_tensor(P.gptr(cutlass.BFloat16, dst + Int64(cu) * 16, 16),
+                                 cute.make_layout((_VEC,))).store(sbuf[(half * cap + u) * threads + tidx, None].load())

@@ -35,6 +35,8 @@ from mok_cute.schedule.tickets import run_tickets, strided
 
 S1, R1, S2, R2 = range(4)
 PHASES = ("S1", "R1", "S2", "R2")
+PIECE_ROWS = 32  # rows of a chunk's piece in the background gather (gather="bg"): what gather_ready counts there
+PIECES = 128 // PIECE_ROWS  # pieces per chunk of tile_m = 128 rows
 
 
 # ---------------------------------------------------------------- pure-Python mirror
@@ -74,12 +76,13 @@ def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
             for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
 
 
-def needs(task: tuple, n1: int, n1s: int) -> list[tuple[str, int, int]]:
-    """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk),
-    ``h`` (routed m-tile: n1 GEMM1 tiles), ``sh`` (shared m-tile: n1s tiles)."""
+def needs(task: tuple, n1: int, n1s: int, units: int = 1) -> list[tuple[str, int, int]]:
+    """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk: ``units``
+    publications, :data:`PIECES` with the background gather), ``h`` (routed m-tile: n1 GEMM1 tiles),
+    ``sh`` (shared m-tile: n1s tiles)."""
     phase, mt = task[0], task[5]
     if phase == R1:
-        return [("gather", mt, 1)]
+        return [("gather", mt, units)]
     if phase == R2:
         return [("h", mt, n1)]
     if phase == S2:
@@ -94,22 +97,40 @@ def publishes(task: tuple) -> tuple[str, int]:
 
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
-             comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None) -> int:
+             comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None,
+             gather: str = "comm") -> int:
     """Run the fused forward's schedule on the host as the kernel runs it
     (:func:`~mok_cute.schedule.tickets.run_tickets`): comm CTA ``c`` gathers chunks ``c, c +
     comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i - ring`` has all its GEMM1
     tiles; ``ring`` None: every chunk has its own slot), then joins the GEMM CTAs in claiming the
-    list's tickets. Returns the number of rounds; AssertionError on a deadlock or a missing
-    publication."""
+    list's tickets. ``gather="bg"``: the comm CTAs gather only the ring's first fill (chunks <
+    ring); the later chunks go in :data:`PIECES` pieces, piece q to the background warps of CTA
+    ``q % (comm_ctas + gemm_ctas)`` (each piece once its slot is free), and an R1 tile waits for
+    all of its chunk's pieces. Returns the number of rounds; AssertionError on a deadlock or a
+    missing publication."""
     tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
     chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
-    gathers = [([("h", c - ring, n1)] if c >= ring else [], ("gather", c)) for c in range(chunks)]
-    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s), publishes, strided(gathers, comm_ctas),
-                                gemm_ctas, seed)
+    slot_free = lambda c: [("h", c - ring, n1)] if c >= ring else []  # noqa: E731
+    units, background = 1, []
+    fill = chunks
+    if gather == "bg":
+        units, fill = PIECES, min(ring, chunks)
+        pieces = [(slot_free(c), ("gather", c)) for c in range(fill, chunks) for _ in range(PIECES)]
+        background = strided(pieces, comm_ctas + gemm_ctas)
+    gathers = [(slot_free(c), ("gather", c)) for c in range(fill) for _ in range(units)]
+    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s, units), publishes,
+                                strided_chunks(gathers, comm_ctas, units), gemm_ctas, seed, background)
     gemm2 = sum(t[0] in (S2, R2) for t in tasks)
     assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
     return rounds
+
+
+def strided_chunks(jobs: list, ctas: int, units: int) -> list[list]:
+    """:func:`~mok_cute.schedule.tickets.strided` over chunks of ``units`` consecutive jobs (a comm CTA's
+    gathered chunk publishes all its units at once)."""
+    chunked = [jobs[i:i + units] for i in range(0, len(jobs), units)]
+    return [[j for chunk in chunked[c::ctas] for j in chunk] for c in range(ctas)]
 
 
 def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,

@@ -10,18 +10,20 @@ From ``topk_idx`` [T, k] (int32 / int64 expert ids; -1 = no expert) it writes
     (-1 if none), for :mod:`mok_cute.dsl.deferred`.
 
 One CTA of 1024 threads (32 warps). Warp w owns a contiguous chunk of the routes. Pass 1
-counts routes per (warp, bucket) with ``match.any`` (the group's lowest lane adds the group
+counts routes per (warp, bucket) with a ``match.any`` made of ballots (the group's lowest lane adds the group
 size; bucket E holds the routes with no expert); one thread per bucket turns the counts into
 exclusive prefixes over warps, and thread 0 sums the buckets in order into the offsets.
 Pass 2 walks the chunks again and gives each route its row: bucket start + the warp's prefix
 + the route's rank among the lanes of its group below it (warp, then lane order = route
-order: stable). This module imports no GEMM code; :func:`plan_reference` is its torch mirror.
+order: stable). Each lane loads ``LOADS`` ids of its warp's chunk ahead of their use in
+both passes. This module imports no GEMM code; :func:`plan_reference` is its torch mirror.
 """
 
 import torch
 
 THREADS = 1024
 MAX_EXPERTS = 1024
+LOADS = 8  # id loads in flight per lane (the passes are bound by load latency, not by work)
 
 
 def plan_reference(topk_idx: torch.Tensor, num_experts: int):
@@ -53,15 +55,34 @@ def _launcher():
     warps = THREADS // 32
 
     @cute.jit
-    def bucket(tk: cute.Tensor, i: Int32, c1: Int32, E: Constexpr) -> Int32:
-        """Bucket of route ``i``: its expert, E for no expert (or an id outside [-1, E)), -1
-        past the warp's chunk."""
-        b = Int32(-1)
-        if i < c1:
-            b = Int32(tk[i])
-            if b < 0 or b >= E:
+    def load(tk: cute.Tensor, g: Int32, lane: Int32, c1: Int32, bs: cute.Tensor, bad: cute.Tensor, E: Constexpr):
+        """Buckets of the lane's routes ``g + u*32 + lane`` (u < LOADS, all loads first): the
+        expert, E for no expert or an id outside [-1, E) (compared in the ids' own dtype), -1
+        past the warp's chunk; ``bad[u]`` 1 for an id outside [-1, E)."""
+        for u in cutlass.range_constexpr(LOADS):
+            i = g + u * 32 + lane
+            b = Int32(-1)
+            x = Int32(0)
+            if i < c1:
+                v = tk[i]
                 b = Int32(E)
-        return b
+                if v >= 0 and v < E:
+                    b = Int32(v)
+                if v < -1 or v >= E:
+                    x = Int32(1)
+            bs[u] = b
+            bad[u] = x
+
+    @cute.jit
+    def peers(b: Int32, E: Constexpr) -> Int32:
+        """The lanes whose bucket equals this lane's (``match.any``'s mask, from one ballot per bit
+        of the bucket: ``bits`` with 2**bits > E + 1, so the -1 of lanes past the chunk matches no
+        bucket)."""
+        m = Int32(-1)
+        for j in cutlass.range_constexpr((E + 1).bit_length()):
+            bit = (b >> j) & 1
+            m = m & (cute.arch.vote_ballot_sync(bit != 0) ^ (bit - 1))
+        return m
 
     @cute.kernel
     def plan_kernel(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,
@@ -87,24 +108,27 @@ def _launcher():
             misc[0] = Int32(0)
             misc[1] = Int32(n)
         cute.arch.barrier()
+        bs = cute.make_rmem_tensor((LOADS,), Int32)
+        bad = cute.make_rmem_tensor((LOADS,), Int32)
         g = c0
         while g < c1:  # pass 1: counts per (warp, bucket); sanitised ids; bad ids counted
-            i = g + lane
-            b = bucket(topk, i, c1, E)
-            if i < c1:
-                e = Int32(topk[i])
-                if e < -1 or e >= E:
-                    cute.arch.atomic_add(misc.iterator, Int32(1), scope="cta")
-                    cute.arch.atomic_min(misc.iterator + 1, i, scope="cta")
-                if b < E:
-                    idx[i] = b
-                else:
-                    idx[i] = Int32(-1)
-            m = cute.arch.match_sync(0xFFFFFFFF, b)
-            if b >= 0 and (m & lt) == 0:
-                hist[w * nb + b] += Int32(cute.arch.popc(m))
-            cute.arch.sync_warp()
-            g += 32
+            load(topk, g, lane, c1, bs, bad, E)
+            for u in cutlass.range_constexpr(LOADS):
+                i = g + u * 32 + lane
+                b = bs[u]
+                if b >= 0:
+                    if bad[u] != 0:
+                        cute.arch.atomic_add(misc.iterator, Int32(1), scope="cta")
+                        cute.arch.atomic_min(misc.iterator + 1, i, scope="cta")
+                    if b < E:
+                        idx[i] = b
+                    else:
+                        idx[i] = Int32(-1)
+                m = peers(b, E)
+                if b >= 0 and (m & lt) == 0:
+                    hist[w * nb + b] += Int32(cute.arch.popc(m))
+                cute.arch.sync_warp()
+            g += 32 * LOADS
         cute.arch.barrier()
         for b in cutlass.range(tidx, nb, THREADS, unroll=1):  # exclusive prefix over warps
             run = Int32(0)
@@ -129,16 +153,17 @@ def _launcher():
         cute.arch.barrier()
         g = c0
         while g < c1:  # pass 2: each route's row
-            i = g + lane
-            b = bucket(topk, i, c1, E)
-            m = cute.arch.match_sync(0xFFFFFFFF, b)
-            if b >= 0:
-                ordr[base[b] + hist[w * nb + b] + Int32(cute.arch.popc(m & lt))] = i
-            cute.arch.sync_warp()
-            if b >= 0 and (m & lt) == 0:
-                hist[w * nb + b] += Int32(cute.arch.popc(m))
-            cute.arch.sync_warp()
-            g += 32
+            load(topk, g, lane, c1, bs, bad, E)
+            for u in cutlass.range_constexpr(LOADS):
+                b = bs[u]
+                m = peers(b, E)
+                if b >= 0:
+                    ordr[base[b] + hist[w * nb + b] + Int32(cute.arch.popc(m & lt))] = g + u * 32 + lane
+                cute.arch.sync_warp()
+                if b >= 0 and (m & lt) == 0:
+                    hist[w * nb + b] += Int32(cute.arch.popc(m))
+                cute.arch.sync_warp()
+            g += 32 * LOADS
 
     @cute.jit
     def plan_host(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,

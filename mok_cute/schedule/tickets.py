@@ -5,7 +5,8 @@ completes under any interleaving. This module imports no GEMM code.
 The model: ``comm`` CTAs first run their own jobs in order (gathers: a job waits for its
 counters, then publishes one), then every CTA claims tickets of one list in order from a shared
 counter; a CTA holds its ticket until the task's inputs are published, then publishes the
-task's output counter. All CTAs are resident, as the kernels require.
+task's output counter; background agents only run their jobs. All CTAs are resident, as the
+kernels require.
 """
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ Key = tuple[str, int]
 
 
 def run_tickets(tasks: list, needs: Callable[[object], list[Need]], publishes: Callable[[object], Key],
-                comm_jobs: list[list[tuple[list[Need], Key]]], gemm_ctas: int, seed: int = 0):
+                comm_jobs: list[list[tuple[list[Need], Key]]], gemm_ctas: int, seed: int = 0,
+                background: list[list[tuple[list[Need], Key]]] = ()):
     """Run ``tasks`` (in ticket order) on ``len(comm_jobs)`` comm CTAs (each with its job list)
-    and ``gemm_ctas`` more CTAs, visiting the CTAs in a random order per round (``seed``).
+    and ``gemm_ctas`` more CTAs, visiting the CTAs in a random order per round (``seed``);
+    ``background``: job lists of agents that run beside the CTAs and never claim a ticket (warps
+    of a CTA that work while its GEMM warps hold a task).
     Returns ``(rounds, count)`` (``count``: every counter's final value); AssertionError with the
     held tickets on a deadlock (a round in which no CTA can move)."""
     rng = random.Random(seed)
     count: dict[Key, int] = {}
-    jobs = [list(j) for j in comm_jobs] + [[] for _ in range(gemm_ctas)]
+    jobs = [list(j) for j in comm_jobs] + [[] for _ in range(gemm_ctas)] + [list(j) for j in background]
+    claimers = len(comm_jobs) + gemm_ctas
     held: list = [None] * len(jobs)
     ticket, finished, rounds = 0, 0, 0
 
@@ -40,6 +45,8 @@ def run_tickets(tasks: list, needs: Callable[[object], list[Need]], publishes: C
                     jobs[cta].pop(0)
                     count[key] = count.get(key, 0) + 1
                     progressed = True
+                continue
+            if cta >= claimers:
                 continue
             if held[cta] is None and ticket < len(tasks):
                 held[cta], ticket, progressed = ticket, ticket + 1, True

@@ -1,7 +1,7 @@
 """Device check: the EP = 1 routing plan kernel (mok_cute/schedule/local_plan.py) against its
 torch mirror ``plan_reference``, bitwise (order, offsets, sanitised ids, error words), on
 random, skewed (one hot expert, empty experts, -1 slots), all -1, out-of-range and empty
-routings, int32 and int64 ids, E from 1 to 1024 and T*k up to 163840; plus its time next to
+routings (int64 ids past int32's range among them), int32 and int64 ids, E from 1 to 1024 and T*k up to 163840; plus its time next to
 the torch mirror's (one call each, CUDA events)."""
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def _ids(t, k, e, mode, dev, gen, dtype):
     elif mode == "bad":
         ids[::5, 0] = e + 3
         ids[1::7, -1] = -9
-    return ids.to(dtype)
+    ids = ids.to(dtype)
+    if mode == "bad" and dtype == torch.int64:  # ids whose low 32 bits are valid experts are still bad
+        ids[2::11, 1] = 2**32 + 1
+        ids[3::13, 2] = -(2**32) + 2
+    return ids
 
 
 def run(ctx) -> list[Row]:
@@ -42,7 +46,7 @@ def run(ctx) -> list[Row]:
             same = all(torch.equal(a, b) for a, b in zip(got, want))
             note = f"T{t} k{k} E{e} {str(dtype)[6:]}"
             us = None
-            if same and dtype == torch.int32 and t >= 4096:
+            if same and t >= 4096:
                 us = bench_us(lambda: lp.plan_local(ids, e), warmup=3, iters=20)
                 note += f"; torch mirror {bench_us(lambda: lp.plan_reference(ids, e), warmup=3, iters=20):.0f} us"
             rows.append(Row(f"local plan {name}", bitwise=same, ok=same, time_us=us, note=note))

@@ -70,6 +70,7 @@ from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
 from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.kernels import slot_rows
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
@@ -80,7 +81,7 @@ from mok_cute.kernels.sm90.mainloop import (
     acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_tasks as tasks
-from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
+from mok_cute.schedule.fused_tasks import PIECE_ROWS, PIECES, R1, R2, S1, S2
 from mok_cute.schedule.group_tiles import tiles_over
 
 CHUNK = 128  # rows per gather chunk (= tile_m)
@@ -96,6 +97,10 @@ PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write m
 )
 KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
+BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is the TMA producer)
+BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
+BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
+GATHER_MODES = ("bg", "staged", "regs")
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 
 
@@ -106,13 +111,19 @@ class FusedMoeFwdSm90:
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
+                 gather: str = "bg", cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
         self.n_tail = n_tail
+        if gather not in GATHER_MODES:
+            raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+        plain = not mx and not ep  # the bf16 EP = 1 gather (see :func:`gather_mode`); the others through registers
+        self.staged = plain and gather in ("bg", "staged")
+        self.bg = plain and gather == "bg"
+        self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -121,6 +132,8 @@ class FusedMoeFwdSm90:
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
             raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
                              f"({b_bytes} bytes)")
+        # the staged gather's two batches per lane fill the A and B stages (contiguous, 1024-aligned)
+        self.gather_cap = self.mainloop.stages * cfg.stage_bytes() // (2 * NUM_THREADS * _VEC * 2)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor, mWg: cute.Tensor, mWu: cute.Tensor, mWd: cute.Tensor,
@@ -210,10 +223,19 @@ class FusedMoeFwdSm90:
             n_s2 = m_sh * n2
         n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
         gemm2_tiles = n_s2 + mt_routed * n2
+        fill = mt_routed  # chunks the comm CTAs gather; with bg only the ring's first fill, then warps 1-3 of every CTA
+        if cutlass.const_expr(self.bg):
+            fill = cutlass.min(ring, mt_routed)
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            self._gather(tidx, bidx, comm_ctas, mX, mXq, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
-                         mGather, mHready, mTrace, ep, mDone, timeout_ns, status)
+            gbuf = None  # the staged gather's buffer: the idle A and B stages
+            if cutlass.const_expr(self.staged):
+                gbuf = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout(
+                    (2 * self.gather_cap * NUM_THREADS, _VEC), stride=(_VEC, 1)))
+            self._gather(tidx, bidx, comm_ctas, mX, mXq, mXg, mOrder, mOffsets, num_experts, fill, ring, n1, k,
+                         mGather, mHready, mTrace, ep, mDone, timeout_ns, status, gbuf)
+            if cutlass.const_expr(self.staged):  # generic-proxy writes of the stages before their TMA loads
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             if tidx == 0:
                 self._mark(mTrace, bidx, 2, 2, Int32(0))
@@ -226,6 +248,10 @@ class FusedMoeFwdSm90:
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
                               mHready, mShready, status, timeout_ns, mTrace, bidx)
+            if cutlass.const_expr(self.bg):
+                if warp > 0:
+                    self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXg, mOrder, mOffsets,
+                                    num_experts, k, mGather, mHready, timeout_ns, status)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
@@ -274,7 +300,7 @@ class FusedMoeFwdSm90:
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor,
                 mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
                 k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, ep, mDone: cute.Tensor,
-                timeout_ns: Int64, status: cute.Pointer):
+                timeout_ns: Int64, status: cute.Pointer, gbuf: cute.Tensor):
         """Comm CTAs: chunk c = routed m-tile c (its grouped rows) into ring slot ``c % ring``, by
         CTA ``c % comm_ctas``, in order; chunk ``c >= ring`` first waits until every GEMM1 n-tile of
         m-tile ``c - ring`` has read the slot (``h_ready``); each chunk is published by a release
@@ -293,11 +319,11 @@ class FusedMoeFwdSm90:
                 if tidx == 0:
                     P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
                 cute.arch.barrier()
-            self._gather_rows(tidx, row0, rows, (c % ring) * CHUNK, mX, mXq, mXg, mOrder, k, ep)
+            self._gather_rows(tidx, row0, rows, (c % ring) * CHUNK, mX, mXq, mXg, mOrder, k, ep, gbuf)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
-                cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+                cute.arch.atomic_add(mGather.iterator + c, Int32(self.gather_units), sem="release", scope="gpu")
                 self._mark(mTrace, bidx, 2, 1, c)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, c, t0, persistent.now(self.trace), GATHER_KIND, bidx, c)
@@ -305,14 +331,59 @@ class FusedMoeFwdSm90:
             ep.close_pull(tidx, mDone.iterator + 2, comm_ctas)
 
     @cute.jit
+    def _gather_bg(self, t: Int32, bidx: Int32, grid: Int32, first: Int32, chunks: Int32, ring: Int32, n1: Int32,
+                   mX: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32,
+                   k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, timeout_ns: Int64, status: cute.Pointer):
+        """Producer warpgroup warps 1-3 of every CTA (``t`` < 96), beside its GEMM tasks (bg, bf16, EP = 1): the chunks
+        from ``first`` (past the ring's first fill) in pieces of :data:`PIECE_ROWS` rows, piece ``q`` (chunk ``first + q
+        // PIECES``, rows ``(q % PIECES) * PIECE_ROWS ..``) for q = bidx, bidx + grid, ...: wait until m-tile ``c - ring``'s
+        GEMM1 tiles have read the slot, copy the rows through registers (:data:`BG_UNROLL` loads in flight per lane, one
+        warp per row), publish with a release add of 1 on ``gather_ready[c]`` (a chunk is ready at :data:`PIECES`).
+        Not traced: the pieces overlap the CTA's GEMM tasks."""
+        hid = mXg.shape[1]
+        warp = t // 32
+        lane = t % 32
+        base = mX.iterator.toint()
+        dbase = mXg.iterator.toint()
+        ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
+        for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
+            c = first + q // PIECES
+            row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
+            p0 = q % PIECES * PIECE_ROWS
+            if t == 0:
+                P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
+            cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
+            for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), BG_WARPS, unroll=1):
+                src = base + Int64(mOrder[row0 + rr] // k) * Int64(hid * 2)
+                route_rows.copy_row(lane, src, dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2), hid // _VEC,
+                                    BG_UNROLL)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
+            if t == 0:
+                cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
     def _gather_rows(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
-                     mXq: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, k: Int32, ep):
-        """Grouped rows ``row0 .. row0 + rows`` into ring rows ``slot_row ..``, one warp per row:
+                     mXq: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, k: Int32, ep, gbuf: cute.Tensor):
+        """Grouped rows ``row0 .. row0 + rows`` into ring rows ``slot_row ..``, one warp per row
+        (``staged``, bf16 at EP = 1: :func:`~mok_cute.kernels.slot_rows.gather_rows_staged` through
+        ``gbuf``, the idle A / B stages; otherwise through registers, as follows):
         the row's source address (a token row of x, or at EP > 1 the source rank's staged row,
         whose router weight lane 0 pulls into ``w_rows``) is resolved once, then the lanes move
         its 16-byte units, ``unroll`` loads in flight each. MXFP8 (``mx``): the source rows are
         ``mXq`` [T, rb] uint8 (H e4m3 bytes, then H/32 E8M0 scales) and each unit (16 e4m3 values
         and their scale byte) is dequantized to bf16, bitwise the reference's MXFP8 round trip."""
+        hid = mXg.shape[1]
+        if cutlass.const_expr(self.staged):
+            slot_rows.gather_rows_staged(tidx, rows, hid // _VEC, mOrder, row0, k, mX.iterator.toint(), hid * 2,
+                                         mXg.iterator.toint(), slot_row, gbuf, NUM_THREADS, self.gather_cap)
+        else:
+            self._gather_rows_regs(tidx, row0, rows, slot_row, mX, mXq, mXg, mOrder, k, ep)
+
+    @cute.jit
+    def _gather_rows_regs(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
+                          mXq: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, k: Int32, ep):
+        """:meth:`_gather_rows` through registers."""
         hid = mXg.shape[1]
         warp = tidx // 32
         lane = tidx % 32
@@ -391,7 +462,8 @@ class FusedMoeFwdSm90:
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             if phase == R1:
-                persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
+                persistent.wait_input(mGather.iterator + mt, Int32(self.gather_units), timeout_ns, status, Int32(GATHER),
+                                      mt)
             if phase == R2:
                 persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
@@ -514,15 +586,16 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
-                          gate: bool = False, n_tail: bool = False, arch: str = "sm_90a", inspect: bool = False):
-    """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts
+                          gate: bool = False, n_tail: bool = False, gather: str = "bg", arch: str = "sm_90a",
+                          inspect: bool = False):
+    """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode`; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
     :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -560,6 +633,20 @@ def slot_sum_batch() -> int:
     """Slot rows each slot-sum thread loads before adding them (``MOK_CUTE_SUM_BATCH``, default
     :data:`SUM_BATCH`; read at every call, a compiled variant per value)."""
     return max(1, int(os.environ.get("MOK_CUTE_SUM_BATCH", str(SUM_BATCH))))
+
+
+def gather_mode() -> str:
+    """How the bf16 EP = 1 forward gathers its rows (``MOK_CUTE_GATHER``, read at every call; MXFP8 and EP > 1 always
+    go through registers in the comm CTAs):
+
+    * ``bg`` (default): the comm CTAs fill the ring through shared memory (``staged``), then join the GEMM tasks; the
+      later chunks are gathered by warps 1-3 of every CTA's producer warpgroup (idle otherwise) beside its tiles;
+    * ``staged``: the comm CTAs gather every chunk through shared memory (cp.async into the idle A / B stages);
+    * ``regs``: the comm CTAs gather every chunk through registers (``MOK_CUTE_GATHER_UNROLL`` loads in flight)."""
+    mode = os.environ.get("MOK_CUTE_GATHER", "bg")
+    if mode not in GATHER_MODES:
+        raise ValueError(f"MOK_CUTE_GATHER must be one of {GATHER_MODES}, got {mode!r}")
+    return mode
 
 
 def ring_band() -> int:
@@ -682,11 +769,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
+    gather = gather_mode() if not mx and ws is None else "regs"
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail)
+               gate is not None, n_tail, gather)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, arch=arch)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
