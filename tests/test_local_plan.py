@@ -15,9 +15,15 @@ from mok_cute.schedule import local_plan as lp
 @pytest.mark.parametrize("kind", ["i32", "i64"])
 def test_compiles(arch, kind):
     _, rep = lp.compile_local_plan(arch, 64, kind, inspect=True)
-    assert rep.registers and rep.total_spill_bytes == 0
+    assert len(rep.registers) == 2 and rep.total_spill_bytes == 0  # count_kernel, scatter_kernel
     for needed in ("vote.sync.ballot", "popc", "atom.shared", "bar.sync"):
         assert needed in rep.ptx, needed
+
+
+def test_plan_ctas():
+    """One CTA per CTA_ROUTES routes, at least one, at most MAX_CTAS."""
+    assert [lp.plan_ctas(n) for n in (1, lp.CTA_ROUTES, lp.CTA_ROUTES + 1, 81920)] == [1, 1, 2, 20]
+    assert lp.plan_ctas(10 ** 9) == lp.MAX_CTAS
 
 
 def test_rejects_too_many_experts():

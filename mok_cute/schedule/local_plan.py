@@ -1,4 +1,4 @@
-"""Routing plan of one rank at EP = 1 on the device: one launch, no host sync.
+"""Routing plan of one rank at EP = 1 on the device: two launches, no host sync.
 
 From ``topk_idx`` [T, k] (int32 / int64 expert ids; -1 = no expert) it writes
   * ``order`` int32 [T*k]: the routes ``t*k + j`` sorted stably by expert, the routes with
@@ -9,21 +9,24 @@ From ``topk_idx`` [T, k] (int32 / int64 expert ids; -1 = no expert) it writes
   * ``words`` int32 [2]: the number of ids outside [-1, E) and the route of the first one
     (-1 if none), for :mod:`mok_cute.dsl.deferred`.
 
-One CTA of 1024 threads (32 warps). Warp w owns a contiguous chunk of the routes. Pass 1
-counts routes per (warp, bucket) with a ``match.any`` made of ballots (the group's lowest lane adds the group
-size; bucket E holds the routes with no expert); one thread per bucket turns the counts into
-exclusive prefixes over warps, and thread 0 sums the buckets in order into the offsets.
-Pass 2 walks the chunks again and gives each route its row: bucket start + the warp's prefix
-+ the route's rank among the lanes of its group below it (warp, then lane order = route
-order: stable). Each lane loads ``LOADS`` ids of its warp's chunk ahead of their use in
-both passes. This module imports no GEMM code; :func:`plan_reference` is its torch mirror.
+Two launches of ``plan_ctas(n)`` CTAs of 1024 threads (32 warps); CTA c owns a contiguous
+range of the routes, warp w of it a contiguous chunk. Pass 1 (``count_kernel``) writes the
+sanitised ids and counts CTA c's routes per bucket (bucket E holds the routes with no expert)
+into ``part[c]``. Pass 2 (``scatter_kernel``) counts them again per (warp, bucket) with a
+``match.any`` made of ballots (the group's lowest lane adds the group size), and gives each
+route its row: its bucket's start (every CTA's counts summed, buckets in order) + the bucket's
+routes in earlier CTAs + those in earlier warps + the lanes of its group below it (CTA, warp,
+then lane order = route order: stable). Each lane loads ``LOADS`` ids ahead of their use.
+This module imports no GEMM code; :func:`plan_reference` is its torch mirror.
 """
 
 import torch
 
 THREADS = 1024
 MAX_EXPERTS = 1024
-LOADS = 8  # id loads in flight per lane (the passes are bound by load latency, not by work)
+LOADS = 4  # id loads in flight per lane, a batch of 32 * LOADS routes per warp
+CTA_ROUTES = 4096  # routes per CTA at least (more past MAX_CTAS CTAs)
+MAX_CTAS = 128
 
 
 def plan_reference(topk_idx: torch.Tensor, num_experts: int):
@@ -84,26 +87,36 @@ def _launcher():
             m = m & (cute.arch.vote_ballot_sync(bit != 0) ^ (bit - 1))
         return m
 
+    @cute.jit
+    def warp_chunk(n: Int32, ctas: Int32):
+        """``(chunk, lo, hi)``: routes per warp (whole batches of 32 * LOADS) and this CTA's routes."""
+        bidx, _, _ = cute.arch.block_idx()
+        per = 32 * LOADS
+        chunk = (n + ctas * warps * per - 1) // (ctas * warps * per) * per
+        lo = bidx * warps * chunk
+        return chunk, lo, cutlass.min(lo + warps * chunk, n)
+
     @cute.kernel
-    def plan_kernel(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,
-                    words: cute.Pointer, n: Int32, E: Constexpr):
+    def count_kernel(topk: cute.Tensor, idx_out: cute.Pointer, part: cute.Pointer, n: Int32, ctas: Int32,
+                     E: Constexpr):
+        """Pass 1 of CTA c: the sanitised ids of its routes, and ``part[c]`` = its routes per bucket, its
+        count of ids outside [-1, E) and the first such route (n if none)."""
         tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         w = tidx // 32
         nb = E + 1
         smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(warps * nb), byte_alignment=16)
-        base = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
+        cnt = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
         misc = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
-        ordr = cute.make_tensor(order, cute.make_layout(n))
-        offs = cute.make_tensor(offsets, cute.make_layout(nb))
         idx = cute.make_tensor(idx_out, cute.make_layout(n))
-        chunk = (n + THREADS - 1) // THREADS * 32
-        c0 = w * chunk
-        c1 = cutlass.min(c0 + chunk, n)
+        pt = cute.make_tensor(part, cute.make_layout(ctas * (nb + 2)))
+        chunk, lo, hi = warp_chunk(n, ctas)
+        c0 = lo + w * chunk
+        c1 = cutlass.min(c0 + chunk, hi)
         lt = cute.arch.lanemask_lt()
-        for x in cutlass.range(tidx, warps * nb, THREADS, unroll=1):
-            hist[x] = Int32(0)
+        for x in cutlass.range(tidx, nb, THREADS, unroll=1):
+            cnt[x] = Int32(0)
         if tidx == 0:
             misc[0] = Int32(0)
             misc[1] = Int32(n)
@@ -111,7 +124,7 @@ def _launcher():
         bs = cute.make_rmem_tensor((LOADS,), Int32)
         bad = cute.make_rmem_tensor((LOADS,), Int32)
         g = c0
-        while g < c1:  # pass 1: counts per (warp, bucket); sanitised ids; bad ids counted
+        while g < c1:
             load(topk, g, lane, c1, bs, bad, E)
             for u in cutlass.range_constexpr(LOADS):
                 i = g + u * 32 + lane
@@ -126,33 +139,91 @@ def _launcher():
                         idx[i] = Int32(-1)
                 m = peers(b, E)
                 if b >= 0 and (m & lt) == 0:
+                    cute.arch.atomic_add(cnt.iterator + b, Int32(cute.arch.popc(m)), scope="cta")
+            g += 32 * LOADS
+        cute.arch.barrier()
+        for x in cutlass.range(tidx, nb, THREADS, unroll=1):
+            pt[bidx * (nb + 2) + x] = cnt[x]
+        if tidx == 0:
+            pt[bidx * (nb + 2) + nb] = misc[0]
+            pt[bidx * (nb + 2) + nb + 1] = misc[1]
+
+    @cute.kernel
+    def scatter_kernel(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, words: cute.Pointer,
+                       part: cute.Pointer, n: Int32, ctas: Int32, E: Constexpr):
+        """Pass 2 of CTA c: each of its routes' row = its bucket's start (all CTAs' counts, in bucket
+        order) + the bucket's routes in CTAs before c + those in warps before this one + the lanes of
+        its group below it; CTA 0 also writes the offsets and the error words."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        nb = E + 1
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(warps * nb), byte_alignment=16)
+        base = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
+        prev = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
+        ordr = cute.make_tensor(order, cute.make_layout(n))
+        offs = cute.make_tensor(offsets, cute.make_layout(nb))
+        pt = cute.make_tensor(part, cute.make_layout(ctas * (nb + 2)))
+        chunk, lo, hi = warp_chunk(n, ctas)
+        c0 = lo + w * chunk
+        c1 = cutlass.min(c0 + chunk, hi)
+        lt = cute.arch.lanemask_lt()
+        for x in cutlass.range(tidx, warps * nb, THREADS, unroll=1):
+            hist[x] = Int32(0)
+        cute.arch.barrier()
+        bs = cute.make_rmem_tensor((LOADS,), Int32)
+        bad = cute.make_rmem_tensor((LOADS,), Int32)
+        g = c0
+        while g < c1:  # counts per (warp, bucket) of this CTA
+            load(topk, g, lane, c1, bs, bad, E)
+            for u in cutlass.range_constexpr(LOADS):
+                b = bs[u]
+                m = peers(b, E)
+                if b >= 0 and (m & lt) == 0:
                     hist[w * nb + b] += Int32(cute.arch.popc(m))
                 cute.arch.sync_warp()
             g += 32 * LOADS
         cute.arch.barrier()
-        for b in cutlass.range(tidx, nb, THREADS, unroll=1):  # exclusive prefix over warps
+        for b in cutlass.range(tidx, nb, THREADS, unroll=1):  # prefixes over warps, over CTAs; totals
             run = Int32(0)
             for ww in cutlass.range(warps, unroll=1):
                 c = hist[ww * nb + b]
                 hist[ww * nb + b] = run
                 run += c
-            base[b] = run
+            tot = Int32(0)
+            pre = Int32(0)
+            for cc in cutlass.range(ctas, unroll=1):
+                v = pt[cc * (nb + 2) + b]
+                if cc < bidx:
+                    pre += v
+                tot += v
+            base[b] = tot
+            prev[b] = pre
         cute.arch.barrier()
         if tidx == 0:  # bucket totals -> starts, in bucket order
             run = Int32(0)
             for b in cutlass.range(nb, unroll=1):
                 c = base[b]
-                base[b] = run
-                offs[b] = run
+                base[b] = run + prev[b]
+                if bidx == 0:
+                    offs[b] = run
                 run += c
-            wd = cute.make_tensor(words, cute.make_layout(2))
-            wd[0] = misc[0]
-            wd[1] = Int32(-1)
-            if misc[0] > 0:
-                wd[1] = misc[1]
+            if bidx == 0:
+                nbad = Int32(0)
+                first = Int32(n)
+                for cc in cutlass.range(ctas, unroll=1):
+                    nbad += pt[cc * (nb + 2) + nb]
+                    first = cutlass.min(first, pt[cc * (nb + 2) + nb + 1])
+                wd = cute.make_tensor(words, cute.make_layout(2))
+                wd[0] = nbad
+                wd[1] = Int32(-1)
+                if nbad > 0:
+                    wd[1] = first
         cute.arch.barrier()
         g = c0
-        while g < c1:  # pass 2: each route's row
+        while g < c1:  # each route's row
             load(topk, g, lane, c1, bs, bad, E)
             for u in cutlass.range_constexpr(LOADS):
                 b = bs[u]
@@ -167,9 +238,11 @@ def _launcher():
 
     @cute.jit
     def plan_host(topk: cute.Tensor, order: cute.Pointer, offsets: cute.Pointer, idx_out: cute.Pointer,
-                  words: cute.Pointer, n: Int32, stream, E: Constexpr):
-        plan_kernel(topk, order, offsets, idx_out, words, n, E).launch(
-            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=(warps + 1) * (E + 1) * 4 + 64, stream=stream)
+                  words: cute.Pointer, part: cute.Pointer, n: Int32, ctas: Int32, stream, E: Constexpr):
+        count_kernel(topk, idx_out, part, n, ctas, E).launch(
+            grid=[ctas, 1, 1], block=[THREADS, 1, 1], smem=(E + 1) * 4 + 64, stream=stream)
+        scatter_kernel(topk, order, offsets, words, part, n, ctas, E).launch(
+            grid=[ctas, 1, 1], block=[THREADS, 1, 1], smem=(warps + 2) * (E + 1) * 4 + 64, stream=stream)
 
     _launcher.fn = plan_host
     return plan_host
@@ -187,8 +260,13 @@ def compile_local_plan(arch: str, E: int, id_dtype: str = "i32", inspect: bool =
     dt = {"i32": cutlass.Int32, "i64": cutlass.Int64}[id_dtype]
     topk = cute.runtime.make_fake_tensor(dt, (cute.sym_int(),), stride=(1,), assumed_align=dt.width // 8)
     i32 = fake_ptr("i32")
-    return compile_kernel(_launcher(), topk, i32, i32, i32, i32, cutlass.Int32(1), fake_stream(), E,
-                          arch=arch, inspect=inspect)
+    return compile_kernel(_launcher(), topk, i32, i32, i32, i32, i32, cutlass.Int32(1), cutlass.Int32(1), fake_stream(),
+                          E, arch=arch, inspect=inspect)
+
+
+def plan_ctas(n: int) -> int:
+    """CTAs of the planner for ``n`` routes: one per :data:`CTA_ROUTES`, at most :data:`MAX_CTAS`."""
+    return max(1, min(MAX_CTAS, -(-n // CTA_ROUTES)))
 
 
 def plan_local(topk_idx: torch.Tensor, num_experts: int):
@@ -209,8 +287,10 @@ def plan_local(topk_idx: torch.Tensor, num_experts: int):
     if n:
         from cutlass import Int32
 
-        fn(_cute_tensor(topk_idx.reshape(-1), align=topk_idx.element_size()), dptr(order), dptr(offsets), dptr(idx), dptr(words), Int32(n),
-           current_stream(dev))
+        ctas = plan_ctas(n)
+        part = torch.empty(ctas * (num_experts + 3), **i32)  # per CTA: bucket counts, bad ids, first bad route
+        fn(_cute_tensor(topk_idx.reshape(-1), align=topk_idx.element_size()), dptr(order), dptr(offsets), dptr(idx),
+           dptr(words), dptr(part), Int32(n), Int32(ctas), current_stream(dev))
     else:
         offsets.zero_()
         words.fill_(-1)
