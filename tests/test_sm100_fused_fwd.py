@@ -53,6 +53,18 @@ def test_compiles_with_its_protocol(arch, clamp, shared):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_gather_is_staged(arch):
+    """The BF16 EP = 1 comm CTAs gather through the idle B stages (slot_rows.gather_rows_staged, the
+    SM90 forward's): cp.async one batch behind, fenced before the stages' TMA loads; the MXFP8 and EP
+    > 1 gathers go through registers."""
+    wait1 = r"cp\.async\.wait_group\s+1;"
+    rep = _rep(arch, True, True)
+    assert re.search(wait1, rep.ptx) and "fence.proxy.async.shared::cta" in rep.ptx
+    for other in (_rep(arch, True, True, mx=True), _rep(arch, True, True, ep=True)):
+        assert not re.search(wait1, other.ptx)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_trace_and_gate_variants(arch):
     """The trace variant stamps tasks with %globaltimer (more reads than the bounded waits'); the
     gate variant multiplies the slot sum's start by the gate (8 more mul.rn.f32 per vector);

@@ -26,6 +26,8 @@ UNVERIFIED = (
     "performance (stores are per-row 16-byte vectors, no TMA store; multicast only for the 2-CTA MXFP8 SFB)",
     "fused forward: ticket / readiness counters, the task-id mbarrier ring (TMA -> MMA + epilogue warps), "
     "ring-slot reuse, bounded waits and the slot sum on hardware; bitwise equality with the unfused SM100 path",
+    "fused forward BF16 gather through the B stages (slot_rows.gather_rows_staged: cp.async one batch behind, the "
+    "async-proxy fence before the stages' TMA loads): ring rows equal to the register gather's (MXFP8 / EP > 1)",
     "fused forward MXFP8: the gather's scale words into the ring's blocked scales (slot = scale atom row), the "
     "SwiGLU epilogue's h quantization and scale bytes (grouped atom rows), read by TMA after the readiness counters",
     "fused backward core: the ticket, d2[mt] readiness counts and bounded waits, D2 / D1 / W tiles through one "

@@ -152,6 +152,8 @@ class FusedMoeFwdSm100:
         self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         b_bytes = self.mainloop.stages * cfg.tile_n * lay.K_TILE_BYTES
+        self.staged = not mx and not ep  # the bf16 EP = 1 gather through the idle B stages (slot_rows.gather_rows_staged)
+        self.gather_cap = b_bytes // (2 * NUM_THREADS * _VEC * 2)
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
             raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
                              f"({b_bytes} bytes)")
@@ -255,8 +257,14 @@ class FusedMoeFwdSm100:
         shape = (n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band)
 
         if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
+            gbuf = None
+            if cutlass.const_expr(self.staged):
+                gbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
+                                        cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC), stride=(_VEC, 1)))
             self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
-                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone)
+                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
+            if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
@@ -293,8 +301,11 @@ class FusedMoeFwdSm100:
     def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
                 mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
                 k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, timeout_ns: Int64,
-                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor, ep, mDone: cute.Tensor):
+                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor, ep, mDone: cute.Tensor,
+                gbuf: cute.Tensor):
         """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc).
+        BF16 at EP = 1 (``staged``): through ``gbuf``, the idle B stages
+        (:func:`~mok_cute.kernels.slot_rows.gather_rows_staged`, as the SM90 forward's comm CTAs).
         MXFP8: a row's e4m3 bytes, then its scale words (``mXsw`` [T, W] int32, W = ceil(H / 128):
         4 E8M0 bytes of one scale atom each) to ring slot ``c % ring``'s scale atom row of the blocked
         ``mXgsf`` (:func:`~mok_cute.kernels.sm100.layouts.sf_byte`). EP > 1 (``ep``): the rows (and
@@ -327,25 +338,29 @@ class FusedMoeFwdSm100:
                     P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
                 cute.arch.barrier()
             slot_row = (c % ring) * CHUNK
-            for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
-                q = mOrder[row0 + rr]
-                tok = q // k
-                if cutlass.const_expr(self.ep):
-                    src = ep.src_row(q, k, src_bytes)
-                    if lane == 0:
-                        ep.pull_w(q, row0 + rr)
-                else:
-                    src = base + Int64(tok) * Int64(row_bytes)
-                dst = dbase + Int64(slot_row + rr) * Int64(row_bytes)
-                slot_rows.copy_row(lane, src, dst, hid // (128 // self.cfg.ab_dtype.width), self.unroll)
-                if cutlass.const_expr(self.mx):
-                    words = xsw.shape[1]
-                    for j in cutlass.range(lane, words, 32, unroll=1):
-                        if cutlass.const_expr(self.ep):
-                            w = cute.make_tensor(P.gptr(Int32, src + Int64(hid + 4 * j)), cute.make_layout((1,)))[0]
-                        else:
-                            w = xsw[tok, j]
-                        rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
+            if cutlass.const_expr(self.staged):
+                slot_rows.gather_rows_staged(tidx, rows, hid // _VEC, mOrder, row0, k, base, row_bytes, dbase, slot_row,
+                                             gbuf, NUM_THREADS, self.gather_cap)
+            else:
+                for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
+                    q = mOrder[row0 + rr]
+                    tok = q // k
+                    if cutlass.const_expr(self.ep):
+                        src = ep.src_row(q, k, src_bytes)
+                        if lane == 0:
+                            ep.pull_w(q, row0 + rr)
+                    else:
+                        src = base + Int64(tok) * Int64(row_bytes)
+                    dst = dbase + Int64(slot_row + rr) * Int64(row_bytes)
+                    slot_rows.copy_row(lane, src, dst, hid // (128 // self.cfg.ab_dtype.width), self.unroll)
+                    if cutlass.const_expr(self.mx):
+                        words = xsw.shape[1]
+                        for j in cutlass.range(lane, words, 32, unroll=1):
+                            if cutlass.const_expr(self.ep):
+                                w = cute.make_tensor(P.gptr(Int32, src + Int64(hid + 4 * j)), cute.make_layout((1,)))[0]
+                            else:
+                                w = xsw[tok, j]
+                            rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
