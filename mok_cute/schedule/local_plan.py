@@ -88,13 +88,16 @@ def _launcher():
         return m
 
     @cute.jit
-    def warp_chunk(n: Int32, ctas: Int32):
-        """``(chunk, lo, hi)``: routes per warp (whole batches of 32 * LOADS) and this CTA's routes."""
+    def warp_range(n: Int32, ctas: Int32, w: Int32):
+        """``(c0, c1)``: warp ``w``'s routes (the CTAs' ranges in order, each warp's a whole number of
+        batches of 32 * LOADS)."""
         bidx, _, _ = cute.arch.block_idx()
         per = 32 * LOADS
         chunk = (n + ctas * warps * per - 1) // (ctas * warps * per) * per
         lo = bidx * warps * chunk
-        return chunk, lo, cutlass.min(lo + warps * chunk, n)
+        hi = cutlass.min(lo + warps * chunk, n)
+        c0 = lo + w * chunk
+        return c0, cutlass.min(c0 + chunk, hi)
 
     @cute.kernel
     def count_kernel(topk: cute.Tensor, idx_out: cute.Pointer, part: cute.Pointer, n: Int32, ctas: Int32,
@@ -111,9 +114,7 @@ def _launcher():
         misc = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
         idx = cute.make_tensor(idx_out, cute.make_layout(n))
         pt = cute.make_tensor(part, cute.make_layout(ctas * (nb + 2)))
-        chunk, lo, hi = warp_chunk(n, ctas)
-        c0 = lo + w * chunk
-        c1 = cutlass.min(c0 + chunk, hi)
+        c0, c1 = warp_range(n, ctas, w)
         lt = cute.arch.lanemask_lt()
         for x in cutlass.range(tidx, nb, THREADS, unroll=1):
             cnt[x] = Int32(0)
@@ -166,9 +167,7 @@ def _launcher():
         ordr = cute.make_tensor(order, cute.make_layout(n))
         offs = cute.make_tensor(offsets, cute.make_layout(nb))
         pt = cute.make_tensor(part, cute.make_layout(ctas * (nb + 2)))
-        chunk, lo, hi = warp_chunk(n, ctas)
-        c0 = lo + w * chunk
-        c1 = cutlass.min(c0 + chunk, hi)
+        c0, c1 = warp_range(n, ctas, w)
         lt = cute.arch.lanemask_lt()
         for x in cutlass.range(tidx, warps * nb, THREADS, unroll=1):
             hist[x] = Int32(0)
