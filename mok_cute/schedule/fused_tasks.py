@@ -30,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from mok_cute.comm import protocol as P
 from mok_cute.schedule.group_tiles import seek, tile_coords
 from mok_cute.schedule.tickets import run_tickets, strided
 
@@ -176,6 +177,21 @@ def check_ep_pushes(topk_idx_per_rank, num_experts: int, n_cols: int, rank, what
 
 
 # ---------------------------------------------------------------- device functions
+@cute.jit
+def chunk_start(tidx: Int32, c: Int32, ring: Int32, n1: Int32, offsets: cute.Tensor, num_experts: Int32,
+                tile_m: cutlass.Constexpr[int], expert: Int32, base: Int32, h_ready: cute.Tensor, timeout_ns,
+                status, channel: Int32):
+    """A comm CTA's start of gather chunk ``c``: ``(row0, rows, expert, base)`` (:func:`mtile`); chunk
+    ``c >= ring`` first waits (thread ``tidx`` 0, bounded, status ``channel``; then the CTA) until
+    every GEMM1 n-tile of m-tile ``c - ring`` has read its ring slot (``h_ready >= n1``)."""
+    row0, rows, e, b = mtile(offsets, num_experts, tile_m, c, expert, base)
+    if c >= ring:
+        if tidx == 0:
+            P.wait_geq(h_ready.iterator + (c - ring), n1, timeout_ns, status, c - ring, channel)
+        cute.arch.barrier()
+    return row0, rows, e, b
+
+
 @cute.jit
 def routed_mtiles(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int]):
     """m-tiles of all routed experts, ``sum_e ceil(rows_e / tile_m)`` (one pass over offsets)."""

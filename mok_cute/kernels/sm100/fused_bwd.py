@@ -62,7 +62,6 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
@@ -245,16 +244,8 @@ class FusedMoeBwdSm100:
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp == TMA_WARP:
-            for atom in atoms:
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ab_pipe, acc_pipe = md.make_pipelines(storage)
-        task_pipe, sTask = task_ring.make(storage)
-        tmem = md.make_tmem_allocator(storage)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem = task_ring.kernel_start(
+            md, atoms, self.shared_storage)
         smem = md.smem_tensors(storage) + mw.smem_tensors(storage)  # sA, sB, sSFA, sSFB of each (SF: MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 

@@ -70,7 +70,6 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
@@ -215,18 +214,10 @@ class FusedMoeFwdSm100:
                comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, peer: list):
         cfg, ml, per = self.cfg, self.mainloop, self.per
         ml.setup()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
+        warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem = task_ring.kernel_start(
+            ml, atoms, self.shared_storage)
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        if warp == TMA_WARP:
-            for atom in atoms:
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ab_pipe, acc_pipe = ml.make_pipelines(storage)
-        task_pipe, sTask = task_ring.make(storage)
-        tmem = ml.make_tmem_allocator(storage)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         smem = ml.smem_tensors(storage)  # sA, sB, sSFA, sSFB (MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         status = mStatus.iterator
@@ -332,11 +323,8 @@ class FusedMoeFwdSm100:
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
-            row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
-            if c >= ring:
-                if tidx == 0:
-                    P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
-                cute.arch.barrier()
+            row0, rows, ge, gb = tasks.chunk_start(tidx, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
+                                                   timeout_ns, status, Int32(RING))
             slot_row = (c % ring) * CHUNK
             if cutlass.const_expr(self.staged):
                 slot_rows.gather_rows_staged(tidx, rows, hid // _VEC, mOrder, row0, k, base, row_bytes, dbase, slot_row,

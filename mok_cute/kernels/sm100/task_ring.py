@@ -5,16 +5,18 @@ producer thread; a slot is free once MMA lane 0 and every epilogue thread have r
 
 A kernel's shared storage holds ``task_bar`` (``STORAGE["task_bar"]``) and ``task`` slots;
 :func:`make` builds the pipeline on them (``defer_sync``: the kernel's pipeline init barrier
-covers it), :func:`publish` / :func:`take` move one id.
+covers it), :func:`publish` / :func:`take` move one id; :func:`kernel_start` is both kernels'
+common start.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass import Int32
 
-from mok_cute.kernels.sm100.mainloop import EPI_THREADS
+from mok_cute.kernels.sm100.mainloop import EPI_THREADS, TMA_WARP
 
 TASK_STAGES = 4  # task ids in flight from the TMA warp to the MMA and epilogue warps
 ARRIVALS = 1 + EPI_THREADS  # a task slot is free once MMA lane 0 and every epilogue thread read it
@@ -29,6 +31,26 @@ def make(storage):
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ARRIVALS), defer_sync=True)
     return pipe, storage.task.get_tensor(cute.make_layout(TASK_STAGES))
+
+
+@cute.jit
+def kernel_start(ml, atoms, shared_storage):
+    """Both megakernels' start: the TMA warp prefetches ``atoms``' descriptors, the storage is
+    allocated, ``ml``'s A/B and accumulator pipelines, the task ring and the TMEM allocator are made
+    on it and the pipelines' init arrive is issued; ``(warp, tidx, storage, ab_pipe, acc_pipe,
+    task_pipe, sTask, tmem)``. The caller takes its shared-memory tensors, then
+    ``pipeline.pipeline_init_wait``."""
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    tidx, _, _ = cute.arch.thread_idx()
+    if warp == TMA_WARP:
+        for atom in atoms:
+            cute.nvgpu.cpasync.prefetch_descriptor(atom)
+    storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
+    ab_pipe, acc_pipe = ml.make_pipelines(storage)
+    task_pipe, sTask = make(storage)
+    tmem = ml.make_tmem_allocator(storage)
+    pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+    return warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem
 
 
 def producer_state():

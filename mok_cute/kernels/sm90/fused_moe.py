@@ -314,11 +314,8 @@ class FusedMoeFwdSm90:
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
-            row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
-            if c >= ring:
-                if tidx == 0:
-                    P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
-                cute.arch.barrier()
+            row0, rows, ge, gb = tasks.chunk_start(tidx, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
+                                                   timeout_ns, status, Int32(RING))
             self._gather_rows(tidx, row0, rows, (c % ring) * CHUNK, mX, mXq, mXg, mOrder, k, ep, gbuf)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
