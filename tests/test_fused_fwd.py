@@ -390,3 +390,26 @@ def test_gather_modes_compile():
     assert re.search(bg_bar, ptx["bg"]) and not re.search(bg_bar, ptx["staged"])
     with pytest.raises(ValueError, match="gather must be one of"):
         fm.FusedMoeFwdSm90(True, True, gather="tma")
+
+
+@pytest.mark.parametrize("units", [8, 360, 512, 896, 1000])
+@pytest.mark.parametrize("cap", [1, 5, 12])
+def test_staged_gather_batches_cover_each_unit_once(units, cap):
+    """slot_rows.staged_plan / staged_batch (the staged gather's indexing, as the kernel runs it): over a
+    CTA's warps, lanes and batches, every (row, 16-byte unit) of ``rows`` rows is moved exactly once,
+    no lane holds more than ``cap`` units of a batch, and a row takes the fewest batches, of even size."""
+    from mok_cute.kernels import slot_rows
+
+    warps = 12
+    for rows in (0, 1, 5, 11, 128):
+        moved = []
+        for warp in range(warps):
+            per, cpr, n = slot_rows.staged_plan(rows, units, warp, warps, cap)
+            per_row = -(-units // 32)
+            assert per <= cap and cpr == -(-per_row // cap) and per == -(-per_row // cpr)  # fewest, even batches
+            for b in range(n):
+                rr, c0 = slot_rows.staged_batch(b, warp, warps, cpr, per)
+                assert rr < rows
+                moved += [(rr, cu) for lane in range(32) for u in range(per)
+                          if (cu := c0 + u * 32 + lane) < units]
+        assert sorted(moved) == [(r, u) for r in range(rows) for u in range(units)]

@@ -79,7 +79,7 @@ def main() -> int:
     print(f"host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
     print(f"GPU per call: span {whole / args.calls:.0f} us, kernels {busy / args.calls:.0f} us, "
           f"idle between kernels {(whole - busy) / args.calls:.0f} us, {len(evs) / args.calls:.0f} kernels")
-    if args.host:  # host calls by total time; GPU gaps before each call's first kernel (the plan)
+    if args.host:  # host calls by total time; GPU gaps before each call's first kernel (the plan's count pass)
         api = collections.defaultdict(lambda: [0, 0.0])
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(("cuda", "cu")):
@@ -91,10 +91,10 @@ def main() -> int:
         by_start = sorted(evs, key=lambda ev: ev.time_range.start)
         gaps, end = [], None
         for ev in by_start:
-            if "plan_kernel" in ev.name and end is not None:
+            if "count_kernel" in ev.name and end is not None:
                 gaps.append(ev.time_range.start - end)
             end = ev.time_range.end if end is None else max(end, ev.time_range.end)
-        print(f"GPU gap before each call's plan kernel (us): {[round(g) for g in gaps]}")
+        print(f"GPU gap before each call's plan (us): {[round(g) for g in gaps]}")
     if args.timeline:  # the last call's events (its plan kernel starts it)
         last = sorted(evs, key=lambda ev: ev.time_range.start)[-len(evs) // args.calls:]
         prev = last[0].time_range.start

@@ -180,15 +180,19 @@ def check_ep_pushes(topk_idx_per_rank, num_experts: int, n_cols: int, rank, what
 @cute.jit
 def chunk_start(tidx: Int32, c: Int32, ring: Int32, n1: Int32, offsets: cute.Tensor, num_experts: Int32,
                 tile_m: cutlass.Constexpr[int], expert: Int32, base: Int32, h_ready: cute.Tensor, timeout_ns,
-                status, channel: Int32):
-    """A comm CTA's start of gather chunk ``c``: ``(row0, rows, expert, base)`` (:func:`mtile`); chunk
-    ``c >= ring`` first waits (thread ``tidx`` 0, bounded, status ``channel``; then the CTA) until
-    every GEMM1 n-tile of m-tile ``c - ring`` has read its ring slot (``h_ready >= n1``)."""
+                status, channel: Int32, barrier_id: cutlass.Constexpr[int] = 0, threads: cutlass.Constexpr[int] = 0):
+    """The start of gather chunk ``c`` (or of a piece of it): ``(row0, rows, expert, base)``
+    (:func:`mtile`); chunk ``c >= ring`` first waits (thread ``tidx`` 0, bounded, status ``channel``;
+    then the CTA, or with ``barrier_id`` the ``threads`` of that named barrier) until every GEMM1
+    n-tile of m-tile ``c - ring`` has read its ring slot (``h_ready >= n1``)."""
     row0, rows, e, b = mtile(offsets, num_experts, tile_m, c, expert, base)
     if c >= ring:
         if tidx == 0:
             P.wait_geq(h_ready.iterator + (c - ring), n1, timeout_ns, status, c - ring, channel)
-        cute.arch.barrier()
+        if cutlass.const_expr(barrier_id == 0):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
     return row0, rows, e, b
 
 

@@ -344,12 +344,10 @@ class FusedMoeFwdSm90:
         dbase = mXg.iterator.toint()
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
-            c = first + q // PIECES
-            row0, rows, ge, gb = tasks.mtile(mOffsets, num_experts, CHUNK, c, ge, gb)
+            c = first + q // PIECES  # >= ring: the chunk's slot was used before
+            row0, rows, ge, gb = tasks.chunk_start(t, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
+                                                   timeout_ns, status, Int32(RING), BG_BARRIER, BG_WARPS * 32)
             p0 = q % PIECES * PIECE_ROWS
-            if t == 0:
-                P.wait_geq(mHready.iterator + (c - ring), n1, timeout_ns, status, c - ring, Int32(RING))
-            cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
             for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), BG_WARPS, unroll=1):
                 src = base + Int64(mOrder[row0 + rr] // k) * Int64(hid * 2)
                 route_rows.copy_row(lane, src, dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2), hid // _VEC,
