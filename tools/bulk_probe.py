@@ -1,6 +1,6 @@
 """Probe of the opt-in bulk (cp.async.bulk) row mover outside the comm protocol, on one GPU:
 
-    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|ws-rt|dispatch [threads]
+    python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|ws-rt[-me|-ep|-ep_round|-ep_move|-timeout|-none]|dispatch [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
 shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
@@ -15,7 +15,9 @@ bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per 
 1024). Prints whether out equals the torch gather; a fault aborts the process (run each
 variant in its own process). ``ws-prod``: the ``ws`` arguments given to the production bulk pull
 kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's; ``ws-rt``: to the probe's
-kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them. ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
+kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them; ``ws-rt-me`` / ``-ep`` / ``-timeout``: only that one at run time
+(``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds;
+``-none``: none, the control). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ from mok_cute.comm.protocol import cute, cutlass  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
 
-def build(kind: str, threads: int):
+def build(kind: str, threads: int, fixed: frozenset = frozenset()):
+    """The probe's host function for ``kind``; ``fixed`` names the run-time arguments of
+    ``round-rt`` traced as constants instead: ``me`` (0), ``ep_round`` / ``ep_move`` (1, in
+    ``pull_round``'s peer loops / in the mover's bounds), ``timeout`` (1 s)."""
     @cute.kernel
     def minimal_kernel(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -76,9 +81,18 @@ def build(kind: str, threads: int):
                         offsets: cute.Pointer, out: cute.Pointer, rows: Int32, me: Int32, ep: Int32, t: Int32, k: Int32,
                         v: Int32, e_local: Int32, src_off: Int64, flags_off: Int64, epoch: Int32, timeout_ns: Int64,
                         nctas: Int32):
-        P.pull_round(pb, status, counter, me, ep, flags_off, epoch, timeout_ns, nctas,
+        if cutlass.const_expr("me" in fixed):
+            me = Int32(0)
+        ep_round, ep_move = ep, ep  # ep of pull_round's peer loops / of the mover's bounds
+        if cutlass.const_expr("ep_round" in fixed):
+            ep_round = Int32(1)
+        if cutlass.const_expr("ep_move" in fixed):
+            ep_move = Int32(1)
+        if cutlass.const_expr("timeout" in fixed):
+            timeout_ns = Int64(10 ** 9)
+        P.pull_round(pb, status, counter, me, ep_round, flags_off, epoch, timeout_ns, nctas,
                      lambda tidx, bidx, pbt: R.bulk_routed_rows(
-                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, ep, t, k, t * k, v, e_local,
+                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, ep_move, t, k, t * k, v, e_local,
                          src_off, Int32(P.READY), epoch, nctas, False))
 
     @cute.jit
@@ -174,7 +188,8 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     dev, e = x.device, 8
     idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     ws = get_workspace(None, T=t, H=h, k=k, E=e)
-    if kind in ("ws-plan", "ws", "ws-prod", "ws-rt"):
+    rt = kind.startswith("ws-rt")
+    if kind in ("ws-plan", "ws", "ws-prod") or rt:
         plan = plan_routing_device(ws, idx)
         routes, offsets, e_local, rows = plan.recv_src, plan.offsets, e, plan.recv_src.shape[0]
     else:
@@ -182,7 +197,7 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
         routes = torch.argsort(flat, stable=True).to(torch.int32)
         offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
         e_local, rows = 1, routes.numel()
-    if kind in ("ws-src", "ws", "ws-prod", "ws-rt"):
+    if kind in ("ws-src", "ws", "ws-prod") or rt:
         ws.acquire_src().copy_(x)
         pb, src_off, flags_off = ws.peer_bases, ws.offsets["src"], ws.offsets["flags"]
         buf = None
@@ -193,15 +208,20 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     status = torch.zeros(4, dtype=torch.int32, device=dev)
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     out = torch.zeros(rows, h, dtype=torch.bfloat16, device=dev)
-    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod", "ws-rt") else 1
-    if kind in ("ws-prod", "ws-rt"):  # the production bulk pull kernel, or the probe's with me / ep / timeout
+    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod") or rt else 1
+    if kind == "ws-prod" or rt:  # the production bulk pull kernel, or the probe's with me / ep / timeout
         from mok_cute.comm.dispatch import compile_pull_bulk  # given at run time, on these arguments
 
         if kind == "ws-prod":
             c, _ = compile_pull_bulk("sm_90a")
         else:
             i32 = fake_ptr("i32")
-            c, _ = compile_kernel(build("round-rt", threads), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"),
+            # ws-rt: all three at run time; ws-rt-me / -ep / -timeout: only that one
+            names = {"me": {"me"}, "ep": {"ep_round", "ep_move"}, "ep_round": {"ep_round"},
+                     "ep_move": {"ep_move"}, "timeout": {"timeout"}, "none": set()}
+            fixed = frozenset({"me", "ep_round", "ep_move", "timeout"} - names[kind[len("ws-rt-"):]]) \
+                if kind != "ws-rt" else frozenset()
+            c, _ = compile_kernel(build("round-rt", threads, fixed), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"),
                                   Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                                   Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(), arch="sm_90a")
         c(_p(pb), _p(status), _p(counter), _p(routes), _p(offsets), _p(out), Int32(rows), Int32(0), Int32(1),
