@@ -208,6 +208,9 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     status = torch.zeros(4, dtype=torch.int32, device=dev)
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     out = torch.zeros(rows, h, dtype=torch.bfloat16, device=dev)
+    print(f"addresses: buf={ws.buf.data_ptr():#x} peer_bases={[hex(a) for a in ws.peer_bases.tolist()]} "
+          f"peer_bases_ptr={ws.peer_bases.data_ptr():#x} pb_ptr={pb.data_ptr():#x} src_off={src_off} "
+          f"flags_off={flags_off} status_ptr={status.data_ptr():#x}", flush=True)
     epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod") or rt else 1
     if kind == "ws-prod" or rt:  # the production bulk pull kernel, or the probe's with me / ep / timeout
         from mok_cute.comm.dispatch import compile_pull_bulk  # given at run time, on these arguments
