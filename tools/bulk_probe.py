@@ -17,7 +17,7 @@ variant in its own process). ``ws-prod``: the ``ws`` arguments given to the prod
 kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's; ``ws-rt``: to the probe's
 kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them; ``ws-rt-me`` / ``-ep`` / ``-timeout``: only that one at run time
 (``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds;
-``-none``: none, the control). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
+``-none``: none, the control; with ``MOK_PROBE_PLAIN=1`` the rows and flags lie in a plain allocation). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
 
@@ -179,6 +179,8 @@ def main() -> int:
 def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     """The ``round`` kernel with the workspace's plan (``ws-plan``), source section (``ws-src``) or
     both (``ws``); returns ``(out, want)``."""
+    import os
+
     from mok_cute.comm.workspace import get_workspace
     from mok_cute.dsl.compile import compile_kernel
     from mok_cute.dsl.host import dptr as _p, fake_ptr, fake_stream
@@ -197,7 +199,9 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
         routes = torch.argsort(flat, stable=True).to(torch.int32)
         offsets = torch.tensor([0, routes.numel()], dtype=torch.int32, device=dev)
         e_local, rows = 1, routes.numel()
-    if kind in ("ws-src", "ws", "ws-prod") or rt:
+    # MOK_PROBE_PLAIN=1: the source rows and flags in a plain allocation instead of the symmetric one
+    ws_src = (kind in ("ws-src", "ws", "ws-prod") or rt) and os.environ.get("MOK_PROBE_PLAIN") != "1"
+    if ws_src:
         ws.acquire_src().copy_(x)
         pb, src_off, flags_off = ws.peer_bases, ws.offsets["src"], ws.offsets["flags"]
         buf = None
@@ -211,7 +215,7 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
     print(f"addresses: buf={ws.buf.data_ptr():#x} peer_bases={[hex(a) for a in ws.peer_bases.tolist()]} "
           f"peer_bases_ptr={ws.peer_bases.data_ptr():#x} pb_ptr={pb.data_ptr():#x} src_off={src_off} "
           f"flags_off={flags_off} status_ptr={status.data_ptr():#x}", flush=True)
-    epoch = ws.next_epoch("pull") if kind in ("ws-src", "ws", "ws-prod") or rt else 1
+    epoch = ws.next_epoch("pull") if ws_src else 1
     if kind == "ws-prod" or rt:  # the production bulk pull kernel, or the probe's with me / ep / timeout
         from mok_cute.comm.dispatch import compile_pull_bulk  # given at run time, on these arguments
 
