@@ -19,10 +19,11 @@ def _compiled(clamp: bool, scatter: bool = False, init: bool = False):
     return fused_bwd.compile_fused_backward_core(clamp, scatter, init, inspect=True)[1]
 
 
-def _clean(rep):
-    """0 spills, and ptxas kept the wgmma batches asynchronous: its C7520 remark ("wgmma.mma_async
-    instructions are serialized", a fence it had to add in a divergent path) cost this kernel 16%."""
-    assert re.findall(r"(\d+) bytes spill stores", rep.log) == ["0"]
+def _clean(rep, spill: int = 0):
+    """``spill`` bytes of spill stores (0), and ptxas kept the wgmma batches asynchronous: its C7520
+    remark ("wgmma.mma_async instructions are serialized", a fence it had to add in a divergent path)
+    cost this kernel 16%."""
+    assert re.findall(r"(\d+) bytes spill stores", rep.log) == [str(spill)]
     assert "serialized" not in rep.log, rep.log[:600]
 
 
@@ -190,7 +191,7 @@ def test_trace_variant():
 def test_mx_variant(scatter):
     """The MXFP8 variant: dgu's round trips along 2I and along the tokens in the dSwiGLU epilogue
     (e4m3 quantize and dequantize instructions the BF16 build lacks), the same GEMM work, 0 spills,
-    no serialized wgmma; with the comm work or the shared group it is refused."""
+    no serialized wgmma; with the shared group it is refused."""
     from mok_cute.kernels.sm90 import fused_bwd
 
     rep = fused_bwd.compile_fused_backward_core(True, scatter, scatter, mx=True, inspect=True)[1]
@@ -200,7 +201,26 @@ def test_mx_variant(scatter):
         assert rep.ptx.count(needed) > plain.ptx.count(needed), needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="mx"):
-        fused_bwd.compile_fused_backward_core(True, True, True, True, mx=True)
+        fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, mx=True)
+
+
+def test_ep_mx_variant():
+    """The EP > 1 whole backward at MXFP8 (the shared expert outside the launch): the comm CTAs'
+    round trips of the pulled rows (the tokens' blocks: e4m3 quantize / dequantize, u16x2 maxima;
+    H's: the 4-lane butterfly) on top of the epilogue's, the same GEMM work. 16 bytes of spill, not
+    0: one 8-byte pair stored and reloaded once per tile around the MXFP8 dSwiGLU epilogue's
+    stores (the EP state the consumers carry; the same without the gather's round trips)."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, ep=True, mx=True, inspect=True)[1]
+    bf16 = fused_bwd.compile_fused_backward_core(True, True, True, True, ep=True, inspect=True)[1]
+    core = fused_bwd.compile_fused_backward_core(True, True, True, mx=True, inspect=True)[1]
+    _clean(rep, spill=16)
+    assert rep.ptx.count("wgmma.mma_async") == bf16.ptx.count("wgmma.mma_async")
+    for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
+        assert rep.ptx.count(needed) > core.ptx.count(needed), needed
+    assert rep.ptx.count("shfl.sync.bfly") > bf16.ptx.count("shfl.sync.bfly")
+    assert "st.release.sys" in rep.ptx
 
 
 def test_add_variant():
@@ -277,6 +297,55 @@ def test_ep_host_launch(monkeypatch):
     assert int(a["dy_off"]) == ws.offsets["dy"] and int(a["slots_off"]) == ws.offsets["slots"]
     assert (int(a["num_ctas"]), int(a["comm_ctas"])) == (66, 6)
     assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW
+
+
+def test_ep_host_launch_mx(monkeypatch):
+    """fused_backward_ep at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
+    replaced): the mx ep variant, h's round trip along the tokens over the plan's experts as mH, a
+    fresh [M, H] mDyT for the launch to write, the shared expert's dx (made outside) as the slot
+    sum's start and no shared tiles; mx with the shared tiles in the launch is refused."""
+    import inspect
+    from types import SimpleNamespace
+
+    from conftest import FakeLauncher, FakeWorkspace
+    from mok_cute.kernels.quant import dequant_mxfp8
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, trips = FakeLauncher(), [], []
+    monkeypatch.setattr(fused_bwd, "device_arch", lambda d: (0, "sm_90a"))
+    monkeypatch.setattr(fused_bwd, "sm_count", lambda d: 132)
+    monkeypatch.setattr(fused_bwd, "compile_cached", lambda key, build: keys.append(key) or fake)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens",
+                        lambda a, offs: trips.append((a, offs)) or a.clone() + 1)
+    t, h, inter, e, k, m = 64, 256, 128, 2, 2, 256
+    bf = torch.bfloat16
+    ws = FakeWorkspace(t, h, k)
+    plan = SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=torch.tensor([0, 90, 200], dtype=torch.int32))
+    dy, x = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf)
+    slot_rows, w_rows = torch.randn(t * k, h).to(bf), torch.rand(m)
+    idx = torch.zeros(t, k, dtype=torch.int64)
+    weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
+    gu, hh, dxs = torch.randn(m, 2 * inter).to(bf), torch.randn(m, inter).to(bf), torch.randn(t, h).to(bf)
+    fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
+                                num_ctas=66, mx=True, dx_shared=dxs)
+    variant = keys[0][2:]  # (clamp, tokens, init, gather, by_route, shared, accumulate, trace, mx, add, n_tail, ep)
+    assert variant[2] and variant[3] and not variant[5] and variant[8] and variant[11]
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    (args,) = fake.direct
+    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    (rt_in, rt_offs), = trips
+    assert torch.equal(rt_in, hh) and rt_offs is plan.offsets and torch.equal(a["mH"], hh + 1)
+    assert tuple(a["mDyT"].shape) == (m, h) and a["mDyT"].data_ptr() not in (a["mDy"].data_ptr(), dy.data_ptr())
+    assert a["mInit"] is dxs and a["mSGU"] is None
+    sh = (torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * inter).to(bf), torch.randn(t, inter).to(bf),
+          *(w[0] for w in weights[:2]), weights[2][0])
+    with pytest.raises(ValueError, match="mx"):
+        fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, shared=sh,
+                                    mx=True)
+    with pytest.raises(ValueError, match="dx_shared"):
+        fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0,
+                                    dx_shared=dxs[:-1])
 
 
 def test_ep_host_validates_before_staging(monkeypatch):

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from mok_cute.comm.protocol import gptr
-from mok_cute.kernels import slot_rows
+from mok_cute.kernels import mx_rows, slot_rows
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.schedule.fused_tasks import mtile
 
@@ -99,7 +99,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                   ready: cute.Tensor, k: Int32, hidden: Int32, ep, ep_dy, counters, pulled_word: cutlass.Constexpr[int],
                   trace_rec: tuple,
                   tile_m: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-                  by_route: cutlass.Constexpr[bool]):
+                  by_route: cutlass.Constexpr[bool], dy_t: cute.Tensor = None):
     """A fused backward's comm CTA ``bidx`` of ``comm_ctas`` (``threads`` per CTA, one warp per row):
     routed m-tile ``c`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
     for c = bidx, bidx + comm_ctas, ..., in two passes: ``dy_rows[p]`` = bf16(dy[t] * w[q]) with
@@ -114,7 +114,14 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
     int32 ``counters + pulled_word`` says DONE), dy scaled by ``w[p]`` (``w``: the forward's router weight per grouped
     row); then d topk_w of this rank's routes q in [T*k] from its slot rows ``r`` (0 where ``idx``
     is -1). ``trace_rec``: ``(records, base, kinds)`` (chunk c's passes recorded at base + c and
-    base + chunks + c with kinds[0] / kinds[1]) or None."""
+    base + chunks + c with kinds[0] / kinds[1]) or None.
+
+    ``dy_t`` (bf16 [M, H], the MXFP8 backward's operands; else None): before each pass publishes
+    its m-tile, the rows become what the MXFP8 GEMMs read (:mod:`~mok_cute.kernels.mx_rows`, bitwise
+    the unfused round trips): pass 0 writes dy's round trip along the tokens into ``dy_t``, then
+    replaces the dy rows by their round trip along H; pass 1 replaces the x rows by theirs along
+    the tokens (m-tiles start at their expert's first row, so the tokens' blocks of 32 are the
+    tile's)."""
     hc = hidden // 8
     warps = threads // 32
 
@@ -152,6 +159,8 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                     if cutlass.const_expr(ep is not None):
                         src = ep.src_row(q, k, hidden * 2)
                     slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, unroll)
+            if cutlass.const_expr(dy_t is not None):
+                _mx_tile(tidx, warp, lane, xpass, threads, dy_rows, x_rows, dy_t, row0, rows, tile_m, hc)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -172,3 +181,26 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
         for p in cutlass.range(offsets[num_experts] + bidx * threads + tidx, order.shape[0], comm_ctas * threads,
                                unroll=1):
             dtwv[order[p]] = Uint32(0)
+
+
+@cute.jit
+def _mx_tile(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+             dy_rows: cute.Tensor, x_rows: cute.Tensor, dy_t: cute.Tensor, row0: Int32, rows: Int32,
+             tile_m: cutlass.Constexpr[int], hc: Int32):
+    """:func:`gather_chunks`' MXFP8 step on m-tile rows ``row0 .. row0 + rows`` of pass ``xpass``
+    (the CTA's ``threads``; the tile's rows stored before it, by any of them; the caller's fence and
+    barrier follow it)."""
+    def words(m: cute.Tensor):
+        return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
+                                cute.make_layout((m.shape[0], hc, 4), stride=(hc * 4, 4, 1)))
+
+    cute.arch.barrier()
+    if cutlass.const_expr(xpass == 0):
+        dyw = words(dy_rows)
+        mx_rows.mx_tile_columns(tidx, threads, dyw, words(dy_t), row0, rows, tile_m, hc)
+        cute.arch.barrier()  # every column block has read the rows before they are rewritten
+        for rr in cutlass.range(warp, rows, threads // 32, unroll=1):
+            mx_rows.mx_row(lane, dyw, row0 + rr, hc)
+    else:
+        xw = words(x_rows)
+        mx_rows.mx_tile_columns(tidx, threads, xw, xw, row0, rows, tile_m, hc)

@@ -35,7 +35,8 @@ import importlib
 import torch
 
 from mok_cute.layers.common import (
-    ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_launch_operands, whole_offsets,
+    ExpertGroup, fused_bwd_mx, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+    whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
@@ -72,8 +73,6 @@ def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
     """Whether the fused backward core takes these operands (the unfused path takes any): BF16, or
     MXFP8 with its variant on (``common.fused_bwd_mx``), contiguous CUDA rows (elsewhere: the unfused
     path, whose kernels the CPU tests emulate)."""
-    from mok_cute.layers.common import fused_bwd_mx
-
     if not (g.precision == "bf16" or (g.precision == "mxfp8" and fused_bwd_mx())):
         return False
     return (g.x is not None and dy_rows.is_cuda and g.x.is_contiguous() and dy_rows.is_contiguous()
@@ -275,16 +274,26 @@ class Sm90ExpertMLP:
         """The whole backward at EP > 1 in one launch per rank (``fused_bwd.fused_backward_ep``; collective
         over ``ws``'s ranks): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
         the unfused EP backward's (reverse combine, expert backward, reverse dispatch) with d topk_w
-        a fixed-order fp32 sum; None where it does not apply (BF16, contiguous operands), the same
-        answer on every rank. The caller checks ``ws``'s status."""
+        a fixed-order fp32 sum; None where it does not apply (BF16, or MXFP8 with its variant on
+        (``common.fused_bwd_mx``); contiguous operands), the same answer on every rank. At MXFP8 the
+        shared expert's backward runs before the launch (:func:`~mok_cute.layers.common.shared_backward`)
+        and its dx starts the launch's slot sum. The caller checks ``ws``'s status."""
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_ep
 
-        if g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
+        mx = g.precision == "mxfp8" and fused_bwd_mx()
+        if not (g.precision == "bf16" or mx) or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
             return None
+        slots = slot_rows.reshape(-1, dy.shape[1])
+        if mx:
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
+            out = fused_backward_ep(ws, plan, dy, x, slots, w_rows, topk_idx, g.gu, g.h,
+                                    *self._bwd_weights(g, w_gate, w_up, w_down), limit, comm_ctas, num_ctas,
+                                    mx=True, dx_shared=None if dxs is None else dxs.contiguous())
+            return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
         if sh is False:
             return None
-        out = fused_backward_ep(ws, plan, dy, x, slot_rows.reshape(-1, dy.shape[1]), w_rows, topk_idx, g.gu, g.h,
+        out = fused_backward_ep(ws, plan, dy, x, slots, w_rows, topk_idx, g.gu, g.h,
                                 w_gate, w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 

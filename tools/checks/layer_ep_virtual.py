@@ -16,7 +16,8 @@ Per R and case, each rank's problem is layer_ep's (T 512 per rank, H 1024, I 512
 k 4, seeded per rank): uniform routing with the shared expert; skewed routing (a hot expert,
 empty experts, -1 slots, a -1 token) with the shared expert and L = 4; uniform without the
 shared expert, L = 4; rank 0 receiving nothing and the last rank sending nothing; skewed with
-the shared expert at MXFP8 (rel-L1 2e-2 against the reference at mxfp8). Each rank's y
+the shared expert at MXFP8 (rel-L1 2e-2 against the reference at mxfp8; its fused backward is
+the mx variant, the shared expert's backward outside the launch). Each rank's y
 and gradients are compared with the reference backend run on the same group (MoK's BF16
 tolerances, layer_sm90._compare) and must be bitwise equal over REPEATS runs; rows
 ``layer_ep<R>v <case> r<rank>``. The comm kernels run on COMM_CTAS CTAs of 1024 threads: 4 ranks'
@@ -24,7 +25,7 @@ are 32 CTAs, co-resident on the 132 SMs beside the other ranks' GEMMs. Before ea
 step on a 1-rank virtual group (no peer to wait for) compiles and loads every kernel the case
 launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
 must raise RuntimeError naming it within the timeout. ``MOK_EP_VIRTUAL_QUICK=1``: R = 2, the first
-two cases, no stall rows. Unless ``MOK_CUTE_FUSED_EP=0`` (inherited by the child) the forward is the
+two cases, no stall rows; ``MOK_EP_VIRTUAL_CASES``: the cases to run (indices). Unless ``MOK_CUTE_FUSED_EP=0`` (inherited by the child) the forward is the
 fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 slots
 (minibatch_tokens 256, reused), and a row per case counts the fused forwards (R x REPEATS).
 """
@@ -41,9 +42,11 @@ from checks.common import Row, child_rows, sm90_skip
 from checks.layer_ep import _problem
 from checks.layer_sm90 import _compare, _run
 from mok_cute.comm.virtual import VirtualGroup, run_ranks
+from mok_cute.layers.common import fused_bwd_mx
 
 QUICK = os.environ.get("MOK_EP_VIRTUAL_QUICK", "0") == "1"  # R = 2, the first two cases, no stall rows
 SIZES = (2,) if QUICK else (2, 4)
+# indices into CASES to run (MOK_EP_VIRTUAL_CASES="0,4"; default: the first two with QUICK, else all)
 # forward paths to run, e.g. "unfused,fused" (default: what MOK_CUTE_FUSED_EP selects)
 MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "unfused" if os.environ.get("MOK_CUTE_FUSED_EP") == "0"
                        else "fused").split(",")
@@ -60,6 +63,8 @@ CASES = [  # name, routing, shared expert, SwiGLU limit
     ("r0 gets none, last sends none", "starve", False, None),
     ("skew+sh mxfp8", "skew", True, None),  # precision mxfp8: rel-L1 2e-2 against the reference at mxfp8
 ]
+PICK = ({int(i) for i in os.environ["MOK_EP_VIRTUAL_CASES"].split(",")} if os.environ.get("MOK_EP_VIRTUAL_CASES")
+        else set(range(2 if QUICK else len(CASES))))
 CHILD_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32", "MOK_CUTE_LAUNCH": "dsl"}
 CHILD_TIMEOUT_S = 540
 
@@ -141,7 +146,8 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
     rows = []
     if os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0":
         n = {key: _FUSED_CALLS[key] - calls[key] for key in calls}
-        want_bwd = size * REPEATS if prec == "bf16" and os.environ.get("MOK_CUTE_FUSED_BWD", "2") in ("2", "3") else 0
+        fused_prec = prec == "bf16" or fused_bwd_mx()  # MXFP8: the mx variant (shared expert outside the launch)
+        want_bwd = size * REPEATS if fused_prec and os.environ.get("MOK_CUTE_FUSED_BWD", "2") in ("2", "3") else 0
         rows.append(Row(f"layer_ep{size}v {name} fused launches",
                         ok=n["fused_forward_ep"] == size * REPEATS and n["backward_fused_ep"] == want_bwd,
                         note=f"{n['fused_forward_ep']} fused forwards, {n['backward_fused_ep']} fused backwards "
@@ -231,7 +237,9 @@ def run(ctx) -> list[Row]:
         os.environ["MOK_CUTE_FUSED_EP"] = "1" if mode == "fused" else "0"
         start = len(rows)
         for size in SIZES:
-            for seed, case in enumerate(CASES[:2] if QUICK else CASES):
+            for seed, case in enumerate(CASES):
+                if seed not in PICK:
+                    continue
                 rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case))
             if not QUICK:
                 rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size))

@@ -80,8 +80,9 @@ class FusedMoeBwdCoreSm90:
                  n_tail: bool = False, ep: bool = False, cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
-        if mx and (gather or shared):
-            raise ValueError("mx (the MXFP8 backward) is the routed core's, with or without scatter")
+        if mx and shared:
+            raise ValueError("mx (the MXFP8 backward) runs the routed experts only: the shared expert's tiles "
+                             "are not in its launch")
         if ep and not (gather and not by_route):
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
@@ -127,7 +128,8 @@ class FusedMoeBwdCoreSm90:
         the tokens (dW_down's A), ``mX`` / ``mH`` those of x / h along the tokens, the weights
         dequantized; the dSwiGLU epilogue writes dgu's round trip along 2I into ``mDgu`` (dgrad1's
         A) and along the tokens into ``mDguT3`` = [M, 2, I] of the buffer ``mDg`` / ``mDu`` view
-        (the weight gradients' A); else both None. ``mAdd`` fp32 [T, H] (scatter variant) or
+        (the weight gradients' A); else both None. With ``gather`` the comm CTAs make ``mDy``, ``mDyT``
+        and ``mX`` from the rows they move (``route_grad_row.gather_chunks``). ``mAdd`` fp32 [T, H] (scatter variant) or
         None: added to the slot sum's start (the shared expert's output gate's share of dx). ``ep``
         variant: ``mPeer`` int64 [R] (the workspaces' bases), ``mStatus`` int32[4] (the workspace's
         status, every wait's error), rank ``me`` of ``n_ranks``, the sections' offsets (``src``: x,
@@ -146,8 +148,8 @@ class FusedMoeBwdCoreSm90:
         if cutlass.const_expr(self.ep):
             ep_args = (mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push)
         self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mDguT3), s_tma, s_t, mCounters, mSlot, mOrder,
-                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mAdd, mTrace, k, comm_ctas, limit,
-                    timeout_ns, ep_args).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mDyT if self.gather else None,
+                    mAdd, mTrace, k, comm_ctas, limit, timeout_ns, ep_args).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
                                        min_blocks_per_mp=1, stream=stream)
 
     def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT=None):
@@ -168,8 +170,8 @@ class FusedMoeBwdCoreSm90:
     def kernel(self, r_tma: tuple, r_t: tuple, s_tma: tuple, s_t: tuple, mCounters: cute.Tensor, mSlot: cute.Tensor,
                mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
                mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-               mDyRows: cute.Tensor, mXRows: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32,
-               comm_ctas: Int32, limit: Float32, timeout_ns: Int64, ep_args: tuple):
+               mDyRows: cute.Tensor, mXRows: cute.Tensor, mDyTRows: cute.Tensor, mAdd: cute.Tensor,
+               mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, timeout_ns: Int64, ep_args: tuple):
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         t_entry = persistent.now(self.trace)
@@ -204,7 +206,7 @@ class FusedMoeBwdCoreSm90:
             if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
                 self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mIdx,
                              mDyTok, mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden, mTrace, n_tasks,
-                             ep, ep_dy, mCounters.iterator)
+                             ep, ep_dy, mCounters.iterator, mDyTRows)
                 cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -465,16 +467,17 @@ class FusedMoeBwdCoreSm90:
                 num_experts: Int32, mOrder: cute.Tensor, mIdx: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor,
                 mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor,
                 mGdy: cute.Tensor, k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32, ep, ep_dy,
-                counters: cute.Pointer):
+                counters: cute.Pointer, mDyT: cute.Tensor):
         """Comm CTAs: the routed rows the tiles read (dy rows times topk_w, d topk_w, x rows; at EP > 1
         pulled from the source ranks, d topk_w of this rank's routes), routed m-tile c by CTA
         ``c % comm_ctas``: :func:`~mok_cute.kernels.route_grad_row.gather_chunks` (bitwise the
-        route_grad kernel and the x gather). Traced, chunk c's passes are records n_tasks + c and
+        route_grad kernel and the x gather; the ``mx`` variant: with its rows' MXFP8 round trips,
+        dy's along the tokens into ``mDyT``). Traced, chunk c's passes are records n_tasks + c and
         n_tasks + chunks + c."""
         trace_rec = (mTrace, n_tasks, (GATHER_KIND, GATHER_X_KIND)) if cutlass.const_expr(self.trace) else None
         gather_chunks(tidx, bidx, comm_ctas, chunks, mOffsets, num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
                       mDyRows, mXRows, mGdy, k, hidden, ep, ep_dy, counters, PULLED_WORD, trace_rec,
-                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route)
+                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route, mDyT if self.mx else None)
 
 
 class _Group:
@@ -689,7 +692,8 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
 
 
 def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
-                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None):
+                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None,
+                      mx: bool = False, dx_shared=None):
     """The backward at EP > 1 in one launch per rank (collective over ``ws``'s ranks, every rank
     calls it in the same order): :func:`fused_backward` with the rows moved through the workspace.
     This rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every
@@ -704,10 +708,22 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     d topk_w [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``;
     ``main_grads`` as in :func:`fused_backward`. Errors of the device waits (a peer's timeout
     included) go to ``ws.status``: the caller runs ``ws.check_status()``. ``num_ctas``: this rank's
-    grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU)."""
+    grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU).
+
+    ``mx``: the MXFP8 backward, bitwise the unfused EP one (``layers.sm90``'s ``_mx_backward`` on
+    the pulled rows): the weights given dequantized from their MXFP8 along dgrad's reduction axis,
+    h's round trip along the tokens made here, the pulled rows' in the launch (the ``mx`` gather,
+    :func:`~mok_cute.kernels.route_grad_row.gather_chunks`), dgu's in the dSwiGLU epilogue; the
+    shared expert runs outside the launch (``shared`` None): its dx [T, H] bf16, ``dx_shared``
+    (or None), starts the slot sum."""
     t, k = topk_idx.shape
     m, hid = plan.recv_src.shape[0], dy.shape[1]
     _check_ep(dy, x, slot_rows, w_rows, gu, h, t, k, m)
+    if dx_shared is not None and (shared is not None or tuple(dx_shared.shape) != (t, hid)
+                                  or dx_shared.dtype != torch.bfloat16 or not dx_shared.is_contiguous()):
+        raise ValueError(f"dx_shared must be a contiguous bf16 [{t}, {hid}] tensor, with shared None")
+    if mx and shared is not None:
+        raise ValueError("mx: the shared expert runs outside the launch (give its dx as dx_shared)")
     src = ws.acquire_src()  # device wait: every peer finished the previous pull from this rank
     src.copy_(x)
     ws.view("dy", torch.bfloat16, (t, hid)).copy_(dy)
@@ -715,10 +731,18 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     dy_rows = torch.empty((m, hid), **bf)
     x_rows = torch.empty((m, hid), **bf)
     dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
-    dx_shared = None if shared is None else torch.empty_like(dy)
+    if shared is not None:
+        dx_shared = torch.empty_like(dy)
+    dyt = None
+    if mx:  # dy_t: written by the launch's gather; h: its round trip along the tokens, here
+        from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip_tokens
+
+        dyt = torch.empty((m, hid), **bf)
+        if m:
+            h = mxfp8_round_trip_tokens(h[:m].contiguous(), plan.offsets)
     gather = (dy, x, slot_rows, w_rows, dtw.view(-1), False, comm_ctas)
     out = _launch(dy_rows, x_rows, gu, h, plan.offsets, (w_gate, w_up, w_down), limit, ws.timeout_s, num_ctas,
-                  (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, ws=ws)
+                  (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, mx_dyt=dyt, ws=ws)
     return (out[0], dtw, *out[1:])
 
 
@@ -742,7 +766,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     """One launch of the variant the arguments ask for (see the entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
     with ``main_grads`` the weight gradients are accumulated there and returned as None;
-    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs);
+    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with
+    ``gather``: its buffer, the launch writes it and the rows' round trips, h already its own);
     ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`)."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape

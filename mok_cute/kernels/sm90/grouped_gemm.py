@@ -53,6 +53,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
+from mok_cute.kernels.mx_rows import MX_BLOCK, mx_column_block
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.dsl.host import (
@@ -69,7 +70,6 @@ from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
 N_ALIGN = 64  # N (I for swiglu / dswiglu) of every GEMM: a multiple of this; a tile's columns past N are masked
-MX_BLOCK = 32  # MXFP8 block (SwiGLU epilogue's h copy)
 _BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
 
 
@@ -414,12 +414,27 @@ def _mx_tokens_rt(buf: cute.Tensor, tid: Int32, rows: Int32, tile_m: cutlass.Con
     MXFP8 round trip along its rows' axis: blocks of 32 rows from row 0, per column, rows
     ``>= rows`` taken as 0 (the zero padding of an expert's last block), bitwise
     ``dequant_mxfp8.mxfp8_round_trip_tokens`` on a tile whose row 0 starts a block. One
-    consumer thread per (32-row block, 8-column chunk): :func:`_mx_column_block`."""
+    consumer thread per (32-row block, 8-column chunk): :func:`~mok_cute.kernels.mx_rows.mx_column_block`."""
     chunks = width // _VEC
     words = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=cutlass.Uint32),
                              cute.make_layout((tile_m, chunks, 4), stride=(pitch // 2, 4, 1)))
     for item in cutlass.range(tid, (tile_m // MX_BLOCK) * chunks, NUM_CONSUMER_THREADS, unroll=1):
-        _mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
+        mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
+
+
+@cute.jit
+def _mx_tokens_rt(buf: cute.Tensor, tid: Int32, rows: Int32, tile_m: cutlass.Constexpr[int],
+                  width: cutlass.Constexpr[int], pitch: cutlass.Constexpr[int]):
+    """In place, a shared (tile_m, width) bf16 tile (row pitch ``pitch`` elements) after the
+    MXFP8 round trip along its rows' axis: blocks of 32 rows from row 0, per column, rows
+    ``>= rows`` taken as 0 (the zero padding of an expert's last block), bitwise
+    ``dequant_mxfp8.mxfp8_round_trip_tokens`` on a tile whose row 0 starts a block. One
+    consumer thread per (32-row block, 8-column chunk): :func:`~mok_cute.kernels.mx_rows.mx_column_block`."""
+    chunks = width // _VEC
+    words = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=cutlass.Uint32),
+                             cute.make_layout((tile_m, chunks, 4), stride=(pitch // 2, 4, 1)))
+    for item in cutlass.range(tid, (tile_m // MX_BLOCK) * chunks, NUM_CONSUMER_THREADS, unroll=1):
+        mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
 
 
 @cute.jit
