@@ -58,17 +58,6 @@ def test_wait_compiles(arch):
     assert rep.total_spill_bytes == 0 and rep.has("ld.acquire.sys") and rep.has("%globaltimer")
 
 
-def test_wait_backoff_is_opt_in(monkeypatch):
-    """MOK_CUTE_SPIN_NS: the bounded wait sleeps between polls only when asked (0, the default,
-    leaves the poll loop as it was)."""
-    def ptx():
-        return compile_kernel(P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0),
-                              fake_ptr("i32"), fake_stream(), arch="sm_90a", inspect=True)[1].ptx
-    assert P.SPIN_NS == 0 and "nanosleep" not in ptx()
-    monkeypatch.setattr(P, "SPIN_NS", 200)
-    assert "nanosleep.u32 200;" in ptx()
-
-
 def test_describe_status():
     assert P.describe_status([0, 0, 0, 0], 1.0) is None
     msg = P.describe_status([P.TIMEOUT, 3, P.READY, 7], 2.5)

@@ -23,8 +23,6 @@ once the status holds an error. The host reads the status with
 """
 from __future__ import annotations
 
-import os
-
 from mok_cute.dsl.compile import dsl
 
 cutlass, cute = dsl()
@@ -33,11 +31,6 @@ from cutlass import Boolean, Int32, Int64  # noqa: E402
 CNT, META, META_FREE, READY, DONE, DATA, FREE = range(7)
 NUM_CHANNELS = 7
 CHANNEL_NAMES = ("CNT", "META", "META_FREE", "READY", "DONE", "DATA", "FREE")
-
-# nanoseconds a bounded wait sleeps between polls (``MOK_CUTE_SPIN_NS``, read once at import; 0, the
-# default: poll back to back). An experiment for the power-capped regime, where a spinning thread's
-# loads and issue slots cost the working SMs clock; not measured yet.
-SPIN_NS = int(os.environ.get("MOK_CUTE_SPIN_NS", "0"))
 
 OK, TIMEOUT, BAD_EXPERT, OVERFLOW, BAD_INDEX = 0, 1, 2, 3, 4
 STATUS_WORDS = 4  # code, peer, channel, epoch
@@ -111,17 +104,8 @@ def wait_geq(flag: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.
             if failed(status):
                 ok = Boolean(False)
             else:
-                if cutlass.const_expr(SPIN_NS > 0):
-                    nanosleep(SPIN_NS)
                 v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
     return ok
-
-
-def nanosleep(ns: int) -> None:
-    """``nanosleep.u32 ns`` (the thread yields for up to ``ns`` nanoseconds)."""
-    from cutlass._mlir.dialects import llvm
-
-    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True)
 
 
 @cute.jit
