@@ -16,7 +16,8 @@ bulk pull kernel (``BULK_SMEM`` bytes of dynamic shared memory, ``threads`` per 
 variant in its own process). ``ws-prod``: the ``ws`` arguments given to the production bulk pull
 kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's; ``ws-rt``: to the probe's
 kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them; ``ws-rt-me`` / ``-ep`` / ``-timeout``: only that one at run time
-(``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds;
+(``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds; a
+``+table`` suffix: the mover reads the peer table through a view of static layout (1);
 ``-none``: none, the control; with ``MOK_PROBE_PLAIN=1`` the rows and flags lie in a plain allocation). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
@@ -38,7 +39,8 @@ from cutlass import Int32, Int64  # noqa: E402
 def build(kind: str, threads: int, fixed: frozenset = frozenset()):
     """The probe's host function for ``kind``; ``fixed`` names the run-time arguments of
     ``round-rt`` traced as constants instead: ``me`` (0), ``ep_round`` / ``ep_move`` (1, in
-    ``pull_round``'s peer loops / in the mover's bounds), ``timeout`` (1 s)."""
+    ``pull_round``'s peer loops / in the mover's bounds), ``timeout`` (1 s); ``table``: the mover's
+    peer table a view of static layout (1) instead of ``pull_round``'s (ep,) one."""
     @cute.kernel
     def minimal_kernel(x: cute.Pointer, out: cute.Pointer, n: Int32, rb: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -92,7 +94,8 @@ def build(kind: str, threads: int, fixed: frozenset = frozenset()):
             timeout_ns = Int64(10 ** 9)
         P.pull_round(pb, status, counter, me, ep_round, flags_off, epoch, timeout_ns, nctas,
                      lambda tidx, bidx, pbt: R.bulk_routed_rows(
-                         tidx, bidx, pbt, status, recv_src, offsets, out, rows, ep_move, t, k, t * k, v, e_local,
+                         tidx, bidx, cute.make_tensor(pb, cute.make_layout(1)) if "table" in fixed else pbt,
+                         status, recv_src, offsets, out, rows, ep_move, t, k, t * k, v, e_local,
                          src_off, Int32(P.READY), epoch, nctas, False))
 
     @cute.jit
@@ -226,8 +229,11 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
             # ws-rt: all three at run time; ws-rt-me / -ep / -timeout: only that one
             names = {"me": {"me"}, "ep": {"ep_round", "ep_move"}, "ep_round": {"ep_round"},
                      "ep_move": {"ep_move"}, "timeout": {"timeout"}, "none": set()}
-            fixed = frozenset({"me", "ep_round", "ep_move", "timeout"} - names[kind[len("ws-rt-"):]]) \
-                if kind != "ws-rt" else frozenset()
+            name = kind[len("ws-rt-"):]
+            table = name.endswith("+table")  # the mover's peer table of static layout (1) (ep = 1 only)
+            name = name[:-len("+table")] if table else name
+            fixed = frozenset({"me", "ep_round", "ep_move", "timeout"} - names[name]) if kind != "ws-rt" else frozenset()
+            fixed = fixed | {"table"} if table else fixed
             c, _ = compile_kernel(build("round-rt", threads, fixed), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"),
                                   Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                                   Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(), arch="sm_90a")
