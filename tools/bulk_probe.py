@@ -18,6 +18,8 @@ kernel (``comm.dispatch.compile_pull_bulk``) instead of the probe's; ``ws-rt``: 
 kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production has them; ``ws-rt-me`` / ``-ep`` / ``-timeout``: only that one at run time
 (``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds; a
 ``+table`` suffix: the mover reads the peer table through a view of static layout (1);
+``ws-rt-loops-S`` / ``-W`` / ``-A`` (``-0``: none): the round written out, ep run-time only in its signal / wait /
+arrive loop;
 ``-none``: none, the control; with ``MOK_PROBE_PLAIN=1`` the rows and flags lie in a plain allocation). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
@@ -92,6 +94,10 @@ def build(kind: str, threads: int, fixed: frozenset = frozenset()):
             ep_move = Int32(1)
         if cutlass.const_expr("timeout" in fixed):
             timeout_ns = Int64(10 ** 9)
+        if cutlass.const_expr(any(f.startswith("loops") for f in fixed)):  # pull_round inline, ep per loop
+            _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e_local, src_off, flags_off,
+                           epoch, timeout_ns, nctas, ep, fixed)
+            return
         P.pull_round(pb, status, counter, me, ep_round, flags_off, epoch, timeout_ns, nctas,
                      lambda tidx, bidx, pbt: R.bulk_routed_rows(
                          tidx, bidx, cute.make_tensor(pb, cute.make_layout(1)) if "table" in fixed else pbt,
@@ -125,6 +131,32 @@ def build(kind: str, threads: int, fixed: frozenset = frozenset()):
             grid=[nctas, 1, 1], block=[threads, 1, 1], smem=R.BULK_SMEM, stream=stream)
 
     return {"minimal": host_minimal, "mover": host_mover, "round": host_round, "round-rt": host_round_rt}[kind]
+
+
+@cute.jit
+def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e_local, src_off, flags_off, epoch,
+                   timeout_ns, nctas, ep, fixed: cutlass.Constexpr):
+    """``P.pull_round``'s body at me 0 with the bulk mover, ``ep`` run-time in the loops named in
+    ``fixed`` (``loops-S``: signal_all, ``loops-W``: wait_all, ``loops-A``: arrive_and_signal),
+    the constant 1 in the others; the peer table a view of static layout (1)."""
+    ep_s = ep if cutlass.const_expr("loops-S" in fixed) else Int32(1)
+    ep_w = ep if cutlass.const_expr("loops-W" in fixed) else Int32(1)
+    ep_a = ep if cutlass.const_expr("loops-A" in fixed) else Int32(1)
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    pbt = cute.make_tensor(pb, cute.make_layout(1))
+    if tidx == 0:
+        if bidx == 0:
+            P.signal_all(pbt, flags_off, Int32(P.READY), Int32(0), ep_s, epoch)
+        P.wait_all(pbt[0] + flags_off, Int32(P.READY), ep_w, epoch, timeout_ns, status)
+    cute.arch.barrier()
+    if not P.failed(status):
+        R.bulk_routed_rows(tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, e_local,
+                           src_off, Int32(P.READY), epoch, nctas, False)
+    cute.arch.barrier()
+    if tidx == 0:
+        P.arrive_and_signal(pbt, status, counter, counter, 1, flags_off, Int32(P.DONE), Int32(0), ep_a,
+                            epoch, nctas)
 
 
 def main() -> int:
@@ -230,10 +262,15 @@ def _with_workspace(kind: str, x, threads: int, t: int, h: int, k: int, st):
             names = {"me": {"me"}, "ep": {"ep_round", "ep_move"}, "ep_round": {"ep_round"},
                      "ep_move": {"ep_move"}, "timeout": {"timeout"}, "none": set()}
             name = kind[len("ws-rt-"):]
+            if name.startswith("loops-"):  # ws-rt-loops-S / -W / -A: ep run-time in that loop of the round only
+                names[name] = set()
+                fixed_extra = {name}
+            else:
+                fixed_extra = set()
             table = name.endswith("+table")  # the mover's peer table of static layout (1) (ep = 1 only)
             name = name[:-len("+table")] if table else name
             fixed = frozenset({"me", "ep_round", "ep_move", "timeout"} - names[name]) if kind != "ws-rt" else frozenset()
-            fixed = fixed | {"table"} if table else fixed
+            fixed = (fixed | {"table"} if table else fixed) | fixed_extra
             c, _ = compile_kernel(build("round-rt", threads, fixed), fake_ptr("i64"), i32, i32, i32, i32, fake_ptr("bf16"),
                                   Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int64(0),
                                   Int64(0), Int32(1), Int64(1), Int32(1), fake_stream(), arch="sm_90a")
