@@ -19,7 +19,7 @@ kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production 
 (``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds; a
 ``+table`` suffix: the mover reads the peer table through a view of static layout (1);
 ``ws-rt-loops-S`` / ``-W`` / ``-A`` (``-0``: none): the round written out, ep run-time only in its signal / wait /
-arrive loop;
+arrive loop (``-F``: its wait as one flat poll loop over the peers, ep run-time);
 ``-none``: none, the control; with ``MOK_PROBE_PLAIN=1`` the rows and flags lie in a plain allocation). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
@@ -148,7 +148,10 @@ def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e
     if tidx == 0:
         if bidx == 0:
             P.signal_all(pbt, flags_off, Int32(P.READY), Int32(0), ep_s, epoch)
-        P.wait_all(pbt[0] + flags_off, Int32(P.READY), ep_w, epoch, timeout_ns, status)
+        if cutlass.const_expr("loops-F" in fixed):
+            _wait_all_flat(pbt[0] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        else:
+            P.wait_all(pbt[0] + flags_off, Int32(P.READY), ep_w, epoch, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
         R.bulk_routed_rows(tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, e_local,
@@ -157,6 +160,28 @@ def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e
     if tidx == 0:
         P.arrive_and_signal(pbt, status, counter, counter, 1, flags_off, Int32(P.DONE), Int32(0), ep_a,
                             epoch, nctas)
+
+
+@cute.jit
+def _wait_all_flat(flags_local, channel, ep, target, timeout_ns, status):
+    """``P.wait_all`` as one flat poll loop over the peers (no loop around a bounded wait): peer q's
+    flag polled until ``>= target``, then q + 1; the timeout restarts per peer."""
+    from mok_cute.comm.protocol import gptr
+
+    row = gptr(Int32, flags_local + Int64(channel * ep) * 4)
+    q = Int32(0)
+    ok = cutlass.Boolean(True)
+    start = cute.arch.globaltimer()
+    while q < ep and ok:
+        v = cute.arch.load(row + q, Int32, sem="acquire", scope="sys")
+        if v - target >= 0:
+            q += 1
+            start = cute.arch.globaltimer()
+        elif cute.arch.globaltimer() - start > timeout_ns:
+            P.report(status, Int32(P.TIMEOUT), q, channel, target)
+            ok = cutlass.Boolean(False)
+        elif P.failed(status):
+            ok = cutlass.Boolean(False)
 
 
 def main() -> int:
