@@ -111,12 +111,26 @@ def wait_geq(flag: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.
 @cute.jit
 def wait_all(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
              status: cute.Pointer) -> Boolean:
-    """One thread: wait until every rank q has set ``flags[channel][q] >= target`` here."""
+    """One thread: wait until every rank q has set ``flags[channel][q] >= target`` here: rank q's
+    flag polled (acquire, system scope) until it is, then rank q + 1's, each bounded by
+    ``timeout_ns`` (a timeout or an error recorded elsewhere ends the wait: False; a timeout is
+    recorded as peer q). One flat poll loop, not a peer loop around :func:`wait_geq`: with a
+    run-time ``ep`` the nested form faulted natively beside cp.async.bulk copies (the bulk
+    transport; docs/benchmarks.md, session 12)."""
     row = gptr(Int32, flags_local + Int64(channel * ep) * 4)
+    q = Int32(0)
     ok = Boolean(True)
-    for q in range(ep):
-        if ok:
-            ok = wait_geq(row + q, target, timeout_ns, status, q, channel)
+    start = cute.arch.globaltimer()
+    while q < ep and ok:
+        v = cute.arch.load(row + q, Int32, sem="acquire", scope="sys")
+        if v - target >= 0:
+            q += 1
+            start = cute.arch.globaltimer()
+        elif cute.arch.globaltimer() - start > timeout_ns:
+            report(status, Int32(TIMEOUT), q, channel, target)
+            ok = Boolean(False)
+        elif failed(status):
+            ok = Boolean(False)
     return ok
 
 
