@@ -4,8 +4,8 @@
 # Single-GPU checks (default: every SM90 kernel and layer check, one process each), the quickstart, the comm
 # checks (EP = 1 in one process; EP = 2 through torchrun when 2 GPUs are present, plus the
 # EP = 2 layer), the fused layer (stress, virtual-rank EP, bench_layer), then the benchmarks (BENCH_ARGS for bench_expert_mlp, COMM_BENCH=1 for the
-# bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. Opt-in
-# experiment stays out: MOK_COMM_TRANSPORT=bulk (it faults natively).
+# bench_comm sweep). Logs go to $OUT (or /tmp/mok-out); the summary prints last. The opt-in bulk
+# transport runs as EP = 1 comm checks, one direction at a time, then both.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
@@ -20,9 +20,9 @@ timeout 90 python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
 echo "quickstart rc=$? $(tail -1 "$out/quickstart.log")" >> "$out/summary.txt"
 MOK_COMM_QUICK=1 timeout 60 python3 tools/gpu_check.py comm > "$out/comm1.log" 2>&1
 echo "comm EP=1 rc=$?" >> "$out/summary.txt"
-for v in round ws-plan ws-src ws; do  # the bulk transport's native fault, one real piece at a time
-    timeout 40 python3 tools/bulk_probe.py $v > "$out/bulk_probe_$v.log" 2>&1
-    echo "bulk_probe $v rc=$? $(grep -h 'bulk probe' "$out/bulk_probe_$v.log")" >> "$out/summary.txt"
+for tr in bulk_pull bulk_push bulk; do  # the bulk transport (EP = 1, every route local)
+    MOK_COMM_TRANSPORT=$tr MOK_COMM_QUICK=1 timeout 60 python3 tools/gpu_check.py comm > "$out/comm1_$tr.log" 2>&1
+    echo "comm EP=1 $tr rc=$?" >> "$out/summary.txt"
 done
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     timeout 180 torchrun --nproc_per_node=2 tools/gpu_check.py comm layer_ep > "$out/comm.log" 2>&1
