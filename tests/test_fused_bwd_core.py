@@ -254,13 +254,10 @@ def test_ep_variant():
         fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, ep=True)
 
 
-def test_ep_host_launch(monkeypatch):
-    """fused_backward_ep's host side on CPU tensors (compile and launch replaced): x and dy are
-    staged in the workspace's src and dy sections, the ep variant launches directly (the epochs
-    change every call) with one argument per ``__call__`` parameter, the plan's packed sources
-    as the row order, the forward's router weight per grouped row, this rank's slot rows for d
-    topk_w, the workspace's slot section as the push target and its status for every wait."""
-    import inspect
+def _ep_host(monkeypatch):
+    """fused_backward_ep's host side on CPU tensors: compile and launch replaced (``(fake launcher,
+    compile keys)``), and one EP problem ``(ws, plan, dy, x, slot_rows, w_rows, idx, weights, gu, h,
+    shared operands)`` (T 64, H 256, I 128, E 2, k 2, M 256: the receive capacity EP * T * k)."""
     from types import SimpleNamespace
 
     from conftest import FakeLauncher, FakeWorkspace
@@ -271,17 +268,30 @@ def test_ep_host_launch(monkeypatch):
     monkeypatch.setattr(fused_bwd, "sm_count", lambda d: 132)
     monkeypatch.setattr(fused_bwd, "compile_cached", lambda key, build: keys.append(key) or fake)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
-    t, h, inter, e, k, m = 64, 256, 128, 2, 2, 256  # m: the receive capacity (EP * T * k)
+    t, h, inter, e, k, m = 64, 256, 128, 2, 2, 256
     bf = torch.bfloat16
-    ws = FakeWorkspace(t, h, k)
     plan = SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=torch.tensor([0, 90, 200], dtype=torch.int32))
-    dy, x = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf)
-    slot_rows, w_rows = torch.randn(t * k, h).to(bf), torch.rand(m)
-    idx = torch.zeros(t, k, dtype=torch.int64)
     weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
-    gu, hh = torch.randn(m, 2 * inter).to(bf), torch.randn(m, inter).to(bf)
     sh = (torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * inter).to(bf), torch.randn(t, inter).to(bf),
           *(w[0] for w in weights[:2]), weights[2][0])
+    prob = (FakeWorkspace(t, h, k), plan, torch.randn(t, h).to(bf), torch.randn(t, h).to(bf),
+            torch.randn(t * k, h).to(bf), torch.rand(m), torch.zeros(t, k, dtype=torch.int64), weights,
+            torch.randn(m, 2 * inter).to(bf), torch.randn(m, inter).to(bf), sh)
+    return fake, keys, prob
+
+
+def test_ep_host_launch(monkeypatch):
+    """fused_backward_ep's host side on CPU tensors (compile and launch replaced): x and dy are
+    staged in the workspace's src and dy sections, the ep variant launches directly (the epochs
+    change every call) with one argument per ``__call__`` parameter, the plan's packed sources
+    as the row order, the forward's router weight per grouped row, this rank's slot rows for d
+    topk_w, the workspace's slot section as the push target and its status for every wait."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (ws, plan, dy, x, slot_rows, w_rows, idx, weights, gu, hh, sh) = _ep_host(monkeypatch)
+    t, h, k, m = 64, 256, 2, 256
     out = fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
                                       num_ctas=66, shared=sh)
     assert not fake.calls and len(fake.direct) == 1 and keys[0][-1] is True  # (..., n_tail, ep)
@@ -305,28 +315,15 @@ def test_ep_host_launch_mx(monkeypatch):
     fresh [M, H] mDyT for the launch to write, the shared expert's dx (made outside) as the slot
     sum's start and no shared tiles; mx with the shared tiles in the launch is refused."""
     import inspect
-    from types import SimpleNamespace
 
-    from conftest import FakeLauncher, FakeWorkspace
     from mok_cute.kernels.quant import dequant_mxfp8
     from mok_cute.kernels.sm90 import fused_bwd
 
-    fake, keys, trips = FakeLauncher(), [], []
-    monkeypatch.setattr(fused_bwd, "device_arch", lambda d: (0, "sm_90a"))
-    monkeypatch.setattr(fused_bwd, "sm_count", lambda d: 132)
-    monkeypatch.setattr(fused_bwd, "compile_cached", lambda key, build: keys.append(key) or fake)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    fake, keys, (ws, plan, dy, x, slot_rows, w_rows, idx, weights, gu, hh, sh) = _ep_host(monkeypatch)
+    trips, m, h = [], 256, 256
     monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens",
                         lambda a, offs: trips.append((a, offs)) or a.clone() + 1)
-    t, h, inter, e, k, m = 64, 256, 128, 2, 2, 256
-    bf = torch.bfloat16
-    ws = FakeWorkspace(t, h, k)
-    plan = SimpleNamespace(recv_src=torch.arange(m, dtype=torch.int32), offsets=torch.tensor([0, 90, 200], dtype=torch.int32))
-    dy, x = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf)
-    slot_rows, w_rows = torch.randn(t * k, h).to(bf), torch.rand(m)
-    idx = torch.zeros(t, k, dtype=torch.int64)
-    weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
-    gu, hh, dxs = torch.randn(m, 2 * inter).to(bf), torch.randn(m, inter).to(bf), torch.randn(t, h).to(bf)
+    dxs = torch.randn(64, h).to(torch.bfloat16)
     fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
                                 num_ctas=66, mx=True, dx_shared=dxs)
     variant = keys[0][2:]  # (clamp, tokens, init, gather, by_route, shared, accumulate, trace, mx, add, n_tail, ep)
@@ -338,8 +335,6 @@ def test_ep_host_launch_mx(monkeypatch):
     assert torch.equal(rt_in, hh) and rt_offs is plan.offsets and torch.equal(a["mH"], hh + 1)
     assert tuple(a["mDyT"].shape) == (m, h) and a["mDyT"].data_ptr() not in (a["mDy"].data_ptr(), dy.data_ptr())
     assert a["mInit"] is dxs and a["mSGU"] is None
-    sh = (torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * inter).to(bf), torch.randn(t, inter).to(bf),
-          *(w[0] for w in weights[:2]), weights[2][0])
     with pytest.raises(ValueError, match="mx"):
         fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, shared=sh,
                                     mx=True)

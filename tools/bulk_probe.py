@@ -19,7 +19,8 @@ kernel with ``me``, ``ep`` and the timeout as run-time arguments, as production 
 (``-ep_round`` / ``-ep_move``: ep only in the round's peer loops / the mover's bounds; a
 ``+table`` suffix: the mover reads the peer table through a view of static layout (1);
 ``ws-rt-loops-S`` / ``-W`` / ``-A`` (``-0``: none): the round written out, ep run-time only in its signal / wait /
-arrive loop (``-F``: its wait as one flat poll loop over the peers, ep run-time);
+arrive loop (``-W``: the wait as the nested peer loop around ``wait_geq`` that faulted, ``-F``:
+``P.wait_all``, one flat poll loop);
 ``-none``: none, the control; with ``MOK_PROBE_PLAIN=1`` the rows and flags lie in a plain allocation). ``dispatch``: the production bulk pull, ``comm.dispatch.dispatch``
 under ``MOK_COMM_TRANSPORT=bulk_pull``, on the same workspace and plan."""
 from __future__ import annotations
@@ -137,10 +138,11 @@ def build(kind: str, threads: int, fixed: frozenset = frozenset()):
 def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e_local, src_off, flags_off, epoch,
                    timeout_ns, nctas, ep, fixed: cutlass.Constexpr):
     """``P.pull_round``'s body at me 0 with the bulk mover, ``ep`` run-time in the loops named in
-    ``fixed`` (``loops-S``: signal_all, ``loops-W``: wait_all, ``loops-A``: arrive_and_signal),
-    the constant 1 in the others; the peer table a view of static layout (1)."""
+    ``fixed`` (``loops-S``: signal_all, ``loops-F``: wait_all, ``loops-A``: arrive_and_signal;
+    ``loops-W``: the wait as the nested loop it was, :func:`_wait_all_nested`), the constant 1 in
+    the others; the peer table a view of static layout (1)."""
     ep_s = ep if cutlass.const_expr("loops-S" in fixed) else Int32(1)
-    ep_w = ep if cutlass.const_expr("loops-W" in fixed) else Int32(1)
+    ep_f = ep if cutlass.const_expr("loops-F" in fixed) else Int32(1)
     ep_a = ep if cutlass.const_expr("loops-A" in fixed) else Int32(1)
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -148,10 +150,10 @@ def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e
     if tidx == 0:
         if bidx == 0:
             P.signal_all(pbt, flags_off, Int32(P.READY), Int32(0), ep_s, epoch)
-        if cutlass.const_expr("loops-F" in fixed):
-            _wait_all_flat(pbt[0] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
+        if cutlass.const_expr("loops-W" in fixed):
+            _wait_all_nested(pbt[0] + flags_off, Int32(P.READY), ep, epoch, timeout_ns, status)
         else:
-            P.wait_all(pbt[0] + flags_off, Int32(P.READY), ep_w, epoch, timeout_ns, status)
+            P.wait_all(pbt[0] + flags_off, Int32(P.READY), ep_f, epoch, timeout_ns, status)
     cute.arch.barrier()
     if not P.failed(status):
         R.bulk_routed_rows(tidx, bidx, pbt, status, recv_src, offsets, out, rows, Int32(1), t, k, t * k, v, e_local,
@@ -163,25 +165,16 @@ def _round_by_loop(pb, status, counter, recv_src, offsets, out, rows, t, k, v, e
 
 
 @cute.jit
-def _wait_all_flat(flags_local, channel, ep, target, timeout_ns, status):
-    """``P.wait_all`` as one flat poll loop over the peers (no loop around a bounded wait): peer q's
-    flag polled until ``>= target``, then q + 1; the timeout restarts per peer."""
+def _wait_all_nested(flags_local, channel, ep, target, timeout_ns, status):
+    """``P.wait_all`` as it was before session 12: a peer loop around ``P.wait_geq`` (with a run-time
+    ``ep`` it faults natively in this kernel; the flat loop of ``P.wait_all`` does not)."""
     from mok_cute.comm.protocol import gptr
 
     row = gptr(Int32, flags_local + Int64(channel * ep) * 4)
-    q = Int32(0)
     ok = cutlass.Boolean(True)
-    start = cute.arch.globaltimer()
-    while q < ep and ok:
-        v = cute.arch.load(row + q, Int32, sem="acquire", scope="sys")
-        if v - target >= 0:
-            q += 1
-            start = cute.arch.globaltimer()
-        elif cute.arch.globaltimer() - start > timeout_ns:
-            P.report(status, Int32(P.TIMEOUT), q, channel, target)
-            ok = cutlass.Boolean(False)
-        elif P.failed(status):
-            ok = cutlass.Boolean(False)
+    for q in range(ep):
+        if ok:
+            ok = P.wait_geq(row + q, target, timeout_ns, status, q, channel)
 
 
 def main() -> int:

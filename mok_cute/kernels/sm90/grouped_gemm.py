@@ -422,55 +422,6 @@ def _mx_tokens_rt(buf: cute.Tensor, tid: Int32, rows: Int32, tile_m: cutlass.Con
         mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
 
 
-@cute.jit
-def _mx_tokens_rt(buf: cute.Tensor, tid: Int32, rows: Int32, tile_m: cutlass.Constexpr[int],
-                  width: cutlass.Constexpr[int], pitch: cutlass.Constexpr[int]):
-    """In place, a shared (tile_m, width) bf16 tile (row pitch ``pitch`` elements) after the
-    MXFP8 round trip along its rows' axis: blocks of 32 rows from row 0, per column, rows
-    ``>= rows`` taken as 0 (the zero padding of an expert's last block), bitwise
-    ``dequant_mxfp8.mxfp8_round_trip_tokens`` on a tile whose row 0 starts a block. One
-    consumer thread per (32-row block, 8-column chunk): :func:`~mok_cute.kernels.mx_rows.mx_column_block`."""
-    chunks = width // _VEC
-    words = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=cutlass.Uint32),
-                             cute.make_layout((tile_m, chunks, 4), stride=(pitch // 2, 4, 1)))
-    for item in cutlass.range(tid, (tile_m // MX_BLOCK) * chunks, NUM_CONSUMER_THREADS, unroll=1):
-        mx_column_block(words, (item // chunks) * MX_BLOCK, item % chunks, rows)
-
-
-@cute.jit
-def _mx_column_block(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32):
-    """Rows ``r0 .. r0 + 32`` of 8-column chunk ``c`` of a (rows, chunks, 4) bf16x2 word view, in
-    place: the block's amax per column (rows ``>= rows`` as 0), each column's E8M0 scale, then
-    each row's chunk quantized to e4m3 and dequantized back (the ops of ``Fp8Ops``)."""
-    a0, a1, a2, a3 = (cutlass.Uint32(0),) * 4  # |x| bits >= 0: a max from 0 is the max
-    for i in cutlass.range(MX_BLOCK, unroll=4):  # a run-time loop: 32 rows' loads are not all hoisted
-        keep = cutlass.Uint32(0) - cutlass.Uint32(r0 + i < rows)  # rows past the tile's: 0
-        v = words[(r0 + i, c, None)].load()
-        a0 = _BF16_OPS.amax_acc(a0, v[0] & keep)
-        a1 = _BF16_OPS.amax_acc(a1, v[1] & keep)
-        a2 = _BF16_OPS.amax_acc(a2, v[2] & keep)
-        a3 = _BF16_OPS.amax_acc(a3, v[3] & keep)
-    accs = [a0, a1, a2, a3]
-    mul, deq, nan = [], [], []
-    for e in cutlass.range_constexpr(8):  # element 2j: word j's low half, 2j + 1 its high half
-        a = Int32(accs[e // 2] & cutlass.Uint32(0xFFFF0000))
-        if cutlass.const_expr(e % 2 == 0):
-            a = Int32((accs[e // 2] & cutlass.Uint32(0xFFFF)) << 16)
-        sc, byte, nf = _BF16_OPS.e8m0(a)
-        mul.append(sc)
-        deq.append(_BF16_OPS.scale_bits(byte))
-        nan.append(nf)
-    masks = []  # per data word (4 e4m3 bytes, one column each): each byte's NaN mask
-    for w in cutlass.range_constexpr(2):
-        masks.append((nan[4 * w] & cutlass.Uint32(0xFF)) | (nan[4 * w + 1] & cutlass.Uint32(0xFF00))
-                     | (nan[4 * w + 2] & cutlass.Uint32(0xFF0000)) | (nan[4 * w + 3] & cutlass.Uint32(0xFF000000)))
-    for i in cutlass.range(MX_BLOCK, unroll=4):
-        q = _BF16_OPS.fp8_words(_BF16_OPS.elems(words[(r0 + i, c, None)].load()), mul, masks)
-        o = cute.make_rmem_tensor((4,), cutlass.Uint32)
-        _BF16_OPS.deq_bf16([q[0], q[1]], deq, o)
-        words[(r0 + i, c, None)].store(o.load())
-
-
 class DSwigluEpilogue:
     """dSwiGLU on the FP32 accumulator dh of intermediate columns ``n_tile * tile_n + c``.
 
