@@ -209,7 +209,7 @@ def test_ep_mx_variant():
     round trips of the pulled rows (the tokens' blocks: e4m3 quantize / dequantize, u16x2 maxima;
     H's: the 4-lane butterfly) on top of the epilogue's, the same GEMM work. 16 bytes of spill, not
     0: one 8-byte pair stored and reloaded once per tile around the MXFP8 dSwiGLU epilogue's
-    stores (the EP state the consumers carry; the same without the gather's round trips)."""
+    stores, in every variant with the gather (the same without the gather's round trips)."""
     from mok_cute.kernels.sm90 import fused_bwd
 
     rep = fused_bwd.compile_fused_backward_core(True, True, True, True, ep=True, mx=True, inspect=True)[1]
@@ -307,6 +307,52 @@ def test_ep_host_launch(monkeypatch):
     assert int(a["dy_off"]) == ws.offsets["dy"] and int(a["slots_off"]) == ws.offsets["slots"]
     assert (int(a["num_ctas"]), int(a["comm_ctas"])) == (66, 6)
     assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW
+
+
+def test_gather_mx_variant():
+    """The whole backward at MXFP8, EP = 1 (mode 3; the shared expert outside the launch): the
+    gather's round trips on top of the epilogue's, the same GEMM work as the BF16 gather variant,
+    no serialized wgmma; the 16 bytes of spill of :func:`test_ep_mx_variant`."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, mx=True, inspect=True)[1]
+    bf16 = fused_bwd.compile_fused_backward_core(True, True, True, True, inspect=True)[1]
+    core = fused_bwd.compile_fused_backward_core(True, True, True, mx=True, inspect=True)[1]
+    _clean(rep, spill=16)
+    assert rep.ptx.count("wgmma.mma_async") == bf16.ptx.count("wgmma.mma_async")
+    for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
+        assert rep.ptx.count(needed) > core.ptx.count(needed), needed
+
+
+def test_host_launch_mx(monkeypatch):
+    """fused_backward (EP = 1) at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
+    replaced): the mx gather variant with the shared expert's dx as the slot sum's start, h's round
+    trip over the experts' rows as mH, a fresh mDyT; with the shared tiles it is refused."""
+    import inspect
+
+    from mok_cute.kernels.quant import dequant_mxfp8
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, plan, dy, x, _, _, idx, weights, gu, hh, sh) = _ep_host(monkeypatch)
+    trips, t, h, k = [], 64, 256, 2
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens",
+                        lambda a, offs: trips.append((a, offs)) or a.clone() + 1)
+    r_rows, order, dxs = torch.randn(t * k, h).to(torch.bfloat16), torch.arange(t * k), torch.randn(t, h).to(torch.bfloat16)
+    topk_w, offsets = torch.rand(t, k), torch.tensor([0, 50, 128], dtype=torch.int32)
+    gu, hh = gu[:t * k], hh[:t * k]
+    fused_bwd.fused_backward(dy, x, r_rows, order, topk_w, idx, offsets, gu, hh, *weights, 4.0, dxs, False,
+                             comm_ctas=6, num_ctas=66, mx=True)
+    variant = keys[0][2:]  # (clamp, tokens, init, gather, by_route, shared, accumulate, trace, mx, add, n_tail, ep)
+    assert variant[2] and variant[3] and not variant[5] and variant[8] and not variant[11]
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    (args,) = fake.calls or fake.direct
+    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    (rt_in, rt_offs), = trips
+    assert torch.equal(rt_in, hh) and rt_offs is offsets and torch.equal(a["mH"], hh + 1)
+    assert tuple(a["mDyT"].shape) == (t * k, h) and a["mInit"] is dxs and a["mSGU"] is None
+    with pytest.raises(ValueError, match="mx"):
+        fused_bwd.fused_backward(dy, x, r_rows, order, topk_w, idx, offsets, gu, hh, *weights, 4.0, None, False,
+                                 shared=sh, mx=True)
 
 
 def test_ep_host_launch_mx(monkeypatch):

@@ -169,6 +169,10 @@ def _quant():
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, add=True, inspect=True))
         out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-ep@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, False, True, ep=True, inspect=True))
+        out[f"sm90/fused-bwd-gather-{'clamp' if clamp else 'noclamp'}-init-mxfp8@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, mx=True, inspect=True))
+        out[f"sm90/fused-bwd-gather-{'clamp' if clamp else 'noclamp'}-init-mxfp8-ep@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, mx=True, ep=True, inspect=True))
         out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-trace@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, trace=True, inspect=True))
     from mok_cute.schedule import local_plan as lp

@@ -249,15 +249,26 @@ class Sm90ExpertMLP:
         and slot sum): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
         bitwise the unfused backward; with ``main_grads`` (fp32, validated by ``ops.moe``) the weight
         gradients are added into them in the launch and returned as None; ``comm_ctas``: the CTAs that
-        build the routed rows first (``MoKConfig.comm_sms_bwd``); None where it does not apply."""
+        build the routed rows first (``MoKConfig.comm_sms_bwd``); None where it does not apply (BF16, or
+        MXFP8 with its variant on and no ``main_grads``: the rows' round trips in the launch, the shared
+        expert's backward before it). Not yet run on a GPU at MXFP8 (the EP > 1 launch, the same
+        kernel code but for the gather's source, was)."""
         from mok_cute.kernels.sm90.fused_bwd import fused_backward
 
         t, k = topk_idx.shape
         rows = t * k
-        if rows == 0 or g.precision != "bf16" or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu, g.h)):
+        mx = g.precision == "mxfp8" and fused_bwd_mx() and main_grads is None
+        if rows == 0 or not (g.precision == "bf16" or mx) or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu,
+                                                                                                    g.h)):
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
+        if mx:  # the shared expert's backward first, its dx the slot sum's start (as at EP > 1)
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
+            out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu,
+                                 g.h, *self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                 None if dxs is None else dxs.contiguous(), rows_by_route, comm_ctas, mx=True)
+            return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
         if sh is False:
             return None

@@ -218,7 +218,7 @@ def _tokens_rows(dev) -> list[Row]:
 def _mx_rows(dev) -> list[Row]:
     """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
     operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
-    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of mode 2 vs 0."""
+    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2 and 3 vs 0."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
@@ -240,16 +240,17 @@ def _mx_rows(dev) -> list[Row]:
                         note=f"== unfused MXFP8 backward per run (132 x2, 37 CTAs): {eq}; differs: {diff}"))
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
-    for flag in ("0", "2"):
+    for flag in ("0", "2", "3"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag
         os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
         finally:
             del os.environ["MOK_CUTE_FUSED_BWD"], os.environ["MOK_CUTE_FUSED_BWD_MX"]
-    same = [torch.equal(a, b) for a, b in zip(outs["0"], outs["2"])]
-    rows.append(Row("layer grads MXFP8 MOK_CUTE_FUSED_BWD=2 (+ _MX=1) == 0 (skew + shared)", bitwise=all(same), ok=all(same),
-                    note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    for flag in ("2", "3"):  # 3: the whole MXFP8 backward in one launch, the shared expert's before it
+        same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
+        rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
+                        bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     return rows
 
 

@@ -661,7 +661,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
                    rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None, main_grads=None):
+                   shared=None, main_grads=None, mx: bool = False):
     """The routed backward from the layer's tokens in one launch: :func:`fused_backward_core` with
     ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
     and of gathering x's rows (bitwise theirs). dy, x [T, H] bf16; r_rows [T*k, H] (the forward's
@@ -675,7 +675,11 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     there and starts the slot sum), and its three weight gradients follow the routed ones.
     ``main_grads``: fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the shared
     expert's with ``shared``): each weight-gradient tile is added into them (``main +=
-    fp32(bf16(dW))``) and its weight gradient is returned as None."""
+    fp32(bf16(dW))``) and its weight gradient is returned as None.
+
+    ``mx``: the MXFP8 backward, bitwise the unfused one (as :func:`fused_backward_ep`'s: the weights
+    given dequantized, h's round trip along the tokens made here, the gathered rows' in the launch,
+    dgu's in the epilogue; the shared expert outside the launch, its dx ``dx_shared``)."""
     t, k = topk_idx.shape
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     dy_rows = torch.empty((t * k, dy.shape[1]), **bf)
@@ -685,9 +689,12 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     if shared is not None:
         if dx_shared is not None:
             raise ValueError("dx_shared must be None when the shared expert runs in the launch")
+        if mx:
+            raise ValueError("mx: the shared expert runs outside the launch (give its dx as dx_shared)")
         dx_shared = torch.empty_like(dy)
+    dyt, h = _mx_gather_operands(mx, h, offsets, t * k, dy.shape[1], bf)
     out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                  (order.to(torch.int32), topk_idx, dx_shared, None), gather, shared, main_grads)
+                  (order.to(torch.int32), topk_idx, dx_shared, None), gather, shared, main_grads, mx_dyt=dyt)
     return (out[0], dtw, *out[1:])
 
 
@@ -733,17 +740,22 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
     if shared is not None:
         dx_shared = torch.empty_like(dy)
-    dyt = None
-    if mx:  # dy_t: written by the launch's gather; h: its round trip along the tokens, here
-        from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip_tokens
-
-        dyt = torch.empty((m, hid), **bf)
-        if m:
-            h = mxfp8_round_trip_tokens(h[:m].contiguous(), plan.offsets)
+    dyt, h = _mx_gather_operands(mx, h, plan.offsets, m, hid, bf)
     gather = (dy, x, slot_rows, w_rows, dtw.view(-1), False, comm_ctas)
     out = _launch(dy_rows, x_rows, gu, h, plan.offsets, (w_gate, w_up, w_down), limit, ws.timeout_s, num_ctas,
                   (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, mx_dyt=dyt, ws=ws)
     return (out[0], dtw, *out[1:])
+
+
+def _mx_gather_operands(mx: bool, h, offsets, m: int, hid: int, bf: dict):
+    """``(dy_t, h)`` of a launch whose gather makes the MXFP8 round trips: dy_t a fresh [m, H] buffer
+    (the launch writes dy's round trip along the tokens there), h's round trip along the tokens
+    (over ``offsets``' experts); ``(None, h)`` unless ``mx``."""
+    if not mx:
+        return None, h
+    from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip_tokens
+
+    return torch.empty((m, hid), **bf), mxfp8_round_trip_tokens(h[:m].contiguous(), offsets) if m else h
 
 
 def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
