@@ -78,19 +78,24 @@ def test_ep_schedule_complete(ep, name):
     assert len(rounds) == ep and all(r > 0 for r in rounds)
 
 
-@pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
-def test_mxfp8_variant_round_trips_h(clamp, shared):
+@pytest.mark.parametrize("clamp,shared,gather", [(True, True, None), (False, False, None), (True, True, "bg")])
+def test_mxfp8_variant_round_trips_h(clamp, shared, gather):
     """The MXFP8 variant: the gather dequantizes e4m3 token rows, the SwiGLU epilogue quantizes h to
     e4m3 and dequantizes it back (the round-trip kernel's ops), everything else as the BF16
-    variant; no spills."""
+    variant; no spills. ``bg`` (``MOK_CUTE_GATHER_MX=bg``): the producer warps' background pieces
+    dequantize too (more e4m3 conversions; their named barrier 6, as the BF16 bg variant)."""
     from mok_cute.kernels.sm90 import fused_moe
 
-    rep = fused_moe.compile_fused_forward(clamp, shared, mx=True, inspect=True)[1]
+    rep = fused_moe.compile_fused_forward(clamp, shared, mx=True, gather=gather, inspect=True)[1]
     plain = _compiled(clamp, shared)
     for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "shfl.sync.bfly"):
         assert needed in rep.ptx and needed not in plain.ptx, needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     assert rep.total_spill_bytes == 0
+    if gather == "bg":
+        regs = fused_moe.compile_fused_forward(clamp, shared, mx=True, inspect=True)[1]
+        assert rep.ptx.count("cvt.rn.f16x2.e4m3x2") > regs.ptx.count("cvt.rn.f16x2.e4m3x2")
+        assert "bar.sync \t6, 96;" in rep.ptx and "bar.sync \t6, 96;" not in regs.ptx
 
 
 @pytest.mark.parametrize("clamp,shared,trace", VARIANTS[:2])
@@ -390,6 +395,23 @@ def test_gather_modes_compile():
     assert re.search(bg_bar, ptx["bg"]) and not re.search(bg_bar, ptx["staged"])
     with pytest.raises(ValueError, match="gather must be one of"):
         fm.FusedMoeFwdSm90(True, True, gather="tma")
+
+
+def test_gather_mode_mx(monkeypatch):
+    """MOK_CUTE_GATHER_MX picks the MXFP8 forward's gather: ``regs`` by default, ``bg`` on request, a
+    clear error otherwise; MOK_CUTE_GATHER does not reach MXFP8."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    monkeypatch.delenv("MOK_CUTE_GATHER_MX", raising=False)
+    monkeypatch.setenv("MOK_CUTE_GATHER", "staged")
+    assert fm.gather_mode_mx() == "regs"
+    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "bg")
+    assert fm.gather_mode_mx() == "bg"
+    assert fm.FusedMoeFwdSm90(True, True, mx=True, gather="bg").bg
+    assert not fm.FusedMoeFwdSm90(True, True, mx=True).bg and not fm.FusedMoeFwdSm90(True, True, ep=True).bg
+    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "staged")
+    with pytest.raises(ValueError, match="MOK_CUTE_GATHER_MX"):
+        fm.gather_mode_mx()
 
 
 @pytest.mark.parametrize("units", [8, 360, 512, 896, 1000])

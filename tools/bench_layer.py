@@ -115,7 +115,8 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
-          bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None, gather: str | None = None):
+          bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None, gather: str | None = None,
+          gather_mx: str | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -130,10 +131,11 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
             os.environ.pop("MOK_CUTE_FUSED_BWD", None)
         else:
             os.environ["MOK_CUTE_FUSED_BWD"] = bwd
-        if gather is None:  # the library's default gather
-            os.environ.pop("MOK_CUTE_GATHER", None)
-        else:
-            os.environ["MOK_CUTE_GATHER"] = gather
+        for var, mode in (("MOK_CUTE_GATHER", gather), ("MOK_CUTE_GATHER_MX", gather_mx)):
+            if mode is None:  # the library's default gather
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = mode
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -214,6 +216,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
+        if "bg" in gathers:  # the opt-in background gather of the MXFP8 rows (MOK_CUTE_GATHER_MX=bg)
+            impls[f"fused mxfp8 c{comms[0]} gather bg"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
+                                                                        gather_mx="bg")(x, idx, w, ws, sh)
         if "0" in bwds:  # the same with the unfused MXFP8 backward
             impls[f"fused mxfp8 c{comms[0]} bwd0"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
                                                                    bwd="0")(x, idx, w, ws, sh)
@@ -323,7 +328,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="timing rounds over all rows, interleaved; each row's median round is reported")
     ap.add_argument("--gather", default="",
-                    help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs)")
+                    help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs); "
+                         "with --mx, bg also adds the MXFP8 row with MOK_CUTE_GATHER_MX=bg")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]

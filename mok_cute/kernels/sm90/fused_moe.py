@@ -100,6 +100,7 @@ GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is the TMA producer)
 BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
+BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
 GATHER_MODES = ("bg", "staged", "regs")
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 
@@ -111,18 +112,20 @@ class FusedMoeFwdSm90:
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str = "bg", cfg: MainloopConfig = MainloopConfig()):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
         self.n_tail = n_tail
+        if gather is None:  # each path's default: bg for bf16 at EP = 1, through registers otherwise
+            gather = "bg" if not mx and not ep else "regs"
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
         plain = not mx and not ep  # the bf16 EP = 1 gather (see :func:`gather_mode`); the others through registers
         self.staged = plain and gather in ("bg", "staged")
-        self.bg = plain and gather == "bg"
+        self.bg = not ep and gather == "bg"  # MXFP8: the ring's first fill through registers (``gather_mode_mx``)
         self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
@@ -250,7 +253,7 @@ class FusedMoeFwdSm90:
                               mHready, mShready, status, timeout_ns, mTrace, bidx)
             if cutlass.const_expr(self.bg):
                 if warp > 0:
-                    self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXg, mOrder, mOffsets,
+                    self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
                                     num_experts, k, mGather, mHready, timeout_ns, status)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -329,18 +332,23 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _gather_bg(self, t: Int32, bidx: Int32, grid: Int32, first: Int32, chunks: Int32, ring: Int32, n1: Int32,
-                   mX: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32,
-                   k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, timeout_ns: Int64, status: cute.Pointer):
-        """Producer warpgroup warps 1-3 of every CTA (``t`` < 96), beside its GEMM tasks (bg, bf16, EP = 1): the chunks
+                   mX: cute.Tensor, mXq: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor,
+                   num_experts: Int32, k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, timeout_ns: Int64,
+                   status: cute.Pointer):
+        """Producer warpgroup warps 1-3 of every CTA (``t`` < 96), beside its GEMM tasks (bg, EP = 1): the chunks
         from ``first`` (past the ring's first fill) in pieces of :data:`PIECE_ROWS` rows, piece ``q`` (chunk ``first + q
         // PIECES``, rows ``(q % PIECES) * PIECE_ROWS ..``) for q = bidx, bidx + grid, ...: wait until m-tile ``c - ring``'s
         GEMM1 tiles have read the slot, copy the rows through registers (:data:`BG_UNROLL` loads in flight per lane, one
-        warp per row), publish with a release add of 1 on ``gather_ready[c]`` (a chunk is ready at :data:`PIECES`).
-        Not traced: the pieces overlap the CTA's GEMM tasks."""
+        warp per row; MXFP8: :meth:`_mx_row`, :data:`BG_MX_UNROLL` chunks), publish with a release add of 1 on
+        ``gather_ready[c]`` (a chunk is ready at :data:`PIECES`). Not traced: the pieces overlap the CTA's GEMM tasks."""
         hid = mXg.shape[1]
         warp = t // 32
         lane = t % 32
         base = mX.iterator.toint()
+        rb = hid * 2
+        if cutlass.const_expr(self.mx):
+            base = mXq.iterator.toint()
+            rb = mXq.shape[1]
         dbase = mXg.iterator.toint()
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
@@ -349,9 +357,12 @@ class FusedMoeFwdSm90:
                                                    timeout_ns, status, Int32(RING), BG_BARRIER, BG_WARPS * 32)
             p0 = q % PIECES * PIECE_ROWS
             for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), BG_WARPS, unroll=1):
-                src = base + Int64(mOrder[row0 + rr] // k) * Int64(hid * 2)
-                route_rows.copy_row(lane, src, dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2), hid // _VEC,
-                                    BG_UNROLL)
+                src = base + Int64(mOrder[row0 + rr] // k) * Int64(rb)
+                dst = dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2)
+                if cutlass.const_expr(self.mx):
+                    self._mx_row(lane, src, dst, hid, BG_MX_UNROLL)
+                else:
+                    route_rows.copy_row(lane, src, dst, hid // _VEC, BG_UNROLL)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
             if t == 0:
@@ -387,9 +398,6 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.mx):
             rb = mXq.shape[1]
             base = mXq.iterator.toint()
-        nu = hid // _VEC  # 16-byte units of a bf16 row
-        if cutlass.const_expr(self.mx):
-            nu = hid // 16  # 16-value chunks of an MXFP8 row
         dbase = mXg.iterator.toint()
         for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
             r = row0 + rr
@@ -401,26 +409,33 @@ class FusedMoeFwdSm90:
                     ep.pull_w(q, r)
             dst = dbase + Int64(slot_row + rr) * Int64(hid * 2)
             if cutlass.const_expr(self.mx):
-                qs = cute.make_rmem_tensor((4, self.unroll), cutlass.Uint32)
-                ss = cute.make_rmem_tensor((self.unroll,), cutlass.Uint32)
-                for c0 in cutlass.range(lane, nu, 32 * self.unroll, unroll=1):
-                    for u in cutlass.range_constexpr(self.unroll):  # every load first
-                        cu = c0 + u * 32
-                        if cu < nu:
-                            qs[None, u].store(cute.make_tensor(P.gptr(cutlass.Uint32, src + Int64(cu) * 16, 16),
-                                                               cute.make_layout((4,))).load())
-                            sc = cute.make_tensor(P.gptr(cutlass.Uint8, src + Int64(hid + cu // 2), 1),
-                                                  cute.make_layout((1,)))
-                            ss[u] = cutlass.Uint32(sc[0])
-                    for u in cutlass.range_constexpr(self.unroll):
-                        cu = c0 + u * 32
-                        if cu < nu:
-                            o = cute.make_rmem_tensor((8,), cutlass.Uint32)
-                            self.fp8.deq_bf16([qs[j, u] for j in range(4)], [self.fp8.scale_bits(ss[u])] * 16, o)
-                            cute.make_tensor(P.gptr(cutlass.Uint32, dst + Int64(cu) * 32, 16),
-                                             cute.make_layout((8,))).store(o.load())
+                self._mx_row(lane, src, dst, hid, self.unroll)
             else:
-                route_rows.copy_row(lane, src, dst, nu, self.unroll)
+                route_rows.copy_row(lane, src, dst, hid // _VEC, self.unroll)
+
+    @cute.jit
+    def _mx_row(self, lane: Int32, src: Int64, dst: Int64, hid: Int32, unroll: cutlass.Constexpr[int]):
+        """One warp: the MXFP8 row at ``src`` (H e4m3 bytes, then H/32 E8M0 scales) dequantized to the bf16 row at
+        ``dst``, 16-value chunks ``lane, lane + 32, ...``, ``unroll`` chunks' loads issued before their conversions."""
+        nu = hid // 16  # 16-value chunks of an MXFP8 row
+        qs = cute.make_rmem_tensor((4, unroll), cutlass.Uint32)
+        ss = cute.make_rmem_tensor((unroll,), cutlass.Uint32)
+        for c0 in cutlass.range(lane, nu, 32 * unroll, unroll=1):
+            for u in cutlass.range_constexpr(unroll):  # every load first
+                cu = c0 + u * 32
+                if cu < nu:
+                    qs[None, u].store(cute.make_tensor(P.gptr(cutlass.Uint32, src + Int64(cu) * 16, 16),
+                                                       cute.make_layout((4,))).load())
+                    sc = cute.make_tensor(P.gptr(cutlass.Uint8, src + Int64(hid + cu // 2), 1),
+                                          cute.make_layout((1,)))
+                    ss[u] = cutlass.Uint32(sc[0])
+            for u in cutlass.range_constexpr(unroll):
+                cu = c0 + u * 32
+                if cu < nu:
+                    o = cute.make_rmem_tensor((8,), cutlass.Uint32)
+                    self.fp8.deq_bf16([qs[j, u] for j in range(4)], [self.fp8.scale_bits(ss[u])] * 16, o)
+                    cute.make_tensor(P.gptr(cutlass.Uint32, dst + Int64(cu) * 32, 16),
+                                     cute.make_layout((8,))).store(o.load())
 
     @cute.jit
     def _mark(self, mProg: cute.Tensor, bidx: Int32, word: int, code: int, value: Int32):
@@ -581,9 +596,10 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
-                          gate: bool = False, n_tail: bool = False, gather: str = "bg", arch: str = "sm_90a",
+                          gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
                           inspect: bool = False):
-    """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode`; ``gate``: the slot sum starts
+    """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
+    :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
     :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
@@ -631,8 +647,8 @@ def slot_sum_batch() -> int:
 
 
 def gather_mode() -> str:
-    """How the bf16 EP = 1 forward gathers its rows (``MOK_CUTE_GATHER``, read at every call; MXFP8 and EP > 1 always
-    go through registers in the comm CTAs):
+    """How the bf16 EP = 1 forward gathers its rows (``MOK_CUTE_GATHER``, read at every call; MXFP8: :func:`gather_mode_mx`;
+    EP > 1 always goes through registers in the comm CTAs):
 
     * ``bg`` (default): the comm CTAs fill the ring through shared memory (``staged``), then join the GEMM tasks; the
       later chunks are gathered by warps 1-3 of every CTA's producer warpgroup (idle otherwise) beside its tiles;
@@ -641,6 +657,16 @@ def gather_mode() -> str:
     mode = os.environ.get("MOK_CUTE_GATHER", "bg")
     if mode not in GATHER_MODES:
         raise ValueError(f"MOK_CUTE_GATHER must be one of {GATHER_MODES}, got {mode!r}")
+    return mode
+
+
+def gather_mode_mx() -> str:
+    """How the MXFP8 EP = 1 forward gathers (``MOK_CUTE_GATHER_MX``, read at every call): ``regs`` (default: the comm
+    CTAs dequantize every chunk through registers) or ``bg`` (they dequantize the ring's first fill, the producer
+    warps 1-3 of every CTA the later chunks, as :func:`gather_mode`'s bg; opt-in until it has run on a GPU)."""
+    mode = os.environ.get("MOK_CUTE_GATHER_MX", "regs")
+    if mode not in ("regs", "bg"):
+        raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs' or 'bg', got {mode!r}")
     return mode
 
 
@@ -764,7 +790,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
-    gather = gather_mode() if not mx and ws is None else "regs"
+    gather = "regs" if ws is not None else gather_mode_mx() if mx else gather_mode()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
                gate is not None, n_tail, gather)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
