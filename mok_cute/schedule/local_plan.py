@@ -87,6 +87,13 @@ def _launcher():
             m = m & (cute.arch.vote_ballot_sync(bit != 0) ^ (bit - 1))
         return m
 
+    def start(E):
+        """A plan kernel's ``(tidx, bidx, lane, warp)``, its ``E + 1`` buckets (the experts, then -1
+        and bad ids) and its shared-memory allocator (traced at the call site)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        return tidx, bidx, tidx % 32, tidx // 32, E + 1, cutlass.memory.SmemAllocator()
+
     @cute.jit
     def warp_range(n: Int32, ctas: Int32, w: Int32):
         """``(c0, c1)``: warp ``w``'s routes (the CTAs' ranges in order, each warp's a whole number of
@@ -104,12 +111,7 @@ def _launcher():
                      E: Constexpr):
         """Pass 1 of CTA c: the sanitised ids of its routes, and ``part[c]`` = its routes per bucket, its
         count of ids outside [-1, E) and the first such route (n if none)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        nb = E + 1
-        smem = cutlass.memory.SmemAllocator()
+        tidx, bidx, lane, w, nb, smem = start(E)
         cnt = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
         misc = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
         idx = cute.make_tensor(idx_out, cute.make_layout(n))
@@ -155,12 +157,7 @@ def _launcher():
         """Pass 2 of CTA c: each of its routes' row = its bucket's start (all CTAs' counts, in bucket
         order) + the bucket's routes in CTAs before c + those in warps before this one + the lanes of
         its group below it; CTA 0 also writes the offsets and the error words."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        nb = E + 1
-        smem = cutlass.memory.SmemAllocator()
+        tidx, bidx, lane, w, nb, smem = start(E)
         hist = smem.allocate_tensor(Int32, cute.make_layout(warps * nb), byte_alignment=16)
         base = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
         prev = smem.allocate_tensor(Int32, cute.make_layout(nb), byte_alignment=16)
