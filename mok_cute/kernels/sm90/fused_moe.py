@@ -344,11 +344,7 @@ class FusedMoeFwdSm90:
         hid = mXg.shape[1]
         warp = t // 32
         lane = t % 32
-        base = mX.iterator.toint()
-        rb = hid * 2
-        if cutlass.const_expr(self.mx):
-            base = mXq.iterator.toint()
-            rb = mXq.shape[1]
+        base, rb = self._source(mX, mXq, hid)
         dbase = mXg.iterator.toint()
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
@@ -358,11 +354,8 @@ class FusedMoeFwdSm90:
             p0 = q % PIECES * PIECE_ROWS
             for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), BG_WARPS, unroll=1):
                 src = base + Int64(mOrder[row0 + rr] // k) * Int64(rb)
-                dst = dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2)
-                if cutlass.const_expr(self.mx):
-                    self._mx_row(lane, src, dst, hid, BG_MX_UNROLL)
-                else:
-                    route_rows.copy_row(lane, src, dst, hid // _VEC, BG_UNROLL)
+                self._move_row(lane, src, dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2), hid,
+                               BG_MX_UNROLL if self.mx else BG_UNROLL)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
             if t == 0:
@@ -393,11 +386,7 @@ class FusedMoeFwdSm90:
         hid = mXg.shape[1]
         warp = tidx // 32
         lane = tidx % 32
-        rb = hid * 2
-        base = mX.iterator.toint()
-        if cutlass.const_expr(self.mx):
-            rb = mXq.shape[1]
-            base = mXq.iterator.toint()
+        base, rb = self._source(mX, mXq, hid)
         dbase = mXg.iterator.toint()
         for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
             r = row0 + rr
@@ -407,11 +396,23 @@ class FusedMoeFwdSm90:
                 src = ep.src_row(q, k, rb)
                 if lane == 0:
                     ep.pull_w(q, r)
-            dst = dbase + Int64(slot_row + rr) * Int64(hid * 2)
-            if cutlass.const_expr(self.mx):
-                self._mx_row(lane, src, dst, hid, self.unroll)
-            else:
-                route_rows.copy_row(lane, src, dst, hid // _VEC, self.unroll)
+            self._move_row(lane, src, dbase + Int64(slot_row + rr) * Int64(hid * 2), hid, self.unroll)
+
+    def _source(self, mX: cute.Tensor, mXq: cute.Tensor, hid: Int32):
+        """``(base address, bytes per row)`` of the rows a gather reads: x's bf16 rows of ``hid`` elements, or at
+        MXFP8 ``mXq``'s packed rows (traced at the call site)."""
+        if self.mx:
+            return mXq.iterator.toint(), mXq.shape[1]
+        return mX.iterator.toint(), hid * 2
+
+    @cute.jit
+    def _move_row(self, lane: Int32, src: Int64, dst: Int64, hid: Int32, unroll: cutlass.Constexpr[int]):
+        """One warp: the source row at ``src`` into the bf16 ring row at ``dst`` (:meth:`_mx_row` at MXFP8, else
+        16-byte copies), ``unroll`` units in flight per lane."""
+        if cutlass.const_expr(self.mx):
+            self._mx_row(lane, src, dst, hid, unroll)
+        else:
+            route_rows.copy_row(lane, src, dst, hid // _VEC, unroll)
 
     @cute.jit
     def _mx_row(self, lane: Int32, src: Int64, dst: Int64, hid: Int32, unroll: cutlass.Constexpr[int]):
