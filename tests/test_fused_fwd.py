@@ -78,12 +78,12 @@ def test_ep_schedule_complete(ep, name):
     assert len(rounds) == ep and all(r > 0 for r in rounds)
 
 
-@pytest.mark.parametrize("clamp,shared,gather", [(True, True, None), (False, False, None), (True, True, "bg")])
+@pytest.mark.parametrize("clamp,shared,gather", [(True, True, None), (False, False, None), (True, True, "regs")])
 def test_mxfp8_variant_round_trips_h(clamp, shared, gather):
     """The MXFP8 variant: the gather dequantizes e4m3 token rows, the SwiGLU epilogue quantizes h to
     e4m3 and dequantizes it back (the round-trip kernel's ops), everything else as the BF16
-    variant; no spills. ``bg`` (``MOK_CUTE_GATHER_MX=bg``): the producer warps' background pieces
-    dequantize too (more e4m3 conversions; their named barrier 6, as the BF16 bg variant)."""
+    variant; no spills. The default gather (``bg``): the producer warps' background pieces dequantize
+    too (more e4m3 conversions than ``regs``; their named barrier 6, as the BF16 bg variant)."""
     from mok_cute.kernels.sm90 import fused_moe
 
     rep = fused_moe.compile_fused_forward(clamp, shared, mx=True, gather=gather, inspect=True)[1]
@@ -92,8 +92,8 @@ def test_mxfp8_variant_round_trips_h(clamp, shared, gather):
         assert needed in rep.ptx and needed not in plain.ptx, needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     assert rep.total_spill_bytes == 0
-    if gather == "bg":
-        regs = fused_moe.compile_fused_forward(clamp, shared, mx=True, inspect=True)[1]
+    if gather is None:
+        regs = fused_moe.compile_fused_forward(clamp, shared, mx=True, gather="regs", inspect=True)[1]
         assert rep.ptx.count("cvt.rn.f16x2.e4m3x2") > regs.ptx.count("cvt.rn.f16x2.e4m3x2")
         assert "bar.sync \t6, 96;" in rep.ptx and "bar.sync \t6, 96;" not in regs.ptx
 
@@ -303,7 +303,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
     # (..., mx, ep, sum batch, gate, n_tail, gather): MXFP8 and EP > 1 gather through registers
-    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if mx or ep else "bg")
+    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if ep else "bg")
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -398,17 +398,18 @@ def test_gather_modes_compile():
 
 
 def test_gather_mode_mx(monkeypatch):
-    """MOK_CUTE_GATHER_MX picks the MXFP8 forward's gather: ``regs`` by default, ``bg`` on request, a
+    """MOK_CUTE_GATHER_MX picks the MXFP8 forward's gather: ``bg`` by default, ``regs`` on request, a
     clear error otherwise; MOK_CUTE_GATHER does not reach MXFP8."""
     from mok_cute.kernels.sm90 import fused_moe as fm
 
     monkeypatch.delenv("MOK_CUTE_GATHER_MX", raising=False)
     monkeypatch.setenv("MOK_CUTE_GATHER", "staged")
-    assert fm.gather_mode_mx() == "regs"
-    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "bg")
     assert fm.gather_mode_mx() == "bg"
-    assert fm.FusedMoeFwdSm90(True, True, mx=True, gather="bg").bg
-    assert not fm.FusedMoeFwdSm90(True, True, mx=True).bg and not fm.FusedMoeFwdSm90(True, True, ep=True).bg
+    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "regs")
+    assert fm.gather_mode_mx() == "regs"
+    assert fm.FusedMoeFwdSm90(True, True, mx=True).bg
+    assert not fm.FusedMoeFwdSm90(True, True, mx=True, gather="regs").bg
+    assert not fm.FusedMoeFwdSm90(True, True, ep=True).bg and not fm.FusedMoeFwdSm90(True, True, mx=True, ep=True).bg
     monkeypatch.setenv("MOK_CUTE_GATHER_MX", "staged")
     with pytest.raises(ValueError, match="MOK_CUTE_GATHER_MX"):
         fm.gather_mode_mx()

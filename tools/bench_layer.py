@@ -216,9 +216,9 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
-        if "bg" in gathers:  # the opt-in background gather of the MXFP8 rows (MOK_CUTE_GATHER_MX=bg)
-            impls[f"fused mxfp8 c{comms[0]} gather bg"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
-                                                                        gather_mx="bg")(x, idx, w, ws, sh)
+        if "regs" in gathers:  # the MXFP8 rows' other gather (MOK_CUTE_GATHER_MX=regs; the default is bg)
+            impls[f"fused mxfp8 c{comms[0]} gather regs"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
+                                                                          gather_mx="regs")(x, idx, w, ws, sh)
         if "0" in bwds:  # the same with the unfused MXFP8 backward
             impls[f"fused mxfp8 c{comms[0]} bwd0"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
                                                                    bwd="0")(x, idx, w, ws, sh)
@@ -329,7 +329,7 @@ def main() -> int:
                     help="timing rounds over all rows, interleaved; each row's median round is reported")
     ap.add_argument("--gather", default="",
                     help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs); "
-                         "with --mx, bg also adds the MXFP8 row with MOK_CUTE_GATHER_MX=bg")
+                         "with --mx, regs also adds the MXFP8 row with MOK_CUTE_GATHER_MX=regs")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]

@@ -142,8 +142,8 @@ def _quant():
                     lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8-bg@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="bg", inspect=True))
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8-regs@sm_90a"] = (
+                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="regs", inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))
             for g in ("staged", "regs"):  # the other gathers of the bf16 EP = 1 forward (bg is the default)

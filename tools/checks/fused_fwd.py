@@ -11,7 +11,7 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
     (256, 1024, 4096: a ring of 8 and 32 slots, reused, and one slot per m-tile);
   * MXFP8 (precision="mxfp8", two cases): y bitwise equal to the unfused MXFP8 forward and
     across comm_sms_fwd and minibatch_tokens, y and every gradient within rel-L1 2e-2 of the reference backend at
-    mxfp8; with ``MOK_CUTE_GATHER_MX=bg`` too (y only, three configurations);
+    mxfp8; with ``MOK_CUTE_GATHER_MX=regs`` too (y only, three configurations);
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
@@ -113,16 +113,16 @@ def run(ctx) -> list[Row]:
         eq = torch.equal(ys[0], y_unfused)
         rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
                         note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
-        os.environ["MOK_CUTE_GATHER_MX"] = "bg"  # the opt-in background gather of the MXFP8 rows
+        os.environ["MOK_CUTE_GATHER_MX"] = "regs"  # the MXFP8 rows' other gather (the default is bg)
         try:
             with torch.no_grad():
-                ybg = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
+                yregs = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
                        for c, m in ((16, 256), (4, 256), (40, 4096))]
         finally:
             del os.environ["MOK_CUTE_GATHER_MX"]
-        same_bg = all(torch.equal(y, y_unfused) for y in ybg)
-        rows.append(Row(f"fused fwd mxfp8 {name} gather bg", bitwise=same_bg, ok=same_bg,
-                        note=f"MOK_CUTE_GATHER_MX=bg, 3 configurations ==unfused mxfp8: {same_bg}"))
+        same_regs = all(torch.equal(y, y_unfused) for y in yregs)
+        rows.append(Row(f"fused fwd mxfp8 {name} gather regs", bitwise=same_regs, ok=same_regs,
+                        note=f"MOK_CUTE_GATHER_MX=regs, 3 configurations ==unfused mxfp8: {same_regs}"))
     fused.check_errors()
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)

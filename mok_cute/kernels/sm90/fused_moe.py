@@ -119,8 +119,8 @@ class FusedMoeFwdSm90:
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
         self.n_tail = n_tail
-        if gather is None:  # each path's default: bg for bf16 at EP = 1, through registers otherwise
-            gather = "bg" if not mx and not ep else "regs"
+        if gather is None:  # each path's default: bg at EP = 1 (bf16 and MXFP8), through registers at EP > 1
+            gather = "regs" if ep else "bg"
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
         plain = not mx and not ep  # the bf16 EP = 1 gather (see :func:`gather_mode`); the others through registers
@@ -662,10 +662,10 @@ def gather_mode() -> str:
 
 
 def gather_mode_mx() -> str:
-    """How the MXFP8 EP = 1 forward gathers (``MOK_CUTE_GATHER_MX``, read at every call): ``regs`` (default: the comm
-    CTAs dequantize every chunk through registers) or ``bg`` (they dequantize the ring's first fill, the producer
-    warps 1-3 of every CTA the later chunks, as :func:`gather_mode`'s bg; opt-in until it has run on a GPU)."""
-    mode = os.environ.get("MOK_CUTE_GATHER_MX", "regs")
+    """How the MXFP8 EP = 1 forward gathers (``MOK_CUTE_GATHER_MX``, read at every call): ``bg`` (default: the comm
+    CTAs dequantize the ring's first fill, the producer warps 1-3 of every CTA the later chunks, as
+    :func:`gather_mode`'s bg) or ``regs`` (the comm CTAs dequantize every chunk through registers)."""
+    mode = os.environ.get("MOK_CUTE_GATHER_MX", "bg")
     if mode not in ("regs", "bg"):
         raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs' or 'bg', got {mode!r}")
     return mode
