@@ -21,12 +21,12 @@ MX_PARAMS = ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "m
 
 @functools.cache
 def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-         gather: bool = False, shared: bool = False, ep: bool = False):
+         gather: bool = False, shared: bool = False, ep: bool = False, accumulate: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather,
-                                           by_route=gather and not ep, shared=shared, ep=ep, arch=arch,
-                                           inspect=True)[1]
+                                           by_route=gather and not ep, shared=shared, ep=ep, accumulate=accumulate,
+                                           arch=arch, inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -211,14 +211,15 @@ def test_variants_registry():
     reg = fb.variants()
     assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-ep-clamp",
                            "fused-bwd-ep-shared-noclamp", "fused-bwd-gather-clamp",
-                           "fused-bwd-gather-shared-noclamp", "fused-bwd-mxfp8-core-clamp",
+                           "fused-bwd-gather-shared-main-grads-clamp", "fused-bwd-gather-shared-noclamp",
+                           "fused-bwd-mxfp8-core-clamp",
                            "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
         clamp, tokens, mx, ep, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
                                          "-ep-" in name, "shared" in name)
         if "gather" in name or ep:
-            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared, ep)
+            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared, ep, "main-grads" in name)
         else:
             rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
@@ -630,7 +631,7 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False, False)]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -677,7 +678,7 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
     fb.fused_backward(**dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
     assert by["mInit"]._keep is dxs
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False, False)]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -713,6 +714,10 @@ def test_host_gather_no_tokens(monkeypatch):
     ("limit", ValueError, "limit"),
     ("device", ValueError, "topk_w"),
     ("arch", ValueError, "sm_100a / sm_103a"),
+    ("main_grads_len", TypeError, "main_grads must be a tuple of 6"),
+    ("main_grads_bf16", TypeError, r"main_grads\[1\] \(w_up\)"),
+    ("main_grads_shape", ValueError, r"main_grads\[2\] \(w_down\)"),
+    ("main_grads_strided", ValueError, r"main_grads\[5\] \(ws_down\)"),
 ])
 def test_host_gather_validates_before_launch(monkeypatch, change, exc, match):
     """Every bad fused_backward operand raises, naming it, before anything is compiled or launched."""
@@ -744,10 +749,68 @@ def test_host_gather_validates_before_launch(monkeypatch, change, exc, match):
         "device": dict(topk_w=ops["topk_w"].to("meta")),
         "arch": {},
     }
+    main = [torch.zeros(a.shape) for a in (ops["w_gate"], ops["w_up"], ops["w_down"], wsg, wsu, wsd)]
+    edits.update({"main_grads_len": dict(main_grads=main[:3]),
+                  "main_grads_bf16": dict(main_grads=main[:1] + [main[1].bfloat16()] + main[2:]),
+                  "main_grads_shape": dict(main_grads=main[:2] + [main[0]] + main[3:]),
+                  "main_grads_strided": dict(main_grads=main[:5] + [torch.zeros(wsd.shape[::-1]).t()])})
     ops.update(edits[change])
     with pytest.raises(exc, match=match):
         fb.fused_backward(**ops)
     assert not fake.calls and (change == "arch" or not keys)
+
+
+# ---------------------------------------------------------------- main grads (accumulate)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_main_grads_variant_compiles_with_its_adds(arch):
+    """``accumulate``: each weight-gradient tile read-add-written into fp32 main grads: 3 x tile_n more
+    single-rounded adds per group (a thread's row of dWg, dWu, dWd tiles), the same MMAs, waits and
+    counters as the bf16 variant, no atomics on the main grads, no spills."""
+    base, rep = (_rep(arch, True, True, True, False, False, True, True, False, acc) for acc in (False, True))
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS, rep.log[-2000:]
+    assert rep.ptx.count("add.rn.f32") == base.ptx.count("add.rn.f32") + 2 * 3 * 256
+    for same in ("tcgen05.mma", "ld.acquire", "atom.global"):
+        assert rep.ptx.count(same) == base.ptx.count(same), same
+    assert not re.search(r"\b(?:atom|red)\.global(?:\.\w+)*\.f32", rep.ptx)
+
+
+def test_accumulate_needs_gather():
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    with pytest.raises(ValueError, match="accumulate"):
+        fb.FusedMoeBwdSm100(True, tokens=True, accumulate=True)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_host_main_grads_are_the_weight_gradient_operands(monkeypatch, shared):
+    """fused_backward(main_grads=...): the accumulate variant's key, the main grads handed as the
+    kernel's dW operands (the shared expert's as [1, ...] views of its three), every weight gradient
+    returned as None; T = 0: nothing launched, the main grads unchanged."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _gather_operands(shared=shared)
+    ws = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
+    main = [torch.randn(w.shape) for w in ws]
+    start = [m.clone() for m in main]
+    out = fb.fused_backward(**ops, main_grads=main)
+    (args,) = fake.calls
+    by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
+                     True)]
+    assert len(out) == 5 + 3 * shared and all(d is None for d in out[2:])
+    names = ("mDWg", "mDWu", "mDWd") + (("mSDWg", "mSDWu", "mSDWd") if shared else ())
+    for n, m in zip(names, main):
+        a = getattr(by[n], "_keep", by[n])
+        assert a.dtype == torch.float32 and a.data_ptr() == m.data_ptr() and a.numel() == m.numel(), n
+    offs, gus, hs, *w = ops["shared"] if shared else (None,) * 6
+    ops.update(dy=ops["dy"][:0], x=ops["x"][:0], r_rows=ops["r_rows"][:0], order=ops["order"][:0],
+               topk_w=ops["topk_w"][:0], topk_idx=ops["topk_idx"][:0])
+    if shared:
+        ops["shared"] = (offs, gus[:0], hs[:0], *w)
+    out = fb.fused_backward(**ops, main_grads=main)
+    assert len(fake.calls) == 1 and all(d is None for d in out[2:])
+    assert all(torch.equal(m, s) for m, s in zip(main, start))
 
 
 # ---------------------------------------------------------------- the EP > 1 variant (ep: mode 3 across ranks)
@@ -823,7 +886,7 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     ws, plan = ops["ws"], ops["plan"]
     out = fb.fused_backward_ep(**ops)
     assert not fake.calls and len(fake.direct) == 1
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True, False)]
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
@@ -850,6 +913,12 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     assert tuple(dtw.shape) == (64, 2) and len(out) == 5 + 3 * shared
     fb.fused_backward_ep(**ops)
     assert ws.epoch == {"pull": 2, "push": 2} and len(fake.direct) == 2
+    weights = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
+    main = [torch.zeros(w.shape) for w in weights]  # main_grads: the accumulate variant on the same protocol
+    out = fb.fused_backward_ep(**ops, main_grads=main)
+    assert keys[-1] == keys[0][:-1] + (True,) and all(d is None for d in out[2:])
+    a = dict(zip(params, fake.direct[-1]))
+    assert getattr(a["mDWd"], "_keep", a["mDWd"]).data_ptr() == main[2].data_ptr()
 
 
 def test_host_ep_no_tokens(monkeypatch):

@@ -377,8 +377,9 @@ def test_fused_forward_ep_hands_the_plan_and_workspace(monkeypatch, ref_quant, p
 def _fused_backward_model(calls):
     """A torch model of ``fused_bwd.fused_backward``'s contract (mode 3) on the unfused sm100 wrappers:
     the route_grad pass (its torch mirror), x's rows gathered by ``order``, the shared expert's
-    unfused backward (its dx the slot sum's start) and :func:`_core_model` with ``tokens``; ``calls``
-    gets what the layer handed it."""
+    unfused backward (its dx the slot sum's start) and :func:`_core_model` with ``tokens``; with
+    ``main_grads`` the weight gradients are added there in fp32 and returned as None (the kernel's
+    contract); ``calls`` gets what the layer handed it."""
     from mok_cute.kernels import route_grad
     from mok_cute.kernels.sm100 import grouped_gemm as k_
     from mok_cute.layers import sm100 as S
@@ -387,9 +388,10 @@ def _fused_backward_model(calls):
     core = _core_model([])
 
     def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
-                       rows_by_route, comm_ctas=16, timeout_s=30.0, num_ctas=None, shared=None):
+                       rows_by_route, comm_ctas=16, timeout_s=30.0, num_ctas=None, shared=None, main_grads=None):
         calls.append(dict(rows_by_route=rows_by_route, comm_ctas=comm_ctas, timeout_s=timeout_s,
-                          shared=shared is not None, dx_shared=dx_shared, offsets=offsets.dtype))
+                          shared=shared is not None, dx_shared=dx_shared, offsets=offsets.dtype,
+                          main_grads=None if main_grads is None else len(main_grads)))
         k = topk_idx.shape[1]
         order = order.long()
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
@@ -402,6 +404,10 @@ def _fused_backward_model(calls):
         m = int(offsets[-1])
         dx, dwg, dwu, dwd = core(dy_rows[:m], x.index_select(0, order[:m] // k), gu, h, offsets, w_gate, w_up, w_down,
                                  limit, timeout_s, tokens=(order, topk_idx, dx_shared, None))
+        if main_grads is not None:
+            for mg, d in zip(main_grads, (dwg, dwu, dwd, *dws)):
+                mg.add_(d.float())
+            return (dx, dtw, *(None,) * (3 + len(dws)))
         return (dx, dtw, dwg, dwu, dwd, *dws)
 
     return fused_backward
@@ -436,8 +442,18 @@ def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_
     y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
     grads = be.backward(st, dy)
     assert calls == [dict(rows_by_route=True, comm_ctas=20, timeout_s=S.FUSED_BWD_TIMEOUT_S,
-                          shared=shared_i is not None, dx_shared=None, offsets=torch.int32)]
+                          shared=shared_i is not None, dx_shared=None, offsets=torch.int32, main_grads=None)]
     assert_reference_layer(p, dy, limit, y, grads)
+    # main_grads: the launch adds the weight gradients (the caller gets None for them), dx as before
+    weights = [p["w_gate"], p["w_up"], p["w_down"], *(p["shared"] or ())]
+    start = [torch.randn(w.shape, generator=torch.Generator().manual_seed(i)) for i, w in enumerate(weights)]
+    main = [m.clone() for m in start]
+    y2, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
+    acc = be.backward(st, dy, main)
+    assert calls[-1]["main_grads"] == len(weights) and torch.equal(y2, y) and torch.equal(acc.dx, grads.dx)
+    fresh = [grads.d_w_gate, grads.d_w_up, grads.d_w_down, *(grads.d_shared or ())]
+    assert acc.d_w_gate is None and acc.d_w_up is None and acc.d_w_down is None
+    assert all(torch.equal(m, s0 + d.float()) for m, s0, d in zip(main, start, fresh))
 
 
 def test_backward_fused_applies_only_when_opted_in(monkeypatch):
@@ -468,7 +484,7 @@ def test_backward_fused_applies_only_when_opted_in(monkeypatch):
     assert mlp.backward_fused(*args, comm_ctas=9) == (0, 1, 2, 3, 4, None)
     (a, kw), = calls
     assert a[:4] == (dy, x, r, order) and a[5] is idx and a[6].dtype == torch.int32 and a[7] is g.gu
-    assert a[9:12] == w and a[12:16] == (4.0, None, True, 9) and kw == {"shared": None}
+    assert a[9:12] == w and a[12:16] == (4.0, None, True, 9) and kw == {"shared": None, "main_grads": None}
     assert mlp.backward_fused(*args, sg, sh) == (0, 1, 2, 3, 4, (5, 6, 7))
     assert calls[1][1]["shared"][1] is sg.gu and calls[1][1]["shared"][3:] == sh
     assert mlp.backward_fused(replace(g, precision="mxfp8"), *args[1:]) is None

@@ -277,8 +277,9 @@ class Sm100ExpertMLP:
         """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``: the
         route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter and slot
         sum), the contract of the sm90 MLP's ``backward_fused``: ``(dx [T, H], d topk_w [T, k], dWg, dWu,
-        dWd, d shared weights or None)``, meant bitwise the unfused backward; ``main_grads`` is not
-        accumulated in the launch (the weight gradients are returned, the caller adds them); None where
+        dWd, d shared weights or None)``, meant bitwise the unfused backward; with ``main_grads`` (fp32,
+        validated by ``ops.moe``; all contiguous, else the caller adds them) the weight gradients are
+        added into them in the launch and returned as None; None where
         it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, not BF16, operands not
         contiguous CUDA tensors of the forward's shapes: the layer falls back)."""
         t, k = topk_idx.shape
@@ -294,9 +295,11 @@ class Sm100ExpertMLP:
             return None
         from mok_cute.kernels.sm100.fused_bwd import fused_backward
 
+        if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
+            main_grads = None  # the caller adds them
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
                              w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, FUSED_BWD_TIMEOUT_S,
-                             shared=sh)
+                             shared=sh, main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
     def backward_fused_ep(self, ws, plan, g: ExpertGroup, dy, x, slot_rows, w_rows, topk_idx, w_gate, w_up, w_down,

@@ -254,31 +254,35 @@ def _mx_rows(dev) -> list[Row]:
     return rows
 
 
-def _main_grads_rows(x, idx, w, ws, sh, dy) -> list[Row]:
-    """``mok_cute.moe(..., main_grads=)`` on the device, per MOK_CUTE_FUSED_BWD mode."""
+def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "1", "3"), env=None) -> list[Row]:
+    """``mok_cute.moe(..., main_grads=)`` on the device, per MOK_CUTE_FUSED_BWD mode in ``flags``, on
+    ``backend`` with ``env`` set around every call (tools/checks/sm100.py: the opt-in)."""
     import mok_cute
 
     rows = []
+    env = env or {}
+    cfg = mok_cute.MoKConfig(backend=backend)
     weights = [p.clone().requires_grad_() for p in (*ws, *sh)]
     fresh = torch.autograd.grad(mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
-                                             config=mok_cute.MoKConfig(backend="sm90")), weights, dy)
-    for flag in ("0", "1", "3"):
-        os.environ["MOK_CUTE_FUSED_BWD"] = flag
+                                             config=cfg), weights, dy)
+    for flag in flags:
+        os.environ.update(env, MOK_CUTE_FUSED_BWD=flag)
         try:
             g = torch.Generator(device=x.device).manual_seed(4)
             start = [torch.randn(p.shape, device=x.device, generator=g) for p in weights]
             acc = [s.clone() for s in start]
             for _ in range(2):
                 y = mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
-                                 config=mok_cute.MoKConfig(backend="sm90"), main_grads=tuple(acc))
+                                 config=cfg, main_grads=tuple(acc))
                 y.backward(dy)
             torch.cuda.synchronize()
         finally:
-            del os.environ["MOK_CUTE_FUSED_BWD"]
+            for var in ("MOK_CUTE_FUSED_BWD", *env):
+                os.environ.pop(var, None)
         want = [s + f.float() + f.float() for s, f in zip(start, fresh)]
         same = all(torch.equal(a, b) for a, b in zip(acc, want))
         no_grad = all(p.grad is None for p in weights)
-        rows.append(Row(f"main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same, ok=same and no_grad,
+        rows.append(Row(f"{backend} main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same, ok=same and no_grad,
                         note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: {no_grad}"))
     return rows
 

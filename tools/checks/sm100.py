@@ -12,7 +12,8 @@ SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (pa
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
 bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fused forward and
 the fused backward core, and the whole backward in one launch, mode 3; MXFP8: the fused forward, the
-unfused MXFP8 backward) bitwise the unfused path at both shapes. Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
+unfused MXFP8 backward) bitwise the unfused path at both shapes; ``main_grads`` accumulated twice
+unfused and in mode 3 (the W epilogue's accumulate variant), bitwise start + 2 fp32(fresh dW). Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
 fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
 k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
 layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages, and
@@ -26,6 +27,7 @@ import torch
 
 import mok_cute
 from checks.common import Row, bench_us, child_rows, sm100_skip
+from checks.fused_bwd import _main_grads_rows
 from checks.layer_sm90 import _problem, _run
 from checks.tails import TOL, _dims, _errors
 
@@ -73,6 +75,10 @@ def _fused_rows(dev) -> list[Row]:
             same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
             rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),
                             note=f"[y and every gradient] equal per run: {same}"))
+    # main_grads: unfused (the layer adds), then mode 3 (the W epilogue adds each tile: the accumulate variant)
+    name, t, h, inter, e, k, _ = SHAPES[0]
+    rows += _main_grads_rows(*_problem(t, h, inter, e, k, True, True, dev, seed=650), backend="sm100",
+                             flags=("0", "3"), env={"MOK_CUTE_SM100_FUSED": "1"})
     return rows
 
 

@@ -109,10 +109,14 @@ class FusedMoeBwdSm100:
     ``gather``: the routed dy rows, d topk_w and x rows built in the launch by its first
     ``comm_ctas`` CTAs (``by_route``: the forward's GEMM2 rows in route order); ``shared``: the
     shared expert's tiles as a second group, its dx the slot sum's ``init``; ``ep``: EP > 1 (the module
-    doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands, None / ignored at EP = 1)."""
+    doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands, None / ignored at EP = 1);
+    ``accumulate``: the weight-gradient tiles added into fp32 main grads (``mDWg`` .. ``mDWd`` and the
+    shared group's ``mSDW*`` fp32: ``main += fp32(bf16(dW))``, Megatron's gradient-accumulation
+    fusion) instead of written as bf16; the whole backward's (``gather``)."""
 
     def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-                 gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False):
+                 gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False,
+                 accumulate: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
@@ -121,9 +125,11 @@ class FusedMoeBwdSm100:
             raise ValueError("gather / shared (the whole backward in the launch) are BF16 only")
         if ep and not (gather and not by_route):
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
+        if accumulate and not gather:
+            raise ValueError("accumulate (main grads) is the whole backward's: it needs gather")
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
-        self.gather, self.by_route, self.shared, self.ep = gather, by_route, shared, ep
+        self.gather, self.by_route, self.shared, self.ep, self.accumulate = gather, by_route, shared, ep, accumulate
         self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
         self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR)  # D2
         self.dgrad1 = GroupedGemmSm100(cfg, "plain", b_major=MN_MAJOR, split_k=True)  # D1
@@ -616,12 +622,13 @@ class FusedMoeBwdSm100:
                 self.dgrad1._store_plain(chunks, row0, rows, n_tile, g.dx)
         else:
             r0 = m_tile * self.cfg.tile_m
+            store = self.wgrad._store_accumulate if cutlass.const_expr(self.accumulate) else self.wgrad._store_plain
             if which == WD:
-                self.wgrad._store_plain(chunks, r0, g.dwd.shape[1] - r0, n_tile, g.dwd[(expert, None, None)])
+                store(chunks, r0, g.dwd.shape[1] - r0, n_tile, g.dwd[(expert, None, None)])
             elif which == WG:
-                self.wgrad._store_plain(chunks, r0, g.dwg.shape[1] - r0, n_tile, g.dwg[(expert, None, None)])
+                store(chunks, r0, g.dwg.shape[1] - r0, n_tile, g.dwg[(expert, None, None)])
             else:
-                self.wgrad._store_plain(chunks, r0, g.dwu.shape[1] - r0, n_tile, g.dwu[(expert, None, None)])
+                store(chunks, r0, g.dwu.shape[1] - r0, n_tile, g.dwu[(expert, None, None)])
 
     @cute.jit
     def _publish(self, g, phase: Int32, mt: Int32, tidx: Int32, done: cute.Pointer):
@@ -673,17 +680,20 @@ class _Group:
 # ---------------------------------------------------------------- compile
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
                                  mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
-                                 ep: bool = False, *, arch: str = "sm_100a", inspect: bool = False):
+                                 ep: bool = False, accumulate: bool = False, *, arch: str = "sm_100a",
+                                 inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
     start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
     rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
     expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
-    through the workspace); returns ``(compiled, report)``."""
+    through the workspace; ``accumulate``: the weight gradients added into fp32 main grads); returns
+    ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate)
     bf = cutlass.BFloat16
+    dw = Float32 if accumulate else bf  # the weight gradients' element type
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
     m, e, two, t, tk = (cute.sym_int() for _ in range(5))
     hid, inter = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(2))
@@ -694,8 +704,8 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
 
     args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
             _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
-            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(bf, e, inter, hid),
-            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter), vec(), vec(), vec())
+            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(dw, e, inter, hid),
+            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(), vec(), vec())
     toks = (None,) * 5
     if tokens:
         toks = (vec(), vec(tk), _fake_2d(bf, t, hid) if init else None, _fake_2d(Float32, t, hid) if add else None,
@@ -713,8 +723,8 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
     if shared:
         i_s, one = cute.sym_int(divisibility=DIM_MULTIPLE), cute.sym_int()
         sh = (_fake_3d(bf, t, two, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, i_s, hid),
-              _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), _fake_3d(bf, one, i_s, hid),
-              _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, hid, i_s), vec(), vec())
+              _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), _fake_3d(dw, one, i_s, hid),
+              _fake_3d(dw, one, i_s, hid), _fake_3d(dw, one, hid, i_s), vec(), vec())
     ep_t = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
             vec()) if ep else (None, None)
     return compile_kernel(op, *args, *toks, *mxs, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
@@ -874,9 +884,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
                    rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None):
+                   shared=None, main_grads=None):
     """The routed backward from the layer's tokens in one launch (BF16; the contract of
-    :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward` without ``main_grads``):
+    :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward`):
     :func:`fused_backward_core` with ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of
     ``route_grad.dy_rows_and_dtopk_w`` and of gathering x's rows (meant bitwise theirs). dy, x [T, H]
     bf16; ``r_rows`` [T*k, H] (the forward's GEMM2 rows, expert-grouped or, ``rows_by_route``, in
@@ -888,9 +898,12 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     ``shared`` = ``(offsets_s int32 [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H],
     ws_down [H, I_s])`` (the shared expert's group, as the forward made it): its tiles run in the same
     launch as a second group (``dx_shared`` must be None: its dx is made there and starts the slot
-    sum) and its three weight gradients [I_s, H], [I_s, H], [H, I_s] follow the routed ones. Every
-    operand is validated before anything is compiled or launched; a device wait's timeout is raised
-    by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    sum) and its three weight gradients [I_s, H], [I_s, H], [H, I_s] follow the routed ones.
+    ``main_grads``: contiguous fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the
+    shared expert's with ``shared``): each weight-gradient tile is added into them (``main +=
+    fp32(bf16(dW))``) and its weight gradient is returned as None. Every operand is validated before
+    anything is compiled or launched; a device wait's timeout is raised by a later call
+    (:mod:`mok_cute.dsl.deferred`)."""
     ints = (torch.int32, torch.int64)
     _check_tensor("topk_idx", topk_idx, 2, ints)
     t, k = topk_idx.shape
@@ -913,18 +926,20 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
         raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
     sh = None if shared is None else _check_shared(shared, t, hid)
-    for name, a in dict(r_rows=r_rows, topk_w=topk_w, **(sh or {})).items():
+    mains = _check_main_grads(main_grads, (w_gate, w_up, w_down), sh)
+    for name, a in dict(r_rows=r_rows, topk_w=topk_w, **(sh or {}), **mains).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
     return _whole(dy, x, r_rows, topk_w.reshape(-1).contiguous(), order32, idx32, dx_shared, offsets, gu, h,
-                  (w_gate, w_up, w_down), limit, rows_by_route, sh, (t, k, m), comm_ctas, num_ctas, timeout_s)
+                  (w_gate, w_up, w_down), limit, rows_by_route, sh, (t, k, m), comm_ctas, num_ctas, timeout_s,
+                  main_grads=main_grads)
 
 
 def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
-                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None):
+                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None):
     """The backward at EP > 1 in one launch per rank (BF16; collective over ``ws``'s ranks, every rank
-    calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`
-    without ``main_grads``): :func:`fused_backward` with the rows moved through the workspace. This
+    calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`):
+    :func:`fused_backward` with the rows moved through the workspace (``main_grads`` as there). This
     rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every peer finished
     the previous pull); the comm CTAs pull the dy rows (times ``w_rows`` [M] fp32, the forward's router
     weight of each grouped row) and x rows of the routes this rank's experts serve (``plan``: the
@@ -955,20 +970,21 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
         raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
     sh = None if shared is None else _check_shared(shared, t, hid)
-    for name, a in dict(recv_src=plan.recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {})).items():
+    mains = _check_main_grads(main_grads, (w_gate, w_up, w_down), sh)
+    for name, a in dict(recv_src=plan.recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {}), **mains).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
     return _whole(dy, x, slot_rows, w_rows, order32, idx32, None, plan.offsets, gu, h, (w_gate, w_up, w_down),
-                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws)
+                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws, main_grads)
 
 
 def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, limit, by_route: bool, sh, dims,
-           comm_ctas: int, num_ctas, timeout_s, ws=None):
+           comm_ctas: int, num_ctas, timeout_s, ws=None, main_grads=None):
     """The launch of :func:`fused_backward` (``ws`` None) or :func:`fused_backward_ep` on validated
     operands: ``rows`` / ``w`` the gather's GEMM2 rows and flat topk_w (EP > 1: this rank's slot rows
     and the grouped rows' router weights), ``sh`` the checked shared group or None, ``dims`` = (T, k,
-    M grouped rows); returns their outputs (T = 0: zeros, nothing launched; every rank of an EP group
-    holds the same T)."""
+    M grouped rows), ``main_grads`` the checked fp32 main grads or None; returns their outputs (T = 0:
+    zeros, nothing launched, the main grads unchanged; every rank of an EP group holds the same T)."""
     t, k, m = dims
     w_gate, w_up, w_down = weights
     hid = dy.shape[1]
@@ -984,7 +1000,12 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
     if sh is not None:
         i_s = sh["ws_gate"].shape[0]
         dws = (torch.empty((1, i_s, hid), **bf), torch.empty((1, i_s, hid), **bf), torch.empty((1, hid, i_s), **bf))
+    if main_grads is not None:  # the tiles add into them; nothing returned in their place
+        dw, dws = tuple(main_grads[:3]), tuple(mg[None] for mg in main_grads[3:])
+    n_dw = 3 + len(dws)
     if t == 0:  # no tokens: no tile reads anything
+        if main_grads is not None:
+            return (dx, dtw, *(None,) * n_dw)
         return (dx, dtw, *(d.zero_() for d in dw), *(d[0].zero_() for d in dws))
     if ws is None:
         slot = torch.empty((m, hid), **bf)  # the dx rows by (token, slot)
@@ -1006,10 +1027,34 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
     tensors = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), gu[:m].view(m, 2, inter), h[:m], w_gate,
                w_up, w_down, torch.empty((m, 2, inter), **bf), slot, *dw, offsets, d2, words, order32, idx32, init,
                None, dx, *(None,) * 11, *gather, *sh_args)
-    variant = (limit is not None, True, init is not None, False, False, True, by_route, sh is not None, ws is not None)
+    variant = (limit is not None, True, init is not None, False, False, True, by_route, sh is not None, ws is not None,
+               main_grads is not None)
     _launch(("sm100_fused_moe_bwd", arch) + variant, variant, tensors, k, comm_ctas, limit, num_ctas, timeout_s, dev,
             words, ws)
+    if main_grads is not None:
+        return (dx, dtw, *(None,) * n_dw)
     return (dx, dtw, *dw, *(d[0] for d in dws))
+
+
+def _check_main_grads(main_grads, weights: tuple, sh) -> dict:
+    """Raise TypeError / ValueError for ``main_grads`` the launch cannot add into (one contiguous fp32
+    tensor per weight: ``weights``' three, then the shared group's with ``sh``); returns them by name
+    ({} for None)."""
+    if main_grads is None:
+        return {}
+    names = ("w_gate", "w_up", "w_down") + (("ws_gate", "ws_up", "ws_down") if sh is not None else ())
+    ws = tuple(weights) + (tuple(sh[n] for n in names[3:]) if sh is not None else ())
+    if not isinstance(main_grads, (tuple, list)) or len(main_grads) != len(names):
+        raise TypeError(f"main_grads must be a tuple of {len(names)} fp32 tensors ({', '.join(names)})")
+    out = {}
+    for i, (name, mg, wt) in enumerate(zip(names, main_grads, ws)):
+        what = f"main_grads[{i}] ({name})"
+        _check_tensor(what, mg, wt.dim(), (torch.float32,))
+        if tuple(mg.shape) != tuple(wt.shape) or not mg.is_contiguous() or mg.data_ptr() % 16:
+            raise ValueError(f"{what} must be contiguous, 16-byte aligned and of {name}'s shape {tuple(wt.shape)}, "
+                             f"got {tuple(mg.shape)}")
+        out[what] = mg
+    return out
 
 
 def _check_shared(shared, t: int, hid: int) -> dict:
@@ -1116,6 +1161,9 @@ def variants() -> dict:
                                        _PTX + _PTX_TOKENS + _PTX_GATHER),
             "fused-bwd-gather-shared-noclamp": (core(False, tokens=True, init=True, gather=True, by_route=True,
                                                      shared=True), _PTX + _PTX_TOKENS + _PTX_GATHER),
+            "fused-bwd-gather-shared-main-grads-clamp": (core(True, tokens=True, init=True, gather=True, by_route=True,
+                                                              shared=True, accumulate=True),
+                                                         _PTX + _PTX_TOKENS + _PTX_GATHER),
             "fused-bwd-ep-clamp": (core(True, tokens=True, gather=True, ep=True),
                                    _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP),
             "fused-bwd-ep-shared-noclamp": (core(False, tokens=True, init=True, gather=True, shared=True, ep=True),

@@ -52,6 +52,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass import Float32, Int32
 
+from mok_cute.comm.combine import add_rn
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel
@@ -480,6 +481,27 @@ class GroupedGemmSm100:
             if row < rows:
                 if c * EPI_N < cols:
                     cute.autovec_copy(r, dst)
+
+    @cute.jit
+    def _store_accumulate(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mMain: cute.Tensor):
+        """main[row0 + r, n_tile * tile_n + c] += fp32(bf16(acc[r, c])) for r < rows and columns inside
+        main's N (a multiple of EPI_N): ``mMain`` fp32 [R, N] row-major, single-rounded adds
+        (``add.rn.f32``), bitwise ``main.add_(bf16_grad.float())`` (Megatron's gradient-accumulation
+        fusion); each element read and written by one thread, so any tile order gives the same sum."""
+        row = chunks.row
+        cols = mMain.shape[1] - n_tile * self.cfg.tile_n
+        g = cute.local_tile(cute.domain_offset((row0, 0), mMain), (EPI_THREADS, self.cfg.tile_n), (0, n_tile))
+        for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
+            acc = chunks.load(c)
+            vals = acc.load().to(cutlass.BFloat16).to(Float32)
+            dst = chunks.part(cute.local_tile(g, (EPI_THREADS, EPI_N), (0, c)))
+            if row < rows:
+                if c * EPI_N < cols:
+                    cur = cute.make_rmem_tensor_like(acc, Float32)
+                    cute.autovec_copy(dst, cur)
+                    for j in cutlass.range_constexpr(cute.size(cur)):
+                        cur[j] = add_rn(cur[j], vals[j])
+                    cute.autovec_copy(cur, dst)
 
     @cute.jit
     def _store_swiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
