@@ -251,8 +251,7 @@ class Sm90ExpertMLP:
         gradients are added into them in the launch and returned as None; ``comm_ctas``: the CTAs that
         build the routed rows first (``MoKConfig.comm_sms_bwd``); None where it does not apply (BF16, or
         MXFP8 with its variant on and no ``main_grads``: the rows' round trips in the launch, the shared
-        expert's backward before it). Not yet run on a GPU at MXFP8 (the EP > 1 launch, the same
-        kernel code but for the gather's source, was)."""
+        expert's backward before it)."""
         from mok_cute.kernels.sm90.fused_bwd import fused_backward
 
         t, k = topk_idx.shape
