@@ -212,14 +212,16 @@ def test_variants_registry():
     assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-ep-clamp",
                            "fused-bwd-ep-shared-noclamp", "fused-bwd-gather-clamp",
                            "fused-bwd-gather-shared-main-grads-clamp", "fused-bwd-gather-shared-noclamp",
-                           "fused-bwd-mxfp8-core-clamp",
+                           "fused-bwd-mxfp8-core-clamp", "fused-bwd-mxfp8-ep-init-noclamp",
+                           "fused-bwd-mxfp8-gather-init-clamp",
                            "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
         clamp, tokens, mx, ep, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
                                          "-ep-" in name, "shared" in name)
         if "gather" in name or ep:
-            rep = _rep("sm_100a", clamp, True, shared, False, False, True, shared, ep, "main-grads" in name)
+            rep = _rep("sm_100a", clamp, True, shared or "init" in name, False, mx, True, shared, ep,
+                       "main-grads" in name)
         else:
             rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
@@ -517,6 +519,46 @@ def test_mx_dgu_scale_placement_is_the_unfused_layout():
         assert torch.equal(tok_sf[j], lay.pack_token_scales_device(ts[:, j * inter:(j + 1) * inter], offsets, m)), j
 
 
+def test_mx_gather_scale_placement_is_the_unfused_layout():
+    """The MXFP8 gather's scale stores (``mx_gather.quantize_tile``) modelled in torch with its index
+    calls: per m-tile the atom row ``o_e // 128 + e + m_tile``, dy's row scales at (atom row, tile row,
+    block) over ``ceil(H / 128)`` atoms, the token scales of feature n and the tile's block b at
+    (n // 128, n % 128, 4 atom row + b) over ``ceil(M / 128) + E`` atoms: byte for byte the unfused
+    ``pack_row_scales`` / ``pack_token_scales_device`` operands. H = 320 (partial atoms), M past the
+    experts' rows (routes without an expert), an empty and a one-row expert."""
+    import torch
+
+    from mok_cute.kernels.sm100 import layouts as lay
+
+    g = torch.Generator().manual_seed(8)
+    offs, hid, m = [0, 130, 130, 300, 301], 320, 320
+    e, hc = len(offs) - 1, 320 // 8
+    rs = torch.randint(0, 255, (m, hid // 32), dtype=torch.uint8, generator=g)  # the row quantizer's scales
+    ts = torch.randint(0, 255, (m // 32 + e, hid), dtype=torch.uint8, generator=g)  # quantize_tokens' scales
+    h_atoms = (hc + 15) // 16
+    t_atoms = (m + 127) // 128 + e
+    row_sf = torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), hid // 32), dtype=torch.uint8)
+    tok_sf = torch.zeros(lay.sf_bytes(hid, lay.grouped_sf_rows(m, e) // 32), dtype=torch.uint8)
+    for ex in range(e):
+        for mt in range(-(-(offs[ex + 1] - offs[ex]) // 128)):
+            row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
+            atom_row = offs[ex] // 128 + ex + mt
+            for r in range(rows):  # _row_blocks: lane c % 4 == 0 stores block c // 4
+                for c in range(0, hc, 4):
+                    row_sf[lay.sf_byte(atom_row, r, c // 4, h_atoms)] = rs[row0 + r, c // 4]
+            for b in range(4):  # _token_blocks: (block b, chunk c), column n = 8 c + i
+                if row0 + 32 * b >= row0 + rows:
+                    continue
+                slot = offs[ex] // 32 + ex + 4 * mt + b  # quantize_tokens' block slot
+                for n in range(hid):
+                    tok_sf[lay.sf_byte(n // 128, n % 128, 4 * atom_row + b, t_atoms)] = ts[slot, n]
+    offsets = torch.tensor(offs)
+    want = lay.pack_row_scales(rs, offsets)
+    used = (offs[-1] // 128 + e) * h_atoms * lay.SF_ATOM_BYTES  # every expert's atom rows (past them: never read)
+    assert m > offs[-1] and row_sf.shape == want.shape and torch.equal(row_sf[:used], want[:used])
+    assert torch.equal(tok_sf, lay.pack_token_scales_device(ts, offsets, m))
+
+
 @pytest.mark.parametrize("change, exc, match", [
     ("bf16_weights", TypeError, "w_gate"),
     ("no_scales", TypeError, "w_gate"),
@@ -580,12 +622,32 @@ def test_gather_variant_compiles_with_its_protocol(arch, clamp, shared):
     assert "mul.rn.f32" not in toks.ptx and "shfl.sync.bfly" not in toks.ptx
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ep", [False, True])
+def test_mx_gather_variant_compiles_with_its_quantizers(arch, ep):
+    """The MXFP8 whole backward (``mx`` + ``gather``; EP > 1 too): the mx tokens variant's tiles (same
+    tcgen05.mma count) plus the comm CTAs' quantizers, per gathered m-tile: 4 e4m3 conversions of a
+    row chunk along H, 2 x 8 (two passes, the column loop unrolled twice) along the tokens; one byte
+    store of a row scale and 2 x 8 of token scales; e4m3 word pairs; the gather's release adds; no
+    spills."""
+    mx_tok, rep = _rep(arch, True, True, True, False, True), _rep(arch, True, True, True, False, True, True, False, ep)
+    assert rep.total_spill_bytes == 0, rep.log[-2000:]
+    assert rep.ptx.count("tcgen05.mma") == mx_tok.ptx.count("tcgen05.mma")
+    cvt = "cvt.rn.satfinite.e4m3x2.f32"
+    assert rep.ptx.count(cvt) == mx_tok.ptx.count(cvt) + 4 + 16
+    assert rep.ptx.count("st.global.b8") == mx_tok.ptx.count("st.global.b8") + 1 + 16
+    assert rep.ptx.count("st.global.v2.b32") >= 1 + 4 and "st.global.v2.b32" not in mx_tok.ptx
+    assert rep.ptx.count("atom.global.release.add.u32") == mx_tok.ptx.count("atom.global.release.add.u32") + 2
+    assert all(rep.has(i) for i in ROUTE_ROW_PTX + ("kind::mxf8f6f4", "block_scale"))
+
+
 def test_gather_compile_arguments_validated():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     for kw in (dict(gather=True), dict(tokens=True, by_route=True), dict(tokens=True, shared=True, init=True),
-               dict(tokens=True, gather=True, shared=True), dict(tokens=True, gather=True, mx=True)):
-        with pytest.raises(ValueError, match="need|BF16"):
+               dict(tokens=True, gather=True, shared=True), dict(tokens=True, gather=True, init=True, shared=True,
+                                                                 mx=True)):
+        with pytest.raises(ValueError, match="need|mx"):
             fb.compile_fused_backward_sm100(True, **kw)
 
 
@@ -631,7 +693,8 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
+                     False)]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -678,7 +741,8 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
     fb.fused_backward(**dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
     assert by["mInit"]._keep is dxs
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False,
+                     False)]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -691,6 +755,58 @@ def test_host_gather_no_tokens(monkeypatch):
     out = fb.fused_backward(**ops)
     assert tuple(out[0].shape) == (0, 256) and tuple(out[1].shape) == (0, 3) and not fake.calls and not keys
     assert all(not d.any() for d in out[2:]) and len(out) == 8
+
+
+def test_host_mx_gather_hands_buffers_for_the_launch_to_fill(monkeypatch, ref_quant):  # noqa: F811
+    """fused_backward(w_scales=...) on CPU (compile and launch faked): the mx gather variant's key; the
+    gather's bf16 rows as ``mDyRows`` / ``mXRows``; the tiles' dy / x operands e4m3 buffers the comm
+    CTAs fill (x's token rows and every scale they write zeroed, as the host quantizers leave what no
+    tile covers); h's token rows and scales, the weights' scales and dgu's buffers as the unfused MXFP8
+    backward's; dx_shared the slot sum's start; with the shared expert in the launch: ValueError."""
+    import torch
+
+    from mok_cute.kernels.sm100 import layouts as lay
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _gather_operands(shared=False)
+    g = torch.Generator().manual_seed(9)
+    e, inter, hid = ops["w_gate"].shape[0], ops["w_gate"].shape[1], ops["dy"].shape[1]
+    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    for name in ("w_gate", "w_up", "w_down"):
+        ops[name] = ops[name].to(f8)
+    scales = (torch.randint(0, 255, (e, inter // 32, hid), dtype=u8, generator=g),
+              torch.randint(0, 255, (e, inter // 32, hid), dtype=u8, generator=g),
+              torch.randint(0, 255, (e, hid // 32, inter), dtype=u8, generator=g))
+    dxs = torch.randn(90, hid).bfloat16()
+    out = fb.fused_backward(**dict(ops, dx_shared=dxs), w_scales=scales)
+    (args,) = fake.calls
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    assert len(args) == len(params) and len(out) == 5
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, True, False, False,
+                     False)]
+    m = 270
+    tok_kb = lay.grouped_sf_rows(m, e) // 32
+    assert by["mInit"] is dxs and by["mDyTok"] is ops["dy"] and by["mXTok"] is ops["x"]
+    for name in ("mDyRows", "mXRows"):
+        assert by[name].dtype == torch.bfloat16 and tuple(by[name].shape) == (m, hid), name
+    for name in ("mDy", "mX", "mDyt"):
+        assert by[name].dtype == f8 and tuple(by[name].shape) == (m, hid), name
+    assert not by["mX"].view(u8).any() and not by["mDyt"].view(u8).any()
+    zeroed = {"mDysf": lay.sf_bytes(lay.grouped_sf_rows(m, e), hid // 32), "mDytsf": lay.sf_bytes(hid, tok_kb),
+              "mXtsf": lay.sf_bytes(hid, tok_kb)}
+    for name, size in zeroed.items():
+        assert by[name].shape == (size,) and not by[name].any(), name
+    h_t = lay.TokenOperand(ops["h"][:m], ops["offsets"])
+    assert torch.equal(by["mH"].view(u8), h_t.data.view(u8)) and torch.equal(by["mHtsf"], h_t.scales())
+    assert torch.equal(by["mWdsf"], lay.pack_kn_weight_scales(scales[2]))
+    assert torch.equal(by["mWgusf"], lay.pack_kn_weight_scales(*scales[:2]))
+    assert by["mDgu"].dtype == f8 and by["mDgut"].dtype == f8 and not by["mDgusf"].any()
+    assert all(by[n] is None for n in ("mSGU", "mSDWg", "mSOffsets"))
+    bad = dict(_gather_operands(shared=True), **{n: ops[n] for n in ("w_gate", "w_up", "w_down")})
+    with pytest.raises(ValueError, match="w_scales"):
+        fb.fused_backward(**bad, w_scales=scales)
+    assert len(fake.calls) == 1
 
 
 @pytest.mark.parametrize("change, exc, match", [
@@ -886,7 +1002,8 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     ws, plan = ops["ws"], ops["plan"]
     out = fb.fused_backward_ep(**ops)
     assert not fake.calls and len(fake.direct) == 1
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True,
+                     False)]
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
@@ -919,6 +1036,38 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     assert keys[-1] == keys[0][:-1] + (True,) and all(d is None for d in out[2:])
     a = dict(zip(params, fake.direct[-1]))
     assert getattr(a["mDWd"], "_keep", a["mDWd"]).data_ptr() == main[2].data_ptr()
+
+
+def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa: F811
+    """fused_backward_ep(w_scales=..., dx_shared=...): the mx ep variant with the gather's bf16 rows
+    and e4m3 buffers (as fused_backward's), the shared expert's dx the slot sum's start; dx_shared
+    without w_scales, or with the shared expert in the launch: ValueError before anything is staged."""
+    import torch
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _ep_operands(shared=False)
+    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    e, inter, hid = 2, 128, 256
+    for name in ("w_gate", "w_up", "w_down"):
+        ops[name] = ops[name].to(f8)
+    scales = (torch.zeros(e, inter // 32, hid, dtype=u8), torch.zeros(e, inter // 32, hid, dtype=u8),
+              torch.zeros(e, hid // 32, inter, dtype=u8))
+    dxs = torch.randn(64, hid).bfloat16()
+    out = fb.fused_backward_ep(**ops, w_scales=scales, dx_shared=dxs)
+    (args,) = fake.direct
+    a = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
+    a = {n: None if v is None else getattr(v, "_keep", v) for n, v in a.items()}
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, False, False, True,
+                     False)]
+    assert a["mInit"] is dxs and a["mDy"].dtype == f8 and a["mDyRows"].dtype == torch.bfloat16 and len(out) == 5
+    assert tuple(a["mXRows"].shape) == (256, hid) and a["mDyt"].dtype == f8
+    bad = {"dx_shared without w_scales": dict(_ep_operands(shared=False), dx_shared=dxs),
+           "shared with w_scales": dict(_ep_operands(shared=True), w_scales=scales,
+                                        **{n: ops[n] for n in ("w_gate", "w_up", "w_down")})}
+    for kw in bad.values():
+        with pytest.raises(ValueError, match="dx_shared|w_scales"):
+            fb.fused_backward_ep(**kw)
+    assert len(fake.direct) == 1
 
 
 def test_host_ep_no_tokens(monkeypatch):

@@ -379,7 +379,8 @@ def _fused_backward_model(calls):
     the route_grad pass (its torch mirror), x's rows gathered by ``order``, the shared expert's
     unfused backward (its dx the slot sum's start) and :func:`_core_model` with ``tokens``; with
     ``main_grads`` the weight gradients are added there in fp32 and returned as None (the kernel's
-    contract); ``calls`` gets what the layer handed it."""
+    contract); MXFP8 (``w_scales``): the core model's MXFP8 backward on the gathered bf16 rows (what the
+    kernel's comm CTAs quantize); ``calls`` gets what the layer handed it."""
     from mok_cute.kernels import route_grad
     from mok_cute.kernels.sm100 import grouped_gemm as k_
     from mok_cute.layers import sm100 as S
@@ -388,10 +389,11 @@ def _fused_backward_model(calls):
     core = _core_model([])
 
     def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
-                       rows_by_route, comm_ctas=16, timeout_s=30.0, num_ctas=None, shared=None, main_grads=None):
+                       rows_by_route, comm_ctas=16, timeout_s=30.0, num_ctas=None, shared=None, main_grads=None,
+                       w_scales=None):
         calls.append(dict(rows_by_route=rows_by_route, comm_ctas=comm_ctas, timeout_s=timeout_s,
-                          shared=shared is not None, dx_shared=dx_shared, offsets=offsets.dtype,
-                          main_grads=None if main_grads is None else len(main_grads)))
+                          shared=shared is not None, dx_shared=dx_shared is not None, offsets=offsets.dtype,
+                          main_grads=None if main_grads is None else len(main_grads), mx=w_scales is not None))
         k = topk_idx.shape[1]
         order = order.long()
         dy_rows, dtw = route_grad.dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
@@ -403,7 +405,7 @@ def _fused_backward_model(calls):
             dws = tuple(d[0] for d in dws)
         m = int(offsets[-1])
         dx, dwg, dwu, dwd = core(dy_rows[:m], x.index_select(0, order[:m] // k), gu, h, offsets, w_gate, w_up, w_down,
-                                 limit, timeout_s, tokens=(order, topk_idx, dx_shared, None))
+                                 limit, timeout_s, tokens=(order, topk_idx, dx_shared, None), w_scales=w_scales)
         if main_grads is not None:
             for mg, d in zip(main_grads, (dwg, dwu, dwd, *dws)):
                 mg.add_(d.float())
@@ -413,12 +415,15 @@ def _fused_backward_model(calls):
     return fused_backward
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("shared_i, limit", [(64, 4.0), (None, None)])
-def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_i, limit):  # noqa: F811
+def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_i, limit, precision):  # noqa: F811
     """The layer's mode-3 backward (``MOK_CUTE_FUSED_BWD=3``) after the fused forward, opted in: one
     ``backward_fused`` -> ``fused_bwd.fused_backward`` call with the forward's route-order rows, the
-    shared expert's group in the same launch and the config's backward comm CTAs; over
-    :func:`_fused_backward_model` y and every gradient are bitwise the reference's."""
+    shared expert's group in the same launch (MXFP8: its backward first, its dx the launch's
+    ``dx_shared``, the quantized weights and their scales) and the config's backward comm CTAs; over
+    :func:`_fused_backward_model` y and every gradient are bitwise the reference's, and with
+    ``main_grads`` those are added in fp32 (the shared expert's, at MXFP8, by the caller)."""
     from mok_cute.kernels.sm100 import fused_bwd, fused_moe
     from mok_cute.kernels.sm90 import fused_moe as fm90
     from mok_cute.layers import sm100 as S
@@ -429,6 +434,7 @@ def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_
     monkeypatch.setattr(fused_moe, "fused_forward", fake)
     monkeypatch.setattr(fm90, "watch_status", lambda st, first: None)
     monkeypatch.setattr(fused_bwd, "fused_backward", _fused_backward_model(calls))
+    monkeypatch.setattr(fused_bwd, "fused_backward_core", _core_model([]))  # MXFP8: the shared expert's backward
     monkeypatch.setattr(S, "_fused_core_ok", lambda g, dy: True)  # CPU tensors stand in for CUDA ones
     monkeypatch.setenv("MOK_CUTE_SM100_FUSED", "1")
     monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "3")
@@ -436,30 +442,36 @@ def test_layer_mode3_backward_through_backward_fused(model, monkeypatch, shared_
     p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
     p["topk_idx"][3, 1] = -1
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
-    cfg = MoKConfig(comm_sms_fwd=12, comm_sms_bwd=20, minibatch_tokens=512)
+    cfg = MoKConfig(comm_sms_fwd=12, comm_sms_bwd=20, minibatch_tokens=512, precision=precision)
     be.check(inp, cfg, None)
     order32, offsets, idx = routing_plan(inp.topk_idx, 5, watch=False)
     y, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
     grads = be.backward(st, dy)
+    mx = precision == "mxfp8"
     assert calls == [dict(rows_by_route=True, comm_ctas=20, timeout_s=S.FUSED_BWD_TIMEOUT_S,
-                          shared=shared_i is not None, dx_shared=None, offsets=torch.int32, main_grads=None)]
-    assert_reference_layer(p, dy, limit, y, grads)
+                          shared=shared_i is not None and not mx, dx_shared=shared_i is not None and mx,
+                          offsets=torch.int32, main_grads=None, mx=mx)]
+    assert_reference_layer(p, dy, limit, y, grads, precision)
     # main_grads: the launch adds the weight gradients (the caller gets None for them), dx as before
     weights = [p["w_gate"], p["w_up"], p["w_down"], *(p["shared"] or ())]
     start = [torch.randn(w.shape, generator=torch.Generator().manual_seed(i)) for i, w in enumerate(weights)]
     main = [m.clone() for m in start]
     y2, st = be._fused_forward(inp, cfg, order32, order32.long(), offsets, idx, idx.reshape(-1) >= 0)
     acc = be.backward(st, dy, main)
-    assert calls[-1]["main_grads"] == len(weights) and torch.equal(y2, y) and torch.equal(acc.dx, grads.dx)
+    assert calls[-1]["main_grads"] == (3 if mx else len(weights)) and torch.equal(y2, y)
+    assert torch.equal(acc.dx, grads.dx)
     fresh = [grads.d_w_gate, grads.d_w_up, grads.d_w_down, *(grads.d_shared or ())]
     assert acc.d_w_gate is None and acc.d_w_up is None and acc.d_w_down is None
+    if mx and shared_i is not None:  # the shared expert ran before the launch: the caller adds its gradients
+        assert all(torch.equal(a, b) for a, b in zip(acc.d_shared, grads.d_shared))
+        main[3:] = [m + d.float() for m, d in zip(main[3:], acc.d_shared)]
     assert all(torch.equal(m, s0 + d.float()) for m, s0, d in zip(main, start, fresh))
 
 
 def test_backward_fused_applies_only_when_opted_in(monkeypatch):
-    """``backward_fused`` is None (the layer falls back) without the opt-in, at MXFP8, for operands
-    the launch does not take (not CUDA / contiguous, rows of other shapes, a strided shared w_down);
-    else one ``fused_backward`` call returning ``(dx, d topk_w, dWg, dWu, dWd, d shared or None)``."""
+    """``backward_fused`` is None (the layer falls back) without the opt-in, for operands the launch
+    does not take (not CUDA / contiguous, rows of other shapes, a strided shared w_down); else one
+    ``fused_backward`` call returning ``(dx, d topk_w, dWg, dWu, dWd, d shared or None)``."""
     from mok_cute.kernels.sm100 import fused_bwd
     from mok_cute.layers import sm100 as S
     from mok_cute.layers.common import ExpertGroup
@@ -487,17 +499,34 @@ def test_backward_fused_applies_only_when_opted_in(monkeypatch):
     assert a[9:12] == w and a[12:16] == (4.0, None, True, 9) and kw == {"shared": None, "main_grads": None}
     assert mlp.backward_fused(*args, sg, sh) == (0, 1, 2, 3, 4, (5, 6, 7))
     assert calls[1][1]["shared"][1] is sg.gu and calls[1][1]["shared"][3:] == sh
-    assert mlp.backward_fused(replace(g, precision="mxfp8"), *args[1:]) is None
     assert mlp.backward_fused(*args[:3], r[:7], *args[4:]) is None
     assert mlp.backward_fused(*args, sg, (sh[0], sh[1], torch.randn(i, h).to(bf).t())) is None
+    # MXFP8: the quantized weights and their scales, the shared expert's backward first (its dx the launch's
+    # dx_shared, its gradients returned), main_grads' routed three only
+    dxs = _mx_stand_ins(monkeypatch, mlp, t, h)
+    main = [torch.zeros(1)] * 6
+    assert mlp.backward_fused(replace(g, precision="mxfp8"), *args[1:], sg, sh, main) == (0, 1, 2, 3, 4, "d shared")
+    a, kw = calls[-1]
+    assert a[9:12] == ("qg", "qu", "qd") and a[13] is dxs and kw == {"main_grads": main[:3], "w_scales": "scales"}
     ok[0] = False
     assert mlp.backward_fused(*args) is None
-    assert len(calls) == 2
+    assert len(calls) == 3
+
+
+def _mx_stand_ins(monkeypatch, mlp, t: int, h: int):
+    """CPU stand-ins for the MXFP8 launches' host steps: the quantized weights (``_core_weights``) and
+    the shared expert's backward (``shared_backward``: its dx, returned, and "d shared")."""
+    from mok_cute.layers import sm100 as S
+
+    dxs = torch.randn(t, h).bfloat16()
+    monkeypatch.setattr(mlp, "_core_weights", lambda g, *w: ("qg", "qu", "qd", {"w_scales": "scales"}))
+    monkeypatch.setattr(S, "shared_backward", lambda m, group, dy, shared, limit: (dxs, "d shared"))
+    return dxs
 
 
 def test_backward_fused_ep_applies_only_when_opted_in(monkeypatch):
     """``backward_fused_ep`` (the sm90 MLP's contract) is None (layers.ep falls back to the unfused EP
-    stages) without the opt-in, at MXFP8, for operands the launch does not take (not CUDA / contiguous,
+    stages) without the opt-in, for operands the launch does not take (not CUDA / contiguous,
     a strided shared w_down); else one ``fused_backward_ep`` call with the workspace, the plan, this
     rank's slot rows as [T*k, H], the grouped rows' router weights, the comm CTAs and the grid, returning
     ``(dx, d topk_w, dWg, dWu, dWd, d shared or None)``."""
@@ -534,9 +563,13 @@ def test_backward_fused_ep_applies_only_when_opted_in(monkeypatch):
     assert mlp.backward_fused_ep(*args, sg, sh) == (0, 1, 2, 3, 4, (5, 6, 7))
     assert calls[1][1]["shared"][1] is sg.gu and calls[1][1]["shared"][3:] == sh
     assert calls[1][1]["shared"][0].dtype == torch.int32
-    assert mlp.backward_fused_ep(*args[:2], replace(g, precision="mxfp8"), *args[3:]) is None
     assert mlp.backward_fused_ep(*args[:5], slots.transpose(0, 1), *args[6:]) is None
     assert mlp.backward_fused_ep(*args, sg, (sh[0], sh[1], torch.randn(i, h).to(bf).t())) is None
+    dxs = _mx_stand_ins(monkeypatch, mlp, t, h)  # MXFP8: as backward_fused's
+    assert mlp.backward_fused_ep(*args[:2], replace(g, precision="mxfp8"), *args[3:], sg, sh) == (0, 1, 2, 3, 4,
+                                                                                                "d shared")
+    a, kw = calls[-1]
+    assert a[9:12] == ("qg", "qu", "qd") and kw == {"dx_shared": dxs, "w_scales": "scales"}
     ok[0] = False
     assert mlp.backward_fused_ep(*args) is None
-    assert len(calls) == 2
+    assert len(calls) == 3

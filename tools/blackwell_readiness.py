@@ -42,6 +42,11 @@ UNVERIFIED = (
     "FREE after; d topk_w from this rank's slot rows; bitwise the unfused EP backward",
     "fused backward core MXFP8: D2's dgu quantizations (along I into the blocked row scales, along tokens by "
     "warp shuffles into the token scales) read by D1 / dWg / dWu's TMA after d2[mt]; bitwise mx_backward",
+    "fused backward MXFP8 mode 3 / EP > 1: the comm CTAs' quantized dy / x operands (mx_gather.quantize_tile; "
+    "its bytes verified bitwise on an H200 by gpu_check mx_gather, arch-neutral code) read by D2's and the W "
+    "tiles' TMA after gdy[mt] (generic-proxy stores, then the async-proxy fence); bitwise the unfused backward",
+    "fused backward main_grads (accumulate): the W epilogue's fp32 read-add-write of each dW tile "
+    "(GroupedGemmSm100._store_accumulate); bitwise start + fp32(dW)",
 )
 
 

@@ -142,7 +142,8 @@ def _quant():
                     lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8-regs@sm_90a"] = (
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
+                f"-mxfp8-regs@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="regs", inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))

@@ -15,6 +15,13 @@ MX_BLOCK = 32  # elements per MXFP8 block
 _OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
 
 
+def chunk_words(m: cute.Tensor, hc: Int32, per_chunk: int) -> cute.Tensor:
+    """A 2-D tensor of ``hc`` chunks per row as (rows, hc, per_chunk) uint32 words: bf16 rows with 4
+    words per 16-byte chunk of 8 elements, their e4m3 rows with 2 (8 bytes per chunk)."""
+    return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
+                            cute.make_layout((m.shape[0], hc, per_chunk), stride=(hc * per_chunk, per_chunk, 1)))
+
+
 @cute.jit
 def mx_column_block(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32, out: cute.Tensor = None,
                     guard: cutlass.Constexpr[bool] = False):
@@ -24,6 +31,22 @@ def mx_column_block(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32, out: c
     ``words`` again). ``guard``: rows ``>= rows`` are neither read nor written (a global view whose
     later rows belong to another tile); else all 32 are read and written (a tile in shared memory)."""
     dst = words if cutlass.const_expr(out is None) else out
+    mul, deq, masks, _ = column_scales(words, r0, c, rows, guard, True)
+    for i in cutlass.range(MX_BLOCK, unroll=2 if guard else 4):
+        if cutlass.const_expr(guard):
+            if r0 + i < rows:
+                _round_trip_chunk(words, dst, r0 + i, c, mul, deq, masks)
+        else:
+            _round_trip_chunk(words, dst, r0 + i, c, mul, deq, masks)
+
+
+@cute.jit
+def column_scales(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32, guard: cutlass.Constexpr[bool],
+                  deq_bits: cutlass.Constexpr[bool]):
+    """The MXFP8 scales of rows ``r0 .. r0 + 32`` of 8-column chunk ``c`` (:func:`mx_column_block`'s
+    first pass; ``guard`` as there): ``(mul, deq, masks, bytes)``: per column its 2^-e fp32
+    multiplier, its dequantize multiplier's fp32 bits (with ``deq_bits``; else None) and its E8M0
+    byte; per data word (4 columns) the NaN-byte mask."""
     a0, a1, a2, a3 = (Uint32(0),) * 4  # |x| bits >= 0: a max from 0 is the max
     for i in cutlass.range(MX_BLOCK, unroll=2 if guard else 4):  # run-time: 32 rows' loads not all hoisted
         keep = Uint32(0) - Uint32(r0 + i < rows)  # rows past the tile's: 0
@@ -36,25 +59,22 @@ def mx_column_block(words: cute.Tensor, r0: Int32, c: Int32, rows: Int32, out: c
         a2 = _OPS.amax_acc(a2, v[2] & keep)
         a3 = _OPS.amax_acc(a3, v[3] & keep)
     accs = [a0, a1, a2, a3]
-    mul, deq, nan = [], [], []
+    mul, deq, nan, scale_bytes = [], [], [], []
     for e in cutlass.range_constexpr(8):  # element 2j: word j's low half, 2j + 1 its high half
         a = Int32(accs[e // 2] & Uint32(0xFFFF0000))
         if cutlass.const_expr(e % 2 == 0):
             a = Int32((accs[e // 2] & Uint32(0xFFFF)) << 16)
         sc, byte, nf = _OPS.e8m0(a)
         mul.append(sc)
-        deq.append(_OPS.scale_bits(byte))
+        if cutlass.const_expr(deq_bits):
+            deq.append(_OPS.scale_bits(byte))
         nan.append(nf)
+        scale_bytes.append(byte)
     masks = []  # per data word (4 e4m3 bytes, one column each): each byte's NaN mask
     for w in cutlass.range_constexpr(2):
         masks.append((nan[4 * w] & Uint32(0xFF)) | (nan[4 * w + 1] & Uint32(0xFF00))
                      | (nan[4 * w + 2] & Uint32(0xFF0000)) | (nan[4 * w + 3] & Uint32(0xFF000000)))
-    for i in cutlass.range(MX_BLOCK, unroll=2 if guard else 4):
-        if cutlass.const_expr(guard):
-            if r0 + i < rows:
-                _round_trip_chunk(words, dst, r0 + i, c, mul, deq, masks)
-        else:
-            _round_trip_chunk(words, dst, r0 + i, c, mul, deq, masks)
+    return mul, deq if cutlass.const_expr(deq_bits) else None, masks, scale_bytes
 
 
 def _round_trip_chunk(words: cute.Tensor, dst: cute.Tensor, row: Int32, c: Int32, mul: list, deq: list,

@@ -99,7 +99,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                   ready: cute.Tensor, k: Int32, hidden: Int32, ep, ep_dy, counters, pulled_word: cutlass.Constexpr[int],
                   trace_rec: tuple,
                   tile_m: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-                  by_route: cutlass.Constexpr[bool], dy_t: cute.Tensor = None):
+                  by_route: cutlass.Constexpr[bool], mx: tuple = None):
     """A fused backward's comm CTA ``bidx`` of ``comm_ctas`` (``threads`` per CTA, one warp per row):
     routed m-tile ``c`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
     for c = bidx, bidx + comm_ctas, ..., in two passes: ``dy_rows[p]`` = bf16(dy[t] * w[q]) with
@@ -116,12 +116,11 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
     is -1). ``trace_rec``: ``(records, base, kinds)`` (chunk c's passes recorded at base + c and
     base + chunks + c with kinds[0] / kinds[1]) or None.
 
-    ``dy_t`` (bf16 [M, H], the MXFP8 backward's operands; else None): before each pass publishes
-    its m-tile, the rows become what the MXFP8 GEMMs read (:mod:`~mok_cute.kernels.mx_rows`, bitwise
-    the unfused round trips): pass 0 writes dy's round trip along the tokens into ``dy_t``, then
-    replaces the dy rows by their round trip along H; pass 1 replaces the x rows by theirs along
-    the tokens (m-tiles start at their expert's first row, so the tokens' blocks of 32 are the
-    tile's)."""
+    ``mx`` = ``(step, operands)`` (the MXFP8 backward's; else None): before each pass publishes its
+    m-tile, ``step(tidx, warp, lane, xpass, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets,
+    expert, m_tile, operands)`` makes from the tile's bf16 rows what the MXFP8 GEMMs read (m-tiles
+    start at their expert's first row, so the tokens' blocks of 32 are the tile's): SM90
+    :func:`mx_round_trips`, SM100 ``sm100.mx_gather.quantize_tile``."""
     hc = hidden // 8
     warps = threads // 32
 
@@ -159,8 +158,9 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                     if cutlass.const_expr(ep is not None):
                         src = ep.src_row(q, k, hidden * 2)
                     slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, unroll)
-            if cutlass.const_expr(dy_t is not None):
-                _mx_tile(tidx, warp, lane, xpass, threads, dy_rows, x_rows, dy_t, row0, rows, tile_m, hc)
+            if cutlass.const_expr(mx is not None):
+                mx[0](tidx, warp, lane, xpass, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets, ge, c - gb,
+                      mx[1])
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -184,23 +184,23 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
 
 
 @cute.jit
-def _mx_tile(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-             dy_rows: cute.Tensor, x_rows: cute.Tensor, dy_t: cute.Tensor, row0: Int32, rows: Int32,
-             tile_m: cutlass.Constexpr[int], hc: Int32):
-    """:func:`gather_chunks`' MXFP8 step on m-tile rows ``row0 .. row0 + rows`` of pass ``xpass``
-    (the CTA's ``threads``; the tile's rows stored before it, by any of them; the caller's fence and
-    barrier follow it)."""
-    def words(m: cute.Tensor):
-        return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
-                                cute.make_layout((m.shape[0], hc, 4), stride=(hc * 4, 4, 1)))
-
+def mx_round_trips(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexpr[int],
+                   threads: cutlass.Constexpr[int], dy_rows: cute.Tensor, x_rows: cute.Tensor, row0: Int32,
+                   rows: Int32, tile_m: cutlass.Constexpr[int], hc: Int32, offsets: cute.Tensor, expert: Int32,
+                   m_tile: Int32, operands: tuple):
+    """:func:`gather_chunks`' SM90 MXFP8 step (``operands`` = ``(dy_t,)``, bf16 [M, H]) on m-tile rows
+    ``row0 .. row0 + rows`` of pass ``xpass`` (the CTA's ``threads``; the tile's rows stored before
+    it, by any of them; the caller's fence and barrier follow it), bitwise the unfused round trips
+    (:mod:`~mok_cute.kernels.mx_rows`): pass 0 writes dy's round trip along the tokens into ``dy_t``,
+    then replaces the dy rows by their round trip along H; pass 1 replaces the x rows by theirs
+    along the tokens (``offsets`` / ``expert`` / ``m_tile`` unread)."""
     cute.arch.barrier()
     if cutlass.const_expr(xpass == 0):
-        dyw = words(dy_rows)
-        mx_rows.mx_tile_columns(tidx, threads, dyw, words(dy_t), row0, rows, tile_m, hc)
+        dyw = mx_rows.chunk_words(dy_rows, hc, 4)
+        mx_rows.mx_tile_columns(tidx, threads, dyw, mx_rows.chunk_words(operands[0], hc, 4), row0, rows, tile_m, hc)
         cute.arch.barrier()  # every column block has read the rows before they are rewritten
         for rr in cutlass.range(warp, rows, threads // 32, unroll=1):
             mx_rows.mx_row(lane, dyw, row0 + rr, hc)
     else:
-        xw = words(x_rows)
+        xw = mx_rows.chunk_words(x_rows, hc, 4)
         mx_rows.mx_tile_columns(tidx, threads, xw, xw, row0, rows, tile_m, hc)

@@ -37,7 +37,9 @@ import os
 
 import torch
 
-from mok_cute.layers.common import ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_launch_operands
+from mok_cute.layers.common import (
+    ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+)
 from mok_cute.layers.weight_cache import WeightCache
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.layouts import TokenOperand, pack_token_scales_device, token_rows  # noqa: F401
@@ -137,8 +139,8 @@ class Sm100ExpertMLP:
     @property
     def expert_parallel(self) -> bool:
         """EP > 1 through :mod:`mok_cute.layers.ep` (its forward the fused kernel's EP mode,
-        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward :meth:`backward_fused_ep`
-        at BF16, else the unfused EP stages over :meth:`backward`): opted in with
+        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward :meth:`backward_fused_ep`,
+        BF16 and MXFP8, unless ``MOK_CUTE_FUSED_BWD=0``: the unfused EP stages over :meth:`backward`): opted in with
         ``MOK_CUTE_SM100_FUSED=1`` only, as the fused kernels (never run on a Blackwell GPU)."""
         return bool(self.fused_precisions)
 
@@ -279,24 +281,33 @@ class Sm100ExpertMLP:
         sum), the contract of the sm90 MLP's ``backward_fused``: ``(dx [T, H], d topk_w [T, k], dWg, dWu,
         dWd, d shared weights or None)``, meant bitwise the unfused backward; with ``main_grads`` (fp32,
         validated by ``ops.moe``; all contiguous, else the caller adds them) the weight gradients are
-        added into them in the launch and returned as None; None where
-        it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, not BF16, operands not
+        added into them in the launch and returned as None. MXFP8: the launch's ``mx`` variant (the
+        gathered rows quantized by its comm CTAs), the shared expert's backward before it (its dx the
+        slot sum's start, its weight gradients returned; ``main_grads`` then takes the routed three).
+        None where it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, operands not
         contiguous CUDA tensors of the forward's shapes: the layer falls back)."""
         t, k = topk_idx.shape
         rows = t * k
-        if rows == 0 or g.precision != "bf16" or g.precision not in self.fused_precisions:
+        if rows == 0 or g.precision not in FUSED_CORE_PRECISIONS or g.precision not in self.fused_precisions:
             return None
         if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and r_rows.is_contiguous()):
             return None
         if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
             return None
-        sh = shared_launch_operands(shared_group, shared, contiguous=True)
-        if sh is False:
-            return None
         from mok_cute.kernels.sm100.fused_bwd import fused_backward
 
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
+        if g.precision == "mxfp8":
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
+            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
+            out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu,
+                                 g.h, *w, limit, None if dxs is None else dxs.contiguous(), rows_by_route, comm_ctas,
+                                 FUSED_BWD_TIMEOUT_S, main_grads=None if main_grads is None else main_grads[:3], **mx)
+            return (*out[:5], d_shared)
+        sh = shared_launch_operands(shared_group, shared, contiguous=True)
+        if sh is False:
+            return None
         out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
                              w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, FUSED_BWD_TIMEOUT_S,
                              shared=sh, main_grads=main_grads)
@@ -309,18 +320,26 @@ class Sm100ExpertMLP:
         over ``ws``'s ranks), the contract of the sm90 MLP's ``backward_fused_ep``: ``(dx [T, H], d topk_w
         [T, k], dWg, dWu, dWd, d shared weights or None)``, meant the unfused EP backward's with d topk_w a
         fixed-order fp32 sum (``slot_rows``: this rank's [T, k, H] or [T*k, H] slot rows of the forward);
-        None where it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, not BF16, operands not
-        contiguous CUDA tensors), the same answer on every rank. The caller checks ``ws``'s status."""
+        MXFP8 as :meth:`backward_fused`'s (the shared expert's backward before the launch). None where it
+        does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, operands not contiguous CUDA
+        tensors), the same answer on every rank. The caller checks ``ws``'s status."""
         t, k = topk_idx.shape
-        if g.precision != "bf16" or g.precision not in self.fused_precisions:
+        if g.precision not in FUSED_CORE_PRECISIONS or g.precision not in self.fused_precisions:
             return None
         if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and slot_rows.is_contiguous()):
             return None
+        from mok_cute.kernels.sm100.fused_bwd import fused_backward_ep
+
+        if g.precision == "mxfp8":
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
+            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
+            out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, *w,
+                                    limit, comm_ctas, num_ctas, dx_shared=None if dxs is None else dxs.contiguous(),
+                                    **mx)
+            return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared, contiguous=True)
         if sh is False:
             return None
-        from mok_cute.kernels.sm100.fused_bwd import fused_backward_ep
-
         out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, w_gate,
                                 w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)

@@ -282,7 +282,8 @@ def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "
         want = [s + f.float() + f.float() for s, f in zip(start, fresh)]
         same = all(torch.equal(a, b) for a, b in zip(acc, want))
         no_grad = all(p.grad is None for p in weights)
-        rows.append(Row(f"{backend} main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same, ok=same and no_grad,
+        rows.append(Row(f"{backend} main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same,
+                        ok=same and no_grad,
                         note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: {no_grad}"))
     return rows
 

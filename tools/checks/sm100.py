@@ -11,13 +11,15 @@ at the same precision, y and every gradient, shared expert on, skewed routing wi
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
 bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fused forward and
-the fused backward core, and the whole backward in one launch, mode 3; MXFP8: the fused forward, the
-unfused MXFP8 backward) bitwise the unfused path at both shapes; ``main_grads`` accumulated twice
-unfused and in mode 3 (the W epilogue's accumulate variant), bitwise start + 2 fp32(fresh dW). Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
+the fused backward core, and the whole backward in one launch, mode 3; MXFP8: the fused forward with
+the fused backward core's mx variant, then mode 3's mx variant, its comm CTAs quantizing the gathered
+rows) bitwise the unfused path at both shapes; ``main_grads`` accumulated twice
+unfused and in mode 3 (the W epilogue's accumulate variant), bitwise start + 2 fp32(fresh dW).
+Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
 fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
 k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
 layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages, and
-(BF16) the fused EP backward bitwise the unfused EP backward (``MOK_CUTE_FUSED_BWD=0``).
+the fused EP backward (BF16 and MXFP8) bitwise the unfused EP backward (``MOK_CUTE_FUSED_BWD=0``).
 """
 from __future__ import annotations
 
@@ -56,12 +58,13 @@ def _gemm_rows(dev) -> list[Row]:
 
 def _fused_rows(dev) -> list[Row]:
     """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 and MXFP8 through the fused
-    forward and the fused backward core, MXFP8 their ``mx`` variants; BF16 with the whole backward in
-    one launch, ``MOK_CUTE_FUSED_BWD=3``: ``fused_bwd.fused_backward``, gather + shared): y and every
+    forward and the fused backward core, MXFP8 their ``mx`` variants; then the whole backward in one
+    launch, ``MOK_CUTE_FUSED_BWD=3``: ``fused_bwd.fused_backward``, gather + shared at BF16, at MXFP8
+    the gather's quantizing ``mx`` variant with the shared expert before it): y and every
     gradient bitwise the unfused sm100 path's (``MOK_CUTE_FUSED_BWD=0``), 3 repeats."""
     rows = []
     for precision, what, mode in (("bf16", "fwd + bwd core", "2"), ("mxfp8", "fwd + bwd core", "2"),
-                                  ("bf16", "fwd + bwd mode 3", "3")):
+                                  ("bf16", "fwd + bwd mode 3", "3"), ("mxfp8", "fwd + bwd mode 3", "3")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
             os.environ["MOK_CUTE_FUSED_BWD"] = "0"
@@ -143,8 +146,8 @@ def _ep_rows(dev) -> list[Row]:
     """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend opted in
     (``MOK_CUTE_SM100_FUSED=1``): per case and rank, y and every gradient with the fused forward's
     ep variant (``MOK_CUTE_FUSED_EP=1``, the unfused EP backward: ``MOK_CUTE_FUSED_BWD=0``) bitwise
-    those of the unfused EP stages (``MOK_CUTE_FUSED_EP=0``), one fused forward per rank; BF16: then
-    with the fused EP backward too (``MOK_CUTE_FUSED_BWD=2``, ``Sm100ExpertMLP.backward_fused_ep``:
+    those of the unfused EP stages (``MOK_CUTE_FUSED_EP=0``), one fused forward per rank; then
+    with the fused EP backward too (BF16 and MXFP8) (``MOK_CUTE_FUSED_BWD=2``, ``Sm100ExpertMLP.backward_fused_ep``:
     one launch per rank) bitwise the fused forward's run with the unfused EP backward. MXFP8: dWg / dWu
     within rel-L1 2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round
     trip as the unfused dispatch's: ``layers.ep``'s doc). Every kernel is compiled and loaded first on
@@ -176,7 +179,7 @@ def _ep_rows(dev) -> list[Row]:
             x, idx, w, ws, sh, dy = ep_problem(t, h, inter, e, k, 1, 0, True, skew, dev, 700 + seed)
             cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **EP_CONFIG)
             out, n = {}, {}
-            runs = (("0", "0"), ("1", "0")) + ((("1", "2"),) if prec == "bf16" else ())  # (FUSED_EP, FUSED_BWD)
+            runs = (("0", "0"), ("1", "0"), ("1", "2"))  # (FUSED_EP, FUSED_BWD)
             for mode in runs:
                 os.environ["MOK_CUTE_FUSED_EP"], os.environ["MOK_CUTE_FUSED_BWD"] = mode
                 inp = MoEInputs(x, idx, w, *ws, sh, limit)

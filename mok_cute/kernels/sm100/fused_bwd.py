@@ -85,6 +85,7 @@ from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _check_weight, _fake_sf,
 )
 from mok_cute.kernels.sm100 import task_ring
+from mok_cute.kernels.sm100.mx_gather import quantize_tile
 from mok_cute.kernels.sm100.mainloop import (
     MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
@@ -121,8 +122,9 @@ class FusedMoeBwdSm100:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
             raise ValueError("gather needs tokens, by_route needs gather, shared needs gather and init (its dx)")
-        if mx and gather:
-            raise ValueError("gather / shared (the whole backward in the launch) are BF16 only")
+        if mx and shared:
+            raise ValueError("mx (the MXFP8 backward) runs the routed experts only: the shared expert's tiles are "
+                             "not in its launch")
         if ep and not (gather and not by_route):
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
         if accumulate and not gather:
@@ -165,7 +167,8 @@ class FusedMoeBwdSm100:
                  mDyt: cute.Tensor, mDytsf: cute.Tensor, mHtsf: cute.Tensor, mDgut: cute.Tensor,
                  mDgtsf: cute.Tensor, mDutsf: cute.Tensor, mXtsf: cute.Tensor, mDyTok: cute.Tensor,
                  mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-                 mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
+                 mDyRows: cute.Tensor, mXRows: cute.Tensor, mSGU: cute.Tensor, mSH: cute.Tensor,
+                 mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
                  mSDgu: cute.Tensor, mSDWg: cute.Tensor, mSDWu: cute.Tensor, mSDWd: cute.Tensor,
                  mSOffsets: cute.Tensor, mSD2: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
                  num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mStatus: cute.Tensor, me: Int32,
@@ -187,7 +190,11 @@ class FusedMoeBwdSm100:
         comm CTAs from ``mDyTok`` / ``mXTok`` [T, H] and ``mR`` (the forward's GEMM2 rows: grouped
         [M, H], ``by_route``: [T*k, H] in route order), ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in,
         d topk_w out), routed m-tile c published on ``mGdy[c]`` int32 (1: dy rows, 2: x rows too);
-        ``mOrder`` then holds all T*k routes (routes without an expert last). Shared (else the
+        ``mOrder`` then holds all T*k routes (routes without an expert last). With ``mx`` the gathered
+        rows go to the bf16 ``mDyRows`` / ``mXRows`` [M, H] (else None) and the comm CTAs quantize each
+        m-tile into ``mDy``, ``mDysf``, ``mDyt``, ``mDytsf``, ``mX`` and ``mXtsf`` before publishing it
+        (:func:`~mok_cute.kernels.sm100.mx_gather.quantize_tile`; the scale buffers zeroed by the
+        caller); ``mH`` / ``mHtsf`` are h's along the tokens, as without the gather. Shared (else the
         eleven ``mS*`` None): the shared expert's gu [T, 2, I_s], h [T, I_s], weights [1, I_s, H] x 2,
         [1, H, I_s], dgu scratch [T, 2, I_s], dW [1, ...], offsets [0, T] and dgrad2 counters; its dy
         / x are ``mDyTok`` / ``mXTok``, its dx goes to ``mInit``.
@@ -208,7 +215,10 @@ class FusedMoeBwdSm100:
             tmas = tmas + self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSOffsets.shape[0] - 1, (None,) * 11)
             s_t = (mSGU, mSDgu, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
         if cutlass.const_expr(self.gather):
-            g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, comm_ctas)
+            g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, comm_ctas, None)
+            if cutlass.const_expr(self.mx):  # the bf16 rows, then their MXFP8 operands
+                g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas,
+                       (mDy, mDysf, mDyt, mDytsf, mX, mXtsf))
         self.shared_storage = self._storage()
         peer = []  # EP = 1: no kernel parameters for the workspace
         if cutlass.const_expr(self.ep):
@@ -323,11 +333,12 @@ class FusedMoeBwdSm100:
         c by CTA ``c % comm_ctas`` (:func:`~mok_cute.kernels.route_grad_row.gather_chunks`, the SM90
         kernel's: dy rows times topk_w and d topk_w, then x rows, each pass released on ``gdy[c]``;
         EP > 1: pulled from the source ranks through ``ep`` / ``ep_dy``, the last comm CTA arriving on
-        ``counters + PULLED_WORD`` says DONE, d topk_w of this rank's routes)."""
-        mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas = g_t
+        ``counters + PULLED_WORD`` says DONE, d topk_w of this rank's routes; ``mx``: each m-tile
+        quantized, :func:`~mok_cute.kernels.sm100.mx_gather.quantize_tile`)."""
+        mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas, mx_ops = g_t
         gather_chunks(tidx, bidx, comm_ctas, g.mt, g.offsets, g.num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
                       mDyRows, mXRows, mGdy, k, g.hidden, ep, ep_dy, counters, PULLED_WORD, None, self.cfg.tile_m,
-                      NUM_THREADS, X_UNROLL, self.by_route)
+                      NUM_THREADS, X_UNROLL, self.by_route, (quantize_tile, mx_ops) if self.mx else None)
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,
@@ -715,10 +726,11 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
         sf = MX_CONFIG
         mxs = (_fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_2d(q, m, hid), _fake_sf(sf),
                _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
-    rows = (None,) * 6
+    rows = (None,) * 8
     if gather:
         rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid),
-                vec(m if ep else tk, Float32), vec(tk, Float32), vec())
+                vec(m if ep else tk, Float32), vec(tk, Float32), vec(),
+                *((_fake_2d(bf, m, hid), _fake_2d(bf, m, hid)) if mx else (None, None)))
     sh = (None,) * 11
     if shared:
         i_s, one = cute.sym_int(divisibility=DIM_MULTIPLE), cute.sym_int()
@@ -876,7 +888,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
                toks is not None and toks[3] is not None, mx)
     tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd,
-               offsets, d2, words, *tok_args, *mx_args) + (None,) * 17
+               offsets, d2, words, *tok_args, *mx_args) + (None,) * 19
     _launch(("sm100_fused_moe_bwd_core", arch) + variant, variant, tensors, k, 1, limit, num_ctas, timeout_s, dev,
             words)
     return dx, dwg, dwu, dwd
@@ -884,8 +896,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
                    rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None, main_grads=None):
-    """The routed backward from the layer's tokens in one launch (BF16; the contract of
+                   shared=None, main_grads=None, w_scales=None):
+    """The routed backward from the layer's tokens in one launch (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward`):
     :func:`fused_backward_core` with ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of
     ``route_grad.dy_rows_and_dtopk_w`` and of gathering x's rows (meant bitwise theirs). dy, x [T, H]
@@ -901,19 +913,26 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     sum) and its three weight gradients [I_s, H], [I_s, H], [H, I_s] follow the routed ones.
     ``main_grads``: contiguous fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the
     shared expert's with ``shared``): each weight-gradient tile is added into them (``main +=
-    fp32(bf16(dW))``) and its weight gradient is returned as None. Every operand is validated before
-    anything is compiled or launched; a device wait's timeout is raised by a later call
-    (:mod:`mok_cute.dsl.deferred`)."""
+    fp32(bf16(dW))``) and its weight gradient is returned as None.
+
+    ``w_scales``: the MXFP8 backward (:func:`fused_backward_core`'s weights and scales), meant bitwise
+    the unfused one: the comm CTAs quantize the gathered dy rows along H and along the tokens and the
+    x rows along the tokens per m-tile (:func:`~mok_cute.kernels.sm100.mx_gather.quantize_tile`), h
+    is quantized along the tokens here; the shared expert runs outside the launch (``shared`` None,
+    its dx ``dx_shared``). Every operand is validated before anything is compiled or launched; a
+    device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     ints = (torch.int32, torch.int64)
     _check_tensor("topk_idx", topk_idx, 2, ints)
     t, k = topk_idx.shape
     m = t * k
-    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, rows=m)
+    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales, rows=m)
     hid = dy.shape[1]
     if dy.shape[0] != t:
         raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
     if shared is not None and dx_shared is not None:
         raise ValueError("dx_shared must be None when the shared expert runs in the launch")
+    if shared is not None and w_scales is not None:
+        raise ValueError("w_scales (MXFP8): the shared expert runs outside the launch (give its dx as dx_shared)")
     order32, idx32, _, _, _, _ = _check_tokens((order, topk_idx, dx_shared), dy, rows=m)
     _check_tensor("r_rows", r_rows, 2, (torch.bfloat16,))
     _check_tensor("topk_w", topk_w, 2, (torch.float32,))
@@ -932,14 +951,16 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
     return _whole(dy, x, r_rows, topk_w.reshape(-1).contiguous(), order32, idx32, dx_shared, offsets, gu, h,
                   (w_gate, w_up, w_down), limit, rows_by_route, sh, (t, k, m), comm_ctas, num_ctas, timeout_s,
-                  main_grads=main_grads)
+                  main_grads=main_grads, w_scales=w_scales)
 
 
 def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
-                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None):
-    """The backward at EP > 1 in one launch per rank (BF16; collective over ``ws``'s ranks, every rank
-    calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`):
-    :func:`fused_backward` with the rows moved through the workspace (``main_grads`` as there). This
+                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None,
+                      w_scales=None, dx_shared=None):
+    """The backward at EP > 1 in one launch per rank (BF16 or MXFP8; collective over ``ws``'s ranks, every
+    rank calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`):
+    :func:`fused_backward` with the rows moved through the workspace (``main_grads``, ``w_scales`` as
+    there; with ``w_scales`` the shared expert's dx [T, H] bf16 is ``dx_shared``, the slot sum's start). This
     rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every peer finished
     the previous pull); the comm CTAs pull the dy rows (times ``w_rows`` [M] fp32, the forward's router
     weight of each grouped row) and x rows of the routes this rank's experts serve (``plan``: the
@@ -956,11 +977,16 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     t, k = topk_idx.shape
     _check_tensor("recv_src", plan.recv_src, 1, (torch.int32,))
     m = plan.recv_src.shape[0]
-    _check_operands(dy, x, gu, h, plan.offsets, w_gate, w_up, w_down, limit, ws.timeout_s, num_ctas, rows=m)
+    _check_operands(dy, x, gu, h, plan.offsets, w_gate, w_up, w_down, limit, ws.timeout_s, num_ctas, w_scales,
+                    rows=m)
     hid = dy.shape[1]
     if dy.shape[0] != t:
         raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
-    order32, idx32, _, _, _, _ = _check_tokens((plan.recv_src, topk_idx, None), dy, rows=m)
+    if dx_shared is not None and (shared is not None or w_scales is None):
+        raise ValueError("dx_shared is the MXFP8 launch's (w_scales given, shared None)")
+    if shared is not None and w_scales is not None:
+        raise ValueError("w_scales (MXFP8): the shared expert runs outside the launch (give its dx as dx_shared)")
+    order32, idx32, _, _, _, _ = _check_tokens((plan.recv_src, topk_idx, dx_shared), dy, rows=m)
     _check_tensor("slot_rows", slot_rows, 2, (torch.bfloat16,))
     _check_tensor("w_rows", w_rows, 1, (torch.float32,))
     if tuple(slot_rows.shape) != (t * k, hid) or not slot_rows.is_contiguous() or slot_rows.data_ptr() % 16:
@@ -974,17 +1000,18 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     for name, a in dict(recv_src=plan.recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {}), **mains).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
-    return _whole(dy, x, slot_rows, w_rows, order32, idx32, None, plan.offsets, gu, h, (w_gate, w_up, w_down),
-                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws, main_grads)
+    return _whole(dy, x, slot_rows, w_rows, order32, idx32, dx_shared, plan.offsets, gu, h, (w_gate, w_up, w_down),
+                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws, main_grads, w_scales)
 
 
 def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, limit, by_route: bool, sh, dims,
-           comm_ctas: int, num_ctas, timeout_s, ws=None, main_grads=None):
+           comm_ctas: int, num_ctas, timeout_s, ws=None, main_grads=None, w_scales=None):
     """The launch of :func:`fused_backward` (``ws`` None) or :func:`fused_backward_ep` on validated
     operands: ``rows`` / ``w`` the gather's GEMM2 rows and flat topk_w (EP > 1: this rank's slot rows
     and the grouped rows' router weights), ``sh`` the checked shared group or None, ``dims`` = (T, k,
-    M grouped rows), ``main_grads`` the checked fp32 main grads or None; returns their outputs (T = 0:
-    zeros, nothing launched, the main grads unchanged; every rank of an EP group holds the same T)."""
+    M grouped rows), ``main_grads`` the checked fp32 main grads or None, ``w_scales`` the MXFP8
+    variant's; returns their outputs (T = 0: zeros, nothing launched, the main grads unchanged; every
+    rank of an EP group holds the same T)."""
     t, k, m = dims
     w_gate, w_up, w_down = weights
     hid = dy.shape[1]
@@ -1018,17 +1045,22 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
                                     mt_cap + sd2_cap)
     gdy, sd2 = counters[-(mt_cap + sd2_cap):-sd2_cap], counters[-sd2_cap:]
     init = dx_shared if sh is None else torch.empty((t, hid), **bf)  # the shared expert's dx: D1 of its group
-    gather = (dy, x, rows, w, dtw.view(-1), gdy)
+    gather = (dy, x, rows, w, dtw.view(-1), gdy, None, None)
+    ops = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), h[:m])  # the tiles' dy, x, h operands
+    dgu, mx_args = torch.empty((m, 2, inter), **bf), (None,) * 11
+    if w_scales is not None:  # the gather's bf16 rows; their MXFP8 operands made from them in the launch
+        gather = gather[:6] + (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf))
+        ops, mx_args = _mx_operands(None, None, h[:m], offsets, w_scales, hid)
+        dgu = torch.empty((m, 2, inter), dtype=_FP8, device=dy.device)
     sh_args = (None,) * 11
     if sh is not None:
         i_s = sh["ws_gate"].shape[0]
         sh_args = (sh["gu_s"].view(t, 2, i_s), sh["h_s"], sh["ws_gate"][None], sh["ws_up"][None],
                    sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), *dws, sh["offsets_s"], sd2)
-    tensors = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), gu[:m].view(m, 2, inter), h[:m], w_gate,
-               w_up, w_down, torch.empty((m, 2, inter), **bf), slot, *dw, offsets, d2, words, order32, idx32, init,
-               None, dx, *(None,) * 11, *gather, *sh_args)
-    variant = (limit is not None, True, init is not None, False, False, True, by_route, sh is not None, ws is not None,
-               main_grads is not None)
+    tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, slot, *dw, offsets, d2,
+               words, order32, idx32, init, None, dx, *mx_args, *gather, *sh_args)
+    variant = (limit is not None, True, init is not None, False, w_scales is not None, True, by_route, sh is not None,
+               ws is not None, main_grads is not None)
     _launch(("sm100_fused_moe_bwd", arch) + variant, variant, tensors, k, comm_ctas, limit, num_ctas, timeout_s, dev,
             words, ws)
     if main_grads is not None:
@@ -1109,7 +1141,7 @@ def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s
         deferred.watch(words[1:WORDS], describe)
 
 
-def _mx_operands(dy, x, h, offsets, w_scales):
+def _mx_operands(dy, x, h, offsets, w_scales, hid: int | None = None):
     """``((dyq, x_t, h_t), tensors)`` of the MXFP8 variant, what ``layers.sm100.mx_backward`` hands
     the unfused MXFP8 GEMMs: dy quantized along H (D2's A) and x, h token rows quantized along
     tokens (dWg / dWu's and dWd's B), then the kernel's eleven MXFP8 tensors in ``__call__`` order:
@@ -1117,22 +1149,34 @@ def _mx_operands(dy, x, h, offsets, w_scales):
     (``pack_kn_weight_scales``), dgu's row scales (zeroed: the halves' padding stays 0), dy's token
     rows and token scales, h's token scales, dgu's token rows (scratch), dg's and du's token scales
     (zeroed), x's token scales (the grouped blocked layouts of
-    :mod:`~mok_cute.kernels.sm100.layouts`)."""
+    :mod:`~mok_cute.kernels.sm100.layouts`). ``dy`` and ``x`` None (the gather variant, which
+    quantizes them in the launch): their operands are buffers of ``hid`` columns, the e4m3 token rows
+    and every scale zeroed (as the host quantizers leave rows and padding no tile fills)."""
     from mok_cute.kernels.quant import quantize
 
     m, inter = h.shape
     e = offsets.numel() - 1
-    u8 = dict(dtype=torch.uint8, device=dy.device)
-    dyq, dys = quantize.quantize_mxfp8(dy, -1)
-    dy_t, x_t, h_t = (lay.TokenOperand(a, offsets) for a in (dy, x, h))
+    u8 = dict(dtype=torch.uint8, device=h.device)
+    h_t = lay.TokenOperand(h, offsets)
     half_kb = -(-inter // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC)) * lay.SF_ATOM_KBLOCKS  # blocks per half, padded
     tok_kb = lay.grouped_sf_rows(m, e) // lay.SF_VEC
-    tensors = (lay.pack_row_scales(dys, offsets), lay.pack_kn_weight_scales(w_scales[2]),
+    if dy is None:
+        fp8 = dict(dtype=_FP8, device=h.device)
+        dyq, x_data = torch.empty((m, hid), **fp8), torch.zeros((m, hid), **fp8)
+        dy_sf = torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), hid // lay.SF_VEC), **u8)
+        dy_t = (torch.zeros((m, hid), **fp8), torch.zeros(lay.sf_bytes(hid, tok_kb), **u8))
+        x_sf = torch.zeros(lay.sf_bytes(hid, tok_kb), **u8)
+    else:
+        dyq, dys = quantize.quantize_mxfp8(dy, -1)
+        dy_sf = lay.pack_row_scales(dys, offsets)
+        dyt, x_t = lay.TokenOperand(dy, offsets), lay.TokenOperand(x, offsets)
+        dy_t, x_data, x_sf = (dyt.data, dyt.scales()), x_t.data, x_t.scales()
+    tensors = (dy_sf, lay.pack_kn_weight_scales(w_scales[2]),
                torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), 2 * half_kb), **u8),
-               lay.pack_kn_weight_scales(*w_scales[:2]), dy_t.data, dy_t.scales(), h_t.scales(),
-               torch.empty((m, 2, inter), dtype=_FP8, device=dy.device), torch.zeros(lay.sf_bytes(inter, tok_kb), **u8),
-               torch.zeros(lay.sf_bytes(inter, tok_kb), **u8), x_t.scales())
-    return (dyq, x_t.data, h_t.data), tensors
+               lay.pack_kn_weight_scales(*w_scales[:2]), *dy_t, h_t.scales(),
+               torch.empty((m, 2, inter), dtype=_FP8, device=h.device), torch.zeros(lay.sf_bytes(inter, tok_kb), **u8),
+               torch.zeros(lay.sf_bytes(inter, tok_kb), **u8), x_sf)
+    return (dyq, x_data, h_t.data), tensors
 
 
 # ---------------------------------------------------------------- variant registry (readiness tool)
@@ -1144,6 +1188,9 @@ _PTX_GATHER = ("mul.rn.f32", "fma.rn.f32", "shfl.sync.bfly")  # route_row: dy * 
 _PTX_EP = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the EP > 1 signals, waits and fences
 _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (  # block-scaled MMAs, dgu's two quantizations
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2", "shfl.sync.bfly")
+
+
+_MX_GATHER_PTX = ("st.global.b8", "st.global.v2.b32")  # the gather's scale bytes and e4m3 word pairs
 
 
 def variants() -> dict:
@@ -1164,6 +1211,10 @@ def variants() -> dict:
             "fused-bwd-gather-shared-main-grads-clamp": (core(True, tokens=True, init=True, gather=True, by_route=True,
                                                               shared=True, accumulate=True),
                                                          _PTX + _PTX_TOKENS + _PTX_GATHER),
+            "fused-bwd-mxfp8-gather-init-clamp": (core(True, tokens=True, init=True, gather=True, by_route=True,
+                                                       mx=True), _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _MX_GATHER_PTX),
+            "fused-bwd-mxfp8-ep-init-noclamp": (core(False, tokens=True, init=True, gather=True, ep=True, mx=True),
+                                                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _MX_GATHER_PTX),
             "fused-bwd-ep-clamp": (core(True, tokens=True, gather=True, ep=True),
                                    _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP),
             "fused-bwd-ep-shared-noclamp": (core(False, tokens=True, init=True, gather=True, shared=True, ep=True),

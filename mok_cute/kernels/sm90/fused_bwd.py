@@ -43,7 +43,7 @@ from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.kernels.route_grad_row import gather_chunks
+from mok_cute.kernels.route_grad_row import gather_chunks, mx_round_trips
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
@@ -477,7 +477,8 @@ class FusedMoeBwdCoreSm90:
         trace_rec = (mTrace, n_tasks, (GATHER_KIND, GATHER_X_KIND)) if cutlass.const_expr(self.trace) else None
         gather_chunks(tidx, bidx, comm_ctas, chunks, mOffsets, num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
                       mDyRows, mXRows, mGdy, k, hidden, ep, ep_dy, counters, PULLED_WORD, trace_rec,
-                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route, mDyT if self.mx else None)
+                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route,
+                      (mx_round_trips, (mDyT,)) if self.mx else None)
 
 
 class _Group:
