@@ -355,6 +355,28 @@ def test_host_launch_mx(monkeypatch):
                                  shared=sh, mx=True)
 
 
+def test_host_core_consume_writes_dgu_over_gu(monkeypatch):
+    """fused_backward_core(consume=True) (the layer's one-shot mode-2 backward): D2's dgu output is
+    gu's first M rows (no new [M, 2I] buffer; each dSwiGLU tile reads its own g, u before it stores
+    their dg, du); without consume a fresh buffer, gu untouched as an input only."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    m, h = 200, 256
+    dy, x = torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16)
+    offsets = torch.tensor([0, 50, m], dtype=torch.int32)
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    ptrs = []
+    for consume in (False, True):
+        fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, consume=consume)
+        a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
+        assert a["mGU"].data_ptr() == gu.data_ptr() and tuple(a["mDgu3"].shape) == (m, 2, 128)
+        ptrs.append(a["mDgu3"].data_ptr())
+    assert ptrs[0] != gu.data_ptr() and ptrs[1] == gu.data_ptr()
+
+
 def test_ep_host_launch_mx(monkeypatch):
     """fused_backward_ep at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
     replaced): the mx ep variant, h's round trip along the tokens over the plan's experts as mH, a

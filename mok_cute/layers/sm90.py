@@ -220,7 +220,8 @@ class Sm90ExpertMLP:
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), bitwise the unfused scatter and slot sum; None where that
         launch does not apply (then call :meth:`backward`). ``consume``: the caller gives up
-        ``dy_rows``, ``g.x`` and ``g.h`` (MXFP8: their round trips are made in place)."""
+        ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written over gu; MXFP8: their round trips
+        are made in place)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 

@@ -638,8 +638,10 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     x, h as above, the weights given dequantized from their MXFP8 along dgrad's reduction axis
     (the caller's cache); dy's round trips along H and along the tokens and those of x and h
     along the tokens are made here, dgu's two in the dSwiGLU epilogue; ``consume`` (the caller gives
-    up dy, x and h: a one-shot layer backward) makes the round trips of the contiguous ones in place
-    instead of in new [M, H] / [M, I] buffers.
+    up dy, x, gu and h: a one-shot layer backward) makes the round trips of the contiguous ones in place
+    instead of in new [M, H] / [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU
+    tile reads its own g, u elements before it stores their dg, du, and no other task reads gu),
+    not into a new [M, 2I] buffer.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
     toks = None
@@ -656,8 +658,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         dyt = mxfp8_round_trip_tokens(dy.contiguous(), offsets)
         x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets, out=into(a)) for a in (x, h[:m]))
         dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
+    dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
     return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
-                   mx_dyt=dyt)
+                   mx_dyt=dyt, dgu=dgu)
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
@@ -775,13 +778,14 @@ def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
 
 
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None, mx_dyt=None, ws=None):
+            main_grads=None, mx_dyt=None, ws=None, dgu=None):
     """One launch of the variant the arguments ask for (see the entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
     with ``main_grads`` the weight gradients are accumulated there and returned as None;
     ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with
     ``gather``: its buffer, the launch writes it and the rows' round trips, h already its own);
-    ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`)."""
+    ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output
+    buffer [M, 2I] bf16 (None: a new one)."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -819,7 +823,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         if gather is not None:
             gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
-    dgu = torch.empty((m, 2 * inter), **bf)
+    dgu = torch.empty((m, 2 * inter), **bf) if dgu is None else dgu
     dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)  # the weight gradients' dgu
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
