@@ -120,6 +120,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     assert by["limit"].value == (0.0 if limit is None else 4.0)
     fb.fused_backward_core(**ops, num_ctas=7)
     assert int(dict(zip(params, fake.calls[1]))["num_ctas"]) == 7
+    assert by["mDgu"]._keep.data_ptr() != ops["gu"].data_ptr()
+    fb.fused_backward_core(**ops, consume=True)  # the one-shot layer backward: dgu over gu's first M rows
+    dgu = dict(zip(params, fake.calls[2]))["mDgu"]._keep
+    assert dgu.data_ptr() == ops["gu"].data_ptr() and tuple(dgu.shape) == (200, 2, 192)
 
 
 def test_host_no_rows(monkeypatch):

@@ -120,7 +120,7 @@ def _core_model(calls):
     from mok_cute.layers.common import ExpertGroup
 
     def core(dy, x, gu, h, offsets, w_gate, w_up, w_down, lim, timeout_s, num_ctas=None, tokens=None,
-             w_scales=None):
+             w_scales=None, consume=False):
         m = dy.shape[0]
         calls.append((tokens is not None, tokens is not None and tokens[2] is not None,
                       tokens is not None and tokens[3] is not None, w_scales is not None))
@@ -264,11 +264,11 @@ def test_backward_tokens_takes_the_fused_core_when_opted_in(monkeypatch, ref_qua
     ((args, kw),) = calls
     assert args[0] is dy and args[1] is x and args[2] is g.gu and args[3] is g.h and args[4].dtype == torch.int32
     assert args[5:9] == (*w, 4.0) and args[9] == S.FUSED_BWD_TIMEOUT_S
-    assert kw.keys() == {"tokens"} and all(a is b for a, b in zip(kw["tokens"], (order, idx, dxs, dxa)))
-    assert mlp.backward_tokens(g, dy, *w, None, order, idx, None) == "fused"
-    assert calls[1][1]["tokens"][2:] == (None, None)
+    assert kw.keys() == {"tokens", "consume"} and all(a is b for a, b in zip(kw["tokens"], (order, idx, dxs, dxa)))
+    assert mlp.backward_tokens(g, dy, *w, None, order, idx, None, consume=True) == "fused"
+    assert calls[1][1]["tokens"][2:] == (None, None) and calls[1][1]["consume"] and not kw["consume"]
     assert mlp.backward_tokens(replace(g, precision="mxfp8"), dy, *w, 4.0, order, idx, dxs) == "fused"
-    assert calls[2][1].keys() == {"tokens", "w_scales"} and calls[2][0][5].dtype == torch.float8_e4m3fn
+    assert calls[2][1].keys() == {"tokens", "consume", "w_scales"} and calls[2][0][5].dtype == torch.float8_e4m3fn
     assert mlp.backward_tokens(replace(g, precision="fp8"), dy, *w, 4.0, order, idx, dxs) is None
     assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, torch.randn(64, 3).bfloat16().t()) is None
     assert mlp.backward_tokens(g, dy, *w, 4.0, order, idx, dxs, torch.randn(64, 3).t()) is None

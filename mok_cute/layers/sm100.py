@@ -261,8 +261,8 @@ class Sm100ExpertMLP:
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), meant bitwise the unfused scatter and slot sum; None where
         that launch does not apply (not BF16 / MXFP8, not opted in, operands not contiguous CUDA:
-        then call :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.h) changes
-        nothing here: the core makes no round trips."""
+        then call :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.gu, g.h): at
+        BF16 dgu is written over gu (the core makes no round trips)."""
         if not self._fused_core(g, dy_rows):
             return None
         if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):
@@ -271,7 +271,7 @@ class Sm100ExpertMLP:
 
         *w, mx = self._core_weights(g, w_gate, w_up, w_down)
         return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit, FUSED_BWD_TIMEOUT_S,
-                                   tokens=(order, topk_idx, dx_shared, dx_add), **mx)
+                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, **mx)
 
     def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
                        rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,

@@ -829,7 +829,7 @@ def _check_tokens(tokens, dy, rows=None):
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float,
-                        num_ctas: int | None = None, tokens=None, w_scales=None):
+                        num_ctas: int | None = None, tokens=None, w_scales=None, consume: bool = False):
     """Validate, then launch the routed backward core on the current stream (the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_core` without ``tokens`` / ``mx``):
     dy, x [M, H] bf16 (grouped rows, dy already scaled by the router weights); gu [>= M, 2I] and
@@ -843,8 +843,10 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     bf16(fp32(dx_shared) (or 0) [+ dx_add] + the slot rows j = 0.. of each token with
     topk_idx >= 0), bitwise the unfused scatter and reference slot sum; ``order`` int [>= M]
     (grouped row -> t*k + j, trusted), ``topk_idx`` int [T, k], ``dx_shared`` bf16 [T, H] or None,
-    ``dx_add`` fp32 [T, H] or None (both contiguous). A device wait's timeout is raised by a later
-    call (:mod:`mok_cute.dsl.deferred`).
+    ``dx_add`` fp32 [T, H] or None (both contiguous). ``consume`` (the caller gives up gu: a one-shot
+    layer backward; BF16): D2 writes dgu over gu's first M rows (each epilogue thread reads its
+    row's g, u chunk before it stores their dg, du; nothing else reads gu), not into a new
+    [M, 2I] buffer. A device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`).
 
     MXFP8 (``w_scales`` given): the weights float8_e4m3fn quantized along their rows' K as the
     unfused MXFP8 backward reads them (``layers.sm100.quantize_weight(w, 1)``: w_gate, w_up along
@@ -877,6 +879,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     mx_args = (None,) * 11
     ops = (dy, x, h[:m])
     dgu = torch.empty((m, 2, inter), dtype=_FP8 if mx else torch.bfloat16, device=dy.device)
+    if consume and not mx:  # D2's bf16 dgu over gu (the caller gives it up)
+        dgu = gu[:m].view(m, 2, inter)
     if mx:
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)
