@@ -626,14 +626,20 @@ def test_gather_variant_compiles_with_its_protocol(arch, clamp, shared):
     assert "mul.rn.f32" not in toks.ptx and "shfl.sync.bfly" not in toks.ptx
 
 
-@pytest.mark.parametrize("arch, ep", [("sm_100a", False), ("sm_100a", True), ("sm_103a", False)])
-def test_mx_gather_variant_compiles_with_its_quantizers(arch, ep):
+@pytest.mark.parametrize("arch, ep, acc", [("sm_100a", False, False), ("sm_100a", True, False),
+                                           ("sm_103a", False, False), ("sm_100a", False, True)])
+def test_mx_gather_variant_compiles_with_its_quantizers(arch, ep, acc):
     """The MXFP8 whole backward (``mx`` + ``gather``; EP > 1 too): the mx tokens variant's tiles (same
     tcgen05.mma count) plus the comm CTAs' quantizers, per gathered m-tile: 4 e4m3 conversions of a
     row chunk along H, 2 x 8 (two passes, the column loop unrolled twice) along the tokens; one byte
     store of a row scale and 2 x 8 of token scales; e4m3 word pairs; the gather's release adds; no
-    spills. (The registry's two variants and the mx tokens variant: compiled once for every test.)"""
-    mx_tok, rep = _rep(arch, False, True, False, False, True), _rep(arch, not ep, True, True, False, True, True, False, ep)
+    spills; ``acc`` (main_grads, the layer's MXFP8 mode 3): the W stores' 3 x 256 adds more. (The
+    registry's two variants and the mx tokens variant: compiled once for every test.)"""
+    mx_tok = _rep(arch, False, True, False, False, True)
+    rep = _rep(arch, not ep, True, True, False, True, True, False, ep, acc)
+    if acc:
+        assert rep.ptx.count("add.rn.f32") == _rep(arch, True, True, True, False, True, True).ptx.count("add.rn.f32") \
+            + 3 * 256
     assert rep.total_spill_bytes == 0, rep.log[-2000:]
     assert rep.ptx.count("tcgen05.mma") == mx_tok.ptx.count("tcgen05.mma")
     cvt = "cvt.rn.satfinite.e4m3x2.f32"
