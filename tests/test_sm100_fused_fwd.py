@@ -19,11 +19,11 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 @functools.cache
 def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False,
-         ep: bool = False):
+         ep: bool = False, tma_gather: bool = False):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
     return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, ep=ep,
-                                          inspect=True)[1]
+                                          tma_gather=tma_gather, inspect=True)[1]
 
 
 VARIANTS = [(True, True), (False, False), (True, False), (False, True)]
@@ -129,7 +129,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-3] == gate
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-4] == gate
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -138,7 +138,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
-    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-2:] == (False, False)  # BF16, EP = 1
+    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-3:] == (False, False, False)  # BF16, EP = 1, comm gather
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -249,6 +249,50 @@ def test_mx_compiles_block_scaled(arch, clamp, shared):
     assert len(re.findall(r"st\.global\.b8\b", rep.ptx)) == 4 * epilogues
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tma_gather_variant_loads_r1_rows_by_gather4(arch):
+    """``tma_gather``: R1's A rows by ``cp.async.bulk.tensor.2d.tile::gather4`` from x (32 per k-tile:
+    128 rows, four per instruction) beside the B / GEMM2 / shared loads; no comm-CTA gather (its
+    staged cp.async copies gone, the slot sum's stay); the same MMAs; 0 spills. The registry lists it."""
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    rep, comm = _rep(arch, True, True, tma_gather=True), _rep(arch, True, True)
+    assert rep.ptx.count("tile::gather4") == 32 and "tile::gather4" not in comm.ptx
+    assert rep.ptx.count("tcgen05.mma") == comm.ptx.count("tcgen05.mma")
+    assert rep.ptx.count("cp.async.cg") < comm.ptx.count("cp.async.cg")
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS
+    assert "fused-fwd-tma-gather-clamp-shared" in fm.variants()
+    with pytest.raises(ValueError, match="tma_gather"):
+        fm.FusedMoeFwdSm100(True, True, mx=True, tma_gather=True)
+
+
+def test_host_tma_gather_hands_each_rows_token(monkeypatch):
+    """fused_forward(tma_gather=True) on CPU (compile and launch faked): the variant's key, ``mTok`` =
+    order // k then a tile of zero padding, a one-slot stand-in for the ring; MOK_CUTE_SM100_GATHER=tma
+    picks it (BF16, EP = 1), a bad value is a ValueError; MXFP8 refuses it."""
+    import inspect
+
+    import torch
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    ops = _operands(True)
+    fm.fused_forward(**ops, tma_gather=True)
+    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
+    by = dict(zip(params, fake.calls[-1]))
+    tok = by["mTok"]._keep
+    assert keys[-1][-1] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
+    assert torch.equal(tok[:200], (ops["order"] // 2).int()) and not tok[200:].any()
+    assert tuple(by["mXg"]._keep.shape) == (128, 256)
+    fm.fused_forward(**ops)
+    assert keys[-1][-1] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
+    monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "tma")
+    fm.fused_forward(**ops)
+    assert keys[-1][-1] is True
+    monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "ring")
+    with pytest.raises(ValueError, match="MOK_CUTE_SM100_GATHER"):
+        fm.fused_forward(**ops)
+
+
 def test_variants_registry_has_the_mx_variants():
     """tools/blackwell_readiness.py's and ptx_manifest's MXFP8 entries: each PTX item in the kernel."""
     from mok_cute.kernels.sm100 import fused_moe as fm
@@ -298,7 +342,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][-2:] == (True, False) and keys[0][2:4] == (True, shared)
+    assert keys[0][-3:] == (True, False, False) and keys[0][2:4] == (True, shared)
     f8 = torch.float8_e4m3fn
     xq, xs = R.mxfp8_quantize(ops["x"], -1)
     assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
@@ -498,7 +542,7 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-2:] == (mx, True)  # (..., mx, ep)
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-3:] == (mx, True, False)  # mx, ep, tma_gather
     assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
     assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
     assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]

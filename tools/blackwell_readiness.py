@@ -47,6 +47,9 @@ UNVERIFIED = (
     "tiles' TMA after gdy[mt] (generic-proxy stores, then the async-proxy fence); bitwise the unfused backward",
     "fused backward main_grads (accumulate): the W epilogue's fp32 read-add-write of each dW tile "
     "(GroupedGemmSm100._store_accumulate); bitwise start + fp32(dW)",
+    "fused forward tma_gather (MOK_CUTE_SM100_GATHER=tma): R1's rows by TMA tile::gather4 from x into A's MMA "
+    "layout (the gather4 atom built on the tile atom's _thrfrg_A projection), 32 issues per k-tile from the TMA "
+    "warp: bitwise the comm-gather forward; its speed against the ring",
 )
 
 

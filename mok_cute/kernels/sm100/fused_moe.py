@@ -65,6 +65,8 @@ caller (along their rows: ``layers.sm100.quantize_weight(w, 2)``).
 """
 from __future__ import annotations
 
+import os
+
 import cuda.bindings.driver as cuda
 import torch
 
@@ -138,10 +140,16 @@ class FusedMoeFwdSm100:
     MXFP8 (the module doc; ``__call__``'s ``mXsw`` .. ``mSdsf`` are its operands, None for BF16); ``ep``:
     EP > 1 (the module doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands: peer bases
     int64 [EP], w_rows fp32 [M_cap], slot_copy [T*k, H], this rank, EP, the workspace's section offsets
-    and the pull / push epochs; None / ignored at EP = 1)."""
+    and the pull / push epochs; None / ignored at EP = 1); ``tma_gather`` (BF16, EP = 1): no ring and
+    no gather: R1's TMA warp loads its A rows straight from x, four rows per ``tile::gather4``
+    instruction, by the token of each grouped row (``__call__``'s ``mTok`` int32 [M_cap + 128]:
+    ``order[p] // k``, then padding; the comm CTAs only run GEMM tasks)."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
-                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False):
+                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False, tma_gather: bool = False):
+        if tma_gather and (mx or ep):
+            raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's")
+        self.tma_gather = tma_gather
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
         self.ep = ep
@@ -151,7 +159,7 @@ class FusedMoeFwdSm100:
         self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         b_bytes = self.mainloop.stages * cfg.tile_n * lay.K_TILE_BYTES
-        self.staged = not mx and not ep  # the bf16 EP = 1 gather through the idle B stages (slot_rows.gather_rows_staged)
+        self.staged = not mx and not ep and not tma_gather  # the bf16 EP = 1 gather through the idle B stages
         self.gather_cap = b_bytes // (2 * NUM_THREADS * _VEC * 2)
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
             raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
@@ -181,7 +189,8 @@ class FusedMoeFwdSm100:
                  mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor,
                  mXsw: cute.Tensor, mXgsf: cute.Tensor, mW1sf: cute.Tensor, mHq: cute.Tensor, mHsf: cute.Tensor,
                  mWdsf: cute.Tensor, mXsf: cute.Tensor, mS1sf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor,
-                 mSdsf: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, num_ctas: Int32, ring: Int32,
+                 mSdsf: cute.Tensor, mTok: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, num_ctas: Int32,
+                 ring: Int32,
                  band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor,
                  me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64,
                  epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
@@ -191,6 +200,8 @@ class FusedMoeFwdSm100:
         a2, a2s = (mHq, mHsq) if cutlass.const_expr(self.mx) else (mH, mHs)  # GEMM2's A operands
         tmas = ml.make_tma(*views(mXg, mW1, mXgsf, mW1sf, 0)) + \
             ml.make_tma(*views(a2, mWd, mHsf, mWdsf, mOffsets.shape[0] - 1))
+        if cutlass.const_expr(self.tma_gather):  # R1's A: x's rows by token, not the ring
+            tmas[0] = ml.make_gather4_tma_a(mX, mTok)
         if cutlass.const_expr(self.shared):
             tmas = tmas + ml.make_tma(*views(mX, mS1, mXsf, mS1sf, 0)) + ml.make_tma(*views(a2s, mSd, mHssf, mSdsf, 0))
         self.shared_storage = self._storage()
@@ -247,16 +258,18 @@ class FusedMoeFwdSm100:
         n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
         shape = (n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band)
 
-        if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            gbuf = None
-            if cutlass.const_expr(self.staged):
-                gbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
-                                        cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC), stride=(_VEC, 1)))
-            self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
-                         mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
-            if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
-                cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
+        if cutlass.const_expr(not self.tma_gather):  # tma_gather: no gather, the comm CTAs run GEMM tasks
+            if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
+                gbuf = None
+                if cutlass.const_expr(self.staged):
+                    gbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
+                                            cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC),
+                                                             stride=(_VEC, 1)))
+                self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
+                             mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
+                if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
                           ring, mOffsets, num_experts, tokens, mGather, mHready, mShready, status, timeout_ns)
@@ -375,8 +388,9 @@ class FusedMoeFwdSm100:
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2, b2)
-            if phase == R1:
-                persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
+            if cutlass.const_expr(not self.tma_gather):  # the gathered chunk (tma_gather: x is ready)
+                if phase == R1:
+                    persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
                 persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
@@ -384,8 +398,8 @@ class FusedMoeFwdSm100:
                     persistent.wait_input(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
             if phase == R1:
                 slot = mt % ring
-                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, slot * CHUNK, slot, n_tile, expert,
-                                   k1)
+                a_row = row0 if cutlass.const_expr(self.tma_gather) else slot * CHUNK  # x's rows by token / the ring
+                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, a_row, slot, n_tile, expert, k1)
             elif phase == R2:
                 state = self._load(ab_pipe, state, atoms, coords, parts, smem, 1, row0,
                                    self._sf_row(mOffsets, expert, row0), n_tile, expert, k2)
@@ -426,9 +440,16 @@ class FusedMoeFwdSm100:
         ``expert``; MXFP8: SFA's scale atom row ``sf_row``, SFB as B) into the ring."""
         ml, per = self.mainloop, self.per
         i = g * per
-        gA = cute.local_tile(cute.domain_offset((row0, 0), coords[i][(None, None, 0)]),
-                             (self.cfg.tile_m, self.cfg.tile_k), (0, None))
-        tAsA, tAgA = ml.partition_a(atoms[i], gA, smem[0], 0)
+        tiler = (self.cfg.tile_m, self.cfg.tile_k)
+        if cutlass.const_expr(g == 0 and self.tma_gather):  # grouped rows row0 .. of the token index tensor
+            xc, rows = coords[0]
+            tAsA, tAgA = ml.partition_a_gather(atoms[0], cute.local_tile(cute.domain_offset((row0, 0), xc), tiler,
+                                                                         (0, None)),
+                                               cute.local_tile(cute.domain_offset((row0, 0), rows), tiler, (0, None)),
+                                               smem[0])
+        else:
+            gA = cute.local_tile(cute.domain_offset((row0, 0), coords[i][(None, None, 0)]), tiler, (0, None))
+            tAsA, tAgA = ml.partition_a(atoms[i], gA, smem[0], 0)
         sB, gB = parts[g][0]
         srcs, dsts = (tAgA, gB[(None, n_tile, None, expert)]), (tAsA, sB)
         if cutlass.const_expr(self.mx):
@@ -544,16 +565,17 @@ class FusedMoeFwdSm100:
 # ---------------------------------------------------------------- compile
 def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
                                 trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
-                                ep: bool = False, inspect: bool = False):
+                                ep: bool = False, tma_gather: bool = False, inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
     ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
     GEMM operands e4m3 with blocked E8M0 scales; ``ep``: EP > 1, rows pulled from and pushed to the
-    workspace's peers); returns ``(compiled, report)``."""
+    workspace's peers; ``tma_gather``: R1's rows by TMA gather4 from x, no ring); returns
+    ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep)
+    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather)
     bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
@@ -575,7 +597,8 @@ def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_10
             *shared_out, _fake_2d(bf, tk, hid), _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid),
             vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
             vec(Float32, t) if gate else None, *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace else None, *mx_args)
+            vec(Int64, cute.sym_int(), 8) if trace else None, *mx_args,
+            vec(Int32, cute.sym_int(), 16) if tma_gather else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
     return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1),
                           *ep_args, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
@@ -684,7 +707,7 @@ def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, in
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
-                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None):
+                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None, tma_gather=None):
     """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16;
     ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
@@ -704,6 +727,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     and scales; GEMM1's epilogue quantizes h along I for GEMM2 (:meth:`GroupedGemmSm100._store_swiglu`):
     bitwise the unfused SM100 MXFP8 forward (``layers.sm100.mx_forward``: x rows quantized, the
     MXFP8 GEMM1 + SwiGLU, h quantized, the MXFP8 GEMM2 on the same tiles).
+
+    ``tma_gather`` (BF16, EP = 1; None: :func:`tma_gather_mode`): no ring and no gather, R1 loads x's
+    rows by token with TMA gather4 (:class:`FusedMoeFwdSm100`); ``comm_ctas`` then run GEMM tasks only.
 
     ``ring_chunks``: ring slots of 128 gathered rows (None: one per routed m-tile), R1's band
     ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
@@ -730,6 +756,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs an sm_100a / sm_103a device, got {arch}")
     mx = w_scales is not None
+    if tma_gather is None:
+        tma_gather = tma_gather_mode() and not mx and ws is None
+    if tma_gather and (mx or ws is not None):
+        raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's")
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
@@ -738,7 +768,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     sizes = counter_sizes(t, mcap, e)
     ring = sizes[0] if ring_chunks is None else min(int(ring_chunks), sizes[0])
     band = min(ring_band(), ring)
-    xg = torch.empty((ring * CHUNK, hid), dtype=_FP8 if mx else torch.bfloat16, device=x.device)
+    xg = torch.empty(((1 if tma_gather else ring) * CHUNK, hid), dtype=_FP8 if mx else torch.bfloat16,
+                     device=x.device)  # tma_gather: a slot's stand-in (R1 reads x)
+    tok = None
+    if tma_gather:  # each grouped row's token, then a tile of padding (an R1 tile's indices past M_cap)
+        tok = torch.zeros(mcap + CHUNK, dtype=torch.int32, device=x.device)
+        tok[:mcap] = order // k
     w1 = interleave(w_gate, w_up, half)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
@@ -768,10 +803,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         slot_copy = torch.empty((t * k, hid), **bf)
     trace = tracing()
     nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None)
+    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None,
+               tma_gather)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
         compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
-                                    sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None)[0]))
+                                    sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None,
+                                    tma_gather=tma_gather)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
@@ -782,7 +819,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xg, w1, w_down, s1, sd, gu, h, gus, hs, slot, s_out, y, order, offsets, topk_idx.reshape(-1),
-               topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors)
+               topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors, tok)
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     launcher.launch_tensors(dev, tensors, scalars, (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns),
@@ -790,6 +827,16 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
                             None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
     slot = slot if ws is None else slot_copy
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
+
+
+def tma_gather_mode() -> bool:
+    """Whether the BF16 EP = 1 fused forward loads R1's rows by TMA gather4 from x
+    (``MOK_CUTE_SM100_GATHER=tma``, read at every call) instead of the comm CTAs' gather into the ring
+    (``comm``, the default)."""
+    mode = os.environ.get("MOK_CUTE_SM100_GATHER", "comm")
+    if mode not in ("comm", "tma"):
+        raise ValueError(f"MOK_CUTE_SM100_GATHER must be 'comm' or 'tma', got {mode!r}")
+    return mode == "tma"
 
 
 def _stage_source(ws, x, x_words):
@@ -869,4 +916,5 @@ def variants() -> dict:
         "fused-fwd-ep-clamp-shared": (fused(True, True, ep=True), _PTX + _EP_PTX),
         "fused-fwd-ep-noclamp-routed": (fused(False, False, ep=True), _PTX + _EP_PTX),
         "fused-fwd-mxfp8-ep-clamp-shared": (fused(True, True, mx=True, ep=True), _MX_PTX + _EP_PTX),
+        "fused-fwd-tma-gather-clamp-shared": (fused(True, True, tma_gather=True), _PTX + ("tile::gather4",)),
     }

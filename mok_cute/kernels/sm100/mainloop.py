@@ -273,6 +273,38 @@ class Sm100Mainloop:
         """``(tAsA, tAgA)`` of a (tile_m, tile_k, ...) tiled A (or SFA) coordinate tensor."""
         return _tma_partition(atom, sA, self.tiled_mma.get_slice(cta_v).partition_A(gA))
 
+    def make_gather4_tma_a(self, mA: cute.Tensor, mRows: cute.Tensor):
+        """A TMA gather4 load atom for A (cta_group::1): the rows of the 2-D ``mA`` (R, K) named by the
+        int32 row indices ``mRows`` [M] (``cp.async.bulk.tensor.2d.tile::gather4``, four rows per
+        instruction), into A's staged MMA layout, projected as :meth:`make_tma`'s A atom is. Returns
+        ``(atom, (coords, rows))``: the TMA coordinates of ``mA`` and ``mRows`` as an (M, K) tensor
+        (its K mode a broadcast), the pair :meth:`partition_a_gather` takes."""
+        if cutlass.const_expr(self.cfg.cta_group != 1):
+            raise ValueError("the gather4 A atom is cta_group::1's")
+        import cutlass.cute.core as core
+        from cutlass._mlir.dialects import cute_nvgpu as nvgpu_ir
+
+        rows = cute.make_tensor(mRows.iterator, cute.make_layout((mRows.shape[0], mA.shape[1]), stride=(1, 0)))
+        g_tile = core.composition(core.make_identity_layout(mA.shape), (self.mma_tiler[0], self.mma_tiler[2]))
+        cta_v_map = core.dice(core.get(self.tiled_mma._thrfrg_A(g_tile), mode=[1]), (1, (1,) * core.rank(g_tile)))
+        smem = cute.slice_(self.a_smem, (None, None, None, 0))
+        op = cute.nvgpu.cpasync.CopyBulkTensor2DGather4G2SOp()
+        res = nvgpu_ir.atom_make_non_exec_2d_gather4_tma_load(
+            mA.value, rows.layout, smem.value if isinstance(smem, core._ComposedLayout) else smem, cta_v_map,
+            op._to_ir(), num_multicast=1, tma_format=None)
+        return cute.CopyAtom(op, cute.nvgpu.cpasync.CopyBulkTensor2DGather4G2SNonExecTrait(res[0])), (res[1], rows)
+
+    @cute.jit
+    def partition_a_gather(self, atom: cute.CopyAtom, gA: cute.Tensor, gRows: cute.Tensor, sA: cute.Tensor):
+        """``(tAsA, (tAgA, tAgRows))`` of a gather4 A atom (:meth:`make_gather4_tma_a`) over (tile_m,
+        tile_k, ...) tiles of its coordinates and of its row tensor: :meth:`load_tile` issues a pair
+        source as one gather copy per k-tile."""
+        part = self.tiled_mma.get_slice(0)
+        s, g, r = cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
+            [cute.group_modes(part.partition_A(gA), 0, 3), cute.group_modes(part.partition_A(gRows), 0, 3)])
+        return s, (g, r)
+
     @cute.jit
     def partition_b(self, atom: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, cta_v: cutlass.Int32):
         """``(tBsB, tBgB)`` of a (tile_n, tile_k, ...) tiled B (or SFB) coordinate tensor."""
@@ -310,7 +342,8 @@ class Sm100Mainloop:
         """TMA warp: load k-tiles ``0 .. k_tiles-1`` of one tile into the ring; returns the state.
 
         ``atoms``/``srcs``/``dsts``: A, B[, SFA, SFB] atoms, per-tile gmem TMA partitions
-        ((atom_v), k) and staged smem partitions ((atom_v), stage). Scale k-tile ``k`` is read
+        ((atom_v), k) and staged smem partitions ((atom_v), stage); a pair source ``(coords, rows)`` is
+        a gather4 atom's (:meth:`partition_a_gather`). Scale k-tile ``k`` is read
         at ``sf_k0 + k`` (wgrad: the expert's first scale atom column; else 0). ``part2``: None
         or ``((atom_a2, atom_b2), (src_a2, src_b2), k1)``: A and B k-tiles ``k >= k1`` are
         k-tile ``k - k1`` of the second parts (K in two parts).
@@ -326,6 +359,8 @@ class Sm100Mainloop:
                     else:
                         cute.copy(part2[0][i], part2[1][i][(None, k - part2[2])], dst, tma_bar_ptr=bar,
                                   mcast_mask=masks[i])
+                elif cutlass.const_expr(isinstance(srcs[i], tuple)):  # gather4: coordinates and row indices
+                    cute.copy(atoms[i], [srcs[i][0][(None, k)], srcs[i][1][(None, k)]], dst, tma_bar_ptr=bar)
                 else:
                     kk = k if i < 2 else sf_k0 + k
                     cute.copy(atoms[i], srcs[i][(None, kk)], dst, tma_bar_ptr=bar, mcast_mask=masks[i])
