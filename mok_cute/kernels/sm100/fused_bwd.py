@@ -1049,11 +1049,12 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
                                     mt_cap + sd2_cap)
     gdy, sd2 = counters[-(mt_cap + sd2_cap):-sd2_cap], counters[-sd2_cap:]
     init = dx_shared if sh is None else torch.empty((t, hid), **bf)  # the shared expert's dx: D1 of its group
-    gather = (dy, x, rows, w, dtw.view(-1), gdy, None, None)
-    ops = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf), h[:m])  # the tiles' dy, x, h operands
-    dgu, mx_args = torch.empty((m, 2, inter), **bf), (None,) * 11
-    if w_scales is not None:  # the gather's bf16 rows; their MXFP8 operands made from them in the launch
-        gather = gather[:6] + (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf))
+    rows_bf = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf))  # the gather's dy and x rows
+    if w_scales is None:  # the tiles read the gathered rows
+        gather, ops = (dy, x, rows, w, dtw.view(-1), gdy, None, None), (*rows_bf, h[:m])
+        dgu, mx_args = torch.empty((m, 2, inter), **bf), (None,) * 11
+    else:  # the tiles read their MXFP8 operands, made from the rows in the launch
+        gather = (dy, x, rows, w, dtw.view(-1), gdy, *rows_bf)
         ops, mx_args = _mx_operands(None, None, h[:m], offsets, w_scales, hid)
         dgu = torch.empty((m, 2, inter), dtype=_FP8, device=dy.device)
     sh_args = (None,) * 11
