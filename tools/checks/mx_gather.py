@@ -72,9 +72,11 @@ def _rows(m: int, hid: int, gen, dev) -> torch.Tensor:
 
 
 def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev) -> list[Row]:
+    from cutlass import Int32
+
     from mok_cute import reference as R
-    from mok_cute.dsl.launch import GraphLauncher
     from mok_cute.dsl.compile import arch_of_device
+    from mok_cute.dsl.launch import GraphLauncher
     from mok_cute.kernels.sm100 import layouts as lay
     from mok_cute.schedule.fused_tasks import mtile_rows
 
@@ -92,8 +94,6 @@ def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev) -> list[
                                                                              device=dev))
     n_tiles = len(mtile_rows(offs, TILE_M))
     launcher = GraphLauncher(_compiled(arch_of_device(dev)))
-    from cutlass import Int32
-
     launcher.launch_tensors(dev.index or 0, (dy, x, offsets, *out.values()), (Int32(n_tiles),), (n_tiles,), ())
     torch.cuda.synchronize()
     valid = offs[-1]

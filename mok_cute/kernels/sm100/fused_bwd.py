@@ -878,9 +878,10 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     mx = w_scales is not None
     mx_args = (None,) * 11
     ops = (dy, x, h[:m])
-    dgu = torch.empty((m, 2, inter), dtype=_FP8 if mx else torch.bfloat16, device=dy.device)
     if consume and not mx:  # D2's bf16 dgu over gu (the caller gives it up)
         dgu = gu[:m].view(m, 2, inter)
+    else:
+        dgu = torch.empty((m, 2, inter), dtype=_FP8 if mx else torch.bfloat16, device=dy.device)
     if mx:
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)

@@ -33,10 +33,12 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.cute.core as core
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
+from cutlass._mlir.dialects import cute_nvgpu as nvgpu_ir  # the gather4 TMA atom (no public builder for an MMA operand)
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from mok_cute.kernels.sm100 import layouts as lay
@@ -279,11 +281,8 @@ class Sm100Mainloop:
         instruction), into A's staged MMA layout, projected as :meth:`make_tma`'s A atom is. Returns
         ``(atom, (coords, rows))``: the TMA coordinates of ``mA`` and ``mRows`` as an (M, K) tensor
         (its K mode a broadcast), the pair :meth:`partition_a_gather` takes."""
-        if cutlass.const_expr(self.cfg.cta_group != 1):
+        if self.cfg.cta_group != 1:
             raise ValueError("the gather4 A atom is cta_group::1's")
-        import cutlass.cute.core as core
-        from cutlass._mlir.dialects import cute_nvgpu as nvgpu_ir
-
         rows = cute.make_tensor(mRows.iterator, cute.make_layout((mRows.shape[0], mA.shape[1]), stride=(1, 0)))
         g_tile = core.composition(core.make_identity_layout(mA.shape), (self.mma_tiler[0], self.mma_tiler[2]))
         cta_v_map = core.dice(core.get(self.tiled_mma._thrfrg_A(g_tile), mode=[1]), (1, (1,) * core.rank(g_tile)))
