@@ -264,13 +264,17 @@ def test_ptxas_report_parses_wrapped_entries():
     assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
 
 
-@pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
-                                          (True, False, True), (False, True, True)])
-def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
+@pytest.mark.parametrize("shared,mx,ep,direct", [(False, False, False, False), (True, False, False, False),
+                                                 (True, True, False, False), (True, False, True, False),
+                                                 (False, True, True, False), (True, False, False, True),
+                                                 (False, True, False, True)])
+def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, direct):
     """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
     graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
     status, slots and epochs; the argument list has one entry per parameter of the kernel's
-    ``__call__`` (a host / kernel mismatch fails here, not on the GPU)."""
+    ``__call__`` (a host / kernel mismatch fails here, not on the GPU). ``direct``
+    (``MOK_CUTE_GATHER`` / ``MOK_CUTE_GATHER_MX``): no ring (x stands in for its operand), no MXFP8
+    token rows (the compiled variant has no such parameter: R1 reads x's round trip)."""
     import inspect
 
     from mok_cute.kernels.sm90 import fused_moe as fm
@@ -278,6 +282,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     from conftest import FakeLauncher, FakeWorkspace
 
     fake, keys = FakeLauncher(), []
+    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX"):
+        monkeypatch.delenv(var, raising=False)
+    if direct:
+        monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
@@ -303,14 +311,22 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
     # (..., mx, ep, sum batch, gate, n_tail, gather): MXFP8 and EP > 1 gather through registers
-    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if ep else "bg")
+    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if ep else "direct" if direct else "bg")
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
     assert all((by_name[n] is not None) == ep for n in ("mPeer", "mWrows", "mSlotCopy"))
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
-    assert (by_name["mXq"] is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
+    # MXFP8: the token rows move as e4m3 + scales, and the compiled variant has the parameter (compile_fused_forward)
+    assert (by_name["mXq"] is not None) == (mx and not direct)
+    assert fm.FusedMoeFwdSm90(False, shared, mx=mx, ep=ep, gather="direct" if direct else None).direct == direct
     assert by_name["mGate"] is None  # no shared-expert output gate
+    if direct:  # no ring: x (at MXFP8 its round trip, which the shared expert reads too) is the gather source
+        src = by_name["mX"]._keep
+        assert by_name["mXg"]._keep is src and int(by_name["ring"]) == 6 and int(by_name["band"]) == 6
+        want = reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype) if mx else x
+        assert torch.equal(src, want)
+        return
     if mx:  # data bytes then E8M0 scales per token row, bitwise the reference quantizer's
         q, sc = reference.mxfp8_quantize(x)
         rows = by_name["mXq"]._keep
@@ -393,8 +409,46 @@ def test_gather_modes_compile():
         assert "fence.proxy.async.shared::cta" in ptx[mode], mode
     assert not re.search(wait1, ptx["regs"])
     assert re.search(bg_bar, ptx["bg"]) and not re.search(bg_bar, ptx["staged"])
+    # direct: the producer warpgroup's cp.async rows complete on the stages' full barriers, warp 0 adds the
+    # warpgroup's 128 arrivals for TMA-only tiles in one counted arrive, warps 1-3 take every hand-off (384
+    # threads); no ring, hence no staging fence and no background warps
+    noinc, counted = "cp.async.mbarrier.arrive.noinc.shared.b64", r"mbarrier\.arrive\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*\S+;"
+    hand_off = r"bar\.sync\s+\S+,\s*384;"
+    assert noinc in ptx["direct"] and re.search(counted, ptx["direct"]) and re.search(hand_off, ptx["direct"])
+    assert "fence.proxy.async.shared::cta" not in ptx["direct"] and not re.search(bg_bar, ptx["direct"])
+    for mode in ("bg", "staged", "regs"):  # (the consumers' releases are arrives with a count operand too)
+        assert noinc not in ptx[mode] and not re.search(hand_off, ptx[mode])
+        assert len(re.findall(counted, ptx[mode])) < len(re.findall(counted, ptx["direct"]))
     with pytest.raises(ValueError, match="gather must be one of"):
         fm.FusedMoeFwdSm90(True, True, gather="tma")
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_direct_gather_schedule_completes(name):
+    """gather="direct": no gather jobs, every CTA claims tickets from the start and R1 waits for nothing; the
+    list completes on every routing, down to one CTA."""
+    for e, tokens in ((1, 300), (8, 1000), (16, 129)):
+        offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
+        for gemm, comm in ((1, 1), (7, 2), (3, 40)):
+            ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=name != "ragged", gemm_ctas=gemm,
+                        comm_ctas=comm, seed=gemm, gather="direct")
+
+
+def test_direct_gather_mirror_detects_a_wrong_order(monkeypatch):
+    """The direct mirror still runs the R2 / S2 waits: the list reversed deadlocks."""
+    real = ft.task_list
+    monkeypatch.setattr(ft, "task_list", lambda *a: real(*a)[::-1])
+    with pytest.raises(AssertionError, match="deadlock"):
+        ft.simulate(offsets_from([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1,
+                    gather="direct")
+
+
+def test_direct_gather_rejects_ep():
+    """The direct gather reads x's local token rows: the EP > 1 variant refuses it."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    with pytest.raises(ValueError, match="EP = 1 only"):
+        fm.FusedMoeFwdSm90(True, True, ep=True, gather="direct")
 
 
 def test_gather_mode_mx(monkeypatch):
@@ -407,6 +461,9 @@ def test_gather_mode_mx(monkeypatch):
     assert fm.gather_mode_mx() == "bg"
     monkeypatch.setenv("MOK_CUTE_GATHER_MX", "regs")
     assert fm.gather_mode_mx() == "regs"
+    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "direct")
+    assert fm.gather_mode_mx() == "direct" and fm.FusedMoeFwdSm90(True, True, mx=True, gather="direct").direct
+    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "regs")
     assert fm.FusedMoeFwdSm90(True, True, mx=True).bg
     assert not fm.FusedMoeFwdSm90(True, True, mx=True, gather="regs").bg
     assert not fm.FusedMoeFwdSm90(True, True, ep=True).bg and not fm.FusedMoeFwdSm90(True, True, mx=True, ep=True).bg

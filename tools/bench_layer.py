@@ -216,9 +216,10 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     if mx:  # MXFP8 (the reference's numerics), fused at the first comm and minibatch values, and unfused
         impls[f"fused mxfp8 c{comms[0]}{'' if mb0 is None else f' m{mb0}'}"] = (
             lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0)(x, idx, w, ws, sh))
-        if "regs" in gathers:  # the MXFP8 rows' other gather (MOK_CUTE_GATHER_MX=regs; the default is bg)
-            impls[f"fused mxfp8 c{comms[0]} gather regs"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
-                                                                          gather_mx="regs")(x, idx, w, ws, sh)
+        for g in gathers:  # the MXFP8 rows' other gathers (MOK_CUTE_GATHER_MX=regs / direct; the default is bg)
+            if g in ("regs", "direct"):
+                impls[f"fused mxfp8 c{comms[0]} gather {g}"] = lambda g=g: _ours(True, comms[0], "mxfp8", minibatch=mb0,
+                                                                                 gather_mx=g)(x, idx, w, ws, sh)
         if "0" in bwds:  # the same with the unfused MXFP8 backward
             impls[f"fused mxfp8 c{comms[0]} bwd0"] = lambda: _ours(True, comms[0], "mxfp8", minibatch=mb0,
                                                                    bwd="0")(x, idx, w, ws, sh)
@@ -285,10 +286,15 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     os.environ.pop("MOK_CUTE_FUSED_BWD", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
     os.environ.pop("MOK_CUTE_GATHER", None)
-    if trace:
-        s = traced(lambda: _ours(True, comms[-1], minibatch=mb0)(x, idx, w, ws, sh), trace)
-        print(f"[trace] c{comms[-1]} {trace}: span {s['span_us']:.0f} us, scheduler share "
-              f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, busy us {s['busy_us']}", flush=True)
+    if trace:  # the default gather, then each other --gather
+        for g in (None, *gathers):
+            path = trace if g is None else trace.replace(".json", f"_{g}.json")
+            s = traced(lambda g=g: _ours(True, comms[-1], minibatch=mb0, gather=g)(x, idx, w, ws, sh), path)
+            os.environ.pop("MOK_CUTE_GATHER", None)
+            per = {kd: f"{s['busy_us'][kd]:.0f} us / {n} = {s['busy_us'][kd] / n:.1f}" for kd, n in s["tasks"].items()}
+            print(f"[trace] c{comms[-1]} gather {g or 'default'} {path}: span {s['span_us']:.0f} us, scheduler share "
+                  f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, per kind busy / tasks = us per task: {per}",
+                  flush=True)
     if trace_bwd:
         for b in bwds or ("3",):
             path = trace_bwd.replace(".json", f"_bwd{b}.json")
@@ -328,8 +334,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="timing rounds over all rows, interleaved; each row's median round is reported")
     ap.add_argument("--gather", default="",
-                    help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs); "
-                         "with --mx, regs also adds the MXFP8 row with MOK_CUTE_GATHER_MX=regs")
+                    help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs, direct); "
+                         "with --mx, regs / direct also add the MXFP8 row with that MOK_CUTE_GATHER_MX")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]

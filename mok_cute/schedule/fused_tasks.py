@@ -107,9 +107,15 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     list's tickets. ``gather="bg"``: the comm CTAs gather only the ring's first fill (chunks <
     ring); the later chunks go in :data:`PIECES` pieces, piece q to the background warps of CTA
     ``q % (comm_ctas + gemm_ctas)`` (each piece once its slot is free), and an R1 tile waits for
-    all of its chunk's pieces. Returns the number of rounds; AssertionError on a deadlock or a
-    missing publication."""
+    all of its chunk's pieces. ``gather="direct"``: no ring and no gather, every CTA claims tickets
+    from the start and an R1 tile waits for nothing (its producer warpgroup reads x's rows). Returns
+    the number of rounds; AssertionError on a deadlock or a missing publication."""
     tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
+    if gather == "direct":
+        wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s)  # noqa: E731
+        rounds, count = run_tickets(tasks, wants, publishes, [], comm_ctas + gemm_ctas, seed)
+        assert count.get(("done", 0), 0) == sum(t[0] in (S2, R2) for t in tasks), "slot sum would wait forever"
+        return rounds
     chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
     slot_free = lambda c: [("h", c - ring, n1)] if c >= ring else []  # noqa: E731

@@ -11,7 +11,9 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
     (256, 1024, 4096: a ring of 8 and 32 slots, reused, and one slot per m-tile);
   * MXFP8 (precision="mxfp8", two cases): y bitwise equal to the unfused MXFP8 forward and
     across comm_sms_fwd and minibatch_tokens, y and every gradient within rel-L1 2e-2 of the reference backend at
-    mxfp8; with ``MOK_CUTE_GATHER_MX=regs`` too (y only, three configurations);
+    mxfp8; with ``MOK_CUTE_GATHER_MX=regs`` and ``direct`` too (y only, three configurations);
+  * the direct gather (``MOK_CUTE_GATHER=direct``: R1's A rows read from x's token rows by the producer
+    warpgroups, no ring): y bitwise the default gather's in three configurations per BF16 case;
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
@@ -40,6 +42,23 @@ def _moe(x, idx, w, ws, sh, limit, fused=True, **cfg):
 
 def _unfused(*args, **cfg):
     return _moe(*args, fused=False, **cfg)
+
+
+def _gathered(var: str, mode: str, fn):
+    """``fn()`` with the gather environment variable ``var`` set to ``mode`` (restored after)."""
+    old = os.environ.get(var)
+    os.environ[var] = mode
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
+
+
+CONFIGS = ((16, 1024), (2, 256), (40, 4096))  # (comm_sms_fwd, minibatch_tokens) of the other gathers' rows
 
 
 def _one_expert(x, idx, w):
@@ -96,6 +115,12 @@ def run(ctx) -> list[Row]:
         row.ok &= eq_unfused
         row.note += f" ==unfused:{'yes' if eq_unfused else 'NO'}"
         rows.append(row)
+        yd = _gathered("MOK_CUTE_GATHER", "direct", lambda: [
+            _moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m) for c, m in CONFIGS])
+        fused.check_errors()
+        same_d = all(torch.equal(y, ys[0]) for y in yd)
+        rows.append(Row(f"fused fwd {name} gather direct", bitwise=same_d, ok=same_d,
+                        note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
     # MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the
     # MXFP8 tolerance of the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8)
     for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
@@ -113,16 +138,14 @@ def run(ctx) -> list[Row]:
         eq = torch.equal(ys[0], y_unfused)
         rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
                         note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
-        os.environ["MOK_CUTE_GATHER_MX"] = "regs"  # the MXFP8 rows' other gather (the default is bg)
-        try:
-            with torch.no_grad():
-                yregs = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
-                       for c, m in ((16, 256), (4, 256), (40, 4096))]
-        finally:
-            del os.environ["MOK_CUTE_GATHER_MX"]
-        same_regs = all(torch.equal(y, y_unfused) for y in yregs)
-        rows.append(Row(f"fused fwd mxfp8 {name} gather regs", bitwise=same_regs, ok=same_regs,
-                        note=f"MOK_CUTE_GATHER_MX=regs, 3 configurations ==unfused mxfp8: {same_regs}"))
+        for mode in ("regs", "direct"):  # the MXFP8 rows' other gathers (the default is bg)
+            yo = _gathered("MOK_CUTE_GATHER_MX", mode, lambda: [
+                _moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
+                for c, m in CONFIGS])
+            fused.check_errors()
+            same_o = all(torch.equal(y, y_unfused) for y in yo)
+            rows.append(Row(f"fused fwd mxfp8 {name} gather {mode}", bitwise=same_o, ok=same_o,
+                            note=f"MOK_CUTE_GATHER_MX={mode}, 3 configurations ==unfused mxfp8: {same_o}"))
     fused.check_errors()
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)

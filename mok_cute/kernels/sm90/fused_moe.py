@@ -77,7 +77,7 @@ from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue
 from mok_cute.kernels.sm90.mainloop import (
-    CONSUMER_REGS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_tasks as tasks
@@ -101,7 +101,7 @@ BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is t
 BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
 BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
-GATHER_MODES = ("bg", "staged", "regs")
+GATHER_MODES = ("bg", "staged", "regs", "direct")
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 
 
@@ -126,7 +126,13 @@ class FusedMoeFwdSm90:
         plain = not mx and not ep  # the bf16 EP = 1 gather (see :func:`gather_mode`); the others through registers
         self.staged = plain and gather in ("bg", "staged")
         self.bg = not ep and gather == "bg"  # MXFP8: the ring's first fill through registers (``gather_mode_mx``)
+        # EP = 1: no ring and no gather; R1's A rows are read from x's token rows by the producer warpgroup
+        self.direct = gather == "direct"
+        if self.direct and ep:
+            raise ValueError("gather 'direct' reads x's token rows: EP = 1 only")
         self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
+        # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
+        self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -195,7 +201,8 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.shared):
             atoms += [atom_sg, atom_su, atom_hs, atom_sd]
         tidx, warp = self.mainloop.start(atoms)
-        pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True)
+        pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
+                                                           producers=GATHER_ARRIVALS if self.direct else 1)
         sTask = storage.extra.get_tensor(cute.make_layout(2))  # task hand-off: producer -> consumers
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -230,18 +237,20 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.bg):
             fill = cutlass.min(ring, mt_routed)
 
-        if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
-            gbuf = None  # the staged gather's buffer: the idle A and B stages
-            if cutlass.const_expr(self.staged):
-                gbuf = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout(
-                    (2 * self.gather_cap * NUM_THREADS, _VEC), stride=(_VEC, 1)))
-            self._gather(tidx, bidx, comm_ctas, mX, mXq, mXg, mOrder, mOffsets, num_experts, fill, ring, n1, k,
-                         mGather, mHready, mTrace, ep, mDone, timeout_ns, status, gbuf)
-            if cutlass.const_expr(self.staged):  # generic-proxy writes of the stages before their TMA loads
-                cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            if tidx == 0:
-                self._mark(mTrace, bidx, 2, 2, Int32(0))
+        if cutlass.const_expr(not self.direct):
+            if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
+                gbuf = None  # the staged gather's buffer: the idle A and B stages
+                if cutlass.const_expr(self.staged):
+                    gbuf = cute.make_tensor(storage.sA.data_ptr(), cute.make_layout(
+                        (2 * self.gather_cap * NUM_THREADS, _VEC), stride=(_VEC, 1)))
+                self._gather(tidx, bidx, comm_ctas, mX, mXq, mXg, mOrder, mOffsets, num_experts, fill, ring, n1, k,
+                             mGather, mHready, mTrace, ep, mDone, timeout_ns, status, gbuf)
+                if cutlass.const_expr(self.staged):  # generic-proxy writes of the stages before their TMA loads
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
+                if tidx == 0:
+                    self._mark(mTrace, bidx, 2, 2, Int32(0))
+        sAu = self.mainloop.a_units(storage) if self.direct else None  # direct: A stages as raw 16-byte units
         ticket = mDone.iterator + 1
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -250,11 +259,15 @@ class FusedMoeFwdSm90:
                               k2, k2s, ring, band, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
-                              mHready, mShready, status, timeout_ns, mTrace, bidx)
+                              mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
             if cutlass.const_expr(self.bg):
                 if warp > 0:
                     self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
                                     num_experts, k, mGather, mHready, timeout_ns, status)
+            if cutlass.const_expr(self.direct):
+                if warp > 0:
+                    self._produce_rows(pipe, sAu, sB, sTask, tidx, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n2, k1, k2,
+                                       k2s, band, mOffsets, num_experts, tokens, mX, mOrder, k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
@@ -453,10 +466,12 @@ class FusedMoeFwdSm90:
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
-                 mProg: cute.Tensor, bidx: Int32):
+                 mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
-        handed off last tells the consumers to stop."""
+        handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
+        rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
+        B; the other tiles' loads add those warps' full-barrier arrivals."""
         cfg = self.cfg
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
@@ -464,17 +479,19 @@ class FusedMoeFwdSm90:
         lead = cute.arch.lane_idx() == 0
         i = Int32(0)
         t = persistent.claim(ticket)
+        extra = THREADS_PER_WG if self.direct else 0  # the gathered-A pipeline's other arrivals per slot
         while t < n_tasks:
             if lead:
                 self._mark(mProg, bidx, 0, 1, t)
-            persistent.hand_off(sTask, i, t)
+            persistent.hand_off(sTask, i, t, self.handoff)
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
-            if phase == R1:
-                persistent.wait_input(mGather.iterator + mt, Int32(self.gather_units), timeout_ns, status, Int32(GATHER),
-                                      mt)
+            if cutlass.const_expr(not self.direct):
+                if phase == R1:
+                    persistent.wait_input(mGather.iterator + mt, Int32(self.gather_units), timeout_ns, status,
+                                          Int32(GATHER), mt)
             if phase == R2:
                 persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
@@ -483,16 +500,22 @@ class FusedMoeFwdSm90:
             if lead:
                 self._mark(mProg, bidx, 0, 2, t)
             if phase == R1:
-                gA = cute.local_tile(cute.domain_offset(((mt % ring) * CHUNK, 0), coord_xg), (cfg.tile_m, cfg.tile_k),
-                                     (0, None))
-                gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
-                gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
-                state = self.mainloop.load_tile(pipe, state, atom_xg, gA, sA, atom_wg, gB, sB, k1, atom_b_hi=atom_wu,
-                                     gB_hi=gB_hi)
+                if cutlass.const_expr(self.direct):
+                    gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                    gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                    state = self._load_rows(pipe, state, cute.arch.lane_idx(), row0, rows, sAu, mX, mOrder, k, k1,
+                                            atom_wg, gB, sB, atom_wu, gB_hi)
+                else:
+                    gA = cute.local_tile(cute.domain_offset(((mt % ring) * CHUNK, 0), coord_xg),
+                                         (cfg.tile_m, cfg.tile_k), (0, None))
+                    gB = cute.local_tile(coord_wg[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                    gB_hi = cute.local_tile(coord_wu[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
+                    state = self.mainloop.load_tile(pipe, state, atom_xg, gA, sA, atom_wg, gB, sB, k1,
+                                                    atom_b_hi=atom_wu, gB_hi=gB_hi)
             elif phase == R2:
                 gA = cute.local_tile(cute.domain_offset((row0, 0), coord_h), (cfg.tile_m, cfg.tile_k), (0, None))
                 gB = cute.local_tile(coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                state = self.mainloop.load_tile(pipe, state, atom_h, gA, sA, atom_wd, gB, sB, k2)
+                state = self.mainloop.load_tile(pipe, state, atom_h, gA, sA, atom_wd, gB, sB, k2, extra_arrivals=extra)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -500,25 +523,65 @@ class FusedMoeFwdSm90:
                                              (0, None))
                         gB = cute.local_tile(coord_sg[(None, None, 0)], (half, cfg.tile_k), (n_tile, None))
                         gB_hi = cute.local_tile(coord_su[(None, None, 0)], (half, cfg.tile_k), (n_tile, None))
-                        state = self.mainloop.load_tile(pipe, state, atom_x, gA, sA, atom_sg, gB, sB, k1, atom_b_hi=atom_su,
-                                             gB_hi=gB_hi)
+                        state = self.mainloop.load_tile(pipe, state, atom_x, gA, sA, atom_sg, gB, sB, k1,
+                                                        atom_b_hi=atom_su, gB_hi=gB_hi, extra_arrivals=extra)
                     else:
                         gA = cute.local_tile(cute.domain_offset((row0, 0), coord_hs), (cfg.tile_m, cfg.tile_k),
                                              (0, None))
                         gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                        state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s)
+                        state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s,
+                                                        extra_arrivals=extra)
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
             t = persistent.claim(ticket)
-        persistent.hand_off(sTask, i, t)
+        persistent.hand_off(sTask, i, t, self.handoff)
         if lead:
             self._mark(mProg, bidx, 0, 4, i)
-        persistent.finish_hand_offs(i)
+        persistent.finish_hand_offs(i, self.handoff)
         if lead:
             self._mark(mProg, bidx, 0, 5, i)
         pipe.producer_tail(state)
         if lead:
             self._mark(mProg, bidx, 0, 6, i)
+
+    @cute.jit
+    def _load_rows(self, pipe, state, tid: Int32, row0: Int32, rows: Int32, sAu: cute.Tensor, mX: cute.Tensor,
+                   mOrder: cute.Tensor, k: Int32, k1: Int32, atom_wg=None, gB=None, sB=None, atom_wu=None, gB_hi=None):
+        """Producer warpgroup thread ``tid`` (direct): an R1 tile's k-tiles with A = the token rows
+        ``order[row0 + r] // k`` of x (r < ``rows``), B (gate / up halves) by TMA from warp 0
+        (the one given ``atom_wg``; :meth:`Sm90Mainloop.load_tile_rows`)."""
+        src = self.mainloop.gathered_rows(tid, rows, lambda r: mOrder[row0 + r] // k)
+        return self.mainloop.load_tile_rows(pipe, state, tid, src, mX.iterator.toint(), Int64(mX.shape[1] * 2), sAu,
+                                            atom_wg, gB, sB, k1, atom_wu, gB_hi, tma_warp=atom_wg is not None)
+
+    @cute.jit
+    def _produce_rows(self, pipe, sAu: cute.Tensor, sB: cute.Tensor, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
+                      n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, k1: Int32, k2: Int32,
+                      k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32,
+                      mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
+        """Producer warps 1-3 (direct; ``tid`` 32..127 of the warpgroup): take every task warp 0 hands
+        off; copy an R1 tile's share of A rows (:meth:`_load_rows`), walk past the other tiles'
+        k-tiles (warp 0 arrives for them)."""
+        state = self.mainloop.producer_state()
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = persistent.take(sTask, i, self.handoff)
+        while t < n_tasks:
+            i += 1
+            phase, _, _, row0, rows, _, e1, b1, e2, b2 = tasks.task(
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
+                b2)
+            if phase == R1:
+                state = self._load_rows(pipe, state, tid, row0, rows, sAu, mX, mOrder, k, k1)
+            else:
+                k_tiles = k1
+                if phase == R2:
+                    k_tiles = k2
+                if phase == S2:
+                    k_tiles = k2s
+                for _ in cutlass.range(k_tiles, unroll=1):
+                    state.advance()
+            t = persistent.take(sTask, i, self.handoff)
 
     @cute.jit
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
@@ -535,7 +598,7 @@ class FusedMoeFwdSm90:
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
         i = Int32(0)
-        t = persistent.take(sTask, i)
+        t = persistent.take(sTask, i, self.handoff)
         while t < n_tasks:
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 1, t)
@@ -580,7 +643,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
-            t = persistent.take(sTask, i)
+            t = persistent.take(sTask, i, self.handoff)
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
 
@@ -619,7 +682,8 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
                 _fake_3d(bf, cute.sym_int(), hid, inter_s)) if shared else (None, None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
     rt_out = (_fake_2d(bf, mcap, inter) if mx else None, _fake_2d(bf, t, inter_s) if mx and shared else None)
-    xq = _fake_2d(cutlass.Uint8, t, cute.sym_int(divisibility=16)) if mx else None
+    # MXFP8 token rows for the gather (direct: none, R1 reads x's bf16 round trip)
+    xq = _fake_2d(cutlass.Uint8, t, cute.sym_int(divisibility=16)) if mx and not op.direct else None
     args = (_fake_2d(bf, t, hid), xq, _fake_2d(bf, cute.sym_int(), hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid),
             _fake_3d(bf, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter),
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
@@ -654,7 +718,9 @@ def gather_mode() -> str:
     * ``bg`` (default): the comm CTAs fill the ring through shared memory (``staged``), then join the GEMM tasks; the
       later chunks are gathered by warps 1-3 of every CTA's producer warpgroup (idle otherwise) beside its tiles;
     * ``staged``: the comm CTAs gather every chunk through shared memory (cp.async into the idle A / B stages);
-    * ``regs``: the comm CTAs gather every chunk through registers (``MOK_CUTE_GATHER_UNROLL`` loads in flight)."""
+    * ``regs``: the comm CTAs gather every chunk through registers (``MOK_CUTE_GATHER_UNROLL`` loads in flight);
+    * ``direct``: no ring and no gather: the producer warpgroup of the CTA running an R1 tile copies its A rows from
+      x's token rows straight into the swizzled stages (cp.async), every CTA runs GEMM tasks from the start."""
     mode = os.environ.get("MOK_CUTE_GATHER", "bg")
     if mode not in GATHER_MODES:
         raise ValueError(f"MOK_CUTE_GATHER must be one of {GATHER_MODES}, got {mode!r}")
@@ -664,10 +730,12 @@ def gather_mode() -> str:
 def gather_mode_mx() -> str:
     """How the MXFP8 EP = 1 forward gathers (``MOK_CUTE_GATHER_MX``, read at every call): ``bg`` (default: the comm
     CTAs dequantize the ring's first fill, the producer warps 1-3 of every CTA the later chunks, as
-    :func:`gather_mode`'s bg) or ``regs`` (the comm CTAs dequantize every chunk through registers)."""
+    :func:`gather_mode`'s bg), ``regs`` (the comm CTAs dequantize every chunk through registers) or ``direct`` (x's
+    MXFP8 round trip is made once as bf16 token rows, which R1's producer warpgroups read as :func:`gather_mode`'s
+    direct)."""
     mode = os.environ.get("MOK_CUTE_GATHER_MX", "bg")
-    if mode not in ("regs", "bg"):
-        raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs' or 'bg', got {mode!r}")
+    if mode not in ("regs", "bg", "direct"):
+        raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs', 'bg' or 'direct', got {mode!r}")
     return mode
 
 
@@ -753,7 +821,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
     bf = dict(dtype=torch.bfloat16, device=x.device)
     w_rows = xq = None
-    if mx:
+    gather = "regs" if ws is not None else gather_mode_mx() if mx else gather_mode()
+    direct = gather == "direct"
+    if mx and direct:  # R1 and the shared expert read x's round trip (the dequantized gather's bytes)
+        from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip
+        x = mxfp8_round_trip(x)
+    elif mx:
         xq, x = _mx_source(x, ws, shared is not None)
     elif ws is not None:
         src = ws.acquire_src()  # device wait: every peer finished the previous pull from it
@@ -765,9 +838,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
         slot_copy = torch.empty((t * k, hid), dtype=torch.bfloat16, device=x.device)
     sizes = counter_sizes(t, mcap, e)
-    ring = sizes[0] if ring_chunks is None else max(1, min(int(ring_chunks), sizes[0]))
+    ring = sizes[0] if ring_chunks is None or direct else max(1, min(int(ring_chunks), sizes[0]))
     band = min(ring_band(), ring)
-    xg = torch.empty((ring * CHUNK, hid), **bf)
+    xg = x if direct else torch.empty((ring * CHUNK, hid), **bf)  # direct: no ring (x stands in for its operand)
     gu = torch.empty((mcap, 2, inter), **bf)
     h = torch.empty((mcap, inter), **bf)
     slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
@@ -791,7 +864,6 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
-    gather = "regs" if ws is not None else gather_mode_mx() if mx else gather_mode()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
                gate is not None, n_tail, gather)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(

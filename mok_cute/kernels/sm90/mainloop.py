@@ -16,6 +16,14 @@ megakernel) picks the tile coordinates and the epilogue:
 * :func:`acc_to_smem` converts the accumulators and stages the whole tile in shared memory,
   where a pluggable epilogue reads it back (see ``sm90.grouped_gemm``).
 
+Gathered A rows (:meth:`Sm90Mainloop.load_tile_rows`, a pipeline made with ``producers =``
+:data:`GATHER_ARRIVALS`): the whole producer warpgroup copies each A k-tile's rows from
+arbitrary global rows (one per tile row, e.g. the token rows of routed grouped rows) with
+16-byte ``cp.async`` copies into the swizzled stage, completing on the stage's full barrier
+(``cp.async.mbarrier.arrive.noinc``, one per thread) while warp 0 TMA-loads B; tiles loaded by
+TMA alone in such a pipeline add the warpgroup's arrivals in one arrive (``load_tile(...,
+extra_arrivals=THREADS_PER_WG)``).
+
 Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
 K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:
 a [K, M] / [K, N] tensor seen transposed), chosen per operand (``a_major``/``b_major``,
@@ -47,6 +55,8 @@ NUM_CONSUMER_THREADS = THREADS_PER_WG * NUM_CONSUMER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 _BARRIER_BYTES = 1024  # mbarriers and struct padding
+UNIT = 16  # bytes per cp.async copy of a gathered A row
+GATHER_ARRIVALS = 1 + THREADS_PER_WG  # full-barrier arrivals of a gathered-A pipeline: the TMA thread + the warpgroup
 K_MAJOR = "k"
 MN_MAJOR = "mn"
 _LAYOUT = {K_MAJOR: LayoutEnum.ROW_MAJOR, MN_MAJOR: LayoutEnum.COL_MAJOR}
@@ -161,14 +171,16 @@ class Sm90Mainloop:
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
 
-    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None):
+    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None,
+                      producers: int = 1):
         """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): one
-        TMA producer thread, one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
+        TMA producer thread (``producers`` full-barrier arrivals per slot: :data:`GATHER_ARRIVALS`
+        for gathered A rows), one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
         landing per slot) default to this mainloop's ring."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barrier_ptr,
             num_stages=self.stages if stages is None else stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4),
             tx_count=self.tx_bytes if tx_bytes is None else tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -202,12 +214,13 @@ class Sm90Mainloop:
             fields["extra"] = cute.struct.MemRange[cutlass.Int32, extra_i32]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    def allocate(self, shared_storage, epi, with_storage: bool = False):
+    def allocate(self, shared_storage, epi, with_storage: bool = False, producers: int = 1):
         """In the kernel: allocate ``shared_storage`` (:meth:`shared_storage`), build the ring's
-        pipeline and initialise its barriers; returns ``(pipe, sA, sB, sC)`` (``sC``: the
-        epilogue ``epi``'s view of its buffer), and the storage itself with ``with_storage``."""
+        pipeline (``producers``: see :meth:`make_pipeline`) and initialise its barriers; returns
+        ``(pipe, sA, sB, sC)`` (``sC``: the epilogue ``epi``'s view of its buffer), and the
+        storage itself with ``with_storage``."""
         storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
-        pipe = self.make_pipeline(storage.barriers.data_ptr())
+        pipe = self.make_pipeline(storage.barriers.data_ptr(), producers=producers)
         sA = storage.sA.get_tensor(self.a_smem_staged.outer, swizzle=self.a_smem_staged.inner)
         sB = storage.sB.get_tensor(self.b_smem_staged.outer, swizzle=self.b_smem_staged.inner)
         sC = epi.smem_tensor(storage.sC)
@@ -261,7 +274,8 @@ class Sm90Mainloop:
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
                   atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
                   atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None,
-                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None):
+                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None,
+                  extra_arrivals: cutlass.Constexpr[int] = 0):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
         ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ k_tiles2]); ``gB``: (tile_n, tile_k,
@@ -271,6 +285,7 @@ class Sm90Mainloop:
         With ``atom_b_hi``/``gB_hi`` the B tile is stacked along N from two tensors: rows
         ``[0, tile_n/2)`` of the ring slot come from ``gB`` (tile_n/2, tile_k, k_tiles), rows
         ``[tile_n/2, tile_n)`` from ``gB_hi`` (atoms from ``make_tma(..., b_half=True)``).
+        ``extra_arrivals``: a gathered-A pipeline's other arrivals per slot, added by one thread.
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -287,6 +302,9 @@ class Sm90Mainloop:
         for k in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
+            if cutlass.const_expr(extra_arrivals > 0):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
             cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(gB_hi is not None):
@@ -299,10 +317,94 @@ class Sm90Mainloop:
             for k in cutlass.range(k_tiles2, unroll=1):
                 pipe.producer_acquire(state)
                 bar = pipe.producer_get_barrier(state)
+                if cutlass.const_expr(extra_arrivals > 0):
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
                 cute.copy(atom_a, tAgA[(None, k_tiles + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(atom_b2, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                 pipe.producer_commit(state)
                 state.advance()
+        return state
+
+    def a_units(self, storage) -> cute.Tensor:
+        """The A stages of ``storage`` (:meth:`shared_storage`) as raw 16-byte units [stages * tile_m * 8, 8]
+        (no swizzle applied: :meth:`load_tile_rows` places each unit where the swizzled layout has it)."""
+        cfg = self.cfg
+        per = UNIT * 8 // cfg.ab_dtype.width
+        return cute.make_tensor(storage.sA.data_ptr(), cute.make_layout(
+            (self.stages * cfg.tile_m * cfg.tile_k // per, per), stride=(per, 1)))
+
+    @cute.jit
+    def gathered_rows(self, tid: cutlass.Int32, rows: cutlass.Int32, src_row):
+        """Producer warpgroup thread ``tid`` (0..127) of a gathered-A tile: the global row index of each
+        tile row it copies (rows ``tid // 8 + 16 j``, j < tile_m / 16; -1 past ``rows``), from
+        ``src_row(r)`` (the tile's row r -> its source row), as an Int32 register tensor."""
+        cfg = self.cfg
+        passes = cfg.tile_m * 8 // THREADS_PER_WG
+        src = cute.make_rmem_tensor((passes,), cutlass.Int32)
+        for j in cutlass.range_constexpr(passes):
+            r = tid // 8 + j * (THREADS_PER_WG // 8)
+            src[j] = cutlass.Int32(-1)
+            if r < rows:
+                src[j] = src_row(r)
+        return src
+
+    @cute.jit
+    def load_tile_rows(self, pipe, state, tid: cutlass.Int32, src: cute.Tensor, base: cutlass.Int64,
+                       row_bytes: cutlass.Int64, sAu: cute.Tensor, atom_b: cute.CopyAtom, gB: cute.Tensor,
+                       sB: cute.Tensor, k_tiles: cutlass.Int32, atom_b_hi: cute.CopyAtom = None,
+                       gB_hi: cute.Tensor = None, tma_warp: cutlass.Constexpr[bool] = False):
+        """Producer warpgroup thread ``tid`` (every one of the 128, in a pipeline of
+        :data:`GATHER_ARRIVALS` producers): the k-tiles of one tile whose A rows are gathered: tile row
+        r is the global row ``src`` (:meth:`gathered_rows`; -1: not copied, the row's stage data is
+        stale and its output rows must be masked) at ``base + row * row_bytes`` (16-byte aligned
+        K-contiguous rows). Per k-tile: wait for the slot, warp 0 (``tma_warp``) arrives expecting
+        B's bytes and TMA-loads B (``gB``, stacked along N with ``gB_hi`` as :meth:`load_tile`), and
+        every thread copies its 16-byte units (unit ``tid % 8`` of its rows; 8 per row, one 128-byte
+        k-tile row) by ``cp.async`` into ``sAu`` (:meth:`a_units`) at their swizzled places (the
+        128-byte swizzle: unit c of row r at ``r * 8 + (c ^ r % 8)``), then arrives on the slot's
+        full barrier when they have landed (``cp.async.mbarrier.arrive.noinc``). Returns the state."""
+        cfg = self.cfg
+        per = UNIT * 8 // cfg.ab_dtype.width  # elements per unit
+        units = cfg.tile_k // per  # units per k-tile row
+        passes = cfg.tile_m * units // THREADS_PER_WG
+        b_bytes = cfg.tile_n * cfg.tile_k * cfg.ab_dtype.width // 8
+        sB_lo = sB
+        tBsB, tBgB, tBsB_hi, tBgB_hi = None, None, None, None
+        if cutlass.const_expr(tma_warp):
+            if cutlass.const_expr(gB_hi is not None):
+                half_tiler = (cfg.tile_n // 2, cfg.tile_k, self.stages)
+                sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
+                sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
+                tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
+                                                         cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
+            tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
+                                               cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cfg.ab_dtype,
+                                  num_bits_per_copy=UNIT * 8)
+        c = tid % units
+        # the thread's rows all share r % 8 (passes step 16 rows): one swizzled unit column for all of them
+        dst0 = (tid // units) * units + (c ^ (tid // units % 8))
+        col = cutlass.Int64(c * UNIT)
+        for k in cutlass.range(k_tiles, unroll=1):
+            pipe.sync_object_empty.wait(state.index, state.phase)
+            bar = pipe.producer_get_barrier(state)
+            if cutlass.const_expr(tma_warp):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes)
+                cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                if cutlass.const_expr(gB_hi is not None):
+                    cute.copy(atom_b_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
+            off = col + cutlass.Int64(k) * cutlass.Int64(cfg.tile_k * cfg.ab_dtype.width // 8)
+            slot0 = state.index * (cfg.tile_m * units) + dst0
+            for j in cutlass.range_constexpr(passes):
+                if src[j] >= 0:
+                    g = cute.make_ptr(cfg.ab_dtype, base + cutlass.Int64(src[j]) * row_bytes + off,
+                                      cute.AddressSpace.gmem, assumed_align=UNIT)
+                    cute.copy(g2s, cute.make_tensor(g, cute.make_layout((per,))),
+                              sAu[slot0 + j * (THREADS_PER_WG // units) * units, None])
+            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            state.advance()
         return state
 
     def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):

@@ -5,7 +5,8 @@ bounded wait for a task's inputs.
 A CTA's producer warp claims task ids from a ticket counter (:func:`claim`, list order across
 the grid), hands each to the two consumer warpgroups through two shared-memory slots guarded by
 named barriers (:func:`hand_off` / :func:`take`: FULL + slot and EMPTY + slot, producer warp +
-consumers), waits for the task's inputs (:func:`wait_input`) and streams its k-tiles; the
+consumers; ``threads``: more taking warps, e.g. the fused forward's direct gather), waits for
+the task's inputs (:func:`wait_input`) and streams its k-tiles; the
 consumers walk the same ids. A task id past the list, handed off last, stops the consumers;
 :func:`finish_hand_offs` completes the EMPTY phases so no named barrier is left mid-phase when
 the CTA exits. Named barrier 1 is the consumers' own (``mainloop.consumer_barrier``).
@@ -64,31 +65,32 @@ def claim(ticket: cute.Pointer):
 
 
 @cute.jit
-def hand_off(sTask: cute.Tensor, i: Int32, t: Int32):
-    """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2``."""
+def hand_off(sTask: cute.Tensor, i: Int32, t: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
+    """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2`` (``threads``: the hand-off's
+    threads, the producer warp's and every taker's)."""
     slot = i % 2
     if i >= 2:
-        cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
+        cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=threads)
     sTask[slot] = t
-    cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
+    cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=threads)
 
 
 @cute.jit
-def take(sTask: cute.Tensor, i: Int32):
-    """Consumers: the task of hand-off ``i``."""
+def take(sTask: cute.Tensor, i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
+    """Consumers (and other takers): the task of hand-off ``i``."""
     slot = i % 2
-    cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
+    cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=threads)
     t = sTask[slot]
-    cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
+    cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=threads)
     return t
 
 
 @cute.jit
-def finish_hand_offs(i: Int32):
+def finish_hand_offs(i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
     """Producer warp after its last hand-off ``i``: complete the EMPTY phases of the last two."""
     for j in cutlass.range_constexpr(2):
         if i - 1 + j >= 0:
-            cute.arch.barrier(barrier_id=EMPTY + (i - 1 + j) % 2, number_of_threads=HANDOFF_THREADS)
+            cute.arch.barrier(barrier_id=EMPTY + (i - 1 + j) % 2, number_of_threads=threads)
 
 
 @cute.jit
