@@ -30,12 +30,14 @@ _VEC = 8  # bf16 elements per 16-byte vector
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
              nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mGate: cute.Tensor = None,
-             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None):
+             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None, block=None):
     """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc; ``threads``
     per CTA, all of them here); ``mInit``
     [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
     (with ``mInit``), ``mAdd`` fp32 [T, H] or None; ``mCopy`` [T*k, H] bf16 or None: the slot rows
-    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer)."""
+    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer).
+    ``block = (t0, nt, c0, cw)``: only tokens ``t0 .. t0 + nt`` and 16-byte columns ``c0 .. c0 + cw``,
+    by this thread group alone (``tidx`` < ``threads``; ``bidx``, ``grid`` unused)."""
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
@@ -52,9 +54,19 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
     acc = cute.make_rmem_tensor((_VEC,), Float32)
     ws = cute.make_rmem_tensor((nb,), Float32)
     es = cute.make_rmem_tensor((nb,), Int32)
-    for i in cutlass.range(bidx * threads + tidx, tokens * v, grid * threads, unroll=1):
-        t = i // v
-        c = i - t * v
+    start, stop, step = bidx * threads + tidx, tokens * v, grid * threads
+    t0, c0, cw = Int32(0), Int32(0), v
+    if cutlass.const_expr(block is not None):
+        t0, nt, c0, cw = block
+        start, stop, step = tidx, nt * cw, threads
+    for j in cutlass.range(start, stop, step, unroll=1):
+        i, t, c = j, j // v, Int32(0)
+        if cutlass.const_expr(block is None):
+            c = i - t * v
+        else:
+            t = t0 + j // cw
+            c = c0 + j - (j // cw) * cw
+            i = t * v + c
         if cutlass.const_expr(mInit is not None):
             acc.store(s[i, None].load().to(Float32))
         else:
