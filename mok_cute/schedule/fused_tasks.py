@@ -302,6 +302,11 @@ def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: 
     return m_tile, within // width, row0, cutlass.min(hi - row0, tile_m)
 
 
+def _unset():
+    """A task decode's outputs before its branches: ``(phase R2, expert, n_tile, row0, rows, mt)`` zeros."""
+    return Int32(R2), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+
+
 @cute.jit
 def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
          num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
@@ -311,12 +316,7 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
     routed phases advance their own cursor ``(e, b)`` of
     :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow). ``summed``: the
     summed list's ``(w, groups, m_routed)`` (:func:`summed_task`; its R2 cursor ``b2`` counts m-tiles)."""
-    phase = Int32(R2)
-    expert = Int32(0)
-    n_tile = Int32(0)
-    row0 = Int32(0)
-    rows = Int32(0)
-    mt = Int32(0)
+    phase, expert, n_tile, row0, rows, mt = _unset()
     if t < n_s1:
         phase = Int32(S1)
         mt = t % m_sh
@@ -358,12 +358,7 @@ def summed_task(lin: Int32, m_sh: Int32, n2: Int32, offsets: cute.Tensor, num_ex
     last group's after them (a SUM task: tokens ``m * tile_m ..`` in ``row0, rows``, its group in ``n_tile``
     and ``mt``). The R2 cursor ``(e2, b2)`` keeps its base in m-tiles (the same for every group's width)
     and restarts when ``lin`` falls below it in a new group."""
-    phase = Int32(R2)
-    expert = Int32(0)
-    n_tile = Int32(0)
-    row0 = Int32(0)
-    rows = Int32(0)
-    mt = Int32(0)
+    phase, expert, n_tile, row0, rows, mt = _unset()
     a = m_routed * w
     g = Int32(0)
     if lin >= a:
