@@ -13,7 +13,7 @@ mkdir -p "$out"
 checks=${*:-quantize gemm_sm90 gemm_fp8 gemm_fp8_scaled gemm_mxfp8_mixed route_grad local_plan mx_gather layer_sm90 layer_fp8 fused_fwd fused_bad_expert fused_bwd train_loop}
 : > "$out/summary.txt"
 for c in $checks; do  # one process per check: a device fault in one cannot take down the others
-    timeout 240 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1
+    timeout 420 python3 tools/gpu_check.py "$c" > "$out/check_$c.log" 2>&1
     echo "gpu_check $c rc=$?" >> "$out/summary.txt"
 done
 timeout 90 python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
