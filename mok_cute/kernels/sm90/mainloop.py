@@ -289,22 +289,9 @@ class Sm90Mainloop:
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        sB_lo = sB
-        if cutlass.const_expr(gB_hi is not None):
-            half_tiler = (self.cfg.tile_n // 2, self.cfg.tile_k, self.stages)
-            sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
-        tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
-                                           cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
-        if cutlass.const_expr(gB_hi is not None):
-            sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
-            tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
-                                                     cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
+        tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, atom_b_hi, gB_hi)
         for k in cutlass.range(k_tiles, unroll=1):
-            pipe.producer_acquire(state)
-            bar = pipe.producer_get_barrier(state)
-            if cutlass.const_expr(extra_arrivals > 0):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
+            bar = self._acquire(pipe, state, extra_arrivals)
             cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(gB_hi is not None):
@@ -315,16 +302,40 @@ class Sm90Mainloop:
             _, tBgB2 = cpasync.tma_partition(atom_b2, 0, cute.make_layout(1),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(gB2, 0, 2))
             for k in cutlass.range(k_tiles2, unroll=1):
-                pipe.producer_acquire(state)
-                bar = pipe.producer_get_barrier(state)
-                if cutlass.const_expr(extra_arrivals > 0):
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
+                bar = self._acquire(pipe, state, extra_arrivals)
                 cute.copy(atom_a, tAgA[(None, k_tiles + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(atom_b2, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                 pipe.producer_commit(state)
                 state.advance()
         return state
+
+    @cute.jit
+    def _acquire(self, pipe, state, extra_arrivals: cutlass.Constexpr[int]):
+        """Producer warp: wait for the slot of ``state``, arrive on its full barrier expecting the stage's
+        bytes (and, in a gathered-A pipeline, the other ``extra_arrivals`` in one counted arrive); returns it."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        if cutlass.const_expr(extra_arrivals > 0):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
+        return bar
+
+    def _b_partitions(self, atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, atom_b_hi: cute.CopyAtom = None,
+                      gB_hi: cute.Tensor = None):
+        """TMA partitions ``(tBsB, tBgB, tBsB_hi, tBgB_hi)`` of a B tile: all of it from ``gB``, or (``gB_hi``)
+        stacked along N, rows ``[0, tile_n/2)`` of the slot from ``gB`` and the rest from ``gB_hi`` (the hi
+        pair None otherwise)."""
+        sB_lo, tBsB_hi, tBgB_hi = sB, None, None
+        if gB_hi is not None:
+            half_tiler = (self.cfg.tile_n // 2, self.cfg.tile_k, self.stages)
+            sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
+        tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
+        if gB_hi is not None:
+            sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
+            tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
+                                                     cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
+        return tBsB, tBgB, tBsB_hi, tBgB_hi
 
     def a_units(self, storage) -> cute.Tensor:
         """The A stages of ``storage`` (:meth:`shared_storage`) as raw 16-byte units [stages * tile_m * 8, 8]
@@ -369,17 +380,9 @@ class Sm90Mainloop:
         units = cfg.tile_k // per  # units per k-tile row
         passes = cfg.tile_m * units // THREADS_PER_WG
         b_bytes = cfg.tile_n * cfg.tile_k * cfg.ab_dtype.width // 8
-        sB_lo = sB
         tBsB, tBgB, tBsB_hi, tBgB_hi = None, None, None, None
         if cutlass.const_expr(tma_warp):
-            if cutlass.const_expr(gB_hi is not None):
-                half_tiler = (cfg.tile_n // 2, cfg.tile_k, self.stages)
-                sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
-                sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
-                tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
-                                                         cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
-            tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
-                                               cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
+            tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, atom_b_hi, gB_hi)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cfg.ab_dtype,
                                   num_bits_per_copy=UNIT * 8)
         c = tid % units
