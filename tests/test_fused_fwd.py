@@ -608,3 +608,15 @@ def test_sum_groups_env(monkeypatch):
     monkeypatch.setenv("MOK_CUTE_SUM_GROUPS", "4")
     assert fm.sum_groups() == 4 and fm.fused_groups(28, 4) == 4 and fm.fused_groups(3, 4) == 3
     assert fm.fused_groups(28, 8) == 7  # 4 n-tiles per group
+
+
+def test_every_role_decodes_the_same_list():
+    """Every role of the fused forward that walks the task ids (producer warp, direct warps 1-3, consumers) decodes
+    them with the same list (the summed layout passed to each ``tasks.task`` call): a role decoding the plain list
+    desynchronizes the pipeline (the summed list's first device run hung so)."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    calls = re.findall(r"tasks\.task\((.*?)\)\n", inspect.getsource(fm.FusedMoeFwdSm90), re.S)
+    assert len(calls) == 3 and all(c.replace(" ", "").replace("\n", "").endswith(",summed") for c in calls), calls
