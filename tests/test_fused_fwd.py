@@ -620,3 +620,63 @@ def test_every_role_decodes_the_same_list():
 
     calls = re.findall(r"tasks\.task\((.*?)\)\n", inspect.getsource(fm.FusedMoeFwdSm90), re.S)
     assert len(calls) == 3 and all(c.replace(" ", "").replace("\n", "").endswith(",summed") for c in calls), calls
+
+
+@functools.cache
+def _host_decoder(summed: bool):
+    """``fused_tasks.task`` (the device decode the fused forward's roles run) compiled as a host function: decodes
+    the ids ``start, start + step, ..`` below ``n_tasks`` into ``out`` [n_tasks, 6] (phase, expert, n_tile, row0,
+    rows, mt), carrying its cursors as a CTA does."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    @cute.jit
+    def decode(out: cute.Tensor, offsets: cute.Tensor, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32,
+               n2: Int32, tokens: Int32, band: Int32, n_tasks: Int32, sum_w: Int32, groups: Int32, m_routed: Int32,
+               start: Int32, step: Int32):
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        layout = None
+        if cutlass.const_expr(summed):
+            layout = (sum_w, groups, m_routed)
+        for t in cutlass.range(start, n_tasks, step, unroll=1):
+            phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = ft.task(
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2,
+                layout)
+            out[t, 0] = phase
+            out[t, 1] = expert
+            out[t, 2] = n_tile
+            out[t, 3] = row0
+            out[t, 4] = rows
+            out[t, 5] = mt
+    return decode
+
+
+@pytest.mark.parametrize("groups", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize("shared", [False, True])
+def test_device_decode_matches_the_mirror(groups, shared):
+    """The device decode itself (run on the host) walks the task list of the pure-Python mirror, plain and summed,
+    in list order and along a CTA's strided ids (its cursors only move forward, across column groups)."""
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    counts, tokens, n1, n1s, n2, band = [300, 0, 129, 1000, 7, 128], 700, 3, 2, 5, 2
+    offs = offsets_from(counts)
+    lst = ft.task_list(offs, tokens, 128, n1, n1s if shared else 0, n2, shared, band, groups)
+    m_sh = -(-tokens // 128)
+    m_routed = len(ft.mtile_rows(offs, 128))
+    w, count = ft.column_groups(n2, groups) if groups else (0, 0)
+    n_s1 = m_sh * n1s if shared else 0
+    n_s2 = m_sh * n2 if shared else 0
+    decode = _host_decoder(groups is not None)
+    for start, step in ((0, 1), (1, 7), (5, 131), (2, 3)):
+        out = torch.full((len(lst), 6), -7, dtype=torch.int32)
+        decode(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)), Int32(n_s1), Int32(m_routed * n1), Int32(n_s2),
+               Int32(m_sh), Int32(n1), Int32(n2), Int32(tokens), Int32(band), Int32(len(lst)), Int32(w),
+               Int32(count), Int32(m_routed), Int32(start), Int32(step))
+        for t in range(start, len(lst), step):
+            phase, expert, n_tile, row0, rows, mt = out[t].tolist()
+            want = lst[t]
+            routed = want[0] in (ft.R1, ft.R2)
+            assert (phase, n_tile, row0, rows, mt) == (want[0], want[2], want[3], want[4], want[5]), (t, want)
+            assert expert == (want[1] if routed else 0), (t, want)
