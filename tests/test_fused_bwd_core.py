@@ -102,6 +102,50 @@ def test_core_list_is_the_routed_backward(counts):
         assert got == sorted((e, m, nt) for e in range(len(counts)) for m in range(mm) for nt in range(nn))
 
 
+@functools.cache
+def _host_core_decoder():
+    """``fused_bwd_tasks.core_task`` (the device decode of both archs' fused backward) compiled as a host function:
+    decodes ids ``start, start + step, ..`` below ``n`` into ``out`` [n, 6] (phase, expert, n_tile, m_tile, mt,
+    which), carrying its cursors as a CTA does."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    @cute.jit
+    def decode(out: cute.Tensor, offsets: cute.Tensor, n_d2: Int32, n_d1: Int32, n_i: Int32, n_h: Int32,
+               wd_m: Int32, wd_n: Int32, wgu_m: Int32, wgu_n: Int32, n: Int32, start: Int32, step: Int32):
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        for t in cutlass.range(start, n, step, unroll=1):
+            phase, expert, n_tile, m_tile, _, _, mt, which, e1, b1, e2, b2 = bt.core_task(
+                t, n_d2, n_d1, n_i, n_h, offsets, offsets.shape[0] - 1, 128, wd_m, wd_n, wgu_m, wgu_n, e1, b1, e2, b2)
+            out[t, 0] = phase
+            out[t, 1] = expert
+            out[t, 2] = n_tile
+            out[t, 3] = m_tile
+            out[t, 4] = mt
+            out[t, 5] = which
+    return decode
+
+
+@pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [129, 1, 0, 300, 7]])
+def test_device_core_decode_matches_the_list(counts):
+    """The device decode itself (run on the host) walks core_task_list, in list order and along strided CTA ids."""
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    offs = offsets_from(counts)
+    n_i, n_h, wd, wgu = 2, 3, (3, 2), (2, 4)
+    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu)
+    m_routed = sum(len(m) for m in bt.expert_mtiles(offs, 128))
+    for start, step in ((0, 1), (3, 5), (1, 64)):
+        out = torch.full((len(core), 6), -7, dtype=torch.int32)
+        _host_core_decoder()(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)),
+                             Int32(m_routed * n_i), Int32(m_routed * n_h), Int32(n_i), Int32(n_h), Int32(wd[0]),
+                             Int32(wd[1]), Int32(wgu[0]), Int32(wgu[1]), Int32(len(core)), Int32(start), Int32(step))
+        for t in range(start, len(core), step):
+            assert tuple(out[t].tolist()) == core[t], (t, core[t])
+
+
 def test_core_waits_point_backwards():
     """Every D1 / dWg / dWu tile's d2 counters are complete before it in the list."""
     offs = offsets_from([300, 0, 129, 1])
