@@ -680,3 +680,43 @@ def test_device_decode_matches_the_mirror(groups, shared):
             routed = want[0] in (ft.R1, ft.R2)
             assert (phase, n_tile, row0, rows, mt) == (want[0], want[2], want[3], want[4], want[5]), (t, want)
             assert expert == (want[1] if routed else 0), (t, want)
+
+
+@functools.cache
+def _host_mtile_decoder():
+    """``fused_tasks.routed_mtiles`` and ``fused_tasks.mtile`` (a gather chunk's rows: the ring's chunks, the
+    background pieces) compiled as a host function over chunks ``start, start + step, ..``: ``out`` [n, 2] (row0,
+    rows), ``total`` [1] the routed m-tiles."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    @cute.jit
+    def decode(out: cute.Tensor, total: cute.Tensor, offsets: cute.Tensor, start: Int32, step: Int32):
+        e = offsets.shape[0] - 1
+        n = ft.routed_mtiles(offsets, e, 128)
+        total[0] = n
+        ge, gb = Int32(0), Int32(0)
+        for c in cutlass.range(start, n, step, unroll=1):
+            row0, rows, ge, gb = ft.mtile(offsets, e, 128, c, ge, gb)
+            out[c, 0] = row0
+            out[c, 1] = rows
+    return decode
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_device_mtile_decode_matches_the_mirror(name):
+    """The gather chunks' device decode (run on the host) gives mtile_rows' (row0, rows) for every routed m-tile,
+    in order and along a strided CTA sequence."""
+    from cutlass.cute.runtime import from_dlpack
+    from cutlass import Int32
+
+    offs = offsets_from(ROUTINGS[name](8, 4000))
+    want = ft.mtile_rows(offs, 128)
+    for start, step in ((0, 1), (2, 5)):
+        out, total = torch.full((max(1, len(want)), 2), -7, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        _host_mtile_decoder()(from_dlpack(out), from_dlpack(total), from_dlpack(torch.tensor(offs, dtype=torch.int32)),
+                              Int32(start), Int32(step))
+        assert int(total[0]) == len(want)
+        for c in range(start, len(want), step):
+            assert tuple(out[c].tolist()) == want[c], (c, want[c])
