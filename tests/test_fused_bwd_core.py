@@ -118,12 +118,8 @@ def _host_core_decoder():
         for t in cutlass.range(start, n, step, unroll=1):
             phase, expert, n_tile, m_tile, _, _, mt, which, e1, b1, e2, b2 = bt.core_task(
                 t, n_d2, n_d1, n_i, n_h, offsets, offsets.shape[0] - 1, 128, wd_m, wd_n, wgu_m, wgu_n, e1, b1, e2, b2)
-            out[t, 0] = phase
-            out[t, 1] = expert
-            out[t, 2] = n_tile
-            out[t, 3] = m_tile
-            out[t, 4] = mt
-            out[t, 5] = which
+            for i, v in enumerate((phase, expert, n_tile, m_tile, mt, which)):
+                out[t, i] = v
     return decode
 
 

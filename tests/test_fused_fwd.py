@@ -643,12 +643,8 @@ def _host_decoder(summed: bool):
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = ft.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2,
                 layout)
-            out[t, 0] = phase
-            out[t, 1] = expert
-            out[t, 2] = n_tile
-            out[t, 3] = row0
-            out[t, 4] = rows
-            out[t, 5] = mt
+            for i, v in enumerate((phase, expert, n_tile, row0, rows, mt)):
+                out[t, i] = v
     return decode
 
 
