@@ -604,10 +604,10 @@ def test_sum_groups_env(monkeypatch):
     from mok_cute.kernels.sm90 import fused_moe as fm
 
     monkeypatch.delenv("MOK_CUTE_SUM_GROUPS", raising=False)
-    assert fm.sum_groups() == 0 and fm.fused_groups(28, 0) == 0
+    assert fm.sum_groups() == 0
     monkeypatch.setenv("MOK_CUTE_SUM_GROUPS", "4")
-    assert fm.sum_groups() == 4 and fm.fused_groups(28, 4) == 4 and fm.fused_groups(3, 4) == 3
-    assert fm.fused_groups(28, 8) == 7  # 4 n-tiles per group
+    assert fm.sum_groups() == 4 and ft.column_groups(28, 4) == (7, 4) and ft.column_groups(3, 4) == (1, 3)
+    assert ft.column_groups(28, 8) == (4, 7)  # 4 n-tiles per group
 
 
 def test_every_role_decodes_the_same_list():

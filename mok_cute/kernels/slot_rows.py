@@ -55,17 +55,18 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
     ws = cute.make_rmem_tensor((nb,), Float32)
     es = cute.make_rmem_tensor((nb,), Int32)
     start, stop, step = bidx * threads + tidx, tokens * v, grid * threads
-    t0, c0, cw = Int32(0), Int32(0), v
     if cutlass.const_expr(block is not None):
         t0, nt, c0, cw = block
         start, stop, step = tidx, nt * cw, threads
     for j in cutlass.range(start, stop, step, unroll=1):
-        i, t, c = j, j // v, Int32(0)
         if cutlass.const_expr(block is None):
+            i = j
+            t = i // v
             c = i - t * v
         else:
-            t = t0 + j // cw
-            c = c0 + j - (j // cw) * cw
+            tl = j // cw
+            t = t0 + tl
+            c = c0 + j - tl * cw
             i = t * v + c
         if cutlass.const_expr(mInit is not None):
             acc.store(s[i, None].load().to(Float32))

@@ -168,7 +168,7 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
         rounds, count = run_tickets(tasks, wants, pub, [], comm_ctas + gemm_ctas, seed)
         _check_sum(tasks, count, sum_groups)
         return rounds
-    chunks = len(mtile_rows(offsets, tile_m))
+    chunks = m_routed
     ring = chunks if ring is None else ring
     slot_free = lambda c: [("h", c - ring, n1)] if c >= ring else []  # noqa: E731
     units, background = 1, []

@@ -560,10 +560,10 @@ class FusedMoeFwdSm90:
                     else:
                         if cutlass.const_expr(summed is None):
                             state = self._load_s2(pipe, state, row0, n_tile, atom_hs, coord_hs, atom_sd, coord_sd, sA,
-                                                  sB, k2s)
+                                                  sB, k2s, extra)
                         elif phase == S2:  # (not a SUM task)
                             state = self._load_s2(pipe, state, row0, n_tile, atom_hs, coord_hs, atom_sd, coord_sd, sA,
-                                                  sB, k2s)
+                                                  sB, k2s, extra)
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
             t = persistent.claim(ticket)
@@ -579,13 +579,12 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _load_s2(self, pipe, state, row0: Int32, n_tile: Int32, atom_hs, coord_hs, atom_sd, coord_sd, sA, sB,
-                 k2s: Int32):
-        """Producer warp: an S2 tile's k-tiles (A = hs rows, B = ws_down's n-tile)."""
+                 k2s: Int32, extra: cutlass.Constexpr[int]):
+        """Producer warp: an S2 tile's k-tiles (A = hs rows, B = ws_down's n-tile; ``extra``: see ``load_tile``)."""
         cfg = self.cfg
         gA = cute.local_tile(cute.domain_offset((row0, 0), coord_hs), (cfg.tile_m, cfg.tile_k), (0, None))
         gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-        return self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s,
-                                       extra_arrivals=THREADS_PER_WG if self.direct else 0)
+        return self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s, extra_arrivals=extra)
 
     @cute.jit
     def _load_rows(self, pipe, state, tid: Int32, row0: Int32, rows: Int32, sAu: cute.Tensor, mX: cute.Tensor,
@@ -617,14 +616,7 @@ class FusedMoeFwdSm90:
             if phase == R1:
                 state = self._load_rows(pipe, state, tid, row0, rows, sAu, mX, mOrder, k, k1)
             else:
-                k_tiles = k1
-                if phase == R2:
-                    k_tiles = k2
-                if phase == S2:
-                    k_tiles = k2s
-                if phase == SUM:
-                    k_tiles = Int32(0)
-                for _ in cutlass.range(k_tiles, unroll=1):
+                for _ in cutlass.range(_k_tiles(phase, k1, k2, k2s, summed is not None), unroll=1):
                     state.advance()
             t = persistent.take(sTask, i, self.handoff)
 
@@ -654,8 +646,6 @@ class FusedMoeFwdSm90:
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2, summed)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
-
-
             frags = (thr_mma, tCrA, tCrB, acc, sC)
             outs = (mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone)
             task_at = (phase, n_tile, row0, rows, mt, t, t0)
@@ -681,12 +671,7 @@ class FusedMoeFwdSm90:
         thr_mma, tCrA, tCrB, acc, sC = frags
         mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone = outs
         phase, n_tile, row0, rows, mt, t, t0 = task_at
-        k_tiles = k1
-        if phase == R2:
-            k_tiles = k2
-        if phase == S2:
-            k_tiles = k2s
-        state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+        state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
         if tid == 0:
             self._mark(mTrace, bidx, 1, 2, t)
         acc_to_smem(thr_mma, acc, sC)
@@ -749,6 +734,20 @@ class FusedMoeFwdSm90:
                 persistent.record(mTrace, record, t0, persistent.now(self.trace), SUM_KIND, bidx, t)
 
 # ---------------------------------------------------------------- compile and launch
+@cute.jit
+def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32, sums: cutlass.Constexpr[bool] = False):
+    """k-tiles of a task of ``phase``: GEMM1 (S1, R1) ``k1``, R2 ``k2``, S2 ``k2s``; with ``sums`` a SUM task's 0."""
+    k_tiles = k1
+    if phase == R2:
+        k_tiles = k2
+    if phase == S2:
+        k_tiles = k2s
+    if cutlass.const_expr(sums):
+        if phase == SUM:
+            k_tiles = Int32(0)
+    return k_tiles
+
+
 @cute.jit
 def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int64):
     """Thread 0 of a traced fused forward's CTA ``bidx``: its two last records, after the gather
@@ -892,11 +891,6 @@ def _mx_source(x, ws, shared: bool):
     return xq, mxfp8_round_trip(x) if shared else x
 
 
-def fused_groups(n2: int, groups: int) -> int:
-    """Column groups (``col_done`` words) of the summed list for ``n2`` GEMM2 n-tiles (0: the plain list)."""
-    return tasks.column_groups(n2, groups)[1] if groups else 0
-
-
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
     """Lengths of (gather_ready, h_ready, sh_ready, [done, ticket, gather CTAs, slot-sum CTAs]) for
     T tokens, M_cap rows, E experts (the last two count arrivals at EP > 1)."""
@@ -963,8 +957,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     y = torch.empty((t, hid), **bf)
     tn = MainloopConfig().tile_n
     groups = sum_groups() if ws is None else 0
-    n_groups = fused_groups(-(-hid // tn), groups)
-    sum_w = tasks.column_groups(-(-hid // tn), groups)[0] if groups else 0
+    sum_w, n_groups = tasks.column_groups(-(-hid // tn), groups) if groups else (0, 0)  # the summed list's groups
     counters = torch.zeros(sum(sizes) + COUNTER_WORDS + n_groups, dtype=torch.int32, device=x.device)
     parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS, n_groups]))
     cols = parts.pop()  # the summed list's col_done [groups] (empty: the plain list)
