@@ -1,0 +1,119 @@
+"""The layer at the H200's 700 W cap in steady state: per implementation (the fused forward at its
+gathers, ``--mx`` MXFP8 too, the GEMM tiles alone, the torch layer; ``--bwd``: also forward +
+backward steps) the time per call, SM clock and power while it runs back to back for
+``--seconds`` after as long a warm-up (the cap reached), its ratios to the torch layer and the
+tiles alone, and the energy per call. (bench_layer's rounds of 10-call bursts let some rows run
+above the steady-state clock.) ``--ncu``: instead, each once between
+``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
+
+    source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--seconds 2]
+    ncu --profile-from-start off --clock-control none --metrics \
+        gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+        --csv python3 tools/energy_fwd.py --ncu
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import SHAPES, _ours, gemms_alone, torch_layer  # noqa: E402
+from checks.common import PowerSampler  # noqa: E402
+from checks.layer_sm90 import _problem  # noqa: E402
+
+
+def _run_for(fn, seconds: float, depth: int = 6) -> tuple[int, float]:
+    """(calls, seconds) of back-to-back calls of ``fn`` for about ``seconds``: the host waits only
+    for the call ``depth`` back to finish, so the GPU queue never drains."""
+    torch.cuda.synchronize()
+    t0, n, done = time.perf_counter(), 0, []
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        ev = torch.cuda.Event()
+        ev.record()
+        done.append(ev)
+        n += 1
+        if len(done) > depth:
+            done.pop(0).synchronize()
+    torch.cuda.synchronize()
+    return n, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="3", help="bench_layer.SHAPES indices, comma-separated")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--gathers", default="default", help="the fused rows' MOK_CUTE_GATHER values")
+    ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
+    ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args()
+    lines = []
+    for i in (int(v) for v in args.shapes.split(",")):
+        lines += _shape(*SHAPES[i], args)
+    if not args.ncu:
+        print("| shape (+ shared) | impl | us per call | vs torch | vs tiles alone | SM clock MHz | W | mJ per call |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
+    return 0
+
+
+def _shape(t, h, inter, e, k, skew, args) -> list[str]:
+    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, torch.device("cuda"), seed=11)
+    w1 = torch.cat(ws[:2], 1)
+    leaves = [x, w, *ws, *sh, w1]
+    for p in leaves:
+        p.requires_grad_()
+    tiles = gemms_alone(x, idx, ws, sh)
+    fwd = {"GEMM tiles alone": tiles, "torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
+    for g in args.gathers.split(","):
+        fwd[f"fused {g}"] = lambda g=g: _ours(True, 16, gather=None if g == "default" else g)(x, idx, w, ws, sh)
+    if args.mx:
+        fwd["fused mxfp8"] = lambda: _ours(True, 16, "mxfp8")(x, idx, w, ws, sh)
+    runs = {f"fwd {n}": (fn, True) for n, fn in fwd.items()}
+    if args.bwd:
+        def step(fn):
+            for p in leaves:
+                p.grad = None
+            torch.autograd.backward(fn(), dy)
+        for n, fn in fwd.items():
+            runs[f"fwd+bwd {n}"] = ((lambda: (tiles(), tiles.backward_tiles())) if fn is tiles else
+                                   (lambda fn=fn: step(fn)), False)
+    for fn, no_grad in runs.values():
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            _run_for(fn, 0.2)
+    if args.ncu:
+        torch.cuda.profiler.start()
+        with torch.no_grad():
+            for fn in fwd.values():
+                fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return []
+    stats = {}
+    for name, (fn, no_grad) in runs.items():
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            _run_for(fn, args.seconds)  # the cap reached
+            with PowerSampler(ms=100) as p:
+                n, s = _run_for(fn, args.seconds)
+        busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in p.lines if line.count(",") >= 2)
+                if float(b) > 300] or [(float("nan"), float("nan"))]
+        mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
+        stats[name] = (s / n * 1e6, mhz, watts)
+    out = []
+    for name, (us, mhz, watts) in stats.items():
+        kind = name.split(" ")[0]
+        ref, til = stats[f"{kind} torch"][0], stats[f"{kind} GEMM tiles alone"][0]
+        out.append(f"| T{t} H{h} I{inter} E{e} k{k}{' skewed' if skew else ''} | {name} | {us:.0f} | {ref / us:.2f}x | "
+                   f"{us / til:.2f}x | {mhz:.0f} | {watts:.0f} | {watts * us * 1e-3:.0f} |")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
