@@ -212,7 +212,7 @@ def test_task_list_matches_the_grouped_walk():
 def test_simulate_detects_a_missing_dependency(monkeypatch):
     """The mirror is not vacuous: a task list whose GEMM2 waits for a GEMM1 tile that is never
     published deadlocks."""
-    monkeypatch.setattr(ft, "needs", lambda task, n1, n1s, units=1, col=None: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
+    monkeypatch.setattr(ft, "needs", lambda task, n1, n1s, units=1: [("h", 10 ** 6, 1)] if task[0] == ft.R2 else [])
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([200]), 100, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1)
 
@@ -264,19 +264,17 @@ def test_ptxas_report_parses_wrapped_entries():
     assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
 
 
-@pytest.mark.parametrize("shared,mx,ep,direct,groups", [
-    (False, False, False, False, 0), (True, False, False, False, 0), (True, True, False, False, 0),
-    (True, False, True, False, 0), (False, True, True, False, 0), (True, False, False, True, 0),
-    (False, True, False, True, 0), (True, False, False, False, 3), (False, True, False, True, 2),
-    (True, False, True, False, 3)])
-def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, direct, groups):
+@pytest.mark.parametrize("shared,mx,ep,direct", [(False, False, False, False), (True, False, False, False),
+                                                 (True, True, False, False), (True, False, True, False),
+                                                 (False, True, True, False), (True, False, False, True),
+                                                 (False, True, False, True)])
+def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, direct):
     """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
     graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
     status, slots and epochs; the argument list has one entry per parameter of the kernel's
     ``__call__`` (a host / kernel mismatch fails here, not on the GPU). ``direct``
     (``MOK_CUTE_GATHER`` / ``MOK_CUTE_GATHER_MX``): no ring (x stands in for its operand), no MXFP8
-    token rows (the compiled variant has no such parameter: R1 reads x's round trip). ``groups``
-    (``MOK_CUTE_SUM_GROUPS``): the summed list's ``col_done`` words, zeroed, at EP = 1 only."""
+    token rows (the compiled variant has no such parameter: R1 reads x's round trip)."""
     import inspect
 
     from mok_cute.kernels.sm90 import fused_moe as fm
@@ -288,7 +286,6 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
         monkeypatch.delenv(var, raising=False)
     if direct:
         monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
-    monkeypatch.setenv("MOK_CUTE_SUM_GROUPS", str(groups))
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
@@ -314,17 +311,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
     # (..., mx, ep, sum batch, gate, n_tail, gather): MXFP8 and EP > 1 gather through registers
-    summed = 0 if ep else groups  # (the EP launch keeps the plain list)
-    assert keys[0][-7:-5] == (mx, ep)
-    assert keys[0][-4:] == (False, False, "regs" if ep else "direct" if direct else "bg", summed > 0)
-    assert int(args[list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters).index("sum_w") - 1]) == (
-        1 if summed else 0)  # h 256: one GEMM2 n-tile, one group of width 1
+    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if ep else "direct" if direct else "bg")
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
-    assert (by_name["mCols"] is None) == (summed == 0)
-    if summed:  # h 256 = one GEMM2 n-tile: one group whatever was asked
-        assert tuple(by_name["mCols"]._keep.shape) == (1,) and not by_name["mCols"]._keep.any()
     assert all((by_name[n] is not None) == ep for n in ("mPeer", "mWrows", "mSlotCopy"))
     assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
     # MXFP8: the token rows move as e4m3 + scales, and the compiled variant has the parameter (compile_fused_forward)
@@ -505,125 +495,9 @@ def test_staged_gather_batches_cover_each_unit_once(units, cap):
         assert sorted(moved) == [(r, u) for r in range(rows) for u in range(units)]
 
 
-# ---------------------------------------------------------------- the summed list (slot sum as tasks)
-def _summed_decode(lin, m_sh, n2, mts, tokens, groups):
-    """The arithmetic of ``fused_tasks.summed_task`` in Python (its cursor aside): ``(phase, g, n_tile, m, row0)``
-    of tail task ``lin`` (``mts``: the routed m-tiles per expert)."""
-    w, count = ft.column_groups(n2, groups)
-    m_routed = sum(mts)
-    a = m_routed * w
-    g = 0 if lin < a else min(1 + (lin - a) // (a + m_sh), count - 1)
-    off = lin if g == 0 else lin - a - (g - 1) * (a + m_sh)
-    wg = min(w, n2 - g * w)
-    if off < m_routed * wg:  # R2 of group g: per expert, the group's n-tiles outer, its m-tiles inner
-        for e, m in enumerate(mts):
-            if off < m * wg:
-                return ft.R2, e, g * w + off // m, off % m, None
-            off -= m * wg
-    off -= m_routed * wg
-    mt = g if g == 0 else g - 1
-    if g and off >= m_sh:
-        mt, off = g, off - m_sh
-    return ft.SUM, mt, mt, off, off * 128
-
-
-@pytest.mark.parametrize("groups", [1, 2, 3, 4, 7, 50])
-def test_summed_decode_matches_the_list(groups):
-    """The device decode's closed form (group, R2 block, SUM blocks) walks the summed list's tail in order."""
-    counts, tokens, n2 = [300, 0, 129, 1000, 7], 700, 7
-    offs = offsets_from(counts)
-    lst = ft.task_list(offs, tokens, 128, n1=2, n1s=2, n2=n2, shared=True, sum_groups=groups)
-    tail = [t for t in lst if t[0] in (ft.R2, ft.SUM)]
-    mts = [-(-c // 128) for c in counts]
-    m_sh = -(-tokens // 128)
-    first = {}  # routed m-tile index of each expert's first m-tile
-    for e, m in enumerate(mts):
-        first[e] = sum(mts[:e])
-    for lin, task in enumerate(tail):
-        phase, a, n_tile, m, row0 = _summed_decode(lin, m_sh, n2, mts, tokens, groups)
-        if phase == ft.R2:
-            assert task[0] == ft.R2 and (task[1], task[2], task[5]) == (a, n_tile, first[a] + m), (lin, task)
-        else:
-            assert task == (ft.SUM, -1, a, row0, min(128, tokens - row0), a), (lin, task)
-    w, count = ft.column_groups(n2, groups)
-    assert len(tail) == sum(mts) * n2 + count * m_sh
-    assert sorted(t[2] for t in tail if t[0] == ft.SUM) == sorted(g for g in range(count) for _ in range(m_sh))
-
-
-@pytest.mark.parametrize("name", sorted(ROUTINGS))
-@pytest.mark.parametrize("gather", ["comm", "bg", "direct"])
-def test_summed_schedule_completes(name, gather):
-    """The summed list: a SUM task waits for its column group's S2 / R2 tiles (all earlier in the list), never
-    deadlocks, and sums every (token chunk, column group) once, down to one CTA, one group and more groups
-    than n-tiles."""
-    for e, tokens in ((1, 300), (8, 1000), (16, 129)):
-        offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
-        for groups in (1, 2, 3, 9):
-            for gemm, comm in ((1, 1), (7, 2), (3, 40)):
-                ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=5, shared=name != "ragged", gemm_ctas=gemm,
-                            comm_ctas=comm, seed=gemm + groups, ring=4 if gather == "bg" else None,
-                            band=4 if gather == "bg" else None, gather=gather, sum_groups=groups)
-
-
-def test_summed_mirror_is_not_vacuous(monkeypatch):
-    """A SUM task placed before its group's last R2 tile (the group's SUM tasks moved to the list's front of the
-    tail) deadlocks in the mirror; a SUM task waiting for one tile too few would be caught by its target."""
-    real = ft._summed_r2
-
-    def sums_first(*a):
-        out = real(*a)
-        return [t for t in out if t[0] == ft.SUM] + [t for t in out if t[0] != ft.SUM]
-    monkeypatch.setattr(ft, "_summed_r2", sums_first)
-    with pytest.raises(AssertionError, match="deadlock"):
-        ft.simulate(offsets_from([300, 200]), 100, 128, n1=2, n1s=1, n2=3, shared=True, gemm_ctas=1, comm_ctas=1,
-                    sum_groups=2)  # two CTAs, each holding a SUM task whose tiles are later in the list
-    assert ft.group_target(1, 7, 3, 10, 4) == (10 + 4) * 3 and ft.group_target(2, 7, 3, 10, 4) == (10 + 4) * 1
-
-
-def test_summed_variant_compiles():
-    """The summed variant (bf16 and with the direct gather) compiles with 0 spills and no serialized wgmma and has the
-    SUM tasks' slot-row copies; EP refuses it; the SUM tasks' cp.async batch (epilogue buffer) fits whatever batch the
-    B stages' check lets through."""
-    from mok_cute.kernels.sm90 import fused_moe as fm
-
-    copies = "cp.async.cg.shared.global"
-    plain = fm.compile_fused_forward(True, True, inspect=True)[1].ptx.count(copies)
-    for gather in (None, "direct"):
-        _, rep = fm.compile_fused_forward(True, True, gather=gather, summed=True, inspect=True)
-        assert rep.total_spill_bytes == 0 and "serialized" not in rep.log
-        if gather is None:  # the SUM tasks' slot-row copies replace the end's (a role decoding the plain list, as the
-            assert rep.ptx.count(copies) == plain  # consumers once did, drops the SUM code: 8 copies fewer)
-    with pytest.raises(ValueError, match="EP = 1 only"):
-        fm.FusedMoeFwdSm90(True, True, ep=True, summed=True)
-    op = fm.FusedMoeFwdSm90(True, True, summed=True, sum_batch=16)  # the largest batch the B stages take
-    assert 16 * (fm.NUM_THREADS - fm.THREADS_PER_WG) * 16 <= op.swiglu.smem_elems() * 2  # fits the SUM tasks' buffer
-
-
-def test_sum_groups_env(monkeypatch):
-    """MOK_CUTE_SUM_GROUPS picks the summed list's column groups (0, the default: the plain list)."""
-    from mok_cute.kernels.sm90 import fused_moe as fm
-
-    monkeypatch.delenv("MOK_CUTE_SUM_GROUPS", raising=False)
-    assert fm.sum_groups() == 0
-    monkeypatch.setenv("MOK_CUTE_SUM_GROUPS", "4")
-    assert fm.sum_groups() == 4 and ft.column_groups(28, 4) == (7, 4) and ft.column_groups(3, 4) == (1, 3)
-    assert ft.column_groups(28, 8) == (4, 7)  # 4 n-tiles per group
-
-
-def test_every_role_decodes_the_same_list():
-    """Every role of the fused forward that walks the task ids (producer warp, direct warps 1-3, consumers) decodes
-    them with the same list (the summed layout passed to each ``tasks.task`` call): a role decoding the plain list
-    desynchronizes the pipeline (the summed list's first device run hung so)."""
-    import inspect
-
-    from mok_cute.kernels.sm90 import fused_moe as fm
-
-    calls = re.findall(r"tasks\.task\((.*?)\)\n", inspect.getsource(fm.FusedMoeFwdSm90), re.S)
-    assert len(calls) == 3 and all(c.replace(" ", "").replace("\n", "").endswith(",summed") for c in calls), calls
-
-
+# ---------------------------------------------------------------- the device decodes, run on the host
 @functools.cache
-def _host_decoder(summed: bool):
+def _host_decoder():
     """``fused_tasks.task`` (the device decode the fused forward's roles run) compiled as a host function: decodes
     the ids ``start, start + step, ..`` below ``n_tasks`` into ``out`` [n_tasks, 6] (phase, expert, n_tile, row0,
     rows, mt), carrying its cursors as a CTA does."""
@@ -633,43 +507,36 @@ def _host_decoder(summed: bool):
 
     @cute.jit
     def decode(out: cute.Tensor, offsets: cute.Tensor, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32,
-               n2: Int32, tokens: Int32, band: Int32, n_tasks: Int32, sum_w: Int32, groups: Int32, m_routed: Int32,
-               start: Int32, step: Int32):
+               n2: Int32, tokens: Int32, band: Int32, n_tasks: Int32, start: Int32, step: Int32):
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        layout = None
-        if cutlass.const_expr(summed):
-            layout = (sum_w, groups, m_routed)
         for t in cutlass.range(start, n_tasks, step, unroll=1):
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = ft.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2,
-                layout)
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2)
             for i, v in enumerate((phase, expert, n_tile, row0, rows, mt)):
                 out[t, i] = v
     return decode
 
 
-@pytest.mark.parametrize("groups", [None, 1, 2, 3, 7])
 @pytest.mark.parametrize("shared", [False, True])
-def test_device_decode_matches_the_mirror(groups, shared):
-    """The device decode itself (run on the host) walks the task list of the pure-Python mirror, plain and summed,
-    in list order and along a CTA's strided ids (its cursors only move forward, across column groups)."""
+def test_device_decode_matches_the_mirror(shared):
+    """The device decode itself (run on the host) walks the task list of the pure-Python mirror (R1 in bands), in
+    list order and along a CTA's strided ids (its cursors only move forward)."""
     from cutlass import Int32
     from cutlass.cute.runtime import from_dlpack
 
     counts, tokens, n1, n1s, n2, band = [300, 0, 129, 1000, 7, 128], 700, 3, 2, 5, 2
     offs = offsets_from(counts)
-    lst = ft.task_list(offs, tokens, 128, n1, n1s if shared else 0, n2, shared, band, groups)
+    lst = ft.task_list(offs, tokens, 128, n1, n1s if shared else 0, n2, shared, band)
     m_sh = -(-tokens // 128)
     m_routed = len(ft.mtile_rows(offs, 128))
-    w, count = ft.column_groups(n2, groups) if groups else (0, 0)
     n_s1 = m_sh * n1s if shared else 0
     n_s2 = m_sh * n2 if shared else 0
-    decode = _host_decoder(groups is not None)
+    decode = _host_decoder()
     for start, step in ((0, 1), (1, 7), (5, 131), (2, 3)):
         out = torch.full((len(lst), 6), -7, dtype=torch.int32)
-        decode(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)), Int32(n_s1), Int32(m_routed * n1), Int32(n_s2),
-               Int32(m_sh), Int32(n1), Int32(n2), Int32(tokens), Int32(band), Int32(len(lst)), Int32(w),
-               Int32(count), Int32(m_routed), Int32(start), Int32(step))
+        decode(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)), Int32(n_s1), Int32(m_routed * n1),
+               Int32(n_s2), Int32(m_sh), Int32(n1), Int32(n2), Int32(tokens), Int32(band), Int32(len(lst)),
+               Int32(start), Int32(step))
         for t in range(start, len(lst), step):
             phase, expert, n_tile, row0, rows, mt = out[t].tolist()
             want = lst[t]

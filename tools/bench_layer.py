@@ -116,7 +116,7 @@ def torch_layer(x, idx, topk_w, w1, wd, shared, limit):
 
 def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None = None, band: int | None = None,
           bwd: str | None = None, activations: str = "save", bwd_comm: int | None = None, gather: str | None = None,
-          gather_mx: str | None = None, groups: int | None = None):
+          gather_mx: str | None = None):
     import mok_cute
 
     mb = {} if minibatch is None else {"minibatch_tokens": minibatch}
@@ -136,10 +136,6 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = mode
-        if groups is None:  # the library's default list
-            os.environ.pop("MOK_CUTE_SUM_GROUPS", None)
-        else:
-            os.environ["MOK_CUTE_SUM_GROUPS"] = str(groups)
         if band is None:
             os.environ.pop("MOK_CUTE_RING_BAND", None)
         else:
@@ -185,7 +181,7 @@ def traced_bwd(fn, dy, path: str) -> dict:
 
 
 def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibatches=(None,), bands=(), refs=True,
-              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False, rounds=3, gathers=(), sums=()):
+              bwds=(), recompute=False, trace_bwd=None, bwd_comms=(), tiles=False, rounds=3, gathers=()):
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, skew, dev, seed=11)
     w1 = torch.cat(ws[:2], 1).detach()
     leaves = [x, w, *ws, *sh, w1]
@@ -205,14 +201,6 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     for g in gathers:  # the forward's other gathers (MOK_CUTE_GATHER): the measured choice
         for c in comms:
             impls[f"fused c{c} gather {g}"] = lambda c=c, g=g: _ours(True, c, minibatch=mb0, gather=g)(x, idx, w, ws, sh)
-    for g in sums:  # the summed list (MOK_CUTE_SUM_GROUPS): the slot sum as tasks beside GEMM2
-        impls[f"fused c{comms[0]} sum{g}"] = lambda g=g: _ours(True, comms[0], minibatch=mb0, groups=g)(x, idx, w, ws, sh)
-        for gt in gathers:
-            impls[f"fused c{comms[0]} sum{g} gather {gt}"] = lambda g=g, gt=gt: _ours(
-                True, comms[0], minibatch=mb0, groups=g, gather=gt)(x, idx, w, ws, sh)
-        if mx:
-            impls[f"fused mxfp8 c{comms[0]} sum{g}"] = lambda g=g: _ours(True, comms[0], "mxfp8", minibatch=mb0,
-                                                                         groups=g)(x, idx, w, ws, sh)
     for b in bands:
         impls[f"fused c{comms[0]}{'' if mb0 is None else f' m{mb0}'} band{b}"] = (
             lambda b=b: _ours(True, comms[0], minibatch=mb0, band=b)(x, idx, w, ws, sh))
@@ -298,16 +286,13 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
     os.environ.pop("MOK_CUTE_FUSED_BWD", None)
     os.environ.pop("MOK_CUTE_RING_BAND", None)
     os.environ.pop("MOK_CUTE_GATHER", None)
-    os.environ.pop("MOK_CUTE_SUM_GROUPS", None)
-    if trace:  # the default gather, then each other --gather, then each --sum-groups
-        for g, sg in [(None, None), *((g, None) for g in gathers), *((None, n) for n in sums)]:
-            path = trace.replace(".json", "".join(f"_{a}" for a in (g, sg and f"sum{sg}") if a) + ".json")
-            s = traced(lambda g=g, sg=sg: _ours(True, comms[-1], minibatch=mb0, gather=g, groups=sg)(x, idx, w, ws, sh),
-                       path)
+    if trace:  # the default gather, then each other --gather
+        for g in (None, *gathers):
+            path = trace if g is None else trace.replace(".json", f"_{g}.json")
+            s = traced(lambda g=g: _ours(True, comms[-1], minibatch=mb0, gather=g)(x, idx, w, ws, sh), path)
             os.environ.pop("MOK_CUTE_GATHER", None)
-            os.environ.pop("MOK_CUTE_SUM_GROUPS", None)
             per = {kd: f"{s['busy_us'][kd]:.0f} us / {n} = {s['busy_us'][kd] / n:.1f}" for kd, n in s["tasks"].items()}
-            print(f"[trace] c{comms[-1]} gather {g or 'default'} sum groups {sg or 0} {path}: span {s['span_us']:.0f} us, scheduler share "
+            print(f"[trace] c{comms[-1]} gather {g or 'default'} {path}: span {s['span_us']:.0f} us, scheduler share "
                   f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, per kind busy / tasks = us per task: {per}",
                   flush=True)
     if trace_bwd:
@@ -351,8 +336,6 @@ def main() -> int:
     ap.add_argument("--gather", default="",
                     help="extra fused rows per --comm value at these MOK_CUTE_GATHER modes (bg, staged, regs, direct); "
                          "with --mx, regs / direct also add the MXFP8 row with that MOK_CUTE_GATHER_MX")
-    ap.add_argument("--sum-groups", default="", help="extra fused rows with the summed list at these "
-                    "MOK_CUTE_SUM_GROUPS values (with each --gather too; with --mx an MXFP8 row each)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     comms = [int(c) for c in args.comm.split(",")]
@@ -367,7 +350,7 @@ def main() -> int:
                            bwds=[b.strip() for b in args.bwd.split(",") if b.strip()], recompute=args.recompute,
                            trace_bwd=args.trace_bwd if i == 0 else None, gathers=[g for g in args.gather.split(",") if g],
                            bwd_comms=[int(c) for c in args.bwd_comm.split(",") if c], tiles=args.tiles,
-                           rounds=args.rounds, sums=[int(g) for g in args.sum_groups.split(",") if g])
+                           rounds=args.rounds)
         torch.cuda.empty_cache()
     print(f"\n== bench_layer on {torch.cuda.get_device_name(dev)} (EP = 1, BF16) ==")
     print("| shape | impl | fwd us | fwd vs torch | fwd TF/s | fwd+bwd us | f+b vs torch | f+b TF/s | "

@@ -2,9 +2,8 @@
 # The fused forward's device session on one H200 (issue 12), from the repo root, one device call per step
 # (each fits the 10-minute limit):
 #   source .gpu-node/activate.sh && bash tools/device_fwd.sh check    # then: ... bash tools/device_fwd.sh bench
-# check: fused_summed first (the summed list, MOK_CUTE_SUM_GROUPS, bitwise the plain list; a hard 150 s limit so
-# that a hang costs little), then fused_fwd (the default, direct and MXFP8 rows). bench: bench_layer with the summed
-# rows (FWD_BENCH: its arguments). One process per check; logs in $OUT (or /tmp/mok-out); the summary prints last.
+# check: fused_fwd (the default, direct and MXFP8 rows). bench: bench_layer (FWD_BENCH: its arguments).
+# Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/mok-out}
@@ -12,15 +11,11 @@ mkdir -p "$out"
 : > "$out/summary.txt"
 for step in ${*:-check}; do
     if [ "$step" = check ]; then
-        timeout -s KILL 150 python3 tools/gpu_check.py fused_summed > "$out/check_fused_summed.log" 2>&1
-        echo "gpu_check fused_summed rc=$?" >> "$out/summary.txt"
         timeout -s KILL 400 python3 tools/gpu_check.py fused_fwd > "$out/check_fused_fwd.log" 2>&1
         echo "gpu_check fused_fwd rc=$?" >> "$out/summary.txt"
-        for c in fused_summed fused_fwd; do
-            grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
-        done
+        grep -A40 "== gpu_check" "$out/check_fused_fwd.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
     elif [ "$step" = bench ]; then
-        timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --sum-groups 2,4,7 --mx --rounds 3 --trace "$out/trace.json"} \
+        timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \
             > "$out/bench_fwd.log" 2>&1
         echo "bench_layer rc=$?" >> "$out/summary.txt"
         grep "^|\|^\[trace\|^\[power" "$out/bench_fwd.log" | cut -c1-700

@@ -150,8 +150,6 @@ def _quant():
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
                 f"-mxfp8-direct@sm_90a"] = (
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="direct", inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-summed@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, summed=True, inspect=True))
             for g in ("staged", "regs", "direct"):  # the other gathers of the bf16 EP = 1 forward (bg is the default)
                 out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-{g}@sm_90a"] = (
                     lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, inspect=True))

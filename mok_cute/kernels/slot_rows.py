@@ -30,14 +30,12 @@ _VEC = 8  # bf16 elements per 16-byte vector
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
              nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mGate: cute.Tensor = None,
-             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None, block=None):
+             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None):
     """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc; ``threads``
     per CTA, all of them here); ``mInit``
     [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
     (with ``mInit``), ``mAdd`` fp32 [T, H] or None; ``mCopy`` [T*k, H] bf16 or None: the slot rows
-    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer).
-    ``block = (t0, nt, c0, cw)``: only tokens ``t0 .. t0 + nt`` and 16-byte columns ``c0 .. c0 + cw``,
-    by this thread group alone (``tidx`` < ``threads``; ``bidx``, ``grid`` unused)."""
+    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer)."""
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
@@ -54,20 +52,9 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
     acc = cute.make_rmem_tensor((_VEC,), Float32)
     ws = cute.make_rmem_tensor((nb,), Float32)
     es = cute.make_rmem_tensor((nb,), Int32)
-    start, stop, step = bidx * threads + tidx, tokens * v, grid * threads
-    if cutlass.const_expr(block is not None):
-        t0, nt, c0, cw = block
-        start, stop, step = tidx, nt * cw, threads
-    for j in cutlass.range(start, stop, step, unroll=1):
-        if cutlass.const_expr(block is None):
-            i = j
-            t = i // v
-            c = i - t * v
-        else:
-            tl = j // cw
-            t = t0 + tl
-            c = c0 + j - tl * cw
-            i = t * v + c
+    for i in cutlass.range(bidx * threads + tidx, tokens * v, grid * threads, unroll=1):
+        t = i // v
+        c = i - t * v
         if cutlass.const_expr(mInit is not None):
             acc.store(s[i, None].load().to(Float32))
         else:

@@ -13,15 +13,6 @@ walk of :mod:`mok_cute.schedule.group_tiles`), except that R1 walks each expert'
 *bands* of ``band`` m-tiles: a band's tiles (n-tile outer, m-tile inner) all come before the
 next band's. ``mt`` numbers the routed m-tiles in expert order (an m-tile's readiness counter).
 
-The summed list (``sum_groups``; EP = 1): GEMM2's n-tiles are cut into column groups of ``w``
-n-tiles (:func:`column_groups`); R2 runs group by group (inside a group the walk above over the
-group's n-tiles) and the slot sum becomes tasks: ``SUM`` (group g, token m-tile m) sums the
-slots of tokens ``m * tile_m ..`` over group g's columns once every S2 and R2 tile of group g is
-stored (``col_done[g]``). Group g's SUM tasks follow group g + 1's R2 tiles (the last group's
-end the list), so they rarely wait, and the slot sum runs beside the GEMM2 tiles instead of
-after them. Each element's sum is the same arithmetic in the same slot order: y is bitwise the
-plain list's.
-
 The ring: the gathered rows live in ``ring`` chunk slots of ``tile_m`` rows; routed m-tile
 ``mt`` is gather chunk ``mt`` and goes to slot ``mt % ring``, so the gather of chunk ``c >= ring``
 first waits until every GEMM1 n-tile of m-tile ``c - ring`` has read the slot. With ``ring >=
@@ -43,27 +34,18 @@ from mok_cute.comm import protocol as P
 from mok_cute.schedule.group_tiles import seek, tile_coords
 from mok_cute.schedule.tickets import run_tickets, strided
 
-S1, R1, S2, R2, SUM = range(5)
-PHASES = ("S1", "R1", "S2", "R2", "SUM")
+S1, R1, S2, R2 = range(4)
+PHASES = ("S1", "R1", "S2", "R2")
 PIECE_ROWS = 32  # rows of a chunk's piece in the background gather (gather="bg"): what gather_ready counts there
 PIECES = 128 // PIECE_ROWS  # pieces per chunk of tile_m = 128 rows
 
 
 # ---------------------------------------------------------------- pure-Python mirror
-def column_groups(n2: int, groups: int) -> tuple[int, int]:
-    """``(w, count)``: GEMM2's ``n2`` n-tiles cut into ``groups`` column groups (at most ``n2``) of
-    ``w`` n-tiles each, the last one possibly narrower; ``count`` groups in all."""
-    w = -(-n2 // max(1, min(groups, n2)))
-    return w, -(-n2 // w)
-
-
 def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
-              band: int | None = None, sum_groups: int | None = None) -> list[tuple]:
+              band: int | None = None) -> list[tuple]:
     """Every task in list order: ``(phase, expert, n_tile, row0, rows, mt)`` (shared phases:
     expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index); R1 in bands
-    of ``band`` m-tiles per expert (None: one band per expert); ``sum_groups``: the summed list
-    (module doc), a SUM task being ``(SUM, -1, g, row0, rows, g)`` (tokens ``row0 ..``, column
-    group g)."""
+    of ``band`` m-tiles per expert (None: one band per expert)."""
     offs = [int(o) for o in offsets]
     m_sh = -(-tokens // tile_m)
     routed = []  # (expert, m_tile, row0, rows, mt) in expert order
@@ -80,36 +62,12 @@ def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, sha
             by_expert: dict[int, list] = {}
             for r in routed:
                 by_expert.setdefault(r[0], []).append(r)
-            if phase == R2 and sum_groups:
-                out += _summed_r2(by_expert, n, tokens, tile_m, m_sh, sum_groups)
-                continue
             for e in sorted(by_expert):
                 mts = by_expert[e]
                 width = len(mts) if phase == R2 or band is None else band
                 for b in range(0, len(mts), width):
                     out += [(phase, e, nt, row0, rows, mt) for nt in range(n) for (_, row0, rows, mt) in mts[b:b + width]]
     return out
-
-
-def _summed_r2(by_expert: dict, n2: int, tokens: int, tile_m: int, m_sh: int, groups: int) -> list[tuple]:
-    """The summed list's tail (module doc): R2 group by group, group g - 1's SUM tasks after group g's tiles."""
-    w, count = column_groups(n2, groups)
-    sums = lambda g: [(SUM, -1, g, m * tile_m, min(tile_m, tokens - m * tile_m), g) for m in range(m_sh)]  # noqa: E731
-    out = []
-    for g in range(count):
-        for e in sorted(by_expert):
-            out += [(R2, e, nt, row0, rows, mt) for nt in range(g * w, min(n2, (g + 1) * w))
-                    for (_, row0, rows, mt) in by_expert[e]]
-        if g:
-            out += sums(g - 1)
-    return out + sums(count - 1)
-
-
-def group_target(g: int, n2: int, groups: int, m_routed: int, m_shared: int) -> int:
-    """Tiles a SUM task of column group g waits for: every S2 (``m_shared`` token m-tiles, 0 without a shared
-    expert) and R2 (``m_routed`` routed m-tiles) tile of the group's n-tiles."""
-    w, _ = column_groups(n2, groups)
-    return (m_routed + m_shared) * (min(n2, (g + 1) * w) - g * w)
 
 
 def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
@@ -119,13 +77,11 @@ def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
             for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
 
 
-def needs(task: tuple, n1: int, n1s: int, units: int = 1, col=None) -> list[tuple[str, int, int]]:
+def needs(task: tuple, n1: int, n1s: int, units: int = 1) -> list[tuple[str, int, int]]:
     """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk: ``units``
     publications, :data:`PIECES` with the background gather), ``h`` (routed m-tile: n1 GEMM1 tiles),
-    ``sh`` (shared m-tile: n1s tiles), ``col`` (SUM of column group g: ``col(g)`` GEMM2 tiles)."""
+    ``sh`` (shared m-tile: n1s tiles)."""
     phase, mt = task[0], task[5]
-    if phase == SUM:
-        return [("col", mt, col(mt))]
     if phase == R1:
         return [("gather", mt, units)]
     if phase == R2:
@@ -135,18 +91,15 @@ def needs(task: tuple, n1: int, n1s: int, units: int = 1, col=None) -> list[tupl
     return []
 
 
-def publishes(task: tuple, w: int | None = None) -> tuple[str, int]:
-    """The counter a finished task bumps by one: ``(counter, index)`` (``w``: the summed list's column-group
-    width, S2 / R2 tiles count in their group's ``col``; a SUM task's own key is never waited for)."""
-    phase, _, n_tile, _, _, mt = task
-    if w and phase in (S2, R2):
-        return ("col", n_tile // w)
-    return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0), SUM: ("summed", mt)}[phase]
+def publishes(task: tuple) -> tuple[str, int]:
+    """The counter a finished task bumps by one: ``(counter, index)``."""
+    phase, _, _, _, _, mt = task
+    return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0)}[phase]
 
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
              comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None,
-             gather: str = "comm", sum_groups: int | None = None) -> int:
+             gather: str = "comm") -> int:
     """Run the fused forward's schedule on the host as the kernel runs it
     (:func:`~mok_cute.schedule.tickets.run_tickets`): comm CTA ``c`` gathers chunks ``c, c +
     comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i - ring`` has all its GEMM1
@@ -155,20 +108,15 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     ring); the later chunks go in :data:`PIECES` pieces, piece q to the background warps of CTA
     ``q % (comm_ctas + gemm_ctas)`` (each piece once its slot is free), and an R1 tile waits for
     all of its chunk's pieces. ``gather="direct"``: no ring and no gather, every CTA claims tickets
-    from the start and an R1 tile waits for nothing (its producer warpgroup reads x's rows).
-    ``sum_groups``: the summed list (module doc; its SUM tasks are tickets like the tiles). Returns
+    from the start and an R1 tile waits for nothing (its producer warpgroup reads x's rows). Returns
     the number of rounds; AssertionError on a deadlock or a missing publication."""
-    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band, sum_groups)
-    w = column_groups(n2, sum_groups)[0] if sum_groups else None
-    m_routed = len(mtile_rows(offsets, tile_m))
-    col = lambda g: group_target(g, n2, sum_groups, m_routed, -(-tokens // tile_m) if shared else 0)  # noqa: E731
-    pub = lambda t: publishes(t, w)  # noqa: E731
+    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
     if gather == "direct":
-        wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s, col=col)  # noqa: E731
-        rounds, count = run_tickets(tasks, wants, pub, [], comm_ctas + gemm_ctas, seed)
-        _check_sum(tasks, count, sum_groups)
+        wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s)  # noqa: E731
+        rounds, count = run_tickets(tasks, wants, publishes, [], comm_ctas + gemm_ctas, seed)
+        assert count.get(("done", 0), 0) == sum(t[0] in (S2, R2) for t in tasks), "slot sum would wait forever"
         return rounds
-    chunks = m_routed
+    chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
     slot_free = lambda c: [("h", c - ring, n1)] if c >= ring else []  # noqa: E731
     units, background = 1, []
@@ -178,21 +126,11 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
         pieces = [(slot_free(c), ("gather", c)) for c in range(fill, chunks) for _ in range(PIECES)]
         background = strided(pieces, comm_ctas + gemm_ctas)
     gathers = [(slot_free(c), ("gather", c)) for c in range(fill) for _ in range(units)]
-    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s, units, col), pub,
+    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s, units), publishes,
                                 strided_chunks(gathers, comm_ctas, units), gemm_ctas, seed, background)
-    _check_sum(tasks, count, sum_groups)
+    gemm2 = sum(t[0] in (S2, R2) for t in tasks)
+    assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
     return rounds
-
-
-def _check_sum(tasks: list, count: dict, sum_groups: int | None) -> None:
-    """The slot sum can run: every GEMM2 tile counted in ``done`` (plain list), or every SUM task of the summed
-    list ran (the waits were met) and every column of every token chunk was summed exactly once."""
-    if not sum_groups:
-        assert count.get(("done", 0), 0) == sum(t[0] in (S2, R2) for t in tasks), "slot sum would wait forever"
-        return
-    sums = [(t[2], t[3]) for t in tasks if t[0] == SUM]
-    assert len(set(sums)) == len(sums) and not count.get(("done", 0)), "a slot-sum block twice, or a stray done"
-    assert sum(count.get(("summed", g), 0) for g in {g for g, _ in sums}) == len(sums)
 
 
 def strided_chunks(jobs: list, ctas: int, units: int) -> list[list]:
@@ -310,12 +248,11 @@ def _unset():
 @cute.jit
 def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
          num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
-         e2: Int32, b2: Int32, summed=None):
+         e2: Int32, b2: Int32):
     """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (``n_s1``,
     ``n_r1``, ``n_s2``: tasks of the first three phases; R1 in bands of ``band`` m-tiles). The
     routed phases advance their own cursor ``(e, b)`` of
-    :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow). ``summed``: the
-    summed list's ``(w, groups, m_routed)`` (:func:`summed_task`; its R2 cursor ``b2`` counts m-tiles)."""
+    :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
     phase, expert, n_tile, row0, rows, mt = _unset()
     if t < n_s1:
         phase = Int32(S1)
@@ -335,14 +272,10 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
         n_tile = lin // m_sh
     else:
         lin = t - n_s1 - n_r1 - n_s2
-        if cutlass.const_expr(summed is None):
-            e2, b2 = seek(offsets, num_experts, tile_m, n2, lin, e2, b2)
-            expert = e2
-            m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
-            mt = b2 // n2 + m_tile
-        else:
-            phase, expert, n_tile, row0, rows, mt, e2, b2 = summed_task(lin, m_sh, n2, offsets, num_experts, tokens,
-                                                                        tile_m, e2, b2, *summed)
+        e2, b2 = seek(offsets, num_experts, tile_m, n2, lin, e2, b2)
+        expert = e2
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
+        mt = b2 // n2 + m_tile
     if phase == S1 or phase == S2:
         row0 = mt * tile_m
         rows = cutlass.min(tokens - row0, tile_m)
@@ -350,57 +283,11 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
 
 
 @cute.jit
-def summed_task(lin: Int32, m_sh: Int32, n2: Int32, offsets: cute.Tensor, num_experts: Int32, tokens: Int32,
-                tile_m: cutlass.Constexpr[int], e2: Int32, b2: Int32, w: Int32, groups: Int32, m_routed: Int32):
-    """``(phase, expert, n_tile, row0, rows, mt, e2, b2)`` of the summed list's tail task ``lin`` (past S2;
-    :func:`task_list` with ``sum_groups``): R2 of group g is the block ``R(g) ..`` of ``A_g = m_routed * w_g``
-    tiles (``R(0) = 0``, ``R(g) = A + (g - 1) (A + m_sh)``), then group g - 1's ``m_sh`` SUM tasks, the
-    last group's after them (a SUM task: tokens ``m * tile_m ..`` in ``row0, rows``, its group in ``n_tile``
-    and ``mt``). The R2 cursor ``(e2, b2)`` keeps its base in m-tiles (the same for every group's width)
-    and restarts when ``lin`` falls below it in a new group."""
-    phase, expert, n_tile, row0, rows, mt = _unset()
-    a = m_routed * w
-    g = Int32(0)
-    if lin >= a:
-        g = cutlass.min(1 + (lin - a) // (a + m_sh), groups - 1)
-    off = lin
-    if g > 0:
-        off = lin - a - (g - 1) * (a + m_sh)
-    wg = cutlass.min(w, n2 - g * w)
-    if off < m_routed * wg:
-        if off < b2 * wg:
-            e2, b2 = Int32(0), Int32(0)
-        e, b = seek(offsets, num_experts, tile_m, wg, off, e2, b2 * wg)
-        e2, b2 = e, b // wg
-        expert = e
-        m_tile, n_local, row0, rows = tile_coords(offsets, tile_m, off, e, b)
-        n_tile = g * w + n_local
-        mt = b2 + m_tile
-    else:
-        phase = Int32(SUM)
-        off = off - m_routed * wg
-        mt = g - 1
-        if g == 0:  # one group: its SUM tasks follow its tiles
-            mt = g
-        elif off >= m_sh:  # the last group's, after group g - 1's
-            mt = g
-            off = off - m_sh
-        n_tile = mt
-        row0 = off * tile_m
-        rows = cutlass.min(tokens - row0, tile_m)
-    return phase, expert, n_tile, row0, rows, mt, e2, b2
-
-
-@cute.jit
-def publish(phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
-            n_tile: Int32 = None, mCols: cute.Tensor = None, w: Int32 = None):
+def publish(phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor):
     """One thread, after a finished task's stores are fenced: bump the counter it publishes
     (:func:`publishes`: ``sh_ready[mt]`` after S1, ``h_ready[mt]`` after R1, ``done`` after S2 /
-    R2; with ``mCols`` (the summed list) ``col_done[n_tile // w]`` after S2 / R2) by one, a release
-    add at GPU scope. A SUM task publishes nothing."""
+    R2) by one, a release add at GPU scope."""
     counter = mDone.iterator
-    if cutlass.const_expr(mCols is not None):
-        counter = mCols.iterator + n_tile // w
     if phase == R1:
         counter = mHready.iterator + mt
     if phase == S1:

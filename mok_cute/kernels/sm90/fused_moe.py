@@ -27,10 +27,6 @@ One kernel runs the whole layer after the routing plan, with the SMs split into
    ``acc = fp32(s_out[t])`` (0 without a shared expert) then ``acc = acc + w[t, j] *
    fp32(slot_out[t*k + j])`` for the slots ``j`` in order whose expert id is >= 0 (separate
    ``mul.rn`` / ``add.rn``, the reference's rounding).
-   The summed variant (``summed``, EP = 1): the slot sum is tasks of the list instead, per
-   (GEMM2 column group, 128 tokens), each waiting for its group's GEMM2 tiles (``col_done``) and
-   run by the consumer warpgroups through the epilogue buffer, so it overlaps the later groups'
-   GEMM2 tiles (:mod:`mok_cute.schedule.fused_tasks`); y is bitwise the same.
 
 Deadlock freedom: every task waits only for tasks earlier in the list, each CTA runs its
 tasks in list order, and all CTAs are resident (one CTA per SM, grid <= SMs). Every wait is
@@ -85,12 +81,12 @@ from mok_cute.kernels.sm90.mainloop import (
     acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_tasks as tasks
-from mok_cute.schedule.fused_tasks import PIECE_ROWS, PIECES, R1, R2, S1, S2, SUM
+from mok_cute.schedule.fused_tasks import PIECE_ROWS, PIECES, R1, R2, S1, S2
 from mok_cute.schedule.group_tiles import tiles_over
 
 CHUNK = 128  # rows per gather chunk (= tile_m)
 # wait channels recorded in status on a timeout (after the comm protocol's own)
-GATHER, H_READY, SH_READY, DONE, RING, COLS = 16, 17, 18, 19, 20, 21
+GATHER, H_READY, SH_READY, DONE, RING = 16, 17, 18, 19, 20
 PROGRESS_WORDS = 4  # per CTA in the progress variant: producer, consumers, CTA, slot sum (see _mark)
 PROGRESS_STATES = (  # per word, what each code the kernel's _mark calls write means
     {1: "claimed", 2: "inputs ready", 3: "loaded", 4: "stop handed off", 5: "EMPTY done", 6: "tail done",
@@ -116,7 +112,7 @@ class FusedMoeFwdSm90:
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), summed: bool = False):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig()):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
@@ -135,9 +131,6 @@ class FusedMoeFwdSm90:
         if self.direct and ep:
             raise ValueError("gather 'direct' reads x's token rows: EP = 1 only")
         self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
-        if summed and ep:
-            raise ValueError("summed (the slot sum as tasks) is EP = 1 only")
-        self.summed = summed  # the summed task list (its column-group width a launch argument, ``sum_w``)
         # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
         self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
@@ -158,9 +151,8 @@ class FusedMoeFwdSm90:
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
                  mW: cute.Tensor, mGate: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 mStatus: cute.Tensor, mTrace: cute.Tensor, mCols: cute.Tensor, k: Int32, limit: Float32,
-                 comm_ctas: Int32,
-                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, sum_w: Int32, mPeer: cute.Tensor, mWrows: cute.Tensor,
+                 mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
+                 num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor,
                  mSlotCopy: cute.Tensor, me: Int32,
                  n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64, epoch_pull: Int32,
                  epoch_push: Int32, stream: cuda.CUstream):
@@ -184,7 +176,7 @@ class FusedMoeFwdSm90:
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
                     mGather,
                     mHready,
-                    mShready, mDone, mStatus, mTrace, mCols, k, limit, comm_ctas, ring, band, timeout_ns, sum_w, mPeer, mWrows, mSlotCopy, me, n_ranks,
+                    mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, mSlotCopy, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -201,9 +193,8 @@ class FusedMoeFwdSm90:
                mY: cute.Tensor, mOrder: cute.Tensor,
                mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
-               mTrace: cute.Tensor, mCols: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32,
-               band: Int32,
-               timeout_ns: Int64, sum_w: Int32, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
+               mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
+               timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
                w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
@@ -242,11 +233,6 @@ class FusedMoeFwdSm90:
             n_s2 = m_sh * n2
         n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
         gemm2_tiles = n_s2 + mt_routed * n2
-        summed = None  # the summed list: (column-group width, groups, routed m-tiles), the slot sum as its tasks
-        if cutlass.const_expr(self.summed):  # sum_w: n-tiles per column group (tasks.column_groups)
-            groups = (n2 + (sum_w - 1)) // sum_w
-            summed = (sum_w, groups, mt_routed)
-            n_tasks = n_tasks + groups * m_sh
         fill = mt_routed  # chunks the comm CTAs gather; with bg only the ring's first fill, then warps 1-3 of every CTA
         if cutlass.const_expr(self.bg):
             fill = cutlass.min(ring, mt_routed)
@@ -273,7 +259,7 @@ class FusedMoeFwdSm90:
                               k2, k2s, ring, band, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
-                              mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k, summed)
+                              mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
             if cutlass.const_expr(self.bg):
                 if warp > 0:
                     self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
@@ -281,18 +267,13 @@ class FusedMoeFwdSm90:
             if cutlass.const_expr(self.direct):
                 if warp > 0:
                     self._produce_rows(pipe, sAu, sB, sTask, tidx, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n2, k1, k2,
-                                       k2s, band, mOffsets, num_experts, tokens, mX, mOrder, k, summed)
+                                       k2s, band, mOffsets, num_experts, tokens, mX, mOrder, k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            sums = None  # the summed list's SUM tasks: (col_done, the epilogue buffer as 16-byte units, y, ...)
-            if cutlass.const_expr(self.summed):
-                sums = (mCols, cute.make_tensor(storage.sC.data_ptr(), cute.make_layout(
-                    (self.sum_batch * (NUM_THREADS - THREADS_PER_WG), _VEC), stride=(_VEC, 1))), mY, mIdx, mW, mGate,
-                    k, hidden, timeout_ns, status)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0], ep, summed, sums)
+                          mGather.shape[0], ep)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -307,17 +288,6 @@ class FusedMoeFwdSm90:
             cute.arch.setmaxregister_increase(route_rows.SUM_REGS)
             if tidx == 32:
                 self._mark(mTrace, bidx, 2, 3, Int32(0))
-        if cutlass.const_expr(not self.summed):  # (the summed list ran its slot sum as tasks)
-            self._slot_sum(tidx, bidx, grid, gemm2_tiles, storage, mSlot, mSout, mY, mIdx, mW, mGate, mSlotCopy,
-                           mDone, mTrace, k, tokens, hidden, timeout_ns, status, ep)
-
-    @cute.jit
-    def _slot_sum(self, tidx: Int32, bidx: Int32, grid: Int32, gemm2_tiles: Int32, storage, mSlot: cute.Tensor,
-                  mSout: cute.Tensor, mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor,
-                  mSlotCopy: cute.Tensor, mDone: cute.Tensor, mTrace: cute.Tensor, k: Int32, tokens: Int32,
-                  hidden: Int32, timeout_ns: Int64, status: cute.Pointer, ep):
-        """Every CTA, after its tasks: once ``done`` counts every GEMM2 tile (EP > 1: and every rank's
-        rows are in this rank's slot buffer), its share of the slot sum through the idle B stages."""
         t0 = persistent.now(self.trace)
         if tidx == 0:
             self._mark(mTrace, bidx, 0, 7, Int32(0))
@@ -496,14 +466,12 @@ class FusedMoeFwdSm90:
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
-                 mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32,
-                 summed=None):
+                 mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
         handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
         rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
-        B; the other tiles' loads add those warps' full-barrier arrivals. ``summed``: the summed
-        list (a SUM task loads nothing)."""
+        B; the other tiles' loads add those warps' full-barrier arrivals."""
         cfg = self.cfg
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
@@ -519,7 +487,7 @@ class FusedMoeFwdSm90:
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2, summed)
+                b2)
             if cutlass.const_expr(not self.direct):
                 if phase == R1:
                     persistent.wait_input(mGather.iterator + mt, Int32(self.gather_units), timeout_ns, status,
@@ -558,12 +526,11 @@ class FusedMoeFwdSm90:
                         state = self.mainloop.load_tile(pipe, state, atom_x, gA, sA, atom_sg, gB, sB, k1,
                                                         atom_b_hi=atom_su, gB_hi=gB_hi, extra_arrivals=extra)
                     else:
-                        if cutlass.const_expr(summed is None):
-                            state = self._load_s2(pipe, state, row0, n_tile, atom_hs, coord_hs, atom_sd, coord_sd, sA,
-                                                  sB, k2s, extra)
-                        elif phase == S2:  # (not a SUM task)
-                            state = self._load_s2(pipe, state, row0, n_tile, atom_hs, coord_hs, atom_sd, coord_sd, sA,
-                                                  sB, k2s, extra)
+                        gA = cute.local_tile(cute.domain_offset((row0, 0), coord_hs), (cfg.tile_m, cfg.tile_k),
+                                             (0, None))
+                        gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
+                        state = self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s,
+                                                        extra_arrivals=extra)
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
             t = persistent.claim(ticket)
@@ -576,15 +543,6 @@ class FusedMoeFwdSm90:
         pipe.producer_tail(state)
         if lead:
             self._mark(mProg, bidx, 0, 6, i)
-
-    @cute.jit
-    def _load_s2(self, pipe, state, row0: Int32, n_tile: Int32, atom_hs, coord_hs, atom_sd, coord_sd, sA, sB,
-                 k2s: Int32, extra: cutlass.Constexpr[int]):
-        """Producer warp: an S2 tile's k-tiles (A = hs rows, B = ws_down's n-tile; ``extra``: see ``load_tile``)."""
-        cfg = self.cfg
-        gA = cute.local_tile(cute.domain_offset((row0, 0), coord_hs), (cfg.tile_m, cfg.tile_k), (0, None))
-        gB = cute.local_tile(coord_sd[(None, None, 0)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-        return self.mainloop.load_tile(pipe, state, atom_hs, gA, sA, atom_sd, gB, sB, k2s, extra_arrivals=extra)
 
     @cute.jit
     def _load_rows(self, pipe, state, tid: Int32, row0: Int32, rows: Int32, sAu: cute.Tensor, mX: cute.Tensor,
@@ -600,10 +558,10 @@ class FusedMoeFwdSm90:
     def _produce_rows(self, pipe, sAu: cute.Tensor, sB: cute.Tensor, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
                       n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, k1: Int32, k2: Int32,
                       k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32,
-                      mX: cute.Tensor, mOrder: cute.Tensor, k: Int32, summed=None):
+                      mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warps 1-3 (direct; ``tid`` 32..127 of the warpgroup): take every task warp 0 hands
         off; copy an R1 tile's share of A rows (:meth:`_load_rows`), walk past the other tiles'
-        k-tiles (warp 0 arrives for them; a SUM task has none)."""
+        k-tiles (warp 0 arrives for them)."""
         state = self.mainloop.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         i = Int32(0)
@@ -612,11 +570,11 @@ class FusedMoeFwdSm90:
             i += 1
             phase, _, _, row0, rows, _, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2, summed)
+                b2)
             if phase == R1:
                 state = self._load_rows(pipe, state, tid, row0, rows, sAu, mX, mOrder, k, k1)
             else:
-                for _ in cutlass.range(_k_tiles(phase, k1, k2, k2s, summed is not None), unroll=1):
+                for _ in cutlass.range(_k_tiles(phase, k1, k2, k2s), unroll=1):
                     state.advance()
             t = persistent.take(sTask, i, self.handoff)
 
@@ -626,12 +584,10 @@ class FusedMoeFwdSm90:
                  k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, summed=None, sums=None):
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep):
         """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
-        its slot buffer of the previous step (FREE >= epoch - 1). ``summed`` / ``sums``: the summed
-        list, whose GEMM2 tiles count in their column group's ``col_done`` and whose SUM tasks run
-        :meth:`_sum_task`."""
+        its slot buffer of the previous step (FREE >= epoch - 1)."""
         thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
         state = self.mainloop.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -644,110 +600,56 @@ class FusedMoeFwdSm90:
             i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2, summed)
+                b2)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
-            frags = (thr_mma, tCrA, tCrB, acc, sC)
-            outs = (mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone)
-            task_at = (phase, n_tile, row0, rows, mt, t, t0)
-            if cutlass.const_expr(summed is None):
-                state, freed = self._tile(pipe, state, freed, tid, frags, outs, task_at, k1, k2, k2s, limit, mTrace,
-                                          bidx, trace_base, ep, summed, sums)
-            elif phase == SUM:
-                self._sum_task(tid, row0, rows, mt, n2, m_sh, mSlot, mSout, tokens, summed, sums, mTrace,
-                               trace_base + t, t0, bidx, t)
+            state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
+            if tid == 0:
+                self._mark(mTrace, bidx, 1, 2, t)
+            acc_to_smem(thr_mma, acc, sC)
+            consumer_barrier()
+            et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+            if phase == R1:
+                self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+            elif phase == R2:
+                if cutlass.const_expr(self.ep):
+                    if freed == 0:
+                        if tid == 0:
+                            ep.wait_free()
+                        consumer_barrier()
+                        freed = Int32(1)
+                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail)
             else:
-                state, freed = self._tile(pipe, state, freed, tid, frags, outs, task_at, k1, k2, k2s, limit, mTrace,
-                                          bidx, trace_base, ep, summed, sums)
+                if cutlass.const_expr(self.shared):
+                    if phase == S1:
+                        self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                    else:
+                        self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+            if tid == 0:
+                self._mark(mTrace, bidx, 1, 3, t)
+            P.fence_stores(self.ep)  # this thread's stores (EP > 1: into peers too) before the CTA's release
+            consumer_barrier()
+            if tid == 0:
+                tasks.publish(phase, mt, mDone, mHready, mShready)
+                if cutlass.const_expr(self.trace):
+                    persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
+                self._mark(mTrace, bidx, 1, 4, t)
             t = persistent.take(sTask, i, self.handoff)
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
 
-    @cute.jit
-    def _tile(self, pipe, state, freed: Int32, tid: Int32, frags, outs, task_at, k1: Int32, k2: Int32, k2s: Int32,
-              limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, summed, sums):
-        """Consumer warpgroups, a GEMM task: MMA its tile, run its epilogue, publish it (``frags``: the
-        MMA's fragments and the epilogue buffer, ``outs``: the output and counter tensors, ``task_at``:
-        the task's coordinates, its id and trace start); returns ``(state, freed)``."""
-        thr_mma, tCrA, tCrB, acc, sC = frags
-        mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone = outs
-        phase, n_tile, row0, rows, mt, t, t0 = task_at
-        state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
-        if tid == 0:
-            self._mark(mTrace, bidx, 1, 2, t)
-        acc_to_smem(thr_mma, acc, sC)
-        consumer_barrier()
-        et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-        if phase == R1:
-            self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
-        elif phase == R2:
-            if cutlass.const_expr(self.ep):
-                if freed == 0:
-                    if tid == 0:
-                        ep.wait_free()
-                    consumer_barrier()
-                    freed = Int32(1)
-            route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail)
-        else:
-            if cutlass.const_expr(self.shared):
-                if phase == S1:
-                    self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
-                else:
-                    self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
-        if tid == 0:
-            self._mark(mTrace, bidx, 1, 3, t)
-        P.fence_stores(self.ep)  # this thread's stores (EP > 1: into peers too) before the CTA's release
-        consumer_barrier()
-        if tid == 0:
-            if cutlass.const_expr(summed is None):
-                tasks.publish(phase, mt, mDone, mHready, mShready)
-            else:
-                tasks.publish(phase, mt, mDone, mHready, mShready, n_tile, sums[0], summed[0])
-            if cutlass.const_expr(self.trace):
-                persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
-            self._mark(mTrace, bidx, 1, 4, t)
-        return state, freed
 
-    @cute.jit
-    def _sum_task(self, tid: Int32, row0: Int32, rows: Int32, g: Int32, n2: Int32, m_sh: Int32, mSlot: cute.Tensor,
-                  mSout: cute.Tensor, tokens: Int32, summed, sums, mTrace: cute.Tensor, record: Int32, t0: Int64,
-                  bidx: Int32, t: Int32):
-        """Consumer warpgroups, a SUM task of the summed list: once column group ``g``'s GEMM2 tiles are
-        stored (``col_done[g]``: its S2 and R2 tiles, bounded wait of thread 0), the slot sum of tokens
-        ``row0 .. row0 + rows`` over the group's columns (:func:`~mok_cute.kernels.slot_rows.slot_sum`'s
-        block, ``sum_batch`` slot rows in flight per thread through the epilogue buffer)."""
-        w, _, m_routed = summed
-        mCols, sbuf, mY, mIdx, mW, mGate, k, hidden, timeout_ns, status = sums
-        wg = cutlass.min(w, n2 - g * w)
-        target = m_routed * wg
-        if cutlass.const_expr(self.shared):
-            target = target + m_sh * wg
-        if tid == 0:
-            P.wait_geq(mCols.iterator + g, target, timeout_ns, status, g, Int32(COLS))
-        consumer_barrier()
-        c0 = g * w * (self.cfg.tile_n // _VEC)
-        cw = cutlass.min(hidden // _VEC - c0, wg * (self.cfg.tile_n // _VEC))
-        slot_rows.slot_sum(tid, Int32(0), Int32(1), mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                           self.sum_batch, NUM_THREADS - THREADS_PER_WG, mGate, block=(row0, rows, c0, cw))
-        consumer_barrier()  # every thread's buffer reads done before the next tile stages into it
-        if tid == 0:
-            if cutlass.const_expr(self.trace):
-                persistent.record(mTrace, record, t0, persistent.now(self.trace), SUM_KIND, bidx, t)
-
-# ---------------------------------------------------------------- compile and launch
 @cute.jit
-def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32, sums: cutlass.Constexpr[bool] = False):
-    """k-tiles of a task of ``phase``: GEMM1 (S1, R1) ``k1``, R2 ``k2``, S2 ``k2s``; with ``sums`` a SUM task's 0."""
+def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32):
+    """k-tiles of a task of ``phase``: GEMM1 (S1, R1) ``k1``, R2 ``k2``, S2 ``k2s``."""
     k_tiles = k1
     if phase == R2:
         k_tiles = k2
     if phase == S2:
         k_tiles = k2s
-    if cutlass.const_expr(sums):
-        if phase == SUM:
-            k_tiles = Int32(0)
     return k_tiles
 
 
+# ---------------------------------------------------------------- compile and launch
 @cute.jit
 def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int64):
     """Thread 0 of a traced fused forward's CTA ``bidx``: its two last records, after the gather
@@ -761,17 +663,16 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False, summed: bool = False):
+                          inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
-    :class:`FusedMoeFwdSm90`; ``summed``: the summed list, :func:`sum_groups`); returns ``(compiled, report)``."""
+    :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather,
-                         summed=summed)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -791,11 +692,9 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
             *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace or progress else None,
-            vec(Int32, cute.sym_int()) if summed else None)
+            vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
-    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), Int32(1),
-                          *ep_args,
+    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1), *ep_args,
                           Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
@@ -840,13 +739,6 @@ def gather_mode_mx() -> str:
     if mode not in ("regs", "bg", "direct"):
         raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs', 'bg' or 'direct', got {mode!r}")
     return mode
-
-
-def sum_groups() -> int:
-    """GEMM2 column groups of the EP = 1 forward's summed list (``MOK_CUTE_SUM_GROUPS``, read at every call; 0:
-    the plain list, whose slot sum runs after every GEMM2 tile): the slot sum runs as tasks beside the later
-    groups' GEMM2 tiles (:mod:`mok_cute.schedule.fused_tasks`), bitwise the same y."""
-    return max(0, int(os.environ.get("MOK_CUTE_SUM_GROUPS", "0")))
 
 
 def ring_band() -> int:
@@ -955,13 +847,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     h = torch.empty((mcap, inter), **bf)
     slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
     y = torch.empty((t, hid), **bf)
-    tn = MainloopConfig().tile_n
-    groups = sum_groups() if ws is None else 0
-    sum_w, n_groups = tasks.column_groups(-(-hid // tn), groups) if groups else (0, 0)  # the summed list's groups
-    counters = torch.zeros(sum(sizes) + COUNTER_WORDS + n_groups, dtype=torch.int32, device=x.device)
-    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS, n_groups]))
-    cols = parts.pop()  # the summed list's col_done [groups] (empty: the plain list)
-    cols = cols if n_groups else None
+    counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
+    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
     if ws is not None:
         parts[-1] = ws.status
     gus = hs = s_out = None
@@ -977,12 +864,13 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     progress = progress_mode() and not trace
     nb = slot_sum_batch()
+    tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather, groups > 0)
+               gate is not None, n_tail, gather)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, summed=groups > 0)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -994,16 +882,14 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     if trace:  # gather chunks, then every possible task, then two per CTA (see the kernel)
         n1s = 0 if shared is None else -(-shared[0].shape[0] // 128)
         m_sh, mt, n2 = sizes[2], sizes[1], -(-hid // 256)
-        n_tasks = m_sh * (n1s + (n2 if shared is not None else 0) + n_groups) + mt * (-(-inter // 128) + n2)
+        n_tasks = m_sh * (n1s + (n2 if shared is not None else 0)) + mt * (-(-inter // 128) + n2)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
-               topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1),
-               cols)
+               topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    key_scalars = (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns, sum_w)
-    scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns),
-               Int32(sum_w))
+    key_scalars = (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns)
+    scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     launcher.launch_tensors(dev, tensors, scalars, key_scalars, (None, None, None, *_NO_EP),
                             None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
     slot = slot if ws is None else slot_copy
@@ -1012,7 +898,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
 
 # ---------------------------------------------------------------- error status
 _WAITS = {GATHER: "gather chunk", H_READY: "h m-tile", SH_READY: "shared h m-tile", DONE: "GEMM2 tiles",
-          RING: "ring slot of m-tile", COLS: "GEMM2 tiles of column group"}
+          RING: "ring slot of m-tile"}
 describe = persistent.describer("fused forward", _WAITS)  # the status words, read by the host later
 
 
