@@ -334,7 +334,7 @@ def test_ep_host_launch(monkeypatch):
     t, h, k, m = 64, 256, 2, 256
     out = fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
                                       num_ctas=66, shared=sh)
-    assert not fake.calls and len(fake.direct) == 1 and keys[0][-1] is True  # (..., n_tail, ep)
+    assert not fake.calls and len(fake.direct) == 1 and keys[0][2:][11] is True  # (..., n_tail, ep, grouped_slots)
     params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
@@ -415,6 +415,79 @@ def test_host_core_consume_writes_dgu_over_gu(monkeypatch):
         assert a["mGU"].data_ptr() == gu.data_ptr() and tuple(a["mDgu3"].shape) == (m, 2, 128)
         ptrs.append(a["mDgu3"].data_ptr())
     assert ptrs[0] != gu.data_ptr() and ptrs[1] == gu.data_ptr()
+
+
+def test_grouped_slots_variant():
+    """The MXFP8 core with the dx rows over dy's grouped rows (``grouped_slots``): 0 spills, the same
+    GEMM work as the scatter variant, different code (D1's plain store, the slot sum's row lookup);
+    refused where dy has another reader or the rows are gathered in the launch."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, inspect=True)[1]
+    scatter = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, inspect=True)[1]
+    _clean(rep)
+    assert rep.ptx != scatter.ptx
+    assert rep.ptx.count("wgmma.mma_async") == scatter.ptx.count("wgmma.mma_async")
+    for bad in (dict(mx=False), dict(mx=True, gather=True)):
+        with pytest.raises(ValueError, match="grouped_slots"):
+            fused_bwd.compile_fused_backward_core(True, True, False, grouped_slots=True, **bad)
+
+
+def test_grouped_rows_reads_the_scattered_rows():
+    """grouped_rows is order's inverse: slot t*k + j's row of the grouped dx rows is the row the
+    scatter would have put at t*k + j (bitwise, on a skewed routing with -1 slots), and 0 where no
+    grouped row exists; the reference slot sum through it equals the one over the scattered rows."""
+    from mok_cute.kernels.sm90.fused_bwd import grouped_rows
+    from mok_cute.layers.grouped import _scatter_slots
+    from mok_cute.reference import slot_sum
+
+    g = torch.Generator().manual_seed(5)
+    t, k, e, h = 97, 4, 6, 16
+    idx = torch.randint(0, e, (t, k), generator=g)
+    idx[::3, 2], idx[11] = -1, -1
+    flat = idx.reshape(-1)
+    order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
+    valid = flat >= 0
+    m = int(valid.sum())
+    rows = grouped_rows(order[:m].to(torch.int32), t * k)
+    assert rows.dtype == torch.int32 and tuple(rows.shape) == (t * k,)
+    assert torch.equal(rows[order[:m]], torch.arange(m, dtype=torch.int32)) and not rows[~valid].any()
+    dxr = torch.randn(t * k, h, generator=g).bfloat16()  # grouped rows, the routes without an expert last
+    scattered = _scatter_slots(dxr, order, valid, t, k)
+    through = dxr[:m][rows.long()].view(t, k, h)
+    assert torch.equal(through[idx >= 0], scattered[idx >= 0])
+    start = torch.randn(t, h, generator=g)
+    assert torch.equal(slot_sum(start, through, idx), slot_sum(start, scattered, idx))
+
+
+def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
+    """fused_backward_core(tokens=, mx=True) (the layer's mode-2 MXFP8 backward): the grouped_slots
+    variant with dy's round trip along H as the slot rows (no [T*k, H] buffer) and the inverse order
+    as mOrder; at BF16 a fresh slot buffer and the order itself."""
+    import inspect
+
+    from mok_cute.kernels.quant import dequant_mxfp8
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens", lambda a, offs, out=None: a.clone() + 1)
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip", lambda a, out=None: a.clone() + 2)
+    t, k, m, h = 100, 2, 200, 256
+    dy, x = torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16)
+    offsets = torch.tensor([0, 50, m], dtype=torch.int32)
+    idx = torch.zeros(t, k, dtype=torch.int32)
+    order = torch.randperm(t * k)
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    for mx in (True, False):
+        fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=mx)
+        a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
+        assert keys[-1][2:][12] is mx  # (..., n_tail, ep, grouped_slots)
+        if mx:
+            assert a["mSlot"].data_ptr() == a["mDy"].data_ptr() and torch.equal(a["mDy"], dy + 2)
+            assert torch.equal(a["mOrder"], fused_bwd.grouped_rows(order.to(torch.int32), t * k))
+        else:
+            assert tuple(a["mSlot"].shape) == (t * k, h) and a["mSlot"].data_ptr() != dy.data_ptr()
+            assert torch.equal(a["mOrder"], order.to(torch.int32))
 
 
 def test_ep_host_launch_mx(monkeypatch):

@@ -5,8 +5,8 @@ sum over each token's (token, slot) rows and a warp's copy of one bf16 row.
   ``gate`` fp32 [T]: ``acc = fp32(init[t]) * gate[t]``, the shared expert's output gate; with
   ``add`` fp32 [T, H]: ``acc = acc + add[t]``, the gate's share of dx), then
   for each slot j in order with ``idx[t*k + j] >= 0``: ``acc = acc + w[t, j] * fp32(slot[t*k + j])``
-  (``w`` None: ``acc + fp32(slot)``), single-rounded fp32 operations: the reference's
-  ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
+  (``w`` None: ``acc + fp32(slot)``; ``row`` given: ``slot[row[t*k + j]]``), single-rounded fp32
+  operations: the reference's ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
   vectors in flight as cp.async copies into ``sbuf`` [nb * threads, 8] bf16 (idle shared
   memory: no register holds them).
 * :func:`copy_row`: one warp copies a bf16 row between global addresses, loads batched.
@@ -30,12 +30,14 @@ _VEC = 8  # bf16 elements per 16-byte vector
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
              nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mGate: cute.Tensor = None,
-             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None):
+             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None, mRow: cute.Tensor = None):
     """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc; ``threads``
     per CTA, all of them here); ``mInit``
     [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
     (with ``mInit``), ``mAdd`` fp32 [T, H] or None; ``mCopy`` [T*k, H] bf16 or None: the slot rows
-    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer)."""
+    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer);
+    ``mRow`` int32 [T*k] or None: slot ``t*k + j``'s row of ``slot`` is ``row[t*k + j]`` (in
+    ``[0, slot rows)`` for every slot, summed or not), not ``t*k + j``."""
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
@@ -75,7 +77,10 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
                     es[u] = mIdx[r]
                     if cutlass.const_expr(mW is not None):
                         ws[u] = mW[r]
-                    cute.copy(g2s, slot[r * v + c, None], sbuf[u * threads + tidx, None])
+                    src = r
+                    if cutlass.const_expr(mRow is not None):
+                        src = mRow[r]
+                    cute.copy(g2s, slot[src * v + c, None], sbuf[u * threads + tidx, None])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             for u in cutlass.range_constexpr(nb):  # added in slot order

@@ -57,6 +57,8 @@ def run(ctx) -> list[Row]:
     rows = []
     if os.environ.get("MOK_FUSED_BWD_BENCH_ONLY") == "1":  # a speed session: only the bench, trace and profile rows
         return _bench_rows(dev)
+    if os.environ.get("MOK_FUSED_BWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
+        return _mx_rows(dev)
     cases = [("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
              ("skewed", [2845, 0, 32, 0, 4, 82, 0, 37], 4.0),
              ("one expert", [0, 0, 1000, 0], 1.5)]
@@ -238,6 +240,7 @@ def _mx_rows(dev) -> list[Row]:
         diff = [n for n, a, b in zip(("dx", "dWg", "dWu", "dWd"), got[0], want) if not torch.equal(a, b)]
         rows.append(Row(f"fused bwd core MXFP8 {name} L={limit}", bitwise=all(eq), ok=all(eq),
                         note=f"== unfused MXFP8 backward per run (132 x2, 37 CTAs): {eq}; differs: {diff}"))
+    rows.append(_mx_tokens_row(dev))
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
     for flag in ("0", "2", "3"):
@@ -252,6 +255,44 @@ def _mx_rows(dev) -> list[Row]:
         rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
                         bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     return rows
+
+
+def _mx_tokens_row(dev) -> Row:
+    """MXFP8 ``tokens=`` (the dx rows written over dy's round trip, summed through the inverse order):
+    dx bitwise the unfused MXFP8 rows scattered and slot-summed, on routes with -1 slots, consumed and
+    not, grids of 132 and 37."""
+    from mok_cute.kernels.sm90 import expert_bwd as bwd
+    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+    from mok_cute.layers.common import ExpertGroup
+    from mok_cute.layers.grouped import _scatter_slots
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+    from mok_cute.reference import slot_sum
+
+    g = torch.Generator(device=dev).manual_seed(19)
+    t, k, e = 700, 4, 8
+    idx = torch.randint(0, e, (t, k), device=dev, generator=g).to(torch.int32)
+    idx[::5, 1] = -1
+    idx[7] = -1
+    flat = idx.reshape(-1).long()
+    order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
+    valid = flat >= 0
+    counts = torch.bincount(flat[valid], minlength=e).tolist()
+    ops = _operands(counts, 1024, 512, dev, seed=23, rows=t * k)
+    dy, x, gu, h, offsets, wg, wu, wd = ops
+    dxs = torch.randn(t, 1024, device=dev, generator=g).bfloat16()
+    mlp = Sm90ExpertMLP()
+    grp = ExpertGroup(x, offsets, gu, h, "mxfp8")
+    dxr, *dws = mlp._mx_backward(bwd, grp, dy, wg, wu, wd, 4.0)
+    want = slot_sum(dxs.float(), _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
+    wts = mlp._bwd_weights(grp, wg, wu, wd)
+    eq = []
+    for n, consume in ((132, False), (132, False), (37, False), (132, True)):
+        a = [o.clone() for o in (dy, x, gu, h)] if consume else (dy, x, gu, h)
+        r = fused_backward_core(*a, offsets, *wts, 4.0, num_ctas=n, tokens=(order, idx, dxs), mx=True, consume=consume)
+        torch.cuda.synchronize()
+        eq.append(torch.equal(r[0], want) and all(torch.equal(p, q) for p, q in zip(r[1:], dws)))
+    return Row("fused bwd core MXFP8 tokens= (dx over dy's rows)", bitwise=all(eq), ok=all(eq),
+               note=f"dx and dW == unfused MXFP8 scatter + slot_sum per run (132 x2, 37, 132 consumed): {eq}")
 
 
 def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "1", "3"), env=None) -> list[Row]:

@@ -77,7 +77,8 @@ class FusedMoeBwdCoreSm90:
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
                  shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
-                 n_tail: bool = False, ep: bool = False, cfg: MainloopConfig = MainloopConfig()):
+                 n_tail: bool = False, ep: bool = False, grouped_slots: bool = False,
+                 cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
         if mx and shared:
@@ -85,9 +86,12 @@ class FusedMoeBwdCoreSm90:
                              "are not in its launch")
         if ep and not (gather and not by_route):
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
+        if grouped_slots and not (mx and scatter and not gather):
+            raise ValueError("grouped_slots (the dx rows over dy's rows) needs mx and scatter without gather: "
+                             "only there is dy read by dgrad2 alone")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
-        self.trace, self.mx, self.n_tail, self.ep = trace, mx, n_tail, ep
+        self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = trace, mx, n_tail, ep, grouped_slots
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -113,7 +117,11 @@ class FusedMoeBwdCoreSm90:
         """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
         column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
         slot rows), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k], ``mInit``
-        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None. ``gather``
+        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None. ``grouped_slots``
+        variant (MXFP8 without gather): ``mSlot`` is dy's buffer [M, H] itself, each dgrad1 tile writes its
+        dx rows over dy's grouped rows (dead once the m-tile's dgrad2 tiles, which dgrad1 waits for, have
+        read them), and ``mOrder`` [T*k] maps t*k + j to its grouped row (0 for a slot without one): the
+        slot sum reads the rows through it. ``gather``
         variant: the first ``comm_ctas`` CTAs write ``mDy`` / ``mX`` (grouped rows, then read by the
         tiles) from ``mDyTok`` / ``mXTok`` [T, H] and the forward's GEMM2 rows ``mR`` (grouped, or
         ``by_route``: in route order) with ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in, d topk_w out),
@@ -237,7 +245,7 @@ class FusedMoeBwdCoreSm90:
             sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
                                                                             stride=(_VEC, 1)))
             route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
-                                sbuf, SUM_BATCH, None, mAdd)
+                                sbuf, SUM_BATCH, None, mAdd, None, mOrder if self.grouped_slots else None)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mCounters.iterator + SUMMED_WORD, grid)
             if cutlass.const_expr(self.trace):
@@ -409,7 +417,10 @@ class FusedMoeBwdCoreSm90:
             thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
             s_plain = self.plain.smem_tensor(storage.sC)
-            if cutlass.const_expr(scatter):
+            if cutlass.const_expr(self.grouped_slots):  # over dy's rows: every dgrad2 tile of m-tile mt has read them
+                self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, mSlot, mSlot,
+                               Float32(0.0))
+            elif cutlass.const_expr(scatter):
                 acc_to_smem(thr_d, acc, s_plain)
                 consumer_barrier()
                 route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, ep, self.n_tail)
@@ -543,7 +554,8 @@ def _split(t: Int32, s: _Group, r: _Group):
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
                                 trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False,
-                                ep: bool = False, *, arch: str = "sm_90a", inspect: bool = False):
+                                ep: bool = False, grouped_slots: bool = False, *, arch: str = "sm_90a",
+                                inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
@@ -551,8 +563,9 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
     ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
     per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
     ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``; ``n_tail``: H, I or I_s
-    not a multiple of tile_n; ``ep``: EP > 1, the rows pulled and pushed through the workspace);
-    returns ``(compiled, report)``."""
+    not a multiple of tile_n; ``ep``: EP > 1, the rows pulled and pushed through the workspace;
+    ``grouped_slots``: the MXFP8 dx rows over dy's grouped rows, see the kernel); returns
+    ``(compiled, report)``."""
     if add and not scatter:
         raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
@@ -561,7 +574,7 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep, grouped_slots)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -579,8 +592,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
             vec(Int32), vec(Int32))
     tail = (None,) * 5
     if scatter:
-        tail = (_fake_2d(bf, tk, hid), vec(Int32), vec(Int32, tk), _fake_2d(bf, t, hid) if init else None,
-                _fake_2d(bf, t, hid))
+        tail = (_fake_2d(bf, m if grouped_slots else tk, hid), vec(Int32), vec(Int32, tk),
+                _fake_2d(bf, t, hid) if init else None, _fake_2d(bf, t, hid))
     rows = (None,) * 6
     if gather or shared:
         rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), None, None, None, None)
@@ -641,7 +654,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     up dy, x, gu and h: a one-shot layer backward) makes the round trips of the contiguous ones in place
     instead of in new [M, H] / [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU
     tile reads its own g, u elements before it stores their dg, du, and no other task reads gu),
-    not into a new [M, 2I] buffer.
+    not into a new [M, 2I] buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's
+    round trip along H (``grouped_slots``: no [T*k, H] slot buffer).
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
     toks = None
@@ -660,7 +674,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
     return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
-                   mx_dyt=dyt, dgu=dgu)
+                   mx_dyt=dyt, dgu=dgu, grouped_slots=dyt is not None and toks is not None)
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
@@ -778,14 +792,15 @@ def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
 
 
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None, mx_dyt=None, ws=None, dgu=None):
+            main_grads=None, mx_dyt=None, ws=None, dgu=None, grouped_slots: bool = False):
     """One launch of the variant the arguments ask for (see the entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
     with ``main_grads`` the weight gradients are accumulated there and returned as None;
     ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with
     ``gather``: its buffer, the launch writes it and the rows' round trips, h already its own);
     ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output
-    buffer [M, 2I] bf16 (None: a new one)."""
+    buffer [M, 2I] bf16 (None: a new one); ``grouped_slots`` (MXFP8 ``tokens`` without ``gather``):
+    the dx rows written over ``dy``, the caller's to give up."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -804,7 +819,10 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         order32, topk_idx, dxs, _ = tokens
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
-        slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
+        if grouped_slots:  # the slot sum reads the dx rows at dy's grouped rows, through the inverse order
+            slot, order32 = dy, grouped_rows(order32, t * k)
+        else:
+            slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
         slot_args = (slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
     mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
@@ -830,7 +848,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
                trace, mx_dyt is not None, tokens is not None and tokens[3] is not None,
                any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
-               ws is not None)
+               ws is not None, grouped_slots)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
@@ -854,6 +872,14 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
+
+
+def grouped_rows(order: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 [n]: route ``t*k + j`` -> its grouped row (``order`` int32 [M]: grouped row -> route; the
+    inverse), 0 for a route without one."""
+    rows = torch.zeros(n, dtype=torch.int32, device=order.device)
+    rows[order.long()] = torch.arange(order.shape[0], dtype=torch.int32, device=order.device)
+    return rows
 
 
 def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:

@@ -54,10 +54,11 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
 
 def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
              mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
-             nb: int, mGate: cute.Tensor = None, mAdd: cute.Tensor = None, mCopy: cute.Tensor = None):
+             nb: int, mGate: cute.Tensor = None, mAdd: cute.Tensor = None, mCopy: cute.Tensor = None,
+             mRow: cute.Tensor = None):
     """:func:`mok_cute.kernels.slot_rows.slot_sum` over this kernel's ``NUM_THREADS`` per CTA."""
     slot_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, mW, k, tokens, hidden, sbuf, nb, NUM_THREADS,
-                       mGate, mAdd, mCopy)
+                       mGate, mAdd, mCopy, mRow)
 
 
 @cute.jit
