@@ -6,9 +6,9 @@ sum over each token's (token, slot) rows and a warp's copy of one bf16 row.
   ``add`` fp32 [T, H]: ``acc = acc + add[t]``, the gate's share of dx), then
   for each slot j in order with ``idx[t*k + j] >= 0``: ``acc = acc + w[t, j] * fp32(slot[t*k + j])``
   (``w`` None: ``acc + fp32(slot)``; ``row`` given: ``slot[row[t*k + j]]``), single-rounded fp32
-  operations: the reference's ``slot_sum``. Grid stride over (token, 16-byte vector); each thread keeps ``nb`` slot rows'
-  vectors in flight as cp.async copies into ``sbuf`` [nb * threads, 8] bf16 (idle shared
-  memory: no register holds them).
+  operations: the reference's ``slot_sum``. Grid stride over (token, 16-byte vector); each thread
+  keeps ``nb`` slot rows' vectors in flight as cp.async copies into ``sbuf`` [nb * threads, 8]
+  bf16 (idle shared memory: no register holds them).
 * :func:`copy_row`: one warp copies a bf16 row between global addresses, loads batched.
 * :func:`gather_rows_staged`: a CTA copies token rows to grouped rows through idle shared memory
   (cp.async), two batches of loads in flight per lane.
