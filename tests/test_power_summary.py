@@ -25,3 +25,21 @@ def test_sampler_without_nvidia_smi(monkeypatch):
     with PowerSampler() as p:
         pass
     assert p.summary() == "nvidia-smi not found"
+
+
+def test_mem_peak_replays_the_allocator_trace():
+    """tools/mem_peak.peak_blocks: the highest running sum of the trace's allocations (frees by
+    request or completion, each counted once), and the blocks live at that moment; _where names
+    the innermost project frame."""
+    from mem_peak import _where, peak_blocks
+
+    f = [{"filename": "/x/torch/nn.py", "line": 1, "name": "f"},
+         {"filename": "/r/mok_cute/kernels/a.py", "line": 7, "name": "g"}]
+    trace = [dict(action="alloc", addr=1, size=100, frames=f), dict(action="alloc", addr=2, size=50),
+             dict(action="free_requested", addr=1), dict(action="free_completed", addr=1),
+             dict(action="alloc", addr=3, size=60), dict(action="alloc", addr=4, size=30),
+             dict(action="free_completed", addr=3), dict(action="segment_alloc", addr=9, size=999)]
+    peak, live = peak_blocks(trace)
+    assert peak == 150 and sorted(live) == [1, 2] and live[1][0] == 100
+    assert _where(f) == "kernels/a.py:7 g" and _where(f[:1]) == "?"
+    assert peak_blocks(trace[2:]) == (90, {3: (60, []), 4: (30, [])})

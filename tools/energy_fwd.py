@@ -6,7 +6,8 @@ tiles alone, and the energy per call. (bench_layer's rounds of 10-call bursts le
 above the steady-state clock.) ``--ncu``: instead, each once between
 ``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
 
-    source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--seconds 2]
+    source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--minibatch 256,512]
+        [--seconds 2]
     ncu --profile-from-start off --clock-control none --metrics \
         gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
         --csv python3 tools/energy_fwd.py --ncu
@@ -50,6 +51,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="3", help="bench_layer.SHAPES indices, comma-separated")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--gathers", default="default", help="the fused rows' MOK_CUTE_GATHER values")
+    ap.add_argument("--minibatch", default="", help="also fused BF16 rows at these minibatch_tokens (the ring's "
+                    "size: 1024 tokens x k rows by default, above L2 at H 7168)")
     ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
     ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
     ap.add_argument("--ncu", action="store_true")
@@ -74,6 +77,8 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
     fwd = {"GEMM tiles alone": tiles, "torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
     for g in args.gathers.split(","):
         fwd[f"fused {g}"] = lambda g=g: _ours(True, 16, gather=None if g == "default" else g)(x, idx, w, ws, sh)
+    for mb in (int(v) for v in args.minibatch.split(",") if v):
+        fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
     if args.mx:
         fwd["fused mxfp8"] = lambda: _ours(True, 16, "mxfp8")(x, idx, w, ws, sh)
     runs = {f"fwd {n}": (fn, True) for n, fn in fwd.items()}

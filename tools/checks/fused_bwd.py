@@ -187,6 +187,18 @@ def _device_time_row(ops) -> Row:
                note=f"fused {fused}; traced {traced}; unfused {unfused}")
 
 
+def _routes(g, t: int, k: int, e: int):
+    """``(idx int32 [t, k], order, valid, rows per expert)``: random routes on ``g``'s device with -1
+    slots (every fifth token's slot 1, token 7's all), ``order`` the stable sort by expert (-1 last)."""
+    idx = torch.randint(0, e, (t, k), device=g.device, generator=g).to(torch.int32)
+    idx[::5, 1] = -1
+    idx[7] = -1
+    flat = idx.reshape(-1).long()
+    order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
+    valid = flat >= 0
+    return idx, order, valid, torch.bincount(flat[valid], minlength=e).tolist()
+
+
 def _tokens_rows(dev) -> list[Row]:
     """``tokens=``: dx [T, H] of the launch vs the unfused rows scattered and slot-summed."""
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
@@ -197,13 +209,7 @@ def _tokens_rows(dev) -> list[Row]:
     g = torch.Generator(device=dev).manual_seed(9)
     t, k, e = 700, 4, 8
     for shared in (False, True):
-        idx = torch.randint(0, e, (t, k), device=dev, generator=g).to(torch.int32)
-        idx[::5, 1] = -1
-        idx[7] = -1
-        flat = idx.reshape(-1).long()
-        order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
-        valid = flat >= 0
-        counts = torch.bincount(flat[valid], minlength=e).tolist()
+        idx, order, valid, counts = _routes(g, t, k, e)
         ops = _operands(counts, 1024, 512, dev, seed=3 + shared, rows=t * k)
         dxs = (torch.randn(t, 1024, device=dev, generator=g)).bfloat16() if shared else None
         dxr, *dws = _unfused(*ops, None)
@@ -270,13 +276,7 @@ def _mx_tokens_row(dev) -> Row:
 
     g = torch.Generator(device=dev).manual_seed(19)
     t, k, e = 700, 4, 8
-    idx = torch.randint(0, e, (t, k), device=dev, generator=g).to(torch.int32)
-    idx[::5, 1] = -1
-    idx[7] = -1
-    flat = idx.reshape(-1).long()
-    order = torch.argsort(torch.where(flat >= 0, flat, e), stable=True)
-    valid = flat >= 0
-    counts = torch.bincount(flat[valid], minlength=e).tolist()
+    idx, order, valid, counts = _routes(g, t, k, e)
     ops = _operands(counts, 1024, 512, dev, seed=23, rows=t * k)
     dy, x, gu, h, offsets, wg, wu, wd = ops
     dxs = torch.randn(t, 1024, device=dev, generator=g).bfloat16()
