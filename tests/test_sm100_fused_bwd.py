@@ -21,12 +21,13 @@ MX_PARAMS = ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "m
 
 @functools.cache
 def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-         gather: bool = False, shared: bool = False, ep: bool = False, accumulate: bool = False):
+         gather: bool = False, shared: bool = False, ep: bool = False, accumulate: bool = False,
+         grouped: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather,
                                            by_route=gather and not ep, shared=shared, ep=ep, accumulate=accumulate,
-                                           arch=arch, inspect=True)[1]
+                                           grouped_slots=grouped, arch=arch, inspect=True)[1]
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -102,7 +103,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -218,7 +219,8 @@ def test_variants_registry():
                            "fused-bwd-gather-shared-main-grads-noclamp", "fused-bwd-gather-shared-noclamp",
                            "fused-bwd-mxfp8-core-clamp", "fused-bwd-mxfp8-ep-init-noclamp",
                            "fused-bwd-mxfp8-gather-init-clamp",
-                           "fused-bwd-mxfp8-tokens-noclamp", "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
+                           "fused-bwd-mxfp8-tokens-grouped-noclamp", "fused-bwd-mxfp8-tokens-noclamp",
+                           "fused-bwd-tokens-clamp", "fused-bwd-tokens-noclamp"]
     for name, (build, needed) in reg.items():
         assert callable(build)
         clamp, tokens, mx, ep, shared = (name.endswith("-clamp"), "tokens" in name, "mxfp8" in name,
@@ -227,7 +229,7 @@ def test_variants_registry():
             rep = _rep("sm_100a", clamp, True, shared or "init" in name, False, mx, True, shared, ep,
                        "main-grads" in name)
         else:
-            rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx)
+            rep = _rep("sm_100a", clamp, tokens, tokens and clamp, tokens and clamp, mx, grouped="grouped" in name)
         assert all(rep.has(i) for i in needed), [i for i in needed if not rep.has(i)]
 
 
@@ -304,7 +306,7 @@ def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, ad
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False)]
     assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
     assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
     assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())
@@ -407,6 +409,46 @@ def test_mx_variant_compiles_with_its_protocol(arch, clamp, tokens):
         assert rep.ptx.count(i) == bf16.ptx.count(i), i
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mx_tokens_grouped_variant(arch):
+    """The MXFP8 tokens variant with the dx rows over dy (``grouped_slots``): no spills, the same MMAs
+    and counters as the slot-buffer variant, other code (D1's plain rows, the slot sum's row lookup);
+    refused without mx or with the gather."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    rep, scatter = _rep(arch, False, True, False, False, True, grouped=True), _rep(arch, False, True, False, False, True)
+    assert rep.registers and rep.total_spill_bytes == 0 and rep.ptx != scatter.ptx
+    for i in ("tcgen05.mma", "atom.global.release.add.u32", "ld.acquire", "add.rn.f32"):
+        assert rep.ptx.count(i) == scatter.ptx.count(i), i
+    for bad in (dict(mx=False), dict(mx=True, gather=True, by_route=True)):
+        with pytest.raises(ValueError, match="grouped_slots"):
+            fb.compile_fused_backward_sm100(True, tokens=True, grouped_slots=True, **bad)
+
+
+def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # noqa: F811
+    """fused_backward_core(tokens=, w_scales=, consume=True) (the layer's one-shot MXFP8 backward): the
+    grouped_slots variant with the caller's dy as the D1 rows and the inverse order as mOrder; without
+    consume a fresh [T*k, H] slot buffer and the order itself."""
+    import torch
+
+    from mok_cute.kernels.sm90.fused_bwd import grouped_rows
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops, _ = _mx_operands(monkeypatch)
+    order, idx, dxs, _ = _tokens(shared=True, add=False)
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    for consume in (True, False):
+        fb.fused_backward_core(**ops, tokens=(order, idx, dxs), consume=consume)
+        by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, fake.calls[-1])}
+        assert keys[-1][-1] is consume and keys[-1][-2] is True  # (..., mx, grouped_slots)
+        if consume:
+            assert by["mDx"] is ops["dy"]
+            assert torch.equal(by["mOrder"], grouped_rows(order[:200].int(), 270))
+        else:
+            assert tuple(by["mDx"].shape) == (270, 256) and by["mDx"].data_ptr() != ops["dy"].data_ptr()
+            assert torch.equal(by["mOrder"], order[:200].int())
+
+
 def _mx_operands(monkeypatch):
     """``_operands()`` with the weights MXFP8-quantized along their rows' K as the unfused MXFP8
     backward reads them (``layers.sm100.quantize_weight(w, 1)``; the reference quantizer)."""
@@ -439,7 +481,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # n
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False)]
     assert tuple(dx.shape) == (200, 256) and dx.dtype == torch.bfloat16 and tuple(dwd.shape) == (4, 256, 192)
 
     launched, wgrads = [], []

@@ -262,7 +262,8 @@ class Sm100ExpertMLP:
         None: added to its fp32 start), meant bitwise the unfused scatter and slot sum; None where
         that launch does not apply (not BF16 / MXFP8, not opted in, operands not contiguous CUDA:
         then call :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.gu, g.h): at
-        BF16 dgu is written over gu (the core makes no round trips)."""
+        BF16 dgu is written over gu (the core makes no round trips), at MXFP8 the dx rows over
+        dy_rows."""
         if not self._fused_core(g, dy_rows):
             return None
         if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):

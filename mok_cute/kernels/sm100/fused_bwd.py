@@ -77,7 +77,7 @@ from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.route_grad_row import gather_chunks
 from mok_cute.kernels.sm90.fused_bwd import (
-    _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe,
+    _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe, grouped_rows,
 )
 from mok_cute.kernels.sm100.fused_moe import push_routed, store_routed
 from mok_cute.kernels.sm100 import layouts as lay
@@ -113,11 +113,14 @@ class FusedMoeBwdSm100:
     doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands, None / ignored at EP = 1);
     ``accumulate``: the weight-gradient tiles added into fp32 main grads (``mDWg`` .. ``mDWd`` and the
     shared group's ``mSDW*`` fp32: ``main += fp32(bf16(dW))``, Megatron's gradient-accumulation
-    fusion) instead of written as bf16; the whole backward's (``gather``)."""
+    fusion) instead of written as bf16; the whole backward's (``gather``); ``grouped_slots`` (MXFP8
+    tokens, no gather): the D1 rows stay in grouped order in ``mDx`` (the caller's bf16 dy, which no
+    MXFP8 tile reads) and the slot sum reads slot (t, j) at row ``mOrder[t*k + j]`` (the inverse order,
+    ``sm90.fused_bwd.grouped_rows``)."""
 
     def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
                  gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False,
-                 accumulate: bool = False):
+                 accumulate: bool = False, grouped_slots: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
@@ -129,6 +132,9 @@ class FusedMoeBwdSm100:
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
         if accumulate and not gather:
             raise ValueError("accumulate (main grads) is the whole backward's: it needs gather")
+        if grouped_slots and not (mx and tokens and not gather):
+            raise ValueError("grouped_slots (the dx rows in grouped order over dy) needs mx and tokens without gather")
+        self.grouped_slots = grouped_slots
         cfg = MX_CONFIG if mx else CONFIG
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
         self.gather, self.by_route, self.shared, self.ep, self.accumulate = gather, by_route, shared, ep, accumulate
@@ -177,7 +183,9 @@ class FusedMoeBwdSm100:
         """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
         int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
         [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
-        the done word too. Otherwise those five are None and ``mDx`` is dx [M, H].
+        the done word too (``grouped_slots``: ``mDx`` the caller's dy [M, H], D1 rows in grouped order,
+        ``mOrder`` [T*k] t*k + j -> its grouped row). Otherwise those five are None and ``mDx`` is dx
+        [M, H].
 
         MXFP8 (``mx``; else the eleven ``m*sf`` / ``mDyt`` / ``mDgut`` are None): ``mDy`` is dy
         quantized along H, ``mX`` / ``mH`` / ``mDyt`` x, h, dy quantized along tokens (token rows),
@@ -312,7 +320,7 @@ class FusedMoeBwdSm100:
                 buf = cute.recast_ptr(buf, dtype=cutlass.BFloat16)
             sbuf = cute.make_tensor(buf, cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC), stride=(_VEC, 1)))
             slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden, sbuf,
-                               SUM_BATCH, NUM_THREADS, None, mAdd)
+                               SUM_BATCH, NUM_THREADS, None, mAdd, None, mOrder if self.grouped_slots else None)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mWords.iterator + SUMMED_WORD, grid)
 
@@ -627,7 +635,7 @@ class FusedMoeBwdSm100:
         elif phase == D1:
             if cutlass.const_expr(g.routed and self.ep):
                 push_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder, ep)
-            elif cutlass.const_expr(g.routed):
+            elif cutlass.const_expr(g.routed and not self.grouped_slots):
                 store_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder)
             else:
                 self.dgrad1._store_plain(chunks, row0, rows, n_tile, g.dx)
@@ -691,18 +699,19 @@ class _Group:
 # ---------------------------------------------------------------- compile
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
                                  mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
-                                 ep: bool = False, accumulate: bool = False, *, arch: str = "sm_100a",
-                                 inspect: bool = False):
+                                 ep: bool = False, accumulate: bool = False, *, grouped_slots: bool = False,
+                                 arch: str = "sm_100a", inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
     start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
     rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
     expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
-    through the workspace; ``accumulate``: the weight gradients added into fp32 main grads); returns
+    through the workspace; ``accumulate``: the weight gradients added into fp32 main grads;
+    ``grouped_slots``: the MXFP8 tokens variant's dx rows over dy, see the kernel class); returns
     ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots)
     bf = cutlass.BFloat16
     dw = Float32 if accumulate else bf  # the weight gradients' element type
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
@@ -715,7 +724,8 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
 
     args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
             _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
-            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens else m, hid), _fake_3d(dw, e, inter, hid),
+            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens and not grouped_slots else m, hid),
+            _fake_3d(dw, e, inter, hid),
             _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(), vec(), vec())
     toks = (None,) * 5
     if tokens:
@@ -843,10 +853,11 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     bf16(fp32(dx_shared) (or 0) [+ dx_add] + the slot rows j = 0.. of each token with
     topk_idx >= 0), bitwise the unfused scatter and reference slot sum; ``order`` int [>= M]
     (grouped row -> t*k + j, trusted), ``topk_idx`` int [T, k], ``dx_shared`` bf16 [T, H] or None,
-    ``dx_add`` fp32 [T, H] or None (both contiguous). ``consume`` (the caller gives up gu: a one-shot
-    layer backward; BF16): D2 writes dgu over gu's first M rows (each epilogue thread reads its
-    row's g, u chunk before it stores their dg, du; nothing else reads gu), not into a new
-    [M, 2I] buffer. A device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`).
+    ``dx_add`` fp32 [T, H] or None (both contiguous). ``consume`` (the caller gives up dy and gu: a
+    one-shot layer backward): at BF16 D2 writes dgu over gu's first M rows (each epilogue thread reads
+    its row's g, u chunk before it stores their dg, du; nothing else reads gu), not into a new
+    [M, 2I] buffer; at MXFP8 with ``tokens`` the dx rows go over dy (no tile reads its bf16 rows),
+    in grouped order, not into a new [T*k, H] buffer. A device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`).
 
     MXFP8 (``w_scales`` given): the weights float8_e4m3fn quantized along their rows' K as the
     unfused MXFP8 backward reads them (``layers.sm100.quantize_weight(w, 1)``: w_gate, w_up along
@@ -886,16 +897,20 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)
     k, tok_args, rows = 1, (None,) * 5, dx
+    grouped = mx and consume and toks is not None and dy.is_contiguous()
     if toks is not None:
         order32, idx32, dxs, add, t, k = toks
-        rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
+        if grouped:  # the dx rows over dy's grouped rows, the slot sum through the inverse order
+            rows, order32 = dy, grouped_rows(order32, t * k)
+        else:
+            rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
         tok_args = (order32, idx32, dxs, add, dx)
     variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
                toks is not None and toks[3] is not None, mx)
     tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd,
                offsets, d2, words, *tok_args, *mx_args) + (None,) * 19
-    _launch(("sm100_fused_moe_bwd_core", arch) + variant, variant, tensors, k, 1, limit, num_ctas, timeout_s, dev,
-            words)
+    _launch(("sm100_fused_moe_bwd_core", arch) + variant + (grouped,), variant, tensors, k, 1, limit, num_ctas,
+            timeout_s, dev, words, grouped_slots=grouped)
     return dx, dwg, dwu, dwd
 
 
@@ -1131,12 +1146,14 @@ def _counters(m: int, e: int, n_words: int, device, extra: int = 0):
     return counters, counters[:mt_cap], counters[mt_cap:mt_cap + n_words]
 
 
-def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words, ws=None):
-    """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant)`` and launch it on
-    the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words watched.
-    ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
+def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words, ws=None,
+            grouped_slots: bool = False):
+    """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant, grouped_slots=)`` and
+    launch it on the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words
+    watched. ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
     bumped; its status, not ``words``, holds the errors)."""
-    launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(*variant, arch=key[1])[0]))
+    launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(
+        *variant, grouped_slots=grouped_slots, arch=key[1])[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
@@ -1210,6 +1227,8 @@ def variants() -> dict:
             "fused-bwd-tokens-noclamp": (core(False, tokens=True), _PTX + _PTX_TOKENS),
             "fused-bwd-mxfp8-core-clamp": (core(True, mx=True), _MX_PTX),
             "fused-bwd-mxfp8-tokens-noclamp": (core(False, tokens=True, mx=True), _MX_PTX + _PTX_TOKENS),
+            "fused-bwd-mxfp8-tokens-grouped-noclamp": (core(False, tokens=True, mx=True, grouped_slots=True),
+                                                       _MX_PTX + _PTX_TOKENS),
             "fused-bwd-gather-clamp": (core(True, tokens=True, gather=True, by_route=True),
                                        _PTX + _PTX_TOKENS + _PTX_GATHER),
             "fused-bwd-gather-shared-noclamp": (core(False, tokens=True, init=True, gather=True, by_route=True,
