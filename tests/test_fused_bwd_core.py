@@ -433,6 +433,21 @@ def test_grouped_slots_variant():
             fused_bwd.compile_fused_backward_core(True, True, False, grouped_slots=True, **bad)
 
 
+def test_grouped_slots_invariants_in_the_source():
+    """What grouped_slots relies on, pinned in the kernel's source: a D1 tile's producer waits for
+    d2[mt] to reach n_i (every dgrad2 tile of its m-tile has read dy's rows), and the MXFP8 dW_down
+    tiles read dy's round trip along the tokens (mDyT), not mDy, so dgrad2 is dy's only reader."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    src = inspect.getsource(fused_bwd.FusedMoeBwdCoreSm90)
+    d1 = src[src.index("elif phase == D1:"):]
+    assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2\.iterator \+ mt, g\.n_i,", d1)
+    assert "_ragged_k(mDy if mDyT is None else mDyT)" in src
+    assert re.search(r"self\._tma\(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT\)", src)
+
+
 def test_grouped_rows_reads_the_scattered_rows():
     """grouped_rows is order's inverse: slot t*k + j's row of the grouped dx rows is the row the
     scatter would have put at t*k + j (bitwise, on a skewed routing with -1 slots), and 0 where no
