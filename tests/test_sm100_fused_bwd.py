@@ -441,6 +441,7 @@ def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # n
         fb.fused_backward_core(**ops, tokens=(order, idx, dxs), consume=consume)
         by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, fake.calls[-1])}
         assert keys[-1][-1] is consume and keys[-1][-2] is True  # (..., mx, grouped_slots)
+        assert by["mDy"].dtype == torch.float8_e4m3fn  # no tile reads the bf16 dy: its rows are free
         if consume:
             assert by["mDx"] is ops["dy"]
             assert torch.equal(by["mOrder"], grouped_rows(order[:200].int(), 270))
