@@ -45,6 +45,8 @@ UNVERIFIED = (
     "fused backward MXFP8 mode 3 / EP > 1: the comm CTAs' quantized dy / x operands (mx_gather.quantize_tile; "
     "its bytes verified bitwise on an H200 by gpu_check mx_gather, arch-neutral code) read by D2's and the W "
     "tiles' TMA after gdy[mt] (generic-proxy stores, then the async-proxy fence); bitwise the unfused backward",
+    "fused backward MXFP8 tokens with consume (grouped_slots): D1 rows stored over the bf16 dy in grouped order, "
+    "the slot sum reading them through the inverse route order; bitwise the slot-buffer variant",
     "fused backward main_grads (accumulate): the W epilogue's fp32 read-add-write of each dW tile "
     "(GroupedGemmSm100._store_accumulate); bitwise start + fp32(dW)",
     "fused forward tma_gather (MOK_CUTE_SM100_GATHER=tma): R1's rows by TMA tile::gather4 from x into A's MMA "
