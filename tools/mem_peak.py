@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
     x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=3)
-    leaves = [x.requires_grad_(), w.requires_grad_(), *(p.requires_grad_() for p in ws), *(p.requires_grad_() for p in sh)]
+    leaves = [a.requires_grad_() for a in (x, w, *ws, *sh)]
     cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False, precision=args.precision)
 
     def step():

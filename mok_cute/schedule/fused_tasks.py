@@ -240,11 +240,6 @@ def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: 
     return m_tile, within // width, row0, cutlass.min(hi - row0, tile_m)
 
 
-def _unset():
-    """A task decode's outputs before its branches: ``(phase R2, expert, n_tile, row0, rows, mt)`` zeros."""
-    return Int32(R2), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
-
-
 @cute.jit
 def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
          num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
@@ -253,7 +248,12 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
     ``n_r1``, ``n_s2``: tasks of the first three phases; R1 in bands of ``band`` m-tiles). The
     routed phases advance their own cursor ``(e, b)`` of
     :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
-    phase, expert, n_tile, row0, rows, mt = _unset()
+    phase = Int32(R2)
+    expert = Int32(0)
+    n_tile = Int32(0)
+    row0 = Int32(0)
+    rows = Int32(0)
+    mt = Int32(0)
     if t < n_s1:
         phase = Int32(S1)
         mt = t % m_sh

@@ -1,6 +1,7 @@
 """Shared pieces of the device checks: the result row, the run context, timing, power sampling."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -134,6 +135,20 @@ def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
     return (f"{n} samples above {busy_w:.0f} W: SM clock mean {sum(b[0] for b in busy) / n:.0f} MHz (min "
             f"{min(b[0] for b in busy):.0f}), power mean {sum(b[1] for b in busy) / n:.0f} W, power cap active in "
             f"{100 * capped / n:.0f}%")
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, the caller's value (or none) after it."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = prev
 
 
 class PowerSampler:

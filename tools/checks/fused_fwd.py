@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from checks.common import Row
+from checks.common import Row, env_var
 from checks.layer_sm90 import _compare, _problem, _run
 
 REPEATS = 5
@@ -45,17 +45,9 @@ def _unfused(*args, **cfg):
 
 
 def _gathered(var: str, mode: str, fn):
-    """``fn()`` with the gather environment variable ``var`` set to ``mode`` (restored after)."""
-    old = os.environ.get(var)
-    os.environ[var] = mode
-    try:
-        with torch.no_grad():
-            return fn()
-    finally:
-        if old is None:
-            del os.environ[var]
-        else:
-            os.environ[var] = old
+    """``fn()`` without autograd, with the gather environment variable ``var`` set to ``mode``."""
+    with env_var(var, mode), torch.no_grad():
+        return fn()
 
 
 CONFIGS = ((16, 1024), (2, 256), (40, 4096))  # (comm_sms_fwd, minibatch_tokens) of the other gathers' rows

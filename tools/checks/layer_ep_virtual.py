@@ -31,14 +31,13 @@ fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
 import torch
 
 from checks.comm import _guard, _routing
-from checks.common import Row, child_rows, sm90_skip
+from checks.common import Row, child_rows, env_var, sm90_skip
 from checks.layer_ep import _problem
 from checks.layer_sm90 import _compare, _run
 from mok_cute.comm.virtual import VirtualGroup, run_ranks
@@ -76,20 +75,6 @@ def _starve(prob, rank: int, size: int, e_local: int):
     return x, idx, w, ws, sh, dy
 
 
-@contextlib.contextmanager
-def _bwd_mode(mode: str):
-    """``MOK_CUTE_FUSED_BWD=mode`` inside the block, the caller's value after it."""
-    prev = os.environ.get("MOK_CUTE_FUSED_BWD")
-    os.environ["MOK_CUTE_FUSED_BWD"] = mode
-    try:
-        yield
-    finally:
-        if prev is None:
-            os.environ.pop("MOK_CUTE_FUSED_BWD")
-        else:
-            os.environ["MOK_CUTE_FUSED_BWD"] = prev
-
-
 def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     """Compile and load every kernel of an EP step at the case's shapes with no peer to wait for:
     one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts), with
@@ -104,7 +89,7 @@ def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     cfg = mok_cute.MoKConfig(backend="sm90", precision=precision, **CONFIG)
     inp = MoEInputs(x, idx, w, *ws, sh, limit)
     run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
-    with _bwd_mode("0"):
+    with env_var("MOK_CUTE_FUSED_BWD", "0"):
         run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
 
 
@@ -170,7 +155,7 @@ def _vs_unfused_backward(group, probs, limit, prec, size: int, name: str, fused)
     """The fused EP backward's gradients against the unfused EP backward's (``MOK_CUTE_FUSED_BWD=0``,
     same fused forward): y, dx, d topk_w (both route_row's fixed-order sum) and every weight
     gradient bitwise."""
-    with _bwd_mode("0"):
+    with env_var("MOK_CUTE_FUSED_BWD", "0"):
         base = run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
     rows = []
     for r in range(size):

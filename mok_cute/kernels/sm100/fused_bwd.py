@@ -725,8 +725,7 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
     args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
             _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
             _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens and not grouped_slots else m, hid),
-            _fake_3d(dw, e, inter, hid),
-            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(), vec(), vec())
+            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(), vec(), vec())
     toks = (None,) * 5
     if tokens:
         toks = (vec(), vec(tk), _fake_2d(bf, t, hid) if init else None, _fake_2d(Float32, t, hid) if add else None,
@@ -857,7 +856,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     one-shot layer backward): at BF16 D2 writes dgu over gu's first M rows (each epilogue thread reads
     its row's g, u chunk before it stores their dg, du; nothing else reads gu), not into a new
     [M, 2I] buffer; at MXFP8 with ``tokens`` the dx rows go over dy (no tile reads its bf16 rows),
-    in grouped order, not into a new [T*k, H] buffer. A device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`).
+    in grouped order, not into a new [T*k, H] buffer. A device wait's timeout is raised by a later
+    call (:mod:`mok_cute.dsl.deferred`).
 
     MXFP8 (``w_scales`` given): the weights float8_e4m3fn quantized along their rows' K as the
     unfused MXFP8 backward reads them (``layers.sm100.quantize_weight(w, 1)``: w_gate, w_up along
@@ -897,7 +897,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)
     k, tok_args, rows = 1, (None,) * 5, dx
-    grouped = mx and consume and toks is not None and dy.is_contiguous()
+    grouped = mx and consume and toks is not None  # dy is contiguous (_check_operands)
     if toks is not None:
         order32, idx32, dxs, add, t, k = toks
         if grouped:  # the dx rows over dy's grouped rows, the slot sum through the inverse order
