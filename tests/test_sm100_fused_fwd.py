@@ -19,11 +19,11 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 @functools.cache
 def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False,
-         ep: bool = False, tma_gather: bool = False):
+         ep: bool = False, tma_gather: bool = False, tile_m: int = 128):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
     return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, ep=ep,
-                                          tma_gather=tma_gather, inspect=True)[1]
+                                          tma_gather=tma_gather, tile_m=tile_m, inspect=True)[1]
 
 
 VARIANTS = [(True, True), (False, False), (True, False), (False, True)]
@@ -129,7 +129,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-4] == gate
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-5] == gate
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -138,7 +138,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
-    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-3:] == (False, False, False)  # BF16, EP = 1, comm gather
+    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-4:] == (False, False, False, 128)  # BF16, EP = 1, comm gather, cta_group::1
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -280,14 +280,14 @@ def test_host_tma_gather_hands_each_rows_token(monkeypatch):
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     by = dict(zip(params, fake.calls[-1]))
     tok = by["mTok"]._keep
-    assert keys[-1][-1] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
+    assert keys[-1][-2] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
     assert torch.equal(tok[:200], (ops["order"] // 2).int()) and not tok[200:].any()
     assert tuple(by["mXg"]._keep.shape) == (128, 256)
     fm.fused_forward(**ops)
-    assert keys[-1][-1] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
+    assert keys[-1][-2] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
     monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "tma")
     fm.fused_forward(**ops)
-    assert keys[-1][-1] is True
+    assert keys[-1][-2] is True
     monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "ring")
     with pytest.raises(ValueError, match="MOK_CUTE_SM100_GATHER"):
         fm.fused_forward(**ops)
@@ -342,7 +342,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][-3:] == (True, False, False) and keys[0][2:4] == (True, shared)
+    assert keys[0][-4:-1] == (True, False, False) and keys[0][2:4] == (True, shared)
     f8 = torch.float8_e4m3fn
     xq, xs = R.mxfp8_quantize(ops["x"], -1)
     assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
@@ -382,13 +382,16 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
         assert tuple(by["mHssf"].shape) == (lay.sf_bytes(100, 4),) and not by["mHssf"].any()
 
 
-def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant):  # noqa: F811
+@pytest.mark.parametrize("tile_m", [128, 256])
+def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant, tile_m):  # noqa: F811
     """The kernel's scale stores modelled in torch with the index calls the kernel makes
     (``layouts.sf_byte``): the gather's words into ring slot ``c % ring`` (read by R1 as scale atom
-    row ``c % ring``) hold m-tile c's rows as the unfused GEMM1's ``pack_row_scales`` operand holds
-    them at atom row ``o_e // 128 + e + m_tile``; the SwiGLU epilogue's h scale bytes (rows inside
-    the expert, blocks < I / 32, into the zeroed buffer) are ``pack_row_scales`` of h's scales byte
-    for byte over every expert's atoms. H = 320, I = 192: partial scale atoms."""
+    rows ``(c % ring) * tile_m / 128 ..``) hold m-tile c's rows as the unfused GEMM1's
+    ``pack_row_scales`` operand holds them at atom row ``o_e // 128 + e + m_tile * tile_m / 128``;
+    the SwiGLU epilogue's h scale bytes (each CTA's 128 rows inside the expert, blocks < I / 32, into
+    the zeroed buffer, at ``_sf_row`` of the CTA's first row) are ``pack_row_scales`` of h's scales
+    byte for byte over every expert's atoms. H = 320, I = 192: partial scale atoms. ``tile_m`` 256:
+    the CTA pairs' 256-row slots and tiles."""
     import torch
 
     from mok_cute import reference as R
@@ -404,34 +407,44 @@ def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant):  # no
     x = torch.randn(t, hid, generator=g).bfloat16()
     u8 = torch.uint8
     ws = (torch.zeros(e, inter, hid // 32, dtype=u8),) * 2 + (torch.zeros(e, hid, inter // 32, dtype=u8),)
-    xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring, ws, None, interleave_gate_up)
+    xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring * tile_m, ws, None,
+                                                             interleave_gate_up)
+    per = tile_m // 128  # scale atom rows per slot / tile
     tok = order.long() // k
     unfused = lay.pack_row_scales(R.mxfp8_quantize(x, -1)[1][tok], torch.tensor(offs))
     words = xs_w.shape[1]
     ring_w, unfused_w = ring_sf.view(torch.int32).clone(), unfused.view(torch.int32)
-    tiles = [(ex, mt) for ex in range(e) for mt in range(-(-(offs[ex + 1] - offs[ex]) // 128))]
+    tiles = [(ex, mt) for ex in range(e) for mt in range(-(-(offs[ex + 1] - offs[ex]) // tile_m))]
     for c, (ex, mt) in enumerate(tiles):  # the gather, chunk by chunk (slots reused)
-        row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
+        row0, rows = offs[ex] + tile_m * mt, min(tile_m, offs[ex + 1] - offs[ex] - tile_m * mt)
         for rr in range(rows):
             for j in range(words):
-                ring_w[lay.sf_byte(c % ring, rr, 4 * j, words) // 4] = xs_w[tok[row0 + rr], j]
-        sf_row = offs[ex] // 128 + ex + mt  # fused_moe._sf_row: the unfused tile's atom row
+                ring_w[lay.sf_byte((c % ring) * per + rr // 128, rr % 128, 4 * j, words) // 4] = xs_w[tok[row0 + rr], j]
         for rr in range(rows):
-            got = [int(ring_w[lay.sf_byte(c % ring, rr, 4 * j, words) // 4]) for j in range(words)]
-            want = [int(unfused_w[lay.sf_byte(sf_row, rr, 4 * j, words) // 4]) for j in range(words)]
+            sf_row = fm_sf_row(offs, ex, row0 + rr)  # fused_moe._sf_row: the unfused atom row
+            got = [int(ring_w[lay.sf_byte((c % ring) * per + rr // 128, rr % 128, 4 * j, words) // 4])
+                   for j in range(words)]
+            want = [int(unfused_w[lay.sf_byte(sf_row, rr % 128, 4 * j, words) // 4]) for j in range(words)]
             assert got == want, (c, rr)
 
     hs = torch.randint(0, 255, (mcap, inter // 32), dtype=torch.uint8, generator=g)  # h's scales (quantizer's)
     model = h_sf.clone()
     kb_atoms = -(-inter // 128)
     for ex, mt in tiles:  # R1 epilogue: n-tile nt's chunk c is block 4 nt + c (tile_n / 2 = 128 columns)
-        row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
-        for r in range(rows):
-            for kb in range(inter // 32):
-                model[lay.sf_byte(offs[ex] // 128 + ex + mt, r, kb, kb_atoms)] = hs[row0 + r, kb]
+        for v in range(per):  # each CTA of the tile: its 128 rows
+            row0 = offs[ex] + tile_m * mt + 128 * v
+            rows = min(128, offs[ex + 1] - row0)
+            for r in range(rows):
+                for kb in range(inter // 32):
+                    model[lay.sf_byte(fm_sf_row(offs, ex, row0), r, kb, kb_atoms)] = hs[row0 + r, kb]
     want = lay.pack_row_scales(hs, torch.tensor(offs))  # the unfused GEMM2's A scales
     used = (offs[-1] // 128 + e) * kb_atoms * lay.SF_ATOM_BYTES  # every expert's atoms (rows past M: never read)
     assert model.shape == want.shape and torch.equal(model[:used], want[:used])
+
+
+def fm_sf_row(offs, ex, row):
+    """fused_moe._sf_row: the grouped blocked layout's scale atom row of grouped row ``row`` of expert ``ex``."""
+    return offs[ex] // 128 + ex + (row - offs[ex]) // 128
 
 
 @pytest.mark.parametrize("change, exc, match", [
@@ -542,7 +555,7 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-3:] == (mx, True, False)  # mx, ep, tma_gather
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-4:] == (mx, True, False, 128)  # mx, ep, tma_gather, tile_m
     assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
     assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
     assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]
@@ -561,7 +574,7 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     assert (int(fake.direct[1][params.index("epoch_pull")]), int(fake.direct[1][params.index("epoch_push")])) == (2, 2)
     fm.fused_forward(**ops)  # EP = 1: the graph path, no workspace operands
     local = dict(zip(params, fake.calls[0]))
-    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-1] is False
+    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-3] is False
 
 
 def test_ep_host_validates_before_launch(monkeypatch):
@@ -579,3 +592,77 @@ def test_ep_host_validates_before_launch(monkeypatch):
     with pytest.raises(ValueError, match="comm_ctas"):
         fm.fused_forward(**dict(_operands(True), comm_ctas=0), ws=ws)
     assert not fake.calls and not fake.direct and not keys and ws.epoch == {"pull": 0, "push": 0}
+
+
+PAIR_PTX = ("cta_group::2", "st.async.shared::cluster.mbarrier::complete_tx::bytes", "mapa.shared::cluster",
+            "mbarrier.arrive.release.cluster.shared::cluster", "mbarrier.arrive.expect_tx.shared::cluster",
+            "barrier.cluster.arrive", "barrier.cluster.wait")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mx,ep", [(False, False), (True, False), (False, True)])
+def test_pair_variant_compiles_with_cta_group_2(arch, mx, ep):
+    """``tile_m`` 256: ``cta_group::2`` MMAs, the pair's task ring (``st.async`` of each id into the
+    peer's slot, remote arrives on the leader's empty barrier), a cluster barrier before exit; the
+    same instructions as the one-CTA variant otherwise, 0 spills; the one-CTA variant has none of
+    the pair's instructions."""
+    rep, one = _rep(arch, True, True, mx=mx, ep=ep, tile_m=256), _rep(arch, True, True, mx=mx, ep=ep)
+    missing = [i for i in PAIR_PTX + ("tcgen05.mma", "tcgen05.alloc", "%globaltimer", "atom.global.release.add.u32")
+               if not rep.has(i)]
+    assert not missing, missing
+    assert not any(one.has(i) for i in PAIR_PTX)
+    assert ("kind::mxf8f6f4" in rep.ptx) == mx and ("st.release.sys" in rep.ptx) == ep
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS
+    assert rep.ptx.count("tcgen05.mma") == one.ptx.count("tcgen05.mma")
+
+
+def test_pair_variant_registry_and_arguments():
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    reg = fm.variants()
+    pairs = [n for n in reg if "2cta" in n]
+    assert len(pairs) == 5 and all("cta_group::2" in reg[n][1] for n in pairs)
+    with pytest.raises(ValueError, match="tile_m"):
+        fm.FusedMoeFwdSm100(True, True, tile_m=64)
+    with pytest.raises(ValueError, match="tma_gather"):
+        fm.FusedMoeFwdSm100(True, True, tma_gather=True, tile_m=256)
+
+
+def test_host_pair_launch(monkeypatch, ref_quant):  # noqa: F811
+    """fused_forward(tile_m=256) on CPU (compile and launch faked): the variant's key, 256-row ring
+    slots (one per routed 256-row m-tile at most), whole CTA pairs (an odd comm_ctas rounded up);
+    MOK_CUTE_SM100_TILE_M=256 picks it, a bad value or tile_m is a ValueError, tma_gather refuses it;
+    MXFP8: the ring's blocked scales hold 256 rows per slot."""
+    import inspect
+
+    import torch
+
+    from mok_cute.kernels.sm100 import layouts as lay
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    ops = _operands(True)
+    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
+    fm.fused_forward(**{**ops, "comm_ctas": 7}, tile_m=256)
+    by = dict(zip(params, fake.calls[-1]))
+    assert keys[-1][-1] == 256 and keys[-1][-2] is False
+    ring = -(-200 // 256) + 4
+    assert int(by["ring"]) == ring and tuple(by["mXg"]._keep.shape) == (ring * 256, 256)
+    assert (int(by["num_ctas"]), int(by["comm_ctas"])) == (148, 8)
+    fm.fused_forward(**ops, num_ctas=9)
+    assert keys[-1][-1] == 128 and int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 9
+    fm.fused_forward(**ops, num_ctas=9, tile_m=256)
+    assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
+    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
+    fm.fused_forward(**ops)
+    assert keys[-1][-1] == 256
+    with pytest.raises(ValueError, match="tma_gather"):
+        fm.fused_forward(**ops, tma_gather=True)
+    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "512")
+    with pytest.raises(ValueError, match="MOK_CUTE_SM100_TILE_M"):
+        fm.fused_forward(**ops)
+    with pytest.raises(ValueError, match="tile_m"):
+        fm.fused_forward(**ops, tile_m=64)
+    monkeypatch.delenv("MOK_CUTE_SM100_TILE_M")
+    fm.fused_forward(**_mx_weights(ops), tile_m=256)
+    by = dict(zip(params, fake.calls[-1]))
+    assert by["mXgsf"]._keep.numel() == lay.sf_bytes(ring * 256, 256 // lay.SF_VEC)

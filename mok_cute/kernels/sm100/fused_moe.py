@@ -38,6 +38,12 @@ as :func:`mok_cute.kernels.sm90.fused_moe.counter_sizes`. H, I, I_s multiples of
 Variants: ``clamp``, ``shared``, ``gate`` (y starts from fp32(s_out) * gate), ``trace`` (per-task
 records in the SM90 kernel's layout), ``mx``, ``ep``.
 
+``cta_group::2`` (``tile_m`` 256, :func:`tile_m_mode`): every GEMM task is a 256-row tile run by a
+cluster of two CTAs, the leader claiming it from the ticket for both (:mod:`~mok_cute.kernels.sm100.task_ring`'s
+pair ring) and issuing its MMAs, each CTA loading its halves of A and B and storing its 128 rows;
+gather chunks, ring slots and m-tiles are 256 rows; both CTAs publish a finished tile, so each
+readiness target above counts every tile twice. The grid and the comm CTAs are whole pairs.
+
 EP > 1 (``ep``, :func:`fused_forward` with a workspace): the SM90 ep variant's protocol
 (:class:`~mok_cute.comm.peer_rows.PeerRows`, :mod:`mok_cute.comm.protocol`). ``order`` holds packed
 sources ``p*T*k + t*k + j`` (the device plan's ``recv_src``). The gather pulls each grouped row from
@@ -84,11 +90,11 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
-    ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _fake_sf, interleave_gate_up,
+    ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _fake_sf, interleave_gate_up,
 )
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
+    EPI_THREADS, MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
@@ -101,6 +107,8 @@ from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 
 CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 GEMMs' tiles
 MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
+PAIR_CONFIG = Sm100Config(tile_m=256)  # 256 x 256 x 64 BF16, cta_group::2
+MX_PAIR_CONFIG = MXFP8_2CTA_CONFIG  # 256 x 256 x 128 MXFP8, cta_group::2
 DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
 _FP8 = torch.float8_e4m3fn
@@ -143,14 +151,21 @@ class FusedMoeFwdSm100:
     and the pull / push epochs; None / ignored at EP = 1); ``tma_gather`` (BF16, EP = 1): no ring and
     no gather: R1's TMA warp loads its A rows straight from x, four rows per ``tile::gather4``
     instruction, by the token of each grouped row (``__call__``'s ``mTok`` int32 [M_cap + 128]:
-    ``order[p] // k``, then padding; the comm CTAs only run GEMM tasks)."""
+    ``order[p] // k``, then padding; the comm CTAs only run GEMM tasks). ``tile_m`` 256:
+    ``cta_group::2`` tiles (:data:`PAIR_CONFIG` / :data:`MX_PAIR_CONFIG`): a cluster of two CTAs
+    runs each task, the leader claiming it for both (:func:`~mok_cute.kernels.sm100.task_ring.publish_pair`),
+    each CTA loading and storing its 128 rows; m-tiles, gather chunks and ring slots are 256 rows;
+    both CTAs publish a finished task, so every readiness target counts each tile twice."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
-                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False, tma_gather: bool = False):
-        if tma_gather and (mx or ep):
-            raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's")
+                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False, tma_gather: bool = False,
+                 tile_m: int = 128):
+        if tma_gather and (mx or ep or tile_m != 128):
+            raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's, tile_m 128")
+        if tile_m not in (128, 256):
+            raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
         self.tma_gather = tma_gather
-        cfg = MX_CONFIG if mx else CONFIG
+        cfg = (MX_CONFIG if mx else CONFIG) if tile_m == 128 else (MX_PAIR_CONFIG if mx else PAIR_CONFIG)
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
         self.ep = ep
         self.sum_batch = sum_batch
@@ -158,7 +173,9 @@ class FusedMoeFwdSm100:
         self.mainloop = Sm100Mainloop(cfg)
         self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
-        b_bytes = self.mainloop.stages * cfg.tile_n * lay.K_TILE_BYTES
+        self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
+        self.chunk = cfg.tile_m  # rows of a gather chunk, a ring slot and an m-tile
+        b_bytes = self.mainloop.stages * (cfg.tile_n // self.cg) * lay.K_TILE_BYTES
         self.staged = not mx and not ep and not tma_gather  # the bf16 EP = 1 gather through the idle B stages
         self.gather_cap = b_bytes // (2 * NUM_THREADS * _VEC * 2)
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
@@ -212,7 +229,8 @@ class FusedMoeFwdSm100:
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder,
                     mOffsets, mIdx, mW, mGate, mGather, mHready, mShready, mDone, mStatus, mTrace, mXsw, mXgsf, mHq,
                     mHsf, mHsq, mHssf, k, limit, comm_ctas, ring, band, timeout_ns, peer).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -230,8 +248,9 @@ class FusedMoeFwdSm100:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         smem = ml.smem_tensors(storage)  # sA, sB, sSFA, sSFB (MXFP8)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cg, 1))
         status = mStatus.iterator
+        cta_v = bidx % self.cg  # this CTA's half of a cta_group::2 tile (0: the leader)
 
         tokens = mX.shape[0]
         hidden = mX.shape[1]
@@ -265,26 +284,28 @@ class FusedMoeFwdSm100:
                     gbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
                                             cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC),
                                                              stride=(_VEC, 1)))
-                self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring, n1, k,
+                self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring,
+                             self._twice(n1), k,
                              mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
                 if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
                     cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier()
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
-                          ring, mOffsets, num_experts, tokens, mGather, mHready, mShready, status, timeout_ns)
+                          ring, mOffsets, num_experts, tokens, mGather, mHready, mShready, status, timeout_ns, cta_v)
         if warp == MMA_WARP:
-            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
+            if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
+                self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
                            mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep)
+                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep, cta_v)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
         t0 = persistent.now(self.trace)
         if tidx == 0:
-            P.wait_geq(mDone.iterator, n_s2 + mt_routed * n2, timeout_ns, status, Int32(0), Int32(DONE))
+            P.wait_geq(mDone.iterator, self._twice(n_s2 + mt_routed * n2), timeout_ns, status, Int32(0), Int32(DONE))
             if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
                 ep.wait_rows(bidx)
         cute.arch.barrier()
@@ -299,6 +320,15 @@ class FusedMoeFwdSm100:
         if cutlass.const_expr(self.trace):
             if tidx == 0:
                 record_sum(mTrace, grid, bidx, t0, t1)
+        if cutlass.const_expr(self.cg == 2):  # no CTA leaves while its pair may still signal its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def _twice(self, n):
+        """A readiness target of ``n`` tiles: each of a tile's ``cg`` CTAs publishes it."""
+        if cutlass.const_expr(self.cg == 1):
+            return n
+        return n * self.cg
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -336,9 +366,10 @@ class FusedMoeFwdSm100:
         ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
-            row0, rows, ge, gb = tasks.chunk_start(tidx, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
+            row0, rows, ge, gb = tasks.chunk_start(tidx, c, ring, n1, mOffsets, num_experts, self.chunk, ge, gb,
+                                                   mHready,
                                                    timeout_ns, status, Int32(RING))
-            slot_row = (c % ring) * CHUNK
+            slot_row = (c % ring) * self.chunk
             if cutlass.const_expr(self.staged):
                 slot_rows.gather_rows_staged(tidx, rows, hid // _VEC, mOrder, row0, k, base, row_bytes, dbase, slot_row,
                                              gbuf, NUM_THREADS, self.gather_cap)
@@ -361,7 +392,11 @@ class FusedMoeFwdSm100:
                                 w = cute.make_tensor(P.gptr(Int32, src + Int64(hid + 4 * j)), cute.make_layout((1,)))[0]
                             else:
                                 w = xsw[tok, j]
-                            rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
+                            if cutlass.const_expr(self.cg == 1):
+                                rsw[lay.sf_byte(c % ring, rr, lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
+                            else:  # a 256-row slot holds two scale atom rows
+                                rsw[lay.sf_byte((c % ring) * 2 + rr // lay.SF_ATOM_ROWS, rr % lay.SF_ATOM_ROWS,
+                                                lay.SF_ATOM_KBLOCKS * j, words) // 4] = w
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -375,16 +410,17 @@ class FusedMoeFwdSm100:
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, smem, atoms, coords, ticket: cute.Pointer, shape,
                  k1: Int32, k2: Int32, k2s: Int32, ring: Int32, mOffsets: cute.Tensor, num_experts: Int32,
                  tokens: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
-                 status: cute.Pointer, timeout_ns: Int64):
+                 status: cute.Pointer, timeout_ns: Int64, cta_v: Int32):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
-        for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop)."""
+        for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop).
+        ``cta_group::2``: the leader claims for the pair, the peer takes the leader's ids, and each
+        loads its halves of the tiles (``cta_v``)."""
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
-        parts = self._b_parts(atoms, coords, smem)
+        parts = self._b_parts(atoms, coords, smem, cta_v)
         state = self.mainloop.producer_state()
         tstate = task_ring.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        t = persistent.claim(ticket)
-        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+        t, tstate = self._next_task(ticket, task_pipe, tstate, sTask, cta_v)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2, b2)
@@ -392,30 +428,47 @@ class FusedMoeFwdSm100:
                 if phase == R1:
                     persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
-                persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
+                persistent.wait_input(mHready.iterator + mt, self._twice(n1), timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
                 if phase == S2:
-                    persistent.wait_input(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
+                    persistent.wait_input(mShready.iterator + mt, self._twice(n1s), timeout_ns, status,
+                                          Int32(SH_READY), mt)
             if phase == R1:
                 slot = mt % ring
-                a_row = row0 if cutlass.const_expr(self.tma_gather) else slot * CHUNK  # x's rows by token / the ring
-                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, a_row, slot, n_tile, expert, k1)
+                a_row = row0 if cutlass.const_expr(self.tma_gather) else slot * self.chunk  # x's rows by token / ring
+                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, a_row, slot, n_tile, expert, k1,
+                                   cta_v)
             elif phase == R2:
                 state = self._load(ab_pipe, state, atoms, coords, parts, smem, 1, row0,
-                                   self._sf_row(mOffsets, expert, row0), n_tile, expert, k2)
+                                   self._sf_row(mOffsets, expert, row0), n_tile, expert, k2, cta_v)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
                         state = self._load(ab_pipe, state, atoms, coords, parts, smem, 2, row0, mt, n_tile, Int32(0),
-                                           k1)
+                                           k1, cta_v)
                     else:
                         state = self._load(ab_pipe, state, atoms, coords, parts, smem, 3, row0, mt, n_tile, Int32(0),
-                                           k2s)
-            t = persistent.claim(ticket)
-            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+                                           k2s, cta_v)
+            t, tstate = self._next_task(ticket, task_pipe, tstate, sTask, cta_v)
         ab_pipe.producer_tail(state)
 
-    def _b_parts(self, atoms, coords, smem):
+    @cute.jit
+    def _next_task(self, ticket: cute.Pointer, task_pipe, tstate, sTask: cute.Tensor, cta_v: Int32):
+        """TMA warp: ``(next task id, ring state)``: claimed from the ticket and handed on (the pair's
+        leader: to both CTAs), or, the pair's peer, taken from the leader."""
+        if cutlass.const_expr(self.cg == 1):
+            t = persistent.claim(ticket)
+            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+            return t, tstate
+        t = Int32(0)
+        if cta_v == 0:
+            t = persistent.claim(ticket)
+            tstate = task_ring.publish_pair(task_pipe, tstate, sTask, t)
+        else:
+            t, tstate = task_ring.take_pair(task_pipe, tstate, sTask)
+        return t, tstate
+
+    def _b_parts(self, atoms, coords, smem, cta_v):
         """Per GEMM (R1, R2[, S1, S2]): the (smem, gmem) TMA partitions of B over every (n-tile,
         k-tile, expert) and, MXFP8, of SFA over every (atom row, k-tile) and SFB as B's."""
         cfg, ml, per = self.cfg, self.mainloop, self.per
@@ -426,18 +479,20 @@ class FusedMoeFwdSm100:
         parts = []
         for g in range(len(atoms) // per):
             i = g * per
-            p = [ml.partition_b(atoms[i + 1], cute.local_tile(coords[i + 1], tiler_b, every), sB, 0)]
+            p = [ml.partition_b(atoms[i + 1], cute.local_tile(coords[i + 1], tiler_b, every), sB, cta_v)]
             if cutlass.const_expr(self.mx):
-                p.append(ml.partition_a(atoms[i + 2], cute.local_tile(coords[i + 2], tiler_a, every), sSFA, 0))
-                p.append(ml.partition_sfb(atoms[i + 3], cute.local_tile(coords[i + 3], tiler_b, every), sSFB, 0))
+                p.append(ml.partition_a(atoms[i + 2], cute.local_tile(coords[i + 2], tiler_a, every), sSFA, cta_v))
+                p.append(ml.partition_sfb(atoms[i + 3], cute.local_tile(coords[i + 3], tiler_b, every), sSFB, cta_v))
             parts.append(p)
         return parts
 
     @cute.jit
     def _load(self, ab_pipe, state, atoms, coords, parts, smem, g: cutlass.Constexpr[int], row0: Int32,
-              sf_row: Int32, n_tile: Int32, expert: Int32, k_tiles: Int32):
+              sf_row: Int32, n_tile: Int32, expert: Int32, k_tiles: Int32, cta_v: Int32):
         """TMA warp: the k-tiles of GEMM ``g``'s tile (A rows from ``row0``, B's ``n_tile`` of
-        ``expert``; MXFP8: SFA's scale atom row ``sf_row``, SFB as B) into the ring."""
+        ``expert``; MXFP8: SFA's tile ``sf_row`` (R2: the scale atom row where the tile's scales
+        start, maybe odd with 256-row tiles), SFB as B) into the ring; ``cta_v``: this CTA's
+        halves of a ``cta_group::2`` tile."""
         ml, per = self.mainloop, self.per
         i = g * per
         tiler = (self.cfg.tile_m, self.cfg.tile_k)
@@ -449,21 +504,27 @@ class FusedMoeFwdSm100:
                                                smem[0])
         else:
             gA = cute.local_tile(cute.domain_offset((row0, 0), coords[i][(None, None, 0)]), tiler, (0, None))
-            tAsA, tAgA = ml.partition_a(atoms[i], gA, smem[0], 0)
+            tAsA, tAgA = ml.partition_a(atoms[i], gA, smem[0], cta_v)
         sB, gB = parts[g][0]
         srcs, dsts = (tAgA, gB[(None, n_tile, None, expert)]), (tAsA, sB)
         if cutlass.const_expr(self.mx):
             (sSFA, gSFA), (sSFB, gSFB) = parts[g][1], parts[g][2]
-            srcs = srcs + (gSFA[(None, sf_row, None, 0)], gSFB[(None, n_tile, None, expert)])
+            sfa = gSFA[(None, sf_row, None, 0)]
+            if cutlass.const_expr(self.cg == 2 and g == 1):  # the grouped scales: offset by atom rows, then tile
+                g_sf = cute.local_tile(cute.domain_offset((sf_row * lay.SF_ATOM_ROWS, 0), coords[i + 2][(None, None, 0)]),
+                                       tiler, (0, None))
+                _, sfa = ml.partition_a(atoms[i + 2], g_sf, smem[2], cta_v)
+            srcs = srcs + (sfa, gSFB[(None, n_tile, None, expert)])
             dsts = dsts + (sSFA, sSFB)
-        return ml.load_tile(ab_pipe, state, atoms[i:i + per], srcs, dsts, k_tiles, Int32(0), (None,) * per)
+        masks = (None,) * per if cutlass.const_expr(self.cg == 1) else ml.mcast_masks(cta_v)[:per]
+        return ml.load_tile(ab_pipe, state, atoms[i:i + per], srcs, dsts, k_tiles, Int32(0), masks)
 
     @cute.jit
     def _sf_row(self, mOffsets: cute.Tensor, expert: Int32, row0: Int32) -> Int32:
-        """The scale atom row of a routed tile (grouped row ``row0`` of ``expert``) in the grouped
-        blocked layout (:func:`~mok_cute.kernels.sm100.layouts.pack_row_scales`)."""
+        """The scale atom row of grouped row ``row0`` (of ``expert``; a tile's or a CTA's first) in the
+        grouped blocked layout (:func:`~mok_cute.kernels.sm100.layouts.pack_row_scales`)."""
         lo = mOffsets[expert]
-        return lo // lay.SF_ATOM_ROWS + expert + (row0 - lo) // self.cfg.tile_m
+        return lo // lay.SF_ATOM_ROWS + expert + (row0 - lo) // lay.SF_ATOM_ROWS
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, smem, tmem, shape, k1: Int32, k2: Int32,
@@ -479,7 +540,7 @@ class FusedMoeFwdSm100:
         state = self.mainloop.consumer_state()
         acc_state = self.mainloop.acc_producer_state()
         tstate = task_ring.consumer_state()
-        t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
+        t, tstate = self._take(task_pipe, tstate, sTask, True)
         while t < n_tasks:
             kt = k1  # S1, R1
             if t >= n_s1 + n_r1 + n_s2:
@@ -491,8 +552,16 @@ class FusedMoeFwdSm100:
                                                       acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
-            t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
+            t, tstate = self._take(task_pipe, tstate, sTask, True)
         acc_pipe.producer_tail(acc_state)
+
+    @cute.jit
+    def _take(self, task_pipe, tstate, sTask: cute.Tensor, mma: cutlass.Constexpr[bool]):
+        """MMA warp / epilogue thread: the next task id (:func:`task_ring.take`; a pair's:
+        :func:`task_ring.take_pair`, a whole warp at a time)."""
+        if cutlass.const_expr(self.cg == 1):
+            return task_ring.take(task_pipe, tstate, sTask, mma)
+        return task_ring.take_pair(task_pipe, tstate, sTask)
 
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, shape, mOffsets: cute.Tensor,
@@ -500,14 +569,15 @@ class FusedMoeFwdSm100:
                   mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor,
                   mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32,
                   mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, mHq: cute.Tensor, mHsf: cute.Tensor,
-                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep):
+                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep, cta_v: Int32):
         """Epilogue warps: store each task's accumulator, then publish it (release add by thread 0
         after every thread's GPU-scope fence and the epilogue barrier). MXFP8: R1 / S1 also store
         h / hs quantized (GEMM2's A: ``mHq`` + ``mHsf`` at the tile's grouped scale atom row,
         ``mHsq`` + ``mHssf`` at its m-tile). EP > 1 (``ep``): R2 rows go to the source ranks' slot
         sections (:func:`push_routed`) once every rank freed its slot buffer of the previous push
         epoch (thread 0 waits FREE >= epoch - 1 before this CTA's first R2 tile), and the fences are
-        system-scope."""
+        system-scope. ``cta_group::2``: this CTA stores rows ``cta_v * 128 ..`` of each tile (its TMEM
+        half) and publishes the tile too (the leader alone records it in the trace)."""
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         tmem.allocate(self.mainloop.tmem_alloc)
         tmem.wait_for_alloc()
@@ -517,11 +587,16 @@ class FusedMoeFwdSm100:
         tstate = task_ring.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
-        t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
+        t, tstate = self._take(task_pipe, tstate, sTask, False)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
+            sf_mt = mt  # hsq's scale atom row (S1)
+            if cutlass.const_expr(self.cg == 2):  # this CTA's 128 rows of the tile
+                row0 = row0 + cta_v * EPI_THREADS
+                rows = rows - cta_v * EPI_THREADS
+                sf_mt = mt * 2 + cta_v
             t0 = persistent.now(self.trace)
             acc_pipe.consumer_wait(acc_state)
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
@@ -544,7 +619,7 @@ class FusedMoeFwdSm100:
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGUs, mHs, limit, mHsq, mHssf, mt)
+                        self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGUs, mHs, limit, mHsq, mHssf, sf_mt)
                     else:
                         self.plain._store_plain(chunks, row0, rows, n_tile, mSout)
             cute.arch.fence_view_async_tmem_load()
@@ -555,8 +630,9 @@ class FusedMoeFwdSm100:
             if tidx == 0:
                 tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
-                    persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
-            t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
+                    if cta_v == 0:
+                        persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
+            t, tstate = self._take(task_pipe, tstate, sTask, False)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
@@ -565,17 +641,18 @@ class FusedMoeFwdSm100:
 # ---------------------------------------------------------------- compile
 def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
                                 trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
-                                ep: bool = False, tma_gather: bool = False, inspect: bool = False):
+                                ep: bool = False, tma_gather: bool = False, tile_m: int = 128,
+                                inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
     ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
     GEMM operands e4m3 with blocked E8M0 scales; ``ep``: EP > 1, rows pulled from and pushed to the
-    workspace's peers; ``tma_gather``: R1's rows by TMA gather4 from x, no ring); returns
-    ``(compiled, report)``."""
+    workspace's peers; ``tma_gather``: R1's rows by TMA gather4 from x, no ring; ``tile_m`` 256:
+    ``cta_group::2`` tiles); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather)
+    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather, tile_m)
     bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
@@ -707,7 +784,8 @@ def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, in
 
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
-                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None, tma_gather=None):
+                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None, tma_gather=None,
+                  tile_m: int | None = None):
     """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16;
     ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
@@ -731,7 +809,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ``tma_gather`` (BF16, EP = 1; None: :func:`tma_gather_mode`): no ring and no gather, R1 loads x's
     rows by token with TMA gather4 (:class:`FusedMoeFwdSm100`); ``comm_ctas`` then run GEMM tasks only.
 
-    ``ring_chunks``: ring slots of 128 gathered rows (None: one per routed m-tile), R1's band
+    ``tile_m`` (None: :func:`tile_m_mode`): 128, or 256 for ``cta_group::2`` tiles run by CTA pairs
+    (the grid and ``comm_ctas`` then rounded to whole pairs; not with ``tma_gather``).
+
+    ``ring_chunks``: ring slots of ``tile_m`` gathered rows (None: one per routed m-tile), R1's band
     ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
     ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
     counters, w_rows)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
@@ -760,15 +841,21 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         tma_gather = tma_gather_mode() and not mx and ws is None
     if tma_gather and (mx or ws is not None):
         raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's")
+    tile_m = tile_m_mode() if tile_m is None else tile_m
+    if tile_m not in (128, 256):
+        raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m!r}")
+    if tma_gather and tile_m != 128:
+        raise ValueError("tma_gather (R1's rows by TMA gather4 from x) needs tile_m 128 (cta_group::1)")
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
     bf = dict(dtype=torch.bfloat16, device=x.device)
     half = CONFIG.tile_n // 2
-    sizes = counter_sizes(t, mcap, e)
-    ring = sizes[0] if ring_chunks is None else min(int(ring_chunks), sizes[0])
+    sizes = counter_sizes(t, mcap, e)  # 128-row m-tiles: enough for 256-row ones
+    mtiles = -(-mcap // tile_m) + e  # routed m-tiles at most
+    ring = mtiles if ring_chunks is None else min(int(ring_chunks), mtiles)
     band = min(ring_band(), ring)
-    xg = torch.empty(((1 if tma_gather else ring) * CHUNK, hid), dtype=_FP8 if mx else torch.bfloat16,
+    xg = torch.empty(((1 if tma_gather else ring) * tile_m, hid), dtype=_FP8 if mx else torch.bfloat16,
                      device=x.device)  # tma_gather: a slot's stand-in (R1 reads x)
     tok = None
     if tma_gather:  # each grouped row's token, then a tile of padding (an R1 tile's indices past M_cap)
@@ -794,7 +881,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         s_out = torch.empty((t, hid), **bf)
     mx_tensors = (None,) * 11
     if mx:
-        x, mx_tensors = _mx_operands(x, mcap, e, inter, ring, w_scales, shared_scales, interleave)
+        x, mx_tensors = _mx_operands(x, mcap, e, inter, ring * tile_m, w_scales, shared_scales, interleave)
     w_rows = slot_copy = None
     if ws is not None:
         _stage_source(ws, x, mx_tensors[0])
@@ -804,17 +891,20 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     nb = slot_sum_batch()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None,
-               tma_gather)
+               tma_gather, tile_m)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
         compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
                                     sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None,
-                                    tma_gather=tma_gather)[0]))
+                                    tma_gather=tma_gather, tile_m=tile_m)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
+    if tile_m == 256:  # whole CTA pairs: a pair's two CTAs both gather or both start on GEMM tasks
+        num_ctas -= num_ctas % 2
+        comm_ctas = min(comm_ctas + comm_ctas % 2, num_ctas - 2)
     records = None
     if trace:  # gather chunks, then every possible task, then two per CTA
-        n2, n1, m_sh, mt = -(-hid // CONFIG.tile_n), -(-inter // half), sizes[2], sizes[1]
+        n2, n1, m_sh, mt = -(-hid // CONFIG.tile_n), -(-inter // half), -(-t // tile_m), mtiles
         n_tasks = m_sh * (n1s + (n2 if shared is not None else 0)) + mt * (n1 + n2)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
@@ -827,6 +917,15 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
                             None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
     slot = slot if ws is None else slot_copy
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
+
+
+def tile_m_mode() -> int:
+    """The fused forward's and backward's tile rows on SM100 (``MOK_CUTE_SM100_TILE_M``, read at every
+    call): 128 (``cta_group::1``, the default) or 256 (``cta_group::2``: CTA pairs)."""
+    mode = os.environ.get("MOK_CUTE_SM100_TILE_M", "128")
+    if mode not in ("128", "256"):
+        raise ValueError(f"MOK_CUTE_SM100_TILE_M must be '128' or '256', got {mode!r}")
+    return int(mode)
 
 
 def tma_gather_mode() -> bool:
@@ -857,7 +956,7 @@ def _stage_source(ws, x, x_words):
     src[:, hid:hid + 4 * x_words.shape[1]].copy_(x_words.view(torch.uint8))
 
 
-def _mx_operands(x, mcap: int, e: int, inter: int, ring: int, w_scales, shared_scales, interleave):
+def _mx_operands(x, mcap: int, e: int, inter: int, ring_rows: int, w_scales, shared_scales, interleave):
     """``(xq, tensors)`` of the MXFP8 variant: x's e4m3 rows (the gather's source and S1's A) and
     the kernel's eleven MXFP8 tensors in ``__call__`` order: x's scale words [T, ceil(H / 128)]
     int32 (each row's E8M0 bytes zero-padded to whole scale atoms), the ring's blocked scales,
@@ -874,7 +973,7 @@ def _mx_operands(x, mcap: int, e: int, inter: int, ring: int, w_scales, shared_s
     words = -(-hid // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC))
     xs_w = torch.zeros((t, lay.SF_ATOM_KBLOCKS * words), dtype=u8, device=dev)
     xs_w[:, :hid // lay.SF_VEC] = xs
-    out = [xs_w.view(torch.int32), torch.empty(lay.sf_bytes(ring * CHUNK, hid // lay.SF_VEC), dtype=u8, device=dev),
+    out = [xs_w.view(torch.int32), torch.empty(lay.sf_bytes(ring_rows, hid // lay.SF_VEC), dtype=u8, device=dev),
            lay.to_blocked(interleave(w_scales[0], w_scales[1], half)).reshape(-1),
            torch.empty((mcap, inter), dtype=_FP8, device=dev),
            torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(mcap, e), inter // lay.SF_VEC), dtype=u8, device=dev),
@@ -896,6 +995,7 @@ _PTX = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05
 _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2")
 _EP_PTX = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the EP > 1 signals and fences
+_PAIR_PTX = ("cta_group::2", "st.async", "mapa", "barrier.cluster")  # cta_group::2 tiles, the pair's task ring
 
 
 def variants() -> dict:
@@ -917,4 +1017,10 @@ def variants() -> dict:
         "fused-fwd-ep-noclamp-routed": (fused(False, False, ep=True), _PTX + _EP_PTX),
         "fused-fwd-mxfp8-ep-clamp-shared": (fused(True, True, mx=True, ep=True), _MX_PTX + _EP_PTX),
         "fused-fwd-tma-gather-clamp-shared": (fused(True, True, tma_gather=True), _PTX + ("tile::gather4",)),
+        "fused-fwd-2cta-clamp-shared": (fused(True, True, tile_m=256), _PTX + _PAIR_PTX),
+        "fused-fwd-2cta-noclamp-routed-trace": (fused(False, False, tile_m=256, trace=True), _PTX + _PAIR_PTX),
+        "fused-fwd-mxfp8-2cta-clamp-shared": (fused(True, True, mx=True, tile_m=256), _MX_PTX + _PAIR_PTX),
+        "fused-fwd-ep-2cta-noclamp-routed": (fused(False, False, ep=True, tile_m=256), _PTX + _EP_PTX + _PAIR_PTX),
+        "fused-fwd-mxfp8-ep-2cta-clamp-shared": (fused(True, True, mx=True, ep=True, tile_m=256),
+                                                 _MX_PTX + _EP_PTX + _PAIR_PTX),
     }
