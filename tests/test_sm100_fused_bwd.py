@@ -103,7 +103,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -213,7 +213,8 @@ def test_variants_registry():
     """tools/blackwell_readiness.py's entries: both clamp variants, each PTX item in the compiled kernel."""
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    reg = fb.variants()
+    reg = {n: v for n, v in fb.variants().items() if "2cta" not in n}  # the pairs': test_pair_variants_compile..
+    assert sorted(fb.variants()) == sorted(list(reg) + PAIR_VARIANTS)
     assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-ep-clamp",
                            "fused-bwd-ep-shared-noclamp", "fused-bwd-gather-clamp",
                            "fused-bwd-gather-shared-main-grads-noclamp", "fused-bwd-gather-shared-noclamp",
@@ -306,7 +307,7 @@ def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, ad
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False, 128)]
     assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
     assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
     assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())
@@ -440,7 +441,7 @@ def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # n
     for consume in (True, False):
         fb.fused_backward_core(**ops, tokens=(order, idx, dxs), consume=consume)
         by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, fake.calls[-1])}
-        assert keys[-1][-1] is consume and keys[-1][-2] is True  # (..., mx, grouped_slots)
+        assert keys[-1][-2] is consume and keys[-1][-3] is True and keys[-1][-1] == 128  # (.., mx, grouped, tile_m)
         assert by["mDy"].dtype == torch.float8_e4m3fn  # no tile reads the bf16 dy: its rows are free
         if consume:
             assert by["mDx"] is ops["dy"]
@@ -482,7 +483,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # n
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False, 128)]
     assert tuple(dx.shape) == (200, 256) and dx.dtype == torch.bfloat16 and tuple(dwd.shape) == (4, 256, 192)
 
     launched, wgrads = [], []
@@ -566,13 +567,15 @@ def test_mx_dgu_scale_placement_is_the_unfused_layout():
         assert torch.equal(tok_sf[j], lay.pack_token_scales_device(ts[:, j * inter:(j + 1) * inter], offsets, m)), j
 
 
-def test_mx_gather_scale_placement_is_the_unfused_layout():
+@pytest.mark.parametrize("tile_m", [128, 256])
+def test_mx_gather_scale_placement_is_the_unfused_layout(tile_m):
     """The MXFP8 gather's scale stores (``mx_gather.quantize_tile``) modelled in torch with its index
-    calls: per m-tile the atom row ``o_e // 128 + e + m_tile``, dy's row scales at (atom row, tile row,
-    block) over ``ceil(H / 128)`` atoms, the token scales of feature n and the tile's block b at
-    (n // 128, n % 128, 4 atom row + b) over ``ceil(M / 128) + E`` atoms: byte for byte the unfused
-    ``pack_row_scales`` / ``pack_token_scales_device`` operands. H = 320 (partial atoms), M past the
-    experts' rows (routes without an expert), an empty and a one-row expert."""
+    calls: per m-tile the atom row ``o_e // 128 + e + m_tile * tile_m / 128``, dy's row scales at (atom
+    row + tile row // 128, tile row % 128, block) over ``ceil(H / 128)`` atoms, the token scales of
+    feature n and the tile's block b at (n // 128, n % 128, 4 atom row + b) over ``ceil(M / 128) + E``
+    atoms: byte for byte the unfused ``pack_row_scales`` / ``pack_token_scales_device`` operands.
+    H = 320 (partial atoms), M past the experts' rows (routes without an expert), an empty and a
+    one-row expert; ``tile_m`` 256: the CTA pairs' m-tiles."""
     import torch
 
     from mok_cute.kernels.sm100 import layouts as lay
@@ -586,17 +589,18 @@ def test_mx_gather_scale_placement_is_the_unfused_layout():
     t_atoms = (m + 127) // 128 + e
     row_sf = torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), hid // 32), dtype=torch.uint8)
     tok_sf = torch.zeros(lay.sf_bytes(hid, lay.grouped_sf_rows(m, e) // 32), dtype=torch.uint8)
+    per = tile_m // 128
     for ex in range(e):
-        for mt in range(-(-(offs[ex + 1] - offs[ex]) // 128)):
-            row0, rows = offs[ex] + 128 * mt, min(128, offs[ex + 1] - offs[ex] - 128 * mt)
-            atom_row = offs[ex] // 128 + ex + mt
+        for mt in range(-(-(offs[ex + 1] - offs[ex]) // tile_m)):
+            row0, rows = offs[ex] + tile_m * mt, min(tile_m, offs[ex + 1] - offs[ex] - tile_m * mt)
+            atom_row = offs[ex] // 128 + ex + mt * per
             for r in range(rows):  # _row_blocks: lane c % 4 == 0 stores block c // 4
                 for c in range(0, hc, 4):
-                    row_sf[lay.sf_byte(atom_row, r, c // 4, h_atoms)] = rs[row0 + r, c // 4]
-            for b in range(4):  # _token_blocks: (block b, chunk c), column n = 8 c + i
+                    row_sf[lay.sf_byte(atom_row + r // 128, r % 128, c // 4, h_atoms)] = rs[row0 + r, c // 4]
+            for b in range(tile_m // 32):  # _token_blocks: (block b, chunk c), column n = 8 c + i
                 if row0 + 32 * b >= row0 + rows:
                     continue
-                slot = offs[ex] // 32 + ex + 4 * mt + b  # quantize_tokens' block slot
+                slot = offs[ex] // 32 + ex + (tile_m // 32) * mt + b  # quantize_tokens' block slot
                 for n in range(hid):
                     tok_sf[lay.sf_byte(n // 128, n % 128, 4 * atom_row + b, t_atoms)] = ts[slot, n]
     offsets = torch.tensor(offs)
@@ -746,7 +750,7 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     False)]
+                     False, 128)]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -794,7 +798,7 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
     assert by["mInit"]._keep is dxs
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False,
-                     False)]
+                     False, 128)]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -836,7 +840,7 @@ def test_host_mx_gather_hands_buffers_for_the_launch_to_fill(monkeypatch, ref_qu
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
     assert len(args) == len(params) and len(out) == 5
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, True, False, False,
-                     False)]
+                     False, 128)]
     m = 270
     tok_kb = lay.grouped_sf_rows(m, e) // 32
     assert by["mInit"] is dxs and by["mDyTok"] is ops["dy"] and by["mXTok"] is ops["x"]
@@ -965,7 +969,7 @@ def test_host_main_grads_are_the_weight_gradient_operands(monkeypatch, shared):
     (args,) = fake.calls
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     True)]
+                     True, 128)]
     assert len(out) == 5 + 3 * shared and all(d is None for d in out[2:])
     names = ("mDWg", "mDWu", "mDWd") + (("mSDWg", "mSDWu", "mSDWd") if shared else ())
     for n, m in zip(names, main):
@@ -1055,7 +1059,7 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     out = fb.fused_backward_ep(**ops)
     assert not fake.calls and len(fake.direct) == 1
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True,
-                     False)]
+                     False, 128)]
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
@@ -1085,7 +1089,7 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     weights = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
     main = [torch.zeros(w.shape) for w in weights]  # main_grads: the accumulate variant on the same protocol
     out = fb.fused_backward_ep(**ops, main_grads=main)
-    assert keys[-1] == keys[0][:-1] + (True,) and all(d is None for d in out[2:])
+    assert keys[-1] == keys[0][:-2] + (True, 128) and all(d is None for d in out[2:])
     a = dict(zip(params, fake.direct[-1]))
     assert getattr(a["mDWd"], "_keep", a["mDWd"]).data_ptr() == main[2].data_ptr()
 
@@ -1110,7 +1114,7 @@ def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa:
     a = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
     a = {n: None if v is None else getattr(v, "_keep", v) for n, v in a.items()}
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, False, False, True,
-                     False)]
+                     False, 128)]
     assert a["mInit"] is dxs and a["mDy"].dtype == f8 and a["mDyRows"].dtype == torch.bfloat16 and len(out) == 5
     assert tuple(a["mXRows"].shape) == (256, hid) and a["mDyt"].dtype == f8
     bad = {"dx_shared without w_scales": dict(_ep_operands(shared=False), dx_shared=dxs),
@@ -1183,3 +1187,59 @@ def test_host_ep_validates_before_launch(monkeypatch, change, exc, match):
     ws = ops["ws"]
     assert not fake.direct and not fake.calls and (change == "arch" or not keys)
     assert not ws._src.any() and not ws._dy.any() and ws.epoch == {"pull": 0, "push": 0}
+
+
+PAIR_PTX = ("cta_group::2", "st.async.shared::cluster.mbarrier::complete_tx::bytes", "mapa.shared::cluster",
+            "mbarrier.arrive.release.cluster.shared::cluster", "barrier.cluster.wait")
+PAIR_VARIANTS = ["fused-bwd-2cta-tokens-clamp", "fused-bwd-mxfp8-2cta-tokens-grouped-noclamp",
+                 "fused-bwd-2cta-gather-shared-main-grads-noclamp", "fused-bwd-mxfp8-2cta-gather-init-clamp",
+                 "fused-bwd-2cta-ep-clamp", "fused-bwd-mxfp8-2cta-ep-init-noclamp"]
+
+
+@functools.cache
+def _pair_rep(name: str, arch: str):
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    return fb.variants()[name][0](arch)[1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", PAIR_VARIANTS)
+def test_pair_variants_compile_with_cta_group_2(arch, name):
+    """``tile_m`` 256 (every registry entry named 2cta): ``cta_group::2`` MMAs, the pair's task ring and
+    the cluster barrier before exit, the registry's PTX items, 0 spills, registers as their one-CTA
+    variants' bound (MXFP8: the dgu quantizing epilogue's 255)."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    rep = _pair_rep(name, arch)
+    needed = fb.variants()[name][1]
+    assert not [p for p in needed + PAIR_PTX if p not in rep.ptx]
+    assert rep.total_spill_bytes == 0
+    assert rep.max_registers <= (255 if "mxfp8" in name else MAX_REGISTERS)
+
+
+def test_one_cta_variants_have_no_pair_instructions():
+    rep = _rep("sm_100a", True, tokens=True, init=True, add=True)
+    assert not any(p in rep.ptx for p in PAIR_PTX)
+    assert rep.ptx.count("tcgen05.mma") == _pair_rep("fused-bwd-2cta-tokens-clamp", "sm_100a").ptx.count("tcgen05.mma")
+
+
+def test_host_pair_launch(monkeypatch):
+    """MOK_CUTE_SM100_TILE_M=256 on the backward's host path (compile and launch faked): the key ends
+    with the tile rows, the grid is whole pairs, fewer than two pairs is a ValueError, the variant
+    compiled with ``tile_m`` 256; a bad tile_m to the kernel class is a ValueError."""
+    import inspect
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    ops = _operands()
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
+    fb.fused_backward_core(**ops)
+    assert keys[-1][-1] == 128
+    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
+    fb.fused_backward_core(**ops, num_ctas=9)
+    assert keys[-1][-1] == 256 and keys[-1][:-1] == keys[0][:-1]
+    assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
+    with pytest.raises(ValueError, match="two CTA pairs"):
+        fb.fused_backward_core(**ops, num_ctas=3)
+    with pytest.raises(ValueError, match="tile_m"):
+        fb.FusedMoeBwdSm100(True, tile_m=192)

@@ -6,7 +6,8 @@ backward's host makes from the same rows (``fused_bwd._mx_operands``: the refere
 ``layouts.pack_row_scales``, ``token_rows``, ``pack_token_scales_device``): dy's e4m3 rows along
 H and their blocked row scales, dy's and x's e4m3 token rows and token scales. Shapes: H 1024 and
 H 320 (partial scale atoms), skewed experts with an empty and a one-row expert, rows past the
-experts' (routes without one), values with per-block magnitudes 2^-60..2^60 and a NaN row.
+experts' (routes without one), values with per-block magnitudes 2^-60..2^60 and a NaN row. Both m-tile heights: 128 rows, and 256
+(the ``cta_group::2`` megakernels': two scale atom rows per tile).
 """
 
 import torch
@@ -14,10 +15,9 @@ import torch
 from checks.common import Row
 
 THREADS = 256
-TILE_M = 128
 
 
-def _probe():
+def _probe(tile_m: int):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -35,16 +35,16 @@ def _probe():
         def kernel(self, mDy, mX, mOffsets, ops: tuple):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
-            row0, rows, e, b = mtile(mOffsets, mOffsets.shape[0] - 1, TILE_M, bidx, Int32(0), Int32(0))
+            row0, rows, e, b = mtile(mOffsets, mOffsets.shape[0] - 1, tile_m, bidx, Int32(0), Int32(0))
             hc = mDy.shape[1] // 8
             for xpass in cutlass.range_constexpr(2):
-                quantize_tile(tidx, tidx // 32, tidx % 32, xpass, THREADS, mDy, mX, row0, rows, TILE_M, hc, mOffsets,
+                quantize_tile(tidx, tidx // 32, tidx % 32, xpass, THREADS, mDy, mX, row0, rows, tile_m, hc, mOffsets,
                               e, bidx - b, ops)
 
     return Probe()
 
 
-def _compiled(arch: str):
+def _compiled(arch: str, tile_m: int = 128):
     import cutlass
     import cutlass.cute as cute
 
@@ -57,10 +57,10 @@ def _compiled(arch: str):
                                                     assumed_align=4)
         f8 = cutlass.Float8E4M3FN
         offs = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        return compile_kernel(_probe(), _fake_2d(cutlass.BFloat16, m, hid), _fake_2d(cutlass.BFloat16, m, hid), offs,
+        return compile_kernel(_probe(tile_m), _fake_2d(cutlass.BFloat16, m, hid), _fake_2d(cutlass.BFloat16, m, hid), offs,
                               _fake_2d(f8, m, hid), u8(), _fake_2d(f8, m, hid), u8(), _fake_2d(f8, m, hid), u8(),
                               cutlass.Int32(1), cute.runtime.make_fake_stream(), arch=arch)[0]
-    return compile_cached(("mx_gather_probe", arch), build)
+    return compile_cached(("mx_gather_probe", arch, tile_m), build)
 
 
 def _rows(m: int, hid: int, gen, dev) -> torch.Tensor:
@@ -71,7 +71,7 @@ def _rows(m: int, hid: int, gen, dev) -> torch.Tensor:
     return x.to(dev)
 
 
-def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev) -> list[Row]:
+def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev, tile_m: int = 128) -> list[Row]:
     from cutlass import Int32
 
     from mok_cute import reference as R
@@ -92,8 +92,8 @@ def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev) -> list[
                                                                                device=dev),
                xt=torch.zeros((m, hid), dtype=f8, device=dev), xtsf=torch.zeros(lay.sf_bytes(hid, tok_kb), dtype=u8,
                                                                              device=dev))
-    n_tiles = len(mtile_rows(offs, TILE_M))
-    launcher = GraphLauncher(_compiled(arch_of_device(dev)))
+    n_tiles = len(mtile_rows(offs, tile_m))
+    launcher = GraphLauncher(_compiled(arch_of_device(dev), tile_m))
     launcher.launch_tensors(dev.index or 0, (dy, x, offsets, *out.values()), (Int32(n_tiles),), (n_tiles,), ())
     torch.cuda.synchronize()
     valid = offs[-1]
@@ -106,11 +106,12 @@ def _case(name: str, offs: list[int], m: int, hid: int, seed: int, dev) -> list[
         want[f"{what} token rows"] = (lay.token_rows(data_t, offsets.cpu(), m).view(u8), out[dst].view(u8).cpu())
         want[f"{what} token scales"] = (lay.pack_token_scales_device(scales, offsets.cpu(), m), out[dsf].cpu())
     same = {k: torch.equal(a, b) for k, (a, b) in want.items()}
-    return [Row(f"mx_gather {name}", bitwise=all(same.values()), ok=all(same.values()),
+    return [Row(f"mx_gather {name} tile_m {tile_m}", bitwise=all(same.values()), ok=all(same.values()),
                 note=f"{n_tiles} m-tiles, H {hid}; equal: {same}")]
 
 
 def run(ctx) -> list[Row]:
     dev = ctx.device
-    return (_case("skewed H1024", [0, 700, 700, 701, 1000], 1100, 1024, 1, dev)
-            + _case("uniform H320", [0, 256, 512, 768], 800, 320, 2, dev))
+    return [row for tile_m in (128, 256) for row in
+            _case("skewed H1024", [0, 700, 700, 701, 1000], 1100, 1024, 1, dev, tile_m)
+            + _case("uniform H320", [0, 256, 512, 768], 800, 320, 2, dev, tile_m)]

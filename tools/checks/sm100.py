@@ -61,23 +61,30 @@ def _fused_rows(dev) -> list[Row]:
     forward and the fused backward core, MXFP8 their ``mx`` variants; then the whole backward in one
     launch, ``MOK_CUTE_FUSED_BWD=3``: ``fused_bwd.fused_backward``, gather + shared at BF16, at MXFP8
     the gather's quantizing ``mx`` variant with the shared expert before it; BF16 again with R1's rows
-    by TMA gather4, ``MOK_CUTE_SM100_GATHER=tma``): y and every gradient bitwise the unfused sm100
-    path's (``MOK_CUTE_FUSED_BWD=0``), 3 repeats."""
+    by TMA gather4, ``MOK_CUTE_SM100_GATHER=tma``; then with ``cta_group::2`` tiles,
+    ``MOK_CUTE_SM100_TILE_M=256``, whose MMAs sum each element over the same k order): y and every
+    gradient bitwise the unfused sm100 path's (``MOK_CUTE_FUSED_BWD=0``), 3 repeats."""
     rows = []
-    for precision, what, mode, gather in (("bf16", "fwd + bwd core", "2", "comm"),
-                                          ("mxfp8", "fwd + bwd core", "2", "comm"),
-                                          ("bf16", "fwd + bwd mode 3", "3", "comm"),
-                                          ("mxfp8", "fwd + bwd mode 3", "3", "comm"),
-                                          ("bf16", "fwd tma gather4 + bwd core", "2", "tma")):
+    for precision, what, mode, gather, tile_m in (("bf16", "fwd + bwd core", "2", "comm", "128"),
+                                                  ("mxfp8", "fwd + bwd core", "2", "comm", "128"),
+                                                  ("bf16", "fwd + bwd mode 3", "3", "comm", "128"),
+                                                  ("mxfp8", "fwd + bwd mode 3", "3", "comm", "128"),
+                                                  ("bf16", "fwd tma gather4 + bwd core", "2", "tma", "128"),
+                                                  ("bf16", "2-CTA fwd + bwd core", "2", "comm", "256"),
+                                                  ("mxfp8", "2-CTA fwd + bwd core", "2", "comm", "256"),
+                                                  ("bf16", "2-CTA fwd + bwd mode 3", "3", "comm", "256"),
+                                                  ("mxfp8", "2-CTA fwd + bwd mode 3", "3", "comm", "256")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
             os.environ["MOK_CUTE_FUSED_BWD"] = "0"
             try:
                 want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
-                os.environ.update(MOK_CUTE_SM100_FUSED="1", MOK_CUTE_FUSED_BWD=mode, MOK_CUTE_SM100_GATHER=gather)
+                os.environ.update(MOK_CUTE_SM100_FUSED="1", MOK_CUTE_FUSED_BWD=mode, MOK_CUTE_SM100_GATHER=gather,
+                                  MOK_CUTE_SM100_TILE_M=tile_m)
                 runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
             finally:
-                for var in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_BWD", "MOK_CUTE_SM100_GATHER"):
+                for var in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_BWD", "MOK_CUTE_SM100_GATHER",
+                            "MOK_CUTE_SM100_TILE_M"):
                     os.environ.pop(var, None)
             same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
             rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),

@@ -79,7 +79,9 @@ from mok_cute.kernels.route_grad_row import gather_chunks
 from mok_cute.kernels.sm90.fused_bwd import (
     _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe, grouped_rows,
 )
-from mok_cute.kernels.sm100.fused_moe import push_routed, store_routed
+from mok_cute.kernels.sm100.fused_moe import (
+    _PAIR_PTX, MX_PAIR_CONFIG, PAIR_CONFIG, push_routed, store_routed, tile_m_mode,
+)
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _check_weight, _fake_sf,
@@ -87,7 +89,7 @@ from mok_cute.kernels.sm100.grouped_gemm import (
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mx_gather import quantize_tile
 from mok_cute.kernels.sm100.mainloop import (
-    MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
+    EPI_THREADS, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
@@ -116,11 +118,12 @@ class FusedMoeBwdSm100:
     fusion) instead of written as bf16; the whole backward's (``gather``); ``grouped_slots`` (MXFP8
     tokens, no gather): the D1 rows stay in grouped order in ``mDx`` (the caller's bf16 dy, which no
     MXFP8 tile reads) and the slot sum reads slot (t, j) at row ``mOrder[t*k + j]`` (the inverse order,
-    ``sm90.fused_bwd.grouped_rows``)."""
+    ``sm90.fused_bwd.grouped_rows``); ``tile_m`` 256: ``cta_group::2`` tiles run by CTA pairs (the
+    module doc)."""
 
     def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
                  gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False,
-                 accumulate: bool = False, grouped_slots: bool = False):
+                 accumulate: bool = False, grouped_slots: bool = False, tile_m: int = 128):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
@@ -134,8 +137,11 @@ class FusedMoeBwdSm100:
             raise ValueError("accumulate (main grads) is the whole backward's: it needs gather")
         if grouped_slots and not (mx and tokens and not gather):
             raise ValueError("grouped_slots (the dx rows in grouped order over dy) needs mx and tokens without gather")
+        if tile_m not in (128, 256):
+            raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
         self.grouped_slots = grouped_slots
-        cfg = MX_CONFIG if mx else CONFIG
+        cfg = (MX_CONFIG if mx else CONFIG) if tile_m == 128 else (MX_PAIR_CONFIG if mx else PAIR_CONFIG)
+        self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
         self.gather, self.by_route, self.shared, self.ep, self.accumulate = gather, by_route, shared, ep, accumulate
         self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
@@ -234,7 +240,8 @@ class FusedMoeBwdSm100:
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
                     mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
                     timeout_ns, s_t, g_t, peer).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
 
     def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, e, mx_ops):
         """One group's TMA (atom, coordinates) pairs (p = self.per: A, B[, SFA, SFB]): D2 (dy,
@@ -271,7 +278,8 @@ class FusedMoeBwdSm100:
         warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem = task_ring.kernel_start(
             md, atoms, self.shared_storage)
         smem = md.smem_tensors(storage) + mw.smem_tensors(storage)  # sA, sB, sSFA, sSFB of each (SF: MXFP8)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cg, 1))
+        cta_v = cute.arch.block_idx()[0] % self.cg  # this CTA's half of a cta_group::2 tile (0: the leader)
 
         n_r = len(atoms) // 2 if cutlass.const_expr(self.shared) else len(atoms)  # the routed group's atoms
         routed = _Group(cfg, atoms[:n_r], coords[:n_r], (mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2),
@@ -299,16 +307,17 @@ class FusedMoeBwdSm100:
 
         if warp == TMA_WARP:
             self._produce(ab_pipe, task_pipe, sTask, smem, routed, shared, mWords.iterator, n_tasks, gdy,
-                          mWords.iterator + 1 if ep is None else ep.status, timeout_ns)
+                          mWords.iterator + 1 if ep is None else ep.status, timeout_ns, cta_v)
         if warp == MMA_WARP:
-            self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
+            if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
+                self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
         if warp < MMA_WARP:
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, routed, shared, n_tasks, limit, mOrder,
-                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep)
+                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep, cta_v)
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
-                P.wait_geq(mWords.iterator + DONE_WORD, n_done, timeout_ns,
+                P.wait_geq(mWords.iterator + DONE_WORD, self._twice(n_done), timeout_ns,
                            mWords.iterator + 1 if ep is None else ep.status, Int32(0), Int32(D1_DONE))
                 if cutlass.const_expr(self.ep):  # every rank's dx rows are in my slot buffer (DATA)
                     ep.wait_rows(cute.arch.block_idx()[0])
@@ -323,6 +332,15 @@ class FusedMoeBwdSm100:
                                SUM_BATCH, NUM_THREADS, None, mAdd, None, mOrder if self.grouped_slots else None)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mWords.iterator + SUMMED_WORD, grid)
+        if cutlass.const_expr(self.cg == 2):  # no CTA leaves while its pair may still signal its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def _twice(self, n):
+        """A readiness target of ``n`` tiles: each of a tile's ``cg`` CTAs publishes it."""
+        if cutlass.const_expr(self.cg == 1):
+            return n
+        return n * self.cg
 
     @cute.jit
     def _decode(self, g, t: Int32, cur):
@@ -350,38 +368,39 @@ class FusedMoeBwdSm100:
 
     @cute.jit
     def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,
-                 n_tasks: Int32, gdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+                 n_tasks: Int32, gdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, cta_v: Int32):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
         for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop). With a
-        shared group, list task t is ``fused_bwd90._split``'s (group, task)."""
-        r_parts = self._parts(routed, views)
-        s_parts = self._parts(shared, views) if cutlass.const_expr(self.shared) else None
+        shared group, list task t is ``fused_bwd90._split``'s (group, task). ``cta_group::2``: the
+        leader claims for the pair, the peer takes its ids (:func:`task_ring.next_task`), each loads
+        its halves (``cta_v``)."""
+        r_parts = self._parts(routed, views, cta_v)
+        s_parts = self._parts(shared, views, cta_v) if cutlass.const_expr(self.shared) else None
         state = self.ml_d.producer_state()
         tstate = task_ring.producer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
         ready = (Int32(-1), Int32(-1))  # the last expert whose D2 tiles / gathered rows this CTA saw complete
         s_cur, s_ready = cur, ready
-        t = persistent.claim(ticket)
-        tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+        t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         while t < n_tasks:
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
                     *tile, s_cur = self._decode(shared, lt, s_cur)
                     state, s_ready = self._load(shared, s_parts, tile, ab_pipe, state, views, s_ready, gdy, status,
-                                                timeout_ns)
+                                                timeout_ns, cta_v)
                 else:
                     *tile, cur = self._decode(routed, lt, cur)
                     state, ready = self._load(routed, r_parts, tile, ab_pipe, state, views, ready, gdy, status,
-                                              timeout_ns)
+                                              timeout_ns, cta_v)
             else:
                 *tile, cur = self._decode(routed, t, cur)
-                state, ready = self._load(routed, r_parts, tile, ab_pipe, state, views, ready, gdy, status, timeout_ns)
-            t = persistent.claim(ticket)
-            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
+                state, ready = self._load(routed, r_parts, tile, ab_pipe, state, views, ready, gdy, status, timeout_ns,
+                                          cta_v)
+            t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         ab_pipe.producer_tail(state)
 
-    def _parts(self, g, views):
+    def _parts(self, g, views, cta_v):
         """TMA warp, group ``g``: the B partitions over every (n-tile, k-tile, expert) of D2's
         w_down, D1's w_gate and w_up, and (MXFP8) D2's and D1's (SFA, SFB) partitions with their
         smem destinations: ``(sB, w_down, w_gate, w_up, sf, sf_dst)``."""
@@ -391,56 +410,61 @@ class FusedMoeBwdSm100:
         tiler_a = (cfg.tile_m, cfg.tile_k)
         tiler_b = (cfg.tile_n, cfg.tile_k)
         every = (None, None, None)
-        tBsB, tBgWd = md.partition_b(atoms[1], cute.local_tile(coords[1], tiler_b, every), sB, 0)
-        _, tBgWg = md.partition_b(atoms[p + 1], cute.local_tile(coords[p + 1], tiler_b, every), sB, 0)
-        _, tBgWu = md.partition_b(atoms[2 * p + 1], cute.local_tile(coords[2 * p + 1], tiler_b, every), sB, 0)
+        tBsB, tBgWd = md.partition_b(atoms[1], cute.local_tile(coords[1], tiler_b, every), sB, cta_v)
+        _, tBgWg = md.partition_b(atoms[p + 1], cute.local_tile(coords[p + 1], tiler_b, every), sB, cta_v)
+        _, tBgWu = md.partition_b(atoms[2 * p + 1], cute.local_tile(coords[2 * p + 1], tiler_b, every), sB, cta_v)
         sf = sf_dst = None
         if cutlass.const_expr(self.mx):
             sf = []
             for i in (2, p + 2):
-                tAsSFA, tAgSFA = md.partition_a(atoms[i], cute.local_tile(coords[i], tiler_a, every), sSFA, 0)
+                tAsSFA, tAgSFA = md.partition_a(atoms[i], cute.local_tile(coords[i], tiler_a, every), sSFA, cta_v)
                 tBsSFB, tBgSFB = md.partition_sfb(atoms[i + 1], cute.local_tile(coords[i + 1], tiler_b, every), sSFB,
-                                                  0)
+                                                  cta_v)
                 sf.append((tAgSFA, tBgSFB))
             sf_dst = (tAsSFA, tBsSFB)
         return tBsB, tBgWd, tBgWg, tBgWu, sf, sf_dst
 
     @cute.jit
     def _load(self, g, parts, tile, ab_pipe, state, views, ready, gdy: cute.Tensor, status: cute.Pointer,
-              timeout_ns: Int64):
+              timeout_ns: Int64, cta_v: Int32):
         """TMA warp, group ``g``'s task (``tile``: :meth:`_decode`'s): wait for its inputs (D1: ``d2[mt]``; dWg / dWu: every
         D2 tile of the expert; gather: D2 its m-tile's dy rows, W the expert's dy and x rows), load its
         k-tiles. ``ready``: the last experts whose D2 tiles / gathered
-        rows this CTA saw complete (their tickets only grow); returns ``(state, ready)``."""
+        rows this CTA saw complete (their tickets only grow); returns ``(state, ready)``. ``cta_v``: this
+        CTA's halves of a ``cta_group::2`` tile."""
         cfg, p = self.cfg, self.per
         atoms, coords = g.atoms, g.coords
         sA = views[0]
         n_i, k_h, k_i = g.dims[3], g.dims[8], g.dims[9]
         tBsB, tBgWd, tBgWg, tBgWu, sf, sf_dst = parts
         tiler_a = (cfg.tile_m, cfg.tile_k)
-        no_mask = (None,) * p
+        no_mask = (None,) * p if cutlass.const_expr(self.cg == 1) else self.ml_d.mcast_masks(cta_v)[:p]
         ready_e, ready_g = ready
         phase, expert, n_tile, m_tile, row0, _, mt, which = tile
         if phase == D2:
             if cutlass.const_expr(g.gather):
                 persistent.wait_input(gdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), coords[0][(None, None, 0)]), tiler_a, (0, None))
-            tAsA, tAgA = self.ml_d.partition_a(atoms[0], gA, sA, 0)
+            tAsA, tAgA = self.ml_d.partition_a(atoms[0], gA, sA, cta_v)
             srcs, dsts = (tAgA, tBgWd[(None, n_tile, None, expert)]), (tAsA, tBsB)
             if cutlass.const_expr(self.mx):
-                srcs, dsts = srcs + self._sf_tile(sf[0], g.offsets, expert, m_tile, n_tile), dsts + sf_dst
+                srcs = srcs + self._sf_tile(sf[0], g.offsets, expert, m_tile, n_tile, atoms[2], coords[2], views[2],
+                                            cta_v)
+                dsts = dsts + sf_dst
             state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
         elif phase == D1:
-            persistent.wait_input(g.d2.iterator + mt, n_i, timeout_ns, status, Int32(D2_READY), mt)
+            persistent.wait_input(g.d2.iterator + mt, self._twice(n_i), timeout_ns, status, Int32(D2_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), coords[p][(None, None, 0)]), tiler_a, (0, None))
             gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[2 * p][(None, None, 0)]), tiler_a,
                                   (0, None))
-            tAsA, tAgA = self.ml_d.partition_a(atoms[p], gA, sA, 0)
-            _, tAgA2 = self.ml_d.partition_a(atoms[2 * p], gA2, sA, 0)
+            tAsA, tAgA = self.ml_d.partition_a(atoms[p], gA, sA, cta_v)
+            _, tAgA2 = self.ml_d.partition_a(atoms[2 * p], gA2, sA, cta_v)
             part2 = (atoms[2 * p:2 * p + 2], (tAgA2, tBgWu[(None, n_tile, None, expert)]), k_i)
             srcs, dsts = (tAgA, tBgWg[(None, n_tile, None, expert)]), (tAsA, tBsB)
             if cutlass.const_expr(self.mx):
-                srcs, dsts = srcs + self._sf_tile(sf[1], g.offsets, expert, m_tile, n_tile), dsts + sf_dst
+                srcs = srcs + self._sf_tile(sf[1], g.offsets, expert, m_tile, n_tile, atoms[p + 2], coords[p + 2],
+                                            views[2], cta_v)
+                dsts = dsts + sf_dst
             state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), no_mask,
                                         part2)
         else:
@@ -457,33 +481,42 @@ class FusedMoeBwdSm100:
             w0 = 2 * p + 2  # dWd's atoms, then dWg's, dWu's
             if which == WD:
                 state = self._load_w(ab_pipe, state, atoms, coords, (w0, w0 + 1, w0 + 2, w0 + 3), views[4:], lo,
-                                     length, m_tile, n_tile, kt, expert)
+                                     length, m_tile, n_tile, kt, expert, cta_v)
             else:
                 if expert != ready_e:  # once per expert and CTA: its tickets only grow
                     first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
                     for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(g.d2.iterator + first + m, n_i, timeout_ns, status,
+                        persistent.wait_input(g.d2.iterator + first + m, self._twice(n_i), timeout_ns, status,
                                               Int32(D2_READY), first + m)
                     ready_e = expert
                 wg = w0 + p
                 if which == WG:
                     state = self._load_w(ab_pipe, state, atoms, coords, (wg, wg + 1, wg + 2, wg + 3), views[4:],
-                                         lo, length, m_tile, n_tile, kt, expert)
+                                         lo, length, m_tile, n_tile, kt, expert, cta_v)
                 else:
                     state = self._load_w(ab_pipe, state, atoms, coords, (wg + p, wg + 1, wg + p + 1, wg + 3),
-                                         views[4:], lo, length, m_tile, n_tile, kt, expert)
+                                         views[4:], lo, length, m_tile, n_tile, kt, expert, cta_v)
         return state, (ready_e, ready_g)
 
     @cute.jit
-    def _sf_tile(self, sf, mOffsets: cute.Tensor, expert: Int32, m_tile: Int32, n_tile: Int32):
+    def _sf_tile(self, sf, mOffsets: cute.Tensor, expert: Int32, m_tile: Int32, n_tile: Int32, atom_sfa, coord_sfa,
+                 sSFA: cute.Tensor, cta_v: Int32):
         """MXFP8 D2 / D1 tile: its (SFA, SFB) k-tile sources, as the unfused grouped GEMM reads them
-        (SFA at scale atom row ``o_e // 128 + e + m_tile``, SFB of the expert's n-tile)."""
-        sf_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
-        return sf[0][(None, sf_row, None, 0)], sf[1][(None, n_tile, None, expert)]
+        (SFA from scale atom row ``o_e // 128 + e + m_tile * tile_m / 128``, SFB of the expert's
+        n-tile); a 256-row tile may start at an odd atom row: SFA offset by atom rows, then tiled and
+        partitioned for this CTA (``atom_sfa``, ``coord_sfa``, the staged ``sSFA``)."""
+        if cutlass.const_expr(self.cg == 1):
+            sf_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
+            return sf[0][(None, sf_row, None, 0)], sf[1][(None, n_tile, None, expert)]
+        atom_row = mOffsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile * self.cg
+        g_sf = cute.local_tile(cute.domain_offset((atom_row * lay.SF_ATOM_ROWS, 0), coord_sfa[(None, None, 0)]),
+                               (self.cfg.tile_m, self.cfg.tile_k), (0, None))
+        _, sfa = self.ml_d.partition_a(atom_sfa, g_sf, sSFA, cta_v)
+        return sfa, sf[1][(None, n_tile, None, expert)]
 
     @cute.jit
     def _load_w(self, ab_pipe, state, atoms, coords, idx, smem, lo: Int32, length: Int32, m_tile: Int32,
-                n_tile: Int32, kt: Int32, expert: Int32):
+                n_tile: Int32, kt: Int32, expert: Int32, cta_v: Int32):
         """TMA warp: the k-tiles of weight-gradient tile (m_tile, n_tile) over the expert's rows
         ``lo .. lo + length`` (the unfused wgrad's ragged views; ``idx``: the atoms of A, B[, SFA,
         SFB], MXFP8: scale k-tiles from the expert's first, ``lo // 128 + e``); returns the state."""
@@ -491,20 +524,21 @@ class FusedMoeBwdSm100:
         atom_a, atom_b = atoms[idx[0]], atoms[idx[1]]
         gA = cute.local_tile(_expert_k(coords[idx[0]], lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
         gB = cute.local_tile(_expert_k(coords[idx[1]], lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-        tAsA, tAgA = mw.partition_a(atom_a, gA, smem[0], 0)
-        tBsB, tBgB = mw.partition_b(atom_b, gB, smem[1], 0)
+        tAsA, tAgA = mw.partition_a(atom_a, gA, smem[0], cta_v)
+        tBsB, tBgB = mw.partition_b(atom_b, gB, smem[1], cta_v)
         used, srcs, dsts, sf_k0 = [atom_a, atom_b], (tAgA, tBgB), (tAsA, tBsB), Int32(0)
         if cutlass.const_expr(self.mx):
             every = (None, None, None)
             tAsSFA, tAgSFA = mw.partition_a(atoms[idx[2]], cute.local_tile(coords[idx[2]], (cfg.tile_m, cfg.tile_k),
-                                                                           every), smem[2], 0)
+                                                                           every), smem[2], cta_v)
             tBsSFB, tBgSFB = mw.partition_sfb(atoms[idx[3]], cute.local_tile(coords[idx[3]], (cfg.tile_n, cfg.tile_k),
-                                                                             every), smem[3], 0)
+                                                                             every), smem[3], cta_v)
             used = used + [atoms[idx[2]], atoms[idx[3]]]
             srcs = srcs + (tAgSFA[(None, m_tile, None, 0)], tBgSFB[(None, n_tile, None, 0)])
             dsts = dsts + (tAsSFA, tBsSFB)
             sf_k0 = lo // lay.SF_ATOM_ROWS + expert
-        return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, (None,) * self.per)
+        masks = (None,) * self.per if cutlass.const_expr(self.cg == 1) else mw.mcast_masks(cta_v)[:self.per]
+        return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, masks)
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, routed, shared, n_tasks: Int32):
@@ -520,7 +554,7 @@ class FusedMoeBwdSm100:
         state = md.consumer_state()
         acc_state = md.acc_producer_state()
         tstate = task_ring.consumer_state()
-        t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
+        t, tstate = task_ring.take_any(task_pipe, tstate, sTask, True, self.cg == 2)
         while t < n_tasks:
             acc_pipe.producer_acquire(acc_state)
             if cutlass.const_expr(self.shared):
@@ -536,7 +570,7 @@ class FusedMoeBwdSm100:
                                                      acc_state.index)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
-            t, tstate = task_ring.take(task_pipe, tstate, sTask, True)
+            t, tstate = task_ring.take_any(task_pipe, tstate, sTask, True, self.cg == 2)
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
@@ -562,10 +596,12 @@ class FusedMoeBwdSm100:
 
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, routed, shared, n_tasks: Int32,
-                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep):
+                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep, cta_v: Int32):
         """Epilogue warps: store each task's accumulator (:meth:`_store`), then publish it
         (:meth:`_publish`). EP > 1: first, every rank must have freed its slot buffer of the previous
-        push round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it)."""
+        push round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it).
+        ``cta_group::2``: this CTA stores rows ``cta_v * 128 ..`` of each tile (its TMEM half) and
+        publishes the tile too."""
         t_atoms = None
         if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
             t_atoms = (routed.gu.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + routed.num_experts
@@ -581,7 +617,7 @@ class FusedMoeBwdSm100:
         tstate = task_ring.consumer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
         s_cur = cur
-        t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
+        t, tstate = task_ring.take_any(task_pipe, tstate, sTask, False, self.cg == 2)
         while t < n_tasks:
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
@@ -594,7 +630,10 @@ class FusedMoeBwdSm100:
                 phase, expert, n_tile, m_tile, row0, rows, mt, which, cur = self._decode(routed, t, cur)
             acc_pipe.consumer_wait(acc_state)
             chunks = AccChunks(acc[(None, None, None, acc_state.index)], tidx)
-            tile = (phase, expert, n_tile, m_tile, row0, rows, which)
+            if cutlass.const_expr(self.cg == 2):  # this CTA's 128 rows of the tile (W: of dW's rows, in _store)
+                row0 = row0 + cta_v * EPI_THREADS
+                rows = rows - cta_v * EPI_THREADS
+            tile = (phase, expert, n_tile, m_tile, row0, rows, which, cta_v)
             if cutlass.const_expr(self.shared):
                 if grp == 0:
                     self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
@@ -612,22 +651,25 @@ class FusedMoeBwdSm100:
                     self._publish(routed, phase, mt, tidx, done)
             else:
                 self._publish(routed, phase, mt, tidx, done)
-            t, tstate = task_ring.take(task_pipe, tstate, sTask, False)
+            t, tstate = task_ring.take_any(task_pipe, tstate, sTask, False, self.cg == 2)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
 
     @cute.jit
     def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms, ep):
-        """Epilogue warps, group ``g``'s tile ``(phase, expert, n_tile, m_tile, row0, rows, which)``:
+        """Epilogue warps, group ``g``'s tile ``(phase, expert, n_tile, m_tile, row0, rows, which, cta_v)``
+        (row0 / rows: this CTA's rows):
         the unfused kernels' epilogue (D1 of a ``routed`` group in the tokens variant: row r to slot
         row ``order[row0 + r]``, EP > 1 on its source rank, :func:`~mok_cute.kernels.sm100.fused_moe.push_routed`;
         MXFP8: D2 stores dgu's two quantizations, ``mx_out`` = (dgu_sf, dgut, dg_tsf, du_tsf) beside
         the e4m3 dgu along I)."""
-        phase, expert, n_tile, m_tile, row0, rows, which = tile
+        phase, expert, n_tile, m_tile, row0, rows, which, cta_v = tile
         if phase == D2:
             if cutlass.const_expr(self.mx):
                 sf_row = g.offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile
+                if cutlass.const_expr(self.cg == 2):  # this CTA's atom row
+                    sf_row = g.offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile * self.cg + cta_v
                 self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, None, g.gu, limit,
                                             (g.dgu, *mx_out, sf_row, t_atoms))
             else:
@@ -641,6 +683,8 @@ class FusedMoeBwdSm100:
                 self.dgrad1._store_plain(chunks, row0, rows, n_tile, g.dx)
         else:
             r0 = m_tile * self.cfg.tile_m
+            if cutlass.const_expr(self.cg == 2):
+                r0 = r0 + cta_v * EPI_THREADS
             store = self.wgrad._store_accumulate if cutlass.const_expr(self.accumulate) else self.wgrad._store_plain
             if which == WD:
                 store(chunks, r0, g.dwd.shape[1] - r0, n_tile, g.dwd[(expert, None, None)])
@@ -700,18 +744,19 @@ class _Group:
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
                                  mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
                                  ep: bool = False, accumulate: bool = False, *, grouped_slots: bool = False,
-                                 arch: str = "sm_100a", inspect: bool = False):
+                                 tile_m: int = 128, arch: str = "sm_100a", inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
     start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
     rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
     expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
     through the workspace; ``accumulate``: the weight gradients added into fp32 main grads;
-    ``grouped_slots``: the MXFP8 tokens variant's dx rows over dy, see the kernel class); returns
-    ``(compiled, report)``."""
+    ``grouped_slots``: the MXFP8 tokens variant's dx rows over dy, see the kernel class; ``tile_m`` 256:
+    ``cta_group::2`` tiles); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots)
+    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots,
+                          tile_m)
     bf = cutlass.BFloat16
     dw = Float32 if accumulate else bf  # the weight gradients' element type
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
@@ -1151,12 +1196,20 @@ def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s
     """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant, grouped_slots=)`` and
     launch it on the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words
     watched. ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
-    bumped; its status, not ``words``, holds the errors)."""
+    bumped; its status, not ``words``, holds the errors). The tiles' rows: :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode`
+    (256: CTA pairs, the grid and ``comm`` rounded to whole pairs; part of the cache key)."""
+    tile_m = tile_m_mode()
+    key = key + (tile_m,)
     launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(
-        *variant, grouped_slots=grouped_slots, arch=key[1])[0]))
+        *variant, grouped_slots=grouped_slots, tile_m=tile_m, arch=key[1])[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
+    if tile_m == 256:  # whole CTA pairs: a pair's two CTAs both gather or both start on GEMM tasks
+        if num_ctas < 4:
+            raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with MOK_CUTE_SM100_TILE_M=256, got {num_ctas}")
+        num_ctas -= num_ctas % 2
+        comm = min(comm + comm % 2, num_ctas - 2)
     scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
     launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
                             None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))
@@ -1243,4 +1296,19 @@ def variants() -> dict:
             "fused-bwd-ep-clamp": (core(True, tokens=True, gather=True, ep=True),
                                    _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP),
             "fused-bwd-ep-shared-noclamp": (core(False, tokens=True, init=True, gather=True, shared=True, ep=True),
-                                            _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP)}
+                                            _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP),
+            "fused-bwd-2cta-tokens-clamp": (core(True, tokens=True, init=True, add=True, tile_m=256),
+                                            _PTX + _PTX_TOKENS + _PAIR_PTX),
+            "fused-bwd-mxfp8-2cta-tokens-grouped-noclamp": (core(False, tokens=True, mx=True, grouped_slots=True,
+                                                                 tile_m=256), _MX_PTX + _PTX_TOKENS + _PAIR_PTX),
+            "fused-bwd-2cta-gather-shared-main-grads-noclamp": (
+                core(False, tokens=True, init=True, gather=True, by_route=True, shared=True, accumulate=True,
+                     tile_m=256), _PTX + _PTX_TOKENS + _PTX_GATHER + _PAIR_PTX),
+            "fused-bwd-mxfp8-2cta-gather-init-clamp": (
+                core(True, tokens=True, init=True, gather=True, by_route=True, mx=True, tile_m=256),
+                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _MX_GATHER_PTX + _PAIR_PTX),
+            "fused-bwd-2cta-ep-clamp": (core(True, tokens=True, gather=True, ep=True, tile_m=256),
+                                        _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _PAIR_PTX),
+            "fused-bwd-mxfp8-2cta-ep-init-noclamp": (
+                core(False, tokens=True, init=True, gather=True, ep=True, mx=True, tile_m=256),
+                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _MX_GATHER_PTX + _PAIR_PTX)}

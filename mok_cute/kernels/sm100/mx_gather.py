@@ -33,9 +33,12 @@ def quantize_tile(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexp
     bf16 ``dy_rows`` / ``x_rows`` [M, H], stored before it by any of them; the caller's fence and
     barrier follow it). ``operands`` = ``(dyq, dy_sf, dy_t, dy_tsf, x_t, x_tsf)``: e4m3 [M, H] dy
     along H, uint8 flat blocked row scales, e4m3 [M, H] dy along the tokens and its token scales,
-    the same for x. Pass 0 writes dy's three (with their scales), pass 1 x's token rows."""
+    the same for x. Pass 0 writes dy's three (with their scales), pass 1 x's token rows. ``tile_m``
+    128 or 256 (the ``cta_group::2`` megakernels' m-tiles: two scale atom rows each)."""
     dyq, dy_sf, dy_t, dy_tsf, x_t, x_tsf = operands
     atom_row = offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile  # the tile's scale atom row
+    if cutlass.const_expr(tile_m != lay.SF_ATOM_ROWS):
+        atom_row = offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile * (tile_m // lay.SF_ATOM_ROWS)
     t_atoms = (dy_rows.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + offsets.shape[0] - 1
     cute.arch.barrier()
     if cutlass.const_expr(xpass == 0):
@@ -44,7 +47,11 @@ def quantize_tile(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexp
         h_atoms = (hc + (4 * lay.SF_ATOM_KBLOCKS - 1)) // (4 * lay.SF_ATOM_KBLOCKS)  # H / 32 blocks, 4 per atom
         q = chunk_words(dyq, hc, 2)
         for rr in cutlass.range(warp, rows, threads // 32, unroll=1):
-            _row_blocks(lane, src, q, dy_sf, row0 + rr, rr, hc, atom_row, h_atoms)
+            if cutlass.const_expr(tile_m == lay.SF_ATOM_ROWS):
+                _row_blocks(lane, src, q, dy_sf, row0 + rr, rr, hc, atom_row, h_atoms)
+            else:
+                _row_blocks(lane, src, q, dy_sf, row0 + rr, rr % lay.SF_ATOM_ROWS, hc,
+                            atom_row + rr // lay.SF_ATOM_ROWS, h_atoms)
     else:
         _token_blocks(tidx, threads, chunk_words(x_rows, hc, 4), chunk_words(x_t, hc, 2), x_tsf, row0, rows, tile_m, hc,
                       atom_row, t_atoms)

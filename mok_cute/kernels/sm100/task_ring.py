@@ -27,6 +27,7 @@ from cutlass import Int32
 from cutlass._mlir.dialects import nvvm
 
 from mok_cute.kernels.sm100.mainloop import EPI_THREADS, EPI_WARPS, TMA_WARP
+from mok_cute.kernels.sm90 import persistent
 
 TASK_STAGES = 4  # task ids in flight from the TMA warp to the MMA and epilogue warps
 ARRIVALS = 1 + EPI_THREADS  # a task slot is free once MMA lane 0 and every epilogue thread read it
@@ -147,3 +148,28 @@ def take_pair(bars, state, sTask: cute.Tensor):
         cute.arch.mbarrier_arrive(empty + state.index, peer_cta_rank_in_cluster=0, scope=nvvm.MemScopeKind.CLUSTER)
     state.advance()
     return t, state
+
+
+@cute.jit
+def next_task(ticket: cute.Pointer, task_pipe, state, sTask: cute.Tensor, cta_v: Int32, pair: cutlass.Constexpr[bool]):
+    """TMA warp: ``(next task id, state)``: claimed from the device ticket and handed on
+    (:func:`publish`; a pair's leader: :func:`publish_pair`), or, a pair's peer (``cta_v`` 1), taken
+    from the leader (:func:`take_pair`)."""
+    if cutlass.const_expr(not pair):
+        t = persistent.claim(ticket)
+        return t, publish(task_pipe, state, sTask, t)
+    t = Int32(0)
+    if cta_v == 0:
+        t = persistent.claim(ticket)
+        state = publish_pair(task_pipe, state, sTask, t)
+    else:
+        t, state = take_pair(task_pipe, state, sTask)
+    return t, state
+
+
+@cute.jit
+def take_any(task_pipe, state, sTask: cute.Tensor, mma: cutlass.Constexpr[bool], pair: cutlass.Constexpr[bool]):
+    """MMA warp / epilogue thread: :func:`take`, or a pair's :func:`take_pair` (a whole warp)."""
+    if cutlass.const_expr(not pair):
+        return take(task_pipe, state, sTask, mma)
+    return take_pair(task_pipe, state, sTask)
