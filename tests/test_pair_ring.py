@@ -43,3 +43,22 @@ def test_verdict():
     assert "ids taken" in pair_ring.verify(_log(2, [[0, 3, 4, 6], [1, 2, 3, 5]]), 5)  # id 3 twice
     assert "no stop" in pair_ring.verify(_log(2, [[0, 3, 4], [1, 2, 5]]), 5)
     assert "no stop" in pair_ring.verify(_log(2, [[0, 3, 4, 6, 7], [1, 2, 5]]), 5)  # an id after the stop
+
+
+@pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [129, 1, 0, 300, 513]])
+def test_pairs_run_the_shared_task_lists(counts):
+    """``cta_group::2``: a pair claims as one CTA over 256-row tiles, so the forward's and the
+    backward's pure-Python mirrors (the SM90 kernels' lists, shared) must complete at tile_m 256 with
+    the pair counts as CTA counts (a full grid of 148 SMs is 74 pairs), the ring included, on
+    skewed routings (one expert with every row, empty experts, tiles of one row)."""
+    from conftest import offsets_from
+
+    from mok_cute.schedule import fused_bwd_tasks as bt
+    from mok_cute.schedule import fused_tasks as ft
+
+    offs = offsets_from(counts)
+    for pairs, comm in ((1, 1), (5, 2), (74, 8)):
+        ft.simulate(offs, 700, 256, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=pairs, comm_ctas=comm, seed=pairs,
+                    ring=max(2, comm), band=max(2, comm))  # the kernel's band: min(ring_band(), ring)
+        bt.simulate(offs, 700, 256, n_i=2, n_is=1, n_h=3, w_d=2, w_gu=3, shared=True, gemm_ctas=pairs, comm_ctas=comm,
+                    seed=pairs)
