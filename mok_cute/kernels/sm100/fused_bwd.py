@@ -46,6 +46,13 @@ quantizers); D2's dSwiGLU epilogue writes dgu's two quantizations instead of bf1
 quantizers' ops: :meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`).
 The weights come quantized from the caller (``layers.sm100.quantize_weight(w, 1)``).
 
+``cta_group::2`` (``tile_m`` 256, :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode`): as in the fused
+forward, every task is a 256-row tile run by a CTA pair (the leader claims it for both through the
+pair's task ring and issues its MMAs; each CTA loads its halves and stores its 128 rows, of dW's rows
+in W), the comm CTAs' chunks are 256-row m-tiles, and both CTAs publish each tile, so every readiness
+target above counts each tile twice. MXFP8 scale atom rows of a 256-row tile may start odd: SFA is
+offset by atom rows before tiling.
+
 EP > 1 (``ep``, with gather, :func:`fused_backward_ep`): the SM90 ep variant's protocol
 (:class:`~mok_cute.comm.peer_rows.PeerRows`). ``order`` holds packed sources ``p*T*k + t*k + j``
 (the device plan's ``recv_src``); the comm CTAs pull each grouped row's dy (times its router weight
