@@ -129,7 +129,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-5] == gate
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-6] == gate
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -138,7 +138,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
-    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-4:] == (False, False, False, 128)  # BF16, EP = 1, comm gather, cta_group::1
+    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-5:] == (False, False, False, 128, False)  # BF16, EP = 1, comm gather, cta_group::1, st push
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -280,14 +280,14 @@ def test_host_tma_gather_hands_each_rows_token(monkeypatch):
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     by = dict(zip(params, fake.calls[-1]))
     tok = by["mTok"]._keep
-    assert keys[-1][-2] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
+    assert keys[-1][-3] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
     assert torch.equal(tok[:200], (ops["order"] // 2).int()) and not tok[200:].any()
     assert tuple(by["mXg"]._keep.shape) == (128, 256)
     fm.fused_forward(**ops)
-    assert keys[-1][-2] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
+    assert keys[-1][-3] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
     monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "tma")
     fm.fused_forward(**ops)
-    assert keys[-1][-2] is True
+    assert keys[-1][-3] is True
     monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "ring")
     with pytest.raises(ValueError, match="MOK_CUTE_SM100_GATHER"):
         fm.fused_forward(**ops)
@@ -342,7 +342,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][-4:-1] == (True, False, False) and keys[0][2:4] == (True, shared)
+    assert keys[0][-5:-2] == (True, False, False) and keys[0][2:4] == (True, shared)
     f8 = torch.float8_e4m3fn
     xq, xs = R.mxfp8_quantize(ops["x"], -1)
     assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
@@ -555,7 +555,7 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-4:] == (mx, True, False, 128)  # mx, ep, tma_gather, tile_m
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-5:] == (mx, True, False, 128, False)  # mx, ep, tma_gather, tile_m, bulk_push
     assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
     assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
     assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]
@@ -574,7 +574,7 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     assert (int(fake.direct[1][params.index("epoch_pull")]), int(fake.direct[1][params.index("epoch_push")])) == (2, 2)
     fm.fused_forward(**ops)  # EP = 1: the graph path, no workspace operands
     local = dict(zip(params, fake.calls[0]))
-    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-3] is False
+    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-4] is False
 
 
 def test_ep_host_validates_before_launch(monkeypatch):
@@ -621,7 +621,7 @@ def test_pair_variant_registry_and_arguments():
 
     reg = fm.variants()
     pairs = [n for n in reg if "2cta" in n]
-    assert len(pairs) == 5 and all("cta_group::2" in reg[n][1] for n in pairs)
+    assert len(pairs) == 7 and all("cta_group::2" in reg[n][1] for n in pairs)
     with pytest.raises(ValueError, match="tile_m"):
         fm.FusedMoeFwdSm100(True, True, tile_m=64)
     with pytest.raises(ValueError, match="tma_gather"):
@@ -644,17 +644,17 @@ def test_host_pair_launch(monkeypatch, ref_quant):  # noqa: F811
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     fm.fused_forward(**{**ops, "comm_ctas": 7}, tile_m=256)
     by = dict(zip(params, fake.calls[-1]))
-    assert keys[-1][-1] == 256 and keys[-1][-2] is False
+    assert keys[-1][-2] == 256 and keys[-1][-3] is False
     ring = -(-200 // 256) + 4
     assert int(by["ring"]) == ring and tuple(by["mXg"]._keep.shape) == (ring * 256, 256)
     assert (int(by["num_ctas"]), int(by["comm_ctas"])) == (148, 8)
     fm.fused_forward(**ops, num_ctas=9)
-    assert keys[-1][-1] == 128 and int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 9
+    assert keys[-1][-2] == 128 and int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 9
     fm.fused_forward(**ops, num_ctas=9, tile_m=256)
     assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
     monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
     fm.fused_forward(**ops)
-    assert keys[-1][-1] == 256
+    assert keys[-1][-2] == 256
     with pytest.raises(ValueError, match="tma_gather"):
         fm.fused_forward(**ops, tma_gather=True)
     monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "512")

@@ -55,7 +55,9 @@ until every GEMM2 tile is stored, CTA 0 signals DATA, every CTA waits DATA from 
 this rank's slot buffer while copying its rows into ``slot_copy`` (``slot_rows.slot_sum(mCopy=)``),
 and the last CTA to finish signals FREE. MXFP8 at EP > 1: the staged rows are
 :func:`~mok_cute.comm.workspace.mxfp8_row_bytes` wide (H e4m3 bytes, then x's scale words,
-zero-padded), the gather reads both from the source rank.
+zero-padded), the gather reads both from the source rank. ``bulk_push`` (``MOK_CUTE_SM100_PUSH=bulk``):
+R2's rows go to the peers by ``cp.async.bulk`` shared -> global from a per-thread staging area in shared
+memory instead of ``st.global`` (:func:`push_routed_bulk`; compile-verified only, not yet run on a GPU).
 
 MXFP8 (``mx``, the tiles of ``MXFP8_CONFIG``: 128 x 256 x 128, ``kind::mxf8f6f4.block_scale``):
 every GEMM operand is e4m3 with E8M0 scales in the blocked layouts of
@@ -83,6 +85,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
+from mok_cute.comm.rows import _bulk_s2g
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
 from mok_cute.dsl.launch import GraphLauncher
@@ -90,11 +93,12 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
-    ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _fake_sf, interleave_gate_up,
+    ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _bf16, _check_gate_up_scales, _check_scales, _fake_sf,
+    interleave_gate_up,
 )
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
-    EPI_THREADS, MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
+    EPI_N, EPI_THREADS, MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
@@ -109,6 +113,11 @@ CONFIG = Sm100Config()  # 128 x 256 x 64 BF16, cta_group::1: the unfused SM100 G
 MX_CONFIG = MXFP8_CONFIG  # 128 x 256 x 128 MXFP8: the unfused SM100 MXFP8 GEMMs' tiles
 PAIR_CONFIG = Sm100Config(tile_m=256)  # 256 x 256 x 64 BF16, cta_group::2
 MX_PAIR_CONFIG = MXFP8_2CTA_CONFIG  # 256 x 256 x 128 MXFP8, cta_group::2
+# bulk_push with BF16 cta_group::2 tiles (PAIR_CONFIG's 7 stages leave 2 KiB of shared memory, PUSH_SMEM is 18 KiB)
+PAIR_BULK_CONFIG = Sm100Config(tile_m=256, stages=6)
+PUSH_BUFS = 2  # bulk_push: staging slices per epilogue thread (its chunks in flight)
+PUSH_PITCH = PUSH_BUFS * EPI_N * 2 + 16  # bytes per thread: its 64-byte slices, then 16 (spreads the banks)
+PUSH_SMEM = EPI_THREADS * PUSH_PITCH  # the staging area's bytes
 DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
 _FP8 = torch.float8_e4m3fn
@@ -141,6 +150,42 @@ def push_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int
     epi._store_plain(chunks, route - chunks.row, rows, n_tile, dst)
 
 
+@cute.jit
+def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
+                     mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows, sPush: cute.Tensor):
+    """:func:`push_routed` (same rows, same destinations) by bulk copies: for each 32-column chunk of
+    its row inside H (row r < rows only), the thread converts it to bf16, writes it into its slice
+    ``c % PUSH_BUFS`` of ``sPush`` (bf16 [EPI_THREADS, PUSH_PITCH / 2]: row t is thread t's, 64 bytes
+    per slice), ``fence.proxy.async.shared::cta``, then one 64-byte ``cp.async.bulk`` shared -> global
+    into the peer's slot row and a commit; before rewriting a slice it waits until the copy that read
+    it has (``cp.async.bulk.wait_group.read``). Returns after its copies completed
+    (``cp.async.bulk.wait_group 0``) and a ``fence.proxy.async.global``, so the caller's system-scope
+    fence and release order them before the tile is published. Compile-verified only."""
+    row = chunks.row
+    cols = mSlot.shape[1] - n_tile * epi.cfg.tile_n
+    gaddr = Int64(0)  # this row's first byte of the tile's columns on the owner rank
+    if row < rows:
+        q = mOrder[row0 + row]
+        p = q // ep.tk
+        gaddr = ep.pb[p] + ep.slots_off + (Int64(q - p * ep.tk) * Int64(mSlot.stride[0])
+                                           + Int64(n_tile * epi.cfg.tile_n)) * 2
+    sbase = sPush.iterator.toint() + row * PUSH_PITCH  # this thread's slices
+    for c in cutlass.range_constexpr(epi.cfg.tile_n // EPI_N):
+        b = c % PUSH_BUFS
+        r = _bf16(chunks.load(c))
+        stage = chunks.part(cute.local_tile(sPush, (EPI_THREADS, EPI_N), (0, b)))
+        if row < rows:
+            if c * EPI_N < cols:
+                if cutlass.const_expr(c >= PUSH_BUFS):  # the copy of chunk c - PUSH_BUFS has read the slice
+                    cute.arch.cp_async_bulk_wait_group(PUSH_BUFS - 1, read=True)
+                cute.autovec_copy(r, stage)
+                cute.arch.fence_proxy("async.shared", space="cta")  # the slice's generic writes before the copy
+                _bulk_s2g(gaddr + c * EPI_N * 2, sbase + b * EPI_N * 2, Int32(EPI_N * 2))
+                cute.arch.cp_async_bulk_commit_group()
+    cute.arch.cp_async_bulk_wait_group(0)
+    cute.arch.fence_proxy("async.global")
+
+
 class FusedMoeFwdSm100:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
@@ -155,22 +200,34 @@ class FusedMoeFwdSm100:
     ``cta_group::2`` tiles (:data:`PAIR_CONFIG` / :data:`MX_PAIR_CONFIG`): a cluster of two CTAs
     runs each task, the leader claiming it for both (:func:`~mok_cute.kernels.sm100.task_ring.publish_pair`),
     each CTA loading and storing its 128 rows; m-tiles, gather chunks and ring slots are 256 rows;
-    both CTAs publish a finished task, so every readiness target counts each tile twice."""
+    both CTAs publish a finished task, so every readiness target counts each tile twice. ``bulk_push``
+    (needs ``ep``): R2's rows go to the peers by ``cp.async.bulk`` from a staging area of
+    :data:`PUSH_SMEM` bytes in shared memory after the mainloop's stages (:func:`push_routed_bulk`;
+    BF16 ``tile_m`` 256 then runs :data:`PAIR_BULK_CONFIG`'s 6 stages); compile-verified only."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
                  sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False, tma_gather: bool = False,
-                 tile_m: int = 128):
+                 tile_m: int = 128, bulk_push: bool = False):
+        if bulk_push and not ep:
+            raise ValueError("bulk_push (R2's rows by cp.async.bulk into the peers) needs ep (EP > 1)")
         if tma_gather and (mx or ep or tile_m != 128):
             raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's, tile_m 128")
         if tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
         self.tma_gather = tma_gather
         cfg = (MX_CONFIG if mx else CONFIG) if tile_m == 128 else (MX_PAIR_CONFIG if mx else PAIR_CONFIG)
+        if bulk_push and cfg is PAIR_CONFIG:  # its 7 stages leave no room for the staging area
+            cfg = PAIR_BULK_CONFIG
+        self.bulk_push = bulk_push
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
         self.ep = ep
         self.sum_batch = sum_batch
         self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
         self.mainloop = Sm100Mainloop(cfg)
+        if bulk_push and self.mainloop.smem_bytes + PUSH_SMEM > lay.SMEM_CAPACITY:
+            raise ValueError(f"bulk_push: the {PUSH_SMEM}-byte staging area does not fit next to the mainloop's "
+                             f"{self.mainloop.stages} stages ({self.mainloop.smem_bytes} of {lay.SMEM_CAPACITY} "
+                             f"bytes of shared memory)")
         self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
@@ -196,6 +253,8 @@ class FusedMoeFwdSm100:
         if cutlass.const_expr(self.mx):
             fields["sSFA"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfa_smem)], 1024]
             fields["sSFB"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfb_smem)], 1024]
+        if cutlass.const_expr(self.bulk_push):  # push_routed_bulk's staging rows
+            fields["sPush"] = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, PUSH_SMEM // 2], 128]
         return cute.struct(type("FusedFwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -297,9 +356,13 @@ class FusedMoeFwdSm100:
             if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
                 self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
         if warp < MMA_WARP:
+            sPush = None
+            if cutlass.const_expr(self.bulk_push):
+                sPush = cute.make_tensor(storage.sPush.data_ptr(), cute.make_layout(
+                    (EPI_THREADS, PUSH_PITCH // 2), stride=(PUSH_PITCH // 2, 1)))
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
                            mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep, cta_v)
+                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep, cta_v, sPush)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
@@ -569,15 +632,17 @@ class FusedMoeFwdSm100:
                   mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor,
                   mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32,
                   mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, mHq: cute.Tensor, mHsf: cute.Tensor,
-                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep, cta_v: Int32):
+                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep, cta_v: Int32, sPush: cute.Tensor = None):
         """Epilogue warps: store each task's accumulator, then publish it (release add by thread 0
         after every thread's GPU-scope fence and the epilogue barrier). MXFP8: R1 / S1 also store
         h / hs quantized (GEMM2's A: ``mHq`` + ``mHsf`` at the tile's grouped scale atom row,
         ``mHsq`` + ``mHssf`` at its m-tile). EP > 1 (``ep``): R2 rows go to the source ranks' slot
         sections (:func:`push_routed`) once every rank freed its slot buffer of the previous push
         epoch (thread 0 waits FREE >= epoch - 1 before this CTA's first R2 tile), and the fences are
-        system-scope. ``cta_group::2``: this CTA stores rows ``cta_v * 128 ..`` of each tile (its TMEM
-        half) and publishes the tile too (the leader alone records it in the trace)."""
+        system-scope; ``bulk_push``: by :func:`push_routed_bulk` through ``sPush``, after a
+        ``fence.proxy.async.global`` behind the FREE wait. ``cta_group::2``: this CTA stores rows
+        ``cta_v * 128 ..`` of each tile (its TMEM half) and publishes the tile too (the leader alone
+        records it in the trace)."""
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         tmem.allocate(self.mainloop.tmem_alloc)
         tmem.wait_for_alloc()
@@ -612,8 +677,13 @@ class FusedMoeFwdSm100:
                         if tidx == 0:
                             ep.wait_free()
                         epi_barrier()
+                        if cutlass.const_expr(self.bulk_push):  # FREE (thread 0's acquire) before async-proxy stores
+                            cute.arch.fence_proxy("async.global")
                         freed = Int32(1)
-                    push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep)
+                    if cutlass.const_expr(self.bulk_push):
+                        push_routed_bulk(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep, sPush)
+                    else:
+                        push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep)
                 else:
                     store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
             else:
@@ -642,17 +712,18 @@ class FusedMoeFwdSm100:
 def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
                                 trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
                                 ep: bool = False, tma_gather: bool = False, tile_m: int = 128,
-                                inspect: bool = False):
+                                bulk_push: bool = False, inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
     ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
     GEMM operands e4m3 with blocked E8M0 scales; ``ep``: EP > 1, rows pulled from and pushed to the
     workspace's peers; ``tma_gather``: R1's rows by TMA gather4 from x, no ring; ``tile_m`` 256:
-    ``cta_group::2`` tiles); returns ``(compiled, report)``."""
+    ``cta_group::2`` tiles; ``bulk_push``: R2's pushes by ``cp.async.bulk``, needs ``ep``); returns
+    ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather, tile_m)
+    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather, tile_m, bulk_push)
     bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
@@ -785,7 +856,7 @@ def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, in
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
                   interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None, tma_gather=None,
-                  tile_m: int | None = None):
+                  tile_m: int | None = None, bulk_push: bool | None = None):
     """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16;
     ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
@@ -828,7 +899,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     rank's slot rows (rows of -1 slots unwritten), ``w_rows`` [M_cap] fp32 each grouped row's router
     weight, status = ``ws.status`` (peer errors: the caller's ``ws.check_status()``); ``num_ctas``
     this rank's grid (fewer for virtual ranks on one GPU). Launched through the DSL (the epochs
-    change every call)."""
+    change every call). ``bulk_push`` (EP > 1 only; None: :func:`bulk_push_mode`, ignored at EP = 1):
+    R2's rows go to the peers by ``cp.async.bulk`` (:func:`push_routed_bulk`, compile-verified only)."""
     _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
                     timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales)
     if ws is not None and gate is not None:
@@ -846,6 +918,10 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m!r}")
     if tma_gather and tile_m != 128:
         raise ValueError("tma_gather (R1's rows by TMA gather4 from x) needs tile_m 128 (cta_group::1)")
+    if bulk_push is None:
+        bulk_push = bulk_push_mode() and ws is not None
+    if bulk_push and ws is None:
+        raise ValueError("bulk_push (R2's rows by cp.async.bulk into the peers) needs ws (EP > 1)")
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
@@ -891,11 +967,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     trace = tracing()
     nb = slot_sum_batch()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None,
-               tma_gather, tile_m)
+               tma_gather, tile_m, bulk_push)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
         compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
                                     sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None,
-                                    tma_gather=tma_gather, tile_m=tile_m)[0]))
+                                    tma_gather=tma_gather, tile_m=tile_m, bulk_push=bulk_push)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
@@ -926,6 +1002,16 @@ def tile_m_mode() -> int:
     if mode not in ("128", "256"):
         raise ValueError(f"MOK_CUTE_SM100_TILE_M must be '128' or '256', got {mode!r}")
     return int(mode)
+
+
+def bulk_push_mode() -> bool:
+    """Whether the EP > 1 fused forward's R2 epilogue pushes its rows into the peers by
+    ``cp.async.bulk`` from shared memory (``MOK_CUTE_SM100_PUSH=bulk``, read at every call) instead
+    of ``st.global`` (``st``, the default)."""
+    mode = os.environ.get("MOK_CUTE_SM100_PUSH", "st")
+    if mode not in ("st", "bulk"):
+        raise ValueError(f"MOK_CUTE_SM100_PUSH must be 'st' or 'bulk', got {mode!r}")
+    return mode == "bulk"
 
 
 def tma_gather_mode() -> bool:
@@ -996,6 +1082,8 @@ _MX_PTX = tuple(p for p in _PTX if p != "kind::f16") + (
     "kind::mxf8f6f4", "block_scale", "tcgen05.cp", "cvt.rn.satfinite.e4m3x2.f32", "max.u16x2")
 _EP_PTX = ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys")  # the EP > 1 signals and fences
 _PAIR_PTX = ("cta_group::2", "st.async", "mapa", "barrier.cluster")  # cta_group::2 tiles, the pair's task ring
+_BULK_PTX = ("fence.proxy.async.shared::cta", "cp.async.bulk.global.shared::cta.bulk_group",
+             "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read", "cp.async.bulk.wait_group")  # bulk_push
 
 
 def variants() -> dict:
@@ -1023,4 +1111,12 @@ def variants() -> dict:
         "fused-fwd-ep-2cta-noclamp-routed": (fused(False, False, ep=True, tile_m=256), _PTX + _EP_PTX + _PAIR_PTX),
         "fused-fwd-mxfp8-ep-2cta-clamp-shared": (fused(True, True, mx=True, ep=True, tile_m=256),
                                                  _MX_PTX + _EP_PTX + _PAIR_PTX),
+        "fused-fwd-ep-bulk-push-noclamp-routed": (fused(False, False, ep=True, bulk_push=True),
+                                                  _PTX + _EP_PTX + _BULK_PTX),
+        "fused-fwd-mxfp8-ep-bulk-push-clamp-shared": (fused(True, True, mx=True, ep=True, bulk_push=True),
+                                                      _MX_PTX + _EP_PTX + _BULK_PTX),
+        "fused-fwd-ep-2cta-bulk-push-noclamp-routed": (fused(False, False, ep=True, tile_m=256, bulk_push=True),
+                                                       _PTX + _EP_PTX + _PAIR_PTX + _BULK_PTX),
+        "fused-fwd-mxfp8-ep-2cta-bulk-push-clamp-shared": (
+            fused(True, True, mx=True, ep=True, tile_m=256, bulk_push=True), _MX_PTX + _EP_PTX + _PAIR_PTX + _BULK_PTX),
     }
