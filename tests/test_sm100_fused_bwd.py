@@ -103,7 +103,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128, False)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -213,8 +213,8 @@ def test_variants_registry():
     """tools/blackwell_readiness.py's entries: both clamp variants, each PTX item in the compiled kernel."""
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    reg = {n: v for n, v in fb.variants().items() if "2cta" not in n}  # the pairs': test_pair_variants_compile..
-    assert sorted(fb.variants()) == sorted(list(reg) + PAIR_VARIANTS)
+    reg = {n: v for n, v in fb.variants().items() if "2cta" not in n and "bulk" not in n}  # tested below
+    assert sorted(fb.variants()) == sorted(list(reg) + PAIR_VARIANTS + BULK_VARIANTS)
     assert sorted(reg) == ["fused-bwd-core-clamp", "fused-bwd-core-noclamp", "fused-bwd-ep-clamp",
                            "fused-bwd-ep-shared-noclamp", "fused-bwd-gather-clamp",
                            "fused-bwd-gather-shared-main-grads-noclamp", "fused-bwd-gather-shared-noclamp",
@@ -307,7 +307,7 @@ def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, ad
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False, 128)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False, 128, False)]
     assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
     assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
     assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())
@@ -441,7 +441,8 @@ def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # n
     for consume in (True, False):
         fb.fused_backward_core(**ops, tokens=(order, idx, dxs), consume=consume)
         by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, fake.calls[-1])}
-        assert keys[-1][-2] is consume and keys[-1][-3] is True and keys[-1][-1] == 128  # (.., mx, grouped, tile_m)
+        assert keys[-1][-3] is consume and keys[-1][-4] is True  # (.., mx, grouped, tile_m, bulk_push)
+        assert keys[-1][-2:] == (128, False)
         assert by["mDy"].dtype == torch.float8_e4m3fn  # no tile reads the bf16 dy: its rows are free
         if consume:
             assert by["mDx"] is ops["dy"]
@@ -483,7 +484,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # n
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False, 128)]
+    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False, 128, False)]
     assert tuple(dx.shape) == (200, 256) and dx.dtype == torch.bfloat16 and tuple(dwd.shape) == (4, 256, 192)
 
     launched, wgrads = [], []
@@ -750,7 +751,7 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     False, 128)]
+                     False, 128, False)]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -798,7 +799,7 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
     assert by["mInit"]._keep is dxs
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False,
-                     False, 128)]
+                     False, 128, False)]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -840,7 +841,7 @@ def test_host_mx_gather_hands_buffers_for_the_launch_to_fill(monkeypatch, ref_qu
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
     assert len(args) == len(params) and len(out) == 5
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, True, False, False,
-                     False, 128)]
+                     False, 128, False)]
     m = 270
     tok_kb = lay.grouped_sf_rows(m, e) // 32
     assert by["mInit"] is dxs and by["mDyTok"] is ops["dy"] and by["mXTok"] is ops["x"]
@@ -969,7 +970,7 @@ def test_host_main_grads_are_the_weight_gradient_operands(monkeypatch, shared):
     (args,) = fake.calls
     by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     True, 128)]
+                     True, 128, False)]
     assert len(out) == 5 + 3 * shared and all(d is None for d in out[2:])
     names = ("mDWg", "mDWu", "mDWd") + (("mSDWg", "mSDWu", "mSDWd") if shared else ())
     for n, m in zip(names, main):
@@ -1059,7 +1060,7 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     out = fb.fused_backward_ep(**ops)
     assert not fake.calls and len(fake.direct) == 1
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True,
-                     False, 128)]
+                     False, 128, False)]
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
@@ -1089,9 +1090,12 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     weights = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
     main = [torch.zeros(w.shape) for w in weights]  # main_grads: the accumulate variant on the same protocol
     out = fb.fused_backward_ep(**ops, main_grads=main)
-    assert keys[-1] == keys[0][:-2] + (True, 128) and all(d is None for d in out[2:])
+    assert keys[-1] == keys[0][:-3] + (True, 128, False) and all(d is None for d in out[2:])
     a = dict(zip(params, fake.direct[-1]))
     assert getattr(a["mDWd"], "_keep", a["mDWd"]).data_ptr() == main[2].data_ptr()
+    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")  # the bulk transport: the key's last entry
+    fb.fused_backward_ep(**ops)
+    assert keys[-1] == keys[0][:-1] + (True,) and len(fake.direct[-1]) == len(params)
 
 
 def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa: F811
@@ -1114,7 +1118,7 @@ def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa:
     a = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
     a = {n: None if v is None else getattr(v, "_keep", v) for n, v in a.items()}
     assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, False, False, True,
-                     False, 128)]
+                     False, 128, False)]
     assert a["mInit"] is dxs and a["mDy"].dtype == f8 and a["mDyRows"].dtype == torch.bfloat16 and len(out) == 5
     assert tuple(a["mXRows"].shape) == (256, hid) and a["mDyt"].dtype == f8
     bad = {"dx_shared without w_scales": dict(_ep_operands(shared=False), dx_shared=dxs),
@@ -1234,12 +1238,48 @@ def test_host_pair_launch(monkeypatch):
     ops = _operands()
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     fb.fused_backward_core(**ops)
-    assert keys[-1][-1] == 128
+    assert keys[-1][-2:] == (128, False)
     monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
     fb.fused_backward_core(**ops, num_ctas=9)
-    assert keys[-1][-1] == 256 and keys[-1][:-1] == keys[0][:-1]
+    assert keys[-1][-2:] == (256, False) and keys[-1][:-2] == keys[0][:-2]
     assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
     with pytest.raises(ValueError, match="two CTA pairs"):
         fb.fused_backward_core(**ops, num_ctas=3)
     with pytest.raises(ValueError, match="tile_m"):
         fb.FusedMoeBwdSm100(True, tile_m=192)
+
+
+BULK_VARIANTS = ["fused-bwd-ep-bulk-push-clamp", "fused-bwd-mxfp8-ep-bulk-push-init-noclamp",
+                 "fused-bwd-2cta-ep-bulk-push-shared-noclamp"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", BULK_VARIANTS)
+def test_bulk_push_variants(arch, name):
+    """``bulk_push`` (EP > 1): D1's rows go to the peers by ``cp.async.bulk`` from the shared staging
+    slices (fused_moe.push_routed_bulk), the copies complete and are fenced into the async proxy
+    before the system-scope fence that orders the tile's count; the registry's PTX items, 0 spills;
+    the st EP variant has no bulk store."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    rep = _pair_rep(name, arch)
+    needed = fb.variants()[name][1]
+    assert not [p for p in needed if p not in rep.ptx]
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= (255 if "mxfp8" in name else MAX_REGISTERS)
+    ptx = rep.ptx
+    last_copy = ptx.rindex("cp.async.bulk.global.shared::cta.bulk_group")
+    wait0 = last_copy + re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx[last_copy:]).end()
+    assert ptx.index("fence.proxy.async.global", wait0) < ptx.index("fence.acq_rel.sys", wait0)
+    st = _pair_rep("fused-bwd-ep-clamp", arch)
+    assert "cp.async.bulk.global.shared::cta" not in st.ptx
+
+
+def test_host_bulk_push(monkeypatch):
+    """MOK_CUTE_SM100_PUSH=bulk picks the bulk variant for the EP > 1 backward only (the key's last
+    entry); EP = 1 ignores it; bulk_push without ep is a ValueError."""
+    fb, fake, keys = _fake_device(monkeypatch)
+    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")
+    fb.fused_backward_core(**_operands())
+    assert keys[-1][-1] is False
+    with pytest.raises(ValueError, match="bulk_push"):
+        fb.FusedMoeBwdSm100(True, bulk_push=True)

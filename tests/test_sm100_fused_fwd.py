@@ -650,8 +650,11 @@ def test_host_pair_launch(monkeypatch, ref_quant):  # noqa: F811
     assert (int(by["num_ctas"]), int(by["comm_ctas"])) == (148, 8)
     fm.fused_forward(**ops, num_ctas=9)
     assert keys[-1][-2] == 128 and int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 9
-    fm.fused_forward(**ops, num_ctas=9, tile_m=256)
-    assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
+    fm.fused_forward(**ops, num_ctas=9, tile_m=256, ring_chunks=5)  # 5 chunks of 128 rows: 3 slots of 256
+    by = dict(zip(params, fake.calls[-1]))
+    assert int(by["num_ctas"]) == 8 and int(by["ring"]) == 3 and int(by["band"]) <= 3
+    with pytest.raises(ValueError, match="two CTA pairs"):
+        fm.fused_forward(**ops, num_ctas=3, tile_m=256)
     monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
     fm.fused_forward(**ops)
     assert keys[-1][-2] == 256

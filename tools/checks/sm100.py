@@ -161,8 +161,10 @@ def _ep_rows(dev) -> list[Row]:
     with the fused EP backward too (BF16 and MXFP8) (``MOK_CUTE_FUSED_BWD=2``, ``Sm100ExpertMLP.backward_fused_ep``:
     one launch per rank) bitwise the fused forward's run with the unfused EP backward. MXFP8: dWg / dWu
     within rel-L1 2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round
-    trip as the unfused dispatch's: ``layers.ep``'s doc). Every kernel is compiled and loaded first on
-    a 1-rank group (no peer waits while one compiles)."""
+    trip as the unfused dispatch's: ``layers.ep``'s doc). Last, the fused forward and backward again with
+    the bulk push (``MOK_CUTE_SM100_PUSH=bulk``: GEMM2's and dgrad1's rows into the peers by
+    ``cp.async.bulk``) on ``cta_group::2`` tiles (``MOK_CUTE_SM100_TILE_M=256``): bitwise the run before.
+    Every kernel is compiled and loaded first on a 1-rank group (no peer waits while one compiles)."""
     from checks.layer_ep import _problem as ep_problem
     from mok_cute.comm.virtual import VirtualGroup, run_ranks
     from mok_cute.layers import ep as ep_layer
@@ -190,9 +192,12 @@ def _ep_rows(dev) -> list[Row]:
             x, idx, w, ws, sh, dy = ep_problem(t, h, inter, e, k, 1, 0, True, skew, dev, 700 + seed)
             cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **EP_CONFIG)
             out, n = {}, {}
-            runs = (("0", "0"), ("1", "0"), ("1", "2"))  # (FUSED_EP, FUSED_BWD)
+            # (FUSED_EP, FUSED_BWD[, SM100_PUSH, SM100_TILE_M])
+            runs = (("0", "0"), ("1", "0"), ("1", "2"), ("1", "2", "bulk", "256"))
             for mode in runs:
-                os.environ["MOK_CUTE_FUSED_EP"], os.environ["MOK_CUTE_FUSED_BWD"] = mode
+                push, tile_m = mode[2:] or ("st", "128")
+                os.environ.update(MOK_CUTE_FUSED_EP=mode[0], MOK_CUTE_FUSED_BWD=mode[1], MOK_CUTE_SM100_PUSH=push,
+                                  MOK_CUTE_SM100_TILE_M=tile_m)
                 inp = MoEInputs(x, idx, w, *ws, sh, limit)
                 run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
                 before = dict(calls)
@@ -218,10 +223,15 @@ def _ep_rows(dev) -> list[Row]:
                                     ok=all(eq) and bwd == size,
                                     note=f"y, dx, d topk_w, dW... equal (vs MOK_CUTE_FUSED_BWD=0): {eq}; "
                                          f"{bwd} fused EP backwards (want {size})"))
+            for r in range(size):
+                eq = [torch.equal(a, b) for a, b in zip(out[runs[3]][r], out[("1", "2")][r])]
+                rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} 2-CTA bulk push == st", bitwise=all(eq), ok=all(eq),
+                                note=f"y, dx, d topk_w, dW... equal: {eq}"))
     finally:
         for name, fn in real.items():
             setattr(Sm100ExpertMLP, name, fn)
-        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP", "MOK_CUTE_FUSED_BWD"):
+        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP", "MOK_CUTE_FUSED_BWD", "MOK_CUTE_SM100_PUSH",
+                    "MOK_CUTE_SM100_TILE_M"):
             os.environ.pop(key, None)
     return rows
 

@@ -87,7 +87,8 @@ from mok_cute.kernels.sm90.fused_bwd import (
     _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe, grouped_rows,
 )
 from mok_cute.kernels.sm100.fused_moe import (
-    _PAIR_PTX, MX_PAIR_CONFIG, PAIR_CONFIG, push_routed, store_routed, tile_m_mode,
+    _BULK_PTX, _PAIR_PTX, PUSH_FIELD, bulk_push_mode, check_push_fits, push_routed, push_routed_bulk, push_staging,
+    store_routed, tile_config, tile_m_mode,
 )
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
@@ -130,7 +131,7 @@ class FusedMoeBwdSm100:
 
     def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
                  gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False,
-                 accumulate: bool = False, grouped_slots: bool = False, tile_m: int = 128):
+                 accumulate: bool = False, grouped_slots: bool = False, tile_m: int = 128, bulk_push: bool = False):
         if (init or add) and not tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
         if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
@@ -146,8 +147,10 @@ class FusedMoeBwdSm100:
             raise ValueError("grouped_slots (the dx rows in grouped order over dy) needs mx and tokens without gather")
         if tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
-        self.grouped_slots = grouped_slots
-        cfg = (MX_CONFIG if mx else CONFIG) if tile_m == 128 else (MX_PAIR_CONFIG if mx else PAIR_CONFIG)
+        if bulk_push and not ep:
+            raise ValueError("bulk_push (D1's rows by cp.async.bulk into the peers) needs ep (EP > 1)")
+        self.grouped_slots, self.bulk_push = grouped_slots, bulk_push
+        cfg = tile_config(mx, tile_m, bulk_push)
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
         self.gather, self.by_route, self.shared, self.ep, self.accumulate = gather, by_route, shared, ep, accumulate
@@ -157,6 +160,8 @@ class FusedMoeBwdSm100:
         self.wgrad = GroupedGemmSm100(cfg, wgrad=True)  # W
         self.ml_d, self.ml_w = self.dswiglu.mainloop, self.wgrad.mainloop  # (K, MN) and (MN, MN) majors
         assert self.dgrad1.mainloop.stages == self.ml_d.stages == self.ml_w.stages
+        if bulk_push:
+            check_push_fits(self.ml_d)
 
     def _storage(self):
         md, mw = self.ml_d, self.ml_w
@@ -175,6 +180,8 @@ class FusedMoeBwdSm100:
             for name, sd, sw in (("sSFA", md.sfa_smem, mw.sfa_smem), ("sSFB", md.sfb_smem, mw.sfb_smem)):
                 fields[name] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, max(cute.cosize(sd), cute.cosize(sw))],
                                                  1024]
+        if cutlass.const_expr(self.bulk_push):  # push_routed_bulk's staging rows
+            fields["sPush"] = PUSH_FIELD
         return cute.struct(type("FusedBwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -319,12 +326,13 @@ class FusedMoeBwdSm100:
             if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
                 self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
         if warp < MMA_WARP:
+            sPush = push_staging(storage) if cutlass.const_expr(self.bulk_push) else None
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, routed, shared, n_tasks, limit, mOrder,
-                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep, cta_v)
+                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep, cta_v, sPush)
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
-                P.wait_geq(mWords.iterator + DONE_WORD, self._twice(n_done), timeout_ns,
+                P.wait_geq(mWords.iterator + DONE_WORD, task_ring.tile_target(n_done, self.cg), timeout_ns,
                            mWords.iterator + 1 if ep is None else ep.status, Int32(0), Int32(D1_DONE))
                 if cutlass.const_expr(self.ep):  # every rank's dx rows are in my slot buffer (DATA)
                     ep.wait_rows(cute.arch.block_idx()[0])
@@ -339,15 +347,7 @@ class FusedMoeBwdSm100:
                                SUM_BATCH, NUM_THREADS, None, mAdd, None, mOrder if self.grouped_slots else None)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mWords.iterator + SUMMED_WORD, grid)
-        if cutlass.const_expr(self.cg == 2):  # no CTA leaves while its pair may still signal its barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    def _twice(self, n):
-        """A readiness target of ``n`` tiles: each of a tile's ``cg`` CTAs publishes it."""
-        if cutlass.const_expr(self.cg == 1):
-            return n
-        return n * self.cg
+        task_ring.pair_exit(self.cg)
 
     @cute.jit
     def _decode(self, g, t: Int32, cur):
@@ -460,7 +460,8 @@ class FusedMoeBwdSm100:
                 dsts = dsts + sf_dst
             state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
         elif phase == D1:
-            persistent.wait_input(g.d2.iterator + mt, self._twice(n_i), timeout_ns, status, Int32(D2_READY), mt)
+            persistent.wait_input(g.d2.iterator + mt, task_ring.tile_target(n_i, self.cg), timeout_ns, status,
+                                  Int32(D2_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), coords[p][(None, None, 0)]), tiler_a, (0, None))
             gA2 = cute.local_tile(cute.domain_offset((row0, 0), coords[2 * p][(None, None, 0)]), tiler_a,
                                   (0, None))
@@ -493,7 +494,8 @@ class FusedMoeBwdSm100:
                 if expert != ready_e:  # once per expert and CTA: its tickets only grow
                     first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
                     for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(g.d2.iterator + first + m, self._twice(n_i), timeout_ns, status,
+                        persistent.wait_input(g.d2.iterator + first + m, task_ring.tile_target(n_i, self.cg),
+                                              timeout_ns, status,
                                               Int32(D2_READY), first + m)
                     ready_e = expert
                 wg = w0 + p
@@ -603,12 +605,14 @@ class FusedMoeBwdSm100:
 
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, routed, shared, n_tasks: Int32,
-                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep, cta_v: Int32):
+                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep, cta_v: Int32,
+                  sPush: cute.Tensor = None):
         """Epilogue warps: store each task's accumulator (:meth:`_store`), then publish it
         (:meth:`_publish`). EP > 1: first, every rank must have freed its slot buffer of the previous
         push round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it).
         ``cta_group::2``: this CTA stores rows ``cta_v * 128 ..`` of each tile (its TMEM half) and
-        publishes the tile too."""
+        publishes the tile too. ``bulk_push``: D1's rows go to the peers through ``sPush``
+        (:func:`~mok_cute.kernels.sm100.fused_moe.push_routed_bulk`)."""
         t_atoms = None
         if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
             t_atoms = (routed.gu.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + routed.num_experts
@@ -620,6 +624,8 @@ class FusedMoeBwdSm100:
             if tidx == 0:
                 ep.wait_free()
             epi_barrier()
+            if cutlass.const_expr(self.bulk_push):  # FREE (thread 0's acquire) before async-proxy stores
+                cute.arch.fence_proxy("async.global")
         acc_state = self.ml_d.acc_consumer_state()
         tstate = task_ring.consumer_state()
         cur = (Int32(0), Int32(0), Int32(0), Int32(0))
@@ -643,11 +649,11 @@ class FusedMoeBwdSm100:
             tile = (phase, expert, n_tile, m_tile, row0, rows, which, cta_v)
             if cutlass.const_expr(self.shared):
                 if grp == 0:
-                    self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
+                    self._store(shared, chunks, tile, limit, mOrder, mx_out, t_atoms, ep, sPush)
                 else:
-                    self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
+                    self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep, sPush)
             else:
-                self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep)
+                self._store(routed, chunks, tile, limit, mOrder, mx_out, t_atoms, ep, sPush)
             cute.arch.fence_view_async_tmem_load()
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
@@ -664,7 +670,7 @@ class FusedMoeBwdSm100:
         tmem.free(acc_ptr)
 
     @cute.jit
-    def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms, ep):
+    def _store(self, g, chunks, tile, limit: Float32, mOrder: cute.Tensor, mx_out, t_atoms, ep, sPush):
         """Epilogue warps, group ``g``'s tile ``(phase, expert, n_tile, m_tile, row0, rows, which, cta_v)``
         (row0 / rows: this CTA's rows):
         the unfused kernels' epilogue (D1 of a ``routed`` group in the tokens variant: row r to slot
@@ -682,7 +688,9 @@ class FusedMoeBwdSm100:
             else:
                 self.dswiglu._store_dswiglu(chunks, row0, rows, n_tile, g.dgu, g.gu, limit)
         elif phase == D1:
-            if cutlass.const_expr(g.routed and self.ep):
+            if cutlass.const_expr(g.routed and self.ep and self.bulk_push):
+                push_routed_bulk(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder, ep, sPush)
+            elif cutlass.const_expr(g.routed and self.ep):
                 push_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder, ep)
             elif cutlass.const_expr(g.routed and not self.grouped_slots):
                 store_routed(self.dgrad1, chunks, row0, rows, n_tile, g.dx, mOrder)
@@ -751,7 +759,8 @@ class _Group:
 def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
                                  mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
                                  ep: bool = False, accumulate: bool = False, *, grouped_slots: bool = False,
-                                 tile_m: int = 128, arch: str = "sm_100a", inspect: bool = False):
+                                 tile_m: int = 128, bulk_push: bool = False, arch: str = "sm_100a",
+                                 inspect: bool = False):
     """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
     ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
     start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
@@ -759,11 +768,12 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
     expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
     through the workspace; ``accumulate``: the weight gradients added into fp32 main grads;
     ``grouped_slots``: the MXFP8 tokens variant's dx rows over dy, see the kernel class; ``tile_m`` 256:
-    ``cta_group::2`` tiles); returns ``(compiled, report)``."""
+    ``cta_group::2`` tiles; ``bulk_push``: D1's pushes by ``cp.async.bulk``, needs ``ep``); returns
+    ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
     op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots,
-                          tile_m)
+                          tile_m, bulk_push)
     bf = cutlass.BFloat16
     dw = Float32 if accumulate else bf  # the weight gradients' element type
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
@@ -1203,12 +1213,14 @@ def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s
     """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant, grouped_slots=)`` and
     launch it on the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words
     watched. ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
-    bumped; its status, not ``words``, holds the errors). The tiles' rows: :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode`
-    (256: CTA pairs, the grid and ``comm`` rounded to whole pairs; part of the cache key)."""
-    tile_m = tile_m_mode()
-    key = key + (tile_m,)
+    bumped; its status, not ``words``, holds the errors). The tiles' rows:
+    :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode` (256: CTA pairs, the grid and ``comm`` rounded to
+    whole pairs) and, with ``ws``, the push transport (:func:`~mok_cute.kernels.sm100.fused_moe.bulk_push_mode`)
+    end the cache key."""
+    tile_m, bulk = tile_m_mode(), ws is not None and bulk_push_mode()
+    key = key + (tile_m, bulk)
     launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(
-        *variant, grouped_slots=grouped_slots, tile_m=tile_m, arch=key[1])[0]))
+        *variant, grouped_slots=grouped_slots, tile_m=tile_m, bulk_push=bulk, arch=key[1])[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
@@ -1318,4 +1330,12 @@ def variants() -> dict:
                                         _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _PAIR_PTX),
             "fused-bwd-mxfp8-2cta-ep-init-noclamp": (
                 core(False, tokens=True, init=True, gather=True, ep=True, mx=True, tile_m=256),
-                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _MX_GATHER_PTX + _PAIR_PTX)}
+                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _MX_GATHER_PTX + _PAIR_PTX),
+            "fused-bwd-ep-bulk-push-clamp": (core(True, tokens=True, gather=True, ep=True, bulk_push=True),
+                                             _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _BULK_PTX),
+            "fused-bwd-mxfp8-ep-bulk-push-init-noclamp": (
+                core(False, tokens=True, init=True, gather=True, ep=True, mx=True, bulk_push=True),
+                _MX_PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _MX_GATHER_PTX + _BULK_PTX),
+            "fused-bwd-2cta-ep-bulk-push-shared-noclamp": (
+                core(False, tokens=True, init=True, gather=True, shared=True, ep=True, tile_m=256, bulk_push=True),
+                _PTX + _PTX_TOKENS + _PTX_GATHER + _PTX_EP + _PAIR_PTX + _BULK_PTX)}

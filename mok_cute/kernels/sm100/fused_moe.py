@@ -118,6 +118,7 @@ PAIR_BULK_CONFIG = Sm100Config(tile_m=256, stages=6)
 PUSH_BUFS = 2  # bulk_push: staging slices per epilogue thread (its chunks in flight)
 PUSH_PITCH = PUSH_BUFS * EPI_N * 2 + 16  # bytes per thread: its 64-byte slices, then 16 (spreads the banks)
 PUSH_SMEM = EPI_THREADS * PUSH_PITCH  # the staging area's bytes
+PUSH_FIELD = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, PUSH_SMEM // 2], 128]  # storage field sPush
 DIM_MULTIPLE = 64  # H, I, I_s
 _VEC = 8  # bf16 elements per 16-byte vector
 _FP8 = torch.float8_e4m3fn
@@ -186,6 +187,30 @@ def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows
     cute.arch.fence_proxy("async.global")
 
 
+def tile_config(mx: bool, tile_m: int, bulk_push: bool = False) -> Sm100Config:
+    """Both megakernels' tile config: BF16 or MXFP8, ``tile_m`` 128 or 256 (``cta_group::2``);
+    ``bulk_push`` with BF16 256-row tiles: 6 stages, room for :data:`PUSH_SMEM`."""
+    if tile_m == 128:
+        return MX_CONFIG if mx else CONFIG
+    if mx:
+        return MX_PAIR_CONFIG
+    return PAIR_BULK_CONFIG if bulk_push else PAIR_CONFIG
+
+
+def check_push_fits(ml: Sm100Mainloop):
+    """ValueError unless :data:`PUSH_SMEM` fits in shared memory next to ``ml``'s stages."""
+    if ml.smem_bytes + PUSH_SMEM > lay.SMEM_CAPACITY:
+        raise ValueError(f"bulk_push: the {PUSH_SMEM}-byte staging area does not fit next to the mainloop's "
+                         f"{ml.stages} stages ({ml.smem_bytes} of {lay.SMEM_CAPACITY} bytes of shared memory)")
+
+
+def push_staging(storage) -> cute.Tensor:
+    """The bf16 [EPI_THREADS, PUSH_PITCH / 2] staging rows of :func:`push_routed_bulk` in a kernel
+    storage's ``sPush`` field (:data:`PUSH_FIELD`)."""
+    return cute.make_tensor(storage.sPush.data_ptr(), cute.make_layout((EPI_THREADS, PUSH_PITCH // 2),
+                                                                       stride=(PUSH_PITCH // 2, 1)))
+
+
 class FusedMoeFwdSm100:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
@@ -215,19 +240,15 @@ class FusedMoeFwdSm100:
         if tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
         self.tma_gather = tma_gather
-        cfg = (MX_CONFIG if mx else CONFIG) if tile_m == 128 else (MX_PAIR_CONFIG if mx else PAIR_CONFIG)
-        if bulk_push and cfg is PAIR_CONFIG:  # its 7 stages leave no room for the staging area
-            cfg = PAIR_BULK_CONFIG
+        cfg = tile_config(mx, tile_m, bulk_push)
         self.bulk_push = bulk_push
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
         self.ep = ep
         self.sum_batch = sum_batch
         self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
         self.mainloop = Sm100Mainloop(cfg)
-        if bulk_push and self.mainloop.smem_bytes + PUSH_SMEM > lay.SMEM_CAPACITY:
-            raise ValueError(f"bulk_push: the {PUSH_SMEM}-byte staging area does not fit next to the mainloop's "
-                             f"{self.mainloop.stages} stages ({self.mainloop.smem_bytes} of {lay.SMEM_CAPACITY} "
-                             f"bytes of shared memory)")
+        if bulk_push:
+            check_push_fits(self.mainloop)
         self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
@@ -254,7 +275,7 @@ class FusedMoeFwdSm100:
             fields["sSFA"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfa_smem)], 1024]
             fields["sSFB"] = cute.struct.Align[cute.struct.MemRange[SF_DTYPE, cute.cosize(ml.sfb_smem)], 1024]
         if cutlass.const_expr(self.bulk_push):  # push_routed_bulk's staging rows
-            fields["sPush"] = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, PUSH_SMEM // 2], 128]
+            fields["sPush"] = PUSH_FIELD
         return cute.struct(type("FusedFwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -344,7 +365,7 @@ class FusedMoeFwdSm100:
                                             cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC),
                                                              stride=(_VEC, 1)))
                 self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring,
-                             self._twice(n1), k,
+                             task_ring.tile_target(n1, self.cg), k,
                              mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
                 if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
                     cute.arch.fence_proxy("async.shared", space="cta")
@@ -356,10 +377,7 @@ class FusedMoeFwdSm100:
             if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
                 self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
         if warp < MMA_WARP:
-            sPush = None
-            if cutlass.const_expr(self.bulk_push):
-                sPush = cute.make_tensor(storage.sPush.data_ptr(), cute.make_layout(
-                    (EPI_THREADS, PUSH_PITCH // 2), stride=(PUSH_PITCH // 2, 1)))
+            sPush = push_staging(storage) if cutlass.const_expr(self.bulk_push) else None
             self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
                            mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
                            mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep, cta_v, sPush)
@@ -368,7 +386,8 @@ class FusedMoeFwdSm100:
         cute.arch.barrier()
         t0 = persistent.now(self.trace)
         if tidx == 0:
-            P.wait_geq(mDone.iterator, self._twice(n_s2 + mt_routed * n2), timeout_ns, status, Int32(0), Int32(DONE))
+            P.wait_geq(mDone.iterator, task_ring.tile_target(n_s2 + mt_routed * n2, self.cg), timeout_ns, status,
+                       Int32(0), Int32(DONE))
             if cutlass.const_expr(self.ep):  # every rank's rows are in my slot buffer (DATA)
                 ep.wait_rows(bidx)
         cute.arch.barrier()
@@ -383,15 +402,7 @@ class FusedMoeFwdSm100:
         if cutlass.const_expr(self.trace):
             if tidx == 0:
                 record_sum(mTrace, grid, bidx, t0, t1)
-        if cutlass.const_expr(self.cg == 2):  # no CTA leaves while its pair may still signal its barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    def _twice(self, n):
-        """A readiness target of ``n`` tiles: each of a tile's ``cg`` CTAs publishes it."""
-        if cutlass.const_expr(self.cg == 1):
-            return n
-        return n * self.cg
+        task_ring.pair_exit(self.cg)
 
     # ------------------------------------------------------------------ roles
     @cute.jit
@@ -483,7 +494,7 @@ class FusedMoeFwdSm100:
         state = self.mainloop.producer_state()
         tstate = task_ring.producer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        t, tstate = self._next_task(ticket, task_pipe, tstate, sTask, cta_v)
+        t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2, b2)
@@ -491,10 +502,12 @@ class FusedMoeFwdSm100:
                 if phase == R1:
                     persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
             if phase == R2:
-                persistent.wait_input(mHready.iterator + mt, self._twice(n1), timeout_ns, status, Int32(H_READY), mt)
+                persistent.wait_input(mHready.iterator + mt, task_ring.tile_target(n1, self.cg), timeout_ns, status,
+                                      Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
                 if phase == S2:
-                    persistent.wait_input(mShready.iterator + mt, self._twice(n1s), timeout_ns, status,
+                    persistent.wait_input(mShready.iterator + mt, task_ring.tile_target(n1s, self.cg), timeout_ns,
+                                          status,
                                           Int32(SH_READY), mt)
             if phase == R1:
                 slot = mt % ring
@@ -512,24 +525,9 @@ class FusedMoeFwdSm100:
                     else:
                         state = self._load(ab_pipe, state, atoms, coords, parts, smem, 3, row0, mt, n_tile, Int32(0),
                                            k2s, cta_v)
-            t, tstate = self._next_task(ticket, task_pipe, tstate, sTask, cta_v)
+            t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         ab_pipe.producer_tail(state)
 
-    @cute.jit
-    def _next_task(self, ticket: cute.Pointer, task_pipe, tstate, sTask: cute.Tensor, cta_v: Int32):
-        """TMA warp: ``(next task id, ring state)``: claimed from the ticket and handed on (the pair's
-        leader: to both CTAs), or, the pair's peer, taken from the leader."""
-        if cutlass.const_expr(self.cg == 1):
-            t = persistent.claim(ticket)
-            tstate = task_ring.publish(task_pipe, tstate, sTask, t)
-            return t, tstate
-        t = Int32(0)
-        if cta_v == 0:
-            t = persistent.claim(ticket)
-            tstate = task_ring.publish_pair(task_pipe, tstate, sTask, t)
-        else:
-            t, tstate = task_ring.take_pair(task_pipe, tstate, sTask)
-        return t, tstate
 
     def _b_parts(self, atoms, coords, smem, cta_v):
         """Per GEMM (R1, R2[, S1, S2]): the (smem, gmem) TMA partitions of B over every (n-tile,
@@ -574,8 +572,8 @@ class FusedMoeFwdSm100:
             (sSFA, gSFA), (sSFB, gSFB) = parts[g][1], parts[g][2]
             sfa = gSFA[(None, sf_row, None, 0)]
             if cutlass.const_expr(self.cg == 2 and g == 1):  # the grouped scales: offset by atom rows, then tile
-                g_sf = cute.local_tile(cute.domain_offset((sf_row * lay.SF_ATOM_ROWS, 0), coords[i + 2][(None, None, 0)]),
-                                       tiler, (0, None))
+                g_sf = cute.local_tile(
+                    cute.domain_offset((sf_row * lay.SF_ATOM_ROWS, 0), coords[i + 2][(None, None, 0)]), tiler, (0, None))
                 _, sfa = ml.partition_a(atoms[i + 2], g_sf, smem[2], cta_v)
             srcs = srcs + (sfa, gSFB[(None, n_tile, None, expert)])
             dsts = dsts + (sSFA, sSFB)
@@ -603,7 +601,7 @@ class FusedMoeFwdSm100:
         state = self.mainloop.consumer_state()
         acc_state = self.mainloop.acc_producer_state()
         tstate = task_ring.consumer_state()
-        t, tstate = self._take(task_pipe, tstate, sTask, True)
+        t, tstate = task_ring.take_any(task_pipe, tstate, sTask, True, self.cg == 2)
         while t < n_tasks:
             kt = k1  # S1, R1
             if t >= n_s1 + n_r1 + n_s2:
@@ -615,16 +613,9 @@ class FusedMoeFwdSm100:
                                                       acc[(None, None, None, acc_state.index)], kt)
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
-            t, tstate = self._take(task_pipe, tstate, sTask, True)
+            t, tstate = task_ring.take_any(task_pipe, tstate, sTask, True, self.cg == 2)
         acc_pipe.producer_tail(acc_state)
 
-    @cute.jit
-    def _take(self, task_pipe, tstate, sTask: cute.Tensor, mma: cutlass.Constexpr[bool]):
-        """MMA warp / epilogue thread: the next task id (:func:`task_ring.take`; a pair's:
-        :func:`task_ring.take_pair`, a whole warp at a time)."""
-        if cutlass.const_expr(self.cg == 1):
-            return task_ring.take(task_pipe, tstate, sTask, mma)
-        return task_ring.take_pair(task_pipe, tstate, sTask)
 
     @cute.jit
     def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, shape, mOffsets: cute.Tensor,
@@ -652,7 +643,7 @@ class FusedMoeFwdSm100:
         tstate = task_ring.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
-        t, tstate = self._take(task_pipe, tstate, sTask, False)
+        t, tstate = task_ring.take_any(task_pipe, tstate, sTask, False, self.cg == 2)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
@@ -702,7 +693,7 @@ class FusedMoeFwdSm100:
                 if cutlass.const_expr(self.trace):
                     if cta_v == 0:
                         persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
-            t, tstate = self._take(task_pipe, tstate, sTask, False)
+            t, tstate = task_ring.take_any(task_pipe, tstate, sTask, False, self.cg == 2)
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
@@ -883,9 +874,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ``tile_m`` (None: :func:`tile_m_mode`): 128, or 256 for ``cta_group::2`` tiles run by CTA pairs
     (the grid and ``comm_ctas`` then rounded to whole pairs; not with ``tma_gather``).
 
-    ``ring_chunks``: ring slots of ``tile_m`` gathered rows (None: one per routed m-tile), R1's band
-    ``min(ring_band(), ring)``; ``num_ctas``: the grid (default all SMs), ``comm_ctas`` clamped to
-    ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
+    ``ring_chunks``: the ring's size in chunks of 128 gathered rows (None: a slot per routed m-tile; a
+    slot holds ``tile_m`` rows, so at 256 two chunks, rounded up), R1's band ``min(ring_band(), ring)``;
+    ``num_ctas``: the grid (default all SMs; tile_m 256: >= 4), ``comm_ctas`` clamped to ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
     counters, w_rows)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
     without a shared expert; ``counters``: gather_ready, h_ready, sh_ready, done + ticket + gather
     and slot-sum arrivals, status, int32 device tensors; read status with
@@ -929,7 +920,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     half = CONFIG.tile_n // 2
     sizes = counter_sizes(t, mcap, e)  # 128-row m-tiles: enough for 256-row ones
     mtiles = -(-mcap // tile_m) + e  # routed m-tiles at most
-    ring = mtiles if ring_chunks is None else min(int(ring_chunks), mtiles)
+    ring = mtiles if ring_chunks is None else min(-(-int(ring_chunks) * CHUNK // tile_m), mtiles)
     band = min(ring_band(), ring)
     xg = torch.empty(((1 if tma_gather else ring) * tile_m, hid), dtype=_FP8 if mx else torch.bfloat16,
                      device=x.device)  # tma_gather: a slot's stand-in (R1 reads x)
@@ -976,6 +967,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
     if tile_m == 256:  # whole CTA pairs: a pair's two CTAs both gather or both start on GEMM tasks
+        if num_ctas < 4:
+            raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with tile_m 256, got {num_ctas}")
         num_ctas -= num_ctas % 2
         comm_ctas = min(comm_ctas + comm_ctas % 2, num_ctas - 2)
     records = None

@@ -173,3 +173,18 @@ def take_any(task_pipe, state, sTask: cute.Tensor, mma: cutlass.Constexpr[bool],
     if cutlass.const_expr(not pair):
         return take(task_pipe, state, sTask, mma)
     return take_pair(task_pipe, state, sTask)
+
+
+def tile_target(n, cta_group: int):
+    """A readiness target of ``n`` tiles when each of a tile's ``cta_group`` CTAs publishes it."""
+    if cutlass.const_expr(cta_group == 1):
+        return n
+    return n * cta_group
+
+
+def pair_exit(cta_group: int):
+    """Every thread of a ``cta_group::2`` kernel, last: no CTA leaves while its pair may still signal
+    its barriers (a cluster-wide arrive and wait); nothing for one-CTA tiles."""
+    if cutlass.const_expr(cta_group == 2):
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
