@@ -103,7 +103,8 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128, False)]
+    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128,
+                     False)]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows

@@ -138,7 +138,8 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert torch.equal(by["mS1"]._keep[0], interleave_gate_up(ops["shared"][0][None], ops["shared"][1][None], 128)[0])
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
-    assert all(by[n] is None for n in MX_PARAMS) and keys[0][-5:] == (False, False, False, 128, False)  # BF16, EP = 1, comm gather, cta_group::1, st push
+    assert all(by[n] is None for n in MX_PARAMS)
+    assert keys[0][-5:] == (False, False, False, 128, False)  # BF16, EP = 1, comm gather, cta_group::1, st push
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -555,7 +556,8 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][-5:] == (mx, True, False, 128, False)  # mx, ep, tma_gather, tile_m, bulk_push
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch)
+    assert keys[0][-5:] == (mx, True, False, 128, False)  # mx, ep, tma_gather, tile_m, bulk_push
     assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
     assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
     assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]

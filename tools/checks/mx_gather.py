@@ -6,8 +6,8 @@ backward's host makes from the same rows (``fused_bwd._mx_operands``: the refere
 ``layouts.pack_row_scales``, ``token_rows``, ``pack_token_scales_device``): dy's e4m3 rows along
 H and their blocked row scales, dy's and x's e4m3 token rows and token scales. Shapes: H 1024 and
 H 320 (partial scale atoms), skewed experts with an empty and a one-row expert, rows past the
-experts' (routes without one), values with per-block magnitudes 2^-60..2^60 and a NaN row. Both m-tile heights: 128 rows, and 256
-(the ``cta_group::2`` megakernels': two scale atom rows per tile).
+experts' (routes without one), values with per-block magnitudes 2^-60..2^60 and a NaN row. Both
+m-tile heights: 128 rows, and 256 (the ``cta_group::2`` megakernels': two scale atom rows per tile).
 """
 
 import torch
@@ -57,7 +57,8 @@ def _compiled(arch: str, tile_m: int = 128):
                                                     assumed_align=4)
         f8 = cutlass.Float8E4M3FN
         offs = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        return compile_kernel(_probe(tile_m), _fake_2d(cutlass.BFloat16, m, hid), _fake_2d(cutlass.BFloat16, m, hid), offs,
+        bf = cutlass.BFloat16
+        return compile_kernel(_probe(tile_m), _fake_2d(bf, m, hid), _fake_2d(bf, m, hid), offs,
                               _fake_2d(f8, m, hid), u8(), _fake_2d(f8, m, hid), u8(), _fake_2d(f8, m, hid), u8(),
                               cutlass.Int32(1), cute.runtime.make_fake_stream(), arch=arch)[0]
     return compile_cached(("mx_gather_probe", arch, tile_m), build)

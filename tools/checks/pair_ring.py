@@ -135,8 +135,8 @@ def run(ctx) -> list[Row]:
             log = torch.full((num_ctas, 6, n_tasks + 1), -1, dtype=torch.int32, device=dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launcher.launch_tensors(dev.index or 0, (ticket, log.view(-1)), (Int32(n_tasks), Int32(num_ctas)), (n_tasks, num_ctas),
-                                    (), direct=())
+            launcher.launch_tensors(dev.index or 0, (ticket, log.view(-1)), (Int32(n_tasks), Int32(num_ctas)),
+                                    (n_tasks, num_ctas), (), direct=())
             end.record()
             torch.cuda.synchronize()
             t_us.append(start.elapsed_time(end) * 1e3)
