@@ -67,7 +67,6 @@ def _sm90_bf16():
         "swiglu-clamp-n128-tma": lambda: g("swiglu", clamp=True, cfg=n128t, inspect=True),
         "swiglu-mx": lambda: g("swiglu", mx_h=True, inspect=True),
         "swiglu-mx-tma": lambda: g("swiglu", clamp=True, mx_h=True, cfg=tma, inspect=True),
-        "swiglu-split-tma": lambda: g("swiglu", cfg=MainloopConfig(tma_store=True, epi_split=True), inspect=True),
     }
     return {f"sm90-bf16/{k}@sm_90a": v for k, v in out.items()}
 

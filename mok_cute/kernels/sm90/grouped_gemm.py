@@ -37,11 +37,6 @@ masking is done by the TMA unit: the output is seen through a per-expert row-bou
 (the wrap-around trick of the ragged-K wgrad loads, :func:`_ragged_rows`), so rows past
 the expert's last row are clipped. ``dswiglu`` keeps the masked stores.
 
-Split SwiGLU epilogue (opt-in, ``MainloopConfig(epi_split=True)``, needs the TMA store, no ``mx_h``): gate,
-up and h go through one (tile_m, tile_n/2) staging buffer in three rounds (h computed in registers from the
-BF16-rounded accumulators), so the ring gets 4 stages instead of 3 (tile_n 256). Bitwise equal to the
-whole-tile epilogue on an H200, but 1-2% slower (``tools/bench_gemm1_stages.py``).
-
 Epilogues:
   ``plain``:   out [M_total, N] = bf16(A_e @ B_e)
   ``swiglu``:  B = w_gate [E, I, H] and B2 = w_up [E, I, H], K-major: each B tile is
@@ -311,21 +306,11 @@ class SwigluEpilogue(_StagedEpilogue):
     """
 
     def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False, mx_rt: bool = False,
-                 n_tail: bool = False, split: bool = False):
+                 n_tail: bool = False):
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx_h = tile_m, tile_n, tile_n // 2, clamp, mx_h
-        self.mx_rt, self.n_tail, self.split = mx_rt, n_tail, split
+        self.mx_rt, self.n_tail = mx_rt, n_tail
         if (mx_h or mx_rt) and self.half % MX_BLOCK:
             raise ValueError(f"mx_h / mx_rt need tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
-        if split and (mx_h or mx_rt):
-            raise ValueError("the split swiglu epilogue (epi_split) has no MXFP8 h copy (mx_h / mx_rt)")
-
-    def smem_elems(self) -> int:
-        """The whole tile, or (``split``) one (tile_m, tile_n/2) buffer."""
-        return self.tile_m * (self.half if self.split else self.tile_n)
-
-    def smem_tensor(self, region):
-        layout = epi_smem_layout(cutlass.BFloat16, self.tile_m, self.half if self.split else self.tile_n)
-        return region.get_tensor(layout.outer, swizzle=layout.inner)
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
@@ -416,81 +401,6 @@ class SwigluEpilogue(_StagedEpilogue):
         if _store_warp(tid):
             _tma_store(atom_h, s_gate, gH)
             cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def run_tma_split(self, half_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor,
-                      tid: Int32, atom_gu: cute.CopyAtom, gGate: cute.Tensor, gUp: cute.Tensor, atom_h: cute.CopyAtom,
-                      gH: cute.Tensor, limit: Float32):
-        """TMA-store variant with a (tile_m, tile_n/2) staging buffer ``sC`` (``split``; see
-        ``MainloopConfig.epi_split``): the gate half, the up half and h go through it in turn,
-        each written from registers once the previous round's TMA store has read the buffer
-        (``cp.async.bulk.wait_group.read``), then stored by one TMA store. h is computed in
-        registers from the BF16-rounded accumulators (the same element math as :meth:`run_tma`).
-
-        ``half_mma``: this thread's slice of a tiled MMA of N extent tile_n/2: in the wgmma
-        accumulator layout a thread's elements of the gate half are ``acc[0 : n/2]`` and those of
-        the up half ``acc[n/2 : n]`` (n = the thread's element count), each at the column of the
-        narrower MMA's element of the same index (+ tile_n/2 for up); checked at compile time."""
-        tCsC = half_mma.partition_C(sC)
-        n = cute.size(tCsC)
-        rh = cute.make_rmem_tensor(tCsC.shape, cutlass.BFloat16)
-        chunk = 8  # h in chunks of elements (keeps few values live beside the accumulators)
-        for c in cutlass.range_constexpr(n // chunk):
-            rg = cute.make_rmem_tensor((chunk,), cutlass.BFloat16)
-            ru = cute.make_rmem_tensor((chunk,), cutlass.BFloat16)
-            a = cute.make_rmem_tensor((chunk,), Float32)
-            for j in cutlass.range_constexpr(chunk):
-                a[j] = acc[c * chunk + j]
-            rg.store(a.load().to(cutlass.BFloat16))
-            for j in cutlass.range_constexpr(chunk):
-                a[j] = acc[n + c * chunk + j]
-            ru.store(a.load().to(cutlass.BFloat16))
-            rc = self._h(rg, ru, limit)
-            for j in cutlass.range_constexpr(chunk):
-                rh[c * chunk + j] = rc[j]
-        for p in cutlass.range_constexpr(2):  # gate, up
-            a = cute.make_rmem_tensor(tCsC.shape, Float32)
-            r = cute.make_rmem_tensor(tCsC.shape, cutlass.BFloat16)
-            for i in cutlass.range_constexpr(n):
-                a[i] = acc[p * n + i]
-            r.store(a.load().to(cutlass.BFloat16))
-            self._stage_piece(r, tCsC, tid)  # (gate: after the previous tile's h store has read sC)
-            if _store_warp(tid):
-                _tma_store(atom_gu, sC, gGate if p == 0 else gUp)
-                cute.arch.cp_async_bulk_commit_group()
-        self._stage_piece(rh, tCsC, tid)
-        if _store_warp(tid):
-            _tma_store(atom_h, sC, gH)
-            cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _stage_piece(self, r: cute.Tensor, tCsC: cute.Tensor, tid: Int32):
-        """Write register piece ``r`` to the staging buffer once the last TMA store has read it,
-        fenced for the async proxy, all consumers past the barrier."""
-        if _store_warp(tid):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        consumer_barrier()
-        cute.autovec_copy(r, tCsC)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        consumer_barrier()
-
-    def check_split_layout(self, tiled_mma: cute.TiledMma, half_mma: cute.TiledMma):
-        """At trace time: the element correspondence :meth:`run_tma_split` relies on (a thread's
-        element i of the tile's MMA is at the column of the half-width MMA's element i, or
-        i - n/2 plus tile_n/2, and the same row), for a spread of consumer threads."""
-        full_id = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        half_id = cute.make_identity_tensor((self.tile_m, self.half))
-        for t in (0, 1, 5, 37, 127, 128, 200, 255):
-            full = tiled_mma.get_slice(t).partition_C(full_id)
-            part = half_mma.get_slice(t).partition_C(half_id)
-            n = cute.size(part)
-            if cute.size(full) != 2 * n:
-                raise ValueError(f"split swiglu: {cute.size(full)} accumulators per thread, expected {2 * n}")
-            for i in range(2 * n):
-                r, c = full[i]
-                hr, hc = part[i % n]
-                if r != hr or c != hc + (i // n) * self.half:
-                    raise ValueError(f"split swiglu: thread {t} element {i} at {(r, c)}, half MMA at {(hr, hc)}")
 
 
 @cute.jit
@@ -663,13 +573,10 @@ class GroupedGemmSm90:
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         elif epilogue == "swiglu":
-            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail, split=cfg.epi_split)
+            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail)
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
-        self.epi_split = cfg.epi_split
-        if self.epi_split and not (epilogue == "swiglu" and cfg.tma_store and not mx_h):
-            raise ValueError("epi_split needs epilogue 'swiglu' with tma_store and no mx_h")
         self.pairs = cfg.multicast  # 2-CTA clusters on m-tile pairs, B multicast
         if self.pairs and (epilogue == "dswiglu" or b_major != K_MAJOR or split_b):
             raise ValueError(f"cluster_mn {cfg.cluster_mn} needs epilogue plain or swiglu, b_major='k', no split_b")
@@ -745,11 +652,6 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG
             thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
-            half_thr = None
-            if cutlass.const_expr(self.epi_split):
-                half_mma = self.mainloop._tiled_mma(cfg.tile_n // 2)
-                self.epi.check_split_layout(self.mainloop.tiled_mma, half_mma)
-                half_thr = half_mma.get_slice(tid)
             state = self.mainloop.consumer_state()
             while expert < num_experts:
                 if cutlass.const_expr(self.pairs):
@@ -767,11 +669,8 @@ class GroupedGemmSm90:
                     g_up = cute.local_tile(_bounded(coord_c[(None, None, 1, _RAGGED, hi)], row0, hi), half,
                                            (0, n_tile))
                     g_h = cute.local_tile(_expert_rows(coord_h, row0, hi), half, (0, n_tile))
-                    if cutlass.const_expr(self.epi_split):
-                        self.epi.run_tma_split(half_thr, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit)
-                    else:
-                        self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
-                                         row0, rows, n_tile, mHq, mHs)
+                    self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
+                                     row0, rows, n_tile, mHq, mHs)
                 elif cutlass.const_expr(self.tma_store):
                     gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
                                          (0, n_tile))

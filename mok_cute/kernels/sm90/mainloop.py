@@ -92,7 +92,6 @@ class MainloopConfig:
     ab_dtype: type = cutlass.BFloat16
     acc_dtype: type = cutlass.Float32
     tma_store: bool = False
-    epi_split: bool = False
 
     def validate(self) -> None:
         if self.tile_m != 128:
@@ -122,8 +121,7 @@ class MainloopConfig:
 
     def key(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, tuple(self.cluster_mn),
-                self.ab_dtype.__name__, self.acc_dtype.__name__) + (("tma_store",) if self.tma_store else ()) + (
-                    ("epi_split",) if self.epi_split else ())
+                self.ab_dtype.__name__, self.acc_dtype.__name__) + (("tma_store",) if self.tma_store else ())
 
 
 class Sm90Mainloop:
@@ -158,13 +156,11 @@ class Sm90Mainloop:
         self.b_smem_staged = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, cfg.ab_dtype, self.stages)
         self.tx_bytes = cfg.stage_bytes()
 
-    def _tiled_mma(self, tile_n: int = 0):
-        """The consumers' tiled MMA (``tile_n``: of that N extent instead of the tile's; used only
-        to partition a narrower C view with the same per-thread element pattern)."""
+    def _tiled_mma(self):
         cfg = self.cfg
         return sm90.make_trivial_tiled_mma(
             cfg.ab_dtype, cfg.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, tile_n or cfg.tile_n))
+            cfg.acc_dtype, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cfg.tile_n))
 
     def make_tma(self, mA: cute.Tensor, mB: cute.Tensor, b_half: bool = False):
         """TMA load atoms for A (M, K, ...) and B (N, K, ...) with the declared majorness
