@@ -15,14 +15,6 @@ same way (:func:`wgrad_tile`, mirror :func:`wgrad_cta_tiles`). Consecutive CTAs 
 expert's token panel, and every CTA samples every expert, so one hot expert does not
 leave SMs idle.
 
-Cluster-pair schedule (2-CTA clusters, the SM90 B-tile multicast: :func:`pair_start`,
-:func:`pair_tile_coords`, mirror :func:`pair_cta_tiles`): the same walk with ``2 * tile_m`` rows
-per tile, over clusters instead of CTAs: cluster ``c`` (CTAs ``2c`` and ``2c + 1``) runs pair
-tiles ``c, c + num_clusters, ...``; pair tile ``(m_pair, n_tile)`` is m-tiles ``2 m_pair`` (CTA
-rank 0) and ``2 m_pair + 1`` (rank 1) of the expert, same n-tile. When an expert has an odd
-number of m-tiles the last pair's rank-1 tile is empty (0 rows: it still loads and computes, so
-both CTAs walk the same k-tiles, but stores nothing).
-
 Device side: the cursor ``(expert, base)`` — the expert being scanned and the linear index
 of its first tile — only moves forward, so a CTA scans the offsets once in total
 (O(E + tiles) per CTA), with no host sync and no dependence on token counts at compile
@@ -81,19 +73,6 @@ def _coords(offs, tile_m, linear, expert, base):
     m_tile, n_tile = local % m_tiles, local // m_tiles
     row0 = offs[expert] + m_tile * tile_m
     return expert, m_tile, n_tile, row0, min(tile_m, offs[expert + 1] - row0)
-
-
-def pair_cta_tiles(offsets, tile_m: int, n_tiles: int, cta: int, num_ctas: int) -> list[tuple[int, int, int, int, int]]:
-    """Mirror of the cluster-pair walk for one CTA (``num_ctas`` even; CTA ``cta`` is rank
-    ``cta % 2`` of cluster ``cta // 2``): ``[(expert, m_tile, n_tile, row0, rows)]``, ``rows`` 0 for
-    the empty tile of an expert with an odd m-tile count."""
-    offs = [int(o) for o in offsets]
-    rank = cta % 2
-    out = []
-    for expert, m_pair, n_tile, row0, rows in cta_tiles(offs, 2 * tile_m, n_tiles, cta // 2, num_ctas // 2):
-        out.append((expert, 2 * m_pair + rank, n_tile, row0 + rank * tile_m,
-                    max(0, min(tile_m, rows - rank * tile_m))))
-    return out
 
 
 def wgrad_cta_tiles(num_experts: int, m_tiles: int, n_tiles: int, cta: int, num_ctas: int) -> list[tuple[int, int, int]]:
@@ -172,35 +151,6 @@ def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: In
     row0 = lo + m_tile * tile_m
     rows = cutlass.min(hi - row0, tile_m)
     return m_tile, n_tile, row0, rows
-
-
-@cute.jit
-def pair_start(offsets: cute.Tensor, b_len: Int32, b_rows, k_len: Int32, tile_m: cutlass.Constexpr[int],
-               tile_k: cutlass.Constexpr[int], n_tail: cutlass.Constexpr[bool] = False):
-    """:func:`grouped_start` of the cluster-pair walk (2-CTA clusters along the grid's x; see the
-    module doc): ``(num_experts, n_tiles, k_tiles, linear, grid, expert, base, rank)`` with ``linear``
-    the cluster index, ``grid`` the number of clusters, the cursor over pair tiles (:func:`seek`
-    with ``2 * tile_m``) and ``rank`` this CTA's rank in its cluster."""
-    num_experts = offsets.shape[0] - 1
-    n_tiles = tiles_over(b_len, b_rows, n_tail)
-    k_tiles = (k_len + (tile_k - 1)) // tile_k
-    bidx, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
-    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-    linear = Int32(bidx) // 2
-    expert, base = seek(offsets, num_experts, 2 * tile_m, n_tiles, linear, Int32(0), Int32(0))
-    return num_experts, n_tiles, k_tiles, linear, Int32(grid) // 2, expert, base, rank
-
-
-@cute.jit
-def pair_tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], rank: Int32, linear: Int32,
-                     expert: Int32, base: Int32):
-    """``(n_tile, row0, rows)`` of cluster rank ``rank``'s tile of pair tile ``linear`` (cursor from
-    :func:`seek` with ``2 * tile_m``): m-tile ``2 m_pair + rank``; ``rows`` 0 for the empty tile."""
-    _, n_tile, row0, rows = tile_coords(offsets, 2 * tile_m, linear, expert, base)
-    row0 = row0 + rank * tile_m
-    rows = cutlass.max(cutlass.min(rows - rank * tile_m, tile_m), 0)
-    return n_tile, row0, rows
 
 
 @cute.jit

@@ -15,17 +15,6 @@ epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
 (they belong to the next expert or are TMA zero fill) but never written: every store is
 row-masked (16-byte vectors).
 
-Cluster pairs (opt-in, ``MainloopConfig(cluster_mn=(2, 1))``; ``plain`` and ``swiglu``, K-major B,
-no split B): 2-CTA clusters walk pair tiles, m-tiles (2p, 2p + 1) of one expert with the same
-n-tile (:func:`~mok_cute.schedule.group_tiles.pair_start`; an expert with an odd m-tile count
-gives its last pair's second CTA an empty tile: it loads and computes but stores nothing); each
-CTA loads its A tile and multicasts half of the shared B tile to both (swiglu: rank 0 the gate
-rows, rank 1 the up rows; :meth:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop.load_tile_mcast`).
-Verified bitwise on an H200 (``tools/bench_multicast.py``): GEMM1's L2 traffic 11.8 -> 8.6 GB at
-T 2048, but no speedup (0.99x balanced, 1.02-1.05x slower with random top-k routing's empty tiles). The grid is a multiple of
-2: at most the device's maximum of co-resident 2-CTA clusters (:func:`max_clusters`). Every output
-element is the same k-ordered sum as with (1, 1) (bitwise the same result).
-
 TMA-store epilogue (``MainloopConfig(tma_store=True)``; process-wide through
 :func:`set_tma_store`, on by default, ``MOK_CUTE_SM90_TMA_STORE=0`` turns it off; part of the
 compile key; verified on an H200, +3% on the expert MLP fwd+bwd): ``plain`` and ``swiglu`` stage the BF16 tile in shared
@@ -76,7 +65,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
     MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout, experts_last,
 )
-from mok_cute.schedule.group_tiles import grouped_start, pair_start, pair_tile_coords, seek, tile_coords
+from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
@@ -577,10 +566,6 @@ class GroupedGemmSm90:
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
-        self.pairs = cfg.multicast  # 2-CTA clusters on m-tile pairs, B multicast
-        if self.pairs and (epilogue == "dswiglu" or b_major != K_MAJOR or split_b):
-            raise ValueError(f"cluster_mn {cfg.cluster_mn} needs epilogue plain or swiglu, b_major='k', no split_b")
-        self.seek_m = 2 * cfg.tile_m if self.pairs else cfg.tile_m  # rows per step of the tile walk
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
     @cute.jit
@@ -604,7 +589,7 @@ class GroupedGemmSm90:
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, mHq, mHs, limit,
                     atom_c, coord_c, atom_h, coord_h).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[*self.cfg.cluster_mn, 1],
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -626,13 +611,8 @@ class GroupedGemmSm90:
         pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
-        rank = None  # this CTA's rank in its cluster pair (pairs only)
-        if cutlass.const_expr(self.pairs):
-            num_experts, n_tiles, k_tiles, linear, grid, expert, base, rank = pair_start(
-                mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k, self.epi.n_tail)
-        else:
-            num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
-                mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k, self.epi.n_tail)
+        num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
+            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k, self.epi.n_tail)
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
             k_tiles1 = coord_b.shape[1] // cfg.tile_k
@@ -640,24 +620,16 @@ class GroupedGemmSm90:
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                if cutlass.const_expr(self.pairs):
-                    self.mainloop.produce_pairs(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                                rank, atom_a, coord_a, sA, atom_b, coord_b, sB, k_tiles, atom_b2,
-                                                coord_b2, self.stack_n)
-                else:
-                    self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                                  atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
-                                                  coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
+                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
+                                              atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
+                                              coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG
             thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
             state = self.mainloop.consumer_state()
             while expert < num_experts:
-                if cutlass.const_expr(self.pairs):
-                    n_tile, row0, rows = pair_tile_coords(mOffsets, cfg.tile_m, rank, linear, expert, base)
-                else:
-                    _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
@@ -682,7 +654,7 @@ class GroupedGemmSm90:
                     self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
                                  limit)
                 linear = linear + grid
-                expert, base = seek(mOffsets, num_experts, self.seek_m, n_tiles, linear, expert, base)
+                expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
             if cutlass.const_expr(self.tma_store):
                 tma_store_drain(tid)
 
@@ -753,25 +725,6 @@ def effective_config(cfg: MainloopConfig) -> MainloopConfig:
     return out
 
 
-_max_clusters: dict[tuple[int, int], int] = {}
-
-
-def max_clusters(device: int, size: int) -> int:
-    """Co-resident clusters of ``size`` CTAs (one CTA per SM, whole shared memory) on ``device``
-    (cached): ``cutlass.utils.HardwareInfo``'s occupancy query, else SMs // size."""
-    key = (device, size)
-    if key not in _max_clusters:
-        try:
-            from cutlass.utils import HardwareInfo
-
-            with torch.cuda.device(device):
-                n = int(HardwareInfo(device_id=device).get_max_active_clusters(size))
-        except Exception:  # noqa: BLE001 (no driver query: the SM bound)
-            n = 0
-        _max_clusters[key] = n if n > 0 else sm_count(device) // size
-    return _max_clusters[key]
-
-
 def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     """Validate A [M, K], offsets [E+1], weights [E, N, K] (not devices); returns (M, K, E)."""
     _check_tensor(a_name, a, 2, (torch.bfloat16,))
@@ -814,12 +767,8 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
                                                    split_b=split_b, mx_h=mx_h, n_tail=n_tail, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
-    if cfg.multicast:  # 2-CTA clusters, at most as many as can be co-resident
-        pairs_bound = (-(-m // (2 * cfg.tile_m)) + e) * -(-n // cfg.tile_n)
-        num_ctas = 2 * max(1, min(max_clusters(dev, 2), pairs_bound))
-    else:
-        tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
-        num_ctas = max(1, min(sm_count(dev), tiles_bound))
+    tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
+    num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
            tensor_key(out0), tensor_key(out1), limit, num_ctas) + ((tensor_key(hq), tensor_key(hs)) if mx_h else ())

@@ -45,7 +45,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from mok_cute.schedule.group_tiles import pair_tile_coords, seek, tile_coords
+from mok_cute.schedule.group_tiles import seek, tile_coords
 
 SMEM_BYTES = utils.get_smem_capacity_in_bytes("sm_90")
 THREADS_PER_WG = 128
@@ -60,7 +60,6 @@ GATHER_ARRIVALS = 1 + THREADS_PER_WG  # full-barrier arrivals of a gathered-A pi
 K_MAJOR = "k"
 MN_MAJOR = "mn"
 _LAYOUT = {K_MAJOR: LayoutEnum.ROW_MAJOR, MN_MAJOR: LayoutEnum.COL_MAJOR}
-CLUSTER_PAIR = (2, 1)  # the one multicast cluster shape: two CTAs on vertically adjacent m-tiles
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,7 @@ class MainloopConfig:
     ``tile_m`` is 128 (two consumer warpgroups of 64 rows); ``tile_n`` a multiple of 16 up
     to 256; ``tile_k`` 64 for 16-bit operands (128 bytes: one swizzle atom). ``stages`` 0
     picks as many ring buffers as fit beside the epilogue's shared memory.
-    ``cluster_mn``: (1, 1), or (opt-in, :data:`CLUSTER_PAIR`) (2, 1): 2-CTA clusters whose CTAs
-    compute vertically adjacent m-tiles with the same B tile (same expert, same n-tile); each
-    CTA TMA-loads its own A tile and one half of the B tile (rows ``[0, tile_n/2)`` for rank 0,
-    the rest for rank 1), multicast into both CTAs' ring slot (:meth:`Sm90Mainloop.load_tile_mcast`);
-    a slot's full barrier expects the whole stage's bytes, and each consumer warp releases the
-    slot in both CTAs (the peer's multicast writes into it), so the two CTAs must walk the same
-    k-tiles (``sm90.grouped_gemm``'s pair schedule).
+    ``cluster_mn`` is carried for later multicast work; only (1, 1) is implemented.
     ``ab_dtype`` is the operand type (``cutlass.BFloat16``; FP8 e4m3 later).
     ``tma_store`` (opt-in, not yet device-verified): epilogues that support it (``plain``,
     wgrad) store the staged tile with one asynchronous TMA store (``cp.async.bulk.tensor``)
@@ -100,15 +93,10 @@ class MainloopConfig:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         if self.tile_k * self.ab_dtype.width != 1024:
             raise ValueError(f"tile_k must span 128 bytes ({1024 // self.ab_dtype.width} elements), got {self.tile_k}")
-        if tuple(self.cluster_mn) not in ((1, 1), CLUSTER_PAIR):
-            raise ValueError(f"cluster_mn {self.cluster_mn} not implemented, only (1, 1) and {CLUSTER_PAIR}")
+        if tuple(self.cluster_mn) != (1, 1):
+            raise ValueError(f"cluster_mn {self.cluster_mn} not implemented, only (1, 1)")
         if self.ab_dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"ab_dtype {self.ab_dtype} not implemented (BFloat16, Float16)")
-
-    @property
-    def multicast(self) -> bool:
-        """2-CTA clusters sharing the B tile by TMA multicast (``cluster_mn`` (2, 1))."""
-        return tuple(self.cluster_mn) == CLUSTER_PAIR
 
     def stage_bytes(self) -> int:
         return (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
@@ -167,8 +155,7 @@ class Sm90Mainloop:
         (extra modes, e.g. an expert mode L, are addressed by the coordinate tensors).
 
         ``b_half``: the B atom loads half a tile (``tile_n / 2`` rows of N), for a B tile
-        stacked along N from two tensors (see :meth:`load_tile`). With ``cfg.multicast`` the B
-        atom always loads half a tile, as a multicast TMA (:meth:`load_tile_mcast`).
+        stacked along N from two tensors (see :meth:`load_tile`).
         Returns ``(atom_a, coord_a, atom_b, coord_b)``; the coordinate tensors are what
         the producer tiles (``domain_offset`` them for per-group row starts).
         """
@@ -176,16 +163,10 @@ class Sm90Mainloop:
         atom_a, coord_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(self.a_smem_staged, (None, None, 0)),
             (cfg.tile_m, cfg.tile_k))
-        b_half = b_half or cfg.multicast
         b_n = cfg.tile_n // 2 if b_half else cfg.tile_n
         b_smem = self.b_smem_staged
         if b_half:
             b_smem = sm90.make_smem_layout_b(self.b_layout, (cfg.tile_m, b_n, cfg.tile_k), cfg.ab_dtype, 1)
-        if cfg.multicast:  # the whole half-box per CTA, multicast by mask
-            atom_b, coord_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, cute.slice_(b_smem, (None, None, 0)),
-                (b_n, cfg.tile_k), num_multicast=1)
-            return atom_a, coord_a, atom_b, coord_b
         atom_b, coord_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
@@ -195,18 +176,7 @@ class Sm90Mainloop:
         """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): one
         TMA producer thread (``producers`` full-barrier arrivals per slot: :data:`GATHER_ARRIVALS`
         for gathered A rows), one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
-        landing per slot) default to this mainloop's ring. With ``cfg.multicast`` each consumer
-        warp arrives on the slot's empty barrier in both CTAs of the pair (lanes 0 and 1)."""
-        if self.cfg.multicast:
-            return pipeline.PipelineTmaAsync.create(
-                barrier_storage=barrier_ptr,
-                num_stages=self.stages if stages is None else stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * NUM_CONSUMER_WG * 4),
-                tx_count=self.tx_bytes if tx_bytes is None else tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, *CLUSTER_PAIR, 1)),
-                defer_sync=True,
-            )
+        landing per slot) default to this mainloop's ring."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barrier_ptr,
             num_stages=self.stages if stages is None else stages,
@@ -296,62 +266,6 @@ class Sm90Mainloop:
             linear = linear + grid
             expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
         pipe.producer_tail(state)
-
-    @cute.jit
-    def produce_pairs(self, pipe, mOffsets: cute.Tensor, num_experts: cutlass.Int32, n_tiles: cutlass.Int32,
-                      linear: cutlass.Int32, expert: cutlass.Int32, base: cutlass.Int32, grid: cutlass.Int32,
-                      rank: cutlass.Int32, atom_a: cute.CopyAtom, coord_a: cute.Tensor, sA: cute.Tensor,
-                      atom_b: cute.CopyAtom, coord_b: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
-                      atom_b2: cute.CopyAtom = None, coord_b2: cute.Tensor = None,
-                      stack_n: cutlass.Constexpr[bool] = False):
-        """Producer warp of a grouped GEMM in 2-CTA clusters (``cfg.multicast``; the cluster-pair walk
-        of :mod:`mok_cute.schedule.group_tiles` from cluster ``linear``, this CTA ``rank``): per pair
-        tile, :meth:`load_tile_mcast` this CTA's A tile and its half of the shared B tile: with
-        ``stack_n`` rank 0 loads the ``coord_b`` half (gate) and rank 1 the ``coord_b2`` half (up),
-        else the two ``tile_n/2``-row halves of ``coord_b``'s n-tile. Ends with the producer tail."""
-        cfg = self.cfg
-        half = cfg.tile_n // 2
-        state = self.producer_state()
-        while expert < num_experts:
-            n_tile, row0, _ = pair_tile_coords(mOffsets, cfg.tile_m, rank, linear, expert, base)
-            gA = cute.local_tile(cute.domain_offset((row0, 0), coord_a), (cfg.tile_m, cfg.tile_k), (0, None))
-            if cutlass.const_expr(stack_n):
-                gB_lo = cute.local_tile(coord_b[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
-                gB_hi = cute.local_tile(coord_b2[(None, None, expert)], (half, cfg.tile_k), (n_tile, None))
-                state = self.load_tile_mcast(pipe, state, rank, atom_a, gA, sA, atom_b, gB_lo, atom_b2, gB_hi, sB,
-                                             k_tiles)
-            else:
-                gB_lo = cute.local_tile(coord_b[(None, None, expert)], (half, cfg.tile_k), (2 * n_tile, None))
-                gB_hi = cute.local_tile(coord_b[(None, None, expert)], (half, cfg.tile_k), (2 * n_tile + 1, None))
-                state = self.load_tile_mcast(pipe, state, rank, atom_a, gA, sA, atom_b, gB_lo, atom_b, gB_hi, sB,
-                                             k_tiles)
-            linear = linear + grid
-            expert, base = seek(mOffsets, num_experts, 2 * cfg.tile_m, n_tiles, linear, expert, base)
-        pipe.producer_tail(state)
-
-    @cute.jit
-    def load_tile_mcast(self, pipe, state, rank: cutlass.Int32, atom_a: cute.CopyAtom, gA: cute.Tensor,
-                        sA: cute.Tensor, atom_lo: cute.CopyAtom, gB_lo: cute.Tensor, atom_hi: cute.CopyAtom,
-                        gB_hi: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32):
-        """Producer warp of a 2-CTA cluster (``cfg.multicast``): per k-tile, wait for the slot (released
-        by both CTAs' consumers), expect the whole stage's bytes, TMA-load this CTA's A tile and
-        multicast its B half into both CTAs' slot: rank 0 rows ``[0, tile_n/2)`` from ``gB_lo``,
-        rank 1 rows ``[tile_n/2, tile_n)`` from ``gB_hi`` (half atoms of :meth:`make_tma`); the
-        peer's half lands on this CTA's full barrier. Returns the state."""
-        tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
-                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB_lo, tBgB_lo, tBsB_hi, tBgB_hi = self._b_partitions(atom_lo, gB_lo, sB, atom_hi, gB_hi)
-        both = cutlass.Int16(0b11)
-        for k in cutlass.range(k_tiles, unroll=1):
-            bar = self._acquire(pipe, state, 0)
-            cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-            if rank == 0:
-                cute.copy(atom_lo, tBgB_lo[(None, k)], tBsB_lo[(None, state.index)], tma_bar_ptr=bar, mcast_mask=both)
-            else:
-                cute.copy(atom_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar, mcast_mask=both)
-            pipe.producer_commit(state)
-            state.advance()
-        return state
 
     def consumer_state(self):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
