@@ -3,8 +3,8 @@
     python3 tools/bulk_probe.py minimal|mover|round|ws-plan|ws-src|ws|ws-prod|ws-rt[-me|-ep|-ep_round|-ep_move|-timeout|-none]|dispatch [threads]
 
 ``minimal``: thread 0 of one CTA copies T rows of x [T, H] bf16 to out, each row global ->
-shared -> global with one cp.async.bulk each way, one at a time (``comm.rows._bulk_g2s`` /
-``_bulk_s2g``). ``mover``: ``comm.rows.bulk_routed_rows`` itself (the pull of the bulk
+shared -> global with one cp.async.bulk each way, one at a time (``comm.rows.bulk_g2s`` /
+``bulk_s2g``). ``mover``: ``comm.rows.bulk_routed_rows`` itself (the pull of the bulk
 dispatch) on a 1-rank plan, rows ``out[i] = x[route_i // k]``, 8 CTAs; ``round``: the same mover
 inside ``comm.protocol.pull_round`` (READY / DONE flags in the buffer after x). ``ws-plan`` /
 ``ws-src`` / ``ws``: the ``round`` kernel with, one at a time, the real pieces of the bulk
@@ -55,9 +55,9 @@ def build(kind: str, threads: int, fixed: frozenset = frozenset()):
             cute.arch.mbarrier_init_fence()
             for j in cutlass.range(n, unroll=1):
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, rb)
-                R._bulk_g2s(ring.toint(), x.toint() + Int64(j) * Int64(rb), rb, mbar.toint())
+                R.bulk_g2s(ring.toint(), x.toint() + Int64(j) * Int64(rb), rb, mbar.toint())
                 cute.arch.mbarrier_wait(mbar, j % 2)
-                R._bulk_s2g(out.toint() + Int64(j) * Int64(rb), ring.toint(), rb)
+                R.bulk_s2g(out.toint() + Int64(j) * Int64(rb), ring.toint(), rb)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.barrier()

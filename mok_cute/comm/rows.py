@@ -195,7 +195,7 @@ def use_bulk(kind: str) -> bool:
 
 
 @cute.jit
-def _bulk_g2s(smem_addr: Int32, gaddr: Int64, nbytes: Int32, mbar_addr: Int32):
+def bulk_g2s(smem_addr: Int32, gaddr: Int64, nbytes: Int32, mbar_addr: Int32):
     """cp.async.bulk global -> shared of ``nbytes`` (multiple of 16), completing on the mbarrier."""
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
@@ -203,7 +203,7 @@ def _bulk_g2s(smem_addr: Int32, gaddr: Int64, nbytes: Int32, mbar_addr: Int32):
 
 
 @cute.jit
-def _bulk_s2g(gaddr: Int64, smem_addr: Int32, nbytes: Int32):
+def bulk_s2g(gaddr: Int64, smem_addr: Int32, nbytes: Int32):
     """cp.async.bulk shared -> global of ``nbytes`` in the current bulk group."""
     cute.arch.inline_ptx("cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
                          read_only_args=[gaddr, smem_addr, nbytes])
@@ -248,7 +248,7 @@ def _bulk_issue(j: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: 
                                           lim, tk, k, push)
     if ok:
         cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nb)
-        _bulk_g2s(ring + stage * BULK_CHUNK, src, nb, (mbar + stage).toint())
+        bulk_g2s(ring + stage * BULK_CHUNK, src, nb, (mbar + stage).toint())
     else:
         if c == 0:
             P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
@@ -300,7 +300,7 @@ def bulk_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
             ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base,
                                                   peer_off, lim, tk, k, push)
             if ok:
-                _bulk_s2g(dst, ring + stage * BULK_CHUNK, nb)
+                bulk_s2g(dst, ring + stage * BULK_CHUNK, nb)
             cute.arch.cp_async_bulk_commit_group()
             nxt = j + BULK_STAGES - 1
             if nxt < cnt:

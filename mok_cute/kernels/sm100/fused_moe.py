@@ -85,7 +85,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.comm.rows import _bulk_s2g
+from mok_cute.comm.rows import bulk_s2g
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
 from mok_cute.dsl.launch import GraphLauncher
@@ -181,7 +181,7 @@ def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows
                     cute.arch.cp_async_bulk_wait_group(PUSH_BUFS - 1, read=True)
                 cute.autovec_copy(r, stage)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the slice's generic writes before the copy
-                _bulk_s2g(gaddr + c * EPI_N * 2, sbase + b * EPI_N * 2, Int32(EPI_N * 2))
+                bulk_s2g(gaddr + c * EPI_N * 2, sbase + b * EPI_N * 2, Int32(EPI_N * 2))
                 cute.arch.cp_async_bulk_commit_group()
     cute.arch.cp_async_bulk_wait_group(0)
     cute.arch.fence_proxy("async.global")
