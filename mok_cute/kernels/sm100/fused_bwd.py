@@ -87,8 +87,8 @@ from mok_cute.kernels.sm90.fused_bwd import (
     _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe, grouped_rows,
 )
 from mok_cute.kernels.sm100.fused_moe import (
-    _BULK_PTX, _PAIR_PTX, PUSH_FIELD, bulk_push_mode, check_push_fits, push_routed, push_routed_bulk, push_staging,
-    store_routed, tile_config, tile_m_mode,
+    _BULK_PTX, _PAIR_PTX, PUSH_FIELD, bulk_push_mode, check_push_fits, pair_grid, push_routed, push_routed_bulk,
+    push_staging, store_routed, tile_config, tile_m_mode,
 )
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.grouped_gemm import (
@@ -445,7 +445,7 @@ class FusedMoeBwdSm100:
         n_i, k_h, k_i = g.dims[3], g.dims[8], g.dims[9]
         tBsB, tBgWd, tBgWg, tBgWu, sf, sf_dst = parts
         tiler_a = (cfg.tile_m, cfg.tile_k)
-        no_mask = (None,) * p if cutlass.const_expr(self.cg == 1) else self.ml_d.mcast_masks(cta_v)[:p]
+        masks = self.ml_d.mcast_masks(cta_v)[:p]
         ready_e, ready_g = ready
         phase, expert, n_tile, m_tile, row0, _, mt, which = tile
         if phase == D2:
@@ -458,7 +458,7 @@ class FusedMoeBwdSm100:
                 srcs = srcs + self._sf_tile(sf[0], g.offsets, expert, m_tile, n_tile, atoms[2], coords[2], views[2],
                                             cta_v)
                 dsts = dsts + sf_dst
-            state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), no_mask)
+            state = self.ml_d.load_tile(ab_pipe, state, atoms[0:p], srcs, dsts, k_h, Int32(0), masks)
         elif phase == D1:
             persistent.wait_input(g.d2.iterator + mt, task_ring.tile_target(n_i, self.cg), timeout_ns, status,
                                   Int32(D2_READY), mt)
@@ -473,7 +473,7 @@ class FusedMoeBwdSm100:
                 srcs = srcs + self._sf_tile(sf[1], g.offsets, expert, m_tile, n_tile, atoms[p + 2], coords[p + 2],
                                             views[2], cta_v)
                 dsts = dsts + sf_dst
-            state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), no_mask,
+            state = self.ml_d.load_tile(ab_pipe, state, atoms[p:2 * p], srcs, dsts, 2 * k_i, Int32(0), masks,
                                         part2)
         else:
             lo = g.offsets[expert]
@@ -546,8 +546,7 @@ class FusedMoeBwdSm100:
             srcs = srcs + (tAgSFA[(None, m_tile, None, 0)], tBgSFB[(None, n_tile, None, 0)])
             dsts = dsts + (tAsSFA, tBsSFB)
             sf_k0 = lo // lay.SF_ATOM_ROWS + expert
-        masks = (None,) * self.per if cutlass.const_expr(self.cg == 1) else mw.mcast_masks(cta_v)[:self.per]
-        return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, masks)
+        return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, mw.mcast_masks(cta_v)[:self.per])
 
     @cute.jit
     def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, routed, shared, n_tasks: Int32):
@@ -1224,11 +1223,7 @@ def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
-    if tile_m == 256:  # whole CTA pairs: a pair's two CTAs both gather or both start on GEMM tasks
-        if num_ctas < 4:
-            raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with MOK_CUTE_SM100_TILE_M=256, got {num_ctas}")
-        num_ctas -= num_ctas % 2
-        comm = min(comm + comm % 2, num_ctas - 2)
+    num_ctas, comm = pair_grid(num_ctas, comm, tile_m)
     scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
     launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
                             None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))

@@ -577,8 +577,8 @@ class FusedMoeFwdSm100:
                 _, sfa = ml.partition_a(atoms[i + 2], g_sf, smem[2], cta_v)
             srcs = srcs + (sfa, gSFB[(None, n_tile, None, expert)])
             dsts = dsts + (sSFA, sSFB)
-        masks = (None,) * per if cutlass.const_expr(self.cg == 1) else ml.mcast_masks(cta_v)[:per]
-        return ml.load_tile(ab_pipe, state, atoms[i:i + per], srcs, dsts, k_tiles, Int32(0), masks)
+        return ml.load_tile(ab_pipe, state, atoms[i:i + per], srcs, dsts, k_tiles, Int32(0),
+                            ml.mcast_masks(cta_v)[:per])
 
     @cute.jit
     def _sf_row(self, mOffsets: cute.Tensor, expert: Int32, row0: Int32) -> Int32:
@@ -966,11 +966,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
-    if tile_m == 256:  # whole CTA pairs: a pair's two CTAs both gather or both start on GEMM tasks
-        if num_ctas < 4:
-            raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with tile_m 256, got {num_ctas}")
-        num_ctas -= num_ctas % 2
-        comm_ctas = min(comm_ctas + comm_ctas % 2, num_ctas - 2)
+    num_ctas, comm_ctas = pair_grid(num_ctas, comm_ctas, tile_m)
     records = None
     if trace:  # gather chunks, then every possible task, then two per CTA
         n2, n1, m_sh, mt = -(-hid // CONFIG.tile_n), -(-inter // half), -(-t // tile_m), mtiles
@@ -988,33 +984,46 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
 
 
+def pair_grid(num_ctas: int, comm_ctas: int, tile_m: int) -> tuple[int, int]:
+    """Both megakernels' grid and comm CTAs (comm_ctas already in ``[1, num_ctas - 1]``); with 256-row
+    tiles rounded to whole CTA pairs (a pair's two CTAs both gather or both start on GEMM tasks, and a
+    GEMM pair remains); ValueError for fewer than two pairs."""
+    if tile_m != 256:
+        return num_ctas, comm_ctas
+    if num_ctas < 4:
+        raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with 256-row tiles (MOK_CUTE_SM100_TILE_M=256), "
+                         f"got {num_ctas}")
+    num_ctas -= num_ctas % 2
+    return num_ctas, min(comm_ctas + comm_ctas % 2, num_ctas - 2)
+
+
 def tile_m_mode() -> int:
     """The fused forward's and backward's tile rows on SM100 (``MOK_CUTE_SM100_TILE_M``, read at every
     call): 128 (``cta_group::1``, the default) or 256 (``cta_group::2``: CTA pairs)."""
-    mode = os.environ.get("MOK_CUTE_SM100_TILE_M", "128")
-    if mode not in ("128", "256"):
-        raise ValueError(f"MOK_CUTE_SM100_TILE_M must be '128' or '256', got {mode!r}")
-    return int(mode)
+    return int(_env_mode("MOK_CUTE_SM100_TILE_M", ("128", "256")))
 
 
 def bulk_push_mode() -> bool:
     """Whether the EP > 1 fused forward's R2 epilogue pushes its rows into the peers by
     ``cp.async.bulk`` from shared memory (``MOK_CUTE_SM100_PUSH=bulk``, read at every call) instead
     of ``st.global`` (``st``, the default)."""
-    mode = os.environ.get("MOK_CUTE_SM100_PUSH", "st")
-    if mode not in ("st", "bulk"):
-        raise ValueError(f"MOK_CUTE_SM100_PUSH must be 'st' or 'bulk', got {mode!r}")
-    return mode == "bulk"
+    return _env_mode("MOK_CUTE_SM100_PUSH", ("st", "bulk")) == "bulk"
 
 
 def tma_gather_mode() -> bool:
     """Whether the BF16 EP = 1 fused forward loads R1's rows by TMA gather4 from x
     (``MOK_CUTE_SM100_GATHER=tma``, read at every call) instead of the comm CTAs' gather into the ring
     (``comm``, the default)."""
-    mode = os.environ.get("MOK_CUTE_SM100_GATHER", "comm")
-    if mode not in ("comm", "tma"):
-        raise ValueError(f"MOK_CUTE_SM100_GATHER must be 'comm' or 'tma', got {mode!r}")
-    return mode == "tma"
+    return _env_mode("MOK_CUTE_SM100_GATHER", ("comm", "tma")) == "tma"
+
+
+def _env_mode(var: str, modes: tuple) -> str:
+    """Environment variable ``var``'s value, one of ``modes`` (unset: the first); ValueError naming
+    ``var`` otherwise."""
+    mode = os.environ.get(var, modes[0])
+    if mode not in modes:
+        raise ValueError(f"{var} must be one of {modes}, got {mode!r}")
+    return mode
 
 
 def _stage_source(ws, x, x_words):
