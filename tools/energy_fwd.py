@@ -7,7 +7,7 @@ above the steady-state clock.) ``--ncu``: instead, each once between
 ``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
 
     source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--minibatch 256,512]
-        [--seconds 2]
+        [--comm 8,16] [--seconds 2]
     ncu --profile-from-start off --clock-control none --metrics \
         gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
         --csv python3 tools/energy_fwd.py --ncu
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--minibatch", default="", help="also fused BF16 rows at these minibatch_tokens (the ring's "
                     "size: 1024 tokens x k rows by default, above L2 at H 7168)")
     ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
+    ap.add_argument("--comm", default="16", help="comm_sms_fwd values of the fused rows (BF16, and MXFP8 with --mx)")
     ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
@@ -75,12 +76,17 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         p.requires_grad_()
     tiles = gemms_alone(x, idx, ws, sh)
     fwd = {"GEMM tiles alone": tiles, "torch": lambda: torch_layer(x, idx, w, w1, ws[2], sh, None)}
+    comms = [int(v) for v in args.comm.split(",")]
     for g in args.gathers.split(","):
-        fwd[f"fused {g}"] = lambda g=g: _ours(True, 16, gather=None if g == "default" else g)(x, idx, w, ws, sh)
+        for c in comms:
+            tag = f"fused {g}" + (f" c{c}" if len(comms) > 1 else "")
+            fwd[tag] = lambda g=g, c=c: _ours(True, c, gather=None if g == "default" else g)(x, idx, w, ws, sh)
     for mb in (int(v) for v in args.minibatch.split(",") if v):
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
     if args.mx:
-        fwd["fused mxfp8"] = lambda: _ours(True, 16, "mxfp8")(x, idx, w, ws, sh)
+        for c in comms:
+            tag = "fused mxfp8" + (f" c{c}" if len(comms) > 1 else "")
+            fwd[tag] = lambda c=c: _ours(True, c, "mxfp8")(x, idx, w, ws, sh)
     runs = {f"fwd {n}": (fn, True) for n, fn in fwd.items()}
     if args.bwd:
         def step(fn):

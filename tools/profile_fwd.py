@@ -4,7 +4,7 @@ the fused kernel's share of it, the GPU time between kernels (idle), and the hos
 call (pipelined calls, one sync at the end); ``--graph``: the wall time per replay of one
 forward captured in a CUDA graph.
 
-    source .gpu-node/activate.sh && python3 tools/profile_fwd.py [--shape T,H,I,E,k] [--comm 16]
+    source .gpu-node/activate.sh && python3 tools/profile_fwd.py [--shape T,H,I,E,k] [--comm 16] [--tiles]
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--comm", type=int, default=16)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--fused", default="1")
+    ap.add_argument("--tiles", action="store_true",
+                    help="profile the forward's GEMM tiles alone (bench_layer.gemms_alone) instead of the layer")
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
@@ -42,6 +44,10 @@ def main() -> int:
     x, idx, w, ws, sh, _ = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=11)
     cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=args.comm, validate_routing=False)
     fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    if args.tiles:
+        from bench_layer import gemms_alone
+
+        fwd = gemms_alone(x, idx, ws, sh)
     with torch.no_grad():
         for _ in range(3):
             fwd()
