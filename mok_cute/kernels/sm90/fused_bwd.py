@@ -409,12 +409,15 @@ class FusedMoeBwdCoreSm90:
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_h)
             self.dswiglu.run(self.ml_d.tiled_mma, thr_d, acc, s_dsw, et, row0, rows, n_tile, g.dgu3, g.gu3, limit,
                              g.dgut3)
-            cute.arch.fence_acq_rel_gpu()  # this thread's dgu stores before the CTA's release below
             consumer_barrier()
-            if tid == 0:
+            if tid == 0:  # one fence, cumulative over the consumers' dgu stores ordered before it by the barrier
+                cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
         elif phase == D1:
             thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
+            routes = None  # the scattered rows' routes, loaded before the mainloop
+            if cutlass.const_expr(scatter and not self.grouped_slots):
+                routes = route_rows.tile_routes(tid, row0, rows, mOrder, cfg.tile_m, cfg.tile_n)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
             s_plain = self.plain.smem_tensor(storage.sC)
             if cutlass.const_expr(self.grouped_slots):  # over dy's rows: every dgrad2 tile of m-tile mt has read them
@@ -423,14 +426,14 @@ class FusedMoeBwdCoreSm90:
             elif cutlass.const_expr(scatter):
                 acc_to_smem(thr_d, acc, s_plain)
                 consumer_barrier()
-                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, ep, self.n_tail)
+                route_rows.scatter(s_plain, et, row0, rows, n_tile, mSlot, mOrder, cfg.tile_n, ep, self.n_tail, routes)
             else:
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
                                Float32(0.0))
             if cutlass.const_expr(self.scatter):  # the slot sum counts this tile
-                P.fence_stores(ep is not None)  # this thread's rows (EP > 1: in peers) before the count
                 consumer_barrier()
-                if tid == 0:
+                if tid == 0:  # one fence (EP > 1: system scope), cumulative over the consumers' rows
+                    P.fence_stores(ep is not None)
                     cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
         else:
             length = g.offsets[expert + 1] - g.offsets[expert]

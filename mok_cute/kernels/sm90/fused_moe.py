@@ -602,6 +602,10 @@ class FusedMoeFwdSm90:
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
+            r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
+            if phase == R2:
+                r2_rows = rows
+            routes = route_rows.tile_routes(tid, row0, r2_rows, mOrder, self.cfg.tile_m, self.cfg.tile_n)
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
@@ -617,7 +621,7 @@ class FusedMoeFwdSm90:
                             ep.wait_free()
                         consumer_barrier()
                         freed = Int32(1)
-                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail)
+                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail, routes)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -626,9 +630,12 @@ class FusedMoeFwdSm90:
                         self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
-            P.fence_stores(self.ep)  # this thread's stores (EP > 1: into peers too) before the CTA's release
+            # the tile's stores are published by one thread after the barrier: its fence (EP > 1: system
+            # scope, some rows went to peers) is cumulative over every consumer's stores ordered before it
+            # by the barrier, so only thread 0 waits for them (the other warps go on to the next tile)
             consumer_barrier()
             if tid == 0:
+                P.fence_stores(self.ep)
                 tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)

@@ -27,10 +27,29 @@ SUM_REGS = 160  # per thread in every warpgroup for the slot sum after the GEMM 
 
 
 @cute.jit
+def tile_routes(tid: Int32, row0: Int32, rows: Int32, mOrder: cute.Tensor, tile_m: cutlass.Constexpr[int],
+                tile_n: cutlass.Constexpr[int]) -> cute.Tensor:
+    """Consumer thread ``tid``: ``order[row0 + r]`` of each tile row r that :func:`scatter` gives it (-1 past
+    ``rows``), as an Int32 register tensor. Loaded before the tile's mainloop, the loads' latency is off the
+    epilogue's path (the stores' addresses do not wait on them)."""
+    coords = _row_copy(tile_n).get_slice(tid).partition_S(cute.make_identity_tensor((tile_m, tile_n)))
+    n_rows = cute.size(coords, mode=[1])
+    routes = cute.make_rmem_tensor((n_rows,), Int32)
+    for m in cutlass.range_constexpr(n_rows):
+        rr, _ = coords[(0, m, 0)]
+        routes[m] = Int32(-1)
+        if rr < rows:
+            routes[m] = mOrder[row0 + rr]
+    return routes
+
+
+@cute.jit
 def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
-            mOrder: cute.Tensor, tile_n: cutlass.Constexpr[int], ep, n_tail: cutlass.Constexpr[bool] = False):
+            mOrder: cute.Tensor, tile_n: cutlass.Constexpr[int], ep, n_tail: cutlass.Constexpr[bool] = False,
+            routes: cute.Tensor = None):
     """Store the staged tile's rows ``r < rows`` to ``slot[order[row0 + r]]`` (see the module doc;
-    ``n_tail``: only the columns inside N)."""
+    ``n_tail``: only the columns inside N; ``routes``: those rows' ``order`` values from
+    :func:`tile_routes`, else they are loaded here)."""
     copy = _row_copy(tile_n)
     r, coords = _load_rows(copy, tid, sC)
     v = mSlot.shape[1] // _VEC
@@ -39,7 +58,10 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
     for m in cutlass.range_constexpr(cute.size(r, mode=[1])):
         rr, c = coords[(0, m, 0)]
         if rr < rows:
-            route = mOrder[row0 + rr]
+            if cutlass.const_expr(routes is None):
+                route = mOrder[row0 + rr]
+            else:
+                route = routes[m]
             for n in cutlass.range_constexpr(cute.size(r, mode=[2])):
                 _, cn = coords[(0, m, n)]
                 inside = True
