@@ -282,7 +282,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     from conftest import FakeLauncher, FakeWorkspace
 
     fake, keys = FakeLauncher(), []
-    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX"):
+    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_TMA_STORE"):
         monkeypatch.delenv(var, raising=False)
     if direct:
         monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
@@ -310,8 +310,9 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
                            num_ctas=66 if ep else None, ring_chunks=5)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., mx, ep, sum batch, gate, n_tail, gather): MXFP8 and EP > 1 gather through registers
-    assert keys[0][-6:-4] == (mx, ep) and keys[0][-3:] == (False, False, "regs" if ep else "direct" if direct else "bg")
+    # (..., mx, ep, sum batch, gate, n_tail, gather, tma_store): MXFP8 and EP > 1 gather through registers
+    assert keys[0][-7:-5] == (mx, ep) and keys[0][-4:] == (False, False, "regs" if ep else "direct" if direct else "bg",
+                                                          False)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -583,3 +584,24 @@ def test_device_mtile_decode_matches_the_mirror(name):
         assert int(total[0]) == len(want)
         for c in range(start, len(want), step):
             assert tuple(out[c].tolist()) == want[c], (c, want[c])
+
+
+@pytest.mark.parametrize("clamp,shared,n_tail", [(True, True, False), (False, False, False), (False, True, True)])
+def test_tma_store_variant(clamp, shared, n_tail):
+    """``tma_store`` (``MOK_CUTE_FUSED_TMA_STORE=1``): the S1 / R1 / S2 tiles go out through TMA stores (shared ->
+    global bulk tensor copies, beside the variant's TMA loads), each published only after its store warp waited
+    for them to be written (``cp.async.bulk.wait_group 0``, not only ``.read``) and a proxy fence; R2 keeps its
+    16-byte stores; the same wgmma count; no spills. MXFP8 is refused."""
+    from mok_cute.kernels.sm90 import fused_moe
+
+    rep = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, tma_store=True, inspect=True)[1]
+    plain = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, inspect=True)[1]
+    stores = lambda ptx: sum(line.count("cp.async.bulk.tensor") for line in ptx.splitlines()  # noqa: E731
+                             if ".global.shared::cta" in line)
+    assert stores(plain.ptx) == 0 and stores(rep.ptx) >= (5 if shared else 3)
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx) and "cp.async.bulk.wait_group.read" in rep.ptx
+    assert "fence.proxy.async.global" in rep.ptx and "st.global.v4" in rep.ptx
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    assert rep.total_spill_bytes == 0
+    with pytest.raises(ValueError, match="tma_store"):
+        fused_moe.compile_fused_forward(clamp, shared, mx=True, tma_store=True)

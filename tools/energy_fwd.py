@@ -7,7 +7,7 @@ above the steady-state clock.) ``--ncu``: instead, each once between
 ``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
 
     source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--minibatch 256,512]
-        [--comm 8,16] [--seconds 2]
+        [--comm 8,16] [--env MOK_CUTE_FUSED_TMA_STORE=1] [--seconds 2]
     ncu --profile-from-start off --clock-control none --metrics \
         gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
         --csv python3 tools/energy_fwd.py --ncu
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,8 @@ def main() -> int:
                     "size: 1024 tokens x k rows by default, above L2 at H 7168)")
     ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
     ap.add_argument("--comm", default="16", help="comm_sms_fwd values of the fused rows (BF16, and MXFP8 with --mx)")
+    ap.add_argument("--env", default="", help="also fused BF16 rows with these NAME=VALUE settings (comma-separated, one "
+                    "row each; e.g. MOK_CUTE_FUSED_TMA_STORE=1)")
     ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
@@ -66,6 +69,19 @@ def main() -> int:
         print("|---|---|---|---|---|---|---|---|")
         print("\n".join(lines))
     return 0
+
+
+def _with_env(name: str, value: str, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value`` (restored after)."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if prev is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = prev
 
 
 def _shape(t, h, inter, e, k, skew, args) -> list[str]:
@@ -83,6 +99,10 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
             fwd[tag] = lambda g=g, c=c: _ours(True, c, gather=None if g == "default" else g)(x, idx, w, ws, sh)
     for mb in (int(v) for v in args.minibatch.split(",") if v):
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
+    for setting in (v for v in args.env.split(",") if v):
+        name, value = setting.split("=", 1)
+        fwd[f"fused {setting}"] = lambda name=name, value=value: _with_env(name, value, lambda: _ours(True, 16)(
+            x, idx, w, ws, sh))
     if args.mx:
         for c in comms:
             tag = "fused mxfp8" + (f" c{c}" if len(comms) > 1 else "")

@@ -75,7 +75,10 @@ from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
-from mok_cute.kernels.sm90.grouped_gemm import _VEC, PlainEpilogue, SwigluEpilogue
+from mok_cute.kernels.sm90.grouped_gemm import (
+    _VEC, PlainEpilogue, SwigluEpilogue, _expert_rows, _ragged_gu, _ragged_rows, make_tma_store, swiglu_tma_tiles,
+    tma_store_complete, tma_store_tile,
+)
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     acc_to_smem, consumer_barrier, experts_last,
@@ -108,13 +111,20 @@ SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.asyn
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
-    tile_n / 2 (the last n-tiles' stores masked)."""
+    tile_n / 2 (the last n-tiles' stores masked); ``tma_store`` (BF16): the S1 / R1 / S2 tiles leave the
+    consumers through TMA stores (the standalone kernels' ``SwigluEpilogue.run_tma`` /
+    ``tma_store_tile``, row-bounded per expert): one consumer warp issues them and, before the tile is
+    published, waits until they have written global memory, while the other warps go on to the next
+    tile; R2's scattered rows keep the 16-byte stores."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig()):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), tma_store: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
+        if tma_store and mx:
+            raise ValueError("tma_store: the MXFP8 variant's SwiGLU epilogue (h's round trip) stores through registers")
+        self.tma_store = tma_store
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
@@ -170,6 +180,13 @@ class FusedMoeFwdSm90:
             _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
+        stores = [None] * 10  # (atom, coord) of gu, h, gus, hs, s_out with tma_store
+        if cutlass.const_expr(self.tma_store):
+            tm, half = self.cfg.tile_m, self.cfg.tile_n // 2
+            stores[:4] = [*make_tma_store(_ragged_gu(mGU), tm, half), *make_tma_store(_ragged_rows(mH), tm, half)]
+            if cutlass.const_expr(self.shared):
+                stores[4:] = [*make_tma_store(_ragged_gu(mGUs), tm, half), *make_tma_store(_ragged_rows(mHs), tm, half),
+                              *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
@@ -177,7 +194,7 @@ class FusedMoeFwdSm90:
                     mGather,
                     mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, mSlotCopy, me, n_ranks,
-                    src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
+                    src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push, *stores).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -195,11 +212,20 @@ class FusedMoeFwdSm90:
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
                timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
-               w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
+               w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32,
+               atom_gu_st: cute.CopyAtom, coord_gu_st: cute.Tensor, atom_h_st: cute.CopyAtom, coord_h_st: cute.Tensor,
+               atom_gus_st: cute.CopyAtom, coord_gus_st: cute.Tensor, atom_hs_st: cute.CopyAtom,
+               coord_hs_st: cute.Tensor, atom_so_st: cute.CopyAtom, coord_so_st: cute.Tensor):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
         if cutlass.const_expr(self.shared):
             atoms += [atom_sg, atom_su, atom_hs, atom_sd]
+        stores = (atom_gu_st, coord_gu_st, atom_h_st, coord_h_st, atom_gus_st, coord_gus_st, atom_hs_st, coord_hs_st,
+                  atom_so_st, coord_so_st)  # with tma_store: the S1 / R1 / S2 tiles' TMA stores
+        if cutlass.const_expr(self.tma_store):
+            atoms += [atom_gu_st, atom_h_st]
+            if cutlass.const_expr(self.shared):
+                atoms += [atom_gus_st, atom_hs_st, atom_so_st]
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
@@ -273,7 +299,7 @@ class FusedMoeFwdSm90:
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0], ep)
+                          mGather.shape[0], ep, stores)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -584,7 +610,7 @@ class FusedMoeFwdSm90:
                  k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep):
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, stores):
         """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
         its slot buffer of the previous step (FREE >= epoch - 1)."""
@@ -609,31 +635,47 @@ class FusedMoeFwdSm90:
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            acc_to_smem(thr_mma, acc, sC)
-            consumer_barrier()
-            et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-            if phase == R1:
-                self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
-            elif phase == R2:
-                if cutlass.const_expr(self.ep):
-                    if freed == 0:
-                        if tid == 0:
-                            ep.wait_free()
-                        consumer_barrier()
-                        freed = Int32(1)
-                route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail, routes)
-            else:
-                if cutlass.const_expr(self.shared):
-                    if phase == S1:
-                        self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
-                    else:
-                        self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+            sixteen = True  # the tile leaves through the consumers' 16-byte stores (every tile without tma_store)
+            if cutlass.const_expr(self.tma_store):  # S1, R1, S2 through TMA stores
+                sixteen = phase == R2
+                if phase != R2:
+                    self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
+            if sixteen:
+                if cutlass.const_expr(self.tma_store):  # the last TMA store has read sC (its warp waited for
+                    consumer_barrier()  # that before it published the tile)
+                acc_to_smem(thr_mma, acc, sC)
+                consumer_barrier()
+                et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+                if phase == R1:
+                    self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+                elif phase == R2:
+                    if cutlass.const_expr(self.ep):
+                        if freed == 0:
+                            if tid == 0:
+                                ep.wait_free()
+                            consumer_barrier()
+                            freed = Int32(1)
+                    route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
+                                       routes)
+                else:
+                    if cutlass.const_expr(self.shared):
+                        if phase == S1:
+                            self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                        else:
+                            self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
-            # the tile's stores are published by one thread after the barrier: its fence (EP > 1: system
-            # scope, some rows went to peers) is cumulative over every consumer's stores ordered before it
-            # by the barrier, so only thread 0 waits for them (the other warps go on to the next tile)
-            consumer_barrier()
+            # the tile's stores are published by one thread: TMA stores once the store warp has seen them
+            # written; 16-byte stores after the consumers' barrier, by thread 0's fence (EP > 1: system scope,
+            # some rows went to peers), cumulative over every consumer's stores ordered before it by the
+            # barrier, so only thread 0 waits for them (the other warps go on to the next tile)
+            if cutlass.const_expr(self.tma_store):
+                if phase != R2:
+                    tma_store_complete(tid)
+                else:
+                    consumer_barrier()
+            else:
+                consumer_barrier()
             if tid == 0:
                 P.fence_stores(self.ep)
                 tasks.publish(phase, mt, mDone, mHready, mShready)
@@ -644,6 +686,24 @@ class FusedMoeFwdSm90:
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
 
+    @cute.jit
+    def _store_tile(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
+                    sC: cute.Tensor, et: Int32, limit: Float32, stores):
+        """Consumers (``tma_store``): an S1 / R1 / S2 tile staged in ``sC`` and handed to TMA stores bounded at
+        its group's last row (R1: its expert's, S1 / S2: the tokens'); returns once they are issued."""
+        atom_gu, coord_gu, atom_h, coord_h, atom_gus, coord_gus, atom_hs, coord_hs, atom_so, coord_so = stores
+        tm, tn = self.cfg.tile_m, self.cfg.tile_n
+        if phase == R1:
+            g_gate, g_up, g_h = swiglu_tma_tiles(coord_gu, coord_h, row0, rows, n_tile, tm, tn)
+            self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gu, g_gate, g_up, atom_h, g_h, limit)
+        else:
+            if cutlass.const_expr(self.shared):
+                if phase == S1:
+                    g_gate, g_up, g_h = swiglu_tma_tiles(coord_gus, coord_hs, row0, rows, n_tile, tm, tn)
+                    self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gus, g_gate, g_up, atom_hs, g_h, limit)
+                else:
+                    g_out = cute.local_tile(_expert_rows(coord_so, row0, row0 + rows), (tm, tn), (0, n_tile))
+                    tma_store_tile(thr_mma, acc, sC, et, atom_so, g_out)
 
 @cute.jit
 def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32):
@@ -670,7 +730,7 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False):
+                          inspect: bool = False, tma_store: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
@@ -679,7 +739,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, tma_store=tma_store)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -746,6 +806,12 @@ def gather_mode_mx() -> str:
     if mode not in ("regs", "bg", "direct"):
         raise ValueError(f"MOK_CUTE_GATHER_MX must be 'regs', 'bg' or 'direct', got {mode!r}")
     return mode
+
+
+def fused_tma_store() -> bool:
+    """``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call; BF16 only, the MXFP8 forward ignores it): the S1 / R1 /
+    S2 tiles leave through TMA stores (:class:`FusedMoeFwdSm90`'s ``tma_store``). Off by default until measured."""
+    return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1"
 
 
 def ring_band() -> int:
@@ -873,11 +939,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
+    tma = fused_tma_store() and not mx
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather)
+               gate is not None, n_tail, gather, tma)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, tma_store=tma)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it

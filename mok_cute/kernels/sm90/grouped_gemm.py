@@ -218,6 +218,20 @@ def _bounded(coord_rn: cute.Tensor, row0: Int32, hi: Int32) -> cute.Tensor:
     return cute.domain_offset((_RAGGED - hi + row0, 0), coord_rn)
 
 
+@cute.jit
+def swiglu_tma_tiles(coord_gu: cute.Tensor, coord_h: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
+                     tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int]):
+    """``(gate, up, h)`` TMA coordinate tiles of a SwiGLU tile's rows ``row0 .. row0 + rows`` (rows past them
+    out of bounds) and intermediate columns ``n_tile * tile_n / 2 ..`` (``coord_gu``: a :func:`_ragged_gu`
+    store coordinate tensor, ``coord_h``: a :func:`_ragged_rows` one; :meth:`SwigluEpilogue.run_tma`'s)."""
+    hi = row0 + rows
+    half = (tile_m, tile_n // 2)
+    g_gate = cute.local_tile(_bounded(coord_gu[(None, None, 0, _RAGGED, hi)], row0, hi), half, (0, n_tile))
+    g_up = cute.local_tile(_bounded(coord_gu[(None, None, 1, _RAGGED, hi)], row0, hi), half, (0, n_tile))
+    g_h = cute.local_tile(_expert_rows(coord_h, row0, hi), half, (0, n_tile))
+    return g_gate, g_up, g_h
+
+
 def make_tma_store(mOut: cute.Tensor, tile_m: int, tile_n: int):
     """TMA store atom and coordinate tensor of a (rows, N, ...) BF16 output from the staged
     (tile_m, tile_n) shared tile (:func:`epi_smem_layout`)."""
@@ -267,6 +281,16 @@ def _tma_store(atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cute.Tensor):
     tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
                                      cute.group_modes(g_tile, 0, 2))
     cute.copy(atom, tSs, tGg)
+
+
+@cute.jit
+def tma_store_complete(tid: Int32):
+    """The store warp, before a release that publishes the stored tiles to other CTAs: wait until its TMA
+    stores have written global memory (not only read the staging tile), then order those async-proxy
+    writes before the generic-proxy release."""
+    if _store_warp(tid):
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
 
 
 @cute.jit
@@ -634,13 +658,7 @@ class GroupedGemmSm90:
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
                 if cutlass.const_expr(self.tma_store and self.stack_n):
-                    hi = row0 + rows
-                    half = (cfg.tile_m, cfg.tile_n // 2)
-                    g_gate = cute.local_tile(_bounded(coord_c[(None, None, 0, _RAGGED, hi)], row0, hi), half,
-                                             (0, n_tile))
-                    g_up = cute.local_tile(_bounded(coord_c[(None, None, 1, _RAGGED, hi)], row0, hi), half,
-                                           (0, n_tile))
-                    g_h = cute.local_tile(_expert_rows(coord_h, row0, hi), half, (0, n_tile))
+                    g_gate, g_up, g_h = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
                                      row0, rows, n_tile, mHq, mHs)
                 elif cutlass.const_expr(self.tma_store):
