@@ -415,8 +415,8 @@ class FusedMoeBwdCoreSm90:
                 cute.arch.atomic_add(g.d2.iterator + mt, Int32(1), sem="release", scope="gpu")
         elif phase == D1:
             thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
-            routes = None  # the scattered rows' routes, loaded before the mainloop
-            if cutlass.const_expr(scatter and not self.grouped_slots):
+            routes = None  # the scattered rows' routes, loaded before the mainloop (not at MXFP8: its 255
+            if cutlass.const_expr(scatter and not self.grouped_slots and not self.mx):  # registers would spill)
                 routes = route_rows.tile_routes(tid, row0, rows, mOrder, cfg.tile_m, cfg.tile_n)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
             s_plain = self.plain.smem_tensor(storage.sC)
