@@ -588,20 +588,43 @@ def test_device_mtile_decode_matches_the_mirror(name):
 
 @pytest.mark.parametrize("clamp,shared,n_tail", [(True, True, False), (False, False, False), (False, True, True)])
 def test_tma_store_variant(clamp, shared, n_tail):
-    """``tma_store`` (``MOK_CUTE_FUSED_TMA_STORE=1``): the S1 / R1 / S2 tiles go out through TMA stores (shared ->
-    global bulk tensor copies, beside the variant's TMA loads), each published only after its store warp waited
-    for them to be written (``cp.async.bulk.wait_group 0``, not only ``.read``) and a proxy fence; R2 keeps its
-    16-byte stores; the same wgmma count; no spills. MXFP8 is refused."""
+    """``tma_store`` (``MOK_CUTE_FUSED_TMA_STORE=1``): every tile goes out through TMA stores (shared -> global
+    bulk tensor copies, beside the variant's TMA loads; at EP = 1 R2's rows too, by grouped row), each published
+    only after its store warp waited for them to be written (``cp.async.bulk.wait_group 0``, not only ``.read``)
+    and a proxy fence; the EP variant keeps R2's pushes; the same wgmma count; no spills. MXFP8 is refused."""
     from mok_cute.kernels.sm90 import fused_moe
 
     rep = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, tma_store=True, inspect=True)[1]
     plain = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, inspect=True)[1]
     stores = lambda ptx: sum(line.count("cp.async.bulk.tensor") for line in ptx.splitlines()  # noqa: E731
                              if ".global.shared::cta" in line)
-    assert stores(plain.ptx) == 0 and stores(rep.ptx) >= (5 if shared else 3)
+    assert stores(plain.ptx) == 0 and stores(rep.ptx) >= (6 if shared else 4)
+    ep = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, ep=True, tma_store=True, inspect=True)[1]
+    assert 0 < stores(ep.ptx) < stores(rep.ptx) and ep.total_spill_bytes == 0
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx) and "cp.async.bulk.wait_group.read" in rep.ptx
-    assert "fence.proxy.async.global" in rep.ptx and "st.global.v4" in rep.ptx
+    assert "fence.proxy.async.global" in rep.ptx
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     assert rep.total_spill_bytes == 0
     with pytest.raises(ValueError, match="tma_store"):
         fused_moe.compile_fused_forward(clamp, shared, mx=True, tma_store=True)
+
+
+def test_grouped_slot_rows_inverse_order():
+    """The TMA-store forward's slot sum reads slot t*k + j at ``grouped_rows(order)[t*k + j]``: the inverse of the
+    route order (grouped row -> route), and the layer's backward is told the rows are grouped."""
+    from mok_cute.kernels.sm90 import fused_moe
+    from mok_cute.kernels.sm90.route_rows import grouped_rows
+
+    order = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)
+    inv = grouped_rows(order, 6)
+    assert inv.dtype == torch.int32 and torch.equal(order[inv.long()], torch.arange(6, dtype=torch.int32))
+    import os
+    prev = os.environ.pop("MOK_CUTE_FUSED_TMA_STORE", None)
+    try:
+        assert fused_moe.slots_by_route("bf16") and fused_moe.slots_by_route("mxfp8")
+        os.environ["MOK_CUTE_FUSED_TMA_STORE"] = "1"
+        assert not fused_moe.slots_by_route("bf16") and fused_moe.slots_by_route("mxfp8")
+    finally:
+        os.environ.pop("MOK_CUTE_FUSED_TMA_STORE", None)
+        if prev is not None:
+            os.environ["MOK_CUTE_FUSED_TMA_STORE"] = prev

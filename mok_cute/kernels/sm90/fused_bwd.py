@@ -45,6 +45,7 @@ from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
 from mok_cute.kernels.route_grad_row import gather_chunks, mx_round_trips
 from mok_cute.kernels.sm90 import persistent, route_rows
+from mok_cute.kernels.sm90.route_rows import grouped_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
@@ -875,14 +876,6 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
-
-
-def grouped_rows(order: torch.Tensor, n: int) -> torch.Tensor:
-    """int32 [n]: route ``t*k + j`` -> its grouped row (``order`` int32 [M]: grouped row -> route; the
-    inverse), 0 for a route without one."""
-    rows = torch.zeros(n, dtype=torch.int32, device=order.device)
-    rows[order.long()] = torch.arange(order.shape[0], dtype=torch.int32, device=order.device)
-    return rows
 
 
 def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:

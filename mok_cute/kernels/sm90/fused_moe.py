@@ -115,7 +115,8 @@ class FusedMoeFwdSm90:
     consumers through TMA stores (the standalone kernels' ``SwigluEpilogue.run_tma`` /
     ``tma_store_tile``, row-bounded per expert): one consumer warp issues them and, before the tile is
     published, waits until they have written global memory, while the other warps go on to the next
-    tile; R2's scattered rows keep the 16-byte stores."""
+    tile; R2's rows too at EP = 1 (``grouped``: the slot buffer then holds them by grouped row, and the slot sum
+    finds each (token, slot) row through the inverse route order ``mInv``); at EP > 1 R2 keeps its pushes."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
@@ -125,6 +126,9 @@ class FusedMoeFwdSm90:
         if tma_store and mx:
             raise ValueError("tma_store: the MXFP8 variant's SwiGLU epilogue (h's round trip) stores through registers")
         self.tma_store = tma_store
+        # EP = 1 with tma_store: R2 stores its rows grouped (TMA, like the other tiles) into the slot buffer, and the
+        # slot sum reads each (token, slot) row through the inverse route order (``mInv``)
+        self.grouped = tma_store and not ep
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
@@ -159,7 +163,7 @@ class FusedMoeFwdSm90:
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
                  mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor,
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
-                 mW: cute.Tensor, mGate: cute.Tensor,
+                 mW: cute.Tensor, mGate: cute.Tensor, mInv: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
                  num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor,
@@ -180,18 +184,21 @@ class FusedMoeFwdSm90:
             _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
-        stores = [None] * 10  # (atom, coord) of gu, h, gus, hs, s_out with tma_store
+        stores = [None] * 12  # (atom, coord) of gu, h, gus, hs, s_out with tma_store, then the grouped slot rows
         if cutlass.const_expr(self.tma_store):
             tm, half = self.cfg.tile_m, self.cfg.tile_n // 2
             stores[:4] = [*make_tma_store(_ragged_gu(mGU), tm, half), *make_tma_store(_ragged_rows(mH), tm, half)]
             if cutlass.const_expr(self.shared):
-                stores[4:] = [*make_tma_store(_ragged_gu(mGUs), tm, half), *make_tma_store(_ragged_rows(mHs), tm, half),
-                              *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
+                stores[4:10] = [*make_tma_store(_ragged_gu(mGUs), tm, half),
+                                *make_tma_store(_ragged_rows(mHs), tm, half),
+                                *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
+            if cutlass.const_expr(self.grouped):
+                stores[10:] = make_tma_store(_ragged_rows(mSlot), tm, 2 * half)
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
-                    mGather,
+                    mInv, mGather,
                     mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, mSlotCopy, me, n_ranks,
                     src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push, *stores).launch(
@@ -208,24 +215,28 @@ class FusedMoeFwdSm90:
                mGUs: cute.Tensor,
                mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
                mY: cute.Tensor, mOrder: cute.Tensor,
-               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor,
+               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mInv: cute.Tensor,
+               mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
                timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
                w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32,
                atom_gu_st: cute.CopyAtom, coord_gu_st: cute.Tensor, atom_h_st: cute.CopyAtom, coord_h_st: cute.Tensor,
                atom_gus_st: cute.CopyAtom, coord_gus_st: cute.Tensor, atom_hs_st: cute.CopyAtom,
-               coord_hs_st: cute.Tensor, atom_so_st: cute.CopyAtom, coord_so_st: cute.Tensor):
+               coord_hs_st: cute.Tensor, atom_so_st: cute.CopyAtom, coord_so_st: cute.Tensor,
+               atom_sl_st: cute.CopyAtom, coord_sl_st: cute.Tensor):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
         if cutlass.const_expr(self.shared):
             atoms += [atom_sg, atom_su, atom_hs, atom_sd]
         stores = (atom_gu_st, coord_gu_st, atom_h_st, coord_h_st, atom_gus_st, coord_gus_st, atom_hs_st, coord_hs_st,
-                  atom_so_st, coord_so_st)  # with tma_store: the S1 / R1 / S2 tiles' TMA stores
+                  atom_so_st, coord_so_st, atom_sl_st, coord_sl_st)  # with tma_store: the tiles' TMA stores
         if cutlass.const_expr(self.tma_store):
             atoms += [atom_gu_st, atom_h_st]
             if cutlass.const_expr(self.shared):
                 atoms += [atom_gus_st, atom_hs_st, atom_so_st]
+            if cutlass.const_expr(self.grouped):
+                atoms.append(atom_sl_st)
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
@@ -328,7 +339,7 @@ class FusedMoeFwdSm90:
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
         route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                            self.sum_batch, mGate, mCopy=mSlotCopy)
+                            self.sum_batch, mGate, mCopy=mSlotCopy, mRow=mInv if self.grouped else None)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -628,48 +639,55 @@ class FusedMoeFwdSm90:
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
-            r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
-            if phase == R2:
-                r2_rows = rows
-            routes = route_rows.tile_routes(tid, row0, r2_rows, mOrder, self.cfg.tile_m, self.cfg.tile_n)
+            routes = None
+            if cutlass.const_expr(not self.grouped):
+                r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
+                if phase == R2:
+                    r2_rows = rows
+                routes = route_rows.tile_routes(tid, row0, r2_rows, mOrder, self.cfg.tile_m, self.cfg.tile_n)
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            sixteen = True  # the tile leaves through the consumers' 16-byte stores (every tile without tma_store)
-            if cutlass.const_expr(self.tma_store):  # S1, R1, S2 through TMA stores
-                sixteen = phase == R2
-                if phase != R2:
-                    self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
-            if sixteen:
-                if cutlass.const_expr(self.tma_store):  # the last TMA store has read sC (its warp waited for
-                    consumer_barrier()  # that before it published the tile)
-                acc_to_smem(thr_mma, acc, sC)
-                consumer_barrier()
-                et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-                if phase == R1:
-                    self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
-                elif phase == R2:
-                    if cutlass.const_expr(self.ep):
-                        if freed == 0:
-                            if tid == 0:
-                                ep.wait_free()
-                            consumer_barrier()
-                            freed = Int32(1)
-                    route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
-                                       routes)
-                else:
-                    if cutlass.const_expr(self.shared):
-                        if phase == S1:
-                            self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
-                        else:
-                            self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+            if cutlass.const_expr(self.grouped):  # every tile through TMA stores
+                self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
+            else:
+                sixteen = True  # the tile leaves through the consumers' 16-byte stores (every tile without tma_store)
+                if cutlass.const_expr(self.tma_store):  # S1, R1, S2 through TMA stores
+                    sixteen = phase == R2
+                    if phase != R2:
+                        self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
+                if sixteen:
+                    if cutlass.const_expr(self.tma_store):  # the last TMA store has read sC (its warp waited for
+                        consumer_barrier()  # that before it published the tile)
+                    acc_to_smem(thr_mma, acc, sC)
+                    consumer_barrier()
+                    et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+                    if phase == R1:
+                        self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+                    elif phase == R2:
+                        if cutlass.const_expr(self.ep):
+                            if freed == 0:
+                                if tid == 0:
+                                    ep.wait_free()
+                                consumer_barrier()
+                                freed = Int32(1)
+                        route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
+                                           routes)
+                    else:
+                        if cutlass.const_expr(self.shared):
+                            if phase == S1:
+                                self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                            else:
+                                self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
             # the tile's stores are published by one thread: TMA stores once the store warp has seen them
             # written; 16-byte stores after the consumers' barrier, by thread 0's fence (EP > 1: system scope,
             # some rows went to peers), cumulative over every consumer's stores ordered before it by the
             # barrier, so only thread 0 waits for them (the other warps go on to the next tile)
-            if cutlass.const_expr(self.tma_store):
+            if cutlass.const_expr(self.grouped):
+                tma_store_complete(tid)
+            elif cutlass.const_expr(self.tma_store):
                 if phase != R2:
                     tma_store_complete(tid)
                 else:
@@ -689,13 +707,19 @@ class FusedMoeFwdSm90:
     @cute.jit
     def _store_tile(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
                     sC: cute.Tensor, et: Int32, limit: Float32, stores):
-        """Consumers (``tma_store``): an S1 / R1 / S2 tile staged in ``sC`` and handed to TMA stores bounded at
-        its group's last row (R1: its expert's, S1 / S2: the tokens'); returns once they are issued."""
-        atom_gu, coord_gu, atom_h, coord_h, atom_gus, coord_gus, atom_hs, coord_hs, atom_so, coord_so = stores
+        """Consumers (``tma_store``): an S1 / R1 / S2 tile (``grouped``: R2 too) staged in ``sC`` and handed to TMA
+        stores bounded at its group's last row (R1 / R2: its expert's, S1 / S2: the tokens'); returns once they are
+        issued."""
+        atom_gu, coord_gu, atom_h, coord_h, atom_gus, coord_gus, atom_hs, coord_hs, atom_so, coord_so, atom_sl, \
+            coord_sl = stores
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
         if phase == R1:
             g_gate, g_up, g_h = swiglu_tma_tiles(coord_gu, coord_h, row0, rows, n_tile, tm, tn)
             self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gu, g_gate, g_up, atom_h, g_h, limit)
+        elif phase == R2:  # (``grouped`` only: the caller sends R2 here then)
+            if cutlass.const_expr(self.grouped):
+                g_rows = cute.local_tile(_expert_rows(coord_sl, row0, row0 + rows), (tm, tn), (0, n_tile))
+                tma_store_tile(thr_mma, acc, sC, et, atom_sl, g_rows)
         else:
             if cutlass.const_expr(self.shared):
                 if phase == S1:
@@ -758,6 +782,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
+            vec(Int32, tk) if tma_store and not ep else None,
             *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
@@ -812,6 +837,12 @@ def fused_tma_store() -> bool:
     """``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call; BF16 only, the MXFP8 forward ignores it): the S1 / R1 /
     S2 tiles leave through TMA stores (:class:`FusedMoeFwdSm90`'s ``tma_store``). Off by default until measured."""
     return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1"
+
+
+def slots_by_route(precision: str) -> bool:
+    """Whether :func:`fused_forward` at EP = 1 leaves its GEMM2 rows by route (else by grouped row: the BF16
+    TMA-store variant, :func:`fused_tma_store`), read at the same call."""
+    return not (fused_tma_store() and precision == "bf16")
 
 
 def ring_band() -> int:
@@ -874,7 +905,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     come round-tripped from the caller;
     ``ring_chunks``: slots of 128 gathered rows in the ring (None or more than the routed
     m-tiles can number: one per m-tile, no reuse), R1's bands ``min(RING_BAND, ring)``;
-    returns ``(y, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``gus``/``hs``/``s_out``
+    returns ``(y, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``slot_out`` [T*k, H]: the
+    GEMM2 rows by route, or with :func:`fused_tma_store` at EP = 1 by grouped row; ``gus``/``hs``/``s_out``
     None without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
     ticket + arrivals, status) of int32 device tensors, status last). ``order`` int32 [M_cap],
     ``offsets`` int32 [E+1], ``topk_idx`` int32 and ``topk_w`` fp32 [T, k], all on x's device.
@@ -940,6 +972,8 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
     tma = fused_tma_store() and not mx
+    # tma at EP = 1: the GEMM2 rows are stored grouped; the slot sum reads them through the inverse route order
+    inv = route_rows.grouped_rows(order, t * k) if tma and ws is None else None
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
                gate is not None, n_tail, gather, tma)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
@@ -960,7 +994,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
-               topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
+               topk_idx.reshape(-1), topk_w.reshape(-1), gate, inv, *parts, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key_scalars = (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32
 
 from mok_cute.comm.combine import add_rn
@@ -22,6 +23,14 @@ from mok_cute.kernels import slot_rows
 from mok_cute.kernels.slot_rows import copy_row  # noqa: F401 (the megakernels' route_rows.copy_row)
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
+
+def grouped_rows(order: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 [n]: route ``t*k + j`` -> its grouped row (``order`` int32 [M]: grouped row -> route; the
+    inverse), 0 for a route without one: the ``mRow`` of a slot sum over grouped slot rows."""
+    rows = torch.zeros(n, dtype=torch.int32, device=order.device)
+    rows[order.long()] = torch.arange(order.shape[0], dtype=torch.int32, device=order.device)
+    return rows
+
 
 SUM_REGS = 160  # per thread in every warpgroup for the slot sum after the GEMM tasks (3 x 128 x 160 <= 64K)
 
