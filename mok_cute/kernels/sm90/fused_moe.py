@@ -111,24 +111,21 @@ SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.asyn
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
-    tile_n / 2 (the last n-tiles' stores masked); ``tma_store`` (BF16): the S1 / R1 / S2 tiles leave the
+    tile_n / 2 (the last n-tiles' stores masked); ``tma_store`` (BF16, EP = 1): every tile leaves the
     consumers through TMA stores (the standalone kernels' ``SwigluEpilogue.run_tma`` /
     ``tma_store_tile``, row-bounded per expert): one consumer warp issues them and, before the tile is
     published, waits until they have written global memory, while the other warps go on to the next
-    tile; R2's rows too at EP = 1 (``grouped``: the slot buffer then holds them by grouped row, and the slot sum
-    finds each (token, slot) row through the inverse route order ``mInv``); at EP > 1 R2 keeps its pushes."""
+    tile; R2's rows go to the slot buffer by grouped row, and the slot sum finds each (token, slot) row
+    through the inverse route order ``mInv``."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
                  gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), tma_store: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
-        if tma_store and mx:
-            raise ValueError("tma_store: the MXFP8 variant's SwiGLU epilogue (h's round trip) stores through registers")
+        if tma_store and (mx or ep):  # MXFP8: the SwiGLU epilogue's h round trip stores through registers;
+            raise ValueError("tma_store: BF16 at EP = 1 only")  # EP > 1: R2 pushes its rows into the peers
         self.tma_store = tma_store
-        # EP = 1 with tma_store: R2 stores its rows grouped (TMA, like the other tiles) into the slot buffer, and the
-        # slot sum reads each (token, slot) row through the inverse route order (``mInv``)
-        self.grouped = tma_store and not ep
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
@@ -184,7 +181,7 @@ class FusedMoeFwdSm90:
             _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
-        stores = [None] * 12  # (atom, coord) of gu, h, gus, hs, s_out with tma_store, then the grouped slot rows
+        stores = [None] * 12  # (atom, coord) of gu, h, gus, hs, s_out, the grouped slot rows with tma_store
         if cutlass.const_expr(self.tma_store):
             tm, half = self.cfg.tile_m, self.cfg.tile_n // 2
             stores[:4] = [*make_tma_store(_ragged_gu(mGU), tm, half), *make_tma_store(_ragged_rows(mH), tm, half)]
@@ -192,8 +189,7 @@ class FusedMoeFwdSm90:
                 stores[4:10] = [*make_tma_store(_ragged_gu(mGUs), tm, half),
                                 *make_tma_store(_ragged_rows(mHs), tm, half),
                                 *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
-            if cutlass.const_expr(self.grouped):
-                stores[10:] = make_tma_store(_ragged_rows(mSlot), tm, 2 * half)
+            stores[10:] = make_tma_store(_ragged_rows(mSlot), tm, 2 * half)
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
@@ -233,10 +229,9 @@ class FusedMoeFwdSm90:
                   atom_so_st, coord_so_st, atom_sl_st, coord_sl_st)  # with tma_store: the tiles' TMA stores
         if cutlass.const_expr(self.tma_store):
             atoms += [atom_gu_st, atom_h_st]
+            atoms.append(atom_sl_st)
             if cutlass.const_expr(self.shared):
                 atoms += [atom_gus_st, atom_hs_st, atom_so_st]
-            if cutlass.const_expr(self.grouped):
-                atoms.append(atom_sl_st)
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
@@ -339,7 +334,7 @@ class FusedMoeFwdSm90:
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
         route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                            self.sum_batch, mGate, mCopy=mSlotCopy, mRow=mInv if self.grouped else None)
+                            self.sum_batch, mGate, mCopy=mSlotCopy, mRow=mInv if self.tma_store else None)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -640,7 +635,7 @@ class FusedMoeFwdSm90:
                 b2)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
             routes = None
-            if cutlass.const_expr(not self.grouped):
+            if cutlass.const_expr(not self.tma_store):
                 r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
                 if phase == R2:
                     r2_rows = rows
@@ -648,50 +643,37 @@ class FusedMoeFwdSm90:
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            if cutlass.const_expr(self.grouped):  # every tile through TMA stores
+            if cutlass.const_expr(self.tma_store):  # every tile through TMA stores
                 self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
             else:
-                sixteen = True  # the tile leaves through the consumers' 16-byte stores (every tile without tma_store)
-                if cutlass.const_expr(self.tma_store):  # S1, R1, S2 through TMA stores
-                    sixteen = phase == R2
-                    if phase != R2:
-                        self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
-                if sixteen:
-                    if cutlass.const_expr(self.tma_store):  # the last TMA store has read sC (its warp waited for
-                        consumer_barrier()  # that before it published the tile)
-                    acc_to_smem(thr_mma, acc, sC)
-                    consumer_barrier()
-                    et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-                    if phase == R1:
-                        self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
-                    elif phase == R2:
-                        if cutlass.const_expr(self.ep):
-                            if freed == 0:
-                                if tid == 0:
-                                    ep.wait_free()
-                                consumer_barrier()
-                                freed = Int32(1)
-                        route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
-                                           routes)
-                    else:
-                        if cutlass.const_expr(self.shared):
-                            if phase == S1:
-                                self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
-                            else:
-                                self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+                acc_to_smem(thr_mma, acc, sC)
+                consumer_barrier()
+                et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+                if phase == R1:
+                    self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+                elif phase == R2:
+                    if cutlass.const_expr(self.ep):
+                        if freed == 0:
+                            if tid == 0:
+                                ep.wait_free()
+                            consumer_barrier()
+                            freed = Int32(1)
+                    route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
+                                       routes)
+                else:
+                    if cutlass.const_expr(self.shared):
+                        if phase == S1:
+                            self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                        else:
+                            self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 3, t)
             # the tile's stores are published by one thread: TMA stores once the store warp has seen them
             # written; 16-byte stores after the consumers' barrier, by thread 0's fence (EP > 1: system scope,
             # some rows went to peers), cumulative over every consumer's stores ordered before it by the
             # barrier, so only thread 0 waits for them (the other warps go on to the next tile)
-            if cutlass.const_expr(self.grouped):
+            if cutlass.const_expr(self.tma_store):
                 tma_store_complete(tid)
-            elif cutlass.const_expr(self.tma_store):
-                if phase != R2:
-                    tma_store_complete(tid)
-                else:
-                    consumer_barrier()
             else:
                 consumer_barrier()
             if tid == 0:
@@ -707,19 +689,17 @@ class FusedMoeFwdSm90:
     @cute.jit
     def _store_tile(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
                     sC: cute.Tensor, et: Int32, limit: Float32, stores):
-        """Consumers (``tma_store``): an S1 / R1 / S2 tile (``grouped``: R2 too) staged in ``sC`` and handed to TMA
-        stores bounded at its group's last row (R1 / R2: its expert's, S1 / S2: the tokens'); returns once they are
-        issued."""
+        """Consumers (``tma_store``): a tile staged in ``sC`` and handed to TMA stores bounded at its group's last
+        row (R1 / R2: its expert's, S1 / S2: the tokens'); returns once they are issued."""
         atom_gu, coord_gu, atom_h, coord_h, atom_gus, coord_gus, atom_hs, coord_hs, atom_so, coord_so, atom_sl, \
             coord_sl = stores
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
         if phase == R1:
             g_gate, g_up, g_h = swiglu_tma_tiles(coord_gu, coord_h, row0, rows, n_tile, tm, tn)
             self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gu, g_gate, g_up, atom_h, g_h, limit)
-        elif phase == R2:  # (``grouped`` only: the caller sends R2 here then)
-            if cutlass.const_expr(self.grouped):
-                g_rows = cute.local_tile(_expert_rows(coord_sl, row0, row0 + rows), (tm, tn), (0, n_tile))
-                tma_store_tile(thr_mma, acc, sC, et, atom_sl, g_rows)
+        elif phase == R2:  # by grouped row
+            g_rows = cute.local_tile(_expert_rows(coord_sl, row0, row0 + rows), (tm, tn), (0, n_tile))
+            tma_store_tile(thr_mma, acc, sC, et, atom_sl, g_rows)
         else:
             if cutlass.const_expr(self.shared):
                 if phase == S1:
@@ -782,7 +762,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
-            vec(Int32, tk) if tma_store and not ep else None,
+            vec(Int32, tk) if tma_store else None,
             *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
@@ -834,8 +814,8 @@ def gather_mode_mx() -> str:
 
 
 def fused_tma_store() -> bool:
-    """``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call; BF16 only, the MXFP8 forward ignores it): the S1 / R1 /
-    S2 tiles leave through TMA stores (:class:`FusedMoeFwdSm90`'s ``tma_store``). Off by default until measured."""
+    """``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call; BF16 at EP = 1 only, the MXFP8 and EP > 1 forwards ignore
+    it): every tile leaves through TMA stores (:class:`FusedMoeFwdSm90`'s ``tma_store``). Off until measured."""
     return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1"
 
 
@@ -971,9 +951,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
-    tma = fused_tma_store() and not mx
-    # tma at EP = 1: the GEMM2 rows are stored grouped; the slot sum reads them through the inverse route order
-    inv = route_rows.grouped_rows(order, t * k) if tma and ws is None else None
+    tma = fused_tma_store() and not mx and ws is None
+    # the GEMM2 rows are then stored by grouped row; the slot sum reads them through the inverse route order
+    inv = route_rows.grouped_rows(order, t * k) if tma else None
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
                gate is not None, n_tail, gather, tma)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
