@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import SHAPES, _ours, gemms_alone, torch_layer  # noqa: E402
-from checks.common import PowerSampler  # noqa: E402
+from checks.common import PowerSampler, env_var  # noqa: E402
 from checks.layer_sm90 import _problem  # noqa: E402
 
 
@@ -71,17 +70,10 @@ def main() -> int:
     return 0
 
 
-def _with_env(name: str, value: str, fn):
-    """``fn()`` with the environment variable ``name`` set to ``value`` (restored after)."""
-    prev = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if prev is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = prev
+def _in_env(name: str, value: str, fn, *args):
+    """``fn(*args)`` with the environment variable ``name`` set to ``value``."""
+    with env_var(name, value):
+        return fn(*args)
 
 
 def _shape(t, h, inter, e, k, skew, args) -> list[str]:
@@ -101,8 +93,7 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
     for setting in (v for v in args.env.split(",") if v):
         name, value = setting.split("=", 1)
-        fwd[f"fused {setting}"] = lambda name=name, value=value: _with_env(name, value, lambda: _ours(True, 16)(
-            x, idx, w, ws, sh))
+        fwd[f"fused {setting}"] = lambda name=name, value=value: _in_env(name, value, _ours(True, 16), x, idx, w, ws, sh)
     if args.mx:
         for c in comms:
             tag = "fused mxfp8" + (f" c{c}" if len(comms) > 1 else "")

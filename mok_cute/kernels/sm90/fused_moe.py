@@ -76,7 +76,7 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, PlainEpilogue, SwigluEpilogue, _expert_rows, _ragged_gu, _ragged_rows, make_tma_store, swiglu_tma_tiles,
+    _VEC, PlainEpilogue, SwigluEpilogue, _ragged_gu, _ragged_rows, make_tma_store, rows_tma_tile, swiglu_tma_tiles,
     tma_store_complete, tma_store_tile,
 )
 from mok_cute.kernels.sm90.mainloop import (
@@ -698,16 +698,14 @@ class FusedMoeFwdSm90:
             g_gate, g_up, g_h = swiglu_tma_tiles(coord_gu, coord_h, row0, rows, n_tile, tm, tn)
             self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gu, g_gate, g_up, atom_h, g_h, limit)
         elif phase == R2:  # by grouped row
-            g_rows = cute.local_tile(_expert_rows(coord_sl, row0, row0 + rows), (tm, tn), (0, n_tile))
-            tma_store_tile(thr_mma, acc, sC, et, atom_sl, g_rows)
+            tma_store_tile(thr_mma, acc, sC, et, atom_sl, rows_tma_tile(coord_sl, row0, rows, n_tile, tm, tn))
         else:
             if cutlass.const_expr(self.shared):
                 if phase == S1:
                     g_gate, g_up, g_h = swiglu_tma_tiles(coord_gus, coord_hs, row0, rows, n_tile, tm, tn)
                     self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gus, g_gate, g_up, atom_hs, g_h, limit)
                 else:
-                    g_out = cute.local_tile(_expert_rows(coord_so, row0, row0 + rows), (tm, tn), (0, n_tile))
-                    tma_store_tile(thr_mma, acc, sC, et, atom_so, g_out)
+                    tma_store_tile(thr_mma, acc, sC, et, atom_so, rows_tma_tile(coord_so, row0, rows, n_tile, tm, tn))
 
 @cute.jit
 def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32):
@@ -813,16 +811,17 @@ def gather_mode_mx() -> str:
     return mode
 
 
-def fused_tma_store() -> bool:
-    """``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call; BF16 at EP = 1 only, the MXFP8 and EP > 1 forwards ignore
-    it): every tile leaves through TMA stores (:class:`FusedMoeFwdSm90`'s ``tma_store``). Off until measured."""
-    return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1"
+def fused_tma_store(mx: bool = False, ep: bool = False) -> bool:
+    """Whether a forward (``mx``: MXFP8, ``ep``: EP > 1) runs the TMA-store variant (:class:`FusedMoeFwdSm90`'s
+    ``tma_store``: every tile leaves through TMA stores): ``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call), BF16
+    at EP = 1 only. Off until measured."""
+    return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1" and not mx and not ep
 
 
 def slots_by_route(precision: str) -> bool:
-    """Whether :func:`fused_forward` at EP = 1 leaves its GEMM2 rows by route (else by grouped row: the BF16
+    """Whether :func:`fused_forward` at EP = 1 leaves its GEMM2 rows by route (else by grouped row: the
     TMA-store variant, :func:`fused_tma_store`), read at the same call."""
-    return not (fused_tma_store() and precision == "bf16")
+    return not fused_tma_store(mx=precision == "mxfp8")
 
 
 def ring_band() -> int:
@@ -951,7 +950,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
-    tma = fused_tma_store() and not mx and ws is None
+    tma = fused_tma_store(mx, ws is not None)
     # the GEMM2 rows are then stored by grouped row; the slot sum reads them through the inverse route order
     inv = route_rows.grouped_rows(order, t * k) if tma else None
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,

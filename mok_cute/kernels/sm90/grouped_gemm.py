@@ -219,6 +219,14 @@ def _bounded(coord_rn: cute.Tensor, row0: Int32, hi: Int32) -> cute.Tensor:
 
 
 @cute.jit
+def rows_tma_tile(coord: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32, tile_m: cutlass.Constexpr[int],
+                  tile_n: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The (tile_m, tile_n) TMA coordinate tile ``n_tile`` of rows ``row0 .. row0 + rows`` (rows past them out
+    of bounds; ``coord``: a :func:`_ragged_rows` store coordinate tensor)."""
+    return cute.local_tile(_expert_rows(coord, row0, row0 + rows), (tile_m, tile_n), (0, n_tile))
+
+
+@cute.jit
 def swiglu_tma_tiles(coord_gu: cute.Tensor, coord_h: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
                      tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int]):
     """``(gate, up, h)`` TMA coordinate tiles of a SwiGLU tile's rows ``row0 .. row0 + rows`` (rows past them
@@ -662,8 +670,7 @@ class GroupedGemmSm90:
                     self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
                                      row0, rows, n_tile, mHq, mHs)
                 elif cutlass.const_expr(self.tma_store):
-                    gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n),
-                                         (0, n_tile))
+                    gC = rows_tma_tile(coord_c, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
                 elif cutlass.const_expr(self.mx_h):
                     self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,

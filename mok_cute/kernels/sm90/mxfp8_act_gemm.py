@@ -55,7 +55,7 @@ from mok_cute.dsl.host import _check_devices, _check_offsets, _check_out, _check
 from mok_cute.kernels.sm90.fp8_gemm import SCALE_BLOCK, _fake
 from mok_cute.kernels.sm90.fp8_scaled import _sm90
 from mok_cute.kernels.sm90.grouped_gemm import (
-    DEFAULT_CONFIG, PlainEpilogue, _expert_rows, _ragged_rows, effective_config, make_tma_store,
+    DEFAULT_CONFIG, PlainEpilogue, _ragged_rows, effective_config, make_tma_store, rows_tma_tile,
     tma_store_drain, tma_store_tile,
 )
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
@@ -230,7 +230,7 @@ def _store_tile(cfg: cutlass.Constexpr, epi: cutlass.Constexpr, tiled_mma: cute.
     """The BF16 kernel's plain epilogue of one output tile: TMA store (``cfg.tma_store``) or
     masked 16-byte stores of the tile's ``rows`` valid rows from ``row0``."""
     if cutlass.const_expr(cfg.tma_store):
-        gC = cute.local_tile(_expert_rows(coord_c, row0, row0 + rows), (cfg.tile_m, cfg.tile_n), (0, n_tile))
+        gC = rows_tma_tile(coord_c, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
         tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
     else:
         epi.run(tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut, mOut, Float32(0.0))

@@ -24,6 +24,7 @@ from mok_cute.kernels.slot_rows import copy_row  # noqa: F401 (the megakernels' 
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
 
+
 def grouped_rows(order: torch.Tensor, n: int) -> torch.Tensor:
     """int32 [n]: route ``t*k + j`` -> its grouped row (``order`` int32 [M]: grouped row -> route; the
     inverse), 0 for a route without one: the ``mRow`` of a slot sum over grouped slot rows."""
