@@ -36,6 +36,10 @@ TMA_VARIANTS = {
     "swiglu-clamp-n128-tma": lambda: compile_grouped_gemm("swiglu", clamp=True,
                                                           cfg=MainloopConfig(tile_n=128, tma_store=True), inspect=True),
     "swiglu-mx-tma": lambda: compile_grouped_gemm("swiglu", clamp=True, mx_h=True, cfg=TMA, inspect=True),
+    # h by the producer warpgroup's warps 1-3 (the default from K = HELPERS_MIN_K)
+    "swiglu-helpers-tma": lambda: compile_grouped_gemm("swiglu", cfg=TMA, helpers=True, inspect=True),
+    "swiglu-clamp-tail-helpers-tma": lambda: compile_grouped_gemm("swiglu", clamp=True, n_tail=True, cfg=TMA,
+                                                                  helpers=True, inspect=True),
 }
 MX_VARIANTS = {  # GEMM1 + SwiGLU writing h's MXFP8 copy (quantized where it is produced)
     "swiglu-mx": lambda: compile_grouped_gemm("swiglu", mx_h=True, inspect=True),
@@ -335,3 +339,39 @@ def test_swiglu_mx_h_needs_swiglu():
     from mok_cute.kernels.sm90.grouped_gemm import GroupedGemmSm90
     with pytest.raises(ValueError, match="mx_h"):
         GroupedGemmSm90(MainloopConfig(), "plain", mx_h=True)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if "helpers" in n])
+def test_swiglu_helpers_hand_off(name):
+    """The helper variants: the MMA warps wait on FREE (bar.sync) and meet the helpers at STAGED, the
+    helpers arrive on FREE (bar.arrive) and store h from registers (64-bit vectors); the MMA warps no
+    longer compute h (fewer IEEE divisions in the PTX than the variant without helpers)."""
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+    rep = _compiled(name)
+    n = gg.HANDOFF_THREADS
+    assert rep.has(f"bar.sync \t{gg.FREE_BARRIER}, {n}") and rep.has(f"bar.sync \t{gg.STAGED_BARRIER}, {n}")
+    assert rep.has(f"bar.arrive {gg.FREE_BARRIER}, {n}")
+    assert rep.has("st.global.v2.b32")
+    assert rep.total_spill_bytes == 0
+    if name == "swiglu-helpers-tma":
+        assert rep.ptx.count("div.rn.f32") < _compiled("swiglu-tma").ptx.count("div.rn.f32")
+
+
+def test_swiglu_helpers_rule():
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+    k = gg.HELPERS_MIN_K
+    prev = gg.set_swiglu_helpers(True)
+    try:
+        assert gg.swiglu_helpers("swiglu", TMA, False, k)
+        assert not gg.swiglu_helpers("swiglu", TMA, False, k - 64)  # the mainloop too short
+        assert not gg.swiglu_helpers("swiglu", MainloopConfig(), False, k)  # masked stores
+        assert not gg.swiglu_helpers("swiglu", TMA, True, k)  # mx_h
+        assert not gg.swiglu_helpers("plain", TMA, False, k)
+        gg.set_swiglu_helpers(False)
+        assert not gg.swiglu_helpers("swiglu", TMA, False, k)
+    finally:
+        gg.set_swiglu_helpers(prev)
+    with pytest.raises(ValueError, match="helpers"):
+        gg.GroupedGemmSm90(MainloopConfig(), "swiglu", helpers=True)
+    with pytest.raises(ValueError, match="helpers"):
+        gg.GroupedGemmSm90(TMA, "swiglu", mx_h=True, helpers=True)

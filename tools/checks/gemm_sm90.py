@@ -16,7 +16,8 @@ Outputs are heads of larger buffers whose tails hold a sentinel that must surviv
 past the last row). The opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``:
 plain, swiglu, dgrad1, wgrad) gets the same correctness rows (tagged ``[tma_store]``), and
 ``tma_store ...`` timing rows beside the default ones (``x`` = default time / TMA time).
-GEMM1 + SwiGLU with h's MXFP8 copy (``mx_h``): gu, h bitwise equal to the plain kernel's and
+GEMM1 + SwiGLU with h made by the helper warps (the default) bitwise the MMA warps' h. GEMM1 + SwiGLU
+with h's MXFP8 copy (``mx_h``): gu, h bitwise equal to the plain kernel's and
 hq, hs bitwise equal to ``reference.mxfp8_quantize(h, -1)``, with both epilogue paths.
 """
 from __future__ import annotations
@@ -200,6 +201,30 @@ def _check_swiglu_mx(gg, ref, dev, gen, routing, limit, tma: bool):
     return Row(f"swiglu mx_h {routing} L={limit} {'tma' if tma else 'masked'}", bitwise=same, ok=ok,
                note=f"gu,h == swiglu kernel {base_eq}; hq mismatches {bad_q}, hs mismatches {bad_s} "
                     f"(vs reference.mxfp8_quantize) M={m}")
+
+
+def _check_swiglu_helpers(gg, dev, gen, routing, limit):
+    """GEMM1 + SwiGLU with h made by the helper warps (the default) against the same launch with the MMA
+    warps making it (``set_swiglu_helpers(False)``): gu and h bitwise equal, 5 repeats bitwise (K =
+    ``HELPERS_MIN_K``: the helpers run from there)."""
+    counts = _counts(routing, 3000, gen)
+    m, hid = sum(counts), gg.HELPERS_MIN_K
+    offs = _offsets(counts, dev)
+    x = torch.randn(m, hid, device=dev).bfloat16()
+    wg = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
+    wu = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
+    runs = {}
+    for on in (False, True):
+        was = gg.set_swiglu_helpers(on)
+        try:
+            runs[on] = [gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit) for _ in range(REPEATS)]
+        finally:
+            gg.set_swiglu_helpers(was)
+    torch.cuda.synchronize()
+    same = all(torch.equal(runs[True][0][i], r[i]) for r in runs[True][1:] for i in range(2))
+    equal = [torch.equal(runs[True][0][i], runs[False][0][i]) for i in range(2)]
+    return Row(f"swiglu helpers {routing} L={limit}", bitwise=same, ok=same and all(equal),
+               note=f"gu, h == the MMA warps' h: {equal} M={m}")
 
 
 def _check_dswiglu_dgrad(bwd, ref, dev, gen, routing, limit):
@@ -438,6 +463,8 @@ def run(ctx) -> list[Row]:
         for limit in (None, 4.0):
             rows.append(_check_swiglu(gg, ref, dev, gen, routing, limit))
     rows.append(_check_plain(gg, ref, dev, gen, "skewed", torch.int64))
+    for routing, limit in (("uniform", None), ("skewed", 4.0)):
+        rows.append(_guarded("swiglu helpers", _check_swiglu_helpers, gg, dev, gen, routing, limit))
     for routing, limit, tma in (("uniform", None, True), ("skewed", 4.0, True), ("skewed", 4.0, False)):
         rows.append(_guarded("swiglu mx_h", _check_swiglu_mx, gg, ref, dev, gen, routing, limit, tma))
     for routing in ("uniform", "skewed"):

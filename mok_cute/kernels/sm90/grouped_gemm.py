@@ -71,6 +71,13 @@ EPILOGUES = ("plain", "swiglu", "dswiglu")
 _VEC = 8  # bf16 elements per 16-byte store
 N_ALIGN = 64  # N (I for swiglu / dswiglu) of every GEMM: a multiple of this; a tile's columns past N are masked
 _BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run-time loop)
+# SwiGLU's helper warps (``GroupedGemmSm90(helpers=True)``): the producer warpgroup's warps 1-3 compute
+# and store h from the staged gate / up tile while the MMA warps go on to the next tile's mainloop
+HELPER_WARPS = 3
+STAGED_BARRIER, FREE_BARRIER = 2, 3  # named barriers of the hand-off (1: the consumers' own)
+HANDOFF_THREADS = NUM_CONSUMER_THREADS + 32 * HELPER_WARPS
+_H_VEC = 4  # h elements per helper lane and row: 32 lanes x 4 = a 128-column half tile
+HELPERS_MIN_K = 2048  # below it a tile's mainloop is shorter than the helpers' h (measured: K 1024 slower)
 
 
 def _row_copy(width: int):
@@ -423,6 +430,50 @@ class SwigluEpilogue(_StagedEpilogue):
             _tma_store(atom_h, s_gate, gH)
             cute.arch.cp_async_bulk_commit_group()
 
+    @cute.jit
+    def stage_for_helpers(self, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
+                          atom_gu: cute.CopyAtom, gGate: cute.Tensor, gUp: cute.Tensor):
+        """MMA warps, with helper warps (:meth:`help_h`): once the previous tile's gu stores and the
+        helpers have read ``sC`` (``FREE_BARRIER``), stage this tile's gate and up halves, meet the
+        helpers (``STAGED_BARRIER``) and store gu by two TMA stores; h is the helpers' work."""
+        if _store_warp(tid):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
+        acc_to_smem(thr_mma, acc, sC)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=HANDOFF_THREADS)
+        if _store_warp(tid):
+            shape = (self.tile_m, self.half)
+            _tma_store(atom_gu, cute.local_tile(sC, shape, (0, 0)), gGate)
+            _tma_store(atom_gu, cute.local_tile(sC, shape, (0, 1)), gUp)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def help_h(self, sC: cute.Tensor, hw: Int32, lane: Int32, row0: Int32, rows: Int32, n_tile: Int32,
+               mH: cute.Tensor, limit: Float32):
+        """Helper warp ``hw`` (0 .. HELPER_WARPS-1), between the hand-off barriers: h of the staged
+        tile's rows ``hw, hw + HELPER_WARPS, ..`` below ``rows`` (lane: ``_H_VEC`` columns), from the
+        bf16 gate and up halves in ``sC``, stored to ``mH`` (the same arithmetic as :meth:`store`)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16,
+                                   num_bits_per_copy=16 * _H_VEC)
+        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((1, 32)), cute.make_layout((1, _H_VEC)))
+        thr = copy.get_slice(lane)
+        row = (1, self.half)
+        g_h = cute.domain_offset((row0, 0), mH)
+        inside = True
+        if cutlass.const_expr(self.n_tail):
+            inside = n_tile * self.half + lane * _H_VEC < mH.shape[1]
+        for r in cutlass.range(hw, rows, HELPER_WARPS, unroll=1):
+            sg = thr.partition_S(cute.local_tile(sC, row, (r, 0)))
+            su = thr.partition_S(cute.local_tile(sC, row, (r, 1)))
+            rg = cute.make_rmem_tensor_like(sg)
+            ru = cute.make_rmem_tensor_like(su)
+            cute.copy(copy, sg, rg)
+            cute.copy(copy, su, ru)
+            rh = self._h(rg, ru, limit)
+            if inside:
+                cute.copy(copy, rh, thr.partition_D(cute.local_tile(g_h, row, (r, n_tile))))
+
 
 @cute.jit
 def _mx_rows_rt(r: cute.Tensor) -> cute.Tensor:
@@ -579,7 +630,7 @@ class GroupedGemmSm90:
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
-                 split_b: bool = False, mx_h: bool = False, n_tail: bool = False):
+                 split_b: bool = False, mx_h: bool = False, n_tail: bool = False, helpers: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if mx_h and epilogue != "swiglu":
@@ -598,6 +649,10 @@ class GroupedGemmSm90:
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
         self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
+        if helpers and not (self.tma_store and self.stack_n and not mx_h):
+            raise ValueError("helpers (h by the producer warpgroup's warps) needs the swiglu epilogue with "
+                             "cfg.tma_store and without mx_h")
+        self.helpers = helpers
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
     @cute.jit
@@ -655,6 +710,17 @@ class GroupedGemmSm90:
                 self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
                                               atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
                                               coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
+            elif cutlass.const_expr(self.helpers):  # warps 1-3: every tile's h (the MMA warps' FREE waits
+                # match one arrive before the first tile and one after each tile but the last)
+                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
+                while expert < num_experts:
+                    _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
+                    cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=HANDOFF_THREADS)
+                    self.epi.help_h(sC, warp - 1, tidx % 32, row0, rows, n_tile, mOut1, limit)
+                    linear = linear + grid
+                    expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
+                    if expert < num_experts:
+                        cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG
@@ -665,7 +731,10 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
-                if cutlass.const_expr(self.tma_store and self.stack_n):
+                if cutlass.const_expr(self.helpers):
+                    g_gate, g_up, _ = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
+                    self.epi.stage_for_helpers(thr_mma, acc, sC, tid, atom_c, g_gate, g_up)
+                elif cutlass.const_expr(self.tma_store and self.stack_n):
                     g_gate, g_up, g_h = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
                                      row0, rows, n_tile, mHq, mHs)
@@ -687,12 +756,13 @@ class GroupedGemmSm90:
 # ---------------------------------------------------------------- compile
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
                          b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, n_tail: bool = False,
-                         arch: str = "sm_90a", inspect: bool = False):
+                         helpers: bool = False, arch: str = "sm_90a", inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E (``n_tail``: N not a multiple of
-    the tile, see :class:`GroupedGemmSm90`); returns ``(compiled, report)``."""
+    the tile; ``helpers``: SwiGLU's h by helper warps; see :class:`GroupedGemmSm90`); returns
+    ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
@@ -738,6 +808,25 @@ def set_tma_store(on: bool) -> bool:
     global _tma_store_all
     prev, _tma_store_all = _tma_store_all, bool(on)
     return prev
+
+
+# SwiGLU's h by the producer warpgroup's idle warps (``GroupedGemmSm90(helpers=True)``) in every BF16
+# GEMM1 + SwiGLU launch with TMA stores and K >= HELPERS_MIN_K; initial value from ``MOK_CUTE_SWIGLU_HELPERS``
+# (default 1)
+_swiglu_helpers = os.environ.get("MOK_CUTE_SWIGLU_HELPERS", "1") == "1"
+
+
+def set_swiglu_helpers(on: bool) -> bool:
+    """Turn SwiGLU's helper warps on or off for later launches; returns the previous setting."""
+    global _swiglu_helpers
+    prev, _swiglu_helpers = _swiglu_helpers, bool(on)
+    return prev
+
+
+def swiglu_helpers(epilogue: str, cfg: MainloopConfig, mx_h: bool, k: int) -> bool:
+    """Whether a launch of ``epilogue`` with ``cfg`` (after :func:`effective_config`), ``mx_h`` and reduction
+    depth ``k`` runs the helper-warp variant (see :func:`set_swiglu_helpers`)."""
+    return _swiglu_helpers and epilogue == "swiglu" and cfg.tma_store and not mx_h and k >= HELPERS_MIN_K
 
 
 def effective_config(cfg: MainloopConfig) -> MainloopConfig:
@@ -787,10 +876,12 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     mx_h = hq is not None
     n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
+    helpers = swiglu_helpers(epilogue, cfg, mx_h, a.shape[1])
     launcher = compile_cached(
-        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, cfg.key()),
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
-                                                   split_b=split_b, mx_h=mx_h, n_tail=n_tail, arch=arch)[0]))
+                                                   split_b=split_b, mx_h=mx_h, n_tail=n_tail, helpers=helpers,
+                                                   arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
