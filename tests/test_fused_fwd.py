@@ -282,7 +282,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     from conftest import FakeLauncher, FakeWorkspace
 
     fake, keys = FakeLauncher(), []
-    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_TMA_STORE"):
+    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_TMA_STORE", "MOK_CUTE_FUSED_HELPERS"):
         monkeypatch.delenv(var, raising=False)
     if direct:
         monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
@@ -310,9 +310,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
                            num_ctas=66 if ep else None, ring_chunks=5)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., mx, ep, sum batch, gate, n_tail, gather, tma_store): MXFP8 and EP > 1 gather through registers
-    assert keys[0][-7:-5] == (mx, ep) and keys[0][-4:] == (False, False, "regs" if ep else "direct" if direct else "bg",
-                                                          False)
+    # (..., mx, ep, sum batch, gate, n_tail, gather, tma_store, helpers): MXFP8 and EP > 1 gather through registers;
+    # no helpers below H = HELPERS_MIN_K
+    assert keys[0][-8:-6] == (mx, ep) and keys[0][-5:] == (False, False, "regs" if ep else "direct" if direct else "bg",
+                                                          False, False)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -606,6 +607,36 @@ def test_tma_store_variant(clamp, shared, n_tail):
     for other in (dict(mx=True), dict(ep=True)):
         with pytest.raises(ValueError, match="tma_store"):
             fused_moe.compile_fused_forward(clamp, shared, tma_store=True, **other)
+
+
+@pytest.mark.parametrize("gather,shared,n_tail", [("bg", True, False), ("regs", False, True)])
+def test_helpers_variant(gather, shared, n_tail):
+    """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
+    gather warp with bg, three otherwise): the consumers hand a staged tile over (STAGED, FREE named barriers
+    over the consumers and the helpers), the helpers meet on their own barrier and publish; 0 spills; refused
+    with MXFP8, EP > 1, TMA stores or the direct gather. The rule picks it for BF16 at EP = 1 from H 2048."""
+    from mok_cute.kernels.sm90 import fused_moe
+    from mok_cute.kernels.sm90.grouped_gemm import FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, helper_threads
+
+    op = fused_moe.FusedMoeFwdSm90(False, shared, gather=gather, helpers=True)
+    warps = 2 if gather == "bg" else 3
+    assert (op.helper_warps, op.bg_warps) == (warps, 1 if gather == "bg" else fused_moe.BG_WARPS)
+    rep = fused_moe.compile_fused_forward(False, shared, n_tail=n_tail, gather=gather, helpers=True, inspect=True)[1]
+    n = helper_threads(warps)
+    assert f"bar.sync \t{STAGED_BARRIER}, {n}" in rep.ptx and f"bar.sync \t{FREE_BARRIER}, {n}" in rep.ptx
+    assert f"bar.arrive {FREE_BARRIER}, {n}" in rep.ptx
+    assert f"bar.sync \t{fused_moe.HELPERS_BARRIER}, {32 * warps}" in rep.ptx
+    if gather == "bg":
+        assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx
+    assert rep.total_spill_bytes == 0
+    for other in (dict(mx=True), dict(ep=True), dict(gather="direct"), dict(tma_store=True)):
+        with pytest.raises(ValueError, match="helpers"):
+            fused_moe.FusedMoeFwdSm90(False, shared, helpers=True, **other)
+    assert fused_moe.fused_helpers(False, False, "bg", False, HELPERS_MIN_K)
+    for args in ((True, False, "bg", False), (False, True, "regs", False), (False, False, "direct", False),
+                 (False, False, "bg", True)):
+        assert not fused_moe.fused_helpers(*args, HELPERS_MIN_K)
+    assert not fused_moe.fused_helpers(False, False, "bg", False, HELPERS_MIN_K - 64)
 
 
 def test_grouped_slot_rows_inverse_order():

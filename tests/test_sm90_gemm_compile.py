@@ -348,7 +348,7 @@ def test_swiglu_helpers_hand_off(name):
     longer compute h (fewer IEEE divisions in the PTX than the variant without helpers)."""
     from mok_cute.kernels.sm90 import grouped_gemm as gg
     rep = _compiled(name)
-    n = gg.HANDOFF_THREADS
+    n = gg.helper_threads(gg.HELPER_WARPS)
     assert rep.has(f"bar.sync \t{gg.FREE_BARRIER}, {n}") and rep.has(f"bar.sync \t{gg.STAGED_BARRIER}, {n}")
     assert rep.has(f"bar.arrive {gg.FREE_BARRIER}, {n}")
     assert rep.has("st.global.v2.b32")

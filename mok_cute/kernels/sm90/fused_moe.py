@@ -76,8 +76,8 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, PlainEpilogue, SwigluEpilogue, _ragged_gu, _ragged_rows, make_tma_store, rows_tma_tile, swiglu_tma_tiles,
-    tma_store_complete, tma_store_tile,
+    _VEC, FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, _ragged_gu, _ragged_rows,
+    helper_threads, make_tma_store, rows_tma_tile, swiglu_tma_tiles, tma_store_complete, tma_store_tile,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -102,6 +102,7 @@ KINDS = ("S1", "R1", "S2", "R2", "gather", "wait GEMM2", "slot sum")
 GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is the TMA producer)
 BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
+HELPERS_BARRIER = 9  # the SwiGLU helper warps' own (7, 8: their hand-off with the consumers)
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
 BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
 GATHER_MODES = ("bg", "staged", "regs", "direct")
@@ -120,9 +121,13 @@ class FusedMoeFwdSm90:
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), tma_store: bool = False):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), tma_store: bool = False,
+                 helpers: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
+        if helpers and (mx or ep or tma_store or gather == "direct"):
+            raise ValueError("helpers (SwiGLU's h by the producer warpgroup's warps): BF16 at EP = 1, without "
+                             "tma_store and the direct gather")
         if tma_store and (mx or ep):  # MXFP8: the SwiGLU epilogue's h round trip stores through registers;
             raise ValueError("tma_store: BF16 at EP = 1 only")  # EP > 1: R2 pushes its rows into the peers
         self.tma_store = tma_store
@@ -142,8 +147,14 @@ class FusedMoeFwdSm90:
         if self.direct and ep:
             raise ValueError("gather 'direct' reads x's token rows: EP = 1 only")
         self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
-        # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
-        self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
+        # helpers: the S1 / R1 tiles' h computed, stored and published by the producer warpgroup's last warps
+        # (beside one background gather warp with bg) while the consumers go on to the next tile
+        self.helpers = helpers
+        self.bg_warps = 1 if helpers and self.bg else BG_WARPS
+        self.helper_warps = (3 - self.bg_warps if self.bg else 3) if helpers else 0
+        # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task
+        # too; helpers: the helper warps)
+        self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 32 * self.helper_warps)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -292,8 +303,12 @@ class FusedMoeFwdSm90:
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
                               mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
+            if cutlass.const_expr(self.helpers):
+                if warp > 3 - self.helper_warps:
+                    self._help(warp - (4 - self.helper_warps), tidx % 32, sTask, sC, n_tasks, n_s1, n_r1, n_s2, m_sh,
+                               n1, n2, band, mOffsets, num_experts, tokens, mH, mHs, mDone, mHready, mShready, limit)
             if cutlass.const_expr(self.bg):
-                if warp > 0:
+                if warp > 0 and warp <= self.bg_warps:
                     self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
                                     num_experts, k, mGather, mHready, timeout_ns, status)
             if cutlass.const_expr(self.direct):
@@ -395,14 +410,14 @@ class FusedMoeFwdSm90:
         for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
             c = first + q // PIECES  # >= ring: the chunk's slot was used before
             row0, rows, ge, gb = tasks.chunk_start(t, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
-                                                   timeout_ns, status, Int32(RING), BG_BARRIER, BG_WARPS * 32)
+                                                   timeout_ns, status, Int32(RING), BG_BARRIER, self.bg_warps * 32)
             p0 = q % PIECES * PIECE_ROWS
-            for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), BG_WARPS, unroll=1):
+            for rr in cutlass.range(p0 + warp, cutlass.min(rows, p0 + PIECE_ROWS), self.bg_warps, unroll=1):
                 src = base + Int64(mOrder[row0 + rr] // k) * Int64(rb)
                 self._move_row(lane, src, dbase + Int64(c % ring * CHUNK + rr) * Int64(hid * 2), hid,
                                BG_MX_UNROLL if self.mx else BG_UNROLL)
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=BG_WARPS * 32)
+            cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=self.bg_warps * 32)
             if t == 0:
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
 
@@ -611,6 +626,39 @@ class FusedMoeFwdSm90:
             t = persistent.take(sTask, i, self.handoff)
 
     @cute.jit
+    def _help(self, hw: Int32, lane: Int32, sTask: cute.Tensor, sC: cute.Tensor, n_tasks: Int32, n_s1: Int32,
+              n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, band: Int32, mOffsets: cute.Tensor,
+              num_experts: Int32, tokens: Int32, mH: cute.Tensor, mHs: cute.Tensor, mDone: cute.Tensor,
+              mHready: cute.Tensor, mShready: cute.Tensor, limit: Float32):
+        """Helper warp ``hw`` (``helpers``): take every task warp 0 hands off; of an S1 / R1 tile, once the
+        consumers have staged it (``STAGED_BARRIER``), compute and store its h rows (``SwigluEpilogue.help_h``),
+        then the helpers meet, one fences and publishes the tile, and all arrive on ``FREE_BARRIER`` (the
+        consumers wait there before they stage their next tile)."""
+        threads = helper_threads(self.helper_warps)
+        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
+        i = Int32(0)
+        t = persistent.take(sTask, i, self.handoff)
+        while t < n_tasks:
+            i += 1
+            phase, _, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
+                b2)
+            if (phase == R1) | (phase == S1):
+                cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
+                if phase == R1:
+                    self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mH, limit, self.helper_warps)
+                else:
+                    if cutlass.const_expr(self.shared):
+                        self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mHs, limit, self.helper_warps)
+                cute.arch.barrier(barrier_id=HELPERS_BARRIER, number_of_threads=32 * self.helper_warps)
+                if hw == 0:
+                    if lane == 0:
+                        P.fence_stores(False)
+                        tasks.publish(phase, mt, mDone, mHready, mShready)
+                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=threads)
+            t = persistent.take(sTask, i, self.handoff)
+
+    @cute.jit
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
                  n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32,
                  k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
@@ -624,6 +672,7 @@ class FusedMoeFwdSm90:
         state = self.mainloop.consumer_state()
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
+        staged = Int32(0)  # helpers: an S1 / R1 tile is staged in sC and its h not yet read by the helpers
         i = Int32(0)
         t = persistent.take(sTask, i, self.handoff)
         while t < n_tasks:
@@ -643,48 +692,108 @@ class FusedMoeFwdSm90:
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
+            # the tile's stores are published by one thread (:meth:`_publish`): TMA stores once the store warp has
+            # seen them written, 16-byte stores after the consumers' barrier; the helpers publish S1 / R1 tiles
             if cutlass.const_expr(self.tma_store):  # every tile through TMA stores
                 self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
-            else:
-                acc_to_smem(thr_mma, acc, sC)
-                consumer_barrier()
-                et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
-                if phase == R1:
-                    self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
-                elif phase == R2:
-                    if cutlass.const_expr(self.ep):
-                        if freed == 0:
-                            if tid == 0:
-                                ep.wait_free()
-                            consumer_barrier()
-                            freed = Int32(1)
-                    route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
-                                       routes)
-                else:
-                    if cutlass.const_expr(self.shared):
-                        if phase == S1:
-                            self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
-                        else:
-                            self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
-            if tid == 0:
-                self._mark(mTrace, bidx, 1, 3, t)
-            # the tile's stores are published by one thread: TMA stores once the store warp has seen them
-            # written; 16-byte stores after the consumers' barrier, by thread 0's fence (EP > 1: system scope,
-            # some rows went to peers), cumulative over every consumer's stores ordered before it by the
-            # barrier, so only thread 0 waits for them (the other warps go on to the next tile)
-            if cutlass.const_expr(self.tma_store):
+                if tid == 0:
+                    self._mark(mTrace, bidx, 1, 3, t)
                 tma_store_complete(tid)
+                self._publish(tid, phase, mt, mDone, mHready, mShready)
+            elif cutlass.const_expr(self.helpers):
+                if (phase == R1) | (phase == S1):  # the helpers make h and publish the tile
+                    staged = self._stage_swiglu(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), staged,
+                                                mGU, mH, mGUs, mHs)
+                else:
+                    staged = self._wait_helpers(staged)
+                    freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH,
+                                               mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes)
+                    if tid == 0:
+                        self._mark(mTrace, bidx, 1, 3, t)
+                    consumer_barrier()
+                    self._publish(tid, phase, mt, mDone, mHready, mShready)
             else:
+                freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH, mGUs,
+                                           mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes)
+                if tid == 0:
+                    self._mark(mTrace, bidx, 1, 3, t)
                 consumer_barrier()
+                self._publish(tid, phase, mt, mDone, mHready, mShready)
             if tid == 0:
-                P.fence_stores(self.ep)
-                tasks.publish(phase, mt, mDone, mHready, mShready)
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
             t = persistent.take(sTask, i, self.handoff)
+        if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive
+            staged = self._wait_helpers(staged)
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
+
+    @cute.jit
+    def _store_staged(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
+                      sC: cute.Tensor, tid: Int32, limit: Float32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
+                      mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
+                      mOrder: cute.Tensor, ep, freed: Int32, routes):
+        """Consumers: the tile staged in ``sC`` and stored by its epilogue with 16-byte stores (R2: scattered to
+        its routes' slot rows; EP > 1: first waits once for every rank's FREE); returns ``freed``."""
+        acc_to_smem(thr_mma, acc, sC)
+        consumer_barrier()
+        et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
+        if phase == R1:
+            self.swiglu.store(sC, et, row0, rows, n_tile, mGU, mH, limit, mHrt=mHrt)
+        elif phase == R2:
+            if cutlass.const_expr(self.ep):
+                if freed == 0:
+                    if tid == 0:
+                        ep.wait_free()
+                    consumer_barrier()
+                    freed = Int32(1)
+            route_rows.scatter(sC, et, row0, rows, n_tile, mSlot, mOrder, self.cfg.tile_n, ep, self.n_tail,
+                               routes)
+        else:
+            if cutlass.const_expr(self.shared):
+                if phase == S1:
+                    self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
+                else:
+                    self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+        return freed
+
+    @cute.jit
+    def _publish(self, tid: Int32, phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor,
+                 mShready: cute.Tensor):
+        """Consumers, after the tile's stores are complete (16-byte stores: past the consumers' barrier; TMA
+        stores: the store warp saw them written): thread 0 alone fences (EP > 1: system scope, some rows went to
+        peers), cumulative over every consumer's stores the barrier ordered before it, and publishes the tile;
+        the other warps go on to the next tile."""
+        if tid == 0:
+            P.fence_stores(self.ep)
+            tasks.publish(phase, mt, mDone, mHready, mShready)
+
+    @cute.jit
+    def _wait_helpers(self, staged: Int32):
+        """Consumers (``helpers``), before they write ``sC``: if an S1 / R1 tile is staged there, wait until the
+        helpers have read it (``FREE_BARRIER``, which also meets every consumer); returns 0 (nothing staged)."""
+        if staged != 0:
+            cute.arch.barrier(barrier_id=FREE_BARRIER, number_of_threads=helper_threads(self.helper_warps))
+        return Int32(0)
+
+    @cute.jit
+    def _stage_swiglu(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
+                      sC: cute.Tensor, et: Int32, staged: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
+                      mHs: cute.Tensor):
+        """Consumers (``helpers``), an S1 / R1 tile: stage it once ``sC`` is free, hand it to the helpers
+        (``STAGED_BARRIER``) and store its gu rows from ``sC``; returns 1 (staged: the helpers read it)."""
+        self._wait_helpers(staged)
+        acc_to_smem(thr_mma, acc, sC)
+        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=helper_threads(self.helper_warps))
+        if phase == R1:
+            cols = mH.shape[1] - n_tile * self.swiglu.half if self.n_tail else None
+            self.swiglu.store_gu(sC, et, row0, rows, n_tile, mGU, cols)
+        else:
+            if cutlass.const_expr(self.shared):
+                cols = mHs.shape[1] - n_tile * self.swiglu.half if self.n_tail else None
+                self.swiglu.store_gu(sC, et, row0, rows, n_tile, mGUs, cols)
+        return Int32(1)
 
     @cute.jit
     def _store_tile(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
@@ -732,16 +841,17 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False, tma_store: bool = False):
+                          inspect: bool = False, tma_store: bool = False, helpers: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
-    from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``: see
+    from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``, ``helpers``: see
     :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, tma_store=tma_store)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, tma_store=tma_store,
+                         helpers=helpers)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -816,6 +926,14 @@ def fused_tma_store(mx: bool = False, ep: bool = False) -> bool:
     ``tma_store``: every tile leaves through TMA stores): ``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call), BF16
     at EP = 1 only. Off until measured."""
     return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1" and not mx and not ep
+
+
+def fused_helpers(mx: bool, ep: bool, gather: str, tma_store: bool, hidden: int) -> bool:
+    """Whether a forward runs :class:`FusedMoeFwdSm90`'s ``helpers`` variant (S1 / R1 tiles' h by the producer
+    warpgroup's warps): ``MOK_CUTE_FUSED_HELPERS`` (default 1, read at every call), BF16 at EP = 1 without the
+    direct gather or TMA stores, and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
+    on = os.environ.get("MOK_CUTE_FUSED_HELPERS", "1") == "1"
+    return on and not mx and not ep and gather != "direct" and not tma_store and hidden >= HELPERS_MIN_K
 
 
 def slots_by_route(precision: str) -> bool:
@@ -953,11 +1071,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     tma = fused_tma_store(mx, ws is not None)
     # the GEMM2 rows are then stored by grouped row; the slot sum reads them through the inverse route order
     inv = route_rows.grouped_rows(order, t * k) if tma else None
+    helpers = fused_helpers(mx, ws is not None, gather, tma, hid)
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather, tma)
+               gate is not None, n_tail, gather, tma, helpers)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, tma_store=tma)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, tma_store=tma, helpers=helpers)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it

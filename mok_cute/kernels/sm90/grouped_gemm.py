@@ -74,10 +74,15 @@ _BF16_OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross 
 # SwiGLU's helper warps (``GroupedGemmSm90(helpers=True)``): the producer warpgroup's warps 1-3 compute
 # and store h from the staged gate / up tile while the MMA warps go on to the next tile's mainloop
 HELPER_WARPS = 3
-STAGED_BARRIER, FREE_BARRIER = 2, 3  # named barriers of the hand-off (1: the consumers' own)
-HANDOFF_THREADS = NUM_CONSUMER_THREADS + 32 * HELPER_WARPS
+# named barriers of the hand-off (1: the consumers' own; 2-6: the fused forward's task hand-off and gather)
+STAGED_BARRIER, FREE_BARRIER = 7, 8
 _H_VEC = 4  # h elements per helper lane and row: 32 lanes x 4 = a 128-column half tile
 HELPERS_MIN_K = 2048  # below it a tile's mainloop is shorter than the helpers' h (measured: K 1024 slower)
+
+
+def helper_threads(warps: int) -> int:
+    """Threads of the hand-off barriers: the MMA warps and ``warps`` helper warps."""
+    return NUM_CONSUMER_THREADS + 32 * warps
 
 
 def _row_copy(width: int):
@@ -346,13 +351,8 @@ class SwigluEpilogue(_StagedEpilogue):
               mHrt: cute.Tensor = None):
         copy = _row_copy(self.half)
         shape = (self.tile_m, self.half)
-        rg, coords = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 0)))
-        ru, _ = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 1)))
-        gate_rows = cute.domain_offset((row0, 0), mGU[(None, 0, None)])
-        up_rows = cute.domain_offset((row0, 0), mGU[(None, 1, None)])
         cols = mH.shape[1] - n_tile * self.half if self.n_tail else None  # the tile's columns inside I
-        _store_rows(copy, tid, rg, coords, cute.local_tile(gate_rows, shape, (0, n_tile)), rows, cols)
-        _store_rows(copy, tid, ru, coords, cute.local_tile(up_rows, shape, (0, n_tile)), rows, cols)
+        rg, ru, coords = self.store_gu(sC, tid, row0, rows, n_tile, mGU, cols)
         rh = self._h(rg, ru, limit)
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
         _store_rows(copy, tid, rh, coords, h_tile, rows, cols)
@@ -361,6 +361,21 @@ class SwigluEpilogue(_StagedEpilogue):
         if cutlass.const_expr(self.mx_rt):
             rt_tile = cute.local_tile(cute.domain_offset((row0, 0), mHrt), shape, (0, n_tile))
             _store_rows(copy, tid, _mx_rows_rt(rh), coords, rt_tile, rows, cols)
+
+    @cute.jit
+    def store_gu(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
+                 cols: Int32 = None):
+        """The staged gate and up halves to gu's rows ``< rows`` (``cols``: the tile's columns inside I, None: all);
+        returns this thread's ``(gate, up)`` register vectors and their coordinates."""
+        copy = _row_copy(self.half)
+        shape = (self.tile_m, self.half)
+        rg, coords = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 0)))
+        ru, _ = _load_rows(copy, tid, cute.local_tile(sC, shape, (0, 1)))
+        gate_rows = cute.domain_offset((row0, 0), mGU[(None, 0, None)])
+        up_rows = cute.domain_offset((row0, 0), mGU[(None, 1, None)])
+        _store_rows(copy, tid, rg, coords, cute.local_tile(gate_rows, shape, (0, n_tile)), rows, cols)
+        _store_rows(copy, tid, ru, coords, cute.local_tile(up_rows, shape, (0, n_tile)), rows, cols)
+        return rg, ru, coords
 
     @cute.jit
     def _store_mx(self, rh: cute.Tensor, coords: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32,
@@ -436,12 +451,13 @@ class SwigluEpilogue(_StagedEpilogue):
         """MMA warps, with helper warps (:meth:`help_h`): once the previous tile's gu stores and the
         helpers have read ``sC`` (``FREE_BARRIER``), stage this tile's gate and up halves, meet the
         helpers (``STAGED_BARRIER``) and store gu by two TMA stores; h is the helpers' work."""
+        threads = helper_threads(HELPER_WARPS)
         if _store_warp(tid):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
+        cute.arch.barrier(barrier_id=FREE_BARRIER, number_of_threads=threads)
         acc_to_smem(thr_mma, acc, sC)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=HANDOFF_THREADS)
+        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
         if _store_warp(tid):
             shape = (self.tile_m, self.half)
             _tma_store(atom_gu, cute.local_tile(sC, shape, (0, 0)), gGate)
@@ -450,10 +466,10 @@ class SwigluEpilogue(_StagedEpilogue):
 
     @cute.jit
     def help_h(self, sC: cute.Tensor, hw: Int32, lane: Int32, row0: Int32, rows: Int32, n_tile: Int32,
-               mH: cute.Tensor, limit: Float32):
-        """Helper warp ``hw`` (0 .. HELPER_WARPS-1), between the hand-off barriers: h of the staged
-        tile's rows ``hw, hw + HELPER_WARPS, ..`` below ``rows`` (lane: ``_H_VEC`` columns), from the
-        bf16 gate and up halves in ``sC``, stored to ``mH`` (the same arithmetic as :meth:`store`)."""
+               mH: cute.Tensor, limit: Float32, warps: cutlass.Constexpr[int] = HELPER_WARPS):
+        """Helper warp ``hw`` (0 .. ``warps`` - 1), between the hand-off barriers: h of the staged
+        tile's rows ``hw, hw + warps, ..`` below ``rows`` (lane: ``_H_VEC`` columns), from the bf16
+        gate and up halves in ``sC``, stored to ``mH`` (the same arithmetic as :meth:`store`)."""
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16,
                                    num_bits_per_copy=16 * _H_VEC)
         copy = cute.make_tiled_copy_tv(atom, cute.make_layout((1, 32)), cute.make_layout((1, _H_VEC)))
@@ -463,7 +479,7 @@ class SwigluEpilogue(_StagedEpilogue):
         inside = True
         if cutlass.const_expr(self.n_tail):
             inside = n_tile * self.half + lane * _H_VEC < mH.shape[1]
-        for r in cutlass.range(hw, rows, HELPER_WARPS, unroll=1):
+        for r in cutlass.range(hw, rows, warps, unroll=1):
             sg = thr.partition_S(cute.local_tile(sC, row, (r, 0)))
             su = thr.partition_S(cute.local_tile(sC, row, (r, 1)))
             rg = cute.make_rmem_tensor_like(sg)
@@ -712,15 +728,16 @@ class GroupedGemmSm90:
                                               coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
             elif cutlass.const_expr(self.helpers):  # warps 1-3: every tile's h (the MMA warps' FREE waits
                 # match one arrive before the first tile and one after each tile but the last)
-                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
+                threads = helper_threads(HELPER_WARPS)
+                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=threads)
                 while expert < num_experts:
                     _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
-                    cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=HANDOFF_THREADS)
+                    cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
                     self.epi.help_h(sC, warp - 1, tidx % 32, row0, rows, n_tile, mOut1, limit)
                     linear = linear + grid
                     expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
                     if expert < num_experts:
-                        cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=HANDOFF_THREADS)
+                        cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=threads)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tid = tidx - THREADS_PER_WG
