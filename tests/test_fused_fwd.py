@@ -612,8 +612,9 @@ def test_tma_store_variant(clamp, shared, n_tail):
 @pytest.mark.parametrize("gather,shared,n_tail", [("bg", True, False), ("regs", False, True)])
 def test_helpers_variant(gather, shared, n_tail):
     """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
-    gather warp with bg, three otherwise): the consumers hand a staged tile over (STAGED, FREE named barriers
-    over the consumers and the helpers), the helpers meet on their own barrier and publish; 0 spills; refused
+    gather warp with bg, three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,
+    FREE named barriers over the consumers and the helpers; the helpers never take the producer's hand-offs),
+    the helpers meet on their own barrier and publish; 0 spills; refused
     with MXFP8, EP > 1, TMA stores or the direct gather. The rule picks it for BF16 at EP = 1 from H 2048."""
     from mok_cute.kernels.sm90 import fused_moe
     from mok_cute.kernels.sm90.grouped_gemm import FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, helper_threads
@@ -623,8 +624,9 @@ def test_helpers_variant(gather, shared, n_tail):
     assert (op.helper_warps, op.bg_warps) == (warps, 1 if gather == "bg" else fused_moe.BG_WARPS)
     rep = fused_moe.compile_fused_forward(False, shared, n_tail=n_tail, gather=gather, helpers=True, inspect=True)[1]
     n = helper_threads(warps)
+    # the consumers arrive on STAGED and wait on FREE, the helpers the other way round
     assert f"bar.sync \t{STAGED_BARRIER}, {n}" in rep.ptx and f"bar.sync \t{FREE_BARRIER}, {n}" in rep.ptx
-    assert f"bar.arrive {FREE_BARRIER}, {n}" in rep.ptx
+    assert f"bar.arrive {FREE_BARRIER}, {n}" in rep.ptx and f"bar.arrive {STAGED_BARRIER}, {n}" in rep.ptx
     assert f"bar.sync \t{fused_moe.HELPERS_BARRIER}, {32 * warps}" in rep.ptx
     if gather == "bg":
         assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx

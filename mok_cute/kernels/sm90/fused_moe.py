@@ -103,6 +103,7 @@ GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is the TMA producer)
 BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
 HELPERS_BARRIER = 9  # the SwiGLU helper warps' own (7, 8: their hand-off with the consumers)
+HELP_WORDS = 5  # the staged S1 / R1 tile the consumers hand to the helpers: phase (-1: stop), n_tile, row0, rows, mt
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
 BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
 GATHER_MODES = ("bg", "staged", "regs", "direct")
@@ -152,9 +153,8 @@ class FusedMoeFwdSm90:
         self.helpers = helpers
         self.bg_warps = 1 if helpers and self.bg else BG_WARPS
         self.helper_warps = (3 - self.bg_warps if self.bg else 3) if helpers else 0
-        # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task
-        # too; helpers: the helper warps)
-        self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 32 * self.helper_warps)
+        # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
+        self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -201,7 +201,8 @@ class FusedMoeFwdSm90:
                                 *make_tma_store(_ragged_rows(mHs), tm, half),
                                 *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
             stores[10:] = make_tma_store(_ragged_rows(mSlot), tm, 2 * half)
-        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2)
+        # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
+        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2 + HELP_WORDS)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
@@ -247,6 +248,7 @@ class FusedMoeFwdSm90:
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
         sTask = storage.extra.get_tensor(cute.make_layout(2))  # task hand-off: producer -> consumers
+        sHelp = cute.make_tensor(storage.extra.data_ptr() + 2, cute.make_layout(HELP_WORDS))  # consumers -> helpers
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         status = mStatus.iterator
@@ -305,8 +307,8 @@ class FusedMoeFwdSm90:
                               mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
             if cutlass.const_expr(self.helpers):
                 if warp > 3 - self.helper_warps:
-                    self._help(warp - (4 - self.helper_warps), tidx % 32, sTask, sC, n_tasks, n_s1, n_r1, n_s2, m_sh,
-                               n1, n2, band, mOffsets, num_experts, tokens, mH, mHs, mDone, mHready, mShready, limit)
+                    self._help(warp - (4 - self.helper_warps), tidx % 32, sHelp, sC, mH, mHs, mDone, mHready,
+                               mShready, limit)
             if cutlass.const_expr(self.bg):
                 if warp > 0 and warp <= self.bg_warps:
                     self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
@@ -320,7 +322,7 @@ class FusedMoeFwdSm90:
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0], ep, stores)
+                          mGather.shape[0], ep, stores, sHelp)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -626,37 +628,30 @@ class FusedMoeFwdSm90:
             t = persistent.take(sTask, i, self.handoff)
 
     @cute.jit
-    def _help(self, hw: Int32, lane: Int32, sTask: cute.Tensor, sC: cute.Tensor, n_tasks: Int32, n_s1: Int32,
-              n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, band: Int32, mOffsets: cute.Tensor,
-              num_experts: Int32, tokens: Int32, mH: cute.Tensor, mHs: cute.Tensor, mDone: cute.Tensor,
-              mHready: cute.Tensor, mShready: cute.Tensor, limit: Float32):
-        """Helper warp ``hw`` (``helpers``): take every task warp 0 hands off; of an S1 / R1 tile, once the
-        consumers have staged it (``STAGED_BARRIER``), compute and store its h rows (``SwigluEpilogue.help_h``),
-        then the helpers meet, one fences and publishes the tile, and all arrive on ``FREE_BARRIER`` (the
-        consumers wait there before they stage their next tile)."""
+    def _help(self, hw: Int32, lane: Int32, sHelp: cute.Tensor, sC: cute.Tensor, mH: cute.Tensor, mHs: cute.Tensor,
+              mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, limit: Float32):
+        """Helper warp ``hw`` (``helpers``): for each S1 / R1 tile the consumers stage (``STAGED_BARRIER``; the tile
+        in ``sHelp``, phase -1: no more), compute and store its h rows (``SwigluEpilogue.help_h``); then the helpers
+        meet, one fences and publishes the tile, and all arrive on ``FREE_BARRIER`` (the consumers wait there
+        before they write ``sC`` again). The helpers never wait for the producer's hand-off."""
         threads = helper_threads(self.helper_warps)
-        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        i = Int32(0)
-        t = persistent.take(sTask, i, self.handoff)
-        while t < n_tasks:
-            i += 1
-            phase, _, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2)
-            if (phase == R1) | (phase == S1):
-                cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
-                if phase == R1:
-                    self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mH, limit, self.helper_warps)
-                else:
-                    if cutlass.const_expr(self.shared):
-                        self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mHs, limit, self.helper_warps)
-                cute.arch.barrier(barrier_id=HELPERS_BARRIER, number_of_threads=32 * self.helper_warps)
-                if hw == 0:
-                    if lane == 0:
-                        P.fence_stores(False)
-                        tasks.publish(phase, mt, mDone, mHready, mShready)
-                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=threads)
-            t = persistent.take(sTask, i, self.handoff)
+        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
+        phase = sHelp[0]
+        while phase >= 0:
+            n_tile, row0, rows, mt = sHelp[1], sHelp[2], sHelp[3], sHelp[4]
+            if phase == R1:
+                self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mH, limit, self.helper_warps)
+            else:
+                if cutlass.const_expr(self.shared):
+                    self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mHs, limit, self.helper_warps)
+            cute.arch.barrier(barrier_id=HELPERS_BARRIER, number_of_threads=32 * self.helper_warps)
+            if hw == 0:
+                if lane == 0:
+                    P.fence_stores(False)
+                    tasks.publish(phase, mt, mDone, mHready, mShready)
+            cute.arch.barrier_arrive(barrier_id=FREE_BARRIER, number_of_threads=threads)
+            cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
+            phase = sHelp[0]
 
     @cute.jit
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
@@ -664,7 +659,7 @@ class FusedMoeFwdSm90:
                  k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, stores):
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, stores, sHelp: cute.Tensor):
         """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
         its slot buffer of the previous step (FREE >= epoch - 1)."""
@@ -702,8 +697,8 @@ class FusedMoeFwdSm90:
                 self._publish(tid, phase, mt, mDone, mHready, mShready)
             elif cutlass.const_expr(self.helpers):
                 if (phase == R1) | (phase == S1):  # the helpers make h and publish the tile
-                    staged = self._stage_swiglu(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), staged,
-                                                mGU, mH, mGUs, mHs)
+                    staged = self._stage_swiglu(phase, n_tile, row0, rows, mt, thr_mma, acc, sC, tid, staged,
+                                                mGU, mH, mGUs, mHs, sHelp)
                 else:
                     staged = self._wait_helpers(staged)
                     freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH,
@@ -724,8 +719,11 @@ class FusedMoeFwdSm90:
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
             t = persistent.take(sTask, i, self.handoff)
-        if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive
+        if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive, then their stop
             staged = self._wait_helpers(staged)
+            if tid == 0:
+                sHelp[0] = Int32(-1)
+            cute.arch.barrier_arrive(barrier_id=STAGED_BARRIER, number_of_threads=helper_threads(self.helper_warps))
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
 
@@ -778,14 +776,23 @@ class FusedMoeFwdSm90:
         return Int32(0)
 
     @cute.jit
-    def _stage_swiglu(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
-                      sC: cute.Tensor, et: Int32, staged: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
-                      mHs: cute.Tensor):
-        """Consumers (``helpers``), an S1 / R1 tile: stage it once ``sC`` is free, hand it to the helpers
-        (``STAGED_BARRIER``) and store its gu rows from ``sC``; returns 1 (staged: the helpers read it)."""
+    def _stage_swiglu(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, mt: Int32, thr_mma,
+                      acc: cute.Tensor, sC: cute.Tensor, tid: Int32, staged: Int32, mGU: cute.Tensor, mH: cute.Tensor,
+                      mGUs: cute.Tensor, mHs: cute.Tensor, sHelp: cute.Tensor):
+        """Consumers (``helpers``), an S1 / R1 tile: stage it once ``sC`` is free, hand it and its coordinates
+        (``sHelp``) to the helpers (an arrive on ``STAGED_BARRIER``: the consumers do not wait for them) and store
+        its gu rows from ``sC``; returns 1 (staged: the helpers read it)."""
         self._wait_helpers(staged)
         acc_to_smem(thr_mma, acc, sC)
-        cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=helper_threads(self.helper_warps))
+        if tid == 0:
+            sHelp[0] = phase
+            sHelp[1] = n_tile
+            sHelp[2] = row0
+            sHelp[3] = rows
+            sHelp[4] = mt
+        consumer_barrier()
+        cute.arch.barrier_arrive(barrier_id=STAGED_BARRIER, number_of_threads=helper_threads(self.helper_warps))
+        et = _opaque(tid)
         if phase == R1:
             cols = mH.shape[1] - n_tile * self.swiglu.half if self.n_tail else None
             self.swiglu.store_gu(sC, et, row0, rows, n_tile, mGU, cols)
