@@ -282,7 +282,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     from conftest import FakeLauncher, FakeWorkspace
 
     fake, keys = FakeLauncher(), []
-    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_TMA_STORE", "MOK_CUTE_FUSED_HELPERS"):
+    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_HELPERS"):
         monkeypatch.delenv(var, raising=False)
     if direct:
         monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
@@ -310,10 +310,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
                            num_ctas=66 if ep else None, ring_chunks=5)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., mx, ep, sum batch, gate, n_tail, gather, tma_store, helpers): MXFP8 and EP > 1 gather through registers;
+    # (..., mx, ep, sum batch, gate, n_tail, gather, helpers): MXFP8 and EP > 1 gather through registers;
     # no helpers below H = HELPERS_MIN_K
-    assert keys[0][-8:-6] == (mx, ep) and keys[0][-5:] == (False, False, "regs" if ep else "direct" if direct else "bg",
-                                                          False, False)
+    assert keys[0][-7:-5] == (mx, ep) and keys[0][-4:] == (False, False, "regs" if ep else "direct" if direct else "bg",
+                                                          False)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -587,35 +587,13 @@ def test_device_mtile_decode_matches_the_mirror(name):
             assert tuple(out[c].tolist()) == want[c], (c, want[c])
 
 
-@pytest.mark.parametrize("clamp,shared,n_tail", [(True, True, False), (False, False, True)])
-def test_tma_store_variant(clamp, shared, n_tail):
-    """``tma_store`` (``MOK_CUTE_FUSED_TMA_STORE=1``): every tile goes out through TMA stores (shared -> global
-    bulk tensor copies, beside the variant's TMA loads; R2's rows by grouped row), each published
-    only after its store warp waited for them to be written (``cp.async.bulk.wait_group 0``, not only ``.read``)
-    and a proxy fence; the same wgmma count; no spills. MXFP8 and EP > 1 (R2's pushes) are refused."""
-    from mok_cute.kernels.sm90 import fused_moe
-
-    rep = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, tma_store=True, inspect=True)[1]
-    plain = fused_moe.compile_fused_forward(clamp, shared, n_tail=n_tail, inspect=True)[1]
-    stores = lambda ptx: sum(line.count("cp.async.bulk.tensor") for line in ptx.splitlines()  # noqa: E731
-                             if ".global.shared::cta" in line)
-    assert stores(plain.ptx) == 0 and stores(rep.ptx) >= (6 if shared else 4)
-    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx) and "cp.async.bulk.wait_group.read" in rep.ptx
-    assert "fence.proxy.async.global" in rep.ptx
-    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
-    assert rep.total_spill_bytes == 0
-    for other in (dict(mx=True), dict(ep=True)):
-        with pytest.raises(ValueError, match="tma_store"):
-            fused_moe.compile_fused_forward(clamp, shared, tma_store=True, **other)
-
-
 @pytest.mark.parametrize("gather,shared,n_tail", [("bg", True, False), ("regs", False, True)])
 def test_helpers_variant(gather, shared, n_tail):
     """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
     gather warp with bg, three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,
     FREE named barriers over the consumers and the helpers; the helpers never take the producer's hand-offs),
     the helpers meet on their own barrier and publish; 0 spills; refused
-    with MXFP8, EP > 1, TMA stores or the direct gather. The rule picks it for BF16 at EP = 1 from H 2048."""
+    with MXFP8, EP > 1 or the direct gather. The rule picks it for BF16 at EP = 1 from H 2048."""
     from mok_cute.kernels.sm90 import fused_moe
     from mok_cute.kernels.sm90.grouped_gemm import FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, helper_threads
 
@@ -631,32 +609,10 @@ def test_helpers_variant(gather, shared, n_tail):
     if gather == "bg":
         assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx
     assert rep.total_spill_bytes == 0
-    for other in (dict(mx=True), dict(ep=True), dict(gather="direct"), dict(tma_store=True)):
+    for other in (dict(mx=True), dict(ep=True), dict(gather="direct")):
         with pytest.raises(ValueError, match="helpers"):
             fused_moe.FusedMoeFwdSm90(False, shared, helpers=True, **other)
-    assert fused_moe.fused_helpers(False, False, "bg", False, HELPERS_MIN_K)
-    for args in ((True, False, "bg", False), (False, True, "regs", False), (False, False, "direct", False),
-                 (False, False, "bg", True)):
+    assert fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K)
+    for args in ((True, False, "bg"), (False, True, "regs"), (False, False, "direct")):
         assert not fused_moe.fused_helpers(*args, HELPERS_MIN_K)
-    assert not fused_moe.fused_helpers(False, False, "bg", False, HELPERS_MIN_K - 64)
-
-
-def test_grouped_slot_rows_inverse_order():
-    """The TMA-store forward's slot sum reads slot t*k + j at ``grouped_rows(order)[t*k + j]``: the inverse of the
-    route order (grouped row -> route), and the layer's backward is told the rows are grouped."""
-    from mok_cute.kernels.sm90 import fused_moe
-    from mok_cute.kernels.sm90.route_rows import grouped_rows
-
-    order = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)
-    inv = grouped_rows(order, 6)
-    assert inv.dtype == torch.int32 and torch.equal(order[inv.long()], torch.arange(6, dtype=torch.int32))
-    import os
-    prev = os.environ.pop("MOK_CUTE_FUSED_TMA_STORE", None)
-    try:
-        assert fused_moe.slots_by_route("bf16") and fused_moe.slots_by_route("mxfp8")
-        os.environ["MOK_CUTE_FUSED_TMA_STORE"] = "1"
-        assert not fused_moe.slots_by_route("bf16") and fused_moe.slots_by_route("mxfp8")
-    finally:
-        os.environ.pop("MOK_CUTE_FUSED_TMA_STORE", None)
-        if prev is not None:
-            os.environ["MOK_CUTE_FUSED_TMA_STORE"] = prev
+    assert not fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K - 64)

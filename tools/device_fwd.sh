@@ -2,7 +2,7 @@
 # The fused forward's device session on one H200 (issue 12), from the repo root, one device call per step
 # (each fits the 10-minute limit):
 #   source .gpu-node/activate.sh && bash tools/device_fwd.sh check    # then: ... bash tools/device_fwd.sh bench
-# check: fused_tma_store (the opt-in TMA-store variant), fused_fwd (the default, direct and MXFP8 rows). bench: bench_layer (FWD_BENCH: its arguments).
+# check: fused_fwd (the default, direct, MXFP8 and helper-warp rows). bench: bench_layer (FWD_BENCH: its arguments).
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,7 +11,7 @@ mkdir -p "$out"
 : > "$out/summary.txt"
 for step in ${*:-check}; do
     if [ "$step" = check ]; then
-        for c in fused_tma_store fused_fwd; do
+        for c in fused_fwd; do
             timeout -s KILL 400 python3 tools/gpu_check.py $c > "$out/check_$c.log" 2>&1
             echo "gpu_check $c rc=$?" >> "$out/summary.txt"
             grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200

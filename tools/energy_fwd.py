@@ -7,7 +7,7 @@ above the steady-state clock.) ``--ncu``: instead, each once between
 ``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
 
     source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--minibatch 256,512]
-        [--comm 8,16] [--env MOK_CUTE_FUSED_TMA_STORE=1] [--seconds 2]
+        [--comm 8,16] [--env MOK_CUTE_FUSED_HELPERS=0] [--seconds 2]
     ncu --profile-from-start off --clock-control none --metrics \
         gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
         --csv python3 tools/energy_fwd.py --ncu
@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
     ap.add_argument("--comm", default="16", help="comm_sms_fwd values of the fused rows (BF16, and MXFP8 with --mx)")
     ap.add_argument("--env", default="", help="also fused BF16 rows with these NAME=VALUE settings (comma-separated, one "
-                    "row each; e.g. MOK_CUTE_FUSED_TMA_STORE=1)")
+                    "row each; e.g. MOK_CUTE_FUSED_HELPERS=0; the gathers: --gathers)")
     ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
@@ -93,6 +93,8 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
     for setting in (v for v in args.env.split(",") if v):
         name, value = setting.split("=", 1)
+        if name in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX"):  # each fused row sets these itself
+            raise SystemExit(f"--env {name}: give the gather with --gathers")
         fwd[f"fused {setting}"] = lambda name=name, value=value: _in_env(name, value, _ours(True, 16), x, idx, w, ws, sh)
     if args.mx:
         for c in comms:

@@ -67,6 +67,7 @@ def _sm90_bf16():
         "swiglu-clamp-n128-tma": lambda: g("swiglu", clamp=True, cfg=n128t, inspect=True),
         "swiglu-mx": lambda: g("swiglu", mx_h=True, inspect=True),
         "swiglu-mx-tma": lambda: g("swiglu", clamp=True, mx_h=True, cfg=tma, inspect=True),
+        "swiglu-helpers-tma": lambda: g("swiglu", cfg=tma, helpers=True, inspect=True),
     }
     return {f"sm90-bf16/{k}@sm_90a": v for k, v in out.items()}
 
@@ -153,6 +154,11 @@ def _quant():
             for g in ("staged", "regs", "direct"):  # the other gathers of the bf16 EP = 1 forward (bg is the default)
                 out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-{g}@sm_90a"] = (
                     lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, inspect=True))
+            for g in ("bg", "regs"):  # the helper-warp variants (BF16 EP = 1 from H 2048: the default there)
+                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
+                    f"-helpers-{g}@sm_90a"] = (
+                    lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, helpers=True,
+                                                                             inspect=True))
             if shared:
                 out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-shared-gate@sm_90a"] = (
                     lambda c=clamp: fm.compile_fused_forward(c, True, gate=True, inspect=True))

@@ -179,7 +179,6 @@ class GroupedExpertBackend:
         out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared,
                                      limit, config, gate=None if g is None else g.float().reshape(-1))
         y, gu, h, slot, gus, hs, s_out = out
-        by_route = getattr(self.mlp, "fused_rows_by_route", lambda precision: True)(config.precision)
         prec = config.precision
         shared_group = None
         if inp.shared is not None:
@@ -187,7 +186,7 @@ class GroupedExpertBackend:
         # the gathered rows went through the kernel's ring: the backward gathers x's rows again
         routed = ExpertGroup(None, offsets, gu, h, prec)
         state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                       routed, shared_group, slot, rows_by_route=by_route, x=x, comm_bwd=config.comm_sms_bwd,
+                       routed, shared_group, slot, rows_by_route=True, x=x, comm_bwd=config.comm_sms_bwd,
                        gate=None if g is None else (inp.shared_gate, g, s_out, x))
         return y, state
 

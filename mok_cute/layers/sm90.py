@@ -143,12 +143,6 @@ class Sm90ExpertMLP:
             return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
         return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
-    def fused_rows_by_route(self, precision: str) -> bool:
-        """Whether :meth:`fused_forward` leaves its slot rows in route order (else expert-grouped)."""
-        from mok_cute.kernels.sm90 import fused_moe as fused
-
-        return fused.slots_by_route(precision)
-
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                       gate=None):
         """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H] and the

@@ -146,7 +146,7 @@ def env_var(name: str, value: str):
         yield
     finally:
         if prev is None:
-            os.environ.pop(name)
+            os.environ.pop(name, None)
         else:
             os.environ[name] = prev
 

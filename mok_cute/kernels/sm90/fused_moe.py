@@ -76,8 +76,7 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, _ragged_gu, _ragged_rows,
-    helper_threads, make_tma_store, rows_tma_tile, swiglu_tma_tiles, tma_store_complete, tma_store_tile,
+    _VEC, FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, helper_threads,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -113,25 +112,18 @@ SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.asyn
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
-    tile_n / 2 (the last n-tiles' stores masked); ``tma_store`` (BF16, EP = 1): every tile leaves the
-    consumers through TMA stores (the standalone kernels' ``SwigluEpilogue.run_tma`` /
-    ``tma_store_tile``, row-bounded per expert): one consumer warp issues them and, before the tile is
-    published, waits until they have written global memory, while the other warps go on to the next
-    tile; R2's rows go to the slot buffer by grouped row, and the slot sum finds each (token, slot) row
-    through the inverse route order ``mInv``."""
+    tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (BF16, EP = 1, not with the direct gather): the
+    S1 / R1 tiles' h computed, stored and published by the producer warpgroup's last warps from the staged
+    tile while the consumers store gu and go on to the next tile."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), tma_store: bool = False,
-                 helpers: bool = False):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), helpers: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
-        if helpers and (mx or ep or tma_store or gather == "direct"):
+        if helpers and (mx or ep or gather == "direct"):
             raise ValueError("helpers (SwiGLU's h by the producer warpgroup's warps): BF16 at EP = 1, without "
-                             "tma_store and the direct gather")
-        if tma_store and (mx or ep):  # MXFP8: the SwiGLU epilogue's h round trip stores through registers;
-            raise ValueError("tma_store: BF16 at EP = 1 only")  # EP > 1: R2 pushes its rows into the peers
-        self.tma_store = tma_store
+                             "the direct gather")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
@@ -171,7 +163,7 @@ class FusedMoeFwdSm90:
                  mSg: cute.Tensor, mSu: cute.Tensor, mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor,
                  mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor,
                  mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor,
-                 mW: cute.Tensor, mGate: cute.Tensor, mInv: cute.Tensor,
+                 mW: cute.Tensor, mGate: cute.Tensor,
                  mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
                  mStatus: cute.Tensor, mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32,
                  num_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor,
@@ -192,24 +184,14 @@ class FusedMoeFwdSm90:
             _, _, atom_sg, coord_sg = ml.make_tma(mX, experts_last(mSg), b_half=True)
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
-        stores = [None] * 12  # (atom, coord) of gu, h, gus, hs, s_out, the grouped slot rows with tma_store
-        if cutlass.const_expr(self.tma_store):
-            tm, half = self.cfg.tile_m, self.cfg.tile_n // 2
-            stores[:4] = [*make_tma_store(_ragged_gu(mGU), tm, half), *make_tma_store(_ragged_rows(mH), tm, half)]
-            if cutlass.const_expr(self.shared):
-                stores[4:10] = [*make_tma_store(_ragged_gu(mGUs), tm, half),
-                                *make_tma_store(_ragged_rows(mHs), tm, half),
-                                *make_tma_store(_ragged_rows(mSout), tm, 2 * half)]
-            stores[10:] = make_tma_store(_ragged_rows(mSlot), tm, 2 * half)
         # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2 + HELP_WORDS)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
-                    mInv, mGather,
-                    mHready,
+                    mGather, mHready,
                     mShready, mDone, mStatus, mTrace, k, limit, comm_ctas, ring, band, timeout_ns, mPeer, mWrows, mSlotCopy, me, n_ranks,
-                    src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push, *stores).launch(
+                    src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -223,27 +205,15 @@ class FusedMoeFwdSm90:
                mGUs: cute.Tensor,
                mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
                mY: cute.Tensor, mOrder: cute.Tensor,
-               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mInv: cute.Tensor,
-               mGather: cute.Tensor,
+               mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor,
                mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor,
                mTrace: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, ring: Int32, band: Int32,
                timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64,
-               w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32,
-               atom_gu_st: cute.CopyAtom, coord_gu_st: cute.Tensor, atom_h_st: cute.CopyAtom, coord_h_st: cute.Tensor,
-               atom_gus_st: cute.CopyAtom, coord_gus_st: cute.Tensor, atom_hs_st: cute.CopyAtom,
-               coord_hs_st: cute.Tensor, atom_so_st: cute.CopyAtom, coord_so_st: cute.Tensor,
-               atom_sl_st: cute.CopyAtom, coord_sl_st: cute.Tensor):
+               w_off: Int64, flags_off: Int64, epoch_pull: Int32, epoch_push: Int32):
         cfg = self.cfg
         atoms = [atom_x, atom_xg, atom_wg, atom_wu, atom_h, atom_wd]
         if cutlass.const_expr(self.shared):
             atoms += [atom_sg, atom_su, atom_hs, atom_sd]
-        stores = (atom_gu_st, coord_gu_st, atom_h_st, coord_h_st, atom_gus_st, coord_gus_st, atom_hs_st, coord_hs_st,
-                  atom_so_st, coord_so_st, atom_sl_st, coord_sl_st)  # with tma_store: the tiles' TMA stores
-        if cutlass.const_expr(self.tma_store):
-            atoms += [atom_gu_st, atom_h_st]
-            atoms.append(atom_sl_st)
-            if cutlass.const_expr(self.shared):
-                atoms += [atom_gus_st, atom_hs_st, atom_so_st]
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
@@ -322,7 +292,7 @@ class FusedMoeFwdSm90:
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
                           m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0], ep, stores, sHelp)
+                          mGather.shape[0], ep, sHelp)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -351,7 +321,7 @@ class FusedMoeFwdSm90:
         sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((self.sum_batch * NUM_THREADS, _VEC),
                                                                         stride=(_VEC, 1)))
         route_rows.slot_sum(tidx, bidx, grid, mSlot, mSout, mY, mIdx, mW, k, tokens, hidden, sbuf,
-                            self.sum_batch, mGate, mCopy=mSlotCopy, mRow=mInv if self.tma_store else None)
+                            self.sum_batch, mGate, mCopy=mSlotCopy)
         if tidx == 0:
             self._mark(mTrace, bidx, 3, 10, Int32(0))
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
@@ -659,7 +629,7 @@ class FusedMoeFwdSm90:
                  k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
                  mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
                  mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, stores, sHelp: cute.Tensor):
+                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, sHelp: cute.Tensor):
         """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
         its slot buffer of the previous step (FREE >= epoch - 1)."""
@@ -678,24 +648,16 @@ class FusedMoeFwdSm90:
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
             t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
-            routes = None
-            if cutlass.const_expr(not self.tma_store):
-                r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
-                if phase == R2:
-                    r2_rows = rows
-                routes = route_rows.tile_routes(tid, row0, r2_rows, mOrder, self.cfg.tile_m, self.cfg.tile_n)
+            r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
+            if phase == R2:
+                r2_rows = rows
+            routes = route_rows.tile_routes(tid, row0, r2_rows, mOrder, self.cfg.tile_m, self.cfg.tile_n)
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, k1, k2, k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            # the tile's stores are published by one thread (:meth:`_publish`): TMA stores once the store warp has
-            # seen them written, 16-byte stores after the consumers' barrier; the helpers publish S1 / R1 tiles
-            if cutlass.const_expr(self.tma_store):  # every tile through TMA stores
-                self._store_tile(phase, n_tile, row0, rows, thr_mma, acc, sC, _opaque(tid), limit, stores)
-                if tid == 0:
-                    self._mark(mTrace, bidx, 1, 3, t)
-                tma_store_complete(tid)
-                self._publish(tid, phase, mt, mDone, mHready, mShready)
-            elif cutlass.const_expr(self.helpers):
+            # the tile's stores are published by one thread (:meth:`_publish`) after the consumers' barrier; the
+            # helpers publish the S1 / R1 tiles
+            if cutlass.const_expr(self.helpers):
                 if (phase == R1) | (phase == S1):  # the helpers make h and publish the tile
                     staged = self._stage_swiglu(phase, n_tile, row0, rows, mt, thr_mma, acc, sC, tid, staged,
                                                 mGU, mH, mGUs, mHs, sHelp)
@@ -759,10 +721,9 @@ class FusedMoeFwdSm90:
     @cute.jit
     def _publish(self, tid: Int32, phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor,
                  mShready: cute.Tensor):
-        """Consumers, after the tile's stores are complete (16-byte stores: past the consumers' barrier; TMA
-        stores: the store warp saw them written): thread 0 alone fences (EP > 1: system scope, some rows went to
-        peers), cumulative over every consumer's stores the barrier ordered before it, and publishes the tile;
-        the other warps go on to the next tile."""
+        """Consumers, past the barrier after a tile's 16-byte stores: thread 0 alone fences (EP > 1: system scope,
+        some rows went to peers), cumulative over every consumer's stores the barrier ordered before it, and
+        publishes the tile; the other warps go on to the next tile."""
         if tid == 0:
             P.fence_stores(self.ep)
             tasks.publish(phase, mt, mDone, mHready, mShready)
@@ -802,26 +763,6 @@ class FusedMoeFwdSm90:
                 self.swiglu.store_gu(sC, et, row0, rows, n_tile, mGUs, cols)
         return Int32(1)
 
-    @cute.jit
-    def _store_tile(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
-                    sC: cute.Tensor, et: Int32, limit: Float32, stores):
-        """Consumers (``tma_store``): a tile staged in ``sC`` and handed to TMA stores bounded at its group's last
-        row (R1 / R2: its expert's, S1 / S2: the tokens'); returns once they are issued."""
-        atom_gu, coord_gu, atom_h, coord_h, atom_gus, coord_gus, atom_hs, coord_hs, atom_so, coord_so, atom_sl, \
-            coord_sl = stores
-        tm, tn = self.cfg.tile_m, self.cfg.tile_n
-        if phase == R1:
-            g_gate, g_up, g_h = swiglu_tma_tiles(coord_gu, coord_h, row0, rows, n_tile, tm, tn)
-            self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gu, g_gate, g_up, atom_h, g_h, limit)
-        elif phase == R2:  # by grouped row
-            tma_store_tile(thr_mma, acc, sC, et, atom_sl, rows_tma_tile(coord_sl, row0, rows, n_tile, tm, tn))
-        else:
-            if cutlass.const_expr(self.shared):
-                if phase == S1:
-                    g_gate, g_up, g_h = swiglu_tma_tiles(coord_gus, coord_hs, row0, rows, n_tile, tm, tn)
-                    self.swiglu.run_tma(thr_mma, acc, sC, et, atom_gus, g_gate, g_up, atom_hs, g_h, limit)
-                else:
-                    tma_store_tile(thr_mma, acc, sC, et, atom_so, rows_tma_tile(coord_so, row0, rows, n_tile, tm, tn))
 
 @cute.jit
 def _k_tiles(phase: Int32, k1: Int32, k2: Int32, k2s: Int32):
@@ -848,7 +789,7 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False, tma_store: bool = False, helpers: bool = False):
+                          inspect: bool = False, helpers: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``, ``helpers``: see
@@ -857,8 +798,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, tma_store=tma_store,
-                         helpers=helpers)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, helpers=helpers)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -877,7 +817,6 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
             _fake_2d(bf, mcap, inter), *shared_out, *rt_out, _fake_2d(bf, tk, hid),
             _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid), vec(Int32, mcap),
             vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk), vec(Float32, t) if gate else None,
-            vec(Int32, tk) if tma_store else None,
             *(vec(Int32, cute.sym_int()) for _ in range(5)),
             vec(Int64, cute.sym_int(), 8) if trace or progress else None)
     ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
@@ -928,25 +867,12 @@ def gather_mode_mx() -> str:
     return mode
 
 
-def fused_tma_store(mx: bool = False, ep: bool = False) -> bool:
-    """Whether a forward (``mx``: MXFP8, ``ep``: EP > 1) runs the TMA-store variant (:class:`FusedMoeFwdSm90`'s
-    ``tma_store``: every tile leaves through TMA stores): ``MOK_CUTE_FUSED_TMA_STORE=1`` (read at every call), BF16
-    at EP = 1 only. Off until measured."""
-    return os.environ.get("MOK_CUTE_FUSED_TMA_STORE", "0") == "1" and not mx and not ep
-
-
-def fused_helpers(mx: bool, ep: bool, gather: str, tma_store: bool, hidden: int) -> bool:
+def fused_helpers(mx: bool, ep: bool, gather: str, hidden: int) -> bool:
     """Whether a forward runs :class:`FusedMoeFwdSm90`'s ``helpers`` variant (S1 / R1 tiles' h by the producer
     warpgroup's warps): ``MOK_CUTE_FUSED_HELPERS`` (default 1, read at every call), BF16 at EP = 1 without the
-    direct gather or TMA stores, and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
+    direct gather, and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
     on = os.environ.get("MOK_CUTE_FUSED_HELPERS", "1") == "1"
-    return on and not mx and not ep and gather != "direct" and not tma_store and hidden >= HELPERS_MIN_K
-
-
-def slots_by_route(precision: str) -> bool:
-    """Whether :func:`fused_forward` at EP = 1 leaves its GEMM2 rows by route (else by grouped row: the
-    TMA-store variant, :func:`fused_tma_store`), read at the same call."""
-    return not fused_tma_store(mx=precision == "mxfp8")
+    return on and not mx and not ep and gather != "direct" and hidden >= HELPERS_MIN_K
 
 
 def ring_band() -> int:
@@ -1010,7 +936,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ``ring_chunks``: slots of 128 gathered rows in the ring (None or more than the routed
     m-tiles can number: one per m-tile, no reuse), R1's bands ``min(RING_BAND, ring)``;
     returns ``(y, gu, h, slot_out, gus, hs, s_out, counters, w_rows)`` (``slot_out`` [T*k, H]: the
-    GEMM2 rows by route, or with :func:`fused_tma_store` at EP = 1 by grouped row; ``gus``/``hs``/``s_out``
+    GEMM2 rows by route; ``gus``/``hs``/``s_out``
     None without a shared expert; ``counters``: the list (gather_ready, h_ready, sh_ready, done +
     ticket + arrivals, status) of int32 device tensors, status last). ``order`` int32 [M_cap],
     ``offsets`` int32 [E+1], ``topk_idx`` int32 and ``topk_w`` fp32 [T, k], all on x's device.
@@ -1075,15 +1001,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     nb = slot_sum_batch()
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
-    tma = fused_tma_store(mx, ws is not None)
-    # the GEMM2 rows are then stored by grouped row; the slot sum reads them through the inverse route order
-    inv = route_rows.grouped_rows(order, t * k) if tma else None
-    helpers = fused_helpers(mx, ws is not None, gather, tma, hid)
+    helpers = fused_helpers(mx, ws is not None, gather, hid)
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather, tma, helpers)
+               gate is not None, n_tail, gather, helpers)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, tma_store=tma, helpers=helpers)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, helpers=helpers)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -1099,7 +1022,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
     tensors = (x, xq, xg, w_gate, w_up, w_down, *shared_w, gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y, order, offsets,
-               topk_idx.reshape(-1), topk_w.reshape(-1), gate, inv, *parts, None if records is None else records.view(-1))
+               topk_idx.reshape(-1), topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1))
     lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
     key_scalars = (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns)
     scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))

@@ -304,16 +304,6 @@ def _tma_store(atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cute.Tensor):
 
 
 @cute.jit
-def tma_store_complete(tid: Int32):
-    """The store warp, before a release that publishes the stored tiles to other CTAs: wait until its TMA
-    stores have written global memory (not only read the staging tile), then order those async-proxy
-    writes before the generic-proxy release."""
-    if _store_warp(tid):
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
 def tma_store_drain(tid: Int32):
     """After the last tile: wait for this CTA's outstanding TMA stores."""
     if _store_warp(tid):

@@ -71,8 +71,8 @@ class MainloopConfig:
     picks as many ring buffers as fit beside the epilogue's shared memory.
     ``cluster_mn`` is carried for later multicast work; only (1, 1) is implemented.
     ``ab_dtype`` is the operand type (``cutlass.BFloat16``; FP8 e4m3 later).
-    ``tma_store`` (opt-in, not yet device-verified): epilogues that support it (``plain``,
-    wgrad) store the staged tile with one asynchronous TMA store (``cp.async.bulk.tensor``)
+    ``tma_store`` (on by default through ``grouped_gemm.effective_config``): epilogues that support it
+    (``plain``, ``swiglu``, wgrad) store the staged tile with asynchronous TMA stores (``cp.async.bulk.tensor``)
     instead of row-masked 16-byte stores, and wait for it only before the staging buffer
     is reused by the next tile (other epilogues ignore it).
     """
