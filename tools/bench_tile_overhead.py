@@ -22,16 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _burst_us(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks.common import bench_pipelined_us  # noqa: E402
 
 
 def _fit(ks: list[int], ts: list[float]) -> tuple[float, float]:
@@ -85,7 +77,7 @@ def main() -> int:
         per = {n: [] for n in names}
         for _ in range(args.passes):  # the kernels interleaved pass by pass
             for n, fn in zip(names, fns):
-                per[n].append(_burst_us(fn, args.iters))
+                per[n].append(bench_pipelined_us(fn, warmup=0, iters=args.iters))
         for n in names:
             times[n].append(statistics.median(per[n]))
         del x, wg, wu, w1, w1t

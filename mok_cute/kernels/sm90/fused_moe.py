@@ -50,7 +50,9 @@ Variants: ``mx`` (MXFP8: the SwiGLU epilogue also writes h's MXFP8 round trip, G
 operand); ``ep`` (EP > 1, :func:`fused_forward` with a workspace: the gather pulls rows and
 router weights from the source ranks, GEMM2 rows are pushed to the source ranks' slot
 buffers, the slot sum waits for every rank's DATA; protocol in docs/architecture.md);
-``trace`` (per-task records) and ``progress`` (per-CTA progress words in host memory).
+``trace`` (per-task records) and ``progress`` (per-CTA progress words in host memory); ``helpers`` (BF16, EP = 1,
+H >= 2048 by :func:`fused_helpers`): an S1 / R1 tile's h is computed, stored and published by the producer
+warpgroup's last warps from the staged tile (named barriers STAGED / FREE), while the consumers store gu and go on.
 """
 from __future__ import annotations
 
