@@ -28,7 +28,7 @@ from checks.common import bench_pipelined_us  # noqa: E402
 
 def _fit(ks: list[int], ts: list[float]) -> tuple[float, float]:
     """Least-squares ``(a, b)`` of ``t = a + b k``."""
-    n, mk, mt = len(ks), statistics.fmean(ks), statistics.fmean(ts)
+    mk, mt = statistics.fmean(ks), statistics.fmean(ts)
     b = sum((k - mk) * (t - mt) for k, t in zip(ks, ts)) / sum((k - mk) ** 2 for k in ks)
     return mt - b * mk, b
 
@@ -80,7 +80,6 @@ def main() -> int:
                 per[n].append(bench_pipelined_us(fn, warmup=0, iters=args.iters))
         for n in names:
             times[n].append(statistics.median(per[n]))
-        del x, wg, wu, w1, w1t
     tiles = e * -(-rows // 128) * (2 * inter // 256)
     waves = tiles / torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"M {m} ({e} x {rows}), N {2 * inter}: {tiles} tiles of 128 x 256, {waves:.2f} waves; us per call")
