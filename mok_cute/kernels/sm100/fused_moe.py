@@ -102,8 +102,8 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
-    _NO_EP, CHUNK, COUNTER_WORDS, DONE, EP_SECTIONS, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
-    counter_sizes, record_sum, ring_band, slot_sum_batch,
+    _NO_EP, CHUNK, DONE, EP_SECTIONS, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
+    counter_sizes, record_sum, ring_band, routed_outputs, slot_sum_batch,
 )
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.schedule import fused_tasks as tasks
@@ -929,14 +929,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
         tok = torch.zeros(mcap + CHUNK, dtype=torch.int32, device=x.device)
         tok[:mcap] = order // k
     w1 = interleave(w_gate, w_up, half)
-    gu = torch.empty((mcap, 2, inter), **bf)
-    h = torch.empty((mcap, inter), **bf)
-    slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
-    y = torch.empty((t, hid), **bf)
-    counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
-    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
-    if ws is not None:
-        parts[-1] = ws.status
+    gu, h, slot, y, parts = routed_outputs(t, k, hid, mcap, inter, sizes, ws, x.device)
     s1 = sd = gus = hs = s_out = None
     n1s = 0
     if shared is not None:

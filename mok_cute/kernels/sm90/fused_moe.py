@@ -926,6 +926,20 @@ def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
     return mtiles, mtiles, -(-t // CHUNK), 4
 
 
+def routed_outputs(t: int, k: int, hid: int, mcap: int, inter: int, sizes, ws, device):
+    """The fused forwards' routed buffers ``(gu [M_cap, 2, I], h [M_cap, I], slot rows [T*k, H], y [T, H],
+    counters)``, bf16 on ``device``: the slot rows are the workspace's at EP > 1 (``ws``); ``counters`` the
+    zeroed int32 counters of :func:`counter_sizes`' ``sizes`` and the status words, split (EP > 1: the
+    workspace's status last)."""
+    bf = dict(dtype=torch.bfloat16, device=device)
+    slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
+    counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=device)
+    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
+    if ws is not None:
+        parts[-1] = ws.status
+    return torch.empty((mcap, 2, inter), **bf), torch.empty((mcap, inter), **bf), slot, torch.empty((t, hid), **bf), parts
+
+
 def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
                   timeout_s: float, mx: bool = False, ws=None, num_ctas: int | None = None,
                   ring_chunks: int | None = None, gate=None):
@@ -980,14 +994,7 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     ring = sizes[0] if ring_chunks is None or direct else max(1, min(int(ring_chunks), sizes[0]))
     band = min(ring_band(), ring)
     xg = x if direct else torch.empty((ring * CHUNK, hid), **bf)  # direct: no ring (x stands in for its operand)
-    gu = torch.empty((mcap, 2, inter), **bf)
-    h = torch.empty((mcap, inter), **bf)
-    slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
-    y = torch.empty((t, hid), **bf)
-    counters = torch.zeros(sum(sizes) + COUNTER_WORDS, dtype=torch.int32, device=x.device)
-    parts = list(torch.split(counters, list(sizes) + [COUNTER_WORDS]))
-    if ws is not None:
-        parts[-1] = ws.status
+    gu, h, slot, y, parts = routed_outputs(t, k, hid, mcap, inter, sizes, ws, x.device)
     gus = hs = s_out = None
     shared_w = (None, None, None)
     if shared is not None:
