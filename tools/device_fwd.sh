@@ -2,7 +2,10 @@
 # The fused forward's device session on one H200 (issue 12), from the repo root, one device call per step
 # (each fits the 10-minute limit):
 #   source .gpu-node/activate.sh && bash tools/device_fwd.sh check    # then: ... bash tools/device_fwd.sh bench
-# check: fused_fwd (the default, direct, MXFP8 and helper-warp rows). bench: bench_layer (FWD_BENCH: its arguments).
+# check: fused_fwd (the default, direct, MXFP8 and helper-warp rows), tails (H, I not multiples of 256: the n_tail
+# variants, the helper warps' masked columns at gpt-oss's H 2880). bench: bench_layer (FWD_BENCH: its arguments).
+# helpers: the helper warps at the cap, H 7168 and I 1024 shapes, beside the staged gather (three helper warps) and
+# without helpers (HELPERS_SHAPES: energy_fwd's --shapes).
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,11 +14,16 @@ mkdir -p "$out"
 : > "$out/summary.txt"
 for step in ${*:-check}; do
     if [ "$step" = check ]; then
-        for c in fused_fwd; do
+        for c in fused_fwd tails; do
             timeout -s KILL 400 python3 tools/gpu_check.py $c > "$out/check_$c.log" 2>&1
             echo "gpu_check $c rc=$?" >> "$out/summary.txt"
             grep -A40 "== gpu_check" "$out/check_$c.log" | grep -v "^\s*$\|== gpu_check\|^check \|^---" | cut -c1-200
         done
+    elif [ "$step" = helpers ]; then
+        timeout -s KILL 560 python3 tools/energy_fwd.py --shapes ${HELPERS_SHAPES:-1,3,0} --gathers default,staged \
+            --env MOK_CUTE_FUSED_HELPERS=0 --seconds 1.0 > "$out/helpers.log" 2>&1
+        echo "energy_fwd helpers rc=$?" >> "$out/summary.txt"
+        grep "^|" "$out/helpers.log" | cut -c1-300
     elif [ "$step" = bench ]; then
         timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \
             > "$out/bench_fwd.log" 2>&1
