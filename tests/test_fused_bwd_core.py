@@ -83,14 +83,22 @@ def test_mode_env(monkeypatch):
         fused_bwd_mode()
 
 
+@pytest.mark.parametrize("wd_first", [False, True])
 @pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [0] * 3, [129, 1, 0, 300]])
-def test_core_list_is_the_routed_backward(counts):
-    """The core list is task_list's routed phases in order; D2 / D1 cover every (m-tile, n-tile)
-    of every expert once; W covers every dW output tile of every expert once per gradient."""
+def test_core_list_is_the_routed_backward(counts, wd_first):
+    """The core list is task_list's routed phases in order (``wd_first``: the dW_down tiles first, expert-major,
+    then the rest in that order); D2 / D1 cover every (m-tile, n-tile) of every expert once; W covers every dW
+    output tile of every expert once per gradient."""
     offs = offsets_from(counts)
     n_i, n_h, wd, wgu = 2, 3, (3, 2), (2, 4)
-    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu)
+    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu, wd_first)
     full = bt.task_list(offs, 0, 128, n_i, 0, n_h, wd[0] * wd[1], wgu[0] * wgu[1], False)
+    if wd_first:
+        first = [f for f in full if f[0] == bt.W and f[4] == bt.WD]
+        full = first + [f for f in full if not (f[0] == bt.W and f[4] == bt.WD)]
+        n_wd = len(first)
+        assert all(c[0] == bt.W and c[5] == bt.WD for c in core[:n_wd])
+        assert all(not (c[0] == bt.W and c[5] == bt.WD) for c in core[n_wd:])
     assert [(c[0], c[1]) for c in core] == [(f[0], f[1]) for f in full]
     per_e = bt.expert_mtiles(offs, 128)
     for phase, n in ((bt.D2, n_i), (bt.D1, n_h)):
@@ -103,7 +111,7 @@ def test_core_list_is_the_routed_backward(counts):
 
 
 @functools.cache
-def _host_core_decoder():
+def _host_core_decoder(wd_first: bool = False):
     """``fused_bwd_tasks.core_task`` (the device decode of both archs' fused backward) compiled as a host function:
     decodes ids ``start, start + step, ..`` below ``n`` into ``out`` [n, 6] (phase, expert, n_tile, m_tile, mt,
     which), carrying its cursors as a CTA does."""
@@ -117,25 +125,28 @@ def _host_core_decoder():
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         for t in cutlass.range(start, n, step, unroll=1):
             phase, expert, n_tile, m_tile, _, _, mt, which, e1, b1, e2, b2 = bt.core_task(
-                t, n_d2, n_d1, n_i, n_h, offsets, offsets.shape[0] - 1, 128, wd_m, wd_n, wgu_m, wgu_n, e1, b1, e2, b2)
+                t, n_d2, n_d1, n_i, n_h, offsets, offsets.shape[0] - 1, 128, wd_m, wd_n, wgu_m, wgu_n, e1, b1, e2, b2,
+                wd_first)
             for i, v in enumerate((phase, expert, n_tile, m_tile, mt, which)):
                 out[t, i] = v
     return decode
 
 
+@pytest.mark.parametrize("wd_first", [False, True])
 @pytest.mark.parametrize("counts", [[256] * 4, [1000, 0, 0, 0], [0, 0, 0, 1], [129, 1, 0, 300, 7]])
-def test_device_core_decode_matches_the_list(counts):
-    """The device decode itself (run on the host) walks core_task_list, in list order and along strided CTA ids."""
+def test_device_core_decode_matches_the_list(counts, wd_first):
+    """The device decode itself (run on the host) walks core_task_list, in list order and along strided CTA ids
+    (``wd_first`` too: the D2 / D1 cursors only grow in that order as well)."""
     from cutlass import Int32
     from cutlass.cute.runtime import from_dlpack
 
     offs = offsets_from(counts)
     n_i, n_h, wd, wgu = 2, 3, (3, 2), (2, 4)
-    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu)
+    core = bt.core_task_list(offs, 128, n_i, n_h, wd, wgu, wd_first)
     m_routed = sum(len(m) for m in bt.expert_mtiles(offs, 128))
     for start, step in ((0, 1), (3, 5), (1, 64)):
         out = torch.full((len(core), 6), -7, dtype=torch.int32)
-        _host_core_decoder()(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)),
+        _host_core_decoder(wd_first)(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)),
                              Int32(m_routed * n_i), Int32(m_routed * n_h), Int32(n_i), Int32(n_h), Int32(wd[0]),
                              Int32(wd[1]), Int32(wgu[0]), Int32(wgu[1]), Int32(len(core)), Int32(start), Int32(step))
         for t in range(start, len(core), step):
@@ -433,6 +444,38 @@ def test_grouped_slots_variant():
             fused_bwd.compile_fused_backward_core(True, True, False, grouped_slots=True, **bad)
 
 
+def test_wd_first_variant():
+    """``wd_first`` (the MXFP8 tokens core with the dW_down tiles first): 0 spills, unserialized wgmma, the same
+    GEMM work as grouped_slots plus one release add (a dW_down tile done) and one bounded acquire wait (D2's
+    producer); refused without grouped_slots."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    rep = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, wd_first=True,
+                                                inspect=True)[1]
+    base = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, inspect=True)[1]
+    _clean(rep)
+    assert rep.ptx.count("wgmma.mma_async") == base.ptx.count("wgmma.mma_async")
+    assert rep.ptx.count("atom.global.release.add") == base.ptx.count("atom.global.release.add") + 1
+    assert rep.ptx.count("ld.acquire") > base.ptx.count("ld.acquire")
+    with pytest.raises(ValueError, match="wd_first"):
+        fused_bwd.compile_fused_backward_core(True, True, False, mx=True, wd_first=True)
+
+
+def test_wd_first_invariants_in_the_source():
+    """What wd_first relies on, pinned in the kernel's source: a D2 tile's producer first waits for every dW_down
+    tile (``num_experts * wd_m * wd_n`` on the WD_WORD counter), and a dW_down tile counts itself after its
+    epilogue; the list puts every dW_down tile before the first D2 tile (test_core_list_is_the_routed_backward)."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    src = inspect.getsource(fused_bwd.FusedMoeBwdCoreSm90)
+    d2 = src[src.index("        if phase == D2:\n            if cutlass.const_expr(self.wd_first"):]
+    assert re.search(r"persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,", d2)
+    assert re.search(r"if which == WD:\s+if tid == 0:\s+cute\.arch\.atomic_add\(wd_done, Int32\(1\), "
+                     r"sem=\"release\"", src)
+
+
 def test_grouped_slots_invariants_in_the_source():
     """What grouped_slots relies on, pinned in the kernel's source: a D1 tile's producer waits for
     d2[mt] to reach n_i (every dgrad2 tile of its m-tile has read dy's rows), and the MXFP8 dW_down
@@ -496,13 +539,20 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
     for mx in (True, False):
         fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=mx)
         a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
-        assert keys[-1][2:][12] is mx  # (..., n_tail, ep, grouped_slots)
+        assert keys[-1][2:][12:] == (mx, False)  # (..., n_tail, ep, grouped_slots, wd_first)
         if mx:
             assert a["mSlot"].data_ptr() == a["mDy"].data_ptr() and torch.equal(a["mDy"], dy + 2)
             assert torch.equal(a["mOrder"], fused_bwd.grouped_rows(order.to(torch.int32), t * k))
+            assert a["mDguT3"].data_ptr() != a["mDyT"].data_ptr()
         else:
             assert tuple(a["mSlot"].shape) == (t * k, h) and a["mSlot"].data_ptr() != dy.data_ptr()
             assert torch.equal(a["mOrder"], order.to(torch.int32))
+    # MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1 (2I <= H here): dgu's token round trip over dy's, the dW_down tiles first
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "1")
+    fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=True)
+    a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
+    assert keys[-1][2:][12:] == (True, True)
+    assert a["mDguT3"].data_ptr() == a["mDyT"].data_ptr() and a["mDg"].data_ptr() == a["mDyT"].data_ptr()
 
 
 def test_ep_host_launch_mx(monkeypatch):

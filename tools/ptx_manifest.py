@@ -177,6 +177,9 @@ def _quant():
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, True, inspect=True))
         out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8-grouped-slots@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, grouped_slots=True, inspect=True))
+        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8-wd-first@sm_90a"] = (
+            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, grouped_slots=True, wd_first=True,
+                                                           inspect=True))
         out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-add@sm_90a"] = (
             lambda c=clamp: fb.compile_fused_backward_core(c, True, True, add=True, inspect=True))
         out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-ep@sm_90a"] = (

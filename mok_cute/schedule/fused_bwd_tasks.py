@@ -131,12 +131,13 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n_i: int, n_is
 
 # ---------------------------------------------------------------- the routed core on the device
 def core_task_list(offsets, tile_m: int, n_i: int, n_h: int, wd_tiles: tuple[int, int],
-                   wgu_tiles: tuple[int, int]) -> list[tuple]:
+                   wgu_tiles: tuple[int, int], wd_first: bool = False) -> list[tuple]:
     """The routed core of :func:`task_list` (no shared expert) with each weight tile's
     coordinates: ``(phase, expert, n_tile, m_tile, mt, which)``; D2 / D1: ``m_tile`` is the
     m-tile inside the expert and ``mt`` the routed m-tile; W: ``(m_tile, n_tile)`` of the dW
     output tile, m fastest (``wd_tiles`` / ``wgu_tiles``: (m-tiles, n-tiles) of one dW_down /
-    one dW_gate), ``mt`` -1. The order is :func:`task_list`'s."""
+    one dW_gate), ``mt`` -1. The order is :func:`task_list`'s; ``wd_first``: every dW_down tile
+    first (experts in order), then the rest in that order (:func:`wd_first_id`)."""
     out = []
     for phase, expert, tile, mt, which in task_list(offsets, 0, tile_m, n_i, 0, n_h, wd_tiles[0] * wd_tiles[1],
                                                     wgu_tiles[0] * wgu_tiles[1], False):
@@ -146,18 +147,51 @@ def core_task_list(offsets, tile_m: int, n_i: int, n_h: int, wd_tiles: tuple[int
         else:
             first = expert_mtiles(offsets, tile_m)[expert][0]
             out.append((phase, expert, tile, mt - first, mt, -1))
+    if wd_first:
+        n_d = sum(t[0] != W for t in out)
+        n_wd = (len(offsets) - 1) * wd_tiles[0] * wd_tiles[1]
+        out = [out[_wd_first_id(t, n_d, len(offsets) - 1, wd_tiles[0] * wd_tiles[1], wgu_tiles[0] * wgu_tiles[1])]
+               for t in range(len(out))]
+        assert all(t[0] == W and t[5] == WD for t in out[:n_wd])
+    return out
+
+
+def _wd_first_id(t: int, n_d: int, experts: int, wd: int, wgu: int) -> int:
+    """Mirror of :func:`wd_first_id` (``n_d``: the D2 + D1 tasks)."""
+    n_wd = experts * wd
+    if t < n_wd:
+        return n_d + t // wd * (wd + 2 * wgu) + t % wd
+    if t - n_wd < n_d:
+        return t - n_wd
+    lin = t - n_wd - n_d
+    return n_d + lin // (2 * wgu) * (wd + 2 * wgu) + wd + lin % (2 * wgu)
+
+
+@cute.jit
+def wd_first_id(t: Int32, n_d: Int32, num_experts: Int32, wd: Int32, wgu: Int32):
+    """The :func:`core_task_list` id of task ``t`` of the ``wd_first`` order: its first ``E * wd`` tasks are the
+    dW_down tiles (expert-major), then the D2 and D1 tiles (``n_d``), then each expert's dW_gate and dW_up tiles."""
+    n_wd = num_experts * wd
+    out = t - n_wd
+    if t < n_wd:
+        out = n_d + t // wd * (wd + 2 * wgu) + t % wd
+    elif t - n_wd >= n_d:
+        lin = t - n_wd - n_d
+        out = n_d + lin // (2 * wgu) * (wd + 2 * wgu) + wd + lin % (2 * wgu)
     return out
 
 
 @cute.jit
 def core_task(t: Int32, n_d2: Int32, n_d1: Int32, n_i: Int32, n_h: Int32, offsets: cute.Tensor, num_experts: Int32,
               tile_m: cutlass.Constexpr[int], wd_m: Int32, wd_n: Int32, wgu_m: Int32, wgu_n: Int32, e1: Int32,
-              b1: Int32, e2: Int32, b2: Int32):
+              b1: Int32, e2: Int32, b2: Int32, wd_first: cutlass.Constexpr[bool] = False):
     """``(phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2)`` of core task
     ``t`` (:func:`core_task_list` order; ``n_d2`` / ``n_d1``: tasks of D2 / D1). D2 and D1 advance
     their own :func:`~mok_cute.schedule.group_tiles.seek` cursor ``(e, b)`` (a CTA's tasks only
-    grow); ``row0`` / ``rows``: the grouped rows of a D2 / D1 tile; W: ``which`` in WD / WG / WU,
-    ``(m_tile, n_tile)`` its dW output tile."""
+    grow: the ``wd_first`` order keeps each phase's ids increasing); ``row0`` / ``rows``: the grouped
+    rows of a D2 / D1 tile; W: ``which`` in WD / WG / WU, ``(m_tile, n_tile)`` its dW output tile."""
+    if cutlass.const_expr(wd_first):
+        t = wd_first_id(t, n_d2 + n_d1, num_experts, wd_m * wd_n, wgu_m * wgu_n)
     phase = Int32(W)
     expert = Int32(0)
     n_tile = Int32(0)

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from checks.common import Row, bench_us
+from checks.common import Row, bench_us, env_var
 from checks.layer_sm90 import _problem, _run
 
 
@@ -266,7 +266,8 @@ def _mx_rows(dev) -> list[Row]:
 def _mx_tokens_row(dev) -> Row:
     """MXFP8 ``tokens=`` (the dx rows written over dy's round trip, summed through the inverse order):
     dx bitwise the unfused MXFP8 rows scattered and slot-summed, on routes with -1 slots, consumed and
-    not, grids of 132 and 37."""
+    not, grids of 132 and 37; then with ``MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1`` (the dW_down tiles first, dgu's
+    token round trip over dy's) at 132 consumed and 37."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
@@ -286,13 +287,17 @@ def _mx_tokens_row(dev) -> Row:
     want = slot_sum(dxs.float(), _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
     wts = mlp._bwd_weights(grp, wg, wu, wd)
     eq = []
-    for n, consume in ((132, False), (132, False), (37, False), (132, True)):
+    for n, consume, wd_first in ((132, False, "0"), (132, False, "0"), (37, False, "0"), (132, True, "0"),
+                                 (132, True, "1"), (37, False, "1")):
         a = [o.clone() for o in (dy, x, gu, h)] if consume else (dy, x, gu, h)
-        r = fused_backward_core(*a, offsets, *wts, 4.0, num_ctas=n, tokens=(order, idx, dxs), mx=True, consume=consume)
+        with env_var("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", wd_first):
+            r = fused_backward_core(*a, offsets, *wts, 4.0, num_ctas=n, tokens=(order, idx, dxs), mx=True,
+                                    consume=consume)
         torch.cuda.synchronize()
         eq.append(torch.equal(r[0], want) and all(torch.equal(p, q) for p, q in zip(r[1:], dws)))
     return Row("fused bwd core MXFP8 tokens= (dx over dy's rows)", bitwise=all(eq), ok=all(eq),
-               note=f"dx and dW == unfused MXFP8 scatter + slot_sum per run (132 x2, 37, 132 consumed): {eq}")
+               note=f"dx and dW == unfused MXFP8 scatter + slot_sum per run (132 x2, 37, 132 consumed; wd_first: "
+                    f"132 consumed, 37): {eq}")
 
 
 def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "1", "3"), env=None) -> list[Row]:

@@ -29,6 +29,8 @@ bounded by ``timeout_ns`` and recorded in ``status`` (int32[4], read by the host
 """
 from __future__ import annotations
 
+import os
+
 import cuda.bindings.driver as cuda
 import torch
 
@@ -58,14 +60,15 @@ from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
 from mok_cute.schedule.group_tiles import tiles_over
 
-D2_READY, D1_DONE, ROWS_READY = 24, 25, 26  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
+D2_READY, D1_DONE, ROWS_READY, WD_DONE = 24, 25, 26, 27  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
 KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd", "shared dWg", "shared dWu",
          "gather dy", "wait dgrad1", "slot sum", "CTA", "gather x")  # trace record kinds (MOK_CUTE_TRACE=1)
 GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND, GATHER_X_KIND = 10, 5, 10, 11, 12, 13, 14
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 PULLED_WORD, SUMMED_WORD = DONE_WORD + 1, DONE_WORD + 2  # EP > 1: comm CTAs done pulling, CTAs done summing
-COUNTER_WORDS = DONE_WORD + 3
+WD_WORD = DONE_WORD + 3  # wd_first: the dW_down tiles done (they have read dy's token round trip)
+COUNTER_WORDS = DONE_WORD + 4
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
@@ -78,7 +81,7 @@ class FusedMoeBwdCoreSm90:
 
     def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
                  shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
-                 n_tail: bool = False, ep: bool = False, grouped_slots: bool = False,
+                 n_tail: bool = False, ep: bool = False, grouped_slots: bool = False, wd_first: bool = False,
                  cfg: MainloopConfig = MainloopConfig()):
         if (gather or shared) and not scatter:
             raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
@@ -90,9 +93,14 @@ class FusedMoeBwdCoreSm90:
         if grouped_slots and not (mx and scatter and not gather):
             raise ValueError("grouped_slots (the dx rows over dy's rows) needs mx and scatter without gather: "
                              "only there is dy read by dgrad2 alone")
+        if wd_first and not grouped_slots:
+            raise ValueError("wd_first (dgu's token round trip over dy's, after every dW_down tile) needs grouped_slots")
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
         self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = trace, mx, n_tail, ep, grouped_slots
+        # wd_first: every dW_down tile runs first and counts itself done (WD_WORD); the producer of a D2 tile waits
+        # for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers)
+        self.wd_first = wd_first
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -221,11 +229,11 @@ class FusedMoeBwdCoreSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self._produce(pipe, views, sTask, mCounters.iterator, n_tasks, routed, shared, mGdy, status,
-                              timeout_ns)
+                              timeout_ns, mCounters.iterator + WD_WORD)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, views, storage, sTask, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, mSlot,
-                          mOrder, mCounters.iterator + DONE_WORD, mTrace, ep)
+                          mOrder, mCounters.iterator + DONE_WORD, mTrace, ep, mCounters.iterator + WD_WORD)
         if cutlass.const_expr(self.scatter):
             # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
             # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
@@ -265,7 +273,7 @@ class FusedMoeBwdCoreSm90:
     # ------------------------------------------------------------------ roles
     @cute.jit
     def _produce(self, pipe, views, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, routed, shared,
-                 mGdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64):
+                 mGdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, wd_done: cute.Pointer):
         """Producer warp: claim tasks in list order, hand each to the consumers, wait for its
         inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
         state = self.ml_d.producer_state()
@@ -284,7 +292,8 @@ class FusedMoeBwdCoreSm90:
                     state, rc = self._load(routed, lt, pipe, state, views, rc, mGdy, status, timeout_ns,
                                            self.gather)
             else:
-                state, rc = self._load(routed, t, pipe, state, views, rc, mGdy, status, timeout_ns, self.gather)
+                state, rc = self._load(routed, t, pipe, state, views, rc, mGdy, status, timeout_ns, self.gather,
+                                       wd_done)
             t = persistent.claim(ticket)
         persistent.hand_off(sTask, i, t)
         persistent.finish_hand_offs(i)
@@ -292,18 +301,24 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _load(self, g, lt: Int32, pipe, state, views, cur, mGdy: cute.Tensor, status: cute.Pointer,
-              timeout_ns: Int64, gather: cutlass.Constexpr):
+              timeout_ns: Int64, gather: cutlass.Constexpr, wd_done: cute.Pointer = None):
         """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
         the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
-        producer saw complete); returns ``(state, cur)``."""
+        producer saw complete); returns ``(state, cur)``. ``wd_first`` (``wd_done``: the dW_down tiles
+        done): a D2 tile first waits for every dW_down tile."""
         cfg = self.cfg
         sA, sB, sA_w, sB_w = views
         e1, b1, e2, b2, ready_e, ready_g = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2)
+            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
+            self.wd_first and wd_done is not None)
         k_h = g.hidden // cfg.tile_k
         k_i = g.inter // cfg.tile_k
         if phase == D2:
+            if cutlass.const_expr(self.wd_first and wd_done is not None):
+                wd_m, wd_n, _, _ = g.wdims
+                persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
+                                      Int32(0))
             if cutlass.const_expr(gather):
                 persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
@@ -350,7 +365,8 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _consume(self, pipe, views, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, routed, shared,
-                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor, ep):
+                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor, ep,
+                 wd_done: cute.Pointer):
         """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`); traced,
         consumer thread 0 records each task from its hand-off to its epilogue's end. EP > 1: first,
         every rank must have freed its slot buffer of the previous push round (FREE >= epoch - 1;
@@ -379,7 +395,7 @@ class FusedMoeBwdCoreSm90:
                                                     mOrder, done, self.scatter, ep)
             else:
                 state, rc, kind = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                mOrder, done, self.scatter, ep)
+                                                mOrder, done, self.scatter, ep, wd_done)
             if cutlass.const_expr(self.trace):
                 if tid == 0:
                     bidx, _, _ = cute.arch.block_idx()
@@ -388,17 +404,20 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,
-                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr, ep=None):
+                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr, ep=None,
+                 wd_done: cute.Pointer = None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
         their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted on
         ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
-        (D2 0, D1 1, dWd / dWg / dWu 2-4)."""
+        (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done`` given): a dW_down tile counts itself on
+        ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg
         sA, sB, sA_w, sB_w = views
         e1, b1, e2, b2 = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2)
+            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
+            self.wd_first and wd_done is not None)
         k_h = g.hidden // cfg.tile_k
         k_2i = 2 * (g.inter // cfg.tile_k)
         et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
@@ -469,6 +488,10 @@ class FusedMoeBwdCoreSm90:
                     self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
                                    cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
                                    g.dwu[(expert, None, None)], Float32(0.0))
+            if cutlass.const_expr(self.wd_first and wd_done is not None):
+                if which == WD:
+                    if tid == 0:
+                        cute.arch.atomic_add(wd_done, Int32(1), sem="release", scope="gpu")
         kind = Int32(0)
         if phase == D1:
             kind = Int32(1)
@@ -558,8 +581,8 @@ def _split(t: Int32, s: _Group, r: _Group):
 def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
                                 by_route: bool = False, shared: bool = False, accumulate: bool = False,
                                 trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False,
-                                ep: bool = False, grouped_slots: bool = False, *, arch: str = "sm_90a",
-                                inspect: bool = False):
+                                ep: bool = False, grouped_slots: bool = False, wd_first: bool = False, *,
+                                arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
     and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
     routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
@@ -568,8 +591,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
     per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
     ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``; ``n_tail``: H, I or I_s
     not a multiple of tile_n; ``ep``: EP > 1, the rows pulled and pushed through the workspace;
-    ``grouped_slots``: the MXFP8 dx rows over dy's grouped rows, see the kernel); returns
-    ``(compiled, report)``."""
+    ``grouped_slots``: the MXFP8 dx rows over dy's grouped rows, ``wd_first``: the dW_down tiles first, see the
+    kernel); returns ``(compiled, report)``."""
     if add and not scatter:
         raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
@@ -578,7 +601,8 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         raise ValueError("init (the shared expert's dx) needs scatter")
     if shared and not init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep, grouped_slots)
+    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep, grouped_slots,
+                             wd_first)
     dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -625,7 +649,8 @@ _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), 
 EP_SECTIONS = ("src", "dy", "slots", "flags")  # the workspace sections the ep variant addresses (kernel order)
 
 
-_WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile"}
+_WAITS = {D2_READY: "dgrad2 tiles of m-tile", D1_DONE: "dgrad1 tiles, target", ROWS_READY: "routed rows of m-tile",
+          WD_DONE: "dW_down tiles"}
 describe = persistent.describer("fused backward", _WAITS)  # the status words, read by the host later
 _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced launch
 
@@ -677,8 +702,17 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets, out=into(a)) for a in (x, h[:m]))
         dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
+    grouped = dyt is not None and toks is not None
     return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
-                   mx_dyt=dyt, dgu=dgu, grouped_slots=dyt is not None and toks is not None)
+                   mx_dyt=dyt, dgu=dgu, grouped_slots=grouped,
+                   wd_first=grouped and mx_wd_first() and 2 * w_gate.shape[1] <= dy.shape[1])
+
+
+def mx_wd_first() -> bool:
+    """``MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1`` (read at every call; off: compile-checked, not yet run on a GPU): the
+    MXFP8 backward with the dx slot sum runs every dW_down tile first and writes dgu's round trip along the
+    tokens over dy's (2I <= H), one [M, 2I] buffer less at the memory peak."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "0") == "1"
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
@@ -796,7 +830,7 @@ def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
 
 
 def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None, mx_dyt=None, ws=None, dgu=None, grouped_slots: bool = False):
+            main_grads=None, mx_dyt=None, ws=None, dgu=None, grouped_slots: bool = False, wd_first: bool = False):
     """One launch of the variant the arguments ask for (see the entries above); with
     ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
     with ``main_grads`` the weight gradients are accumulated there and returned as None;
@@ -804,7 +838,8 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
     ``gather``: its buffer, the launch writes it and the rows' round trips, h already its own);
     ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output
     buffer [M, 2I] bf16 (None: a new one); ``grouped_slots`` (MXFP8 ``tokens`` without ``gather``):
-    the dx rows written over ``dy``, the caller's to give up."""
+    the dx rows written over ``dy``, the caller's to give up; ``wd_first`` (with it, 2I <= H): dgu's round trip
+    along the tokens written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer)."""
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
@@ -847,12 +882,14 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf) if dgu is None else dgu
     dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)  # the weight gradients' dgu
+    if wd_first:  # over dy's token round trip, dead once every dW_down tile has read it
+        dgut = mx_dyt.view(-1)[:m * 2 * inter].view(m, 2 * inter)
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
                trace, mx_dyt is not None, tokens is not None and tokens[3] is not None,
                any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
-               ws is not None, grouped_slots)
+               ws is not None, grouped_slots, wd_first)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
         compile_fused_backward_core(*variant, arch=arch)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
