@@ -428,14 +428,22 @@ def test_host_core_consume_writes_dgu_over_gu(monkeypatch):
     assert ptrs[0] != gu.data_ptr() and ptrs[1] == gu.data_ptr()
 
 
+@functools.cache
+def _mx_tokens_core(grouped_slots: bool, wd_first: bool = False):
+    """The MXFP8 tokens core's compile report (shared by the tests below: one compile per variant and process)."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    return fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=grouped_slots,
+                                                 wd_first=wd_first, inspect=True)[1]
+
+
 def test_grouped_slots_variant():
     """The MXFP8 core with the dx rows over dy's grouped rows (``grouped_slots``): 0 spills, the same
     GEMM work as the scatter variant, different code (D1's plain store, the slot sum's row lookup);
     refused where dy has another reader or the rows are gathered in the launch."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, inspect=True)[1]
-    scatter = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, inspect=True)[1]
+    rep, scatter = _mx_tokens_core(True), _mx_tokens_core(False)
     _clean(rep)
     assert rep.ptx != scatter.ptx
     assert rep.ptx.count("wgmma.mma_async") == scatter.ptx.count("wgmma.mma_async")
@@ -450,9 +458,7 @@ def test_wd_first_variant():
     producer); refused without grouped_slots."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, wd_first=True,
-                                                inspect=True)[1]
-    base = fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=True, inspect=True)[1]
+    rep, base = _mx_tokens_core(True, True), _mx_tokens_core(True)
     _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") == base.ptx.count("wgmma.mma_async")
     assert rep.ptx.count("atom.global.release.add") == base.ptx.count("atom.global.release.add") + 1
