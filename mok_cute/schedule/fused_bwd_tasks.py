@@ -137,7 +137,7 @@ def core_task_list(offsets, tile_m: int, n_i: int, n_h: int, wd_tiles: tuple[int
     m-tile inside the expert and ``mt`` the routed m-tile; W: ``(m_tile, n_tile)`` of the dW
     output tile, m fastest (``wd_tiles`` / ``wgu_tiles``: (m-tiles, n-tiles) of one dW_down /
     one dW_gate), ``mt`` -1. The order is :func:`task_list`'s; ``wd_first``: every dW_down tile
-    first (experts in order), then the rest in that order (:func:`wd_first_id`)."""
+    first (experts in order), then the rest in that order (on the device: :func:`wd_first_id`)."""
     out = []
     for phase, expert, tile, mt, which in task_list(offsets, 0, tile_m, n_i, 0, n_h, wd_tiles[0] * wd_tiles[1],
                                                     wgu_tiles[0] * wgu_tiles[1], False):
@@ -148,28 +148,14 @@ def core_task_list(offsets, tile_m: int, n_i: int, n_h: int, wd_tiles: tuple[int
             first = expert_mtiles(offsets, tile_m)[expert][0]
             out.append((phase, expert, tile, mt - first, mt, -1))
     if wd_first:
-        n_d = sum(t[0] != W for t in out)
-        n_wd = (len(offsets) - 1) * wd_tiles[0] * wd_tiles[1]
-        out = [out[_wd_first_id(t, n_d, len(offsets) - 1, wd_tiles[0] * wd_tiles[1], wgu_tiles[0] * wgu_tiles[1])]
-               for t in range(len(out))]
-        assert all(t[0] == W and t[5] == WD for t in out[:n_wd])
+        is_wd = [t[0] == W and t[5] == WD for t in out]
+        out = [t for t, wd in zip(out, is_wd) if wd] + [t for t, wd in zip(out, is_wd) if not wd]
     return out
-
-
-def _wd_first_id(t: int, n_d: int, experts: int, wd: int, wgu: int) -> int:
-    """Mirror of :func:`wd_first_id` (``n_d``: the D2 + D1 tasks)."""
-    n_wd = experts * wd
-    if t < n_wd:
-        return n_d + t // wd * (wd + 2 * wgu) + t % wd
-    if t - n_wd < n_d:
-        return t - n_wd
-    lin = t - n_wd - n_d
-    return n_d + lin // (2 * wgu) * (wd + 2 * wgu) + wd + lin % (2 * wgu)
 
 
 @cute.jit
 def wd_first_id(t: Int32, n_d: Int32, num_experts: Int32, wd: Int32, wgu: Int32):
-    """The :func:`core_task_list` id of task ``t`` of the ``wd_first`` order: its first ``E * wd`` tasks are the
+    """The default-order :func:`core_task_list` id of task ``t`` of the ``wd_first`` order: its first ``E * wd`` tasks are the
     dW_down tiles (expert-major), then the D2 and D1 tiles (``n_d``), then each expert's dW_gate and dW_up tiles."""
     n_wd = num_experts * wd
     out = t - n_wd

@@ -142,13 +142,19 @@ def _check_plain(gg, ref, dev, gen, routing, offs_dtype, cfg=None):
     return row
 
 
-def _check_swiglu(gg, ref, dev, gen, routing, limit, cfg=None):
+def _swiglu_problem(dev, gen, routing, hid: int = H):
+    """GEMM1 + SwiGLU operands ``(M, offsets, x [M, hid], w_gate, w_up [E, I, hid])``: 3000 rows over ``routing``'s
+    expert counts, weights randn * hid^-0.5."""
     counts = _counts(routing, 3000, gen)
     m = sum(counts)
-    offs = _offsets(counts, dev)
-    x = torch.randn(m, H, device=dev).bfloat16()
-    wg = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
-    wu = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
+    x = torch.randn(m, hid, device=dev).bfloat16()
+    wg = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
+    wu = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
+    return m, _offsets(counts, dev), x, wg, wu
+
+
+def _check_swiglu(gg, ref, dev, gen, routing, limit, cfg=None):
+    m, offs, x, wg, wu = _swiglu_problem(dev, gen, routing)
     gu_ref, h_ref = ref.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
     results, tails = [], []
     for _ in range(REPEATS):
@@ -174,14 +180,9 @@ def _check_swiglu_mx(gg, ref, dev, gen, routing, limit, tma: bool):
     """GEMM1 + SwiGLU with h's MXFP8 copy (mx_h): gu, h bitwise equal to the plain swiglu
     kernel's; hq, hs bitwise equal to reference.mxfp8_quantize(h, -1) on the expert rows;
     5 repeats bitwise. ``tma`` picks the TMA-store epilogue or the masked-store one."""
-    counts = _counts(routing, 3000, gen)
-    m = sum(counts)
-    offs = _offsets(counts, dev)
-    x = torch.randn(m, H, device=dev).bfloat16()
+    m, offs, x, wg, wu = _swiglu_problem(dev, gen, routing)
     x[: m // 3] *= 2.0 ** 40  # rows far from 1 both ways (extreme MX scale bytes)
     x[m // 3: m // 2] *= 2.0 ** -50
-    wg = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
-    wu = (torch.randn(E, INTER, H, device=dev) * H ** -0.5).bfloat16()
     was = gg.set_tma_store(tma)
     try:
         gu0, h0 = gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
@@ -207,12 +208,7 @@ def _check_swiglu_helpers(gg, dev, gen, routing, limit):
     """GEMM1 + SwiGLU with h made by the helper warps (the default) against the same launch with the MMA
     warps making it (``set_swiglu_helpers(False)``): gu and h bitwise equal, 5 repeats bitwise (K =
     ``HELPERS_MIN_K``: the helpers run from there)."""
-    counts = _counts(routing, 3000, gen)
-    m, hid = sum(counts), gg.HELPERS_MIN_K
-    offs = _offsets(counts, dev)
-    x = torch.randn(m, hid, device=dev).bfloat16()
-    wg = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
-    wu = (torch.randn(E, INTER, hid, device=dev) * hid ** -0.5).bfloat16()
+    m, offs, x, wg, wu = _swiglu_problem(dev, gen, routing, gg.HELPERS_MIN_K)
     runs = {}
     for on in (False, True):
         was = gg.set_swiglu_helpers(on)

@@ -99,7 +99,8 @@ class FusedMoeBwdCoreSm90:
         self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
         self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = trace, mx, n_tail, ep, grouped_slots
         # wd_first: every dW_down tile runs first and counts itself done (WD_WORD); the producer of a D2 tile waits
-        # for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers)
+        # for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers). Routed group
+        # only: grouped_slots needs mx, which has no shared group in the launch
         self.wd_first = wd_first
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -305,17 +306,17 @@ class FusedMoeBwdCoreSm90:
         """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
         the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
         producer saw complete); returns ``(state, cur)``. ``wd_first`` (``wd_done``: the dW_down tiles
-        done): a D2 tile first waits for every dW_down tile."""
+        done, given for the routed group): a D2 tile first waits for every dW_down tile."""
         cfg = self.cfg
         sA, sB, sA_w, sB_w = views
         e1, b1, e2, b2, ready_e, ready_g = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
             lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
-            self.wd_first and wd_done is not None)
+            self.wd_first)
         k_h = g.hidden // cfg.tile_k
         k_i = g.inter // cfg.tile_k
         if phase == D2:
-            if cutlass.const_expr(self.wd_first and wd_done is not None):
+            if cutlass.const_expr(self.wd_first):
                 wd_m, wd_n, _, _ = g.wdims
                 persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
                                       Int32(0))
@@ -410,14 +411,14 @@ class FusedMoeBwdCoreSm90:
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
         their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted on
         ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
-        (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done`` given): a dW_down tile counts itself on
+        (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
         ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg
         sA, sB, sA_w, sB_w = views
         e1, b1, e2, b2 = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
             lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
-            self.wd_first and wd_done is not None)
+            self.wd_first)
         k_h = g.hidden // cfg.tile_k
         k_2i = 2 * (g.inter // cfg.tile_k)
         et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
@@ -488,7 +489,7 @@ class FusedMoeBwdCoreSm90:
                     self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
                                    cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
                                    g.dwu[(expert, None, None)], Float32(0.0))
-            if cutlass.const_expr(self.wd_first and wd_done is not None):
+            if cutlass.const_expr(self.wd_first):
                 if which == WD:
                     if tid == 0:
                         cute.arch.atomic_add(wd_done, Int32(1), sem="release", scope="gpu")
