@@ -542,6 +542,7 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
     idx = torch.zeros(t, k, dtype=torch.int32)
     order = torch.randperm(t * k)
     params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "0")  # the opt-out: dgu's token round trip in its own buffer
     for mx in (True, False):
         fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=mx)
         a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
@@ -553,12 +554,17 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
         else:
             assert tuple(a["mSlot"].shape) == (t * k, h) and a["mSlot"].data_ptr() != dy.data_ptr()
             assert torch.equal(a["mOrder"], order.to(torch.int32))
-    # MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1 (2I <= H here): dgu's token round trip over dy's, the dW_down tiles first
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "1")
+    # the default (2I <= H here): dgu's token round trip over dy's, the dW_down tiles first, and no [M, 2I] buffer
+    # made for it (only D2's own dgu: a buffer allocated and dropped would still count at the memory peak)
+    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST")
+    shapes, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *s, **kw: shapes.append(tuple(s[0]) if len(s) == 1 else s) or empty(*s, **kw))
     fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=True)
+    monkeypatch.setattr(torch, "empty", empty)
     a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
     assert keys[-1][2:][12:] == (True, True)
     assert a["mDguT3"].data_ptr() == a["mDyT"].data_ptr() and a["mDg"].data_ptr() == a["mDyT"].data_ptr()
+    assert shapes.count((m, 2 * weights[0].shape[1])) == 1, shapes
 
 
 def test_ep_host_launch_mx(monkeypatch):

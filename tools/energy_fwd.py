@@ -55,8 +55,8 @@ def main() -> int:
                     "size: 1024 tokens x k rows by default, above L2 at H 7168)")
     ap.add_argument("--mx", action="store_true", help="also the fused MXFP8 forward")
     ap.add_argument("--comm", default="16", help="comm_sms_fwd values of the fused rows (BF16, and MXFP8 with --mx)")
-    ap.add_argument("--env", default="", help="also fused BF16 rows with these NAME=VALUE settings (comma-separated, one "
-                    "row each; e.g. MOK_CUTE_FUSED_HELPERS=0; the gathers: --gathers)")
+    ap.add_argument("--env", default="", help="also fused BF16 rows (and MXFP8 with --mx) with these NAME=VALUE settings "
+                    "(comma-separated, one row each; e.g. MOK_CUTE_FUSED_HELPERS=0; the gathers: --gathers)")
     ap.add_argument("--bwd", action="store_true", help="also forward + backward steps (grads set to None first)")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
@@ -91,24 +91,31 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
             fwd[tag] = lambda g=g, c=c: _ours(True, c, gather=None if g == "default" else g)(x, idx, w, ws, sh)
     for mb in (int(v) for v in args.minibatch.split(",") if v):
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
+    envs = {}  # row -> (name, value) of its --env setting
     for setting in (v for v in args.env.split(",") if v):
         name, value = setting.split("=", 1)
         if name in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX"):  # each fused row sets these itself
             raise SystemExit(f"--env {name}: give the gather with --gathers")
         fwd[f"fused {setting}"] = lambda name=name, value=value: _in_env(name, value, _ours(True, 16), x, idx, w, ws, sh)
+        envs[f"fused {setting}"] = (name, value)
     if args.mx:
         for c in comms:
             tag = "fused mxfp8" + (f" c{c}" if len(comms) > 1 else "")
             fwd[tag] = lambda c=c: _ours(True, c, "mxfp8")(x, idx, w, ws, sh)
+        for setting in (v for v in args.env.split(",") if v):
+            name, value = setting.split("=", 1)
+            fwd[f"fused mxfp8 {setting}"] = lambda name=name, value=value: _in_env(
+                name, value, _ours(True, 16, "mxfp8"), x, idx, w, ws, sh)
+            envs[f"fused mxfp8 {setting}"] = (name, value)
     runs = {f"fwd {n}": (fn, True) for n, fn in fwd.items()}
     if args.bwd:
         def step(fn):
             for p in leaves:
                 p.grad = None
             torch.autograd.backward(fn(), dy)
-        for n, fn in fwd.items():
+        for n, fn in fwd.items():  # an --env row's setting holds through its backward too
             runs[f"fwd+bwd {n}"] = ((lambda: (tiles(), tiles.backward_tiles())) if fn is tiles else
-                                   (lambda fn=fn: step(fn)), False)
+                                   (lambda fn=fn, n=n: _in_env(*envs[n], step, fn) if n in envs else step(fn)), False)
     for fn, no_grad in runs.values():
         with torch.no_grad() if no_grad else contextlib.nullcontext():
             _run_for(fn, 0.2)

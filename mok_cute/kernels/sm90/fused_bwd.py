@@ -710,10 +710,10 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
 
 
 def mx_wd_first() -> bool:
-    """``MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1`` (read at every call; off: compile-checked, not yet run on a GPU): the
-    MXFP8 backward with the dx slot sum runs every dW_down tile first and writes dgu's round trip along the
-    tokens over dy's (2I <= H), one [M, 2I] buffer less at the memory peak."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "0") == "1"
+    """``MOK_CUTE_FUSED_BWD_MX_WD_FIRST`` (read at every call; default 1, 0 turns it off): the MXFP8 backward with
+    the dx slot sum runs every dW_down tile first and writes dgu's round trip along the tokens over dy's
+    (2I <= H), one [M, 2I] buffer less at the memory peak (device-verified bitwise; docs/benchmarks.md)."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "1").strip() != "0"
 
 
 def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
@@ -882,9 +882,10 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
             gather[4].zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf) if dgu is None else dgu
-    dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)  # the weight gradients' dgu
-    if wd_first:  # over dy's token round trip, dead once every dW_down tile has read it
+    if wd_first:  # the weight gradients' dgu over dy's token round trip, dead once every dW_down tile has read it
         dgut = mx_dyt.view(-1)[:m * 2 * inter].view(m, 2 * inter)
+    else:
+        dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)
     trace = persistent.tracing()
     variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
                gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
