@@ -567,6 +567,42 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
     assert shapes.count((m, 2 * weights[0].shape[1])) == 1, shapes
 
 
+def test_host_core_mx_prologue_operands(monkeypatch):
+    """fused_backward_core(mx=True, mx_dyt=) (mode 2 after ``route_grad.mx_rows_and_dtopk_w``, the opt-in MXFP8
+    prologue): dy and x reach the launch as given (already their round trips along H and along the tokens), mDyT
+    is ``mx_dyt``, only h is round-tripped here (in place when consumed), and the variant is mode 2's MXFP8 one
+    (grouped_slots, wd_first with 2I <= H). ``Sm90ExpertMLP.mx_prologue`` is off by default and on CPU tensors."""
+    import inspect
+
+    from mok_cute.kernels.quant import dequant_mxfp8
+    from mok_cute.kernels.sm90 import fused_bwd
+    from mok_cute.layers.common import ExpertGroup
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    trips = []
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens",
+                        lambda a, offs, out=None: trips.append("tokens") or a.clone() + 1)
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip", lambda a, out=None: trips.append("rows") or a.clone() + 2)
+    t, k, m, h = 100, 2, 200, 256
+    dy, x = torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16)
+    dyt = torch.randn(m, h).to(torch.bfloat16)
+    offsets = torch.tensor([0, 50, m], dtype=torch.int32)
+    idx = torch.zeros(t, k, dtype=torch.int32)
+    fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(torch.randperm(t * k), idx, None),
+                                  mx=True, consume=True, mx_dyt=dyt)
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
+    assert trips == ["tokens"] and torch.equal(a["mH"], hh[:m] + 1)
+    assert a["mDy"].data_ptr() == dy.data_ptr() and torch.equal(a["mDy"], dy) and a["mX"].data_ptr() == x.data_ptr()
+    assert a["mDyT"].data_ptr() == dyt.data_ptr() and a["mSlot"].data_ptr() == dy.data_ptr()
+    assert keys[-1][2:][12:] == (True, True)  # (..., grouped_slots, wd_first)
+    g = ExpertGroup(x, offsets, gu, hh, "mxfp8")
+    assert Sm90ExpertMLP().mx_prologue(g, dy[:t], x[:t], dy, torch.arange(t * k), torch.rand(t, k), False) is None
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "1")  # on, but CPU tensors: the usual passes
+    assert Sm90ExpertMLP().mx_prologue(g, dy[:t], x[:t], dy, torch.arange(t * k), torch.rand(t, k), False) is None
+
+
 def test_ep_host_launch_mx(monkeypatch):
     """fused_backward_ep at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
     replaced): the mx ep variant, h's round trip along the tokens over the plan's experts as mH, a

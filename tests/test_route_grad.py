@@ -84,3 +84,31 @@ def test_slot_dtopk_w_torch_path_and_checks():
         route_grad.slot_dtopk_w(dy, r[:-1], idx)
     with pytest.raises(ValueError, match="contiguous"):
         route_grad.slot_dtopk_w(dy.t().contiguous().t(), r, idx)
+
+
+@pytest.mark.parametrize("by_route", [False, True])
+def test_mx_prologue_compiles_with_both_round_trips(by_route):
+    """mx_rows_and_dtopk_w's kernel (the MXFP8 backward's prologue over every SM, sm_90a): 0 spills; route_row's
+    scaled rows and fixed-order d topk_w (mul.rn, fma.rn, the butterfly), the MXFP8 round trips (e4m3 converts both
+    ways, the packed amax), CTA barriers between a tile's passes and one release add per tile's pass."""
+    _, rep = route_grad.compiled_mx_rows("sm_90a", by_route)
+    assert rep.total_spill_bytes == 0
+    for inst in ("mul.rn.f32", "fma.rn.f32", "cvt.rn.bf16x2.f32", "shfl.sync.bfly", "cvt.rn.satfinite.e4m3x2.f32",
+                 "cvt.rn.f16x2.e4m3x2", "max.u16x2", "bar.sync", "atom.global.release.add.u32"):
+        assert rep.has(inst), inst
+
+
+def test_mx_prologue_validation():
+    """mx_rows_and_dtopk_w refuses, before any launch, an int64 order, an x not shaped as dy, a wrong topk_w, and
+    CPU tensors (it has no torch path: its device check compares it with the unfused passes)."""
+    dy, r, order, w, offsets, _ = _problem()
+    x = torch.randn_like(dy.float()).bfloat16()
+    o32 = order.int()
+    with pytest.raises(TypeError, match="order"):
+        route_grad.mx_rows_and_dtopk_w(dy, x, r, order, w, offsets)
+    with pytest.raises(ValueError, match="x must be shaped"):
+        route_grad.mx_rows_and_dtopk_w(dy, x[:-1].contiguous(), r, o32, w, offsets)
+    with pytest.raises(TypeError, match="topk_w"):
+        route_grad.mx_rows_and_dtopk_w(dy, x, r, o32, w.double(), offsets)
+    with pytest.raises(ValueError, match="CUDA"):
+        route_grad.mx_rows_and_dtopk_w(dy, x, r, o32, w, offsets)

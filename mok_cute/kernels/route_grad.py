@@ -14,6 +14,11 @@ reproducible. Rows p >= offsets[E] of dy_rows are not written (no expert reads t
 
 One warp per grouped row, 16-byte loads and stores; dims are runtime ``Int32`` (one compiled
 kernel per arch).
+
+:func:`mx_rows_and_dtopk_w`: the MXFP8 backward's prologue in one launch over every SM (the fused backward's
+comm-CTA gather, :func:`~mok_cute.kernels.route_grad_row.gather_chunks` with its SM90 MXFP8 step): the routed dy
+rows, d topk_w and the x rows, each m-tile's rows round-tripped while they are in L2, in place of this kernel, an x
+gather and three round-trip passes over [M, H] buffers.
 """
 
 import torch
@@ -69,6 +74,98 @@ def _build(arch: str, by_route: bool = False):
 
     return compile_kernel(launch, *_pointers(0, 0, 0, 0, 0, 0, 0), *(Int32(1),) * 5, cuda.CUstream(0),
                           arch=arch, inspect=True)
+
+
+_MX_THREADS = 256  # per CTA of the MXFP8 prologue: one warp per row of its m-tile, then the tile's round trips
+_MX_UNROLL = 8  # 16-byte loads in flight per lane of its x row copy
+_TILE_M = 128  # rows per m-tile (an expert's tiles start at its first row: its MXFP8 token blocks are the tile's)
+
+
+def _build_mx(arch: str, by_route: bool):
+    import cuda.bindings.driver as cuda  # noqa: PLC0415
+
+    cutlass, cute = dsl()
+    from mok_cute.kernels.route_grad_row import gather_chunks, mx_round_trips  # noqa: PLC0415
+    from mok_cute.schedule.fused_tasks import routed_mtiles  # noqa: PLC0415
+
+    Int32 = cutlass.Int32
+
+    @cute.kernel
+    def kernel(dy: cute.Tensor, x: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
+               offs: cute.Tensor, dy_rows: cute.Tensor, x_rows: cute.Tensor, dy_t: cute.Tensor, ready: cute.Tensor,
+               k: Int32, hid: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        e = offs.shape[0] - 1
+        gather_chunks(tid, bid, grid, routed_mtiles(offs, e, _TILE_M), offs, e, order, None, dy, x, r, w, dtw, dy_rows,
+                      x_rows, ready, k, hid, None, None, None, 0, None, _TILE_M, _MX_THREADS, _MX_UNROLL, by_route,
+                      (mx_round_trips, (dy_t,)))
+
+    @cute.jit
+    def launch(dyp: cute.Pointer, xp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer,
+               orderp: cute.Pointer, offp: cute.Pointer, dyrp: cute.Pointer, xrp: cute.Pointer, dytp: cute.Pointer,
+               readyp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32, hid: Int32, ctas: Int32,
+               stream: cuda.CUstream):
+        def rows(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout((n, hid), stride=(cute.assume(hid, divby=8), 1)))
+
+        def vec(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout((n,)))
+
+        kernel(rows(dyp, t), rows(xp, t), rows(rp, m), vec(wp, m), vec(dtwp, m), vec(orderp, m), vec(offp, e + 1),
+               rows(dyrp, m), rows(xrp, m), rows(dytp, m), vec(readyp, ctas), k, hid).launch(
+            grid=[ctas, 1, 1], block=[_MX_THREADS, 1, 1], stream=stream)
+
+    return compile_kernel(launch, *_mx_pointers(*(0,) * 11), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
+                          inspect=True)
+
+
+def _mx_pointers(dy: int, x: int, r: int, w: int, dtw: int, order: int, offs: int, dy_rows: int, x_rows: int,
+                 dy_t: int, ready: int):
+    """:func:`mx_rows_and_dtopk_w`'s kernel pointers (bf16 rows, fp32 weights, int32 order / offsets / counters)."""
+    cutlass, cute = dsl()
+
+    def ptr(dtype, addr, align):
+        return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+    bf, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    return (ptr(bf, dy, 16), ptr(bf, x, 16), ptr(bf, r, 16), ptr(f32, w, 4), ptr(f32, dtw, 4), ptr(i32, order, 4),
+            ptr(i32, offs, 4), ptr(bf, dy_rows, 16), ptr(bf, x_rows, 16), ptr(bf, dy_t, 16), ptr(i32, ready, 4))
+
+
+def compiled_mx_rows(arch: str, by_route: bool = False):
+    """The cached ``(compiled, CompileReport)`` of :func:`mx_rows_and_dtopk_w`'s kernel for an arch."""
+    return compile_cached(("route_grad_mx", arch, by_route), lambda: _build_mx(arch, by_route))
+
+
+def mx_rows_and_dtopk_w(dy, x, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
+    """The MXFP8 backward's prologue in one launch (the module doc): ``(dy_rows, dy_t, x_rows, d_topk_w)`` with
+    ``dy_rows`` [T*k, H] bf16 the routed dy rows (:func:`dy_rows_and_dtopk_w`'s) after their MXFP8 round trip along
+    H, ``dy_t`` the same rows' round trip along the tokens (blocks of 32 from each expert's first row), ``x_rows``
+    [T*k, H] the grouped x rows ``x[order[p] // k]`` after theirs along the tokens, ``d_topk_w`` [T, k] fp32
+    (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (mode 3) and so
+    the unfused passes; rows at or past offsets[E] are not written. dy, x [T, H] bf16 (H % 8 == 0), r_rows [T*k, H]
+    bf16 (``rows_by_route``: in route order), order int32 [T*k], topk_w fp32 [T, k], offsets int32 [E+1]; all
+    contiguous on one CUDA device."""
+    _check(dy, r_rows, order, topk_w, offsets, torch.int32, x)
+    if not dy.is_cuda:
+        raise ValueError("mx_rows_and_dtopk_w runs on a CUDA device")
+    t, h = dy.shape
+    k, m = topk_w.shape[1], r_rows.shape[0]
+    e = offsets.numel() - 1
+    dy_rows, dy_t, x_rows = (torch.empty_like(r_rows) for _ in range(3))
+    dtw = torch.empty_like(topk_w)
+    if m:
+        ctas = m // _TILE_M + e + 1  # routed m-tiles at most: one partial per expert
+        ready = torch.zeros(ctas, dtype=torch.int32, device=dy.device)  # the gather's per-tile publications (unread)
+        fn, _ = compiled_mx_rows(arch_of_device(dy.device), rows_by_route)
+        with torch.cuda.device(dy.device):
+            fn(*_mx_pointers(dy.data_ptr(), x.data_ptr(), r_rows.data_ptr(), topk_w.data_ptr(), dtw.data_ptr(),
+                             order.data_ptr(), offsets.data_ptr(), dy_rows.data_ptr(), x_rows.data_ptr(),
+                             dy_t.data_ptr(), ready.data_ptr()),
+               t, m, k, e, h, ctas, current_stream(dy.device))
+    return dy_rows, dy_t, x_rows, dtw
 
 
 def _build_dots(arch: str):
@@ -165,10 +262,12 @@ def compiled_route_grad(arch: str, by_route: bool = False):
     return compile_cached(("route_grad", arch, by_route), lambda: _build(arch, by_route))
 
 
-def _check(dy, r_rows, order, topk_w, offsets):
+def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64, x=None):
+    """The operands' dtypes, ranks and shapes (``x``: also a bf16 tensor shaped as dy): TypeError / ValueError."""
     for name, t, dtype, nd in (("dy", dy, torch.bfloat16, 2), ("r_rows", r_rows, torch.bfloat16, 2),
-                               ("order", order, torch.int64, 1), ("topk_w", topk_w, torch.float32, 2),
-                               ("offsets", offsets, torch.int32, 1)):
+                               ("order", order, order_dtype, 1), ("topk_w", topk_w, torch.float32, 2),
+                               ("offsets", offsets, torch.int32, 1)) + ((("x", x, torch.bfloat16, 2),) if x is not None
+                                                                        else ()):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != nd:
             raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
         if not t.is_contiguous():
@@ -176,6 +275,8 @@ def _check(dy, r_rows, order, topk_w, offsets):
     (t, h), (k, m) = dy.shape, (topk_w.shape[1], r_rows.shape[0])
     if h % 8 or h == 0:
         raise ValueError(f"dy: H = {h} must be a positive multiple of 8")
+    if x is not None and x.shape != dy.shape:
+        raise ValueError(f"x must be shaped as dy {tuple(dy.shape)}, got {tuple(x.shape)}")
     if topk_w.shape[0] != t or r_rows.shape[1] != h or m != t * k or order.shape[0] != m:
         raise ValueError(f"shapes must be dy [T, H], topk_w [T, k], r_rows and order [T*k, ...]: got dy "
                          f"{tuple(dy.shape)}, topk_w {tuple(topk_w.shape)}, r_rows {tuple(r_rows.shape)}, "

@@ -107,6 +107,14 @@ def fused_bwd_mode() -> int:
     return int(mode)
 
 
+def fused_bwd_mx_prologue() -> bool:
+    """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, read at every call; written 2026-12-02 after the session's device
+    time was spent: not yet run on a GPU): the MXFP8 backward of mode 2 makes its routed dy rows, d topk_w and x rows
+    and their round trips in one launch over every SM (``route_grad.mx_rows_and_dtopk_w``, the mode-3 comm CTAs'
+    device code) instead of the route_grad pass, an x gather and three round-trip passes."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "0").strip() == "1"
+
+
 def fused_bwd_mx() -> bool:
     """The MXFP8 backward through the fused backward too (its ``mx`` variant): on by default
     (bitwise equal to the unfused MXFP8 backward on an H200, ``tools/checks/fused_bwd.py``, and

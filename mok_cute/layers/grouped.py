@@ -211,15 +211,22 @@ class GroupedExpertBackend:
                                           comm_ctas=st.comm_bwd)
             if out is not None:
                 return MoEGrads(*out)
-        if st.routed.x is None:
-            st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
-        dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
-                                                      rows_by_route=st.rows_by_route)
+        pro = None  # MXFP8 (opt-in): the rows, d topk_w and the rows' round trips in one launch, then mode 2's core
+        if mode == 2 and st.routed.x is None and st.x is not None and hasattr(self.mlp, "mx_prologue"):
+            pro = self.mlp.mx_prologue(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.rows_by_route)
+        if pro is not None:
+            dy_rows, _, x_rows, dtw = pro  # (pro[1], dy_t: the tokens round trip, to the core)
+            st.routed = replace(st.routed, x=x_rows)
+        else:
+            if st.routed.x is None:
+                st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
+            dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
+                                                          rows_by_route=st.rows_by_route)
         st.rows = None  # the backward is one-shot (its caller drops the state): the GEMM2 rows go now
         if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
             shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
             out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0],
-                                           dx_gate, consume=True)
+                                           dx_gate, consume=True, **({} if pro is None else {"mx_dyt": pro[1]}))
             if out is not None:
                 return MoEGrads(out[0], dtw, *out[1:], shared[1], d_gate)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)

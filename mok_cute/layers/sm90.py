@@ -35,8 +35,8 @@ import importlib
 import torch
 
 from mok_cute.layers.common import (
-    ExpertGroup, fused_bwd_mx, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
-    whole_offsets,
+    ExpertGroup, fused_bwd_mx, fused_bwd_mx_prologue, mlp_backward, mlp_forward, ring_chunks, shared_backward,
+    shared_launch_operands, whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
@@ -214,26 +214,45 @@ class Sm90ExpertMLP:
                             w_down, limit)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
-                        dx_add=None, consume: bool = False):
+                        dx_add=None, consume: bool = False, mx_dyt=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
         row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
         None: added to its fp32 start), bitwise the unfused scatter and slot sum; None where that
         launch does not apply (then call :meth:`backward`). ``consume``: the caller gives up
         ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written over gu; MXFP8: their round trips
-        are made in place)."""
+        are made in place). ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's round trips (dy_t its
+        third output); then this launch always runs (the others' operands are no longer the plain rows)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
-        if not _fused_bwd_ok(g, dy_rows):
+        if mx_dyt is None and not _fused_bwd_ok(g, dy_rows):
             return None
         if dx_shared is not None and not dx_shared.is_contiguous():
-            return None
+            if mx_dyt is None:
+                return None
+            dx_shared = dx_shared.contiguous()
         _check_dy(fwd, g, dy_rows)
         return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
                                    *self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                    tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8",
-                                   consume=consume)
+                                   consume=consume, mx_dyt=mx_dyt)
+
+    def mx_prologue(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, rows_by_route: bool):
+        """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
+        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, x_rows, d topk_w)`` from the layer's tokens in one launch
+        (``route_grad.mx_rows_and_dtopk_w``: the route_grad pass, the x gather and their rows' round trips); the
+        caller then runs :meth:`backward_tokens` with ``mx_dyt=dy_t`` and ``g.x = x_rows``. None where it does not
+        apply (then the route_grad pass and :meth:`backward_tokens` as usual)."""
+        if not (fused_bwd_mx_prologue() and g.precision == "mxfp8" and fused_bwd_mx() and dy.is_cuda):
+            return None
+        t, k = topk_w.shape
+        if not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu)) or r_rows.shape[0] != t * k or t * k == 0:
+            return None
+        from mok_cute.kernels.route_grad import mx_rows_and_dtopk_w
+
+        return mx_rows_and_dtopk_w(dy, x, r_rows, order.to(torch.int32), topk_w.contiguous(), offsets_i32(g.offsets),
+                                   rows_by_route)
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8

@@ -226,7 +226,8 @@ def _tokens_rows(dev) -> list[Row]:
 def _mx_rows(dev) -> list[Row]:
     """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
     operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
-    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2 and 3 vs 0."""
+    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2, 3 and 2 with the
+    opt-in prologue (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1``) vs 0."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
@@ -249,14 +250,18 @@ def _mx_rows(dev) -> list[Row]:
     rows.append(_mx_tokens_row(dev))
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
-    for flag in ("0", "2", "3"):
-        os.environ["MOK_CUTE_FUSED_BWD"] = flag
+    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=1"):
+        os.environ["MOK_CUTE_FUSED_BWD"] = flag[0]
         os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
+        os.environ["MOK_CUTE_FUSED_BWD_MX_PROLOGUE"] = "1" if "PROLOGUE" in flag else "0"
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
         finally:
-            del os.environ["MOK_CUTE_FUSED_BWD"], os.environ["MOK_CUTE_FUSED_BWD_MX"]
-    for flag in ("2", "3"):  # 3: the whole MXFP8 backward in one launch, the shared expert's before it
+            for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE"):
+                del os.environ[var]
+    # 3: the whole MXFP8 backward in one launch, the shared expert's before it; the prologue: mode 2 after the
+    # rows and their round trips made in one launch over every SM (route_grad.mx_rows_and_dtopk_w)
+    for flag in ("2", "3", "2 + _MX_PROLOGUE=1"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
                         bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))

@@ -663,7 +663,8 @@ def last_trace():
 
 
 def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
-                        num_ctas: int | None = None, tokens=None, mx: bool = False, consume: bool = False):
+                        num_ctas: int | None = None, tokens=None, mx: bool = False, consume: bool = False,
+                        mx_dyt=None):
     """The routed backward in one launch (module doc) on operands the unfused path accepts
     (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
     stride; I, H multiples of 64, not of 256: the n_tail variant; offsets int32 [E+1] on the
@@ -685,7 +686,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     instead of in new [M, H] / [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU
     tile reads its own g, u elements before it stores their dg, du, and no other task reads gu),
     not into a new [M, 2I] buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's
-    round trip along H (``grouped_slots``: no [T*k, H] slot buffer).
+    round trip along H (``grouped_slots``: no [T*k, H] slot buffer). ``mx_dyt`` (with ``mx``): the caller made
+    dy's and x's round trips (``route_grad.mx_rows_and_dtopk_w``): dy is its round trip along H, x along the
+    tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made here.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
     toks = None
@@ -699,9 +702,12 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         def into(a):  # the round trip's buffer: ``a`` itself when consumed
             return a if consume and a.is_contiguous() else None
 
-        dyt = mxfp8_round_trip_tokens(dy.contiguous(), offsets)
-        x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets, out=into(a)) for a in (x, h[:m]))
-        dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
+        if mx_dyt is None:
+            dyt = mxfp8_round_trip_tokens(dy.contiguous(), offsets)
+            x, h = (mxfp8_round_trip_tokens(a.contiguous(), offsets, out=into(a)) for a in (x, h[:m]))
+            dy = mxfp8_round_trip(dy.contiguous(), out=into(dy))
+        else:
+            dyt, h = mx_dyt, mxfp8_round_trip_tokens(h[:m].contiguous(), offsets, out=into(h[:m]))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
     grouped = dyt is not None and toks is not None
     return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
