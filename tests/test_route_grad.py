@@ -86,29 +86,38 @@ def test_slot_dtopk_w_torch_path_and_checks():
         route_grad.slot_dtopk_w(dy.t().contiguous().t(), r, idx)
 
 
-@pytest.mark.parametrize("by_route", [False, True])
-def test_mx_prologue_compiles_with_both_round_trips(by_route):
-    """mx_rows_and_dtopk_w's kernel (the MXFP8 backward's prologue over every SM, sm_90a): 0 spills; route_row's
-    scaled rows and fixed-order d topk_w (mul.rn, fma.rn, the butterfly), the MXFP8 round trips (e4m3 converts both
-    ways, the packed amax), CTA barriers between a tile's passes and one release add per tile's pass."""
-    _, rep = route_grad.compiled_mx_rows("sm_90a", by_route)
+@pytest.mark.parametrize("xpass,by_route", [(0, False), (0, True), (1, False)])
+def test_mx_prologue_compiles_with_its_round_trips(xpass, by_route):
+    """The MXFP8 prologue's two kernels (sm_90a; the MXFP8 backward's route_grad pass and x gather with their round
+    trips, over every SM): 0 spills; the MXFP8 round trips (e4m3 converts both ways, the packed amax), CTA barriers
+    between a tile's steps, one release add per tile; the dy pass also route_row's scaled rows and fixed-order
+    d topk_w (fma.rn, the butterfly) and dy's round trip along H (its lanes' amax by shuffles), the x pass neither."""
+    _, rep = route_grad.compiled_mx_rows("sm_90a", xpass, by_route)
     assert rep.total_spill_bytes == 0
-    for inst in ("mul.rn.f32", "fma.rn.f32", "cvt.rn.bf16x2.f32", "shfl.sync.bfly", "cvt.rn.satfinite.e4m3x2.f32",
-                 "cvt.rn.f16x2.e4m3x2", "max.u16x2", "bar.sync", "atom.global.release.add.u32"):
+    for inst in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2", "bar.sync",
+                 "atom.global.release.add.u32"):
         assert rep.has(inst), inst
+    for inst in ("fma.rn.f32", "shfl.sync.bfly"):
+        assert rep.has(inst) == (xpass == 0), inst
 
 
 def test_mx_prologue_validation():
-    """mx_rows_and_dtopk_w refuses, before any launch, an int64 order, an x not shaped as dy, a wrong topk_w, and
-    CPU tensors (it has no torch path: its device check compares it with the unfused passes)."""
-    dy, r, order, w, offsets, _ = _problem()
+    """The MXFP8 prologue's two launches refuse, before any launch, an int64 order, a wrong topk_w, an x whose
+    rows do not match the order, and CPU tensors (no torch path: its device check compares it with the unfused
+    passes)."""
+    dy, r, order, w, offsets, idx = _problem()
+    k = idx.shape[1]
     x = torch.randn_like(dy.float()).bfloat16()
     o32 = order.int()
     with pytest.raises(TypeError, match="order"):
-        route_grad.mx_rows_and_dtopk_w(dy, x, r, order, w, offsets)
-    with pytest.raises(ValueError, match="x must be shaped"):
-        route_grad.mx_rows_and_dtopk_w(dy, x[:-1].contiguous(), r, o32, w, offsets)
+        route_grad.mx_dy_rows_and_dtopk_w(dy, r, order, w, offsets)
     with pytest.raises(TypeError, match="topk_w"):
-        route_grad.mx_rows_and_dtopk_w(dy, x, r, o32, w.double(), offsets)
+        route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w.double(), offsets)
     with pytest.raises(ValueError, match="CUDA"):
-        route_grad.mx_rows_and_dtopk_w(dy, x, r, o32, w, offsets)
+        route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w, offsets)
+    with pytest.raises(TypeError, match="order"):
+        route_grad.mx_x_rows(x, order, offsets, k)
+    with pytest.raises(ValueError, match="order"):
+        route_grad.mx_x_rows(x[:-1].contiguous(), o32, offsets, k)
+    with pytest.raises(ValueError, match="CUDA"):
+        route_grad.mx_x_rows(x, o32, offsets, k)

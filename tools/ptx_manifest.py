@@ -133,6 +133,10 @@ def _quant():
     for arch in ARCHS:
         out[f"route_grad/route_grad@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a)
         out[f"route_grad/route_grad-by-route@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a, True)
+        if arch == "sm_90a":  # the MXFP8 prologue's two passes (route_grad_row.mx_round_trips: SM90's MXFP8 step)
+            for xpass, by_route in ((0, False), (0, True), (1, False)):
+                out[f"route_grad/mx-pass{xpass}{'-by-route' if by_route else ''}@{arch}"] = (
+                    lambda a=arch, p=xpass, b=by_route: route_grad.compiled_mx_rows(a, p, b))
     from mok_cute.kernels.sm90 import fused_moe as fm
 
     for clamp in (False, True):

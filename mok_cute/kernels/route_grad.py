@@ -15,10 +15,11 @@ reproducible. Rows p >= offsets[E] of dy_rows are not written (no expert reads t
 One warp per grouped row, 16-byte loads and stores; dims are runtime ``Int32`` (one compiled
 kernel per arch).
 
-:func:`mx_rows_and_dtopk_w`: the MXFP8 backward's prologue in one launch over every SM (the fused backward's
-comm-CTA gather, :func:`~mok_cute.kernels.route_grad_row.gather_chunks` with its SM90 MXFP8 step): the routed dy
-rows, d topk_w and the x rows, each m-tile's rows round-tripped while they are in L2, in place of this kernel, an x
-gather and three round-trip passes over [M, H] buffers.
+:func:`mx_dy_rows_and_dtopk_w` and :func:`mx_x_rows`: the MXFP8 backward's prologue in two launches over every SM
+(the two passes of the fused backward's comm-CTA gather, :func:`~mok_cute.kernels.route_grad_row.gather_chunks`
+with its SM90 MXFP8 step): the routed dy rows with d topk_w, then the x rows, each m-tile's rows round-tripped while
+they are in L2, in place of this kernel, an x gather and three round-trip passes over [M, H] buffers; two launches
+so that the forward's rows, read by the first alone, can be freed before the second allocates the x rows.
 """
 
 import torch
@@ -81,7 +82,8 @@ _MX_UNROLL = 8  # 16-byte loads in flight per lane of its x row copy
 _TILE_M = 128  # rows per m-tile (an expert's tiles start at its first row: its MXFP8 token blocks are the tile's)
 
 
-def _build_mx(arch: str, by_route: bool):
+def _build_mx(arch: str, xpass: int, by_route: bool):
+    """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs)."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
     cutlass, cute = dsl()
@@ -91,81 +93,107 @@ def _build_mx(arch: str, by_route: bool):
     Int32 = cutlass.Int32
 
     @cute.kernel
-    def kernel(dy: cute.Tensor, x: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
-               offs: cute.Tensor, dy_rows: cute.Tensor, x_rows: cute.Tensor, dy_t: cute.Tensor, ready: cute.Tensor,
-               k: Int32, hid: Int32):
+    def kernel(src: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
+               offs: cute.Tensor, rows: cute.Tensor, dy_t: cute.Tensor, ready: cute.Tensor, k: Int32, hid: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         e = offs.shape[0] - 1
+        dy, x, dy_rows, x_rows = (src, None, rows, None) if xpass == 0 else (None, src, None, rows)
         gather_chunks(tid, bid, grid, routed_mtiles(offs, e, _TILE_M), offs, e, order, None, dy, x, r, w, dtw, dy_rows,
                       x_rows, ready, k, hid, None, None, None, 0, None, _TILE_M, _MX_THREADS, _MX_UNROLL, by_route,
-                      (mx_round_trips, (dy_t,)))
+                      (mx_round_trips, (dy_t,)), passes=(xpass,))
 
     @cute.jit
-    def launch(dyp: cute.Pointer, xp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer,
-               orderp: cute.Pointer, offp: cute.Pointer, dyrp: cute.Pointer, xrp: cute.Pointer, dytp: cute.Pointer,
-               readyp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32, hid: Int32, ctas: Int32,
-               stream: cuda.CUstream):
-        def rows(ptr, n):
+    def launch(srcp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer, orderp: cute.Pointer,
+               offp: cute.Pointer, rowsp: cute.Pointer, dytp: cute.Pointer, readyp: cute.Pointer, t: Int32, m: Int32,
+               k: Int32, e: Int32, hid: Int32, ctas: Int32, stream: cuda.CUstream):
+        def mat(ptr, n):
             return cute.make_tensor(ptr, cute.make_layout((n, hid), stride=(cute.assume(hid, divby=8), 1)))
 
         def vec(ptr, n):
             return cute.make_tensor(ptr, cute.make_layout((n,)))
 
-        kernel(rows(dyp, t), rows(xp, t), rows(rp, m), vec(wp, m), vec(dtwp, m), vec(orderp, m), vec(offp, e + 1),
-               rows(dyrp, m), rows(xrp, m), rows(dytp, m), vec(readyp, ctas), k, hid).launch(
+        dy_only = (mat(rp, m), vec(wp, m), vec(dtwp, m)) if xpass == 0 else (None, None, None)
+        kernel(mat(srcp, t), *dy_only, vec(orderp, m), vec(offp, e + 1), mat(rowsp, m),
+               mat(dytp, m) if xpass == 0 else None, vec(readyp, ctas), k, hid).launch(
             grid=[ctas, 1, 1], block=[_MX_THREADS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_mx_pointers(*(0,) * 11), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
+    return compile_kernel(launch, *_mx_pointers(*(0,) * 9), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
 
-def _mx_pointers(dy: int, x: int, r: int, w: int, dtw: int, order: int, offs: int, dy_rows: int, x_rows: int,
-                 dy_t: int, ready: int):
-    """:func:`mx_rows_and_dtopk_w`'s kernel pointers (bf16 rows, fp32 weights, int32 order / offsets / counters)."""
+def _mx_pointers(src: int, r: int, w: int, dtw: int, order: int, offs: int, rows: int, dy_t: int, ready: int):
+    """The MXFP8 prologue's kernel pointers (bf16 rows, fp32 weights, int32 order / offsets / counters)."""
     cutlass, cute = dsl()
 
     def ptr(dtype, addr, align):
         return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
     bf, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
-    return (ptr(bf, dy, 16), ptr(bf, x, 16), ptr(bf, r, 16), ptr(f32, w, 4), ptr(f32, dtw, 4), ptr(i32, order, 4),
-            ptr(i32, offs, 4), ptr(bf, dy_rows, 16), ptr(bf, x_rows, 16), ptr(bf, dy_t, 16), ptr(i32, ready, 4))
+    return (ptr(bf, src, 16), ptr(bf, r, 16), ptr(f32, w, 4), ptr(f32, dtw, 4), ptr(i32, order, 4), ptr(i32, offs, 4),
+            ptr(bf, rows, 16), ptr(bf, dy_t, 16), ptr(i32, ready, 4))
 
 
-def compiled_mx_rows(arch: str, by_route: bool = False):
-    """The cached ``(compiled, CompileReport)`` of :func:`mx_rows_and_dtopk_w`'s kernel for an arch."""
-    return compile_cached(("route_grad_mx", arch, by_route), lambda: _build_mx(arch, by_route))
+def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
+    """The cached ``(compiled, CompileReport)`` of the MXFP8 prologue's pass ``xpass`` for an arch
+    (:func:`mx_dy_rows_and_dtopk_w`: 0, :func:`mx_x_rows`: 1)."""
+    return compile_cached(("route_grad_mx", arch, xpass, by_route), lambda: _build_mx(arch, xpass, by_route))
 
 
-def mx_rows_and_dtopk_w(dy, x, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
-    """The MXFP8 backward's prologue in one launch (the module doc): ``(dy_rows, dy_t, x_rows, d_topk_w)`` with
-    ``dy_rows`` [T*k, H] bf16 the routed dy rows (:func:`dy_rows_and_dtopk_w`'s) after their MXFP8 round trip along
-    H, ``dy_t`` the same rows' round trip along the tokens (blocks of 32 from each expert's first row), ``x_rows``
-    [T*k, H] the grouped x rows ``x[order[p] // k]`` after theirs along the tokens, ``d_topk_w`` [T, k] fp32
-    (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (mode 3) and so
-    the unfused passes; rows at or past offsets[E] are not written. dy, x [T, H] bf16 (H % 8 == 0), r_rows [T*k, H]
+def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=None, w=None, dtw=None, dy_t=None):
+    """One launch of the MXFP8 prologue's pass ``xpass``: one CTA per routed m-tile at most (grid M/128 + E + 1)."""
+    m, e = order.shape[0], offsets.numel() - 1
+    if not m:
+        return
+    ctas = m // _TILE_M + e + 1
+    ready = torch.zeros(ctas, dtype=torch.int32, device=src.device)  # the gather's per-tile publications (unread)
+    fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route)
+    addr = [0 if a is None else a.data_ptr() for a in (r, w, dtw)]
+    with torch.cuda.device(src.device):
+        fn(*_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
+                         0 if dy_t is None else dy_t.data_ptr(), ready.data_ptr()),
+           src.shape[0], m, k, e, src.shape[1], ctas, current_stream(src.device))
+
+
+def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
+    """The MXFP8 backward's prologue, its dy pass (the module doc): ``(dy_rows, dy_t, d_topk_w)`` with ``dy_rows``
+    [T*k, H] bf16 the routed dy rows (:func:`dy_rows_and_dtopk_w`'s) after their MXFP8 round trip along H, ``dy_t``
+    the same rows' round trip along the tokens (blocks of 32 from each expert's first row) and ``d_topk_w`` [T, k]
+    fp32 (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (mode 3) and
+    so the unfused passes; rows at or past offsets[E] are not written. dy [T, H] bf16 (H % 8 == 0), r_rows [T*k, H]
     bf16 (``rows_by_route``: in route order), order int32 [T*k], topk_w fp32 [T, k], offsets int32 [E+1]; all
-    contiguous on one CUDA device."""
-    _check(dy, r_rows, order, topk_w, offsets, torch.int32, x)
+    contiguous on one CUDA device. Its x pass, :func:`mx_x_rows`, reads none of r_rows: the caller may free them
+    first."""
+    _check(dy, r_rows, order, topk_w, offsets, torch.int32)
     if not dy.is_cuda:
-        raise ValueError("mx_rows_and_dtopk_w runs on a CUDA device")
-    t, h = dy.shape
-    k, m = topk_w.shape[1], r_rows.shape[0]
-    e = offsets.numel() - 1
-    dy_rows, dy_t, x_rows = (torch.empty_like(r_rows) for _ in range(3))
+        raise ValueError("mx_dy_rows_and_dtopk_w runs on a CUDA device")
+    dy_rows, dy_t = torch.empty_like(r_rows), torch.empty_like(r_rows)
     dtw = torch.empty_like(topk_w)
-    if m:
-        ctas = m // _TILE_M + e + 1  # routed m-tiles at most: one partial per expert
-        ready = torch.zeros(ctas, dtype=torch.int32, device=dy.device)  # the gather's per-tile publications (unread)
-        fn, _ = compiled_mx_rows(arch_of_device(dy.device), rows_by_route)
-        with torch.cuda.device(dy.device):
-            fn(*_mx_pointers(dy.data_ptr(), x.data_ptr(), r_rows.data_ptr(), topk_w.data_ptr(), dtw.data_ptr(),
-                             order.data_ptr(), offsets.data_ptr(), dy_rows.data_ptr(), x_rows.data_ptr(),
-                             dy_t.data_ptr(), ready.data_ptr()),
-               t, m, k, e, h, ctas, current_stream(dy.device))
-    return dy_rows, dy_t, x_rows, dtw
+    _mx_launch(0, rows_by_route, dy, order, offsets, dy_rows, topk_w.shape[1], r_rows, topk_w, dtw, dy_t)
+    return dy_rows, dy_t, dtw
+
+
+def mx_x_rows(x, order, offsets, k: int):
+    """The MXFP8 prologue's x pass: x_rows [T*k, H] bf16, row p = ``x[order[p] // k]`` after the MXFP8 round trip
+    along the tokens (blocks of 32 from each expert's first row; rows at or past offsets[E] not written), bitwise
+    the fused backward's comm-CTA gather (mode 3). x [T, H] bf16 (H % 8 == 0), order int32 [T*k], offsets int32
+    [E+1]; contiguous, one CUDA device."""
+    for name, a, dtype, nd in (("x", x, torch.bfloat16, 2), ("order", order, torch.int32, 1),
+                               ("offsets", offsets, torch.int32, 1)):
+        if not isinstance(a, torch.Tensor) or a.dtype != dtype or a.dim() != nd:
+            raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
+        if not a.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if x.shape[1] % 8 or x.shape[1] == 0 or order.shape[0] != x.shape[0] * k or offsets.numel() < 2:
+        raise ValueError(f"x must be [T, H] with H a positive multiple of 8, order [T*k = {x.shape[0] * k}] and offsets "
+                         f"[E+1 >= 2]: got x {tuple(x.shape)}, order {tuple(order.shape)}, offsets "
+                         f"{tuple(offsets.shape)}")
+    if not x.is_cuda:
+        raise ValueError("mx_x_rows runs on a CUDA device")
+    rows = torch.empty((order.shape[0], x.shape[1]), dtype=torch.bfloat16, device=x.device)
+    _mx_launch(1, False, x, order, offsets, rows, k)
+    return rows
 
 
 def _build_dots(arch: str):
@@ -262,12 +290,11 @@ def compiled_route_grad(arch: str, by_route: bool = False):
     return compile_cached(("route_grad", arch, by_route), lambda: _build(arch, by_route))
 
 
-def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64, x=None):
-    """The operands' dtypes, ranks and shapes (``x``: also a bf16 tensor shaped as dy): TypeError / ValueError."""
+def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64):
+    """The operands' dtypes, ranks and shapes: TypeError / ValueError naming the argument."""
     for name, t, dtype, nd in (("dy", dy, torch.bfloat16, 2), ("r_rows", r_rows, torch.bfloat16, 2),
                                ("order", order, order_dtype, 1), ("topk_w", topk_w, torch.float32, 2),
-                               ("offsets", offsets, torch.int32, 1)) + ((("x", x, torch.bfloat16, 2),) if x is not None
-                                                                        else ()):
+                               ("offsets", offsets, torch.int32, 1)):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != nd:
             raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
         if not t.is_contiguous():
@@ -275,8 +302,6 @@ def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64, x=None):
     (t, h), (k, m) = dy.shape, (topk_w.shape[1], r_rows.shape[0])
     if h % 8 or h == 0:
         raise ValueError(f"dy: H = {h} must be a positive multiple of 8")
-    if x is not None and x.shape != dy.shape:
-        raise ValueError(f"x must be shaped as dy {tuple(dy.shape)}, got {tuple(x.shape)}")
     if topk_w.shape[0] != t or r_rows.shape[1] != h or m != t * k or order.shape[0] != m:
         raise ValueError(f"shapes must be dy [T, H], topk_w [T, k], r_rows and order [T*k, ...]: got dy "
                          f"{tuple(dy.shape)}, topk_w {tuple(topk_w.shape)}, r_rows {tuple(r_rows.shape)}, "

@@ -211,12 +211,13 @@ class GroupedExpertBackend:
                                           comm_ctas=st.comm_bwd)
             if out is not None:
                 return MoEGrads(*out)
-        pro = None  # MXFP8 (opt-in): the rows, d topk_w and the rows' round trips in one launch, then mode 2's core
+        pro = None  # MXFP8 (opt-in): the rows, d topk_w and the rows' round trips in two launches, then mode 2's core
         if mode == 2 and st.routed.x is None and st.x is not None and hasattr(self.mlp, "mx_prologue"):
-            pro = self.mlp.mx_prologue(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.rows_by_route)
+            pro = self.mlp.mx_prologue(st.routed, dy, st.rows, st.order, st.topk_w, st.rows_by_route)
         if pro is not None:
-            dy_rows, _, x_rows, dtw = pro  # (pro[1], dy_t: the tokens round trip, to the core)
-            st.routed = replace(st.routed, x=x_rows)
+            dy_rows, _, dtw = pro  # (pro[1], dy_t: dy's round trip along the tokens, to the core)
+            st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
+            st.routed = replace(st.routed, x=self.mlp.mx_x_rows(st.routed, st.x, st.order, k))
         else:
             if st.routed.x is None:
                 st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))

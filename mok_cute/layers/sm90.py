@@ -238,21 +238,29 @@ class Sm90ExpertMLP:
                                    tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8",
                                    consume=consume, mx_dyt=mx_dyt)
 
-    def mx_prologue(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, rows_by_route: bool):
+    def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
         """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
-        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, x_rows, d topk_w)`` from the layer's tokens in one launch
-        (``route_grad.mx_rows_and_dtopk_w``: the route_grad pass, the x gather and their rows' round trips); the
-        caller then runs :meth:`backward_tokens` with ``mx_dyt=dy_t`` and ``g.x = x_rows``. None where it does not
-        apply (then the route_grad pass and :meth:`backward_tokens` as usual)."""
+        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, d topk_w)`` from the layer's dy in one launch
+        (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass and dy's round trips); the caller then frees the
+        forward's rows ``r_rows``, makes ``g.x`` by :meth:`mx_x_rows` and runs :meth:`backward_tokens` with
+        ``mx_dyt=dy_t``. None where it does not apply (then the route_grad pass and :meth:`backward_tokens` as
+        usual)."""
         if not (fused_bwd_mx_prologue() and g.precision == "mxfp8" and fused_bwd_mx() and dy.is_cuda):
             return None
         t, k = topk_w.shape
-        if not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu)) or r_rows.shape[0] != t * k or t * k == 0:
+        if not all(a.is_contiguous() for a in (dy, r_rows, g.gu)) or r_rows.shape[0] != t * k or t * k == 0:
             return None
-        from mok_cute.kernels.route_grad import mx_rows_and_dtopk_w
+        from mok_cute.kernels.route_grad import mx_dy_rows_and_dtopk_w
 
-        return mx_rows_and_dtopk_w(dy, x, r_rows, order.to(torch.int32), topk_w.contiguous(), offsets_i32(g.offsets),
-                                   rows_by_route)
+        return mx_dy_rows_and_dtopk_w(dy, r_rows, order.to(torch.int32), topk_w.contiguous(), offsets_i32(g.offsets),
+                                      rows_by_route)
+
+    def mx_x_rows(self, g: ExpertGroup, x, order, k: int):
+        """:meth:`mx_prologue`'s second launch: the grouped x rows after their MXFP8 round trip along the tokens
+        (``route_grad.mx_x_rows``), ``g.x`` of the :meth:`backward_tokens` call that follows."""
+        from mok_cute.kernels.route_grad import mx_x_rows
+
+        return mx_x_rows(x.contiguous(), order.to(torch.int32), offsets_i32(g.offsets), k)
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8

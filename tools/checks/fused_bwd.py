@@ -260,7 +260,7 @@ def _mx_rows(dev) -> list[Row]:
             for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE"):
                 del os.environ[var]
     # 3: the whole MXFP8 backward in one launch, the shared expert's before it; the prologue: mode 2 after the
-    # rows and their round trips made in one launch over every SM (route_grad.mx_rows_and_dtopk_w)
+    # rows and their round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows)
     for flag in ("2", "3", "2 + _MX_PROLOGUE=1"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",

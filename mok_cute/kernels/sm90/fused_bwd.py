@@ -687,8 +687,8 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     tile reads its own g, u elements before it stores their dg, du, and no other task reads gu),
     not into a new [M, 2I] buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's
     round trip along H (``grouped_slots``: no [T*k, H] slot buffer). ``mx_dyt`` (with ``mx``): the caller made
-    dy's and x's round trips (``route_grad.mx_rows_and_dtopk_w``): dy is its round trip along H, x along the
-    tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made here.
+    dy's and x's round trips (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``): dy is its round trip along
+    H, x along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made here.
     Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     m = dy.shape[0]
     toks = None
