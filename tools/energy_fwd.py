@@ -91,22 +91,24 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
             fwd[tag] = lambda g=g, c=c: _ours(True, c, gather=None if g == "default" else g)(x, idx, w, ws, sh)
     for mb in (int(v) for v in args.minibatch.split(",") if v):
         fwd[f"fused mb{mb}"] = lambda mb=mb: _ours(True, 16, minibatch=mb)(x, idx, w, ws, sh)
-    envs = {}  # row -> (name, value) of its --env setting
-    for setting in (v for v in args.env.split(",") if v):
-        name, value = setting.split("=", 1)
+    settings = [v.split("=", 1) for v in args.env.split(",") if v]
+    for name, _ in settings:
         if name in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX"):  # each fused row sets these itself
             raise SystemExit(f"--env {name}: give the gather with --gathers")
-        fwd[f"fused {setting}"] = lambda name=name, value=value: _in_env(name, value, _ours(True, 16), x, idx, w, ws, sh)
-        envs[f"fused {setting}"] = (name, value)
+    envs = {}  # row -> (name, value) of its --env setting
+
+    def env_rows(precision: str, prefix: str):
+        for name, value in settings:
+            fwd[f"{prefix}{name}={value}"] = lambda name=name, value=value: _in_env(
+                name, value, _ours(True, 16, precision), x, idx, w, ws, sh)
+            envs[f"{prefix}{name}={value}"] = (name, value)
+
+    env_rows("bf16", "fused ")
     if args.mx:
         for c in comms:
             tag = "fused mxfp8" + (f" c{c}" if len(comms) > 1 else "")
             fwd[tag] = lambda c=c: _ours(True, c, "mxfp8")(x, idx, w, ws, sh)
-        for setting in (v for v in args.env.split(",") if v):
-            name, value = setting.split("=", 1)
-            fwd[f"fused mxfp8 {setting}"] = lambda name=name, value=value: _in_env(
-                name, value, _ours(True, 16, "mxfp8"), x, idx, w, ws, sh)
-            envs[f"fused mxfp8 {setting}"] = (name, value)
+        env_rows("mxfp8", "fused mxfp8 ")
     runs = {f"fwd {n}": (fn, True) for n, fn in fwd.items()}
     if args.bwd:
         def step(fn):

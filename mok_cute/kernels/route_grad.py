@@ -179,12 +179,9 @@ def mx_x_rows(x, order, offsets, k: int):
     along the tokens (blocks of 32 from each expert's first row; rows at or past offsets[E] not written), bitwise
     the fused backward's comm-CTA gather (mode 3). x [T, H] bf16 (H % 8 == 0), order int32 [T*k], offsets int32
     [E+1]; contiguous, one CUDA device."""
-    for name, a, dtype, nd in (("x", x, torch.bfloat16, 2), ("order", order, torch.int32, 1),
-                               ("offsets", offsets, torch.int32, 1)):
-        if not isinstance(a, torch.Tensor) or a.dtype != dtype or a.dim() != nd:
-            raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
-        if not a.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _typed(("x", x, torch.bfloat16, 2), ("order", order, torch.int32, 1), ("offsets", offsets, torch.int32, 1))
+    if order.shape[0] * x.shape[1] > MAX_NUMEL:
+        raise ValueError("the x rows [T*k, H] must hold < 2^31 elements")
     if x.shape[1] % 8 or x.shape[1] == 0 or order.shape[0] != x.shape[0] * k or offsets.numel() < 2:
         raise ValueError(f"x must be [T, H] with H a positive multiple of 8, order [T*k = {x.shape[0] * k}] and offsets "
                          f"[E+1 >= 2]: got x {tuple(x.shape)}, order {tuple(order.shape)}, offsets "
@@ -290,15 +287,20 @@ def compiled_route_grad(arch: str, by_route: bool = False):
     return compile_cached(("route_grad", arch, by_route), lambda: _build(arch, by_route))
 
 
-def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64):
-    """The operands' dtypes, ranks and shapes: TypeError / ValueError naming the argument."""
-    for name, t, dtype, nd in (("dy", dy, torch.bfloat16, 2), ("r_rows", r_rows, torch.bfloat16, 2),
-                               ("order", order, order_dtype, 1), ("topk_w", topk_w, torch.float32, 2),
-                               ("offsets", offsets, torch.int32, 1)):
+def _typed(*specs):
+    """Each ``(name, tensor, dtype, ndim)``: a contiguous torch tensor of that dtype and rank, else TypeError /
+    ValueError naming it."""
+    for name, t, dtype, nd in specs:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != nd:
             raise TypeError(f"{name} must be a {nd}-D {dtype} tensor")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+
+
+def _check(dy, r_rows, order, topk_w, offsets, order_dtype=torch.int64):
+    """The operands' dtypes, ranks and shapes: TypeError / ValueError naming the argument."""
+    _typed(("dy", dy, torch.bfloat16, 2), ("r_rows", r_rows, torch.bfloat16, 2), ("order", order, order_dtype, 1),
+           ("topk_w", topk_w, torch.float32, 2), ("offsets", offsets, torch.int32, 1))
     (t, h), (k, m) = dy.shape, (topk_w.shape[1], r_rows.shape[0])
     if h % 8 or h == 0:
         raise ValueError(f"dy: H = {h} must be a positive multiple of 8")

@@ -132,6 +132,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
         return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
                                 cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
 
+    # the views each pass reads, built in the order of the both-pass kernels (their PTX unchanged by ``passes``)
     dyv = rv = outv = wv = dtwv = xtok = xrows = None
     if cutlass.const_expr(0 in passes):
         dyv, rv, outv = rows4(dy_tok), rows4(r), rows4(dy_rows)

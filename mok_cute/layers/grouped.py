@@ -214,10 +214,11 @@ class GroupedExpertBackend:
         pro = None  # MXFP8 (opt-in): the rows, d topk_w and the rows' round trips in two launches, then mode 2's core
         if mode == 2 and st.routed.x is None and st.x is not None and hasattr(self.mlp, "mx_prologue"):
             pro = self.mlp.mx_prologue(st.routed, dy, st.rows, st.order, st.topk_w, st.rows_by_route)
+        core = {}  # backward_tokens' extra arguments: the prologue's dy round trip along the tokens
         if pro is not None:
-            dy_rows, _, dtw = pro  # (pro[1], dy_t: dy's round trip along the tokens, to the core)
+            dy_rows, core["mx_dyt"], dtw, x_rows = pro
             st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
-            st.routed = replace(st.routed, x=self.mlp.mx_x_rows(st.routed, st.x, st.order, k))
+            st.routed = replace(st.routed, x=x_rows(st.x))
         else:
             if st.routed.x is None:
                 st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
@@ -227,7 +228,7 @@ class GroupedExpertBackend:
         if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
             shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
             out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0],
-                                           dx_gate, consume=True, **({} if pro is None else {"mx_dyt": pro[1]}))
+                                           dx_gate, consume=True, **core)
             if out is not None:
                 return MoEGrads(out[0], dtw, *out[1:], shared[1], d_gate)
         dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)

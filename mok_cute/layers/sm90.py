@@ -222,7 +222,7 @@ class Sm90ExpertMLP:
         launch does not apply (then call :meth:`backward`). ``consume``: the caller gives up
         ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written over gu; MXFP8: their round trips
         are made in place). ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's round trips (dy_t its
-        third output); then this launch always runs (the others' operands are no longer the plain rows)."""
+        second output); then this launch always runs (the others' operands are no longer the plain rows)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
@@ -240,9 +240,10 @@ class Sm90ExpertMLP:
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
         """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
-        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, d topk_w)`` from the layer's dy in one launch
-        (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass and dy's round trips); the caller then frees the
-        forward's rows ``r_rows``, makes ``g.x`` by :meth:`mx_x_rows` and runs :meth:`backward_tokens` with
+        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, d topk_w, x_rows)`` from the layer's dy in one launch
+        (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass and dy's round trips), ``x_rows(x)`` making the
+        grouped x rows with their round trip in a second (``route_grad.mx_x_rows``); the caller frees the forward's
+        rows ``r_rows`` before it calls ``x_rows``, then runs :meth:`backward_tokens` with ``g.x`` those rows and
         ``mx_dyt=dy_t``. None where it does not apply (then the route_grad pass and :meth:`backward_tokens` as
         usual)."""
         if not (fused_bwd_mx_prologue() and g.precision == "mxfp8" and fused_bwd_mx() and dy.is_cuda):
@@ -250,17 +251,11 @@ class Sm90ExpertMLP:
         t, k = topk_w.shape
         if not all(a.is_contiguous() for a in (dy, r_rows, g.gu)) or r_rows.shape[0] != t * k or t * k == 0:
             return None
-        from mok_cute.kernels.route_grad import mx_dy_rows_and_dtopk_w
+        from mok_cute.kernels.route_grad import mx_dy_rows_and_dtopk_w, mx_x_rows
 
-        return mx_dy_rows_and_dtopk_w(dy, r_rows, order.to(torch.int32), topk_w.contiguous(), offsets_i32(g.offsets),
-                                      rows_by_route)
-
-    def mx_x_rows(self, g: ExpertGroup, x, order, k: int):
-        """:meth:`mx_prologue`'s second launch: the grouped x rows after their MXFP8 round trip along the tokens
-        (``route_grad.mx_x_rows``), ``g.x`` of the :meth:`backward_tokens` call that follows."""
-        from mok_cute.kernels.route_grad import mx_x_rows
-
-        return mx_x_rows(x.contiguous(), order.to(torch.int32), offsets_i32(g.offsets), k)
+        order32, offs32 = order.to(torch.int32), offsets_i32(g.offsets)
+        dy_rows, dy_t, dtw = mx_dy_rows_and_dtopk_w(dy, r_rows, order32, topk_w.contiguous(), offs32, rows_by_route)
+        return dy_rows, dy_t, dtw, lambda x: mx_x_rows(x.contiguous(), order32, offs32, k)
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8
