@@ -568,11 +568,13 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
 
 
 def test_host_core_mx_prologue_operands(monkeypatch):
-    """fused_backward_core(mx=True, mx_dyt=) (mode 2 after the opt-in MXFP8 prologue, ``route_grad``'s
+    """fused_backward_core(mx=True, mx_dyt=) (mode 2 after the MXFP8 prologue, ``route_grad``'s
     ``mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``): dy and x reach the launch as given (already their round trips
     along H and along the tokens), mDyT
     is ``mx_dyt``, only h is round-tripped here (in place when consumed), and the variant is mode 2's MXFP8 one
-    (grouped_slots, wd_first with 2I <= H). ``Sm90ExpertMLP.mx_prologue`` is off by default and on CPU tensors."""
+    (grouped_slots, wd_first with 2I <= H). ``Sm90ExpertMLP.mx_prologue`` is on by default (None on CPU tensors:
+    the usual passes), off with MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0."""
+    from mok_cute.layers.common import fused_bwd_mx_prologue
     import inspect
 
     from mok_cute.kernels.quant import dequant_mxfp8
@@ -599,9 +601,11 @@ def test_host_core_mx_prologue_operands(monkeypatch):
     assert a["mDyT"].data_ptr() == dyt.data_ptr() and a["mSlot"].data_ptr() == dy.data_ptr()
     assert keys[-1][2:][12:] == (True, True)  # (..., grouped_slots, wd_first)
     g = ExpertGroup(x, offsets, gu, hh, "mxfp8")
+    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", raising=False)
+    assert fused_bwd_mx_prologue()  # on by default, but CPU tensors: the usual passes
     assert Sm90ExpertMLP().mx_prologue(g, dy[:t], dy, torch.arange(t * k), torch.rand(t, k), False) is None
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "1")  # on, but CPU tensors: the usual passes
-    assert Sm90ExpertMLP().mx_prologue(g, dy[:t], dy, torch.arange(t * k), torch.rand(t, k), False) is None
+    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "0")
+    assert not fused_bwd_mx_prologue()
 
 
 def test_ep_host_launch_mx(monkeypatch):

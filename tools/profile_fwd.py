@@ -1,4 +1,4 @@
-"""Where one forward of the layer spends its time on the GPU (sm90 backend, EP = 1): a
+"""Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (sm90 backend, EP = 1): a
 torch.profiler kernel table of ``--calls`` forwards (CUDA time per kernel name, per call),
 the fused kernel's share of it, the GPU time between kernels (idle), and the host time per
 call (pipelined calls, one sync at the end); ``--graph``: the wall time per replay of one
@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--comm", type=int, default=16)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--fused", default="1")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--bwd", action="store_true", help="profile forward + backward steps (grads set to None first)")
     ap.add_argument("--tiles", action="store_true",
                     help="profile the forward's GEMM tiles alone (bench_layer.gemms_alone) instead of the layer")
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
@@ -41,9 +43,17 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["MOK_CUTE_FUSED"] = args.fused
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
-    x, idx, w, ws, sh, _ = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=11)
-    cfg = mok_cute.MoKConfig(backend="sm90", comm_sms_fwd=args.comm, validate_routing=False)
+    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=11)
+    cfg = mok_cute.MoKConfig(backend="sm90", precision=args.precision, comm_sms_fwd=args.comm, validate_routing=False)
     fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    if args.bwd:
+        leaves = [p.requires_grad_() for p in (x, w, *ws, *sh)]
+
+        def fwd():
+            for p in leaves:
+                p.grad = None
+            with torch.enable_grad():
+                mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg).backward(dy)
     if args.tiles:
         from bench_layer import gemms_alone
 

@@ -3,8 +3,8 @@ to bf16) of bf16 rows in place of a kernel, with the ops of :class:`~mok_cute.ke
 so each is bitwise :mod:`~mok_cute.kernels.quant.dequant_mxfp8`'s round-trip kernel on the same
 rows: :func:`mx_column_block` along the rows' axis (one 32-row block of one 8-column chunk),
 :func:`mx_row` along a row (one warp). Views are uint32 words of bf16 pairs, 16-byte chunks
-of 4 words; shared by the SM90 dSwiGLU epilogue and the fused backwards' gather
-(:func:`~mok_cute.kernels.route_grad_row.gather_chunks`)."""
+of 4 words; shared by the SM90 dSwiGLU epilogue, the fused backwards' gather
+(:func:`~mok_cute.kernels.route_grad_row.gather_chunks`) and the MXFP8 prologue (:mod:`~mok_cute.kernels.route_grad`)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
@@ -88,17 +88,19 @@ def _round_trip_chunk(words: cute.Tensor, dst: cute.Tensor, row: Int32, c: Int32
 
 
 @cute.jit
-def mx_row(lane: Int32, words: cute.Tensor, p: Int32, hc: Int32):
-    """One warp, in place: row ``p`` of a (rows, hc, 4) word view (``hc`` 16-byte chunks, a multiple
-    of 4) after the round trip along the row (a block = 4 adjacent lanes' chunks, amax by
-    shuffles), bitwise ``dequant_mxfp8.mxfp8_round_trip``. Every lane joins every shuffle: a lane
-    past the row's end reloads its last chunk and stores nothing (whole blocks of lanes)."""
+def mx_row(lane: Int32, words: cute.Tensor, p: Int32, hc: Int32, out: cute.Tensor = None):
+    """One warp: row ``p`` of a (rows, hc, 4) word view (``hc`` 16-byte chunks, a multiple of 4)
+    after the round trip along the row (a block = 4 adjacent lanes' chunks, amax by shuffles),
+    bitwise ``dequant_mxfp8.mxfp8_round_trip``, into ``out`` at the same coordinates (None: in
+    place). Every lane joins every shuffle: a lane past the row's end reloads its last chunk and
+    stores nothing (whole blocks of lanes)."""
+    dst = words if cutlass.const_expr(out is None) else out
     for c0 in cutlass.range(0, hc, 32, unroll=1):
         c = c0 + lane
         v = words[(p, cutlass.min(c, hc - 1), None)].load()
         o = _OPS.mx_round_trip(v, 4)
         if c < hc:
-            words[(p, c, None)].store(o.load())
+            dst[(p, c, None)].store(o.load())
 
 
 @cute.jit

@@ -16,10 +16,11 @@ One warp per grouped row, 16-byte loads and stores; dims are runtime ``Int32`` (
 kernel per arch).
 
 :func:`mx_dy_rows_and_dtopk_w` and :func:`mx_x_rows`: the MXFP8 backward's prologue in two launches over every SM
-(the two passes of the fused backward's comm-CTA gather, :func:`~mok_cute.kernels.route_grad_row.gather_chunks`
-with its SM90 MXFP8 step): the routed dy rows with d topk_w, then the x rows, each m-tile's rows round-tripped while
-they are in L2, in place of this kernel, an x gather and three round-trip passes over [M, H] buffers; two launches
-so that the forward's rows, read by the first alone, can be freed before the second allocates the x rows.
+(bitwise the two passes of the fused backward's comm-CTA gather with its SM90 MXFP8 step, and so the unfused
+passes): the routed dy rows with d topk_w, then the x rows, each 32-row block staged in shared memory a slab of H
+at a time and every output written once, in place of this kernel, an x gather and three round-trip passes over
+[M, H] buffers; two launches so that the forward's rows, read by the first alone, can be freed before the second
+allocates the x rows.
 """
 
 import torch
@@ -77,62 +78,138 @@ def _build(arch: str, by_route: bool = False):
                           arch=arch, inspect=True)
 
 
-_MX_THREADS = 256  # per CTA of the MXFP8 prologue: one warp per row of its m-tile, then the tile's round trips
-_MX_UNROLL = 8  # 16-byte loads in flight per lane of its x row copy
-_TILE_M = 128  # rows per m-tile (an expert's tiles start at its first row: its MXFP8 token blocks are the tile's)
+_MX_THREADS = 256  # per CTA of the MXFP8 prologue (8 warps; warp w gathers rows w, w + 8, w + 16, w + 24 of a block)
+_MX_SLAB = 128  # 16-byte chunks of the block's 32 rows staged in shared memory at a time (64 KB)
 
 
 def _build_mx(arch: str, xpass: int, by_route: bool):
-    """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs)."""
+    """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs).
+
+    CTA ``b`` takes 32-row block ``b`` of the experts' rows (blocks start at each expert's first row: an MXFP8 token
+    block) and walks H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
+    (pass 0: scaled by the route's weight while each lane goes on with route_row's fixed-order d topk_w sum, its
+    chunks ``lane, lane + 32, ...`` in order), then the round trips read the slab there and write the outputs once
+    (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7 the rows along H into the
+    dy rows; pass 1: every thread a column chunk along the tokens into the x rows)."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
     cutlass, cute = dsl()
-    from mok_cute.kernels.route_grad_row import gather_chunks, mx_round_trips  # noqa: PLC0415
-    from mok_cute.schedule.fused_tasks import routed_mtiles  # noqa: PLC0415
+    from mok_cute.kernels import mx_rows  # noqa: PLC0415
+    from mok_cute.kernels.route_grad_row import dot_pair, scale_pair  # noqa: PLC0415
+    from mok_cute.schedule.group_tiles import seek  # noqa: PLC0415
 
-    Int32 = cutlass.Int32
+    Int32, Uint32 = cutlass.Int32, cutlass.Uint32
+    blk, slab, warps = mx_rows.MX_BLOCK, _MX_SLAB, _MX_THREADS // 32
+    per_lane = _MX_SLAB // 32
 
     @cute.kernel
     def kernel(src: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
-               offs: cute.Tensor, rows: cute.Tensor, dy_t: cute.Tensor, ready: cute.Tensor, k: Int32, hid: Int32):
+               offs: cute.Tensor, rows_out: cute.Tensor, dy_t: cute.Tensor, k: Int32, hc: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        e = offs.shape[0] - 1
-        dy, x, dy_rows, x_rows = (src, None, rows, None) if xpass == 0 else (None, src, None, rows)
-        gather_chunks(tid, bid, grid, routed_mtiles(offs, e, _TILE_M), offs, e, order, None, dy, x, r, w, dtw, dy_rows,
-                      x_rows, ready, k, hid, None, None, None, 0, None, _TILE_M, _MX_THREADS, _MX_UNROLL, by_route,
-                      (mx_round_trips, (dy_t,)), passes=(xpass,))
+        warp, lane = tid // 32, tid % 32
+        n_exp = offs.shape[0] - 1
+        stage = cutlass.memory.SmemAllocator().allocate_tensor(
+            Uint32, cute.make_layout((blk, slab, 4), stride=(slab * 4, 4, 1)), byte_alignment=16)
+        sums = cutlass.memory.SmemAllocator().allocate_tensor(  # each row's lanes' d topk_w sums between slabs
+            Uint32, cute.make_layout((blk, 32), stride=(32, 1)), byte_alignment=16)
+        e, b = seek(offs, n_exp, blk, Int32(1), bid, Int32(0), Int32(0))
+        if e < n_exp:
+            row0 = offs[e] + (bid - b) * blk
+            rows = cutlass.min(offs[e + 1] - row0, blk)
+            for i in cutlass.range(warp, rows, warps, unroll=1):
+                sums[i, lane] = Uint32(0)
+            whole = cute.make_layout((blk, hc, 4), stride=(cute.assume(hc * 4, divby=4), 4, 1))  # the block's rows, (row, chunk, word)
+            for s0 in cutlass.range(0, hc, slab, unroll=1):
+                n = cutlass.min(slab, hc - s0)
+                for i in cutlass.range(warp, rows, warps, unroll=1):  # run-time: one row's loads in flight at a time
+                    q = order[row0 + i]
+                    t = q // k
+                    rr = row0 + i
+                    if cutlass.const_expr(by_route):
+                        rr = q
+                    a = cute.make_rmem_tensor((4, per_lane), Uint32)
+                    bb = cute.make_rmem_tensor((4, per_lane), Uint32)
+                    for u in cutlass.range_constexpr(per_lane):  # every load first
+                        c = lane + 32 * u
+                        if c < n:
+                            a[None, u].store(src[t * hc + s0 + c, None].load())
+                            if cutlass.const_expr(xpass == 0):
+                                bb[None, u].store(r[rr * hc + s0 + c, None].load())
+                    acc = sums[i, lane]
+                    wq = w[q] if xpass == 0 else Uint32(0)
+                    for u in cutlass.range_constexpr(per_lane):  # then the chunks in order: the sum's order
+                        c = lane + 32 * u
+                        if c < n:
+                            o = cute.make_rmem_tensor((4,), Uint32)
+                            for h in cutlass.range_constexpr(4):
+                                if cutlass.const_expr(xpass == 0):
+                                    o[h] = scale_pair(a[h, u], wq)
+                                    acc = dot_pair(acc, a[h, u], bb[h, u])
+                                else:
+                                    o[h] = a[h, u]
+                            stage[(i, c, None)].store(o.load())
+                    sums[i, lane] = acc
+                cute.arch.barrier()
+                at = cute.domain_offset((row0, s0, 0), cute.make_tensor(rows_out.iterator, whole))
+                if cutlass.const_expr(xpass == 0):
+                    if warp < warps // 2:
+                        if tid < n:
+                            dst = cute.domain_offset((row0, s0, 0), cute.make_tensor(dy_t.iterator, whole))
+                            mx_rows.mx_column_block(stage, Int32(0), tid, rows, dst, True)
+                    else:
+                        for i in cutlass.range(warp - warps // 2, rows, warps // 2, unroll=1):
+                            mx_rows.mx_row(lane, stage, i, n, at)
+                else:
+                    for c in cutlass.range(tid, n, _MX_THREADS, unroll=1):
+                        mx_rows.mx_column_block(stage, Int32(0), c, rows, at, True)
+                cute.arch.barrier()  # the slab read before the next one is staged
+            if cutlass.const_expr(xpass == 0):
+                for i in cutlass.range(warp, rows, warps, unroll=1):
+                    v = sums[i, lane]
+                    for sh in cutlass.range_constexpr(5):
+                        v = _add(v, cute.arch.shuffle_sync_bfly(v, offset=16 >> sh))
+                    if lane == 0:
+                        dtw[order[row0 + i]] = v
+        if cutlass.const_expr(xpass == 0):  # d topk_w = 0 for the routes past the experts' rows (-1 slots)
+            for p in cutlass.range(offs[n_exp] + bid * _MX_THREADS + tid, order.shape[0], grid * _MX_THREADS,
+                                   unroll=1):
+                dtw[order[p]] = Uint32(0)
+
+    def _add(a, b):
+        return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                    read_only_args=[a, b])
 
     @cute.jit
     def launch(srcp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer, orderp: cute.Pointer,
-               offp: cute.Pointer, rowsp: cute.Pointer, dytp: cute.Pointer, readyp: cute.Pointer, t: Int32, m: Int32,
-               k: Int32, e: Int32, hid: Int32, ctas: Int32, stream: cuda.CUstream):
-        def mat(ptr, n):
-            return cute.make_tensor(ptr, cute.make_layout((n, hid), stride=(cute.assume(hid, divby=8), 1)))
+               offp: cute.Pointer, rowsp: cute.Pointer, dytp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32,
+               hc: Int32, ctas: Int32, stream: cuda.CUstream):
+        def chunks(ptr, n):  # bf16 rows as (rows * hc, 4) words of their 16-byte chunks
+            return cute.make_tensor(ptr, cute.make_layout((n * hc, 4), stride=(4, 1)))
 
         def vec(ptr, n):
             return cute.make_tensor(ptr, cute.make_layout((n,)))
 
-        dy_only = (mat(rp, m), vec(wp, m), vec(dtwp, m)) if xpass == 0 else (None, None, None)
-        kernel(mat(srcp, t), *dy_only, vec(orderp, m), vec(offp, e + 1), mat(rowsp, m),
-               mat(dytp, m) if xpass == 0 else None, vec(readyp, ctas), k, hid).launch(
+        dy_only = (chunks(rp, m), vec(wp, t * k), vec(dtwp, t * k)) if xpass == 0 else (None, None, None)
+        kernel(chunks(srcp, t), *dy_only, vec(orderp, m), vec(offp, e + 1), vec(rowsp, m * hc * 4),
+               vec(dytp, m * hc * 4) if xpass == 0 else None, k, hc).launch(
             grid=[ctas, 1, 1], block=[_MX_THREADS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_mx_pointers(*(0,) * 9), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
+    return compile_kernel(launch, *_mx_pointers(*(0,) * 8), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
 
-def _mx_pointers(src: int, r: int, w: int, dtw: int, order: int, offs: int, rows: int, dy_t: int, ready: int):
-    """The MXFP8 prologue's kernel pointers (bf16 rows, fp32 weights, int32 order / offsets / counters)."""
+def _mx_pointers(src: int, r: int, w: int, dtw: int, order: int, offs: int, rows: int, dy_t: int):
+    """The MXFP8 prologue's kernel pointers (bf16 rows and fp32 weights as uint32 words, int32 order / offsets)."""
     cutlass, cute = dsl()
 
     def ptr(dtype, addr, align):
         return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
-    bf, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
-    return (ptr(bf, src, 16), ptr(bf, r, 16), ptr(f32, w, 4), ptr(f32, dtw, 4), ptr(i32, order, 4), ptr(i32, offs, 4),
-            ptr(bf, rows, 16), ptr(bf, dy_t, 16), ptr(i32, ready, 4))
+    u32, i32 = cutlass.Uint32, cutlass.Int32
+    return (ptr(u32, src, 16), ptr(u32, r, 16), ptr(u32, w, 4), ptr(u32, dtw, 4), ptr(i32, order, 4),
+            ptr(i32, offs, 4), ptr(u32, rows, 16), ptr(u32, dy_t, 16))
 
 
 def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
@@ -142,18 +219,17 @@ def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
 
 
 def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=None, w=None, dtw=None, dy_t=None):
-    """One launch of the MXFP8 prologue's pass ``xpass``: one CTA per routed m-tile at most (grid M/128 + E + 1)."""
+    """One launch of the MXFP8 prologue's pass ``xpass``: one CTA per 32-row block at most (grid M/32 + E + 1)."""
     m, e = order.shape[0], offsets.numel() - 1
     if not m:
         return
-    ctas = m // _TILE_M + e + 1
-    ready = torch.zeros(ctas, dtype=torch.int32, device=src.device)  # the gather's per-tile publications (unread)
+    ctas = m // 32 + e + 1
     fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route)
     addr = [0 if a is None else a.data_ptr() for a in (r, w, dtw)]
     with torch.cuda.device(src.device):
         fn(*_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
-                         0 if dy_t is None else dy_t.data_ptr(), ready.data_ptr()),
-           src.shape[0], m, k, e, src.shape[1], ctas, current_stream(src.device))
+                         0 if dy_t is None else dy_t.data_ptr()),
+           src.shape[0], m, k, e, src.shape[1] // 8, ctas, current_stream(src.device))
 
 
 def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
@@ -161,11 +237,13 @@ def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bo
     [T*k, H] bf16 the routed dy rows (:func:`dy_rows_and_dtopk_w`'s) after their MXFP8 round trip along H, ``dy_t``
     the same rows' round trip along the tokens (blocks of 32 from each expert's first row) and ``d_topk_w`` [T, k]
     fp32 (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (mode 3) and
-    so the unfused passes; rows at or past offsets[E] are not written. dy [T, H] bf16 (H % 8 == 0), r_rows [T*k, H]
+    so the unfused passes; rows at or past offsets[E] are not written. dy [T, H] bf16 (H % 32 == 0), r_rows [T*k, H]
     bf16 (``rows_by_route``: in route order), order int32 [T*k], topk_w fp32 [T, k], offsets int32 [E+1]; all
     contiguous on one CUDA device. Its x pass, :func:`mx_x_rows`, reads none of r_rows: the caller may free them
     first."""
     _check(dy, r_rows, order, topk_w, offsets, torch.int32)
+    if dy.shape[1] % 32:
+        raise ValueError(f"dy: H = {dy.shape[1]} must be a multiple of 32 (the MXFP8 block)")
     if not dy.is_cuda:
         raise ValueError("mx_dy_rows_and_dtopk_w runs on a CUDA device")
     dy_rows, dy_t = torch.empty_like(r_rows), torch.empty_like(r_rows)
@@ -177,13 +255,13 @@ def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bo
 def mx_x_rows(x, order, offsets, k: int):
     """The MXFP8 prologue's x pass: x_rows [T*k, H] bf16, row p = ``x[order[p] // k]`` after the MXFP8 round trip
     along the tokens (blocks of 32 from each expert's first row; rows at or past offsets[E] not written), bitwise
-    the fused backward's comm-CTA gather (mode 3). x [T, H] bf16 (H % 8 == 0), order int32 [T*k], offsets int32
+    the fused backward's comm-CTA gather (mode 3). x [T, H] bf16 (H % 32 == 0), order int32 [T*k], offsets int32
     [E+1]; contiguous, one CUDA device."""
     _typed(("x", x, torch.bfloat16, 2), ("order", order, torch.int32, 1), ("offsets", offsets, torch.int32, 1))
     if order.shape[0] * x.shape[1] > MAX_NUMEL:
         raise ValueError("the x rows [T*k, H] must hold < 2^31 elements")
-    if x.shape[1] % 8 or x.shape[1] == 0 or order.shape[0] != x.shape[0] * k or offsets.numel() < 2:
-        raise ValueError(f"x must be [T, H] with H a positive multiple of 8, order [T*k = {x.shape[0] * k}] and offsets "
+    if x.shape[1] % 32 or x.shape[1] == 0 or order.shape[0] != x.shape[0] * k or offsets.numel() < 2:
+        raise ValueError(f"x must be [T, H] with H a positive multiple of 32 (the MXFP8 block), order [T*k = {x.shape[0] * k}] and offsets "
                          f"[E+1 >= 2]: got x {tuple(x.shape)}, order {tuple(order.shape)}, offsets "
                          f"{tuple(offsets.shape)}")
     if not x.is_cuda:

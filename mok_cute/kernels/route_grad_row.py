@@ -21,7 +21,7 @@ def _ptx(text, *args):
     return cute.arch.inline_ptx(text, write_only_types=[Uint32], read_only_args=list(args))
 
 
-def _scale_pair(word, w):
+def scale_pair(word, w):
     """bf16x2 word -> bf16x2 of (element * w) with mul.rn.f32 (``w`` fp32 bits)."""
     return _ptx("{ .reg .b32 lo, hi, p0, p1;\n"
                 "shl.b32 lo, {$r0}, 16;\n"
@@ -31,7 +31,7 @@ def _scale_pair(word, w):
                 "cvt.rn.bf16x2.f32 {$w0}, p1, p0; }", word, w)
 
 
-def _dot_pair(acc, a, b):
+def dot_pair(acc, a, b):
     """acc + a.lo * b.lo, then + a.hi * b.hi (two fma.rn.f32 on bf16x2 words)."""
     return _ptx("{ .reg .b32 al, ah, bl, bh, s;\n"
                 "shl.b32 al, {$r1}, 16;\n"
@@ -81,9 +81,9 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
                 o = cute.make_rmem_tensor((4,), Uint32)
                 for j in cutlass.range_constexpr(4):
                     if cutlass.const_expr(out is not None):
-                        o[j] = _scale_pair(a[j, u], wq)
+                        o[j] = scale_pair(a[j, u], wq)
                     if cutlass.const_expr(r is not None):
-                        acc = _dot_pair(acc, a[j, u], b[j, u])
+                        acc = dot_pair(acc, a[j, u], b[j, u])
                 if cutlass.const_expr(out is not None):
                     out[p * hc + c, None].store(o.load())
     if cutlass.const_expr(r is not None):

@@ -108,11 +108,11 @@ def fused_bwd_mode() -> int:
 
 
 def fused_bwd_mx_prologue() -> bool:
-    """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, read at every call; written 2026-12-02 after the session's device
-    time was spent: not yet run on a GPU): the MXFP8 backward of mode 2 makes its routed dy rows, d topk_w and x rows
-    and their round trips in two launches over every SM (``route_grad.mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``,
-    the mode-3 comm CTAs' device code) instead of the route_grad pass, an x gather and three round-trip passes."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "0").strip() == "1"
+    """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE`` (read at every call; default 1, 0 turns it off): the MXFP8 backward of mode
+    2 makes its routed dy rows, d topk_w and x rows and their round trips in two launches over every SM
+    (``route_grad.mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``: each 32-row block staged in shared memory a slab at a
+    time, every output written once) instead of the route_grad pass, an x gather and three round-trip passes."""
+    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "1").strip() != "0"
 
 
 def fused_bwd_mx() -> bool:

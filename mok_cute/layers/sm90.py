@@ -239,7 +239,7 @@ class Sm90ExpertMLP:
                                    consume=consume, mx_dyt=mx_dyt)
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
-        """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1`` (opt-in, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
+        """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE`` (default on, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
         :meth:`backward_tokens` takes: ``(dy_rows, dy_t, d topk_w, x_rows)`` from the layer's dy in one launch
         (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass and dy's round trips), ``x_rows(x)`` making the
         grouped x rows with their round trip in a second (``route_grad.mx_x_rows``); the caller frees the forward's

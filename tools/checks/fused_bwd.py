@@ -227,7 +227,7 @@ def _mx_rows(dev) -> list[Row]:
     """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
     operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
     37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2, 3 and 2 with the
-    opt-in prologue (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=1``) vs 0."""
+    prologue off (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0``; on by default) vs 0."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
@@ -248,23 +248,56 @@ def _mx_rows(dev) -> list[Row]:
         rows.append(Row(f"fused bwd core MXFP8 {name} L={limit}", bitwise=all(eq), ok=all(eq),
                         note=f"== unfused MXFP8 backward per run (132 x2, 37 CTAs): {eq}; differs: {diff}"))
     rows.append(_mx_tokens_row(dev))
+    rows += _mx_prologue_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
-    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=1"):
+    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=0"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag[0]
         os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
-        os.environ["MOK_CUTE_FUSED_BWD_MX_PROLOGUE"] = "1" if "PROLOGUE" in flag else "0"
+        os.environ["MOK_CUTE_FUSED_BWD_MX_PROLOGUE"] = "0" if "PROLOGUE" in flag else "1"
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
         finally:
             for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE"):
                 del os.environ[var]
-    # 3: the whole MXFP8 backward in one launch, the shared expert's before it; the prologue: mode 2 after the
-    # rows and their round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows)
-    for flag in ("2", "3", "2 + _MX_PROLOGUE=1"):
+    # 3: the whole MXFP8 backward in one launch, the shared expert's before it; 2: mode 2 after the rows and their
+    # round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows); _MX_PROLOGUE=0:
+    # mode 2 after the route_grad pass, the x gather and the round-trip passes
+    for flag in ("2", "3", "2 + _MX_PROLOGUE=0"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
                         bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    return rows
+
+
+def _mx_prologue_rows(dev) -> list[Row]:
+    """The MXFP8 prologue's two launches (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``) against the unfused
+    passes (route_grad's kernel, then ``mxfp8_round_trip`` / ``mxfp8_round_trip_tokens``), bitwise on the experts'
+    rows and twice: H 1536 (a partial slab of 64 chunks after a whole one) over uniform routes, H 4096 with the
+    forward rows in route order over a skew (empty experts, -1 slots, blocks off 32 rows)."""
+    from mok_cute.kernels import route_grad
+    from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
+    from mok_cute.layers.grouped import route_sort
+
+    rows = []
+    for t, h, e, k, skew, by_route in ((700, 1536, 8, 4, False, False), (1100, 4096, 16, 6, True, True)):
+        x, idx, w, _, _, dy = _problem(t, h, 256, e, k, False, skew, dev, seed=t)
+        order, offsets, _ = route_sort(idx, e)
+        r = torch.randn(t * k, h, device=dev).bfloat16()
+        n = int(offsets[-1])
+        u_rows, u_dtw = route_grad.dy_rows_and_dtopk_w(dy, r, order, w, offsets, by_route)
+        want = (mxfp8_round_trip(u_rows)[:n], mxfp8_round_trip_tokens(u_rows, offsets)[:n], u_dtw,
+                mxfp8_round_trip_tokens(x[order // k].contiguous(), offsets)[:n])
+        o32 = order.int()
+        runs = []
+        for _ in range(2):
+            d_rows, d_t, dtw = route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w, offsets, by_route)
+            runs.append((d_rows[:n], d_t[:n], dtw, route_grad.mx_x_rows(x, o32, offsets, k)[:n]))
+        torch.cuda.synchronize()
+        eq = [[torch.equal(a, b) for a, b in zip(got, want)] for got in runs]
+        ok = all(all(v) for v in eq)
+        rows.append(Row(f"MXFP8 prologue T{t} H{h} E{e} k{k}{' skew' if skew else ''}{' by-route' if by_route else ''}",
+                        bitwise=ok, ok=ok, note=f"[dy rows, dy_t, d topk_w, x rows] == unfused passes, 2 runs: {eq}"))
     return rows
 
 
