@@ -292,7 +292,14 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     from mok_cute import reference
     from mok_cute.kernels.quant import dequant_mxfp8, quantize
 
+    def rows_into(x, out):  # quantize_mxfp8_rows_into's layout: each row's e4m3 data, then its scales
+        q, s = reference.mxfp8_quantize(x)
+        out[:, :x.shape[1]] = q.view(torch.uint8)
+        out[:, x.shape[1]:x.shape[1] + s.shape[1]] = s
+        return out
+
     monkeypatch.setattr(quantize, "quantize_mxfp8", reference.mxfp8_quantize)  # CPU stand-ins
+    monkeypatch.setattr(quantize, "quantize_mxfp8_rows_into", rows_into)
     monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip",
                         lambda x: reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)

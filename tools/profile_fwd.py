@@ -40,6 +40,8 @@ def main() -> int:
                     help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
     ap.add_argument("--timeline", action="store_true",
                     help="print the last profiled call's GPU events in order: start, duration, gap before each")
+    ap.add_argument("--who", default="", help="print the Python stack (mok_cute frames) of the ops launching "
+                                              "kernels whose name contains this text")
     args = ap.parse_args()
     os.environ["MOK_CUTE_FUSED"] = args.fused
     t, h, inter, e, k = (int(v) for v in args.shape.split(","))
@@ -69,7 +71,9 @@ def main() -> int:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 20 * 1e6
         acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
-        with profile(activities=acts) as prof:
+        if args.who:
+            acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU]
+        with profile(activities=acts, with_stack=bool(args.who)) as prof:
             for _ in range(args.calls):
                 fwd()
             torch.cuda.synchronize()
@@ -119,6 +123,11 @@ def main() -> int:
             print(f"| {ev.name[:60]} | {ev.time_range.start - last[0].time_range.start:.1f} | {ev.device_time:.1f} | "
                   f"{ev.time_range.start - prev:.1f} |")
             prev = max(prev, ev.time_range.end)
+    if args.who:  # the innermost CPU ops whose kernels match, with their mok_cute frames
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CPU and any(args.who in k.name for k in ev.kernels):
+                frames = [f for f in ev.stack if "mok_cute" in f or "tools/" in f][:6]
+                print(f"{ev.name}: {[k.name[:50] for k in ev.kernels][:2]} <- {frames}")
     print("| kernel | per call | us per call |\n|---|---|---|")
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"| {name[:90]} | {n / args.calls:.0f} | {us / args.calls:.1f} |")

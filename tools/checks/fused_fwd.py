@@ -100,6 +100,37 @@ def _helper_rows(dev, fused) -> list[Row]:
     return rows
 
 
+def _mx_rows(dev, fused) -> list[Row]:
+    """MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the MXFP8 tolerance of
+    the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8); the other gathers of the MXFP8 rows."""
+    rows = []
+    for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
+                                                     ("skew+shared L=4", True, True, 4.0))):
+        x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=350 + i)
+        ref = _run("reference", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
+        outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
+        with torch.no_grad():
+            ys = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
+                  for c, m in ((40, 4096), (40, 4096), (4, 256), (16, 1024))]
+            y_unfused = _unfused(x, idx, w, ws, sh, limit, precision="mxfp8")
+        same = all(torch.equal(ys[0], y) for y in ys[1:]) and torch.equal(outs[0], ys[0])
+        rel = max(float((o.float() - r.float()).abs().sum() / r.float().abs().sum().clamp_min(1e-30))
+                  for o, r in zip(outs, ref))
+        eq = torch.equal(ys[0], y_unfused)
+        rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
+                        note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
+        for mode in ("regs", "direct"):  # the MXFP8 rows' other gathers (the default is bg)
+            yo = _gathered("MOK_CUTE_GATHER_MX", mode, lambda: [
+                _moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
+                for c, m in CONFIGS])
+            fused.check_errors()
+            same_o = all(torch.equal(y, y_unfused) for y in yo)
+            rows.append(Row(f"fused fwd mxfp8 {name} gather {mode}", bitwise=same_o, ok=same_o,
+                            note=f"MOK_CUTE_GATHER_MX={mode}, 3 configurations ==unfused mxfp8: {same_o}"))
+    fused.check_errors()
+    return rows
+
+
 def run(ctx) -> list[Row]:
     from checks.common import sm90_skip
 
@@ -109,6 +140,8 @@ def run(ctx) -> list[Row]:
     from mok_cute.kernels.sm90 import fused_moe as fused
 
     dev, rows = ctx.device, []
+    if os.environ.get("MOK_FUSED_FWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
+        return _mx_rows(dev, fused)
     cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
              ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
              ("one expert+shared L=4", False, True, 4.0, True)]
@@ -140,31 +173,7 @@ def run(ctx) -> list[Row]:
         same_d = all(torch.equal(y, ys[0]) for y in yd)
         rows.append(Row(f"fused fwd {name} gather direct", bitwise=same_d, ok=same_d,
                         note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
-    # MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the
-    # MXFP8 tolerance of the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8)
-    for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
-                                                     ("skew+shared L=4", True, True, 4.0))):
-        x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=350 + i)
-        ref = _run("reference", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
-        outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
-        with torch.no_grad():
-            ys = [_moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
-                  for c, m in ((40, 4096), (40, 4096), (4, 256), (16, 1024))]
-            y_unfused = _unfused(x, idx, w, ws, sh, limit, precision="mxfp8")
-        same = all(torch.equal(ys[0], y) for y in ys[1:]) and torch.equal(outs[0], ys[0])
-        rel = max(float((o.float() - r.float()).abs().sum() / r.float().abs().sum().clamp_min(1e-30))
-                  for o, r in zip(outs, ref))
-        eq = torch.equal(ys[0], y_unfused)
-        rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
-                        note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
-        for mode in ("regs", "direct"):  # the MXFP8 rows' other gathers (the default is bg)
-            yo = _gathered("MOK_CUTE_GATHER_MX", mode, lambda: [
-                _moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
-                for c, m in CONFIGS])
-            fused.check_errors()
-            same_o = all(torch.equal(y, y_unfused) for y in yo)
-            rows.append(Row(f"fused fwd mxfp8 {name} gather {mode}", bitwise=same_o, ok=same_o,
-                            note=f"MOK_CUTE_GATHER_MX={mode}, 3 configurations ==unfused mxfp8: {same_o}"))
+    rows += _mx_rows(dev, fused)
     fused.check_errors()
     rows += _helper_rows(dev, fused)
     # one launch per forward, and CUDA-graph capture == eager

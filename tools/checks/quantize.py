@@ -136,7 +136,41 @@ def run(ctx) -> list[Row]:  # MXFP8 rows, then run_fp8's
         us = bench_us(lambda: quantize_mxfp8(tiny, dim), warmup=10, iters=50)
         rows.append(Row(f"mxfp8 {kind} time bf16 32x256", time_us=us, ok=True,
                         note="host launch overhead bound"))
-    return rows + run_fp8(ctx, gen)
+    return rows + _pitched_rows(dev, gen) + run_fp8(ctx, gen)
+
+
+def _pitched_rows(dev, gen) -> list[Row]:
+    """``quantize_mxfp8_rows_into`` (the fused MXFP8 forward's token rows: data then scales in one pitched row) vs
+    ``quantize_mxfp8(x, -1)`` bitwise, the bytes past the scales untouched; its time beside the two-buffer quantize
+    and the two copies it replaces at 8192 x 4096."""
+    from mok_cute.comm.workspace import mxfp8_row_bytes
+    from mok_cute.kernels.quant.quantize import quantize_mxfp8, quantize_mxfp8_rows_into
+
+    rows = []
+    for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for m, n in ((256, 7168), (1056, 2336), (96, 160), (8192, 4096)):
+            x = _random((m, n), -1, dtype, gen, dev)
+            p = mxfp8_row_bytes(n) + 16
+            out = torch.full((m, p), 0xA5, dtype=torch.uint8, device=dev)
+            quantize_mxfp8_rows_into(x, out)
+            q, s = quantize_mxfp8(x, -1)
+            same = [torch.equal(out[:, :n], q.view(torch.uint8)), torch.equal(out[:, n:n + n // 32], s),
+                    bool((out[:, n + n // 32:] == 0xA5).all())]
+            rows.append(Row(f"mxfp8 rows_into {tag} {m}x{n} pitch {p}", bitwise=all(same), ok=all(same),
+                            note=f"[data, scales, rest untouched] == quantize_mxfp8(x, -1): {same}"))
+    x = _random((8192, 4096), -1, torch.bfloat16, gen, dev)
+    out = torch.empty((8192, mxfp8_row_bytes(4096)), dtype=torch.uint8, device=dev)
+
+    def two_buffers():
+        q, s = quantize_mxfp8(x, -1)
+        out[:, :4096].copy_(q.view(torch.uint8))
+        out[:, 4096:4096 + 128].copy_(s)
+
+    us_into = bench_us(lambda: quantize_mxfp8_rows_into(x, out), warmup=10, iters=50)
+    us_two = bench_us(two_buffers, warmup=10, iters=50)
+    rows.append(Row("mxfp8 rows_into time bf16 8192x4096", time_us=us_into, ok=True,
+                    note=f"quantize_mxfp8 + two copies into the rows: {us_two:.0f} us ({us_two / us_into:.2f}x)"))
+    return rows
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

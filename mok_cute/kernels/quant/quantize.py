@@ -12,6 +12,9 @@ one row; its output is C e4m3 bytes (OW = C / 4 words).
 - ``row`` (dim=-1): lane-contiguous chunks, so each warp load is 512 coalesced bytes; the
   L = 32 / C lanes holding one block combine their amax with butterfly shuffles. Each
   thread owns ``_ROW_UNROLL`` chunks (loads issued before any math).
+- ``row_pitched``: ``row`` writing row r's data at byte r * P of its output and its scales at byte
+  r * P of a second pointer (the MXFP8 token rows a fused forward moves: data then scales in one
+  row of P bytes), the same kernel body over hierarchical (chunk, row) output layouts.
 - ``col`` (dim=0): one thread per (32-row group, chunk column): 32 loads of 16 bytes down
   the column (consecutive lanes take consecutive chunks, so every load is coalesced along N),
   C per-column amaxes and scales, 32 stores of C bytes, one C-byte scale store.
@@ -26,7 +29,7 @@ from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel,
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.host import FLOAT_INPUTS, check_float_input, check_rows16, current_stream
 
-KINDS = ("row", "col")
+KINDS = ("row", "row_pitched", "col")
 DTYPES = FLOAT_INPUTS
 _ROW_THREADS = 256
 _ROW_UNROLL = 4
@@ -68,7 +71,7 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
         """amax |x| bits (bf16 or fp32 pattern) -> (2^-e fp32 bits, scale byte, nonfinite mask)."""
         return ops.e8m0(Int32(a) << 16 if bf16 else Int32(a))
 
-    if kind == "row":
+    if kind in ("row", "row_pitched"):
         @cute.kernel
         def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32):
             lane, base, vs = ops.row_loads(x, n, _ROW_THREADS, _ROW_UNROLL)
@@ -89,6 +92,21 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
             per_cta = _ROW_THREADS * _ROW_UNROLL
             row_kernel(x, q, s, n_chunks).launch(
                 grid=[(n_chunks + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
+                stream=stream)
+
+        @cute.jit
+        def launch_pitched(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, rows: Int32, cpr: Int32,
+                           pitch: Int32, stream: cuda.CUstream):
+            # chunk i = c + cpr * r: its data at word c * OW + r * pitch / 4, its block's scale at byte
+            # (c / L) + r * pitch (pitch % 16 == 0, cpr % L == 0)
+            x = cute.make_tensor(xp, cute.make_layout((rows * cpr, 4), stride=(4, 1)))
+            q = cute.make_tensor(qp, cute.make_layout(((cpr, rows), OW),
+                                                      stride=((OW, cute.assume(pitch // 4, divby=4)), 1)))
+            s = cute.make_tensor(sp, cute.make_layout(((cpr // L, rows),),
+                                                      stride=((1, cute.assume(pitch, divby=16)),)))
+            per_cta = _ROW_THREADS * _ROW_UNROLL
+            row_kernel(x, q, s, rows * cpr).launch(
+                grid=[(rows * cpr + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
                 stream=stream)
     else:
         @cute.kernel
@@ -138,9 +156,9 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
                 grid=[(items + _COL_THREADS - 1) // _COL_THREADS, 1, 1],
                 block=[_COL_THREADS, 1, 1], stream=stream)
 
-    dims = (Int32(1),) if kind == "row" else (Int32(32), Int32(1))
-    return compile_kernel(launch, *_pointers(kind, dtype, 0, 0, 0), *dims,
-                          cuda.CUstream(0), arch=arch, inspect=True)
+    dims = {"row": (Int32(1),), "row_pitched": (Int32(1), Int32(4), Int32(16)), "col": (Int32(32), Int32(1))}[kind]
+    return compile_kernel(launch_pitched if kind == "row_pitched" else launch, *_pointers(kind, dtype, 0, 0, 0),
+                          *dims, cuda.CUstream(0), arch=arch, inspect=True)
 
 
 def _pointers(kind: str, dtype: torch.dtype, x: int, data: int, scales: int):
@@ -153,7 +171,7 @@ def _pointers(kind: str, dtype: torch.dtype, x: int, data: int, scales: int):
     out_align = 2 if dtype == torch.bfloat16 else 1  # C / 4 words per chunk
     return (make_ptr(cutlass.Uint32, x, gmem, assumed_align=16),
             make_ptr(cutlass.Uint32, data, gmem, assumed_align=4 * out_align),
-            make_ptr(cutlass.Uint8, scales, gmem, assumed_align=1) if kind == "row"
+            make_ptr(cutlass.Uint8, scales, gmem, assumed_align=1) if kind != "col"
             else make_ptr(cutlass.Uint32, scales, gmem, assumed_align=4 * out_align))
 
 
@@ -191,3 +209,33 @@ def quantize_mxfp8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
     with torch.cuda.device(x.device):
         fn(*ptrs, *dims, stream)
     return data, scales
+
+
+def quantize_mxfp8_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """MXFP8-quantize a contiguous CUDA bf16/fp32 [M, N] tensor along its rows into ``out`` uint8 [M, P]
+    (contiguous, P % 16 == 0, P >= N + N/32; 16-byte aligned): row r's e4m3 data in ``out[r, :N]``, its E8M0
+    scales in ``out[r, N:N + N/32]`` (the rest of the row untouched), bitwise :func:`quantize_mxfp8` (x, -1)'s, in
+    one pass on the current stream (no separate data and scale buffers). Returns ``out``."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2:
+        raise TypeError("out must be a 2-D torch.uint8 tensor [M, P]")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] % 32 == 0:  # x's own checks follow (_dims)
+        m, n = x.shape
+        p = out.shape[1]
+        if out.shape[0] != m or p % 16 or p < n + n // 32 or out.data_ptr() % 16:
+            raise ValueError(f"out must be [M = {m}, P] with P % 16 == 0 and P >= N + N/32 = {n + n // 32}, "
+                             f"16-byte aligned; got {tuple(out.shape)}")
+    _dims(x, -1)
+    m, n = x.shape
+    if out.device != x.device:
+        raise ValueError(f"out must be on x's device {x.device}, got {out.device}")
+    if out.numel() >= 2 ** 31:
+        raise ValueError("out must hold < 2^31 bytes")
+    if x.numel():
+        fn, _ = compiled_quantize("row_pitched", arch_of_device(x.device), x.dtype)
+        cpr = n * x.element_size() // 16
+        ptrs = _pointers("row_pitched", x.dtype, x.data_ptr(), out.data_ptr(), out.data_ptr() + n)
+        with torch.cuda.device(x.device):
+            fn(*ptrs, m, cpr, p, current_stream(x.device))
+    return out

@@ -908,15 +908,12 @@ def _mx_source(x, ws, shared: bool):
     previous pull), and what the shared expert's GEMM1 reads (x's round trip; x without one)."""
     from mok_cute.comm.workspace import mxfp8_row_bytes
     from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip
-    from mok_cute.kernels.quant.quantize import quantize_mxfp8
+    from mok_cute.kernels.quant.quantize import quantize_mxfp8_rows_into
 
     t, hid = x.shape
     rb = mxfp8_row_bytes(hid)
-    q, sc = quantize_mxfp8(x, -1)
     xq = ws.acquire_src(rb) if ws is not None else torch.empty((t, rb), dtype=torch.uint8, device=x.device)
-    xq[:, :hid].copy_(q.view(torch.uint8))
-    xq[:, hid:hid + hid // 32].copy_(sc)
-    return xq, mxfp8_round_trip(x) if shared else x
+    return quantize_mxfp8_rows_into(x, xq), mxfp8_round_trip(x) if shared else x
 
 
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
