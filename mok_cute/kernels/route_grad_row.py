@@ -99,7 +99,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                   ready: cute.Tensor, k: Int32, hidden: Int32, ep, ep_dy, counters, pulled_word: cutlass.Constexpr[int],
                   trace_rec: tuple,
                   tile_m: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-                  by_route: cutlass.Constexpr[bool], mx: tuple = None, passes: tuple = (0, 1)):
+                  by_route: cutlass.Constexpr[bool], mx: tuple = None):
     """A fused backward's comm CTA ``bidx`` of ``comm_ctas`` (``threads`` per CTA, one warp per row):
     routed m-tile ``c`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
     for c = bidx, bidx + comm_ctas, ..., in two passes: ``dy_rows[p]`` = bf16(dy[t] * w[q]) with
@@ -120,11 +120,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
     m-tile, ``step(tidx, warp, lane, xpass, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets,
     expert, m_tile, operands)`` makes from the tile's bf16 rows what the MXFP8 GEMMs read (m-tiles
     start at their expert's first row, so the tokens' blocks of 32 are the tile's): SM90
-    :func:`mx_round_trips`, SM100 ``sm100.mx_gather.quantize_tile``.
-
-    ``passes`` (EP = 1): the passes this launch runs, (0,) or (1,) for a gather split in two launches (what the
-    other pass alone reads may be None: x_tok and x_rows in pass 0; dy_tok, r, w, dtw and dy_rows in pass 1);
-    d topk_w's zeros for the routes past the experts' rows go with pass 0."""
+    :func:`mx_round_trips`, SM100 ``sm100.mx_gather.quantize_tile``."""
     hc = hidden // 8
     warps = threads // 32
 
@@ -132,21 +128,16 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
         return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
                                 cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
 
-    # the views each pass reads, built in the order of the both-pass kernels (their PTX unchanged by ``passes``)
-    dyv = rv = outv = wv = dtwv = xtok = xrows = None
-    if cutlass.const_expr(0 in passes):
-        dyv, rv, outv = rows4(dy_tok), rows4(r), rows4(dy_rows)
-    if cutlass.const_expr(1 in passes):
-        xtok, xrows = x_tok.iterator.toint(), x_rows.iterator.toint()
-    if cutlass.const_expr(0 in passes):
-        wv = cute.make_tensor(cute.recast_ptr(w.iterator, dtype=Uint32), cute.make_layout(w.shape[0]))
-        dtwv = cute.make_tensor(cute.recast_ptr(dtw.iterator, dtype=Uint32), cute.make_layout(dtw.shape[0]))
+    dyv, rv, outv = rows4(dy_tok), rows4(r), rows4(dy_rows)
+    xtok, xrows = x_tok.iterator.toint(), x_rows.iterator.toint()
+    wv = cute.make_tensor(cute.recast_ptr(w.iterator, dtype=Uint32), cute.make_layout(w.shape[0]))
+    dtwv = cute.make_tensor(cute.recast_ptr(dtw.iterator, dtype=Uint32), cute.make_layout(dtw.shape[0]))
     warp = tidx // 32
     lane = tidx % 32
     traced = cutlass.const_expr(trace_rec is not None)
     if cutlass.const_expr(ep is not None):
         ep.open_pull(tidx, bidx)
-    for xpass in passes:
+    for xpass in cutlass.range_constexpr(2):
         ge, gb = Int32(0), Int32(0)
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(traced)
@@ -186,7 +177,7 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                 acc = route_row(lane, dyv, rv, None, q // k, q, Int32(0), Uint32(0), hc)
             if lane == 0:
                 dtwv[q] = acc
-    elif cutlass.const_expr(0 in passes):
+    else:
         for p in cutlass.range(offsets[num_experts] + bidx * threads + tidx, order.shape[0], comm_ctas * threads,
                                unroll=1):
             dtwv[order[p]] = Uint32(0)
