@@ -102,6 +102,10 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
     blk, slab, warps = mx_rows.MX_BLOCK, _MX_SLAB, _MX_THREADS // 32
     per_lane = _MX_SLAB // 32
 
+    def _add(a, b):  # fp32 bits a + b, round to nearest (route_row's butterfly)
+        return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                    read_only_args=[a, b])
+
     @cute.kernel
     def kernel(src: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
                offs: cute.Tensor, rows_out: cute.Tensor, dy_t: cute.Tensor, k: Int32, hc: Int32):
@@ -120,7 +124,9 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
             rows = cutlass.min(offs[e + 1] - row0, blk)
             for i in cutlass.range(warp, rows, warps, unroll=1):
                 sums[i, lane] = Uint32(0)
-            whole = cute.make_layout((blk, hc, 4), stride=(cute.assume(hc * 4, divby=4), 4, 1))  # the block's rows, (row, chunk, word)
+            # the outputs from the block's first row as (row, chunk, word); the stride's divisibility keeps
+            # their 16-byte stores
+            whole = cute.make_layout((blk, hc, 4), stride=(cute.assume(hc * 4, divby=4), 4, 1))
             for s0 in cutlass.range(0, hc, slab, unroll=1):
                 n = cutlass.min(slab, hc - s0)
                 for i in cutlass.range(warp, rows, warps, unroll=1):  # run-time: one row's loads in flight at a time
@@ -176,10 +182,6 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
             for p in cutlass.range(offs[n_exp] + bid * _MX_THREADS + tid, order.shape[0], grid * _MX_THREADS,
                                    unroll=1):
                 dtw[order[p]] = Uint32(0)
-
-    def _add(a, b):
-        return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
-                                    read_only_args=[a, b])
 
     @cute.jit
     def launch(srcp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer, orderp: cute.Pointer,
@@ -261,9 +263,9 @@ def mx_x_rows(x, order, offsets, k: int):
     if order.shape[0] * x.shape[1] > MAX_NUMEL:
         raise ValueError("the x rows [T*k, H] must hold < 2^31 elements")
     if x.shape[1] % 32 or x.shape[1] == 0 or order.shape[0] != x.shape[0] * k or offsets.numel() < 2:
-        raise ValueError(f"x must be [T, H] with H a positive multiple of 32 (the MXFP8 block), order [T*k = {x.shape[0] * k}] and offsets "
-                         f"[E+1 >= 2]: got x {tuple(x.shape)}, order {tuple(order.shape)}, offsets "
-                         f"{tuple(offsets.shape)}")
+        raise ValueError(f"x must be [T, H] with H a positive multiple of 32 (the MXFP8 block), order "
+                         f"[T*k = {x.shape[0] * k}] and offsets [E+1 >= 2]: got x {tuple(x.shape)}, order "
+                         f"{tuple(order.shape)}, offsets {tuple(offsets.shape)}")
     if not x.is_cuda:
         raise ValueError("mx_x_rows runs on a CUDA device")
     rows = torch.empty((order.shape[0], x.shape[1]), dtype=torch.bfloat16, device=x.device)
