@@ -70,9 +70,7 @@ def main() -> int:
         host = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 20 * 1e6
-        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
-        if args.who:
-            acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU]
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host or args.who else [])
         with profile(activities=acts, with_stack=bool(args.who)) as prof:
             for _ in range(args.calls):
                 fwd()

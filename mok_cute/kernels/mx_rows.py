@@ -4,7 +4,8 @@ so each is bitwise :mod:`~mok_cute.kernels.quant.dequant_mxfp8`'s round-trip ker
 rows: :func:`mx_column_block` along the rows' axis (one 32-row block of one 8-column chunk),
 :func:`mx_row` along a row (one warp). Views are uint32 words of bf16 pairs, 16-byte chunks
 of 4 words; shared by the SM90 dSwiGLU epilogue, the fused backwards' gather
-(:func:`~mok_cute.kernels.route_grad_row.gather_chunks`) and the MXFP8 prologue (:mod:`~mok_cute.kernels.route_grad`)."""
+(:func:`~mok_cute.kernels.route_grad_row.gather_chunks`) and the MXFP8 prologue
+(:mod:`~mok_cute.kernels.route_grad`)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32

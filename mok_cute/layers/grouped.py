@@ -211,7 +211,9 @@ class GroupedExpertBackend:
                                           comm_ctas=st.comm_bwd)
             if out is not None:
                 return MoEGrads(*out)
-        pro = None  # MXFP8 (MOK_CUTE_FUSED_BWD_MX_PROLOGUE, default on): the rows, d topk_w and the rows' round trips in two launches, then mode 2's core
+        # MXFP8 (MOK_CUTE_FUSED_BWD_MX_PROLOGUE, default on): the rows, d topk_w and the rows' round trips in two
+        # launches, then mode 2's core
+        pro = None
         if mode == 2 and st.routed.x is None and st.x is not None and hasattr(self.mlp, "mx_prologue"):
             pro = self.mlp.mx_prologue(st.routed, dy, st.rows, st.order, st.topk_w, st.rows_by_route)
         core = {}  # backward_tokens' extra arguments: the prologue's dy round trip along the tokens
