@@ -9,11 +9,15 @@ from mok_cute.kernels import route_grad
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-def test_compiles_with_rn_arithmetic(arch):
-    _, rep = route_grad.compiled_route_grad(arch)
+@pytest.mark.parametrize("with_x", [False, True])
+def test_compiles_with_rn_arithmetic(arch, with_x):
+    _, rep = route_grad.compiled_route_grad(arch, with_x=with_x)
     assert rep.total_spill_bytes == 0
     for inst in ("mul.rn.f32", "fma.rn.f32", "cvt.rn.bf16x2.f32", "shfl.sync.bfly", "ld.global.v4", "st.global.v4"):
         assert rep.has(inst), inst
+    # the x row copy adds a second batch of 16-byte loads and stores per route
+    plain = route_grad.compiled_route_grad(arch)[1]
+    assert (rep.ptx.count("st.global.v4") > plain.ptx.count("st.global.v4")) == with_x
 
 
 def _problem(t=37, k=4, e=6, h=64, seed=0):
@@ -41,6 +45,20 @@ def test_torch_path_matches_reference_formulas():
                        torch.zeros((), dtype=torch.float64))
     torch.testing.assert_close(dtw.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.all(dtw[idx < 0] == 0)
+
+
+def test_x_rows_torch_path():
+    dy, r, order, w, offsets, idx = _problem()
+    x = torch.randn_like(dy)
+    rows, dtw, x_rows = route_grad.dy_x_rows_and_dtopk_w(dy, x, r, order, w, offsets)
+    want_rows, want_dtw = route_grad.dy_rows_and_dtopk_w(dy, r, order, w, offsets)
+    n = int(offsets[-1])
+    assert torch.equal(rows[:n], want_rows[:n]) and torch.equal(dtw, want_dtw)
+    assert torch.equal(x_rows[:n], x[order[:n] // idx.shape[1]])
+    with pytest.raises(TypeError, match="x must"):
+        route_grad.dy_x_rows_and_dtopk_w(dy, x.float(), r, order, w, offsets)
+    with pytest.raises(ValueError, match="x must be"):
+        route_grad.dy_x_rows_and_dtopk_w(dy, x[:-1].contiguous(), r, order, w, offsets)
 
 
 def test_validation():
@@ -89,18 +107,18 @@ def test_slot_dtopk_w_torch_path_and_checks():
 @pytest.mark.parametrize("xpass,by_route", [(0, False), (0, True), (1, False)])
 def test_mx_prologue_compiles_with_its_round_trips(xpass, by_route):
     """The MXFP8 prologue's two kernels (sm_90a; the MXFP8 backward's route_grad pass and x gather with their round
-    trips, over every SM): 0 spills, at most 96 registers (two CTAs of 256 threads per SM at least); the MXFP8 round
-    trips (e4m3 converts both ways, the packed amax), the slab staged in shared memory and read back in 16-byte
-    chunks between CTA barriers, 16-byte global loads and stores; the dy pass also route_row's scaled rows and
-    fixed-order d topk_w (fma.rn, the butterfly) and dy's round trip along H (its lanes' amax by shuffles), the x
-    pass neither."""
+    trips, over every SM): 0 spills, at most 80 registers (three CTAs of 256 threads per SM, as many as their 68 KB of
+    shared memory allow); the MXFP8 round trips (e4m3 converts both ways, the packed amax), the slab staged in shared
+    memory and read back in 16-byte chunks between CTA barriers, 16-byte global loads and stores, the token-local
+    block order's search (ballot, shuffles up, popc); the dy pass also route_row's scaled rows and fixed-order d
+    topk_w (fma.rn), the x pass not."""
     _, rep = route_grad.compiled_mx_rows("sm_90a", xpass, by_route)
-    assert rep.total_spill_bytes == 0 and max(rep.registers.values()) <= 96
+    assert rep.total_spill_bytes == 0 and max(rep.registers.values()) <= 80
     for inst in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2", "bar.sync", "st.shared.v4.b32",
-                 "ld.shared.v4.b32", "ld.global.v4.b32", "st.global.v4.b32"):
+                 "ld.shared.v4.b32", "ld.global.v4.b32", "st.global.v4.b32", "vote.sync.ballot", "shfl.sync.up",
+                 "popc", "shfl.sync.bfly"):
         assert rep.has(inst), inst
-    for inst in ("fma.rn.f32", "shfl.sync.bfly"):
-        assert rep.has(inst) == (xpass == 0), inst
+    assert rep.has("fma.rn.f32") == (xpass == 0)
 
 
 def test_mx_prologue_validation():

@@ -12,8 +12,11 @@ in fp64: compared with a tolerance) in a fixed order — each lane FMAs its 16-b
 ``lane, lane + 32, ...`` in order, then a fixed butterfly over the warp — so it is bitwise
 reproducible. Rows p >= offsets[E] of dy_rows are not written (no expert reads them).
 
-One warp per grouped row, 16-byte loads and stores; dims are runtime ``Int32`` (one compiled
-kernel per arch).
+One warp per route, in route order (the warps of one token's routes run side by side, so dy's token
+row is read from DRAM about once, not once per expert sweep; each route's grouped row comes from the
+inverse of ``order``, one scatter), 16-byte loads and stores; dims are runtime ``Int32`` (one compiled
+kernel per arch). :func:`dy_x_rows_and_dtopk_w` also copies x's token row into the route's grouped
+row in the same warp (the BF16 backward's x gather).
 
 :func:`mx_dy_rows_and_dtopk_w` and :func:`mx_x_rows`: the MXFP8 backward's prologue in two launches over every SM
 (bitwise the two passes of the fused backward's comm-CTA gather with its SM90 MXFP8 step, and so the unfused
@@ -28,31 +31,43 @@ import torch
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
 from mok_cute.dsl.host import MAX_NUMEL, current_stream
 
-_WARPS = 4  # rows per CTA
+_WARPS = 4  # routes per CTA
+_X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
+_MX_THREADS = 256  # per CTA of the MXFP8 prologue (8 warps; warp w gathers rows w, w + 8, w + 16, w + 24 of a block)
+_MX_SLAB = 128  # 16-byte chunks of the block's 32 rows staged in shared memory at a time (64 KB)
 
 
-def _build(arch: str, by_route: bool = False):
+def _build(arch: str, by_route: bool = False, with_x: bool = False):
+    """The route-major pass: one warp per route q (consecutive warps take one token's routes, so dy's and x's token
+    rows are read from DRAM about once however many experts the token went to); ``with_x`` also copies x's token
+    row into its grouped row."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415 (the DSL is imported lazily, on first compile)
 
     cutlass, cute = dsl()
     from mok_cute.kernels.route_grad_row import route_row  # noqa: PLC0415
+    from mok_cute.kernels.slot_rows import copy_row  # noqa: PLC0415
 
-    Int32, Uint32 = cutlass.Int32, cutlass.Uint32
+    Int32, Int64, Uint32 = cutlass.Int32, cutlass.Int64, cutlass.Uint32
 
     @cute.kernel
-    def kernel(dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, order: cute.Tensor, w: cute.Tensor,
-               dtw: cute.Tensor, offs: cute.Tensor, e: Int32, m: Int32, k: Int32, hc: Int32):
+    def kernel(dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, row_of: cute.Tensor, w: cute.Tensor,
+               dtw: cute.Tensor, offs: cute.Tensor, x: cute.Tensor, x_out: cute.Tensor, e: Int32, m: Int32, k: Int32,
+               hc: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % 32
-        p = bid * _WARPS + tid // 32
-        if p < m:
-            q = Int32(order[p])
+        q = bid * _WARPS + tid // 32
+        if q < m:
+            p = row_of[q]
             if p < offs[e]:
                 rr = p  # the forward row of this route
                 if cutlass.const_expr(by_route):
                     rr = q
                 acc = route_row(lane, dy, r, out, q // k, rr, p, w[q], hc)
+                if cutlass.const_expr(with_x):
+                    row_bytes = Int64(hc * 16)
+                    copy_row(lane, x.iterator.toint() + Int64(q // k) * row_bytes,
+                             x_out.iterator.toint() + Int64(p) * row_bytes, hc, _X_UNROLL)
                 if lane == 0:
                     dtw[q] = acc
             else:
@@ -60,33 +75,30 @@ def _build(arch: str, by_route: bool = False):
                     dtw[q] = Uint32(0)
 
     @cute.jit
-    def launch(dyp: cute.Pointer, rp: cute.Pointer, outp: cute.Pointer, orderp: cute.Pointer, wp: cute.Pointer,
-               dtwp: cute.Pointer, offp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32, hc: Int32,
-               stream: cuda.CUstream):
+    def launch(dyp: cute.Pointer, rp: cute.Pointer, outp: cute.Pointer, rowp: cute.Pointer, wp: cute.Pointer,
+               dtwp: cute.Pointer, offp: cute.Pointer, xp: cute.Pointer, xop: cute.Pointer, t: Int32, m: Int32,
+               k: Int32, e: Int32, hc: Int32, stream: cuda.CUstream):
         chunks = cute.make_layout
         dy = cute.make_tensor(dyp, chunks((t * hc, 4), stride=(4, 1)))
         r = cute.make_tensor(rp, chunks((m * hc, 4), stride=(4, 1)))
         out = cute.make_tensor(outp, chunks((m * hc, 4), stride=(4, 1)))
-        order = cute.make_tensor(orderp, cute.make_layout((m,)))
+        row_of = cute.make_tensor(rowp, cute.make_layout((m,)))
         w = cute.make_tensor(wp, cute.make_layout((t * k,)))
         dtw = cute.make_tensor(dtwp, cute.make_layout((t * k,)))
         offs = cute.make_tensor(offp, cute.make_layout((e + 1,)))
-        kernel(dy, r, out, order, w, dtw, offs, e, m, k, hc).launch(
+        x = cute.make_tensor(xp, chunks((t * hc, 4), stride=(4, 1)))
+        x_out = cute.make_tensor(xop, chunks((m * hc, 4), stride=(4, 1)))
+        kernel(dy, r, out, row_of, w, dtw, offs, x, x_out, e, m, k, hc).launch(
             grid=[(m + _WARPS - 1) // _WARPS, 1, 1], block=[32 * _WARPS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_pointers(0, 0, 0, 0, 0, 0, 0), *(Int32(1),) * 5, cuda.CUstream(0),
-                          arch=arch, inspect=True)
-
-
-_MX_THREADS = 256  # per CTA of the MXFP8 prologue (8 warps; warp w gathers rows w, w + 8, w + 16, w + 24 of a block)
-_MX_SLAB = 128  # 16-byte chunks of the block's 32 rows staged in shared memory at a time (64 KB)
+    return compile_kernel(launch, *_pointers(*(0,) * 9), *(Int32(1),) * 5, cuda.CUstream(0), arch=arch, inspect=True)
 
 
 def _build_mx(arch: str, xpass: int, by_route: bool):
     """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs).
 
-    CTA ``b`` takes 32-row block ``b`` of the experts' rows (blocks start at each expert's first row: an MXFP8 token
-    block) and walks H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
+    CTA ``b`` takes the 32-row block of rank ``b`` in the token-local round order
+    (:mod:`mok_cute.schedule.token_rounds`; blocks start at each expert's first row: an MXFP8 token block) and walks H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
     (pass 0: scaled by the route's weight while each lane goes on with route_row's fixed-order d topk_w sum, its
     chunks ``lane, lane + 32, ...`` in order), then the round trips read the slab there and write the outputs once
     (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7 the rows along H into the
@@ -96,7 +108,7 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
     cutlass, cute = dsl()
     from mok_cute.kernels import mx_rows  # noqa: PLC0415
     from mok_cute.kernels.route_grad_row import dot_pair, scale_pair  # noqa: PLC0415
-    from mok_cute.schedule.group_tiles import seek  # noqa: PLC0415
+    from mok_cute.schedule.token_rounds import round_block  # noqa: PLC0415
 
     Int32, Uint32 = cutlass.Int32, cutlass.Uint32
     blk, slab, warps = mx_rows.MX_BLOCK, _MX_SLAB, _MX_THREADS // 32
@@ -108,7 +120,8 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
 
     @cute.kernel
     def kernel(src: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
-               offs: cute.Tensor, rows_out: cute.Tensor, dy_t: cute.Tensor, k: Int32, hc: Int32):
+               offs: cute.Tensor, rows_out: cute.Tensor, dy_t: cute.Tensor, k: Int32, hc: Int32, rounds: Int32,
+               steps: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -118,9 +131,18 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
             Uint32, cute.make_layout((blk, slab, 4), stride=(slab * 4, 4, 1)), byte_alignment=16)
         sums = cutlass.memory.SmemAllocator().allocate_tensor(  # each row's lanes' d topk_w sums between slabs
             Uint32, cute.make_layout((blk, 32), stride=(32, 1)), byte_alignment=16)
-        e, b = seek(offs, n_exp, blk, Int32(1), bid, Int32(0), Int32(0))
+        # the block of this CTA's rank in the token-local order (dy / x token rows reused in L2): warp 0 finds it
+        # and hands it over in shared memory (found by every warp, its search raised the loop's registers)
+        block = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(2), byte_alignment=8)
+        if warp == 0:
+            fe, fb = round_block(offs, n_exp, blk, rounds, steps, bid, lane)
+            if lane == 0:
+                block[0] = fe
+                block[1] = fb
+        cute.arch.barrier()
+        e = block[0]
         if e < n_exp:
-            row0 = offs[e] + (bid - b) * blk
+            row0 = offs[e] + block[1] * blk
             rows = cutlass.min(offs[e + 1] - row0, blk)
             for i in cutlass.range(warp, rows, warps, unroll=1):
                 sums[i, lane] = Uint32(0)
@@ -186,7 +208,7 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
     @cute.jit
     def launch(srcp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer, orderp: cute.Pointer,
                offp: cute.Pointer, rowsp: cute.Pointer, dytp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32,
-               hc: Int32, ctas: Int32, stream: cuda.CUstream):
+               hc: Int32, ctas: Int32, rounds: Int32, steps: Int32, stream: cuda.CUstream):
         def chunks(ptr, n):  # bf16 rows as (rows * hc, 4) words of their 16-byte chunks
             return cute.make_tensor(ptr, cute.make_layout((n * hc, 4), stride=(4, 1)))
 
@@ -195,10 +217,10 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
 
         dy_only = (chunks(rp, m), vec(wp, t * k), vec(dtwp, t * k)) if xpass == 0 else (None, None, None)
         kernel(chunks(srcp, t), *dy_only, vec(orderp, m), vec(offp, e + 1), vec(rowsp, m * hc * 4),
-               vec(dytp, m * hc * 4) if xpass == 0 else None, k, hc).launch(
+               vec(dytp, m * hc * 4) if xpass == 0 else None, k, hc, rounds, steps).launch(
             grid=[ctas, 1, 1], block=[_MX_THREADS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_mx_pointers(*(0,) * 8), *(Int32(1),) * 6, cuda.CUstream(0), arch=arch,
+    return compile_kernel(launch, *_mx_pointers(*(0,) * 8), *(Int32(1),) * 8, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
 
@@ -221,17 +243,22 @@ def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
 
 
 def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=None, w=None, dtw=None, dy_t=None):
-    """One launch of the MXFP8 prologue's pass ``xpass``: one CTA per 32-row block at most (grid M/32 + E + 1)."""
+    """One launch of the MXFP8 prologue's pass ``xpass``: one CTA per 32-row block at most (grid M/32 + E + 1), the
+    blocks in :mod:`mok_cute.schedule.token_rounds` order (rounds of 32 tokens)."""
     m, e = order.shape[0], offsets.numel() - 1
     if not m:
         return
+    from mok_cute.schedule import token_rounds  # noqa: PLC0415 (imports the DSL)
+
     ctas = m // 32 + e + 1
+    rounds = token_rounds.rounds_for(src.shape[0])
     fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route)
     addr = [0 if a is None else a.data_ptr() for a in (r, w, dtw)]
     with torch.cuda.device(src.device):
         fn(*_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
                          0 if dy_t is None else dy_t.data_ptr()),
-           src.shape[0], m, k, e, src.shape[1] // 8, ctas, current_stream(src.device))
+           src.shape[0], m, k, e, src.shape[1] // 8, ctas, rounds, token_rounds.search_steps(rounds),
+           current_stream(src.device))
 
 
 def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
@@ -350,10 +377,10 @@ def _ptr(kind: str, addr: int, align: int):
     return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _pointers(dy: int, r: int, out: int, order: int, w: int, dtw: int, offs: int):
-    """Kernel pointer arguments (rows as 32-bit words, order int64, weights as fp32 bits)."""
-    return (_ptr("u32", dy, 16), _ptr("u32", r, 16), _ptr("u32", out, 16), _ptr("i64", order, 8), _ptr("u32", w, 4),
-            _ptr("u32", dtw, 4), _ptr("i32", offs, 4))
+def _pointers(dy: int, r: int, out: int, row_of: int, w: int, dtw: int, offs: int, x: int, x_out: int):
+    """Kernel pointer arguments (rows as 32-bit words, each route's grouped row int32, weights as fp32 bits)."""
+    return (_ptr("u32", dy, 16), _ptr("u32", r, 16), _ptr("u32", out, 16), _ptr("i32", row_of, 4), _ptr("u32", w, 4),
+            _ptr("u32", dtw, 4), _ptr("i32", offs, 4), _ptr("u32", x, 16), _ptr("u32", x_out, 16))
 
 
 def _slot_pointers(dy: int, slots: int, idx: int, dtw: int):
@@ -361,10 +388,11 @@ def _slot_pointers(dy: int, slots: int, idx: int, dtw: int):
     return _ptr("u32", dy, 16), _ptr("u32", slots, 16), _ptr("i64", idx, 8), _ptr("u32", dtw, 4)
 
 
-def compiled_route_grad(arch: str, by_route: bool = False):
+def compiled_route_grad(arch: str, by_route: bool = False, with_x: bool = False):
     """The cached ``(compiled, CompileReport)`` for an arch in ``compile.ARCHS`` (``by_route``:
-    the forward rows are in route order, see :func:`dy_rows_and_dtopk_w`)."""
-    return compile_cached(("route_grad", arch, by_route), lambda: _build(arch, by_route))
+    the forward rows are in route order, see :func:`dy_rows_and_dtopk_w`; ``with_x``: the x rows too,
+    :func:`dy_x_rows_and_dtopk_w`)."""
+    return compile_cached(("route_grad", arch, by_route, with_x), lambda: _build(arch, by_route, with_x))
 
 
 def _typed(*specs):
@@ -420,14 +448,38 @@ def dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bool 
     _check(dy, r_rows, order, topk_w, offsets)
     if not dy.is_cuda:
         return dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
+    return _launch(dy, r_rows, order, topk_w, offsets, rows_by_route)
+
+
+def dy_x_rows_and_dtopk_w(dy, x, r_rows, order, topk_w, offsets, rows_by_route: bool = False):
+    """:func:`dy_rows_and_dtopk_w` and the expert-grouped x rows in the same pass: ``(dy_rows, d_topk_w, x_rows)``
+    with ``x_rows`` [T*k, H] bf16, row p = ``x[order[p] // k]`` for p < offsets[E] (later rows not written on the
+    device). x [T, H] bf16 contiguous, the other operands as there."""
+    _check(dy, r_rows, order, topk_w, offsets)
+    _typed(("x", x, torch.bfloat16, 2))
+    if x.shape != dy.shape:
+        raise ValueError(f"x must be [T, H] = {tuple(dy.shape)} as dy, got {tuple(x.shape)}")
+    if not dy.is_cuda:
+        dy_rows, dtw = dy_rows_and_dtopk_w_torch(dy, r_rows, order, topk_w, offsets, rows_by_route)
+        return dy_rows, dtw, x.index_select(0, order // topk_w.shape[1])
+    return _launch(dy, r_rows, order, topk_w, offsets, rows_by_route, x)
+
+
+def _launch(dy, r_rows, order, topk_w, offsets, rows_by_route: bool, x=None):
+    """The route-major kernel: every route's grouped row from the inverse of ``order`` (one scatter), then one warp
+    per route; returns ``(dy_rows, d_topk_w)`` and, with ``x``, the x rows."""
     t, h = dy.shape
     k, m = topk_w.shape[1], r_rows.shape[0]
     out = torch.empty_like(r_rows)
     dtw = torch.empty_like(topk_w)
+    x_rows = None if x is None else torch.empty_like(r_rows)
     if m:
-        fn, _ = compiled_route_grad(arch_of_device(dy.device), rows_by_route)
+        row_of = torch.empty(m, dtype=torch.int32, device=dy.device)
+        row_of.scatter_(0, order, torch.arange(m, dtype=torch.int32, device=dy.device))
+        fn, _ = compiled_route_grad(arch_of_device(dy.device), rows_by_route, x is not None)
+        xs = (dy, out) if x is None else (x, x_rows)  # without x: any valid pointers, unread
         with torch.cuda.device(dy.device):
-            fn(*_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), order.data_ptr(), topk_w.data_ptr(),
-                          dtw.data_ptr(), offsets.data_ptr()),
+            fn(*_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), row_of.data_ptr(), topk_w.data_ptr(),
+                          dtw.data_ptr(), offsets.data_ptr(), xs[0].data_ptr(), xs[1].data_ptr()),
                t, m, k, offsets.numel() - 1, h // 8, current_stream(dy.device))
-    return out, dtw
+    return (out, dtw) if x is None else (out, dtw, x_rows)

@@ -221,9 +221,11 @@ class GroupedExpertBackend:
             dy_rows, core["mx_dyt"], dtw, x_rows = pro
             st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
             st.routed = replace(st.routed, x=x_rows(st.x))
+        elif st.routed.x is None:  # the fused forward kept no x rows: gathered in the same pass
+            dy_rows, dtw, x_rows = route_grad.dy_x_rows_and_dtopk_w(dy, st.x, st.rows, st.order, st.topk_w,
+                                                                    st.routed.offsets, rows_by_route=st.rows_by_route)
+            st.routed = replace(st.routed, x=x_rows)
         else:
-            if st.routed.x is None:
-                st.routed = replace(st.routed, x=st.x.index_select(0, st.order // k))
             dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                           rows_by_route=st.rows_by_route)
         st.rows = None  # the backward is one-shot (its caller drops the state): the GEMM2 rows go now

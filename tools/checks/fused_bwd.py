@@ -274,7 +274,8 @@ def _mx_prologue_rows(dev) -> list[Row]:
     """The MXFP8 prologue's two launches (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``) against the unfused
     passes (route_grad's kernel, then ``mxfp8_round_trip`` / ``mxfp8_round_trip_tokens``), bitwise on the experts'
     rows and twice: H 1536 (a partial slab of 64 chunks after a whole one) over uniform routes, H 4096 with the
-    forward rows in route order over a skew (empty experts, -1 slots, blocks off 32 rows)."""
+    forward rows in route order over a skew (empty experts, -1 slots, blocks off 32 rows); the blocks run in the
+    token-local round order, the outputs' memory NaN-filled before each run."""
     from mok_cute.kernels import route_grad
     from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
     from mok_cute.layers.grouped import route_sort
@@ -291,6 +292,9 @@ def _mx_prologue_rows(dev) -> list[Row]:
         o32 = order.int()
         runs = []
         for _ in range(2):
+            # NaN in the memory the outputs will take: a block the launch misses cannot keep an earlier run's rows
+            poison = [torch.full_like(v, float("nan")) for v in (r, r, r, r, w, w)]
+            del poison
             d_rows, d_t, dtw = route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w, offsets, by_route)
             runs.append((d_rows[:n], d_t[:n], dtw, route_grad.mx_x_rows(x, o32, offsets, k)[:n]))
         torch.cuda.synchronize()

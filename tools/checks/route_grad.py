@@ -27,11 +27,18 @@ def _problem(t, k, e, h, drop, dev, gen):
 def _check(rg, route_sort, name, t, k, e, h, drop, dev, gen):
     idx, w, dy, r = _problem(t, k, e, h, drop, dev, gen)
     order, offsets, _ = route_sort(idx, e)
-    outs = [rg.dy_rows_and_dtopk_w(dy, r, order, w, offsets) for _ in range(5)]
-    same = all(torch.equal(o[0][: int(offsets[-1])], outs[0][0][: int(offsets[-1])]) and torch.equal(o[1], outs[0][1])
-               for o in outs[1:])
-    rows, dtw = outs[0]
     n = int(offsets[-1])
+    outs = [rg.dy_rows_and_dtopk_w(dy, r, order, w, offsets) for _ in range(5)]
+    same = all(torch.equal(o[0][:n], outs[0][0][:n]) and torch.equal(o[1], outs[0][1]) for o in outs[1:])
+    # the x rows in the same pass, and the forward rows in route order: the same dy rows and d topk_w
+    x = torch.randn_like(dy)
+    r_route = torch.empty_like(r)
+    r_route[order] = r
+    for rows_x, dtw_x, x_rows in (rg.dy_x_rows_and_dtopk_w(dy, x, r, order, w, offsets),
+                                  rg.dy_x_rows_and_dtopk_w(dy, x, r_route, order, w, offsets, rows_by_route=True)):
+        same = same and torch.equal(rows_x[:n], outs[0][0][:n]) and torch.equal(dtw_x, outs[0][1])
+        same = same and torch.equal(x_rows[:n], x.index_select(0, order[:n] // k))
+    rows, dtw = outs[0]
     want_rows, _ = rg.dy_rows_and_dtopk_w_torch(dy, r, order, w, offsets)
     rows_bad = int((rows[:n].view(torch.int16) != want_rows[:n].view(torch.int16)).sum())
     slots = torch.zeros(t * k, h, dtype=torch.float64, device=dev)
@@ -42,7 +49,8 @@ def _check(rg, route_sort, name, t, k, e, h, drop, dev, gen):
     zeros_ok = bool(torch.all(dtw[idx < 0] == 0))
     ok = rows_bad == 0 and err <= 1e-5 and zeros_ok and same and bool(torch.isfinite(dtw).all())
     return Row(f"route_grad {name}", max_err=err, bitwise=same, ok=ok,
-               note=f"T{t} k{k} E{e} H{h}: dy rows mismatches {rows_bad}, -1 slots zero {zeros_ok}")
+               note=f"T{t} k{k} E{e} H{h}: dy rows mismatches {rows_bad}, -1 slots zero {zeros_ok}; repeats, x rows "
+                    f"(== index_select) and rows by route bitwise: {same}")
 
 
 def _check_slots(rg, name, t, k, e, h, drop, dev, gen):
@@ -72,6 +80,12 @@ def run(ctx) -> list[Row]:
     gbytes = (2 * r.numel() * 2 + r.numel() * 2) / 1e9  # read dy rows + r, write dy rows
     rows.append(Row("route_grad speed T4096 k8 H7168", time_us=t_k,
                     note=f"{gbytes / t_k * 1e6:.0f} GB/s; torch ops {t_t:.0f} us (x{t_t / t_k:.1f})"))
+    x = torch.randn_like(dy)
+    t_x = bench_us(lambda: rg.dy_x_rows_and_dtopk_w(dy, x, r, order, w, offsets))
+    t_sel = bench_us(lambda: x.index_select(0, order // 8))
+    rows.append(Row("route_grad + x rows speed T4096 k8 H7168", time_us=t_x,
+                    note=f"{(gbytes + r.numel() * 4 / 1e9) / t_x * 1e6:.0f} GB/s of rows; dy pass + index_select "
+                         f"{t_k + t_sel:.0f} us (x{(t_k + t_sel) / t_x:.2f})"))
     rows += [_check_slots(rg, n, *a, dev, gen) for n, a in [("small", (37, 4, 6, 64, 0.2)),
                                                            ("large", (4096, 8, 64, 7168, 0.05))]]
     idx, _, dy, r = _problem(4096, 8, 64, 7168, 0.05, dev, gen)
