@@ -292,15 +292,17 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
     from mok_cute import reference
     from mok_cute.kernels.quant import dequant_mxfp8, quantize
 
-    def rows_into(x, out):  # quantize_mxfp8_rows_into's layout: each row's e4m3 data, then its scales
+    def rows_into(x, out, rt=None):  # quantize_mxfp8_rows_into's layout: each row's e4m3 data, then its scales
         q, s = reference.mxfp8_quantize(x)
         out[:, :x.shape[1]] = q.view(torch.uint8)
         out[:, x.shape[1]:x.shape[1] + s.shape[1]] = s
+        if rt is not None:
+            rt.copy_(reference.mxfp8_dequantize(q, s).to(x.dtype))
         return out
 
     monkeypatch.setattr(quantize, "quantize_mxfp8", reference.mxfp8_quantize)  # CPU stand-ins
     monkeypatch.setattr(quantize, "quantize_mxfp8_rows_into", rows_into)
-    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip",
+    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip",  # the direct gather's x
                         lambda x: reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
     t, h, inter, e, k = 100, 256, 256, 4, 2

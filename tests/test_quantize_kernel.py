@@ -10,9 +10,10 @@ from mok_cute.dsl import compile as kc
 from mok_cute.kernels.quant import quantize as kq
 
 # Per thread: row kernel 4 chunks, col kernel 32 chunks; a chunk is 16 input bytes.
-CHUNKS = {"row": 4, "row_pitched": 4, "col": 32}
+CHUNKS = {"row": 4, "row_pitched": 4, "row_pitched_rt": 4, "col": 32}
 ELEMS_PER_CHUNK = {torch.bfloat16: 8, torch.float32: 4}
-CASES = [(kind, arch, dt) for kind in kq.KINDS for arch in kc.ARCHS for dt in kq.DTYPES]
+CASES = [(kind, arch, dt) for kind in kq.KINDS for arch in kc.ARCHS for dt in kq.DTYPES
+         if kind != "row_pitched_rt" or dt == torch.bfloat16]  # the round trip: bf16 x only
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,8 @@ def test_ptx_instructions(reports, case):
     kind, _, dt = case
     ptx = reports[case].ptx
     elems = CHUNKS[kind] * ELEMS_PER_CHUNK[dt]
-    # every element is scaled by exactly one non-FTZ fp32 multiply ...
-    assert len(re.findall(r"\bmul\.rn\.f32\b", ptx)) == elems
+    # every element is scaled by exactly one non-FTZ fp32 multiply (row_pitched_rt: and one more dequantizing it) ...
+    assert len(re.findall(r"\bmul\.rn\.f32\b", ptx)) == elems * (2 if kind == "row_pitched_rt" else 1)
     assert not re.search(r"\bmul(\.\w+)*\.ftz", ptx)
     assert not re.search(r"\bmul(\.rz|\.rm|\.rp)?\.f32\b", ptx)
     assert ".ftz" not in ptx
@@ -117,3 +118,27 @@ def test_rows_into_validation_before_launch(no_launch, out, exc, match):
         kq.quantize_mxfp8_rows_into(torch.zeros(64, 64, dtype=torch.bfloat16), out)
     with pytest.raises(ValueError, match="multiple of 32"):
         kq.quantize_mxfp8_rows_into(torch.zeros(64, 48, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("x, rt, exc, match", [
+    (torch.zeros(64, 64), torch.zeros(64, 64, dtype=torch.bfloat16), TypeError, "x bf16"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64), TypeError, "rt"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16), ValueError, r"\[M, N\]"),
+    (torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64], ValueError,
+     "contiguous"),
+])
+def test_rows_into_round_trip_validation(no_launch, x, rt, exc, match):
+    """The round trip output of quantize_mxfp8_rows_into: bf16 x only, rt a contiguous [M, N] bf16 tensor."""
+    with pytest.raises(exc, match=match):
+        kq.quantize_mxfp8_rows_into(x, torch.zeros(64, 80, dtype=torch.uint8), rt)
+
+
+def test_rows_into_round_trip_compiles(reports):
+    """row_pitched_rt: the row_pitched kernel plus the dequantize (e4m3 -> f16 -> f32, bf16 rounding) and its stores;
+    fp32 x has no round-trip variant."""
+    rep = reports[("row_pitched_rt", "sm_90a", torch.bfloat16)]
+    plain = reports[("row_pitched", "sm_90a", torch.bfloat16)]
+    assert rep.has("cvt.rn.f16x2.e4m3x2") and rep.has("cvt.rn.bf16x2.f32") and not plain.has("cvt.rn.f16x2.e4m3x2")
+    assert rep.ptx.count("st.global.v4") > plain.ptx.count("st.global.v4")
+    with pytest.raises(TypeError, match="bfloat16"):
+        kq.compiled_quantize("row_pitched_rt", "sm_90a", torch.float32)

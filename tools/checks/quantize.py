@@ -144,6 +144,7 @@ def _pitched_rows(dev, gen) -> list[Row]:
     ``quantize_mxfp8(x, -1)`` bitwise, the bytes past the scales untouched; its time beside the two-buffer quantize
     and the two copies it replaces at 8192 x 4096."""
     from mok_cute.comm.workspace import mxfp8_row_bytes
+    from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip
     from mok_cute.kernels.quant.quantize import quantize_mxfp8, quantize_mxfp8_rows_into
 
     rows = []
@@ -156,8 +157,14 @@ def _pitched_rows(dev, gen) -> list[Row]:
             q, s = quantize_mxfp8(x, -1)
             same = [torch.equal(out[:, :n], q.view(torch.uint8)), torch.equal(out[:, n:n + n // 32], s),
                     bool((out[:, n + n // 32:] == 0xA5).all())]
+            if dtype == torch.bfloat16:  # with the round trip in the same pass
+                out2 = torch.full_like(out, 0xA5)
+                rt = torch.full_like(x, float("nan"))
+                quantize_mxfp8_rows_into(x, out2, rt)
+                same += [torch.equal(out2, out), torch.equal(rt, mxfp8_round_trip(x))]
             rows.append(Row(f"mxfp8 rows_into {tag} {m}x{n} pitch {p}", bitwise=all(same), ok=all(same),
-                            note=f"[data, scales, rest untouched] == quantize_mxfp8(x, -1): {same}"))
+                            note=f"[data, scales, rest untouched] == quantize_mxfp8(x, -1) (bf16: then with rt, the "
+                                 f"same rows and rt == mxfp8_round_trip(x)): {same}"))
     x = _random((8192, 4096), -1, torch.bfloat16, gen, dev)
     out = torch.empty((8192, mxfp8_row_bytes(4096)), dtype=torch.uint8, device=dev)
 
@@ -170,6 +177,11 @@ def _pitched_rows(dev, gen) -> list[Row]:
     us_two = bench_us(two_buffers, warmup=10, iters=50)
     rows.append(Row("mxfp8 rows_into time bf16 8192x4096", time_us=us_into, ok=True,
                     note=f"quantize_mxfp8 + two copies into the rows: {us_two:.0f} us ({us_two / us_into:.2f}x)"))
+    rt = torch.empty_like(x)
+    us_rt = bench_us(lambda: quantize_mxfp8_rows_into(x, out, rt), warmup=10, iters=50)
+    us_apart = bench_us(lambda: (quantize_mxfp8_rows_into(x, out), mxfp8_round_trip(x, out=rt)), warmup=10, iters=50)
+    rows.append(Row("mxfp8 rows_into + round trip time bf16 8192x4096", time_us=us_rt, ok=True,
+                    note=f"rows_into then mxfp8_round_trip: {us_apart:.0f} us ({us_apart / us_rt:.2f}x)"))
     return rows
 
 

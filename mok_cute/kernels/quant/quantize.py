@@ -15,6 +15,9 @@ one row; its output is C e4m3 bytes (OW = C / 4 words).
 - ``row_pitched``: ``row`` writing row r's data at byte r * P of its output and its scales at byte
   r * P of a second pointer (the MXFP8 token rows a fused forward moves: data then scales in one
   row of P bytes), the same kernel body over hierarchical (chunk, row) output layouts.
+- ``row_pitched_rt`` (bf16 input): ``row_pitched`` also writing each chunk's MXFP8 round trip (the data
+  dequantized back to bf16, bitwise ``dequant_mxfp8.mxfp8_round_trip``) into a bf16 [M, N] output: the
+  MXFP8 forward's token rows and its shared expert's GEMM1 operand from one read of x.
 - ``col`` (dim=0): one thread per (32-row group, chunk column): 32 loads of 16 bytes down
   the column (consecutive lanes take consecutive chunks, so every load is coalesced along N),
   C per-column amaxes and scales, 32 stores of C bytes, one C-byte scale store.
@@ -29,7 +32,7 @@ from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel,
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.host import FLOAT_INPUTS, check_float_input, check_rows16, current_stream
 
-KINDS = ("row", "row_pitched", "col")
+KINDS = ("row", "row_pitched", "row_pitched_rt", "col")
 DTYPES = FLOAT_INPUTS
 _ROW_THREADS = 256
 _ROW_UNROLL = 4
@@ -66,14 +69,15 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
     L = 32 // C  # lanes (chunks) per row-wise block
 
     ops = Fp8Ops(bf16)
+    with_rt = kind == "row_pitched_rt"
 
     def scale_of(a):
         """amax |x| bits (bf16 or fp32 pattern) -> (2^-e fp32 bits, scale byte, nonfinite mask)."""
         return ops.e8m0(Int32(a) << 16 if bf16 else Int32(a))
 
-    if kind in ("row", "row_pitched"):
+    if kind in ("row", "row_pitched", "row_pitched_rt"):
         @cute.kernel
-        def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32):
+        def row_kernel(x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, n: Int32, rt: cute.Tensor):
             lane, base, vs = ops.row_loads(x, n, _ROW_THREADS, _ROW_UNROLL)
             for u in cutlass.range_constexpr(_ROW_UNROLL):
                 o, byte = ops.mx_block(vs[u], L)
@@ -82,6 +86,10 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
                     q[i, None].store(o.load())
                     if lane % L == 0:
                         s[i // L] = Uint8(byte)
+                    if cutlass.const_expr(rt is not None):  # the round trip: ops.mx_round_trip's dequantize
+                        back = cute.make_rmem_tensor((4,), Uint32)
+                        ops.deq_bf16([o[0], o[1]], [ops.scale_bits(byte)] * 8, back)
+                        rt[i, None].store(back.load())
 
         @cute.jit
         def launch(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, n_chunks: Int32,
@@ -90,22 +98,23 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
             q = cute.make_tensor(qp, cute.make_layout((n_chunks, OW), stride=(OW, 1)))
             s = cute.make_tensor(sp, cute.make_layout((n_chunks // L,)))
             per_cta = _ROW_THREADS * _ROW_UNROLL
-            row_kernel(x, q, s, n_chunks).launch(
+            row_kernel(x, q, s, n_chunks, None).launch(
                 grid=[(n_chunks + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
                 stream=stream)
 
         @cute.jit
-        def launch_pitched(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, rows: Int32, cpr: Int32,
-                           pitch: Int32, stream: cuda.CUstream):
+        def launch_pitched(xp: cute.Pointer, qp: cute.Pointer, sp: cute.Pointer, rtp: cute.Pointer, rows: Int32,
+                           cpr: Int32, pitch: Int32, stream: cuda.CUstream):
             # chunk i = c + cpr * r: its data at word c * OW + r * pitch / 4, its block's scale at byte
-            # (c / L) + r * pitch (pitch % 16 == 0, cpr % L == 0)
+            # (c / L) + r * pitch (pitch % 16 == 0, cpr % L == 0); row_pitched_rt: its round trip at chunk i of rtp
             x = cute.make_tensor(xp, cute.make_layout((rows * cpr, 4), stride=(4, 1)))
+            rt = cute.make_tensor(rtp, cute.make_layout((rows * cpr, 4), stride=(4, 1))) if with_rt else None
             q = cute.make_tensor(qp, cute.make_layout(((cpr, rows), OW),
                                                       stride=((OW, cute.assume(pitch // 4, divby=4)), 1)))
             s = cute.make_tensor(sp, cute.make_layout(((cpr // L, rows),),
                                                       stride=((1, cute.assume(pitch, divby=16)),)))
             per_cta = _ROW_THREADS * _ROW_UNROLL
-            row_kernel(x, q, s, rows * cpr).launch(
+            row_kernel(x, q, s, rows * cpr, rt).launch(
                 grid=[(rows * cpr + per_cta - 1) // per_cta, 1, 1], block=[_ROW_THREADS, 1, 1],
                 stream=stream)
     else:
@@ -156,9 +165,16 @@ def _build(kind: str, dtype: torch.dtype, arch: str):
                 grid=[(items + _COL_THREADS - 1) // _COL_THREADS, 1, 1],
                 block=[_COL_THREADS, 1, 1], stream=stream)
 
-    dims = {"row": (Int32(1),), "row_pitched": (Int32(1), Int32(4), Int32(16)), "col": (Int32(32), Int32(1))}[kind]
-    return compile_kernel(launch_pitched if kind == "row_pitched" else launch, *_pointers(kind, dtype, 0, 0, 0),
+    pitched = (_rt_pointer(0),) if kind.startswith("row_pitched") else ()
+    dims = {"row": (Int32(1),), "col": (Int32(32), Int32(1))}.get(kind, (Int32(1), Int32(4), Int32(16)))
+    return compile_kernel(launch_pitched if pitched else launch, *_pointers(kind, dtype, 0, 0, 0), *pitched,
                           *dims, cuda.CUstream(0), arch=arch, inspect=True)
+
+
+def _rt_pointer(rt: int):
+    """The pitched kinds' round-trip output pointer (bf16 chunks as 32-bit words; unread by ``row_pitched``)."""
+    cutlass, cute = dsl()
+    return cute.runtime.make_ptr(cutlass.Uint32, rt, cute.AddressSpace.gmem, assumed_align=16)
 
 
 def _pointers(kind: str, dtype: torch.dtype, x: int, data: int, scales: int):
@@ -180,8 +196,9 @@ def compiled_quantize(kind: str, arch: str, dtype: torch.dtype = torch.bfloat16)
     ``compile.ARCHS`` and an input dtype in DTYPES (compiled on first request)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if dtype not in DTYPES:
-        raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    if dtype not in DTYPES or (kind == "row_pitched_rt" and dtype != torch.bfloat16):
+        raise TypeError(f"dtype must be torch.bfloat16{'' if kind == 'row_pitched_rt' else ' or torch.float32'}, "
+                        f"got {dtype}")
     return compile_cached(("mxfp8_quantize", kind, arch, dtype), lambda: _build(kind, dtype, arch))
 
 
@@ -211,11 +228,13 @@ def quantize_mxfp8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
     return data, scales
 
 
-def quantize_mxfp8_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def quantize_mxfp8_rows_into(x: torch.Tensor, out: torch.Tensor, rt: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP8-quantize a contiguous CUDA bf16/fp32 [M, N] tensor along its rows into ``out`` uint8 [M, P]
     (contiguous, P % 16 == 0, P >= N + N/32; 16-byte aligned): row r's e4m3 data in ``out[r, :N]``, its E8M0
     scales in ``out[r, N:N + N/32]`` (the rest of the row untouched), bitwise :func:`quantize_mxfp8` (x, -1)'s, in
-    one pass on the current stream (no separate data and scale buffers). Returns ``out``."""
+    one pass on the current stream (no separate data and scale buffers). ``rt`` (bf16 x only): a contiguous bf16
+    [M, N] tensor that also gets x's MXFP8 round trip along the rows, bitwise ``mxfp8_round_trip(x)``, in the same
+    pass. Returns ``out``."""
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2:
         raise TypeError("out must be a 2-D torch.uint8 tensor [M, P]")
     if not out.is_contiguous():
@@ -226,16 +245,25 @@ def quantize_mxfp8_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor
         if out.shape[0] != m or p % 16 or p < n + n // 32 or out.data_ptr() % 16:
             raise ValueError(f"out must be [M = {m}, P] with P % 16 == 0 and P >= N + N/32 = {n + n // 32}, "
                              f"16-byte aligned; got {tuple(out.shape)}")
+    if rt is not None:
+        if not isinstance(rt, torch.Tensor) or rt.dtype != torch.bfloat16 or not isinstance(x, torch.Tensor) \
+                or x.dtype != torch.bfloat16:
+            raise TypeError("rt (the round trip) must be a torch.bfloat16 tensor, and x bf16 with it")
+        if rt.shape != x.shape or not rt.is_contiguous() or rt.data_ptr() % 16:
+            raise ValueError(f"rt must be a contiguous 16-byte aligned [M, N] = {tuple(x.shape)} tensor, got "
+                             f"{tuple(rt.shape)}")
     _dims(x, -1)
     m, n = x.shape
-    if out.device != x.device:
-        raise ValueError(f"out must be on x's device {x.device}, got {out.device}")
+    for name, t in (("out", out), ("rt", rt)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     if out.numel() >= 2 ** 31:
         raise ValueError("out must hold < 2^31 bytes")
     if x.numel():
-        fn, _ = compiled_quantize("row_pitched", arch_of_device(x.device), x.dtype)
+        kind = "row_pitched" if rt is None else "row_pitched_rt"
+        fn, _ = compiled_quantize(kind, arch_of_device(x.device), x.dtype)
         cpr = n * x.element_size() // 16
-        ptrs = _pointers("row_pitched", x.dtype, x.data_ptr(), out.data_ptr(), out.data_ptr() + n)
+        ptrs = _pointers(kind, x.dtype, x.data_ptr(), out.data_ptr(), out.data_ptr() + n)
         with torch.cuda.device(x.device):
-            fn(*ptrs, m, cpr, p, current_stream(x.device))
+            fn(*ptrs, _rt_pointer((x if rt is None else rt).data_ptr()), m, cpr, p, current_stream(x.device))
     return out

@@ -907,13 +907,13 @@ def _mx_source(x, ws, shared: bool):
     then H/32 E8M0 scales; at EP > 1 the workspace's pull source, after every peer finished the
     previous pull), and what the shared expert's GEMM1 reads (x's round trip; x without one)."""
     from mok_cute.comm.workspace import mxfp8_row_bytes
-    from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip
     from mok_cute.kernels.quant.quantize import quantize_mxfp8_rows_into
 
     t, hid = x.shape
     rb = mxfp8_row_bytes(hid)
     xq = ws.acquire_src(rb) if ws is not None else torch.empty((t, rb), dtype=torch.uint8, device=x.device)
-    return quantize_mxfp8_rows_into(x, xq), mxfp8_round_trip(x) if shared else x
+    rt = torch.empty_like(x) if shared else None  # the round trip in the same pass over x
+    return quantize_mxfp8_rows_into(x, xq, rt), rt if shared else x
 
 
 def counter_sizes(t: int, mcap: int, e: int) -> tuple[int, int, int, int]:
