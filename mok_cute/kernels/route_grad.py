@@ -98,7 +98,8 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
     """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs).
 
     CTA ``b`` takes the 32-row block of rank ``b`` in the token-local round order
-    (:mod:`mok_cute.schedule.token_rounds`; blocks start at each expert's first row: an MXFP8 token block) and walks H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
+    (:mod:`mok_cute.schedule.token_rounds`; blocks start at each expert's first row: an MXFP8 token block) and walks
+    H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
     (pass 0: scaled by the route's weight while each lane goes on with route_row's fixed-order d topk_w sum, its
     chunks ``lane, lane + 32, ...`` in order), then the round trips read the slab there and write the outputs once
     (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7 the rows along H into the
