@@ -114,7 +114,7 @@ def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
 
     cutlass, cute = dsl()
     from mok_cute.kernels import mx_rows  # noqa: PLC0415
-    from mok_cute.kernels.route_grad_row import dot_pair, scale_pair  # noqa: PLC0415
+    from mok_cute.kernels.route_grad_row import dot_pair, scale_pair, warp_sum_rn  # noqa: PLC0415
     from mok_cute.schedule.token_rounds import round_block  # noqa: PLC0415
     from cutlass.cute.nvgpu import cpasync  # noqa: PLC0415
 
@@ -135,10 +135,6 @@ def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
                 c = lane + 32 * u
                 if c < n:
                     dst[None, u].store(r[rr * hc + s0 + c, None].load())
-
-    def _add(a, b):  # fp32 bits a + b, round to nearest (route_row's butterfly)
-        return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
-                                    read_only_args=[a, b])
 
     @cute.kernel
     def kernel(src: cute.Tensor, r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, order: cute.Tensor,
@@ -255,9 +251,7 @@ def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
                 cute.arch.barrier()  # the slab read before the next one is staged
             if cutlass.const_expr(xpass == 0):
                 for i in cutlass.range(warp, rows, warps, unroll=1):
-                    v = sums[i, lane]
-                    for sh in cutlass.range_constexpr(5):
-                        v = _add(v, cute.arch.shuffle_sync_bfly(v, offset=16 >> sh))
+                    v = warp_sum_rn(sums[i, lane])
                     if lane == 0:
                         dtw[order[row0 + i]] = v
         if cutlass.const_expr(xpass == 0):  # d topk_w = 0 for the routes past the experts' rows (-1 slots)

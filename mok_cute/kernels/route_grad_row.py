@@ -87,9 +87,17 @@ def route_row(lane: Int32, dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, t:
                 if cutlass.const_expr(out is not None):
                     out[p * hc + c, None].store(o.load())
     if cutlass.const_expr(r is not None):
-        for s in cutlass.range_constexpr(5):
-            acc = _ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", acc, cute.arch.shuffle_sync_bfly(acc, offset=16 >> s))
+        acc = warp_sum_rn(acc)
     return acc
+
+
+@cute.jit
+def warp_sum_rn(v):
+    """Every lane's fp32 bits ``v`` summed over the warp by the fixed butterfly (offsets 16, 8, 4, 2, 1, one
+    ``add.rn.f32`` each): d topk_w's last step, the same bits on every lane."""
+    for s in cutlass.range_constexpr(5):
+        v = _ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", v, cute.arch.shuffle_sync_bfly(v, offset=16 >> s))
+    return v
 
 
 @cute.jit
