@@ -105,33 +105,21 @@ def test_slot_dtopk_w_torch_path_and_checks():
 
 
 @pytest.mark.parametrize("xpass,by_route", [(0, False), (0, True), (1, False)])
-@pytest.mark.parametrize("cp_async", [False, True])
-def test_mx_prologue_compiles_with_its_round_trips(xpass, by_route, cp_async):
+def test_mx_prologue_compiles_with_its_round_trips(xpass, by_route):
     """The MXFP8 prologue's two kernels (sm_90a; the MXFP8 backward's route_grad pass and x gather with their round
     trips, over every SM): 0 spills, at most 80 registers (three CTAs of 256 threads per SM, as many as their 68 KB of
-    shared memory allow); the MXFP8 round trips (e4m3 converts both ways, the packed amax), the slab staged in shared
-    memory and read back in 16-byte chunks between CTA barriers, 16-byte global stores, the token-local block order's
-    search (ballot, shuffles up, popc); the dy pass also route_row's scaled rows and fixed-order d topk_w (fma.rn).
-    The slab's rows arrive by 16-byte loads through registers, or with ``cp_async`` by 16-byte cp.async copies (the
-    dy pass then scales them in place, loading the forward rows by 16-byte loads; the x pass loads nothing itself)."""
-    _, rep = route_grad.compiled_mx_rows("sm_90a", xpass, by_route, cp_async)
+    shared memory allow); the MXFP8 round trips (e4m3 converts both ways, the packed amax), the slab copied in by
+    16-byte cp.async and read back in 16-byte chunks between CTA barriers, 16-byte global stores, the token-local
+    block order's search (ballot, shuffles up, popc); the dy pass also route_row's scaled rows written back into the
+    slab, the forward rows' 16-byte loads and the fixed-order d topk_w (fma.rn); the x pass loads nothing itself."""
+    _, rep = route_grad.compiled_mx_rows("sm_90a", xpass, by_route)
     assert rep.total_spill_bytes == 0 and max(rep.registers.values()) <= 80
     for inst in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2", "bar.sync", "ld.shared.v4.b32",
-                 "st.global.v4.b32", "vote.sync.ballot", "shfl.sync.up", "popc", "shfl.sync.bfly"):
+                 "st.global.v4.b32", "vote.sync.ballot", "shfl.sync.up", "popc", "shfl.sync.bfly",
+                 "cp.async.cg.shared.global", "cp.async.wait_group"):
         assert rep.has(inst), inst
-    assert rep.has("fma.rn.f32") == (xpass == 0)
-    for inst in ("cp.async.cg.shared.global", "cp.async.wait_group"):
-        assert rep.has(inst) == cp_async, inst
-    for inst in ("st.shared.v4.b32", "ld.global.v4.b32"):  # staged from registers / the forward rows' loads
-        assert rep.has(inst) == (xpass == 0 or not cp_async), inst
-
-
-def test_mx_prologue_cp_async_switch(monkeypatch):
-    """MOK_CUTE_MX_PROLOGUE_CP_ASYNC picks the cp.async gather, off by default, read at every call."""
-    monkeypatch.delenv("MOK_CUTE_MX_PROLOGUE_CP_ASYNC", raising=False)
-    assert not route_grad.mx_prologue_cp_async()
-    monkeypatch.setenv("MOK_CUTE_MX_PROLOGUE_CP_ASYNC", "1")
-    assert route_grad.mx_prologue_cp_async()
+    for inst in ("fma.rn.f32", "st.shared.v4.b32", "ld.global.v4.b32"):
+        assert rep.has(inst) == (xpass == 0), inst
 
 
 def test_mx_prologue_validation():

@@ -26,8 +26,6 @@ at a time and every output written once, in place of this kernel, an x gather an
 allocates the x rows.
 """
 
-import os
-
 import torch
 
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
@@ -96,20 +94,17 @@ def _build(arch: str, by_route: bool = False, with_x: bool = False):
     return compile_kernel(launch, *_pointers(*(0,) * 9), *(Int32(1),) * 5, cuda.CUstream(0), arch=arch, inspect=True)
 
 
-def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
+def _build_mx(arch: str, xpass: int, by_route: bool):
     """The MXFP8 prologue's pass ``xpass`` (0: dy rows, d topk_w, dy's two round trips; 1: x rows and theirs).
 
     CTA ``b`` takes the 32-row block of rank ``b`` in the token-local round order
     (:mod:`mok_cute.schedule.token_rounds`; blocks start at each expert's first row: an MXFP8 token block) and walks
-    H in slabs of :data:`_MX_SLAB` chunks: its warps gather the slab of every row into shared memory
-    (pass 0: scaled by the route's weight while each lane goes on with route_row's fixed-order d topk_w sum, its
-    chunks ``lane, lane + 32, ...`` in order), then the round trips read the slab there and write the outputs once
+    H in slabs of :data:`_MX_SLAB` chunks: its warps copy the slab of every row into shared memory by 16-byte
+    cp.async, every lane's copies of its warp's rows in flight at once (pass 0 then scales them in place by the
+    route's weight while each lane goes on with route_row's fixed-order d topk_w sum over its chunks ``lane,
+    lane + 32, ...`` in order, the forward rows loaded one row ahead), then the round trips read the slab there and write the outputs once
     (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7 the rows along H into the
-    dy rows; pass 1: every thread a column chunk along the tokens into the x rows).
-
-    ``cp_async`` (opt-in, :func:`mx_prologue_cp_async`; compile-checked, not yet run on a GPU): the slab's src rows
-    are copied by 16-byte cp.async, every lane's copies of its warp's four rows in flight at once instead of one
-    row's loads at a time (pass 0 then scales dy in place and loads the forward rows one row ahead)."""
+    dy rows; pass 1: every thread a column chunk along the tokens into the x rows)."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
     cutlass, cute = dsl()
@@ -147,10 +142,8 @@ def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
         n_exp = offs.shape[0] - 1
         stage = cutlass.memory.SmemAllocator().allocate_tensor(
             Uint32, cute.make_layout((blk, slab, 4), stride=(slab * 4, 4, 1)), byte_alignment=16)
-        g2s = None
-        if cutlass.const_expr(cp_async):
-            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint32,
-                                      num_bits_per_copy=128)
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
         sums = cutlass.memory.SmemAllocator().allocate_tensor(  # each row's lanes' d topk_w sums between slabs
             Uint32, cute.make_layout((blk, 32), stride=(32, 1)), byte_alignment=16)
         # the block of this CTA's rank in the token-local order (dy / x token rows reused in L2): warp 0 finds it
@@ -173,68 +166,37 @@ def _build_mx(arch: str, xpass: int, by_route: bool, cp_async: bool = False):
             whole = cute.make_layout((blk, hc, 4), stride=(cute.assume(hc * 4, divby=4), 4, 1))
             for s0 in cutlass.range(0, hc, slab, unroll=1):
                 n = cutlass.min(slab, hc - s0)
-                if cutlass.const_expr(cp_async):
-                    # every lane copies its chunks (lane, lane + 32, ...) of the warp's rows of src into the slab by
-                    # cp.async, all in flight at once (no registers); each lane later reads back only what it copied
+                # every lane copies its chunks (lane, lane + 32, ...) of the warp's rows of src into the slab by
+                # cp.async, all in flight at once (no registers); each lane later reads back only what it copied
+                for i in cutlass.range(warp, rows, warps, unroll=1):
+                    t = order[row0 + i] // k
+                    for u in cutlass.range_constexpr(per_lane):
+                        c = lane + 32 * u
+                        if c < n:
+                            cute.copy(g2s, src[t * hc + s0 + c, None], stage[(i, c, None)])
+                cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(xpass == 0):  # dy scaled in place and d topk_w, r one row ahead
+                    nxt = cute.make_rmem_tensor((4, per_lane), Uint32)
+                    _r_chunks(r, order, row0, warp, lane, rows, s0, n, hc, nxt)
+                    cute.arch.cp_async_wait_group(0)
                     for i in cutlass.range(warp, rows, warps, unroll=1):
-                        t = order[row0 + i] // k
-                        for u in cutlass.range_constexpr(per_lane):
-                            c = lane + 32 * u
-                            if c < n:
-                                cute.copy(g2s, src[t * hc + s0 + c, None], stage[(i, c, None)])
-                    cute.arch.cp_async_commit_group()
-                    if cutlass.const_expr(xpass == 0):  # dy scaled in place and d topk_w, r one row ahead
-                        nxt = cute.make_rmem_tensor((4, per_lane), Uint32)
-                        _r_chunks(r, order, row0, warp, lane, rows, s0, n, hc, nxt)
-                        cute.arch.cp_async_wait_group(0)
-                        for i in cutlass.range(warp, rows, warps, unroll=1):
-                            bb = cute.make_rmem_tensor((4, per_lane), Uint32)
-                            bb.store(nxt.load())
-                            _r_chunks(r, order, row0, i + warps, lane, rows, s0, n, hc, nxt)
-                            acc = sums[i, lane]
-                            wq = w[order[row0 + i]]
-                            for u in cutlass.range_constexpr(per_lane):  # the chunks in order: the sum's order
-                                c = lane + 32 * u
-                                if c < n:
-                                    a = stage[(i, c, None)].load()
-                                    o = cute.make_rmem_tensor((4,), Uint32)
-                                    for h in cutlass.range_constexpr(4):
-                                        o[h] = scale_pair(a[h], wq)
-                                        acc = dot_pair(acc, a[h], bb[h, u])
-                                    stage[(i, c, None)].store(o.load())
-                            sums[i, lane] = acc
-                    else:
-                        cute.arch.cp_async_wait_group(0)
-                else:
-                    # run-time: one row's loads in flight at a time
-                    for i in cutlass.range(warp, rows, warps, unroll=1):
-                        q = order[row0 + i]
-                        t = q // k
-                        rr = row0 + i
-                        if cutlass.const_expr(by_route):
-                            rr = q
-                        a = cute.make_rmem_tensor((4, per_lane), Uint32)
                         bb = cute.make_rmem_tensor((4, per_lane), Uint32)
-                        for u in cutlass.range_constexpr(per_lane):  # every load first
-                            c = lane + 32 * u
-                            if c < n:
-                                a[None, u].store(src[t * hc + s0 + c, None].load())
-                                if cutlass.const_expr(xpass == 0):
-                                    bb[None, u].store(r[rr * hc + s0 + c, None].load())
+                        bb.store(nxt.load())
+                        _r_chunks(r, order, row0, i + warps, lane, rows, s0, n, hc, nxt)
                         acc = sums[i, lane]
-                        wq = w[q] if xpass == 0 else Uint32(0)
-                        for u in cutlass.range_constexpr(per_lane):  # then the chunks in order: the sum's order
+                        wq = w[order[row0 + i]]
+                        for u in cutlass.range_constexpr(per_lane):  # the chunks in order: the sum's order
                             c = lane + 32 * u
                             if c < n:
+                                a = stage[(i, c, None)].load()
                                 o = cute.make_rmem_tensor((4,), Uint32)
                                 for h in cutlass.range_constexpr(4):
-                                    if cutlass.const_expr(xpass == 0):
-                                        o[h] = scale_pair(a[h, u], wq)
-                                        acc = dot_pair(acc, a[h, u], bb[h, u])
-                                    else:
-                                        o[h] = a[h, u]
+                                    o[h] = scale_pair(a[h], wq)
+                                    acc = dot_pair(acc, a[h], bb[h, u])
                                 stage[(i, c, None)].store(o.load())
                         sums[i, lane] = acc
+                else:
+                    cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 at = cute.domain_offset((row0, s0, 0), cute.make_tensor(rows_out.iterator, whole))
                 if cutlass.const_expr(xpass == 0):
@@ -290,17 +252,10 @@ def _mx_pointers(src: int, r: int, w: int, dtw: int, order: int, offs: int, rows
             ptr(i32, offs, 4), ptr(u32, rows, 16), ptr(u32, dy_t, 16))
 
 
-def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False, cp_async: bool = False):
+def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
     """The cached ``(compiled, CompileReport)`` of the MXFP8 prologue's pass ``xpass`` for an arch
-    (:func:`mx_dy_rows_and_dtopk_w`: 0, :func:`mx_x_rows`: 1; ``cp_async``: see :func:`_build_mx`)."""
-    return compile_cached(("route_grad_mx", arch, xpass, by_route) + (("cp_async",) if cp_async else ()),
-                          lambda: _build_mx(arch, xpass, by_route, cp_async))
-
-
-def mx_prologue_cp_async() -> bool:
-    """``MOK_CUTE_MX_PROLOGUE_CP_ASYNC=1`` (read at every call; default off until it has run on a GPU): the MXFP8
-    prologue's slabs gathered by cp.async (:func:`_build_mx`)."""
-    return os.environ.get("MOK_CUTE_MX_PROLOGUE_CP_ASYNC", "0").strip() == "1"
+    (:func:`mx_dy_rows_and_dtopk_w`: 0, :func:`mx_x_rows`: 1)."""
+    return compile_cached(("route_grad_mx", arch, xpass, by_route), lambda: _build_mx(arch, xpass, by_route))
 
 
 def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=None, w=None, dtw=None, dy_t=None):
@@ -313,7 +268,7 @@ def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=
 
     ctas = m // 32 + e + 1
     rounds = token_rounds.rounds_for(src.shape[0])
-    fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route, mx_prologue_cp_async())
+    fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route)
     addr = [0 if a is None else a.data_ptr() for a in (r, w, dtw)]
     with torch.cuda.device(src.device):
         fn(*_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),

@@ -226,9 +226,8 @@ def _tokens_rows(dev) -> list[Row]:
 def _mx_rows(dev) -> list[Row]:
     """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
     operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
-    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2, 3, 2 with the
-    prologue off (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0``; on by default) and 2 with the prologue's cp.async gather
-    (``MOK_CUTE_MX_PROLOGUE_CP_ASYNC=1``) vs 0."""
+    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2, 3 and 2 with the
+    prologue off (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0``; on by default) vs 0."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
@@ -252,22 +251,19 @@ def _mx_rows(dev) -> list[Row]:
     rows += _mx_prologue_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
-    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=0", "2 + MX_PROLOGUE_CP_ASYNC=1"):
+    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=0"):
         os.environ["MOK_CUTE_FUSED_BWD"] = flag[0]
         os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
         os.environ["MOK_CUTE_FUSED_BWD_MX_PROLOGUE"] = "0" if "_MX_PROLOGUE=0" in flag else "1"
-        os.environ["MOK_CUTE_MX_PROLOGUE_CP_ASYNC"] = "1" if "CP_ASYNC" in flag else "0"
         try:
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
         finally:
-            for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE",
-                        "MOK_CUTE_MX_PROLOGUE_CP_ASYNC"):
+            for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE"):
                 del os.environ[var]
     # 3: the whole MXFP8 backward in one launch, the shared expert's before it; 2: mode 2 after the rows and their
     # round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows); _MX_PROLOGUE=0:
-    # mode 2 after the route_grad pass, the x gather and the round-trip passes; CP_ASYNC: the prologue's slabs
-    # gathered by cp.async
-    for flag in ("2", "3", "2 + _MX_PROLOGUE=0", "2 + MX_PROLOGUE_CP_ASYNC=1"):
+    # mode 2 after the route_grad pass, the x gather and the round-trip passes
+    for flag in ("2", "3", "2 + _MX_PROLOGUE=0"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
                         bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
@@ -279,8 +275,7 @@ def _mx_prologue_rows(dev) -> list[Row]:
     passes (route_grad's kernel, then ``mxfp8_round_trip`` / ``mxfp8_round_trip_tokens``), bitwise on the experts'
     rows and twice: H 1536 (a partial slab of 64 chunks after a whole one) over uniform routes, H 4096 with the
     forward rows in route order over a skew (empty experts, -1 slots, blocks off 32 rows); the blocks run in the
-    token-local round order, the outputs' memory NaN-filled before each run; each with the slabs gathered through
-    registers (the default) and by cp.async (``MOK_CUTE_MX_PROLOGUE_CP_ASYNC=1``)."""
+    token-local round order (the slabs copied in by cp.async), the outputs' memory NaN-filled before each run."""
     from mok_cute.kernels import route_grad
     from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
     from mok_cute.layers.grouped import route_sort
@@ -295,22 +290,19 @@ def _mx_prologue_rows(dev) -> list[Row]:
         want = (mxfp8_round_trip(u_rows)[:n], mxfp8_round_trip_tokens(u_rows, offsets)[:n], u_dtw,
                 mxfp8_round_trip_tokens(x[order // k].contiguous(), offsets)[:n])
         o32 = order.int()
-        for cp_async in ("0", "1"):  # the slabs gathered through registers (default) or by cp.async
-            runs = []
-            with env_var("MOK_CUTE_MX_PROLOGUE_CP_ASYNC", cp_async):
-                for _ in range(2):
-                    # NaN in the memory the outputs will take: a block the launch misses cannot keep an earlier
-                    # run's rows
-                    poison = [torch.full_like(v, float("nan")) for v in (r, r, r, r, w, w)]
-                    del poison
-                    d_rows, d_t, dtw = route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w, offsets, by_route)
-                    runs.append((d_rows[:n], d_t[:n], dtw, route_grad.mx_x_rows(x, o32, offsets, k)[:n]))
-            torch.cuda.synchronize()
-            eq = [[torch.equal(a, b) for a, b in zip(got, want)] for got in runs]
-            ok = all(all(v) for v in eq)
-            tags = f"{' skew' if skew else ''}{' by-route' if by_route else ''}{' cp.async' if cp_async == '1' else ''}"
-            rows.append(Row(f"MXFP8 prologue T{t} H{h} E{e} k{k}{tags}", bitwise=ok, ok=ok,
-                            note=f"[dy rows, dy_t, d topk_w, x rows] == unfused passes, 2 runs: {eq}"))
+        runs = []
+        for _ in range(2):
+            # NaN in the memory the outputs will take: a block the launch misses cannot keep an earlier run's rows
+            poison = [torch.full_like(v, float("nan")) for v in (r, r, r, r, w, w)]
+            del poison
+            d_rows, d_t, dtw = route_grad.mx_dy_rows_and_dtopk_w(dy, r, o32, w, offsets, by_route)
+            runs.append((d_rows[:n], d_t[:n], dtw, route_grad.mx_x_rows(x, o32, offsets, k)[:n]))
+        torch.cuda.synchronize()
+        eq = [[torch.equal(a, b) for a, b in zip(got, want)] for got in runs]
+        ok = all(all(v) for v in eq)
+        tags = f"{' skew' if skew else ''}{' by-route' if by_route else ''}"
+        rows.append(Row(f"MXFP8 prologue T{t} H{h} E{e} k{k}{tags}", bitwise=ok, ok=ok,
+                        note=f"[dy rows, dy_t, d topk_w, x rows] == unfused passes, 2 runs: {eq}"))
     return rows
 
 
