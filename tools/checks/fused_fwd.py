@@ -15,8 +15,9 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
   * the direct gather (``MOK_CUTE_GATHER=direct``: R1's A rows read from x's token rows by the producer
     warpgroups, no ring): y bitwise the default gather's in three configurations per BF16 case;
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
-  * at H 2048 (the S1 / R1 tiles' h by the producer warpgroup's helper warps): y and every gradient bitwise the
-    kernel without helpers, y across configurations, the regs gather and the unfused forward;
+  * at H 2048 (the S1 / R1 tiles' h by the producer warpgroup's helper warps; BF16, and MXFP8 with
+    ``MOK_CUTE_FUSED_HELPERS_MX=1``): y and every gradient bitwise the kernel without helpers, y across
+    configurations, the regs gather and the unfused forward;
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
 from __future__ import annotations
@@ -75,27 +76,32 @@ def _launches(fn) -> tuple[int, int]:
     return sum("FusedMoeFwdSm90" in n for n in kernels), len(kernels)
 
 
-def _helper_rows(dev, fused) -> list[Row]:
-    """H = 2048 (``grouped_gemm.HELPERS_MIN_K``: the BF16 forward's S1 / R1 tiles get their h from the helper
-    warps): y and every gradient bitwise the kernel without helpers (``MOK_CUTE_FUSED_HELPERS=0``); y bitwise
-    across three configurations (the ring reused at 256 tokens), the ``regs`` gather (three helper warps) and
-    the unfused forward."""
+def _helper_rows(dev, fused, mx: bool = False) -> list[Row]:
+    """H = 2048 (``grouped_gemm.HELPERS_MIN_K``: the S1 / R1 tiles get their h from the helper warps; BF16 by
+    default, MXFP8 (``mx``) with ``MOK_CUTE_FUSED_HELPERS_MX=1``, the helpers then also writing h's round trip): y
+    and every gradient bitwise the kernel without helpers; y bitwise across three configurations (the ring reused
+    at 256 tokens), the ``regs`` gather (three helper warps) and the unfused forward."""
+    var, gather = ("MOK_CUTE_FUSED_HELPERS_MX", "MOK_CUTE_GATHER_MX") if mx else ("MOK_CUTE_FUSED_HELPERS",
+                                                                                  "MOK_CUTE_GATHER")
+    prec = dict(precision="mxfp8") if mx else {}
     rows = []
     for i, (name, skew, shared, limit) in enumerate((("uniform+shared", False, True, None),
                                                      ("skew+shared L=4", True, True, 4.0), ("skew", True, False, None))):
         x, idx, w, ws, sh, dy = _problem(1500, 2048, 512, 8, 4, shared, skew, dev, seed=370 + i)
-        outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
-        with env_var("MOK_CUTE_FUSED_HELPERS", "0"):
-            base = _run("sm90", x, idx, w, ws, sh, dy, limit)
+        with env_var(var, "1"):
+            outs = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
+            with torch.no_grad():
+                ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m, **prec) for c, m in CONFIGS]
+            ys += _gathered(gather, "regs", lambda: [_moe(x, idx, w, ws, sh, limit, **prec)])
+        with env_var(var, "0"):
+            base = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
         with torch.no_grad():
-            ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m) for c, m in CONFIGS]
-        ys += _gathered("MOK_CUTE_GATHER", "regs", lambda: [_moe(x, idx, w, ws, sh, limit)])
-        with torch.no_grad():
-            ys.append(_unfused(x, idx, w, ws, sh, limit))
+            ys.append(_unfused(x, idx, w, ws, sh, limit, **prec))
         fused.check_errors()
         equal = [torch.equal(a, b) for a, b in zip(outs, base)]
         same = [torch.equal(y, outs[0]) for y in ys]
-        rows.append(Row(f"fused fwd helpers H2048 {name}", bitwise=all(same), ok=all(equal) and all(same),
+        rows.append(Row(f"fused fwd helpers {'mxfp8 ' if mx else ''}H2048 {name}", bitwise=all(same),
+                        ok=all(equal) and all(same),
                         note=f"y, grads == without helpers: {equal}; y == 3 configurations, regs, unfused: {same}"))
     return rows
 
@@ -141,7 +147,7 @@ def run(ctx) -> list[Row]:
 
     dev, rows = ctx.device, []
     if os.environ.get("MOK_FUSED_FWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
-        return _mx_rows(dev, fused)
+        return _mx_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
     cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
              ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
              ("one expert+shared L=4", False, True, 4.0, True)]
@@ -175,7 +181,7 @@ def run(ctx) -> list[Row]:
                         note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
     rows += _mx_rows(dev, fused)
     fused.check_errors()
-    rows += _helper_rows(dev, fused)
+    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)
     with torch.no_grad():

@@ -50,9 +50,10 @@ Variants: ``mx`` (MXFP8: the SwiGLU epilogue also writes h's MXFP8 round trip, G
 operand); ``ep`` (EP > 1, :func:`fused_forward` with a workspace: the gather pulls rows and
 router weights from the source ranks, GEMM2 rows are pushed to the source ranks' slot
 buffers, the slot sum waits for every rank's DATA; protocol in docs/architecture.md);
-``trace`` (per-task records) and ``progress`` (per-CTA progress words in host memory); ``helpers`` (BF16, EP = 1,
-H >= 2048 by :func:`fused_helpers`): an S1 / R1 tile's h is computed, stored and published by the producer
-warpgroup's last warps from the staged tile (named barriers STAGED / FREE), while the consumers store gu and go on.
+``trace`` (per-task records) and ``progress`` (per-CTA progress words in host memory); ``helpers`` (EP = 1,
+H >= 2048 by :func:`fused_helpers`): an S1 / R1 tile's h (MXFP8: and its round trip) is computed, stored and published
+by the producer warpgroup's last warps from the staged tile (named barriers STAGED / FREE), while the consumers store
+gu and go on.
 """
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.asyn
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
-    tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (BF16, EP = 1, not with the direct gather): the
-    S1 / R1 tiles' h computed, stored and published by the producer warpgroup's last warps from the staged
+    tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1, not with the direct gather): the
+    S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last warps from the staged
     tile while the consumers store gu and go on to the next tile."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
@@ -123,9 +124,9 @@ class FusedMoeFwdSm90:
                  gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), helpers: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
-        if helpers and (mx or ep or gather == "direct"):
-            raise ValueError("helpers (SwiGLU's h by the producer warpgroup's warps): BF16 at EP = 1, without "
-                             "the direct gather")
+        if helpers and (ep or gather == "direct"):
+            raise ValueError("helpers (SwiGLU's h by the producer warpgroup's warps): EP = 1, without the direct "
+                             "gather")
         self.cfg, self.clamp, self.shared, self.unroll, self.trace = cfg, clamp, shared, unroll, trace
         self.progress, self.mx, self.ep = progress, mx, ep
         self.sum_batch = sum_batch
@@ -145,7 +146,8 @@ class FusedMoeFwdSm90:
         # helpers: the S1 / R1 tiles' h computed, stored and published by the producer warpgroup's last warps
         # (beside one background gather warp with bg) while the consumers go on to the next tile
         self.helpers = helpers
-        self.bg_warps = 1 if helpers and self.bg else BG_WARPS
+        # (MXFP8: two background gather warps beside one helper; one gather warp dequantizing lagged the ring at I 1024)
+        self.bg_warps = (2 if mx else 1) if helpers and self.bg else BG_WARPS
         self.helper_warps = (3 - self.bg_warps if self.bg else 3) if helpers else 0
         # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
         self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
@@ -279,8 +281,8 @@ class FusedMoeFwdSm90:
                               mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
             if cutlass.const_expr(self.helpers):
                 if warp > 3 - self.helper_warps:
-                    self._help(warp - (4 - self.helper_warps), tidx % 32, sHelp, sC, mH, mHs, mDone, mHready,
-                               mShready, limit)
+                    self._help(warp - (4 - self.helper_warps), tidx % 32, sHelp, sC, mH, mHs, mHrt, mHsrt, mDone,
+                               mHready, mShready, limit)
             if cutlass.const_expr(self.bg):
                 if warp > 0 and warp <= self.bg_warps:
                     self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
@@ -601,9 +603,11 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _help(self, hw: Int32, lane: Int32, sHelp: cute.Tensor, sC: cute.Tensor, mH: cute.Tensor, mHs: cute.Tensor,
-              mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, limit: Float32):
+              mHrt: cute.Tensor, mHsrt: cute.Tensor, mDone: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
+              limit: Float32):
         """Helper warp ``hw`` (``helpers``): for each S1 / R1 tile the consumers stage (``STAGED_BARRIER``; the tile
-        in ``sHelp``, phase -1: no more), compute and store its h rows (``SwigluEpilogue.help_h``); then the helpers
+        in ``sHelp``, phase -1: no more), compute and store its h rows (``SwigluEpilogue.help_h``; ``mx``: also their
+        round trips into ``mHrt`` / ``mHsrt``, GEMM2's operands); then the helpers
         meet, one fences and publishes the tile, and all arrive on ``FREE_BARRIER`` (the consumers wait there
         before they write ``sC`` again). The helpers never wait for the producer's hand-off."""
         threads = helper_threads(self.helper_warps)
@@ -612,10 +616,12 @@ class FusedMoeFwdSm90:
         while phase >= 0:
             n_tile, row0, rows, mt = sHelp[1], sHelp[2], sHelp[3], sHelp[4]
             if phase == R1:
-                self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mH, limit, self.helper_warps)
+                self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mH, limit, self.helper_warps,
+                                   mHrt if self.mx else None)
             else:
                 if cutlass.const_expr(self.shared):
-                    self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mHs, limit, self.helper_warps)
+                    self.swiglu.help_h(sC, hw, lane, row0, rows, n_tile, mHs, limit, self.helper_warps,
+                                       mHsrt if self.mx else None)
             cute.arch.barrier(barrier_id=HELPERS_BARRIER, number_of_threads=32 * self.helper_warps)
             if hw == 0:
                 if lane == 0:
@@ -871,10 +877,12 @@ def gather_mode_mx() -> str:
 
 def fused_helpers(mx: bool, ep: bool, gather: str, hidden: int) -> bool:
     """Whether a forward runs :class:`FusedMoeFwdSm90`'s ``helpers`` variant (S1 / R1 tiles' h by the producer
-    warpgroup's warps): ``MOK_CUTE_FUSED_HELPERS`` (default 1, read at every call), BF16 at EP = 1 without the
-    direct gather, and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
-    on = os.environ.get("MOK_CUTE_FUSED_HELPERS", "1") == "1"
-    return on and not mx and not ep and gather != "direct" and hidden >= HELPERS_MIN_K
+    warpgroup's warps): ``MOK_CUTE_FUSED_HELPERS`` (default 1, read at every call; BF16) or
+    ``MOK_CUTE_FUSED_HELPERS_MX`` (MXFP8: h and its round trip; default 0), at EP = 1 without the direct gather,
+    and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
+    var, default = ("MOK_CUTE_FUSED_HELPERS_MX", "0") if mx else ("MOK_CUTE_FUSED_HELPERS", "1")
+    on = os.environ.get(var, default) == "1"
+    return on and not ep and gather != "direct" and hidden >= HELPERS_MIN_K
 
 
 def ring_band() -> int:

@@ -456,10 +456,13 @@ class SwigluEpilogue(_StagedEpilogue):
 
     @cute.jit
     def help_h(self, sC: cute.Tensor, hw: Int32, lane: Int32, row0: Int32, rows: Int32, n_tile: Int32,
-               mH: cute.Tensor, limit: Float32, warps: cutlass.Constexpr[int] = HELPER_WARPS):
+               mH: cute.Tensor, limit: Float32, warps: cutlass.Constexpr[int] = HELPER_WARPS,
+               mHrt: cute.Tensor = None):
         """Helper warp ``hw`` (0 .. ``warps`` - 1), between the hand-off barriers: h of the staged
         tile's rows ``hw, hw + warps, ..`` below ``rows`` (lane: ``_H_VEC`` columns), from the bf16
-        gate and up halves in ``sC``, stored to ``mH`` (the same arithmetic as :meth:`store`)."""
+        gate and up halves in ``sC``, stored to ``mH`` (the same arithmetic as :meth:`store`); with
+        ``mHrt`` (``mx_rt``) also h's MXFP8 round trip along I (a 32-column block over 8 adjacent
+        lanes), bitwise :meth:`store`'s."""
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16,
                                    num_bits_per_copy=16 * _H_VEC)
         copy = cute.make_tiled_copy_tv(atom, cute.make_layout((1, 32)), cute.make_layout((1, _H_VEC)))
@@ -479,6 +482,25 @@ class SwigluEpilogue(_StagedEpilogue):
             rh = self._h(rg, ru, limit)
             if inside:
                 cute.copy(copy, rh, thr.partition_D(cute.local_tile(g_h, row, (r, n_tile))))
+            if cutlass.const_expr(mHrt is not None):  # every lane joins the block's shuffles
+                rt = _mx_lane_rt(rh)
+                if inside:
+                    g_rt = cute.domain_offset((row0, 0), mHrt)
+                    cute.copy(copy, rt, thr.partition_D(cute.local_tile(g_rt, row, (r, n_tile))))
+
+
+@cute.jit
+def _mx_lane_rt(r: cute.Tensor) -> cute.Tensor:
+    """A helper lane's ``_H_VEC`` = 4 bf16 of one row (a 32-column MXFP8 block over 8 adjacent lanes) after the
+    MXFP8 round trip along the row, bitwise ``dequant_mxfp8.mxfp8_round_trip``: the 16-byte chunk ops of
+    :func:`_mx_rows_rt` on the lane's two words given twice (the block's amax and each value's own quantize do
+    not change), the first two result words kept."""
+    rt = cute.make_rmem_tensor_like(r)
+    words, rt_words = cute.recast_tensor(r, cutlass.Uint32), cute.recast_tensor(rt, cutlass.Uint32)
+    o = _BF16_OPS.mx_round_trip([words[0], words[1], words[0], words[1]], 8)
+    rt_words[0] = o[0]
+    rt_words[1] = o[1]
+    return rt
 
 
 @cute.jit
