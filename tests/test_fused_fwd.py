@@ -599,19 +599,20 @@ def test_device_mtile_decode_matches_the_mirror(name):
 @pytest.mark.parametrize("gather,shared,n_tail,mx", [("bg", True, False, False), ("regs", False, True, False),
                                                      ("bg", True, False, True), ("regs", False, True, True)])
 def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
-    """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (with bg two beside one background
-    gather warp, MXFP8 one beside two; three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,
+    """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
+    gather warp with bg, three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,
     FREE named barriers over the consumers and the helpers; the helpers never take the producer's hand-offs),
     the helpers meet on their own barrier and publish; MXFP8: the helpers also write h's round trip (the e4m3
     converts both ways and the block amax's three butterfly steps over 8 lanes); 0 spills; refused with EP > 1 or
-    the direct gather. The rule picks it for BF16 at EP = 1 from H 2048 and, with MOK_CUTE_FUSED_HELPERS_MX=1,
-    for MXFP8."""
+    the direct gather. The rule picks it at EP = 1 for BF16 from H 2048, for MXFP8 from H 7168 (``auto``) or from
+    H 2048 (``MOK_CUTE_FUSED_HELPERS_MX=1``)."""
     from mok_cute.kernels.sm90 import fused_moe
-    from mok_cute.kernels.sm90.grouped_gemm import FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, helper_threads
+    from mok_cute.kernels.sm90.grouped_gemm import (FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER,
+                                                    helper_threads)
 
     op = fused_moe.FusedMoeFwdSm90(False, shared, mx=mx, gather=gather, helpers=True)
-    warps = (1 if mx else 2) if gather == "bg" else 3
-    assert (op.helper_warps, op.bg_warps) == (warps, 3 - warps if gather == "bg" else fused_moe.BG_WARPS)
+    warps = 2 if gather == "bg" else 3
+    assert (op.helper_warps, op.bg_warps) == (warps, 1 if gather == "bg" else fused_moe.BG_WARPS)
     rep = fused_moe.compile_fused_forward(False, shared, mx=mx, n_tail=n_tail, gather=gather, helpers=True,
                                           inspect=True)[1]
     n = helper_threads(warps)
@@ -620,7 +621,7 @@ def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
     assert f"bar.arrive {FREE_BARRIER}, {n}" in rep.ptx and f"bar.arrive {STAGED_BARRIER}, {n}" in rep.ptx
     assert f"bar.sync \t{fused_moe.HELPERS_BARRIER}, {32 * warps}" in rep.ptx
     if gather == "bg":
-        assert f"bar.sync \t{fused_moe.BG_BARRIER}, {32 * (3 - warps)}" in rep.ptx
+        assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx
     for inst in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2"):
         assert rep.has(inst) == mx, inst
     assert rep.total_spill_bytes == 0
@@ -632,7 +633,15 @@ def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
     assert fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K)
     for args in ((True, False, "bg"), (False, True, "regs"), (False, False, "direct")):
         assert not fused_moe.fused_helpers(*args, HELPERS_MIN_K)
+    assert fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)  # auto
+    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K - 64)
     monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "1")
     assert fused_moe.fused_helpers(True, False, "bg", HELPERS_MIN_K)
-    assert not fused_moe.fused_helpers(True, False, "direct", HELPERS_MIN_K)
+    assert not fused_moe.fused_helpers(True, False, "direct", HELPERS_MX_MIN_K)
+    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MIN_K - 64)
+    monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "0")
+    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)
+    monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "yes")
+    with pytest.raises(ValueError, match="MOK_CUTE_FUSED_HELPERS_MX"):
+        fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)
     assert not fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K - 64)

@@ -163,6 +163,9 @@ def _quant():
                     f"-helpers-{g}@sm_90a"] = (
                     lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, helpers=True,
                                                                              inspect=True))
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
+                f"-mxfp8-helpers@sm_90a"] = (  # MXFP8 EP = 1 from H 7168: the default there
+                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, helpers=True, inspect=True))
             if shared:
                 out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-shared-gate@sm_90a"] = (
                     lambda c=clamp: fm.compile_fused_forward(c, True, gate=True, inspect=True))

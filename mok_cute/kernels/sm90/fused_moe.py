@@ -79,7 +79,7 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, FREE_BARRIER, HELPERS_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, helper_threads,
+    _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, helper_threads,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -146,8 +146,7 @@ class FusedMoeFwdSm90:
         # helpers: the S1 / R1 tiles' h computed, stored and published by the producer warpgroup's last warps
         # (beside one background gather warp with bg) while the consumers go on to the next tile
         self.helpers = helpers
-        # (MXFP8: two background gather warps beside one helper; one gather warp dequantizing lagged the ring at I 1024)
-        self.bg_warps = (2 if mx else 1) if helpers and self.bg else BG_WARPS
+        self.bg_warps = 1 if helpers and self.bg else BG_WARPS
         self.helper_warps = (3 - self.bg_warps if self.bg else 3) if helpers else 0
         # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
         self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
@@ -877,11 +876,17 @@ def gather_mode_mx() -> str:
 
 def fused_helpers(mx: bool, ep: bool, gather: str, hidden: int) -> bool:
     """Whether a forward runs :class:`FusedMoeFwdSm90`'s ``helpers`` variant (S1 / R1 tiles' h by the producer
-    warpgroup's warps): ``MOK_CUTE_FUSED_HELPERS`` (default 1, read at every call; BF16) or
-    ``MOK_CUTE_FUSED_HELPERS_MX`` (MXFP8: h and its round trip; default 0), at EP = 1 without the direct gather,
-    and a GEMM1 depth (H) of at least ``grouped_gemm.HELPERS_MIN_K``."""
-    var, default = ("MOK_CUTE_FUSED_HELPERS_MX", "0") if mx else ("MOK_CUTE_FUSED_HELPERS", "1")
-    on = os.environ.get(var, default) == "1"
+    warpgroup's warps), at EP = 1 without the direct gather and from a GEMM1 depth (H) of
+    ``grouped_gemm.HELPERS_MIN_K``: BF16 unless ``MOK_CUTE_FUSED_HELPERS=0``; MXFP8 (h and its round trip) by
+    ``MOK_CUTE_FUSED_HELPERS_MX``: ``auto`` (default) from H = ``grouped_gemm.HELPERS_MX_MIN_K``, ``1`` always, ``0``
+    never. Read at every call."""
+    if mx:
+        mode = os.environ.get("MOK_CUTE_FUSED_HELPERS_MX", "auto")
+        if mode not in ("auto", "0", "1"):
+            raise ValueError(f"MOK_CUTE_FUSED_HELPERS_MX must be 'auto', '0' or '1', got {mode!r}")
+        on = mode == "1" or (mode == "auto" and hidden >= HELPERS_MX_MIN_K)
+    else:
+        on = os.environ.get("MOK_CUTE_FUSED_HELPERS", "1") == "1"
     return on and not ep and gather != "direct" and hidden >= HELPERS_MIN_K
 
 
