@@ -597,7 +597,7 @@ def test_device_mtile_decode_matches_the_mirror(name):
 
 
 @pytest.mark.parametrize("gather,shared,n_tail,mx", [("bg", True, False, False), ("regs", False, True, False),
-                                                     ("bg", True, False, True), ("regs", False, True, True)])
+                                                     ("bg", True, False, True)])
 def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
     """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
     gather warp with bg, three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,

@@ -102,9 +102,9 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
     H in slabs of :data:`_MX_SLAB` chunks: its warps copy the slab of every row into shared memory by 16-byte
     cp.async, every lane's copies of its warp's rows in flight at once (pass 0 then scales them in place by the
     route's weight while each lane goes on with route_row's fixed-order d topk_w sum over its chunks ``lane,
-    lane + 32, ...`` in order, the forward rows loaded one row ahead), then the round trips read the slab there and write the outputs once
-    (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7 the rows along H into the
-    dy rows; pass 1: every thread a column chunk along the tokens into the x rows)."""
+    lane + 32, ...`` in order, the forward rows loaded one row ahead), then the round trips read the slab there
+    and write the outputs once (pass 0: warps 0-3 one column chunk each along the tokens into ``dy_t``, warps 4-7
+    the rows along H into the dy rows; pass 1: every thread a column chunk along the tokens into the x rows)."""
     import cuda.bindings.driver as cuda  # noqa: PLC0415
 
     cutlass, cute = dsl()

@@ -79,7 +79,8 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue, helper_threads,
+    _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue,
+    helper_threads,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, GATHER_ARRIVALS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -116,8 +117,8 @@ class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
     tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1, not with the direct gather): the
-    S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last warps from the staged
-    tile while the consumers store gu and go on to the next tile."""
+    S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last
+    warps from the staged tile while the consumers store gu and go on to the next tile."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
