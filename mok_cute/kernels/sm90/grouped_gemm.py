@@ -471,6 +471,7 @@ class SwigluEpilogue(_StagedEpilogue):
         thr = copy.get_slice(lane)
         row = (1, self.half)
         g_h = cute.domain_offset((row0, 0), mH)
+        g_rt = None if mHrt is None else cute.domain_offset((row0, 0), mHrt)
         inside = True
         if cutlass.const_expr(self.n_tail):
             inside = n_tile * self.half + lane * _H_VEC < mH.shape[1]
@@ -487,7 +488,6 @@ class SwigluEpilogue(_StagedEpilogue):
             if cutlass.const_expr(mHrt is not None):  # every lane joins the block's shuffles
                 rt = _mx_lane_rt(rh)
                 if inside:
-                    g_rt = cute.domain_offset((row0, 0), mHrt)
                     cute.copy(copy, rt, thr.partition_D(cute.local_tile(g_rt, row, (r, n_tile))))
 
 
