@@ -43,3 +43,19 @@ def test_mem_peak_replays_the_allocator_trace():
     assert peak == 150 and sorted(live) == [1, 2] and live[1][0] == 100
     assert _where(f) == "kernels/a.py:7 g" and _where(f[:1]) == "?"
     assert peak_blocks(trace[2:]) == (90, {3: (60, []), 4: (30, [])})
+
+
+def test_energy_fwd_backward_rows():
+    """tools/energy_fwd.backward_rows: each implementation's fwd+bwd minus its fwd, against the torch
+    layer's and the tiles' backward; rows without a forward (or no torch / tiles pair) give nothing."""
+    from energy_fwd import backward_rows
+
+    us = {"fwd GEMM tiles alone": 100.0, "fwd torch": 300.0, "fwd fused default": 120.0,
+          "fwd+bwd GEMM tiles alone": 400.0, "fwd+bwd torch": 900.0, "fwd+bwd fused default": 450.0,
+          "fwd+bwd fused other": 1.0}
+    got = {name: (v, a, b) for name, v, a, b in backward_rows(us)}
+    assert set(got) == {"bwd GEMM tiles alone", "bwd torch", "bwd fused default"}
+    v, vs_torch, vs_tiles = got["bwd fused default"]
+    assert (v, vs_torch, vs_tiles) == (330.0, 600.0 / 330.0, 330.0 / 300.0)
+    assert got["bwd torch"][1] == 1.0 and got["bwd GEMM tiles alone"][2] == 1.0
+    assert backward_rows({k: v for k, v in us.items() if "torch" not in k}) == []

@@ -2,9 +2,10 @@
 gathers, ``--mx`` MXFP8 too, the GEMM tiles alone, the torch layer; ``--bwd``: also forward +
 backward steps) the time per call, SM clock and power while it runs back to back for
 ``--seconds`` after as long a warm-up (the cap reached), its ratios to the torch layer and the
-tiles alone, and the energy per call. (bench_layer's rounds of 10-call bursts let some rows run
-above the steady-state clock.) ``--ncu``: instead, each once between
-``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM / L2 byte counters:
+tiles alone, and the energy per call; with ``--bwd`` also the backward alone (fwd+bwd minus
+fwd). (bench_layer's rounds of 10-call bursts let some rows run above the steady-state clock.)
+``--ncu``: instead, each once between ``cudaProfilerStart`` / ``Stop`` for Nsight Compute's DRAM /
+L2 byte counters:
 
     source .gpu-node/activate.sh && python3 tools/energy_fwd.py [--shapes 3,0,4] [--mx] [--bwd] [--minibatch 256,512]
         [--comm 8,16] [--env MOK_CUTE_FUSED_HELPERS=0] [--seconds 2]
@@ -140,12 +141,26 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
         stats[name] = (s / n * 1e6, mhz, watts)
     out = []
+    label = f"T{t} H{h} I{inter} E{e} k{k}{' skewed' if skew else ''}"
     for name, (us, mhz, watts) in stats.items():
         kind = name.split(" ")[0]
         ref, til = stats[f"{kind} torch"][0], stats[f"{kind} GEMM tiles alone"][0]
-        out.append(f"| T{t} H{h} I{inter} E{e} k{k}{' skewed' if skew else ''} | {name} | {us:.0f} | {ref / us:.2f}x | "
+        out.append(f"| {label} | {name} | {us:.0f} | {ref / us:.2f}x | "
                    f"{us / til:.2f}x | {mhz:.0f} | {watts:.0f} | {watts * us * 1e-3:.0f} |")
+    for name, us, vs_torch, vs_tiles in backward_rows({n: v[0] for n, v in stats.items()}):
+        out.append(f"| {label} | {name} | {us:.0f} | {vs_torch:.2f}x | {vs_tiles:.2f}x | - | - | - |")
     return out
+
+
+def backward_rows(us: dict[str, float]) -> list[tuple[str, float, float, float]]:
+    """The backward alone, as the difference of each implementation's ``fwd+bwd`` and ``fwd``
+    times (us per call, keyed by row name): ``(bwd NAME, us, torch's / ours, ours / the tiles')``
+    for every NAME with both rows (issue 13's backward targets are ratios of these)."""
+    bwd = {n[len("fwd+bwd "):]: us[n] - us["fwd " + n[len("fwd+bwd "):]] for n in us
+           if n.startswith("fwd+bwd ") and "fwd " + n[len("fwd+bwd "):] in us}
+    if "torch" not in bwd or "GEMM tiles alone" not in bwd:
+        return []
+    return [(f"bwd {n}", v, bwd["torch"] / v, v / bwd["GEMM tiles alone"]) for n, v in bwd.items()]
 
 
 if __name__ == "__main__":
