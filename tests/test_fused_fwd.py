@@ -319,10 +319,10 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
                            num_ctas=66 if ep else None, ring_chunks=5)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., mx, ep, sum batch, gate, n_tail, gather, helpers): MXFP8 and EP > 1 gather through registers;
-    # no helpers below H = HELPERS_MIN_K
-    assert keys[0][-7:-5] == (mx, ep) and keys[0][-4:] == (False, False, "regs" if ep else "direct" if direct else "bg",
-                                                          False)
+    # (..., mx, ep, sum batch, gate, n_tail, gather, helpers, bg_bulk): MXFP8 and EP > 1 gather through registers;
+    # no helpers below H = HELPERS_MIN_K, hence no bulk background gather
+    assert keys[0][-8:-6] == (mx, ep) and keys[0][-5:] == (False, False, "regs" if ep else "direct" if direct else "bg",
+                                                          False, False)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     by_name = dict(zip(params, args))
@@ -645,3 +645,33 @@ def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
     with pytest.raises(ValueError, match="MOK_CUTE_FUSED_HELPERS_MX"):
         fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)
     assert not fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K - 64)
+
+
+def test_bulk_background_gather_variant(monkeypatch):
+    """``bg_bulk`` (bf16, the background gather's one warp beside the helpers): lane 0 moves the rows by
+    ``cp.async.bulk`` global -> shared (mbarrier ``complete_tx``) and shared -> global (bulk groups, a stage reused
+    only once the store that read it is done), proxy fences on both sides of the async-proxy writes, the piece's
+    release add after every store completed; 0 spills; refused where there is no such warp; the host picks it
+    only with ``MOK_CUTE_BG_BULK=1`` on the bf16 helpers path."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    rep = fm.compile_fused_forward(True, True, helpers=True, bg_bulk=True, inspect=True)[1]
+    assert rep.total_spill_bytes == 0 and "serialized" not in rep.log
+    for inst in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                 "cp.async.bulk.global.shared::cta.bulk_group", "fence.proxy.async.global", "mbarrier.try_wait.parity"):
+        assert rep.has(inst), inst
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", rep.ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx)
+    plain = fm.compile_fused_forward(True, True, helpers=True, inspect=True)[1]
+    assert not plain.has("cp.async.bulk.global.shared::cta.bulk_group")
+    for kw in (dict(mx=True, helpers=True), dict(helpers=False), dict(gather="regs", helpers=True),
+               dict(ep=True)):
+        with pytest.raises(ValueError, match="bg_bulk"):
+            fm.FusedMoeFwdSm90(True, True, bg_bulk=True, **kw)
+    monkeypatch.delenv("MOK_CUTE_BG_BULK", raising=False)
+    assert not fm.bg_bulk_mode()
+    monkeypatch.setenv("MOK_CUTE_BG_BULK", "1")
+    assert fm.bg_bulk_mode()
+    monkeypatch.setenv("MOK_CUTE_BG_BULK", "yes")
+    with pytest.raises(ValueError, match="MOK_CUTE_BG_BULK"):
+        fm.bg_bulk_mode()

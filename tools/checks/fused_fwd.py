@@ -18,6 +18,8 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
   * at H 2048 (the S1 / R1 tiles' h by the producer warpgroup's helper warps; BF16, and MXFP8 with
     ``MOK_CUTE_FUSED_HELPERS_MX=1``): y and every gradient bitwise the kernel without helpers, y across
     configurations, the regs gather and the unfused forward;
+  * ``MOK_CUTE_BG_BULK=1`` (the bf16 background gather by cp.async.bulk): y and every gradient bitwise the default's
+    at H 2048 and 2880 (``MOK_FUSED_FWD_BULK_ONLY=1``: these rows alone);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
 from __future__ import annotations
@@ -137,6 +139,31 @@ def _mx_rows(dev, fused) -> list[Row]:
     return rows
 
 
+def _bulk_rows(dev, fused) -> list[Row]:
+    """``MOK_CUTE_BG_BULK=1`` (the bf16 background warp beside the helpers moves its rows by cp.async.bulk): y and
+    every gradient bitwise the default forward's at H 2048 and H 2880 (a row of 1.4 4096-byte segments), y bitwise
+    across three configurations (the ring reused at 256 and 1024 tokens) and the unfused forward, skewed (empty
+    experts, -1 slots) and uniform, with and without the shared expert."""
+    rows = []
+    for i, (name, hid, skew, shared, limit) in enumerate((("H2048 skew+shared L=4", 2048, True, True, 4.0),
+                                                          ("H2048 uniform", 2048, False, False, None),
+                                                          ("H2880 skew+shared", 2880, True, True, None))):
+        x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=380 + i)
+        base = _run("sm90", x, idx, w, ws, sh, dy, limit)
+        with env_var("MOK_CUTE_BG_BULK", "1"):
+            outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
+            with torch.no_grad():
+                ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m) for c, m in CONFIGS]
+        with torch.no_grad():
+            ys.append(_unfused(x, idx, w, ws, sh, limit))
+        fused.check_errors()
+        equal = [torch.equal(a, b) for a, b in zip(outs, base)]
+        same = [torch.equal(y, outs[0]) for y in ys]
+        rows.append(Row(f"fused fwd bulk bg gather {name}", bitwise=all(same), ok=all(equal) and all(same),
+                        note=f"y, grads == default: {equal}; y == 3 configurations, unfused: {same}"))
+    return rows
+
+
 def run(ctx) -> list[Row]:
     from checks.common import sm90_skip
 
@@ -148,6 +175,8 @@ def run(ctx) -> list[Row]:
     dev, rows = ctx.device, []
     if os.environ.get("MOK_FUSED_FWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
         return _mx_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
+    if os.environ.get("MOK_FUSED_FWD_BULK_ONLY") == "1":  # the bulk background gather's rows alone
+        return _bulk_rows(dev, fused)
     cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
              ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
              ("one expert+shared L=4", False, True, 4.0, True)]
@@ -181,7 +210,7 @@ def run(ctx) -> list[Row]:
                         note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
     rows += _mx_rows(dev, fused)
     fused.check_errors()
-    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
+    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True) + _bulk_rows(dev, fused)
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)
     with torch.no_grad():

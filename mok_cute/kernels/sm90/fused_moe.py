@@ -68,6 +68,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
+from mok_cute.comm.rows import bulk_g2s, bulk_s2g
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
@@ -109,6 +110,8 @@ HELPERS_BARRIER = 9  # the SwiGLU helper warps' own (7, 8: their hand-off with t
 HELP_WORDS = 5  # the staged S1 / R1 tile the consumers hand to the helpers: phase (-1: stop), n_tile, row0, rows, mt
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
 BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
+BG_SEG = 4096  # bytes per bulk copy of the bf16 background gather with helpers (``bg_bulk``): a row in segments
+BG_STAGES = 4  # its shared-memory ring of BG_SEG-byte stages (BG_STAGES - 1 loads in flight)
 GATHER_MODES = ("bg", "staged", "regs", "direct")
 SUM_BATCH = 8  # default slot rows in flight per thread of the slot sum (cp.async into the idle B stages)
 
@@ -118,11 +121,13 @@ class FusedMoeFwdSm90:
     ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of
     tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1, not with the direct gather): the
     S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last
-    warps from the staged tile while the consumers store gu and go on to the next tile."""
+    warps from the staged tile while the consumers store gu and go on to the next tile; ``bg_bulk`` (bf16 with the
+    background gather and helpers): that gather's rows move by ``cp.async.bulk`` through a small shared-memory ring."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
-                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), helpers: bool = False):
+                 gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), helpers: bool = False,
+                 bg_bulk: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         if helpers and (ep or gather == "direct"):
@@ -149,6 +154,11 @@ class FusedMoeFwdSm90:
         self.helpers = helpers
         self.bg_warps = 1 if helpers and self.bg else BG_WARPS
         self.helper_warps = (3 - self.bg_warps if self.bg else 3) if helpers else 0
+        # the bf16 background gather's one warp (beside the helpers) moves its rows with cp.async.bulk through
+        # shared memory, issued by its lane 0, instead of through its registers
+        if bg_bulk and (mx or not self.bg or self.bg_warps != 1):
+            raise ValueError("bg_bulk: the bf16 EP = 1 background gather with helpers (one background warp)")
+        self.bg_bulk = bg_bulk
         # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
         self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
@@ -189,7 +199,9 @@ class FusedMoeFwdSm90:
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
         # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
-        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2 + HELP_WORDS)
+        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2 + HELP_WORDS,
+                                                bulk_bytes=BG_SEG * BG_STAGES if self.bg_bulk else 0,
+                                                bulk_barriers=BG_STAGES if self.bg_bulk else 0)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
                     atom_wd, coord_wd, atom_sg, coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd,
                     mX, mXq, mXg, mGU, mH, mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mY, mOrder, mOffsets, mIdx, mW, mGate,
@@ -285,8 +297,13 @@ class FusedMoeFwdSm90:
                                mHready, mShready, limit)
             if cutlass.const_expr(self.bg):
                 if warp > 0 and warp <= self.bg_warps:
-                    self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder, mOffsets,
-                                    num_experts, k, mGather, mHready, timeout_ns, status)
+                    if cutlass.const_expr(self.bg_bulk):
+                        self._gather_bg_bulk(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXg, mOrder,
+                                             mOffsets, num_experts, k, mGather, mHready, timeout_ns, status,
+                                             storage.bulk.data_ptr().toint(), storage.bulk_mbar.data_ptr())
+                    else:
+                        self._gather_bg(tidx - 32, bidx, grid, fill, mt_routed, ring, n1, mX, mXq, mXg, mOrder,
+                                        mOffsets, num_experts, k, mGather, mHready, timeout_ns, status)
             if cutlass.const_expr(self.direct):
                 if warp > 0:
                     self._produce_rows(pipe, sAu, sB, sTask, tidx, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n2, k1, k2,
@@ -396,6 +413,73 @@ class FusedMoeFwdSm90:
             cute.arch.barrier(barrier_id=BG_BARRIER, number_of_threads=self.bg_warps * 32)
             if t == 0:
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _gather_bg_bulk(self, t: Int32, bidx: Int32, grid: Int32, first: Int32, chunks: Int32, ring: Int32, n1: Int32,
+                        mX: cute.Tensor, mXg: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor,
+                        num_experts: Int32, k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, timeout_ns: Int64,
+                        status: cute.Pointer, buf: Int32, mbar: cute.Pointer):
+        """:meth:`_gather_bg` for the one bf16 background warp (``bg_bulk``): the same pieces, slot waits and
+        publications, but lane 0 moves each row in :data:`BG_SEG`-byte segments with ``cp.async.bulk`` global ->
+        shared (completing on the stage's mbarrier) and shared -> global (bulk groups) through :data:`BG_STAGES`
+        stages at ``buf`` (mbarriers at ``mbar``), :data:`BG_STAGES` - 1 loads in flight and no registers held;
+        before a piece's release add, every store has completed (``wait_group 0``) and is fenced to the generic
+        proxy, after its slot wait the async-proxy writes are ordered after the slot's readers."""
+        hid = mXg.shape[1]
+        rb = hid * 2
+        nseg = (rb + (BG_SEG - 1)) // BG_SEG
+        base = mX.iterator.toint()
+        dbase = mXg.iterator.toint()
+        if t == 0:
+            for s in cutlass.range_constexpr(BG_STAGES):
+                cute.arch.mbarrier_init(mbar + s, 1)
+            cute.arch.mbarrier_init_fence()
+        ge, gb = Int32(0), Int32(0)  # m-tile cursor (tasks.mtile)
+        j0 = Int32(0)  # segments this warp moved before the piece: the stage and phase of its next one
+        for q in cutlass.range(bidx, (chunks - first) * PIECES, grid, unroll=1):
+            c = first + q // PIECES  # >= ring: the chunk's slot was used before
+            row0, rows, ge, gb = tasks.chunk_start(t, c, ring, n1, mOffsets, num_experts, CHUNK, ge, gb, mHready,
+                                                   timeout_ns, status, Int32(RING), BG_BARRIER, 32)
+            if t == 0:
+                p0 = q % PIECES * PIECE_ROWS
+                n = cutlass.max(cutlass.min(rows - p0, PIECE_ROWS), 0) * nseg
+                src0 = base
+                dst0 = dbase + Int64(c % ring * CHUNK + p0) * Int64(rb)
+                cute.arch.fence_proxy("async.global")  # the slot's readers (acquired above) before these writes
+                i = Int32(0)
+                while i < n and i < BG_STAGES - 1:
+                    self._bulk_load(i, j0, nseg, rb, src0, row0 + p0, mOrder, k, buf, mbar)
+                    i += 1
+                i = Int32(0)
+                while i < n:
+                    j = j0 + i
+                    stage = j % BG_STAGES
+                    cute.arch.mbarrier_wait(mbar + stage, (j // BG_STAGES) % 2)
+                    seg = i % nseg
+                    bulk_s2g(dst0 + Int64(i // nseg) * Int64(rb) + Int64(seg * BG_SEG), buf + stage * BG_SEG,
+                             cutlass.min(rb - seg * BG_SEG, BG_SEG))
+                    cute.arch.cp_async_bulk_commit_group()
+                    if i + BG_STAGES - 1 < n:  # its stage held segment i - 1: that store must have read it
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                        self._bulk_load(i + BG_STAGES - 1, j0, nseg, rb, src0, row0 + p0, mOrder, k, buf, mbar)
+                    i += 1
+                j0 += n
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _bulk_load(self, i: Int32, j0: Int32, nseg: Int32, rb: Int32, base: Int64, grow0: Int32, mOrder: cute.Tensor,
+                   k: Int32, buf: Int32, mbar: cute.Pointer):
+        """Lane 0 of :meth:`_gather_bg_bulk`: segment ``i`` of the piece (row ``i // nseg`` from grouped row ``grow0``,
+        its token row's bytes ``(i % nseg) * BG_SEG ..``) into stage ``(j0 + i) % BG_STAGES``."""
+        stage = (j0 + i) % BG_STAGES
+        seg = i % nseg
+        nb = cutlass.min(rb - seg * BG_SEG, BG_SEG)
+        src = base + Int64(mOrder[grow0 + i // nseg] // k) * Int64(rb) + Int64(seg * BG_SEG)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nb)
+        bulk_g2s(buf + stage * BG_SEG, src, nb, (mbar + stage).toint())
 
     @cute.jit
     def _gather_rows(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
@@ -797,7 +881,7 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False, helpers: bool = False):
+                          inspect: bool = False, helpers: bool = False, bg_bulk: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
     from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``, ``helpers``: see
@@ -806,7 +890,8 @@ def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: 
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, helpers=helpers)
+    op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, helpers=helpers,
+                         bg_bulk=bg_bulk)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -889,6 +974,16 @@ def fused_helpers(mx: bool, ep: bool, gather: str, hidden: int) -> bool:
     else:
         on = os.environ.get("MOK_CUTE_FUSED_HELPERS", "1") == "1"
     return on and not ep and gather != "direct" and hidden >= HELPERS_MIN_K
+
+
+def bg_bulk_mode() -> bool:
+    """``MOK_CUTE_BG_BULK=1``: the bf16 EP = 1 background gather beside the helpers moves its rows by
+    ``cp.async.bulk`` (:meth:`FusedMoeFwdSm90._gather_bg_bulk`); ``0`` (default): through its registers. Read at
+    every call."""
+    v = os.environ.get("MOK_CUTE_BG_BULK", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"MOK_CUTE_BG_BULK must be '0' or '1', got {v!r}")
+    return v == "1"
 
 
 def ring_band() -> int:
@@ -1022,11 +1117,12 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     tn = MainloopConfig().tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
     helpers = fused_helpers(mx, ws is not None, gather, hid)
+    bulk = helpers and not mx and gather == "bg" and bg_bulk_mode()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather, helpers)
+               gate is not None, n_tail, gather, helpers, bulk)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, helpers=helpers)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, helpers=helpers, bg_bulk=bulk)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
