@@ -443,12 +443,11 @@ class FusedMoeFwdSm90:
             if t == 0:
                 p0 = q % PIECES * PIECE_ROWS
                 n = cutlass.max(cutlass.min(rows - p0, PIECE_ROWS), 0) * nseg
-                src0 = base
                 dst0 = dbase + Int64(c % ring * CHUNK + p0) * Int64(rb)
                 cute.arch.fence_proxy("async.global")  # the slot's readers (acquired above) before these writes
                 i = Int32(0)
                 while i < n and i < BG_STAGES - 1:
-                    self._bulk_load(i, j0, nseg, rb, src0, row0 + p0, mOrder, k, buf, mbar)
+                    self._bulk_load(i, j0, nseg, rb, base, row0 + p0, mOrder, k, buf, mbar)
                     i += 1
                 i = Int32(0)
                 while i < n:
@@ -461,7 +460,7 @@ class FusedMoeFwdSm90:
                     cute.arch.cp_async_bulk_commit_group()
                     if i + BG_STAGES - 1 < n:  # its stage held segment i - 1: that store must have read it
                         cute.arch.cp_async_bulk_wait_group(1, read=True)
-                        self._bulk_load(i + BG_STAGES - 1, j0, nseg, rb, src0, row0 + p0, mOrder, k, buf, mbar)
+                        self._bulk_load(i + BG_STAGES - 1, j0, nseg, rb, base, row0 + p0, mOrder, k, buf, mbar)
                     i += 1
                 j0 += n
                 cute.arch.cp_async_bulk_wait_group(0)
