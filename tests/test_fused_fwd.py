@@ -664,6 +664,9 @@ def test_bulk_background_gather_variant(monkeypatch):
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx)
     plain = fm.compile_fused_forward(True, True, helpers=True, inspect=True)[1]
     assert not plain.has("cp.async.bulk.global.shared::cta.bulk_group")
+    # H not a multiple of 256 (gpt-oss's 2880, as gpu_check's bulk rows run it): the n_tail variant too
+    tail = fm.compile_fused_forward(False, False, helpers=True, bg_bulk=True, n_tail=True, inspect=True)[1]
+    assert tail.total_spill_bytes == 0 and tail.has("cp.async.bulk.global.shared::cta.bulk_group")
     for kw in (dict(mx=True, helpers=True), dict(helpers=False), dict(gather="regs", helpers=True),
                dict(ep=True)):
         with pytest.raises(ValueError, match="bg_bulk"):
