@@ -138,17 +138,20 @@ def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
 
 
 @contextlib.contextmanager
-def env_var(name: str, value: str):
-    """``os.environ[name] = value`` inside the block, the caller's value (or none) after it."""
-    prev = os.environ.get(name)
-    os.environ[name] = value
+def env_var(name, value: str | None = None):
+    """``os.environ[name] = value`` (or every ``name: value`` of a dict ``name``) inside the block, the caller's
+    values (or none) after it."""
+    values = name if isinstance(name, dict) else {name: value}
+    prev = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if prev is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = prev
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class PowerSampler:

@@ -8,11 +8,9 @@ RuntimeError naming topk_idx afterwards (no host sync in the call itself).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from checks.common import Row
+from checks.common import Row, env_var
 from checks.layer_sm90 import _problem
 
 
@@ -30,8 +28,7 @@ def run(ctx) -> list[Row]:
     clean = torch.where((bad < -1) | (bad >= 8), torch.full_like(bad, -1), bad)
     rows = []
     for fused in ("1", "0"):
-        os.environ["MOK_CUTE_FUSED"] = fused
-        try:
+        with env_var("MOK_CUTE_FUSED", fused):
             cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False)
             with torch.no_grad():
                 mok_cute.check_errors()  # nothing pending from earlier checks
@@ -42,8 +39,6 @@ def run(ctx) -> list[Row]:
                 raised = ""
             except RuntimeError as exc:
                 raised = str(exc)
-        finally:
-            del os.environ["MOK_CUTE_FUSED"]
         same = torch.equal(y_bad, y_clean)
         ok = same and "topk_idx" in raised and "3 expert id" in raised
         rows.append(Row(f"bad expert ids skipped, raised later ({'fused' if fused == '1' else 'unfused'})",

@@ -78,11 +78,8 @@ def run(ctx) -> list[Row]:
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
     outs = {}
     for flag in ("0", "1", "2", "3"):
-        os.environ["MOK_CUTE_FUSED_BWD"] = flag
-        try:
+        with env_var("MOK_CUTE_FUSED_BWD", flag):
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0)
-        finally:
-            del os.environ["MOK_CUTE_FUSED_BWD"]
     for flag in ("1", "2", "3"):
         same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
         rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
@@ -124,12 +121,9 @@ def _trace_rows(ops) -> list[Row]:
 
     dy, x, gu, h, offsets, wg, wu, wd = ops
     want = fused_bwd.fused_backward_core(*ops, 4.0)
-    os.environ["MOK_CUTE_TRACE"] = "1"
-    try:
+    with env_var("MOK_CUTE_TRACE", "1"):
         got = fused_bwd.fused_backward_core(*ops, 4.0)
         torch.cuda.synchronize()
-    finally:
-        del os.environ["MOK_CUTE_TRACE"]
     same = all(torch.equal(a, b) for a, b in zip(got, want))
     path = os.path.join(os.environ.get("OUT", "/tmp"), "trace_bwd_core.json")
     records, comm = fused_bwd.last_trace()
@@ -161,18 +155,13 @@ def _device_time_row(ops) -> Row:
     from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
 
     def kernels(fn, env=None):
-        if env:
-            os.environ[env] = "1"
-        try:
+        with env_var({env: "1"} if env else {}):
             fn()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-        finally:
-            if env:
-                del os.environ[env]
         out = {}
         for ev in prof.key_averages():
             t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
@@ -252,14 +241,9 @@ def _mx_rows(dev) -> list[Row]:
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
     outs = {}
     for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=0"):
-        os.environ["MOK_CUTE_FUSED_BWD"] = flag[0]
-        os.environ["MOK_CUTE_FUSED_BWD_MX"] = "1"
-        os.environ["MOK_CUTE_FUSED_BWD_MX_PROLOGUE"] = "0" if "_MX_PROLOGUE=0" in flag else "1"
-        try:
+        with env_var({"MOK_CUTE_FUSED_BWD": flag[0], "MOK_CUTE_FUSED_BWD_MX": "1",
+                      "MOK_CUTE_FUSED_BWD_MX_PROLOGUE": "0" if "_MX_PROLOGUE=0" in flag else "1"}):
             outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
-        finally:
-            for var in ("MOK_CUTE_FUSED_BWD", "MOK_CUTE_FUSED_BWD_MX", "MOK_CUTE_FUSED_BWD_MX_PROLOGUE"):
-                del os.environ[var]
     # 3: the whole MXFP8 backward in one launch, the shared expert's before it; 2: mode 2 after the rows and their
     # round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows); _MX_PROLOGUE=0:
     # mode 2 after the route_grad pass, the x gather and the round-trip passes
@@ -355,8 +339,7 @@ def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "
     fresh = torch.autograd.grad(mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
                                              config=cfg), weights, dy)
     for flag in flags:
-        os.environ.update(env, MOK_CUTE_FUSED_BWD=flag)
-        try:
+        with env_var({**env, "MOK_CUTE_FUSED_BWD": flag}):
             g = torch.Generator(device=x.device).manual_seed(4)
             start = [torch.randn(p.shape, device=x.device, generator=g) for p in weights]
             acc = [s.clone() for s in start]
@@ -365,9 +348,6 @@ def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "
                                  config=cfg, main_grads=tuple(acc))
                 y.backward(dy)
             torch.cuda.synchronize()
-        finally:
-            for var in ("MOK_CUTE_FUSED_BWD", *env):
-                os.environ.pop(var, None)
         want = [s + f.float() + f.float() for s, f in zip(start, fresh)]
         same = all(torch.equal(a, b) for a, b in zip(acc, want))
         no_grad = all(p.grad is None for p in weights)
@@ -383,8 +363,7 @@ def _launch_count_row(x, idx, w, ws, sh, dy) -> Row:
     from torch.profiler import ProfilerActivity, profile
 
     leaves = [p.clone().requires_grad_() for p in (*ws, *sh)]
-    os.environ["MOK_CUTE_FUSED_BWD"] = "3"
-    try:
+    with env_var("MOK_CUTE_FUSED_BWD", "3"):
         y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0,
                          config=mok_cute.MoKConfig(backend="sm90", validate_routing=False))
         torch.autograd.grad(y, leaves, dy)  # compiles outside the profile
@@ -394,8 +373,6 @@ def _launch_count_row(x, idx, w, ws, sh, dy) -> Row:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             torch.autograd.grad(y, leaves, dy)
             torch.cuda.synchronize()
-    finally:
-        del os.environ["MOK_CUTE_FUSED_BWD"]
     names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     fused = sum("FusedMoeBwdCoreSm90" in n for n in names)
     return Row("MOK_CUTE_FUSED_BWD=3: fused backward launches per backward", ok=fused == 1,

@@ -37,12 +37,9 @@ REPEATS = 5
 def _moe(x, idx, w, ws, sh, limit, fused=True, **cfg):
     import mok_cute
 
-    os.environ["MOK_CUTE_FUSED"] = "1" if fused else "0"
-    try:
+    with env_var("MOK_CUTE_FUSED", "1" if fused else "0"):
         return mok_cute.moe(x, idx, w, *ws, shared=sh, swiglu_limit=limit,
                             config=mok_cute.MoKConfig(backend="sm90", **cfg))
-    finally:
-        del os.environ["MOK_CUTE_FUSED"]
 
 
 def _unfused(*args, **cfg):
@@ -185,11 +182,8 @@ def run(ctx) -> list[Row]:
         if one:
             idx = _one_expert(x, idx, w)
         ref = _run("reference", x, idx, w, ws, sh, dy, limit)
-        os.environ["MOK_CUTE_FUSED"] = "1"
-        try:
+        with env_var("MOK_CUTE_FUSED", "1"):
             outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
-        finally:
-            del os.environ["MOK_CUTE_FUSED"]
         with torch.no_grad():
             ys = [_moe(x, idx, w, ws, sh, limit) for _ in range(REPEATS)]
             ys += [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m)

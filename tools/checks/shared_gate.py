@@ -5,25 +5,20 @@ unfused one and between fused-backward modes 2 and 0, and within the BF16 tolera
 reference backend (tests/test_shared_gate.py pins the reference's rounding on the CPU)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
-from checks.common import Row
+from checks.common import Row, env_var
 
 
 def _run(backend, x, idx, w, ws, sh, w_sg, dy, fused="1", bwd="2"):
     import mok_cute
 
-    os.environ["MOK_CUTE_FUSED"], os.environ["MOK_CUTE_FUSED_BWD"] = fused, bwd
-    try:
+    with env_var({"MOK_CUTE_FUSED": fused, "MOK_CUTE_FUSED_BWD": bwd}):
         leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
         weights = [p.clone().requires_grad_() for p in (*ws, *sh, w_sg)]
         y = mok_cute.moe(leaves[0], idx, leaves[1], *weights[:3], shared=tuple(weights[3:6]), shared_gate=weights[6],
                          swiglu_limit=4.0, config=mok_cute.MoKConfig(backend=backend))
         return [y, *torch.autograd.grad(y, leaves + weights, dy)]
-    finally:
-        del os.environ["MOK_CUTE_FUSED"], os.environ["MOK_CUTE_FUSED_BWD"]
 
 
 def run(ctx) -> list[Row]:

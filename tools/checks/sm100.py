@@ -28,7 +28,7 @@ import os
 import torch
 
 import mok_cute
-from checks.common import Row, bench_us, child_rows, sm100_skip
+from checks.common import Row, bench_us, child_rows, env_var, sm100_skip
 from checks.fused_bwd import _main_grads_rows
 from checks.layer_sm90 import _problem, _run
 from checks.tails import TOL, _dims, _errors
@@ -76,16 +76,11 @@ def _fused_rows(dev) -> list[Row]:
                                                   ("mxfp8", "2-CTA fwd + bwd mode 3", "3", "comm", "256")):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
-            os.environ["MOK_CUTE_FUSED_BWD"] = "0"
-            try:
+            with env_var("MOK_CUTE_FUSED_BWD", "0"):
                 want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
-                os.environ.update(MOK_CUTE_SM100_FUSED="1", MOK_CUTE_FUSED_BWD=mode, MOK_CUTE_SM100_GATHER=gather,
-                                  MOK_CUTE_SM100_TILE_M=tile_m)
+            with env_var({"MOK_CUTE_SM100_FUSED": "1", "MOK_CUTE_FUSED_BWD": mode, "MOK_CUTE_SM100_GATHER": gather,
+                          "MOK_CUTE_SM100_TILE_M": tile_m}):
                 runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
-            finally:
-                for var in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_BWD", "MOK_CUTE_SM100_GATHER",
-                            "MOK_CUTE_SM100_TILE_M"):
-                    os.environ.pop(var, None)
             same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
             rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),
                             note=f"[y and every gradient] equal per run: {same}"))
@@ -137,11 +132,8 @@ def _bench_rows(dev) -> list[Row]:
     for name, precision, fused in (("bf16", "bf16", False), ("bf16 fused", "bf16", True),
                                    ("mxfp8", "mxfp8", False), ("mxfp8 fused", "mxfp8", True)):
         cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False)
-        os.environ["MOK_CUTE_SM100_FUSED"] = "1" if fused else "0"
-        try:
+        with env_var("MOK_CUTE_SM100_FUSED", "1" if fused else "0"):
             t = bench_us(step(lambda: mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg)), 3, 10)
-        finally:
-            del os.environ["MOK_CUTE_SM100_FUSED"]
         rows.append(Row(f"bench sm100 {name} fwd+bwd (same shape)", time_us=t, note=f"{t_torch / t:.2f}x the torch layer"))
     return rows
 

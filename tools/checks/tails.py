@@ -17,11 +17,10 @@ the unfused forward (MOK_CUTE_FUSED=0) bitwise equal to the fused forward + the 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from checks.common import Row, seeded, sm90_skip
+from checks.common import Row, env_var, seeded, sm90_skip
 from checks.layer_sm90 import OUT_NAMES, _problem, _run
 
 SHAPES = [("DeepSeek-V2-Lite H2048 I1408", 700, 2048, 1408, 8, 4),
@@ -84,11 +83,8 @@ def _errors(outs, refs):
 
 def _with_mode(mode, fn, fused_fwd="1"):
     """``fn()`` with MOK_CUTE_FUSED_BWD = ``mode`` and MOK_CUTE_FUSED = ``fused_fwd``."""
-    os.environ["MOK_CUTE_FUSED_BWD"], os.environ["MOK_CUTE_FUSED"] = mode, fused_fwd
-    try:
+    with env_var({"MOK_CUTE_FUSED_BWD": mode, "MOK_CUTE_FUSED": fused_fwd}):
         return fn()
-    finally:
-        del os.environ["MOK_CUTE_FUSED_BWD"], os.environ["MOK_CUTE_FUSED"]
 
 
 def _layer_rows(dev) -> list[Row]:

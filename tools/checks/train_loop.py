@@ -10,11 +10,9 @@ reference backend (tests/test_train_loop.py).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from checks.common import Row
+from checks.common import Row, env_var
 
 SHAPE = dict(tokens=512, hidden=512, inter=256, experts=8, top_k=2, shared=256)
 
@@ -76,11 +74,8 @@ def run(ctx) -> list[Row]:
     ref = train("reference", 50, dev)
     rows = []
     for mode in ("0", "1", "2", "3"):
-        os.environ["MOK_CUTE_FUSED_BWD"] = mode
-        try:
+        with env_var("MOK_CUTE_FUSED_BWD", mode):
             a, b = train("sm90", 50, dev), train("sm90", 50, dev)
-        finally:
-            del os.environ["MOK_CUTE_FUSED_BWD"]
         gap = max(abs(x - y) / abs(y) for x, y in zip(a, ref))
         ok = a == b and gap < 2e-2 and a[-1] < a[0]
         rows.append(Row(f"train 50 steps sm90 MOK_CUTE_FUSED_BWD={mode}", max_err=gap, bitwise=a == b, ok=ok,
