@@ -32,6 +32,18 @@ def test_summary_counts_kinds_and_scheduler_gaps(tmp_path):
     assert s["scheduler_share"] == pytest.approx(10 / 250)
 
 
+def test_kind_stats_percentiles_cta_time_and_same_kind_gaps():
+    kinds = ("A", "B", "gather")
+    # CTA 1: A 100-200, A 210-300 (gap 10 ns), B 305-405; CTA 2: A 0-40; comm CTA 0: gather 0-1000
+    recs = [(100, 200, 0, 1, 0), (210, 300, 0, 1, 1), (305, 405, 1, 1, 2), (0, 40, 0, 2, 3), (0, 1000, 2, 0, 0)]
+    st = trace_view.kind_stats(recs, kinds, gemm_kinds=2)
+    assert st["A"]["n"] == 3 and st["A"]["p10"] == 0.04 and st["A"]["p50"] == 0.09 and st["A"]["max"] == 0.1
+    assert st["A"]["cta_ms"] == pytest.approx(0.23e-3) and st["A"]["gap_us"] == pytest.approx(0.01)
+    assert "gap_us" not in st["B"] and "gap_us" not in st["gather"]  # B follows A; gather is not a GEMM kind
+    line = trace_view.format_kind_stats(st)
+    assert line.startswith("A 3 0.0/0.1/0.1/0.1 us 0.0 ms gap 0.01; B 1 ") and "gather 1 1.0/1.0/1.0/1.0" in line
+
+
 def test_forward_traces_still_load(tmp_path):
     """A trace without ``gemm_kinds`` (the forward's older files) counts kinds < 4 as GEMM tasks."""
     path = tmp_path / "old.json"

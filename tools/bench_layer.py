@@ -145,7 +145,7 @@ def _ours(fused: bool, comm: int, precision: str = "bf16", minibatch: int | None
 
 
 def traced(fn, path: str) -> dict:
-    """One fused forward with MOK_CUTE_TRACE=1: the trace written to ``path``, its summary."""
+    """One fused forward with MOK_CUTE_TRACE=1: the trace written to ``path``, its summary (with ``kind_stats``)."""
     import trace_view
     from mok_cute.kernels.sm90 import fused_moe as fused
 
@@ -158,7 +158,9 @@ def traced(fn, path: str) -> dict:
         del os.environ["MOK_CUTE_TRACE"]
     records, comm = fused.last_trace()
     trace_view.dump(path, records, comm, fused.KINDS)
-    return trace_view.summary(*trace_view.load(path))
+    loaded = trace_view.load(path)
+    return trace_view.summary(*loaded) | {"kind_stats": trace_view.format_kind_stats(trace_view.kind_stats(
+        loaded[0], loaded[1], loaded[3]))}
 
 
 def traced_bwd(fn, dy, path: str) -> dict:
@@ -295,6 +297,7 @@ def run_shape(t, h, inter, e, k, skew, comms, dev, trace=None, mx=False, minibat
             print(f"[trace] c{comms[-1]} gather {g or 'default'} {path}: span {s['span_us']:.0f} us, scheduler share "
                   f"{100 * s['scheduler_share']:.2f}% of GEMM-CTA time, per kind busy / tasks = us per task: {per}",
                   flush=True)
+            print(f"[trace] per kind n p10/p50/p90/max us, CTA-time, same-kind gap: {s['kind_stats']}", flush=True)
     if trace_bwd:
         for b in bwds or ("3",):
             path = trace_bwd.replace(".json", f"_bwd{b}.json")

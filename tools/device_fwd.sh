@@ -7,7 +7,8 @@
 # helpers: the helper warps at the cap, H 7168 and I 1024 shapes, beside the staged gather (three helper warps) and
 # without helpers (HELPERS_SHAPES: energy_fwd's --shapes).
 # bulk: the opt-in bulk background gather (MOK_CUTE_BG_BULK=1): its gpu_check rows, then at the cap beside the
-# default (BULK_SHAPES: energy_fwd's --shapes), then one traced forward each at T8192 H4096 I1024.
+# default (BULK_SHAPES: energy_fwd's --shapes), then one traced forward each, with and without, per shape of
+# BULK_TRACE_SHAPES (bench_layer's shape numbers, default 1: T8192 H4096 I1024; BULK=0 skips the check and the A/B).
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -27,18 +28,22 @@ for step in ${*:-check}; do
         echo "energy_fwd helpers rc=$?" >> "$out/summary.txt"
         grep "^|" "$out/helpers.log" | cut -c1-300
     elif [ "$step" = bulk ]; then
-        MOK_FUSED_FWD_BULK_ONLY=1 timeout -s KILL 120 python3 tools/gpu_check.py fused_fwd > "$out/check_bulk.log" 2>&1
-        echo "gpu_check fused_fwd bulk rows rc=$?" >> "$out/summary.txt"
-        grep "bulk bg" "$out/check_bulk.log" | cut -c1-200
-        timeout -s KILL 260 python3 tools/energy_fwd.py --shapes ${BULK_SHAPES:-1,2,0} --env MOK_CUTE_BG_BULK=1 \
-            --seconds 1.0 > "$out/bulk.log" 2>&1
-        echo "energy_fwd bulk rc=$?" >> "$out/summary.txt"
-        grep "^|" "$out/bulk.log" | cut -c1-300
-        for v in 0 1; do
-            MOK_CUTE_BG_BULK=$v timeout -s KILL 100 python3 tools/bench_layer.py --shapes 1 --comm 16 --no-ref --rounds 1 \
-                --trace "$out/trace_bulk$v.json" > "$out/trace_bulk$v.log" 2>&1
-            echo "trace MOK_CUTE_BG_BULK=$v rc=$?" >> "$out/summary.txt"
-            grep "^\[trace" "$out/trace_bulk$v.log" | cut -c1-500
+        if [ "${BULK:-1}" = 1 ]; then
+            MOK_FUSED_FWD_BULK_ONLY=1 timeout -s KILL 120 python3 tools/gpu_check.py fused_fwd > "$out/check_bulk.log" 2>&1
+            echo "gpu_check fused_fwd bulk rows rc=$?" >> "$out/summary.txt"
+            grep "bulk bg" "$out/check_bulk.log" | cut -c1-200
+            timeout -s KILL 260 python3 tools/energy_fwd.py --shapes ${BULK_SHAPES:-1,2,0} --env MOK_CUTE_BG_BULK=1 \
+                --seconds 1.0 > "$out/bulk.log" 2>&1
+            echo "energy_fwd bulk rc=$?" >> "$out/summary.txt"
+            grep "^|" "$out/bulk.log" | cut -c1-300
+        fi
+        for sh in ${BULK_TRACE_SHAPES:-1}; do
+            for v in 0 1; do
+                MOK_CUTE_BG_BULK=$v timeout -s KILL 100 python3 tools/bench_layer.py --shapes $sh --comm 16 --no-ref \
+                    --rounds 1 --trace "$out/trace_s${sh}_bulk$v.json" > "$out/trace_s${sh}_bulk$v.log" 2>&1
+                echo "trace shape $sh MOK_CUTE_BG_BULK=$v rc=$?" >> "$out/summary.txt"
+                grep "^\[trace" "$out/trace_s${sh}_bulk$v.log" | cut -c1-700
+            done
         done
     elif [ "$step" = bench ]; then
         timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \

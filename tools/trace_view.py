@@ -1,5 +1,6 @@
 """Turn a fused-forward or fused-backward trace (``MOK_CUTE_TRACE=1``) into a Chrome/Perfetto trace and a PNG of SM
-occupancy by task kind over time, and print the scheduler's share of the GEMM CTAs' time.
+occupancy by task kind over time, and print the scheduler's share of the GEMM CTAs' time and each kind's duration
+percentiles (:func:`kind_stats`).
 
     python3 tools/trace_view.py trace.json [--out-prefix PATH]
 
@@ -61,6 +62,38 @@ def summary(recs, kinds, comm_ctas, gemm_kinds: int = 4) -> dict:
                   "gemm_ctas": len(per_cta), "comm_ctas": comm_ctas}
 
 
+def kind_stats(recs, kinds, gemm_kinds: int = 4) -> dict:
+    """Per task kind: count, p10 / p50 / p90 / max duration (us), CTA-time (ms) and, for GEMM kinds, the mean
+    gap (us) from a task's end to its CTA's next GEMM task's start when that is of the same kind."""
+    durs: dict[str, list] = {}
+    per_cta: dict[int, list] = {}
+    for s, e, kind, cta, _ in recs:
+        durs.setdefault(kinds[kind], []).append((e - s) / 1e3)
+        if kind < gemm_kinds:
+            per_cta.setdefault(cta, []).append((s, e, kind))
+    gaps: dict[str, list] = {}
+    for spans in per_cta.values():
+        spans.sort()
+        for a, b in zip(spans, spans[1:]):
+            if a[2] == b[2]:
+                gaps.setdefault(kinds[a[2]], []).append(max(0, b[0] - a[1]) / 1e3)
+    out = {}
+    for kind, d in durs.items():
+        d.sort()
+        pick = lambda q: d[min(len(d) - 1, int(q * len(d)))]  # noqa: E731
+        out[kind] = {"n": len(d), "p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "max": d[-1],
+                     "cta_ms": sum(d) / 1e3}
+        if kind in gaps:
+            out[kind]["gap_us"] = sum(gaps[kind]) / len(gaps[kind])
+    return out
+
+
+def format_kind_stats(stats: dict) -> str:
+    """One line: ``kind n p10/p50/p90/max us, CTA-time ms[, gap us]`` per kind."""
+    return "; ".join(f"{k} {v['n']} {v['p10']:.1f}/{v['p50']:.1f}/{v['p90']:.1f}/{v['max']:.1f} us {v['cta_ms']:.1f} ms"
+                     + (f" gap {v['gap_us']:.2f}" if "gap_us" in v else "") for k, v in stats.items())
+
+
 def chrome(recs, kinds) -> dict:
     return {"traceEvents": [{"name": kinds[k], "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3, "pid": 0, "tid": cta,
                              "args": {"task": w}} for s, e, k, cta, w in recs]}
@@ -104,6 +137,7 @@ def main() -> int:
     except ImportError:
         print("matplotlib missing: no PNG", file=sys.stderr)
     print(json.dumps(s, indent=1))
+    print("per kind n p10/p50/p90/max, CTA-time, same-kind gap:", format_kind_stats(kind_stats(recs, kinds, gemm_kinds)))
     return 0
 
 
