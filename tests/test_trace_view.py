@@ -75,3 +75,10 @@ def test_fused_bwd_trace_buffer_holds_every_task(shared):
             n += len(tasks.task_list([0], t, 128, 0, i_s // 256, hid // 256, -(-hid // 128) * (i_s // 256),
                                      -(-i_s // 128) * (hid // 256), True))
         assert fused_bwd._task_cap(m, e, hid, inter, sh) >= n
+
+
+def test_tile_rates_tile_count():
+    import tile_rates
+
+    assert tile_rates.tile_count([0, 128, 129, 129, 400], 512) == (1 + 1 + 0 + 3) * 2
+    assert tile_rates.tile_count([0, 4096], 7168) == 32 * 28 and tile_rates.tile_count([0, 1], 100) == 1

@@ -9,6 +9,7 @@
 # bulk: the opt-in bulk background gather (MOK_CUTE_BG_BULK=1): its gpu_check rows, then at the cap beside the
 # default (BULK_SHAPES: energy_fwd's --shapes), then one traced forward each, with and without, per shape of
 # BULK_TRACE_SHAPES (bench_layer's shape numbers, default 1: T8192 H4096 I1024; BULK=0 skips the check and the A/B).
+# rates: the four GEMMs alone as SM-us per tile (tools/tile_rates.py, RATES_SHAPES), beside the traces' tiles.
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,6 +46,10 @@ for step in ${*:-check}; do
                 grep "^\[trace" "$out/trace_s${sh}_bulk$v.log" | cut -c1-700
             done
         done
+    elif [ "$step" = rates ]; then
+        timeout -s KILL 150 python3 tools/tile_rates.py --shapes ${RATES_SHAPES:-0,1} > "$out/rates.log" 2>&1
+        echo "tile_rates rc=$?" >> "$out/summary.txt"
+        grep "^|" "$out/rates.log" | cut -c1-200
     elif [ "$step" = bench ]; then
         timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \
             > "$out/bench_fwd.log" 2>&1
