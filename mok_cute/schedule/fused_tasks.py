@@ -92,7 +92,8 @@ def needs(task: tuple, n1: int, n1s: int, units: int = 1) -> list[tuple[str, int
 
 
 def publishes(task: tuple) -> tuple[str, int]:
-    """The counter a finished task bumps by one: ``(counter, index)``."""
+    """The counter a finished task bumps by one: ``(counter, index)`` (the sm90 kernel adds a CTA's GEMM2 tiles to
+    ``done`` at once after its last task: only the slot sum, after every task, waits for ``done``)."""
     phase, _, _, _, _, mt = task
     return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0)}[phase]
 

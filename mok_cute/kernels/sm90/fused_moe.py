@@ -729,6 +729,7 @@ class FusedMoeFwdSm90:
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
         staged = Int32(0)  # helpers: an S1 / R1 tile is staged in sC and its h not yet read by the helpers
+        gemm2 = Int32(0)  # GEMM2 tiles stored, published once after the CTA's last task
         i = Int32(0)
         t = persistent.take(sTask, i, self.handoff)
         while t < n_tasks:
@@ -759,19 +760,23 @@ class FusedMoeFwdSm90:
                     if tid == 0:
                         self._mark(mTrace, bidx, 1, 3, t)
                     consumer_barrier()
-                    self._publish(tid, phase, mt, mDone, mHready, mShready)
+                    gemm2 = self._publish(tid, phase, mt, mDone, mHready, mShready, gemm2)
             else:
                 freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH, mGUs,
                                            mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes)
                 if tid == 0:
                     self._mark(mTrace, bidx, 1, 3, t)
                 consumer_barrier()
-                self._publish(tid, phase, mt, mDone, mHready, mShready)
+                gemm2 = self._publish(tid, phase, mt, mDone, mHready, mShready, gemm2)
             if tid == 0:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
             t = persistent.take(sTask, i, self.handoff)
+        if tid == 0:  # every GEMM2 tile's stores came before a consumer barrier that thread 0 passed since
+            if gemm2 > 0:
+                P.fence_stores(self.ep)
+                cute.arch.atomic_add(mDone.iterator, gemm2, sem="release", scope="gpu")
         if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive, then their stop
             staged = self._wait_helpers(staged)
             if tid == 0:
@@ -811,13 +816,19 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _publish(self, tid: Int32, phase: Int32, mt: Int32, mDone: cute.Tensor, mHready: cute.Tensor,
-                 mShready: cute.Tensor):
-        """Consumers, past the barrier after a tile's 16-byte stores: thread 0 alone fences (EP > 1: system scope,
-        some rows went to peers), cumulative over every consumer's stores the barrier ordered before it, and
-        publishes the tile; the other warps go on to the next tile."""
-        if tid == 0:
-            P.fence_stores(self.ep)
-            tasks.publish(phase, mt, mDone, mHready, mShready)
+                 mShready: cute.Tensor, gemm2: Int32):
+        """Consumers, past the barrier after a tile's 16-byte stores: an S1 / R1 tile (its h waited for by GEMM2
+        tiles) thread 0 alone fences (cumulative over every consumer's stores the barrier ordered before it) and
+        publishes; a GEMM2 tile (waited for only by the slot sum, all of them) is counted: returns ``gemm2`` + 1,
+        published by :meth:`_consume` after the CTA's last task (one fence, EP > 1 at system scope: some rows went to
+        peers), so that no fence holds the consumers between GEMM2 tiles."""
+        if phase == R1 or phase == S1:
+            if tid == 0:
+                P.fence_stores(self.ep)
+                tasks.publish(phase, mt, mDone, mHready, mShready)
+        else:
+            gemm2 += 1
+        return gemm2
 
     @cute.jit
     def _wait_helpers(self, staged: Int32):
