@@ -107,6 +107,8 @@ GATHER_KIND, WAIT_KIND, SUM_KIND = 4, 5, 6
 BG_WARPS = 3  # producer warpgroup warps 1-3: the background gather (warp 0 is the TMA producer)
 BG_BARRIER = 6  # their named barrier (1: consumers' epilogue, 2-5: the task hand-off)
 HELPERS_BARRIER = 9  # the SwiGLU helper warps' own (7, 8: their hand-off with the consumers)
+TASK_FIELDS = 5  # a task handed off decoded (tasks.task): phase, n_tile, row0, rows, mt
+TASK_WORDS = 2 * (1 + TASK_FIELDS)  # the hand-off's two slots: the task id, then its fields
 HELP_WORDS = 5  # the staged S1 / R1 tile the consumers hand to the helpers: phase (-1: stop), n_tile, row0, rows, mt
 BG_UNROLL = 4  # 16-byte loads in flight per background lane (they run at PRODUCER_REGS)
 BG_MX_UNROLL = 2  # MXFP8 chunks (16 e4m3 + a scale byte, 32 bf16 bytes out) in flight per background lane
@@ -199,7 +201,7 @@ class FusedMoeFwdSm90:
             _, _, atom_su, coord_su = ml.make_tma(mX, experts_last(mSu), b_half=True)
             atom_hs, coord_hs, atom_sd, coord_sd = ml.make_tma(hs2, experts_last(mSd))
         # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
-        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=2 + HELP_WORDS,
+        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=TASK_WORDS + HELP_WORDS,
                                                 bulk_bytes=BG_SEG * BG_STAGES if self.bg_bulk else 0,
                                                 bulk_barriers=BG_STAGES if self.bg_bulk else 0)
         self.kernel(atom_x, coord_x, atom_xg, coord_xg, atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h,
@@ -233,8 +235,8 @@ class FusedMoeFwdSm90:
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True,
                                                            producers=GATHER_ARRIVALS if self.direct else 1)
-        sTask = storage.extra.get_tensor(cute.make_layout(2))  # task hand-off: producer -> consumers
-        sHelp = cute.make_tensor(storage.extra.data_ptr() + 2, cute.make_layout(HELP_WORDS))  # consumers -> helpers
+        sTask = storage.extra.get_tensor(cute.make_layout(TASK_WORDS))  # task hand-off: producer -> consumers
+        sHelp = cute.make_tensor(storage.extra.data_ptr() + TASK_WORDS, cute.make_layout(HELP_WORDS))  # -> helpers
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         status = mStatus.iterator
@@ -306,12 +308,10 @@ class FusedMoeFwdSm90:
                                         mOffsets, num_experts, k, mGather, mHready, timeout_ns, status)
             if cutlass.const_expr(self.direct):
                 if warp > 0:
-                    self._produce_rows(pipe, sAu, sB, sTask, tidx, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n2, k1, k2,
-                                       k2s, band, mOffsets, num_experts, tokens, mX, mOrder, k)
+                    self._produce_rows(pipe, sAu, sTask, tidx, n_tasks, k1, k2, k2s, mX, mOrder, k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, n_s1, n_r1, n_s2,
-                          m_sh, n1, n1s, n2, k1, k2, k2s, band, mOffsets, num_experts, tokens, mGU, mH, mGUs, mHs,
+            self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, k1, k2, k2s, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
                           mGather.shape[0], ep, sHelp)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
@@ -574,7 +574,7 @@ class FusedMoeFwdSm90:
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
                  mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
-        each to the consumers, wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
+        each to the consumers with its coordinates (:data:`TASK_FIELDS`), wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
         handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
         rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
         B; the other tiles' loads add those warps' full-barrier arrivals."""
@@ -589,11 +589,11 @@ class FusedMoeFwdSm90:
         while t < n_tasks:
             if lead:
                 self._mark(mProg, bidx, 0, 1, t)
-            persistent.hand_off(sTask, i, t, self.handoff)
-            i += 1
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
                 b2)
+            persistent.hand_off(sTask, i, t, self.handoff, (phase, n_tile, row0, rows, mt))
+            i += 1
             if cutlass.const_expr(not self.direct):
                 if phase == R1:
                     persistent.wait_input(mGather.iterator + mt, Int32(self.gather_units), timeout_ns, status,
@@ -640,7 +640,7 @@ class FusedMoeFwdSm90:
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
             t = persistent.claim(ticket)
-        persistent.hand_off(sTask, i, t, self.handoff)
+        persistent.hand_off(sTask, i, t, self.handoff, (Int32(0),) * TASK_FIELDS)
         if lead:
             self._mark(mProg, bidx, 0, 4, i)
         persistent.finish_hand_offs(i, self.handoff)
@@ -661,28 +661,22 @@ class FusedMoeFwdSm90:
                                             atom_wg, gB, sB, k1, atom_wu, gB_hi, tma_warp=atom_wg is not None)
 
     @cute.jit
-    def _produce_rows(self, pipe, sAu: cute.Tensor, sB: cute.Tensor, sTask: cute.Tensor, tid: Int32, n_tasks: Int32,
-                      n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, k1: Int32, k2: Int32,
-                      k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32,
-                      mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
+    def _produce_rows(self, pipe, sAu: cute.Tensor, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, k1: Int32,
+                      k2: Int32, k2s: Int32, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warps 1-3 (direct; ``tid`` 32..127 of the warpgroup): take every task warp 0 hands
         off; copy an R1 tile's share of A rows (:meth:`_load_rows`), walk past the other tiles'
         k-tiles (warp 0 arrives for them)."""
         state = self.mainloop.producer_state()
-        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         i = Int32(0)
-        t = persistent.take(sTask, i, self.handoff)
+        t, phase, _, row0, rows, _ = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
         while t < n_tasks:
             i += 1
-            phase, _, _, row0, rows, _, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2)
             if phase == R1:
                 state = self._load_rows(pipe, state, tid, row0, rows, sAu, mX, mOrder, k, k1)
             else:
                 for _ in cutlass.range(_k_tiles(phase, k1, k2, k2s), unroll=1):
                     state.advance()
-            t = persistent.take(sTask, i, self.handoff)
+            t, phase, _, row0, rows, _ = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
 
     @cute.jit
     def _help(self, hw: Int32, lane: Int32, sHelp: cute.Tensor, sC: cute.Tensor, mH: cute.Tensor, mHs: cute.Tensor,
@@ -715,31 +709,26 @@ class FusedMoeFwdSm90:
             phase = sHelp[0]
 
     @cute.jit
-    def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, n_s1: Int32,
-                 n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32,
-                 k2s: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, mGU: cute.Tensor,
-                 mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor,
-                 mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor,
-                 limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, sHelp: cute.Tensor):
-        """Consumer warpgroups: MMA each task's tile, run its epilogue, publish it. EP > 1: before
+    def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, k1: Int32, k2: Int32,
+                 k2s: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor,
+                 mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor,
+                 mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, sHelp: cute.Tensor):
+        """Consumer warpgroups: MMA each task's tile (handed off decoded: no global load between tiles), run its
+        epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
         its slot buffer of the previous step (FREE >= epoch - 1)."""
         thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
         state = self.mainloop.consumer_state()
-        e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         freed = Int32(0)
         staged = Int32(0)  # helpers: an S1 / R1 tile is staged in sC and its h not yet read by the helpers
         gemm2 = Int32(0)  # GEMM2 tiles stored, published once after the CTA's last task
         i = Int32(0)
-        t = persistent.take(sTask, i, self.handoff)
+        t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
         while t < n_tasks:
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 1, t)
             i += 1
-            phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2)
-            t0 = persistent.now(self.trace)  # after the task lookup: the gap since the last record is the scheduler's
+            t0 = persistent.now(self.trace)  # after the hand-off: the gap since the last record is the scheduler's
             r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
             if phase == R2:
                 r2_rows = rows
@@ -772,7 +761,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
-            t = persistent.take(sTask, i, self.handoff)
+            t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
         if tid == 0:  # every GEMM2 tile's stores came before a consumer barrier that thread 0 passed since
             if gemm2 > 0:
                 P.fence_stores(self.ep)

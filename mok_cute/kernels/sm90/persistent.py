@@ -65,24 +65,35 @@ def claim(ticket: cute.Pointer):
 
 
 @cute.jit
-def hand_off(sTask: cute.Tensor, i: Int32, t: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
-    """Producer warp: hand-off ``i`` of task ``t`` through slot ``i % 2`` (``threads``: the hand-off's
-    threads, the producer warp's and every taker's)."""
+def hand_off(sTask: cute.Tensor, i: Int32, t: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS,
+             fields: tuple = ()):
+    """Producer warp: hand-off ``i`` of task ``t`` (and the Int32 ``fields`` the producer decoded for it, so that
+    the takers need no global loads) through slot ``i % 2`` of ``1 + len(fields)`` words (``threads``: the
+    hand-off's threads, the producer warp's and every taker's)."""
     slot = i % 2
+    words = 1 + len(fields)
     if i >= 2:
         cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=threads)
-    sTask[slot] = t
+    sTask[slot * words] = t
+    for j in cutlass.range_constexpr(len(fields)):
+        sTask[slot * words + 1 + j] = fields[j]
     cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=threads)
 
 
 @cute.jit
-def take(sTask: cute.Tensor, i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
-    """Consumers (and other takers): the task of hand-off ``i``."""
+def take(sTask: cute.Tensor, i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS,
+         n_fields: cutlass.Constexpr[int] = 0):
+    """Consumers (and other takers): the task of hand-off ``i``; with ``n_fields``, ``(t, field_0, ...)``."""
     slot = i % 2
+    words = 1 + n_fields
     cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=threads)
-    t = sTask[slot]
+    t = sTask[slot * words]
+    fields = [sTask[slot * words + 1 + j] for j in range(n_fields)]
     cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=threads)
-    return t
+    out = t
+    if cutlass.const_expr(n_fields > 0):
+        out = (t, *fields)
+    return out
 
 
 @cute.jit
