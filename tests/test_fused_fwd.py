@@ -652,7 +652,7 @@ def test_bulk_background_gather_variant(monkeypatch):
     ``cp.async.bulk`` global -> shared (mbarrier ``complete_tx``) and shared -> global (bulk groups, a stage reused
     only once the store that read it is done), proxy fences on both sides of the async-proxy writes, the piece's
     release add after every store completed; 0 spills; refused where there is no such warp; the host picks it
-    only with ``MOK_CUTE_BG_BULK=1`` on the bf16 helpers path."""
+    by default on the bf16 helpers path, and not with ``MOK_CUTE_BG_BULK=0``."""
     from mok_cute.kernels.sm90 import fused_moe as fm
 
     rep = fm.compile_fused_forward(True, True, helpers=True, bg_bulk=True, inspect=True)[1]
@@ -672,9 +672,9 @@ def test_bulk_background_gather_variant(monkeypatch):
         with pytest.raises(ValueError, match="bg_bulk"):
             fm.FusedMoeFwdSm90(True, True, bg_bulk=True, **kw)
     monkeypatch.delenv("MOK_CUTE_BG_BULK", raising=False)
-    assert not fm.bg_bulk_mode()
-    monkeypatch.setenv("MOK_CUTE_BG_BULK", "1")
     assert fm.bg_bulk_mode()
+    monkeypatch.setenv("MOK_CUTE_BG_BULK", "0")
+    assert not fm.bg_bulk_mode()
     monkeypatch.setenv("MOK_CUTE_BG_BULK", "yes")
     with pytest.raises(ValueError, match="MOK_CUTE_BG_BULK"):
         fm.bg_bulk_mode()

@@ -18,8 +18,8 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
   * at H 2048 (the S1 / R1 tiles' h by the producer warpgroup's helper warps; BF16, and MXFP8 with
     ``MOK_CUTE_FUSED_HELPERS_MX=1``): y and every gradient bitwise the kernel without helpers, y across
     configurations, the regs gather and the unfused forward;
-  * ``MOK_CUTE_BG_BULK=1`` (the bf16 background gather by cp.async.bulk): y and every gradient bitwise the default's
-    at H 2048 and 2880 (``MOK_FUSED_FWD_BULK_ONLY=1``: these rows alone);
+  * the bf16 background gather by cp.async.bulk (the default beside the helpers): y and every gradient bitwise
+    ``MOK_CUTE_BG_BULK=0``'s (through registers) at H 2048 and 2880 (``MOK_FUSED_FWD_BULK_ONLY=1``: these rows alone);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
 from __future__ import annotations
@@ -75,23 +75,18 @@ def _launches(fn) -> tuple[int, int]:
     return sum("FusedMoeFwdSm90" in n for n in kernels), len(kernels)
 
 
-def _helper_rows(dev, fused, mx: bool = False) -> list[Row]:
-    """H = 2048 (``grouped_gemm.HELPERS_MIN_K``: the S1 / R1 tiles get their h from the helper warps; BF16 by
-    default, MXFP8 (``mx``) with ``MOK_CUTE_FUSED_HELPERS_MX=1``, the helpers then also writing h's round trip): y
-    and every gradient bitwise the kernel without helpers; y bitwise across three configurations (the ring reused
-    at 256 tokens), the ``regs`` gather (three helper warps) and the unfused forward."""
-    var, gather = ("MOK_CUTE_FUSED_HELPERS_MX", "MOK_CUTE_GATHER_MX") if mx else ("MOK_CUTE_FUSED_HELPERS",
-                                                                                  "MOK_CUTE_GATHER")
-    prec = dict(precision="mxfp8") if mx else {}
+def _variant_rows(dev, fused, label: str, var: str, cases, seed: int, prec: dict, extra=None) -> list[Row]:
+    """Per case ``(name, H, skew, shared, limit)`` (T 1500, I 512, E 8, k 4): y and every gradient with ``var=1``
+    bitwise ``var=0``'s; y with it bitwise across three configurations (the ring reused at 256 tokens), the ys of
+    ``extra(x, idx, w, ws, sh, limit)`` and the unfused forward."""
     rows = []
-    for i, (name, skew, shared, limit) in enumerate((("uniform+shared", False, True, None),
-                                                     ("skew+shared L=4", True, True, 4.0), ("skew", True, False, None))):
-        x, idx, w, ws, sh, dy = _problem(1500, 2048, 512, 8, 4, shared, skew, dev, seed=370 + i)
+    for i, (name, hid, skew, shared, limit) in enumerate(cases):
+        x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=seed + i)
         with env_var(var, "1"):
             outs = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
             with torch.no_grad():
                 ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m, **prec) for c, m in CONFIGS]
-            ys += _gathered(gather, "regs", lambda: [_moe(x, idx, w, ws, sh, limit, **prec)])
+                ys += extra(x, idx, w, ws, sh, limit) if extra else []
         with env_var(var, "0"):
             base = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
         with torch.no_grad():
@@ -99,10 +94,23 @@ def _helper_rows(dev, fused, mx: bool = False) -> list[Row]:
         fused.check_errors()
         equal = [torch.equal(a, b) for a, b in zip(outs, base)]
         same = [torch.equal(y, outs[0]) for y in ys]
-        rows.append(Row(f"fused fwd helpers {'mxfp8 ' if mx else ''}H2048 {name}", bitwise=all(same),
-                        ok=all(equal) and all(same),
-                        note=f"y, grads == without helpers: {equal}; y == 3 configurations, regs, unfused: {same}"))
+        rows.append(Row(f"{label} {name}", bitwise=all(same), ok=all(equal) and all(same),
+                        note=f"y, grads == {var}=0: {equal}; y == 3 configurations{', extra' if extra else ''}, "
+                             f"unfused: {same}"))
     return rows
+
+
+def _helper_rows(dev, fused, mx: bool = False) -> list[Row]:
+    """H = 2048 (``grouped_gemm.HELPERS_MIN_K``: the S1 / R1 tiles get their h from the helper warps; BF16 by
+    default, MXFP8 (``mx``) with ``MOK_CUTE_FUSED_HELPERS_MX=1``, the helpers then also writing h's round trip)
+    against the kernel without helpers (:func:`_variant_rows`; extra: the ``regs`` gather, three helper warps)."""
+    var, gather = ("MOK_CUTE_FUSED_HELPERS_MX", "MOK_CUTE_GATHER_MX") if mx else ("MOK_CUTE_FUSED_HELPERS",
+                                                                                  "MOK_CUTE_GATHER")
+    prec = dict(precision="mxfp8") if mx else {}
+    cases = (("uniform+shared", 2048, False, True, None), ("skew+shared L=4", 2048, True, True, 4.0),
+             ("skew", 2048, True, False, None))
+    return _variant_rows(dev, fused, f"fused fwd helpers {'mxfp8 ' if mx else ''}H2048", var, cases, 370, prec,
+                         lambda *a: _gathered(gather, "regs", lambda: [_moe(*a, **prec)]))
 
 
 def _mx_rows(dev, fused) -> list[Row]:
@@ -137,28 +145,12 @@ def _mx_rows(dev, fused) -> list[Row]:
 
 
 def _bulk_rows(dev, fused) -> list[Row]:
-    """``MOK_CUTE_BG_BULK=1`` (the bf16 background warp beside the helpers moves its rows by cp.async.bulk): y and
-    every gradient bitwise the default forward's at H 2048 and H 2880 (a row of 1.4 4096-byte segments), y bitwise
-    across three configurations (the ring reused at 256 and 1024 tokens) and the unfused forward, skewed (empty
-    experts, -1 slots) and uniform, with and without the shared expert."""
-    rows = []
-    for i, (name, hid, skew, shared, limit) in enumerate((("H2048 skew+shared L=4", 2048, True, True, 4.0),
-                                                          ("H2048 uniform", 2048, False, False, None),
-                                                          ("H2880 skew+shared", 2880, True, True, None))):
-        x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=380 + i)
-        base = _run("sm90", x, idx, w, ws, sh, dy, limit)
-        with env_var("MOK_CUTE_BG_BULK", "1"):
-            outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
-            with torch.no_grad():
-                ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m) for c, m in CONFIGS]
-        with torch.no_grad():
-            ys.append(_unfused(x, idx, w, ws, sh, limit))
-        fused.check_errors()
-        equal = [torch.equal(a, b) for a, b in zip(outs, base)]
-        same = [torch.equal(y, outs[0]) for y in ys]
-        rows.append(Row(f"fused fwd bulk bg gather {name}", bitwise=all(same), ok=all(equal) and all(same),
-                        note=f"y, grads == default: {equal}; y == 3 configurations, unfused: {same}"))
-    return rows
+    """The bf16 background warp beside the helpers moving its rows by cp.async.bulk (the default) against
+    ``MOK_CUTE_BG_BULK=0`` (through registers; :func:`_variant_rows`) at H 2048 and H 2880 (a row of 1.4 4096-byte
+    segments), skewed (empty experts, -1 slots) and uniform, with and without the shared expert."""
+    cases = (("H2048 skew+shared L=4", 2048, True, True, 4.0), ("H2048 uniform", 2048, False, False, None),
+             ("H2880 skew+shared", 2880, True, True, None))
+    return _variant_rows(dev, fused, "fused fwd bulk bg gather", "MOK_CUTE_BG_BULK", cases, 380, {})
 
 
 def run(ctx) -> list[Row]:

@@ -976,10 +976,9 @@ def fused_helpers(mx: bool, ep: bool, gather: str, hidden: int) -> bool:
 
 
 def bg_bulk_mode() -> bool:
-    """``MOK_CUTE_BG_BULK=1``: the bf16 EP = 1 background gather beside the helpers moves its rows by
-    ``cp.async.bulk`` (:meth:`FusedMoeFwdSm90._gather_bg_bulk`); ``0`` (default): through its registers. Read at
-    every call."""
-    v = os.environ.get("MOK_CUTE_BG_BULK", "0")
+    """``MOK_CUTE_BG_BULK=1`` (default): the bf16 EP = 1 background gather beside the helpers moves its rows by
+    ``cp.async.bulk`` (:meth:`FusedMoeFwdSm90._gather_bg_bulk`); ``0``: through its registers. Read at every call."""
+    v = os.environ.get("MOK_CUTE_BG_BULK", "1")
     if v not in ("0", "1"):
         raise ValueError(f"MOK_CUTE_BG_BULK must be '0' or '1', got {v!r}")
     return v == "1"
