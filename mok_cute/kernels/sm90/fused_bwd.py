@@ -161,7 +161,7 @@ class FusedMoeBwdCoreSm90:
         if cutlass.const_expr(self.shared):
             s_tma = self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSDg, mSDu)
             s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2, None)
-        self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=2)
+        self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=3)
         ep_args = None
         if cutlass.const_expr(self.ep):
             ep_args = (mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push)
@@ -380,6 +380,9 @@ class FusedMoeBwdCoreSm90:
         rc = (Int32(0), Int32(0), Int32(0), Int32(0))
         sc = (Int32(0), Int32(0), Int32(0), Int32(0))
         i = Int32(0)
+        sD1 = cute.make_tensor(storage.extra.data_ptr() + 2, cute.make_layout(1))  # after sTask
+        if tid == 0:  # D1 tiles stored (with the slot sum), in shared memory (no register held across the tasks)
+            sD1[0] = Int32(0)
         t = persistent.take(sTask, i)
         while t < n_tasks:
             i += 1
@@ -389,28 +392,37 @@ class FusedMoeBwdCoreSm90:
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
                     state, sc, kind = self._compute(shared, lt, pipe, state, views, storage, tid, sc, limit, mSlot,
-                                                    mOrder, done, False)
+                                                    mOrder, False)
                     kind += SHARED_KIND
                 else:
                     state, rc, kind = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                    mOrder, done, self.scatter, ep)
+                                                    mOrder, self.scatter, ep)
             else:
                 state, rc, kind = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                mOrder, done, self.scatter, ep, wd_done)
+                                                mOrder, self.scatter, ep, wd_done)
+            if cutlass.const_expr(self.scatter):
+                if tid == 0:
+                    if kind % SHARED_KIND == 1:
+                        sD1[0] = sD1[0] + 1
             if cutlass.const_expr(self.trace):
                 if tid == 0:
                     bidx, _, _ = cute.arch.block_idx()
                     persistent.record(mTrace, t, t0, persistent.now(self.trace), kind, bidx, t)
             t = persistent.take(sTask, i)
+        if cutlass.const_expr(self.scatter):  # only the slot sum, after every task, waits for ``done``
+            if tid == 0:  # one fence (EP > 1: system scope), cumulative over the rows each D1 tile's barrier ordered
+                if sD1[0] > 0:
+                    P.fence_stores(self.ep)
+                    cute.arch.atomic_add(done, sD1[0], sem="release", scope="gpu")
 
     @cute.jit
     def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,
-                 mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, scatter: cutlass.Constexpr, ep=None,
+                 mSlot: cute.Tensor, mOrder: cute.Tensor, scatter: cutlass.Constexpr, ep=None,
                  wd_done: cute.Pointer = None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
-        their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted on
-        ``done``. ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
+        their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted (on
+        ``done``, by :meth:`_consume` after the CTA's last task). ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
         (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
         ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg
@@ -451,11 +463,8 @@ class FusedMoeBwdCoreSm90:
             else:
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, g.dx, g.dx,
                                Float32(0.0))
-            if cutlass.const_expr(self.scatter):  # the slot sum counts this tile
+            if cutlass.const_expr(self.scatter):  # the slot sum counts this tile (:meth:`_consume` publishes it)
                 consumer_barrier()
-                if tid == 0:  # one fence (EP > 1: system scope), cumulative over the consumers' rows
-                    P.fence_stores(ep is not None)
-                    cute.arch.atomic_add(done, Int32(1), sem="release", scope="gpu")
         else:
             length = g.offsets[expert + 1] - g.offsets[expert]
             k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
