@@ -421,8 +421,9 @@ class FusedMoeBwdCoreSm90:
                  wd_done: cute.Pointer = None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
-        their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is counted (on
-        ``done``, by :meth:`_consume` after the CTA's last task). ``cur``: the group's D2 and D1 cursors; returns ``(state, cur, trace kind)``
+        their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is
+        counted (on ``done``, by :meth:`_consume` after the CTA's last task). ``cur``: the group's D2 and D1
+        cursors; returns ``(state, cur, trace kind)``
         (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
         ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg

@@ -574,8 +574,8 @@ class FusedMoeFwdSm90:
                  mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
                  mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
-        each to the consumers with its coordinates (:data:`TASK_FIELDS`), wait for its inputs, then TMA its k-tiles; a task id >= n_tasks
-        handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
+        each to the consumers with its coordinates (:data:`TASK_FIELDS`), wait for its inputs, then TMA
+        its k-tiles; a task id >= n_tasks handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
         rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
         B; the other tiles' loads add those warps' full-barrier arrivals."""
         cfg = self.cfg
@@ -712,7 +712,8 @@ class FusedMoeFwdSm90:
     def _consume(self, pipe, sA, sB, sC, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, k1: Int32, k2: Int32,
                  k2s: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor,
                  mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor,
-                 mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32, mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, ep, sHelp: cute.Tensor):
+                 mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32, mTrace: cute.Tensor, bidx: Int32,
+                 trace_base: Int32, ep, sHelp: cute.Tensor):
         """Consumer warpgroups: MMA each task's tile (handed off decoded: no global load between tiles), run its
         epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
