@@ -82,3 +82,21 @@ def test_tile_rates_tile_count():
 
     assert tile_rates.tile_count([0, 128, 129, 129, 400], 512) == (1 + 1 + 0 + 3) * 2
     assert tile_rates.tile_count([0, 4096], 7168) == 32 * 28 and tile_rates.tile_count([0, 1], 100) == 1
+
+
+def test_tile_operands_group_rows_by_expert():
+    """bench_layer.tile_operands (the tiles-alone baseline's and tile_rates' operands): row r of group e is a token
+    routed to e; the shared expert is one group over every token."""
+    from bench_layer import tile_operands
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 4, (10, 2), generator=g)
+    ws = tuple(torch.randn(4, 32, 64, generator=g) for _ in range(3))
+    sh = tuple(torch.randn(32, 64, generator=g) for _ in range(3))
+    rows, offsets, wr, sh_w, sh_offs = tile_operands(x, idx, ws, sh)
+    assert offsets.tolist() == [0, *torch.bincount(idx.flatten(), minlength=4).cumsum(0).tolist()]
+    for e in range(4):
+        want = sorted(x[t].tolist() for t in range(10) for j in range(2) if idx[t, j] == e)
+        assert sorted(rows[offsets[e]:offsets[e + 1]].tolist()) == want
+    assert sh_offs.tolist() == [0, 10] and sh_w[0].shape == (1, 32, 64) and wr[0] is not ws[0]

@@ -53,19 +53,27 @@ SHAPES = [  # (T, H, I, E, k, skewed)
 ]
 
 
-def gemms_alone(x, idx, ws, sh):
-    """The forward's GEMM tiles alone, on inputs prepared outside the timing: the routed GEMM1 +
-    SwiGLU and GEMM2 grouped kernels over pre-gathered rows, and the shared expert's two (the
-    fused forward's work without the gather, the scatter and the slot sum)."""
-    from mok_cute.kernels.sm90 import grouped_gemm as g
+def tile_operands(x, idx, ws, sh):
+    """The grouped GEMMs' operands, prepared outside any timing: ``(rows, offsets, wr, sh_w, sh_offs)``, x's
+    routed rows gathered in expert order [T*k, H] with their group offsets [E+1], the routed weights, the shared
+    expert's weights as one group and its offsets [0, T] (all detached)."""
     from mok_cute.layers.grouped import route_sort
 
     t, k = idx.shape
     order, offsets, _ = route_sort(idx, ws[0].shape[0])
     rows = x.detach()[order // k].contiguous()
-    sh_w = tuple(w.detach()[None] for w in sh)
     sh_offs = torch.tensor([0, t], dtype=torch.int32, device=x.device)
-    wr = tuple(w.detach() for w in ws)
+    return rows, offsets, tuple(w.detach() for w in ws), tuple(w.detach()[None] for w in sh), sh_offs
+
+
+def gemms_alone(x, idx, ws, sh):
+    """The forward's GEMM tiles alone, on inputs prepared outside the timing: the routed GEMM1 +
+    SwiGLU and GEMM2 grouped kernels over pre-gathered rows, and the shared expert's two (the
+    fused forward's work without the gather, the scatter and the slot sum)."""
+    from mok_cute.kernels.sm90 import grouped_gemm as g
+
+    t = idx.shape[0]
+    rows, offsets, wr, sh_w, sh_offs = tile_operands(x, idx, ws, sh)
 
     def fn():
         h = g._run_gemm1_swiglu(rows, offsets, wr[0], wr[1], None)[1]

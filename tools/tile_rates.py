@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import SHAPES  # noqa: E402
+from bench_layer import SHAPES, tile_operands  # noqa: E402
 from checks.common import bench_us  # noqa: E402
 from checks.layer_sm90 import _problem  # noqa: E402
 
@@ -28,13 +28,9 @@ def tile_count(offsets: list[int], n_out: int, tile_m: int = 128, tile_n: int = 
 def rates(t, h, inter, e, k, skew, dev) -> list[tuple[str, int, float, float]]:
     """(GEMM, tiles, us per call, SM-us per tile) of the routed and shared GEMM1 + SwiGLU and GEMM2."""
     from mok_cute.kernels.sm90 import grouped_gemm as g
-    from mok_cute.layers.grouped import route_sort
 
     x, idx, _, ws, sh, _ = _problem(t, h, inter, e, k, True, skew, dev, seed=5)
-    order, offsets, _ = route_sort(idx, e)
-    rows = x[order // k].contiguous()
-    sh_offs = torch.tensor([0, t], dtype=torch.int32, device=dev)
-    sh_w = tuple(w[None] for w in sh)
+    rows, offsets, ws, sh_w, sh_offs = tile_operands(x, idx, ws, sh)
     h_r = g._run_gemm1_swiglu(rows, offsets, ws[0], ws[1], None)[1]
     h_s = g._run_gemm1_swiglu(x, sh_offs, sh_w[0], sh_w[1], None)[1]
     offs = offsets.tolist()
