@@ -59,3 +59,14 @@ def test_energy_fwd_backward_rows():
     assert (v, vs_torch, vs_tiles) == (330.0, 600.0 / 330.0, 330.0 / 300.0)
     assert got["bwd torch"][1] == 1.0 and got["bwd GEMM tiles alone"][2] == 1.0
     assert backward_rows({k: v for k, v in us.items() if "torch" not in k}) == []
+
+
+def test_energy_fwd_median_round():
+    """tools/energy_fwd.median_round: the whole round of median time (its clock and power with it), the lower middle
+    one of an even count."""
+    from energy_fwd import median_round
+
+    rounds = [(120.0, 1400.0, 690.0), (100.0, 1500.0, 680.0), (110.0, 1450.0, 685.0)]
+    assert median_round(rounds) == (110.0, 1450.0, 685.0)
+    assert median_round(rounds[:2]) == (100.0, 1500.0, 680.0)
+    assert median_round(rounds[:1]) == rounds[0]

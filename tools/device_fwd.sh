@@ -10,6 +10,9 @@
 # default (BULK_SHAPES: energy_fwd's --shapes), then one traced forward each, with and without, per shape of
 # BULK_TRACE_SHAPES (bench_layer's shape numbers, default 1: T8192 H4096 I1024; BULK=0 skips the check and the A/B).
 # rates: the four GEMMs alone as SM-us per tile (tools/tile_rates.py, RATES_SHAPES), beside the traces' tiles.
+# ratios: the BF16 forward against the torch layer at the cap in REPEAT interleaved rounds (RATIO_SHAPES, default the
+# H 7168 shapes 3,0,4), each row's median and its per-round ratios. fwdbwd: forward + backward at the cap, BF16 and
+# MXFP8 (FWDBWD_SHAPES, default 0,1).
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,6 +53,16 @@ for step in ${*:-check}; do
         timeout -s KILL 150 python3 tools/tile_rates.py --shapes ${RATES_SHAPES:-0,1} > "$out/rates.log" 2>&1
         echo "tile_rates rc=$?" >> "$out/summary.txt"
         grep "^|" "$out/rates.log" | cut -c1-200
+    elif [ "$step" = ratios ]; then
+        timeout -s KILL 330 python3 tools/energy_fwd.py --shapes ${RATIO_SHAPES:-3,0,4} --repeat ${REPEAT:-3} \
+            --seconds 1.0 > "$out/ratios.log" 2>&1
+        echo "energy_fwd ratios rc=$?" >> "$out/summary.txt"
+        grep "^|" "$out/ratios.log" | cut -c1-300
+    elif [ "$step" = fwdbwd ]; then
+        timeout -s KILL 400 python3 tools/energy_fwd.py --shapes ${FWDBWD_SHAPES:-0,1} --mx --bwd --seconds 1.0 \
+            > "$out/fwdbwd.log" 2>&1
+        echo "energy_fwd fwd+bwd rc=$?" >> "$out/summary.txt"
+        grep "^|" "$out/fwdbwd.log" | cut -c1-300
     elif [ "$step" = bench ]; then
         timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \
             > "$out/bench_fwd.log" 2>&1

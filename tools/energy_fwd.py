@@ -51,6 +51,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="3", help="bench_layer.SHAPES indices, comma-separated")
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over every row, interleaved (each row's median "
+                    "and its per-round ratios to the torch layer are printed)")
     ap.add_argument("--gathers", default="default", help="the fused rows' MOK_CUTE_GATHER values")
     ap.add_argument("--minibatch", default="", help="also fused BF16 rows at these minibatch_tokens (the ring's "
                     "size: 1024 tokens x k rows by default, above L2 at H 7168)")
@@ -65,8 +67,9 @@ def main() -> int:
     for i in (int(v) for v in args.shapes.split(",")):
         lines += _shape(*SHAPES[i], args)
     if not args.ncu:
-        print("| shape (+ shared) | impl | us per call | vs torch | vs tiles alone | SM clock MHz | W | mJ per call |")
-        print("|---|---|---|---|---|---|---|---|")
+        rounds = " | vs torch per round" if args.repeat > 1 else ""
+        print(f"| shape (+ shared) | impl | us per call | vs torch | vs tiles alone | SM clock MHz | W | mJ per call{rounds} |")
+        print("|---|---|---|---|---|---|---|---|" + ("---|" if rounds else ""))
         print("\n".join(lines))
     return 0
 
@@ -130,26 +133,36 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
         return []
-    stats = {}
-    for name, (fn, no_grad) in runs.items():
-        with torch.no_grad() if no_grad else contextlib.nullcontext():
-            _run_for(fn, args.seconds)  # the cap reached
-            with PowerSampler(ms=100) as p:
-                n, s = _run_for(fn, args.seconds)
-        busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in p.lines if line.count(",") >= 2)
-                if float(b) > 300] or [(float("nan"), float("nan"))]
-        mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
-        stats[name] = (s / n * 1e6, mhz, watts)
+    samples = {name: [] for name in runs}  # per row, (us, MHz, W) of each round
+    for _ in range(args.repeat):
+        for name, (fn, no_grad) in runs.items():
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                _run_for(fn, args.seconds)  # the cap reached
+                with PowerSampler(ms=100) as p:
+                    n, s = _run_for(fn, args.seconds)
+            busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in p.lines if line.count(",") >= 2)
+                    if float(b) > 300] or [(float("nan"), float("nan"))]
+            mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
+            samples[name].append((s / n * 1e6, mhz, watts))
+    stats = {name: median_round(v) for name, v in samples.items()}
     out = []
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skewed' if skew else ''}"
     for name, (us, mhz, watts) in stats.items():
         kind = name.split(" ")[0]
         ref, til = stats[f"{kind} torch"][0], stats[f"{kind} GEMM tiles alone"][0]
+        per_round = ""
+        if args.repeat > 1:
+            per_round = " | " + " ".join(f"{a[0] / b[0]:.2f}" for a, b in zip(samples[f"{kind} torch"], samples[name]))
         out.append(f"| {label} | {name} | {us:.0f} | {ref / us:.2f}x | "
-                   f"{us / til:.2f}x | {mhz:.0f} | {watts:.0f} | {watts * us * 1e-3:.0f} |")
+                   f"{us / til:.2f}x | {mhz:.0f} | {watts:.0f} | {watts * us * 1e-3:.0f}{per_round} |")
     for name, us, vs_torch, vs_tiles in backward_rows({n: v[0] for n, v in stats.items()}):
-        out.append(f"| {label} | {name} | {us:.0f} | {vs_torch:.2f}x | {vs_tiles:.2f}x | - | - | - |")
+        out.append(f"| {label} | {name} | {us:.0f} | {vs_torch:.2f}x | {vs_tiles:.2f}x | - | - | -{' | -' if args.repeat > 1 else ''} |")
     return out
+
+
+def median_round(rounds: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The round of median time among a row's ``(us, MHz, W)`` rounds (the lower middle one of an even count)."""
+    return sorted(rounds)[(len(rounds) - 1) // 2]
 
 
 def backward_rows(us: dict[str, float]) -> list[tuple[str, float, float, float]]:
