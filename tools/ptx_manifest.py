@@ -164,6 +164,10 @@ def _quant():
                     lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, helpers=True,
                                                                              inspect=True))
             out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
+                f"-helpers-bg-bulk@sm_90a"] = (  # BF16 EP = 1 from H 2048 with MOK_CUTE_BG_BULK=1: the default there
+                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, gather="bg", helpers=True, bg_bulk=True,
+                                                                    inspect=True))
+            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
                 f"-mxfp8-helpers@sm_90a"] = (  # MXFP8 EP = 1 from H 7168: the default there
                 lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, helpers=True, inspect=True))
             if shared:

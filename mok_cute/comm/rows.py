@@ -210,6 +210,35 @@ def bulk_s2g(gaddr: Int64, smem_addr: Int32, nbytes: Int32):
 
 
 @cute.jit
+def bulk_ring(n: Int32, j0: Int32, stages: Constexpr, mbar: cute.Pointer, load, store):
+    """One thread moves items ``0 .. n-1`` through a shared-memory ring of ``stages`` bulk-copy stages: item ``i``
+    uses stage ``(j0 + i) % stages`` (``j0``: the items this thread moved through the ring before, so each stage's
+    mbarrier phase carries on); ``load(i, stage)`` issues its global -> shared copy completing on ``mbar + stage``
+    (or only arrives there), ``store(i, stage)`` its shared -> global copy (or nothing). ``stages - 1`` loads are in
+    flight; a stage is loaded again only once the store that read it has (``wait_group.read``). Returns after every
+    store completed (``cp.async.bulk.wait_group 0``) and a ``fence.proxy.async.global``, so that the caller's release
+    orders the stores before its signal."""
+    i = Int32(0)
+    while i < n and i < stages - 1:
+        load(i, (j0 + i) % stages)
+        i += 1
+    i = Int32(0)
+    while i < n:
+        j = j0 + i
+        stage = j % stages
+        cute.arch.mbarrier_wait(mbar + stage, (j // stages) % 2)
+        store(i, stage)
+        cute.arch.cp_async_bulk_commit_group()
+        nxt = i + stages - 1
+        if nxt < n:  # its stage held item i - 1: that store must have read it
+            cute.arch.cp_async_bulk_wait_group(1, read=True)
+            load(nxt, (j0 + nxt) % stages)
+        i += 1
+    cute.arch.cp_async_bulk_wait_group(0)
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
 def _bulk_item(w: Int32, nch: Int32, rb: Int64, pb: cute.Tensor, rs: cute.Tensor, local_base: Int64,
                peer_off: Int64, lim: Int32, tk: Int32, k: Int32, push: Constexpr):
     """Item ``w`` = chunk ``c`` of grouped row ``row``: (valid, row, src, dst, nbytes)."""
@@ -237,13 +266,12 @@ def _bulk_item(w: Int32, nch: Int32, rb: Int64, pb: cute.Tensor, rs: cute.Tensor
 
 
 @cute.jit
-def _bulk_issue(j: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: cute.Tensor,
+def _bulk_issue(j: Int32, stage: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: cute.Tensor,
                 rs: cute.Tensor, local_base: Int64, peer_off: Int64, lim: Int32, tk: Int32,
                 k: Int32, ring: Int32, mbar: cute.Pointer, status: cute.Pointer, channel: Int32,
                 epoch: Int32, push: Constexpr):
-    """Issue the load of this CTA's ``j``-th item into stage ``j % BULK_STAGES`` (an invalid
-    route reports BAD_INDEX and only arrives, so the stage's phase still flips)."""
-    stage = j % BULK_STAGES
+    """Issue the load of this CTA's ``j``-th item into ``stage`` (an invalid route reports BAD_INDEX and only
+    arrives, so the stage's phase still flips)."""
     ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base, peer_off,
                                           lim, tk, k, push)
     if ok:
@@ -253,6 +281,16 @@ def _bulk_issue(j: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: 
         if c == 0:
             P.report(status, Int32(P.BAD_INDEX), row, channel, epoch)
         cute.arch.mbarrier_arrive(mbar + stage)
+
+
+@cute.jit
+def _bulk_store(j: Int32, stage: Int32, bidx: Int32, nctas: Int32, nch: Int32, rb: Int64, pb: cute.Tensor,
+                rs: cute.Tensor, local_base: Int64, peer_off: Int64, lim: Int32, tk: Int32, k: Int32, ring: Int32,
+                push: Constexpr):
+    """Store this CTA's ``j``-th item from ``stage`` to its destination (nothing for an invalid route)."""
+    ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk, k, push)
+    if ok:
+        bulk_s2g(dst, ring + stage * BULK_CHUNK, nb)
 
 
 @cute.jit
@@ -288,26 +326,8 @@ def bulk_routed_rows(tidx: Int32, bidx: Int32, pb: cute.Tensor, status: cute.Poi
         # order the peer's released generic writes (acquired before the caller's barrier)
         # before this thread's async-proxy accesses
         cute.arch.fence_proxy("async.global")
-        j = Int32(0)
-        while j < cnt and j < BULK_STAGES - 1:
-            _bulk_issue(j, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk, k, ring,
-                        mbar, status, channel, epoch, push)
-            j += 1
-        j = Int32(0)
-        while j < cnt:
-            stage = j % BULK_STAGES
-            cute.arch.mbarrier_wait(mbar + stage, (j // BULK_STAGES) % 2)
-            ok, row, c, src, dst, nb = _bulk_item(bidx + j * nctas, nch, rb, pb, rs, local_base,
-                                                  peer_off, lim, tk, k, push)
-            if ok:
-                bulk_s2g(dst, ring + stage * BULK_CHUNK, nb)
-            cute.arch.cp_async_bulk_commit_group()
-            nxt = j + BULK_STAGES - 1
-            if nxt < cnt:
-                # stage of item nxt held item j-1: its store (group j-1) must have read it
-                cute.arch.cp_async_bulk_wait_group(1, read=True)
-                _bulk_issue(nxt, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk, k,
-                            ring, mbar, status, channel, epoch, push)
-            j += 1
-        cute.arch.cp_async_bulk_wait_group(0)
-        cute.arch.fence_proxy("async.global")
+        bulk_ring(cnt, Int32(0), BULK_STAGES, mbar,
+                  lambda j, stage: _bulk_issue(j, stage, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim, tk,
+                                               k, ring, mbar, status, channel, epoch, push),
+                  lambda j, stage: _bulk_store(j, stage, bidx, nctas, nch, rb, pb, rs, local_base, peer_off, lim,
+                                               tk, k, ring, push))

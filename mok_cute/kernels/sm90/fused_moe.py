@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
 from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.comm.rows import bulk_g2s, bulk_s2g
+from mok_cute.comm.rows import bulk_g2s, bulk_ring, bulk_s2g
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
@@ -445,40 +445,31 @@ class FusedMoeFwdSm90:
                 n = cutlass.max(cutlass.min(rows - p0, PIECE_ROWS), 0) * nseg
                 dst0 = dbase + Int64(c % ring * CHUNK + p0) * Int64(rb)
                 cute.arch.fence_proxy("async.global")  # the slot's readers (acquired above) before these writes
-                i = Int32(0)
-                while i < n and i < BG_STAGES - 1:
-                    self._bulk_load(i, j0, nseg, rb, base, row0 + p0, mOrder, k, buf, mbar)
-                    i += 1
-                i = Int32(0)
-                while i < n:
-                    j = j0 + i
-                    stage = j % BG_STAGES
-                    cute.arch.mbarrier_wait(mbar + stage, (j // BG_STAGES) % 2)
-                    seg = i % nseg
-                    bulk_s2g(dst0 + Int64(i // nseg) * Int64(rb) + Int64(seg * BG_SEG), buf + stage * BG_SEG,
-                             cutlass.min(rb - seg * BG_SEG, BG_SEG))
-                    cute.arch.cp_async_bulk_commit_group()
-                    if i + BG_STAGES - 1 < n:  # its stage held segment i - 1: that store must have read it
-                        cute.arch.cp_async_bulk_wait_group(1, read=True)
-                        self._bulk_load(i + BG_STAGES - 1, j0, nseg, rb, base, row0 + p0, mOrder, k, buf, mbar)
-                    i += 1
+                bulk_ring(n, j0, BG_STAGES, mbar,
+                          lambda i, stage: self._bulk_load(i, stage, nseg, rb, base, row0 + p0, mOrder, k, buf, mbar),
+                          lambda i, stage: self._bulk_store(i, stage, nseg, rb, dst0, buf))
                 j0 += n
-                cute.arch.cp_async_bulk_wait_group(0)
-                cute.arch.fence_proxy("async.global")
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(mGather.iterator + c, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _bulk_load(self, i: Int32, j0: Int32, nseg: Int32, rb: Int32, base: Int64, grow0: Int32, mOrder: cute.Tensor,
-                   k: Int32, buf: Int32, mbar: cute.Pointer):
+    def _bulk_load(self, i: Int32, stage: Int32, nseg: Int32, rb: Int32, base: Int64, grow0: Int32,
+                   mOrder: cute.Tensor, k: Int32, buf: Int32, mbar: cute.Pointer):
         """Lane 0 of :meth:`_gather_bg_bulk`: segment ``i`` of the piece (row ``i // nseg`` from grouped row ``grow0``,
-        its token row's bytes ``(i % nseg) * BG_SEG ..``) into stage ``(j0 + i) % BG_STAGES``."""
-        stage = (j0 + i) % BG_STAGES
+        its token row's bytes ``(i % nseg) * BG_SEG ..``) into ``stage``."""
         seg = i % nseg
         nb = cutlass.min(rb - seg * BG_SEG, BG_SEG)
         src = base + Int64(mOrder[grow0 + i // nseg] // k) * Int64(rb) + Int64(seg * BG_SEG)
         cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nb)
         bulk_g2s(buf + stage * BG_SEG, src, nb, (mbar + stage).toint())
+
+    @cute.jit
+    def _bulk_store(self, i: Int32, stage: Int32, nseg: Int32, rb: Int32, dst0: Int64, buf: Int32):
+        """Lane 0 of :meth:`_gather_bg_bulk`: segment ``i`` of the piece from ``stage`` to its ring row (``dst0``: the
+        piece's first)."""
+        seg = i % nseg
+        bulk_s2g(dst0 + Int64(i // nseg) * Int64(rb) + Int64(seg * BG_SEG), buf + stage * BG_SEG,
+                 cutlass.min(rb - seg * BG_SEG, BG_SEG))
 
     @cute.jit
     def _gather_rows(self, tidx: Int32, row0: Int32, rows: Int32, slot_row: Int32, mX: cute.Tensor,
