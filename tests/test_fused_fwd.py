@@ -508,11 +508,10 @@ def test_staged_gather_batches_cover_each_unit_once(units, cap):
 
 # ---------------------------------------------------------------- the device decodes, run on the host
 @functools.cache
-def _host_decoder(s2_last: bool = False):
+def _host_decoder():
     """``fused_tasks.task`` (the device decode the fused forward's roles run) compiled as a host function: decodes
     the ids ``start, start + step, ..`` below ``n_tasks`` into ``out`` [n_tasks, 6] (phase, expert, n_tile, row0,
-    rows, mt), carrying its cursors as a CTA does (``s2_last``: S2 after the ``n_tasks - n_s1 - n_r1 - n_s2`` R2
-    tasks)."""
+    rows, mt), carrying its cursors as a CTA does."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -521,31 +520,29 @@ def _host_decoder(s2_last: bool = False):
     def decode(out: cute.Tensor, offsets: cute.Tensor, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32,
                n2: Int32, tokens: Int32, band: Int32, n_tasks: Int32, start: Int32, step: Int32):
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
-        n_r2 = n_tasks - n_s1 - n_r1 - n_s2
         for t in cutlass.range(start, n_tasks, step, unroll=1):
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = ft.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2,
-                n_r2 if s2_last else None)
+                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2)
             for i, v in enumerate((phase, expert, n_tile, row0, rows, mt)):
                 out[t, i] = v
     return decode
 
 
-@pytest.mark.parametrize("shared,s2_last", [(False, False), (True, False), (True, True)])
-def test_device_decode_matches_the_mirror(shared, s2_last):
-    """The device decode itself (run on the host) walks the task list of the pure-Python mirror (R1 in bands; with
-    ``s2_last`` S2 after R2), in list order and along a CTA's strided ids (its cursors only move forward)."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_device_decode_matches_the_mirror(shared):
+    """The device decode itself (run on the host) walks the task list of the pure-Python mirror (R1 in bands), in
+    list order and along a CTA's strided ids (its cursors only move forward)."""
     from cutlass import Int32
     from cutlass.cute.runtime import from_dlpack
 
     counts, tokens, n1, n1s, n2, band = [300, 0, 129, 1000, 7, 128], 700, 3, 2, 5, 2
     offs = offsets_from(counts)
-    lst = ft.task_list(offs, tokens, 128, n1, n1s if shared else 0, n2, shared, band, s2_last)
+    lst = ft.task_list(offs, tokens, 128, n1, n1s if shared else 0, n2, shared, band)
     m_sh = -(-tokens // 128)
     m_routed = len(ft.mtile_rows(offs, 128))
     n_s1 = m_sh * n1s if shared else 0
     n_s2 = m_sh * n2 if shared else 0
-    decode = _host_decoder(s2_last)
+    decode = _host_decoder()
     for start, step in ((0, 1), (1, 7), (5, 131), (2, 3)):
         out = torch.full((len(lst), 6), -7, dtype=torch.int32)
         decode(from_dlpack(out), from_dlpack(torch.tensor(offs, dtype=torch.int32)), Int32(n_s1), Int32(m_routed * n1),
@@ -681,68 +678,3 @@ def test_bulk_background_gather_variant(monkeypatch):
     monkeypatch.setenv("MOK_CUTE_BG_BULK", "yes")
     with pytest.raises(ValueError, match="MOK_CUTE_BG_BULK"):
         fm.bg_bulk_mode()
-
-
-@pytest.mark.parametrize("gather", ["comm", "bg", "direct"])
-def test_s2_last_schedule(gather):
-    """``s2_last`` (the slot sum in the S2 tiles' epilogue): the list runs S1, R1, every R2, then S2; every S2 tile
-    waits for every R2 tile besides its shared h; it completes without deadlock on the routings above and random
-    ones (rings, bands, CTA counts), and the mirror catches an S2 placed before the R2 tiles it waits for."""
-    offs = offsets_from([300, 0, 129, 1000])
-    lst = ft.task_list(offs, 700, 128, 3, 2, 5, True, 2, s2_last=True)
-    phases = [t[0] for t in lst]
-    last_r2 = max(i for i, p in enumerate(phases) if p == ft.R2)
-    assert phases.count(ft.S2) == 6 * 5 and min(i for i, p in enumerate(phases) if p == ft.S2) > last_r2
-    assert sorted(lst) == sorted(ft.task_list(offs, 700, 128, 3, 2, 5, True, 2))
-    r2 = phases.count(ft.R2)
-    assert ft.needs(lst[-1], 3, 2, r2_tiles=r2) == [("sh", lst[-1][5], 2), ("done", 0, r2)]
-    ring = dict(ring=None) if gather == "direct" else dict(ring=4, band=2)
-    for name in sorted(ROUTINGS):
-        for e, tokens in ((1, 128), (8, 1000)):
-            o = offsets_from(ROUTINGS[name](e, 4 * tokens))
-            for gemm, comm in ((1, 1), (7, 2), (130, 2)):
-                ft.simulate(o, tokens, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=gemm, comm_ctas=comm,
-                            gather=gather, s2_last=True, **ring)
-    rng = random.Random(7)
-    for _ in range(20):
-        e, tokens = rng.choice([1, 2, 8, 32]), rng.randint(1, 900)
-        counts = [rng.randrange(300) if rng.random() < 0.8 else 0 for _ in range(e)]
-        slots = rng.randint(2, 20)
-        ft.simulate(offsets_from(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4),
-                    n2=rng.randint(1, 6), shared=True, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
-                    seed=rng.randint(0, 99), ring=slots, band=rng.randint(1, slots), gather=gather, s2_last=True)
-
-
-def test_s2_last_mirror_detects_an_early_s2(monkeypatch):
-    """With S2 put back before R2 while it still waits for every R2 tile, the ticket mirror deadlocks."""
-    real = ft.task_list
-    monkeypatch.setattr(ft, "task_list", lambda *a: real(*a[:-1], False))
-    with pytest.raises(AssertionError, match="deadlock"):
-        ft.simulate(offsets_from([300, 200]), 300, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=1, comm_ctas=1,
-                    s2_last=True)
-
-
-@pytest.mark.parametrize("kw", [dict(helpers=True, bg_bulk=True), dict(gather="regs", n_tail=True),
-                                dict(gather="bg", gate=True), dict(mx=True, helpers=True)])
-def test_sum_in_s2_variant(kw, monkeypatch):
-    """``sum_s2``: 0 spills and no local memory (the slot rows' loads land in the dead accumulator fragment's
-    registers), no slot sum after the tasks (its register hand-back is gone), S2 tiles wait for ``done``; refused at
-    EP > 1 and without a shared expert; the host picks it with ``MOK_CUTE_SUM_IN_S2=1`` only."""
-    from mok_cute.kernels.sm90 import fused_moe as fm, route_rows
-
-    rep = fm.compile_fused_forward(True, True, sum_s2=True, inspect=True, **kw)[1]
-    assert rep.total_spill_bytes == 0 and sum(rep.stack_bytes.values()) == 0 and "serialized" not in rep.log
-    handback = re.compile(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{route_rows.SUM_REGS};")
-    assert not handback.search(rep.ptx)
-    assert handback.search(fm.compile_fused_forward(True, True, inspect=True, **kw)[1].ptx)
-    for bad in (dict(ep=True), dict(shared=False)):
-        args = dict(clamp=True, shared=True, sum_s2=True) | bad
-        with pytest.raises(ValueError, match="sum_s2"):
-            fm.FusedMoeFwdSm90(**args)
-    monkeypatch.delenv("MOK_CUTE_SUM_IN_S2", raising=False)
-    assert not fm.sum_in_s2_mode()
-    monkeypatch.setenv("MOK_CUTE_SUM_IN_S2", "1")
-    assert fm.sum_in_s2_mode()
-    monkeypatch.setenv("MOK_CUTE_SUM_IN_S2", "on")
-    with pytest.raises(ValueError, match="MOK_CUTE_SUM_IN_S2"):
-        fm.sum_in_s2_mode()

@@ -12,8 +12,7 @@
 # rates: the four GEMMs alone as SM-us per tile (tools/tile_rates.py, RATES_SHAPES), beside the traces' tiles.
 # ratios: the BF16 forward against the torch layer at the cap in REPEAT interleaved rounds (RATIO_SHAPES, default the
 # H 7168 shapes 3,0,4), each row's median and its per-round ratios. fwdbwd: forward + backward at the cap, BF16 and
-# MXFP8 (FWDBWD_SHAPES, default 0,1). sum: the slot sum in the S2 tiles' epilogue (MOK_CUTE_SUM_IN_S2=1): its
-# gpu_check rows and the shared-gate check with it, then at the cap beside the default (SUM_SHAPES, default 3,0,4).
+# MXFP8 (FWDBWD_SHAPES, default 0,1).
 # Logs in $OUT (or /tmp/mok-out); the summary prints last.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -64,17 +63,6 @@ for step in ${*:-check}; do
             > "$out/fwdbwd.log" 2>&1
         echo "energy_fwd fwd+bwd rc=$?" >> "$out/summary.txt"
         grep "^|" "$out/fwdbwd.log" | cut -c1-300
-    elif [ "$step" = sum ]; then
-        MOK_FUSED_FWD_SUM_ONLY=1 timeout -s KILL 220 python3 tools/gpu_check.py fused_fwd > "$out/check_sum.log" 2>&1
-        echo "gpu_check fused_fwd sum rows rc=$?" >> "$out/summary.txt"
-        grep "sum in S2" "$out/check_sum.log" | cut -c1-200
-        MOK_CUTE_SUM_IN_S2=1 timeout -s KILL 100 python3 tools/gpu_check.py shared_gate > "$out/check_gate.log" 2>&1
-        echo "gpu_check shared_gate (MOK_CUTE_SUM_IN_S2=1) rc=$?" >> "$out/summary.txt"
-        grep -A12 "== gpu_check" "$out/check_gate.log" | grep -v "^\s*$\|== gpu_check\|^---" | cut -c1-200
-        timeout -s KILL 240 python3 tools/energy_fwd.py --shapes ${SUM_SHAPES:-3,0,4} --env MOK_CUTE_SUM_IN_S2=1 \
-            --repeat ${REPEAT:-2} --seconds 1.0 > "$out/sum.log" 2>&1
-        echo "energy_fwd sum rc=$?" >> "$out/summary.txt"
-        grep "^|" "$out/sum.log" | cut -c1-300
     elif [ "$step" = bench ]; then
         timeout -s KILL 560 python3 tools/bench_layer.py ${FWD_BENCH:---shapes 0,3 --comm 16 --no-ref --tiles --mx --rounds 3 --trace "$out/trace.json"} \
             > "$out/bench_fwd.log" 2>&1

@@ -8,10 +8,6 @@ counter, in list order (the comm CTAs once their gather chunks are stored), in f
   S2  shared GEMM2            ``m_sh * n2`` tiles    (n2 = H / tile_n)
   R2  routed GEMM2            ``mt * n2`` tiles
 
-With ``s2_last`` (the slot sum fused into the shared GEMM2 tiles' epilogue) the order is S1, R1, R2, S2: an S2
-tile then also waits for every R2 tile (``done``; the CTAs publish their R2 tiles before their first S2) and writes
-y's rows of its m-tile and n-tile, and publishes nothing.
-
 Inside a phase the tiles are numbered m-tile fastest (routed phases: experts in order, the
 walk of :mod:`mok_cute.schedule.group_tiles`), except that R1 walks each expert's m-tiles in
 *bands* of ``band`` m-tiles: a band's tiles (n-tile outer, m-tile inner) all come before the
@@ -46,10 +42,10 @@ PIECES = 128 // PIECE_ROWS  # pieces per chunk of tile_m = 128 rows
 
 # ---------------------------------------------------------------- pure-Python mirror
 def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
-              band: int | None = None, s2_last: bool = False) -> list[tuple]:
+              band: int | None = None) -> list[tuple]:
     """Every task in list order: ``(phase, expert, n_tile, row0, rows, mt)`` (shared phases:
     expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index); R1 in bands
-    of ``band`` m-tiles per expert (None: one band per expert); ``s2_last``: S2 after R2."""
+    of ``band`` m-tiles per expert (None: one band per expert)."""
     offs = [int(o) for o in offsets]
     m_sh = -(-tokens // tile_m)
     routed = []  # (expert, m_tile, row0, rows, mt) in expert order
@@ -58,10 +54,7 @@ def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, sha
             row0 = offs[e] + m * tile_m
             routed.append((e, row0, min(tile_m, offs[e + 1] - row0), len(routed)))
     out = []
-    phases = [(S1, n1s if shared else 0), (R1, n1), (S2, n2 if shared else 0), (R2, n2)]
-    if s2_last:
-        phases[2], phases[3] = phases[3], phases[2]
-    for phase, n in phases:
+    for phase, n in ((S1, n1s if shared else 0), (R1, n1), (S2, n2 if shared else 0), (R2, n2)):
         if phase in (S1, S2):
             out += [(phase, -1, nt, m * tile_m, min(tile_m, tokens - m * tile_m), m)
                     for nt in range(n) for m in range(m_sh)]
@@ -84,34 +77,30 @@ def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
             for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
 
 
-def needs(task: tuple, n1: int, n1s: int, units: int = 1, r2_tiles: int = 0) -> list[tuple[str, int, int]]:
+def needs(task: tuple, n1: int, n1s: int, units: int = 1) -> list[tuple[str, int, int]]:
     """What a task waits for: ``(counter, index, target)`` with counters ``gather`` (chunk: ``units``
     publications, :data:`PIECES` with the background gather), ``h`` (routed m-tile: n1 GEMM1 tiles),
-    ``sh`` (shared m-tile: n1s tiles); ``r2_tiles`` > 0 (``s2_last``): an S2 tile also waits for that many
-    R2 tiles (``done``)."""
+    ``sh`` (shared m-tile: n1s tiles)."""
     phase, mt = task[0], task[5]
     if phase == R1:
         return [("gather", mt, units)]
     if phase == R2:
         return [("h", mt, n1)]
     if phase == S2:
-        return [("sh", mt, n1s)] + ([("done", 0, r2_tiles)] if r2_tiles else [])
+        return [("sh", mt, n1s)]
     return []
 
 
-def publishes(task: tuple, s2_last: bool = False) -> tuple[str, int]:
+def publishes(task: tuple) -> tuple[str, int]:
     """The counter a finished task bumps by one: ``(counter, index)`` (the sm90 kernel adds a CTA's GEMM2 tiles to
-    ``done`` at once after its last task, with ``s2_last`` its R2 tiles before its first S2 tile; ``s2_last``: an S2
-    tile writes y and publishes nothing anyone waits for, ``("y", mt)``)."""
+    ``done`` at once after its last task: only the slot sum, after every task, waits for ``done``)."""
     phase, _, _, _, _, mt = task
-    if s2_last and phase == S2:
-        return ("y", mt)
     return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0)}[phase]
 
 
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
              comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None,
-             gather: str = "comm", s2_last: bool = False) -> int:
+             gather: str = "comm") -> int:
     """Run the fused forward's schedule on the host as the kernel runs it
     (:func:`~mok_cute.schedule.tickets.run_tickets`): comm CTA ``c`` gathers chunks ``c, c +
     comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i - ring`` has all its GEMM1
@@ -121,16 +110,12 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     ``q % (comm_ctas + gemm_ctas)`` (each piece once its slot is free), and an R1 tile waits for
     all of its chunk's pieces. ``gather="direct"``: no ring and no gather, every CTA claims tickets
     from the start and an R1 tile waits for nothing (its producer warpgroup reads x's rows). Returns
-    the number of rounds; AssertionError on a deadlock or a missing publication. ``s2_last``: S2 after R2, each S2
-    tile waiting for every R2 tile and writing y (no slot sum after the tasks)."""
-    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band, s2_last)
-    r2_tiles = sum(t[0] == R2 for t in tasks) if s2_last else 0
-    pub = lambda t: publishes(t, s2_last)  # noqa: E731
-    gemm2 = r2_tiles if s2_last else sum(t[0] in (S2, R2) for t in tasks)  # what ``done`` must count
+    the number of rounds; AssertionError on a deadlock or a missing publication."""
+    tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
     if gather == "direct":
-        wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s, r2_tiles=r2_tiles)  # noqa: E731
-        rounds, count = run_tickets(tasks, wants, pub, [], comm_ctas + gemm_ctas, seed)
-        assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
+        wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s)  # noqa: E731
+        rounds, count = run_tickets(tasks, wants, publishes, [], comm_ctas + gemm_ctas, seed)
+        assert count.get(("done", 0), 0) == sum(t[0] in (S2, R2) for t in tasks), "slot sum would wait forever"
         return rounds
     chunks = len(mtile_rows(offsets, tile_m))
     ring = chunks if ring is None else ring
@@ -142,11 +127,10 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
         pieces = [(slot_free(c), ("gather", c)) for c in range(fill, chunks) for _ in range(PIECES)]
         background = strided(pieces, comm_ctas + gemm_ctas)
     gathers = [(slot_free(c), ("gather", c)) for c in range(fill) for _ in range(units)]
-    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s, units, r2_tiles), pub,
+    rounds, count = run_tickets(tasks, lambda t: needs(t, n1, n1s, units), publishes,
                                 strided_chunks(gathers, comm_ctas, units), gemm_ctas, seed, background)
+    gemm2 = sum(t[0] in (S2, R2) for t in tasks)
     assert count.get(("done", 0), 0) == gemm2, "slot sum would wait forever"
-    if s2_last:
-        assert sum(v for (name, _), v in count.items() if name == "y") == sum(t[0] == S2 for t in tasks)
     return rounds
 
 
@@ -260,20 +244,17 @@ def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: 
 @cute.jit
 def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
          num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
-         e2: Int32, b2: Int32, n_r2: Int32 = None):
+         e2: Int32, b2: Int32):
     """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (``n_s1``,
-    ``n_r1``, ``n_s2``: tasks of the S1, R1, S2 phases; R1 in bands of ``band`` m-tiles; ``n_r2`` given
-    (``s2_last``): the R2 tasks, which then come before S2). The routed phases advance their own cursor
-    ``(e, b)`` of :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
+    ``n_r1``, ``n_s2``: tasks of the first three phases; R1 in bands of ``band`` m-tiles). The
+    routed phases advance their own cursor ``(e, b)`` of
+    :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
     phase = Int32(R2)
     expert = Int32(0)
     n_tile = Int32(0)
     row0 = Int32(0)
     rows = Int32(0)
     mt = Int32(0)
-    third = n_s2  # tasks of the third phase: S2, or with s2_last R2
-    if cutlass.const_expr(n_r2 is not None):
-        third = n_r2
     if t < n_s1:
         phase = Int32(S1)
         mt = t % m_sh
@@ -285,35 +266,21 @@ def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32
         expert = e1
         m_tile, n_tile, row0, rows = banded_coords(offsets, tile_m, lin, e1, b1, n1, band)
         mt = b1 // n1 + m_tile
-    elif t < n_s1 + n_r1 + third:
+    elif t < n_s1 + n_r1 + n_s2:
+        phase = Int32(S2)
         lin = t - n_s1 - n_r1
-        if cutlass.const_expr(n_r2 is None):
-            phase = Int32(S2)
-            mt = lin % m_sh
-            n_tile = lin // m_sh
-        else:
-            expert, n_tile, row0, rows, mt, e2, b2 = _r2_task(lin, offsets, num_experts, tile_m, n2, e2, b2)
+        mt = lin % m_sh
+        n_tile = lin // m_sh
     else:
-        lin = t - n_s1 - n_r1 - third
-        if cutlass.const_expr(n_r2 is None):
-            expert, n_tile, row0, rows, mt, e2, b2 = _r2_task(lin, offsets, num_experts, tile_m, n2, e2, b2)
-        else:
-            phase = Int32(S2)
-            mt = lin % m_sh
-            n_tile = lin // m_sh
+        lin = t - n_s1 - n_r1 - n_s2
+        e2, b2 = seek(offsets, num_experts, tile_m, n2, lin, e2, b2)
+        expert = e2
+        m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
+        mt = b2 // n2 + m_tile
     if phase == S1 or phase == S2:
         row0 = mt * tile_m
         rows = cutlass.min(tokens - row0, tile_m)
     return phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2
-
-
-@cute.jit
-def _r2_task(lin: Int32, offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n2: Int32,
-             e2: Int32, b2: Int32):
-    """:func:`task`'s R2 task ``lin`` of its phase: ``(expert, n_tile, row0, rows, mt, e2, b2)``."""
-    e2, b2 = seek(offsets, num_experts, tile_m, n2, lin, e2, b2)
-    m_tile, n_tile, row0, rows = tile_coords(offsets, tile_m, lin, e2, b2)
-    return e2, n_tile, row0, rows, b2 // n2 + m_tile, e2, b2
 
 
 @cute.jit

@@ -20,9 +20,6 @@ with and without the shared expert, SwiGLU clamped at 4 and not):
     configurations, the regs gather and the unfused forward;
   * the bf16 background gather by cp.async.bulk (the default beside the helpers): y and every gradient bitwise
     ``MOK_CUTE_BG_BULK=0``'s (through registers) at H 2048 and 2880 (``MOK_FUSED_FWD_BULK_ONLY=1``: these rows alone);
-  * the slot sum in the shared GEMM2 tiles' epilogue (``MOK_CUTE_SUM_IN_S2=1``: S2 after R2): y and every gradient
-    bitwise the default's at H 1024, 2048 (helpers, bulk gather) and 2880 (n_tail), BF16 and MXFP8
-    (``MOK_FUSED_FWD_SUM_ONLY=1``: these rows alone);
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
 from __future__ import annotations
@@ -156,17 +153,6 @@ def _bulk_rows(dev, fused) -> list[Row]:
     return _variant_rows(dev, fused, "fused fwd bulk bg gather", "MOK_CUTE_BG_BULK", cases, 380, {})
 
 
-def _sum_s2_rows(dev, fused) -> list[Row]:
-    """The slot sum in the S2 tiles' epilogue (``MOK_CUTE_SUM_IN_S2=1``) against the default (:func:`_variant_rows`):
-    shared expert always (the variant's condition), skewed (empty experts, -1 slots) and uniform, H 1024 (no
-    helpers), 2048 (helpers, the bulk gather) and 2880 (n_tail), and MXFP8."""
-    cases = (("H1024 skew+shared L=4", 1024, True, True, 4.0), ("H2048 uniform+shared", 2048, False, True, None),
-             ("H2880 skew+shared", 2880, True, True, None))
-    rows = _variant_rows(dev, fused, "fused fwd sum in S2", "MOK_CUTE_SUM_IN_S2", cases, 390, {})
-    return rows + _variant_rows(dev, fused, "fused fwd sum in S2 mxfp8", "MOK_CUTE_SUM_IN_S2",
-                                (("H1024 skew+shared", 1024, True, True, None),), 395, dict(precision="mxfp8"))
-
-
 def run(ctx) -> list[Row]:
     from checks.common import sm90_skip
 
@@ -180,8 +166,6 @@ def run(ctx) -> list[Row]:
         return _mx_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
     if os.environ.get("MOK_FUSED_FWD_BULK_ONLY") == "1":  # the bulk background gather's rows alone
         return _bulk_rows(dev, fused)
-    if os.environ.get("MOK_FUSED_FWD_SUM_ONLY") == "1":  # the slot sum in S2's rows alone
-        return _sum_s2_rows(dev, fused)
     cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
              ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
              ("one expert+shared L=4", False, True, 4.0, True)]
@@ -212,8 +196,7 @@ def run(ctx) -> list[Row]:
                         note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
     rows += _mx_rows(dev, fused)
     fused.check_errors()
-    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True) + _bulk_rows(dev, fused) + \
-        _sum_s2_rows(dev, fused)
+    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True) + _bulk_rows(dev, fused)
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)
     with torch.no_grad():

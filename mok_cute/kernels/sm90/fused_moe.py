@@ -124,14 +124,12 @@ class FusedMoeFwdSm90:
     tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1, not with the direct gather): the
     S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last
     warps from the staged tile while the consumers store gu and go on to the next tile; ``bg_bulk`` (bf16 with the
-    background gather and helpers): that gather's rows move by ``cp.async.bulk`` through a small shared-memory ring;
-    ``sum_s2`` (EP = 1, shared): S2 after R2, the slot sum in each S2 tile's epilogue
-    (:func:`~mok_cute.kernels.sm90.route_rows.tile_slot_sum`), none after the tasks."""
+    background gather and helpers): that gather's rows move by ``cp.async.bulk`` through a small shared-memory ring."""
 
     def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False, progress: bool = False,
                  mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH, n_tail: bool = False,
                  gather: str | None = None, cfg: MainloopConfig = MainloopConfig(), helpers: bool = False,
-                 bg_bulk: bool = False, sum_s2: bool = False):
+                 bg_bulk: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         if helpers and (ep or gather == "direct"):
@@ -163,11 +161,6 @@ class FusedMoeFwdSm90:
         if bg_bulk and (mx or not self.bg or self.bg_warps != 1):
             raise ValueError("bg_bulk: the bf16 EP = 1 background gather with helpers (one background warp)")
         self.bg_bulk = bg_bulk
-        # S2 after R2, each S2 tile's epilogue making y's rows of its tokens and columns (the slot sum); no slot sum
-        # after the tasks
-        if sum_s2 and (ep or not shared):
-            raise ValueError("sum_s2 (the slot sum in the shared GEMM2 tiles' epilogue): EP = 1 with a shared expert")
-        self.sum_s2 = sum_s2
         # the task hand-off's threads: producer warp 0 and the consumers (direct: warps 1-3 take every task too)
         self.handoff = persistent.HANDOFF_THREADS + (THREADS_PER_WG - 32 if self.direct else 0)
         self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
@@ -272,8 +265,7 @@ class FusedMoeFwdSm90:
         if cutlass.const_expr(self.shared):
             n_s2 = m_sh * n2
         n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
-        n_r2 = mt_routed * n2
-        gemm2_tiles = n_s2 + n_r2
+        gemm2_tiles = n_s2 + mt_routed * n2
         fill = mt_routed  # chunks the comm CTAs gather; with bg only the ring's first fill, then warps 1-3 of every CTA
         if cutlass.const_expr(self.bg):
             fill = cutlass.min(ring, mt_routed)
@@ -296,11 +288,11 @@ class FusedMoeFwdSm90:
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self._produce(pipe, sA, sB, sTask, ticket, n_tasks, n_s1, n_r1, n_s2, n_r2, m_sh, n1, n1s, n2, k1,
+                self._produce(pipe, sA, sB, sTask, ticket, n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, k1,
                               k2, k2s, ring, band, mOffsets, num_experts, tokens, atom_x, coord_x, atom_xg, coord_xg,
                               atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg,
                               coord_sg, atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather,
-                              mHready, mShready, mDone, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
+                              mHready, mShready, status, timeout_ns, mTrace, bidx, sAu, mX, mOrder, k)
             if cutlass.const_expr(self.helpers):
                 if warp > 3 - self.helper_warps:
                     self._help(warp - (4 - self.helper_warps), tidx % 32, sHelp, sC, mH, mHs, mHrt, mHsrt, mDone,
@@ -321,18 +313,8 @@ class FusedMoeFwdSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, sA, sB, sC, sTask, tidx - THREADS_PER_WG, n_tasks, k1, k2, k2s, mGU, mH, mGUs, mHs,
                           mHrt, mHsrt, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                          mGather.shape[0], ep, sHelp, mY, mIdx, mW, mGate, k)
-        if cutlass.const_expr(not self.sum_s2):  # (sum_s2: the S2 tiles made y)
-            self._slot_sum(tidx, warp, bidx, grid, storage, mSlot, mSout, mY, mIdx, mW, mGate, mSlotCopy, mDone, mTrace,
-                           k, tokens, hidden, gemm2_tiles, timeout_ns, status, ep)
-
-    @cute.jit
-    def _slot_sum(self, tidx: Int32, warp: Int32, bidx: Int32, grid: Int32, storage, mSlot: cute.Tensor,
-                  mSout: cute.Tensor, mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor,
-                  mSlotCopy: cute.Tensor, mDone: cute.Tensor, mTrace: cute.Tensor, k: Int32, tokens: Int32,
-                  hidden: Int32, gemm2_tiles: Int32, timeout_ns: Int64, status: cute.Pointer, ep):
-        """Every CTA after its tasks: the fixed-order slot sum (:func:`route_rows.slot_sum`), once every GEMM2 tile
-        is stored (``done``; EP > 1: every rank's DATA), with the registers evened out."""
+                          mGather.shape[0], ep, sHelp)
+        # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
         # raised early would take the registers the consumers' first increase waits for (the
@@ -576,18 +558,17 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _produce(self, pipe, sA, sB, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, n_s1: Int32, n_r1: Int32,
-                 n_s2: Int32, n_r2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32, k2s: Int32,
+                 n_s2: Int32, m_sh: Int32, n1: Int32, n1s: Int32, n2: Int32, k1: Int32, k2: Int32, k2s: Int32,
                  ring: Int32, band: Int32, mOffsets: cute.Tensor, num_experts: Int32, tokens: Int32, atom_x, coord_x, atom_xg, coord_xg,
                  atom_wg, coord_wg, atom_wu, coord_wu, atom_h, coord_h, atom_wd, coord_wd, atom_sg, coord_sg,
                  atom_su, coord_su, atom_hs, coord_hs, atom_sd, coord_sd, mGather: cute.Tensor,
-                 mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
+                 mHready: cute.Tensor, mShready: cute.Tensor, status: cute.Pointer, timeout_ns: Int64,
                  mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers with its coordinates (:data:`TASK_FIELDS`), wait for its inputs, then TMA
         its k-tiles; a task id >= n_tasks handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
         rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
-        B; the other tiles' loads add those warps' full-barrier arrivals. ``sum_s2``: an S2 tile (after every R2 tile
-        in the list) first waits for every R2 tile (``done`` >= ``n_r2``)."""
+        B; the other tiles' loads add those warps' full-barrier arrivals."""
         cfg = self.cfg
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
@@ -601,7 +582,7 @@ class FusedMoeFwdSm90:
                 self._mark(mProg, bidx, 0, 1, t)
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2, n_r2 if self.sum_s2 else None)
+                b2)
             persistent.hand_off(sTask, i, t, self.handoff, (phase, n_tile, row0, rows, mt))
             i += 1
             if cutlass.const_expr(not self.direct):
@@ -612,8 +593,6 @@ class FusedMoeFwdSm90:
                 persistent.wait_input(mHready.iterator + mt, n1, timeout_ns, status, Int32(H_READY), mt)
             if cutlass.const_expr(self.shared):
                 if phase == S2:
-                    if cutlass.const_expr(self.sum_s2):
-                        persistent.wait_input(mDone.iterator, n_r2, timeout_ns, status, Int32(DONE), Int32(0))
                     persistent.wait_input(mShready.iterator + mt, n1s, timeout_ns, status, Int32(SH_READY), mt)
             if lead:
                 self._mark(mProg, bidx, 0, 2, t)
@@ -725,11 +704,9 @@ class FusedMoeFwdSm90:
                  k2s: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mHrt: cute.Tensor,
                  mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor, mHready: cute.Tensor,
                  mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32, mTrace: cute.Tensor, bidx: Int32,
-                 trace_base: Int32, ep, sHelp: cute.Tensor, mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
-                 mGate: cute.Tensor, k: Int32):
+                 trace_base: Int32, ep, sHelp: cute.Tensor):
         """Consumer warpgroups: MMA each task's tile (handed off decoded: no global load between tiles), run its
-        epilogue, publish it (``sum_s2``: the CTA's R2 tiles are added to ``done`` before its first S2 tile, whose
-        epilogue makes y's rows; the others' arguments ``mY`` .. ``k``). EP > 1: before
+        epilogue, publish it. EP > 1: before
         the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
         its slot buffer of the previous step (FREE >= epoch - 1)."""
         thr_mma, tCrA, tCrB, acc = self.mainloop.consumer_fragments(sA, sB, tid)
@@ -743,9 +720,6 @@ class FusedMoeFwdSm90:
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 1, t)
             i += 1
-            if cutlass.const_expr(self.sum_s2):
-                if phase == S2:  # every S2 tile waits for every R2 tile: this CTA's are published first
-                    gemm2 = self._publish_gemm2(tid, mDone, gemm2)
             t0 = persistent.now(self.trace)  # after the hand-off: the gap since the last record is the scheduler's
             r2_rows = Int32(0)  # an R2 tile's routes are loaded before its mainloop (none for other tiles)
             if phase == R2:
@@ -763,16 +737,14 @@ class FusedMoeFwdSm90:
                 else:
                     staged = self._wait_helpers(staged)
                     freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH,
-                                               mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes, mY,
-                                               mIdx, mW, mGate, k)
+                                               mGUs, mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes)
                     if tid == 0:
                         self._mark(mTrace, bidx, 1, 3, t)
                     consumer_barrier()
                     gemm2 = self._publish(tid, phase, mt, mDone, mHready, mShready, gemm2)
             else:
                 freed = self._store_staged(phase, n_tile, row0, rows, thr_mma, acc, sC, tid, limit, mGU, mH, mGUs,
-                                           mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes, mY, mIdx, mW,
-                                           mGate, k)
+                                           mHs, mHrt, mHsrt, mSlot, mSout, mOrder, ep, freed, routes)
                 if tid == 0:
                     self._mark(mTrace, bidx, 1, 3, t)
                 consumer_barrier()
@@ -782,7 +754,10 @@ class FusedMoeFwdSm90:
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
             t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
-        gemm2 = self._publish_gemm2(tid, mDone, gemm2)
+        if tid == 0:  # every GEMM2 tile's stores came before a consumer barrier that thread 0 passed since
+            if gemm2 > 0:
+                P.fence_stores(self.ep)
+                cute.arch.atomic_add(mDone.iterator, gemm2, sem="release", scope="gpu")
         if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive, then their stop
             staged = self._wait_helpers(staged)
             if tid == 0:
@@ -795,11 +770,9 @@ class FusedMoeFwdSm90:
     def _store_staged(self, phase: Int32, n_tile: Int32, row0: Int32, rows: Int32, thr_mma, acc: cute.Tensor,
                       sC: cute.Tensor, tid: Int32, limit: Float32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
                       mHs: cute.Tensor, mHrt: cute.Tensor, mHsrt: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
-                      mOrder: cute.Tensor, ep, freed: Int32, routes, mY: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
-                      mGate: cute.Tensor, k: Int32):
+                      mOrder: cute.Tensor, ep, freed: Int32, routes):
         """Consumers: the tile staged in ``sC`` and stored by its epilogue with 16-byte stores (R2: scattered to
-        its routes' slot rows; EP > 1: first waits once for every rank's FREE; ``sum_s2``, S2: s_out and y's rows,
-        :func:`~mok_cute.kernels.sm90.route_rows.tile_slot_sum`); returns ``freed``."""
+        its routes' slot rows; EP > 1: first waits once for every rank's FREE); returns ``freed``."""
         acc_to_smem(thr_mma, acc, sC)
         consumer_barrier()
         et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
@@ -819,11 +792,7 @@ class FusedMoeFwdSm90:
                 if phase == S1:
                     self.swiglu.store(sC, et, row0, rows, n_tile, mGUs, mHs, limit, mHrt=mHsrt)
                 else:
-                    if cutlass.const_expr(self.sum_s2):
-                        route_rows.tile_slot_sum(sC, et, row0, rows, n_tile, mSlot, mIdx, mW, mY, mSout, k, acc,
-                                                 self.cfg.tile_n, self.n_tail, mGate)
-                    else:
-                        self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
+                    self.plain.store(sC, et, row0, rows, n_tile, mSout, mSout, limit)
         return freed
 
     @cute.jit
@@ -839,23 +808,8 @@ class FusedMoeFwdSm90:
                 P.fence_stores(self.ep)
                 tasks.publish(phase, mt, mDone, mHready, mShready)
         else:
-            if cutlass.const_expr(self.sum_s2):  # an S2 tile made y's rows: nothing waits for it
-                if phase == R2:
-                    gemm2 += 1
-            else:
-                gemm2 += 1
+            gemm2 += 1
         return gemm2
-
-    @cute.jit
-    def _publish_gemm2(self, tid: Int32, mDone: cute.Tensor, gemm2: Int32):
-        """Consumers: add the ``gemm2`` GEMM2 tiles counted so far to ``done`` (thread 0: one fence, cumulative over
-        every consumer's stores of them, which a consumer barrier thread 0 passed since ordered before it); returns
-        0."""
-        if tid == 0:
-            if gemm2 > 0:
-                P.fence_stores(self.ep)
-                cute.arch.atomic_add(mDone.iterator, gemm2, sem="release", scope="gpu")
-        return Int32(0)
 
     @cute.jit
     def _wait_helpers(self, staged: Int32):
@@ -918,17 +872,17 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 def compile_fused_forward(clamp: bool, shared: bool, *, unroll: int = 8, trace: bool = False,
                           progress: bool = False, mx: bool = False, ep: bool = False, sum_batch: int = SUM_BATCH,
                           gate: bool = False, n_tail: bool = False, gather: str | None = None, arch: str = "sm_90a",
-                          inspect: bool = False, helpers: bool = False, bg_bulk: bool = False, sum_s2: bool = False):
+                          inspect: bool = False, helpers: bool = False, bg_bulk: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gather``: see :func:`gather_mode` and
     :func:`gather_mode_mx`, None: the path's default; ``gate``: the slot sum starts
-    from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``, ``helpers``, ``bg_bulk``,
-    ``sum_s2``: see :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
+    from the shared output times the per-token output gate, ``mGate`` fp32 [T]; ``n_tail``, ``helpers``: see
+    :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
     op = FusedMoeFwdSm90(clamp, shared, unroll, trace, progress, mx, ep, sum_batch, n_tail, gather, helpers=helpers,
-                         bg_bulk=bg_bulk, sum_s2=sum_s2)
+                         bg_bulk=bg_bulk)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -1019,16 +973,6 @@ def bg_bulk_mode() -> bool:
     v = os.environ.get("MOK_CUTE_BG_BULK", "1")
     if v not in ("0", "1"):
         raise ValueError(f"MOK_CUTE_BG_BULK must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
-def sum_in_s2_mode() -> bool:
-    """``MOK_CUTE_SUM_IN_S2=1``: with a shared expert at EP = 1, the slot sum runs in the shared GEMM2 tiles'
-    epilogue, S2 after R2 (:class:`FusedMoeFwdSm90`'s ``sum_s2``); ``0`` (default): after every GEMM2 tile. Read at
-    every call."""
-    v = os.environ.get("MOK_CUTE_SUM_IN_S2", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"MOK_CUTE_SUM_IN_S2 must be '0' or '1', got {v!r}")
     return v == "1"
 
 
@@ -1164,13 +1108,11 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if shared is None else (shared[0].shape[0],))))
     helpers = fused_helpers(mx, ws is not None, gather, hid)
     bulk = helpers and not mx and gather == "bg" and bg_bulk_mode()
-    sum_s2 = shared is not None and ws is None and sum_in_s2_mode()
     variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, progress, mx, ws is not None, nb,
-               gate is not None, n_tail, gather, helpers, bulk, sum_s2)
+               gate is not None, n_tail, gather, helpers, bulk)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
         *variant[:2], unroll=variant[2], trace=trace, progress=progress, mx=mx, ep=ws is not None, sum_batch=nb,
-        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, helpers=helpers, bg_bulk=bulk,
-        sum_s2=sum_s2)[0]))
+        gate=gate is not None, n_tail=n_tail, gather=gather, arch=arch, helpers=helpers, bg_bulk=bulk)[0]))
     num_ctas = sm_count(dev) if num_ctas is None else num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it

@@ -8,8 +8,6 @@ backward's of dx).
   holding ``p*T*k + t*k + j``).
 * :func:`slot_sum`: :func:`mok_cute.kernels.slot_rows.slot_sum` (arch-neutral) over the SM90
   kernels' ``NUM_THREADS``.
-* :func:`tile_slot_sum`: the same sum for the tokens and columns of one staged shared-expert GEMM2 tile (the fused
-  forward's ``s2_last`` epilogue).
 * :func:`accumulate`: a staged bf16 tile added into fp32 rows (main_grad accumulation).
 * :func:`copy_row`: :func:`mok_cute.kernels.slot_rows.copy_row` (one warp copies a bf16 row).
 """
@@ -18,12 +16,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import Float32, Int32
 
-from mok_cute.comm.combine import add_rn, mul_rn
+from mok_cute.comm.combine import add_rn
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.slot_rows import copy_row  # noqa: F401 (the megakernels' route_rows.copy_row)
-from mok_cute.kernels.sm90.grouped_gemm import _VEC, _in_cols, _load_rows, _row_copy
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
 
 
@@ -36,8 +34,6 @@ def grouped_rows(order: torch.Tensor, n: int) -> torch.Tensor:
 
 
 SUM_REGS = 160  # per thread in every warpgroup for the slot sum after the GEMM tasks (3 x 128 x 160 <= 64K)
-TILE_SUM_ROWS = 2  # tile rows per batch of :func:`tile_slot_sum` (their slot rows' loads in flight together)
-TILE_SUM_SLOTS = 8  # slots per batch of :func:`tile_slot_sum` (k > 8: more batches)
 
 
 @cute.jit
@@ -95,77 +91,6 @@ def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: c
     """:func:`mok_cute.kernels.slot_rows.slot_sum` over this kernel's ``NUM_THREADS`` per CTA."""
     slot_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, mW, k, tokens, hidden, sbuf, nb, NUM_THREADS,
                        mGate, mAdd, mCopy, mRow)
-
-
-@cute.jit
-def tile_slot_sum(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mSlot: cute.Tensor,
-                  mIdx: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mInit: cute.Tensor, k: Int32,
-                  scratch: cute.Tensor, tile_n: cutlass.Constexpr[int], n_tail: cutlass.Constexpr[bool] = False,
-                  mGate: cute.Tensor = None):
-    """The fixed-order slot sum of one staged (tile_m, tile_n) bf16 tile of the shared expert's output, for its
-    rows ``r < rows`` (token ``t = row0 + r``) and columns (``n_tail``: those inside H): ``init[t] = tile[r]``,
-    ``out[t] = bf16(acc)`` with ``acc = fp32(tile[r])`` (``mGate`` fp32 [T]: times ``gate[t]``), then ``acc = acc +
-    w[t*k + j] * fp32(slot[t*k + j])`` for the slots ``j`` in order with ``idx[t*k + j] >= 0``: the arithmetic of
-    :func:`slot_sum` with ``init`` = the tile, bitwise. ``slot`` [T*k, H], ``init`` / ``out`` [T, H] bf16, ``idx``
-    int32 and ``w`` fp32 [T*k]. A thread's vectors of :data:`TILE_SUM_ROWS` rows x :data:`TILE_SUM_SLOTS` slots are
-    loaded before any is added, into ``scratch``: the consumer's fp32 accumulator fragment (>= 128 values), dead once
-    the tile is staged (its registers stay allocated for the next tile's wgmmas), which also holds the batch's
-    weights, slot ids and sums."""
-    copy = _row_copy(tile_n)
-    thr = copy.get_slice(tid)
-    tS = thr.partition_S(sC)
-    coords = thr.partition_S(cute.make_identity_tensor(cute.product_each(sC.shape)))
-    v = mSlot.shape[1] // _VEC
-    slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
-    out = cute.make_tensor(mOut.iterator, cute.make_layout((mOut.shape[0] * v, _VEC), stride=(_VEC, 1)))
-    init = cute.make_tensor(mInit.iterator, cute.make_layout((mInit.shape[0] * v, _VEC), stride=(_VEC, 1)))
-    nr, ns = TILE_SUM_ROWS, TILE_SUM_SLOTS
-    nv = nr * ns  # slot vectors in flight: 4 fp32 registers each, then a weight, a slot id; then the sums
-    if cutlass.const_expr(cute.size(scratch) < 6 * nv + _VEC * nr):
-        raise ValueError(f"tile_slot_sum: scratch holds {cute.size(scratch)} fp32 values, {6 * nv + _VEC * nr} needed")
-    base = scratch.iterator
-    buf = cute.make_tensor(cute.recast_ptr(base, dtype=BFloat16), cute.make_layout((_VEC, nv), stride=(1, _VEC)))
-    ws = cute.make_tensor(base + 4 * nv, cute.make_layout(nv))
-    es = cute.make_tensor(cute.recast_ptr(base + 5 * nv, dtype=Int32), cute.make_layout(nv))
-    acc = cute.make_tensor(base + 6 * nv, cute.make_layout((_VEC, nr), stride=(1, _VEC)))
-    sv = cute.make_rmem_tensor_like(tS[(None, 0, 0)])
-    _, cn = coords[(0, 0, 0)]
-    c = n_tile * (tile_n // _VEC) + cn // _VEC  # this thread's 16-byte column of every row
-    if _in_cols(coords, mOut.shape[1] - n_tile * tile_n if n_tail else None):
-        for m0 in cutlass.range_constexpr(0, cute.size(tS, mode=[1]), nr):
-            for mm in cutlass.range_constexpr(nr):
-                rr, _ = coords[(0, m0 + mm, 0)]
-                if rr < rows:
-                    cute.copy(copy, tS[(None, m0 + mm, 0)], sv)
-                    init[(row0 + rr) * v + c, None].store(sv.load())
-                    a = sv.load().to(Float32)
-                    for e in cutlass.range_constexpr(_VEC):
-                        acc[e, mm] = a[e]
-                    if cutlass.const_expr(mGate is not None):
-                        g = mGate[row0 + rr]
-                        for e in cutlass.range_constexpr(_VEC):
-                            acc[e, mm] = mul_rn(acc[e, mm], g)
-            for j0 in cutlass.range(0, k, ns, unroll=1):
-                for mm in cutlass.range_constexpr(nr):  # every load of the batch first
-                    rr, _ = coords[(0, m0 + mm, 0)]
-                    for u in cutlass.range_constexpr(ns):
-                        es[mm * ns + u] = Int32(-1)
-                        if rr < rows:
-                            if j0 + u < k:
-                                r = (row0 + rr) * k + j0 + u
-                                es[mm * ns + u] = mIdx[r]
-                                ws[mm * ns + u] = mW[r]
-                                buf[None, mm * ns + u].store(slot[r * v + c, None].load())
-                for mm in cutlass.range_constexpr(nr):  # then added in slot order
-                    for u in cutlass.range_constexpr(ns):
-                        if es[mm * ns + u] >= 0:
-                            xs = buf[None, mm * ns + u].load().to(Float32)
-                            for e in cutlass.range_constexpr(_VEC):
-                                acc[e, mm] = add_rn(acc[e, mm], mul_rn(ws[mm * ns + u], xs[e]))
-            for mm in cutlass.range_constexpr(nr):
-                rr, _ = coords[(0, m0 + mm, 0)]
-                if rr < rows:
-                    out[(row0 + rr) * v + c, None].store(acc[None, mm].load().to(BFloat16))
 
 
 @cute.jit
