@@ -68,7 +68,8 @@ def main() -> int:
         lines += _shape(*SHAPES[i], args)
     if not args.ncu:
         rounds = " | vs torch per round" if args.repeat > 1 else ""
-        print(f"| shape (+ shared) | impl | us per call | vs torch | vs tiles alone | SM clock MHz | W | mJ per call{rounds} |")
+        print(f"| shape (+ shared) | impl | us per call | vs torch | vs tiles alone | SM clock MHz | W | mJ per call"
+              f"{rounds} |")
         print("|---|---|---|---|---|---|---|---|" + ("---|" if rounds else ""))
         print("\n".join(lines))
     return 0
@@ -156,7 +157,8 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         out.append(f"| {label} | {name} | {us:.0f} | {ref / us:.2f}x | "
                    f"{us / til:.2f}x | {mhz:.0f} | {watts:.0f} | {watts * us * 1e-3:.0f}{per_round} |")
     for name, us, vs_torch, vs_tiles in backward_rows({n: v[0] for n, v in stats.items()}):
-        out.append(f"| {label} | {name} | {us:.0f} | {vs_torch:.2f}x | {vs_tiles:.2f}x | - | - | -{' | -' if args.repeat > 1 else ''} |")
+        no_rounds = " | -" if args.repeat > 1 else ""
+        out.append(f"| {label} | {name} | {us:.0f} | {vs_torch:.2f}x | {vs_tiles:.2f}x | - | - | -{no_rounds} |")
     return out
 
 

@@ -54,9 +54,9 @@ def names_normalized(ptx: str) -> str:
     def rename(m: re.Match) -> str:
         key = m.group(0)
         if key not in seen:
-            cls = m.group(1) or "$L"
-            count[cls] = count.get(cls, 0) + 1
-            seen[key] = f"{'' if m.group(1) is None else '%'}{cls}{count[cls] - 1}"
+            prefix = f"%{m.group(1)}" if m.group(1) else "$L"
+            seen[key] = f"{prefix}{count.get(prefix, 0)}"
+            count[prefix] = count.get(prefix, 0) + 1
         return seen[key]
     return _NAME.sub(rename, entry_normalized(ptx))
 
@@ -276,8 +276,7 @@ def _sha(text: str) -> str:
 
 def manifest(only=()) -> dict[str, dict[str, str]]:
     """``{variant: {"raw": sha256, "entry": sha256 of entry_normalized, "names": of names_normalized}}`` of every
-    variant's
-    PTX (or of those whose name starts with one of ``only``)."""
+    variant's PTX (or of those whose name starts with one of ``only``)."""
     out = {}
     for family in FAMILIES:
         for name, build in family().items():

@@ -411,9 +411,7 @@ class FusedMoeBwdCoreSm90:
             t = persistent.take(sTask, i)
         if cutlass.const_expr(self.scatter):  # only the slot sum, after every task, waits for ``done``
             if tid == 0:  # one fence (EP > 1: system scope), cumulative over the rows each D1 tile's barrier ordered
-                if sD1[0] > 0:
-                    P.fence_stores(self.ep)
-                    cute.arch.atomic_add(done, sD1[0], sem="release", scope="gpu")
+                persistent.publish_count(done, sD1[0], self.ep)
 
     @cute.jit
     def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,

@@ -566,9 +566,9 @@ class FusedMoeFwdSm90:
                  mProg: cute.Tensor, bidx: Int32, sAu: cute.Tensor, mX: cute.Tensor, mOrder: cute.Tensor, k: Int32):
         """Producer warp: claim tasks from the ticket counter (in list order across the grid), hand
         each to the consumers with its coordinates (:data:`TASK_FIELDS`), wait for its inputs, then TMA
-        its k-tiles; a task id >= n_tasks handed off last tells the consumers to stop. ``direct``: an R1 tile's A rows are x's token
-        rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this warp also TMA-loads
-        B; the other tiles' loads add those warps' full-barrier arrivals."""
+        its k-tiles; a task id >= n_tasks handed off last tells the consumers to stop. ``direct``: an R1
+        tile's A rows are x's token rows, copied with warps 1-3 (:meth:`_produce_rows`, ``sAu``) while this
+        warp also TMA-loads B; the other tiles' loads add those warps' full-barrier arrivals."""
         cfg = self.cfg
         half = cfg.tile_n // 2
         state = self.mainloop.producer_state()
@@ -755,9 +755,7 @@ class FusedMoeFwdSm90:
                 self._mark(mTrace, bidx, 1, 4, t)
             t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, self.handoff, TASK_FIELDS)
         if tid == 0:  # every GEMM2 tile's stores came before a consumer barrier that thread 0 passed since
-            if gemm2 > 0:
-                P.fence_stores(self.ep)
-                cute.arch.atomic_add(mDone.iterator, gemm2, sem="release", scope="gpu")
+            persistent.publish_count(mDone.iterator, gemm2, self.ep)
         if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive, then their stop
             staged = self._wait_helpers(staged)
             if tid == 0:

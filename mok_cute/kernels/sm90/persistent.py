@@ -97,6 +97,16 @@ def take(sTask: cute.Tensor, i: Int32, threads: cutlass.Constexpr[int] = HANDOFF
 
 
 @cute.jit
+def publish_count(counter: cute.Pointer, n: Int32, to_peers: cutlass.Constexpr[bool]):
+    """One thread, past a barrier that ordered every store of ``n`` counted tiles before it: add ``n`` to
+    ``counter`` (release, GPU scope) after one fence, cumulative over those stores (system scope when some went to
+    peers); nothing when ``n`` is 0. A CTA's tiles that only a wait for all of them needs, published once."""
+    if n > 0:
+        P.fence_stores(to_peers)
+        cute.arch.atomic_add(counter, n, sem="release", scope="gpu")
+
+
+@cute.jit
 def finish_hand_offs(i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
     """Producer warp after its last hand-off ``i``: complete the EMPTY phases of the last two."""
     for j in cutlass.range_constexpr(2):
