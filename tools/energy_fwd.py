@@ -47,6 +47,15 @@ def _run_for(fn, seconds: float, depth: int = 6) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
+def steady_run(fn, seconds: float, ms: int = 100) -> tuple[float, list[str]]:
+    """(us per call, nvidia-smi samples every ``ms``) of ``fn`` back to back for ``seconds`` after as long a
+    warm-up (the cap reached)."""
+    _run_for(fn, seconds)
+    with PowerSampler(ms=ms) as p:
+        n, s = _run_for(fn, seconds)
+    return s / n * 1e6, p.lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="3", help="bench_layer.SHAPES indices, comma-separated")
@@ -138,13 +147,11 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
     for _ in range(args.repeat):
         for name, (fn, no_grad) in runs.items():
             with torch.no_grad() if no_grad else contextlib.nullcontext():
-                _run_for(fn, args.seconds)  # the cap reached
-                with PowerSampler(ms=100) as p:
-                    n, s = _run_for(fn, args.seconds)
-            busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in p.lines if line.count(",") >= 2)
+                us, lines = steady_run(fn, args.seconds)
+            busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in lines if line.count(",") >= 2)
                     if float(b) > 300] or [(float("nan"), float("nan"))]
             mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
-            samples[name].append((s / n * 1e6, mhz, watts))
+            samples[name].append((us, mhz, watts))
     stats = {name: median_round(v) for name, v in samples.items()}
     out = []
     label = f"T{t} H{h} I{inter} E{e} k{k}{' skewed' if skew else ''}"

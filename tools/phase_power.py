@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import SHAPES, gemms_alone  # noqa: E402
 from checks.common import PowerSampler, power_summary  # noqa: E402
 from checks.layer_sm90 import _problem  # noqa: E402
-from energy_fwd import _run_for  # noqa: E402
+from energy_fwd import steady_run  # noqa: E402
 
 
 def _measure(fn, seconds: float) -> tuple[float, str]:
@@ -31,10 +31,8 @@ def _measure(fn, seconds: float) -> tuple[float, str]:
         with PowerSampler() as ps:
             time.sleep(seconds)
         return float("nan"), power_summary(ps.lines, busy_w=0.0)
-    _run_for(fn, seconds)
-    with PowerSampler() as ps:
-        n, dt = _run_for(fn, seconds)
-    return dt / n * 1e6, power_summary(ps.lines, busy_w=0.0)
+    us, lines = steady_run(fn, seconds, ms=250)
+    return us, power_summary(lines, busy_w=0.0)
 
 
 def _shape_rows(t: int, h: int, inter: int, e: int, k: int, skew: bool, seconds: float) -> list[tuple]:
