@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import SHAPES, _ours, gemms_alone, torch_layer  # noqa: E402
-from checks.common import PowerSampler, env_var  # noqa: E402
+from checks.common import PowerSampler, busy_samples, env_var  # noqa: E402
 from checks.layer_sm90 import _problem  # noqa: E402
 
 
@@ -148,8 +148,7 @@ def _shape(t, h, inter, e, k, skew, args) -> list[str]:
         for name, (fn, no_grad) in runs.items():
             with torch.no_grad() if no_grad else contextlib.nullcontext():
                 us, lines = steady_run(fn, args.seconds)
-            busy = [(float(a), float(b)) for a, b, *_ in (line.split(",") for line in lines if line.count(",") >= 2)
-                    if float(b) > 300] or [(float("nan"), float("nan"))]
+            busy = [b[:2] for b in busy_samples(lines)] or [(float("nan"), float("nan"))]
             mhz, watts = (sum(v) / len(busy) for v in zip(*busy))
             samples[name].append((us, mhz, watts))
     stats = {name: median_round(v) for name, v in samples.items()}

@@ -114,11 +114,10 @@ def seeded(seed: int) -> torch.Generator:
     return gen
 
 
-def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
-    """Summary of ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active
-    --format=csv,noheader,nounits`` samples (``"1980, 125.46, 0x0000000000000000"``): of those drawing
-    more than ``busy_w`` W (the GPU busy), the SM clock (mean, min), the mean power and the share with
-    the software power cap active (reason bit 0x4)."""
+def busy_samples(lines: list[str], busy_w: float = 300.0) -> list[tuple[float, float, int]]:
+    """``(MHz, W, clock-event reasons)`` of the ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active
+    --format=csv,noheader,nounits`` samples (``"1980, 125.46, 0x0000000000000000"``) drawing more than ``busy_w`` W
+    (the GPU busy); unparsable lines skipped."""
     busy = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
@@ -128,6 +127,13 @@ def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
             continue
         if watts > busy_w:
             busy.append((mhz, watts, reasons))
+    return busy
+
+
+def power_summary(lines: list[str], busy_w: float = 300.0) -> str:
+    """Summary of nvidia-smi samples (:func:`busy_samples`): of those drawing more than ``busy_w`` W, the SM clock
+    (mean, min), the mean power and the share with the software power cap active (reason bit 0x4)."""
+    busy = busy_samples(lines, busy_w)
     if not busy:
         return f"no sample above {busy_w:.0f} W"
     n = len(busy)
