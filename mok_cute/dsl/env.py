@@ -1,0 +1,50 @@
+"""The process environment mok_cute reads: process-level infrastructure only.
+
+This is the one module of the package that reads ``os.environ``. Nothing here chooses what a
+kernel computes or how fast: those choices are fields of :class:`mok_cute.MoKConfig`, and a
+config field that exists for the same thing always wins over the variable here (the variable
+is only its default when the field is None). Each function reads the environment at every
+call, so a test or a script can set a variable late.
+
+| variable | values | what it does |
+|---|---|---|
+| ``MOK_CUTE_TRACE`` | ``0`` (default), ``1`` | the megakernels record one timestamped record per task (``MoKConfig(trace=...)`` wins) |
+| ``MOK_CUTE_PROGRESS`` | ``0`` (default), ``1`` | debugging a stall: the fused forward writes per-CTA progress words to pinned host memory |
+| ``MOK_CUTE_LAUNCH`` | ``graph`` (default), ``dsl`` | host launch path: one-node CUDA-graph replays, or every launch through the DSL |
+"""
+from __future__ import annotations
+
+import os
+
+TRACE = "MOK_CUTE_TRACE"
+PROGRESS = "MOK_CUTE_PROGRESS"
+LAUNCH = "MOK_CUTE_LAUNCH"
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def trace() -> bool:
+    """``MOK_CUTE_TRACE=1``: the megakernels write a task trace (read by ``mok_cute.trace``).
+    Only the default of ``MoKConfig.trace``: an explicit ``trace=True/False`` wins."""
+    return _flag(TRACE)
+
+
+def progress() -> bool:
+    """``MOK_CUTE_PROGRESS=1``: the fused forward writes per-CTA progress words into pinned host
+    memory as it runs, readable while it is stalled (debugging only; not with the trace)."""
+    return _flag(PROGRESS)
+
+
+def launch_mode() -> str:
+    """``MOK_CUTE_LAUNCH``: ``graph`` (default) replays each kernel launch as a captured one-node
+    CUDA graph; ``dsl`` launches through the DSL's call path (slower host side; for debugging)."""
+    value = os.environ.get(LAUNCH, "graph").strip() or "graph"
+    if value not in ("graph", "dsl"):
+        raise ValueError(f"environment variable {LAUNCH} must be 'graph' or 'dsl', got {value!r}")
+    return value
+
