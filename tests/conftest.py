@@ -1,4 +1,5 @@
-"""Shared test fixtures: random MoE problems (never zeros) in the MoK test-suite style."""
+"""Shared test fixtures: random MoE problems (never zeros) in the MoK test-suite style; tests marked
+``gpu`` are skipped where torch sees no CUDA device."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,19 @@ def make_problem(T=24, H=64, I=64, E=4, k=2, shared_I=None, seed=0, dtype=torch.
         shared = (w(shared_I, H, fan=H), w(shared_I, H, fan=H), w(H, shared_I, fan=shared_I))
     dy = torch.randn(T, H, generator=g).to(dtype)
     return dict(x=x, topk_idx=top, topk_w=topk_w, w_gate=wg, w_up=wu, w_down=wd, shared=shared), dy
+
+
+GPU_SKIP_REASON = "needs a CUDA GPU: torch.cuda.is_available() is False here"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``gpu`` (tests/gpu: the device checks) when no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,12 +1,16 @@
-"""tools/checks/common.power_summary: the busy samples of nvidia-smi's clock / power / reasons query
-(what bench_layer.py prints for its timed rounds)."""
+"""The device checks' shared pieces on the CPU: tools/checks/common (power_summary: the busy samples of
+nvidia-smi's clock / power / reasons query; the rows of a check run in a child process), the check
+registry of ``python -m tools.gpu_check``, the ``gpu`` marker's skip (tests/conftest.py), and
+tools/mem_peak's allocator-trace replay."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from checks.common import PowerSampler, power_summary  # noqa: E402
+import pytest
+
+from tools.checks.common import ROOT, PowerSampler, Row, all_skipped, child_rows, power_summary, read_rows
 
 
 def test_busy_samples_clock_power_and_cap_share():
@@ -19,7 +23,7 @@ def test_busy_samples_clock_power_and_cap_share():
 
 
 def test_sampler_without_nvidia_smi(monkeypatch):
-    import checks.common as c
+    import tools.checks.common as c
 
     monkeypatch.setattr(c.shutil, "which", lambda name: None)
     with PowerSampler() as p:
@@ -31,7 +35,7 @@ def test_mem_peak_replays_the_allocator_trace():
     """tools/mem_peak.peak_blocks: the highest running sum of the trace's allocations (frees by
     request or completion, each counted once), and the blocks live at that moment; _where names
     the innermost project frame."""
-    from mem_peak import _where, peak_blocks
+    from tools.mem_peak import _where, peak_blocks
 
     f = [{"filename": "/x/torch/nn.py", "line": 1, "name": "f"},
          {"filename": "/r/mok_cute/kernels/a.py", "line": 7, "name": "g"}]
@@ -45,28 +49,59 @@ def test_mem_peak_replays_the_allocator_trace():
     assert peak_blocks(trace[2:]) == (90, {3: (60, []), 4: (30, [])})
 
 
-def test_energy_fwd_backward_rows():
-    """tools/energy_fwd.backward_rows: each implementation's fwd+bwd minus its fwd, against the torch
-    layer's and the tiles' backward; rows without a forward (or no torch / tiles pair) give nothing."""
-    from energy_fwd import backward_rows
+def test_check_registry_lists_every_check_module():
+    """tools.gpu_check.check_names: every module of tools/checks but ``common`` (the tests of tests/gpu)."""
+    from tools.gpu_check import CHECKS_DIR, check_names
 
-    us = {"fwd GEMM tiles alone": 100.0, "fwd torch": 300.0, "fwd fused default": 120.0,
-          "fwd+bwd GEMM tiles alone": 400.0, "fwd+bwd torch": 900.0, "fwd+bwd fused default": 450.0,
-          "fwd+bwd fused other": 1.0}
-    got = {name: (v, a, b) for name, v, a, b in backward_rows(us)}
-    assert set(got) == {"bwd GEMM tiles alone", "bwd torch", "bwd fused default"}
-    v, vs_torch, vs_tiles = got["bwd fused default"]
-    assert (v, vs_torch, vs_tiles) == (330.0, 600.0 / 330.0, 330.0 / 300.0)
-    assert got["bwd torch"][1] == 1.0 and got["bwd GEMM tiles alone"][2] == 1.0
-    assert backward_rows({k: v for k, v in us.items() if "torch" not in k}) == []
+    names = check_names()
+    assert names == sorted(names) and "common" not in names and "__init__" not in names
+    assert {"layer_sm90", "fused_fwd", "fused_bwd", "comm"} <= set(names)
+    assert set(names) == {p.stem for p in CHECKS_DIR.glob("*.py")} - {"common", "__init__"}
 
 
-def test_energy_fwd_median_round():
-    """tools/energy_fwd.median_round: the whole round of median time (its clock and power with it), the lower middle
-    one of an even count."""
-    from energy_fwd import median_round
+def test_read_rows_and_skipped_checks(tmp_path):
+    rows = [Row("a: skipped", ok=True, note="needs sm_90"), Row("b", max_err=0.5, bitwise=False, ok=False, note="x")]
+    path = tmp_path / "gpu_check.jsonl"
+    path.write_text("".join(json.dumps(r.__dict__) + "\n" for r in rows))
+    assert read_rows(path, "lbl", 0) == rows
+    missing = read_rows(tmp_path / "none.jsonl", "lbl", 3)
+    assert len(missing) == 1 and not missing[0].ok and missing[0].name == "lbl: child failed" and "3" in missing[0].note
+    assert all_skipped(rows[:1]) and not all_skipped(rows) and not all_skipped([])
+    assert not all_skipped([Row("c: skipped", ok=False)])
 
-    rounds = [(120.0, 1400.0, 690.0), (100.0, 1500.0, 680.0), (110.0, 1450.0, 685.0)]
-    assert median_round(rounds) == (110.0, 1450.0, 685.0)
-    assert median_round(rounds[:2]) == (100.0, 1500.0, 680.0)
-    assert median_round(rounds[:1]) == rounds[0]
+
+def test_child_rows_of_an_unknown_check_fail_without_a_gpu():
+    """``python -m tools.gpu_check`` refuses an unknown name before touching CUDA (status 2, no rows):
+    the child's failure comes back as one failed row."""
+    rows = child_rows("no_such_check", {}, 120, "probe")
+    assert len(rows) == 1 and not rows[0].ok and rows[0].note == "exit code 2, no rows written"
+    out = subprocess.run([sys.executable, "-m", "tools.gpu_check", "no_such_check"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 2 and "unknown check(s) ['no_such_check']" in out.stderr
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_gpu_marker_skips_without_cuda(monkeypatch, cuda):
+    """tests/conftest.py: items marked ``gpu`` get a skip marker with the reason when torch sees no
+    CUDA device, and none when it does; unmarked items are left alone."""
+    import conftest
+
+    class Item:
+        def __init__(self, gpu):
+            self.gpu, self.added = gpu, []
+
+        def get_closest_marker(self, name):
+            return object() if name == "gpu" and self.gpu else None
+
+        def add_marker(self, marker):
+            self.added.append(marker)
+
+    monkeypatch.setattr(conftest.torch.cuda, "is_available", lambda: cuda)
+    items = [Item(True), Item(False)]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert items[1].added == []
+    if cuda:
+        assert items[0].added == []
+    else:
+        (mark,) = items[0].added
+        assert mark.mark.name == "skip" and mark.mark.kwargs["reason"] == conftest.GPU_SKIP_REASON

@@ -1,11 +1,7 @@
 """tools/ptx_manifest.py's PTX normalizations and its comparison (CPU, no kernel compiled)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from ptx_manifest import compare, entry_normalized, names_normalized  # noqa: E402
+from tools.ptx_manifest import compare, entry_normalized, names_normalized
 
 PTX = """.visible .entry kern_abc(
 \t.param .u64 kern_abc_param_0

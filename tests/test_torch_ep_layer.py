@@ -1,10 +1,7 @@
-"""tools/torch_ep_layer.py (issue 16's torch + NCCL baseline, here over gloo on the CPU): at EP = 2
-its y and gradients track the reference backend's on the same group within BF16 tolerances, so a
-speed ratio against it compares like with like."""
+"""mok_cute.bench.torch_layer.torch_ep_layer (the torch + NCCL baseline of tools/bench_layer_ep.py,
+here over gloo on the CPU): at EP = 2 its y and gradients track the reference backend's on the same
+group within BF16 tolerances, so a speed ratio against it compares like with like."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,11 +11,9 @@ T_RANK, H, I, E, K, EP = 24, 64, 64, 4, 2, 2
 
 
 def _worker(rank, init_file):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from torch_ep_layer import torch_ep_layer
-
     import mok_cute
     from conftest import make_problem
+    from mok_cute.bench.torch_layer import torch_ep_layer
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=EP)
     try:

@@ -1,15 +1,14 @@
-"""tools/trace_view.py on synthetic records, and the fused backward's trace buffer bound."""
+"""mok_cute.trace (the trace viewer, ``python -m mok_cute.trace``) on synthetic records, and the fused
+backward's trace buffer bound."""
 from __future__ import annotations
 
+import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import trace_view  # noqa: E402
+from mok_cute import trace as trace_view
 
 
 def _rec(start, end, kind, cta, what):
@@ -77,26 +76,30 @@ def test_fused_bwd_trace_buffer_holds_every_task(shared):
         assert fused_bwd._task_cap(m, e, hid, inter, sh) >= n
 
 
-def test_tile_rates_tile_count():
-    import tile_rates
+def test_occupancy_spreads_each_task_over_its_bins():
+    """A task covering a bin adds 1 SM there; a task over half a bin adds 0.5; kinds apart."""
+    recs = [(0, 100, 0, 1, 0), (0, 50, 1, 2, 0), (50, 100, 1, 3, 0)]
+    xs, occ = trace_view.occupancy(recs, 3, bins=2)
+    assert xs == [0.025, 0.075]
+    assert occ[0] == [1.0, 1.0] and occ[1] == [1.0, 1.0] and occ[2] == [0.0, 0.0]
+    _, occ = trace_view.occupancy([(0, 25, 0, 1, 0), (0, 100, 1, 2, 0)], 2, bins=2)
+    assert occ == [[0.5, 0.0], [1.0, 1.0]]  # a quarter of the span: half of the first bin
 
-    assert tile_rates.tile_count([0, 128, 129, 129, 400], 512) == (1 + 1 + 0 + 3) * 2
-    assert tile_rates.tile_count([0, 4096], 7168) == 32 * 28 and tile_rates.tile_count([0, 1], 100) == 1
+
+def test_cli_writes_chrome_trace_and_png(tmp_path, capsys):
+    """``python -m mok_cute.trace FILE``: the Chrome trace (one slice per task, a thread per CTA), the
+    PNG (matplotlib present) and the summary printed."""
+    pytest.importorskip("matplotlib")
+    recs = torch.tensor([_rec(100, 200, 0, 1, 0), _rec(210, 300, 1, 1, 1), _rec(100, 400, 2, 0, 0)], dtype=torch.int64)
+    path = tmp_path / "t.json"
+    trace_view.dump(path, recs, 1, ("A", "B", "gather"), gemm_kinds=2)
+    assert trace_view.main([str(path), "--out-prefix", str(tmp_path / "out")]) == 0
+    events = json.loads((tmp_path / "out.chrome.json").read_text())["traceEvents"]
+    assert [(e["name"], e["tid"], e["dur"]) for e in events] == [("A", 1, 0.1), ("B", 1, 0.09), ("gather", 0, 0.3)]
+    assert (tmp_path / "out.png").stat().st_size > 0
+    assert '"span_us": 0.3' in capsys.readouterr().out
 
 
-def test_tile_operands_group_rows_by_expert():
-    """bench_layer.tile_operands (the tiles-alone baseline's and tile_rates' operands): row r of group e is a token
-    routed to e; the shared expert is one group over every token."""
-    from bench_layer import tile_operands
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(10, 64, generator=g).to(torch.bfloat16)
-    idx = torch.randint(0, 4, (10, 2), generator=g)
-    ws = tuple(torch.randn(4, 32, 64, generator=g) for _ in range(3))
-    sh = tuple(torch.randn(32, 64, generator=g) for _ in range(3))
-    rows, offsets, wr, sh_w, sh_offs = tile_operands(x, idx, ws, sh)
-    assert offsets.tolist() == [0, *torch.bincount(idx.flatten(), minlength=4).cumsum(0).tolist()]
-    for e in range(4):
-        want = sorted(x[t].tolist() for t in range(10) for j in range(2) if idx[t, j] == e)
-        assert sorted(rows[offsets[e]:offsets[e + 1]].tolist()) == want
-    assert sh_offs.tolist() == [0, 10] and sh_w[0].shape == (1, 32, 64) and wr[0] is not ws[0]
+def test_last_names_the_pass():
+    with pytest.raises(ValueError, match="forward' or 'backward"):
+        trace_view.last("sideways")

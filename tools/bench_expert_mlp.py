@@ -1,6 +1,6 @@
 """Expert-MLP benchmark on one GPU (tokens already grouped by expert).
 
-    source .gpu-node/activate.sh && python3 tools/bench_expert_mlp.py [--quick]
+    python -m tools.bench_expert_mlp [--quick] [--shapes 0,1] [--precision bf16,mxfp8] [--json PATH]
 
 For each shape (E experts, routed tokens, H, I) and routing (uniform, skewed), times forward,
 backward and forward+backward of:
@@ -15,31 +15,25 @@ Also per row: pipe_f+b / host_f+b (20 calls queued back to back: device us per c
 host's enqueue us per call) and graph_f+b (one CUDA-graph replay of fwd+bwd, both
 implementations captured the same way; x_graph = torch / ours).
 Prints one table, last; --json PATH writes the rows; --no-ours times torch only.
---tma-store on|both: ours with the opt-in SM90 TMA-store epilogues (GEMM1+SwiGLU, GEMM2,
-dgrad1, wgrads; ``mok_cute.kernels.sm90.grouped_gemm.set_tma_store``; same as
-MOK_CUTE_SM90_TMA_STORE=1); ``both`` times ours twice per row (default, then TMA store:
-an extra ``tma`` line, x_* = ours default / ours TMA store).
 --precision bf16,mxfp8,fp8_block (default bf16: nothing extra): per row, ours at each listed
-precision (and bf16, for the ratio) through the sm90 expert MLP's forward / backward directly
-(``mok_cute.ops.expert_mlp`` runs bf16 only): fwd and fwd+bwd with the weights' quantizations
-cached (repeated calls on unchanged weights), f+b_wq with every weight bumped in place before
-each call (an optimizer step: weights re-quantized), and x_* = time / ours-bf16 time.
+precision (and bf16, for the ratio) through ``mok_cute.ops.expert_mlp`` with
+``MoKConfig(precision=...)``: fwd and fwd+bwd with the weights' quantizations cached (repeated
+calls on unchanged weights), f+b_wq with every weight bumped in place before each call (an
+optimizer step: weights re-quantized), and x_* = time / ours-bf16 time.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checks.common import bench_us  # noqa: E402
+from tools.checks.common import bench_us
 
 SHAPES = [  # (experts, routed tokens, H, I)
     (8, 32768, 7168, 3072),
@@ -182,42 +176,40 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
 
 
 def run_precisions(inter, offs, x, w1, wd, dy, precisions):
-    """{precision: (fwd us, fwd+bwd us, fwd+bwd us with weights re-quantized)} of the sm90 expert
-    MLP called directly (no autograd), bf16 first."""
-    from mok_cute.layers.select import get_backend
+    """{precision: (fwd us, fwd+bwd us, fwd+bwd us with weights re-quantized)} of
+    ``mok_cute.ops.expert_mlp`` at each precision, bf16 first."""
+    import mok_cute
+    from mok_cute.ops import expert_mlp
 
-    mlp = get_backend("sm90").mlp
     offs0 = torch.cat([offs.new_zeros(1), offs])
-    xs, wdd = x.detach(), wd.detach().clone()
-    wg, wu = w1.detach()[:, :inter].contiguous(), w1.detach()[:, inter:].contiguous()
+    xs = x.detach().clone().requires_grad_()
+    wdd = wd.detach().clone().requires_grad_()
+    wg = w1.detach()[:, :inter].contiguous().requires_grad_()
+    wu = w1.detach()[:, inter:].contiguous().requires_grad_()
     out = {}
     for p in ["bf16"] + [q for q in precisions if q != "bf16"]:
-        kw = {} if p == "bf16" else {"precision": p}
+        cfg = mok_cute.MoKConfig(precision=p)
 
         def fwd():
-            return mlp.forward(xs, offs0, wg, wu, wdd, None, **kw)
+            return expert_mlp(xs, offs0, wg, wu, wdd, config=cfg)
 
         def fwd_bwd():
-            _, g = fwd()
-            return mlp.backward(g, dy, wg, wu, wdd, None)
+            return torch.autograd.grad(fwd(), (xs, wg, wu, wdd), dy)
 
         def step():  # an in-place no-op per weight bumps its version: re-quantized as after an update
-            for w in (wg, wu, wdd):
-                w.add_(0)
+            with torch.no_grad():
+                for w in (wg, wu, wdd):
+                    w.add_(0)
             return fwd_bwd()
 
-        out[p] = (bench_us(fwd), bench_us(fwd_bwd), bench_us(step))
+        with torch.no_grad():
+            t_f = bench_us(fwd)
+        out[p] = (t_f, bench_us(fwd_bwd), bench_us(step))
         torch.cuda.empty_cache()
     return out
 
 
-def _set_tma_store(on: bool) -> bool:
-    from mok_cute.kernels.sm90 import grouped_gemm as sm90_grouped_gemm
-
-    return sm90_grouped_gemm.set_tma_store(on)
-
-
-def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_store="off", precisions=("bf16",)):
+def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, precisions=("bf16",)):
     counts = counts_for(m, e, skew, gen)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
     dg = torch.Generator(device=dev).manual_seed(1000 * e + m + skew)  # not the default generator
@@ -251,34 +243,23 @@ def run_shape(e, m, h, inter, skew, dev, gen, ours=True, profile_path=None, tma_
     if profile_path and not skew:
         profile_table(fwd_bwd, profile_path, f"torch fwd+bwd {row['shape']}")
     if ours:
-        prev = _set_tma_store(tma_store == "on")
-        try:
-            row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"],
-                                profile_path if not skew else None, row["shape"]))
-            if tma_store == "both":
-                _set_tma_store(True)
-                tma = run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"])
-                row.update({"tma_" + k: v for k, v in tma.items()})
-        finally:
-            _set_tma_store(prev)
+        row.update(run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f, t_fb, row["torch_graph_fb_us"],
+                            profile_path if not skew else None, row["shape"]))
         if tuple(precisions) != ("bf16",):
-            with torch.no_grad():
-                row["precisions"] = run_precisions(inter, offs, x, w1, wd, dy, precisions)
+            row["precisions"] = run_precisions(inter, offs, x, w1, wd, dy, precisions)
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_expert_mlp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the smallest shape")
     ap.add_argument("--shapes", type=str, default=None, help="comma-separated indices into SHAPES (default: all)")
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--no-ours", action="store_true", help="torch baseline only")
     ap.add_argument("--profile", type=str, default=None, help="append torch.profiler kernel tables (uniform rows) here")
-    ap.add_argument("--tma-store", choices=("off", "on", "both"), default="off",
-                    help="ours with the opt-in SM90 TMA-store epilogues (both: default and TMA store per row)")
     ap.add_argument("--precision", default="bf16",
                     help="comma-separated precisions of ours to time (bf16, mxfp8, fp8_block; ratio to bf16)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     precisions = tuple(args.precision.split(","))
     if not set(precisions) <= {"bf16", "mxfp8", "fp8_block"}:
         ap.error(f"--precision: unknown precision in {args.precision!r}")
@@ -290,7 +271,7 @@ def main() -> int:
     for shape in shapes:
         for skew in (False, True):
             rows.append(run_shape(*shape, skew, dev, gen, ours=not args.no_ours, profile_path=args.profile,
-                                  tma_store=args.tma_store, precisions=precisions))
+                                  precisions=precisions))
             r = rows[-1]
             print(f"[row] {r['shape']} {r['routing']}: torch f+b {r['torch_fwdbwd_us']:.0f} us, ours "
                   f"{r.get('ours_fwdbwd_us', float('nan')):.0f} us, graph torch {r['torch_graph_fb_us']:.0f} "
@@ -298,8 +279,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) "
-          f"tma_store={args.tma_store} ==")
+    print(f"== bench_expert_mlp on {torch.cuda.get_device_name()} (torch {torch.__version__}) ==")
     print(f"{'shape':26s} {'routing':8s} {'impl':5s} {'fwd_us':>9s} {'bwd_us':>9s} {'f+b_us':>9s} {'fwd_TF':>7s} "
           f"{'f+b_TF':>7s} {'dense_TF':>8s} {'x_fwd':>6s} {'x_f+b':>6s} {'relL1':>8s} {'pipe_f+b':>9s} {'host_f+b':>9s} "
           f"{'graph_f+b':>9s} {'x_graph':>7s}")
@@ -313,15 +293,9 @@ def main() -> int:
                   f"{r['ours_fwd_tflops']:7.0f} {r['ours_fwdbwd_tflops']:7.0f} {'':8s} {r['speedup_fwd']:6.2f} "
                   f"{r['speedup_fwdbwd']:6.2f} {r['rel_l1_vs_torch']:8.1e} {r['ours_pipe_fb_us']:9.0f} {r['ours_host_fb_us']:9.0f} "
                   f"{r['ours_graph_fb_us']:9.0f} {r['speedup_graph_fb']:7.2f}")
-        if "tma_ours_fwd_us" in r:  # x_* columns: ours default / ours TMA store
-            t = lambda k: r["tma_ours_" + k]
-            print(f"{'':26s} {'':8s} tma   {t('fwd_us'):9.0f} {t('bwd_us'):9.0f} {t('fwdbwd_us'):9.0f} "
-                  f"{t('fwd_tflops'):7.0f} {t('fwdbwd_tflops'):7.0f} {'':8s} {r['ours_fwd_us'] / t('fwd_us'):6.3f} "
-                  f"{r['ours_fwdbwd_us'] / t('fwdbwd_us'):6.3f} {r['tma_rel_l1_vs_torch']:8.1e} {t('pipe_fb_us'):9.0f} "
-                  f"{t('host_fb_us'):9.0f} {t('graph_fb_us'):9.0f} {r['ours_graph_fb_us'] / t('graph_fb_us'):7.3f}")
     prec_rows = [r for r in rows if "precisions" in r]
     if prec_rows:
-        print("== ours by precision (sm90 expert MLP, direct calls; x_* = time / ours-bf16 time) ==")
+        print("== ours by precision (mok_cute.ops.expert_mlp; x_* = time / ours-bf16 time) ==")
         print(f"{'shape':26s} {'routing':8s} {'prec':9s} {'fwd_us':>9s} {'f+b_us':>9s} {'f+b_wq_us':>9s} {'f+b_TF':>7s} "
               f"{'x_fwd':>6s} {'x_f+b':>6s} {'x_f+b_wq':>8s}")
         for r in prec_rows:
@@ -337,23 +311,14 @@ def main() -> int:
         print(f"geomean speedup torch/ours: fwd {geo('speedup_fwd'):.2f}x, fwd+bwd {geo('speedup_fwdbwd'):.2f}x; "
               f"min fwd+bwd {min(r['speedup_fwdbwd'] for r in ours):.2f}x; largest shape fwd+bwd "
               f"{ours[0]['ours_fwdbwd_tflops']:.0f} TF/s = {ours[0]['ours_fwdbwd_tflops'] / 788 * 100:.0f}% of 788")
-        both = [r for r in ours if "tma_ours_fwdbwd_us" in r]
-        if both:
-            g = lambda f: math.exp(sum(math.log(f(r)) for r in both) / len(both))
-            print(f"TMA-store epilogue, ours default / ours TMA store: geomean fwd "
-                  f"{g(lambda r: r['ours_fwd_us'] / r['tma_ours_fwd_us']):.3f}x, fwd+bwd "
-                  f"{g(lambda r: r['ours_fwdbwd_us'] / r['tma_ours_fwdbwd_us']):.3f}x, bwd "
-                  f"{g(lambda r: r['ours_bwd_us'] / r['tma_ours_bwd_us']):.3f}x ({len(both)} rows)")
         graphs = [r["speedup_graph_fb"] for r in ours if math.isfinite(r["speedup_graph_fb"])]
         if graphs:
             print(f"CUDA-graph replay f+b, torch/ours: geomean "
                   f"{math.exp(sum(math.log(v) for v in graphs) / len(graphs)):.2f}x, min {min(graphs):.2f}x "
                   f"({len(graphs)}/{len(ours)} rows captured)")
-        try:
-            from mok_cute.dsl import launch as sm90_launch
-            print(f"sm90 launch paths: {sm90_launch.stats()}")
-        except ImportError:
-            pass
+        from mok_cute.dsl import launch
+
+        print(f"kernel launch paths: {launch.stats()}")
     return 0
 
 

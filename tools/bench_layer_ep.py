@@ -1,10 +1,11 @@
 """Layer benchmark at EP > 1 (issues 16, 17), one process per GPU, side by side in one run:
 
-    source .gpu-node/activate.sh && torchrun --nproc_per_node=2 tools/bench_layer_ep.py [--shapes 0,1] [--mx]
+    torchrun --nproc_per_node=2 -m tools.bench_layer_ep [--shapes 0,1] [--mx]
 
-Rows per shape: the torch + NCCL layer a Megatron user has (``tools/torch_ep_layer.py``:
+Rows per shape: the torch + NCCL layer a Megatron user has (``mok_cute.bench.torch_layer.torch_ep_layer``:
 permute, ``all_to_all_single``, grouped_mm experts, reverse all_to_all, fp32 weighted combine,
-dense shared expert), mok_cute fused (the default at EP > 1) and unfused (``MOK_CUTE_FUSED_EP=0``),
+dense shared expert), mok_cute fused (the default at EP > 1) and unfused
+(``MoKConfig(forward_path="unfused", backward_path="unfused")``),
 and with ``--mx`` mok_cute MXFP8. Shapes are per GPU (T tokens on each rank, E experts over the
 group); fwd and fwd+bwd are the mean of back-to-back calls (``bench_pipelined_us``; each
 backward from ``.grad = None``), the ranks started together by a barrier; rank 0 prints the
@@ -15,20 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: E402  (after the NCCL settings above)
+import torch.distributed as dist  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from checks.common import bench_pipelined_us  # noqa: E402
-from torch_ep_layer import torch_ep_layer  # noqa: E402
+from mok_cute.bench.torch_layer import torch_ep_layer  # noqa: E402
+from tools.checks.common import bench_pipelined_us  # noqa: E402
 
 SHAPES = [  # per GPU: (T, H, I, E global, k)
     (4096, 7168, 2048, 32, 8),
@@ -62,18 +58,14 @@ def run_shape(shape, ep, rank, dev, mx: bool):
     for p in leaves:
         p.requires_grad_()
 
-    def ours(fused_ep: str, precision="bf16"):
-        cfg = mok_cute.MoKConfig(backend="sm90", precision=precision, validate_routing=False)
-
-        def fn():
-            os.environ["MOK_CUTE_FUSED_EP"] = fused_ep
-            return mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg, group=group)
-        return fn
+    def ours(precision="bf16", **paths):
+        cfg = mok_cute.MoKConfig(precision=precision, validate_routing=False, **paths)
+        return lambda: mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg, group=group)
 
     impls = {"torch + NCCL": lambda: torch_ep_layer(x, idx, w, w1, ws[2], tuple(sh), None, group),
-             "fused": ours("1"), "unfused": ours("0")}
+             "fused": ours(), "unfused": ours(forward_path="unfused", backward_path="unfused")}
     if mx:
-        impls["fused mxfp8"] = ours("1", "mxfp8")
+        impls["fused mxfp8"] = ours("mxfp8")
     out = {}
     for name, fn in impls.items():
         def step(fn=fn):
@@ -88,7 +80,6 @@ def run_shape(shape, ep, rank, dev, mx: bool):
         times = torch.tensor([t_f, t_fb], device=dev)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's
         out[name] = times.tolist()
-    os.environ.pop("MOK_CUTE_FUSED_EP", None)
     base_f, base_fb = out["torch + NCCL"]
     label = f"EP{ep} T{t}/GPU H{h} I{inter} E{e} k{k} +shared"
     return [f"| {label} | {name} | {f:.0f} | {base_f / f:.2f}x | {fb:.0f} | {base_fb / fb:.2f}x |"
@@ -96,7 +87,8 @@ def run_shape(shape, ep, rank, dev, mx: bool):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m tools.bench_layer_ep",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
     ap.add_argument("--mx", action="store_true", help="add the MXFP8 row")
     args = ap.parse_args()

@@ -1,16 +1,20 @@
-"""Device check script: runs every check module in tools/checks on the GPU(s) here.
+"""Device checks: runs the check modules of tools/checks on the GPU(s) here and prints their rows.
 
-Usage (on the H200, from the repo root):
-    source .gpu-node/activate.sh && python3 tools/gpu_check.py [name ...]
-    source .gpu-node/activate.sh && torchrun --nproc_per_node=2 tools/gpu_check.py comm
+Usage (from the repo root, on a GPU machine):
+    python -m tools.gpu_check [name ...]                     # every check, or the named ones
+    torchrun --nproc_per_node=2 -m tools.gpu_check comm      # the EP > 1 checks
+    pytest -m gpu tests/gpu                                  # every check as a test, each in its own process
 
-Each module in tools/checks defines ``run(ctx) -> list[Row]``; a Row is one check:
-name, max error, bitwise equal (or None when tolerance-based), time in microseconds, and a
-pass flag with a note. The table is printed last; the exit code is non-zero if any check
-failed or raised. Rows are also written as JSON lines to $OUT/gpu_check.jsonl when $OUT is set.
+A check is a module ``tools/checks/<name>.py`` (every module there but ``common``: :func:`check_names`)
+with ``run(ctx) -> list[Row]``; a Row is one result: name, max error, bitwise equal (or None when
+tolerance-based), time in microseconds, and a pass flag with a note. The table is printed last; the
+exit status is non-zero if any check failed or raised. Rows are also written as JSON lines to
+``$OUT/gpu_check.jsonl`` when ``$OUT`` is set (how :func:`tools.checks.common.child_rows` reads a
+child's rows).
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -20,26 +24,39 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from tools.checks.common import Ctx, Row
 
-from checks.common import Row, Ctx  # noqa: E402
+CHECKS_DIR = Path(__file__).resolve().parent / "checks"
 
 
-def main(argv: list[str]) -> int:
-    names = argv or sorted(m.name for m in pkgutil.iter_modules([str(ROOT / "tools" / "checks")])
-                           if m.name != "common")
+def check_names() -> list[str]:
+    """Every check module's name, sorted (read from the directory: nothing is imported)."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(CHECKS_DIR)]) if m.name != "common")
+
+
+def run_check(name: str, ctx: Ctx) -> list[Row]:
+    """The rows of check ``name``; a check that raises gives one failed row (the others still run)."""
+    try:
+        return importlib.import_module(f"tools.checks.{name}").run(ctx)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return [Row(f"{name}: crashed", ok=False, note=f"{type(e).__name__}: {e}"[:120])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0],
+                                 epilog=f"checks: {' '.join(check_names())}")
+    ap.add_argument("names", nargs="*", metavar="NAME", help="checks to run (default: all)")
+    names = ap.parse_args(argv).names or check_names()
+    unknown = sorted(set(names) - set(check_names()))
+    if unknown:
+        print(f"unknown check(s) {unknown}; known: {' '.join(check_names())}", file=sys.stderr)
+        return 2
     ctx = Ctx.create()
     rows: list[Row] = []
     for name in names:
         t0 = time.time()
-        try:
-            mod = importlib.import_module(f"checks.{name}")
-            rows += mod.run(ctx)
-        except Exception as e:  # a crashing check is a failed row, the others still run
-            traceback.print_exc()
-            rows.append(Row(f"{name}: crashed", ok=False, note=f"{type(e).__name__}: {e}"[:120]))
+        rows += run_check(name, ctx)
         print(f"[gpu_check] {name} took {time.time() - t0:.1f}s", flush=True)
     if ctx.rank == 0:
         out = os.environ.get("OUT")
@@ -52,4 +69,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,21 +1,21 @@
-"""What is allocated at the peak of one layer forward + backward (sm90 backend, EP = 1): replays
+"""What is allocated at the peak of one layer forward + backward (one GPU, EP = 1): replays
 torch's allocator trace of one step (after two warm-up steps: the weight caches and kernels
 are built) and prints, at the moment of the highest allocation above the step's start, every
 live block of the step by size with the mok_cute / tools frame that allocated it.
 
-    source .gpu-node/activate.sh && python3 tools/mem_peak.py [--shape T,H,I,E,k] [--precision mxfp8] [--top 16]
+    python -m tools.mem_peak [--shape NAME | T,H,I,E,k] [--precision mxfp8] [--top 16]
+
+``--shape``: a shape of ``python -m mok_cute.bench --list-shapes``, or T,H,I,E,k with a shared
+expert of width I (default 2048,7168,2048,16,8).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checks.layer_sm90 import _problem  # noqa: E402
+from mok_cute.bench.shapes import Shape, make_inputs, parse
 
 
 def _where(frames: list) -> str:
@@ -42,23 +42,33 @@ def peak_blocks(trace: list) -> tuple[int, dict]:
     return peak, at_peak
 
 
-def main() -> int:
+def parse_shape(text: str) -> Shape:
+    """``--shape``: :func:`mok_cute.bench.shapes.parse` for argparse."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
     import mok_cute
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="2048,7168,2048,16,8")
+    ap = argparse.ArgumentParser(prog="python -m tools.mem_peak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", type=parse_shape, default=parse_shape("2048,7168,2048,16,8"))
     ap.add_argument("--precision", default="mxfp8")
     ap.add_argument("--top", type=int, default=16)
-    args = ap.parse_args()
-    t, h, inter, e, k = (int(v) for v in args.shape.split(","))
-    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=3)
-    leaves = [a.requires_grad_() for a in (x, w, *ws, *sh)]
-    cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False, precision=args.precision)
+    args = ap.parse_args(argv)
+    s = args.shape
+    inputs, dy = make_inputs(s, torch.device("cuda"), seed=3)
+    shared = inputs.pop("shared")
+    leaves = [inputs[n].requires_grad_() for n in ("x", "topk_w", "w_gate", "w_up", "w_down")]
+    leaves += [w.requires_grad_() for w in shared or ()]
+    cfg = mok_cute.MoKConfig(validate_routing=False, precision=args.precision)
 
     def step():
         for p in leaves:
             p.grad = None
-        y = mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+        y = mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg)
         torch.autograd.backward(y, dy)
         del y
 
@@ -77,13 +87,13 @@ def main() -> int:
     measured = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     peak, blocks = peak_blocks(snap["device_traces"][torch.cuda.current_device()])
     mb = 2 ** 20
-    print(f"T{t} H{h} I{inter} E{e} k{k} + shared, {args.precision}: peak above the step's start "
-          f"{measured:.0f} MB (max_memory_allocated), {peak / mb:.0f} MB (trace replay)")
+    print(f"{s.dims}, {args.precision}: peak above the step's start {measured:.0f} MB (max_memory_allocated), "
+          f"{peak / mb:.0f} MB (trace replay)")
     print("| MB | allocated at |\n|---|---|")
     for size, frames in sorted(blocks.values(), key=lambda b: -b[0])[:args.top]:
         print(f"| {size / mb:.1f} | {_where(frames)} |")
     rest = sorted(blocks.values(), key=lambda b: -b[0])[args.top:]
-    print(f"| {sum(s for s, _ in rest) / mb:.1f} | {len(rest)} smaller blocks |")
+    print(f"| {sum(size for size, _ in rest) / mb:.1f} | {len(rest)} smaller blocks |")
     return 0
 
 

@@ -1,40 +1,36 @@
-"""Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (sm90 backend, EP = 1): a
-torch.profiler kernel table of ``--calls`` forwards (CUDA time per kernel name, per call),
-the fused kernel's share of it, the GPU time between kernels (idle), and the host time per
-call (pipelined calls, one sync at the end); ``--graph``: the wall time per replay of one
-forward captured in a CUDA graph.
+"""Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (one GPU,
+EP = 1): a torch.profiler kernel table of ``--calls`` calls (CUDA time per kernel name, per call),
+the GPU time between kernels (idle), and the host time per call (pipelined calls, one sync at the
+end); ``--graph``: the wall time per replay of one forward captured in a CUDA graph.
 
-    source .gpu-node/activate.sh && python3 tools/profile_fwd.py [--shape T,H,I,E,k] [--comm 16] [--tiles]
+    python -m tools.profile_fwd [--shape NAME | T,H,I,E,k] [--precision bf16] [--comm 16]
+        [--forward-path fused|unfused] [--backward-path fused|fused_whole|unfused] [--bwd]
+        [--graph] [--host] [--timeline] [--who TEXT]
+
+``--shape``: as ``python -m tools.mem_peak`` (default 4096,7168,2048,16,8).
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checks.layer_sm90 import _problem  # noqa: E402
+from mok_cute.config import BackwardPath, ForwardPath
+from tools.mem_peak import parse_shape
 
 
-def main() -> int:
-    import mok_cute
-    from torch.profiler import ProfilerActivity, profile
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="4096,7168,2048,16,8")
-    ap.add_argument("--comm", type=int, default=16)
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_fwd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", type=parse_shape, default=parse_shape("4096,7168,2048,16,8"))
+    ap.add_argument("--comm", type=int, default=None, help="MoKConfig.comm_sms_fwd (default: the config's)")
     ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--fused", default="1")
+    ap.add_argument("--forward-path", choices=[p.value for p in ForwardPath], default=None)
+    ap.add_argument("--backward-path", choices=[p.value for p in BackwardPath], default=None)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--bwd", action="store_true", help="profile forward + backward steps (grads set to None first)")
-    ap.add_argument("--tiles", action="store_true",
-                    help="profile the forward's GEMM tiles alone (bench_layer.gemms_alone) instead of the layer")
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
@@ -42,24 +38,60 @@ def main() -> int:
                     help="print the last profiled call's GPU events in order: start, duration, gap before each")
     ap.add_argument("--who", default="", help="print the Python stack (mok_cute frames) of the ops launching "
                                               "kernels whose name contains this text")
-    args = ap.parse_args()
-    os.environ["MOK_CUTE_FUSED"] = args.fused
-    t, h, inter, e, k = (int(v) for v in args.shape.split(","))
-    x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, False, torch.device("cuda"), seed=11)
-    cfg = mok_cute.MoKConfig(backend="sm90", precision=args.precision, comm_sms_fwd=args.comm, validate_routing=False)
-    fwd = lambda: mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg)
+    return ap.parse_args(argv)
+
+
+def host_table(prof, evs, calls: int) -> None:
+    """Host CUDA API calls by total time, and the GPU gap before each call's routing plan."""
+    api = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(("cuda", "cu")):
+            api[ev.name][0] += 1
+            api[ev.name][1] += ev.cpu_time_total
+    print("| host API call | per call | us per call |\n|---|---|---|")
+    for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"| {name[:60]} | {n / calls:.1f} | {us / calls:.1f} |")
+    gaps, end = [], None
+    for ev in sorted(evs, key=lambda ev: ev.time_range.start):
+        if "count_kernel" in ev.name and end is not None:
+            gaps.append(ev.time_range.start - end)
+        end = ev.time_range.end if end is None else max(end, ev.time_range.end)
+    print(f"GPU gap before each call's plan (us): {[round(g) for g in gaps]}")
+
+
+def timeline_table(evs, calls: int) -> None:
+    """The last call's GPU events (its plan kernel starts it): start, duration, gap before each."""
+    last = sorted(evs, key=lambda ev: ev.time_range.start)[-len(evs) // calls:]
+    prev = last[0].time_range.start
+    print("| event | start us | duration us | gap before us |\n|---|---|---|---|")
+    for ev in last:
+        print(f"| {ev.name[:60]} | {ev.time_range.start - last[0].time_range.start:.1f} | {ev.device_time:.1f} | "
+              f"{ev.time_range.start - prev:.1f} |")
+        prev = max(prev, ev.time_range.end)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import mok_cute
+    from mok_cute.bench.shapes import make_inputs
+    from torch.profiler import ProfilerActivity, profile
+
+    args = parse_args(argv)
+    s = args.shape
+    inputs, dy = make_inputs(s, torch.device("cuda"), seed=11)
+    shared = inputs.pop("shared")
+    fields = {k: v for k, v in (("comm_sms_fwd", args.comm), ("forward_path", args.forward_path),
+                                ("backward_path", args.backward_path)) if v is not None}
+    cfg = mok_cute.MoKConfig(precision=args.precision, validate_routing=False, **fields)
+    fwd = lambda: mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg)  # noqa: E731
     if args.bwd:
-        leaves = [p.requires_grad_() for p in (x, w, *ws, *sh)]
+        leaves = [inputs[n].requires_grad_() for n in ("x", "topk_w", "w_gate", "w_up", "w_down")]
+        leaves += [w.requires_grad_() for w in shared or ()]
 
         def fwd():
             for p in leaves:
                 p.grad = None
             with torch.enable_grad():
-                mok_cute.moe(x, idx, w, *ws, shared=sh, config=cfg).backward(dy)
-    if args.tiles:
-        from bench_layer import gemms_alone
-
-        fwd = gemms_alone(x, idx, ws, sh)
+                mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg).backward(dy)
     with torch.no_grad():
         for _ in range(3):
             fwd()
@@ -92,35 +124,15 @@ def main() -> int:
         by_name[ev.name][0] += 1
         by_name[ev.name][1] += ev.device_time
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in evs)
-    busy = sum(e - s for s, e in spans)
+    busy = sum(b - a for a, b in spans)
     whole = spans[-1][1] - spans[0][0]
-    print(f"host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
+    print(f"{s.dims} {args.precision}: host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
     print(f"GPU per call: span {whole / args.calls:.0f} us, kernels {busy / args.calls:.0f} us, "
           f"idle between kernels {(whole - busy) / args.calls:.0f} us, {len(evs) / args.calls:.0f} kernels")
-    if args.host:  # host calls by total time; GPU gaps before each call's first kernel (the plan's count pass)
-        api = collections.defaultdict(lambda: [0, 0.0])
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(("cuda", "cu")):
-                api[ev.name][0] += 1
-                api[ev.name][1] += ev.cpu_time_total
-        print("| host API call | per call | us per call |\n|---|---|---|")
-        for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:12]:
-            print(f"| {name[:60]} | {n / args.calls:.1f} | {us / args.calls:.1f} |")
-        by_start = sorted(evs, key=lambda ev: ev.time_range.start)
-        gaps, end = [], None
-        for ev in by_start:
-            if "count_kernel" in ev.name and end is not None:
-                gaps.append(ev.time_range.start - end)
-            end = ev.time_range.end if end is None else max(end, ev.time_range.end)
-        print(f"GPU gap before each call's plan (us): {[round(g) for g in gaps]}")
-    if args.timeline:  # the last call's events (its plan kernel starts it)
-        last = sorted(evs, key=lambda ev: ev.time_range.start)[-len(evs) // args.calls:]
-        prev = last[0].time_range.start
-        print("| event | start us | duration us | gap before us |\n|---|---|---|---|")
-        for ev in last:
-            print(f"| {ev.name[:60]} | {ev.time_range.start - last[0].time_range.start:.1f} | {ev.device_time:.1f} | "
-                  f"{ev.time_range.start - prev:.1f} |")
-            prev = max(prev, ev.time_range.end)
+    if args.host:
+        host_table(prof, evs, args.calls)
+    if args.timeline:
+        timeline_table(evs, args.calls)
     if args.who:  # the innermost CPU ops whose kernels match, with their mok_cute frames
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CPU and any(args.who in k.name for k in ev.kernels):

@@ -1,4 +1,5 @@
-"""Shared pieces of the device checks: the result row, the run context, timing, power sampling."""
+"""Shared pieces of the device checks (``tools/checks``, run by ``python -m tools.gpu_check``): the result
+row, the run context, timing, power sampling, and running a check in a child process."""
 from __future__ import annotations
 
 import contextlib
@@ -185,18 +186,31 @@ class PowerSampler:
         return power_summary(self.lines) if self.proc is not None else "nvidia-smi not found"
 
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository: ``python -m tools.gpu_check`` runs from here
+
+
 def child_rows(check: str, env: dict, timeout_s: float, label: str) -> list[Row]:
-    """The rows of ``gpu_check.py check`` run in a child process with ``env`` added (rank 0 of 1),
-    read back from its ``$OUT/gpu_check.jsonl``; one failed row named ``label`` if it times out or
-    writes none."""
+    """The rows of ``python -m tools.gpu_check check`` run in a child process from the repository root
+    with ``env`` added (rank 0 of 1), read back from its ``$OUT/gpu_check.jsonl``; one failed row named
+    ``label`` if it times out or writes none."""
     with tempfile.TemporaryDirectory() as out:
         full = {**os.environ, **env, "OUT": out, "RANK": "0", "WORLD_SIZE": "1"}
-        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "gpu_check.py"), check]
+        cmd = [sys.executable, "-m", "tools.gpu_check", check]
         try:
-            code = subprocess.run(cmd, env=full, timeout=timeout_s).returncode
+            code = subprocess.run(cmd, env=full, cwd=ROOT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             return [Row(f"{label}: child timed out", ok=False, note=f"killed after {timeout_s} s")]
-        rows = Path(out) / "gpu_check.jsonl"
-        if not rows.exists():
-            return [Row(f"{label}: child failed", ok=False, note=f"exit code {code}, no rows written")]
-        return [Row(**json.loads(line)) for line in rows.read_text().splitlines()]
+        return read_rows(Path(out) / "gpu_check.jsonl", label, code)
+
+
+def read_rows(path: Path, label: str, code: int) -> list[Row]:
+    """The rows a ``gpu_check`` run wrote as JSON lines to ``path``; one failed row named ``label``
+    (with the run's exit ``code``) if it wrote none."""
+    if not path.exists() or not path.read_text().strip():
+        return [Row(f"{label}: child failed", ok=False, note=f"exit code {code}, no rows written")]
+    return [Row(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def all_skipped(rows: list[Row]) -> bool:
+    """Every row is a check's "skipped" row (e.g. ``needs sm_90``): the check did not apply here."""
+    return bool(rows) and all(r.ok and r.name.endswith(": skipped") for r in rows)
