@@ -70,6 +70,7 @@ gradient checks against torch.autograd.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -547,15 +548,26 @@ def plan_routing(topk_idx_all: list[torch.Tensor], num_experts: int, ep: int, ra
     return Routing(src[order], tok[order], slot[order], offsets)
 
 
+@runtime_checkable
+class HostGroup(Protocol):
+    """A group of ranks that are threads of this process (e.g.
+    :class:`mok_cute.comm.virtual.VirtualGroup`), as the reference uses one: ``size()``, the calling
+    thread's ``rank()``, and ``all_gather(t)`` (every rank's ``t`` in rank order, first dims may
+    differ; collective). A torch.distributed group is not one (it has no ``all_gather`` method)."""
+
+    def size(self) -> int: ...
+
+    def rank(self) -> int: ...
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+
+
 def _world(group) -> tuple[int, int]:
     """(EP, rank) of ``group``: a torch.distributed group (None: the default group when one is
-    initialized, else EP = 1), or a :class:`~mok_cute.comm.virtual.VirtualGroup` (the calling
-    thread's virtual rank)."""
+    initialized, else EP = 1), or a :class:`HostGroup` (the calling thread's rank)."""
     import torch.distributed as dist
 
-    from mok_cute.comm.virtual import VirtualGroup
-
-    if isinstance(group, VirtualGroup):
+    if isinstance(group, HostGroup):
         return group.size(), group.rank()
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
@@ -567,9 +579,7 @@ def _all_gather(t: torch.Tensor, group, ep: int) -> list[torch.Tensor]:
     torch.distributed group or a virtual group)."""
     if ep == 1:
         return [t]
-    from mok_cute.comm.virtual import VirtualGroup
-
-    if isinstance(group, VirtualGroup):
+    if isinstance(group, HostGroup):
         return group.all_gather(t)
     import torch.distributed as dist
 

@@ -2,17 +2,13 @@
 the comm ops (one rank, EP = 1, the single-process mode) and must all pass, bitwise; a mirror
 that moves one wrong byte must fail the matching row. Guards the device check's own logic
 (MXFP8 byte gathers, router-weight rows, short row names) before a GPU run."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import checks.comm as C  # noqa: E402
-from checks.common import Ctx  # noqa: E402
+import tools.checks.comm as C  # noqa: E402
+from tools.checks.common import Ctx  # noqa: E402
 from mok_cute.schedule.plan import plan_routing  # noqa: E402
 
 
@@ -43,7 +39,7 @@ def _install_mirrors(monkeypatch, corrupt=None):
         out[:m] = x[plan.recv_src[:m].long() // ws.k]
         return out
 
-    def dispatch(ws, x, plan, payload="bf16", topk_w=None, num_ctas=None):
+    def dispatch(ws, x, plan, payload="bf16", topk_w=None, num_ctas=None, transport="plain"):
         if payload == "mxfp8":
             res = (pull(ws, x[0], plan), pull(ws, x[1], plan))
         else:
@@ -66,11 +62,11 @@ def _install_mirrors(monkeypatch, corrupt=None):
     monkeypatch.setattr(C, "get_workspace", lambda T, H, k, E, **kw: _WS(T, H, k, E))
     monkeypatch.setattr(C, "plan_routing_device", plan_dev)
     monkeypatch.setattr(C, "dispatch", dispatch)
-    monkeypatch.setattr(C, "reverse_combine", lambda ws, dy, plan, num_ctas=None:
+    monkeypatch.setattr(C, "reverse_combine", lambda ws, dy, plan, num_ctas=None, transport="plain":
                         pull(ws, dy, plan))
-    monkeypatch.setattr(C, "combine", lambda ws, eo, w, plan, sh=None, num_ctas=None:
+    monkeypatch.setattr(C, "combine", lambda ws, eo, w, plan, sh=None, num_ctas=None, transport="plain":
                         reduce(ws, eo, plan, w, sh))
-    monkeypatch.setattr(C, "reverse_dispatch", lambda ws, dxe, plan, sh=None, num_ctas=None:
+    monkeypatch.setattr(C, "reverse_dispatch", lambda ws, dxe, plan, sh=None, num_ctas=None, transport="plain":
                         reduce(ws, dxe, plan, None, sh))
 
 

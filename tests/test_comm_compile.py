@@ -10,10 +10,11 @@ pytest.importorskip("cutlass")
 
 from mok_cute.comm import protocol as P  # noqa: E402
 from mok_cute.comm.combine import combine, compile_push_reduce, reverse_dispatch  # noqa: E402
-from mok_cute.comm.dispatch import compile_pull, dispatch  # noqa: E402
+from mok_cute.comm.dispatch import compile_pull, dispatch, reverse_combine  # noqa: E402
+from mok_cute.comm.planner import compile_plan  # noqa: E402
 from mok_cute.dsl.host import fake_ptr, fake_stream  # noqa: E402
 from mok_cute.dsl.compile import compile_kernel  # noqa: E402
-from mok_cute.schedule.plan import RankPlan, compile_plan  # noqa: E402
+from mok_cute.schedule.plan import RankPlan  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
 ARCHS = ["sm_90a", "sm_100a"]
@@ -99,45 +100,29 @@ def test_validation_before_launch():
         reverse_dispatch(ws, rows, plan, dx_shared=torch.zeros(4, 8, dtype=torch.bfloat16))
 
 
-PULL_REDUCE_SPILLS = {("sm_100a", True, False), ("sm_90a", False, True), ("sm_100a", False, True)}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("has_w,has_start", [(True, False), (False, True)])
-def test_pull_reduce_compiles(arch, has_w, has_start):
-    from mok_cute.comm.combine import compile_pull_reduce
-
-    _, rep = compile_pull_reduce(arch, has_w, has_start, inspect=True)
-    assert not rep.has("fma.rn.f32") and rep.has("add.rn.f32")
-    if (arch, has_w, has_start) in PULL_REDUCE_SPILLS and rep.total_spill_bytes:
-        pytest.xfail(f"spills {rep.total_spill_bytes} bytes (the opt-in pull-mode combine): hidden until the ptxas "
-                     "report parser read wrapped entries (dsl.compile), open")
-    assert_sys_ordering(rep)
-
-
-@pytest.mark.parametrize("phase", [1, 2])
-def test_push_reduce_halves_compile(phase):
-    _, rep = compile_push_reduce("sm_90a", True, True, inspect=True, phase=phase)
-    assert rep.total_spill_bytes == 0 and rep.has("st.release.sys")
-
-
-@pytest.mark.parametrize("has_w,has_start,phase", [(True, True, 3), (False, False, 3), (True, False, 1),
-                                                   (False, True, 2)])
-def test_push_reduce_kernel_shape(has_w, has_start, phase):
+@pytest.mark.parametrize("has_w,has_start", [(True, True), (False, False), (True, False), (False, True)])
+def test_push_reduce_kernel_shape(has_w, has_start):
     """The launched kernel takes only int64/int32/bf16 pointers and scalars (weights as int32
     bits, no Constexpr parameters), fits 64 registers at 1024 threads, 16-byte vectors."""
-    _, rep = compile_push_reduce("sm_90a", has_w, has_start, inspect=True, phase=phase)
+    _, rep = compile_push_reduce("sm_90a", has_w, has_start, inspect=True)
     assert rep.registers and all("ptrf32" not in name for name in rep.registers)
     assert rep.max_registers <= 64 and rep.total_spill_bytes == 0
     assert rep.has(".reqntid 1024, 1, 1") and rep.has("st.global.v4")
 
 
-def test_pull_reduce_kernel_shape():
-    from mok_cute.comm.combine import compile_pull_reduce
+def test_kernel_parameters_are_the_bundles_flattened():
+    """The operand bundles reach the kernel as their fields in order, a None field absent: the
+    pull's 18 parameters, the weighted pull's 20 (``w_rows`` and ``w`` present), the push's 22."""
+    from mok_cute.comm.combine import compile_push_reduce
+    from mok_cute.comm.dispatch import compile_pull_w
 
-    _, rep = compile_pull_reduce("sm_90a", True, True, inspect=True)
-    assert rep.registers and all("ptrf32" not in name for name in rep.registers)
-    assert rep.max_registers <= 64 and rep.has(".reqntid 1024, 1, 1")
+    def params(rep):
+        entry = rep.ptx[rep.ptx.index(".entry"):]
+        return entry[:entry.index(")")].count(".param")
+
+    assert params(compile_pull("sm_90a", inspect=True)[1]) == 18
+    assert params(compile_pull_w("sm_90a", inspect=True)[1]) == 20
+    assert params(compile_push_reduce("sm_90a", True, True, inspect=True)[1]) == 22
 
 
 def test_pull_kernel_registers():
@@ -175,9 +160,8 @@ def test_pull_w_compiles(arch):
     assert rep.registers and all("pull_w_kernel" in n and "ptrf32" not in n and "ptrf8" not in n
                                  for n in rep.registers)
     ptx = c.__ptx__
-    _, base = compile_pull(arch, inspect=True)
     assert ptx.count("st.global.v4.b32") == 1 and ptx.count("ld.global.v4.b32") == 1
-    assert ptx.count("ld.global.b32") == base.ptx.count("ld.global.b32") + 1
+    assert ptx.count("ld.global.b32") == 3  # the route, the offsets' M and the peer's router weight
     assert "shl.b64" in ptx  # the peer byte offset (t*V + v)*16 in 64 bits
 
 
@@ -222,7 +206,7 @@ def test_dispatch_payload_validation():
         dispatch(ws16, (q[:, :16], s[:, :0]), plan16, payload="mxfp8")
 
 
-# --- opt-in bulk-copy transport (MOK_COMM_TRANSPORT=bulk) -----------------------------------
+# --- bulk-copy transport (transport="bulk") --------------------------------------------------
 
 def assert_bulk(rep, ptx):
     """cp.async.bulk peer/global -> shared on an mbarrier, shared -> global in bulk groups,
@@ -284,21 +268,22 @@ def test_bulk_chunk_geometry():
         assert all(s % 16 == 0 and 0 < s <= R.BULK_CHUNK for s in sizes) and sum(sizes) == rb
 
 
-def test_transport_selection(monkeypatch):
-    from mok_cute.comm.rows import transport_of, use_bulk
+def test_transport_validation():
+    """The transport is a validated parameter, the config's values exactly."""
+    from mok_cute import config
+    from mok_cute.comm.rows import TRANSPORTS, check_transport
 
-    monkeypatch.delenv("MOK_COMM_TRANSPORT", raising=False)
-    assert transport_of() == "plain" and not use_bulk("pull") and not use_bulk("push")
-    monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk")
-    assert transport_of() == "bulk" and transport_of("plain") == "plain"
-    assert use_bulk("pull") and use_bulk("push")
-    monkeypatch.setenv("MOK_COMM_TRANSPORT", "bulk_pull")
-    assert use_bulk("pull") and not use_bulk("push")
-    monkeypatch.setenv("MOK_COMM_TRANSPORT", "Bulk_Push")
-    assert use_bulk("push") and not use_bulk("pull")
-    monkeypatch.setenv("MOK_COMM_TRANSPORT", "tma?")
-    with pytest.raises(ValueError, match="MOK_COMM_TRANSPORT"):
-        transport_of()
+    assert TRANSPORTS == config.TRANSPORTS == ("plain", "bulk")
+    assert check_transport("plain") == "plain" and check_transport("bulk") == "bulk"
+    for bad in ("bulk_pull", "Bulk", "tma?", None):
+        with pytest.raises(ValueError, match="transport"):
+            check_transport(bad)
+    ws, plan = fake_ws()
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="transport"):
+        dispatch(ws, x, plan, transport="bulk_pull")
+    with pytest.raises(ValueError, match="transport"):
+        combine(ws, torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(4, 2), plan, transport="tma")
 
 
 def test_plain_transport_unchanged():
@@ -309,16 +294,14 @@ def test_plain_transport_unchanged():
         assert not rep.has("__dynamic_shmem__")
 
 
-@pytest.mark.parametrize("env,unroll,pull_key,push_key", [
-    (None, None, "comm.pull_unrolled", "comm.push_reduce_unrolled"),
-    (None, "1", "comm.pull", "comm.push_reduce"),
-    ("bulk", None, "comm.pull_bulk", "comm.push_reduce_bulk"),
-    ("bulk_pull", "1", "comm.pull_bulk", "comm.push_reduce"),
-    ("bulk_push", "8", "comm.pull_unrolled", "comm.push_reduce_bulk")])
-def test_transport_picks_kernel(monkeypatch, env, unroll, pull_key, push_key):
-    """MOK_COMM_TRANSPORT and MOK_COMM_UNROLL (default 8) pick the compiled kernel per call
-    (host side, before any launch), for the bf16 and the MXFP8 pull alike; the weighted
-    dispatch always takes the weighted pull."""
+@pytest.mark.parametrize("transport,pull_key,push_key", [
+    (None, "comm.pull", "comm.push_reduce"),
+    ("plain", "comm.pull", "comm.push_reduce"),
+    ("bulk", "comm.pull_bulk", "comm.push_reduce_bulk")])
+def test_transport_picks_kernel(monkeypatch, transport, pull_key, push_key):
+    """The ``transport`` parameter (default "plain") picks the compiled kernel per call (host
+    side, before any launch), for the bf16 and the MXFP8 pull alike; the weighted dispatch always
+    takes the weighted pull. The environment has no say: a stale ``MOK_COMM_TRANSPORT`` is ignored."""
     import mok_cute.comm.combine as C
     import mok_cute.comm.dispatch as D
 
@@ -328,11 +311,8 @@ def test_transport_picks_kernel(monkeypatch, env, unroll, pull_key, push_key):
     def fake_cached(key, build):
         raise Picked(key[0])
 
-    for name, val in (("MOK_COMM_TRANSPORT", env), ("MOK_COMM_UNROLL", unroll)):
-        if val is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, val)
+    monkeypatch.setenv("MOK_COMM_TRANSPORT", "plain" if transport == "bulk" else "bulk")
+    kw = {} if transport is None else {"transport": transport}
     monkeypatch.setattr(D, "compile_cached", fake_cached)
     monkeypatch.setattr(C, "compile_cached", fake_cached)
     ws, plan = fake_ws(H=64)
@@ -344,53 +324,58 @@ def test_transport_picks_kernel(monkeypatch, env, unroll, pull_key, push_key):
     ws.stage_src = lambda rows: None
     ws.view = lambda name, dtype, shape: torch.zeros(shape, dtype=dtype)
     with pytest.raises(Picked, match=f"^{pull_key}$"):
-        dispatch(ws, x, plan)
+        dispatch(ws, x, plan, **kw)
     with pytest.raises(Picked, match=f"^{pull_key}$"):
-        dispatch(ws, (q, sc), plan, payload="mxfp8")
+        dispatch(ws, (q, sc), plan, payload="mxfp8", **kw)
     with pytest.raises(Picked, match="^comm.pull_w$"):
-        dispatch(ws, x, plan, topk_w=torch.zeros(4, 2))
+        dispatch(ws, x, plan, topk_w=torch.zeros(4, 2), **kw)
     with pytest.raises(Picked, match="^comm.pull_w$"):
-        dispatch(ws, (q, sc), plan, payload="mxfp8", topk_w=torch.zeros(4, 2))
+        dispatch(ws, (q, sc), plan, payload="mxfp8", topk_w=torch.zeros(4, 2), **kw)
+    with pytest.raises(Picked, match=f"^{pull_key}$"):
+        reverse_combine(ws, x, plan, **kw)
     with pytest.raises(Picked, match=f"^{push_key}$"):
-        combine(ws, torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 2), plan)
+        combine(ws, torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 2), plan, **kw)
+    with pytest.raises(Picked, match=f"^{push_key}$"):
+        reverse_dispatch(ws, torch.zeros(16, 64, dtype=torch.bfloat16), plan, **kw)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("unroll", [2, 8])
-def test_unrolled_pull_issues_every_load_before_a_store(arch, unroll):
-    """MOK_COMM_UNROLL (default 8): `unroll` 16-byte peer loads per trip, all before its stores;
-    its own kernel name; system-scope ordering as the default pull; no spills."""
-    from mok_cute.comm.dispatch import compile_pull, pull_launcher
+def test_pull_issues_every_load_before_a_store(arch):
+    """The pull (kernel ``pull_kernel``): UNROLL (8) 16-byte peer loads per trip, all before its
+    stores; system-scope ordering; no spills."""
+    from mok_cute.comm.dispatch import pull_launcher
+    from mok_cute.comm.rows import UNROLL
 
-    assert pull_launcher(unroll) is pull_launcher(unroll)
-    _, rep = compile_pull(arch, inspect=True, unroll=unroll)
+    assert pull_launcher() is pull_launcher() and UNROLL == 8
+    _, rep = compile_pull(arch, inspect=True)
     assert_sys_ordering(rep)
     assert rep.total_spill_bytes == 0
-    assert rep.registers and all("pull_unrolled_kernel" in name for name in rep.registers)
+    assert rep.registers and all("pull_kernel" in name for name in rep.registers)
     moves = [ln.split()[0] for ln in rep.ptx.splitlines() if "ld.global.v4" in ln or "st.global.v4" in ln]
-    assert moves == ["ld.global.v4.b32"] * unroll + ["st.global.v4.b32"] * unroll
+    assert moves == ["ld.global.v4.b32"] * UNROLL + ["st.global.v4.b32"] * UNROLL
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("has_w,has_start", [(True, True), (False, False)])
-def test_unrolled_push_reduce_compiles(arch, has_w, has_start):
-    from mok_cute.comm.combine import compile_push_reduce
+def test_push_reduce_pushes_unrolled(arch, has_w, has_start):
+    """The push half keeps UNROLL (8) 16-byte loads in flight before its peer stores; the same
+    fixed-order reduce (mul.rn / add.rn, no FMA)."""
+    from mok_cute.comm.rows import UNROLL
 
-    _, rep = compile_push_reduce(arch, has_w, has_start, inspect=True, unroll=8)
+    _, rep = compile_push_reduce(arch, has_w, has_start, inspect=True)
     assert_sys_ordering(rep)
     assert rep.total_spill_bytes == 0
-    assert rep.registers and all("push_unrolled_reduce_kernel" in name for name in rep.registers)
-    assert not rep.has("fma.rn.f32") and rep.has("add.rn.f32")  # the same fixed-order reduce
+    assert rep.registers and all("push_reduce_kernel" in name for name in rep.registers)
+    assert not rep.has("fma.rn.f32") and rep.has("add.rn.f32")
+    moves = [ln.split()[0] for ln in rep.ptx.splitlines() if "ld.global.v4" in ln or "st.global.v4" in ln]
+    assert moves[:2 * UNROLL] == ["ld.global.v4.b32"] * UNROLL + ["st.global.v4.b32"] * UNROLL
 
 
-def test_unroll_selection(monkeypatch):
-    from mok_cute.comm.rows import unroll_of
+def test_no_comm_module_reads_the_environment():
+    """Decisions live in code and parameters: no comm / schedule module reads os.environ."""
+    from pathlib import Path
 
-    monkeypatch.delenv("MOK_COMM_UNROLL", raising=False)
-    assert unroll_of() == 8
-    monkeypatch.setenv("MOK_COMM_UNROLL", "1")
-    assert unroll_of() == 1
-    for bad in ("4", "3", "x"):
-        monkeypatch.setenv("MOK_COMM_UNROLL", bad)
-        with pytest.raises(ValueError, match="MOK_COMM_UNROLL"):
-            unroll_of()
+    pkg = Path(__file__).resolve().parents[1] / "mok_cute"
+    for folder in ("comm", "schedule"):
+        for path in sorted((pkg / folder).glob("*.py")):
+            assert "environ" not in path.read_text(), path

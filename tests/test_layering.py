@@ -1,9 +1,10 @@
 """The package's dependency rules, read from the import statements (no import is executed;
 function-level imports count as much as module-level ones):
 
-    dsl < {kernels, comm, schedule};  kernels may import comm / schedule;
-    layers import kernels + reference;  the public API (ops, layer, ...) imports layers;
-    the reference imports no kernels, layers or dsl;  nothing in mok_cute imports tools/;
+    dsl < schedule < comm < kernels: comm may import schedule (the plan it moves rows by),
+    schedule imports no comm (one direction between the two folders);  kernels may import comm /
+    schedule;  layers import kernels + reference;  the public API (ops, layer, ...) imports layers;
+    the reference imports no kernels, layers, comm or dsl;  nothing in mok_cute imports tools/;
     and no import cycle among mok_cute's modules.
 """
 import ast
@@ -81,19 +82,69 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def broken_rules(mod: str, deps: set[str]) -> list[str]:
+    """The dependency rules (module doc) that ``mod`` importing ``deps`` breaks, each as
+    ``"rule: offending imports"``; empty when it breaks none."""
+    own = {d for d in deps if _under(d, "mok_cute")}
+
+    def rule(name: str, bad) -> list[str]:
+        return [f"{name}: {sorted(bad)}"] if bad else []
+
+    out = rule("nothing imports tools/", {d for d in deps if _under(d, "tools", "checks")})
+    if mod == "mok_cute.reference":
+        out += rule("reference imports no kernels, layers, comm or dsl",
+                    {d for d in own
+                     if _under(d, "mok_cute.kernels", "mok_cute.layers", "mok_cute.comm", "mok_cute.dsl")})
+    if _under(mod, "mok_cute.comm", "mok_cute.schedule"):
+        out += rule("comm / schedule import no kernels or layers",
+                    {d for d in own if _under(d, "mok_cute.kernels", "mok_cute.layers")})
+    if _under(mod, "mok_cute.schedule"):
+        out += rule("schedule imports no comm (comm imports schedule)", {d for d in own if _under(d, "mok_cute.comm")})
+    if _under(mod, "mok_cute.dsl"):
+        out += rule("dsl imports only dsl", {d for d in own if not _under(d, "mok_cute.dsl")})
+    if _under(mod, "mok_cute.kernels"):
+        out += rule("kernels import no layers or public API", {d for d in own if _under(d, "mok_cute.layers", *PUBLIC)})
+    return out
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
 def test_dependencies_point_one_way(path):
-    mod, deps = _module(path), _imports(path)
-    own = {d for d in deps if _under(d, "mok_cute")}
-    assert not any(_under(d, "tools", "checks") for d in deps), deps
-    if mod == "mok_cute.reference":
-        assert not any(_under(d, "mok_cute.kernels", "mok_cute.layers", "mok_cute.dsl") for d in own), own
-    if _under(mod, "mok_cute.comm", "mok_cute.schedule"):
-        assert not any(_under(d, "mok_cute.kernels", "mok_cute.layers") for d in own), own
-    if _under(mod, "mok_cute.dsl"):
-        assert all(_under(d, "mok_cute.dsl") for d in own), own
-    if _under(mod, "mok_cute.kernels"):
-        assert not any(_under(d, "mok_cute.layers", *PUBLIC) for d in own), own
+    assert broken_rules(_module(path), _imports(path)) == []
+
+
+def folder_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """``(a, b)`` for every folder (subpackage) ``a`` of mok_cute with a module importing one of
+    folder ``b`` (a != b)."""
+    def folder(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 2 else None
+
+    return {(folder(m), folder(d)) for m, deps in graph.items() for d in deps
+            if folder(m) and folder(d) and folder(m) != folder(d)}
+
+
+def test_comm_and_schedule_one_way():
+    """comm imports schedule, never the reverse: the two folders' import edges go one way."""
+    edges = folder_edges(_graph(MODULES))
+    assert ("comm", "schedule") in edges and ("schedule", "comm") not in edges, sorted(edges)
+    assert ("dsl", "comm") not in edges and ("dsl", "schedule") not in edges
+
+
+def test_the_rules_catch_a_back_edge():
+    """A synthetic back edge breaks a rule: schedule importing comm (a comm <-> schedule cycle of
+    folders), the reference importing comm; the chosen direction (comm -> schedule) does not."""
+    assert broken_rules("mok_cute.schedule.plan", {"mok_cute.comm.protocol"})
+    assert broken_rules("mok_cute.schedule.fused_tasks", {"mok_cute.comm"})
+    assert broken_rules("mok_cute.reference", {"mok_cute.comm.virtual"})
+    assert broken_rules("mok_cute.dsl.status", {"mok_cute.comm.protocol"})
+    assert broken_rules("mok_cute.comm.dispatch", {"mok_cute.schedule.plan", "mok_cute.dsl.host"}) == []
+    assert broken_rules("mok_cute.reference", {"torch"}) == []
+    graph = _graph(MODULES)
+    graph["mok_cute.schedule.plan"] = graph["mok_cute.schedule.plan"] | {"mok_cute.comm.protocol"}
+    edges = folder_edges(graph)
+    assert ("comm", "schedule") in edges and ("schedule", "comm") in edges  # what the one-way test refuses
+    toy = {"mok_cute.a.x": {"mok_cute.b.y", "mok_cute.a.z"}, "mok_cute.ops": {"mok_cute.a.x"}}
+    assert folder_edges(toy) == {("a", "b")}
 
 
 def test_no_import_cycle():

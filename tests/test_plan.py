@@ -98,3 +98,22 @@ def test_validation():
         plan_routing([torch.zeros(2, 2)], 4, 1)
     with pytest.raises(ValueError):
         plan_routing([torch.zeros(2, 2, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long)], 4, 2)
+
+
+def test_check_plan_matches_the_workspace():
+    """The plan check the comm launchers run (schedule side: it knows RankPlan, not the workspace)."""
+    import types
+
+    from mok_cute.schedule.plan import check_plan
+
+    plan = plan_routing([torch.tensor([[0, 1], [3, -1]]), torch.tensor([[2, 2], [-1, 1]])], 4, 2).rank_view(1)
+    plan.recv_src = torch.zeros(8, dtype=torch.int32)
+    ws = types.SimpleNamespace(me=1, E=4, EP=2, T=2, k=2, device=torch.device("cpu"))
+    check_plan(ws, plan)
+    with pytest.raises(TypeError, match="RankPlan"):
+        check_plan(ws, "plan")
+    with pytest.raises(ValueError, match="does not match"):
+        check_plan(types.SimpleNamespace(**{**vars(ws), "me": 0}), plan)
+    plan.offsets = plan.offsets[:-1]
+    with pytest.raises(ValueError, match="offsets"):
+        check_plan(ws, plan)

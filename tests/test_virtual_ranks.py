@@ -33,6 +33,21 @@ def test_world_and_rank_per_thread(size):
         R._world(g)
 
 
+def test_the_reference_sees_a_virtual_group_by_its_interface():
+    """The reference imports no comm code: a virtual group is a ``reference.HostGroup`` by its
+    methods (size, rank, all_gather); a torch.distributed group and None are not."""
+    import torch.distributed as dist
+
+    g = VirtualGroup(2, "cpu")
+    assert isinstance(g, R.HostGroup)
+    assert not isinstance(None, R.HostGroup) and not isinstance(object(), R.HostGroup)
+    if dist.is_available():
+        assert not issubclass(dist.ProcessGroup, R.HostGroup)
+    assert R._world(None) == (1, 0) or dist.is_initialized()
+    got = run_ranks(g, lambda r: R._all_gather(torch.full((r + 1, 2), float(r)), g, 2))
+    assert all(len(v) == 2 and v[0].shape == (1, 2) and v[1].shape == (2, 2) for v in got)
+
+
 def test_layer_backends_see_the_virtual_ep():
     from conftest import make_problem
 
@@ -196,7 +211,7 @@ def test_a_plan_that_gave_up_leaves_no_rows(monkeypatch):
     the GEMMs' tile walk after it has no tile (the plan's other outputs are never trusted)."""
     import mok_cute.dsl.compile as C
     import mok_cute.dsl.host as H
-    import mok_cute.schedule.plan as PL
+    import mok_cute.comm.planner as PL
     from mok_cute.schedule.group_tiles import total_tiles
 
     monkeypatch.setattr(W, "arch_of_device", lambda device: "sm_90a")
@@ -225,7 +240,6 @@ def test_device_check_plumbing_on_cpu(monkeypatch):
     import checks.layer_ep_virtual as V
 
     monkeypatch.setattr(V, "SHAPE", (8, 256, 256, 8, 2))
-    monkeypatch.setenv("MOK_CUTE_FUSED_EP", "0")  # the reference stands in: no fused-launch rows
     monkeypatch.setattr(V, "_warm", lambda *a: None)
     run, calls = V._run, []
 
@@ -241,7 +255,7 @@ def test_device_check_plumbing_on_cpu(monkeypatch):
     fault = None
     for size in V.SIZES:
         for seed, case in enumerate(V.CASES):
-            rows = V._case(ctx, size, seed, *case)
+            rows = V._case(ctx, size, seed, *case, "unfused")  # the reference stands in: no fused-launch rows
             assert [r.name for r in rows] == [f"layer_ep{size}v {case[0]} r{r}" for r in range(size)]
             assert all(r.ok and r.bitwise for r in rows), rows
     t, h, inter, e, k = V.SHAPE
@@ -249,5 +263,5 @@ def test_device_check_plumbing_on_cpu(monkeypatch):
     assert not any(bool(((p[1] >= 0) & (p[1] < 2)).any()) for p in probs) and bool((probs[3][1] == -1).all())
     assert all(bool((p[1] >= 2).any()) for p in probs[:3])
     for fault, ok, bitwise in (("wrong", False, True), ("noise", False, False)):
-        rows = V._case(ctx, 2, 0, *V.CASES[0])
+        rows = V._case(ctx, 2, 0, *V.CASES[0], "unfused")
         assert rows[0].ok and (rows[1].ok, rows[1].bitwise) == (ok, bitwise), rows

@@ -1,6 +1,6 @@
 """Benchmark of the EP communication kernels on 2 GPUs against a torch/NCCL baseline.
 
-    source .gpu-node/activate.sh && torchrun --nproc_per_node=2 tools/bench_comm.py [--quick]
+    source .gpu-node/activate.sh && torchrun --nproc_per_node=2 -m tools.bench_comm [--quick] [--bulk]
 
 Sweep (E = 32 * EP experts, random top-k routing, no dropped slots): tokens per rank T in
 2048, 4096, 8192, 16384; H in 4096, 7168; k in 6, 8; dispatch payload bf16 and MXFP8 (e4m3
@@ -19,8 +19,8 @@ shapes). GB/s per direction counts only the bytes that cross NVLink (rows whose 
 differs from the expert rank); %peer is against the slower peer copy direction. One compact
 table is printed last (rank 0); JSON lines go to $OUT/bench_comm.jsonl when $OUT is set.
 ``--quick``: T 4096 and 8192 at H 7168, k 8, bf16 only, with the CTA sweep.
-``MOK_COMM_TRANSPORT=bulk`` (or bulk_pull / bulk_push): the bf16 dispatch and/or the combine
-use the opt-in bulk kernels.
+``--bulk``: the comm ops run with ``transport="bulk"`` (the bf16 and MXFP8 dispatch and the
+combine by cp.async.bulk).
 """
 from __future__ import annotations
 
@@ -33,22 +33,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from checks.common import bench_us as median_us  # noqa: E402
-from mok_cute.comm.combine import combine  # noqa: E402
-from mok_cute.comm.dispatch import dispatch  # noqa: E402
-from mok_cute.comm.rows import transport_of, unroll_of  # noqa: E402
-from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes  # noqa: E402
-from mok_cute.schedule.plan import plan_routing, plan_routing_device  # noqa: E402
+from mok_cute.comm.combine import combine
+from mok_cute.comm.dispatch import dispatch
+from mok_cute.comm.planner import plan_routing_device
+from mok_cute.comm.rows import UNROLL
+from mok_cute.comm.workspace import get_workspace, mxfp8_row_bytes
+from mok_cute.schedule.plan import plan_routing
+from tools.checks.common import bench_us as median_us
 
 BF16 = torch.bfloat16
 SWEEP_SHAPE = (8192, 7168, 8)
 # comm CTAs of the sweep and of the cases (MOK_BENCH_SWEEP="4,8,...", MOK_BENCH_CTAS=n to change)
 SWEEP_CTAS = tuple(int(c) for c in os.environ.get("MOK_BENCH_SWEEP", "4,8,16,24,32").split(","))
 CTAS = int(os.environ.get("MOK_BENCH_CTAS", "32"))
+TRANSPORT = "bulk" if "--bulk" in sys.argv else "plain"  # the comm ops' transport in this run
 
 
 def bench_us(fn, iters=20) -> float:
@@ -152,7 +150,7 @@ def bench_case(T, H, k, payloads, sweep, res):
     ws.check_status()
     case = f"T{T} H{H} k{k}"
     S, rb = H // 32, mxfp8_row_bytes(H)
-    r_comb = dict(us=bench_us(lambda: combine(ws, eo, w, plan, num_ctas=CTAS), iters),
+    r_comb = dict(us=bench_us(lambda: combine(ws, eo, w, plan, num_ctas=CTAS, transport=TRANSPORT), iters),
                   nccl_us=bench_us(lambda: base.combine(eo, w, T, k, H), iters))
     for payload in payloads:
         if payload == "bf16":
@@ -163,7 +161,7 @@ def bench_case(T, H, k, payloads, sweep, res):
             staged, full, packed = src, x, x
 
             def run(inp, c):
-                return dispatch(ws, inp, plan, num_ctas=c, out=out)
+                return dispatch(ws, inp, plan, num_ctas=c, out=out, transport=TRANSPORT)
         else:
             row_bytes = H + S
             xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -176,7 +174,7 @@ def bench_case(T, H, k, payloads, sweep, res):
             packed = torch.cat([xq.view(torch.uint8), xs], dim=1)
 
             def run(inp, c):
-                return dispatch(ws, inp, plan, payload="mxfp8", num_ctas=c, out=out)
+                return dispatch(ws, inp, plan, payload="mxfp8", num_ctas=c, out=out, transport=TRANSPORT)
         nbytes = remote * row_bytes
         r = dict(case=case, payload=payload, remote_rows=remote, disp_bytes=nbytes,
                  comb_bytes=remote * 2 * H, ctas=CTAS)
@@ -191,7 +189,7 @@ def bench_case(T, H, k, payloads, sweep, res):
                 s = dict(case=case, payload=payload, ctas=c, disp_bytes=nbytes,
                          comb_bytes=remote * 2 * H)
                 s["disp_us"] = bench_us(lambda: run(staged, c), iters)
-                s["comb_us"] = (bench_us(lambda: combine(ws, eo, w, plan, num_ctas=c), iters)
+                s["comb_us"] = (bench_us(lambda: combine(ws, eo, w, plan, num_ctas=c, transport=TRANSPORT), iters)
                                 if payload == "bf16" else None)
                 res["sweep"].append(s)
             ws.check_status()
@@ -204,7 +202,7 @@ def _gbps(nbytes, us):
 def print_table(res, pull_rate, push_rate):
     peer = min(pull_rate, push_rate)
     print(f"== bench_comm on {dist.get_world_size()}x {torch.cuda.get_device_name()}: E=32*EP "
-          f"random top-k, {CTAS} comm CTAs, transport {transport_of()} unroll {unroll_of()}; GB/s per direction over "
+          f"random top-k, {CTAS} comm CTAs, transport {TRANSPORT} unroll {UNROLL}; GB/s per direction over "
           f"remote rows, slowest rank; peer copy_ pull {pull_rate:.0f} / push "
           f"{push_rate:.0f} GB/s (%pk vs {peer:.0f}) ==")
     print(f"{'case':17s} {'pay':5s} | {'disp us':>8s} {'GB/s':>5s} {'%pk':>4s} {'+stage':>8s} "

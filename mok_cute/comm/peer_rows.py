@@ -17,6 +17,8 @@ The launch's rounds, on :mod:`mok_cute.comm.protocol`'s signalling (``signal_all
 of this rank's slot buffer (DATA, FREE). Built at trace time inside a kernel (its fields are
 kernel values).
 """
+from typing import NamedTuple
+
 from mok_cute.comm.protocol import (
     DATA, DONE, FREE, READY, arrive_last, cute, failed, gptr, signal_all, wait_all,
 )
@@ -25,13 +27,27 @@ from cutlass import BFloat16, Float32, Int32, Int64
 VEC = 8  # bf16 elements per 16-byte vector
 
 
-class PeerRows:
-    """One launch's view of the symmetric workspace (see the module doc); ``tk`` = T*k."""
+class PeerSections(NamedTuple):
+    """Byte offsets (Int64) of the workspace sections a fused kernel reaches on every rank: ``src``
+    (the pull source: x rows, or the backward's dy rows), ``slots`` (the push target), ``w`` (the
+    router weights; ``Int64(0)`` where the kernel pulls none) and ``flags``."""
 
-    def __init__(self, peer_bases, w_rows, me, n, src_off, slots_off, w_off, flags_off, epoch_pull, epoch_push,
-                 tk, timeout_ns, status):
+    src: Int64
+    slots: Int64
+    w: Int64
+    flags: Int64
+
+
+class PeerRows:
+    """One launch's view of the symmetric workspace (see the module doc): the peer table
+    ``peer_bases`` (int64 [EP] tensor), ``w_rows`` (where :meth:`pull_w` writes), this rank ``me`` of
+    ``n``, the ``sections``, the epochs of the launch's pull and push rounds, ``tk`` = T*k, the
+    waits' bound ``timeout_ns`` and the error ``status`` pointer."""
+
+    def __init__(self, peer_bases, w_rows, me, n, sections: PeerSections, epoch_pull, epoch_push, tk, timeout_ns,
+                 status):
         self.pb, self.w_rows, self.me, self.n = peer_bases, w_rows, me, n
-        self.src_off, self.slots_off, self.w_off, self.flags_off = src_off, slots_off, w_off, flags_off
+        self.src_off, self.slots_off, self.w_off, self.flags_off = sections
         self.epoch_pull, self.epoch_push, self.tk = epoch_pull, epoch_push, tk
         self.timeout_ns, self.status = timeout_ns, status
 
@@ -44,7 +60,9 @@ class PeerRows:
         return self._fields()
 
     def __new_from_mlir_values__(self, values: list) -> "PeerRows":
-        return PeerRows(*values)
+        pb, w_rows, me, n, src, slots, w, flags, epoch_pull, epoch_push, tk, timeout_ns, status = values
+        return PeerRows(pb, w_rows, me, n, PeerSections(src, slots, w, flags), epoch_pull, epoch_push, tk,
+                        timeout_ns, status)
 
     @cute.jit
     def src_row(self, q, k, rb):

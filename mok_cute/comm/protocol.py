@@ -23,7 +23,13 @@ once the status holds an error. The host reads the status with
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from mok_cute.dsl.compile import dsl
+# the error status and the bounded wait are the protocol's vocabulary (re-exported for the kernels)
+from mok_cute.dsl.status import (  # noqa: F401
+    BAD_EXPERT, BAD_INDEX, OK, OVERFLOW, STATUS_WORDS, TIMEOUT, failed, gptr, report, wait_geq,
+)
 
 cutlass, cute = dsl()
 from cutlass import Boolean, Int32, Int64  # noqa: E402
@@ -32,9 +38,26 @@ CNT, META, META_FREE, READY, DONE, DATA, FREE = range(7)
 NUM_CHANNELS = 7
 CHANNEL_NAMES = ("CNT", "META", "META_FREE", "READY", "DONE", "DATA", "FREE")
 
-OK, TIMEOUT, BAD_EXPERT, OVERFLOW, BAD_INDEX = 0, 1, 2, 3, 4
-STATUS_WORDS = 4  # code, peer, channel, epoch
 NUM_COUNTERS = 4  # CTA-arrival counters per kernel kind (own allocation, used from offset 0)
+
+
+class Link(NamedTuple):
+    """One comm kernel's handles on this rank's workspace: ``peer_bases`` int64 [EP] (every
+    rank's symmetric buffer address), ``status`` int32 [STATUS_WORDS] (the error word), ``counters``
+    int32 [NUM_COUNTERS] (the kernel kind's CTA-arrival counters, zero at launch). Pointers."""
+
+    peer_bases: cute.Pointer
+    status: cute.Pointer
+    counters: cute.Pointer
+
+
+class Round(NamedTuple):
+    """One launch's round: ``epoch`` (Int32, the flags it signals and waits for), ``timeout_ns``
+    (Int64, the bound of every wait) and ``nctas`` (Int32, the grid's CTAs)."""
+
+    epoch: Int32
+    timeout_ns: Int64
+    nctas: Int32
 
 
 def describe_status(words: list[int], timeout_s: float) -> str | None:
@@ -57,22 +80,6 @@ def describe_status(words: list[int], timeout_s: float) -> str | None:
     return f"mok_cute comm: unknown error code {code}"
 
 
-def gptr(dtype, addr: Int64, align: int = 4):
-    """Global pointer of ``dtype`` at integer address ``addr``."""
-    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
-
-
-@cute.jit
-def report(status: cute.Pointer, code: Int32, peer: Int32, channel: Int32, epoch: Int32):
-    """Record an error in ``status`` (int32[4]) unless one is recorded already."""
-    old = cute.arch.atomic_cas(status, cmp=Int32(0), val=code, sem="relaxed", scope="gpu")
-    if old == 0:
-        cute.arch.store(status + 1, peer)
-        cute.arch.store(status + 2, channel)
-        cute.arch.store(status + 3, epoch)
-        cute.arch.fence_acq_rel_gpu()
-
-
 @cute.jit
 def fence_stores(to_peers: cutlass.Constexpr[bool]):
     """Order this thread's stores before a release that publishes them: at system scope when some
@@ -84,31 +91,6 @@ def fence_stores(to_peers: cutlass.Constexpr[bool]):
 
 
 @cute.jit
-def failed(status: cute.Pointer) -> Boolean:
-    """True once any error is recorded (relaxed load, GPU scope)."""
-    return cute.arch.load(status, Int32, sem="relaxed", scope="gpu") != 0
-
-
-@cute.jit
-def wait_geq(flag: cute.Pointer, target: Int32, timeout_ns: Int64, status: cute.Pointer,
-             peer: Int32, channel: Int32) -> Boolean:
-    """Spin (acquire, system scope) until ``*flag >= target``; False on timeout or error."""
-    start = cute.arch.globaltimer()
-    v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
-    ok = Boolean(True)
-    while v - target < 0 and ok:
-        if cute.arch.globaltimer() - start > timeout_ns:
-            report(status, Int32(TIMEOUT), peer, channel, target)
-            ok = Boolean(False)
-        else:
-            if failed(status):
-                ok = Boolean(False)
-            else:
-                v = cute.arch.load(flag, Int32, sem="acquire", scope="sys")
-    return ok
-
-
-@cute.jit
 def wait_all(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeout_ns: Int64,
              status: cute.Pointer) -> Boolean:
     """One thread: wait until every rank q has set ``flags[channel][q] >= target`` here: rank q's
@@ -116,7 +98,7 @@ def wait_all(flags_local: Int64, channel: Int32, ep: Int32, target: Int32, timeo
     ``timeout_ns`` (a timeout or an error recorded elsewhere ends the wait: False; a timeout is
     recorded as peer q). One flat poll loop, not a peer loop around :func:`wait_geq`: with a
     run-time ``ep`` the nested form faulted natively beside cp.async.bulk copies (the bulk
-    transport; docs/benchmarks.md, session 12)."""
+    transport; commit 5af2a71, 2026-12-01)."""
     row = gptr(Int32, flags_local + Int64(channel * ep) * 4)
     q = Int32(0)
     ok = Boolean(True)
@@ -167,26 +149,25 @@ def arrive_and_signal(peer_bases: cute.Tensor, status: cute.Pointer, arrive: cut
 
 
 @cute.jit
-def pull_round(peer_bases: cute.Pointer, status: cute.Pointer, counter: cute.Pointer, me: Int32, ep: Int32,
-               flags_off: Int64, epoch: Int32, timeout_ns: Int64, nctas: Int32, move: cutlass.Constexpr,
-               ready: cutlass.Constexpr = READY, done: cutlass.Constexpr = DONE):
-    """Every CTA of one pull from the peers' buffers (epoch ``epoch``): CTA 0 signals
-    ``ready`` to every peer, every CTA waits ``ready`` from every peer, the CTA's threads run
-    ``move(tidx, bidx, pb)`` (unless a wait failed), and the last CTA to finish signals
-    ``done`` (READY / DONE for the row pulls; DATA / FREE for the pull-mode combine)."""
+def pull_round(link: Link, me: Int32, ep: Int32, flags_off: Int64, rnd: Round, move: cutlass.Constexpr):
+    """Every CTA of one pull from the peers' buffers (epoch ``rnd.epoch``): CTA 0 signals READY
+    to every peer, every CTA waits READY from every peer, the CTA's threads run
+    ``move(tidx, bidx, pb)`` (unless a wait failed), and the last CTA to finish arrives on
+    ``link.counters[0]`` (zeroing it) and signals DONE."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    pb = cute.make_tensor(peer_bases, cute.make_layout(ep))
+    pb = cute.make_tensor(link.peer_bases, cute.make_layout(ep))
     if tidx == 0:
         if bidx == 0:
-            signal_all(pb, flags_off, Int32(ready), me, ep, epoch)
-        wait_all(pb[me] + flags_off, Int32(ready), ep, epoch, timeout_ns, status)
+            signal_all(pb, flags_off, Int32(READY), me, ep, rnd.epoch)
+        wait_all(pb[me] + flags_off, Int32(READY), ep, rnd.epoch, rnd.timeout_ns, link.status)
     cute.arch.barrier()
-    if not failed(status):
+    if not failed(link.status):
         move(tidx, bidx, pb)
     cute.arch.barrier()
     if tidx == 0:
-        arrive_and_signal(pb, status, counter, counter, 1, flags_off, Int32(done), me, ep, epoch, nctas)
+        arrive_and_signal(pb, link.status, link.counters, link.counters, 1, flags_off, Int32(DONE), me, ep,
+                          rnd.epoch, rnd.nctas)
 
 
 @cute.kernel

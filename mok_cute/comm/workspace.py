@@ -18,7 +18,7 @@ The ``src`` section (T*H*2 bytes) also holds an MXFP8 dispatch's rows: per token
 (:func:`mxfp8_row_bytes`; T*7392 bytes at H 7168, T*4224 at H 4096), within T*H*2 for H >= 32.
 
 Local (not symmetric): ``status`` int32[4] (error code, peer, channel, epoch),
-``counters[kind]`` int32[4] per kernel kind ('pull', 'push', 'pull_reduce'; separate
+``counters[kind]`` int32[4] per kernel kind ('pull', 'push'; separate
 allocations, each kernel's counters at offset 0), ``dummy`` int32[16] of zeros (passed for
 an absent optional input; never aliases another argument), ``peer_bases`` int64 [EP].
 Epochs are host-side counters bumped identically on every rank by each operation, so
@@ -124,9 +124,6 @@ class CommWorkspace:
         sizes = {"flags": P.NUM_CHANNELS * self.EP * 4, "counts": self.EP * E * 4,
                  "recv": self.EP * T * k * 4, "src": T * H * 2, "slots": T * k * H * 2,
                  "w": T * k * 4, "dy": T * H * 2}
-        import os
-        if os.environ.get("MOK_COMM_COMBINE", "push") == "pull":  # staged expert rows
-            sizes["eo"] = self.recv_capacity * H * 2
         self.offsets, off = {}, 0
         for name, n in sizes.items():
             self.offsets[name] = off
@@ -140,7 +137,7 @@ class CommWorkspace:
         self.peer_bases = torch.tensor(self.peer_addrs, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(P.STATUS_WORDS, dtype=torch.int32, device=self.device)
         self.counters = {kind: torch.zeros(P.NUM_COUNTERS, dtype=torch.int32, device=self.device)
-                         for kind in ("pull", "push", "pull_reduce")}
+                         for kind in ("pull", "push")}
         self.dummy = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.epoch = {"plan": 0, "pull": 0, "push": 0}
         self.poisoned: str | None = None
@@ -234,15 +231,6 @@ class CommWorkspace:
         must come from :meth:`acquire_src` for this step (no copy then)."""
         if x.data_ptr() != self.local_base + self.offsets["src"]:
             self.acquire_src().copy_(x)
-
-    def stage_eo(self, rows: torch.Tensor) -> None:
-        """Pull-combine mode: copy this rank's expert rows (plan order) into the symmetric
-        ``eo`` section once every peer finished reading the previous ones (device wait)."""
-        self.wait_flags(P.FREE, self.epoch["push"])
-        n = min(rows.shape[0], self.recv_capacity)
-        eo = self.view("eo", torch.bfloat16, (self.recv_capacity, self.H))
-        if rows.data_ptr() != eo.data_ptr():
-            eo[:n].copy_(rows[:n])
 
     def kernel_args(self, tensors: tuple, sections: tuple[str, ...]) -> tuple:
         """A fused kernel's EP arguments for one launch (:class:`~mok_cute.comm.peer_rows.PeerRows`

@@ -26,11 +26,14 @@ This module imports no GEMM code.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
-from mok_cute.comm import protocol as P
+from mok_cute.dsl.status import wait_geq
 from mok_cute.schedule.group_tiles import seek, tile_coords
 from mok_cute.schedule.tickets import run_tickets, strided
 
@@ -98,21 +101,37 @@ def publishes(task: tuple) -> tuple[str, int]:
     return {S1: ("sh", mt), R1: ("h", mt), S2: ("done", 0), R2: ("done", 0)}[phase]
 
 
+@dataclass(frozen=True)
+class Gather:
+    """How the fused forward's routed rows reach GEMM1, as :func:`simulate` runs it: ``mode``
+    ``"comm"`` (the comm CTAs gather every chunk into the ring), ``"bg"`` (the comm CTAs gather the
+    ring's first fill, background warps the later chunks in :data:`PIECES` pieces) or ``"direct"``
+    (no ring, no gather: the producer warpgroup reads x's rows); ``ring`` chunk slots (None: every
+    chunk has its own slot); ``band`` m-tiles per R1 band (None: one band per expert)."""
+
+    mode: str = "comm"
+    ring: int | None = None
+    band: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("comm", "bg", "direct"):
+            raise ValueError(f"gather mode must be 'comm', 'bg' or 'direct', got {self.mode!r}")
+
+
 def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool, gemm_ctas: int,
-             comm_ctas: int, seed: int = 0, ring: int | None = None, band: int | None = None,
-             gather: str = "comm") -> int:
+             comm_ctas: int, seed: int = 0, gather: Gather = Gather()) -> int:
     """Run the fused forward's schedule on the host as the kernel runs it
     (:func:`~mok_cute.schedule.tickets.run_tickets`): comm CTA ``c`` gathers chunks ``c, c +
     comm_ctas, ...`` in order (chunk ``i >= ring`` once m-tile ``i - ring`` has all its GEMM1
-    tiles; ``ring`` None: every chunk has its own slot), then joins the GEMM CTAs in claiming the
-    list's tickets. ``gather="bg"``: the comm CTAs gather only the ring's first fill (chunks <
-    ring); the later chunks go in :data:`PIECES` pieces, piece q to the background warps of CTA
-    ``q % (comm_ctas + gemm_ctas)`` (each piece once its slot is free), and an R1 tile waits for
-    all of its chunk's pieces. ``gather="direct"``: no ring and no gather, every CTA claims tickets
-    from the start and an R1 tile waits for nothing (its producer warpgroup reads x's rows). Returns
+    tiles), then joins the GEMM CTAs in claiming the list's tickets. ``gather.mode == "bg"``: the
+    comm CTAs gather only the ring's first fill (chunks < ring); the later chunks go in
+    :data:`PIECES` pieces, piece q to the background warps of CTA ``q % (comm_ctas + gemm_ctas)``
+    (each piece once its slot is free), and an R1 tile waits for all of its chunk's pieces.
+    ``"direct"``: every CTA claims tickets from the start and an R1 tile waits for nothing. Returns
     the number of rounds; AssertionError on a deadlock or a missing publication."""
+    ring, band = gather.ring, gather.band
     tasks = task_list(offsets, tokens, tile_m, n1, n1s, n2, shared, band)
-    if gather == "direct":
+    if gather.mode == "direct":
         wants = lambda t: [] if t[0] == R1 else needs(t, n1, n1s)  # noqa: E731
         rounds, count = run_tickets(tasks, wants, publishes, [], comm_ctas + gemm_ctas, seed)
         assert count.get(("done", 0), 0) == sum(t[0] in (S2, R2) for t in tasks), "slot sum would wait forever"
@@ -122,7 +141,7 @@ def simulate(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, shar
     slot_free = lambda c: [("h", c - ring, n1)] if c >= ring else []  # noqa: E731
     units, background = 1, []
     fill = chunks
-    if gather == "bg":
+    if gather.mode == "bg":
         units, fill = PIECES, min(ring, chunks)
         pieces = [(slot_free(c), ("gather", c)) for c in range(fill, chunks) for _ in range(PIECES)]
         background = strided(pieces, comm_ctas + gemm_ctas)
@@ -142,7 +161,7 @@ def strided_chunks(jobs: list, ctas: int, units: int) -> list[list]:
 
 
 def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: int, n2: int, shared: bool,
-                gemm_ctas: int, comm_ctas: int, ring: int | None = None, band: int | None = None) -> list[int]:
+                gemm_ctas: int, comm_ctas: int, gather: Gather = Gather()) -> list[int]:
     """The fused forward at EP > 1 on the host: every rank's task list over its receive rows (the
     routing plan of :func:`mok_cute.schedule.plan.plan_routing`) must complete (:func:`simulate`;
     a rank's GEMM tasks wait only for its own gather and tiles: READY is signalled at launch and
@@ -150,7 +169,7 @@ def simulate_ep(topk_idx_per_rank, num_experts: int, tile_m: int, n1: int, n1s: 
     of its ``n2`` GEMM2 column tiles pushed exactly once (the slot sum's DATA wait then counts
     every rank's pushes). Returns the rounds per rank; AssertionError otherwise."""
     def rank(offs, tokens):
-        rounds = simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas, ring=ring, band=band)
+        rounds = simulate(offs, tokens, tile_m, n1, n1s, n2, shared, gemm_ctas, comm_ctas, gather=gather)
         return rounds, [(row0, rows, n_tile) for phase, _, n_tile, row0, rows, _ in
                         task_list(offs, tokens, tile_m, n1, n1s, n2, shared) if phase == R2]
     return check_ep_pushes(topk_idx_per_rank, num_experts, n2, rank, "GEMM2")
@@ -184,18 +203,41 @@ def check_ep_pushes(topk_idx_per_rank, num_experts: int, n_cols: int, rank, what
 
 
 # ---------------------------------------------------------------- device functions
+class RingWait(NamedTuple):
+    """What a gather chunk waits on before it rewrites its ring slot: ``h_ready`` int32 [routed
+    m-tiles] (GEMM1 n-tiles finished per m-tile), the wait's bound ``timeout_ns`` (Int64), the
+    error ``status`` (int32[4] pointer) and the ``channel`` (Int32) a timeout is recorded under."""
+
+    h_ready: cute.Tensor
+    timeout_ns: Int64
+    status: cute.Pointer
+    channel: Int32
+
+
+class ListShape(NamedTuple):
+    """The task list's phase sizes (Int32): tasks ``n_s1`` (S1), ``n_r1`` (R1), ``n_s2`` (S2),
+    ``m_sh`` shared m-tiles, ``n1`` GEMM1 and ``n2`` GEMM2 n-tiles."""
+
+    n_s1: Int32
+    n_r1: Int32
+    n_s2: Int32
+    m_sh: Int32
+    n1: Int32
+    n2: Int32
+
+
 @cute.jit
 def chunk_start(tidx: Int32, c: Int32, ring: Int32, n1: Int32, offsets: cute.Tensor, num_experts: Int32,
-                tile_m: cutlass.Constexpr[int], expert: Int32, base: Int32, h_ready: cute.Tensor, timeout_ns,
-                status, channel: Int32, barrier_id: cutlass.Constexpr[int] = 0, threads: cutlass.Constexpr[int] = 0):
+                tile_m: cutlass.Constexpr[int], expert: Int32, base: Int32, wait: RingWait,
+                barrier_id: cutlass.Constexpr[int] = 0, threads: cutlass.Constexpr[int] = 0):
     """The start of gather chunk ``c`` (or of a piece of it): ``(row0, rows, expert, base)``
-    (:func:`mtile`); chunk ``c >= ring`` first waits (thread ``tidx`` 0, bounded, status ``channel``;
-    then the CTA, or with ``barrier_id`` the ``threads`` of that named barrier) until every GEMM1
-    n-tile of m-tile ``c - ring`` has read its ring slot (``h_ready >= n1``)."""
+    (:func:`mtile`); chunk ``c >= ring`` first waits (thread ``tidx`` 0, bounded, status
+    ``wait.channel``; then the CTA, or with ``barrier_id`` the ``threads`` of that named barrier) until
+    every GEMM1 n-tile of m-tile ``c - ring`` has read its ring slot (``wait.h_ready >= n1``)."""
     row0, rows, e, b = mtile(offsets, num_experts, tile_m, c, expert, base)
     if c >= ring:
         if tidx == 0:
-            P.wait_geq(h_ready.iterator + (c - ring), n1, timeout_ns, status, c - ring, channel)
+            wait_geq(wait.h_ready.iterator + (c - ring), n1, wait.timeout_ns, wait.status, c - ring, wait.channel)
         if cutlass.const_expr(barrier_id == 0):
             cute.arch.barrier()
         else:
@@ -242,13 +284,12 @@ def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: 
 
 
 @cute.jit
-def task(t: Int32, n_s1: Int32, n_r1: Int32, n_s2: Int32, m_sh: Int32, n1: Int32, n2: Int32, offsets: cute.Tensor,
-         num_experts: Int32, tokens: Int32, tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32,
-         e2: Int32, b2: Int32):
-    """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (``n_s1``,
-    ``n_r1``, ``n_s2``: tasks of the first three phases; R1 in bands of ``band`` m-tiles). The
-    routed phases advance their own cursor ``(e, b)`` of
-    :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
+def task(t: Int32, shape: ListShape, offsets: cute.Tensor, num_experts: Int32, tokens: Int32,
+         tile_m: cutlass.Constexpr[int], band: Int32, e1: Int32, b1: Int32, e2: Int32, b2: Int32):
+    """``(phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2)`` of task ``t`` (the list's
+    ``shape``; R1 in bands of ``band`` m-tiles). The routed phases advance their own cursor
+    ``(e, b)`` of :func:`~mok_cute.schedule.group_tiles.seek` (a CTA's tasks only grow)."""
+    n_s1, n_r1, n_s2, m_sh, n1, n2 = shape
     phase = Int32(R2)
     expert = Int32(0)
     n_tile = Int32(0)

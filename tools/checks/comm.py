@@ -14,15 +14,12 @@ driver reads CUDA_MODULE_LOADING once, at CUDA init, and tools/gpu_check.py init
 CUDA before this module runs, so ``MOK_COMM_EAGER=1`` sets it as early as this module can
 (import time and first thing in :func:`run`) and warns when CUDA is already up; for a
 guaranteed eager run put ``CUDA_MODULE_LOADING=EAGER`` in the command itself.
-``MOK_COMM_TRANSPORT=bulk`` (a separate invocation, so that a fault cannot take down the
-default checks): the same rows with the opt-in cp.async.bulk kernels for the pulls without
-weights, combine and reverse dispatch (the weighted dispatch keeps plain loads); rows
-are named ``bulk...`` instead of ``comm...``; ``bulk_pull`` / ``bulk_push`` switch only
-the pulls (dispatch, reverse combine) / only the pushes (combine, reverse dispatch), to
-isolate a fault. First run it as ``MOK_COMM_TRANSPORT=bulk
-MOK_COMM_QUICK=1 MOK_COMM_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 torchrun --nproc_per_node=2
-tools/gpu_check.py comm``. ``MOK_COMM_UNROLL=1|2|8`` (default 8) picks the 16-byte copies in
-flight per thread of the default kernels.
+``MOK_COMM_CHECK_TRANSPORT=bulk`` (a separate invocation, so that a fault cannot take down the
+default checks): the same rows with ``transport="bulk"`` passed to every comm op (cp.async.bulk
+kernels for the pulls without weights, combine and reverse dispatch; the weighted dispatch keeps
+plain loads); rows are named ``bulk...`` instead of ``comm...``. First run it as
+``MOK_COMM_CHECK_TRANSPORT=bulk MOK_COMM_QUICK=1 MOK_COMM_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 torchrun
+--nproc_per_node=2 tools/gpu_check.py comm``.
 ``MOK_COMM_PULL_TWICE=1``: per case only plan, dispatch, dispatch, reverse_combine (the pull
 kernel launched 3 times on one workspace, synced and checked after each), then stop.
 
@@ -39,13 +36,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from checks.common import Ctx, Row, bench_us
+from tools.checks.common import Ctx, Row, bench_us
 from mok_cute.comm import protocol as P
 from mok_cute.comm.combine import combine, reverse_dispatch
 from mok_cute.comm.dispatch import dispatch, reverse_combine
-from mok_cute.comm.rows import transport_of, unroll_of
+from mok_cute.comm.planner import plan_routing_device
+from mok_cute.comm.rows import check_transport
 from mok_cute.comm.workspace import get_workspace
-from mok_cute.schedule.plan import RankPlan, plan_routing, plan_routing_device, route_weights
+from mok_cute.schedule.plan import RankPlan, plan_routing, route_weights
 
 BF16 = torch.bfloat16
 
@@ -147,6 +145,8 @@ def _eq(name, got, ref, note="") -> Row:
 
 
 DEBUG = os.environ.get("MOK_COMM_DEBUG", "0") == "1"
+# the comm ops' transport in this run (run() sets it from MOK_COMM_CHECK_TRANSPORT)
+TRANSPORT = {"transport": "plain"}
 # isolate the 2nd launch of the pull kernel: plan, dispatch, dispatch, reverse_combine, stop
 PULL_TWICE = os.environ.get("MOK_COMM_PULL_TWICE", "0") == "1"
 
@@ -275,7 +275,7 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
         for n, (name, src_all) in enumerate([("dispatch", x_all), ("dispatch again", x_all),
                                              ("reverse_combine", dy_all)]):
             got = (dispatch if src_all is x_all else reverse_combine)(ws, src_all[me], plan,
-                                                                      num_ctas=8)[:M]
+                                                                      num_ctas=8, **TRANSPORT)[:M]
             torch.cuda.synchronize()
             ws.check_status()
             _log(ctx, f"pull #{n + 1} {name} (epoch {ws.epoch['pull']}): ok")
@@ -285,21 +285,21 @@ def _correctness(ctx: Ctx, case: str, T: int, H: int, k: int, E: int) -> list[Ro
     def step(num_ctas):
         def mx(with_w):
             res = dispatch(ws, (q_all[me], s_all[me]), plan, payload="mxfp8", num_ctas=num_ctas,
-                           topk_w=w_all[me] if with_w else None)
+                           topk_w=w_all[me] if with_w else None, **TRANSPORT)
             return (res[0][:M], res[1][:M]) + tuple(res[2:])
 
         ops = {
-            "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas)[:M],
+            "dispatch": lambda: dispatch(ws, x_all[me], plan, num_ctas=num_ctas, **TRANSPORT)[:M],
             "dispatch+topk_w": lambda: (lambda r: (r[0][:M], r[1]))(
-                dispatch(ws, x_all[me], plan, topk_w=w_all[me], num_ctas=num_ctas)),
+                dispatch(ws, x_all[me], plan, topk_w=w_all[me], num_ctas=num_ctas, **TRANSPORT)),
             "dispatch mxfp8": lambda: mx(False),
             "dispatch mxfp8+topk_w": lambda: mx(True),
-            "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas),
+            "combine": lambda: combine(ws, eo_all[me], w_all[me], plan, num_ctas=num_ctas, **TRANSPORT),
             "combine+shared": lambda: combine(ws, eo_all[me], w_all[me], plan, sh_all[me],
-                                              num_ctas=num_ctas),
-            "reverse_combine": lambda: reverse_combine(ws, dy_all[me], plan, num_ctas=num_ctas)[:M],
+                                              num_ctas=num_ctas, **TRANSPORT),
+            "reverse_combine": lambda: reverse_combine(ws, dy_all[me], plan, num_ctas=num_ctas, **TRANSPORT)[:M],
             "reverse_dispatch": lambda: reverse_dispatch(ws, dxe_all[me], plan, sh_all[me],
-                                                         num_ctas=num_ctas),
+                                                         num_ctas=num_ctas, **TRANSPORT),
         }
         parts = {"dispatch+topk_w": ("rows", "w_rows"), "dispatch mxfp8": ("data", "scales"),
                  "dispatch mxfp8+topk_w": ("data", "scales", "w_rows")}
@@ -354,7 +354,7 @@ def _stall(ctx: Ctx) -> Row:
     if ctx.rank != stalled:
         t0 = time.time()
         try:
-            dispatch(ws, x, plan)
+            dispatch(ws, x, plan, **TRANSPORT)
             ws.check_status()
             row = Row(f"comm stalled peer (rank {stalled} skips)", ok=False, note="no error raised")
         except RuntimeError as e:
@@ -390,20 +390,20 @@ def _timing(ctx: Ctx) -> list[Row]:
     src = ws.acquire_src()
     src.copy_(x)
     for nctas in (8, 16, 32):
-        t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas))
+        t = bench_us(lambda: dispatch(ws, src, plan, num_ctas=nctas, **TRANSPORT))
         rows.append(Row(f"comm dispatch pull {nctas} CTAs", time_us=t,
                         note=f"{pulled_remote / t / 1e3:.0f} GB/s in ({where})"))
-        t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas))
+        t = bench_us(lambda: combine(ws, eo, w, plan, num_ctas=nctas, **TRANSPORT))
         rows.append(Row(f"comm combine push+reduce {nctas} CTAs", time_us=t,
                         note=f"{pushed_remote / t / 1e3:.0f} GB/s out ({where})"))
-    t = bench_us(lambda: dispatch(ws, x, plan))
+    t = bench_us(lambda: dispatch(ws, x, plan, **TRANSPORT))
     rows.append(Row("comm dispatch incl. staging copy", time_us=t,
                     note=f"{pulled_remote / t / 1e3:.0f} GB/s in"))
     xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     xs = torch.randint(0, 256, (T, H // 32), generator=_gen(80 + me, dev), device=dev,
                        dtype=torch.uint8)
     mx_bytes = rows_moved * (H + H // 32)
-    t = bench_us(lambda: dispatch(ws, (xq, xs), plan, payload="mxfp8"))
+    t = bench_us(lambda: dispatch(ws, (xq, xs), plan, payload="mxfp8", **TRANSPORT))
     rows.append(Row("comm dispatch mxfp8 incl. staging", time_us=t,
                     note=f"{mx_bytes / t / 1e3:.0f} GB/s in ({where})"))
     t = bench_us(lambda: dispatch(ws, x, plan, topk_w=w))
@@ -427,9 +427,10 @@ def _guard(ctx: Ctx, name: str, fn) -> list[Row]:
 
 def run(ctx: Ctx) -> list[Row]:
     try:
-        tr = transport_of()
+        tr = check_transport(os.environ.get("MOK_COMM_CHECK_TRANSPORT", "plain"))
     except ValueError as e:
         return [Row("comm transport", ok=False, note=str(e)[:100])]
+    TRANSPORT["transport"] = tr
     _eager_loading()
     _init(ctx)
     EP = ctx.world
@@ -437,11 +438,10 @@ def run(ctx: Ctx) -> list[Row]:
     cases = [("random", 256, 512, 4, 8 * EP), ("hot", 64, 256, 4, 4 * EP),
              ("rank0_empty", 64, 256, 2, 4 * EP), ("random", 1, 64, 2 * EP, 2 * EP),  # T=1, k=E
              ("random", 4096, 7168, 8, 32 * EP)]
-    unroll = unroll_of()
-    rows = [Row(f"comm transport {tr}{f' unroll {unroll}' if unroll > 1 else ''}, EP={EP}", ok=True,
+    rows = [Row(f"comm transport {tr}, EP={EP}", ok=True,
                 note=("one process, 1-rank group: same kernels, every route local; "
-                      if EP == 1 else "") + (f"MOK_COMM_TRANSPORT={tr}: bf16 row moves by "
-                                            "cp.async.bulk" if tr != "plain" else "default"))]
+                      if EP == 1 else "") + ("transport=bulk: bf16 row moves by cp.async.bulk"
+                                            if tr != "plain" else "default"))]
     for c in cases[:1] if quick else cases:
         rows += _guard(ctx, f"comm[{c[0]} T{c[1]} H{c[2]} k{c[3]} E{c[4]}]",
                        lambda c=c: _correctness(ctx, *c))

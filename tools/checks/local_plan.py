@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us
+from tools.checks.common import Row, bench_us
 
 CASES = [  # (name, T, k, E, mode)
     ("random", 4096, 8, 16, "random"), ("skewed", 8192, 10, 32, "skew"), ("all -1", 1000, 4, 8, "none"),
