@@ -3,9 +3,10 @@
 break (the ops are opaque to it; their fake implementations give the output shapes); eager calls
 run the same core through autograd.Functions.
 
-* ``mok_cute::moe_fwd(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate?, ws_up?, ws_down?,
-  shared_gate?, main_grads[], swiglu_limit?, config, group, keep) -> (y, handle)``: the
-  backend's forward. ``config``: the :class:`~mok_cute.config.MoKConfig` as a string
+* ``mok_cute::moe_fwd(x, topk_idx, topk_w, weights[], main_grads[], swiglu_limit?, config, group,
+  keep) -> (y, handle)``: the backend's forward. ``weights``: the layer's weights present, in the
+  order w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate (3, 6 or 7: the gate needs the
+  shared expert). ``config``: the :class:`~mok_cute.config.MoKConfig` as a string
   (:func:`config_key`), ``group``: a key of :func:`group_key` (0: none). With ``keep`` (a
   backward will follow) the backend's state is held in a table under the int64 handle's id
   until the backward takes it or the handle tensor is freed; without it nothing is kept.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import weakref
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
@@ -87,8 +89,8 @@ def _storages(obj) -> dict:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif hasattr(o, "__dataclass_fields__"):
-            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+        elif is_dataclass(o):
+            stack.extend(getattr(o, f.name) for f in fields(o))
     return out
 
 
@@ -99,19 +101,29 @@ def _state_bytes(state, inputs) -> int:
     return sum(n for p, n in _storages(state).items() if p not in held)
 
 
-def run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, swiglu_limit,
-                cfg: MoKConfig, grp, keep: bool):
-    """The backend's forward: ``(y, entry)``, ``entry`` what :func:`run_backward` needs (None
-    without ``keep``; with ``activations="recompute"``, or "budget" when this state would not
-    fit, the inputs instead of the state)."""
-    from .layers.select import MoEInputs, get_backend, select_backend
+def layer_inputs(x, topk_idx, topk_w, weights, swiglu_limit, main_grads):
+    """:class:`~mok_cute.layers.select.MoEInputs` of one layer call from its weights present
+    (``weights``: w_gate, w_up, w_down[, ws_gate, ws_up, ws_down[, shared_gate]]) and ``main_grads``
+    (a sequence of fp32 tensors, empty or None for none)."""
+    from .layers.select import MoEInputs
 
-    backend = get_backend(select_backend(x.device, cfg))
-    if shared_gate is not None and not getattr(backend, "shared_gate", False):
+    shared = tuple(weights[3:6]) if len(weights) > 3 else None
+    gate = weights[6] if len(weights) > 6 else None
+    return MoEInputs(x, topk_idx, topk_w, *weights[:3], shared, swiglu_limit, gate,
+                     tuple(main_grads) if main_grads else None)
+
+
+def run_forward(inp, cfg: MoKConfig, grp, keep: bool):
+    """The backend's forward on the layer inputs ``inp`` (:class:`~mok_cute.layers.select.MoEInputs`):
+    ``(y, entry)``, ``entry`` what :func:`run_backward` needs (None without ``keep``; with
+    ``activations="recompute"``, or "budget" when this state would not fit, the inputs instead of
+    the state)."""
+    from .layers.select import get_backend, select_backend
+
+    backend = get_backend(select_backend(inp.x.device, cfg))
+    if inp.shared_gate is not None and not backend.shared_gate:
         raise NotImplementedError(f"shared_gate: the {backend.name!r} backend does not run the shared expert's output "
                                   "gate yet (the reference backend does: MoKConfig(backend='reference'))")
-    shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
-    inp = MoEInputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, shared_gate)
     y, state = backend.forward(inp, cfg, grp)
     if not keep:
         return y, None
@@ -148,50 +160,48 @@ def run_backward(entry, dy, weights, main_grads) -> list:
     return [g.dx, g.d_topk_w, *d_w]
 
 
-def _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) -> list:
-    """The layer's weights present, in :func:`run_backward`'s order (routed, shared, gate)."""
-    return [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) if w is not None]
+@dataclass(frozen=True)
+class LayerCall:
+    """What one eager layer call passes :class:`MoEFunction` besides the tensors autograd tracks:
+    the config, the expert-parallel group, ``keep`` (a backward will follow), the SwiGLU limit,
+    topk_idx [T, k] (not differentiable) and ``main_grads`` (fp32 tensors or None)."""
 
-
-def _input_grads(grads: list, has_shared: bool, has_gate: bool, n_main: int | None):
-    """The layer inputs' gradients in the argument order of :func:`moe_fwd` / ``MoEFunction``:
-    x, topk_idx, topk_w, the three weights, the shared expert's three, its gate, main_grads (a
-    list of ``n_main`` Nones for the custom op, None for the Function)."""
-    d_w = grads[2:]
-    shared = tuple(d_w[3:6]) if has_shared else (None, None, None)
-    gate = d_w[6] if has_gate else None
-    return (grads[0], None, grads[1], *d_w[:3], *shared, gate, None if n_main is None else [None] * n_main)
+    config: MoKConfig
+    group: object
+    keep: bool
+    swiglu_limit: float | None
+    topk_idx: torch.Tensor
+    main_grads: tuple | None
 
 
 class MoEFunction(torch.autograd.Function):
     """The eager path of :func:`mok_cute.moe` (the custom ops' Python dispatch costs about 0.2 ms
     per call, ``tools/bench_dispatch.py``): the same :func:`run_forward` / :func:`run_backward`,
-    the state held in ``ctx``."""
+    the state held in ``ctx``. The weights are passed one by one (None where absent: the shared
+    expert's three, its gate) so that autograd tracks each."""
 
     @staticmethod
-    def forward(ctx, cfg, grp, keep, swiglu_limit, x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                shared_gate, main_grads):
-        y, ctx.entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
-                                   swiglu_limit, cfg, grp, keep)
-        ctx.weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate)
-        ctx.has_shared, ctx.has_gate, ctx.main_grads = ws_gate is not None, shared_gate is not None, main_grads
-        ctx.mark_non_differentiable(topk_idx)
+    def forward(ctx, call: LayerCall, x, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate):
+        ctx.weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) if w is not None]
+        inp = layer_inputs(x, call.topk_idx, topk_w, ctx.weights, call.swiglu_limit, call.main_grads)
+        y, ctx.entry = run_forward(inp, call.config, call.group, call.keep)
+        ctx.main_grads = call.main_grads
         return y
 
     @staticmethod
     def backward(ctx, dy):
         entry, ctx.entry = ctx.entry, None
         grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads)
-        return (None, None, None, None, *_input_grads(grads, ctx.has_shared, ctx.has_gate, None))
+        d_w = grads[2:] + [None] * (7 - len(ctx.weights))  # absent weights: no gradient
+        return None, grads[0], grads[1], *d_w
 
 
 @torch.library.custom_op("mok_cute::moe_fwd", mutates_args=())
-def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gate: torch.Tensor,
-            w_up: torch.Tensor, w_down: torch.Tensor, ws_gate: torch.Tensor | None, ws_up: torch.Tensor | None,
-            ws_down: torch.Tensor | None, shared_gate: torch.Tensor | None, main_grads: list[torch.Tensor],
-            swiglu_limit: float | None, config: str, group: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    y, entry = run_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate,
-                           swiglu_limit, _config(config), _GROUPS.get(group) if group else None, keep)
+def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: list[torch.Tensor],
+            main_grads: list[torch.Tensor], swiglu_limit: float | None, config: str, group: int,
+            keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    inp = layer_inputs(x, topk_idx, topk_w, weights, swiglu_limit, main_grads)
+    y, entry = run_forward(inp, _config(config), _GROUPS.get(group) if group else None, keep)
     return y, _stash(entry)
 
 
@@ -216,8 +226,7 @@ def _take(handle: torch.Tensor):
 
 
 @moe_fwd.register_fake
-def _(x, topk_idx, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, main_grads, swiglu_limit,
-      config, group, keep):
+def _(x, topk_idx, topk_w, weights, main_grads, swiglu_limit, config, group, keep):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
 
 
@@ -243,19 +252,19 @@ def _(dy, handle, x, topk_w, weights, main_grads):
 
 
 def _setup(ctx, inputs, output):
-    x, _, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate, main_grads = inputs[:11]
-    weights = _weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate)
-    ctx.n_weights, ctx.has_shared, ctx.has_gate = len(weights), ws_gate is not None, shared_gate is not None
-    ctx.n_main = len(main_grads)
+    x, _, topk_w, weights, main_grads = inputs[:5]
+    ctx.n_weights, ctx.n_main = len(weights), len(main_grads)
     ctx.save_for_backward(output[1], x, topk_w, *weights, *main_grads)
 
 
 def _backward(ctx, dy, _dhandle):
+    """The gradients of moe_fwd's inputs: x, none for topk_idx, topk_w, one per weight (None for
+    each with ``main_grads``: they took them), none for the rest."""
     handle, x, topk_w, *rest = ctx.saved_tensors
     weights, main_grads = rest[:ctx.n_weights], rest[ctx.n_weights:]
     g = moe_bwd(dy.contiguous(), handle, x, topk_w, list(weights), list(main_grads))
-    grads = list(g[:2]) + ([None] * len(weights) if main_grads else list(g[2:2 + len(weights)]))
-    return (*_input_grads(grads, ctx.has_shared, ctx.has_gate, ctx.n_main), None, None, None, None)
+    d_w = [None] * len(weights) if main_grads else list(g[2:2 + len(weights)])
+    return g[0], None, g[1], d_w, [None] * ctx.n_main, None, None, None, None
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup)
@@ -264,30 +273,35 @@ moe_fwd.register_autograd(_backward, setup_context=_setup)
 # ---------------------------------------------------------------- the grouped expert MLP (mok_cute.expert_mlp)
 def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: MoKConfig):
     """``(out, entry)`` of the expert MLP on the backend ``cfg`` selects for x's device (the
-    reference, or an arch's MLP in a precision it runs, else NotImplementedError first)."""
+    reference, or an arch's MLP in a precision it runs, else NotImplementedError first); the
+    backward path decided here, once (:func:`mok_cute.layers.paths.decide_expert_mlp`)."""
     from . import reference
+    from .config import BackwardPath
+    from .layers import paths
     from .layers.select import get_backend, select_backend
 
     name, precision = select_backend(x_rows.device, cfg), cfg.precision
     if name == "reference":
         out, saved = reference.experts_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, precision)
-        return out, (None, saved, precision)
+        return out, (None, saved, precision, False)
     mlp = get_backend(name).mlp
     if precision not in mlp.precisions:
         raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, not {precision!r}")
+    call = paths.Call(precision, recompute=cfg.activations != "save", cuda=x_rows.is_cuda)
+    fused = paths.decide_expert_mlp(cfg, mlp.arch, call) is not BackwardPath.UNFUSED
     kw = {} if precision == "bf16" else {"precision": precision}
     out, saved = mlp.forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, **kw)
-    return out, (mlp, saved, precision)
+    return out, (mlp, saved, precision, fused)
 
 
 def run_mlp_backward(entry, d_out, weights, swiglu_limit) -> tuple:
     """``(dx_rows, dW_gate, dW_up, dW_down)`` of the forward that made ``entry``."""
     from . import reference
 
-    mlp, saved, precision = entry
+    mlp, saved, precision, fused = entry
     if mlp is None:
         return tuple(reference.experts_backward(saved, d_out, *weights, swiglu_limit, precision))
-    return tuple(mlp.backward(saved, d_out, *weights, swiglu_limit))
+    return tuple(mlp.backward(saved, d_out, *weights, swiglu_limit, fused=fused))
 
 
 class ExpertMLPFunction(torch.autograd.Function):

@@ -14,7 +14,7 @@ from .validate import check_num_experts
 class MoELayer(nn.Module):
     """MoE layer over ``num_experts`` experts split across the expert-parallel ``group``.
 
-    Parameters (bf16 unless said): w_gate, w_up [E_local, I, H]; w_down [E_local, H, I];
+    Parameters (bf16, the kernels' dtype, unless said): w_gate, w_up [E_local, I, H]; w_down [E_local, H, I];
     with ``shared_intermediate_size`` I_s: ws_gate, ws_up [I_s, H], ws_down [H, I_s];
     with ``router=True``: router_weight [E, H] fp32 (logits = x . router_weight^T in fp32,
     top-k of the logits, softmax over the k kept values; its gradient flows through topk_w).
@@ -31,21 +31,18 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int | None = None, router: bool = True,
                  swiglu_limit: float | None = None, config: MoKConfig | None = None, group=None,
-                 accumulate_main_grad: bool = False, shared_output_gate: bool = False, device=None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 accumulate_main_grad: bool = False, shared_output_gate: bool = False, device=None):
         super().__init__()
         ep, rank = _world(group)
         e_local = check_num_experts(num_experts, ep)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
-        if dtype != torch.bfloat16:
-            raise TypeError(f"dtype must be torch.bfloat16 (expert weights), got {dtype}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.ep, self.rank = num_experts, top_k, ep, rank
         self.swiglu_limit, self.config, self.group = swiglu_limit, config or MoKConfig(), group
         h, i = hidden_size, intermediate_size
 
-        def param(*shape, fan_in, dt=dtype):
+        def param(*shape, fan_in, dt=torch.bfloat16):
             return nn.Parameter((torch.randn(*shape, device=device) * fan_in ** -0.5).to(dt))
 
         self.w_gate = param(e_local, i, h, fan_in=h)
@@ -63,7 +60,7 @@ class MoELayer(nn.Module):
             raise ValueError("shared_output_gate=True needs the shared expert (shared_intermediate_size)")
         self.shared_gate = None
         if shared_output_gate:
-            self.shared_gate = nn.Parameter(torch.zeros(1, h, device=device, dtype=dtype))
+            self.shared_gate = nn.Parameter(torch.zeros(1, h, device=device, dtype=torch.bfloat16))
         self.router_weight = param(num_experts, h, fan_in=h, dt=torch.float32) if router else None
         if not isinstance(accumulate_main_grad, bool):
             raise TypeError(f"accumulate_main_grad must be a bool, got {type(accumulate_main_grad).__name__}")

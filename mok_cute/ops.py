@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .custom_ops import ExpertMLPFunction, MoEFunction, config_key, expert_mlp_fwd, group_key, moe_fwd
+from .custom_ops import ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, moe_fwd
 from .config import MoKConfig
 from .dsl.host import weight_operand
 from .reference import _world
@@ -34,8 +34,13 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     shared_gate: None, or the shared expert's output gate w_sg [1, H] bf16 (Qwen-style; needs
     ``shared``): y = bf16(fp32(shared(x)) * g + routed sum) with g = bf16(sigmoid(x . w_sg^T))
     per token (mok_cute.reference). Its gradient is computed in fp32 (kept in fp32 through
-    ``main_grads``, whose last tensor it then is; autograd's ``.grad`` is bf16). The reference
-    backend runs it; the GPU backends raise NotImplementedError for it (not built yet).
+    ``main_grads``, whose last tensor it then is; autograd's ``.grad`` is bf16). Every backend
+    runs it at EP = 1; the GPU backends raise NotImplementedError for it at EP > 1.
+
+    config: :class:`~mok_cute.config.MoKConfig` (None: the defaults). Its fields are the only
+    choices: the environment does not override them (``mok_cute.dsl.env`` holds the process-level
+    variables, e.g. ``MOK_CUTE_TRACE``, the default of ``config.trace`` only). The GPU backends
+    decide the forward and backward paths once per call (:mod:`mok_cute.layers.paths`).
 
     Under ``torch.compile`` the routing values are not checked on the host (``validate_routing``
     needs a host sync): an id outside [-1, E) is then handled as with ``validate_routing=False``.
@@ -57,11 +62,14 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
         (shared_gate,) if shared_gate is not None else ())
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     # weights as given when the kernels' TMA addresses them in place (fc1 halves: no copy)
-    args = (x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), weight_operand(w_gate), weight_operand(w_up),
-            weight_operand(w_down), *ws, None if shared_gate is None else shared_gate.contiguous())
+    x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+    weights = (weight_operand(w_gate), weight_operand(w_up), weight_operand(w_down), *ws,
+               None if shared_gate is None else shared_gate.contiguous())
     if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
-        return moe_fwd(*args, list(main_grads or ()), limit, config_key(config), group_key(group), keep)[0]
-    return MoEFunction.apply(config, group, keep, limit, *args, main_grads)
+        present = [w for w in weights if w is not None]
+        return moe_fwd(x, topk_idx, topk_w, present, list(main_grads or ()), limit, config_key(config),
+                       group_key(group), keep)[0]
+    return MoEFunction.apply(LayerCall(config, group, keep, limit, topk_idx, main_grads), x, topk_w, *weights)
 
 
 def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, config=None):
@@ -74,7 +82,10 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     rows past offsets[E] are unspecified. Precision ``config.precision`` (bf16, mxfp8,
     fp8_block: the reference's numerics for each; a backend that does not run it raises
     NotImplementedError). Backend: sm90 kernels on capability 9.0, sm100 on
-    10.x (compile-verified only), the reference elsewhere (config / MOK_CUTE_BACKEND override as for :func:`moe`).
+    10.x (compile-verified only), the reference elsewhere (``config.backend`` overrides, as for
+    :func:`moe`). Backward: ``config.backward_path`` (None: the fused backward core on SM90 in
+    BF16 / MXFP8, the separate kernels otherwise; FUSED_WHOLE needs the layer's routing and is
+    refused); ``config.forward_path`` does not apply (the grouped GEMMs run either way).
     """
     config = config if config is not None else MoKConfig()
     for arg, t, nd in (("x_rows", x_rows, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3), ("w_down", w_down, 3)):

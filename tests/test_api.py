@@ -115,8 +115,7 @@ def test_num_experts_not_divisible_by_ep():
 
 
 # ---------------------------------------------------------------- backends
-def test_backend_auto_on_cpu_is_reference_and_announced_once(monkeypatch):
-    monkeypatch.delenv(B.ENV, raising=False)
+def test_backend_auto_on_cpu_is_reference_and_announced_once():
     B._announced.clear()
     with pytest.warns(UserWarning, match="reference backend"):
         assert B.select_backend(torch.device("cpu"), MoKConfig()) == "reference"
@@ -127,22 +126,25 @@ def test_backend_auto_on_cpu_is_reference_and_announced_once(monkeypatch):
         assert B.select_backend(torch.device("cpu"), MoKConfig()) == "reference"
 
 
-def test_backend_env_override(monkeypatch):
-    monkeypatch.setenv(B.ENV, "reference")
-    assert B.select_backend(torch.device("cpu"), MoKConfig(backend="sm90")) == "reference"
-    monkeypatch.setenv(B.ENV, "tpu")
-    with pytest.raises(ValueError, match="MOK_CUTE_BACKEND"):
-        B.select_backend(torch.device("cpu"), MoKConfig())
+def test_removed_backend_env_has_no_effect(monkeypatch):
+    """MOK_CUTE_BACKEND is gone: the config's backend decides, whatever the environment says."""
+    monkeypatch.setenv("MOK_CUTE_BACKEND", "reference")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert B.select_backend(cuda, MoKConfig(backend="sm90")) == "sm90"
+    assert B.select_backend(cuda, MoKConfig()) == "sm90"
+    monkeypatch.setenv("MOK_CUTE_BACKEND", "tpu")  # not even validated
+    assert B.select_backend(torch.device("cpu"), MoKConfig(backend="reference")) == "reference"
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        B.select_backend(torch.device("cpu"), MoKConfig(backend="sm100"))
 
 
-def test_gpu_backend_on_cpu_tensors_rejected(monkeypatch):
-    monkeypatch.delenv(B.ENV, raising=False)
+def test_gpu_backend_on_cpu_tensors_rejected():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         B.select_backend(torch.device("cpu"), MoKConfig(backend="sm90"))
 
 
 def test_backend_by_capability(monkeypatch):
-    monkeypatch.delenv(B.ENV, raising=False)
     cuda = torch.device("cuda", 0)
     for cap, want in [((9, 0), "sm90"), ((10, 0), "sm100"), ((10, 3), "sm100"), ((8, 0), "reference")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
@@ -175,10 +177,10 @@ def test_moe_without_shared_and_int32_idx():
     assert p["x"].grad is not None and p["x"].grad.dtype == torch.bfloat16
 
 
-def test_layer_router_gradient_flows(monkeypatch):
-    monkeypatch.setenv(B.ENV, "reference")
+def test_layer_router_gradient_flows():
     torch.manual_seed(0)
-    layer = MoELayer(64, 64, 8, 2, shared_intermediate_size=64, swiglu_limit=4.0)
+    layer = MoELayer(64, 64, 8, 2, shared_intermediate_size=64, swiglu_limit=4.0,
+                     config=MoKConfig(backend="reference"))
     assert layer.w_gate.shape == (8, 64, 64) and layer.w_down.shape == (8, 64, 64)
     x = torch.randn(12, 64, dtype=torch.bfloat16, requires_grad=True)
     layer(x).float().pow(2).sum().backward()
@@ -219,7 +221,6 @@ def test_quickstart_runs_and_matches_readme():
     body = script.split('"""', 2)[2].strip()
     assert body.split("\n", 2)[2] in (root / "README.md").read_text()  # README shows this code
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env.pop("MOK_CUTE_BACKEND", None)
     out = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py")],
                          capture_output=True, text=True, env=env, cwd=root)
     assert out.returncode == 0, out.stderr

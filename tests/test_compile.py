@@ -46,24 +46,27 @@ def test_layer_with_router_compiles_fullgraph_bitwise(gate):
 
 
 def test_external_routing_compiles_with_inductor_bitwise():
-    """The default backend (inductor) around the layer's ops: fullgraph, bitwise eager, main_grads too."""
+    """The default backend (inductor) around the layer's ops: fullgraph, the layer's output and
+    every gradient (main_grads too) bitwise eager. Only our ops' results are compared, never a
+    torch reduction of them (inductor may reorder a float sum, per CPU)."""
     model = _layer(router=False, accumulate_main_grad=True)
     x = torch.randn(16, 64).bfloat16()
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(-1, 4, (16, 2), generator=g)
     w = torch.rand(16, 2, generator=g).requires_grad_()
+    dy = torch.randn(16, 64, generator=g).bfloat16()
 
     def fn(x, w):
-        return model(x, idx, w).float().sum()
+        return model(x, idx, w)
 
     out = []
     for f in (fn, torch.compile(fn, fullgraph=True)):
         for p in model.parameters():
             p.main_grad.zero_()
         w.grad = None
-        loss = f(x, w)
-        loss.backward()
-        out.append([loss, w.grad.clone()] + [p.main_grad.clone() for p in model.parameters()])
+        y = f(x, w)
+        y.backward(dy)
+        out.append([y, w.grad.clone()] + [p.main_grad.clone() for p in model.parameters()])
     for a, b in zip(*out):
         assert torch.equal(a, b)
     assert any(m.abs().sum() > 0 for m in out[0][2:])
@@ -78,8 +81,7 @@ def test_state_table_keeps_nothing_without_a_backward():
     ws = [torch.randn(4, 64, 64).bfloat16() for _ in range(3)]
 
     def fwd(keep):
-        return torch.ops.mok_cute.moe_fwd(x, idx, tw, *ws, None, None, None, None, [], None,
-                                          custom_ops.config_key(CFG), 0, keep)
+        return torch.ops.mok_cute.moe_fwd(x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, keep)
 
     gc.collect()
     n0 = len(custom_ops._STATES)
@@ -103,7 +105,7 @@ def test_ops_are_registered_with_fake_implementations():
     idx = torch.zeros(8, 2, dtype=torch.int64)
     tw = torch.rand(8, 2)
     ws = [torch.randn(4, 64, 64).bfloat16() for _ in range(3)]
-    args = (x, idx, tw, *ws, None, None, None, None, [], None, custom_ops.config_key(CFG), 0, True)
+    args = (x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, True)
     y, handle = torch.ops.mok_cute.moe_fwd(*args)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fy, fh = torch.ops.mok_cute.moe_fwd(*args)
@@ -133,22 +135,25 @@ def test_compiled_calls_take_the_custom_ops(monkeypatch):
 
 def test_expert_mlp_compiles_fullgraph_bitwise():
     """mok_cute.expert_mlp (rows already grouped) under torch.compile (inductor, fullgraph): the
-    mok_cute::expert_mlp_fwd / _bwd ops, output and gradients bitwise the eager call's."""
+    mok_cute::expert_mlp_fwd / _bwd ops, their output (the rows of the experts) and the gradients
+    bitwise the eager call's. A loss summed by torch is not compared: inductor may reorder that
+    float reduction, differently per CPU (171.0701 eager vs 171.0700 compiled, seen on another
+    x86-64 machine); the gradient fed back is a fixed tensor, not a torch-computed one."""
     g = torch.Generator().manual_seed(3)
     e, i, h = 4, 64, 64
     x = torch.randn(40, h, generator=g).bfloat16()
     offsets = torch.tensor([0, 10, 10, 25, 33], dtype=torch.int32)
     ws = [(torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((e, i, h), (e, i, h), (e, h, i))]
+    d_out = torch.randn(33, h, generator=g).bfloat16()
 
     def fn(x, *ws):
-        out = mok_cute.ops.expert_mlp(x, offsets, *ws, swiglu_limit=4.0, config=CFG)
-        return (out[:33].float() ** 2).sum()
+        return mok_cute.ops.expert_mlp(x, offsets, *ws, swiglu_limit=4.0, config=CFG)[:33]  # rows past 33: unspecified
 
     results = []
     for f in (fn, torch.compile(fn, fullgraph=True)):
         leaves = [x.clone().requires_grad_()] + [w.clone().requires_grad_() for w in ws]
-        loss = f(*leaves)
-        loss.backward()
-        results.append([loss] + [p.grad for p in leaves])
+        out = f(*leaves)
+        out.backward(d_out)
+        results.append([out] + [p.grad for p in leaves])
     for a, b in zip(*results):
         assert torch.equal(a, b)

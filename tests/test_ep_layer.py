@@ -83,7 +83,8 @@ class _RefMLP:
         full[:offs[-1]] = out
         return full, (saved, offs[-1], x_rows.shape[0], precision)
 
-    def backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
+    def backward(self, g, dy_rows, w_gate, w_up, w_down, limit, fused, config=None):
+        assert not fused  # the unfused EP backward: the MLP's separate kernels
         saved, m, cap, precision = g
         dx, *dw = R.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, precision)
         full = torch.full((cap, dx.shape[1]), float("nan"), dtype=dx.dtype)
@@ -100,7 +101,7 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
     import mok_cute.comm.dispatch as D
     import mok_cute.comm.workspace as W
     import mok_cute.layers.ep as L
-    import mok_cute.schedule.plan as PL
+    import mok_cute.comm.planner as PL
     from conftest import make_problem
 
     p, _ = make_problem(T=12, H=64, I=32, E=4, k=3, shared_I=shared, seed=5)
@@ -175,7 +176,10 @@ def test_ep_layer_glue_equals_reference_with_mirrored_comm(monkeypatch, shared, 
         p["x"][:, 2] *= 2.0 ** -12
     inp = B.MoEInputs(p["x"], idx, p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], sh, limit)
     cfg = MoKConfig(comm_sms_fwd=24, comm_sms_bwd=12, device_timeout_s=7.5, precision=precision)
-    y, st = L.forward(_RefMLP(), inp, None, 1, cfg)
+    from mok_cute.config import BackwardPath, ForwardPath
+    from mok_cute.layers.paths import Paths
+
+    y, st = L.forward(_RefMLP(), inp, None, 1, cfg, Paths(ForwardPath.UNFUSED, BackwardPath.UNFUSED))
     dy = torch.randn(T, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     g = L.backward(_RefMLP(), st, dy)
     assert ws.checked == 2

@@ -132,7 +132,7 @@ def test_errors_before_any_kernel(monkeypatch):
     from mok_cute.layers import select
 
     class NoGate:  # a backend without the gate
-        name = "no-gate"
+        name, shared_gate = "no-gate", False
 
     monkeypatch.setattr(select, "get_backend", lambda name: NoGate())
     with pytest.raises(NotImplementedError, match="shared_gate.*'no-gate'"):
@@ -140,7 +140,8 @@ def test_errors_before_any_kernel(monkeypatch):
 
 
 def test_gpu_backends_refuse_the_gate_at_ep_above_one():
-    """sm90 / sm100 run the gate at EP = 1 only: at EP > 1 their check raises before any kernel."""
+    """sm90 / sm100 run the gate at EP = 1 only (no path of their tables takes it at EP > 1): at
+    EP > 1 their check raises before any kernel, naming the gate and the EP."""
     from mok_cute.comm.virtual import VirtualGroup, run_ranks
     from mok_cute.layers.select import MoEInputs, get_backend
 
@@ -149,7 +150,10 @@ def test_gpu_backends_refuse_the_gate_at_ep_above_one():
     group = VirtualGroup(2)
 
     def rank(r):
-        with pytest.raises(NotImplementedError, match="shared_gate.*EP = 1"):
+        for arch in ("sm90", "sm100"):
+            with pytest.raises(NotImplementedError, match=f"'{arch}': EP > 1.*shared_gate"):
+                get_backend(arch).check(inp, MoKConfig(backend=arch, forward_path="fused"), group)
+        with pytest.raises(NotImplementedError, match="'sm90': EP > 1.*shared_gate.*no default forward path"):
             get_backend("sm90").check(inp, MoKConfig(backend="sm90"), group)
         return True
 
@@ -192,8 +196,8 @@ def test_grouped_backend_glue_with_the_gate_is_the_reference():
         offsets: torch.Tensor
         saved: tuple
 
-    class RefMLP:
-        arch, dim_multiple, precisions = "ref-mlp", {"bf16": 64}, ("bf16",)
+    class RefMLP:  # the reference expert MLP in the sm90 row of the path table (on CPU tensors: unfused)
+        arch, dim_multiple, precisions, strided_weights = "sm90", {"bf16": 64}, ("bf16",), True
 
         def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
             m = int(offsets[-1])
@@ -202,7 +206,8 @@ def test_grouped_backend_glue_with_the_gate_is_the_reference():
             full[:m] = out
             return full, Group(x_rows, offsets, (saved, m))
 
-        def backward(self, g, dy_rows, w_gate, w_up, w_down, limit):
+        def backward(self, g, dy_rows, w_gate, w_up, w_down, limit, fused, config=None):
+            assert not fused  # the unfused path: the MLP's separate kernels
             saved, m = g.saved
             dx, *dw = reference.experts_backward(saved, dy_rows[:m], w_gate, w_up, w_down, limit, "bf16")
             full = torch.zeros((dy_rows.shape[0], dx.shape[1]), dtype=dx.dtype)

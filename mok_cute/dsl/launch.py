@@ -15,13 +15,13 @@ at the same addresses (the caching allocator's steady state) only replays graphs
 Fallbacks (always correct, only slower): the first launch of a kernel on a device goes
 through the DSL (module load), so does every launch while the caller's stream is being
 captured (a graph of the whole step is built by the user; host cost does not matter
-there), and ``MOK_CUTE_LAUNCH=dsl`` turns the graph path off. A failed capture turns it off
-for the process (with a warning) and launches through the DSL.
+there), and ``MOK_CUTE_LAUNCH=dsl`` (:func:`mok_cute.dsl.env.launch_mode`, read at import)
+turns the graph path off. A failed capture turns it off for the process (with a warning) and
+launches through the DSL.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 import warnings
@@ -31,8 +31,10 @@ import torch
 
 import cuda.bindings.driver as cuda
 
+from mok_cute.dsl import env
+
 _MAX_GRAPHS = 512  # per kernel variant (LRU); each exec is a few KB of host/driver memory
-_enabled = os.environ.get("MOK_CUTE_LAUNCH", "graph") != "dsl"
+_enabled = env.launch_mode() != "dsl"  # read once, at import
 _side: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
 _stats = {"graph": 0, "capture": 0, "dsl": 0}

@@ -1,14 +1,17 @@
 """What both layer paths (EP = 1: :mod:`mok_cute.layers.grouped`, EP > 1:
 :mod:`mok_cute.layers.ep`) and the arch expert MLPs (:mod:`mok_cute.layers.sm90`,
-:mod:`mok_cute.layers.sm100`) share: the expert group's forward state, the MLP's GEMM
-sequence over an arch's grouped GEMM calls, the shared expert as one more group, d topk_w, and
-the fused backward's switches."""
+:mod:`mok_cute.layers.sm100`) share: the expert group's forward state, the layer's forward
+states (what a backward reads, the decided paths included), the MLP's GEMM sequence over an
+arch's grouped GEMM calls, the shared expert as one more group, and d topk_w."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from mok_cute.config import MoKConfig
+from mok_cute.kernels.operands import ExpertWeights  # noqa: F401 (the states' weights; re-exported)
+from mok_cute.layers.paths import Paths
 
 
 @dataclass
@@ -21,6 +24,65 @@ class ExpertGroup:
     gu: torch.Tensor
     h: torch.Tensor
     precision: str = "bf16"
+
+
+def contiguous_group(g: ExpertGroup) -> ExpertGroup:
+    """``g`` with x, gu and h contiguous, as the fused launches read them (the same tensors where
+    they already are: the layer's own, always)."""
+    x = None if g.x is None else g.x.contiguous()
+    return replace(g, x=x, gu=g.gu.contiguous(), h=g.h.contiguous())
+
+
+@dataclass
+class LocalState:
+    """The EP = 1 forward's state, what its backward reads (one-shot: the backward consumes it).
+
+    ``order`` [T*k] the route index (t*k + j) of each grouped row, ``valid`` [T*k] the route is
+    not -1; ``rows`` [T*k, H] the GEMM2 rows (d topk_w reads them in place), expert-grouped or,
+    with ``rows_by_route`` (the fused forward), in route order; ``x`` the layer input when
+    ``routed.x`` is None (the fused forward kept no gathered rows: the backward gathers them);
+    ``gate`` ``(w_sg, g [T, 1] bf16, s [T, H] the shared output, x)`` of the shared expert's
+    output gate; ``config`` the call's config (``trace`` resolved, :func:`~mok_cute.layers.paths.
+    with_trace`); ``paths`` the paths decided with the forward."""
+
+    limit: float | None
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    order: torch.Tensor
+    valid: torch.Tensor
+    weights: ExpertWeights
+    shared: tuple | None
+    routed: ExpertGroup
+    shared_group: ExpertGroup | None
+    rows: torch.Tensor | None
+    config: MoKConfig
+    paths: Paths
+    rows_by_route: bool = False
+    x: torch.Tensor | None = None
+    gate: tuple | None = None
+
+
+@dataclass
+class EPState:
+    """The EP > 1 forward's state: the workspace ``ws`` and device ``plan``, ``w_rows``
+    [recv_capacity] fp32 the router weight of each grouped row (0 past M), ``slot_out`` [T, k, H]
+    the routed rows r_j of this rank's tokens (stale for -1 slots), ``x`` the layer input when
+    ``routed.x`` is None (the backward pulls its rows again), ``config`` / ``paths`` as in
+    :class:`LocalState`."""
+
+    ws: object
+    plan: object
+    limit: float | None
+    topk_idx: torch.Tensor
+    w_rows: torch.Tensor
+    weights: ExpertWeights
+    shared: tuple | None
+    routed: ExpertGroup
+    shared_group: ExpertGroup | None
+    slot_out: torch.Tensor
+    config: MoKConfig
+    paths: Paths
+    x: torch.Tensor | None = None
 
 
 def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
@@ -57,27 +119,26 @@ def shared_forward(mlp, x, shared, limit, **kw):
     return mlp.forward(x, whole_offsets(x.shape[0], x.device), *(w[None] for w in shared), limit, **kw)
 
 
-def shared_backward(mlp, group, dy, shared, limit):
-    """(dx [T, H], (d ws_gate, d ws_up, d ws_down)) of the shared expert, or (None, None)."""
+def shared_backward(mlp, group, dy, shared, limit, fused: bool = False, config=None):
+    """(dx [T, H], (d ws_gate, d ws_up, d ws_down)) of the shared expert, or (None, None);
+    ``fused``: through the MLP's fused backward core (the backward path is FUSED or FUSED_WHOLE),
+    else its separate kernels; ``config``: the call's (its trace resolved), for the fused core."""
     if shared is None:
         return None, None
-    dxs, *dws = mlp.backward(group, dy, *(w[None] for w in shared), limit)
+    dxs, *dws = mlp.backward(group, dy, *(w[None] for w in shared), limit, fused=fused, config=config)
     return dxs, tuple(d[0] for d in dws)
 
 
 def shared_launch_operands(group: ExpertGroup | None, shared, contiguous: bool = False):
     """The shared expert's operands of a whole-backward launch, ``(offsets int32, gu, h, ws_gate,
-    ws_up, ws_down)``; None without one; False where the launch does not take them (gu / h not
-    contiguous, a weight without a unit last stride, or with ``contiguous`` any weight not
-    contiguous)."""
+    ws_up, ws_down)``, or None without one: gu / h contiguous, each weight with a unit last stride
+    (with ``contiguous``: contiguous), copies where one is not (the layer's own always are)."""
     from mok_cute.dsl.host import offsets_i32
 
     if shared is None:
         return None
-    ok = group.gu.is_contiguous() and group.h.is_contiguous() and all(w.stride(-1) == 1 for w in shared)
-    if not ok or (contiguous and not all(w.is_contiguous() for w in shared)):
-        return False
-    return (offsets_i32(group.offsets), group.gu, group.h, *shared)
+    ws = tuple(w.contiguous() if contiguous or w.stride(-1) != 1 else w for w in shared)
+    return (offsets_i32(group.offsets), group.gu.contiguous(), group.h.contiguous(), *ws)
 
 
 def topk_w_grad(dy, slot_out, topk_idx):
@@ -92,31 +153,3 @@ def ring_chunks(config, topk_idx) -> int:
     """Slots of 128 rows (the fused kernels' ``CHUNK``, one m-tile) in a fused forward's ring: the
     routed rows of ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
     return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)
-
-
-def fused_bwd_mode() -> int:
-    """``MOK_CUTE_FUSED_BWD`` (read at every call; every mode bitwise the unfused backward on an
-    H200): 0 the unfused backward; 1 the routed backward's GEMMs in one fused launch
-    (``kernels/sm90/fused_bwd.py``); 2 (default: the fastest measured, docs/benchmarks.md) the
-    same launch also scattering the dx rows to their slots and summing them; 3 also the routed
-    dy rows, d topk_w and x rows (the route_grad pass and the x gather) and the shared expert's
-    tiles in it: the whole backward in one launch."""
-    mode = os.environ.get("MOK_CUTE_FUSED_BWD", "2").strip() or "2"
-    if mode not in ("0", "1", "2", "3"):
-        raise ValueError(f"MOK_CUTE_FUSED_BWD must be 0, 1, 2 or 3, got {mode!r}")
-    return int(mode)
-
-
-def fused_bwd_mx_prologue() -> bool:
-    """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE`` (read at every call; default 1, 0 turns it off): the MXFP8 backward of mode
-    2 makes its routed dy rows, d topk_w and x rows and their round trips in two launches over every SM
-    (``route_grad.mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``: each 32-row block staged in shared memory a slab at a
-    time, every output written once) instead of the route_grad pass, an x gather and three round-trip passes."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "1").strip() != "0"
-
-
-def fused_bwd_mx() -> bool:
-    """The MXFP8 backward through the fused backward too (its ``mx`` variant): on by default
-    (bitwise equal to the unfused MXFP8 backward on an H200, ``tools/checks/fused_bwd.py``, and
-    faster: docs/benchmarks.md); ``MOK_CUTE_FUSED_BWD_MX=0`` (read at every call) turns it off."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX", "1").strip() != "0"

@@ -1,7 +1,8 @@
 """Expert-parallel (EP > 1) layer over an arch's expert MLP and the comm kernels: the fused
-paths (the forward and the backward each one persistent launch per rank, the comm inside:
-:func:`fused_ep_enabled`, :func:`fused_ep_backward_enabled`) and the unfused stages below (at
-BF16 the fused ones match them bitwise).
+paths (``ForwardPath.FUSED`` / ``BackwardPath.FUSED``: the forward and the backward each one
+persistent launch per rank, the comm inside; FUSED_WHOLE runs the same launch as FUSED here) and
+the unfused stages below (the fused ones match them bitwise). The paths are decided once per
+call by the backend (:func:`mok_cute.layers.paths.decide`) and kept in the forward state.
 
 Forward (no host sync before the status check): device plan (:func:`plan_routing_device`)
 -> dispatch by pull (this rank's expert-grouped rows, plan order: expert, source rank,
@@ -31,48 +32,37 @@ dequantized rows along tokens where the reference quantizes x (equal to the refe
 run on x's round trip; they differ where a feature is small against its row's 32-block
 maximum but not against its token block's).
 
-sm100 (opted in with ``MOK_CUTE_SM100_FUSED=1``, compile-verified only): the fused forward's ep
-variant, then its ``backward_fused_ep`` (BF16) as the sm90 MLP's, else the unfused EP backward above.
+sm100 (compile-verified only; at EP > 1 only with a path asked for in the config): the fused
+forward's ep variant and ``backward_fused_ep`` as the sm90 MLP's, or the unfused stages above.
 
 Every rank of the group must hold the same T (the workspace is per (T, H, k, E)) and issue
 the same sequence of layer calls. The group is a torch.distributed group or a virtual group
-(:mod:`mok_cute.comm.virtual`: R ranks as threads of one process on one GPU). Precisions: the
-MLP's ``ep_precisions``. ``MoKConfig``: ``device_timeout_s`` bounds every device-side wait (the workspace's timeout), ``comm_sms_fwd`` / ``comm_sms_bwd`` are the CTAs
-of the forward (dispatch, combine) and backward (reverse combine, reverse dispatch) comm kernels.
+(:mod:`mok_cute.comm.virtual`: R ranks as threads of one process on one GPU). Precisions: those
+of the arch's path table at EP > 1 (:mod:`mok_cute.layers.paths`). ``MoKConfig``:
+``device_timeout_s`` bounds every device-side wait (the workspace's timeout), ``comm_sms_fwd`` /
+``comm_sms_bwd`` are the CTAs of the forward (dispatch, combine) and backward (reverse combine,
+reverse dispatch) comm kernels.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.layers.common import (
-    ExpertGroup, fused_bwd_mode, shared_backward, shared_forward, topk_w_grad, whole_offsets,
+    EPState, ExpertGroup, ExpertWeights, shared_backward, shared_forward, topk_w_grad, whole_offsets,
 )
 from mok_cute.reference import MoEGrads
 
-@dataclass
-class EPState:
-    ws: object
-    plan: object
-    limit: float | None
-    topk_idx: torch.Tensor
-    w_rows: torch.Tensor  # [recv_capacity] fp32 router weight of each grouped row (0 past M)
-    weights: tuple
-    shared: tuple | None
-    routed: object
-    shared_group: object
-    slot_out: torch.Tensor  # [T, k, H] routed rows r_j of this rank's tokens (stale for -1 slots)
-    ctas_bwd: int  # comm CTAs of the backward's kernels (config.comm_sms_bwd)
-    x: torch.Tensor | None = None  # the layer input when routed.x is None (the backward pulls its rows again)
 
-
-def forward(mlp, inp, group, ep: int, config):
+def forward(mlp, inp, group, ep: int, config, paths):
+    """``(y [T, H] bf16, EPState)`` of this rank's layer call at EP = ``ep`` along ``paths.forward``
+    (``config``: the call's config, its trace resolved; ``paths``: decided by the backend)."""
     from mok_cute.comm.combine import combine
     from mok_cute.comm.dispatch import dispatch
     from mok_cute.comm.workspace import get_workspace
-    from mok_cute.schedule.plan import plan_routing_device
+    from mok_cute.comm.planner import plan_routing_device
 
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
@@ -80,8 +70,8 @@ def forward(mlp, inp, group, ep: int, config):
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
     plan = plan_routing_device(ws, idx)
     ctas = config.comm_ctas_fwd(ep)
-    if fused_ep_enabled() and x.is_cuda and config.precision in getattr(mlp, "fused_precisions", ()):
-        return _fused_forward(mlp, inp, ws, plan, config)
+    if paths.forward is ForwardPath.FUSED:
+        return _fused_forward(mlp, inp, (ws, plan), config, paths)
     kw = {} if config.precision == "bf16" else {"precision": config.precision}
     if config.precision == "mxfp8":
         from mok_cute.kernels.quant.dequant_mxfp8 import dequantize_mxfp8
@@ -96,22 +86,16 @@ def forward(mlp, inp, group, ep: int, config):
     y = combine(ws, r, inp.topk_w, plan, shared_out=s, num_ctas=ctas)
     slot_out = ws.view("slots", torch.bfloat16, (t, k, h)).clone()
     ws.check_status()
-    state = EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                    routed, shared_group, slot_out, config.comm_sms_bwd)
+    state = EPState(ws, plan, limit, idx, w_rows, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down), inp.shared,
+                    routed, shared_group, slot_out, config, paths)
     return y, state
 
 
-def fused_ep_enabled() -> bool:
-    """The EP > 1 forward as one persistent launch per rank (the fused kernel's pull / push
-    mode) unless ``MOK_CUTE_FUSED_EP=0`` (the unfused stages; read at every call). Run on one
-    GPU with virtual ranks (R = 2, 4), not yet across GPUs."""
-    return os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0"
-
-
-def _fused_forward(mlp, inp, ws, plan, config):
-    """The forward through the arch's fused kernel at EP > 1 (plan already made): the same
-    :class:`EPState` as the unfused stages (routed rows pulled by the kernel, slot rows copied
-    out of the workspace for d topk_w)."""
+def _fused_forward(mlp, inp, comm, config, paths):
+    """The forward through the arch's fused kernel at EP > 1 (``comm`` = the workspace and the plan
+    already made): the same :class:`EPState` as the unfused stages (routed rows pulled by the
+    kernel, slot rows copied out of the workspace for d topk_w)."""
+    ws, plan = comm
     x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
     y, gu, h, slot_out, gus, hs, w_rows = mlp.fused_forward_ep(
@@ -123,38 +107,30 @@ def _fused_forward(mlp, inp, ws, plan, config):
     if inp.shared is not None:
         shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
     ws.check_status()
-    return y, EPState(ws, plan, limit, idx, w_rows, (inp.w_gate, inp.w_up, inp.w_down), inp.shared, routed,
-                      shared_group, slot_out.view(t, k, -1), config.comm_sms_bwd, x=x)
-
-
-def fused_ep_backward_enabled() -> bool:
-    """The EP > 1 backward as one persistent launch per rank (the arch's ``backward_fused_ep``:
-    dy / x rows pulled, dx rows pushed, d topk_w, the shared expert, in the launch) after a fused
-    forward, where ``MOK_CUTE_FUSED_BWD`` is 2 or 3 (the default 2) and the fused EP forward is on
-    (:func:`fused_ep_enabled`); mode 1: the routed GEMMs in one launch between the unfused comm
-    kernels; 0: unfused. Read at every call."""
-    return fused_ep_enabled() and fused_bwd_mode() >= 2
+    return y, EPState(ws, plan, limit, idx, w_rows, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down), inp.shared,
+                      routed, shared_group, slot_out.view(t, k, -1), config, paths, x=x)
 
 
 def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
+    """The gradients of the forward that made ``st``, along ``st.paths.backward``: FUSED /
+    FUSED_WHOLE the arch's one launch per rank (``backward_fused_ep``: dy / x rows pulled, dx rows
+    pushed, d topk_w and the shared expert in the launch; the table allows it after the fused
+    forward only), UNFUSED the comm kernels around the MLP's separate kernels."""
     from mok_cute.comm.combine import reverse_dispatch
     from mok_cute.comm.dispatch import dispatch, reverse_combine
 
-    ws, plan = st.ws, st.plan
-    if st.x is not None and dy.is_cuda and fused_ep_backward_enabled() and hasattr(mlp, "backward_fused_ep"):
-        out = mlp.backward_fused_ep(ws, plan, st.routed, dy, st.x, st.slot_out, st.w_rows, st.topk_idx, *st.weights,
-                                    st.limit, st.shared_group, st.shared, comm_ctas=st.ctas_bwd,
-                                    num_ctas=ws.grid_ctas)
-        if out is not None:
-            ws.check_status()
-            return MoEGrads(*out)
+    ws, plan, ctas = st.ws, st.plan, st.config.comm_sms_bwd
+    if st.paths.backward is not BackwardPath.UNFUSED:
+        out = mlp.backward_fused_ep(st, dy)
+        ws.check_status()
+        return MoEGrads(*out)
     if st.x is not None:  # the fused forward's rows went through its ring: pull them again
-        st.routed = replace(st.routed, x=dispatch(ws, st.x, plan, num_ctas=st.ctas_bwd))
-    dyr = reverse_combine(ws, dy, plan, num_ctas=st.ctas_bwd)
+        st.routed = replace(st.routed, x=dispatch(ws, st.x, plan, num_ctas=ctas))
+    dyr = reverse_combine(ws, dy, plan, num_ctas=ctas)
     dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
-    dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
+    dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False)
     dxs, d_shared = shared_backward(mlp, st.shared_group, dy, st.shared, st.limit)
-    dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs, num_ctas=st.ctas_bwd)
+    dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs, num_ctas=ctas)
     dtw = topk_w_grad(dy, st.slot_out, st.topk_idx)
     ws.check_status()
     return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared)

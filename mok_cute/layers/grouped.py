@@ -1,52 +1,51 @@
-"""Layer backends built on grouped expert-MLP kernels: sm90 and sm100 (EP = 1; EP > 1 for
-sm90 and, opted in with ``MOK_CUTE_SM100_FUSED=1``, sm100 through the symmetric-memory comm
-kernels, see :mod:`mok_cute.layers.ep`).
+"""Layer backends built on grouped expert-MLP kernels: sm90 and sm100, EP = 1 here, EP > 1
+through the symmetric-memory comm kernels (:mod:`mok_cute.layers.ep`).
 
-Unfused stages, no host sync (CUDA-graph friendly): a stable sort of the T*k (token, slot)
-routes by expert gives expert-grouped rows in the reference's order (token, then slot) and
-device-side offsets; an arch's expert MLP (grouped GEMM kernels) runs over a fixed
-[T*k, ...] row buffer (rows past offsets[E] belong to -1 slots and are never read); the
-shared expert runs through the same kernels as one more group; the combine is the
-reference's fixed-order slot sum. Numerics follow mok_cute.reference except that the GEMMs
-accumulate in fp32 and d topk_w sums in fp32 (compared with tolerances).
+Each call decides its forward and backward path once (:func:`mok_cute.layers.paths.decide`,
+from the config, the arch's capability table and the call's features) and keeps the decision
+in its forward state; the backward runs the path decided there.
 
-An expert MLP implementation has ``arch``, ``dim_multiple`` (precision -> what H, I, I_s must be
-multiples of), ``precisions``,
+Unfused stages (``ForwardPath.UNFUSED``), no host sync (CUDA-graph friendly): the routing plan
+(:func:`routing_plan`: the T*k (token, slot) routes sorted stably by expert, in the reference's
+order: token, then slot, with device-side offsets); an arch's expert MLP (grouped GEMM kernels)
+over a fixed [T*k, ...] row buffer (rows past offsets[E] belong to -1 slots and are never read);
+the shared expert through the same kernels as one more group; the combine is the reference's
+fixed-order slot sum. ``ForwardPath.FUSED``: the arch's fused forward on the same plan (one
+persistent launch). Numerics follow mok_cute.reference except that the GEMMs accumulate in fp32
+and d topk_w sums in fp32 (compared with tolerances).
+
+Backward paths: UNFUSED (the route_grad pass, the MLP's separate kernels, the dx scatter and
+slot sum), FUSED (the routed dy rows and d topk_w first, then one launch: the MLP's fused
+backward core with the dx rows summed into their tokens; at MXFP8 after a fused forward on SM90
+the rows and their round trips in two launches over every SM first, the MLP's
+``fused_mx_prologue``), FUSED_WHOLE (the arch's whole backward in one launch).
+
+An expert MLP implementation has ``arch`` ("sm90", "sm100": its row of the path table),
+``dim_multiple`` (precision -> what H, I, I_s must be multiples of), ``strided_weights``
+(its kernels address strided weights in place), ``fused_mx_prologue``,
 ``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=]) -> (rows, ExpertGroup)``
-(``precision`` passed only when not "bf16") and
-``backward(group, dy_rows, w_gate, w_up, w_down, limit) -> (dx_rows, dWg, dWu, dWd)`` (in the
-group's precision). MXFP8 numerics: operands quantized as in the reference's table.
+(``precision`` passed only when not "bf16"),
+``backward(group, dy_rows, w_gate, w_up, w_down, limit, fused=, config=) -> (dx_rows, dWg, dWu,
+dWd)`` (in the group's precision; ``config`` the call's, its trace resolved) and, for the fused
+paths, ``fused_forward``, ``backward_tokens``, ``backward_fused`` (and at EP > 1
+``fused_forward_ep``, ``backward_fused_ep``). MXFP8 numerics: operands quantized as in the
+reference's table.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
-from mok_cute.layers.common import ExpertGroup, fused_bwd_mode, shared_backward, shared_forward, whole_offsets
+from mok_cute.layers import paths as P
+from mok_cute.layers.common import (
+    ExpertGroup, ExpertWeights, LocalState, shared_backward, shared_forward, whole_offsets,
+)
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
-
-
-@dataclass
-class _State:
-    limit: float | None
-    topk_idx: torch.Tensor
-    topk_w: torch.Tensor
-    order: torch.Tensor  # [T*k] route index (t*k + j) of each grouped row
-    valid: torch.Tensor  # [T*k] route is not -1
-    weights: tuple
-    shared: tuple | None
-    routed: ExpertGroup
-    shared_group: ExpertGroup | None
-    rows: torch.Tensor  # [T*k, H] GEMM2 rows (d topk_w reads them in place) ...
-    rows_by_route: bool = False  # ... expert-grouped, or (fused forward) in route order t*k + j
-    x: torch.Tensor | None = None  # the layer input, when routed.x is None (gathered in backward)
-    comm_bwd: int = 28  # the fused backward's row-gathering CTAs (config.comm_sms_bwd)
-    gate: tuple | None = None  # (w_sg, g [T, 1] bf16, s [T, H] the shared output, x): the shared output gate
 
 
 _BF16 = Numerics("bf16")
@@ -58,12 +57,6 @@ def _gate(inp, s):
     if inp.shared_gate is None:
         return None
     return inp.shared_gate, shared_gate(_BF16, inp.x, inp.shared_gate), s, inp.x
-
-
-def fused_enabled() -> bool:
-    """The fused forward runs where an arch has one unless ``MOK_CUTE_FUSED=0`` (the unfused
-    stages; read at every call)."""
-    return os.environ.get("MOK_CUTE_FUSED", "1") != "0"
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
@@ -102,34 +95,26 @@ def _scatter_slots(rows, order, valid, t, k):
 
 class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
-    through :mod:`mok_cute.layers.ep` when the MLP has ``expert_parallel`` true (sm90; sm100 opted in
-    with ``MOK_CUTE_SM100_FUSED=1``)."""
+    through :mod:`mok_cute.layers.ep`. The paths each call runs: :mod:`mok_cute.layers.paths`."""
 
-    shared_gate = True  # the shared expert's output gate, at EP = 1 (``check``)
+    shared_gate = True  # the shared expert's output gate (where the path table allows it: EP = 1)
 
     def __init__(self, mlp):
         self.mlp, self.name = mlp, mlp.arch
 
-    def check(self, inp, config, group) -> None:
-        """Raise for what this backend does not run yet, before any kernel."""
+    def check(self, inp, config, group) -> P.Paths:
+        """Raise for what this backend does not run, before any kernel; else the paths the call
+        runs (:func:`mok_cute.layers.paths.decide`)."""
         ep, _ = _world(group)
-        if ep != 1 and not getattr(self.mlp, "expert_parallel", False):
-            hint = " (opt in with MOK_CUTE_SM100_FUSED=1; it has not run on a GPU)" if self.mlp.arch == "sm100" else ""
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 is not enabled for this backend{hint}")
-        if ep != 1 and inp.shared_gate is not None:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: shared_gate (the shared expert's output gate) "
-                                      "runs at EP = 1 only so far")
-        if ep != 1 and config.precision not in self.mlp.ep_precisions:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: EP > 1 (mok_cute.layers.ep) runs "
-                                      f"{', '.join(self.mlp.ep_precisions)} only, not precision "
-                                      f"{config.precision!r}: use EP = 1")
-        tiles = {n: getattr(config, n) for n in ("tile_m", "tile_n", "tile_k") if getattr(config, n) is not None}
-        if tiles:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: GEMM tile overrides {tiles} are not "
-                                      "selectable yet (leave MoKConfig tile_* as None for its tuned tiles)")
-        if config.precision not in self.mlp.precisions:
+        wired = P.precisions(self.mlp.arch)
+        if config.precision not in wired:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: precision {config.precision!r} "
-                                      f"is not wired yet ({', '.join(self.mlp.precisions)} only)")
+                                      f"is not wired yet ({', '.join(wired)} only)")
+        call = P.Call.of(inp, config, ep)
+        paths = P.decide(config, self.mlp.arch, call)
+        why = P.tiles_refusal(self.mlp.arch, paths, config, call)
+        if why is not None:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: {why}")
         h, inter = inp.x.shape[1], inp.w_gate.shape[1]
         sizes = [("H", h), ("I", inter)] + ([("I_s", inp.shared[0].shape[0])] if inp.shared else [])
         mult = self.mlp.dim_multiple[config.precision]
@@ -137,10 +122,14 @@ class GroupedExpertBackend:
             if v % mult:
                 raise ValueError(f"backend {self.name!r}: {name} = {v} must be a multiple of {mult} "
                                  f"at precision {config.precision!r}")
+        return paths
 
     def forward(self, inp, config, group):
-        self.check(inp, config, group)
-        if not getattr(self.mlp, "strided_weights", False):  # this arch's kernels read compact weights
+        """``(y [T, H] bf16, state)`` of one layer call: the paths decided once (:meth:`check`),
+        ``config``'s trace resolved once (:func:`~mok_cute.layers.paths.with_trace`)."""
+        config = P.with_trace(config)
+        paths = self.check(inp, config, group)
+        if not self.mlp.strided_weights:  # this arch's kernels read compact weights
             inp = replace(inp, w_gate=inp.w_gate.contiguous(), w_up=inp.w_up.contiguous(),
                           w_down=inp.w_down.contiguous(),
                           shared=None if inp.shared is None else tuple(w.contiguous() for w in inp.shared))
@@ -148,11 +137,11 @@ class GroupedExpertBackend:
         if ep != 1:
             from mok_cute.layers import ep as ep_layer
 
-            return ep_layer.forward(self.mlp, inp, group, ep, config)
+            return ep_layer.forward(self.mlp, inp, group, ep, config, paths)
         order32, offsets, idx = routing_plan(inp.topk_idx, inp.w_gate.shape[0], watch=not config.validate_routing)
         order, valid = order32.long(), idx.reshape(-1) >= 0
-        if inp.x.is_cuda and config.precision in getattr(self.mlp, "fused_precisions", ()) and fused_enabled():
-            return self._fused_forward(inp, config, order32, order, offsets, idx, valid)
+        if paths.forward is ForwardPath.FUSED:
+            return self._fused_forward(inp, config, paths, (order32, order, offsets, idx, valid))
         x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
         x_rows = x.index_select(0, order // k)
@@ -165,14 +154,15 @@ class GroupedExpertBackend:
         if gate is not None:
             acc = acc * gate[1].float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
-        state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down),
-                       inp.shared, routed, shared_group, r, gate=gate)
+        state = LocalState(limit, idx, inp.topk_w, order, valid, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down),
+                           inp.shared, routed, shared_group, r, config, paths, gate=gate)
         return y, state
 
-    def _fused_forward(self, inp, config, order32, order, offsets, idx, valid):
-        """EP = 1 through the arch's fused forward on the routing plan (:func:`routing_plan`):
-        one persistent launch (gather, GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum,
-        shared expert)."""
+    def _fused_forward(self, inp, config, paths, plan):
+        """EP = 1 through the arch's fused forward on the routing plan ``plan`` = ``(order int32,
+        order int64, offsets, idx, valid)`` (:func:`routing_plan`): one persistent launch (gather,
+        GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum, shared expert)."""
+        order32, order, offsets, idx, valid = plan
         x, limit = inp.x, inp.swiglu_limit
         t = x.shape[0]
         g = None if inp.shared_gate is None else shared_gate(_BF16, x, inp.shared_gate)
@@ -185,43 +175,33 @@ class GroupedExpertBackend:
             shared_group = ExpertGroup(x, whole_offsets(t, x.device), gus, hs, prec)
         # the gathered rows went through the kernel's ring: the backward gathers x's rows again
         routed = ExpertGroup(None, offsets, gu, h, prec)
-        state = _State(limit, idx, inp.topk_w, order, valid, (inp.w_gate, inp.w_up, inp.w_down), inp.shared,
-                       routed, shared_group, slot, rows_by_route=True, x=x, comm_bwd=config.comm_sms_bwd,
-                       gate=None if g is None else (inp.shared_gate, g, s_out, x))
+        state = LocalState(limit, idx, inp.topk_w, order, valid, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down),
+                           inp.shared, routed, shared_group, slot, config, paths, rows_by_route=True, x=x,
+                           gate=None if g is None else (inp.shared_gate, g, s_out, x))
         return y, state
 
     def backward(self, st, dy: torch.Tensor, main_grads=None) -> MoEGrads:
-        """The layer's gradients; with ``main_grads`` (fp32, the weights' order) a fused backward
-        may accumulate weight gradients there itself and return them as None (the caller adds the
-        others)."""
-        if not isinstance(st, _State):
+        """The layer's gradients along the backward path decided with the forward; with
+        ``main_grads`` (fp32, the weights' order) FUSED_WHOLE may accumulate weight gradients
+        there itself and return them as None (the caller adds the others)."""
+        if not isinstance(st, LocalState):
             from mok_cute.layers import ep as ep_layer
 
             return ep_layer.backward(self.mlp, st, dy)
-        t, k = st.topk_idx.shape
-        mode = fused_bwd_mode()
-        shared = None  # (dx_s, d ws): the shared expert's backward, once, when mode 2 ran it first
+        if st.paths.backward is BackwardPath.FUSED_WHOLE:  # (the table: no gate, after the fused forward)
+            return MoEGrads(*self.mlp.backward_fused(st, dy, main_grads))
         dy_s, dx_gate, d_gate = dy, None, None  # the shared expert's dy, the output gate's dx share and gradient
         if st.gate is not None:
             w_sg, g, s, x = st.gate
             dy_s, dx_gate, d_gate = shared_gate_backward(_BF16, dy, s, g, x, w_sg)
-        if mode == 3 and st.x is not None and st.gate is None and hasattr(self.mlp, "backward_fused"):
-            out = self.mlp.backward_fused(st.routed, dy, st.x, st.rows, st.order, st.topk_w, st.topk_idx, *st.weights,
-                                          st.limit, st.rows_by_route, st.shared_group, st.shared, main_grads,
-                                          comm_ctas=st.comm_bwd)
-            if out is not None:
-                return MoEGrads(*out)
-        # MXFP8 (MOK_CUTE_FUSED_BWD_MX_PROLOGUE, default on): the rows, d topk_w and the rows' round trips in two
-        # launches, then mode 2's core
-        pro = None
-        if mode == 2 and st.routed.x is None and st.x is not None and hasattr(self.mlp, "mx_prologue"):
-            pro = self.mlp.mx_prologue(st.routed, dy, st.rows, st.order, st.topk_w, st.rows_by_route)
-        core = {}  # backward_tokens' extra arguments: the prologue's dy round trip along the tokens
-        if pro is not None:
-            dy_rows, core["mx_dyt"], dtw, x_rows = pro
-            st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
-            st.routed = replace(st.routed, x=x_rows(st.x))
-        elif st.routed.x is None:  # the fused forward kept no x rows: gathered in the same pass
+        if st.paths.backward is BackwardPath.FUSED:
+            return self._fused_backward(st, dy, dy_s, (dx_gate, d_gate))
+        return self._unfused_backward(st, dy, dy_s, (dx_gate, d_gate))
+
+    def _rows(self, st, dy):
+        """``(dy_rows, d topk_w)`` of the route_grad pass, the routed group given its x rows (the
+        fused forward kept none: gathered in the same pass); the GEMM2 rows released."""
+        if st.routed.x is None:
             dy_rows, dtw, x_rows = route_grad.dy_x_rows_and_dtopk_w(dy, st.x, st.rows, st.order, st.topk_w,
                                                                     st.routed.offsets, rows_by_route=st.rows_by_route)
             st.routed = replace(st.routed, x=x_rows)
@@ -229,15 +209,36 @@ class GroupedExpertBackend:
             dy_rows, dtw = route_grad.dy_rows_and_dtopk_w(dy, st.rows, st.order, st.topk_w, st.routed.offsets,
                                                           rows_by_route=st.rows_by_route)
         st.rows = None  # the backward is one-shot (its caller drops the state): the GEMM2 rows go now
-        if mode >= 2 and hasattr(self.mlp, "backward_tokens"):
-            shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
-            out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, st.order, st.topk_idx, shared[0],
-                                           dx_gate, consume=True, **core)
-            if out is not None:
-                return MoEGrads(out[0], dtw, *out[1:], shared[1], d_gate)
-        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit)
+        return dy_rows, dtw
+
+    def _fused_backward(self, st, dy, dy_s, gate):
+        """BackwardPath.FUSED: the routed dy rows and d topk_w (at MXFP8 after the fused forward,
+        where the MLP has it, its prologue: the rows and their round trips in two launches), the
+        shared expert's backward, then one launch: the routed backward with the dx rows summed
+        into their tokens (the shared expert's dx and the gate's share as its start)."""
+        dx_gate, d_gate = gate
+        core = {}  # backward_tokens' extra arguments: the prologue's dy round trip along the tokens
+        if self.mlp.fused_mx_prologue and st.routed.precision == "mxfp8" and st.routed.x is None:
+            dy_rows, core["mx_dyt"], dtw, x_rows = self.mlp.mx_prologue(st.routed, dy, st.rows, st.order, st.topk_w,
+                                                                        st.rows_by_route)
+            st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
+            st.routed = replace(st.routed, x=x_rows(st.x))
+        else:
+            dy_rows, dtw = self._rows(st, dy)
+        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
+        out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
+                                       consume=True, config=st.config, **core)
+        return MoEGrads(out[0], dtw, *out[1:], d_shared, d_gate)
+
+    def _unfused_backward(self, st, dy, dy_s, gate):
+        """BackwardPath.UNFUSED: the route_grad pass, the MLP's separate kernels, the dx scatter
+        and the fixed-order dx slot sum (the shared expert's dx and the gate's share its start)."""
+        dx_gate, d_gate = gate
+        t, k = st.topk_idx.shape
+        dy_rows, dtw = self._rows(st, dy)
+        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
-        dxs, d_shared = shared or shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
+        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         if dx_gate is not None:
             acc = acc + dx_gate

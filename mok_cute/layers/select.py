@@ -1,14 +1,15 @@
 """Backend selection and the backends behind :func:`mok_cute.moe`.
 
-A backend has ``forward(inputs, config, group) -> (y, state)`` and ``backward(state, dy) ->
-reference.MoEGrads``. Selection: MOK_CUTE_BACKEND, else ``config.backend``, else by device:
-CPU -> reference (announced once), capability 9.0 -> sm90, 10.x -> sm100, others -> reference.
-A GPU backend asked for what it does not run yet (EP > 1 on sm100, a precision not wired) raises
-NotImplementedError: it never silently falls back on a GPU.
+A backend has ``forward(inputs, config, group) -> (y, state)``, ``backward(state, dy,
+main_grads=None) -> reference.MoEGrads`` and ``shared_gate`` (whether it runs the shared
+expert's output gate). Selection: ``config.backend`` ("auto": by device: CPU -> reference
+(announced once), capability 9.0 -> sm90, 10.x -> sm100, others -> reference); the environment
+plays no part. A GPU backend asked for what it does not run (a precision not wired, a path its
+table does not allow: :mod:`mok_cute.layers.paths`) raises NotImplementedError: it never
+silently falls back on a GPU.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -20,13 +21,15 @@ from mok_cute.layers.grouped import GroupedExpertBackend
 from mok_cute.layers.sm90 import Sm90ExpertMLP
 from mok_cute.layers.sm100 import Sm100ExpertMLP
 
-ENV = "MOK_CUTE_BACKEND"
 _announced: set[str] = set()
 
 
 @dataclass
 class MoEInputs:
-    """The arguments of one layer call (weights are this rank's local slice)."""
+    """The arguments of one layer call (weights are this rank's local slice; shapes and dtypes:
+    :func:`mok_cute.moe`): ``shared`` (ws_gate, ws_up, ws_down) or None, ``shared_gate`` [1, H]
+    the shared expert's output gate or None, ``main_grads`` the fp32 buffers the backward adds
+    the weight gradients into, or None."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -36,14 +39,15 @@ class MoEInputs:
     w_down: torch.Tensor
     shared: tuple | None
     swiglu_limit: float | None
-    shared_gate: torch.Tensor | None = None  # [1, H]: the shared expert's output gate
+    shared_gate: torch.Tensor | None = None
+    main_grads: tuple | None = None
 
 
 def select_backend(device: torch.device, config: MoKConfig) -> str:
-    """Name of the backend that runs on ``device`` under ``config`` and the environment."""
-    choice = os.environ.get(ENV) or config.backend
+    """Name of the backend that runs on ``device`` under ``config`` (its ``backend`` field)."""
+    choice = config.backend
     if choice not in BACKENDS:
-        raise ValueError(f"{ENV} must be one of {BACKENDS}, got {choice!r}")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
         if device.type != "cuda":
             _announce("no CUDA device: mok_cute runs the pure-torch reference backend")

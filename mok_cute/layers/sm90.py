@@ -21,12 +21,16 @@ per expert, with the transposed dgrad operands written in the same pass: I, H mu
 128, so no block straddles two experts), then the SM90 FP8 kernels (:func:`fp8_kernel`).
 
 Weights: their quantizations (MXFP8: dequantized BF16 per axis; fp8_block: data + scales,
-and the transposed dgrad operands) are cached in a :class:`~mok_cute.layers.weight_cache.WeightCache` while the weight is
-unchanged, so the forward and backward of a step (and the shared expert) quantize each
-weight once; an in-place update (optimizer step: ``_version`` bump) recomputes. The cache
-holds no reference to the weights; its entries live as long as their weights' storage
-(cost: one extra copy per cached form). Writes that bypass the version counter (``w.data``)
-are not seen.
+and the transposed dgrad operands) are cached in a
+:class:`~mok_cute.layers.weight_cache.WeightCache` while the weight is unchanged, so the
+forward and backward of a step (and the shared expert) quantize each weight once; an in-place
+update (optimizer step: ``_version`` bump) recomputes. The cache holds no reference to the
+weights; its entries live as long as their weights' storage (cost: one extra copy per cached
+form). Writes that bypass the version counter (``w.data``) are not seen.
+
+Which of the fused entry points run (``fused_forward``, ``backward_tokens``, ``backward_fused``,
+their EP forms) is the layer's decision, once per call (:mod:`mok_cute.layers.paths`); each
+runs when called (none hands back None to ask for another path).
 """
 from __future__ import annotations
 
@@ -34,9 +38,11 @@ import importlib
 
 import torch
 
+from mok_cute.config import ForwardPath
+from mok_cute.layers import paths
 from mok_cute.layers.common import (
-    ExpertGroup, fused_bwd_mx, fused_bwd_mx_prologue, mlp_backward, mlp_forward, ring_chunks, shared_backward,
-    shared_launch_operands, whole_offsets,
+    ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+    whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
@@ -69,14 +75,7 @@ def _mx_dequant_weight(w, axis):
     return dequant_mxfp8.mxfp8_round_trip_tokens(w2, whole_offsets(e * r, w.device)).view(e, r, c)
 
 
-def _fused_bwd_ok(g: ExpertGroup, dy_rows) -> bool:
-    """Whether the fused backward core takes these operands (the unfused path takes any): BF16, or
-    MXFP8 with its variant on (``common.fused_bwd_mx``), contiguous CUDA rows (elsewhere: the unfused
-    path, whose kernels the CPU tests emulate)."""
-    if not (g.precision == "bf16" or (g.precision == "mxfp8" and fused_bwd_mx())):
-        return False
-    return (g.x is not None and dy_rows.is_cuda and g.x.is_contiguous() and dy_rows.is_contiguous()
-            and g.gu.is_contiguous())
+FUSED_CORE_PRECISIONS = ("bf16", "mxfp8")  # the fused backward core's (fused_bwd: BF16 and its mx variant)
 
 
 def _mx_rows(x):
@@ -119,13 +118,11 @@ class Sm90ExpertMLP:
     """BF16 / MXFP8 / FP8-blockwise expert MLP on the SM90 kernels (output tile 256 wide; a
     partial last tile where H or I is not a multiple of it)."""
 
-    arch = "sm90"
+    arch = "sm90"  # its row of the path table (mok_cute.layers.paths): what runs fused, in which precisions
     dim_multiple = {"bf16": 64, "mxfp8": 64, "fp8_block": 128}  # H, I, I_s (fp8_block: its 128-blocks)
     strided_weights = True  # weights in place when TMA addresses them (dsl.host.tma_weight), no copy
     precisions = ("bf16", "mxfp8", "fp8_block")
-    fused_precisions = ("bf16", "mxfp8")  # EP = 1 forward in one persistent launch (fused_forward)
-    expert_parallel = True  # EP > 1 through mok_cute.layers.ep ...
-    ep_precisions = ("bf16", "mxfp8")  # ... in these precisions (checked by GroupedExpertBackend)
+    fused_mx_prologue = True  # BackwardPath.FUSED at MXFP8 after the fused forward: mx_prologue first
 
     def __init__(self):
         self.weights = WeightCache()
@@ -155,8 +152,11 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
-        out = fused.fused_forward(args[0], order, offsets, topk_idx, topk_w, *args[1:], limit, config.comm_ctas_fwd(1),
-                                  config.device_timeout_s, mx=mx, ring_chunks=ring_chunks(config, topk_idx), gate=gate)
+        out = fused.fused_forward(
+            args[0], fused.RoutePlan(order, offsets, topk_idx, topk_w), fused.ExpertWeights(*args[1:4]),
+            fused.SharedExpert.of(args[4], gate), limit,
+            fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s,
+                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx))
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:7]
 
@@ -169,9 +169,11 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, plan.offsets, w_gate, w_up, w_down, shared, limit, config)
-        out = fused.fused_forward(args[0], plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w,
-                                  *args[1:], limit, config.comm_ctas_fwd(ws.EP), config.device_timeout_s, mx=mx, ws=ws,
-                                  num_ctas=num_ctas, ring_chunks=ring_chunks(config, topk_idx))
+        out = fused.fused_forward(
+            args[0], fused.RoutePlan(plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w),
+            fused.ExpertWeights(*args[1:4]), fused.SharedExpert.of(args[4]), limit,
+            fused.FusedLaunch(config.comm_ctas_fwd(ws.EP), config.device_timeout_s, num_ctas=num_ctas,
+                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx), ws=ws)
         return (*out[:6], out[8])
 
     def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
@@ -179,8 +181,9 @@ class Sm90ExpertMLP:
         mxfp8 the weights MXFP8 round-tripped (cached per version), x quantized by the kernel's host."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
-        if config.precision not in self.fused_precisions:
-            raise ValueError(f"the sm90 fused forward runs {self.fused_precisions}, not {config.precision!r}")
+        fused = paths.runs("sm90", "forward", ForwardPath.FUSED, 1).precisions
+        if config.precision not in fused:
+            raise ValueError(f"the sm90 fused forward runs {fused}, not {config.precision!r}")
         mult = self.dim_multiple[config.precision]
         _check_mlp(fwd, x, offsets, w_gate, w_up, w_down, limit, mult)
         if shared is not None:
@@ -192,65 +195,71 @@ class Sm90ExpertMLP:
                 shared = tuple(self._mx_weight(w[None], 2)[0] for w in shared)
         return (x, w_gate, w_up, w_down, shared), mx
 
-    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands
-        were validated by forward, only dy is new."""
+        were validated by forward, only dy is new. ``fused``: one launch of the fused backward
+        core (BF16, MXFP8: its mx variant; the backward path FUSED), else the separate kernels
+        (bitwise the same). ``config``: the call's (its ``trace`` resolved by the layer), or None."""
         from mok_cute.kernels.sm90 import expert_bwd as bwd
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
+        if fused and g.precision not in FUSED_CORE_PRECISIONS:
+            raise ValueError(f"the sm90 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
         if g.precision == "fp8_block":
             return self._fp8_backward(g, dy_rows, w_gate, w_up, w_down, limit)
-        from mok_cute.layers.common import fused_bwd_mode
+        if fused:
+            from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
-        if fused_bwd_mode() and _fused_bwd_ok(g, dy_rows):
-            from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
-
-            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
-                                       *self._bwd_weights(g, w_gate, w_up, w_down), limit, mx=g.precision == "mxfp8")
+            g = contiguous_group(g)
+            return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
+                                       self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                       BackwardLaunch(mx=g.precision == "mxfp8"))
         if g.precision == "mxfp8":
             return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
 
-    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
-                        dx_add=None, consume: bool = False, mx_dyt=None):
+    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
+                        config=None, mx_dyt=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
-        in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
-        row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
-        None: added to its fp32 start), bitwise the unfused scatter and slot sum; None where that
-        launch does not apply (then call :meth:`backward`). ``consume``: the caller gives up
-        ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written over gu; MXFP8: their round trips
-        are made in place). ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's round trips (dy_t its
-        second output); then this launch always runs (the others' operands are no longer the plain rows)."""
+        in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
+        topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
+        ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or None: added to its fp32 start),
+        bitwise the unfused scatter and slot sum: the backward path FUSED, BF16 or MXFP8.
+        ``consume``: the caller gives up ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written
+        over gu; MXFP8: their round trips are made in place). ``config``: the call's (its ``trace``
+        resolved by the layer), or None. ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's
+        round trips (dy_t its second output)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
-        from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
+        from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
-        if mx_dyt is None and not _fused_bwd_ok(g, dy_rows):
-            return None
-        if dx_shared is not None and not dx_shared.is_contiguous():
-            if mx_dyt is None:
-                return None
+        if g.precision not in FUSED_CORE_PRECISIONS:
+            raise ValueError(f"the sm90 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
+        order, topk_idx, dx_shared, dx_add = tokens
+        g = contiguous_group(g)
+        if dx_shared is not None:
             dx_shared = dx_shared.contiguous()
         _check_dy(fwd, g, dy_rows)
-        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets),
-                                   *self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                   tokens=(order, topk_idx, dx_shared, dx_add), mx=g.precision == "mxfp8",
-                                   consume=consume, mx_dyt=mx_dyt)
+        return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
+                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                   BackwardLaunch(mx=g.precision == "mxfp8"),
+                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
-        """``MOK_CUTE_FUSED_BWD_MX_PROLOGUE`` (default on, ``common.fused_bwd_mx_prologue``), an MXFP8 group that
-        :meth:`backward_tokens` takes: ``(dy_rows, dy_t, d topk_w, x_rows)`` from the layer's dy in one launch
-        (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass and dy's round trips), ``x_rows(x)`` making the
-        grouped x rows with their round trip in a second (``route_grad.mx_x_rows``); the caller frees the forward's
-        rows ``r_rows`` before it calls ``x_rows``, then runs :meth:`backward_tokens` with ``g.x`` those rows and
-        ``mx_dyt=dy_t``. None where it does not apply (then the route_grad pass and :meth:`backward_tokens` as
-        usual)."""
-        if not (fused_bwd_mx_prologue() and g.precision == "mxfp8" and fused_bwd_mx() and dy.is_cuda):
-            return None
+        """The MXFP8 backward's prologue (the backward path FUSED at MXFP8 after the fused forward,
+        whose route-order rows ``r_rows`` [T*k, H] it reads): ``(dy_rows, dy_t, d topk_w, x_rows)``
+        from the layer's dy in one launch (``route_grad.mx_dy_rows_and_dtopk_w``: the route_grad pass
+        and dy's round trips), ``x_rows(x)`` making the grouped x rows with their round trip in a
+        second (``route_grad.mx_x_rows``); the caller frees ``r_rows`` before it calls ``x_rows``, then
+        runs :meth:`backward_tokens` with ``g.x`` those rows and ``mx_dyt=dy_t``. Both launches run
+        over every SM, each output written once (faster than the route_grad pass, the x gather and
+        three round-trip passes it replaces: docs/design-decisions.md, 2026-12-03)."""
         t, k = topk_w.shape
-        if not all(a.is_contiguous() for a in (dy, r_rows, g.gu)) or r_rows.shape[0] != t * k or t * k == 0:
-            return None
+        if g.precision != "mxfp8" or r_rows.shape[0] != t * k:
+            raise ValueError(f"mx_prologue: an MXFP8 group and [T*k = {t * k}, H] route rows, got "
+                             f"{g.precision!r}, {tuple(r_rows.shape)}")
+        dy, r_rows = dy.contiguous(), r_rows.contiguous()
         from mok_cute.kernels.route_grad import mx_dy_rows_and_dtopk_w, mx_x_rows
 
         order32, offs32 = order.to(torch.int32), offsets_i32(g.offsets)
@@ -264,70 +273,73 @@ class Sm90ExpertMLP:
             return tuple(self._mx_weight(w, 1) for w in (w_gate, w_up, w_down))
         return w_gate, w_up, w_down
 
-    def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
-                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,
-                       comm_ctas: int = 28):
-        """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``:
-        the route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter
-        and slot sum): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
-        bitwise the unfused backward; with ``main_grads`` (fp32, validated by ``ops.moe``) the weight
-        gradients are added into them in the launch and returned as None; ``comm_ctas``: the CTAs that
-        build the routed rows first (``MoKConfig.comm_sms_bwd``); None where it does not apply (BF16, or
-        MXFP8 with its variant on and no ``main_grads``: the rows' round trips in the launch, the shared
-        expert's backward before it)."""
-        from mok_cute.kernels.sm90.fused_bwd import fused_backward
+    def backward_fused(self, st, dy, main_grads=None):
+        """The backward path FUSED_WHOLE (after the fused forward, no output gate: the path table):
+        the whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``: the
+        route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter and
+        slot sum), from the EP = 1 forward state ``st`` (:class:`~mok_cute.layers.common.LocalState`):
+        ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``, bitwise the unfused
+        backward; with ``main_grads`` (fp32, validated by ``ops.moe``; BF16 only, the table) the weight
+        gradients are added into them in the launch and returned as None; ``comm_sms_bwd`` CTAs build
+        the routed rows first. MXFP8: the launch's mx variant (the rows' round trips in the launch),
+        the shared expert's backward before it."""
+        from mok_cute.kernels.operands import RoutePlan
+        from mok_cute.kernels.sm90.fused_bwd import BackwardInputs, BackwardLaunch, fused_backward
 
-        t, k = topk_idx.shape
-        rows = t * k
-        mx = g.precision == "mxfp8" and fused_bwd_mx() and main_grads is None
-        if rows == 0 or not (g.precision == "bf16" or mx) or not all(a.is_contiguous() for a in (dy, x, r_rows, g.gu,
-                                                                                                    g.h)):
-            return None
-        if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
-            return None
+        g, x, r_rows, order = contiguous_group(st.routed), st.x, st.rows, st.order
+        topk_w, topk_idx = st.topk_w, st.topk_idx
+        w_gate, w_up, w_down = st.weights
+        limit, rows_by_route, comm_ctas = st.limit, st.rows_by_route, st.config.comm_sms_bwd
+        shared_group, shared = st.shared_group, st.shared
+        dy, x, r_rows = dy.contiguous(), x.contiguous(), r_rows.contiguous()
+        mx = g.precision == "mxfp8"
         if mx:  # the shared expert's backward first, its dx the slot sum's start (as at EP > 1)
-            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
-            out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu,
-                                 g.h, *self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                 None if dxs is None else dxs.contiguous(), rows_by_route, comm_ctas, mx=True)
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
+            out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
+                                 RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
+                                 self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                 BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, mx=True),
+                                 None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
-        if sh is False:
-            return None
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
-        out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
-                             w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, shared=sh,
-                             main_grads=main_grads)
+        out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
+                             RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
+                             (w_gate, w_up, w_down), limit, BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace),
+                             shared=sh, main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
-    def backward_fused_ep(self, ws, plan, g: ExpertGroup, dy, x, slot_rows, w_rows, topk_idx, w_gate, w_up, w_down,
-                          limit, shared_group: ExpertGroup | None = None, shared=None, comm_ctas: int = 16,
-                          num_ctas: int | None = None):
-        """The whole backward at EP > 1 in one launch per rank (``fused_bwd.fused_backward_ep``; collective
-        over ``ws``'s ranks): ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
-        the unfused EP backward's (reverse combine, expert backward, reverse dispatch) with d topk_w
-        a fixed-order fp32 sum; None where it does not apply (BF16, or MXFP8 with its variant on
-        (``common.fused_bwd_mx``); contiguous operands), the same answer on every rank. At MXFP8 the
-        shared expert's backward runs before the launch (:func:`~mok_cute.layers.common.shared_backward`)
-        and its dx starts the launch's slot sum. The caller checks ``ws``'s status."""
-        from mok_cute.kernels.sm90.fused_bwd import fused_backward_ep
+    def backward_fused_ep(self, st, dy):
+        """The backward path FUSED (or FUSED_WHOLE: the same launch) at EP > 1 after the fused forward:
+        the whole backward in one launch per rank (``fused_bwd.fused_backward_ep``; collective over the
+        workspace's ranks) from the EP forward state ``st`` (:class:`~mok_cute.layers.common.EPState`):
+        ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``, the unfused EP
+        backward's (reverse combine, expert backward, reverse dispatch) with d topk_w a fixed-order fp32
+        sum, the same answer on every rank. At MXFP8 the shared expert's backward runs before the launch
+        (:func:`~mok_cute.layers.common.shared_backward`) and its dx starts the launch's slot sum. The
+        caller checks the workspace's status."""
+        from mok_cute.kernels.sm90.fused_bwd import BackwardInputs, BackwardLaunch, fused_backward_ep
 
-        mx = g.precision == "mxfp8" and fused_bwd_mx()
-        if not (g.precision == "bf16" or mx) or not all(a.is_contiguous() for a in (dy, x, slot_rows, g.gu, g.h)):
-            return None
-        slots = slot_rows.reshape(-1, dy.shape[1])
+        ws, plan, g, x, w_rows, topk_idx = st.ws, st.plan, contiguous_group(st.routed), st.x, st.w_rows, st.topk_idx
+        w_gate, w_up, w_down = st.weights
+        limit, shared_group, shared = st.limit, st.shared_group, st.shared
+        comm_ctas, num_ctas = st.config.comm_sms_bwd, ws.grid_ctas
+        dy, x = dy.contiguous(), x.contiguous()
+        mx = g.precision == "mxfp8"
+        slots = st.slot_out.contiguous().reshape(-1, dy.shape[1])
         if mx:
-            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
-            out = fused_backward_ep(ws, plan, dy, x, slots, w_rows, topk_idx, g.gu, g.h,
-                                    *self._bwd_weights(g, w_gate, w_up, w_down), limit, comm_ctas, num_ctas,
-                                    mx=True, dx_shared=None if dxs is None else dxs.contiguous())
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
+            out = fused_backward_ep(ws, plan, BackwardInputs(dy, x, slots, g.gu, g.h), w_rows, topk_idx,
+                                    self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                    BackwardLaunch(num_ctas=num_ctas, comm_ctas=comm_ctas, trace=st.config.trace,
+                                                   mx=True), dx_shared=None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
-        if sh is False:
-            return None
-        out = fused_backward_ep(ws, plan, dy, x, slots, w_rows, topk_idx, g.gu, g.h,
-                                w_gate, w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
+        out = fused_backward_ep(ws, plan, BackwardInputs(dy, x, slots, g.gu, g.h), w_rows, topk_idx,
+                                (w_gate, w_up, w_down), limit,
+                                BackwardLaunch(num_ctas=num_ctas, comm_ctas=comm_ctas, trace=st.config.trace),
+                                shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
     # ------------------------------------------------------------------ MXFP8

@@ -25,9 +25,12 @@ are 32 CTAs, co-resident on the 132 SMs beside the other ranks' GEMMs. Before ea
 step on a 1-rank virtual group (no peer to wait for) compiles and loads every kernel the case
 launches. Last, per R: virtual rank 1 skips a dispatch, then a whole layer call; the others
 must raise RuntimeError naming it within the timeout. ``MOK_EP_VIRTUAL_QUICK=1``: R = 2, the first
-two cases, no stall rows; ``MOK_EP_VIRTUAL_CASES``: the cases to run (indices). Unless ``MOK_CUTE_FUSED_EP=0`` (inherited by the child) the forward is the
-fused kernel's EP mode, each rank's grid ``ws.grid_ctas`` = SMs / R, its ring 8 slots
-(minibatch_tokens 256, reused), and a row per case counts the fused forwards (R x REPEATS).
+two cases, no stall rows; ``MOK_EP_VIRTUAL_CASES``: the cases to run (indices);
+``MOK_EP_VIRTUAL_MODES``: the forward paths to run (``MoKConfig.forward_path``, e.g.
+"unfused,fused"; default "fused"). On the fused path (the fused kernel's EP mode, each rank's grid
+``ws.grid_ctas`` = SMs / R, its ring 8 slots: minibatch_tokens 256, reused; the backward path
+FUSED, one launch per rank) a row per case counts the fused forwards and backwards (R x REPEATS
+each) and another compares the gradients with the unfused backward's (``backward_path="unfused"``).
 """
 from __future__ import annotations
 
@@ -36,19 +39,17 @@ import time
 
 import torch
 
-from checks.comm import _guard, _routing
-from checks.common import Row, child_rows, env_var, sm90_skip
-from checks.layer_ep import _problem
-from checks.layer_sm90 import _compare, _run
+from tools.checks.comm import _guard, _routing
+from tools.checks.common import Row, child_rows, sm90_skip
+from tools.checks.layer_ep import _problem
+from tools.checks.layer_sm90 import _compare, _run
 from mok_cute.comm.virtual import VirtualGroup, run_ranks
-from mok_cute.layers.common import fused_bwd_mx
 
 QUICK = os.environ.get("MOK_EP_VIRTUAL_QUICK", "0") == "1"  # R = 2, the first two cases, no stall rows
 SIZES = (2,) if QUICK else (2, 4)
 # indices into CASES to run (MOK_EP_VIRTUAL_CASES="0,4"; default: the first two with QUICK, else all)
-# forward paths to run, e.g. "unfused,fused" (default: what MOK_CUTE_FUSED_EP selects)
-MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "unfused" if os.environ.get("MOK_CUTE_FUSED_EP") == "0"
-                       else "fused").split(",")
+# forward paths to run (MoKConfig.forward_path values), e.g. "unfused,fused"
+MODES = os.environ.get("MOK_EP_VIRTUAL_MODES", "fused").split(",")
 REPEATS = 3
 # T per rank, H, I, E (global), k; MOK_EP_VIRTUAL_SHAPE="T,H,I,E,k" overrides (e.g. H, I not multiples of 256)
 SHAPE = tuple(int(v) for v in os.environ.get("MOK_EP_VIRTUAL_SHAPE", "512,1024,512,8,4").split(","))
@@ -75,12 +76,15 @@ def _starve(prob, rank: int, size: int, e_local: int):
     return x, idx, w, ws, sh, dy
 
 
-def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
+def _warm(ctx, shared: bool, limit, seed: int, precision: str, forward: str) -> None:
     """Compile and load every kernel of an EP step at the case's shapes with no peer to wait for:
-    one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts), with
-    the backward mode given and with the unfused one (:func:`_vs_unfused_backward` runs it)."""
+    one forward and backward of mok_cute.layers.ep on a 1-rank virtual group (all E experts) along
+    the forward path ``forward``, with its default backward path and with the unfused one
+    (:func:`_vs_unfused_backward` runs it)."""
     import mok_cute
+    from mok_cute.config import BackwardPath, ForwardPath
     from mok_cute.layers import ep as ep_layer
+    from mok_cute.layers.paths import Paths
     from mok_cute.layers.select import MoEInputs, get_backend
 
     t, h, inter, e, k = SHAPE
@@ -88,9 +92,10 @@ def _warm(ctx, shared: bool, limit, seed: int, precision: str) -> None:
     mlp, one = get_backend("sm90").mlp, VirtualGroup(1, ctx.device)
     cfg = mok_cute.MoKConfig(backend="sm90", precision=precision, **CONFIG)
     inp = MoEInputs(x, idx, w, *ws, sh, limit)
-    run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
-    with env_var("MOK_CUTE_FUSED_BWD", "0"):
-        run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+    fwd = ForwardPath(forward)
+    for bwd in {BackwardPath.FUSED if fwd is ForwardPath.FUSED else BackwardPath.UNFUSED, BackwardPath.UNFUSED}:
+        paths = Paths(fwd, bwd)
+        run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg, paths)[1], dy))
 
 
 _FUSED_CALLS = {"fused_forward_ep": 0, "backward_fused_ep": 0}  # Sm90ExpertMLP's fused EP entries, per call
@@ -98,8 +103,7 @@ _FUSED_CALLS = {"fused_forward_ep": 0, "backward_fused_ep": 0}  # Sm90ExpertMLP'
 
 def _count_fused_calls():
     """Wrap the EP fused forward's and backward's host entries with call counters (so the fused
-    rows prove the fused kernels ran rather than a fallback to the unfused stages; the backward's
-    counts only the calls that launched)."""
+    rows prove the fused kernels ran, the paths the layer decided)."""
     from mok_cute.layers.sm90 import Sm90ExpertMLP
 
     for name in _FUSED_CALLS:
@@ -109,36 +113,38 @@ def _count_fused_calls():
 
         def counted(self, *a, _real=real, _name=name, **kw):
             out = _real(self, *a, **kw)
-            _FUSED_CALLS[_name] += out is not None
+            _FUSED_CALLS[_name] += 1
             return out
 
         counted.counted = True
         setattr(Sm90ExpertMLP, name, counted)
 
 
-def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limit) -> list[Row]:
+def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limit,
+          forward: str = "fused") -> list[Row]:
+    """The rows of one case at R = ``size`` along the forward path ``forward`` (the config's
+    ``forward_path``; the backward path the default after it)."""
     t, h, inter, e, k = SHAPE
     probs = [_problem(t, h, inter, e, k, size, r, shared, routing == "skew", ctx.device, seed) for r in range(size)]
     if routing == "starve":
         probs = [_starve(p, r, size, e // size) for r, p in enumerate(probs)]
     prec = "mxfp8" if name.endswith("mxfp8") else "bf16"
-    _warm(ctx, shared, limit, seed, prec)
+    _warm(ctx, shared, limit, seed, prec, forward)
     group = VirtualGroup(size, ctx.device)
     ref = run_ranks(group, lambda r: _run("reference", *probs[r], limit, group, precision=prec))
     calls = dict(_FUSED_CALLS)
-    outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
+    cfg = dict(CONFIG, forward_path=forward)
+    outs = [run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **cfg))
             for _ in range(REPEATS)]
     rows = []
-    if os.environ.get("MOK_CUTE_FUSED_EP", "1") != "0":
+    if forward == "fused":  # the backward path FUSED by default after it (MXFP8: the shared expert outside the launch)
         n = {key: _FUSED_CALLS[key] - calls[key] for key in calls}
-        fused_prec = prec == "bf16" or fused_bwd_mx()  # MXFP8: the mx variant (shared expert outside the launch)
-        want_bwd = size * REPEATS if fused_prec and os.environ.get("MOK_CUTE_FUSED_BWD", "2") in ("2", "3") else 0
+        want = size * REPEATS
         rows.append(Row(f"layer_ep{size}v {name} fused launches",
-                        ok=n["fused_forward_ep"] == size * REPEATS and n["backward_fused_ep"] == want_bwd,
+                        ok=n["fused_forward_ep"] == want and n["backward_fused_ep"] == want,
                         note=f"{n['fused_forward_ep']} fused forwards, {n['backward_fused_ep']} fused backwards "
-                             f"(want {want_bwd}) for {size} ranks x {REPEATS} repeats"))
-        if want_bwd:
-            rows += _vs_unfused_backward(group, probs, limit, prec, size, name, outs[0])
+                             f"(want {want} each) for {size} ranks x {REPEATS} repeats"))
+        rows += _vs_unfused_backward(group, probs, limit, prec, size, name, outs[0])
     for r in range(size):
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0][r], o[r]))
         if prec == "bf16":
@@ -152,11 +158,11 @@ def _case(ctx, size: int, seed: int, name: str, routing: str, shared: bool, limi
 
 
 def _vs_unfused_backward(group, probs, limit, prec, size: int, name: str, fused) -> list[Row]:
-    """The fused EP backward's gradients against the unfused EP backward's (``MOK_CUTE_FUSED_BWD=0``,
+    """The fused EP backward's gradients against the unfused EP backward's (``backward_path="unfused"``,
     same fused forward): y, dx, d topk_w (both route_row's fixed-order sum) and every weight
     gradient bitwise."""
-    with env_var("MOK_CUTE_FUSED_BWD", "0"):
-        base = run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **CONFIG))
+    cfg = dict(CONFIG, forward_path="fused", backward_path="unfused")
+    base = run_ranks(group, lambda r: _run("sm90", *probs[r], limit, group, precision=prec, **cfg))
     rows = []
     for r in range(size):
         eq = [torch.equal(a, b) for a, b in zip(fused[r], base[r])]
@@ -165,13 +171,13 @@ def _vs_unfused_backward(group, probs, limit, prec, size: int, name: str, fused)
     return rows
 
 
-def _stall(ctx, size: int) -> list[Row]:
+def _stall(ctx, size: int, forward: str = "fused") -> list[Row]:
     """Virtual rank 1 stalls, first in the comm kernels (it plans with the others, then skips a
     dispatch), then in the layer (it skips a whole mok_cute.moe call): every other rank must raise
     RuntimeError naming it within the timeout (+5 s)."""
     from mok_cute.comm.dispatch import dispatch
     from mok_cute.comm.workspace import get_workspace
-    from mok_cute.schedule.plan import plan_routing_device
+    from mok_cute.comm.planner import plan_routing_device
 
     timeout, stalled = 2.0, 1
     t, h, inter, e, k = SHAPE
@@ -190,7 +196,7 @@ def _stall(ctx, size: int) -> list[Row]:
 
     def in_layer(r):
         if r != stalled:
-            _run("sm90", *probs[r], None, group, **dict(CONFIG, device_timeout_s=timeout))
+            _run("sm90", *probs[r], None, group, **dict(CONFIG, device_timeout_s=timeout, forward_path=forward))
 
     rows = []
     for what, step in (("dispatch", in_dispatch), ("layer", in_layer)):
@@ -218,16 +224,15 @@ def run(ctx) -> list[Row]:
     VirtualGroup(max(SIZES), ctx.device)  # creates the rank streams back to back (mok_cute.comm.virtual)
     _count_fused_calls()
     rows = []
-    for mode in MODES:  # the forward's EP path: unfused stages or the fused kernel (MOK_CUTE_FUSED_EP)
-        os.environ["MOK_CUTE_FUSED_EP"] = "1" if mode == "fused" else "0"
+    for mode in MODES:  # the forward's EP path: unfused stages or the fused kernel (MoKConfig.forward_path)
         start = len(rows)
         for size in SIZES:
             for seed, case in enumerate(CASES):
                 if seed not in PICK:
                     continue
-                rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case))
+                rows += _guard(ctx, f"layer_ep{size}v {case[0]}", lambda: _case(ctx, size, 300 + seed, *case, mode))
             if not QUICK:
-                rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size))
+                rows += _guard(ctx, f"layer_ep{size}v stalled rank", lambda: _stall(ctx, size, mode))
         for row in rows[start:]:
             row.name = f"{row.name} {mode}" if len(MODES) > 1 else row.name
     return rows

@@ -3,16 +3,16 @@ item 1): the last n-tile of a GEMM runs past N (its B rows zero-filled by TMA, i
 masked or clipped).
 
 GEMMs: the checks of :mod:`checks.gemm_sm90` (vs the reference, NaN-poisoned outputs whose
-buffers end in a sentinel, 5 repeats bitwise) at tail dimensions, masked and TMA-store
-epilogues, h's MXFP8 copy included.
+buffers end in a sentinel, 5 repeats bitwise) at tail dimensions (TMA-store epilogues, dSwiGLU's
+masked stores), h's MXFP8 copy included.
 
 Layer: ``mok_cute.moe(backend="sm90")`` at real models' dimensions (DeepSeek-V2-Lite H 2048,
 I 1408; gpt-oss H = I = 2880; a small H 320, I 128, I_s 192) vs the reference backend at the
 same precision (BF16: max-abs <= 0.5, rel-L1 <= 1e-2; MXFP8: rel-L1 <= 2e-2), y and every
-gradient, shared expert on, skewed routing with -1 slots; the fused backward modes 2 and 3 and
-the unfused forward (MOK_CUTE_FUSED=0) bitwise equal to the fused forward + the unfused backward
-(mode 0); 3 repeats bitwise; ``main_grads`` in mode 3
-(accumulated in the fused epilogue) bitwise start + fp32(fresh dW).
+gradient, shared expert on, skewed routing with -1 slots; the backward paths FUSED and
+FUSED_WHOLE and the unfused forward (``forward_path="unfused"``) bitwise equal to the fused
+forward + the unfused backward (``backward_path="unfused"``); 3 repeats bitwise; ``main_grads``
+on FUSED_WHOLE (accumulated in the fused epilogue) bitwise start + fp32(fresh dW).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import contextlib
 
 import torch
 
-from checks.common import Row, env_var, seeded, sm90_skip
-from checks.layer_sm90 import OUT_NAMES, _problem, _run
+from tools.checks.common import Row, seeded, sm90_skip
+from tools.checks.layer_sm90 import OUT_NAMES, _problem, _run
 
 SHAPES = [("DeepSeek-V2-Lite H2048 I1408", 700, 2048, 1408, 8, 4),
           ("gpt-oss H2880 I2880", 300, 2880, 2880, 4, 2),
@@ -41,28 +41,24 @@ def _dims(mod, h, inter):
 
 
 def _gemm_rows(dev) -> list[Row]:
-    from checks import gemm_sm90 as G
+    from tools.checks import gemm_sm90 as G
     from mok_cute import reference as ref
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90 import grouped_gemm as gg
 
     gen = seeded(4321)
-    tma = gg.MainloopConfig(tma_store=True)
     rows = []
     for h, inter in ((2880, 1408), (320, 128), (2048, 192)):
         with _dims(G, h, inter):
             tag = f" H{h} I{inter}"
-            for cfg in (None, tma):
-                for r in (G._check_plain(gg, ref, dev, gen, "skewed", torch.int32, cfg),
-                          G._check_swiglu(gg, ref, dev, gen, "skewed", 4.0, cfg),
-                          G._guarded("dgrad1", G._check_dgrad1, bwd, ref, dev, gen, "skewed", cfg),
-                          G._guarded("wgrad", G._check_wgrad, bwd, ref, dev, gen, "skewed", False, cfg),
-                          G._guarded("wgrad", G._check_wgrad, bwd, ref, dev, gen, "uniform", True, cfg)):
-                    r.name += tag
-                    rows.append(r)
-            for r in (G._guarded("dswiglu dgrad", G._check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 4.0),
-                      G._guarded("swiglu mx_h", G._check_swiglu_mx, gg, ref, dev, gen, "skewed", 4.0, False),
-                      G._guarded("swiglu mx_h", G._check_swiglu_mx, gg, ref, dev, gen, "uniform", None, True)):
+            for r in (G._check_plain(gg, ref, dev, gen, "skewed", torch.int32),
+                      G._check_swiglu(gg, ref, dev, gen, "skewed", 4.0),
+                      G._guarded("dgrad1", G._check_dgrad1, bwd, ref, dev, gen, "skewed"),
+                      G._guarded("wgrad", G._check_wgrad, bwd, ref, dev, gen, "skewed", False),
+                      G._guarded("wgrad", G._check_wgrad, bwd, ref, dev, gen, "uniform", True),
+                      G._guarded("dswiglu dgrad", G._check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 4.0),
+                      G._guarded("swiglu mx_h", G._check_swiglu_mx, gg, ref, dev, gen, "skewed", 4.0),
+                      G._guarded("swiglu mx_h", G._check_swiglu_mx, gg, ref, dev, gen, "uniform", None)):
                 r.name += tag
                 rows.append(r)
     return rows
@@ -81,10 +77,9 @@ def _errors(outs, refs):
     return worst_abs, worst_rel, bad
 
 
-def _with_mode(mode, fn, fused_fwd="1"):
-    """``fn()`` with MOK_CUTE_FUSED_BWD = ``mode`` and MOK_CUTE_FUSED = ``fused_fwd``."""
-    with env_var({"MOK_CUTE_FUSED_BWD": mode, "MOK_CUTE_FUSED": fused_fwd}):
-        return fn()
+def _paths(backward: str, forward: str = "fused") -> dict:
+    """MoKConfig fields: the backward path ``backward`` after the forward path ``forward``."""
+    return dict(forward_path=forward, backward_path=backward)
 
 
 def _layer_rows(dev) -> list[Row]:
@@ -98,28 +93,28 @@ def _layer_rows(dev) -> list[Row]:
         for precision in ("bf16", "mxfp8"):
             max_abs, max_rel = TOL[precision]
             want = _run("reference", x, idx, w, ws, sh, dy, 4.0, precision=precision)
-            runs = {m: [_with_mode(m, lambda: _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision=precision))
-                        for _ in range(3 if m == "0" else 1)] for m in ("0", "2", "3")}
-            base = runs["0"][0]
-            rep = all(all(torch.equal(a, b) for a, b in zip(base, r)) for r in runs["0"][1:])
-            modes = {m: all(torch.equal(a, b) for a, b in zip(base, runs[m][0])) for m in ("2", "3")}
-            unfused = _with_mode("0", lambda: _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision=precision), "0")
+            runs = {m: [_run("sm90", x, idx, w, ws, sh, dy, 4.0, precision=precision, **_paths(m))
+                        for _ in range(3 if m == "unfused" else 1)] for m in ("unfused", "fused", "fused_whole")}
+            base = runs["unfused"][0]
+            rep = all(all(torch.equal(a, b) for a, b in zip(base, r)) for r in runs["unfused"][1:])
+            modes = {m: all(torch.equal(a, b) for a, b in zip(base, runs[m][0])) for m in ("fused", "fused_whole")}
+            unfused = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision=precision, **_paths("unfused", "unfused"))
             modes["unfused fwd"] = all(torch.equal(a, b) for a, b in zip(base, unfused))
             a, rel, bad = _errors(base, want)
             ok = rep and all(modes.values()) and not bad and a <= max_abs and rel <= max_rel
             rows.append(Row(f"layer tails {name} {precision}", max_err=a, bitwise=rep and all(modes.values()), ok=ok,
-                            note=f"relL1={rel:.2e} vs reference; repeats equal {rep}; == bwd mode 0: {modes} "
+                            note=f"relL1={rel:.2e} vs reference; repeats equal {rep}; == unfused backward: {modes} "
                                  f"{' '.join(bad)}"))
     rows.append(_main_grads_row(dev))
     return rows
 
 
 def _main_grads_row(dev) -> Row:
-    """main_grads in mode 3 (the fused epilogue adds each dW tile) at H 2880, I 1408."""
+    """main_grads on the backward path FUSED_WHOLE (the fused epilogue adds each dW tile) at H 2880, I 1408."""
     import mok_cute
 
     x, idx, w, ws, sh, dy = _problem(400, 2880, 1408, 4, 2, True, True, dev, seed=77)
-    fresh = _with_mode("0", lambda: _run("sm90", x, idx, w, ws, sh, dy, 4.0))[3:]
+    fresh = _run("sm90", x, idx, w, ws, sh, dy, 4.0, **_paths("unfused"))[3:]
     g = torch.Generator(device=dev).manual_seed(5)
     start = [torch.randn(p.shape, device=dev, generator=g) for p in (*ws, *sh)]
     acc = [s.clone() for s in start]
@@ -127,13 +122,13 @@ def _main_grads_row(dev) -> Row:
 
     def step():
         y = mok_cute.moe(x, idx, w, *params[:3], shared=tuple(params[3:]), swiglu_limit=4.0,
-                         config=mok_cute.MoKConfig(backend="sm90"), main_grads=tuple(acc))
+                         config=mok_cute.MoKConfig(backend="sm90", **_paths("fused_whole")), main_grads=tuple(acc))
         y.backward(dy)
 
-    _with_mode("3", step)
+    step()
     torch.cuda.synchronize()
     same = [torch.equal(a, s + f.float()) for a, s, f in zip(acc, start, fresh)]
-    return Row("main_grads tails H2880 I1408 mode 3", bitwise=all(same), ok=all(same),
+    return Row("main_grads tails H2880 I1408 fused_whole", bitwise=all(same), ok=all(same),
                note=f"== start + fp32(fresh dW): {same}; .grad None: {all(p.grad is None for p in params)}")
 
 

@@ -1,7 +1,7 @@
 """Device check: a small MoE trained for 50 steps (router on, shared expert, SwiGLU clamp, AdamW on
 every parameter), the loss curve bitwise identical across two runs and tracking the reference
-backend's, for the sm90 backend with the unfused backward and the fused backward core
-(``MOK_CUTE_FUSED_BWD=1``, ``2`` and ``3``); and the whole step (forward, backward, optimizer step)
+backend's, for the sm90 backend along each backward path (``MoKConfig.backward_path``: UNFUSED,
+FUSED, FUSED_WHOLE); and the whole step (forward, backward, optimizer step)
 captured in one CUDA graph, its replays giving the eager run's losses bitwise.
 
 The model: x [T, H] -> MoELayer -> y; loss = mean((y - target)^2) in fp32 with a fixed random
@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, env_var
+from tools.checks.common import Row
 
 SHAPE = dict(tokens=512, hidden=512, inter=256, experts=8, top_k=2, shared=256)
 
 
-def train(backend: str, steps: int, device, seed: int = 0, shape: dict = SHAPE, graph: bool = False) -> list[float]:
-    """The loss of each of ``steps`` AdamW steps (``graph``: the step captured once, replayed)."""
+def train(backend: str, steps: int, device, seed: int = 0, shape: dict = SHAPE, graph: bool = False,
+          config: dict | None = None) -> list[float]:
+    """The loss of each of ``steps`` AdamW steps (``graph``: the step captured once, replayed;
+    ``config``: further MoKConfig fields, e.g. ``backward_path``)."""
     import mok_cute
 
     torch.manual_seed(seed)
     s = shape
-    cfg = mok_cute.MoKConfig(backend=backend, validate_routing=not graph)
+    cfg = mok_cute.MoKConfig(backend=backend, validate_routing=not graph, **(config or {}))
     layer = mok_cute.MoELayer(s["hidden"], s["inter"], s["experts"], s["top_k"], shared_intermediate_size=s["shared"],
                               swiglu_limit=7.0, config=cfg, device=device)
     cuda = torch.device(device).type == "cuda"
@@ -65,7 +67,7 @@ def train(backend: str, steps: int, device, seed: int = 0, shape: dict = SHAPE, 
 
 
 def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
+    from tools.checks.common import sm90_skip
 
     skip = sm90_skip(ctx, "train_loop")
     if skip:
@@ -73,12 +75,12 @@ def run(ctx) -> list[Row]:
     dev = ctx.device
     ref = train("reference", 50, dev)
     rows = []
-    for mode in ("0", "1", "2", "3"):
-        with env_var("MOK_CUTE_FUSED_BWD", mode):
-            a, b = train("sm90", 50, dev), train("sm90", 50, dev)
+    for path in ("unfused", "fused", "fused_whole"):
+        paths = dict(backward_path=path)
+        a, b = train("sm90", 50, dev, config=paths), train("sm90", 50, dev, config=paths)
         gap = max(abs(x - y) / abs(y) for x, y in zip(a, ref))
         ok = a == b and gap < 2e-2 and a[-1] < a[0]
-        rows.append(Row(f"train 50 steps sm90 MOK_CUTE_FUSED_BWD={mode}", max_err=gap, bitwise=a == b, ok=ok,
+        rows.append(Row(f"train 50 steps sm90 backward_path={path}", max_err=gap, bitwise=a == b, ok=ok,
                         note=f"loss {a[0]:.5f} -> {a[-1]:.5f}; reference {ref[0]:.5f} -> {ref[-1]:.5f}; "
                              f"max rel gap to the reference {gap:.1e} (< 2e-2)"))
     eager = train("sm90", 10, dev, graph=False)

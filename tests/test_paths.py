@@ -1,0 +1,221 @@
+"""The one path decision per layer call (mok_cute.layers.paths) on the CPU: the arch defaults,
+explicit paths the table allows, explicit paths it does not (NotImplementedError naming the path,
+arch, precision and feature), the environment never overriding the config, and the layer
+keeping the decided paths (and the resolved trace) in its forward state for the backward."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mok_cute.config import BackwardPath, ForwardPath, MoKConfig
+from mok_cute.layers import paths as P
+from mok_cute.layers.paths import Call, Paths, decide
+
+F, U = ForwardPath.FUSED, ForwardPath.UNFUSED
+BF, BW, BU = BackwardPath.FUSED, BackwardPath.FUSED_WHOLE, BackwardPath.UNFUSED
+
+
+@pytest.mark.parametrize("arch,call,want", [
+    ("sm90", Call("bf16"), Paths(F, BF)),
+    ("sm90", Call("mxfp8", shared=True, main_grads=True), Paths(F, BF)),
+    ("sm90", Call("bf16", shared=True, shared_gate=True), Paths(F, BF)),
+    ("sm90", Call("fp8_block"), Paths(U, BU)),  # fp8_block runs unfused: its default, not an error
+    ("sm90", Call("bf16", ep=4), Paths(F, BF)),
+    ("sm90", Call("mxfp8", ep=2, recompute=True), Paths(F, BF)),
+    ("sm90", Call("bf16", cuda=False), Paths(U, BU)),  # the CPU tests' emulated kernels
+    ("sm100", Call("bf16"), Paths(U, BU)),
+    ("sm100", Call("mxfp8", shared=True, main_grads=True), Paths(U, BU)),
+])
+def test_defaults_per_arch(arch, call, want):
+    assert decide(MoKConfig(), arch, call) == want
+
+
+def test_sm100_has_no_default_at_ep_above_one():
+    """SM100 at EP > 1 (compile-verified only) runs a path only when the config asks for one."""
+    with pytest.raises(NotImplementedError, match="'sm100': EP > 1, precision 'bf16': no default forward path"):
+        decide(MoKConfig(), "sm100", Call("bf16", ep=2))
+    assert decide(MoKConfig(forward_path="fused"), "sm100", Call("bf16", ep=2)) == Paths(F, BU)
+    assert decide(MoKConfig(forward_path="unfused"), "sm100", Call("mxfp8", ep=2)) == Paths(U, BU)
+    assert decide(MoKConfig(forward_path="fused", backward_path="fused"), "sm100", Call("bf16", ep=2)) == Paths(F, BF)
+
+
+@pytest.mark.parametrize("arch,cfg,call,want", [
+    ("sm90", dict(forward_path="unfused"), Call("bf16"), Paths(U, BF)),  # FUSED backward after an unfused forward
+    ("sm90", dict(forward_path="unfused"), Call("bf16", ep=2), Paths(U, BU)),  # at EP > 1 it needs the fused one
+    ("sm90", dict(backward_path="fused_whole"), Call("bf16", shared=True, main_grads=True), Paths(F, BW)),
+    ("sm90", dict(backward_path="fused_whole"), Call("mxfp8"), Paths(F, BW)),
+    ("sm90", dict(backward_path="fused_whole"), Call("bf16", ep=2), Paths(F, BW)),
+    ("sm90", dict(backward_path="unfused"), Call("mxfp8", shared_gate=True), Paths(F, BU)),
+    ("sm90", dict(forward_path="unfused", backward_path="unfused"), Call("bf16", cuda=False), Paths(U, BU)),
+    ("sm90", dict(forward_path="fused", backward_path="fused"), Call("bf16", cuda=False), Paths(F, BF)),
+    ("sm100", dict(forward_path="fused"), Call("mxfp8"), Paths(F, BU)),
+    ("sm100", dict(forward_path="fused", backward_path="fused_whole"), Call("mxfp8", main_grads=True), Paths(F, BW)),
+    ("sm100", dict(backward_path="fused"), Call("bf16", shared_gate=True), Paths(U, BF)),
+])
+def test_explicit_paths_the_table_allows(arch, cfg, call, want):
+    assert decide(MoKConfig(**cfg), arch, call) == want
+
+
+@pytest.mark.parametrize("arch,cfg,call,names", [
+    ("sm90", dict(forward_path="fused"), Call("fp8_block"), ("forward_path=FUSED", "fp8_block")),
+    ("sm90", dict(backward_path="fused"), Call("fp8_block"), ("backward_path=FUSED", "fp8_block")),
+    ("sm90", dict(backward_path="fused_whole"), Call("mxfp8", main_grads=True),
+     ("backward_path=FUSED_WHOLE", "'mxfp8'", "main_grads")),
+    ("sm90", dict(backward_path="fused_whole"), Call("bf16", shared=True, shared_gate=True),
+     ("backward_path=FUSED_WHOLE", "'bf16'", "does not run with shared_gate")),
+    ("sm90", dict(forward_path="unfused", backward_path="fused_whole"), Call("bf16"),
+     ("backward_path=FUSED_WHOLE", "after forward_path=FUSED only")),
+    ("sm90", dict(forward_path="unfused", backward_path="fused"), Call("mxfp8", ep=2),
+     ("backward_path=FUSED", "EP > 1", "after forward_path=FUSED only")),
+    ("sm90", dict(forward_path="fused"), Call("bf16", ep=2, shared_gate=True),
+     ("forward_path=FUSED", "EP > 1", "shared_gate")),
+    ("sm100", dict(forward_path="fused"), Call("fp8_block"), ("forward_path=FUSED", "'fp8_block'")),
+])
+def test_explicit_path_the_table_refuses_names_it(arch, cfg, call, names):
+    with pytest.raises(NotImplementedError) as err:
+        decide(MoKConfig(**cfg), arch, call)
+    msg = str(err.value)
+    assert f"mok_cute backend {arch!r}" in msg and f"precision {call.precision!r}" in msg
+    for name in names:
+        assert name in msg, (name, msg)
+
+
+def test_no_path_for_the_call_raises_naming_it():
+    with pytest.raises(NotImplementedError, match="'sm90': EP > 1, precision 'fp8_block': no default forward path"):
+        decide(MoKConfig(), "sm90", Call("fp8_block", ep=2))
+    with pytest.raises(NotImplementedError, match="'sm90': EP > 1.*shared_gate.*no default forward path"):
+        decide(MoKConfig(), "sm90", Call("bf16", ep=2, shared=True, shared_gate=True))
+    with pytest.raises(NotImplementedError, match="no path table for arch 'sm80'"):
+        decide(MoKConfig(), "sm80", Call("bf16"))
+
+
+def test_every_combination_decides_or_names_the_call():
+    """Over the whole table: a decision is a pair the table allows (the backward after the
+    decided forward), or a NotImplementedError naming the arch and the call; never another error."""
+    paths = [None] + list(ForwardPath)
+    bwds = [None] + list(BackwardPath)
+    for arch, prec, ep, gate, mg, cuda, fwd, bwd in itertools.product(
+            P.ARCHES, P.ALL, (1, 2), (False, True), (False, True), (False, True), paths, bwds):
+        call = Call(prec, ep, shared=gate, shared_gate=gate, main_grads=mg, cuda=cuda)
+        try:
+            got = decide(MoKConfig(forward_path=fwd, backward_path=bwd), arch, call)
+        except NotImplementedError as err:
+            assert f"'{arch}'" in str(err) and f"precision '{prec}'" in str(err)
+            continue
+        assert P.refusal(arch, "forward", got.forward, call) is None
+        assert P.refusal(arch, "backward", got.backward, call, got.forward) is None
+        assert fwd is None or got.forward is fwd
+        assert bwd is None or got.backward is bwd
+
+
+def test_expert_mlp_backward_path():
+    """expert_mlp: FUSED (the fused core) by default on SM90 at BF16 / MXFP8, UNFUSED at fp8_block
+    and on SM100; FUSED_WHOLE refused (it needs the layer's routing)."""
+    assert P.decide_expert_mlp(MoKConfig(), "sm90", Call("bf16")) is BF
+    assert P.decide_expert_mlp(MoKConfig(), "sm90", Call("fp8_block")) is BU
+    assert P.decide_expert_mlp(MoKConfig(), "sm100", Call("mxfp8")) is BU
+    assert P.decide_expert_mlp(MoKConfig(backward_path="fused"), "sm100", Call("mxfp8")) is BF
+    with pytest.raises(NotImplementedError, match="backward_path=FUSED_WHOLE"):
+        P.decide_expert_mlp(MoKConfig(backward_path="fused_whole"), "sm90", Call("bf16"))
+
+
+def test_removed_environment_switches_change_nothing(monkeypatch):
+    """MOK_CUTE_FUSED, _FUSED_EP, _FUSED_BWD (and its _MX, _MX_PROLOGUE), _BACKEND are gone: set to
+    their old "off" values they change no decision."""
+    for name, value in (("MOK_CUTE_FUSED", "0"), ("MOK_CUTE_FUSED_EP", "0"), ("MOK_CUTE_FUSED_BWD", "0"),
+                        ("MOK_CUTE_FUSED_BWD_MX", "0"), ("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "0"),
+                        ("MOK_CUTE_BACKEND", "reference"), ("MOK_CUTE_SM100_FUSED", "1")):
+        monkeypatch.setenv(name, value)
+    assert decide(MoKConfig(), "sm90", Call("bf16")) == Paths(F, BF)
+    assert decide(MoKConfig(), "sm90", Call("mxfp8", ep=2)) == Paths(F, BF)
+    assert decide(MoKConfig(), "sm100", Call("bf16")) == Paths(U, BU)
+
+
+def test_config_trace_beats_the_environment(monkeypatch):
+    """``MoKConfig.trace`` given wins over MOK_CUTE_TRACE; None takes the environment's, read per call."""
+    monkeypatch.setenv("MOK_CUTE_TRACE", "1")
+    assert P.with_trace(MoKConfig(trace=False)).trace is False
+    assert P.with_trace(MoKConfig()).trace is True
+    monkeypatch.setenv("MOK_CUTE_TRACE", "0")
+    assert P.with_trace(MoKConfig(trace=True)).trace is True
+    assert P.with_trace(MoKConfig()).trace is False
+    cfg = MoKConfig(precision="mxfp8", comm_sms_bwd=12)
+    assert P.with_trace(cfg) is P.with_trace(cfg)  # resolved once per distinct config
+    assert P.with_trace(cfg).comm_sms_bwd == 12 and P.with_trace(cfg).precision == "mxfp8"
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_layer_decides_once_and_passes_the_resolved_config(monkeypatch):
+    """The layer's forward hands the arch's fused forward a config whose trace is resolved (the
+    config's False beats MOK_CUTE_TRACE=1; None takes it); an unfused forward keeps the paths it
+    decided in its state, and the backward runs that path (the MLP's separate kernels)."""
+    from conftest import make_problem
+    from mok_cute.layers.grouped import GroupedExpertBackend
+    from mok_cute.layers.select import MoEInputs
+
+    seen = []
+
+    class Mlp:  # an sm90 row of the table; fused_forward records the config it gets
+        arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
+
+        def fused_forward(self, *a, gate=None):
+            seen.append(a[-1].trace)
+            raise _Stop
+
+        def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit):
+            from mok_cute.layers.common import ExpertGroup
+
+            return torch.zeros_like(x_rows), ExpertGroup(x_rows, offsets, x_rows, x_rows)
+
+        def backward(self, g, dy_rows, w_gate, w_up, w_down, limit, fused, config=None):
+            seen.append(("backward", fused))
+            return torch.zeros_like(dy_rows), w_gate, w_up, w_down
+
+    p, dy = make_problem(T=8, H=64, I=64, E=2, k=2)
+    inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    be = GroupedExpertBackend(Mlp())
+    monkeypatch.setenv("MOK_CUTE_TRACE", "1")
+    for trace in (False, None):
+        with pytest.raises(_Stop):
+            be.forward(inp, MoKConfig(forward_path="fused", trace=trace), None)
+    assert seen == [False, True]
+    monkeypatch.setenv("MOK_CUTE_FUSED", "1")  # gone: changes nothing
+    y, st = be.forward(inp, MoKConfig(trace=False), None)  # CPU tensors: the default is UNFUSED
+    assert st.paths == Paths(U, BU) and st.config.trace is False
+    be.backward(st, dy)
+    assert seen[2:] == [("backward", False)]
+
+
+def test_tile_m_only_on_the_sm100_fused_paths():
+    """``tile_m`` 128 / 256 (256: the cta_group::2 kernels) reaches SM100's fused paths; on paths
+    that do not take it, and for tile_n / tile_k, the override is refused, never ignored."""
+    fused = Paths(F, BU)
+    assert P.tiles_refusal("sm100", fused, MoKConfig(tile_m=256), Call("bf16")) is None
+    assert P.tiles_refusal("sm100", Paths(U, BF), MoKConfig(tile_m=128), Call("mxfp8")) is None
+    assert P.tiles_refusal("sm100", Paths(F, BF), MoKConfig(tile_m=256), Call("bf16", ep=2)) is None
+    assert P.tiles_refusal("sm90", Paths(F, BF), MoKConfig(), Call("bf16")) is None
+    for arch, paths, cfg in (("sm100", Paths(U, BU), MoKConfig(tile_m=256)),
+                             ("sm100", fused, MoKConfig(tile_m=64)),
+                             ("sm100", fused, MoKConfig(tile_m=256, tile_n=128)),
+                             ("sm90", Paths(F, BF), MoKConfig(tile_m=256))):
+        why = P.tiles_refusal(arch, paths, cfg, Call("bf16"))
+        assert "GEMM tile overrides" in why and paths.forward.name in why, why
+
+
+def test_the_backend_check_applies_the_tile_rule():
+    from conftest import make_problem
+    from mok_cute.layers.select import MoEInputs, get_backend
+
+    p, _ = make_problem(T=8, H=256, I=256, E=2, k=2)
+    inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    sm100 = get_backend("sm100")
+    assert sm100.check(inp, MoKConfig(tile_m=256, forward_path="fused"), None) == Paths(F, BU)
+    with pytest.raises(NotImplementedError, match="'sm100': GEMM tile overrides .*forward_path=UNFUSED"):
+        sm100.check(inp, MoKConfig(tile_m=256), None)
+    with pytest.raises(NotImplementedError, match="'sm90': GEMM tile overrides"):
+        get_backend("sm90").check(inp, MoKConfig(tile_m=128), None)
