@@ -27,6 +27,14 @@ def _compiled(clamp: bool, shared: bool, trace: bool = False):
 VARIANTS = [(True, True, False), (False, False, False), (True, False, False), (False, True, False), (True, True, True)]
 
 
+@functools.cache
+def _built(clamp: bool, shared: bool, **kw):
+    """The compile report of one fused-forward variant (``kw``: :func:`compile_fused_forward`'s flags), once."""
+    from mok_cute.kernels.sm90 import fused_moe
+
+    return fused_moe.compile_fused_forward(clamp, shared, inspect=True, **kw)[1]
+
+
 @pytest.mark.parametrize("clamp,shared,trace", VARIANTS)
 def test_compiles_with_its_protocol(clamp, shared, trace):
     rep = _compiled(clamp, shared, trace)
@@ -78,22 +86,21 @@ def test_ep_schedule_complete(ep, name):
     assert len(rounds) == ep and all(r > 0 for r in rounds)
 
 
-@pytest.mark.parametrize("clamp,shared,gather", [(True, True, None), (False, False, None), (True, True, "regs")])
-def test_mxfp8_variant_round_trips_h(clamp, shared, gather):
+@pytest.mark.parametrize("clamp,shared,ep", [(True, True, False), (False, False, False), (True, True, True)])
+def test_mxfp8_variant_round_trips_h(clamp, shared, ep):
     """The MXFP8 variant: the gather dequantizes e4m3 token rows, the SwiGLU epilogue quantizes h to
     e4m3 and dequantizes it back (the round-trip kernel's ops), everything else as the BF16
-    variant; no spills. The default gather (``bg``): the producer warps' background pieces dequantize
-    too (more e4m3 conversions than ``regs``; their named barrier 6, as the BF16 bg variant)."""
-    from mok_cute.kernels.sm90 import fused_moe
-
-    rep = fused_moe.compile_fused_forward(clamp, shared, mx=True, gather=gather, inspect=True)[1]
+    variant; no spills. At EP = 1 the producer warps' background pieces dequantize too (more e4m3
+    conversions than EP > 1's register gather in the comm CTAs alone; their named barrier 6, as the BF16
+    background gather's)."""
+    rep = _built(clamp, shared, mx=True, ep=ep)
     plain = _compiled(clamp, shared)
     for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "shfl.sync.bfly"):
         assert needed in rep.ptx and needed not in plain.ptx, needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     assert rep.total_spill_bytes == 0
-    if gather is None:
-        regs = fused_moe.compile_fused_forward(clamp, shared, mx=True, gather="regs", inspect=True)[1]
+    if not ep:
+        regs = _built(clamp, shared, mx=True, ep=True)
         assert rep.ptx.count("cvt.rn.f16x2.e4m3x2") > regs.ptx.count("cvt.rn.f16x2.e4m3x2")
         assert "bar.sync \t6, 96;" in rep.ptx and "bar.sync \t6, 96;" not in regs.ptx
 
@@ -153,7 +160,8 @@ def test_schedule_random_routings(ring):
         slots = rng.randint(1, 20) if ring else None
         ft.simulate(offsets_from(counts), tokens, 128, n1=rng.randint(1, 8), n1s=rng.randint(1, 4),
                     n2=rng.randint(1, 6), shared=rng.random() < 0.5, gemm_ctas=rng.randint(1, 140), comm_ctas=rng.randint(1, 40),
-                    seed=rng.randint(0, 99), ring=slots, band=rng.randint(1, slots) if ring else None)
+                    seed=rng.randint(0, 99),
+                    gather=ft.Gather(ring=slots, band=rng.randint(1, slots) if ring else None))
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
@@ -165,7 +173,7 @@ def test_ring_schedule_completes_without_deadlock(name):
         for ring, band in ((1, 1), (2, 2), (3, 2), (8, 8), (16, 4)):
             for gemm, comm in ((1, 1), (7, 2), (3, 40)):
                 ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=gemm, comm_ctas=comm,
-                            ring=ring, band=band, seed=ring)
+                            gather=ft.Gather(ring=ring, band=band), seed=ring)
 
 
 def test_ring_wider_bands_than_slots_deadlock():
@@ -173,7 +181,7 @@ def test_ring_wider_bands_than_slots_deadlock():
     tiles after a later m-tile's, whose gather waits for them) deadlock."""
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([128 * 6]), 128, 128, n1=4, n1s=1, n2=2, shared=False, gemm_ctas=4, comm_ctas=1,
-                    ring=2, band=6)
+                    gather=ft.Gather(ring=2, band=6))
 
 
 def test_banded_task_list():
@@ -264,35 +272,22 @@ def test_ptxas_report_parses_wrapped_entries():
     assert rep.registers == {"kern_a": 168} and rep.spill_bytes == {"kern_a": 104}
 
 
-@pytest.mark.parametrize("shared,mx,ep,direct", [(False, False, False, False), (True, False, False, False),
-                                                 (True, True, False, False), (True, False, True, False),
-                                                 (False, True, True, False), (True, False, False, True),
-                                                 (False, True, False, True)])
-def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, direct):
-    """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
-    graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
-    status, slots and epochs; the argument list has one entry per parameter of the kernel's
-    ``__call__`` (a host / kernel mismatch fails here, not on the GPU). ``direct``
-    (``MOK_CUTE_GATHER`` / ``MOK_CUTE_GATHER_MX``): no ring (x stands in for its operand), no MXFP8
-    token rows (the compiled variant has no such parameter: R1 reads x's round trip)."""
-    import inspect
-
+def _fake_host(monkeypatch):
+    """``fused_moe`` with compile and launch replaced (CPU): ``(module, launcher, compile keys)``; MXFP8 quantized by
+    the reference on the CPU (each row's e4m3 data, then its scales, as ``quantize_mxfp8_rows_into`` packs them)."""
+    from mok_cute import reference
+    from mok_cute.kernels.quant import quantize
     from mok_cute.kernels.sm90 import fused_moe as fm
 
-    from conftest import FakeLauncher, FakeWorkspace
+    from conftest import FakeLauncher
 
     fake, keys = FakeLauncher(), []
-    for var in ("MOK_CUTE_GATHER", "MOK_CUTE_GATHER_MX", "MOK_CUTE_FUSED_HELPERS", "MOK_CUTE_FUSED_HELPERS_MX"):
-        monkeypatch.delenv(var, raising=False)
-    if direct:
-        monkeypatch.setenv("MOK_CUTE_GATHER_MX" if mx else "MOK_CUTE_GATHER", "direct")
+    monkeypatch.delenv("MOK_CUTE_PROGRESS", raising=False)
     monkeypatch.setattr(fm, "device_arch", lambda d: (0, "sm_90a"))
     monkeypatch.setattr(fm, "sm_count", lambda d: 132)
     monkeypatch.setattr(fm, "compile_cached", lambda key, build: keys.append(key) or fake)
-    from mok_cute import reference
-    from mok_cute.kernels.quant import dequant_mxfp8, quantize
 
-    def rows_into(x, out, rt=None):  # quantize_mxfp8_rows_into's layout: each row's e4m3 data, then its scales
+    def rows_into(x, out, rt=None):
         q, s = reference.mxfp8_quantize(x)
         out[:, :x.shape[1]] = q.view(torch.uint8)
         out[:, x.shape[1]:x.shape[1] + s.shape[1]] = s
@@ -300,60 +295,109 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep, d
             rt.copy_(reference.mxfp8_dequantize(q, s).to(x.dtype))
         return out
 
-    monkeypatch.setattr(quantize, "quantize_mxfp8", reference.mxfp8_quantize)  # CPU stand-ins
+    monkeypatch.setattr(quantize, "quantize_mxfp8", reference.mxfp8_quantize)
     monkeypatch.setattr(quantize, "quantize_mxfp8_rows_into", rows_into)
-    monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip",  # the direct gather's x
-                        lambda x: reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
-    t, h, inter, e, k = 100, 256, 256, 4, 2
+    return fm, fake, keys
+
+
+def _host_problem(fm, shared: bool, t=100, h=256, inter=256, e=4, k=2):
+    """``(x, plan, experts, shared expert)`` of a small CPU problem: 2 * T routes, 50 per expert."""
     bf = torch.bfloat16
     x = torch.randn(t, h).to(bf)
-    order = torch.arange(t * k, dtype=torch.int32)
-    offsets = torch.tensor([0, 50, 100, 150, 200], dtype=torch.int32)
-    idx = torch.zeros(t, k, dtype=torch.int32)
-    w = torch.rand(t, k)
-    weights = (torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf), torch.randn(e, h, inter).to(bf))
+    plan = fm.RoutePlan(torch.arange(t * k, dtype=torch.int32), torch.tensor([0, 50, 100, 150, 200], dtype=torch.int32),
+                        torch.zeros(t, k, dtype=torch.int32), torch.rand(t, k))
+    experts = fm.ExpertWeights(torch.randn(e, inter, h).to(bf), torch.randn(e, inter, h).to(bf),
+                               torch.randn(e, h, inter).to(bf))
     sh = (torch.randn(inter, h).to(bf), torch.randn(inter, h).to(bf), torch.randn(h, inter).to(bf)) if shared else None
+    return x, plan, experts, fm.SharedExpert.of(sh)
+
+
+@pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
+                                          (True, False, True), (False, True, True)])
+def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
+    """fused_forward's host side on CPU tensors (compile and launch replaced): EP = 1 replays a
+    graph of the plain variant, EP > 1 launches the ep variant directly with the workspace's
+    status, slots and epochs; the arguments are the kernel's ``__call__`` bundles, one per parameter, each of its
+    bundle type with a field per kernel operand (a host / kernel mismatch fails here, not on the GPU)."""
+    import inspect
+
+    from mok_cute import reference
+
+    from conftest import FakeWorkspace
+
+    fm, fake, keys = _fake_host(monkeypatch)
+    t, h, k = 100, 256, 2
+    x, plan, experts, sh = _host_problem(fm, shared)
     ws = FakeWorkspace(t, h, k) if ep else None
-    out = fm.fused_forward(x, order, offsets, idx, w, *weights, sh, None, 100 if ep else 8, 1.0, mx=mx, ws=ws,
-                           num_ctas=66 if ep else None, ring_chunks=5)
+    out = fm.fused_forward(x, plan, experts, sh, None,
+                           fm.FusedLaunch(100 if ep else 8, 1.0, num_ctas=66 if ep else None, ring_chunks=5, mx=mx),
+                           ws=ws)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., mx, ep, sum batch, gate, n_tail, gather, helpers, bg_bulk): MXFP8 and EP > 1 gather through registers;
-    # no helpers below H = HELPERS_MIN_K, hence no bulk background gather
-    assert keys[0][-8:-6] == (mx, ep) and keys[0][-5:] == (False, False, "regs" if ep else "direct" if direct else "bg",
-                                                          False, False)
+    # (..., trace, progress, mx, ep, gate, n_tail, helpers): no helpers below H = HELPERS_MIN_K
+    assert keys[0][-7:] == (False, False, mx, ep, False, False, False)
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
-    by_name = dict(zip(params, args))
-    assert all((by_name[n] is not None) == ep for n in ("mPeer", "mWrows", "mSlotCopy"))
-    assert (by_name["mHrt"] is not None) == mx and (by_name["mHsrt"] is not None) == (mx and shared)
-    # MXFP8: the token rows move as e4m3 + scales, and the compiled variant has the parameter (compile_fused_forward)
-    assert (by_name["mXq"] is not None) == (mx and not direct)
-    assert fm.FusedMoeFwdSm90(False, shared, mx=mx, ep=ep, gather="direct" if direct else None).direct == direct
-    assert by_name["mGate"] is None  # no shared-expert output gate
-    if direct:  # no ring: x (at MXFP8 its round trip, which the shared expert reads too) is the gather source
-        src = by_name["mX"]._keep
-        assert by_name["mXg"]._keep is src and int(by_name["ring"]) == 6 and int(by_name["band"]) == 6
-        want = reference.mxfp8_dequantize(*reference.mxfp8_quantize(x)).to(x.dtype) if mx else x
-        assert torch.equal(src, want)
-        return
+    bundles = (fm.FwdInputs, fm.FwdWeights, fm.FwdOutputs, fm.FwdRoutes, fm.FwdCounters, fm.FwdScalars, fm.FwdPeers)
+    assert [type(a) for a in args[:7]] == list(bundles)
+    inp, weights, outs, routes, sync, scalars, peers = args[:7]
+    assert all((getattr(peers, n) is not None) == ep for n in ("peer", "w_rows", "slot_copy"))
+    assert (outs.h_rt is not None) == mx and (outs.hs_rt is not None) == (mx and shared)
+    assert (weights.s_gate is not None) == shared and (outs.s_out is not None) == shared
+    assert (inp.xq is not None) == mx  # MXFP8: the token rows move as e4m3 + scales
+    assert routes.gate is None and sync.trace is None  # no shared-expert output gate, no trace
     if mx:  # data bytes then E8M0 scales per token row, bitwise the reference quantizer's
         q, sc = reference.mxfp8_quantize(x)
-        rows = by_name["mXq"]._keep
+        rows = inp.xq._keep
         assert torch.equal(rows[:, :h], q.view(torch.uint8)) and torch.equal(rows[:, h:h + h // 32], sc)
         assert ep == (ws is not None and rows.data_ptr() == ws._src.data_ptr())  # EP > 1: in the pull source
-    assert int(by_name["num_ctas"]) == (66 if ep else 132)
-    assert int(by_name["comm_ctas"]) == (65 if ep else 8)  # a GEMM CTA is left to free ring slots
+    assert int(args[7]) == (66 if ep else 132)  # the grid
+    assert int(scalars.comm_ctas) == (65 if ep else 8)  # a GEMM CTA is left to free ring slots
     # the ring: 5 slots asked, 2 + 4 = 6 routed m-tiles at most; R1's bands never wider than the ring
-    assert (int(by_name["ring"]), int(by_name["band"])) == (5, 5) and tuple(by_name["mXg"]._keep.shape) == (5 * 128, h)
+    assert (int(scalars.ring), int(scalars.band)) == (5, 5) and tuple(inp.xg._keep.shape) == (5 * 128, h)
+    assert isinstance(out, fm.FusedForwardOut) and out.y.shape == (t, h) and (out.s_out is not None) == shared
     if ep:
-        assert out[8] is not None and out[8].shape == (t * k,)
-        assert by_name["mSlot"]._keep.data_ptr() == ws._slots.data_ptr() and out[7][-1] is ws.status
-        assert out[3] is by_name["mSlotCopy"]._keep and out[3].shape == (t * k, h)  # the slot sum's copy
-        assert (int(by_name["epoch_pull"]), int(by_name["epoch_push"]), int(by_name["me"])) == (1, 1, 1)
+        assert out.w_rows is not None and out.w_rows.shape == (t * k,)
+        assert outs.slot._keep.data_ptr() == ws._slots.data_ptr() and out.counters[-1] is ws.status
+        assert out.slot_out is peers.slot_copy._keep and out.slot_out.shape == (t * k, h)  # the slot sum's copy
+        assert (int(peers.epoch_pull), int(peers.epoch_push), int(peers.me)) == (1, 1, 1)
     else:
-        assert out[8] is None
+        assert out.w_rows is None and peers is fm._NO_PEERS
+
+
+def test_trace_is_a_launch_choice_not_the_environment(monkeypatch):
+    """The launcher reads no trace variable: ``FusedLaunch.trace`` alone picks the traced variant and its record
+    buffer (the layer resolves ``MoKConfig.trace`` against ``MOK_CUTE_TRACE`` before it launches)."""
+    fm, fake, keys = _fake_host(monkeypatch)
+    x, plan, experts, sh = _host_problem(fm, True)
+    for env_value, trace in (("1", False), ("0", True)):
+        monkeypatch.setenv("MOK_CUTE_TRACE", env_value)
+        fm.fused_forward(x, plan, experts, sh, 4.0, fm.FusedLaunch(8, 1.0, trace=trace))
+        sync = fake.calls[-1][4]
+        assert keys[-1][2 + 2] is trace and (sync.trace is not None) == trace
+    records, comm = fm.last_trace()
+    assert comm == 8 and records.shape[1] == fm.TRACE_WORDS and sync.trace._keep.data_ptr() == records.data_ptr()
+
+
+def test_operand_bundles():
+    """The host bundles: a shared expert's gate needs the shared expert; the launch policy's defaults (every SM,
+    one ring slot per m-tile, no trace, BF16); a fused forward's result unpacks as the 9-tuple the layers read."""
+    from mok_cute.kernels import operands as ops
+
+    w = torch.zeros(4, 8)
+    assert ops.SharedExpert.of(None) is None
+    sh = ops.SharedExpert.of((w, w, w), gate=torch.ones(3))
+    assert sh.weights == (w, w, w) and sh.gate.shape == (3,) and ops.SharedExpert.of((w, w, w)).gate is None
+    with pytest.raises(ValueError, match="output gate needs a shared expert"):
+        ops.SharedExpert.of(None, gate=torch.ones(3))
+    launch = ops.FusedLaunch(16, 30.0)
+    assert (launch.num_ctas, launch.ring_chunks, launch.trace, launch.mx) == (None, None, False, False)
+    with pytest.raises(AttributeError):
+        launch.trace = True  # frozen
+    out = ops.FusedForwardOut(*range(9))
+    y, gu, h, slot, gus, hs, s_out, counters, w_rows = out
+    assert out[:7] == (0, 1, 2, 3, 4, 5, 6) and (counters, w_rows) == (out.counters, out.w_rows) == (7, 8)
 
 
 def test_schedule_mirror_detects_a_wrong_order(monkeypatch):
@@ -369,8 +413,8 @@ def test_gate_variant_scales_the_shared_start():
     mul.rn.f32 per element of the start), 0 spills; refused without the shared expert."""
     from mok_cute.kernels.sm90 import fused_moe as fm
 
-    rep = fm.compile_fused_forward(True, True, gate=True, inspect=True)[1]
-    plain = fm.compile_fused_forward(True, True, inspect=True)[1]
+    rep = _built(True, True, gate=True)
+    plain = _built(True, True)
     assert rep.total_spill_bytes == 0 and "serialized" not in rep.log
     assert rep.ptx.count("mul.rn.f32") == plain.ptx.count("mul.rn.f32") + 8
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
@@ -388,7 +432,7 @@ def test_background_gather_schedule_completes(name):
         for ring, band in ((1, 1), (2, 2), (8, 8), (16, 4), (None, None)):
             for gemm, comm in ((1, 1), (7, 2), (3, 40)):
                 ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=name != "ragged", gemm_ctas=gemm,
-                            comm_ctas=comm, ring=ring, band=band, seed=gemm, gather="bg")
+                            comm_ctas=comm, seed=gemm, gather=ft.Gather("bg", ring, band))
 
 
 def test_background_gather_needs_every_piece(monkeypatch):
@@ -399,39 +443,38 @@ def test_background_gather_needs_every_piece(monkeypatch):
     monkeypatch.setattr(ft, "strided", lambda jobs, ctas: real(jobs[1:], ctas))  # lose the first background piece
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([128 * 6]), 128, 128, n1=2, n1s=1, n2=2, shared=False, gemm_ctas=2, comm_ctas=1,
-                    ring=2, band=2, gather="bg")
+                    gather=ft.Gather("bg", ring=2, band=2))
 
 
-def test_gather_modes_compile():
-    """The three gathers of the bf16 EP = 1 forward compile with 0 spills: ``staged`` and ``bg`` move
-    the comm CTAs' rows with 16-byte cp.async copies into the stages (waiting one batch behind) and
-    fence them before the TMA loads; ``bg`` also has the background warps' named barrier and
-    release adds of a piece; ``regs`` has none of the staging."""
+def test_gather_paths_compile():
+    """The BF16 gathers compile with 0 spills: at EP = 1 the comm CTAs move their rows (the ring's first fill) with
+    16-byte cp.async copies into the stages (waiting one batch behind) and fence them before the TMA loads, and the
+    background warps have their named barrier; at EP > 1 the comm CTAs pull every chunk through registers: none of
+    the staging."""
     from mok_cute.kernels.sm90 import fused_moe as fm
 
-    ptx = {}
-    for mode in fm.GATHER_MODES:
-        _, rep = fm.compile_fused_forward(True, True, gather=mode, inspect=True)
-        assert rep.total_spill_bytes == 0, mode
-        ptx[mode] = rep.ptx
+    bg, regs = _built(True, True), _built(True, True, ep=True)
+    assert bg.total_spill_bytes == 0 and regs.total_spill_bytes == 0
     wait1, bg_bar = r"cp\.async\.wait_group\s+1;", rf"bar\.sync\s+{fm.BG_BARRIER},\s*96;"
-    for mode in ("staged", "bg"):
-        assert "cp.async.cg.shared.global" in ptx[mode] and re.search(wait1, ptx[mode]), mode
-        assert "fence.proxy.async.shared::cta" in ptx[mode], mode
-    assert not re.search(wait1, ptx["regs"])
-    assert re.search(bg_bar, ptx["bg"]) and not re.search(bg_bar, ptx["staged"])
-    # direct: the producer warpgroup's cp.async rows complete on the stages' full barriers, warp 0 adds the
-    # warpgroup's 128 arrivals for TMA-only tiles in one counted arrive, warps 1-3 take every hand-off (384
-    # threads); no ring, hence no staging fence and no background warps
-    noinc, counted = "cp.async.mbarrier.arrive.noinc.shared.b64", r"mbarrier\.arrive\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*\S+;"
-    hand_off = r"bar\.sync\s+\S+,\s*384;"
-    assert noinc in ptx["direct"] and re.search(counted, ptx["direct"]) and re.search(hand_off, ptx["direct"])
-    assert "fence.proxy.async.shared::cta" not in ptx["direct"] and not re.search(bg_bar, ptx["direct"])
-    for mode in ("bg", "staged", "regs"):  # (the consumers' releases are arrives with a count operand too)
-        assert noinc not in ptx[mode] and not re.search(hand_off, ptx[mode])
-        assert len(re.findall(counted, ptx[mode])) < len(re.findall(counted, ptx["direct"]))
-    with pytest.raises(ValueError, match="gather must be one of"):
-        fm.FusedMoeFwdSm90(True, True, gather="tma")
+    assert "cp.async.cg.shared.global" in bg.ptx and re.search(wait1, bg.ptx)
+    assert "fence.proxy.async.shared::cta" in bg.ptx and re.search(bg_bar, bg.ptx)
+    assert not re.search(wait1, regs.ptx) and not re.search(bg_bar, regs.ptx)
+
+
+def test_gather_path_follows_ep():
+    """Which gather a variant runs is decided by EP and precision, nothing else: EP = 1 the background gather (BF16
+    staging its first fill), EP > 1 the register pulls; the helper warps only at EP = 1."""
+    from mok_cute.kernels.sm90 import fused_moe as fm
+
+    for mx in (False, True):
+        op = fm.FusedMoeFwdSm90(True, True, mx=mx)
+        assert op.bg and op.staged == (not mx) and op.gather_units == fm.PIECES and op.bg_warps == fm.BG_WARPS
+        ep = fm.FusedMoeFwdSm90(True, True, mx=mx, ep=True)
+        assert not ep.bg and not ep.staged and ep.gather_units == 1
+        with pytest.raises(ValueError, match="helpers"):
+            fm.FusedMoeFwdSm90(True, True, mx=mx, ep=True, helpers=True)
+    with pytest.raises(ValueError, match="trace and progress"):
+        fm.FusedMoeFwdSm90(True, True, trace=True, progress=True)
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
@@ -442,7 +485,7 @@ def test_direct_gather_schedule_completes(name):
         offs = offsets_from(ROUTINGS[name](e, 4 * tokens))
         for gemm, comm in ((1, 1), (7, 2), (3, 40)):
             ft.simulate(offs, tokens, 128, n1=4, n1s=2, n2=3, shared=name != "ragged", gemm_ctas=gemm,
-                        comm_ctas=comm, seed=gemm, gather="direct")
+                        comm_ctas=comm, seed=gemm, gather=ft.Gather("direct"))
 
 
 def test_direct_gather_mirror_detects_a_wrong_order(monkeypatch):
@@ -451,36 +494,7 @@ def test_direct_gather_mirror_detects_a_wrong_order(monkeypatch):
     monkeypatch.setattr(ft, "task_list", lambda *a: real(*a)[::-1])
     with pytest.raises(AssertionError, match="deadlock"):
         ft.simulate(offsets_from([300, 200]), 100, 128, n1=2, n1s=1, n2=2, shared=True, gemm_ctas=2, comm_ctas=1,
-                    gather="direct")
-
-
-def test_direct_gather_rejects_ep():
-    """The direct gather reads x's local token rows: the EP > 1 variant refuses it."""
-    from mok_cute.kernels.sm90 import fused_moe as fm
-
-    with pytest.raises(ValueError, match="EP = 1 only"):
-        fm.FusedMoeFwdSm90(True, True, ep=True, gather="direct")
-
-
-def test_gather_mode_mx(monkeypatch):
-    """MOK_CUTE_GATHER_MX picks the MXFP8 forward's gather: ``bg`` by default, ``regs`` on request, a
-    clear error otherwise; MOK_CUTE_GATHER does not reach MXFP8."""
-    from mok_cute.kernels.sm90 import fused_moe as fm
-
-    monkeypatch.delenv("MOK_CUTE_GATHER_MX", raising=False)
-    monkeypatch.setenv("MOK_CUTE_GATHER", "staged")
-    assert fm.gather_mode_mx() == "bg"
-    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "regs")
-    assert fm.gather_mode_mx() == "regs"
-    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "direct")
-    assert fm.gather_mode_mx() == "direct" and fm.FusedMoeFwdSm90(True, True, mx=True, gather="direct").direct
-    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "regs")
-    assert fm.FusedMoeFwdSm90(True, True, mx=True).bg
-    assert not fm.FusedMoeFwdSm90(True, True, mx=True, gather="regs").bg
-    assert not fm.FusedMoeFwdSm90(True, True, ep=True).bg and not fm.FusedMoeFwdSm90(True, True, mx=True, ep=True).bg
-    monkeypatch.setenv("MOK_CUTE_GATHER_MX", "staged")
-    with pytest.raises(ValueError, match="MOK_CUTE_GATHER_MX"):
-        fm.gather_mode_mx()
+                    gather=ft.Gather("direct"))
 
 
 @pytest.mark.parametrize("units", [8, 360, 512, 896, 1000])
@@ -522,7 +536,8 @@ def _host_decoder():
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         for t in cutlass.range(start, n_tasks, step, unroll=1):
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = ft.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, offsets, offsets.shape[0] - 1, tokens, 128, band, e1, b1, e2, b2)
+                t, ft.ListShape(n_s1, n_r1, n_s2, m_sh, n1, n2), offsets, offsets.shape[0] - 1, tokens, 128, band, e1,
+                b1, e2, b2)
             for i, v in enumerate((phase, expert, n_tile, row0, rows, mt)):
                 out[t, i] = v
     return decode
@@ -596,85 +611,67 @@ def test_device_mtile_decode_matches_the_mirror(name):
             assert tuple(out[c].tolist()) == want[c], (c, want[c])
 
 
-@pytest.mark.parametrize("gather,shared,n_tail,mx", [("bg", True, False, False), ("regs", False, True, False),
-                                                     ("bg", True, False, True)])
-def test_helpers_variant(gather, shared, n_tail, mx, monkeypatch):
-    """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last warps (two beside the one background
-    gather warp with bg, three otherwise): the consumers hand a staged tile and its coordinates over (STAGED,
-    FREE named barriers over the consumers and the helpers; the helpers never take the producer's hand-offs),
-    the helpers meet on their own barrier and publish; MXFP8: the helpers also write h's round trip (the e4m3
-    converts both ways and the block amax's three butterfly steps over 8 lanes); 0 spills; refused with EP > 1 or
-    the direct gather. The rule picks it at EP = 1 for BF16 from H 2048, for MXFP8 from H 7168 (``auto``) or from
-    H 2048 (``MOK_CUTE_FUSED_HELPERS_MX=1``)."""
+@pytest.mark.parametrize("shared,n_tail,mx", [(True, False, False), (False, True, False), (True, False, True)])
+def test_helpers_variant(shared, n_tail, mx):
+    """``helpers``: the S1 / R1 tiles' h by the producer warpgroup's last two warps (beside the one background
+    gather warp): the consumers hand a staged tile and its coordinates over (STAGED, FREE named barriers over the
+    consumers and the helpers; the helpers never take the producer's hand-offs), the helpers meet on their own
+    barrier and publish; MXFP8: the helpers also write h's round trip (the e4m3 converts both ways and the block
+    amax's three butterfly steps over 8 lanes); 0 spills; refused with EP > 1."""
     from mok_cute.kernels.sm90 import fused_moe
-    from mok_cute.kernels.sm90.grouped_gemm import (FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER,
-                                                    helper_threads)
+    from mok_cute.kernels.sm90.grouped_gemm import FREE_BARRIER, STAGED_BARRIER, helper_threads
 
-    op = fused_moe.FusedMoeFwdSm90(False, shared, mx=mx, gather=gather, helpers=True)
-    warps = 2 if gather == "bg" else 3
-    assert (op.helper_warps, op.bg_warps) == (warps, 1 if gather == "bg" else fused_moe.BG_WARPS)
-    rep = fused_moe.compile_fused_forward(False, shared, mx=mx, n_tail=n_tail, gather=gather, helpers=True,
-                                          inspect=True)[1]
-    n = helper_threads(warps)
+    op = fused_moe.FusedMoeFwdSm90(False, shared, mx=mx, helpers=True)
+    assert (op.helper_warps, op.bg_warps, op.bg_bulk) == (2, 1, not mx)
+    rep = _built(False, shared, mx=mx, n_tail=n_tail, helpers=True)
+    n = helper_threads(2)
     # the consumers arrive on STAGED and wait on FREE, the helpers the other way round
     assert f"bar.sync \t{STAGED_BARRIER}, {n}" in rep.ptx and f"bar.sync \t{FREE_BARRIER}, {n}" in rep.ptx
     assert f"bar.arrive {FREE_BARRIER}, {n}" in rep.ptx and f"bar.arrive {STAGED_BARRIER}, {n}" in rep.ptx
-    assert f"bar.sync \t{fused_moe.HELPERS_BARRIER}, {32 * warps}" in rep.ptx
-    if gather == "bg":
-        assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx
+    assert f"bar.sync \t{fused_moe.HELPERS_BARRIER}, 64" in rep.ptx
+    assert f"bar.sync \t{fused_moe.BG_BARRIER}, 32" in rep.ptx
     for inst in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2"):
         assert rep.has(inst) == mx, inst
     assert rep.total_spill_bytes == 0
-    for other in (dict(ep=True), dict(gather="direct")):
-        with pytest.raises(ValueError, match="helpers"):
-            fused_moe.FusedMoeFwdSm90(False, shared, mx=mx, helpers=True, **other)
-    monkeypatch.delenv("MOK_CUTE_FUSED_HELPERS", raising=False)
-    monkeypatch.delenv("MOK_CUTE_FUSED_HELPERS_MX", raising=False)
-    assert fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K)
-    for args in ((True, False, "bg"), (False, True, "regs"), (False, False, "direct")):
-        assert not fused_moe.fused_helpers(*args, HELPERS_MIN_K)
-    assert fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)  # auto
-    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K - 64)
-    monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "1")
-    assert fused_moe.fused_helpers(True, False, "bg", HELPERS_MIN_K)
-    assert not fused_moe.fused_helpers(True, False, "direct", HELPERS_MX_MIN_K)
-    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MIN_K - 64)
-    monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "0")
-    assert not fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)
-    monkeypatch.setenv("MOK_CUTE_FUSED_HELPERS_MX", "yes")
-    with pytest.raises(ValueError, match="MOK_CUTE_FUSED_HELPERS_MX"):
-        fused_moe.fused_helpers(True, False, "bg", HELPERS_MX_MIN_K)
-    assert not fused_moe.fused_helpers(False, False, "bg", HELPERS_MIN_K - 64)
+    with pytest.raises(ValueError, match="helpers"):
+        fused_moe.FusedMoeFwdSm90(False, shared, mx=mx, helpers=True, ep=True)
 
 
-def test_bulk_background_gather_variant(monkeypatch):
-    """``bg_bulk`` (bf16, the background gather's one warp beside the helpers): lane 0 moves the rows by
-    ``cp.async.bulk`` global -> shared (mbarrier ``complete_tx``) and shared -> global (bulk groups, a stage reused
-    only once the store that read it is done), proxy fences on both sides of the async-proxy writes, the piece's
-    release add after every store completed; 0 spills; refused where there is no such warp; the host picks it
-    by default on the bf16 helpers path, and not with ``MOK_CUTE_BG_BULK=0``."""
+def test_helpers_rule():
+    """The measured rule (docs/design-decisions.md, 2026-12-02/03): the helper warps at EP = 1 from a GEMM1 depth H of
+    ``HELPERS_MIN_K`` (BF16) or ``HELPERS_MX_MIN_K`` (MXFP8), never at EP > 1."""
     from mok_cute.kernels.sm90 import fused_moe as fm
+    from mok_cute.kernels.sm90.grouped_gemm import HELPERS_MIN_K, HELPERS_MX_MIN_K
 
-    rep = fm.compile_fused_forward(True, True, helpers=True, bg_bulk=True, inspect=True)[1]
+    assert fm.fused_helpers(False, False, HELPERS_MIN_K) and not fm.fused_helpers(False, False, HELPERS_MIN_K - 64)
+    assert fm.fused_helpers(True, False, HELPERS_MX_MIN_K) and not fm.fused_helpers(True, False, HELPERS_MX_MIN_K - 64)
+    assert not fm.fused_helpers(True, False, HELPERS_MIN_K)
+    assert not fm.fused_helpers(False, True, HELPERS_MX_MIN_K) and not fm.fused_helpers(True, True, HELPERS_MX_MIN_K)
+
+
+def test_helpers_launch_at_depth(monkeypatch):
+    """The host launches the helpers variant by :func:`fused_helpers`: at H 2048 BF16 (EP = 1) yes, MXFP8 no (its
+    threshold is H 7168); the compile key's last entries are (n_tail, helpers)."""
+    fm, fake, keys = _fake_host(monkeypatch)
+    x, plan, experts, sh = _host_problem(fm, False, h=2048)
+    for mx in (False, True):
+        fm.fused_forward(x, plan, experts, sh, None, fm.FusedLaunch(8, 1.0, mx=mx))
+        assert keys[-1][-2:] == (False, not mx)
+
+
+def test_bulk_background_gather_variant():
+    """The BF16 background gather's one warp beside the helpers: lane 0 moves the rows by ``cp.async.bulk`` global
+    -> shared (mbarrier ``complete_tx``) and shared -> global (bulk groups, a stage reused only once the store that
+    read it is done), proxy fences on both sides of the async-proxy writes, the piece's release add after every
+    store completed; 0 spills; also with H not a multiple of 256 (gpt-oss's 2880). MXFP8's background warp beside
+    the helpers dequantizes through its registers instead."""
+    rep = _built(True, True, helpers=True)
     assert rep.total_spill_bytes == 0 and "serialized" not in rep.log
     for inst in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                  "cp.async.bulk.global.shared::cta.bulk_group", "fence.proxy.async.global", "mbarrier.try_wait.parity"):
         assert rep.has(inst), inst
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", rep.ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", rep.ptx)
-    plain = fm.compile_fused_forward(True, True, helpers=True, inspect=True)[1]
-    assert not plain.has("cp.async.bulk.global.shared::cta.bulk_group")
-    # H not a multiple of 256 (gpt-oss's 2880, as gpu_check's bulk rows run it): the n_tail variant too
-    tail = fm.compile_fused_forward(False, False, helpers=True, bg_bulk=True, n_tail=True, inspect=True)[1]
+    tail = _built(False, False, n_tail=True, helpers=True)
     assert tail.total_spill_bytes == 0 and tail.has("cp.async.bulk.global.shared::cta.bulk_group")
-    for kw in (dict(mx=True, helpers=True), dict(helpers=False), dict(gather="regs", helpers=True),
-               dict(ep=True)):
-        with pytest.raises(ValueError, match="bg_bulk"):
-            fm.FusedMoeFwdSm90(True, True, bg_bulk=True, **kw)
-    monkeypatch.delenv("MOK_CUTE_BG_BULK", raising=False)
-    assert fm.bg_bulk_mode()
-    monkeypatch.setenv("MOK_CUTE_BG_BULK", "0")
-    assert not fm.bg_bulk_mode()
-    monkeypatch.setenv("MOK_CUTE_BG_BULK", "yes")
-    with pytest.raises(ValueError, match="MOK_CUTE_BG_BULK"):
-        fm.bg_bulk_mode()
+    assert not _built(True, True, mx=True, helpers=True).has("cp.async.bulk.global.shared::cta.bulk_group")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, env_var
-from checks.layer_sm90 import _problem
+from tools.checks.common import Row
+from tools.checks.layer_sm90 import _problem
 
 
 def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
+    from tools.checks.common import sm90_skip
 
     skip = sm90_skip(ctx, "fused_bad_expert")
     if skip:
@@ -27,20 +27,19 @@ def run(ctx) -> list[Row]:
     bad[3, 1], bad[7, 0], bad[299, 3] = 8 + 5, -7, 1 << 20
     clean = torch.where((bad < -1) | (bad >= 8), torch.full_like(bad, -1), bad)
     rows = []
-    for fused in ("1", "0"):
-        with env_var("MOK_CUTE_FUSED", fused):
-            cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False)
-            with torch.no_grad():
-                mok_cute.check_errors()  # nothing pending from earlier checks
-                y_clean = mok_cute.moe(x, clean, w, *ws, shared=sh, config=cfg)
-                y_bad = mok_cute.moe(x, bad, w, *ws, shared=sh, config=cfg)  # a later call would raise
-            try:
-                mok_cute.check_errors()
-                raised = ""
-            except RuntimeError as exc:
-                raised = str(exc)
+    for path in ("fused", "unfused"):
+        cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False, forward_path=path)
+        with torch.no_grad():
+            mok_cute.check_errors()  # nothing pending from earlier checks
+            y_clean = mok_cute.moe(x, clean, w, *ws, shared=sh, config=cfg)
+            y_bad = mok_cute.moe(x, bad, w, *ws, shared=sh, config=cfg)  # a later call would raise
+        try:
+            mok_cute.check_errors()
+            raised = ""
+        except RuntimeError as exc:
+            raised = str(exc)
         same = torch.equal(y_bad, y_clean)
         ok = same and "topk_idx" in raised and "3 expert id" in raised
-        rows.append(Row(f"bad expert ids skipped, raised later ({'fused' if fused == '1' else 'unfused'})",
-                        bitwise=same, ok=ok, note=(raised or "no error raised")[:110]))
+        rows.append(Row(f"bad expert ids skipped, raised later ({path})", bitwise=same, ok=ok,
+                        note=(raised or "no error raised")[:110]))
     return rows

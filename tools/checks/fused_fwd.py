@@ -5,54 +5,42 @@ Per routing case (uniform, skewed with empty experts and -1 slots, every token t
 with and without the shared expert, SwiGLU clamped at 4 and not):
   * y and every gradient (the backward is the unfused one, fed by the fused forward's saved
     rows; it gathers x's rows again) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
-  * y bitwise equal to the unfused sm90 forward (MOK_CUTE_FUSED=0; the same GEMM tiles and the
+  * y bitwise equal to the unfused sm90 forward (``forward_path="unfused"``; the same GEMM tiles and the
     same slot-sum rounding, so the two must agree to the bit);
   * y bitwise across 5 repeats and across comm_sms_fwd in (2, 8, 40) and minibatch_tokens
     (256, 1024, 4096: a ring of 8 and 32 slots, reused, and one slot per m-tile);
   * MXFP8 (precision="mxfp8", two cases): y bitwise equal to the unfused MXFP8 forward and
     across comm_sms_fwd and minibatch_tokens, y and every gradient within rel-L1 2e-2 of the reference backend at
-    mxfp8; with ``MOK_CUTE_GATHER_MX=regs`` and ``direct`` too (y only, three configurations);
-  * the direct gather (``MOK_CUTE_GATHER=direct``: R1's A rows read from x's token rows by the producer
-    warpgroups, no ring): y bitwise the default gather's in three configurations per BF16 case;
+    mxfp8;
   * exactly one fused-kernel launch per forward (torch.profiler kernel names);
-  * at H 2048 (the S1 / R1 tiles' h by the producer warpgroup's helper warps; BF16, and MXFP8 with
-    ``MOK_CUTE_FUSED_HELPERS_MX=1``): y and every gradient bitwise the kernel without helpers, y across
-    configurations, the regs gather and the unfused forward;
-  * the bf16 background gather by cp.async.bulk (the default beside the helpers): y and every gradient bitwise
-    ``MOK_CUTE_BG_BULK=0``'s (through registers) at H 2048 and 2880 (``MOK_FUSED_FWD_BULK_ONLY=1``: these rows alone);
+  * the helper warps (the S1 / R1 tiles' h by the producer warpgroup's warps, beside one background-gather warp
+    which at BF16 moves its rows by cp.async.bulk): at H 2048 and 2880 (BF16) and H 7168 (MXFP8), y and every
+    gradient bitwise the unfused forward's, y across three configurations;
   * CUDA-graph capture and replay of the forward equals eager (validate_routing=False).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from checks.common import Row, env_var
-from checks.layer_sm90 import _compare, _problem, _run
+from tools.checks.common import Row
+from tools.checks.layer_sm90 import _compare, _problem, _run
 
 REPEATS = 5
+UNFUSED = dict(forward_path="unfused")
 
 
-def _moe(x, idx, w, ws, sh, limit, fused=True, **cfg):
+def _moe(x, idx, w, ws, sh, limit, **cfg):
     import mok_cute
 
-    with env_var("MOK_CUTE_FUSED", "1" if fused else "0"):
-        return mok_cute.moe(x, idx, w, *ws, shared=sh, swiglu_limit=limit,
-                            config=mok_cute.MoKConfig(backend="sm90", **cfg))
+    return mok_cute.moe(x, idx, w, *ws, shared=sh, swiglu_limit=limit,
+                        config=mok_cute.MoKConfig(backend="sm90", **cfg))
 
 
 def _unfused(*args, **cfg):
-    return _moe(*args, fused=False, **cfg)
+    return _moe(*args, **UNFUSED, **cfg)
 
 
-def _gathered(var: str, mode: str, fn):
-    """``fn()`` without autograd, with the gather environment variable ``var`` set to ``mode``."""
-    with env_var(var, mode), torch.no_grad():
-        return fn()
-
-
-CONFIGS = ((16, 1024), (2, 256), (40, 4096))  # (comm_sms_fwd, minibatch_tokens) of the other gathers' rows
+CONFIGS = ((16, 1024), (2, 256), (40, 4096))  # (comm_sms_fwd, minibatch_tokens) of the helper rows
 
 
 def _one_expert(x, idx, w):
@@ -75,47 +63,34 @@ def _launches(fn) -> tuple[int, int]:
     return sum("FusedMoeFwdSm90" in n for n in kernels), len(kernels)
 
 
-def _variant_rows(dev, fused, label: str, var: str, cases, seed: int, prec: dict, extra=None) -> list[Row]:
-    """Per case ``(name, H, skew, shared, limit)`` (T 1500, I 512, E 8, k 4): y and every gradient with ``var=1``
-    bitwise ``var=0``'s; y with it bitwise across three configurations (the ring reused at 256 tokens), the ys of
-    ``extra(x, idx, w, ws, sh, limit)`` and the unfused forward."""
+def _helper_rows(dev, fused) -> list[Row]:
+    """Per case ``(name, H, skew, shared, limit, precision)`` (T 1500, I 512, E 8, k 4) at a depth where the helper
+    warps run (``fused_moe.fused_helpers``: BF16 from H 2048, MXFP8 from H 7168): y and every gradient bitwise the
+    unfused forward's (the same backward on bitwise the same saved rows), y bitwise across three configurations
+    (the ring reused at 256 tokens)."""
+    cases = (("H2048 uniform+shared", 2048, False, True, None, "bf16"),
+             ("H2048 skew+shared L=4", 2048, True, True, 4.0, "bf16"), ("H2048 skew", 2048, True, False, None, "bf16"),
+             ("H2880 skew+shared", 2880, True, True, None, "bf16"),  # a row of 1.4 bulk segments, the n_tail variant
+             ("mxfp8 H7168 skew+shared L=4", 7168, True, True, 4.0, "mxfp8"))
     rows = []
-    for i, (name, hid, skew, shared, limit) in enumerate(cases):
-        x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=seed + i)
-        with env_var(var, "1"):
-            outs = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
-            with torch.no_grad():
-                ys = [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m, **prec) for c, m in CONFIGS]
-                ys += extra(x, idx, w, ws, sh, limit) if extra else []
-        with env_var(var, "0"):
-            base = _run("sm90", x, idx, w, ws, sh, dy, limit, **prec)
+    for i, (name, hid, skew, shared, limit, prec) in enumerate(cases):
+        x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=370 + i)
+        outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec)
+        base = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec, **UNFUSED)
         with torch.no_grad():
-            ys.append(_unfused(x, idx, w, ws, sh, limit, **prec))
+            ys = [_moe(x, idx, w, ws, sh, limit, precision=prec, comm_sms_fwd=c, minibatch_tokens=m)
+                  for c, m in CONFIGS]
         fused.check_errors()
         equal = [torch.equal(a, b) for a, b in zip(outs, base)]
         same = [torch.equal(y, outs[0]) for y in ys]
-        rows.append(Row(f"{label} {name}", bitwise=all(same), ok=all(equal) and all(same),
-                        note=f"y, grads == {var}=0: {equal}; y == 3 configurations{', extra' if extra else ''}, "
-                             f"unfused: {same}"))
+        rows.append(Row(f"fused fwd helpers {name}", bitwise=all(same), ok=all(equal) and all(same),
+                        note=f"y, grads == unfused: {equal}; y == 3 configurations: {same}"))
     return rows
-
-
-def _helper_rows(dev, fused, mx: bool = False) -> list[Row]:
-    """H = 2048 (``grouped_gemm.HELPERS_MIN_K``: the S1 / R1 tiles get their h from the helper warps; BF16 by
-    default, MXFP8 (``mx``) with ``MOK_CUTE_FUSED_HELPERS_MX=1``, the helpers then also writing h's round trip)
-    against the kernel without helpers (:func:`_variant_rows`; extra: the ``regs`` gather, three helper warps)."""
-    var, gather = ("MOK_CUTE_FUSED_HELPERS_MX", "MOK_CUTE_GATHER_MX") if mx else ("MOK_CUTE_FUSED_HELPERS",
-                                                                                  "MOK_CUTE_GATHER")
-    prec = dict(precision="mxfp8") if mx else {}
-    cases = (("uniform+shared", 2048, False, True, None), ("skew+shared L=4", 2048, True, True, 4.0),
-             ("skew", 2048, True, False, None))
-    return _variant_rows(dev, fused, f"fused fwd helpers {'mxfp8 ' if mx else ''}H2048", var, cases, 370, prec,
-                         lambda *a: _gathered(gather, "regs", lambda: [_moe(*a, **prec)]))
 
 
 def _mx_rows(dev, fused) -> list[Row]:
     """MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the MXFP8 tolerance of
-    the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8); the other gathers of the MXFP8 rows."""
+    the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8)."""
     rows = []
     for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
                                                      ("skew+shared L=4", True, True, 4.0))):
@@ -132,29 +107,12 @@ def _mx_rows(dev, fused) -> list[Row]:
         eq = torch.equal(ys[0], y_unfused)
         rows.append(Row(f"fused fwd mxfp8 {name}", bitwise=same, ok=same and eq and rel <= 2e-2,
                         note=f"max relL1 {rel:.2e} (<= 2e-2) ==unfused mxfp8:{'yes' if eq else 'NO'}"))
-        for mode in ("regs", "direct"):  # the MXFP8 rows' other gathers (the default is bg)
-            yo = _gathered("MOK_CUTE_GATHER_MX", mode, lambda: [
-                _moe(x, idx, w, ws, sh, limit, precision="mxfp8", comm_sms_fwd=c, minibatch_tokens=m)
-                for c, m in CONFIGS])
-            fused.check_errors()
-            same_o = all(torch.equal(y, y_unfused) for y in yo)
-            rows.append(Row(f"fused fwd mxfp8 {name} gather {mode}", bitwise=same_o, ok=same_o,
-                            note=f"MOK_CUTE_GATHER_MX={mode}, 3 configurations ==unfused mxfp8: {same_o}"))
     fused.check_errors()
     return rows
 
 
-def _bulk_rows(dev, fused) -> list[Row]:
-    """The bf16 background warp beside the helpers moving its rows by cp.async.bulk (the default) against
-    ``MOK_CUTE_BG_BULK=0`` (through registers; :func:`_variant_rows`) at H 2048 and H 2880 (a row of 1.4 4096-byte
-    segments), skewed (empty experts, -1 slots) and uniform, with and without the shared expert."""
-    cases = (("H2048 skew+shared L=4", 2048, True, True, 4.0), ("H2048 uniform", 2048, False, False, None),
-             ("H2880 skew+shared", 2880, True, True, None))
-    return _variant_rows(dev, fused, "fused fwd bulk bg gather", "MOK_CUTE_BG_BULK", cases, 380, {})
-
-
 def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
+    from tools.checks.common import sm90_skip
 
     skip = sm90_skip(ctx, "fused_fwd")
     if skip:
@@ -162,10 +120,6 @@ def run(ctx) -> list[Row]:
     from mok_cute.kernels.sm90 import fused_moe as fused
 
     dev, rows = ctx.device, []
-    if os.environ.get("MOK_FUSED_FWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
-        return _mx_rows(dev, fused) + _helper_rows(dev, fused, mx=True)
-    if os.environ.get("MOK_FUSED_FWD_BULK_ONLY") == "1":  # the bulk background gather's rows alone
-        return _bulk_rows(dev, fused)
     cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
              ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
              ("one expert+shared L=4", False, True, 4.0, True)]
@@ -174,8 +128,7 @@ def run(ctx) -> list[Row]:
         if one:
             idx = _one_expert(x, idx, w)
         ref = _run("reference", x, idx, w, ws, sh, dy, limit)
-        with env_var("MOK_CUTE_FUSED", "1"):
-            outs = _run("sm90", x, idx, w, ws, sh, dy, limit)
+        outs = _run("sm90", x, idx, w, ws, sh, dy, limit, forward_path="fused")
         with torch.no_grad():
             ys = [_moe(x, idx, w, ws, sh, limit) for _ in range(REPEATS)]
             ys += [_moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m)
@@ -188,15 +141,9 @@ def run(ctx) -> list[Row]:
         row.ok &= eq_unfused
         row.note += f" ==unfused:{'yes' if eq_unfused else 'NO'}"
         rows.append(row)
-        yd = _gathered("MOK_CUTE_GATHER", "direct", lambda: [
-            _moe(x, idx, w, ws, sh, limit, comm_sms_fwd=c, minibatch_tokens=m) for c, m in CONFIGS])
-        fused.check_errors()
-        same_d = all(torch.equal(y, ys[0]) for y in yd)
-        rows.append(Row(f"fused fwd {name} gather direct", bitwise=same_d, ok=same_d,
-                        note=f"MOK_CUTE_GATHER=direct, 3 configurations == the default gather: {same_d}"))
     rows += _mx_rows(dev, fused)
     fused.check_errors()
-    rows += _helper_rows(dev, fused) + _helper_rows(dev, fused, mx=True) + _bulk_rows(dev, fused)
+    rows += _helper_rows(dev, fused)
     # one launch per forward, and CUDA-graph capture == eager
     x, idx, w, ws, sh, dy = _problem(2048, 1024, 512, 8, 4, True, False, dev, seed=400)
     with torch.no_grad():

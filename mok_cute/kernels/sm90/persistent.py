@@ -5,19 +5,16 @@ bounded wait for a task's inputs.
 A CTA's producer warp claims task ids from a ticket counter (:func:`claim`, list order across
 the grid), hands each to the two consumer warpgroups through two shared-memory slots guarded by
 named barriers (:func:`hand_off` / :func:`take`: FULL + slot and EMPTY + slot, producer warp +
-consumers; ``threads``: more taking warps, e.g. the fused forward's direct gather), waits for
-the task's inputs (:func:`wait_input`) and streams its k-tiles; the
+consumers, :data:`HANDOFF_THREADS`), waits for the task's inputs (:func:`wait_input`) and streams its k-tiles; the
 consumers walk the same ids. A task id past the list, handed off last, stops the consumers;
 :func:`finish_hand_offs` completes the EMPTY phases so no named barrier is left mid-phase when
 the CTA exits. Named barrier 1 is the consumers' own (``mainloop.consumer_barrier``).
 
-Tracing (``MOK_CUTE_TRACE=1``, :func:`tracing`): a kernel built with it writes one record of
+Tracing (a launcher's explicit ``trace`` flag): a kernel built with it writes one record of
 ``TRACE_WORDS`` int64 per task (:func:`record`: start / end from %globaltimer, ``kind | cta << 8``,
 the task id) into a device buffer, read by ``tools/trace_view.py``.
 """
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -29,11 +26,6 @@ from mok_cute.kernels.sm90.mainloop import NUM_CONSUMER_THREADS
 FULL, EMPTY = 2, 4  # named barrier ids of the two hand-off slots
 HANDOFF_THREADS = 32 + NUM_CONSUMER_THREADS
 TRACE_WORDS = 4  # per trace record: start ns, end ns, kind | cta << 8, task or chunk
-
-
-def tracing() -> bool:
-    """``MOK_CUTE_TRACE=1``: the megakernels record every task (read at every call)."""
-    return os.environ.get("MOK_CUTE_TRACE", "0") == "1"
 
 
 @cute.jit
@@ -65,31 +57,28 @@ def claim(ticket: cute.Pointer):
 
 
 @cute.jit
-def hand_off(sTask: cute.Tensor, i: Int32, t: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS,
-             fields: tuple = ()):
+def hand_off(sTask: cute.Tensor, i: Int32, t: Int32, fields: tuple = ()):
     """Producer warp: hand-off ``i`` of task ``t`` (and the Int32 ``fields`` the producer decoded for it, so that
-    the takers need no global loads) through slot ``i % 2`` of ``1 + len(fields)`` words (``threads``: the
-    hand-off's threads, the producer warp's and every taker's)."""
+    the takers need no global loads) through slot ``i % 2`` of ``1 + len(fields)`` words."""
     slot = i % 2
     words = 1 + len(fields)
     if i >= 2:
-        cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=threads)
+        cute.arch.barrier(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
     sTask[slot * words] = t
     for j in cutlass.range_constexpr(len(fields)):
         sTask[slot * words + 1 + j] = fields[j]
-    cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=threads)
+    cute.arch.barrier_arrive(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
 
 
 @cute.jit
-def take(sTask: cute.Tensor, i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS,
-         n_fields: cutlass.Constexpr[int] = 0):
-    """Consumers (and other takers): the task of hand-off ``i``; with ``n_fields``, ``(t, field_0, ...)``."""
+def take(sTask: cute.Tensor, i: Int32, n_fields: cutlass.Constexpr[int] = 0):
+    """Consumers: the task of hand-off ``i``; with ``n_fields``, ``(t, field_0, ...)``."""
     slot = i % 2
     words = 1 + n_fields
-    cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=threads)
+    cute.arch.barrier(barrier_id=FULL + slot, number_of_threads=HANDOFF_THREADS)
     t = sTask[slot * words]
     fields = [sTask[slot * words + 1 + j] for j in range(n_fields)]
-    cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=threads)
+    cute.arch.barrier_arrive(barrier_id=EMPTY + slot, number_of_threads=HANDOFF_THREADS)
     out = t
     if cutlass.const_expr(n_fields > 0):
         out = (t, *fields)
@@ -107,11 +96,11 @@ def publish_count(counter: cute.Pointer, n: Int32, to_peers: cutlass.Constexpr[b
 
 
 @cute.jit
-def finish_hand_offs(i: Int32, threads: cutlass.Constexpr[int] = HANDOFF_THREADS):
+def finish_hand_offs(i: Int32):
     """Producer warp after its last hand-off ``i``: complete the EMPTY phases of the last two."""
     for j in cutlass.range_constexpr(2):
         if i - 1 + j >= 0:
-            cute.arch.barrier(barrier_id=EMPTY + (i - 1 + j) % 2, number_of_threads=threads)
+            cute.arch.barrier(barrier_id=EMPTY + (i - 1 + j) % 2, number_of_threads=HANDOFF_THREADS)
 
 
 @cute.jit

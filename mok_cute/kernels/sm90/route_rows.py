@@ -7,7 +7,7 @@ backward's of dx).
   :class:`~mok_cute.comm.peer_rows.PeerRows`: to the source rank's slot buffer, ``order`` then
   holding ``p*T*k + t*k + j``).
 * :func:`slot_sum`: :func:`mok_cute.kernels.slot_rows.slot_sum` (arch-neutral) over the SM90
-  kernels' ``NUM_THREADS``.
+  kernels' ``NUM_THREADS``, its tensors bundled (``slot_rows.SlotSumOperands``).
 * :func:`accumulate`: a staged bf16 tile added into fp32 rows (main_grad accumulation).
 * :func:`copy_row`: :func:`mok_cute.kernels.slot_rows.copy_row` (one warp copies a bf16 row).
 """
@@ -20,6 +20,7 @@ from cutlass import Float32, Int32
 
 from mok_cute.comm.combine import add_rn
 from mok_cute.kernels import slot_rows
+from mok_cute.kernels.slot_rows import SlotSumOperands  # noqa: F401 (the megakernels' route_rows.SlotSumOperands)
 from mok_cute.kernels.slot_rows import copy_row  # noqa: F401 (the megakernels' route_rows.copy_row)
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, _load_rows, _row_copy
 from mok_cute.kernels.sm90.mainloop import NUM_THREADS
@@ -84,13 +85,11 @@ def scatter(sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32
                         dst[route * v + col0 + cn // _VEC, None].store(r[(None, m, n)].load())
 
 
-def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
-             mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
-             nb: int, mGate: cute.Tensor = None, mAdd: cute.Tensor = None, mCopy: cute.Tensor = None,
-             mRow: cute.Tensor = None):
-    """:func:`mok_cute.kernels.slot_rows.slot_sum` over this kernel's ``NUM_THREADS`` per CTA."""
-    slot_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, mW, k, tokens, hidden, sbuf, nb, NUM_THREADS,
-                       mGate, mAdd, mCopy, mRow)
+def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, ops: SlotSumOperands, k: Int32, tokens: Int32, hidden: Int32,
+             sbuf: cute.Tensor, nb: int):
+    """:func:`mok_cute.kernels.slot_rows.slot_sum` of ``ops`` (:class:`~mok_cute.kernels.slot_rows.SlotSumOperands`)
+    over this kernel's ``NUM_THREADS`` per CTA."""
+    slot_rows.slot_sum(tidx, bidx, grid, ops, k, tokens, hidden, sbuf, nb, NUM_THREADS)
 
 
 @cute.jit
