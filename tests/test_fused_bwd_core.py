@@ -12,11 +12,17 @@ from mok_cute.schedule import fused_bwd_tasks as bt
 from conftest import offsets_from
 
 
-@functools.cache
-def _compiled(clamp: bool, scatter: bool = False, init: bool = False):
+def _report(*flags, **named):
+    """The compile report of one variant, ``fused_bwd.BwdVariant(*flags, **named)`` (ValueError for one the
+    kernel does not build)."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    return fused_bwd.compile_fused_backward_core(clamp, scatter, init, inspect=True)[1]
+    return fused_bwd.compile_fused_backward_core(fused_bwd.BwdVariant(*flags, **named), inspect=True)[1]
+
+
+@functools.cache
+def _compiled(clamp: bool, scatter: bool = False, init: bool = False):
+    return _report(clamp, scatter, init)
 
 
 def _clean(rep, spill: int = 0):
@@ -62,25 +68,24 @@ def test_tokens_variant(clamp, init):
     assert (rep.ptx != _compiled(clamp, True, not init).ptx)
 
 
-def test_mode_env(monkeypatch):
-    from mok_cute.layers.common import fused_bwd_mode
+def test_backward_path_is_a_config_field(monkeypatch):
+    """The backward's modes are ``MoKConfig.backward_path`` (the ``MOK_CUTE_FUSED_BWD`` modes 0 / 2 / 3 and
+    ``MOK_CUTE_FUSED_BWD_MX`` were environment reads; mode 1, the fused GEMMs without the dx slot sum, is gone):
+    SM90's default is FUSED at BF16 and MXFP8 (the fused core with the dx slot sum), FUSED_WHOLE (one launch for
+    the whole backward) runs only when asked, UNFUSED when asked; the retired variables change nothing."""
+    from mok_cute.config import BackwardPath, MoKConfig
+    from mok_cute.layers import paths
 
-    monkeypatch.delenv("MOK_CUTE_FUSED_BWD", raising=False)
-    assert fused_bwd_mode() == 2  # the default: the fastest measured mode
-    for v, want in (("", 2), ("0", 0), ("1", 1), (" 2 ", 2), ("3", 3)):
-        monkeypatch.setenv("MOK_CUTE_FUSED_BWD", v)
-        assert fused_bwd_mode() == want
-    from mok_cute.layers.common import fused_bwd_mx
-
-    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX", raising=False)
-    assert fused_bwd_mx()  # on by default: bitwise equal to the unfused MXFP8 backward on an H200
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX", "0")
-    assert not fused_bwd_mx()
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX", "1")
-    assert fused_bwd_mx()
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD", "4")
-    with pytest.raises(ValueError, match="MOK_CUTE_FUSED_BWD"):
-        fused_bwd_mode()
+    for name, value in (("MOK_CUTE_FUSED_BWD", "0"), ("MOK_CUTE_FUSED_BWD_MX", "0")):
+        monkeypatch.setenv(name, value)
+    for prec in ("bf16", "mxfp8"):
+        call = paths.Call(prec)
+        assert paths.decide(MoKConfig(), "sm90", call).backward is BackwardPath.FUSED
+        for want in (BackwardPath.UNFUSED, BackwardPath.FUSED):
+            assert paths.decide(MoKConfig(backward_path=want), "sm90", call).backward is want
+    assert MoKConfig(backward_path="fused_whole").backward_path is BackwardPath.FUSED_WHOLE
+    with pytest.raises(ValueError):
+        MoKConfig(backward_path="mode 1")
 
 
 @pytest.mark.parametrize("wd_first", [False, True])
@@ -125,8 +130,8 @@ def _host_core_decoder(wd_first: bool = False):
         e1, b1, e2, b2 = Int32(0), Int32(0), Int32(0), Int32(0)
         for t in cutlass.range(start, n, step, unroll=1):
             phase, expert, n_tile, m_tile, _, _, mt, which, e1, b1, e2, b2 = bt.core_task(
-                t, n_d2, n_d1, n_i, n_h, offsets, offsets.shape[0] - 1, 128, wd_m, wd_n, wgu_m, wgu_n, e1, b1, e2, b2,
-                wd_first)
+                t, bt.CoreDims(n_d2, n_d1, n_i, n_h, wd_m, wd_n, wgu_m, wgu_n), offsets, offsets.shape[0] - 1, 128,
+                (e1, b1, e2, b2), wd_first)
             for i, v in enumerate((phase, expert, n_tile, m_tile, mt, which)):
                 out[t, i] = v
     return decode
@@ -185,7 +190,7 @@ def test_gather_variant(by_route):
 def _compiled_gather(by_route: bool):
     from mok_cute.kernels.sm90 import fused_bwd
 
-    return fused_bwd.compile_fused_backward_core(True, True, True, True, by_route, inspect=True)[1]
+    return _report(True, True, True, True, by_route)
 
 
 def test_status_words_described():
@@ -204,12 +209,12 @@ def test_shared_variant():
     one expert), 0 spills, about twice the GEMM code of the routed-only gather variant."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    rep = _report(True, True, True, True, True, True)
     routed = _compiled_gather(True)
     _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") >= 2 * routed.ptx.count("wgmma.mma_async") - 8
     with pytest.raises(ValueError, match="shared needs init"):
-        fused_bwd.compile_fused_backward_core(True, True, False, True, True, True)
+        _report(True, True, False, True, True, True)
 
 
 def test_accumulate_variant():
@@ -217,20 +222,20 @@ def test_accumulate_variant():
     32-bit loads and stores) instead of written as bf16; 0 spills; the same GEMM work."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, True, inspect=True)[1]
-    plain = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    rep = _report(True, True, True, True, True, True, True)
+    plain = _report(True, True, True, True, True, True)
     _clean(rep)
     assert rep.ptx.count("add.rn.f32") > plain.ptx.count("add.rn.f32")
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
 
 
 def test_trace_variant():
-    """MOK_CUTE_TRACE's variant: %globaltimer records of every task (64-bit stores), 0 spills,
+    """The trace variant: %globaltimer records of every task (64-bit stores), 0 spills,
     the same GEMM work; the untraced build reads the timer only in its bounded waits."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, False, True, inspect=True)[1]
-    plain = fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, inspect=True)[1]
+    rep = _report(True, True, True, True, True, True, False, True)
+    plain = _report(True, True, True, True, True, True)
     _clean(rep)
     assert rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")
     st64 = lambda p: p.count("st.global.u64") + p.count("st.global.b64") + p.count("st.global.s64")
@@ -245,14 +250,14 @@ def test_mx_variant(scatter):
     no serialized wgmma; with the shared group it is refused."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, scatter, scatter, mx=True, inspect=True)[1]
+    rep = _report(True, scatter, scatter, mx=True)
     plain = _compiled(True, scatter, scatter)
     _clean(rep)
     for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
         assert rep.ptx.count(needed) > plain.ptx.count(needed), needed
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="mx"):
-        fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, mx=True)
+        _report(True, True, True, True, False, True, mx=True)
 
 
 def test_ep_mx_variant():
@@ -262,9 +267,9 @@ def test_ep_mx_variant():
     while the consumers' D1 count was a loop-carried register, not a shared-memory word)."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, ep=True, mx=True, inspect=True)[1]
-    bf16 = fused_bwd.compile_fused_backward_core(True, True, True, True, ep=True, inspect=True)[1]
-    core = fused_bwd.compile_fused_backward_core(True, True, True, mx=True, inspect=True)[1]
+    rep = _report(True, True, True, True, ep=True, mx=True)
+    bf16 = _report(True, True, True, True, ep=True)
+    core = _report(True, True, True, mx=True)
     _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") == bf16.ptx.count("wgmma.mma_async")
     for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
@@ -278,13 +283,13 @@ def test_add_variant():
     more add.rn.f32 per element and 32-byte fp32 loads, 0 spills; it needs the slot sum."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, add=True, inspect=True)[1]
+    rep = _report(True, True, True, add=True)
     plain = _compiled(True, True, True)
     _clean(rep)
     assert rep.ptx.count("add.rn.f32") == plain.ptx.count("add.rn.f32") + 8
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
     with pytest.raises(ValueError, match="add.*needs scatter"):
-        fused_bwd.compile_fused_backward_core(True, add=True)
+        _report(True, add=True)
 
 
 def test_ep_variant():
@@ -293,15 +298,30 @@ def test_ep_variant():
     pull / push protocol's system-scope signals and waits, and d topk_w's fixed-order sum."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, ep=True, inspect=True)[1]
-    local = fused_bwd.compile_fused_backward_core(True, True, True, True, False, True, inspect=True)[1]
+    rep = _report(True, True, True, True, False, True, ep=True)
+    local = _report(True, True, True, True, False, True)
     _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") == local.ptx.count("wgmma.mma_async")
     for needed in ("st.release.sys", "ld.acquire.sys", "fence.acq_rel.sys", "fma.rn.f32", "shfl.sync.bfly"):
         assert needed in rep.ptx, needed
     assert "st.release.sys" not in local.ptx
     with pytest.raises(ValueError, match="ep"):
-        fused_bwd.compile_fused_backward_core(True, True, True, True, True, True, ep=True)
+        _report(True, True, True, True, True, True, ep=True)
+
+
+def _launched(args) -> dict:
+    """One launch's arguments (a FakeLauncher's record) by ``FusedMoeBwdCoreSm90.__call__`` parameter, each
+    bundle's tensors unwrapped from their descriptors."""
+    import inspect
+
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    assert len(args) == len(params), (len(args), len(params))
+
+    def unwrap(v):
+        return type(v)(*(unwrap(u) for u in v)) if isinstance(v, tuple) else getattr(v, "_keep", v)
+    return {n: unwrap(v) for n, v in zip(params, args)}
 
 
 def _ep_host(monkeypatch):
@@ -336,38 +356,36 @@ def test_ep_host_launch(monkeypatch):
     change every call) with one argument per ``__call__`` parameter, the plan's packed sources
     as the row order, the forward's router weight per grouped row, this rank's slot rows for d
     topk_w, the workspace's slot section as the push target and its status for every wait."""
-    import inspect
-
     from mok_cute.kernels.sm90 import fused_bwd
 
     fake, keys, (ws, plan, dy, x, slot_rows, w_rows, idx, weights, gu, hh, sh) = _ep_host(monkeypatch)
     t, h, k, m = 64, 256, 2, 256
-    out = fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
-                                      num_ctas=66, shared=sh)
-    assert not fake.calls and len(fake.direct) == 1 and keys[0][2:][11] is True  # (..., n_tail, ep, grouped_slots)
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    out = fused_bwd.fused_backward_ep(ws, plan, fused_bwd.BackwardInputs(dy, x, slot_rows, gu, hh), w_rows, idx,
+                                      weights, 4.0, fused_bwd.BackwardLaunch(num_ctas=66, comm_ctas=6), shared=sh)
+    assert not fake.calls and len(fake.direct) == 1 and keys[0][2].ep
     (args,) = fake.direct
-    assert len(args) == len(params), (len(args), len(params))
-    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    a = _launched(args)
     assert torch.equal(ws._src, x) and torch.equal(ws._dy, dy)
-    assert a["mSlot"].data_ptr() == ws._slots.data_ptr() and a["mStatus"] is ws.status
-    assert a["mOrder"] is plan.recv_src and a["mW"] is w_rows and a["mR"] is slot_rows
-    assert a["mDyTok"] is dy and a["mXTok"] is x and tuple(a["mDy"].shape) == (m, h)
-    assert (int(a["epoch_pull"]), int(a["epoch_push"]), int(a["me"]), int(a["n_ranks"])) == (1, 1, 1, 2)
-    assert int(a["dy_off"]) == ws.offsets["dy"] and int(a["slots_off"]) == ws.offsets["slots"]
-    assert (int(a["num_ctas"]), int(a["comm_ctas"])) == (66, 6)
+    assert a["slots"].slot.data_ptr() == ws._slots.data_ptr() and a["ep"].status is ws.status
+    assert a["slots"].order is plan.recv_src and a["rows"].w is w_rows and a["rows"].r is slot_rows
+    assert a["rows"].dy_tok is dy and a["rows"].x_tok is x and tuple(a["routed"].dy.shape) == (m, h)
+    ep = a["ep"]
+    assert (int(ep.epoch_pull), int(ep.epoch_push), int(ep.me), int(ep.n_ranks)) == (1, 1, 1, 2)
+    assert int(ep.dy_off) == ws.offsets["dy"] and int(ep.slots_off) == ws.offsets["slots"]
+    assert (int(a["sc"].num_ctas), int(a["sc"].comm_ctas)) == (66, 6)
+    assert int(a["sc"].timeout_ns) == int(ws.timeout_s * 1e9)  # the workspace's bound, not the launch's default
     assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW
 
 
 def test_gather_mx_variant():
-    """The whole backward at MXFP8, EP = 1 (mode 3; the shared expert outside the launch): the
+    """The whole backward at MXFP8, EP = 1 (FUSED_WHOLE; the shared expert outside the launch): the
     gather's round trips on top of the epilogue's, the same GEMM work as the BF16 gather variant,
     no serialized wgmma; the 16 bytes of spill of :func:`test_ep_mx_variant`."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    rep = fused_bwd.compile_fused_backward_core(True, True, True, True, mx=True, inspect=True)[1]
-    bf16 = fused_bwd.compile_fused_backward_core(True, True, True, True, inspect=True)[1]
-    core = fused_bwd.compile_fused_backward_core(True, True, True, mx=True, inspect=True)[1]
+    rep = _report(True, True, True, True, mx=True)
+    bf16 = _report(True, True, True, True)
+    core = _report(True, True, True, mx=True)
     _clean(rep)
     assert rep.ptx.count("wgmma.mma_async") == bf16.ptx.count("wgmma.mma_async")
     for needed in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "max.u16x2"):
@@ -377,9 +395,8 @@ def test_gather_mx_variant():
 def test_host_launch_mx(monkeypatch):
     """fused_backward (EP = 1) at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
     replaced): the mx gather variant with the shared expert's dx as the slot sum's start, h's round
-    trip over the experts' rows as mH, a fresh mDyT; with the shared tiles it is refused."""
-    import inspect
-
+    trip over the experts' rows as the routed h, a fresh mx.dy_t; with the shared tiles it is refused."""
+    from mok_cute.kernels.operands import RoutePlan
     from mok_cute.kernels.quant import dequant_mxfp8
     from mok_cute.kernels.sm90 import fused_bwd
 
@@ -390,41 +407,91 @@ def test_host_launch_mx(monkeypatch):
     r_rows, order, dxs = torch.randn(t * k, h).to(torch.bfloat16), torch.arange(t * k), torch.randn(t, h).to(torch.bfloat16)
     topk_w, offsets = torch.rand(t, k), torch.tensor([0, 50, 128], dtype=torch.int32)
     gu, hh = gu[:t * k], hh[:t * k]
-    fused_bwd.fused_backward(dy, x, r_rows, order, topk_w, idx, offsets, gu, hh, *weights, 4.0, dxs, False,
-                             comm_ctas=6, num_ctas=66, mx=True)
-    variant = keys[0][2:]  # (clamp, tokens, init, gather, by_route, shared, accumulate, trace, mx, add, n_tail, ep)
-    assert variant[2] and variant[3] and not variant[5] and variant[8] and not variant[11]
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
-    (args,) = fake.calls or fake.direct
-    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    inputs, routes = fused_bwd.BackwardInputs(dy, x, r_rows, gu, hh), RoutePlan(order, offsets, idx, topk_w)
+    fused_bwd.fused_backward(inputs, routes, weights, 4.0, fused_bwd.BackwardLaunch(num_ctas=66, comm_ctas=6, mx=True),
+                             dxs)
+    variant = keys[0][2]
+    assert variant.init and variant.gather and not variant.shared and variant.mx and not variant.ep
+    a = _launched((fake.calls or fake.direct)[0])
     (rt_in, rt_offs), = trips
-    assert torch.equal(rt_in, hh) and rt_offs is offsets and torch.equal(a["mH"], hh + 1)
-    assert tuple(a["mDyT"].shape) == (t * k, h) and a["mInit"] is dxs and a["mSGU"] is None
+    assert torch.equal(rt_in, hh) and rt_offs is offsets and torch.equal(a["routed"].h, hh + 1)
+    assert tuple(a["mx"].dy_t.shape) == (t * k, h) and a["slots"].init is dxs and a["shared"] is None
     with pytest.raises(ValueError, match="mx"):
-        fused_bwd.fused_backward(dy, x, r_rows, order, topk_w, idx, offsets, gu, hh, *weights, 4.0, None, False,
-                                 shared=sh, mx=True)
+        fused_bwd.fused_backward(inputs, routes, weights, 4.0, fused_bwd.BackwardLaunch(mx=True), shared=sh)
 
 
 def test_host_core_consume_writes_dgu_over_gu(monkeypatch):
-    """fused_backward_core(consume=True) (the layer's one-shot mode-2 backward): D2's dgu output is
+    """fused_backward_core(consume=True) (the layer's one-shot FUSED backward): D2's dgu output is
     gu's first M rows (no new [M, 2I] buffer; each dSwiGLU tile reads its own g, u before it stores
     their dg, du); without consume a fresh buffer, gu untouched as an input only."""
-    import inspect
-
     from mok_cute.kernels.sm90 import fused_bwd
 
     fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
     m, h = 200, 256
     dy, x = torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16)
     offsets = torch.tensor([0, 50, m], dtype=torch.int32)
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
     ptrs = []
     for consume in (False, True):
-        fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, consume=consume)
-        a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
-        assert a["mGU"].data_ptr() == gu.data_ptr() and tuple(a["mDgu3"].shape) == (m, 2, 128)
-        ptrs.append(a["mDgu3"].data_ptr())
+        fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, x, gu, hh, offsets), weights, 4.0, consume=consume)
+        a = _launched((fake.calls or fake.direct)[-1])["routed"]
+        assert a.gu3.data_ptr() == gu.data_ptr() and tuple(a.dgu3.shape) == (m, 2, 128)
+        ptrs.append(a.dgu3.data_ptr())
     assert ptrs[0] != gu.data_ptr() and ptrs[1] == gu.data_ptr()
+
+
+def test_host_trace_is_the_launch_flag(monkeypatch):
+    """The trace variant is the launch's explicit ``BackwardLaunch.trace`` (the layer passes ``config.trace``):
+    ``MOK_CUTE_TRACE=1`` in the environment does not turn it on, ``trace=True`` does, with a zeroed int64 record
+    buffer; the kernel's scalars reach the compiled call as DSL values, each tensor as its descriptor and an
+    absent bundle as None."""
+    from cutlass import Float32, Int32, Int64
+
+    from mok_cute.dsl.launch import _Desc
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    m, h = 200, 256
+    rows = fused_bwd.ExpertRows(torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16), gu, hh,
+                                torch.tensor([0, 50, m], dtype=torch.int32))
+    monkeypatch.setenv("MOK_CUTE_TRACE", "1")
+    for trace in (False, True):
+        fused_bwd.fused_backward_core(rows, weights, 4.0, fused_bwd.BackwardLaunch(trace=trace))
+        args = (fake.calls or fake.direct)[-1]
+        assert keys[-1][2].trace is trace and (args[7] is not None) is trace
+    assert isinstance(args[0].dy, _Desc) and args[0].dx._keep.shape == (m, h)
+    assert args[2:6] == (None,) * 4  # no slot sum, gather, shared group or MXFP8 operands: absent bundles
+    sc = args[8]
+    assert [type(v) for v in sc] == [Int32, Int32, Float32, Int32, Int64] and int(sc.num_ctas) == 132
+    records, comm = fused_bwd.last_trace()
+    assert records.dtype == torch.int64 and not records.any() and comm == 0
+
+
+def test_bundles_keep_the_flat_parameter_order():
+    """The launch bundles flatten (None fields dropped, as the DSL does) to the kernel's flat parameter order of
+    the commit before the bundles: the shared group's 14 tensors in their old order (its dy, x and dx absent),
+    the gather's rows, the EP tail; the graph key of a launch covers every tensor's pointer, shape and strides."""
+    from mok_cute.kernels.route_grad_row import GatherRows
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    t, i_s, hid = 256, 128, 256
+    bf = torch.bfloat16
+    shared = fused_bwd.SharedOperands(torch.tensor([0, t], dtype=torch.int32), torch.randn(t, 2 * i_s).to(bf),
+                                      torch.randn(t, i_s).to(bf), torch.randn(i_s, hid).to(bf),
+                                      torch.randn(i_s, hid).to(bf), torch.randn(hid, i_s).to(bf))
+    args, dws = fused_bwd._shared_args(shared, "cpu")
+    present = [n for n, v in zip(args._fields, args) if v is not None]
+    assert present == ["gu3", "h", "wg", "wu", "wd", "dgu", "dg", "du", "dgu3", "dwg", "dwu", "dwd", "offsets", "d2"]
+    assert args.gu3.data_ptr() == shared.gu.data_ptr() and args.dg.data_ptr() == args.dgu.data_ptr()
+    assert [tuple(d.shape) for d in dws] == [(i_s, hid), (i_s, hid), (hid, i_s)]
+    assert GatherRows._fields[:6] == ("dy_tok", "x_tok", "r", "w", "dtw", "ready")
+    assert fused_bwd.EpOperands._fields[2:] == ("me", "n_ranks", "src_off", "dy_off", "slots_off", "flags_off",
+                                                "epoch_pull", "epoch_push")
+    assert len(fused_bwd._NO_EP) == 8 and fused_bwd.EP_SECTIONS == ("src", "dy", "slots", "flags")
+    a, b = torch.zeros(4, 8), torch.zeros(4, 8)
+    key = fused_bwd._graph_key((fused_bwd.SlotSum(a, None, None, None, None), 3))
+    assert key == fused_bwd._graph_key((fused_bwd.SlotSum(a, None, None, None, None), 3))
+    assert key != fused_bwd._graph_key((fused_bwd.SlotSum(b, None, None, None, None), 3))
+    assert key != fused_bwd._graph_key((fused_bwd.SlotSum(a[:2], None, None, None, None), 3))
 
 
 @functools.cache
@@ -432,8 +499,7 @@ def _mx_tokens_core(grouped_slots: bool, wd_first: bool = False):
     """The MXFP8 tokens core's compile report (shared by the tests below: one compile per variant and process)."""
     from mok_cute.kernels.sm90 import fused_bwd
 
-    return fused_bwd.compile_fused_backward_core(True, True, False, mx=True, grouped_slots=grouped_slots,
-                                                 wd_first=wd_first, inspect=True)[1]
+    return _report(True, True, False, mx=True, grouped_slots=grouped_slots, wd_first=wd_first)
 
 
 def test_grouped_slots_variant():
@@ -448,7 +514,7 @@ def test_grouped_slots_variant():
     assert rep.ptx.count("wgmma.mma_async") == scatter.ptx.count("wgmma.mma_async")
     for bad in (dict(mx=False), dict(mx=True, gather=True)):
         with pytest.raises(ValueError, match="grouped_slots"):
-            fused_bwd.compile_fused_backward_core(True, True, False, grouped_slots=True, **bad)
+            _report(True, True, False, grouped_slots=True, **bad)
 
 
 def test_wd_first_variant():
@@ -463,7 +529,7 @@ def test_wd_first_variant():
     assert rep.ptx.count("atom.global.release.add") == base.ptx.count("atom.global.release.add") + 1
     assert rep.ptx.count("ld.acquire") > base.ptx.count("ld.acquire")
     with pytest.raises(ValueError, match="wd_first"):
-        fused_bwd.compile_fused_backward_core(True, True, False, mx=True, wd_first=True)
+        _report(True, True, False, mx=True, wd_first=True)
 
 
 def test_wd_first_invariants_in_the_source():
@@ -484,7 +550,7 @@ def test_wd_first_invariants_in_the_source():
 def test_grouped_slots_invariants_in_the_source():
     """What grouped_slots relies on, pinned in the kernel's source: a D1 tile's producer waits for
     d2[mt] to reach n_i (every dgrad2 tile of its m-tile has read dy's rows), and the MXFP8 dW_down
-    tiles read dy's round trip along the tokens (mDyT), not mDy, so dgrad2 is dy's only reader."""
+    tiles read dy's round trip along the tokens (mx.dy_t), not dy, so dgrad2 is dy's only reader."""
     import inspect
 
     from mok_cute.kernels.sm90 import fused_bwd
@@ -492,8 +558,8 @@ def test_grouped_slots_invariants_in_the_source():
     src = inspect.getsource(fused_bwd.FusedMoeBwdCoreSm90)
     d1 = src[src.index("elif phase == D1:"):]
     assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2\.iterator \+ mt, g\.n_i,", d1)
-    assert "_ragged_k(mDy if mDyT is None else mDyT)" in src
-    assert re.search(r"self\._tma\(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT\)", src)
+    assert "_ragged_k(g.dy if dyt is None else dyt)" in src
+    assert re.search(r"r_tma = self\._tma\(routed, mx\.dy_t\)", src)
 
 
 def test_grouped_rows_reads_the_scattered_rows():
@@ -524,11 +590,12 @@ def test_grouped_rows_reads_the_scattered_rows():
 
 
 def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
-    """fused_backward_core(tokens=, mx=True) (the layer's mode-2 MXFP8 backward): the grouped_slots
-    variant with dy's round trip along H as the slot rows (no [T*k, H] buffer) and the inverse order
-    as mOrder; at BF16 a fresh slot buffer and the order itself."""
-    import inspect
-
+    """fused_backward_core(tokens=, mx) (the layer's FUSED MXFP8 backward): the grouped_slots variant
+    with dy's round trip along H as the slot rows (no [T*k, H] slot buffer) and the inverse order as
+    the slot order; at BF16 a fresh slot buffer and the order itself. Where 2I > H dgu's round trip
+    along the tokens has its own buffer; where 2I <= H (``wd_first``, always taken there: the
+    ``MOK_CUTE_FUSED_BWD_MX_WD_FIRST=0`` opt-out is gone) it is written over dy's and no [M, 2I]
+    buffer is made for it."""
     from mok_cute.kernels.quant import dequant_mxfp8
     from mok_cute.kernels.sm90 import fused_bwd
 
@@ -540,46 +607,42 @@ def test_host_core_mx_tokens_writes_dx_over_dy(monkeypatch):
     offsets = torch.tensor([0, 50, m], dtype=torch.int32)
     idx = torch.zeros(t, k, dtype=torch.int32)
     order = torch.randperm(t * k)
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "0")  # the opt-out: dgu's token round trip in its own buffer
-    for mx in (True, False):
-        fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=mx)
-        a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
-        assert keys[-1][2:][12:] == (mx, False)  # (..., n_tail, ep, grouped_slots, wd_first)
+    wide = (torch.randn(2, 192, h).to(torch.bfloat16), torch.randn(2, 192, h).to(torch.bfloat16),
+            torch.randn(2, h, 192).to(torch.bfloat16))  # 2I = 384 > H
+    wide_rows = fused_bwd.ExpertRows(dy, x, torch.randn(m, 384).to(torch.bfloat16),
+                                     torch.randn(m, 192).to(torch.bfloat16), offsets)
+    for mx, rows, wts in ((True, wide_rows, wide), (False, fused_bwd.ExpertRows(dy, x, gu, hh, offsets), weights)):
+        fused_bwd.fused_backward_core(rows, wts, 4.0, fused_bwd.BackwardLaunch(mx=mx), tokens=(order, idx, None))
+        a = _launched((fake.calls or fake.direct)[-1])
+        assert (keys[-1][2].grouped_slots, keys[-1][2].wd_first) == (mx, False)
         if mx:
-            assert a["mSlot"].data_ptr() == a["mDy"].data_ptr() and torch.equal(a["mDy"], dy + 2)
-            assert torch.equal(a["mOrder"], fused_bwd.grouped_rows(order.to(torch.int32), t * k))
-            assert a["mDguT3"].data_ptr() != a["mDyT"].data_ptr()
+            assert a["slots"].slot.data_ptr() == a["routed"].dy.data_ptr() and torch.equal(a["routed"].dy, dy + 2)
+            assert torch.equal(a["slots"].order, fused_bwd.grouped_rows(order.to(torch.int32), t * k))
+            assert a["mx"].dgu_t3.data_ptr() != a["mx"].dy_t.data_ptr()
         else:
-            assert tuple(a["mSlot"].shape) == (t * k, h) and a["mSlot"].data_ptr() != dy.data_ptr()
-            assert torch.equal(a["mOrder"], order.to(torch.int32))
-    # the default (2I <= H here): dgu's token round trip over dy's, the dW_down tiles first, and no [M, 2I] buffer
-    # made for it (only D2's own dgu: a buffer allocated and dropped would still count at the memory peak)
-    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX_WD_FIRST")
+            assert tuple(a["slots"].slot.shape) == (t * k, h) and a["slots"].slot.data_ptr() != dy.data_ptr()
+            assert torch.equal(a["slots"].order, order.to(torch.int32))
+    # 2I <= H: dgu's token round trip over dy's, the dW_down tiles first, and no [M, 2I] buffer made for it (only
+    # D2's own dgu: a buffer allocated and dropped would still count at the memory peak)
     shapes, empty = [], torch.empty
     monkeypatch.setattr(torch, "empty", lambda *s, **kw: shapes.append(tuple(s[0]) if len(s) == 1 else s) or empty(*s, **kw))
-    fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(order, idx, None), mx=True)
+    fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, x, gu, hh, offsets), weights, 4.0,
+                                  fused_bwd.BackwardLaunch(mx=True), tokens=(order, idx, None))
     monkeypatch.setattr(torch, "empty", empty)
-    a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
-    assert keys[-1][2:][12:] == (True, True)
-    assert a["mDguT3"].data_ptr() == a["mDyT"].data_ptr() and a["mDg"].data_ptr() == a["mDyT"].data_ptr()
+    a = _launched((fake.calls or fake.direct)[-1])
+    assert (keys[-1][2].grouped_slots, keys[-1][2].wd_first) == (True, True)
+    assert a["mx"].dgu_t3.data_ptr() == a["mx"].dy_t.data_ptr() and a["routed"].dg.data_ptr() == a["mx"].dy_t.data_ptr()
     assert shapes.count((m, 2 * weights[0].shape[1])) == 1, shapes
 
 
 def test_host_core_mx_prologue_operands(monkeypatch):
-    """fused_backward_core(mx=True, mx_dyt=) (mode 2 after the MXFP8 prologue, ``route_grad``'s
-    ``mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``): dy and x reach the launch as given (already their round trips
-    along H and along the tokens), mDyT
-    is ``mx_dyt``, only h is round-tripped here (in place when consumed), and the variant is mode 2's MXFP8 one
-    (grouped_slots, wd_first with 2I <= H). ``Sm90ExpertMLP.mx_prologue`` is on by default (None on CPU tensors:
-    the usual passes), off with MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0."""
-    from mok_cute.layers.common import fused_bwd_mx_prologue
-    import inspect
-
+    """fused_backward_core(mx, mx_dyt=) (FUSED at MXFP8 after the MXFP8 prologue, ``route_grad``'s
+    ``mx_dy_rows_and_dtopk_w`` and ``mx_x_rows``, always taken there: the ``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0``
+    opt-out is gone): dy and x reach the launch as given (already their round trips along H and along the
+    tokens), mx.dy_t is ``mx_dyt``, only h is round-tripped here (in place when consumed), and the variant is
+    the FUSED MXFP8 one (grouped_slots, wd_first with 2I <= H)."""
     from mok_cute.kernels.quant import dequant_mxfp8
     from mok_cute.kernels.sm90 import fused_bwd
-    from mok_cute.layers.common import ExpertGroup
-    from mok_cute.layers.sm90 import Sm90ExpertMLP
 
     fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
     trips = []
@@ -591,29 +654,22 @@ def test_host_core_mx_prologue_operands(monkeypatch):
     dyt = torch.randn(m, h).to(torch.bfloat16)
     offsets = torch.tensor([0, 50, m], dtype=torch.int32)
     idx = torch.zeros(t, k, dtype=torch.int32)
-    fused_bwd.fused_backward_core(dy, x, gu, hh, offsets, *weights, 4.0, tokens=(torch.randperm(t * k), idx, None),
-                                  mx=True, consume=True, mx_dyt=dyt)
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
-    a = {n: getattr(v, "_keep", v) for n, v in zip(params, (fake.calls or fake.direct)[-1])}
-    assert trips == ["tokens"] and torch.equal(a["mH"], hh[:m] + 1)
-    assert a["mDy"].data_ptr() == dy.data_ptr() and torch.equal(a["mDy"], dy) and a["mX"].data_ptr() == x.data_ptr()
-    assert a["mDyT"].data_ptr() == dyt.data_ptr() and a["mSlot"].data_ptr() == dy.data_ptr()
-    assert keys[-1][2:][12:] == (True, True)  # (..., grouped_slots, wd_first)
-    g = ExpertGroup(x, offsets, gu, hh, "mxfp8")
-    monkeypatch.delenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", raising=False)
-    assert fused_bwd_mx_prologue()  # on by default, but CPU tensors: the usual passes
-    assert Sm90ExpertMLP().mx_prologue(g, dy[:t], dy, torch.arange(t * k), torch.rand(t, k), False) is None
-    monkeypatch.setenv("MOK_CUTE_FUSED_BWD_MX_PROLOGUE", "0")
-    assert not fused_bwd_mx_prologue()
+    fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, x, gu, hh, offsets), weights, 4.0,
+                                  fused_bwd.BackwardLaunch(mx=True), tokens=(torch.randperm(t * k), idx, None),
+                                  consume=True, mx_dyt=dyt)
+    a = _launched((fake.calls or fake.direct)[-1])
+    assert trips == ["tokens"] and torch.equal(a["routed"].h, hh[:m] + 1)
+    assert a["routed"].dy.data_ptr() == dy.data_ptr() and torch.equal(a["routed"].dy, dy)
+    assert a["routed"].x.data_ptr() == x.data_ptr()
+    assert a["mx"].dy_t.data_ptr() == dyt.data_ptr() and a["slots"].slot.data_ptr() == dy.data_ptr()
+    assert (keys[-1][2].grouped_slots, keys[-1][2].wd_first) == (True, True)
 
 
 def test_ep_host_launch_mx(monkeypatch):
     """fused_backward_ep at MXFP8 on CPU tensors (compile, launch and the round-trip kernel
-    replaced): the mx ep variant, h's round trip along the tokens over the plan's experts as mH, a
-    fresh [M, H] mDyT for the launch to write, the shared expert's dx (made outside) as the slot
-    sum's start and no shared tiles; mx with the shared tiles in the launch is refused."""
-    import inspect
-
+    replaced): the mx ep variant, h's round trip along the tokens over the plan's experts as the
+    routed h, a fresh [M, H] mx.dy_t for the launch to write, the shared expert's dx (made outside) as
+    the slot sum's start and no shared tiles; mx with the shared tiles in the launch is refused."""
     from mok_cute.kernels.quant import dequant_mxfp8
     from mok_cute.kernels.sm90 import fused_bwd
 
@@ -622,23 +678,23 @@ def test_ep_host_launch_mx(monkeypatch):
     monkeypatch.setattr(dequant_mxfp8, "mxfp8_round_trip_tokens",
                         lambda a, offs: trips.append((a, offs)) or a.clone() + 1)
     dxs = torch.randn(64, h).to(torch.bfloat16)
-    fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, comm_ctas=6,
-                                num_ctas=66, mx=True, dx_shared=dxs)
-    variant = keys[0][2:]  # (clamp, tokens, init, gather, by_route, shared, accumulate, trace, mx, add, n_tail, ep)
-    assert variant[2] and variant[3] and not variant[5] and variant[8] and variant[11]
-    params = list(inspect.signature(fused_bwd.FusedMoeBwdCoreSm90.__call__).parameters)[1:]
+    inputs = fused_bwd.BackwardInputs(dy, x, slot_rows, gu, hh)
+    fused_bwd.fused_backward_ep(ws, plan, inputs, w_rows, idx, weights, 4.0,
+                                fused_bwd.BackwardLaunch(num_ctas=66, comm_ctas=6, mx=True), dx_shared=dxs)
+    variant = keys[0][2]
+    assert variant.init and variant.gather and not variant.shared and variant.mx and variant.ep
     (args,) = fake.direct
-    a = {n: getattr(v, "_keep", v) for n, v in zip(params, args)}
+    a = _launched(args)
     (rt_in, rt_offs), = trips
-    assert torch.equal(rt_in, hh) and rt_offs is plan.offsets and torch.equal(a["mH"], hh + 1)
-    assert tuple(a["mDyT"].shape) == (m, h) and a["mDyT"].data_ptr() not in (a["mDy"].data_ptr(), dy.data_ptr())
-    assert a["mInit"] is dxs and a["mSGU"] is None
+    assert torch.equal(rt_in, hh) and rt_offs is plan.offsets and torch.equal(a["routed"].h, hh + 1)
+    assert tuple(a["mx"].dy_t.shape) == (m, h) and a["mx"].dy_t.data_ptr() not in (a["routed"].dy.data_ptr(),
+                                                                                  dy.data_ptr())
+    assert a["slots"].init is dxs and a["shared"] is None
     with pytest.raises(ValueError, match="mx"):
-        fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0, shared=sh,
-                                    mx=True)
+        fused_bwd.fused_backward_ep(ws, plan, inputs, w_rows, idx, weights, 4.0, fused_bwd.BackwardLaunch(mx=True),
+                                    shared=sh)
     with pytest.raises(ValueError, match="dx_shared"):
-        fused_bwd.fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, idx, gu, hh, *weights, 4.0,
-                                    dx_shared=dxs[:-1])
+        fused_bwd.fused_backward_ep(ws, plan, inputs, w_rows, idx, weights, 4.0, dx_shared=dxs[:-1])
 
 
 def test_ep_host_validates_before_staging(monkeypatch):
@@ -657,8 +713,8 @@ def test_ep_host_validates_before_staging(monkeypatch):
     dy, x, slots, w = torch.randn(t, h).to(bf), torch.randn(t, h).to(bf), torch.randn(t * k, h).to(bf), torch.rand(m)
     gu, hh, idx = torch.randn(m, 64).to(bf), torch.randn(m, 32).to(bf), torch.zeros(t, k, dtype=torch.int64)
     wts = (torch.randn(1, 32, h).to(bf), torch.randn(1, 32, h).to(bf), torch.randn(1, h, 32).to(bf))
-    for args, err, what in (((dy, x, slots.view(t, k, h), w), ValueError, "slot_rows"),
-                            ((dy, x, slots, w.double()), TypeError, "w_rows"),
-                            ((dy[:-1], x, slots, w), ValueError, "dy")):
+    for (d, xx, r, ww), err, what in (((dy, x, slots.view(t, k, h), w), ValueError, "slot_rows"),
+                                      ((dy, x, slots, w.double()), TypeError, "w_rows"),
+                                      ((dy[:-1], x, slots, w), ValueError, "dy")):
         with pytest.raises(err, match=what):
-            fused_bwd.fused_backward_ep(ws, plan, *args, idx, gu, hh, *wts, None)
+            fused_bwd.fused_backward_ep(ws, plan, fused_bwd.BackwardInputs(d, xx, r, gu, hh), ww, idx, wts, None)

@@ -26,6 +26,8 @@ at a time and every output written once, in place of this kernel, an x gather an
 allocates the x rows.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel, dsl
@@ -35,6 +37,40 @@ _WARPS = 4  # routes per CTA
 _X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 _MX_THREADS = 256  # per CTA of the MXFP8 prologue (8 warps; warp w gathers rows w, w + 8, w + 16, w + 24 of a block)
 _MX_SLAB = 128  # 16-byte chunks of the block's 32 rows staged in shared memory at a time (64 KB)
+
+
+class _RouteOperands(NamedTuple):
+    """The route-major kernel's operands: global pointers at its launch, tensors in the kernel. bf16 rows as
+    (rows * H/8, 4) uint32 words of their 16-byte chunks: ``dy`` [T, H], ``r`` [M, H] (the forward's rows),
+    ``out`` [M, H] (the routed dy rows), ``x`` [T, H] and ``x_out`` [M, H] (``with_x``: x's grouped rows; else
+    any valid rows, unread); ``row_of`` int32 [M] (each route's grouped row), ``w`` / ``dtw`` fp32 bits [T*k]
+    (topk_w, d topk_w), ``offs`` int32 [E+1]."""
+
+    dy: object
+    r: object
+    out: object
+    row_of: object
+    w: object
+    dtw: object
+    offs: object
+    x: object
+    x_out: object
+
+
+class _MxOperands(NamedTuple):
+    """The MXFP8 prologue's pointers (:func:`_mx_pointers`): ``src`` the token rows [T, H] (dy or x), ``r`` the
+    forward's rows, ``w`` / ``dtw`` topk_w and d topk_w (fp32 bits [T*k]; pass 0 only), ``order`` / ``offs`` int32
+    [M] / [E+1], ``rows`` the grouped rows out [M, H], ``dy_t`` dy's round trip along the tokens [M, H] (pass 0);
+    rows as uint32 words."""
+
+    src: object
+    r: object
+    w: object
+    dtw: object
+    order: object
+    offs: object
+    rows: object
+    dy_t: object
 
 
 def _build(arch: str, by_route: bool = False, with_x: bool = False):
@@ -50,9 +86,8 @@ def _build(arch: str, by_route: bool = False, with_x: bool = False):
     Int32, Int64, Uint32 = cutlass.Int32, cutlass.Int64, cutlass.Uint32
 
     @cute.kernel
-    def kernel(dy: cute.Tensor, r: cute.Tensor, out: cute.Tensor, row_of: cute.Tensor, w: cute.Tensor,
-               dtw: cute.Tensor, offs: cute.Tensor, x: cute.Tensor, x_out: cute.Tensor, e: Int32, m: Int32, k: Int32,
-               hc: Int32):
+    def kernel(ops: _RouteOperands, e: Int32, m: Int32, k: Int32, hc: Int32):
+        dy, r, out, row_of, w, dtw, offs, x, x_out = ops
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -75,9 +110,8 @@ def _build(arch: str, by_route: bool = False, with_x: bool = False):
                     dtw[q] = Uint32(0)
 
     @cute.jit
-    def launch(dyp: cute.Pointer, rp: cute.Pointer, outp: cute.Pointer, rowp: cute.Pointer, wp: cute.Pointer,
-               dtwp: cute.Pointer, offp: cute.Pointer, xp: cute.Pointer, xop: cute.Pointer, t: Int32, m: Int32,
-               k: Int32, e: Int32, hc: Int32, stream: cuda.CUstream):
+    def launch(ptrs: _RouteOperands, t: Int32, m: Int32, k: Int32, e: Int32, hc: Int32, stream: cuda.CUstream):
+        dyp, rp, outp, rowp, wp, dtwp, offp, xp, xop = ptrs
         chunks = cute.make_layout
         dy = cute.make_tensor(dyp, chunks((t * hc, 4), stride=(4, 1)))
         r = cute.make_tensor(rp, chunks((m * hc, 4), stride=(4, 1)))
@@ -88,10 +122,10 @@ def _build(arch: str, by_route: bool = False, with_x: bool = False):
         offs = cute.make_tensor(offp, cute.make_layout((e + 1,)))
         x = cute.make_tensor(xp, chunks((t * hc, 4), stride=(4, 1)))
         x_out = cute.make_tensor(xop, chunks((m * hc, 4), stride=(4, 1)))
-        kernel(dy, r, out, row_of, w, dtw, offs, x, x_out, e, m, k, hc).launch(
+        kernel(_RouteOperands(dy, r, out, row_of, w, dtw, offs, x, x_out), e, m, k, hc).launch(
             grid=[(m + _WARPS - 1) // _WARPS, 1, 1], block=[32 * _WARPS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_pointers(*(0,) * 9), *(Int32(1),) * 5, cuda.CUstream(0), arch=arch, inspect=True)
+    return compile_kernel(launch, _pointers(*(0,) * 9), *(Int32(1),) * 5, cuda.CUstream(0), arch=arch, inspect=True)
 
 
 def _build_mx(arch: str, xpass: int, by_route: bool):
@@ -222,9 +256,10 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
                 dtw[order[p]] = Uint32(0)
 
     @cute.jit
-    def launch(srcp: cute.Pointer, rp: cute.Pointer, wp: cute.Pointer, dtwp: cute.Pointer, orderp: cute.Pointer,
-               offp: cute.Pointer, rowsp: cute.Pointer, dytp: cute.Pointer, t: Int32, m: Int32, k: Int32, e: Int32,
-               hc: Int32, ctas: Int32, rounds: Int32, steps: Int32, stream: cuda.CUstream):
+    def launch(ptrs: _MxOperands, t: Int32, m: Int32, k: Int32, e: Int32, hc: Int32, ctas: Int32, rounds: Int32,
+               steps: Int32, stream: cuda.CUstream):
+        srcp, rp, wp, dtwp, orderp, offp, rowsp, dytp = ptrs
+
         def chunks(ptr, n):  # bf16 rows as (rows * hc, 4) words of their 16-byte chunks
             return cute.make_tensor(ptr, cute.make_layout((n * hc, 4), stride=(4, 1)))
 
@@ -236,7 +271,7 @@ def _build_mx(arch: str, xpass: int, by_route: bool):
                vec(dytp, m * hc * 4) if xpass == 0 else None, k, hc, rounds, steps).launch(
             grid=[ctas, 1, 1], block=[_MX_THREADS, 1, 1], stream=stream)
 
-    return compile_kernel(launch, *_mx_pointers(*(0,) * 8), *(Int32(1),) * 8, cuda.CUstream(0), arch=arch,
+    return compile_kernel(launch, _mx_pointers(*(0,) * 8), *(Int32(1),) * 8, cuda.CUstream(0), arch=arch,
                           inspect=True)
 
 
@@ -248,8 +283,8 @@ def _mx_pointers(src: int, r: int, w: int, dtw: int, order: int, offs: int, rows
         return cute.runtime.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
     u32, i32 = cutlass.Uint32, cutlass.Int32
-    return (ptr(u32, src, 16), ptr(u32, r, 16), ptr(u32, w, 4), ptr(u32, dtw, 4), ptr(i32, order, 4),
-            ptr(i32, offs, 4), ptr(u32, rows, 16), ptr(u32, dy_t, 16))
+    return _MxOperands(ptr(u32, src, 16), ptr(u32, r, 16), ptr(u32, w, 4), ptr(u32, dtw, 4), ptr(i32, order, 4),
+                       ptr(i32, offs, 4), ptr(u32, rows, 16), ptr(u32, dy_t, 16))
 
 
 def compiled_mx_rows(arch: str, xpass: int, by_route: bool = False):
@@ -271,8 +306,8 @@ def _mx_launch(xpass: int, by_route: bool, src, order, offsets, rows, k: int, r=
     fn, _ = compiled_mx_rows(arch_of_device(src.device), xpass, by_route)
     addr = [0 if a is None else a.data_ptr() for a in (r, w, dtw)]
     with torch.cuda.device(src.device):
-        fn(*_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
-                         0 if dy_t is None else dy_t.data_ptr()),
+        fn(_mx_pointers(src.data_ptr(), *addr, order.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
+                        0 if dy_t is None else dy_t.data_ptr()),
            src.shape[0], m, k, e, src.shape[1] // 8, ctas, rounds, token_rounds.search_steps(rounds),
            current_stream(src.device))
 
@@ -281,7 +316,7 @@ def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bo
     """The MXFP8 backward's prologue, its dy pass (the module doc): ``(dy_rows, dy_t, d_topk_w)`` with ``dy_rows``
     [T*k, H] bf16 the routed dy rows (:func:`dy_rows_and_dtopk_w`'s) after their MXFP8 round trip along H, ``dy_t``
     the same rows' round trip along the tokens (blocks of 32 from each expert's first row) and ``d_topk_w`` [T, k]
-    fp32 (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (mode 3) and
+    fp32 (:func:`dy_rows_and_dtopk_w`'s, 0 for -1 slots): bitwise the fused backward's comm-CTA gather (FUSED_WHOLE) and
     so the unfused passes; rows at or past offsets[E] are not written. dy [T, H] bf16 (H % 32 == 0), r_rows [T*k, H]
     bf16 (``rows_by_route``: in route order), order int32 [T*k], topk_w fp32 [T, k], offsets int32 [E+1]; all
     contiguous on one CUDA device. Its x pass, :func:`mx_x_rows`, reads none of r_rows: the caller may free them
@@ -300,7 +335,7 @@ def mx_dy_rows_and_dtopk_w(dy, r_rows, order, topk_w, offsets, rows_by_route: bo
 def mx_x_rows(x, order, offsets, k: int):
     """The MXFP8 prologue's x pass: x_rows [T*k, H] bf16, row p = ``x[order[p] // k]`` after the MXFP8 round trip
     along the tokens (blocks of 32 from each expert's first row; rows at or past offsets[E] not written), bitwise
-    the fused backward's comm-CTA gather (mode 3). x [T, H] bf16 (H % 32 == 0), order int32 [T*k], offsets int32
+    the fused backward's comm-CTA gather (FUSED_WHOLE). x [T, H] bf16 (H % 32 == 0), order int32 [T*k], offsets int32
     [E+1]; contiguous, one CUDA device."""
     _typed(("x", x, torch.bfloat16, 2), ("order", order, torch.int32, 1), ("offsets", offsets, torch.int32, 1))
     if order.shape[0] * x.shape[1] > MAX_NUMEL:
@@ -395,8 +430,9 @@ def _ptr(kind: str, addr: int, align: int):
 
 def _pointers(dy: int, r: int, out: int, row_of: int, w: int, dtw: int, offs: int, x: int, x_out: int):
     """Kernel pointer arguments (rows as 32-bit words, each route's grouped row int32, weights as fp32 bits)."""
-    return (_ptr("u32", dy, 16), _ptr("u32", r, 16), _ptr("u32", out, 16), _ptr("i32", row_of, 4), _ptr("u32", w, 4),
-            _ptr("u32", dtw, 4), _ptr("i32", offs, 4), _ptr("u32", x, 16), _ptr("u32", x_out, 16))
+    return _RouteOperands(_ptr("u32", dy, 16), _ptr("u32", r, 16), _ptr("u32", out, 16), _ptr("i32", row_of, 4),
+                          _ptr("u32", w, 4), _ptr("u32", dtw, 4), _ptr("i32", offs, 4), _ptr("u32", x, 16),
+                          _ptr("u32", x_out, 16))
 
 
 def _slot_pointers(dy: int, slots: int, idx: int, dtw: int):
@@ -495,7 +531,7 @@ def _launch(dy, r_rows, order, topk_w, offsets, rows_by_route: bool, x=None):
         fn, _ = compiled_route_grad(arch_of_device(dy.device), rows_by_route, x is not None)
         xs = (dy, out) if x is None else (x, x_rows)  # without x: any valid pointers, unread
         with torch.cuda.device(dy.device):
-            fn(*_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), row_of.data_ptr(), topk_w.data_ptr(),
-                          dtw.data_ptr(), offsets.data_ptr(), xs[0].data_ptr(), xs[1].data_ptr()),
+            fn(_pointers(dy.data_ptr(), r_rows.data_ptr(), out.data_ptr(), row_of.data_ptr(), topk_w.data_ptr(),
+                         dtw.data_ptr(), offsets.data_ptr(), xs[0].data_ptr(), xs[1].data_ptr()),
                t, m, k, offsets.numel() - 1, h // 8, current_stream(dy.device))
     return (out, dtw) if x is None else (out, dtw, x_rows)

@@ -5,6 +5,8 @@ its router weight (``mul.rn.f32``, ``cvt.rn.bf16x2.f32``) and sums dy . r in fp3
 (each lane FMAs its 16-byte chunks ``lane, lane + 32, ...``, then a fixed butterfly). A lane
 loads ``ROW_BATCH`` chunks of each operand before it uses them (one CTA per SM in the fused
 backward: the loads' latency is hidden by the batch, not by other CTAs)."""
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -100,35 +102,112 @@ def warp_sum_rn(v):
     return v
 
 
+class CommCta(NamedTuple):
+    """Who runs a gather: thread ``tidx`` of comm CTA ``bidx`` of ``comm_ctas`` (the first CTAs of the
+    grid), ``threads`` per CTA (a Python int: one warp per row)."""
+
+    tidx: Int32
+    bidx: Int32
+    comm_ctas: Int32
+    threads: int
+
+
+class RowWalk(NamedTuple):
+    """The routed rows a gather walks: ``chunks`` routed m-tiles over ``offsets`` int32 [E+1]
+    (``num_experts`` E; ``tile_m`` rows each, a Python int, an expert's last m-tile partial); ``order``
+    int32 [M] the route q = t*k + j of each grouped row (EP > 1: packed ``p*T*k + t*k + j``); ``idx``
+    int32 [T*k] each route's expert (-1: none; read at EP > 1); ``k`` routes per token; ``hidden`` H."""
+
+    chunks: Int32
+    offsets: cute.Tensor
+    num_experts: Int32
+    order: cute.Tensor
+    idx: cute.Tensor
+    k: Int32
+    hidden: Int32
+    tile_m: int
+
+
+class GatherRows(NamedTuple):
+    """The tensors of a gather (bf16 rows [*, H] unless said): ``dy_tok``, ``x_tok`` [T, H] the layer's
+    dy and x (EP > 1: unread, the rows come from the peers); ``r`` the forward's GEMM2 rows ([M, H]
+    expert-grouped, or [T*k, H] in route order: ``by_route``; EP > 1: this rank's slot rows [T*k, H]);
+    ``w`` fp32 [T*k] topk_w (EP > 1: [M], each grouped row's router weight); ``dtw`` fp32 [T*k], d topk_w
+    out; ``ready`` int32 [m-tiles], the passes published per m-tile (1: dy rows, 2: x rows too);
+    ``dy_rows``, ``x_rows`` [M, H] the grouped rows made; ``dyt_rows`` [M, H] or None: the SM90 MXFP8
+    variant's dy round trip along the tokens (its step's operand). A fused kernel takes the bundle whole
+    (this field order is its parameters' order)."""
+
+    dy_tok: cute.Tensor
+    x_tok: cute.Tensor
+    r: cute.Tensor
+    w: cute.Tensor
+    dtw: cute.Tensor
+    ready: cute.Tensor
+    dy_rows: cute.Tensor | None = None
+    x_rows: cute.Tensor | None = None
+    dyt_rows: cute.Tensor | None = None
+
+
+class EpPull(NamedTuple):
+    """EP > 1: the rows pulled from the source ranks. ``x`` / ``dy``:
+    :class:`~mok_cute.comm.peer_rows.PeerRows` of the workspace's x and dy sections; ``counters``
+    the int32 word array the comm CTAs arrive on (``counters + pulled_word``: the last one says DONE)."""
+
+    x: object
+    dy: object
+    counters: cute.Pointer
+    pulled_word: int
+
+
+class MxTile(NamedTuple):
+    """One gathered m-tile as an MXFP8 step sees it (the ``mx`` step of :func:`gather_chunks`): thread
+    ``tidx`` (``warp``, ``lane``) of the CTA's ``threads`` (a Python int), the bf16 ``dy_rows`` /
+    ``x_rows`` [M, H], the tile's grouped rows ``row0 .. row0 + rows`` (``tile_m`` at most, a Python
+    int), ``hc`` = H / 8 16-byte chunks per row, ``offsets`` int32 [E+1], the tile's ``expert`` and its
+    ``m_tile`` inside the expert."""
+
+    tidx: Int32
+    warp: Int32
+    lane: Int32
+    threads: int
+    dy_rows: cute.Tensor
+    x_rows: cute.Tensor
+    row0: Int32
+    rows: Int32
+    tile_m: int
+    hc: Int32
+    offsets: cute.Tensor
+    expert: Int32
+    m_tile: Int32
+
+
 @cute.jit
-def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, offsets: cute.Tensor,
-                  num_experts: Int32, order: cute.Tensor, idx: cute.Tensor, dy_tok: cute.Tensor, x_tok: cute.Tensor,
-                  r: cute.Tensor, w: cute.Tensor, dtw: cute.Tensor, dy_rows: cute.Tensor, x_rows: cute.Tensor,
-                  ready: cute.Tensor, k: Int32, hidden: Int32, ep, ep_dy, counters, pulled_word: cutlass.Constexpr[int],
-                  trace_rec: tuple,
-                  tile_m: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-                  by_route: cutlass.Constexpr[bool], mx: tuple = None):
-    """A fused backward's comm CTA ``bidx`` of ``comm_ctas`` (``threads`` per CTA, one warp per row):
-    routed m-tile ``c`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
+def gather_chunks(cta: CommCta, walk: RowWalk, g: GatherRows, pull: EpPull | None, trace_rec: tuple | None,
+                  unroll: cutlass.Constexpr[int], by_route: cutlass.Constexpr[bool], mx: tuple = None):
+    """A fused backward's comm CTA ``cta.bidx`` of ``cta.comm_ctas`` (one warp per row): routed
+    m-tile ``c`` of ``walk`` (``tile_m`` grouped rows p of one expert, route q = ``order[p]`` = t*k + j)
     for c = bidx, bidx + comm_ctas, ..., in two passes: ``dy_rows[p]`` = bf16(dy[t] * w[q]) with
     d topk_w[q] = dy[t] . r[p] (``by_route``: r[q]) (:func:`gather_dy_row`), then ``x_rows[p]`` =
     x[t]; each pass publishes chunk c by a release add on ``ready[c]`` (1: dy rows, 2: x rows too).
-    Then d topk_w = 0 for the routes past the experts' rows (-1 slots). bf16 rows [*, H]; ``w`` /
-    ``dtw`` fp32 [T*k]; ``unroll``: 16-byte loads in flight per lane of the x copy.
+    Then d topk_w = 0 for the routes past the experts' rows (-1 slots). ``g``: :class:`GatherRows`;
+    ``unroll``: 16-byte loads in flight per lane of the x copy.
 
-    EP > 1 (``ep`` / ``ep_dy``: :class:`~mok_cute.comm.peer_rows.PeerRows` of the workspace's x and
-    dy sections; else None): the rows of route q (packed ``p*T*k + t*k + j``) are pulled from rank
-    p's staged dy and x between ``open_pull`` and ``close_pull`` (the last comm CTA arriving on
-    int32 ``counters + pulled_word`` says DONE), dy scaled by ``w[p]`` (``w``: the forward's router weight per grouped
-    row); then d topk_w of this rank's routes q in [T*k] from its slot rows ``r`` (0 where ``idx``
-    is -1). ``trace_rec``: ``(records, base, kinds)`` (chunk c's passes recorded at base + c and
-    base + chunks + c with kinds[0] / kinds[1]) or None.
+    EP > 1 (``pull``, :class:`EpPull`; else None): the rows of route q (packed ``p*T*k + t*k + j``)
+    are pulled from rank p's staged dy and x between ``open_pull`` and ``close_pull``, dy scaled by
+    ``w[p]``; then d topk_w of this rank's routes q in [T*k] from its slot rows ``r`` (0 where
+    ``idx`` is -1). ``trace_rec``: ``(records, base, kinds)`` (chunk c's passes recorded at base + c
+    and base + chunks + c with kinds[0] / kinds[1]) or None.
 
     ``mx`` = ``(step, operands)`` (the MXFP8 backward's; else None): before each pass publishes its
-    m-tile, ``step(tidx, warp, lane, xpass, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets,
-    expert, m_tile, operands)`` makes from the tile's bf16 rows what the MXFP8 GEMMs read (m-tiles
-    start at their expert's first row, so the tokens' blocks of 32 are the tile's): SM90
-    :func:`mx_round_trips`, SM100 ``sm100.mx_gather.quantize_tile``."""
+    m-tile, ``step(tile, xpass, operands)`` (``tile``: :class:`MxTile`) makes from the tile's bf16 rows
+    what the MXFP8 GEMMs read (m-tiles start at their expert's first row, so the tokens' blocks of 32
+    are the tile's): SM90 :func:`mx_round_trips`, SM100 ``sm100.mx_gather.quantize_tile``."""
+    tidx, bidx, comm_ctas, threads = cta
+    chunks, offsets, num_experts, order, idx, k, hidden, tile_m = walk
+    ep = ep_dy = None
+    if cutlass.const_expr(pull is not None):
+        ep, ep_dy = pull.x, pull.dy
     hc = hidden // 8
     warps = threads // 32
 
@@ -136,8 +215,9 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
         return cute.make_tensor(cute.recast_ptr(m.iterator, dtype=Uint32),
                                 cute.make_layout((m.shape[0] * hc, 4), stride=(4, 1)))
 
-    dyv, rv, outv = rows4(dy_tok), rows4(r), rows4(dy_rows)
-    xtok, xrows = x_tok.iterator.toint(), x_rows.iterator.toint()
+    dyv, rv, outv = rows4(g.dy_tok), rows4(g.r), rows4(g.dy_rows)
+    xtok, xrows = g.x_tok.iterator.toint(), g.x_rows.iterator.toint()
+    w, dtw = g.w, g.dtw
     wv = cute.make_tensor(cute.recast_ptr(w.iterator, dtype=Uint32), cute.make_layout(w.shape[0]))
     dtwv = cute.make_tensor(cute.recast_ptr(dtw.iterator, dtype=Uint32), cute.make_layout(dtw.shape[0]))
     warp = tidx // 32
@@ -167,18 +247,18 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
                         src = ep.src_row(q, k, hidden * 2)
                     slot_rows.copy_row(lane, src, xrows + Int64(p) * Int64(hidden * 2), hc, unroll)
             if cutlass.const_expr(mx is not None):
-                mx[0](tidx, warp, lane, xpass, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets, ge, c - gb,
-                      mx[1])
+                mx[0](MxTile(tidx, warp, lane, threads, g.dy_rows, g.x_rows, row0, rows, tile_m, hc, offsets, ge,
+                             c - gb), xpass, mx[1])
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
-                cute.arch.atomic_add(ready.iterator + c, Int32(1), sem="release", scope="gpu")
+                cute.arch.atomic_add(g.ready.iterator + c, Int32(1), sem="release", scope="gpu")
                 if cutlass.const_expr(traced):
                     records, base, kinds = trace_rec
                     persistent.record(records, base + xpass * chunks + c, t0, persistent.now(traced), kinds[xpass],
                                       bidx, c)
     if cutlass.const_expr(ep is not None):  # every comm CTA has pulled its rows: the last one says DONE
-        ep.close_pull(tidx, counters + pulled_word, comm_ctas)
+        ep.close_pull(tidx, pull.counters + pull.pulled_word, comm_ctas)
         for q in cutlass.range(bidx * warps + warp, idx.shape[0], comm_ctas * warps, unroll=1):
             acc = Uint32(0)
             if idx[q] >= 0:
@@ -192,16 +272,14 @@ def gather_chunks(tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, off
 
 
 @cute.jit
-def mx_round_trips(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexpr[int],
-                   threads: cutlass.Constexpr[int], dy_rows: cute.Tensor, x_rows: cute.Tensor, row0: Int32,
-                   rows: Int32, tile_m: cutlass.Constexpr[int], hc: Int32, offsets: cute.Tensor, expert: Int32,
-                   m_tile: Int32, operands: tuple):
-    """:func:`gather_chunks`' SM90 MXFP8 step (``operands`` = ``(dy_t,)``, bf16 [M, H]) on m-tile rows
-    ``row0 .. row0 + rows`` of pass ``xpass`` (the CTA's ``threads``; the tile's rows stored before
-    it, by any of them; the caller's fence and barrier follow it), bitwise the unfused round trips
-    (:mod:`~mok_cute.kernels.mx_rows`): pass 0 writes dy's round trip along the tokens into ``dy_t``,
-    then replaces the dy rows by their round trip along H; pass 1 replaces the x rows by theirs
-    along the tokens (``offsets`` / ``expert`` / ``m_tile`` unread)."""
+def mx_round_trips(tile: MxTile, xpass: cutlass.Constexpr[int], operands: tuple):
+    """:func:`gather_chunks`' SM90 MXFP8 step (``operands`` = ``(dy_t,)``, bf16 [M, H]) on the m-tile
+    rows ``row0 .. row0 + rows`` of ``tile`` (:class:`MxTile`) in pass ``xpass`` (the tile's rows
+    stored before it, by any of the CTA's threads; the caller's fence and barrier follow it), bitwise
+    the unfused round trips (:mod:`~mok_cute.kernels.mx_rows`): pass 0 writes dy's round trip along
+    the tokens into ``dy_t``, then replaces the dy rows by their round trip along H; pass 1 replaces
+    the x rows by theirs along the tokens (``offsets`` / ``expert`` / ``m_tile`` unread)."""
+    tidx, warp, lane, threads, dy_rows, x_rows, row0, rows, tile_m, hc = tile[:10]
     cute.arch.barrier()
     if cutlass.const_expr(xpass == 0):
         dyw = mx_rows.chunk_words(dy_rows, hc, 4)

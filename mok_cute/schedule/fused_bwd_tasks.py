@@ -27,6 +27,8 @@ cannot deadlock. This module imports no GEMM code.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -167,15 +169,31 @@ def wd_first_id(t: Int32, n_d: Int32, num_experts: Int32, wd: Int32, wgu: Int32)
     return out
 
 
+class CoreDims(NamedTuple):
+    """One group's task counts and tile grids (:func:`core_task`): ``n_d2`` / ``n_d1`` the D2 / D1 tasks,
+    ``n_i`` / ``n_h`` the n-tiles over I / H, ``wd_m`` x ``wd_n`` the (m, n) tiles of one dW_down and
+    ``wgu_m`` x ``wgu_n`` those of one dW_gate (= dW_up); Int32 each."""
+
+    n_d2: Int32
+    n_d1: Int32
+    n_i: Int32
+    n_h: Int32
+    wd_m: Int32
+    wd_n: Int32
+    wgu_m: Int32
+    wgu_n: Int32
+
+
 @cute.jit
-def core_task(t: Int32, n_d2: Int32, n_d1: Int32, n_i: Int32, n_h: Int32, offsets: cute.Tensor, num_experts: Int32,
-              tile_m: cutlass.Constexpr[int], wd_m: Int32, wd_n: Int32, wgu_m: Int32, wgu_n: Int32, e1: Int32,
-              b1: Int32, e2: Int32, b2: Int32, wd_first: cutlass.Constexpr[bool] = False):
+def core_task(t: Int32, dims: CoreDims, offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int],
+              cur: tuple, wd_first: cutlass.Constexpr[bool] = False):
     """``(phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2)`` of core task
-    ``t`` (:func:`core_task_list` order; ``n_d2`` / ``n_d1``: tasks of D2 / D1). D2 and D1 advance
-    their own :func:`~mok_cute.schedule.group_tiles.seek` cursor ``(e, b)`` (a CTA's tasks only
-    grow: the ``wd_first`` order keeps each phase's ids increasing); ``row0`` / ``rows``: the grouped
-    rows of a D2 / D1 tile; W: ``which`` in WD / WG / WU, ``(m_tile, n_tile)`` its dW output tile."""
+    ``t`` (:func:`core_task_list` order; ``dims``: :class:`CoreDims`). D2 and D1 advance their own
+    :func:`~mok_cute.schedule.group_tiles.seek` cursor, ``cur`` = ``(e1, b1, e2, b2)`` (a CTA's tasks
+    only grow: the ``wd_first`` order keeps each phase's ids increasing); ``row0`` / ``rows``: the
+    grouped rows of a D2 / D1 tile; W: ``which`` in WD / WG / WU, ``(m_tile, n_tile)`` its dW output tile."""
+    n_d2, n_d1, n_i, n_h, wd_m, wd_n, wgu_m, wgu_n = dims
+    e1, b1, e2, b2 = cur
     if cutlass.const_expr(wd_first):
         t = wd_first_id(t, n_d2 + n_d1, num_experts, wd_m * wd_n, wgu_m * wgu_n)
     phase = Int32(W)

@@ -7,22 +7,28 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
 * ``tokens=`` (the dx rows scattered to their slots and summed in the launch): dx bitwise the
   unfused scatter + ``reference.slot_sum`` from the shared expert's dx (or zeros), -1 slots
   included;
-* the layer: ``mok_cute.moe`` forward + backward with ``MOK_CUTE_FUSED_BWD=1``, ``=2`` and ``=3``
-  (also the route_grad pass and the x gather in the launch, the fused forward's rows) gives
-  every gradient bitwise equal to ``MOK_CUTE_FUSED_BWD=0`` (shared expert included: it runs the
-  core too, as one group of all tokens);
+* the layer: ``mok_cute.moe`` forward + backward with ``MoKConfig(backward_path=...)`` FUSED and
+  FUSED_WHOLE (also the route_grad pass and the x gather in the launch, the fused forward's rows)
+  gives every gradient bitwise equal to UNFUSED (shared expert included: it runs the core too, as
+  one group of all tokens);
 * ``main_grads`` on the sm90 backend (unfused and fused backward): two backwards into random
   fp32 buffers give start + fp32(dW_1) + fp32(dW_2) bitwise, the weights no ``.grad``;
 * time of the core vs the five launches at 8 experts x 4096 rows, H 7168, I 2048.
+
+``run(ctx, parts=...)`` runs a subset (:data:`PARTS`; e.g. ``("bench",)``: the speed rows alone, or
+``("mx",)``: the MXFP8 rows alone); the trace of the bench's core is written to ``out_dir``.
 """
 from __future__ import annotations
 
-import os
+import tempfile
+from pathlib import Path
 
 import torch
 
-from checks.common import Row, bench_us, env_var
-from checks.layer_sm90 import _problem, _run
+from tools.checks.common import Row, bench_us, env_var
+from tools.checks.layer_sm90 import _problem, _run
+
+PARTS = ("core", "tokens", "mx", "layer", "bench")  # what run() checks by default: everything
 
 
 def _operands(m_counts, h, inter, dev, seed, rows=None):
@@ -37,6 +43,15 @@ def _operands(m_counts, h, inter, dev, seed, rows=None):
             rnd(e, inter, h, fan=h), rnd(e, h, inter, fan=inter))
 
 
+def _core(ops, limit, tokens=None, consume: bool = False, **launch):
+    """``fused_backward_core`` on ``_operands``' tuple (its rows, then its weights); ``launch``: the
+    ``BackwardLaunch`` fields (num_ctas, trace, mx)."""
+    from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
+
+    return fused_backward_core(ExpertRows(*ops[:5]), ops[5:], limit, BackwardLaunch(**launch), tokens=tokens,
+                               consume=consume)
+
+
 def _unfused(dy, x, gu, h, offsets, wg, wu, wd, limit):
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.layers.common import ExpertGroup, mlp_backward
@@ -45,20 +60,32 @@ def _unfused(dy, x, gu, h, offsets, wg, wu, wd, limit):
     return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy, wg, wu, wd, limit)
 
 
-def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
+def run(ctx, parts: tuple[str, ...] = PARTS, out_dir: str | None = None) -> list[Row]:
+    """The rows of ``parts`` (:data:`PARTS`); the bench's trace goes to ``out_dir`` (default: the temp dir)."""
+    from tools.checks.common import sm90_skip
 
     skip = sm90_skip(ctx, "fused_bwd")
     if skip:
         return skip
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
-
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
     dev = ctx.device
+    rows = _core_rows(dev) if "core" in parts else []
+    if "tokens" in parts:
+        rows += _tokens_rows(dev)
+    if "mx" in parts:
+        rows += _mx_rows(dev)
+    if "layer" in parts:
+        rows += _layer_rows(dev)
+    if "bench" in parts:
+        rows += _bench_rows(dev, Path(out_dir or tempfile.gettempdir()))
+    return rows
+
+
+def _core_rows(dev) -> list[Row]:
+    """The core vs the unfused launches on uniform, skewed and one-expert routings, over grid sizes."""
     rows = []
-    if os.environ.get("MOK_FUSED_BWD_BENCH_ONLY") == "1":  # a speed session: only the bench, trace and profile rows
-        return _bench_rows(dev)
-    if os.environ.get("MOK_FUSED_BWD_MX_ONLY") == "1":  # the MXFP8 rows alone (a short device call)
-        return _mx_rows(dev)
     cases = [("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
              ("skewed", [2845, 0, 32, 0, 4, 82, 0, 37], 4.0),
              ("one expert", [0, 0, 1000, 0], 1.5)]
@@ -66,66 +93,65 @@ def run(ctx) -> list[Row]:
     for name, counts, limit in cases:
         ops = _operands(counts, 1024, 512, dev, seed=len(name))
         want = _unfused(*ops, limit)
-        runs = [fused_backward_core(*ops, limit, num_ctas=n) for n in (132, 132, 132, 37, 8)]
+        runs = [_core(ops, limit, num_ctas=n) for n in (132, 132, 132, 37, 8)]
         torch.cuda.synchronize()
         eq = [all(torch.equal(a, b) for a, b in zip(r, want)) for r in runs]
         diff = [n for n, a, b in zip(names, runs[0], want) if not torch.equal(a, b)]
         finite = all(bool(torch.isfinite(a.float()).all()) for a in runs[0])
         rows.append(Row(f"fused bwd core {name} L={limit}", bitwise=all(eq), ok=all(eq) and finite,
                         note=f"== unfused per run (132 x3, 37, 8 CTAs): {eq}; differs: {diff} M={sum(counts)}"))
-    rows += _tokens_rows(dev)
-    rows += _mx_rows(dev)
+    return rows
+
+
+def _layer_rows(dev) -> list[Row]:
+    """The layer's gradients per backward path vs UNFUSED, its launch count, its main_grads."""
+    rows = []
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
-    outs = {}
-    for flag in ("0", "1", "2", "3"):
-        with env_var("MOK_CUTE_FUSED_BWD", flag):
-            outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0)
-    for flag in ("1", "2", "3"):
-        same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
-        rows.append(Row(f"layer grads MOK_CUTE_FUSED_BWD={flag} == 0 (skew + shared)", bitwise=all(same),
+    outs = {path: _run("sm90", x, idx, w, ws, sh, dy, 4.0, backward_path=path)
+            for path in ("unfused", "fused", "fused_whole")}
+    for path in ("fused", "fused_whole"):
+        same = [torch.equal(a, b) for a, b in zip(outs["unfused"], outs[path])]
+        rows.append(Row(f"layer grads backward_path={path} == unfused (skew + shared)", bitwise=all(same),
                         ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     rows.append(_launch_count_row(x, idx, w, ws, sh, dy))
-    rows += _main_grads_rows(x, idx, w, ws, sh, dy)
-    return rows + _bench_rows(dev)
+    return rows + _main_grads_rows(x, idx, w, ws, sh, dy)
 
 
-def _bench_rows(dev) -> list[Row]:
-    """The fused core vs the unfused launches at 8 x 4096 rows, H 7168, I 2048, then its trace."""
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
-
+def _bench_rows(dev, out_dir: Path) -> list[Row]:
+    """The fused core vs the unfused launches at 8 x 4096 rows, H 7168, I 2048, then its trace (written
+    into ``out_dir``)."""
     rows = []
     ops = _operands([4096] * 8, 7168, 2048, dev, seed=5)
     from mok_cute.dsl import launch
 
     t_unf = bench_us(lambda: _unfused(*ops, 4.0))
-    fused_backward_core(*ops, 4.0)
+    _core(ops, 4.0)
     before = dict(launch._stats)
-    t_fus = bench_us(lambda: fused_backward_core(*ops, 4.0))
+    t_fus = bench_us(lambda: _core(ops, 4.0))
     captures = launch._stats["capture"] - before["capture"]  # a graph captured per call would cost ~1 ms of host
     torch.cuda.synchronize()
     flop = 2 * 8 * 4096 * 7168 * 2048 * 3 * 2  # dgrad2, dgrad1 (2I), dWd, dWg + dWu
     rows.append(Row("bench fused bwd core vs unfused (8x4096 rows, H 7168, I 2048)", time_us=t_fus, ok=True,
                     note=f"unfused {t_unf:.0f} us, fused {t_fus:.0f} us: {t_unf / t_fus:.3f}x; "
                          f"{flop / t_fus / 1e6:.0f} TFLOP/s fused; graph captures in the timed calls {captures}"))
-    rows += _trace_rows(ops)
+    rows += _trace_rows(ops, out_dir)
     return rows
 
 
-def _trace_rows(ops) -> list[Row]:
-    """The bench's core once more with MOK_CUTE_TRACE=1: bitwise the untraced run, and its time
-    per kind of tile (trace busy time / tiles) next to the unfused kernel's per tile (its time x
-    CTAs / tiles); the trace is written to $OUT/trace_bwd_core.json."""
-    import trace_view
+def _trace_rows(ops, out_dir: Path) -> list[Row]:
+    """The bench's core once more traced (``BackwardLaunch(trace=True)``): bitwise the untraced run,
+    and its time per kind of tile (trace busy time / tiles) next to the unfused kernel's per tile
+    (its time x CTAs / tiles); the trace is written to ``out_dir``/trace_bwd_core.json."""
+    from mok_cute import trace as trace_view
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90 import fused_bwd
 
     dy, x, gu, h, offsets, wg, wu, wd = ops
-    want = fused_bwd.fused_backward_core(*ops, 4.0)
-    with env_var("MOK_CUTE_TRACE", "1"):
-        got = fused_bwd.fused_backward_core(*ops, 4.0)
-        torch.cuda.synchronize()
+    want = _core(ops, 4.0)
+    got = _core(ops, 4.0, trace=True)
+    torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(got, want))
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "trace_bwd_core.json")
+    path = str(out_dir / "trace_bwd_core.json")
     records, comm = fused_bwd.last_trace()
     trace_view.dump(path, records, comm, fused_bwd.KINDS, fused_bwd.GEMM_KINDS)
     s = trace_view.summary(*trace_view.load(path))
@@ -152,16 +178,13 @@ def _device_time_row(ops) -> Row:
     not, and of the unfused launches: what the trace's span leaves out (start-up, tail, host)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
-
-    def kernels(fn, env=None):
-        with env_var({env: "1"} if env else {}):
-            fn()
+    def kernels(fn):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
         out = {}
         for ev in prof.key_averages():
             t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
@@ -169,8 +192,8 @@ def _device_time_row(ops) -> Row:
                 out[ev.key[:40]] = round(t / 3)
         return dict(sorted(out.items(), key=lambda kv: -kv[1])[:6])
 
-    fused = kernels(lambda: fused_backward_core(*ops, 4.0))
-    traced = kernels(lambda: fused_backward_core(*ops, 4.0), "MOK_CUTE_TRACE")
+    fused = kernels(lambda: _core(ops, 4.0))
+    traced = kernels(lambda: _core(ops, 4.0, trace=True))
     unfused = kernels(lambda: _unfused(*ops, 4.0))
     return Row("device us per kernel (profiler): fused core / traced / unfused", ok=True,
                note=f"fused {fused}; traced {traced}; unfused {unfused}")
@@ -190,7 +213,6 @@ def _routes(g, t: int, k: int, e: int):
 
 def _tokens_rows(dev) -> list[Row]:
     """``tokens=``: dx [T, H] of the launch vs the unfused rows scattered and slot-summed."""
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.grouped import _scatter_slots
     from mok_cute.reference import slot_sum
 
@@ -204,7 +226,7 @@ def _tokens_rows(dev) -> list[Row]:
         dxr, *dws = _unfused(*ops, None)
         acc = torch.zeros(t, 1024, dtype=torch.float32, device=dev) if dxs is None else dxs.float()
         want = slot_sum(acc, _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
-        got = [fused_backward_core(*ops, None, num_ctas=n, tokens=(order, idx, dxs)) for n in (132, 132, 19)]
+        got = [_core(ops, None, tokens=(order, idx, dxs), num_ctas=n) for n in (132, 132, 19)]
         torch.cuda.synchronize()
         eq = [torch.equal(r[0], want) and all(torch.equal(a, b) for a, b in zip(r[1:], dws)) for r in got]
         rows.append(Row(f"fused bwd core tokens= (dx slot sum){' + shared dx' if shared else ''}", bitwise=all(eq),
@@ -215,10 +237,9 @@ def _tokens_rows(dev) -> list[Row]:
 def _mx_rows(dev) -> list[Row]:
     """MXFP8 (``mx=True``): the fused core vs the unfused MXFP8 backward (``_mx_backward``: every
     operand's round trip a separate kernel), expert sizes off the 32-row blocks, grids of 132 and
-    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of modes 2, 3 and 2 with the
-    prologue off (``MOK_CUTE_FUSED_BWD_MX_PROLOGUE=0``; on by default) vs 0."""
+    37, with and without the dx slot sum; then the layer at MXFP8, every gradient of the backward paths
+    FUSED (after the MXFP8 prologue) and FUSED_WHOLE vs UNFUSED."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
     from mok_cute.layers.sm90 import Sm90ExpertMLP
 
@@ -226,11 +247,12 @@ def _mx_rows(dev) -> list[Row]:
     mlp = Sm90ExpertMLP()
     for name, counts, limit in (("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
                                 ("skewed", [2845, 0, 33, 0, 5, 82, 0, 37], 4.0)):
-        dy, x, gu, h, offsets, wg, wu, wd = _operands(counts, 1024, 512, dev, seed=11 + len(name))
+        ops = _operands(counts, 1024, 512, dev, seed=11 + len(name))
+        dy, x, gu, h, offsets, wg, wu, wd = ops
         g = ExpertGroup(x, offsets, gu, h, "mxfp8")
         want = mlp._mx_backward(bwd, g, dy, wg, wu, wd, limit)
         wts = mlp._bwd_weights(g, wg, wu, wd)
-        got = [fused_backward_core(dy, x, gu, h, offsets, *wts, limit, num_ctas=n, mx=True) for n in (132, 132, 37)]
+        got = [_core((*ops[:5], *wts), limit, num_ctas=n, mx=True) for n in (132, 132, 37)]
         torch.cuda.synchronize()
         eq = [all(torch.equal(a, b) for a, b in zip(r, want)) for r in got]
         diff = [n for n, a, b in zip(("dx", "dWg", "dWu", "dWd"), got[0], want) if not torch.equal(a, b)]
@@ -239,17 +261,14 @@ def _mx_rows(dev) -> list[Row]:
     rows.append(_mx_tokens_row(dev))
     rows += _mx_prologue_rows(dev)
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=72)
-    outs = {}
-    for flag in ("0", "2", "3", "2 + _MX_PROLOGUE=0"):
-        with env_var({"MOK_CUTE_FUSED_BWD": flag[0], "MOK_CUTE_FUSED_BWD_MX": "1",
-                      "MOK_CUTE_FUSED_BWD_MX_PROLOGUE": "0" if "_MX_PROLOGUE=0" in flag else "1"}):
-            outs[flag] = _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8")
-    # 3: the whole MXFP8 backward in one launch, the shared expert's before it; 2: mode 2 after the rows and their
-    # round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w, mx_x_rows); _MX_PROLOGUE=0:
-    # mode 2 after the route_grad pass, the x gather and the round-trip passes
-    for flag in ("2", "3", "2 + _MX_PROLOGUE=0"):
-        same = [torch.equal(a, b) for a, b in zip(outs["0"], outs[flag])]
-        rows.append(Row(f"layer grads MXFP8 MOK_CUTE_FUSED_BWD={flag} (+ _MX=1) == 0 (skew + shared)",
+    # FUSED_WHOLE: the whole MXFP8 backward in one launch, the shared expert's before it; FUSED: the fused core
+    # after the rows and their round trips made in two launches over every SM (route_grad.mx_dy_rows_and_dtopk_w,
+    # mx_x_rows)
+    outs = {path: _run("sm90", x, idx, w, ws, sh, dy, 4.0, precision="mxfp8", backward_path=path)
+            for path in ("unfused", "fused", "fused_whole")}
+    for path in ("fused", "fused_whole"):
+        same = [torch.equal(a, b) for a, b in zip(outs["unfused"], outs[path])]
+        rows.append(Row(f"layer grads MXFP8 backward_path={path} == unfused (skew + shared)",
                         bitwise=all(same), ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     return rows
 
@@ -293,10 +312,9 @@ def _mx_prologue_rows(dev) -> list[Row]:
 def _mx_tokens_row(dev) -> Row:
     """MXFP8 ``tokens=`` (the dx rows written over dy's round trip, summed through the inverse order):
     dx bitwise the unfused MXFP8 rows scattered and slot-summed, on routes with -1 slots, consumed and
-    not, grids of 132 and 37; then with ``MOK_CUTE_FUSED_BWD_MX_WD_FIRST=1`` (the dW_down tiles first, dgu's
-    token round trip over dy's) at 132 consumed and 37."""
+    not, grids of 132 and 37; at I 768 (2I > H: dgu's token round trip in its own buffer) and at I 512
+    (2I <= H, ``wd_first``: the dW_down tiles first, dgu's token round trip over dy's)."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
-    from mok_cute.kernels.sm90.fused_bwd import fused_backward_core
     from mok_cute.layers.common import ExpertGroup
     from mok_cute.layers.grouped import _scatter_slots
     from mok_cute.layers.sm90 import Sm90ExpertMLP
@@ -305,31 +323,32 @@ def _mx_tokens_row(dev) -> Row:
     g = torch.Generator(device=dev).manual_seed(19)
     t, k, e = 700, 4, 8
     idx, order, valid, counts = _routes(g, t, k, e)
-    ops = _operands(counts, 1024, 512, dev, seed=23, rows=t * k)
-    dy, x, gu, h, offsets, wg, wu, wd = ops
     dxs = torch.randn(t, 1024, device=dev, generator=g).bfloat16()
     mlp = Sm90ExpertMLP()
-    grp = ExpertGroup(x, offsets, gu, h, "mxfp8")
-    dxr, *dws = mlp._mx_backward(bwd, grp, dy, wg, wu, wd, 4.0)
-    want = slot_sum(dxs.float(), _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
-    wts = mlp._bwd_weights(grp, wg, wu, wd)
-    eq = []
-    for n, consume, wd_first in ((132, False, "0"), (132, False, "0"), (37, False, "0"), (132, True, "0"),
-                                 (132, True, "1"), (37, False, "1")):
-        a = [o.clone() for o in (dy, x, gu, h)] if consume else (dy, x, gu, h)
-        with env_var("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", wd_first):
-            r = fused_backward_core(*a, offsets, *wts, 4.0, num_ctas=n, tokens=(order, idx, dxs), mx=True,
-                                    consume=consume)
-        torch.cuda.synchronize()
-        eq.append(torch.equal(r[0], want) and all(torch.equal(p, q) for p, q in zip(r[1:], dws)))
-    return Row("fused bwd core MXFP8 tokens= (dx over dy's rows)", bitwise=all(eq), ok=all(eq),
-               note=f"dx and dW == unfused MXFP8 scatter + slot_sum per run (132 x2, 37, 132 consumed; wd_first: "
-                    f"132 consumed, 37): {eq}")
+    eq = {}
+    for inter in (768, 512):
+        ops = _operands(counts, 1024, inter, dev, seed=23, rows=t * k)
+        dy, x, gu, h, offsets, wg, wu, wd = ops
+        grp = ExpertGroup(x, offsets, gu, h, "mxfp8")
+        dxr, *dws = mlp._mx_backward(bwd, grp, dy, wg, wu, wd, 4.0)
+        want = slot_sum(dxs.float(), _scatter_slots(dxr, order, valid, t, k), idx).to(torch.bfloat16)
+        wts = mlp._bwd_weights(grp, wg, wu, wd)
+        eq[inter] = []
+        for n, consume in ((132, False), (132, False), (37, False), (132, True)):
+            a = [o.clone() for o in (dy, x, gu, h)] if consume else (dy, x, gu, h)
+            r = _core((*a, offsets, *wts), 4.0, tokens=(order, idx, dxs), consume=consume, num_ctas=n, mx=True)
+            torch.cuda.synchronize()
+            eq[inter].append(torch.equal(r[0], want) and all(torch.equal(p, q) for p, q in zip(r[1:], dws)))
+    ok = all(all(v) for v in eq.values())
+    return Row("fused bwd core MXFP8 tokens= (dx over dy's rows)", bitwise=ok, ok=ok,
+               note=f"dx and dW == unfused MXFP8 scatter + slot_sum per run (132 x2, 37, 132 consumed) at I 768 "
+                    f"and I 512 (wd_first): {eq}")
 
 
-def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "1", "3"), env=None) -> list[Row]:
-    """``mok_cute.moe(..., main_grads=)`` on the device, per MOK_CUTE_FUSED_BWD mode in ``flags``, on
-    ``backend`` with ``env`` set around every call (tools/checks/sm100.py: the opt-in)."""
+def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", paths=("unfused", "fused", "fused_whole"),
+                     env=None) -> list[Row]:
+    """``mok_cute.moe(..., main_grads=)`` on the device, per backward path in ``paths``, on ``backend``
+    with ``env`` set around every call (tools/checks/sm100.py: the opt-in)."""
     import mok_cute
 
     rows = []
@@ -338,42 +357,41 @@ def _main_grads_rows(x, idx, w, ws, sh, dy, backend: str = "sm90", flags=("0", "
     weights = [p.clone().requires_grad_() for p in (*ws, *sh)]
     fresh = torch.autograd.grad(mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
                                              config=cfg), weights, dy)
-    for flag in flags:
-        with env_var({**env, "MOK_CUTE_FUSED_BWD": flag}):
+    for path in paths:
+        cfg_path = mok_cute.MoKConfig(backend=backend, backward_path=path)
+        with env_var(env):
             g = torch.Generator(device=x.device).manual_seed(4)
             start = [torch.randn(p.shape, device=x.device, generator=g) for p in weights]
             acc = [s.clone() for s in start]
             for _ in range(2):
                 y = mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0,
-                                 config=cfg, main_grads=tuple(acc))
+                                 config=cfg_path, main_grads=tuple(acc))
                 y.backward(dy)
             torch.cuda.synchronize()
         want = [s + f.float() + f.float() for s, f in zip(start, fresh)]
         same = all(torch.equal(a, b) for a, b in zip(acc, want))
         no_grad = all(p.grad is None for p in weights)
-        rows.append(Row(f"{backend} main_grads += fp32(dW) twice, MOK_CUTE_FUSED_BWD={flag}", bitwise=same,
+        rows.append(Row(f"{backend} main_grads += fp32(dW) twice, backward_path={path}", bitwise=same,
                         ok=same and no_grad,
                         note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: {no_grad}"))
     return rows
 
 
 def _launch_count_row(x, idx, w, ws, sh, dy) -> Row:
-    """MOK_CUTE_FUSED_BWD=3: one fused backward launch per backward (torch.profiler), shared expert in."""
+    """backward_path FUSED_WHOLE: one fused backward launch per backward (torch.profiler), shared expert in."""
     import mok_cute
     from torch.profiler import ProfilerActivity, profile
 
     leaves = [p.clone().requires_grad_() for p in (*ws, *sh)]
-    with env_var("MOK_CUTE_FUSED_BWD", "3"):
-        y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0,
-                         config=mok_cute.MoKConfig(backend="sm90", validate_routing=False))
-        torch.autograd.grad(y, leaves, dy)  # compiles outside the profile
-        y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0,
-                         config=mok_cute.MoKConfig(backend="sm90", validate_routing=False))
+    cfg = mok_cute.MoKConfig(backend="sm90", validate_routing=False, backward_path="fused_whole")
+    y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0, config=cfg)
+    torch.autograd.grad(y, leaves, dy)  # compiles outside the profile
+    y = mok_cute.moe(x, idx, w, *leaves[:3], shared=tuple(leaves[3:]), swiglu_limit=4.0, config=cfg)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(y, leaves, dy)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(y, leaves, dy)
-            torch.cuda.synchronize()
     names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     fused = sum("FusedMoeBwdCoreSm90" in n for n in names)
-    return Row("MOK_CUTE_FUSED_BWD=3: fused backward launches per backward", ok=fused == 1,
+    return Row("backward_path=fused_whole: fused backward launches per backward", ok=fused == 1,
                note=f"fused kernel x{fused}, {len(names)} kernels in all (allocations, zeroing included)")

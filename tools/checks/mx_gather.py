@@ -12,7 +12,7 @@ m-tile heights: 128 rows, and 256 (the ``cta_group::2`` megakernels': two scale 
 
 import torch
 
-from checks.common import Row
+from tools.checks.common import Row
 
 THREADS = 256
 
@@ -22,6 +22,7 @@ def _probe(tile_m: int):
     import cutlass.cute as cute
     from cutlass import Int32
 
+    from mok_cute.kernels.route_grad_row import MxTile
     from mok_cute.kernels.sm100.mx_gather import quantize_tile
     from mok_cute.schedule.fused_tasks import mtile
 
@@ -38,8 +39,8 @@ def _probe(tile_m: int):
             row0, rows, e, b = mtile(mOffsets, mOffsets.shape[0] - 1, tile_m, bidx, Int32(0), Int32(0))
             hc = mDy.shape[1] // 8
             for xpass in cutlass.range_constexpr(2):
-                quantize_tile(tidx, tidx // 32, tidx % 32, xpass, THREADS, mDy, mX, row0, rows, tile_m, hc, mOffsets,
-                              e, bidx - b, ops)
+                quantize_tile(MxTile(tidx, tidx // 32, tidx % 32, THREADS, mDy, mX, row0, rows, tile_m, hc, mOffsets,
+                                     e, bidx - b), xpass, ops)
 
     return Probe()
 

@@ -29,7 +29,8 @@ bounded by ``timeout_ns`` and recorded in ``status`` (int32[4], read by the host
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import torch
@@ -41,18 +42,18 @@ from cutlass import Float32, Int32, Int64
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import sm_count
-from mok_cute.dsl.launch import GraphLauncher
+from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
-from mok_cute.comm.peer_rows import PeerRows
-from mok_cute.kernels.route_grad_row import gather_chunks, mx_round_trips
+from mok_cute.comm.peer_rows import PeerRows, PeerSections
+from mok_cute.kernels.route_grad_row import CommCta, EpPull, GatherRows, RowWalk, gather_chunks, mx_round_trips
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.route_rows import grouped_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
 from mok_cute.kernels.sm90.mainloop import (
-    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
+    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, SplitB,
     acc_to_smem, consumer_barrier, experts_last,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
@@ -63,7 +64,7 @@ from mok_cute.schedule.group_tiles import tiles_over
 D2_READY, D1_DONE, ROWS_READY, WD_DONE = 24, 25, 26, 27  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
 KINDS = ("D2", "D1", "dWd", "dWg", "dWu", "shared D2", "shared D1", "shared dWd", "shared dWg", "shared dWu",
-         "gather dy", "wait dgrad1", "slot sum", "CTA", "gather x")  # trace record kinds (MOK_CUTE_TRACE=1)
+         "gather dy", "wait dgrad1", "slot sum", "CTA", "gather x")  # trace record kinds (the trace variant)
 GEMM_KINDS, SHARED_KIND, GATHER_KIND, WAIT_KIND, SUM_KIND, CTA_KIND, GATHER_X_KIND = 10, 5, 10, 11, 12, 13, 14
 DONE_WORD = 1 + P.STATUS_WORDS  # counters: the ticket, the status words, the stored D1 tiles (scatter)
 PULLED_WORD, SUMMED_WORD = DONE_WORD + 1, DONE_WORD + 2  # EP > 1: comm CTAs done pulling, CTAs done summing
@@ -73,35 +74,200 @@ SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
 
+class BwdVariant(NamedTuple):
+    """What one compiled fused backward contains, each a compile-time switch (the kernel's doc):
+    ``clamp`` the SwiGLU limit given; ``scatter`` the dx rows to their (token, slot) rows and the
+    fixed-order dx slot sum in the launch, ``init`` from the shared expert's dx; ``gather`` the routed
+    dy rows, d topk_w and x rows built by the first CTAs, ``by_route`` from the forward's GEMM2 rows in
+    route order; ``shared`` the shared expert's tiles as a second group (its dx the sum's start);
+    ``accumulate`` the weight gradients added into fp32 main grads; ``trace`` per-task records;
+    ``mx`` the MXFP8 backward's operands; ``add`` an fp32 [T, H] term in the sum's start; ``n_tail``
+    H, I or I_s not a multiple of tile_n; ``ep`` EP > 1 (the rows pulled and pushed through the
+    workspace); ``grouped_slots`` the MXFP8 dx rows over dy's grouped rows; ``wd_first`` the dW_down
+    tiles first, dgu's round trip along the tokens over dy's."""
+
+    clamp: bool
+    scatter: bool = False
+    init: bool = False
+    gather: bool = False
+    by_route: bool = False
+    shared: bool = False
+    accumulate: bool = False
+    trace: bool = False
+    mx: bool = False
+    add: bool = False
+    n_tail: bool = False
+    ep: bool = False
+    grouped_slots: bool = False
+    wd_first: bool = False
+
+
+class GroupOperands(NamedTuple):
+    """One group's tensors at the launch (:meth:`FusedMoeBwdCoreSm90.__call__`), bf16 unless said: the
+    routed experts, or the shared expert as one expert over the T tokens (then ``dy``, ``x`` and ``dx``
+    are None: its dy / x are the gather's token rows, its dx the slot sum's start ``SlotSum.init``).
+
+    ``dy``, ``x`` [M, H] the grouped dy and x rows (MXFP8: dy's round trip along H, x's along the
+    tokens); ``gu3`` [M, 2, I] gu as the forward saved it; ``h`` [M, I] (MXFP8: its round trip along the
+    tokens); ``wg``, ``wu`` [E, I, H], ``wd`` [E, H, I]; ``dgu`` [M, 2I] dgrad1's A; ``dg``, ``du`` [M, I]
+    the weight gradients' A (dgu's column halves, or of its MXFP8 round trip along the tokens);
+    ``dgu3`` [M, 2, I] D2's output view of ``dgu``; ``dx`` [M, H] the grouped dx rows (None with the slot
+    sum); ``dwg``, ``dwu`` [E, I, H], ``dwd`` [E, H, I] (bf16, or fp32 main grads: ``accumulate``);
+    ``offsets`` int32 [E+1]; ``d2`` int32 [m-tiles], zeroed: the D2 tiles done per m-tile."""
+
+    dy: cute.Tensor | None
+    x: cute.Tensor | None
+    gu3: cute.Tensor
+    h: cute.Tensor
+    wg: cute.Tensor
+    wu: cute.Tensor
+    wd: cute.Tensor
+    dgu: cute.Tensor
+    dg: cute.Tensor
+    du: cute.Tensor
+    dgu3: cute.Tensor
+    dx: cute.Tensor | None
+    dwg: cute.Tensor
+    dwu: cute.Tensor
+    dwd: cute.Tensor
+    offsets: cute.Tensor
+    d2: cute.Tensor
+
+
+class SlotSum(NamedTuple):
+    """The dx scatter and slot sum (``scatter`` variant; else every field None): ``slot`` bf16 [T*k, H]
+    the dx slot rows (``grouped_slots``: dy's buffer [M, H]; EP > 1: the workspace's slot section);
+    ``order`` int32, [M] grouped row -> t*k + j (``gather``: all T*k routes; ``grouped_slots``: [T*k]
+    slot -> grouped row, 0 for a slot without one; EP > 1: [M] packed ``p*T*k + t*k + j``); ``idx`` int32
+    [T*k] each slot's expert (-1: none); ``init`` bf16 [T, H] or None, the sum's start (the shared
+    expert's dx); ``out`` bf16 [T, H], dx."""
+
+    slot: cute.Tensor | None
+    order: cute.Tensor | None
+    idx: cute.Tensor | None
+    init: cute.Tensor | None
+    out: cute.Tensor | None
+
+
+class MxOperands(NamedTuple):
+    """The MXFP8 variant's own tensors (else both None): ``dy_t`` bf16 [M, H] dy's round trip along the
+    tokens (dW_down's A; ``gather``: written by the comm CTAs), ``dgu_t3`` bf16 [M, 2, I] dgu's round
+    trip along the tokens, written by the dSwiGLU epilogue (the buffer the ``dg`` / ``du`` views see)."""
+
+    dy_t: cute.Tensor | None
+    dgu_t3: cute.Tensor | None
+
+
+class Scalars(NamedTuple):
+    """The launch's scalars: ``k`` routes per token, ``comm_ctas`` (``gather``: the CTAs that build the
+    rows first), ``limit`` fp32 the SwiGLU clamp (0: none), ``num_ctas`` the grid (a launch parameter,
+    None in the kernel's bundle), ``timeout_ns`` every device wait's bound."""
+
+    k: Int32
+    comm_ctas: Int32
+    limit: Float32
+    num_ctas: Int32 | None
+    timeout_ns: Int64
+
+
+class EpOperands(NamedTuple):
+    """EP > 1 (``ep`` variant; at EP = 1 the tensors None and the scalars :data:`_NO_EP`):
+    ``peer`` int64 [R] the workspaces' bases, ``status`` int32 [4] the workspace's status (every wait's
+    error), this rank ``me`` of ``n_ranks``, the byte offsets of the workspace sections ``src`` (x),
+    ``dy``, ``slots`` and ``flags`` (:data:`EP_SECTIONS`), the launch's pull and push epochs."""
+
+    peer: cute.Tensor | None
+    status: cute.Tensor | None
+    me: Int32
+    n_ranks: Int32
+    src_off: Int64
+    dy_off: Int64
+    slots_off: Int64
+    flags_off: Int64
+    epoch_pull: Int32
+    epoch_push: Int32
+
+
+class GroupTma(NamedTuple):
+    """One group's TMA atoms and coordinate tensors (:meth:`FusedMoeBwdCoreSm90._tma`): D2 reads dy
+    and w_down, D1 dgu, w_gate and w_up, the weight gradients dy (MXFP8: its round trip along the
+    tokens), h, dg, x and du along the rows (``t`` suffix: ragged along the rows)."""
+
+    atom_dy: cute.CopyAtom
+    coord_dy: cute.Tensor
+    atom_wd: cute.CopyAtom
+    coord_wd: cute.Tensor
+    atom_dgu: cute.CopyAtom
+    coord_dgu: cute.Tensor
+    atom_wg: cute.CopyAtom
+    coord_wg: cute.Tensor
+    atom_wu: cute.CopyAtom
+    coord_wu: cute.Tensor
+    atom_dyt: cute.CopyAtom
+    coord_dyt: cute.Tensor
+    atom_ht: cute.CopyAtom
+    coord_ht: cute.Tensor
+    atom_dgt: cute.CopyAtom
+    coord_dgt: cute.Tensor
+    atom_xt: cute.CopyAtom
+    coord_xt: cute.Tensor
+    atom_dut: cute.CopyAtom
+    coord_dut: cute.Tensor
+
+
+class GroupTensors(NamedTuple):
+    """One group's tensors in the kernel beside its TMA operands (:class:`GroupOperands`' of the same
+    name; ``dx`` of the shared group: the slot sum's start; ``dgut3``: the MXFP8 variant's dgu round
+    trip along the tokens, else None)."""
+
+    gu3: cute.Tensor
+    dgu3: cute.Tensor
+    dx: cute.Tensor | None
+    dwg: cute.Tensor
+    dwu: cute.Tensor
+    dwd: cute.Tensor
+    offsets: cute.Tensor
+    d2: cute.Tensor
+    dgut3: cute.Tensor | None
+
+
+class _Smem(NamedTuple):
+    """A CTA's shared memory as its roles use it: the mbarrier ring ``pipe``, the ring's ``views``
+    ``(sA, sB, sA_w, sB_w)`` (D2 / D1 and W mainloops), the ``storage`` struct (epilogue staging, extra
+    words) and the ``task`` hand-off words."""
+
+    pipe: object
+    views: tuple
+    storage: object
+    task: cute.Tensor
+
+
+def _absent(bundle, cls):
+    """``bundle``, or ``cls`` with every field None where it is None."""
+    return cls(*(None,) * len(cls._fields)) if bundle is None else bundle
+
+
+def _present(bundle):
+    """``bundle``, or None where every field is None (how the launch passes an absent bundle)."""
+    return None if all(v is None for v in bundle) else bundle
+
+
 class FusedMoeBwdCoreSm90:
     """The persistent routed backward (see the module doc); ``clamp``: the SwiGLU limit given;
     ``n_tail``: H, I or I_s not a multiple of tile_n (the last n-tiles' stores masked); ``ep``: EP > 1
     (with gather and scatter: the dy / x rows pulled from the source ranks, the dx rows pushed to
     them, d topk_w of this rank's routes, :func:`fused_backward_ep`)."""
 
-    def __init__(self, clamp: bool, scatter: bool = False, gather: bool = False, by_route: bool = False,
-                 shared: bool = False, accumulate: bool = False, trace: bool = False, mx: bool = False,
-                 n_tail: bool = False, ep: bool = False, grouped_slots: bool = False, wd_first: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
-        if (gather or shared) and not scatter:
-            raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
-        if mx and shared:
-            raise ValueError("mx (the MXFP8 backward) runs the routed experts only: the shared expert's tiles "
-                             "are not in its launch")
-        if ep and not (gather and not by_route):
-            raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
-        if grouped_slots and not (mx and scatter and not gather):
-            raise ValueError("grouped_slots (the dx rows over dy's rows) needs mx and scatter without gather: "
-                             "only there is dy read by dgrad2 alone")
-        if wd_first and not grouped_slots:
-            raise ValueError("wd_first (dgu's token round trip over dy's, after every dW_down tile) needs grouped_slots")
-        self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, scatter, gather, by_route
-        self.shared, self.accumulate = shared, accumulate  # accumulate: dW tiles added into fp32 main grads
-        self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = trace, mx, n_tail, ep, grouped_slots
+    def __init__(self, v: BwdVariant, cfg: MainloopConfig = MainloopConfig()):
+        _check_variant(v)
+        clamp, mx, n_tail = v.clamp, v.mx, v.n_tail
+        self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, v.scatter, v.gather, v.by_route
+        self.shared, self.accumulate = v.shared, v.accumulate  # accumulate: dW tiles added into fp32 main grads
+        self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = v.trace, mx, n_tail, v.ep, v.grouped_slots
         # wd_first: every dW_down tile runs first and counts itself done (WD_WORD); the producer of a D2 tile waits
         # for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers). Routed group
         # only: grouped_slots needs mx, which has no shared group in the launch
-        self.wd_first = wd_first
+        self.wd_first = v.wd_first
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -111,85 +277,81 @@ class FusedMoeBwdCoreSm90:
         assert self.ml_d.stages == self.ml_w.stages
 
     @cute.jit
-    def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mWg: cute.Tensor,
-                 mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDg: cute.Tensor, mDu: cute.Tensor,
-                 mDgu3: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor,
-                 mOffsets: cute.Tensor, mD2: cute.Tensor, mCounters: cute.Tensor, mSlot: cute.Tensor,
-                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
-                 mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-                 mSGU: cute.Tensor, mSH: cute.Tensor, mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
-                 mSDgu: cute.Tensor, mSDg: cute.Tensor, mSDu: cute.Tensor, mSDgu3: cute.Tensor, mSDWg: cute.Tensor,
-                 mSDWu: cute.Tensor, mSDWd: cute.Tensor, mSOffsets: cute.Tensor, mSD2: cute.Tensor,
-                 mDyT: cute.Tensor, mDguT3: cute.Tensor, mAdd: cute.Tensor, mTrace: cute.Tensor, k: Int32,
-                 comm_ctas: Int32, limit: Float32, num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor,
-                 mStatus: cute.Tensor, me: Int32, n_ranks: Int32, src_off: Int64, dy_off: Int64, slots_off: Int64,
-                 flags_off: Int64, epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
-        """``mGU`` / ``mDgu3``: gu / dgu as [M, 2, I]; ``mDgu`` [M, 2I]; ``mDg`` / ``mDu``: its
-        column halves [M, I] (views of one buffer). ``scatter`` variant: ``mSlot`` [T*k, H] (dx
-        slot rows), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k], ``mInit``
-        [T, H] or None (the shared expert's dx), ``mOut`` [T, H] (dx); otherwise None. ``grouped_slots``
-        variant (MXFP8 without gather): ``mSlot`` is dy's buffer [M, H] itself, each dgrad1 tile writes its
-        dx rows over dy's grouped rows (dead once the m-tile's dgrad2 tiles, which dgrad1 waits for, have
-        read them), and ``mOrder`` [T*k] maps t*k + j to its grouped row (0 for a slot without one): the
-        slot sum reads the rows through it. ``gather``
-        variant: the first ``comm_ctas`` CTAs write ``mDy`` / ``mX`` (grouped rows, then read by the
-        tiles) from ``mDyTok`` / ``mXTok`` [T, H] and the forward's GEMM2 rows ``mR`` (grouped, or
-        ``by_route``: in route order) with ``mW`` / ``mDtw`` fp32 [T*k] (topk_w in, d topk_w out),
-        publishing routed m-tile c on ``mGdy[c]``; ``mOrder`` then holds all T*k routes. ``shared``
-        variant: the shared expert as a second group of one expert over the T tokens (its dy / x:
-        ``mDyTok`` / ``mXTok``; its gu, h, weights, dgu views and dW: the ``mS*`` tensors; offsets
-        ``mSOffsets`` = [0, T]; dgrad2 counters ``mSD2``), its dx written into ``mInit``. ``trace``
-        variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at
-        n_tasks + c (its x pass n_tasks + chunks + c), the last three per CTA: its life from entry to
-        exit, its dgrad1 wait and its slot sum); else None. ``mx`` variant (the MXFP8 backward,
-        every operand an MXFP8 round trip as the unfused one reads it): ``mDy`` is dy's round trip along H (dgrad2's A), ``mDyT`` along
-        the tokens (dW_down's A), ``mX`` / ``mH`` those of x / h along the tokens, the weights
-        dequantized; the dSwiGLU epilogue writes dgu's round trip along 2I into ``mDgu`` (dgrad1's
-        A) and along the tokens into ``mDguT3`` = [M, 2, I] of the buffer ``mDg`` / ``mDu`` view
-        (the weight gradients' A); else both None. With ``gather`` the comm CTAs make ``mDy``, ``mDyT``
-        and ``mX`` from the rows they move (``route_grad_row.gather_chunks``). ``mAdd`` fp32 [T, H] (scatter variant) or
-        None: added to the slot sum's start (the shared expert's output gate's share of dx). ``ep``
-        variant: ``mPeer`` int64 [R] (the workspaces' bases), ``mStatus`` int32[4] (the workspace's
-        status, every wait's error), rank ``me`` of ``n_ranks``, the sections' offsets (``src``: x,
-        ``dy``, ``slots``, ``flags``) and the launch's pull and push epochs; ``mOrder`` [M] packed
-        ``p*T*k + t*k + j``, ``mW`` fp32 [M] each grouped row's router weight, ``mR`` [T*k, H] this
-        rank's slot rows of the forward, ``mSlot`` the workspace's slot section; else None / 0."""
+    def __call__(self, routed: GroupOperands, mCounters: cute.Tensor, slots: SlotSum, rows: GatherRows,
+                 shared: GroupOperands, mx: MxOperands, mAdd: cute.Tensor, mTrace: cute.Tensor, sc: Scalars,
+                 ep: EpOperands, stream: cuda.CUstream):
+        """``routed``: the routed experts' :class:`GroupOperands`; ``mCounters`` int32, zeroed: the
+        ticket, the status words (int32[4] at 1, every wait's error), the D1 tiles stored, the EP and
+        ``wd_first`` words (:data:`COUNTER_WORDS`); ``slots``: :class:`SlotSum` (``scatter`` variant);
+        ``rows``: the ``gather`` variant's :class:`~mok_cute.kernels.route_grad_row.GatherRows` (its
+        ``dy_rows`` / ``x_rows`` / ``dyt_rows`` None: the comm CTAs write ``routed.dy`` / ``routed.x`` /
+        ``mx.dy_t``), the first ``comm_ctas`` CTAs building ``routed.dy`` / ``routed.x`` from ``dy_tok`` /
+        ``x_tok`` [T, H] and the forward's GEMM2 rows ``r`` (grouped, or ``by_route`` in route order) with
+        topk_w / d topk_w ``w`` / ``dtw`` fp32 [T*k], publishing routed m-tile c on ``ready[c]``
+        (``slots.order`` then holds all T*k routes); ``shared`` variant: ``rows.dy_tok`` / ``x_tok`` also
+        carry the shared group (``shared``: its :class:`GroupOperands`, offsets [0, T]), its dx written
+        into ``slots.init``; ``mx``: :class:`MxOperands` (the MXFP8 backward, every operand an MXFP8
+        round trip as the unfused one reads it: ``routed.dy`` dy's along H (dgrad2's A), ``mx.dy_t``
+        along the tokens (dW_down's A), ``routed.x`` / ``h`` those of x / h along the tokens, the weights
+        dequantized; the dSwiGLU epilogue writes dgu's along 2I into ``dgu`` (dgrad1's A) and along the
+        tokens into ``mx.dgu_t3`` (the weight gradients' A); with ``gather`` the comm CTAs make dy's,
+        ``dy_t`` and x's, ``route_grad_row.gather_chunks``); ``grouped_slots`` variant (MXFP8 without
+        gather): ``slots.slot`` is dy's buffer [M, H] itself, each dgrad1 tile writes its dx rows over
+        dy's grouped rows (dead once the m-tile's dgrad2 tiles, which dgrad1 waits for, have read them),
+        ``slots.order`` [T*k] maps t*k + j to its grouped row; ``mAdd`` fp32 [T, H] (scatter variant) or
+        None: added to the slot sum's start (the shared expert's output gate's share of dx); ``trace``
+        variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at n_tasks +
+        c (its x pass n_tasks + chunks + c), the last three per CTA: its life from entry to exit, its
+        dgrad1 wait and its slot sum); else None; ``sc``: :class:`Scalars`; ``ep``: :class:`EpOperands`
+        (``ep`` variant: ``slots.order`` [M] packed ``p*T*k + t*k + j``, ``rows.w`` fp32 [M] each grouped
+        row's router weight, ``rows.r`` [T*k, H] this rank's slot rows of the forward, ``slots.slot`` the
+        workspace's slot section). A bundle whose fields would all be None is passed as None (the DSL
+        takes no all-None tuple as an argument); it reads as that all-None bundle here."""
+        slots, rows, shared, mx = (_absent(b, cls) for b, cls in ((slots, SlotSum), (rows, GatherRows),
+                                                                  (shared, GroupOperands), (mx, MxOperands)))
         self.ml_d.setup()
         self.ml_w.setup()
-        r_tma = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT)
+        r_tma = self._tma(routed, mx.dy_t)
         s_tma, s_t = None, None
-        if cutlass.const_expr(self.shared):
-            s_tma = self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSDg, mSDu)
-            s_t = (mSGU, mSDgu3, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2, None)
+        if cutlass.const_expr(self.shared):  # its dy / x: the layer's token rows, its dx: the slot sum's start
+            s_tma = self._tma(shared._replace(dy=rows.dy_tok, x=rows.x_tok))
+            s_t = GroupTensors(shared.gu3, shared.dgu3, slots.init, shared.dwg, shared.dwu, shared.dwd, shared.offsets,
+                               shared.d2, None)
         self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=3)
         ep_args = None
         if cutlass.const_expr(self.ep):
-            ep_args = (mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push)
-        self.kernel(r_tma, (mGU, mDgu3, mDx, mDWg, mDWu, mDWd, mOffsets, mD2, mDguT3), s_tma, s_t, mCounters, mSlot, mOrder,
-                    mIdx, mInit, mOut, mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, mDyT if self.gather else None,
-                    mAdd, mTrace, k, comm_ctas, limit, timeout_ns, ep_args).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
-                                       min_blocks_per_mp=1, stream=stream)
+            ep_args = ep
+        r_t = GroupTensors(routed.gu3, routed.dgu3, routed.dx, routed.dwg, routed.dwu, routed.dwd, routed.offsets,
+                           routed.d2, mx.dgu_t3)
+        k_rows = rows._replace(dy_rows=routed.dy, x_rows=routed.x, dyt_rows=mx.dy_t if self.gather else None)
+        self.kernel(r_tma, r_t, s_tma, s_t, mCounters, slots, k_rows, mAdd, mTrace, sc._replace(num_ctas=None),
+                    ep_args).launch(grid=[sc.num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
+                                    min_blocks_per_mp=1, stream=stream)
 
-    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, mDg, mDu, mDyT=None):
-        """One group's TMA atoms and coordinates (:class:`_Group` order): D2 reads dy (M, H) K-major
-        and w_down as (I, H, E) MN-major; D1 dgu (M, 2I) K-major and w_gate then w_up along K, each
-        (H, I, E) MN-major; W (N, rows) MN-major operands, ragged along the rows (expert_bwd), dW_down's
-        dy from ``mDyT`` when given (the MXFP8 variant's)."""
+    def _tma(self, g: GroupOperands, dyt: cute.Tensor = None) -> GroupTma:
+        """Group ``g``'s TMA atoms and coordinates: D2 reads dy (M, H) K-major and w_down as (I, H, E)
+        MN-major; D1 dgu (M, 2I) K-major and w_gate then w_up along K, each (H, I, E) MN-major; W (N,
+        rows) MN-major operands, ragged along the rows (expert_bwd), dW_down's dy from ``dyt`` when
+        given (the MXFP8 variant's)."""
         md, mw = self.ml_d, self.ml_w
-        d2 = md.make_tma(mDy, experts_last(mWd, True))
-        d1 = md.make_tma(mDgu, experts_last(mWg, True))
-        _, _, atom_wu, coord_wu = md.make_tma(mDgu, experts_last(mWu, True))
-        wd = mw.make_tma(_ragged_k(mDy if mDyT is None else mDyT), _ragged_k(mH))
-        wg = mw.make_tma(_ragged_k(mDg), _ragged_k(mX))
-        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(mDu), _ragged_k(mX))
-        return (*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
+        d2 = md.make_tma(g.dy, experts_last(g.wd, True))
+        d1 = md.make_tma(g.dgu, experts_last(g.wg, True))
+        _, _, atom_wu, coord_wu = md.make_tma(g.dgu, experts_last(g.wu, True))
+        wd = mw.make_tma(_ragged_k(g.dy if dyt is None else dyt), _ragged_k(g.h))
+        wg = mw.make_tma(_ragged_k(g.dg), _ragged_k(g.x))
+        atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(g.du), _ragged_k(g.x))
+        return GroupTma(*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
 
     @cute.kernel
-    def kernel(self, r_tma: tuple, r_t: tuple, s_tma: tuple, s_t: tuple, mCounters: cute.Tensor, mSlot: cute.Tensor,
-               mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor, mDyTok: cute.Tensor,
-               mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-               mDyRows: cute.Tensor, mXRows: cute.Tensor, mDyTRows: cute.Tensor, mAdd: cute.Tensor,
-               mTrace: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32, timeout_ns: Int64, ep_args: tuple):
+    def kernel(self, r_tma: GroupTma, r_t: GroupTensors, s_tma: GroupTma, s_t: GroupTensors, mCounters: cute.Tensor,
+               slots: SlotSum, rows: GatherRows, mAdd: cute.Tensor, mTrace: cute.Tensor, sc: Scalars,
+               ep_args: EpOperands):
+        """:meth:`__call__`'s bundles as the CTAs read them: each group's TMA operands and tensors (the
+        shared group's None without it), ``rows`` with ``dy_rows`` / ``x_rows`` the routed group's dy and
+        x (``dyt_rows``: the MXFP8 gather's ``dy_t``, else None), ``sc`` without ``num_ctas``,
+        ``ep_args`` None at EP = 1."""
+        mSlot, mOrder, mIdx, mInit, mOut = slots
+        k, comm_ctas, limit, _, timeout_ns = sc
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         t_entry = persistent.now(self.trace)
@@ -203,6 +365,7 @@ class FusedMoeBwdCoreSm90:
         sB_w = storage.sB.get_tensor(mw.b_smem_staged.outer, swizzle=mw.b_smem_staged.inner)
         sTask = storage.extra.get_tensor(cute.make_layout(2))
         views = (sA, sB, sA_w, sB_w)
+        smem = _Smem(pipe, views, storage, sTask)
         routed = _Group(r_tma, r_t, cfg, self.n_tail)
         shared = _Group(s_tma, s_t, cfg, self.n_tail) if cutlass.const_expr(self.shared) else None
         n_tasks = routed.n_tasks
@@ -215,26 +378,25 @@ class FusedMoeBwdCoreSm90:
         if cutlass.const_expr(self.ep):
             mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push = ep_args
             status = mStatus.iterator
-            ep = PeerRows(mPeer, mW, me, n_ranks, src_off, slots_off, Int64(0), flags_off, epoch_pull, epoch_push,
-                          mIdx.shape[0], timeout_ns, status)
-            ep_dy = PeerRows(mPeer, mW, me, n_ranks, dy_off, slots_off, Int64(0), flags_off, epoch_pull, epoch_push,
-                             mIdx.shape[0], timeout_ns, status)
+            ep = PeerRows(mPeer, rows.w, me, n_ranks, PeerSections(src_off, slots_off, Int64(0), flags_off),
+                          epoch_pull, epoch_push, mIdx.shape[0], timeout_ns, status)
+            ep_dy = PeerRows(mPeer, rows.w, me, n_ranks, PeerSections(dy_off, slots_off, Int64(0), flags_off),
+                             epoch_pull, epoch_push, mIdx.shape[0], timeout_ns, status)
         if cutlass.const_expr(self.gather):
             bidx, _, _ = cute.arch.block_idx()
             if bidx < comm_ctas:  # first the routed rows, then GEMM tasks like every CTA
-                self._gather(tidx, bidx, comm_ctas, routed.mt, routed.offsets, routed.num_experts, mOrder, mIdx,
-                             mDyTok, mXTok, mR, mW, mDtw, mDyRows, mXRows, mGdy, k, routed.hidden, mTrace, n_tasks,
-                             ep, ep_dy, mCounters.iterator, mDyTRows)
+                self._gather(CommCta(tidx, bidx, comm_ctas, NUM_THREADS), routed, slots, rows, k, mTrace, n_tasks,
+                             EpPull(ep, ep_dy, mCounters.iterator, PULLED_WORD))
                 cute.arch.barrier()
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self._produce(pipe, views, sTask, mCounters.iterator, n_tasks, routed, shared, mGdy, status,
-                              timeout_ns, mCounters.iterator + WD_WORD)
+                self._produce(smem, mCounters.iterator, n_tasks, routed, shared, rows.ready, status, timeout_ns,
+                              mCounters.iterator + WD_WORD)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(pipe, views, storage, sTask, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, mSlot,
-                          mOrder, mCounters.iterator + DONE_WORD, mTrace, ep, mCounters.iterator + WD_WORD)
+            self._consume(smem, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, slots,
+                          mCounters.iterator + DONE_WORD, mTrace, ep, mCounters.iterator + WD_WORD)
         if cutlass.const_expr(self.scatter):
             # every CTA: the dx slot sum once every dgrad1 tile is stored, registers evened out as in
             # the fused forward (the consumers give theirs back before the producer warpgroup takes any)
@@ -254,8 +416,9 @@ class FusedMoeBwdCoreSm90:
             grid, _, _ = cute.arch.grid_dim()
             sbuf = cute.make_tensor(storage.sB.data_ptr(), cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC),
                                                                             stride=(_VEC, 1)))
-            route_rows.slot_sum(tidx, bidx, grid, mSlot, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden,
-                                sbuf, SUM_BATCH, None, mAdd, None, mOrder if self.grouped_slots else None)
+            route_rows.slot_sum(tidx, bidx, grid, route_rows.SlotSumOperands(
+                mSlot, mInit, mOut, mIdx, None, None, mAdd, None, mOrder if self.grouped_slots else None),
+                k, mOut.shape[0], routed.hidden, sbuf, SUM_BATCH)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mCounters.iterator + SUMMED_WORD, grid)
             if cutlass.const_expr(self.trace):
@@ -273,10 +436,11 @@ class FusedMoeBwdCoreSm90:
 
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _produce(self, pipe, views, sTask: cute.Tensor, ticket: cute.Pointer, n_tasks: Int32, routed, shared,
-                 mGdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, wd_done: cute.Pointer):
+    def _produce(self, smem: _Smem, ticket: cute.Pointer, n_tasks: Int32, routed, shared, mGdy: cute.Tensor,
+                 status: cute.Pointer, timeout_ns: Int64, wd_done: cute.Pointer):
         """Producer warp: claim tasks in list order, hand each to the consumers, wait for its
         inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
+        pipe, sTask = smem.pipe, smem.task
         state = self.ml_d.producer_state()
         rc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # routed: cursors, ready experts
         sc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # the shared group's
@@ -288,31 +452,28 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
-                    state, sc = self._load(shared, lt, pipe, state, views, sc, mGdy, status, timeout_ns, False)
+                    state, sc = self._load(shared, lt, smem, state, sc, mGdy, status, timeout_ns, False)
                 else:
-                    state, rc = self._load(routed, lt, pipe, state, views, rc, mGdy, status, timeout_ns,
-                                           self.gather)
+                    state, rc = self._load(routed, lt, smem, state, rc, mGdy, status, timeout_ns, self.gather)
             else:
-                state, rc = self._load(routed, t, pipe, state, views, rc, mGdy, status, timeout_ns, self.gather,
-                                       wd_done)
+                state, rc = self._load(routed, t, smem, state, rc, mGdy, status, timeout_ns, self.gather, wd_done)
             t = persistent.claim(ticket)
         persistent.hand_off(sTask, i, t)
         persistent.finish_hand_offs(i)
         pipe.producer_tail(state)
 
     @cute.jit
-    def _load(self, g, lt: Int32, pipe, state, views, cur, mGdy: cute.Tensor, status: cute.Pointer,
+    def _load(self, g, lt: Int32, smem: _Smem, state, cur, mGdy: cute.Tensor, status: cute.Pointer,
               timeout_ns: Int64, gather: cutlass.Constexpr, wd_done: cute.Pointer = None):
         """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
         the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
         producer saw complete); returns ``(state, cur)``. ``wd_first`` (``wd_done``: the dW_down tiles
         done, given for the routed group): a D2 tile first waits for every dW_down tile."""
         cfg = self.cfg
-        sA, sB, sA_w, sB_w = views
+        pipe, (sA, sB, sA_w, sB_w) = smem.pipe, smem.views
         e1, b1, e2, b2, ready_e, ready_g = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
-            self.wd_first)
+            lt, g.dims, g.offsets, g.num_experts, cfg.tile_m, (e1, b1, e2, b2), self.wd_first)
         k_h = g.hidden // cfg.tile_k
         k_i = g.inter // cfg.tile_k
         if phase == D2:
@@ -330,7 +491,8 @@ class FusedMoeBwdCoreSm90:
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
             gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-            state = self.ml_d.load_tile(pipe, state, g.atom_dgu, gA, sA, g.atom_wg, gB, sB, k_i, g.atom_wu, gB2, k_i)
+            state = self.ml_d.load_tile(pipe, state, g.atom_dgu, gA, sA, g.atom_wg, gB, sB, k_i,
+                                        SplitB(g.atom_wu, gB2, k_i))
         else:
             lo = g.offsets[expert]
             length = g.offsets[expert + 1] - lo
@@ -365,13 +527,13 @@ class FusedMoeBwdCoreSm90:
         return state, (e1, b1, e2, b2, ready_e, ready_g)
 
     @cute.jit
-    def _consume(self, pipe, views, storage, sTask: cute.Tensor, tid: Int32, n_tasks: Int32, routed, shared,
-                 limit: Float32, mSlot: cute.Tensor, mOrder: cute.Tensor, done: cute.Pointer, mTrace: cute.Tensor, ep,
-                 wd_done: cute.Pointer):
+    def _consume(self, smem: _Smem, tid: Int32, n_tasks: Int32, routed, shared, limit: Float32, slots: SlotSum,
+                 done: cute.Pointer, mTrace: cute.Tensor, ep, wd_done: cute.Pointer):
         """Consumer warpgroups: MMA each task's tile and run its epilogue (:meth:`_compute`); traced,
         consumer thread 0 records each task from its hand-off to its epilogue's end. EP > 1: first,
         every rank must have freed its slot buffer of the previous push round (FREE >= epoch - 1;
         an earlier launch's, so nothing in this one waits for it)."""
+        storage, sTask = smem.storage, smem.task
         if cutlass.const_expr(self.ep):
             if tid == 0:
                 ep.wait_free()
@@ -391,15 +553,13 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
-                    state, sc, kind = self._compute(shared, lt, pipe, state, views, storage, tid, sc, limit, mSlot,
-                                                    mOrder, False)
+                    state, sc, kind = self._compute(shared, lt, smem, state, tid, sc, limit, slots, False)
                     kind += SHARED_KIND
                 else:
-                    state, rc, kind = self._compute(routed, lt, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                    mOrder, self.scatter, ep)
+                    state, rc, kind = self._compute(routed, lt, smem, state, tid, rc, limit, slots, self.scatter, ep)
             else:
-                state, rc, kind = self._compute(routed, t, pipe, state, views, storage, tid, rc, limit, mSlot,
-                                                mOrder, self.scatter, ep, wd_done)
+                state, rc, kind = self._compute(routed, t, smem, state, tid, rc, limit, slots, self.scatter, ep,
+                                                wd_done)
             if cutlass.const_expr(self.scatter):
                 if tid == 0:
                     if kind % SHARED_KIND == 1:
@@ -414,9 +574,8 @@ class FusedMoeBwdCoreSm90:
                 persistent.publish_count(done, sD1[0], self.ep)
 
     @cute.jit
-    def _compute(self, g, lt: Int32, pipe, state, views, storage, tid: Int32, cur, limit: Float32,
-                 mSlot: cute.Tensor, mOrder: cute.Tensor, scatter: cutlass.Constexpr, ep=None,
-                 wd_done: cute.Pointer = None):
+    def _compute(self, g, lt: Int32, smem: _Smem, state, tid: Int32, cur, limit: Float32, slots: SlotSum,
+                 scatter: cutlass.Constexpr, ep=None, wd_done: cute.Pointer = None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
         their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is
@@ -425,11 +584,11 @@ class FusedMoeBwdCoreSm90:
         (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
         ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg
-        sA, sB, sA_w, sB_w = views
+        pipe, (sA, sB, sA_w, sB_w), storage = smem.pipe, smem.views, smem.storage
+        mSlot, mOrder = slots.slot, slots.order
         e1, b1, e2, b2 = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-            lt, g.n_d2, g.n_d1, g.n_i, g.n_h, g.offsets, g.num_experts, cfg.tile_m, *g.wdims, e1, b1, e2, b2,
-            self.wd_first)
+            lt, g.dims, g.offsets, g.num_experts, cfg.tile_m, (e1, b1, e2, b2), self.wd_first)
         k_h = g.hidden // cfg.tile_k
         k_2i = 2 * (g.inter // cfg.tile_k)
         et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
@@ -510,36 +669,29 @@ class FusedMoeBwdCoreSm90:
 
 
     @cute.jit
-    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, chunks: Int32, mOffsets: cute.Tensor,
-                num_experts: Int32, mOrder: cute.Tensor, mIdx: cute.Tensor, mDyTok: cute.Tensor, mXTok: cute.Tensor,
-                mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mDyRows: cute.Tensor, mXRows: cute.Tensor,
-                mGdy: cute.Tensor, k: Int32, hidden: Int32, mTrace: cute.Tensor, n_tasks: Int32, ep, ep_dy,
-                counters: cute.Pointer, mDyT: cute.Tensor):
-        """Comm CTAs: the routed rows the tiles read (dy rows times topk_w, d topk_w, x rows; at EP > 1
-        pulled from the source ranks, d topk_w of this rank's routes), routed m-tile c by CTA
+    def _gather(self, cta: CommCta, g, slots: SlotSum, rows: GatherRows, k: Int32, mTrace: cute.Tensor,
+                n_tasks: Int32, pull: EpPull):
+        """Comm CTAs: the routed rows group ``g``'s tiles read (dy rows times topk_w, d topk_w, x rows; at
+        EP > 1 pulled from the source ranks, d topk_w of this rank's routes), routed m-tile c by CTA
         ``c % comm_ctas``: :func:`~mok_cute.kernels.route_grad_row.gather_chunks` (bitwise the
         route_grad kernel and the x gather; the ``mx`` variant: with its rows' MXFP8 round trips,
-        dy's along the tokens into ``mDyT``). Traced, chunk c's passes are records n_tasks + c and
-        n_tasks + chunks + c."""
+        dy's along the tokens into ``rows.dyt_rows``). Traced, chunk c's passes are records n_tasks + c
+        and n_tasks + chunks + c."""
         trace_rec = (mTrace, n_tasks, (GATHER_KIND, GATHER_X_KIND)) if cutlass.const_expr(self.trace) else None
-        gather_chunks(tidx, bidx, comm_ctas, chunks, mOffsets, num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
-                      mDyRows, mXRows, mGdy, k, hidden, ep, ep_dy, counters, PULLED_WORD, trace_rec,
-                      self.cfg.tile_m, NUM_THREADS, X_UNROLL, self.by_route,
-                      (mx_round_trips, (mDyT,)) if self.mx else None)
+        walk = RowWalk(g.mt, g.offsets, g.num_experts, slots.order, slots.idx, k, g.hidden, self.cfg.tile_m)
+        gather_chunks(cta, walk, rows, pull, trace_rec, X_UNROLL, self.by_route,
+                      (mx_round_trips, (rows.dyt_rows,)) if self.mx else None)
 
 
 class _Group:
     """One group of the backward's tiles inside the kernel (the routed experts, or the shared expert as
-    one expert over the T tokens): its TMA atoms / coordinates (``FusedMoeBwdCoreSm90._tma``
-    order), tensors ``(gu3, dgu3, dx, dWg, dWu, dWd, offsets, d2, dgut3)`` (``dgut3``: the MXFP8
-    variant's dgu round trip along the tokens, else None) and tile counts."""
+    one expert over the T tokens): its TMA atoms / coordinates (:class:`GroupTma`, as attributes),
+    tensors (:class:`GroupTensors`) and tile counts (``dims``: :class:`~mok_cute.schedule.
+    fused_bwd_tasks.CoreDims`)."""
 
-    NAMES = ("dy", "wd", "dgu", "wg", "wu", "dyt", "ht", "dgt", "xt", "dut")
-
-    def __init__(self, tma: tuple, t: tuple, cfg: MainloopConfig, n_tail: bool):
-        for i, name in enumerate(self.NAMES):
-            setattr(self, "atom_" + name, tma[2 * i])
-            setattr(self, "coord_" + name, tma[2 * i + 1])
+    def __init__(self, tma: GroupTma, t: GroupTensors, cfg: MainloopConfig, n_tail: bool):
+        for name, value in zip(tma._fields, tma):
+            setattr(self, name, value)
         self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2, self.dgut3 = t
         self.num_experts = self.offsets.shape[0] - 1
         self.inter = self.gu3.shape[2]
@@ -550,6 +702,7 @@ class _Group:
                       (self.inter + cfg.tile_m - 1) // cfg.tile_m, self.n_h)
         self.mt = routed_mtiles(self.offsets, self.num_experts, cfg.tile_m)
         self.n_d2, self.n_d1 = self.mt * self.n_i, self.mt * self.n_h
+        self.dims = tasks.CoreDims(self.n_d2, self.n_d1, self.n_i, self.n_h, *self.wdims)
         self.n_w = self.num_experts * (self.wdims[0] * self.wdims[1] + 2 * self.wdims[2] * self.wdims[3])
         self.n_tasks = self.n_d2 + self.n_d1 + self.n_w
 
@@ -587,32 +740,37 @@ def _split(t: Int32, s: _Group, r: _Group):
 
 
 # ---------------------------------------------------------------- compile and launch
-def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool = False, gather: bool = False,
-                                by_route: bool = False, shared: bool = False, accumulate: bool = False,
-                                trace: bool = False, mx: bool = False, add: bool = False, n_tail: bool = False,
-                                ep: bool = False, grouped_slots: bool = False, wd_first: bool = False, *,
-                                arch: str = "sm_90a", inspect: bool = False):
-    """Compile one variant with symbolic M, T, T*k, H, I, E (``scatter``: dx rows to their slots
-    and the dx slot sum in the launch, ``init``: from the shared expert's dx; ``gather``: the
-    routed dy rows, d topk_w and x rows in the launch too, ``by_route``: the forward's GEMM2 rows
-    in route order; ``shared``: the shared expert's tiles too, its dx the slot sum's start;
-    ``accumulate``: the weight gradients added into fp32 main grads instead of written; ``trace``:
-    per-task records, ``MOK_CUTE_TRACE=1``; ``mx``: the MXFP8 backward's operands, see the kernel;
-    ``add``: an fp32 [T, H] term in the slot sum's start, needs ``scatter``; ``n_tail``: H, I or I_s
-    not a multiple of tile_n; ``ep``: EP > 1, the rows pulled and pushed through the workspace;
-    ``grouped_slots``: the MXFP8 dx rows over dy's grouped rows, ``wd_first``: the dW_down tiles first, see the
-    kernel); returns ``(compiled, report)``."""
-    if add and not scatter:
+def _check_variant(v: BwdVariant, arch: str = "sm_90a") -> None:
+    """ValueError for a variant the kernel does not build (or an arch other than sm_90a), naming why."""
+    if v.add and not v.scatter:
         raise ValueError("add (a term of the dx slot sum's start) needs scatter")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused backward needs arch sm_90a, got {arch!r}")
-    if init and not scatter:
+    if v.init and not v.scatter:
         raise ValueError("init (the shared expert's dx) needs scatter")
-    if shared and not init:
+    if v.shared and not v.init:
         raise ValueError("shared needs init (its dx starts the slot sum)")
-    op = FusedMoeBwdCoreSm90(clamp, scatter, gather, by_route, shared, accumulate, trace, mx, n_tail, ep, grouped_slots,
-                             wd_first)
-    dw = Float32 if accumulate else cutlass.BFloat16  # the weight gradients' element type
+    if (v.gather or v.shared) and not v.scatter:
+        raise ValueError("gather (the dy / x rows in the launch) and shared need scatter")
+    if v.mx and v.shared:
+        raise ValueError("mx (the MXFP8 backward) runs the routed experts only: the shared expert's tiles "
+                         "are not in its launch")
+    if v.ep and not (v.gather and not v.by_route):
+        raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
+    if v.grouped_slots and not (v.mx and v.scatter and not v.gather):
+        raise ValueError("grouped_slots (the dx rows over dy's rows) needs mx and scatter without gather: "
+                         "only there is dy read by dgrad2 alone")
+    if v.wd_first and not v.grouped_slots:
+        raise ValueError("wd_first (dgu's token round trip over dy's, after every dW_down tile) needs grouped_slots")
+
+
+def compile_fused_backward_core(variant: BwdVariant, *, arch: str = "sm_90a", inspect: bool = False):
+    """Compile one :class:`BwdVariant` with symbolic M, T, T*k, H, I, E; returns ``(compiled, report)``
+    (the report with ``inspect``). ValueError for a variant the kernel does not build."""
+    v = variant
+    _check_variant(v, arch)
+    op = FusedMoeBwdCoreSm90(v)
+    dw = Float32 if v.accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter = cute.sym_int(divisibility=_VEC), cute.sym_int(divisibility=_VEC)
@@ -621,37 +779,43 @@ def compile_fused_backward_core(clamp: bool, scatter: bool = False, init: bool =
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int() if n is None else n,), stride=(1,),
                                              assumed_align=4)
 
-    args = (_fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, inter),
-            _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
-            _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
-            _fake_3d(bf, m, cute.sym_int(), inter), None if scatter else _fake_2d(bf, m, hid),
-            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(Int32),
-            vec(Int32), vec(Int32))
-    tail = (None,) * 5
-    if scatter:
-        tail = (_fake_2d(bf, m if grouped_slots else tk, hid), vec(Int32), vec(Int32, tk),
-                _fake_2d(bf, t, hid) if init else None, _fake_2d(bf, t, hid))
-    rows = (None,) * 6
-    if gather or shared:
-        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), None, None, None, None)
-    if gather:
-        rows = rows[:2] + (_fake_2d(bf, cute.sym_int(), hid), vec(Float32, m if ep else tk), vec(Float32, tk),
-                           vec(Int32))
-    sh = (None,) * 14
-    if shared:
+    routed = GroupOperands(
+        _fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, inter),
+        _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
+        _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
+        _fake_3d(bf, m, cute.sym_int(), inter), None if v.scatter else _fake_2d(bf, m, hid),
+        _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(Int32), vec(Int32))
+    counters = vec(Int32)
+    slots = SlotSum(None, None, None, None, None)
+    if v.scatter:
+        slots = SlotSum(_fake_2d(bf, m if v.grouped_slots else tk, hid), vec(Int32), vec(Int32, tk),
+                        _fake_2d(bf, t, hid) if v.init else None, _fake_2d(bf, t, hid))
+    rows = GatherRows(None, None, None, None, None, None)
+    if v.gather or v.shared:
+        rows = GatherRows(_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), None, None, None, None)
+    if v.gather:
+        rows = rows._replace(r=_fake_2d(bf, cute.sym_int(), hid), w=vec(Float32, m if v.ep else tk),
+                             dtw=vec(Float32, tk), ready=vec(Int32))
+    shared = GroupOperands(*(None,) * 17)
+    if v.shared:
         i_s = cute.sym_int(divisibility=_VEC)
-        sh = (_fake_3d(bf, t, cute.sym_int(), i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, cute.sym_int(), i_s, hid),
-              _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), hid, i_s),
-              _fake_2d(bf, t, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, t, i_s), _fake_2d(bf, t, i_s),
-              _fake_3d(bf, t, cute.sym_int(), i_s), _fake_3d(dw, cute.sym_int(), i_s, hid),
-              _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
-    rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if trace else None
-    mxa = (_fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter)) if mx else (None, None)
-    addf = _fake_2d(Float32, t, hid) if add else None
-    ep_t = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
-            vec(Int32)) if ep else (None, None)
-    return compile_kernel(op, *args, *tail, *rows, *sh, *mxa, addf, rec, Int32(1), Int32(1), Float32(0.0), Int32(1),
-                          Int64(1), *ep_t, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+        shared = GroupOperands(
+            None, None, _fake_3d(bf, t, cute.sym_int(), i_s), _fake_2d(bf, t, i_s),
+            _fake_3d(bf, cute.sym_int(), i_s, hid), _fake_3d(bf, cute.sym_int(), i_s, hid),
+            _fake_3d(bf, cute.sym_int(), hid, i_s), _fake_2d(bf, t, cute.sym_int(divisibility=_VEC)),
+            _fake_2d(bf, t, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, t, cute.sym_int(), i_s), None,
+            _fake_3d(dw, cute.sym_int(), i_s, hid), _fake_3d(dw, cute.sym_int(), i_s, hid),
+            _fake_3d(dw, cute.sym_int(), hid, i_s), vec(Int32), vec(Int32))
+    rec = cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8) if v.trace else None
+    mx = MxOperands(_fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter)) if v.mx else MxOperands(None, None)
+    addf = _fake_2d(Float32, t, hid) if v.add else None
+    ep = EpOperands(None, None, *_NO_EP)
+    if v.ep:
+        ep = EpOperands(cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
+                        vec(Int32), *_NO_EP)
+    sc = Scalars(Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1))
+    return compile_kernel(op, routed, counters, *(_present(b) for b in (slots, rows, shared, mx)), addf, rec, sc, ep,
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 _NO_EP = (Int32(0), Int32(1), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int32(0))  # EP = 1 launches
@@ -670,41 +834,124 @@ def last_trace():
     return _last_trace[0] if _last_trace else None
 
 
-def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float = 30.0,
-                        num_ctas: int | None = None, tokens=None, mx: bool = False, consume: bool = False,
-                        mx_dyt=None):
-    """The routed backward in one launch (module doc) on operands the unfused path accepts
-    (``expert_bwd``: dy, x [M, H], gu [M, 2I], h [M, I] bf16 contiguous; weights with unit last
-    stride; I, H multiples of 64, not of 256: the n_tail variant; offsets int32 [E+1] on the
-    device). Returns ``(dx [M, H], dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused
-    ``mlp_backward``'s.
+# ---------------------------------------------------------------- host operands
+class ExpertRows(NamedTuple):
+    """The routed rows one expert backward reads (the unfused ``expert_bwd`` path's operands): ``dy``,
+    ``x`` [M, H] bf16 the grouped dy rows (each route's dy row times its router weight) and x rows,
+    ``gu`` [M, 2I] and ``h`` [M, I] bf16 the forward's, contiguous; ``offsets`` int32 [E+1] on the
+    device, each expert's first grouped row."""
 
-    ``tokens`` = ``(order, topk_idx, dx_shared)``: the dx rows go straight to their (token,
-    slot) rows and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the
-    unfused ``slot_sum(fp32(dx_shared) or 0, scattered rows, topk_idx)``; ``order`` [M] (grouped
-    row -> t*k + j), ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` [T, H] bf16 or None;
-    a fourth entry ``dx_add`` fp32 [T, H] (or None) is added to that start in fp32 (the shared
-    expert's output gate's share of dx): ``slot_sum(fp32(dx_shared) + dx_add, ...)``.
+    dy: torch.Tensor
+    x: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+    offsets: torch.Tensor
 
-    ``mx``: the MXFP8 backward, bitwise the unfused one (``layers.sm90``'s ``_mx_backward``): dy,
-    x, h as above, the weights given dequantized from their MXFP8 along dgrad's reduction axis
-    (the caller's cache); dy's round trips along H and along the tokens and those of x and h
-    along the tokens are made here, dgu's two in the dSwiGLU epilogue; ``consume`` (the caller gives
-    up dy, x, gu and h: a one-shot layer backward) makes the round trips of the contiguous ones in place
-    instead of in new [M, H] / [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU
-    tile reads its own g, u elements before it stores their dg, du, and no other task reads gu),
-    not into a new [M, 2I] buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's
-    round trip along H (``grouped_slots``: no [T*k, H] slot buffer). ``mx_dyt`` (with ``mx``): the caller made
-    dy's and x's round trips (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``): dy is its round trip along
-    H, x along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made here.
-    Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+
+class BackwardInputs(NamedTuple):
+    """What a whole-layer backward starts from: ``dy``, ``x`` [T, H] bf16 the output's gradient and the
+    layer input; ``r_rows`` [T*k, H] bf16 the forward's GEMM2 rows (expert-grouped, or in route order with
+    ``rows_by_route``; EP > 1: this rank's slot rows, in route order); ``gu`` [M, 2I] and ``h`` [M, I]
+    bf16 the forward's saved rows."""
+
+    dy: torch.Tensor
+    x: torch.Tensor
+    r_rows: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+    rows_by_route: bool = False
+
+
+class TokenSum(NamedTuple):
+    """The dx slot sum of :func:`fused_backward_core` (``tokens``): ``order`` [M] grouped row -> t*k + j,
+    ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` bf16 [T, H] or None (the sum's start; else 0),
+    ``dx_add`` fp32 [T, H] or None, added to that start in fp32 (the shared expert's output gate's
+    share of dx)."""
+
+    order: torch.Tensor
+    topk_idx: torch.Tensor
+    dx_shared: torch.Tensor | None = None
+    dx_add: torch.Tensor | None = None
+
+
+class SharedOperands(NamedTuple):
+    """The shared expert's group in a whole-backward launch, as the forward made it: ``offsets`` int32
+    [0, T], ``gu`` [T, 2I_s], ``h`` [T, I_s] bf16 contiguous, ``w_gate``, ``w_up`` [I_s, H], ``w_down``
+    [H, I_s] bf16 (unit last stride)."""
+
+    offsets: torch.Tensor
+    gu: torch.Tensor
+    h: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """How a fused backward launches (the numerics depend on none of these but ``mx``).
+
+    timeout_s: bound on every device wait (EP > 1: the workspace's); a timeout is raised later.
+    num_ctas: the grid; None: one CTA per SM (``ws.grid_ctas`` for virtual ranks sharing one GPU).
+    comm_ctas: the CTAs that build (EP > 1: pull) the routed rows before they take tiles, clamped
+        to ``[1, num_ctas - 1]``; read where the launch gathers the rows.
+    trace: the kernel records one timestamped record per task (:func:`last_trace`).
+    mx: the MXFP8 backward, bitwise the unfused one (see each entry point).
+    """
+
+    timeout_s: float = 30.0
+    num_ctas: int | None = None
+    comm_ctas: int = 16
+    trace: bool = False
+    mx: bool = False
+
+
+class _Gather(NamedTuple):
+    """A launch's gather on the host: the layer's ``dy`` / ``x`` [T, H], the forward's ``r_rows``,
+    ``w`` fp32 (topk_w [T*k]; EP > 1: [M] per grouped row), ``dtw`` fp32 [T*k] (d topk_w out), ``by_route``."""
+
+    dy: torch.Tensor
+    x: torch.Tensor
+    r_rows: torch.Tensor
+    w: torch.Tensor
+    dtw: torch.Tensor
+    by_route: bool
+
+
+# ---------------------------------------------------------------- entry points
+def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch = BackwardLaunch(), tokens=None,
+                        consume: bool = False, mx_dyt=None):
+    """The routed backward in one launch (module doc) on ``rows`` (:class:`ExpertRows`, the operands
+    the unfused path accepts; I, H multiples of 64, not of 256: the n_tail variant) and ``weights``
+    ``(w_gate, w_up [E, I, H], w_down [E, H, I])`` bf16 with unit last stride (``ExpertWeights``).
+    Returns ``(dx [M, H], dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s.
+
+    ``tokens`` (:class:`TokenSum` or its tuple): the dx rows go straight to their (token, slot) rows
+    and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the unfused
+    ``slot_sum(fp32(dx_shared) + dx_add or 0, scattered rows, topk_idx)``.
+
+    ``launch.mx``: the MXFP8 backward, bitwise the unfused one (``layers.sm90``'s ``_mx_backward``):
+    the weights given dequantized from their MXFP8 along dgrad's reduction axis (the caller's cache);
+    dy's round trips along H and along the tokens and those of x and h along the tokens are made here,
+    dgu's two in the dSwiGLU epilogue; ``consume`` (the caller gives up dy, x, gu and h: a one-shot
+    layer backward) makes the round trips of the contiguous ones in place instead of in new [M, H] /
+    [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU tile reads its own g, u
+    elements before it stores their dg, du, and no other task reads gu), not into a new [M, 2I]
+    buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's round trip along H
+    (``grouped_slots``: no [T*k, H] slot buffer) and, where 2I <= H, every dW_down tile runs first and
+    dgu's round trip along the tokens is written over dy's (``wd_first``: no [M, 2I] buffer for it;
+    measured bitwise on the device, docs/benchmarks.md). ``mx_dyt`` (with ``mx``): the caller made dy's
+    and x's round trips (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``): ``rows.dy`` is its round
+    trip along H, ``rows.x`` along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made
+    here. Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    dy, x, gu, h, offsets = rows
     m = dy.shape[0]
     toks = None
     if tokens is not None:
-        order, topk_idx, dxs, *add = tokens
-        toks = (order[:m].to(torch.int32), topk_idx, dxs, add[0] if add else None)
+        order, topk_idx, dxs, add = TokenSum(*tokens)
+        toks = TokenSum(order[:m].to(torch.int32), topk_idx, dxs, add)
     dyt = None
-    if mx and m:
+    if launch.mx and m:
         from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
 
         def into(a):  # the round trip's buffer: ``a`` itself when consumed
@@ -717,90 +964,81 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
         else:
             dyt, h = mx_dyt, mxfp8_round_trip_tokens(h[:m].contiguous(), offsets, out=into(h[:m]))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
-    grouped = dyt is not None and toks is not None
-    return _launch(dy, x, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas, toks, None,
-                   mx_dyt=dyt, dgu=dgu, grouped_slots=grouped,
-                   wd_first=grouped and mx_wd_first() and 2 * w_gate.shape[1] <= dy.shape[1])
+    return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt, dgu=dgu)
 
 
-def mx_wd_first() -> bool:
-    """``MOK_CUTE_FUSED_BWD_MX_WD_FIRST`` (read at every call; default 1, 0 turns it off): the MXFP8 backward with
-    the dx slot sum runs every dW_down tile first and writes dgu's round trip along the tokens over dy's
-    (2I <= H), one [M, 2I] buffer less at the memory peak (device-verified bitwise; docs/benchmarks.md)."""
-    return os.environ.get("MOK_CUTE_FUSED_BWD_MX_WD_FIRST", "1").strip() != "0"
-
-
-def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
-                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None, main_grads=None, mx: bool = False):
+def fused_backward(inputs: BackwardInputs, plan, weights, limit, launch: BackwardLaunch = BackwardLaunch(),
+                   dx_shared=None, shared=None, main_grads=None):
     """The routed backward from the layer's tokens in one launch: :func:`fused_backward_core` with
-    ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
-    and of gathering x's rows (bitwise theirs). dy, x [T, H] bf16; r_rows [T*k, H] (the forward's
-    GEMM2 rows, expert-grouped or, ``rows_by_route``, in route order); order [T*k] (grouped row ->
-    t*k + j, routes without an expert last); topk_w fp32, topk_idx [T, k]; offsets int32 [E+1];
-    gu [T*k, 2I], h [T*k, I]. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``.
+    ``tokens`` and, in its first ``launch.comm_ctas`` CTAs, the work of ``route_grad.dy_rows_and_dtopk_w``
+    and of gathering x's rows (bitwise theirs). ``inputs``: :class:`BackwardInputs`; ``plan``: the
+    forward's routing (``kernels.operands.RoutePlan``: ``order`` [T*k] grouped row -> t*k + j, routes
+    without an expert last; ``offsets`` int32 [E+1]; ``topk_idx`` [T, k]; ``topk_w`` fp32 [T, k]);
+    ``weights`` as :func:`fused_backward_core`'s; ``dx_shared`` bf16 [T, H] or None: the slot sum's
+    start. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``.
 
-    ``shared`` = ``(offsets_s int32 [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H],
-    ws_down [H, I_s])`` (the shared expert's group, as the forward made it): the
-    shared expert's tiles run in the same launch (``dx_shared`` must be None: its dx is made
+    ``shared`` (:class:`SharedOperands` or its tuple, the shared expert's group as the forward made
+    it): the shared expert's tiles run in the same launch (``dx_shared`` must be None: its dx is made
     there and starts the slot sum), and its three weight gradients follow the routed ones.
     ``main_grads``: fp32 tensors of the weights' shapes (w_gate, w_up, w_down, then the shared
     expert's with ``shared``): each weight-gradient tile is added into them (``main +=
     fp32(bf16(dW))``) and its weight gradient is returned as None.
 
-    ``mx``: the MXFP8 backward, bitwise the unfused one (as :func:`fused_backward_ep`'s: the weights
-    given dequantized, h's round trip along the tokens made here, the gathered rows' in the launch,
-    dgu's in the epilogue; the shared expert outside the launch, its dx ``dx_shared``)."""
+    ``launch.mx``: the MXFP8 backward, bitwise the unfused one (as :func:`fused_backward_ep`'s: the
+    weights given dequantized, h's round trip along the tokens made here, the gathered rows' in the
+    launch, dgu's in the epilogue; the shared expert outside the launch, its dx ``dx_shared``)."""
+    dy, x, r_rows, gu, h, rows_by_route = inputs
+    order, offsets, topk_idx, topk_w = plan
     t, k = topk_idx.shape
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     dy_rows = torch.empty((t * k, dy.shape[1]), **bf)
     x_rows = torch.empty((t * k, dy.shape[1]), **bf)
     dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
-    gather = (dy, x, r_rows, topk_w.reshape(-1), dtw.view(-1), rows_by_route, comm_ctas)
+    gather = _Gather(dy, x, r_rows, topk_w.reshape(-1), dtw.view(-1), rows_by_route)
     if shared is not None:
         if dx_shared is not None:
             raise ValueError("dx_shared must be None when the shared expert runs in the launch")
-        if mx:
+        if launch.mx:
             raise ValueError("mx: the shared expert runs outside the launch (give its dx as dx_shared)")
         dx_shared = torch.empty_like(dy)
-    dyt, h = _mx_gather_operands(mx, h, offsets, t * k, dy.shape[1], bf)
-    out = _launch(dy_rows, x_rows, gu, h, offsets, (w_gate, w_up, w_down), limit, timeout_s, num_ctas,
-                  (order.to(torch.int32), topk_idx, dx_shared, None), gather, shared, main_grads, mx_dyt=dyt)
+    dyt, h = _mx_gather_operands(launch.mx, h, offsets, t * k, dy.shape[1], bf)
+    out = _launch(ExpertRows(dy_rows, x_rows, gu, h, offsets), weights, limit, launch,
+                  TokenSum(order.to(torch.int32), topk_idx, dx_shared), gather, shared, main_grads, mx_dyt=dyt)
     return (out[0], dtw, *out[1:])
 
 
-def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
-                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None,
-                      mx: bool = False, dx_shared=None):
+def fused_backward_ep(ws, plan, inputs: BackwardInputs, w_rows, topk_idx, weights, limit,
+                      launch: BackwardLaunch = BackwardLaunch(), shared=None, main_grads=None, dx_shared=None):
     """The backward at EP > 1 in one launch per rank (collective over ``ws``'s ranks, every rank
     calls it in the same order): :func:`fused_backward` with the rows moved through the workspace.
-    This rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every
-    peer finished the previous pull), the launch's comm CTAs pull the dy rows (times ``w_rows``
-    [M] fp32, the forward's router weight of each grouped row) and x rows of the routes this
-    rank's experts serve (``plan``: the forward's device plan, ``recv_src`` packed sources, local
-    expert ``offsets``), the dgrad1 rows are pushed to their (token, slot) rows of the source
-    ranks' slot buffers, and every rank sums its own, from the shared expert's dx when ``shared``
-    (as :func:`fused_backward`, its tiles in the launch). d topk_w [T, k] of this rank's routes is
-    made from ``slot_rows`` [T*k, H] (its routed rows of the forward, rows of -1 slots unread).
-    gu [M, 2I], h [M, I]: the forward's, M = ``plan.recv_src.shape[0]``. Returns ``(dx [T, H],
-    d topk_w [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``;
-    ``main_grads`` as in :func:`fused_backward`. Errors of the device waits (a peer's timeout
-    included) go to ``ws.status``: the caller runs ``ws.check_status()``. ``num_ctas``: this rank's
-    grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU).
+    ``inputs`` (:class:`BackwardInputs`): this rank's x and dy [T, H] bf16, staged in its ``src`` and
+    ``dy`` sections (after every peer finished the previous pull), ``r_rows`` its slot rows [T*k, H] of
+    the forward (rows of -1 slots unread: d topk_w [T, k] of this rank's routes is made from them),
+    gu [M, 2I] and h [M, I] the forward's (M = ``plan.recv_src.shape[0]``). The launch's comm CTAs pull
+    the dy rows (times ``w_rows`` [M] fp32, the forward's router weight of each grouped row) and x
+    rows of the routes this rank's experts serve (``plan``: the forward's device plan, ``recv_src``
+    packed sources, local expert ``offsets``), the dgrad1 rows are pushed to their (token, slot) rows
+    of the source ranks' slot buffers, and every rank sums its own, from the shared expert's dx when
+    ``shared`` (as :func:`fused_backward`, its tiles in the launch). Returns ``(dx [T, H], d topk_w
+    [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``; ``main_grads`` as in
+    :func:`fused_backward`. Errors of the device waits (a peer's timeout included) go to ``ws.status``:
+    the caller runs ``ws.check_status()``. The waits' bound is the workspace's (``ws.timeout_s``, not
+    ``launch.timeout_s``); ``launch.num_ctas``: this rank's grid.
 
-    ``mx``: the MXFP8 backward, bitwise the unfused EP one (``layers.sm90``'s ``_mx_backward`` on
-    the pulled rows): the weights given dequantized from their MXFP8 along dgrad's reduction axis,
+    ``launch.mx``: the MXFP8 backward, bitwise the unfused EP one (``layers.sm90``'s ``_mx_backward``
+    on the pulled rows): the weights given dequantized from their MXFP8 along dgrad's reduction axis,
     h's round trip along the tokens made here, the pulled rows' in the launch (the ``mx`` gather,
     :func:`~mok_cute.kernels.route_grad_row.gather_chunks`), dgu's in the dSwiGLU epilogue; the
     shared expert runs outside the launch (``shared`` None): its dx [T, H] bf16, ``dx_shared``
     (or None), starts the slot sum."""
+    dy, x, slot_rows, gu, h, _ = inputs
     t, k = topk_idx.shape
     m, hid = plan.recv_src.shape[0], dy.shape[1]
-    _check_ep(dy, x, slot_rows, w_rows, gu, h, t, k, m)
+    _check_ep(inputs, w_rows, t, k, m)
     if dx_shared is not None and (shared is not None or tuple(dx_shared.shape) != (t, hid)
                                   or dx_shared.dtype != torch.bfloat16 or not dx_shared.is_contiguous()):
         raise ValueError(f"dx_shared must be a contiguous bf16 [{t}, {hid}] tensor, with shared None")
-    if mx and shared is not None:
+    if launch.mx and shared is not None:
         raise ValueError("mx: the shared expert runs outside the launch (give its dx as dx_shared)")
     src = ws.acquire_src()  # device wait: every peer finished the previous pull from this rank
     src.copy_(x)
@@ -811,10 +1049,11 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
     dtw = torch.empty((t, k), dtype=torch.float32, device=dy.device)
     if shared is not None:
         dx_shared = torch.empty_like(dy)
-    dyt, h = _mx_gather_operands(mx, h, plan.offsets, m, hid, bf)
-    gather = (dy, x, slot_rows, w_rows, dtw.view(-1), False, comm_ctas)
-    out = _launch(dy_rows, x_rows, gu, h, plan.offsets, (w_gate, w_up, w_down), limit, ws.timeout_s, num_ctas,
-                  (plan.recv_src, topk_idx, dx_shared, None), gather, shared, main_grads, mx_dyt=dyt, ws=ws)
+    dyt, h = _mx_gather_operands(launch.mx, h, plan.offsets, m, hid, bf)
+    gather = _Gather(dy, x, slot_rows, w_rows, dtw.view(-1), False)
+    out = _launch(ExpertRows(dy_rows, x_rows, gu, h, plan.offsets), weights, limit,
+                  replace(launch, timeout_s=ws.timeout_s), TokenSum(plan.recv_src, topk_idx, dx_shared), gather,
+                  shared, main_grads, mx_dyt=dyt, ws=ws)
     return (out[0], dtw, *out[1:])
 
 
@@ -829,9 +1068,10 @@ def _mx_gather_operands(mx: bool, h, offsets, m: int, hid: int, bf: dict):
     return torch.empty((m, hid), **bf), mxfp8_round_trip_tokens(h[:m].contiguous(), offsets) if m else h
 
 
-def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
+def _check_ep(inputs: BackwardInputs, w_rows, t: int, k: int, m: int) -> None:
     """:func:`fused_backward_ep`'s operands, before anything is staged: TypeError / ValueError naming
     the argument and what it must be."""
+    dy, x, slot_rows, gu, h, _ = inputs
     hid = dy.shape[-1]
     want = {"dy": (dy, (t, hid), torch.bfloat16), "x": (x, (t, hid), torch.bfloat16),
             "slot_rows": (slot_rows, (t * k, hid), torch.bfloat16), "w_rows": (w_rows, (m,), torch.float32)}
@@ -844,20 +1084,24 @@ def _check_ep(dy, x, slot_rows, w_rows, gu, h, t: int, k: int, m: int) -> None:
         raise ValueError(f"gu and h must hold the M = {m} grouped rows of the plan, got {gu.shape[0]} / {h.shape[0]}")
 
 
-def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, gather, shared=None,
-            main_grads=None, mx_dyt=None, ws=None, dgu=None, grouped_slots: bool = False, wd_first: bool = False):
-    """One launch of the variant the arguments ask for (see the entries above); with
-    ``shared`` returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones;
-    with ``main_grads`` the weight gradients are accumulated there and returned as None;
-    ``mx_dyt``: the MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with
-    ``gather``: its buffer, the launch writes it and the rows' round trips, h already its own);
-    ``ws``: the EP > 1 variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output
-    buffer [M, 2I] bf16 (None: a new one); ``grouped_slots`` (MXFP8 ``tokens`` without ``gather``):
-    the dx rows written over ``dy``, the caller's to give up; ``wd_first`` (with it, 2I <= H): dgu's round trip
+# ---------------------------------------------------------------- one launch
+def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: TokenSum | None,
+            gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, dgu=None):
+    """One launch of the variant the arguments ask for (see the entries above); with ``shared``
+    returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones; with
+    ``main_grads`` the weight gradients are accumulated there and returned as None; ``mx_dyt``: the
+    MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with ``gather``: its
+    buffer, the launch writes it and the rows' round trips, h already its own); ``ws``: the EP > 1
+    variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output buffer [M, 2I] bf16
+    (None: a new one). MXFP8 ``tokens`` without ``gather`` (``grouped_slots``): the dx rows written
+    over ``rows.dy``, the caller's to give up; with it, where 2I <= H (``wd_first``): dgu's round trip
     along the tokens written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer)."""
+    dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
+    grouped_slots = mx_dyt is not None and tokens is not None and gather is None
+    wd_first = grouped_slots and 2 * inter <= hid
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     if main_grads is None:
@@ -866,7 +1110,7 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
         dwd = torch.empty((e, hid, inter), **bf)
     else:
         dwg, dwu, dwd = main_grads[:3]
-    slot_args, row_args, k, comm = (None,) * 5, (None,) * 6, 1, 1
+    slots, k, comm = SlotSum(None, None, None, None, None), 1, 1
     if tokens is None:
         dx = torch.empty((m, hid), **bf)
     else:
@@ -877,58 +1121,99 @@ def _launch(dy, x, gu, h, offsets, weights, limit, timeout_s, num_ctas, tokens, 
             slot, order32 = dy, grouped_rows(order32, t * k)
         else:
             slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
-        slot_args = (slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
+        slots = SlotSum(slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
     mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
+    row_args = GatherRows(None, None, None, None, None, None)
     if gather is not None:
-        dy_tok, x_tok, r_rows, w_flat, dtw_flat, by_route, comm = gather
-        row_args = (dy_tok, x_tok, r_rows, w_flat, dtw_flat, gdy)
-    sh_args, sh_out = (None,) * 14, ()
+        row_args = GatherRows(gather.dy, gather.x, gather.r_rows, gather.w, gather.dtw, gdy)
+        comm = launch.comm_ctas
+    sh_args, sh_out = GroupOperands(*(None,) * 17), ()
     if shared is not None:
-        sh_args, sh_out = _shared_args(shared, dy.device, None if main_grads is None else main_grads[3:])
+        sh_args, sh_out = _shared_args(SharedOperands(*shared), dy.device,
+                                       None if main_grads is None else main_grads[3:])
     if m == 0 and shared is None and main_grads is None and ws is None:  # no rows: no tile reads, zero gradients
         if tokens is not None:
-            dx.copy_(tokens[2]) if tokens[2] is not None else dx.zero_()
-            if tokens[3] is not None:
-                dx.copy_((dx.float() + tokens[3]).bfloat16())
+            dx.copy_(tokens.dx_shared) if tokens.dx_shared is not None else dx.zero_()
+            if tokens.dx_add is not None:
+                dx.copy_((dx.float() + tokens.dx_add).bfloat16())
         if gather is not None:
-            gather[4].zero_()
+            gather.dtw.zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf) if dgu is None else dgu
     if wd_first:  # the weight gradients' dgu over dy's token round trip, dead once every dW_down tile has read it
         dgut = mx_dyt.view(-1)[:m * 2 * inter].view(m, 2 * inter)
     else:
         dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)
-    trace = persistent.tracing()
-    variant = (limit is not None, tokens is not None, tokens is not None and tokens[2] is not None,
-               gather is not None, gather is not None and gather[5], shared is not None, main_grads is not None,
-               trace, mx_dyt is not None, tokens is not None and tokens[3] is not None,
-               any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
-               ws is not None, grouped_slots, wd_first)
-    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch) + variant, lambda: GraphLauncher(
-        compile_fused_backward_core(*variant, arch=arch)[0]))
-    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    variant = BwdVariant(
+        limit is not None, tokens is not None, tokens is not None and tokens.dx_shared is not None, gather is not None,
+        gather is not None and gather.by_route, shared is not None, main_grads is not None, launch.trace,
+        mx_dyt is not None, tokens is not None and tokens.dx_add is not None,
+        any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
+        ws is not None, grouped_slots, wd_first)
+    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, variant), lambda: GraphLauncher(
+        compile_fused_backward_core(variant, arch=arch)[0]))
+    num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     records = None
-    if trace:  # every possible task, the gather chunks of both passes, three per CTA (see the kernel)
+    if launch.trace:  # every possible task, the gather chunks of both passes, three per CTA (see the kernel)
         n_rec = _task_cap(m, e, hid, inter, shared) + 2 * mt_cap + 3 * num_ctas
         records = torch.zeros((n_rec, persistent.TRACE_WORDS), dtype=torch.int64, device=dy.device)
         _last_trace[:] = [(records, comm if gather is not None else 0)]
-    mx_args = (None, None) if mx_dyt is None else (mx_dyt, dgut.view(m, 2, inter))
-    tensors = (dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter], dgut[:, inter:],
-               dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd, offsets, d2, words,
-               *slot_args, *row_args, *sh_args, *mx_args, None if tokens is None else tokens[3],
-               None if records is None else records.view(-1))
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
-    launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
-                            None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))
+    mx = MxOperands(None, None) if mx_dyt is None else MxOperands(mx_dyt, dgut.view(m, 2, inter))
+    routed = GroupOperands(dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter],
+                           dgut[:, inter:], dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd,
+                           offsets, d2)
+    sc = Scalars(k, comm, 0.0 if limit is None else float(limit), num_ctas, int(launch.timeout_s * 1e9))
+    ep = EpOperands(None, None, *_NO_EP) if ws is None else EpOperands(*ws.kernel_args((ws.status,), EP_SECTIONS))
+    _run(launcher, dev, (routed, words, *(_present(b) for b in (slots, row_args, sh_args, mx)),
+                         None if tokens is None else tokens.dx_add, None if records is None else records.view(-1), sc,
+                         ep), direct=ws is not None)
     if ws is None:  # at EP > 1 errors go to the workspace's status (the caller's check_status)
         deferred.watch(words[1:1 + P.STATUS_WORDS], describe)
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
+
+
+def _run(launcher: GraphLauncher, dev: int, args: tuple, direct: bool) -> None:
+    """Launch ``args`` (:meth:`FusedMoeBwdCoreSm90.__call__`'s arguments before the stream: bundles of
+    torch tensors, None and, in ``Scalars``, Python numbers; None for an absent bundle) on the current
+    stream: a graph replay keyed by every tensor's (pointer, shape, strides) and the scalars
+    (:class:`~mok_cute.dsl.launch.GraphLauncher`; the EP bundle, constant at EP = 1, is not in the key),
+    or with ``direct`` (EP > 1: its epochs change every call) through the DSL. The compiled function
+    receives the bundles with each tensor as its memref descriptor and the scalars as DSL values: the
+    kernel's parameter bytes of a flat launch."""
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+
+    def make_args(st):
+        return (*(_kernel_arg(a) for a in args), st)
+    if direct:
+        launcher.launch_direct(stream, make_args)
+    else:
+        launcher.launch(dev, stream, _graph_key(args[:-1]), make_args)
+
+
+def _kernel_arg(a):
+    """``a`` as the compiled function takes it: a torch tensor as its descriptor, :class:`Scalars` as
+    DSL values, other bundles field by field, anything else (None, DSL values, descriptors) as is."""
+    if isinstance(a, torch.Tensor):
+        return _Desc(a)
+    if isinstance(a, Scalars):
+        return Scalars(Int32(a.k), Int32(a.comm_ctas), Float32(a.limit), Int32(a.num_ctas), Int64(a.timeout_ns))
+    if isinstance(a, tuple):
+        return type(a)(*(_kernel_arg(v) for v in a))
+    return a
+
+
+def _graph_key(a):
+    """What ``a`` (a tensor, a bundle, a Python number or None) contributes to a launch's parameters."""
+    if isinstance(a, torch.Tensor):
+        return tensor_key(a)
+    if isinstance(a, tuple):
+        return tuple(_graph_key(v) for v in a)
+    return a
 
 
 def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:
@@ -942,9 +1227,9 @@ def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:
     return cap
 
 
-def _shared_args(shared, device, main_grads=None):
-    """The shared group's kernel tensors (``__call__``'s ``mS*``) and its weight gradients (None
-    each when accumulated into ``main_grads``, fp32 [I_s, H], [I_s, H], [H, I_s])."""
+def _shared_args(shared: SharedOperands, device, main_grads=None):
+    """The shared group's :class:`GroupOperands` (dy, x, dx None) and its weight gradients (None each
+    when accumulated into ``main_grads``, fp32 [I_s, H], [I_s, H], [H, I_s])."""
     offs, gus, hs, ws_gate, ws_up, ws_down = shared
     t = gus.shape[0]
     i_s, hid = ws_gate.shape
@@ -955,6 +1240,6 @@ def _shared_args(shared, device, main_grads=None):
     else:
         dws = tuple(mg[None] for mg in main_grads)
     d2s = torch.zeros(t // 128 + 2, dtype=torch.int32, device=device)
-    args = (gus.view(t, 2, i_s), hs, ws_gate[None], ws_up[None], ws_down[None], dgus, dgus[:, :i_s], dgus[:, i_s:],
-            dgus.view(t, 2, i_s), *dws, offs, d2s)
+    args = GroupOperands(None, None, gus.view(t, 2, i_s), hs, ws_gate[None], ws_up[None], ws_down[None], dgus,
+                         dgus[:, :i_s], dgus[:, i_s:], dgus.view(t, 2, i_s), None, *dws, offs, d2s)
     return args, (None, None, None) if main_grads is not None else tuple(d[0] for d in dws)
