@@ -93,6 +93,13 @@ def _mx_tokens(x, offs32):
 
 
 # ----------------------------------------------------------------------------- FP8 blockwise
+def _core_launch(launch_cls, g: ExpertGroup, config):
+    """The fused backward core's launch for group ``g`` under the call's ``config`` (None: defaults):
+    its device timeout and resolved trace flag, MXFP8 by the group's precision."""
+    extra = {} if config is None else dict(timeout_s=config.device_timeout_s, trace=bool(config.trace))
+    return launch_cls(mx=g.precision == "mxfp8", **extra)
+
+
 def _fp8_weights(*ws):
     """``([(data [E, R_j, C] e4m3, scales [E, R_j/128, C/128] fp32) per weight], (data_t [E, C,
     sum R_j], scales_t))``: 128x128 blocks per expert, and the dgrad operand (the weights stacked
@@ -214,7 +221,7 @@ class Sm90ExpertMLP:
             g = contiguous_group(g)
             return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                        self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                       BackwardLaunch(mx=g.precision == "mxfp8"))
+                                       _core_launch(BackwardLaunch, g, config))
         if g.precision == "mxfp8":
             return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
         return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
@@ -243,7 +250,7 @@ class Sm90ExpertMLP:
         _check_dy(fwd, g, dy_rows)
         return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                    self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                   BackwardLaunch(mx=g.precision == "mxfp8"),
+                                   _core_launch(BackwardLaunch, g, config),
                                    tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
