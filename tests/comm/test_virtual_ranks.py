@@ -232,12 +232,9 @@ def test_device_check_plumbing_on_cpu(monkeypatch):
     sm90 (no warm-up): one row per rank, all passing and bitwise; the starved case routes nothing
     to rank 0 and nothing from the last rank; a rank whose y is off, or whose repeats differ,
     fails its row."""
-    import sys
-    from pathlib import Path
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import checks.layer_ep_virtual as V
+    import tools.checks.layer_ep_virtual as V
 
     monkeypatch.setattr(V, "SHAPE", (8, 256, 256, 8, 2))
     monkeypatch.setattr(V, "_warm", lambda *a: None)

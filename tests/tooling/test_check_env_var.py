@@ -3,13 +3,10 @@ values (or their absence) back after it, also when the block raises."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from checks.common import env_var  # noqa: E402
+from tools.checks.common import env_var
 
 
 def test_one_and_several_restored(monkeypatch):

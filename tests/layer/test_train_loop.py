@@ -1,13 +1,10 @@
 """The training loop of tools/checks/train_loop.py (router on, shared expert, AdamW) on the CPU
 reference backend: its loss curve is bitwise identical across two runs and goes down. The
 device check runs the same loop on the sm90 backend against the reference's curve."""
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from checks.train_loop import train  # noqa: E402
+from tools.checks.train_loop import train
 
 SMALL = dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, shared=64)
 

@@ -216,7 +216,7 @@ def test_quickstart_runs_and_matches_readme():
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     script = (root / "examples" / "quickstart.py").read_text()
     body = script.split('"""', 2)[2].strip()
     assert body.split("\n", 2)[2] in (root / "README.md").read_text()  # README shows this code

@@ -375,7 +375,7 @@ def test_no_comm_module_reads_the_environment():
     """Decisions live in code and parameters: no comm / schedule module reads os.environ."""
     from pathlib import Path
 
-    pkg = Path(__file__).resolve().parents[1] / "mok_cute"
+    pkg = Path(__file__).resolve().parents[2] / "mok_cute"
     for folder in ("comm", "schedule"):
         for path in sorted((pkg / folder).glob("*.py")):
             assert "environ" not in path.read_text(), path

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "mok_cute"
+PKG = Path(__file__).resolve().parents[2] / "mok_cute"
 PUBLIC = ("mok_cute.ops", "mok_cute.layer", "mok_cute.config", "mok_cute.validate")
 
 

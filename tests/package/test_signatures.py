@@ -3,7 +3,7 @@ kernel launchers and kernels take named operand bundles, not dozens of positiona
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "mok_cute"
+PKG = Path(__file__).resolve().parents[2] / "mok_cute"
 MAX_PARAMS = 12
 
 
