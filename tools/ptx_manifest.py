@@ -19,7 +19,6 @@ another module changes its symbol and nothing else; ``entry`` is what a pure mov
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import re
@@ -66,27 +65,21 @@ def _sm90_bf16():
     from mok_cute.kernels.sm90.grouped_gemm import compile_grouped_gemm
     from mok_cute.kernels.sm90.mainloop import MN_MAJOR, MainloopConfig
 
-    tma, n128, n128t = MainloopConfig(tma_store=True), MainloopConfig(tile_n=128), \
-        MainloopConfig(tile_n=128, tma_store=True)
+    # ``plain`` / ``swiglu`` / wgrad store through TMA, the one path since the 2026-11-29 measurement; the "-tma"
+    # names are those of the manifest before the row-masked arm was deleted (the same PTX)
+    n128 = MainloopConfig(tile_n=128)
     g = compile_grouped_gemm
     out = {
-        "plain-n256": lambda: g("plain", inspect=True),
-        "plain-n128": lambda: g("plain", cfg=n128, inspect=True),
-        "swiglu": lambda: g("swiglu", inspect=True),
-        "swiglu-clamp": lambda: g("swiglu", clamp=True, inspect=True),
         "dswiglu": lambda: g("dswiglu", b_major=MN_MAJOR, inspect=True),
         "dswiglu-clamp": lambda: g("dswiglu", clamp=True, b_major=MN_MAJOR, inspect=True),
-        "dgrad1": lambda: g("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
-        "wgrad": lambda: compile_grouped_wgrad(inspect=True),
-        "plain-n256-tma": lambda: g("plain", cfg=tma, inspect=True),
-        "plain-n128-tma": lambda: g("plain", cfg=n128t, inspect=True),
-        "dgrad1-tma": lambda: g("plain", b_major=MN_MAJOR, split_b=True, cfg=tma, inspect=True),
-        "wgrad-tma": lambda: compile_grouped_wgrad(cfg=tma, inspect=True),
-        "swiglu-tma": lambda: g("swiglu", cfg=tma, inspect=True),
-        "swiglu-clamp-n128-tma": lambda: g("swiglu", clamp=True, cfg=n128t, inspect=True),
-        "swiglu-mx": lambda: g("swiglu", mx_h=True, inspect=True),
-        "swiglu-mx-tma": lambda: g("swiglu", clamp=True, mx_h=True, cfg=tma, inspect=True),
-        "swiglu-helpers-tma": lambda: g("swiglu", cfg=tma, helpers=True, inspect=True),
+        "plain-n256-tma": lambda: g("plain", inspect=True),
+        "plain-n128-tma": lambda: g("plain", cfg=n128, inspect=True),
+        "dgrad1-tma": lambda: g("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
+        "wgrad-tma": lambda: compile_grouped_wgrad(inspect=True),
+        "swiglu-tma": lambda: g("swiglu", inspect=True),
+        "swiglu-clamp-n128-tma": lambda: g("swiglu", clamp=True, cfg=n128, inspect=True),
+        "swiglu-mx-tma": lambda: g("swiglu", clamp=True, mx_h=True, inspect=True),
+        "swiglu-helpers-tma": lambda: g("swiglu", helpers=True, inspect=True),
     }
     return {f"sm90-bf16/{k}@sm_90a": v for k, v in out.items()}
 
@@ -94,24 +87,17 @@ def _sm90_bf16():
 def _sm90_fp8():
     from mok_cute.kernels.sm90 import fp8_gemm as g
     from mok_cute.kernels.sm90 import fp8_scaled as s
-    from mok_cute.kernels.sm90 import mxfp8_act_gemm as x
 
     out = {
         "block-plain": lambda: g.compile_fp8_block_gemm(inspect=True),
         "block-plain-serial": lambda: g.compile_fp8_block_gemm(g.Fp8MainloopConfig(overlap_promotion=False),
                                                                inspect=True),
-        "block-wgrad": lambda: s.compile_fp8_block_wgrad(s.DEFAULT_WGRAD_CONFIG, inspect=True),
-        "block-wgrad-tma": lambda: s.compile_fp8_block_wgrad(
-            dataclasses.replace(s.DEFAULT_WGRAD_CONFIG, tma_store=True), inspect=True),
+        "block-wgrad-tma": lambda: s.compile_fp8_block_wgrad(s.DEFAULT_WGRAD_CONFIG, inspect=True),
     }
     for epi in ("swiglu", "dswiglu"):
         for clamp in (False, True):
             out[f"block-{epi}-clamp{int(clamp)}"] = (
                 lambda e=epi, c=clamp: g.compile_fp8_block_gemm(inspect=True, epilogue=e, clamp=c))
-    for tma in (False, True):
-        cfg = dataclasses.replace(x.DEFAULT_CONFIG, tma_store=tma)
-        out[f"mxfp8-act-{'tma' if tma else 'masked'}"] = (
-            lambda c=cfg: x.compile_mxfp8_mixed_gemm(c, inspect=True))
     return {f"sm90-fp8/{k}@sm_90a": v for k, v in out.items()}
 
 
@@ -124,6 +110,8 @@ def _sm100():
 
 
 def _quant():
+    import torch
+
     from mok_cute.dsl.compile import ARCHS
     from mok_cute.kernels import route_grad
     from mok_cute.kernels.quant import dequant_mxfp8 as dq
@@ -136,7 +124,7 @@ def _quant():
     out = {}
     for kind in q.KINDS:
         for arch in ARCHS:
-            for d in q.DTYPES:
+            for d in q.DTYPES if kind != "row_pitched_rt" else (torch.bfloat16,):  # the round trip: bf16 only
                 out[f"quantize/{kind}-{dt(d)}@{arch}"] = lambda k=kind, a=arch, d=d: q.compiled_quantize(k, a, d)
     cases = ([("row", "fp8_block")] + [("tokens", f) for f in qf.FORMATS])
     for kind, fmt in cases:
@@ -158,68 +146,43 @@ def _quant():
                     lambda a=arch, p=xpass, b=by_route: route_grad.compiled_mx_rows(a, p, b))
     from mok_cute.kernels.sm90 import fused_moe as fm
 
+    # the fused forward: EP = 1 gathers by the comm CTAs, then the background warps (the one gather since the
+    # 2026-12-02 measurements); helpers: BF16 from H 2048 (its background warp by cp.async.bulk, hence the
+    # "-helpers-bg-bulk" name), MXFP8 from H 7168; EP > 1 through registers
     for clamp in (False, True):
         for shared in (False, True):
+            tag = f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
             for trace in (False, True):
-                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                    f"{'-trace' if trace else ''}@sm_90a"] = (
+                out[f"{tag}{'-trace' if trace else ''}@sm_90a"] = (
                     lambda c=clamp, sh=shared, tr=trace: fm.compile_fused_forward(c, sh, trace=tr, inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-mxfp8@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                f"-mxfp8-regs@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="regs", inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-ep@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, ep=True, inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                f"-mxfp8-direct@sm_90a"] = (
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, gather="direct", inspect=True))
-            for g in ("staged", "regs", "direct"):  # the other gathers of the bf16 EP = 1 forward (bg is the default)
-                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}-{g}@sm_90a"] = (
-                    lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, inspect=True))
-            for g in ("bg", "regs"):  # the helper-warp variants (BF16 EP = 1 from H 2048: the default there)
-                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                    f"-helpers-{g}@sm_90a"] = (
-                    lambda c=clamp, sh=shared, g=g: fm.compile_fused_forward(c, sh, gather=g, helpers=True,
-                                                                             inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                f"-helpers-bg-bulk@sm_90a"] = (  # BF16 EP = 1 from H 2048 with MOK_CUTE_BG_BULK=1: the default there
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, gather="bg", helpers=True, bg_bulk=True,
-                                                                    inspect=True))
-            out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-{'shared' if shared else 'routed'}"
-                f"-mxfp8-helpers@sm_90a"] = (  # MXFP8 EP = 1 from H 7168: the default there
-                lambda c=clamp, sh=shared: fm.compile_fused_forward(c, sh, mx=True, helpers=True, inspect=True))
+            kinds = {"mxfp8": dict(mx=True), "ep": dict(ep=True), "mxfp8-ep": dict(mx=True, ep=True),
+                     "helpers-bg-bulk": dict(helpers=True), "mxfp8-helpers": dict(mx=True, helpers=True)}
+            for kind, kw in kinds.items():
+                out[f"{tag}-{kind}@sm_90a"] = (
+                    lambda c=clamp, sh=shared, kw=kw: fm.compile_fused_forward(c, sh, inspect=True, **kw))
             if shared:
-                out[f"sm90/fused-fwd-{'clamp' if clamp else 'noclamp'}-shared-gate@sm_90a"] = (
-                    lambda c=clamp: fm.compile_fused_forward(c, True, gate=True, inspect=True))
+                out[f"{tag}-gate@sm_90a"] = lambda c=clamp: fm.compile_fused_forward(c, True, gate=True, inspect=True)
     from mok_cute.kernels.sm90 import fused_bwd as fb
 
+    def bwd(*flags, **named):
+        return lambda: fb.compile_fused_backward_core(fb.BwdVariant(*flags, **named), inspect=True)
+
     for clamp in (False, True):
-        out[f"sm90/fused-bwd-core-{'clamp' if clamp else 'noclamp'}@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, inspect=True))
-        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, inspect=True))
-        out[f"sm90/fused-bwd-gather-{'clamp' if clamp else 'noclamp'}-init-by-route@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, inspect=True))
-        out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, inspect=True))
-        out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-main-grads@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, True, inspect=True))
-        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8-grouped-slots@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, grouped_slots=True, inspect=True))
-        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-mxfp8-wd-first@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, mx=True, grouped_slots=True, wd_first=True,
-                                                           inspect=True))
-        out[f"sm90/fused-bwd-tokens-{'clamp' if clamp else 'noclamp'}-init-add@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, add=True, inspect=True))
-        out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-ep@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, False, True, ep=True, inspect=True))
-        out[f"sm90/fused-bwd-gather-{'clamp' if clamp else 'noclamp'}-init-mxfp8@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, mx=True, inspect=True))
-        out[f"sm90/fused-bwd-gather-{'clamp' if clamp else 'noclamp'}-init-mxfp8-ep@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, mx=True, ep=True, inspect=True))
-        out[f"sm90/fused-bwd-whole-{'clamp' if clamp else 'noclamp'}-trace@sm_90a"] = (
-            lambda c=clamp: fb.compile_fused_backward_core(c, True, True, True, True, True, trace=True, inspect=True))
+        c = 'clamp' if clamp else 'noclamp'
+        out[f"sm90/fused-bwd-core-{c}@sm_90a"] = bwd(clamp)
+        out[f"sm90/fused-bwd-tokens-{c}-init@sm_90a"] = bwd(clamp, True, True)
+        out[f"sm90/fused-bwd-gather-{c}-init-by-route@sm_90a"] = bwd(clamp, True, True, True, True)
+        out[f"sm90/fused-bwd-whole-{c}@sm_90a"] = bwd(clamp, True, True, True, True, True)
+        out[f"sm90/fused-bwd-whole-{c}-main-grads@sm_90a"] = bwd(clamp, True, True, True, True, True, True)
+        out[f"sm90/fused-bwd-tokens-{c}-init-mxfp8-grouped-slots@sm_90a"] = bwd(clamp, True, True, mx=True,
+                                                                               grouped_slots=True)
+        out[f"sm90/fused-bwd-tokens-{c}-init-mxfp8-wd-first@sm_90a"] = bwd(clamp, True, True, mx=True,
+                                                                          grouped_slots=True, wd_first=True)
+        out[f"sm90/fused-bwd-tokens-{c}-init-add@sm_90a"] = bwd(clamp, True, True, add=True)
+        out[f"sm90/fused-bwd-whole-{c}-ep@sm_90a"] = bwd(clamp, True, True, True, False, True, ep=True)
+        out[f"sm90/fused-bwd-gather-{c}-init-mxfp8@sm_90a"] = bwd(clamp, True, True, True, mx=True)
+        out[f"sm90/fused-bwd-gather-{c}-init-mxfp8-ep@sm_90a"] = bwd(clamp, True, True, True, mx=True, ep=True)
+        out[f"sm90/fused-bwd-whole-{c}-trace@sm_90a"] = bwd(clamp, True, True, True, True, True, trace=True)
     from mok_cute.schedule import local_plan as lp
 
     for arch in ("sm_90a", "sm_100a"):
@@ -234,36 +197,28 @@ def _comm():
     from mok_cute.comm import protocol as P
     from mok_cute.comm import combine as c
     from mok_cute.comm import dispatch as d
+    from mok_cute.comm.planner import compile_plan
     from mok_cute.dsl.host import fake_ptr, fake_stream
     from mok_cute.dsl.compile import compile_kernel
-    from mok_cute.schedule.plan import compile_plan
 
     out = {}
     for arch in ("sm_90a", "sm_100a"):
-        for unroll in (1, 2, 8):
-            out[f"comm/pull-u{unroll}@{arch}"] = lambda a=arch, u=unroll: d.compile_pull(a, inspect=True, unroll=u)
+        # "u8": the pull moves 8 vectors per thread per trip (comm.rows.UNROLL)
+        out[f"comm/pull-u8@{arch}"] = lambda a=arch: d.compile_pull(a, inspect=True)
         out[f"comm/pull_w@{arch}"] = lambda a=arch: d.compile_pull_w(a, inspect=True)
         out[f"comm/pull_bulk@{arch}"] = lambda a=arch: d.compile_pull_bulk(a, inspect=True)
         out[f"comm/wait@{arch}"] = lambda a=arch: compile_kernel(
             P.wait_flags_host, Int64(0), Int32(0), Int32(1), Int32(0), Int64(0), fake_ptr("i32"), fake_stream(),
             arch=a, inspect=True)
-        for E in (8, 384):
-            out[f"schedule/plan-E{E}@{arch}"] = lambda a=arch, e=E: compile_plan(a, e, inspect=True)
+        for E in (8, 384):  # the device planner (comm.planner; "schedule/plan-E*" before it moved)
+            out[f"comm/plan-E{E}@{arch}"] = lambda a=arch, e=E: compile_plan(a, e, inspect=True)
         for has_w in (False, True):
             for has_s in (False, True):
                 tag = f"w{int(has_w)}s{int(has_s)}"
-                for phase in (1, 2, 3):
-                    out[f"comm/push_reduce-{tag}-p{phase}@{arch}"] = (
-                        lambda a=arch, w=has_w, s=has_s, p=phase: c.compile_push_reduce(a, w, s, inspect=True,
-                                                                                         phase=p))
-                for unroll in (2, 8):
-                    out[f"comm/push_reduce-{tag}-u{unroll}@{arch}"] = (
-                        lambda a=arch, w=has_w, s=has_s, u=unroll: c.compile_push_reduce(a, w, s, inspect=True,
-                                                                                          unroll=u))
+                out[f"comm/push_reduce-{tag}-u8@{arch}"] = (
+                    lambda a=arch, w=has_w, s=has_s: c.compile_push_reduce(a, w, s, inspect=True))
                 out[f"comm/push_reduce_bulk-{tag}@{arch}"] = (
                     lambda a=arch, w=has_w, s=has_s: c.compile_push_reduce_bulk(a, w, s, inspect=True))
-                out[f"comm/pull_reduce-{tag}@{arch}"] = (
-                    lambda a=arch, w=has_w, s=has_s: c.compile_pull_reduce(a, w, s, inspect=True))
     return out
 
 

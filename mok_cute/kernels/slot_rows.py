@@ -15,6 +15,8 @@ sum over each token's (token, slot) rows and a warp's copy of one bf16 row.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -26,18 +28,43 @@ from mok_cute.comm.combine import add_rn, mul_rn
 _VEC = 8  # bf16 elements per 16-byte vector
 
 
+class SlotSumOperands(NamedTuple):
+    """The tensors of :func:`slot_sum` (T tokens, k slots each, H hidden): ``slot`` [slot rows, H] bf16 (the
+    slot rows), ``init`` [T, H] bf16 or None, ``out`` [T, H] bf16, ``idx`` int32 [T*k] (slot ``t*k + j`` summed
+    where ``idx >= 0``), ``w`` fp32 [T*k] or None, ``gate`` fp32 [T] or None (with ``init``), ``add`` fp32
+    [T, H] or None; ``copy`` [T*k, H] bf16 or None: the slot rows summed are also stored there as read (a copy
+    that outlives the slot buffer); ``row`` int32 [T*k] or None: slot ``t*k + j``'s row of ``slot`` is
+    ``row[t*k + j]`` (in ``[0, slot rows)`` for every slot, summed or not), not ``t*k + j``."""
+
+    slot: cute.Tensor
+    init: cute.Tensor
+    out: cute.Tensor
+    idx: cute.Tensor
+    w: cute.Tensor = None
+    gate: cute.Tensor = None
+    add: cute.Tensor = None
+    copy: cute.Tensor = None
+    row: cute.Tensor = None
+
+
+class TokenRows(NamedTuple):
+    """The source of :func:`gather_rows_staged`: grouped row ``rr`` comes from token row ``order[row0 + rr] // k``
+    of a row-major bf16 buffer at global byte address ``base`` (Int64), rows ``row_bytes`` (Int32) apart;
+    ``order`` int32 [M] (grouped row -> token * k + slot), ``row0`` and ``k`` Int32."""
+
+    order: cute.Tensor
+    row0: Int32
+    k: Int32
+    base: Int64
+    row_bytes: Int32
+
+
 @cute.jit
-def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, mSlot: cute.Tensor, mInit: cute.Tensor, mOut: cute.Tensor,
-             mIdx: cute.Tensor, mW: cute.Tensor, k: Int32, tokens: Int32, hidden: Int32, sbuf: cute.Tensor,
-             nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], mGate: cute.Tensor = None,
-             mAdd: cute.Tensor = None, mCopy: cute.Tensor = None, mRow: cute.Tensor = None):
-    """Every CTA's share of ``out`` [T, H] from ``slot`` [T*k, H] (see the module doc; ``threads``
-    per CTA, all of them here); ``mInit``
-    [T, H] or None, ``mW`` fp32 [T*k] or None, ``mIdx`` int32 [T*k], ``mGate`` fp32 [T] or None
-    (with ``mInit``), ``mAdd`` fp32 [T, H] or None; ``mCopy`` [T*k, H] bf16 or None: the slot rows
-    summed (``idx >= 0``) are also stored there as read (a copy that outlives the slot buffer);
-    ``mRow`` int32 [T*k] or None: slot ``t*k + j``'s row of ``slot`` is ``row[t*k + j]`` (in
-    ``[0, slot rows)`` for every slot, summed or not), not ``t*k + j``."""
+def slot_sum(tidx: Int32, bidx: Int32, grid: Int32, ops: SlotSumOperands, k: Int32, tokens: Int32, hidden: Int32,
+             sbuf: cute.Tensor, nb: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """Every CTA's share of ``ops.out`` [T, H] from ``ops.slot`` (see the module doc and
+    :class:`SlotSumOperands`; ``threads`` per CTA, all of them here)."""
+    mSlot, mInit, mOut, mIdx, mW, mGate, mAdd, mCopy, mRow = ops
     v = hidden // _VEC
     slot = cute.make_tensor(mSlot.iterator, cute.make_layout((mSlot.shape[0] * v, _VEC), stride=(_VEC, 1)))
     y = cute.make_tensor(mOut.iterator, cute.make_layout((tokens * v, _VEC), stride=(_VEC, 1)))
@@ -142,15 +169,15 @@ def _issue_batch(g2s: cute.CopyAtom, src: Int64, c0: Int32, per: Int32, units: I
 
 
 @cute.jit
-def gather_rows_staged(tidx: Int32, rows: Int32, units: Int32, mOrder: cute.Tensor, row0: Int32, k: Int32,
-                       src_base: Int64, src_bytes: Int32, dst_base: Int64, dst_row0: Int32, sbuf: cute.Tensor,
-                       threads: cutlass.Constexpr[int], cap: cutlass.Constexpr[int]):
-    """Grouped rows ``rr < rows`` of ``units`` 16-byte units: from token row ``order[row0 + rr] // k``
-    (``src_bytes`` apart from ``src_base``) to row ``dst_row0 + rr`` of a dense bf16 buffer at ``dst_base``.
+def gather_rows_staged(tidx: Int32, rows: Int32, units: Int32, src: TokenRows, dst_base: Int64, dst_row0: Int32,
+                       sbuf: cute.Tensor, threads: cutlass.Constexpr[int], cap: cutlass.Constexpr[int]):
+    """Grouped rows ``rr < rows`` of ``units`` 16-byte units: from token row ``src.order[src.row0 + rr] // src.k``
+    (:class:`TokenRows`) to row ``dst_row0 + rr`` of a dense bf16 buffer at ``dst_base``.
     Warp w takes rows w, w + warps, ...; a row's units go in batches of at most ``cap`` per lane, each
     batch's loads cp.async copies into one half of ``sbuf`` [2 * cap * threads, 8] bf16 (idle shared
     memory), batch b + 1 in flight while batch b is stored: up to 2 * cap 16-byte loads per lane in
     flight, none held in registers. The caller fences the shared memory for its next (async-proxy) use."""
+    mOrder, row0, k, src_base, src_bytes = src
     warps = threads // 32
     warp = tidx // 32
     lane = tidx % 32

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from checks.common import Row
+from tools.checks.common import Row
 
 
 def _step(model, x, *route):
@@ -33,7 +33,7 @@ def _host_us(fn, n=50):
 
 
 def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
+    from tools.checks.common import sm90_skip
 
     skip = sm90_skip(ctx, "compile")
     if skip:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row
+from tools.checks.common import Row
 
 
 def run(ctx) -> list[Row]:
-    from checks.common import sm90_skip
-    from checks.layer_sm90 import _problem
+    from tools.checks.common import sm90_skip
+    from tools.checks.layer_sm90 import _problem
     from torch.profiler import ProfilerActivity, profile
 
     import mok_cute

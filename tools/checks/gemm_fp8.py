@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us, seeded, sm90_skip
-from checks.gemm_sm90 import _counts, _errors, _guarded, _offsets, _poisoned, _row
+from tools.checks.common import Row, bench_us, seeded, sm90_skip
+from tools.checks.gemm_sm90 import _counts, _errors, _guarded, _offsets, _poisoned, _row
 
 REPEATS = 5
 E, K, N = 8, 1024, 1024  # correctness shape (E must match gemm_sm90._counts)

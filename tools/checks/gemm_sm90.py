@@ -13,18 +13,17 @@ of one expert must not reach any other expert). Then one big shape (8 experts x 
 rows, H=7168, I=2048) is timed per kernel (TFLOP/s in the note) and the compile cache is
 checked to grow only per kernel variant, never per token count.
 Outputs are heads of larger buffers whose tails hold a sentinel that must survive (no write
-past the last row). The opt-in TMA-store epilogue (``MainloopConfig(tma_store=True)``:
-plain, swiglu, dgrad1, wgrad) gets the same correctness rows (tagged ``[tma_store]``), and
-``tma_store ...`` timing rows beside the default ones (``x`` = default time / TMA time).
-GEMM1 + SwiGLU with h made by the helper warps (the default) bitwise the MMA warps' h. GEMM1 + SwiGLU
-with h's MXFP8 copy (``mx_h``): gu, h bitwise equal to the plain kernel's and
-hq, hs bitwise equal to ``reference.mxfp8_quantize(h, -1)``, with both epilogue paths.
+past the last row: plain, swiglu, dgrad1 and wgrad store through TMA, row-bounded per expert). A tile_n=128
+config gets a plain row too (tagged ``[tile_n=128]``).
+GEMM1 + SwiGLU with h made by the helper warps (K >= HELPERS_MIN_K) bitwise the MMA warps' h (the mx_h launch
+at the same K, which has no helpers). GEMM1 + SwiGLU with h's MXFP8 copy (``mx_h``): gu, h bitwise equal to
+the plain kernel's and hq, hs bitwise equal to ``reference.mxfp8_quantize(h, -1)``.
 """
 from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us, seeded, sm90_skip
+from tools.checks.common import Row, bench_us, seeded, sm90_skip
 
 REL_L1_TOL = 1e-2
 REPEATS = 5
@@ -114,7 +113,7 @@ def _tail_ok(tails) -> bool:
 
 
 def _tag(cfg) -> str:
-    return " [tma_store]" if cfg is not None and cfg.tma_store else ""
+    return "" if cfg is None else f" [tile_n={cfg.tile_n}]"
 
 
 def _kw(cfg) -> dict:
@@ -176,19 +175,15 @@ def _check_swiglu(gg, ref, dev, gen, routing, limit, cfg=None):
     return row
 
 
-def _check_swiglu_mx(gg, ref, dev, gen, routing, limit, tma: bool):
+def _check_swiglu_mx(gg, ref, dev, gen, routing, limit):
     """GEMM1 + SwiGLU with h's MXFP8 copy (mx_h): gu, h bitwise equal to the plain swiglu
     kernel's; hq, hs bitwise equal to reference.mxfp8_quantize(h, -1) on the expert rows;
-    5 repeats bitwise. ``tma`` picks the TMA-store epilogue or the masked-store one."""
+    5 repeats bitwise."""
     m, offs, x, wg, wu = _swiglu_problem(dev, gen, routing)
     x[: m // 3] *= 2.0 ** 40  # rows far from 1 both ways (extreme MX scale bytes)
     x[m // 3: m // 2] *= 2.0 ** -50
-    was = gg.set_tma_store(tma)
-    try:
-        gu0, h0 = gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
-        runs = [gg._run_gemm1_swiglu(x, offs, wg, wu, limit, mx_h=True) for _ in range(REPEATS)]
-    finally:
-        gg.set_tma_store(was)
+    gu0, h0 = gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit)
+    runs = [gg._run_gemm1_swiglu(x, offs, wg, wu, limit, mx_h=True) for _ in range(REPEATS)]
     torch.cuda.synchronize()
     gu, h, hq, hs = runs[0]
     same = all(all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
@@ -199,23 +194,19 @@ def _check_swiglu_mx(gg, ref, dev, gen, routing, limit, tma: bool):
     bad_s = int((hs != ws).sum())
     base_eq = torch.equal(gu, gu0) and torch.equal(h, h0)
     ok = same and base_eq and bad_q == 0 and bad_s == 0
-    return Row(f"swiglu mx_h {routing} L={limit} {'tma' if tma else 'masked'}", bitwise=same, ok=ok,
+    return Row(f"swiglu mx_h {routing} L={limit}", bitwise=same, ok=ok,
                note=f"gu,h == swiglu kernel {base_eq}; hq mismatches {bad_q}, hs mismatches {bad_s} "
                     f"(vs reference.mxfp8_quantize) M={m}")
 
 
 def _check_swiglu_helpers(gg, dev, gen, routing, limit):
-    """GEMM1 + SwiGLU with h made by the helper warps (the default) against the same launch with the MMA
-    warps making it (``set_swiglu_helpers(False)``): gu and h bitwise equal, 5 repeats bitwise (K =
-    ``HELPERS_MIN_K``: the helpers run from there)."""
+    """GEMM1 + SwiGLU with h made by the helper warps (K = ``HELPERS_MIN_K``: the helpers run from there)
+    against the MMA warps' h at the same K (the launch with h's MXFP8 copy, which runs without helpers):
+    gu and h bitwise equal, 5 repeats bitwise."""
     m, offs, x, wg, wu = _swiglu_problem(dev, gen, routing, gg.HELPERS_MIN_K)
-    runs = {}
-    for on in (False, True):
-        was = gg.set_swiglu_helpers(on)
-        try:
-            runs[on] = [gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit) for _ in range(REPEATS)]
-        finally:
-            gg.set_swiglu_helpers(was)
+    assert gg.swiglu_helpers("swiglu", False, x.shape[1]) and not gg.swiglu_helpers("swiglu", True, x.shape[1])
+    runs = {True: [gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=limit) for _ in range(REPEATS)],
+            False: [gg._run_gemm1_swiglu(x, offs, wg, wu, limit, mx_h=True)[:2]]}
     torch.cuda.synchronize()
     same = all(torch.equal(runs[True][0][i], r[i]) for r in runs[True][1:] for i in range(2))
     equal = [torch.equal(runs[True][0][i], runs[False][0][i]) for i in range(2)]
@@ -413,33 +404,6 @@ def _bench(gg, bwd, dev):
     ]:
         t = bench_us(fn)
         rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s ({e}x{rows} rows, H={hid}, I={inter})"))
-    # the opt-in TMA-store epilogue, same shapes, right after the default rows above
-    tma, tma128 = gg.MainloopConfig(tma_store=True), gg.MainloopConfig(tile_n=128, tma_store=True)
-    base = {r.name: r.time_us for r in rows_out}
-    for name, ref_name, fn, flops in [
-        ("tma_store gemm1 mainloop (plain, w_gu)", "bench gemm1 mainloop (plain, w_gu)",
-         lambda: gg.grouped_gemm(x, offs, w1, cfg=tma), flops1),
-        ("tma_store gemm1+swiglu L=4", "bench gemm1+swiglu L=4",
-         lambda: gg.grouped_gemm1_swiglu(x, offs, wg, wu, limit=4.0, cfg=tma), flops1),
-        ("tma_store gemm2 plain", "bench gemm2 plain", lambda: gg.grouped_gemm(h, offs, wd, cfg=tma), flops2),
-        ("tma_store dgrad1 (K=2I, split B)", "bench dgrad1 (K=2I, split B)",
-         lambda: bwd.grouped_dgrad1(dgu, offs, wg, wu, cfg=tma), flops1),
-        ("tma_store wgrad dWd = wgrad(dy, h)", "bench wgrad dWd = wgrad(dy, h)",
-         lambda: bwd.grouped_wgrad(dy, h, offs, cfg=tma), flops2),
-        ("tma_store wgrad dWg = wgrad(dgu[:, :I], x)", "bench wgrad dWg = wgrad(dgu[:, :I], x)",
-         lambda: bwd.grouped_wgrad(dgu[:, :inter], x, offs, cfg=tma), flops2),
-        ("tma_store gemm1 plain tile_n=128", "variant gemm1 plain tile_n=128",
-         lambda: gg.grouped_gemm(x, offs, w1, cfg=tma128), flops1),
-        ("tma_store gemm2 plain tile_n=128", "variant gemm2 plain tile_n=128",
-         lambda: gg.grouped_gemm(h, offs, wd, cfg=tma128), flops2),
-    ]:
-        try:
-            t = bench_us(fn)
-        except Exception as exc:  # noqa: BLE001 (opt-in variant: report, keep going)
-            rows_out.append(Row(f"{name}: crashed", ok=False, note=f"{type(exc).__name__}: {exc}"[:160]))
-            continue
-        rows_out.append(Row(name, time_us=t, note=f"{flops / t / 1e6:.0f} TFLOP/s, x{base[ref_name] / t:.3f} vs "
-                                                   f"default ({e}x{rows} rows, H={hid}, I={inter})"))
     return rows_out
 
 
@@ -461,8 +425,8 @@ def run(ctx) -> list[Row]:
     rows.append(_check_plain(gg, ref, dev, gen, "skewed", torch.int64))
     for routing, limit in (("uniform", None), ("skewed", 4.0)):
         rows.append(_guarded("swiglu helpers", _check_swiglu_helpers, gg, dev, gen, routing, limit))
-    for routing, limit, tma in (("uniform", None, True), ("skewed", 4.0, True), ("skewed", 4.0, False)):
-        rows.append(_guarded("swiglu mx_h", _check_swiglu_mx, gg, ref, dev, gen, routing, limit, tma))
+    for routing, limit in (("uniform", None), ("skewed", 4.0)):
+        rows.append(_guarded("swiglu mx_h", _check_swiglu_mx, gg, ref, dev, gen, routing, limit))
     for routing in ("uniform", "skewed"):
         for limit in (None, 4.0):
             rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, routing, limit))
@@ -471,18 +435,8 @@ def run(ctx) -> list[Row]:
             rows.append(_guarded("wgrad", _check_wgrad, bwd, ref, dev, gen, routing, sliced))
     rows.append(_guarded("wgrad isolation", _check_wgrad_isolation, bwd, dev))
     rows.append(_guarded("wgrad Na=200", _check_wgrad, bwd, ref, dev, gen, "skewed", False, None, 200))
-    # opt-in TMA-store epilogues (plain: GEMM2 / dgrad1, swiglu, wgrad), same checks
-    tma = gg.MainloopConfig(tma_store=True)
-    for routing in ("uniform", "skewed"):
-        rows.append(_guarded("plain [tma_store]", _check_plain, gg, ref, dev, gen, routing, torch.int32, tma))
-        for limit in (None, 4.0):
-            rows.append(_guarded("swiglu [tma_store]", _check_swiglu, gg, ref, dev, gen, routing, limit, tma))
-        rows.append(_guarded("dgrad1 [tma_store]", _check_dgrad1, bwd, ref, dev, gen, routing, tma))
-        for sliced in (False, True):
-            rows.append(_guarded("wgrad [tma_store]", _check_wgrad, bwd, ref, dev, gen, routing, sliced, tma))
-    rows.append(_guarded("plain [tma_store]", _check_plain, gg, ref, dev, gen, "skewed", torch.int64,
-                         gg.MainloopConfig(tile_n=128, tma_store=True)))
-    rows.append(_guarded("wgrad Na=200 [tma_store]", _check_wgrad, bwd, ref, dev, gen, "skewed", False, tma, 200))
+    rows.append(_guarded("plain [tile_n=128]", _check_plain, gg, ref, dev, gen, "skewed", torch.int64,
+                         gg.MainloopConfig(tile_n=128)))
     compiles = cache_stats()["compiles"]
     rows.append(_check_swiglu(gg, ref, dev, gen, "skewed", 1.5))  # new counts, new limit
     rows.append(_guarded("dswiglu dgrad", _check_dswiglu_dgrad, bwd, ref, dev, gen, "skewed", 1.5))

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from checks.common import Row, bench_us, sm90_skip
-from checks.comm import _init
-from checks.layer_sm90 import _compare, _run
-from checks.layer_sm90 import _problem as layer_problem
+from tools.checks.common import Row, bench_us, sm90_skip
+from tools.checks.comm import _init
+from tools.checks.layer_sm90 import _compare, _run
+from tools.checks.layer_sm90 import _problem as layer_problem
 
 REPEATS = 5
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us, sm90_skip
-from checks.layer_sm90 import OUT_NAMES, _problem
+from tools.checks.common import Row, bench_us, sm90_skip
+from tools.checks.layer_sm90 import OUT_NAMES, _problem
 
 REL_L1, REPEATS = 2e-2, 5
 EDGE = (0, 1, 2, 3, 0xFF)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us
+from tools.checks.common import Row, bench_us
 
 MAX_ABS, REL_L1, REPEATS = 0.5, 1e-2, 5
 

@@ -14,7 +14,7 @@ task counts (0, a few per pair, thousands), five repeats each.
 
 import torch
 
-from checks.common import Row
+from tools.checks.common import Row
 
 THREADS = 192
 READERS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (1, 1), (1, 2), (1, 3), (1, 5))  # (cta_v, warp)

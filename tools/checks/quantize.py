@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from checks.common import Row, bench_us
+from tools.checks.common import Row, bench_us
 
 HBM_GBS = 4300.0  # measured H200 copy bandwidth
 DIMS = {"row": -1, "col": 0}

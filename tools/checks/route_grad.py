@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from checks.common import Row, bench_us, seeded
+from tools.checks.common import Row, bench_us, seeded
 
 
 def _problem(t, k, e, h, drop, dev, gen):

@@ -10,16 +10,18 @@ bitwise) at H/I 1024/512 and 320/128 (partial tiles). Then the layer:
 at the same precision, y and every gradient, shared expert on, skewed routing with -1 slots,
 SwiGLU limit 4: an aligned shape and one with H, I, I_s multiples of 64 only (partial tiles),
 BF16 (max-abs <= 0.5, rel-L1 <= 1e-2) and MXFP8 (max-abs <= 1, rel-L1 <= 2e-2); 3 repeats
-bitwise. Last, the opt-in fused path (``MOK_CUTE_SM100_FUSED=1``; BF16: the fused forward and
-the fused backward core, and the whole backward in one launch, mode 3; MXFP8: the fused forward with
-the fused backward core's mx variant, then mode 3's mx variant, its comm CTAs quantizing the gathered
-rows) bitwise the unfused path at both shapes; ``main_grads`` accumulated twice
-unfused and in mode 3 (the W epilogue's accumulate variant), bitwise start + 2 fp32(fresh dW).
-Then timing rows: the sm100 layer's fwd + bwd (BF16 unfused, BF16 with the
-fused forward, MXFP8, MXFP8 with the fused forward) beside the torch layer at T4096 H7168 I2048 E16
-k8 + shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
+bitwise. Last, the fused paths asked for in the config (``forward_path="fused"``; BF16: the fused
+forward and the fused backward core, ``backward_path="fused"``, and the whole backward in one launch,
+``"fused_whole"``; MXFP8: the fused forward with the fused backward core's mx variant, then the whole
+launch's mx variant, its comm CTAs quantizing the gathered rows; then with ``cta_group::2`` tiles,
+``tile_m=256``) bitwise the unfused path at both shapes; the fused forward with R1's rows by TMA
+gather4 (a kernel launch parameter, ``Sm100Launch(gather="tma")``: no config field reaches it) bitwise
+the comm CTAs' gather; ``main_grads`` accumulated twice unfused and with FUSED_WHOLE (the W epilogue's
+accumulate variant), bitwise start + 2 fp32(fresh dW). Then timing rows: the sm100 layer's fwd + bwd
+(BF16 unfused, BF16 fused, MXFP8, MXFP8 fused) beside the torch layer at T4096 H7168 I2048 E16 k8 +
+shared. Last, EP = 2 with virtual ranks on this GPU (:func:`_ep_rows`, in a child run with
 layer_ep_virtual's environment): the fused forward's ep variant bitwise the unfused EP stages, and
-the fused EP backward (BF16 and MXFP8) bitwise the unfused EP backward (``MOK_CUTE_FUSED_BWD=0``).
+the fused EP backward (BF16 and MXFP8) bitwise the unfused EP backward (``backward_path="unfused"``).
 """
 from __future__ import annotations
 
@@ -28,18 +30,17 @@ import os
 import torch
 
 import mok_cute
-from checks.common import Row, bench_us, child_rows, env_var, sm100_skip
-from checks.fused_bwd import _main_grads_rows
-from checks.layer_sm90 import _problem, _run
-from checks.tails import TOL, _dims, _errors
+from tools.checks.common import Row, bench_us, child_rows, sm100_skip
+from tools.checks.layer_sm90 import _problem, _run
+from tools.checks.tails import TOL, _dims, _errors
 
 SHAPES = [("aligned T600 H1024 I512", 600, 1024, 512, 8, 4, None),
           ("tails T500 H320 I128 I_s192", 500, 320, 128, 6, 3, 192)]
 
 
 def _gemm_rows(dev) -> list[Row]:
-    from checks import gemm_sm90 as G
-    from checks.common import seeded
+    from tools.checks import gemm_sm90 as G
+    from tools.checks.common import seeded
     from mok_cute import reference as ref
     from mok_cute.kernels.sm100 import grouped_gemm as k
 
@@ -57,37 +58,87 @@ def _gemm_rows(dev) -> list[Row]:
 
 
 def _fused_rows(dev) -> list[Row]:
-    """The opt-in fused path (``MOK_CUTE_SM100_FUSED=1``, EP = 1: BF16 and MXFP8 through the fused
-    forward and the fused backward core, MXFP8 their ``mx`` variants; then the whole backward in one
-    launch, ``MOK_CUTE_FUSED_BWD=3``: ``fused_bwd.fused_backward``, gather + shared at BF16, at MXFP8
-    the gather's quantizing ``mx`` variant with the shared expert before it; BF16 again with R1's rows
-    by TMA gather4, ``MOK_CUTE_SM100_GATHER=tma``; then with ``cta_group::2`` tiles,
-    ``MOK_CUTE_SM100_TILE_M=256``, whose MMAs sum each element over the same k order): y and every
-    gradient bitwise the unfused sm100 path's (``MOK_CUTE_FUSED_BWD=0``), 3 repeats."""
+    """The fused paths asked for in the config (EP = 1: BF16 and MXFP8 through the fused forward and
+    the fused backward core, ``backward_path="fused"``, MXFP8 their ``mx`` variants; then the whole
+    backward in one launch, ``"fused_whole"``: ``fused_bwd.fused_backward``, gather + shared at BF16,
+    at MXFP8 the gather's quantizing ``mx`` variant with the shared expert before it; then with
+    ``cta_group::2`` tiles, ``tile_m=256``, whose MMAs sum each element over the same k order): y and
+    every gradient bitwise the unfused sm100 path's (the default), 3 repeats; R1's rows by TMA gather4
+    (:func:`_tma_gather_rows`); ``main_grads``."""
     rows = []
-    for precision, what, mode, gather, tile_m in (("bf16", "fwd + bwd core", "2", "comm", "128"),
-                                                  ("mxfp8", "fwd + bwd core", "2", "comm", "128"),
-                                                  ("bf16", "fwd + bwd mode 3", "3", "comm", "128"),
-                                                  ("mxfp8", "fwd + bwd mode 3", "3", "comm", "128"),
-                                                  ("bf16", "fwd tma gather4 + bwd core", "2", "tma", "128"),
-                                                  ("bf16", "2-CTA fwd + bwd core", "2", "comm", "256"),
-                                                  ("mxfp8", "2-CTA fwd + bwd core", "2", "comm", "256"),
-                                                  ("bf16", "2-CTA fwd + bwd mode 3", "3", "comm", "256"),
-                                                  ("mxfp8", "2-CTA fwd + bwd mode 3", "3", "comm", "256")):
+    for precision, what, bwd, tile_m in (("bf16", "fwd + bwd core", "fused", None),
+                                         ("mxfp8", "fwd + bwd core", "fused", None),
+                                         ("bf16", "fwd + whole bwd", "fused_whole", None),
+                                         ("mxfp8", "fwd + whole bwd", "fused_whole", None),
+                                         ("bf16", "2-CTA fwd + bwd core", "fused", 256),
+                                         ("mxfp8", "2-CTA fwd + bwd core", "fused", 256),
+                                         ("bf16", "2-CTA fwd + whole bwd", "fused_whole", 256),
+                                         ("mxfp8", "2-CTA fwd + whole bwd", "fused_whole", 256)):
         for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
             x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, True, True, dev, seed=600 + si)
-            with env_var("MOK_CUTE_FUSED_BWD", "0"):
-                want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
-            with env_var({"MOK_CUTE_SM100_FUSED": "1", "MOK_CUTE_FUSED_BWD": mode, "MOK_CUTE_SM100_GATHER": gather,
-                          "MOK_CUTE_SM100_TILE_M": tile_m}):
-                runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision) for _ in range(3)]
+            want = _run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision)
+            runs = [_run("sm100", x, idx, w, ws, sh, dy, 4.0, precision=precision, forward_path="fused",
+                         backward_path=bwd, tile_m=tile_m) for _ in range(3)]
             same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
             rows.append(Row(f"sm100 fused {what} {name} {precision} == unfused", bitwise=all(same), ok=all(same),
                             note=f"[y and every gradient] equal per run: {same}"))
-    # main_grads: unfused (the layer adds), then mode 3 (the W epilogue adds each tile: the accumulate variant)
+    rows += _tma_gather_rows(dev)
     name, t, h, inter, e, k, _ = SHAPES[0]
-    rows += _main_grads_rows(*_problem(t, h, inter, e, k, True, True, dev, seed=650), backend="sm100",
-                             flags=("0", "3"), env={"MOK_CUTE_SM100_FUSED": "1"})
+    rows += _main_grads_rows(*_problem(t, h, inter, e, k, True, True, dev, seed=650))
+    return rows
+
+
+def _tma_gather_rows(dev) -> list[Row]:
+    """The BF16 EP = 1 fused forward with R1's rows loaded by TMA gather4 from x
+    (``Sm100Launch(gather="tma")``, no ring; a kernel launch parameter, never measured against the
+    ring: no config field reaches it) vs the comm CTAs' gather into the ring: y, gu, h and the slot
+    rows bitwise, 3 repeats."""
+    from mok_cute.kernels.operands import ExpertWeights, RoutePlan, SharedExpert
+    from mok_cute.kernels.sm100 import fused_moe as fm
+    from mok_cute.layers.grouped import routing_plan
+
+    rows = []
+    for si, (name, t, h, inter, e, k, _) in enumerate(SHAPES):
+        x, idx, w, ws, sh, _ = _problem(t, h, inter, e, k, True, True, dev, seed=620 + si)
+        order, offsets, idx32 = routing_plan(idx, e, watch=False)
+        plan = RoutePlan(order, offsets, idx32, w.float().contiguous())
+        args = (x, plan, ExpertWeights(*ws), SharedExpert(*sh), 4.0)
+
+        def fwd(gather):
+            out = fm.fused_forward(*args, fm.Sm100Launch(16, 10.0, gather=gather))
+            return [t_.clone() for t_ in out[:4]]
+        want = fwd("comm")
+        runs = [fwd("tma") for _ in range(3)]
+        same = [all(torch.equal(a, b) for a, b in zip(want, r)) for r in runs]
+        rows.append(Row(f"sm100 fused fwd tma gather4 {name} bf16 == comm gather", bitwise=all(same), ok=all(same),
+                        note=f"[y, gu, h, slot rows] equal per run: {same}"))
+    return rows
+
+
+def _main_grads_rows(x, idx, w, ws, sh, dy) -> list[Row]:
+    """``mok_cute.moe(..., main_grads=)`` twice into random fp32 buffers, unfused and along the fused
+    forward and FUSED_WHOLE (the W epilogue's accumulate variant): start + 2 fp32(fresh dW) bitwise,
+    the weights without ``.grad``."""
+    rows = []
+    weights = [p.clone().requires_grad_() for p in (*ws, *sh)]
+
+    def moe(cfg, main=None):
+        return mok_cute.moe(x, idx, w, *weights[:3], shared=tuple(weights[3:]), swiglu_limit=4.0, config=cfg,
+                            main_grads=main)
+    fresh = torch.autograd.grad(moe(mok_cute.MoKConfig(backend="sm100")), weights, dy)
+    for paths in (dict(), dict(forward_path="fused", backward_path="fused_whole")):
+        g = torch.Generator(device=x.device).manual_seed(4)
+        start = [torch.randn(p.shape, device=x.device, generator=g) for p in weights]
+        acc = [s_.clone() for s_ in start]
+        for _ in range(2):
+            moe(mok_cute.MoKConfig(backend="sm100", **paths), tuple(acc)).backward(dy)
+        torch.cuda.synchronize()
+        want = [s_ + f.float() + f.float() for s_, f in zip(start, fresh)]
+        same = all(torch.equal(a, b) for a, b in zip(acc, want))
+        no_grad = all(p.grad is None for p in weights)
+        rows.append(Row(f"sm100 main_grads += fp32(dW) twice, {paths or 'unfused'}", bitwise=same,
+                        ok=same and no_grad, note=f"== start + 2 fp32(fresh dW): {same}; weights without .grad: "
+                                                  f"{no_grad}"))
     return rows
 
 
@@ -112,9 +163,10 @@ def _layer_rows(dev) -> list[Row]:
 
 
 def _bench_rows(dev) -> list[Row]:
-    """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused; the fused forward
-    and backward core opt-in) beside the torch layer a user writes (``bench_layer.torch_layer``) in the same run."""
-    from bench_layer import torch_layer
+    """fwd + bwd of T4096 H7168 I2048 E16 k8 + shared: the sm100 layer (unfused, the default; the
+    fused forward and backward core asked for in the config) beside the torch layer a user writes
+    (``bench_layer.torch_layer``) in the same run."""
+    from mok_cute.bench.torch_layer import torch_layer
 
     x, idx, w, ws, sh, dy = _problem(4096, 7168, 2048, 16, 8, True, False, dev, seed=11)
     w1 = torch.cat(ws[:2], 1)
@@ -131,9 +183,9 @@ def _bench_rows(dev) -> list[Row]:
     rows = [Row("bench torch layer fwd+bwd T4096 H7168 I2048 E16 k8 +shared", time_us=t_torch)]
     for name, precision, fused in (("bf16", "bf16", False), ("bf16 fused", "bf16", True),
                                    ("mxfp8", "mxfp8", False), ("mxfp8 fused", "mxfp8", True)):
-        cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False)
-        with env_var("MOK_CUTE_SM100_FUSED", "1" if fused else "0"):
-            t = bench_us(step(lambda: mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg)), 3, 10)
+        paths = dict(forward_path="fused", backward_path="fused") if fused else {}
+        cfg = mok_cute.MoKConfig(backend="sm100", precision=precision, validate_routing=False, **paths)
+        t = bench_us(step(lambda: mok_cute.moe(x, idx, w, *ws, shared=tuple(sh), config=cfg)), 3, 10)
         rows.append(Row(f"bench sm100 {name} fwd+bwd (same shape)", time_us=t, note=f"{t_torch / t:.2f}x the torch layer"))
     return rows
 
@@ -146,20 +198,21 @@ EP_CHILD = "MOK_SM100_EP_CHILD"  # set in the child that runs only the EP rows
 
 
 def _ep_rows(dev) -> list[Row]:
-    """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend opted in
-    (``MOK_CUTE_SM100_FUSED=1``): per case and rank, y and every gradient with the fused forward's
-    ep variant (``MOK_CUTE_FUSED_EP=1``, the unfused EP backward: ``MOK_CUTE_FUSED_BWD=0``) bitwise
-    those of the unfused EP stages (``MOK_CUTE_FUSED_EP=0``), one fused forward per rank; then
-    with the fused EP backward too (BF16 and MXFP8) (``MOK_CUTE_FUSED_BWD=2``, ``Sm100ExpertMLP.backward_fused_ep``:
-    one launch per rank) bitwise the fused forward's run with the unfused EP backward. MXFP8: dWg / dWu
+    """EP = 2, virtual ranks (:mod:`mok_cute.comm.virtual`), the sm100 backend's paths asked for in the
+    config: per case and rank, y and every gradient with the fused forward's ep variant
+    (``forward_path="fused"``, the unfused EP backward: ``backward_path="unfused"``) bitwise those of the
+    unfused EP stages (``forward_path="unfused"``), one fused forward per rank; then with the fused EP
+    backward too (BF16 and MXFP8) (``backward_path="fused"``, ``Sm100ExpertMLP.backward_fused_ep``: one
+    launch per rank) bitwise the fused forward's run with the unfused EP backward. MXFP8: dWg / dWu
     within rel-L1 2e-2 (after the fused forward the backward's x rows are x's, not their MXFP8 round
     trip as the unfused dispatch's: ``layers.ep``'s doc). Last, the fused forward and backward again with
-    the bulk push (``MOK_CUTE_SM100_PUSH=bulk``: GEMM2's and dgrad1's rows into the peers by
-    ``cp.async.bulk``) on ``cta_group::2`` tiles (``MOK_CUTE_SM100_TILE_M=256``): bitwise the run before.
-    Every kernel is compiled and loaded first on a 1-rank group (no peer waits while one compiles)."""
-    from checks.layer_ep import _problem as ep_problem
+    the bulk push (``comm_transport="bulk"``: GEMM2's and dgrad1's rows into the peers by
+    ``cp.async.bulk``) on ``cta_group::2`` tiles (``tile_m=256``): bitwise the run before. Every kernel
+    is compiled and loaded first on a 1-rank group (no peer waits while one compiles)."""
+    from tools.checks.layer_ep import _problem as ep_problem
     from mok_cute.comm.virtual import VirtualGroup, run_ranks
     from mok_cute.layers import ep as ep_layer
+    from mok_cute.layers import paths as P
     from mok_cute.layers.select import MoEInputs
     from mok_cute.layers.sm100 import Sm100ExpertMLP
 
@@ -176,30 +229,30 @@ def _ep_rows(dev) -> list[Row]:
 
     for name in calls:
         setattr(Sm100ExpertMLP, name, counted(name))
-    os.environ["MOK_CUTE_SM100_FUSED"] = "1"
     group, one, mlp = VirtualGroup(size, dev), VirtualGroup(1, dev), Sm100ExpertMLP()
     try:
         for seed, (name, skew, limit, prec) in enumerate(EP_CASES):
             probs = [ep_problem(t, h, inter, e, k, size, r, True, skew, dev, 700 + seed) for r in range(size)]
             x, idx, w, ws, sh, dy = ep_problem(t, h, inter, e, k, 1, 0, True, skew, dev, 700 + seed)
-            cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **EP_CONFIG)
             out, n = {}, {}
-            # (FUSED_EP, FUSED_BWD[, SM100_PUSH, SM100_TILE_M])
-            runs = (("0", "0"), ("1", "0"), ("1", "2"), ("1", "2", "bulk", "256"))
+            # (forward path, backward path[, comm_transport, tile_m])
+            runs = (("unfused", "unfused"), ("fused", "unfused"), ("fused", "fused"), ("fused", "fused", "bulk", 256))
             for mode in runs:
-                push, tile_m = mode[2:] or ("st", "128")
-                os.environ.update(MOK_CUTE_FUSED_EP=mode[0], MOK_CUTE_FUSED_BWD=mode[1], MOK_CUTE_SM100_PUSH=push,
-                                  MOK_CUTE_SM100_TILE_M=tile_m)
+                transport, tile_m = mode[2:] or ("plain", None)
+                fields = dict(EP_CONFIG, forward_path=mode[0], backward_path=mode[1], comm_transport=transport,
+                              tile_m=tile_m)
+                cfg = mok_cute.MoKConfig(backend="sm100", precision=prec, **fields)
                 inp = MoEInputs(x, idx, w, *ws, sh, limit)
-                run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg)[1], dy))
+                paths = P.Paths(*mode[:2])
+                run_ranks(one, lambda r: ep_layer.backward(mlp, ep_layer.forward(mlp, inp, one, 1, cfg, paths)[1], dy))
                 before = dict(calls)
                 out[mode] = run_ranks(group, lambda r: _run("sm100", *probs[r], limit, group, precision=prec,
-                                                             **EP_CONFIG))
+                                                             **fields))
                 n[mode] = {key: calls[key] - before[key] for key in calls}
             loose = (3, 4) if prec == "mxfp8" else ()  # dWg, dWu
-            fused = n[("1", "0")]["fused_forward_ep"]
+            fused = n[runs[1]]["fused_forward_ep"]
             for r in range(size):
-                pairs = list(zip(out[("1", "0")][r], out[("0", "0")][r]))
+                pairs = list(zip(out[runs[1]][r], out[runs[0]][r]))
                 eq = [torch.equal(a, b) for a, b in pairs]
                 rel = max((float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
                            for i, (a, b) in enumerate(pairs) if i in loose), default=0.0)
@@ -207,31 +260,27 @@ def _ep_rows(dev) -> list[Row]:
                 rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused fwd == unfused", bitwise=all(eq), ok=ok,
                                 note=f"[y and every gradient] equal: {eq}; dWg / dWu relL1 {rel:.1e}; "
                                      f"{fused} fused forwards (want {size})"))
-            if ("1", "2") in out:
-                bwd = n[("1", "2")]["backward_fused_ep"]
-                for r in range(size):
-                    eq = [torch.equal(a, b) for a, b in zip(out[("1", "2")][r], out[("1", "0")][r])]
-                    rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused bwd == unfused", bitwise=all(eq),
-                                    ok=all(eq) and bwd == size,
-                                    note=f"y, dx, d topk_w, dW... equal (vs MOK_CUTE_FUSED_BWD=0): {eq}; "
-                                         f"{bwd} fused EP backwards (want {size})"))
+            bwd = n[runs[2]]["backward_fused_ep"]
             for r in range(size):
-                eq = [torch.equal(a, b) for a, b in zip(out[runs[3]][r], out[("1", "2")][r])]
+                eq = [torch.equal(a, b) for a, b in zip(out[runs[2]][r], out[runs[1]][r])]
+                rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} fused bwd == unfused", bitwise=all(eq),
+                                ok=all(eq) and bwd == size,
+                                note=f"y, dx, d topk_w, dW... equal (vs backward_path=unfused): {eq}; "
+                                     f"{bwd} fused EP backwards (want {size})"))
+            for r in range(size):
+                eq = [torch.equal(a, b) for a, b in zip(out[runs[3]][r], out[runs[2]][r])]
                 rows.append(Row(f"sm100 layer_ep{size}v {name} r{r} 2-CTA bulk push == st", bitwise=all(eq), ok=all(eq),
                                 note=f"y, dx, d topk_w, dW... equal: {eq}"))
     finally:
         for name, fn in real.items():
             setattr(Sm100ExpertMLP, name, fn)
-        for key in ("MOK_CUTE_SM100_FUSED", "MOK_CUTE_FUSED_EP", "MOK_CUTE_FUSED_BWD", "MOK_CUTE_SM100_PUSH",
-                    "MOK_CUTE_SM100_TILE_M"):
-            os.environ.pop(key, None)
     return rows
 
 
 def _ep_child() -> list[Row]:
     """:func:`_ep_rows` from a child ``gpu_check.py sm100`` with layer_ep_virtual's CHILD_ENV (eager
     module loading, DSL launches: nothing loaded or captured while a peer waits)."""
-    from checks.layer_ep_virtual import CHILD_ENV, CHILD_TIMEOUT_S
+    from tools.checks.layer_ep_virtual import CHILD_ENV, CHILD_TIMEOUT_S
 
     return child_rows("sm100", {**CHILD_ENV, EP_CHILD: "1"}, CHILD_TIMEOUT_S, "sm100 layer_ep2v")
 

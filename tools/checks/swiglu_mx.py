@@ -3,8 +3,8 @@
 for a short run; ``gemm_sm90`` runs them too."""
 from __future__ import annotations
 
-from checks.common import Row, seeded, sm90_skip
-from checks.gemm_sm90 import _check_swiglu_mx, _guarded
+from tools.checks.common import Row, seeded, sm90_skip
+from tools.checks.gemm_sm90 import _check_swiglu_mx, _guarded
 
 
 def run(ctx) -> list[Row]:

@@ -1,5 +1,6 @@
 """Trace-time building blocks of the FP8 quantize and dequantize kernels (:mod:`quantize`,
-:mod:`quantize_fp8`, :mod:`dequant_mxfp8`, :mod:`sm90.mxfp8_act_gemm`).
+:mod:`quantize_fp8`, :mod:`dequant_mxfp8`) and of the GEMM epilogues' MXFP8 copies and round trips
+(:mod:`mok_cute.kernels.sm90.grouped_gemm`, :mod:`mok_cute.kernels.mx_rows`, the megakernels).
 
 Inputs are handled as 32-bit words of bf16 (two elements, low half first) or fp32 (one) bit
 patterns; an amax is the max of the |x| bit patterns (integer max: subnormals kept, NaN/Inf

@@ -36,7 +36,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
@@ -46,8 +46,8 @@ from mok_cute.dsl.host import (
     sm_count, wgrad_out,
 )
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, DEFAULT_CONFIG, N_ALIGN, PlainEpilogue, _launch, effective_config, make_tma_store,
-    tma_store_drain, tma_store_tile,
+    _VEC, DEFAULT_CONFIG, N_ALIGN, GemmOutputs, PlainEpilogue, _launch, make_tma_store, tma_store_drain,
+    tma_store_tile,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
@@ -78,9 +78,9 @@ class GroupedWgradSm90:
     """Persistent warp-specialized weight-gradient GEMM over experts (both operands MN-major).
 
     Call (jit): ``(mA [M, Na], mB [M, Nb], mOffsets [E+1] int32, mOut [E, Na, Nb], num_ctas,
-    stream)``; out[e] = bf16(A_e^T . B_e). Nb a multiple of tile_n (``n_tail``: of ``N_ALIGN``, the
-    columns past Nb masked); rows of a tile past Na are masked (``cfg.tma_store``: one TMA store
-    per tile, rows past Na clipped by the TMA unit).
+    stream)``; out[e] = bf16(A_e^T . B_e). Nb a multiple of tile_n (``n_tail``: of ``N_ALIGN``); one TMA
+    store per tile (the TMA-store epilogue of ``sm90.grouped_gemm``), rows past Na and columns past Nb clipped
+    by the TMA unit.
     """
 
     def __init__(self, cfg: MainloopConfig, n_tail: bool = False):
@@ -95,10 +95,8 @@ class GroupedWgradSm90:
         ml = self.mainloop
         ml.setup()
         atom_a, coord_a, atom_b, coord_b = ml.make_tma(_ragged_k(mA), _ragged_k(mB))
-        atom_c, coord_c = None, None
-        if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
-            out_nne = experts_last(mOut)
-            atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
+        # out as (Na, Nb, E): rows past Na are out of bounds
+        atom_c, coord_c = make_tma_store(experts_last(mOut), self.cfg.tile_m, self.cfg.tile_n)
 
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(atom_a, coord_a, atom_b, coord_b, mOffsets, mOut, atom_c, coord_c).launch(
@@ -109,10 +107,7 @@ class GroupedWgradSm90:
     def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
                mOffsets: cute.Tensor, mOut: cute.Tensor, atom_c: cute.CopyAtom, coord_c: cute.Tensor):
         cfg = self.cfg
-        atoms = [atom_a, atom_b]
-        if cutlass.const_expr(cfg.tma_store):
-            atoms.append(atom_c)
-        tidx, warp = self.mainloop.start(atoms)
+        tidx, warp = self.mainloop.start([atom_a, atom_b, atom_c])
 
         pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
 
@@ -144,17 +139,10 @@ class GroupedWgradSm90:
                 length = mOffsets[expert + 1] - mOffsets[expert]
                 k_tiles = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
-                if cutlass.const_expr(cfg.tma_store):
-                    gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
-                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
-                else:
-                    row0 = m_tile * cfg.tile_m
-                    out_e = mOut[(expert, None, None)]
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
-                                 cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
+                gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
+                tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
                 linear = linear + grid
-            if cutlass.const_expr(cfg.tma_store):
-                tma_store_drain(tid)
+            tma_store_drain(tid)
 
 
 # ---------------------------------------------------------------- compile
@@ -227,8 +215,9 @@ def _run_dswiglu_dgrad(dy, offsets, w_down, gu, limit, out=None, cfg: MainloopCo
     if out is None:
         out = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=dy.device)
     if m:
-        _launch("dswiglu", limit is not None, cfg, dy, w_down, offsets, out.view(m, 2, inter),
-                gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter, b_major=MN_MAJOR)
+        _launch("dswiglu", limit is not None, cfg, dy, w_down, offsets,
+                GemmOutputs(out.view(m, 2, inter), gu.view(m, 2, inter)), 0.0 if limit is None else float(limit),
+                inter, b_major=MN_MAJOR)
     return out
 
 
@@ -263,7 +252,8 @@ def _run_dgrad1(dgu, offsets, w_gate, w_up, out=None, cfg: MainloopConfig = DEFA
     if out is None:
         out = torch.empty((m, hid), dtype=torch.bfloat16, device=dgu.device)
     if m:
-        _launch("plain", False, cfg, dgu, w_gate, offsets, out, out, 0.0, hid, b_major=MN_MAJOR, w2=w_up)
+        _launch("plain", False, cfg, dgu, w_gate, offsets, GemmOutputs(out, out), 0.0, hid, b_major=MN_MAJOR,
+                w2=w_up)
     return out
 
 
@@ -286,7 +276,6 @@ def grouped_wgrad(a, b, offsets, *, out=None, cfg: MainloopConfig = DEFAULT_CONF
 def _run_wgrad(a, b, offsets, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """:func:`grouped_wgrad` on operands already validated (no checks but the device arch)."""
     m, na, nb, e = a.shape[0], a.shape[1], b.shape[1], offsets.shape[0] - 1
-    cfg = effective_config(cfg)
     if out is None:
         out = torch.empty((e, na, nb), dtype=torch.bfloat16, device=a.device)
     dev, arch = device_arch(a.device)

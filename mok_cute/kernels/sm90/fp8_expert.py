@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 
 from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_tensor
-from mok_cute.kernels.sm90.fp8_gemm import DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, launch_fp8_block
+from mok_cute.kernels.sm90.fp8_gemm import (
+    DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, Fp8Operand, launch_fp8_block,
+)
 
 _FP8 = torch.float8_e4m3fn
 
@@ -94,8 +96,9 @@ def grouped_gemm1_swiglu_fp8_block(xq, x_scales, offsets, wg_q, wg_s, wu_q, wu_s
     h = _check_out("h", h, (m, inter), xq.device)
     _check_devices(xq=xq, x_scales=x_scales, offsets=offsets, wg_q=wg_q, wg_s=wg_s, wu_q=wu_q, wu_s=wu_s, gu=gu, h=h)
     if m:
-        launch_fp8_block("swiglu", limit is not None, cfg, xq, x_scales, wg_q, wg_s, wu_q, wu_s, offsets,
-                         gu.view(m, 2, inter), h, 0.0 if limit is None else float(limit), 2 * inter)
+        launch_fp8_block("swiglu", limit is not None, cfg, Fp8Operand(xq, x_scales), Fp8Operand(wg_q, wg_s),
+                         Fp8Operand(wu_q, wu_s), offsets, gu.view(m, 2, inter), h,
+                         0.0 if limit is None else float(limit), 2 * inter)
     return gu, h
 
 
@@ -123,8 +126,9 @@ def grouped_dswiglu_dgrad_fp8_block(dyq, dy_scales, offsets, wdt_q, wdt_s, gu, l
     out = _check_out("out", out, (m, 2 * inter), dyq.device)
     _check_devices(dyq=dyq, dy_scales=dy_scales, offsets=offsets, wdt_q=wdt_q, wdt_s=wdt_s, gu=gu, out=out)
     if m:
-        launch_fp8_block("dswiglu", limit is not None, cfg, dyq, dy_scales, wdt_q, wdt_s, None, None, offsets,
-                         out.view(m, 2, inter), gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter)
+        launch_fp8_block("dswiglu", limit is not None, cfg, Fp8Operand(dyq, dy_scales), Fp8Operand(wdt_q, wdt_s),
+                         None, offsets, out.view(m, 2, inter), gu.view(m, 2, inter),
+                         0.0 if limit is None else float(limit), inter)
     return out
 
 
@@ -147,8 +151,8 @@ def grouped_dgrad1_fp8_block(dguq, dgu_scales, offsets, w1t_q, w1t_s, *, out=Non
     out = _check_out("out", out, (m, hid), dguq.device)
     _check_devices(dguq=dguq, dgu_scales=dgu_scales, offsets=offsets, w1t_q=w1t_q, w1t_s=w1t_s, out=out)
     if m:
-        launch_fp8_block("plain", False, cfg, dguq, dgu_scales, w1t_q, w1t_s, None, None, offsets, out, out, 0.0,
-                         hid)
+        launch_fp8_block("plain", False, cfg, Fp8Operand(dguq, dgu_scales), Fp8Operand(w1t_q, w1t_s), None,
+                         offsets, out, out, 0.0, hid)
     return out
 
 

@@ -52,6 +52,7 @@ overlaps better, so build it first and measure both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import torch
@@ -70,8 +71,8 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _fetch_rows, _load_rows, _row_copy, _store_rows,
 )
 from mok_cute.kernels.sm90.mainloop import (
-    CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
-    consumer_barrier, experts_last,
+    CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, GroupWalk, MainloopConfig,
+    Sm90Mainloop, TmaLoads, consumer_barrier, experts_last,
 )
 from mok_cute.kernels.swiglu_math import dswiglu
 from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
@@ -111,6 +112,44 @@ class Fp8MainloopConfig(MainloopConfig):
 
     def key(self) -> tuple:
         return super().key() + (("overlap_promotion",) if self.overlap_promotion else ())
+
+
+class Fp8Scales(NamedTuple):
+    """The block scales of :class:`Fp8BlockGroupedGemm`'s kernel (parameters in this order): ``sa`` fp32
+    [K/128, M] (A's row scales, MN-major), ``sb`` fp32 [E, N/128, K/128] (B's 128x128 block scales) and ``sb2``
+    (swiglu: w_up's, like ``sb``; None otherwise)."""
+
+    sa: cute.Tensor
+    sb: cute.Tensor
+    sb2: cute.Tensor = None
+
+
+class TileScales(NamedTuple):
+    """A consumer thread's promotion scales of one tile (:meth:`Fp8BlockGroupedGemm.mma_tile_promoted`):
+    ``elem_scales`` (compile time: accumulator element i's (row index, B scale index), see
+    :meth:`Fp8BlockGroupedGemm._promote`), ``sa`` (A's scales [K/128, M]), ``sbs`` (the tile's B block scales
+    along K: one 1-D view, or gate and up) and ``rows_a`` (the thread's distinct global A rows, clamped into
+    [0, M))."""
+
+    elem_scales: list
+    sa: cute.Tensor
+    sbs: list
+    rows_a: list
+
+
+class _Batch(NamedTuple):
+    """One overlapped wgmma batch's FP32 temporary ``tmp`` and its k-tile's scale registers ``sc``."""
+
+    tmp: cute.Tensor
+    sc: cute.Tensor
+
+
+class Fp8Operand(NamedTuple):
+    """An fp8_block GEMM operand at a launch (torch tensors): e4m3 ``data`` and fp32 ``scales`` (A: [M, K] and
+    [M, K/128]; B: [E, N, K] and [E, N/128, K/128])."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
 
 
 class DSwigluPrefetchedEpilogue(DSwigluEpilogue):
@@ -216,9 +255,9 @@ class Fp8BlockGroupedGemm:
         if cutlass.const_expr(self.stack_n):
             _, _, atom_b2, coord_b2 = ml.make_tma(mA, experts_last(mB2), b_half=True)
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
-        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mSA, mSB, mSB2, mOffsets, mOut0, mOut1,
-                    limit).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
-                                  min_blocks_per_mp=1, stream=stream)
+        self.kernel(TmaLoads(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2), Fp8Scales(mSA, mSB, mSB2),
+                    mOffsets, mOut0, mOut1, limit).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1],
+                                                          cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------ promotion helpers (shared by both consumers)
     def _mma(self):
@@ -261,14 +300,15 @@ class Fp8BlockGroupedGemm:
 
     @cute.jit
     def mma_tile_promoted(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
-                          tmp: cute.Tensor, k_tiles: Int32, elem_scales, mSA: cute.Tensor, sbs, rows_a):
+                          tmp: cute.Tensor, k_tiles: Int32, scales: TileScales):
         """acc = sum over k-tiles of (A_kt @ B_kt^T) * sa[row, kt] * sb[kt]
         (``Fp8MainloopConfig(overlap_promotion=False)``: one wgmma batch, wait, promote).
 
-        ``rows_a``: this thread's distinct global A rows (clamped into [0, M)); ``sbs``: the
-        tile's B block scales along K (one 1-D view, or gate and up: ``mSB[expert, n_blk,
-        None]``); ``elem_scales``: see :meth:`_promote`.
+        ``scales`` (:class:`TileScales`): ``rows_a``, this thread's distinct global A rows (clamped into
+        [0, M)); ``sbs``, the tile's B block scales along K (one 1-D view, or gate and up: ``mSB[expert,
+        n_blk, None]``); ``elem_scales``: see :meth:`_promote`.
         """
+        elem_scales, mSA, sbs, rows_a = scales
         k_blocks = cute.size(tCrA, mode=[2])
         n_rows = len(rows_a)
         sc = cute.make_rmem_tensor((n_rows + len(sbs),), Float32)
@@ -289,30 +329,29 @@ class Fp8BlockGroupedGemm:
             self._promote(acc, tmp, sc, elem_scales, n_rows)
         return state
 
-    def _step(self, pipe, state, release, tCrA, tCrB, acc, tmp_next, sc_next, tmp_prev, sc_prev, kt, elem_scales,
-              mSA, sbs, rows_a):
-        """One overlapped step: issue k-tile ``kt`` into ``tmp_next``, wait for the previous
-        batch (``wait_group(1)``), release its slot and promote ``tmp_prev`` with ``sc_prev``;
-        ``kt``'s scales go to ``sc_next`` right after the issue; with gate/up tiles (2 row +
+    def _step(self, pipe, state, release, tCrA, tCrB, acc, nxt: _Batch, prev: _Batch, kt, scales: TileScales):
+        """One overlapped step: issue k-tile ``kt`` into ``nxt.tmp``, wait for the previous
+        batch (``wait_group(1)``), release its slot and promote ``prev.tmp`` with ``prev.sc``;
+        ``kt``'s scales go to ``nxt.sc`` right after the issue; with gate/up tiles (2 row +
         2 block scales per k-tile) the two block scales are loaded after the promotion
         instead (loading all four early spilled 8 bytes at 240 registers; the loads still
         lead their use by a whole batch). Returns the advanced ``(state, release)`` (rebind them at the call site:
         the DSL tracks loop-carried values only through plain local rebinds)."""
-        self._issue(pipe, state, tCrA, tCrB, tmp_next)
-        self._load_scales(sc_next, mSA, sbs if not self.stack_n else [], rows_a, kt)
+        elem_scales, mSA, sbs, rows_a = scales
+        self._issue(pipe, state, tCrA, tCrB, nxt.tmp)
+        self._load_scales(nxt.sc, mSA, sbs if not self.stack_n else [], rows_a, kt)
         state.advance()
         warpgroup.wait_group(1)
         pipe.consumer_release(release)
         release.advance()
-        self._promote(acc, tmp_prev, sc_prev, elem_scales, len(rows_a))
+        self._promote(acc, prev.tmp, prev.sc, elem_scales, len(rows_a))
         if cutlass.const_expr(self.stack_n):
-            self._load_scales(sc_next, mSA, sbs, [], kt, len(rows_a))
+            self._load_scales(nxt.sc, mSA, sbs, [], kt, len(rows_a))
         return state, release
 
     @cute.jit
     def mma_tile_overlapped(self, pipe, state, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor,
-                            tmp0: cute.Tensor, tmp1: cute.Tensor, k_tiles: Int32, elem_scales, mSA: cute.Tensor,
-                            sbs, rows_a):
+                            tmp0: cute.Tensor, tmp1: cute.Tensor, k_tiles: Int32, scales: TileScales):
         """Same result as :meth:`mma_tile_promoted` (bitwise: same wgmma, same FMA order), with
         the tensor cores busy during promotion (the default): k-tile j's wgmma batch goes
         into one of two temporaries before the thread waits for batch j-1
@@ -325,6 +364,7 @@ class Fp8BlockGroupedGemm:
         ``if`` on the parity of ``k_tiles`` drains one or two batches.
         Registers per thread at 128x128: acc + 2 temporaries = 3 x 64 FP32.
         """
+        elem_scales, mSA, sbs, rows_a = scales
         n_rows = len(rows_a)
         n_sc = n_rows + len(sbs)
         sc0 = cute.make_rmem_tensor((n_sc,), Float32)
@@ -338,16 +378,16 @@ class Fp8BlockGroupedGemm:
         # pairs: k-tile 2p+1 into tmp1 (promote 2p from tmp0), 2p+2 into tmp0 (promote 2p+1)
         for p in cutlass.range((k_tiles - 1) // 2, unroll=1):
             kt = 2 * p + 1
-            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, tmp1, sc1, tmp0, sc0, kt,
-                                        elem_scales, mSA, sbs, rows_a)
-            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, tmp0, sc0, tmp1, sc1, kt + 1,
-                                        elem_scales, mSA, sbs, rows_a)
+            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, _Batch(tmp1, sc1), _Batch(tmp0, sc0),
+                                        kt, scales)
+            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, _Batch(tmp0, sc0), _Batch(tmp1, sc1),
+                                        kt + 1, scales)
         # tails: tmp0 holds k-tile k_tiles - 2 (even k_tiles) or k_tiles - 1 (odd). Dynamic
         # ifs, not loops of trip count 0/1: LLVM hoisted the loop-invariant tmp0 * s out of
         # such a loop, above its wait_group (a read of in-flight wgmma registers, unfused)
         if (k_tiles - 1) % 2 == 1:  # even k_tiles: the last k-tile into tmp1
-            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, tmp1, sc1, tmp0, sc0, k_tiles - 1,
-                                        elem_scales, mSA, sbs, rows_a)
+            state, release = self._step(pipe, state, release, tCrA, tCrB, acc, _Batch(tmp1, sc1), _Batch(tmp0, sc0),
+                                        k_tiles - 1, scales)
             warpgroup.wait_group(0)
             pipe.consumer_release(release)
             self._promote(acc, tmp1, sc1, elem_scales, n_rows)
@@ -358,10 +398,11 @@ class Fp8BlockGroupedGemm:
         return state
 
     @cute.kernel
-    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom, coord_b: cute.Tensor,
-               atom_b2: cute.CopyAtom, coord_b2: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
-               mSB2: cute.Tensor, mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
+    def kernel(self, loads: TmaLoads, scales: Fp8Scales, mOffsets: cute.Tensor, mOut0: cute.Tensor,
+               mOut1: cute.Tensor, limit: Float32):
         cfg = self.cfg
+        atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2 = loads
+        mSA, mSB, mSB2 = scales
         overlap = cfg.overlap_promotion
         atoms = [atom_a, atom_b]
         if cutlass.const_expr(self.stack_n):
@@ -378,9 +419,8 @@ class Fp8BlockGroupedGemm:
             cute.arch.setmaxregister_decrease(OVERLAP_PRODUCER_REGS if cutlass.const_expr(overlap)
                                               else PRODUCER_REGS)
             if warp == 0:
-                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                              atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
-                                              coord_b2, self.stack_n)
+                self.mainloop.produce_grouped(pipe, GroupWalk(mOffsets, num_experts, n_tiles, linear, expert, base,
+                                                              grid), loads, sA, sB, b_rows, k_tiles, self.stack_n)
         else:
             cute.arch.setmaxregister_increase(OVERLAP_CONSUMER_REGS if cutlass.const_expr(overlap)
                                               else CONSUMER_REGS)
@@ -409,12 +449,11 @@ class Fp8BlockGroupedGemm:
                 sbs = [t[(expert, n_blk, None)] for t in mSBs]
                 if cutlass.const_expr(self.epilogue == "dswiglu"):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
+                tile_scales = TileScales(elem_scales, mSA, sbs, rows_a)
                 if cutlass.const_expr(overlap):
-                    state = self.mma_tile_overlapped(pipe, state, tCrA, tCrB, acc, tmp, tmp1, k_tiles, elem_scales,
-                                                     mSA, sbs, rows_a)
+                    state = self.mma_tile_overlapped(pipe, state, tCrA, tCrB, acc, tmp, tmp1, k_tiles, tile_scales)
                 else:
-                    state = self.mma_tile_promoted(pipe, state, tCrA, tCrB, acc, tmp, k_tiles, elem_scales, mSA,
-                                                   sbs, rows_a)
+                    state = self.mma_tile_promoted(pipe, state, tCrA, tCrB, acc, tmp, k_tiles, tile_scales)
                 self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
@@ -455,11 +494,13 @@ def compile_fp8_block_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(), arch: s
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
-def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a, a_scales, w, w_scales, w2, w2_scales,
-                     offsets, out0, out1, limit: float, n: int):
+def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a: Fp8Operand, w: Fp8Operand,
+                     w2: Fp8Operand | None, offsets, out0, out1, limit: float, n: int):
     """Compile (cached per variant and config) and launch on the current stream; operands
-    already validated; ``n``: the N extent tiled by ``cfg.tile_n``; ``a_scales`` [M, K/128]
-    (its [K/128, M] transpose is read, copied only if not already contiguous)."""
+    already validated (:class:`Fp8BlockGroupedGemm`'s ``mB2`` / ``mSB2`` from ``w2``, swiglu's w_up);
+    ``n``: the N extent tiled by ``cfg.tile_n``; ``a.scales`` [M, K/128] (its [K/128, M] transpose is
+    read, copied only if not already contiguous)."""
+    (a, a_scales), (w, w_scales) = a, w
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 FP8 GEMM needs an sm_90a device, got {arch}")
@@ -471,7 +512,7 @@ def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a, a_sc
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     compiled(_Desc(a), _Desc(sa_t), _Desc(w), _Desc(w_scales.contiguous()),
-             None if w2 is None else _Desc(w2), None if w2 is None else _Desc(w2_scales.contiguous()),
+             None if w2 is None else _Desc(w2.data), None if w2 is None else _Desc(w2.scales.contiguous()),
              _Desc(offs32), _Desc(out0), _Desc(out1), Float32(limit), Int32(num_ctas),
              current_stream(dev))
 
@@ -516,5 +557,6 @@ def grouped_gemm_fp8_block(a, a_scales, offsets, w, w_scales, *, out=None, cfg: 
     _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
     if m == 0:
         return out
-    launch_fp8_block("plain", False, cfg, a, a_scales, w, w_scales, None, None, offsets, out, out, 0.0, n)
+    launch_fp8_block("plain", False, cfg, Fp8Operand(a, a_scales), Fp8Operand(w, w_scales), None, offsets, out, out,
+                     0.0, n)
     return out

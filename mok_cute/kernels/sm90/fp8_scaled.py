@@ -46,7 +46,7 @@ from mok_cute.kernels.sm90.fp8_gemm import (
     OVERLAP_CONSUMER_REGS, OVERLAP_PRODUCER_REGS, SCALE_BLOCK, Fp8MainloopConfig, _fake,
 )
 from mok_cute.kernels.sm90.grouped_gemm import (
-    PlainEpilogue, effective_config, make_tma_store, tma_store_drain, tma_store_tile,
+    PlainEpilogue, make_tma_store, tma_store_drain, tma_store_tile,
 )
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
@@ -200,9 +200,8 @@ class Fp8BlockWgradSm90(_ScaledGemm):
 
     Call (jit): ``(mA [Na, 128 S] e4m3, mSA [S, Na] f32, mB [Nb, 128 S] e4m3, mSB [S, Nb] f32,
     mOffsets [E+1] int32, mOut [E, Na, Nb] bf16, num_ctas, stream)``; scale row strides
-    arbitrary (unit column stride); Nb a multiple of tile_n, rows past Na masked
-    (``cfg.tma_store``: one asynchronous TMA store per tile, as ``sm90.expert_bwd``'s wgrad;
-    rows past Na clipped by the TMA unit).
+    arbitrary (unit column stride); Nb a multiple of tile_n; one asynchronous TMA store per tile, as
+    ``sm90.expert_bwd``'s wgrad (rows past Na clipped by the TMA unit).
     """
 
     def __init__(self, cfg: Fp8MainloopConfig):
@@ -213,10 +212,8 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                  mOffsets: cute.Tensor, mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
         self.mainloop.setup()
         atom_a, coord_a, atom_b, coord_b = self.mainloop.make_tma(mA, mB)
-        atom_c, coord_c = None, None
-        if cutlass.const_expr(self.cfg.tma_store):  # out as (Na, Nb, E): rows past Na are out of bounds
-            out_nne = experts_last(mOut)
-            atom_c, coord_c = make_tma_store(out_nne, self.cfg.tile_m, self.cfg.tile_n)
+        # out as (Na, Nb, E): rows past Na are out of bounds
+        atom_c, coord_c = make_tma_store(experts_last(mOut), self.cfg.tile_m, self.cfg.tile_n)
         self.shared_storage = self._storage()
         self.kernel(atom_a, coord_a, atom_b, coord_b, mSA, mSB, mOffsets, mOut, atom_c, coord_c).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
@@ -243,10 +240,7 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                mSA: cute.Tensor, mSB: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor,
                atom_c: cute.CopyAtom, coord_c: cute.Tensor):
         cfg = self.cfg
-        atoms = [atom_a, atom_b]
-        if cutlass.const_expr(cfg.tma_store):
-            atoms.append(atom_c)
-        tidx, warp = self.mainloop.start(atoms)
+        tidx, warp = self.mainloop.start([atom_a, atom_b, atom_c])
         pipe, sA, sB, sC, fac = self._allocate()
         na = coord_a.shape[0]
         num_experts, m_tiles, n_tiles, total, linear, grid = wgrad_start(mOffsets, na, coord_b.shape[0], cfg.tile_m,
@@ -283,16 +277,10 @@ class Fp8BlockWgradSm90(_ScaledGemm):
                 src = (mSA, mSB, lo // cfg.tile_k + expert, row0, n_tile * cfg.tile_n, na)
                 state, fb = self.mma_tile_scaled(pipe, state, tCrA, tCrB, acc, tmps, k_tiles, fac, fb, tid,
                                                  elems, src)
-                if cutlass.const_expr(cfg.tma_store):
-                    gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
-                    tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
-                else:
-                    out_e = mOut[(expert, None, None)]
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0,
-                                 cutlass.min(na - row0, cfg.tile_m), n_tile, out_e, out_e, Float32(0.0))
+                gC = cute.local_tile(coord_c[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile))
+                tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
                 linear = linear + grid
-            if cutlass.const_expr(cfg.tma_store):
-                tma_store_drain(tid)
+            tma_store_drain(tid)
 
 
 # ---------------------------------------------------------------- compile
@@ -352,8 +340,7 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     16-byte aligned: e.g. the row slices ``dgu_t[:I]`` / ``dgu_t[I:]``), a_scales fp32
     [S, Na] with unit column stride and any row stride (column slices such as
     ``dgu_scales[:, :I]`` are read in place, not copied); b_t [Nb, 128 S], b_scales [S, Nb]
-    likewise; Nb a multiple of ``cfg.tile_n`` (``cfg.tma_store`` or the process-wide
-    ``sm90.grouped_gemm.set_tma_store``: TMA-store epilogue). offsets int32/int64 [E+1] on the device
+    likewise; Nb a multiple of ``cfg.tile_n``. offsets int32/int64 [E+1] on the device
     (0, non-decreasing, last = M with S = M // 128 + E; trusted, not checked: no host sync).
     ``out``: optional preallocated contiguous [E, Na, Nb].
     """
@@ -374,7 +361,6 @@ def grouped_wgrad_fp8_block(a_t, a_scales, b_t, b_scales, offsets, *, out=None,
     out = wgrad_out(out, (e, na, nb), a_t.device)
     _check_devices(a_t=a_t, a_scales=a_scales, b_t=b_t, b_scales=b_scales, offsets=offsets, out=out)
     dev, arch = _sm90(a_t, "fp8_block wgrad")
-    cfg = effective_config(cfg)  # the process-wide TMA-store setting of the BF16 kernels
     launcher = compile_cached(("sm90_fp8_block_wgrad", arch, cfg.key()),
                               lambda: GraphLauncher(compile_fp8_block_wgrad(cfg, arch)[0]))
     tiles = e * -(-na // cfg.tile_m) * (nb // cfg.tile_n)

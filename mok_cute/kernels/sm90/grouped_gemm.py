@@ -12,19 +12,23 @@ One compiled kernel serves every token count (M_total and the offsets are runtim
 the compile cache key holds only what changes code (arch, dtypes, tile shape, majorness,
 epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
 (:mod:`mok_cute.schedule.group_tiles`). Rows past an expert's end are read by the A tile
-(they belong to the next expert or are TMA zero fill) but never written: every store is
-row-masked (16-byte vectors).
+(they belong to the next expert or are TMA zero fill) but never written: stores are
+row-masked (16-byte vectors) or row-clipped by the TMA unit.
 
-TMA-store epilogue (``MainloopConfig(tma_store=True)``; process-wide through
-:func:`set_tma_store`, on by default, ``MOK_CUTE_SM90_TMA_STORE=0`` turns it off; part of the
-compile key; verified on an H200, +3% on the expert MLP fwd+bwd): ``plain`` and ``swiglu`` stage the BF16 tile in shared
-memory as before, then one consumer warp issues ``cp.async.bulk.tensor`` stores (after a
+TMA-store epilogue (``plain`` and ``swiglu``; measured on an H200 on 2026-11-29: +3% on the expert MLP
+fwd+bwd over row-masked 16-byte stores, which ``dswiglu`` keeps): the BF16 tile is staged in shared
+memory, then one consumer warp issues ``cp.async.bulk.tensor`` stores (after a
 ``fence.proxy.async.shared::cta`` and a consumer barrier) and commits them as a bulk group;
 the consumers go straight back to the next tile's MMA and wait
 (``cp.async.bulk.wait_group.read``) only before the staging buffer is rewritten. Row
 masking is done by the TMA unit: the output is seen through a per-expert row-bounded view
 (the wrap-around trick of the ragged-K wgrad loads, :func:`_ragged_rows`), so rows past
 the expert's last row are clipped. ``dswiglu`` keeps the masked stores.
+
+SwiGLU's h by helper warps (``swiglu`` without the MXFP8 h copy, K >= :data:`HELPERS_MIN_K`; measured on
+an H200 on 2026-12-02, commit d39f26b: bitwise the same, 4-12% faster at K 2048-7168, slower below): the
+producer warpgroup's idle warps 1-3 compute and store h from the staged gate / up tile while the MMA warps
+run the next tile's mainloop (:func:`swiglu_helpers`).
 
 Epilogues:
   ``plain``:   out [M_total, N] = bf16(A_e @ B_e)
@@ -41,8 +45,7 @@ Epilogues:
 """
 from __future__ import annotations
 
-import dataclasses
-import os
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import torch
@@ -63,7 +66,7 @@ from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
-    MainloopConfig, Sm90Mainloop, acc_to_smem, consumer_barrier, epi_smem_layout, experts_last,
+    GroupWalk, MainloopConfig, Sm90Mainloop, TmaLoads, acc_to_smem, consumer_barrier, epi_smem_layout, experts_last,
 )
 from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
@@ -164,14 +167,12 @@ class _StagedEpilogue:
 
     @cute.jit
     def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
-            row0: Int32, rows: Int32, n_tile: Int32, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32,
-            mHq: cute.Tensor = None, mHs: cute.Tensor = None):
+            row0: Int32, rows: Int32, n_tile: Int32, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32):
+        """Consumer threads: stage the tile's accumulators as BF16 in ``sC`` and :meth:`store` rows ``< rows``
+        of it (row-masked 16-byte stores; ``tiled_mma`` unused: the signature every epilogue's ``run`` shares)."""
         acc_to_smem(thr_mma, acc, sC)
         consumer_barrier()
-        if cutlass.const_expr(mHq is None):
-            self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
-        else:  # swiglu with the MXFP8 h copy
-            self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit, mHq, mHs)
+        self.store(sC, tid, row0, rows, n_tile, mOut0, mOut1, limit)
         consumer_barrier()
 
 
@@ -238,6 +239,17 @@ def rows_tma_tile(coord: cute.Tensor, row0: Int32, rows: Int32, n_tile: Int32, t
     """The (tile_m, tile_n) TMA coordinate tile ``n_tile`` of rows ``row0 .. row0 + rows`` (rows past them out
     of bounds; ``coord``: a :func:`_ragged_rows` store coordinate tensor)."""
     return cute.local_tile(_expert_rows(coord, row0, row0 + rows), (tile_m, tile_n), (0, n_tile))
+
+
+class SwigluTmaTiles(NamedTuple):
+    """A SwiGLU tile's TMA stores (:meth:`SwigluEpilogue.run_tma`): gu's store atom with the tile's gate and up
+    coordinate tiles (tile_m, tile_n/2) and h's store atom with its coordinate tile (:func:`swiglu_tma_tiles`)."""
+
+    atom_gu: cute.CopyAtom
+    gate: cute.Tensor
+    up: cute.Tensor
+    atom_h: cute.CopyAtom
+    h: cute.Tensor
 
 
 @cute.jit
@@ -316,7 +328,7 @@ class SwigluEpilogue(_StagedEpilogue):
     """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, for intermediate columns
     ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped).
 
-    ``mx_h``: also writes h quantized to MXFP8 along I (GEMM2's forward operand, quantized
+    ``mx_h`` (:meth:`run_tma`): also writes h quantized to MXFP8 along I (GEMM2's forward operand, quantized
     where it is produced): data hq [M, I] e4m3 (seen as u32 words [M, I/4]) and E8M0 scales
     hs [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` (the ops of
     :mod:`mok_cute.kernels.quant.quantize`'s row kernel on the same bf16 values). In the 16-byte
@@ -339,8 +351,9 @@ class SwigluEpilogue(_StagedEpilogue):
 
     @cute.jit
     def store(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32,
-              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHs: cute.Tensor = None,
-              mHrt: cute.Tensor = None):
+              mGU: cute.Tensor, mH: cute.Tensor, limit: Float32, mHrt: cute.Tensor = None):
+        """Row-masked stores of the staged tile's rows ``< rows``: gu (:meth:`store_gu`), h and (``mx_rt``) h's
+        MXFP8 round trip ``mHrt`` (the MXFP8 h copy of ``mx_h`` is :meth:`run_tma`'s)."""
         copy = _row_copy(self.half)
         shape = (self.tile_m, self.half)
         cols = mH.shape[1] - n_tile * self.half if self.n_tail else None  # the tile's columns inside I
@@ -348,8 +361,6 @@ class SwigluEpilogue(_StagedEpilogue):
         rh = self._h(rg, ru, limit)
         h_tile = cute.local_tile(cute.domain_offset((row0, 0), mH), shape, (0, n_tile))
         _store_rows(copy, tid, rh, coords, h_tile, rows, cols)
-        if cutlass.const_expr(self.mx_h):
-            self._store_mx(rh, coords, row0, rows, n_tile, mHq, mHs)
         if cutlass.const_expr(self.mx_rt):
             rt_tile = cute.local_tile(cute.domain_offset((row0, 0), mHrt), shape, (0, n_tile))
             _store_rows(copy, tid, _mx_rows_rt(rh), coords, rt_tile, rows, cols)
@@ -406,13 +417,14 @@ class SwigluEpilogue(_StagedEpilogue):
         return rh
 
     @cute.jit
-    def run_tma(self, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, atom_gu: cute.CopyAtom,
-                gGate: cute.Tensor, gUp: cute.Tensor, atom_h: cute.CopyAtom, gH: cute.Tensor, limit: Float32,
-                row0: Int32 = None, rows: Int32 = None, n_tile: Int32 = None, mHq: cute.Tensor = None,
-                mHs: cute.Tensor = None):
-        """TMA-store variant (``cfg.tma_store``): the gate and up halves of the staged tile go
-        to gu by two TMA stores; h is computed from them, written over the gate half once
-        the gu stores have read it, and stored by a third (all row-bounded per expert)."""
+    def run_tma(self, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, tiles: SwigluTmaTiles,
+                limit: Float32, row0: Int32 = None, rows: Int32 = None, n_tile: Int32 = None,
+                mHq: cute.Tensor = None, mHs: cute.Tensor = None):
+        """TMA-store epilogue: the gate and up halves of the staged tile go to gu by two TMA stores
+        (``tiles``: :class:`SwigluTmaTiles`); h is computed from them, written over the gate half once
+        the gu stores have read it, and stored by a third (all row-bounded per expert). With ``mx_h``
+        (``row0``, ``rows``, ``n_tile``, ``mHq``, ``mHs`` given) also h's MXFP8 copy, by masked stores."""
+        atom_gu, gGate, gUp, atom_h, gH = tiles
         shape = (self.tile_m, self.half)
         s_gate = cute.local_tile(sC, shape, (0, 0))
         s_up = cute.local_tile(sC, shape, (0, 1))
@@ -646,17 +658,40 @@ class DSwigluEpilogue:
             consumer_barrier()
 
 
+class GemmOutputs(NamedTuple):
+    """The output tensors of one grouped GEMM (:class:`GroupedGemmSm90`'s kernel parameters in this order;
+    torch tensors at a launch, cute tensors in the kernel). ``plain``: ``out0`` = ``out1`` = out [M, N] bf16;
+    ``swiglu``: ``out0`` = gu [M, 2, I], ``out1`` = h [M, I] bf16 and, with the MXFP8 copy of h, ``hq``
+    [M, I/4] u32 words and ``hs`` [M, I/32] uint8 scales (None without it); ``dswiglu``: ``out0`` = dgu
+    (written), ``out1`` = gu (read), both [M, 2, I] bf16."""
+
+    out0: cute.Tensor
+    out1: cute.Tensor
+    hq: cute.Tensor = None
+    hs: cute.Tensor = None
+
+
+class TmaStores(NamedTuple):
+    """The TMA-store epilogue's store atoms and row-bounded coordinate tensors (:func:`make_tma_store`; kernel
+    parameters in this order): ``plain``: the output's ``atom_c`` / ``coord_c`` (:func:`_ragged_rows`);
+    ``swiglu``: gu's (:func:`_ragged_gu`) and h's ``atom_h`` / ``coord_h``; None where unused (``dswiglu``)."""
+
+    atom_c: cute.CopyAtom = None
+    coord_c: cute.Tensor = None
+    atom_h: cute.CopyAtom = None
+    coord_h: cute.Tensor = None
+
+
 class GroupedGemmSm90:
     """Persistent warp-specialized grouped GEMM: mainloop per tile + pluggable epilogue.
 
-    Call (jit): ``(mA [M, K], mB, mB2, mOffsets [E+1] int32, mOut0, mOut1, limit, num_ctas,
+    Call (jit): ``(mA [M, K], mB, mB2, mOffsets [E+1] int32, mOut0, mOut1, mHq, mHs, limit, num_ctas,
     stream)``. ``mB``: [E, N, K] (``b_major="k"``) or [E, K1, N] (``"mn"``); ``mB2``: None,
     or (``split_b``) the [E, K - K1, N] second part of B along K, or (swiglu) w_up [E, I, K]
-    stacked along N with ``mB`` = w_gate. plain: ``mOut0`` = out [M, N] (``mOut1`` ignored,
-    pass mOut0); swiglu: ``mOut0`` = gu [M, 2, I], ``mOut1`` = h [M, I]; dswiglu: ``mOut0``
-    = dgu, ``mOut1`` = gu, both [M, 2, N]. N (I for swiglu) a multiple of tile_n (tile_n/2), or
-    with ``n_tail`` of ``N_ALIGN`` (the last n-tile's columns past N: B rows zero-filled by TMA,
-    stores masked or clipped); K1 a multiple of tile_k.
+    stacked along N with ``mB`` = w_gate. ``mOut0 .. mHs``: :class:`GemmOutputs`. N (I for swiglu) a multiple
+    of tile_n (tile_n/2), or with ``n_tail`` of ``N_ALIGN`` (the last n-tile's columns past N: B rows
+    zero-filled by TMA, stores masked or clipped); K1 a multiple of tile_k. ``plain`` and ``swiglu`` store
+    through TMA, ``dswiglu`` by row-masked stores (see the module doc).
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
@@ -678,10 +713,9 @@ class GroupedGemmSm90:
             self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail)
         else:
             self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
-        self.tma_store = cfg.tma_store and epilogue in ("plain", "swiglu")  # dswiglu: masked stores
-        if helpers and not (self.tma_store and self.stack_n and not mx_h):
-            raise ValueError("helpers (h by the producer warpgroup's warps) needs the swiglu epilogue with "
-                             "cfg.tma_store and without mx_h")
+        self.tma_store = epilogue in ("plain", "swiglu")  # dswiglu: masked stores
+        if helpers and not (self.stack_n and not mx_h):
+            raise ValueError("helpers (h by the producer warpgroup's warps) needs the swiglu epilogue without mx_h")
         self.helpers = helpers
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
@@ -695,30 +729,26 @@ class GroupedGemmSm90:
         atom_b2, coord_b2 = None, None
         if cutlass.const_expr(self.split_b or self.stack_n):
             _, _, atom_b2, coord_b2 = ml.make_tma(mA, experts_last(mB2, self.b_major != K_MAJOR), b_half=self.stack_n)
-        atom_c, coord_c = None, None
-        atom_h, coord_h = None, None
+        stores = TmaStores()
         if cutlass.const_expr(self.tma_store and self.stack_n):  # gu [M, 2, I] and h [M, I]
-            atom_c, coord_c = make_tma_store(_ragged_gu(mOut0), self.cfg.tile_m, self.cfg.tile_n // 2)
-            atom_h, coord_h = make_tma_store(_ragged_rows(mOut1), self.cfg.tile_m, self.cfg.tile_n // 2)
+            stores = TmaStores(*make_tma_store(_ragged_gu(mOut0), self.cfg.tile_m, self.cfg.tile_n // 2),
+                               *make_tma_store(_ragged_rows(mOut1), self.cfg.tile_m, self.cfg.tile_n // 2))
         elif cutlass.const_expr(self.tma_store):
-            atom_c, coord_c = make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n)
+            stores = TmaStores(*make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n))
 
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
-        self.kernel(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2, mOffsets, mOut0, mOut1, mHq, mHs, limit,
-                    atom_c, coord_c, atom_h, coord_h).launch(
+        self.kernel(TmaLoads(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2), mOffsets,
+                    GemmOutputs(mOut0, mOut1, mHq, mHs), limit, stores).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
-    def kernel(self, atom_a: cute.CopyAtom, coord_a: cute.Tensor, atom_b: cute.CopyAtom,
-               coord_b: cute.Tensor, atom_b2: cute.CopyAtom, coord_b2: cute.Tensor, mOffsets: cute.Tensor,
-               mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, limit: Float32,
-               atom_c: cute.CopyAtom,
-               coord_c: cute.Tensor, atom_h: cute.CopyAtom, coord_h: cute.Tensor):
+    def kernel(self, loads: TmaLoads, mOffsets: cute.Tensor, outs: GemmOutputs, limit: Float32, stores: TmaStores):
         cfg = self.cfg
-        atoms = [atom_a, atom_b]
+        atom_c, coord_c, atom_h, coord_h = stores
+        atoms = [loads.atom_a, loads.atom_b]
         if cutlass.const_expr(self.split_b or self.stack_n):
-            atoms.append(atom_b2)
+            atoms.append(loads.atom_b2)
         if cutlass.const_expr(self.tma_store):
             atoms.append(atom_c)
             if cutlass.const_expr(self.stack_n):
@@ -729,17 +759,18 @@ class GroupedGemmSm90:
 
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
         num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
-            mOffsets, coord_b.shape[0], b_rows, coord_a.shape[1], cfg.tile_m, cfg.tile_k, self.epi.n_tail)
+            mOffsets, loads.coord_b.shape[0], b_rows, loads.coord_a.shape[1], cfg.tile_m, cfg.tile_k,
+            self.epi.n_tail)
         k_tiles1 = k_tiles
         if cutlass.const_expr(self.split_b):
-            k_tiles1 = coord_b.shape[1] // cfg.tile_k
+            k_tiles1 = loads.coord_b.shape[1] // cfg.tile_k
 
         if warp < THREADS_PER_WG // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.mainloop.produce_grouped(pipe, mOffsets, num_experts, n_tiles, linear, expert, base, grid,
-                                              atom_a, coord_a, sA, atom_b, coord_b, sB, b_rows, k_tiles, atom_b2,
-                                              coord_b2, self.stack_n, k_tiles1 if self.split_b else None)
+                self.mainloop.produce_grouped(pipe, GroupWalk(mOffsets, num_experts, n_tiles, linear, expert, base,
+                                                              grid), loads, sA, sB, b_rows, k_tiles, self.stack_n,
+                                              k_tiles1 if self.split_b else None)
             elif cutlass.const_expr(self.helpers):  # warps 1-3: every tile's h (the MMA warps' FREE waits
                 # match one arrive before the first tile and one after each tile but the last)
                 threads = helper_threads(HELPER_WARPS)
@@ -747,7 +778,7 @@ class GroupedGemmSm90:
                 while expert < num_experts:
                     _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                     cute.arch.barrier(barrier_id=STAGED_BARRIER, number_of_threads=threads)
-                    self.epi.help_h(sC, warp - 1, tidx % 32, row0, rows, n_tile, mOut1, limit)
+                    self.epi.help_h(sC, warp - 1, tidx % 32, row0, rows, n_tile, outs.out1, limit)
                     linear = linear + grid
                     expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
                     if expert < num_experts:
@@ -760,24 +791,21 @@ class GroupedGemmSm90:
             while expert < num_experts:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
-                    self.epi.prefetch(sC, tid, row0, rows, n_tile, mOut1)
+                    self.epi.prefetch(sC, tid, row0, rows, n_tile, outs.out1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
                 if cutlass.const_expr(self.helpers):
                     g_gate, g_up, _ = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     self.epi.stage_for_helpers(thr_mma, acc, sC, tid, atom_c, g_gate, g_up)
                 elif cutlass.const_expr(self.tma_store and self.stack_n):
                     g_gate, g_up, g_h = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
-                    self.epi.run_tma(thr_mma, acc, sC, tid, atom_c, g_gate, g_up, atom_h, g_h, limit,
-                                     row0, rows, n_tile, mHq, mHs)
+                    self.epi.run_tma(thr_mma, acc, sC, tid, SwigluTmaTiles(atom_c, g_gate, g_up, atom_h, g_h), limit,
+                                     row0, rows, n_tile, outs.hq, outs.hs)
                 elif cutlass.const_expr(self.tma_store):
                     gC = rows_tma_tile(coord_c, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     tma_store_tile(thr_mma, acc, sC, tid, atom_c, gC)
-                elif cutlass.const_expr(self.mx_h):
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
-                                 limit, mHq, mHs)
                 else:
-                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, mOut0, mOut1,
-                                 limit)
+                    self.epi.run(self.mainloop.tiled_mma, thr_mma, acc, sC, tid, row0, rows, n_tile, outs.out0,
+                                 outs.out1, limit)
                 linear = linear + grid
                 expert, base = seek(mOffsets, num_experts, cfg.tile_m, n_tiles, linear, expert, base)
             if cutlass.const_expr(self.tma_store):
@@ -826,48 +854,12 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
 
 # ---------------------------------------------------------------- host wrappers
 DEFAULT_CONFIG = MainloopConfig()
-# Process-wide opt-in for the (not yet device-verified) TMA-store epilogues: while on, every
-# launch whose config has ``tma_store=False`` runs with ``tma_store=True`` instead (so callers
-# that use the default config, e.g. the sm90 backend, can be compared in one process).
-# Initial value from ``MOK_CUTE_SM90_TMA_STORE=1``; see :func:`set_tma_store`.
-_tma_store_all = os.environ.get("MOK_CUTE_SM90_TMA_STORE", "1") == "1"
-_with_tma: dict[MainloopConfig, MainloopConfig] = {}
 
 
-def set_tma_store(on: bool) -> bool:
-    """Turn the process-wide TMA-store override on or off; returns the previous setting."""
-    global _tma_store_all
-    prev, _tma_store_all = _tma_store_all, bool(on)
-    return prev
-
-
-# SwiGLU's h by the producer warpgroup's idle warps (``GroupedGemmSm90(helpers=True)``) in every BF16
-# GEMM1 + SwiGLU launch with TMA stores and K >= HELPERS_MIN_K; initial value from ``MOK_CUTE_SWIGLU_HELPERS``
-# (default 1)
-_swiglu_helpers = os.environ.get("MOK_CUTE_SWIGLU_HELPERS", "1") == "1"
-
-
-def set_swiglu_helpers(on: bool) -> bool:
-    """Turn SwiGLU's helper warps on or off for later launches; returns the previous setting."""
-    global _swiglu_helpers
-    prev, _swiglu_helpers = _swiglu_helpers, bool(on)
-    return prev
-
-
-def swiglu_helpers(epilogue: str, cfg: MainloopConfig, mx_h: bool, k: int) -> bool:
-    """Whether a launch of ``epilogue`` with ``cfg`` (after :func:`effective_config`), ``mx_h`` and reduction
-    depth ``k`` runs the helper-warp variant (see :func:`set_swiglu_helpers`)."""
-    return _swiglu_helpers and epilogue == "swiglu" and cfg.tma_store and not mx_h and k >= HELPERS_MIN_K
-
-
-def effective_config(cfg: MainloopConfig) -> MainloopConfig:
-    """``cfg``, or ``cfg`` with ``tma_store=True`` while the process-wide override is on."""
-    if not _tma_store_all or cfg.tma_store:
-        return cfg
-    out = _with_tma.get(cfg)
-    if out is None:
-        out = _with_tma[cfg] = dataclasses.replace(cfg, tma_store=True)
-    return out
+def swiglu_helpers(epilogue: str, mx_h: bool, k: int) -> bool:
+    """Whether a launch of ``epilogue`` with ``mx_h`` and reduction depth ``k`` runs the helper-warp variant:
+    BF16 GEMM1 + SwiGLU without the MXFP8 h copy from K = :data:`HELPERS_MIN_K` (see the module doc)."""
+    return epilogue == "swiglu" and not mx_h and k >= HELPERS_MIN_K
 
 
 def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
@@ -893,21 +885,19 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     return m, k, e
 
 
-def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0, out1, limit: float, n: int,
-            b_major: str = K_MAJOR, w2=None, hq=None, hs=None):
-    """Compile (once per variant) and launch one grouped GEMM on the current stream; ``n`` is
-    the N extent tiled by ``cfg.tile_n``; ``hq``/``hs`` (swiglu only): the MXFP8 copy of h as
-    int32 words [M, I/4] and uint8 scales [M, I/32]. Launches replay a captured graph per
-    argument set (:mod:`mok_cute.dsl.launch`)."""
+def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, outs: GemmOutputs, limit: float, n: int,
+            b_major: str = K_MAJOR, w2=None):
+    """Compile (once per variant) and launch one grouped GEMM on the current stream; ``outs``: the
+    :class:`GemmOutputs` torch tensors (``hq``/``hs``, swiglu only: the MXFP8 copy of h as int32 words
+    [M, I/4] and uint8 scales [M, I/32]); ``n`` is the N extent tiled by ``cfg.tile_n``. Launches replay a
+    captured graph per argument set (:mod:`mok_cute.dsl.launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
-    if epilogue != "dswiglu":  # dswiglu has no TMA-store variant (masked stores)
-        cfg = effective_config(cfg)
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
-    mx_h = hq is not None
+    mx_h = outs.hq is not None
     n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
-    helpers = swiglu_helpers(epilogue, cfg, mx_h, a.shape[1])
+    helpers = swiglu_helpers(epilogue, mx_h, a.shape[1])
     launcher = compile_cached(
         ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
@@ -918,10 +908,11 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, out0
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
-           tensor_key(out0), tensor_key(out1), limit, num_ctas) + ((tensor_key(hq), tensor_key(hs)) if mx_h else ())
+           tensor_key(outs.out0), tensor_key(outs.out1), limit, num_ctas) + (
+               (tensor_key(outs.hq), tensor_key(outs.hs)) if mx_h else ())
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
-        _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32), _Desc(out0), _Desc(out1),
-        _Desc(hq) if mx_h else None, _Desc(hs) if mx_h else None, Float32(limit), Int32(num_ctas), stream))
+        _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32),
+        *(None if t is None else _Desc(t) for t in outs), Float32(limit), Int32(num_ctas), stream))
 
 
 def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
@@ -946,7 +937,7 @@ def _run_gemm(a, offsets, w, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m:
-        _launch("plain", False, cfg, a, w, offsets, out, out, 0.0, n)
+        _launch("plain", False, cfg, a, w, offsets, GemmOutputs(out, out), 0.0, n)
     return out
 
 
@@ -988,7 +979,7 @@ def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: Mai
         hq = torch.empty((m, inter), dtype=torch.float8_e4m3fn, device=x.device)
         hs = torch.empty((m, inter // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if m:
-        _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, gu.view(m, 2, inter), h,
-                0.0 if limit is None else float(limit), 2 * inter, w2=w_up,
-                hq=None if hq is None else hq.view(torch.int32), hs=hs)
+        outs = GemmOutputs(gu.view(m, 2, inter), h, None if hq is None else hq.view(torch.int32), hs)
+        _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, outs, 0.0 if limit is None else float(limit),
+                2 * inter, w2=w_up)
     return (gu, h, hq, hs) if mx_h else (gu, h)

@@ -16,13 +16,9 @@ megakernel) picks the tile coordinates and the epilogue:
 * :func:`acc_to_smem` converts the accumulators and stages the whole tile in shared memory,
   where a pluggable epilogue reads it back (see ``sm90.grouped_gemm``).
 
-Gathered A rows (:meth:`Sm90Mainloop.load_tile_rows`, a pipeline made with ``producers =``
-:data:`GATHER_ARRIVALS`): the whole producer warpgroup copies each A k-tile's rows from
-arbitrary global rows (one per tile row, e.g. the token rows of routed grouped rows) with
-16-byte ``cp.async`` copies into the swizzled stage, completing on the stage's full barrier
-(``cp.async.mbarrier.arrive.noinc``, one per thread) while warp 0 TMA-loads B; tiles loaded by
-TMA alone in such a pipeline add the warpgroup's arrivals in one arrive (``load_tile(...,
-extra_arrivals=THREADS_PER_WG)``).
+Device operand bundles (:class:`typing.NamedTuple`, flattened in field order where a kernel takes them):
+:class:`TmaLoads` (a grouped GEMM's TMA load atoms and coordinates), :class:`GroupWalk` (a CTA's tile walk),
+:class:`SplitB` / :class:`StackedB` (B from two tensors, along K / along N).
 
 Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
 K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:
@@ -35,19 +31,19 @@ in order).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from mok_cute.schedule.group_tiles import seek, tile_coords
 
-SMEM_BYTES = utils.get_smem_capacity_in_bytes("sm_90")
+SMEM_BYTES = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 THREADS_PER_WG = 128
 NUM_CONSUMER_WG = 2
 NUM_THREADS = THREADS_PER_WG * (1 + NUM_CONSUMER_WG)
@@ -55,8 +51,6 @@ NUM_CONSUMER_THREADS = THREADS_PER_WG * NUM_CONSUMER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 _BARRIER_BYTES = 1024  # mbarriers and struct padding
-UNIT = 16  # bytes per cp.async copy of a gathered A row
-GATHER_ARRIVALS = 1 + THREADS_PER_WG  # full-barrier arrivals of a gathered-A pipeline: the TMA thread + the warpgroup
 K_MAJOR = "k"
 MN_MAJOR = "mn"
 _LAYOUT = {K_MAJOR: LayoutEnum.ROW_MAJOR, MN_MAJOR: LayoutEnum.COL_MAJOR}
@@ -71,10 +65,6 @@ class MainloopConfig:
     picks as many ring buffers as fit beside the epilogue's shared memory.
     ``cluster_mn`` is carried for later multicast work; only (1, 1) is implemented.
     ``ab_dtype`` is the operand type (``cutlass.BFloat16``; FP8 e4m3 later).
-    ``tma_store`` (on by default through ``grouped_gemm.effective_config``): epilogues that support it
-    (``plain``, ``swiglu``, wgrad) store the staged tile with asynchronous TMA stores (``cp.async.bulk.tensor``)
-    instead of row-masked 16-byte stores, and wait for it only before the staging buffer
-    is reused by the next tile (other epilogues ignore it).
     """
 
     tile_m: int = 128
@@ -84,7 +74,6 @@ class MainloopConfig:
     cluster_mn: tuple[int, int] = (1, 1)
     ab_dtype: type = cutlass.BFloat16
     acc_dtype: type = cutlass.Float32
-    tma_store: bool = False
 
     def validate(self) -> None:
         if self.tile_m != 128:
@@ -109,7 +98,52 @@ class MainloopConfig:
 
     def key(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, tuple(self.cluster_mn),
-                self.ab_dtype.__name__, self.acc_dtype.__name__) + (("tma_store",) if self.tma_store else ())
+                self.ab_dtype.__name__, self.acc_dtype.__name__)
+
+
+class TmaLoads(NamedTuple):
+    """A grouped GEMM kernel's TMA load atoms and coordinate tensors (:meth:`Sm90Mainloop.make_tma`): A (M, K),
+    B (N, K, E) and B2 (N, K, E), B's second part along K or (gate / up) the upper half of each B tile along N;
+    ``atom_b2`` / ``coord_b2`` None without one. Kernel parameters in this order."""
+
+    atom_a: cute.CopyAtom
+    coord_a: cute.Tensor
+    atom_b: cute.CopyAtom
+    coord_b: cute.Tensor
+    atom_b2: cute.CopyAtom = None
+    coord_b2: cute.Tensor = None
+
+
+class GroupWalk(NamedTuple):
+    """A CTA's persistent walk over a grouped GEMM's tiles (:mod:`mok_cute.schedule.group_tiles`):
+    ``offsets`` int32 [E+1], the expert count, n-tiles per m-tile, and the walk's start (``linear``, ``expert``,
+    ``base``: :func:`~mok_cute.schedule.group_tiles.grouped_start`) and stride ``grid`` (Int32 each)."""
+
+    offsets: cute.Tensor
+    num_experts: cutlass.Int32
+    n_tiles: cutlass.Int32
+    linear: cutlass.Int32
+    expert: cutlass.Int32
+    base: cutlass.Int32
+    grid: cutlass.Int32
+
+
+class SplitB(NamedTuple):
+    """B's second part along K (:meth:`Sm90Mainloop.load_tile`): its TMA atom, its (tile_n, tile_k, k-tiles)
+    coordinate tile and its k-tile count (A's k-tiles past the first part pair with them)."""
+
+    atom: cute.CopyAtom
+    g: cute.Tensor
+    k_tiles: cutlass.Int32
+
+
+class StackedB(NamedTuple):
+    """The upper half of a B tile stacked along N from a second tensor (rows ``[tile_n/2, tile_n)`` of the ring
+    slot, :meth:`Sm90Mainloop.load_tile`): its TMA atom (``make_tma(..., b_half=True)``) and its
+    (tile_n/2, tile_k, k-tiles) coordinate tile."""
+
+    atom: cute.CopyAtom
+    g: cute.Tensor
 
 
 class Sm90Mainloop:
@@ -171,16 +205,14 @@ class Sm90Mainloop:
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
 
-    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None,
-                      producers: int = 1):
+    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None):
         """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): one
-        TMA producer thread (``producers`` full-barrier arrivals per slot: :data:`GATHER_ARRIVALS`
-        for gathered A rows), one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
+        TMA producer thread, one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
         landing per slot) default to this mainloop's ring."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barrier_ptr,
             num_stages=self.stages if stages is None else stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4),
             tx_count=self.tx_bytes if tx_bytes is None else tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -219,13 +251,13 @@ class Sm90Mainloop:
             fields["bulk_mbar"] = cute.struct.MemRange[cutlass.Int64, bulk_barriers]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    def allocate(self, shared_storage, epi, with_storage: bool = False, producers: int = 1):
+    def allocate(self, shared_storage, epi, with_storage: bool = False):
         """In the kernel: allocate ``shared_storage`` (:meth:`shared_storage`), build the ring's
-        pipeline (``producers``: see :meth:`make_pipeline`) and initialise its barriers; returns
+        pipeline (:meth:`make_pipeline`) and initialise its barriers; returns
         ``(pipe, sA, sB, sC)`` (``sC``: the epilogue ``epi``'s view of its buffer), and the
         storage itself with ``with_storage``."""
         storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
-        pipe = self.make_pipeline(storage.barriers.data_ptr(), producers=producers)
+        pipe = self.make_pipeline(storage.barriers.data_ptr())
         sA = storage.sA.get_tensor(self.a_smem_staged.outer, swizzle=self.a_smem_staged.inner)
         sB = storage.sB.get_tensor(self.b_smem_staged.outer, swizzle=self.b_smem_staged.inner)
         sC = epi.smem_tensor(storage.sC)
@@ -239,20 +271,18 @@ class Sm90Mainloop:
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
 
     @cute.jit
-    def produce_grouped(self, pipe, mOffsets: cute.Tensor, num_experts: cutlass.Int32, n_tiles: cutlass.Int32,
-                        linear: cutlass.Int32, expert: cutlass.Int32, base: cutlass.Int32, grid: cutlass.Int32,
-                        atom_a: cute.CopyAtom, coord_a: cute.Tensor, sA: cute.Tensor, atom_b: cute.CopyAtom,
-                        coord_b: cute.Tensor, sB: cute.Tensor, b_rows: cutlass.Constexpr[int], k_tiles: cutlass.Int32,
-                        atom_b2: cute.CopyAtom = None, coord_b2: cute.Tensor = None,
+    def produce_grouped(self, pipe, walk: GroupWalk, loads: TmaLoads, sA: cute.Tensor, sB: cute.Tensor,
+                        b_rows: cutlass.Constexpr[int], k_tiles: cutlass.Int32,
                         stack_n: cutlass.Constexpr[bool] = False, k_tiles1: cutlass.Int32 = None):
-        """Producer warp of a grouped GEMM (rows grouped by expert, ``mOffsets`` [E+1]): walk the
-        persistent tile sequence from (``linear``, ``expert``, ``base``) in steps of ``grid``
-        (:mod:`mok_cute.schedule.group_tiles`, the consumers' sequence) and :meth:`load_tile`
-        each tile's k-tiles: A rows of the tile's expert, B = ``coord_b`` (N, K, E) tiles of
-        ``b_rows`` rows; with ``stack_n`` the B tile's second half comes from ``coord_b2``
-        (gate/up), with ``k_tiles1`` B's k-tiles past ``k_tiles1`` come from ``coord_b2``
-        (split along K). Ends with the pipeline's producer tail."""
+        """Producer warp of a grouped GEMM (rows grouped by expert, ``walk.offsets`` [E+1]): walk the
+        persistent tile sequence ``walk`` (:mod:`mok_cute.schedule.group_tiles`, the consumers' sequence)
+        and :meth:`load_tile` each tile's k-tiles: A rows of the tile's expert, B = ``loads.coord_b``
+        (N, K, E) tiles of ``b_rows`` rows; with ``stack_n`` the B tile's second half comes from
+        ``loads.coord_b2`` (gate/up), with ``k_tiles1`` B's k-tiles past ``k_tiles1`` come from
+        ``loads.coord_b2`` (split along K). Ends with the pipeline's producer tail."""
         cfg = self.cfg
+        mOffsets, num_experts, n_tiles, linear, expert, base, grid = walk
+        atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2 = loads
         state = self.producer_state()
         while expert < num_experts:
             _, n_tile, row0, _ = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
@@ -261,11 +291,11 @@ class Sm90Mainloop:
             if cutlass.const_expr(stack_n):
                 gB_hi = cute.local_tile(coord_b2[(None, None, expert)], (b_rows, cfg.tile_k), (n_tile, None))
                 state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles,
-                                       atom_b_hi=atom_b2, gB_hi=gB_hi)
+                                       b_hi=StackedB(atom_b2, gB_hi))
             elif cutlass.const_expr(k_tiles1 is not None):
                 gB2 = cute.local_tile(coord_b2[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
                 state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles1,
-                                       atom_b2, gB2, k_tiles - k_tiles1)
+                                       SplitB(atom_b2, gB2, k_tiles - k_tiles1))
             else:
                 state = self.load_tile(pipe, state, atom_a, gA, sA, atom_b, gB, sB, k_tiles)
             linear = linear + grid
@@ -278,142 +308,61 @@ class Sm90Mainloop:
     @cute.jit
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
                   atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
-                  atom_b2: cute.CopyAtom = None, gB2: cute.Tensor = None, k_tiles2: cutlass.Int32 = None,
-                  atom_b_hi: cute.CopyAtom = None, gB_hi: cute.Tensor = None,
-                  extra_arrivals: cutlass.Constexpr[int] = 0):
+                  b2: SplitB = None, b_hi: StackedB = None):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
-        ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ k_tiles2]); ``gB``: (tile_n, tile_k,
-        k_tiles); ``sA``/``sB``: the staged ring tensors. With ``atom_b2``/``gB2`` the B
+        ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ b2.k_tiles]); ``gB``: (tile_n, tile_k,
+        k_tiles); ``sA``/``sB``: the staged ring tensors. With ``b2`` (:class:`SplitB`) the B
         operand is the concatenation along K of two tensors: k-tiles ``k_tiles ..
-        k_tiles + k_tiles2 - 1`` of A pair with k-tiles ``0 .. k_tiles2 - 1`` of ``gB2``.
-        With ``atom_b_hi``/``gB_hi`` the B tile is stacked along N from two tensors: rows
+        k_tiles + b2.k_tiles - 1`` of A pair with k-tiles ``0 .. b2.k_tiles - 1`` of ``b2.g``.
+        With ``b_hi`` (:class:`StackedB`) the B tile is stacked along N from two tensors: rows
         ``[0, tile_n/2)`` of the ring slot come from ``gB`` (tile_n/2, tile_k, k_tiles), rows
-        ``[tile_n/2, tile_n)`` from ``gB_hi`` (atoms from ``make_tma(..., b_half=True)``).
-        ``extra_arrivals``: a gathered-A pipeline's other arrivals per slot, added by one thread.
+        ``[tile_n/2, tile_n)`` from ``b_hi.g`` (atoms from ``make_tma(..., b_half=True)``).
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, atom_b_hi, gB_hi)
+        tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, b_hi)
         for k in cutlass.range(k_tiles, unroll=1):
-            bar = self._acquire(pipe, state, extra_arrivals)
+            bar = self._acquire(pipe, state)
             cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-            if cutlass.const_expr(gB_hi is not None):
-                cute.copy(atom_b_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(b_hi is not None):
+                cute.copy(b_hi.atom, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
-        if cutlass.const_expr(gB2 is not None):
-            _, tBgB2 = cpasync.tma_partition(atom_b2, 0, cute.make_layout(1),
-                                             cute.group_modes(sB, 0, 2), cute.group_modes(gB2, 0, 2))
-            for k in cutlass.range(k_tiles2, unroll=1):
-                bar = self._acquire(pipe, state, extra_arrivals)
+        if cutlass.const_expr(b2 is not None):
+            _, tBgB2 = cpasync.tma_partition(b2.atom, 0, cute.make_layout(1),
+                                             cute.group_modes(sB, 0, 2), cute.group_modes(b2.g, 0, 2))
+            for k in cutlass.range(b2.k_tiles, unroll=1):
+                bar = self._acquire(pipe, state)
                 cute.copy(atom_a, tAgA[(None, k_tiles + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(atom_b2, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(b2.atom, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                 pipe.producer_commit(state)
                 state.advance()
         return state
 
     @cute.jit
-    def _acquire(self, pipe, state, extra_arrivals: cutlass.Constexpr[int]):
-        """Producer warp: wait for the slot of ``state``, arrive on its full barrier expecting the stage's
-        bytes (and, in a gathered-A pipeline, the other ``extra_arrivals`` in one counted arrive); returns it."""
+    def _acquire(self, pipe, state):
+        """Producer warp: wait for the slot of ``state`` and arrive on its full barrier expecting the stage's
+        bytes; returns the barrier."""
         pipe.producer_acquire(state)
-        bar = pipe.producer_get_barrier(state)
-        if cutlass.const_expr(extra_arrivals > 0):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
-        return bar
+        return pipe.producer_get_barrier(state)
 
-    def _b_partitions(self, atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, atom_b_hi: cute.CopyAtom = None,
-                      gB_hi: cute.Tensor = None):
-        """TMA partitions ``(tBsB, tBgB, tBsB_hi, tBgB_hi)`` of a B tile: all of it from ``gB``, or (``gB_hi``)
-        stacked along N, rows ``[0, tile_n/2)`` of the slot from ``gB`` and the rest from ``gB_hi`` (the hi
+    def _b_partitions(self, atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, b_hi: StackedB = None):
+        """TMA partitions ``(tBsB, tBgB, tBsB_hi, tBgB_hi)`` of a B tile: all of it from ``gB``, or (``b_hi``)
+        stacked along N, rows ``[0, tile_n/2)`` of the slot from ``gB`` and the rest from ``b_hi.g`` (the hi
         pair None otherwise)."""
         sB_lo, tBsB_hi, tBgB_hi = sB, None, None
-        if gB_hi is not None:
+        if b_hi is not None:
             half_tiler = (self.cfg.tile_n // 2, self.cfg.tile_k, self.stages)
             sB_lo = cute.local_tile(sB, half_tiler, (0, 0, 0))
         tBsB, tBgB = cpasync.tma_partition(atom_b, 0, cute.make_layout(1),
                                            cute.group_modes(sB_lo, 0, 2), cute.group_modes(gB, 0, 2))
-        if gB_hi is not None:
+        if b_hi is not None:
             sB_hi = cute.local_tile(sB, half_tiler, (1, 0, 0))
-            tBsB_hi, tBgB_hi = cpasync.tma_partition(atom_b_hi, 0, cute.make_layout(1),
-                                                     cute.group_modes(sB_hi, 0, 2), cute.group_modes(gB_hi, 0, 2))
+            tBsB_hi, tBgB_hi = cpasync.tma_partition(b_hi.atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(sB_hi, 0, 2), cute.group_modes(b_hi.g, 0, 2))
         return tBsB, tBgB, tBsB_hi, tBgB_hi
-
-    def a_units(self, storage) -> cute.Tensor:
-        """The A stages of ``storage`` (:meth:`shared_storage`) as raw 16-byte units [stages * tile_m * 8, 8]
-        (no swizzle applied: :meth:`load_tile_rows` places each unit where the swizzled layout has it)."""
-        cfg = self.cfg
-        per = UNIT * 8 // cfg.ab_dtype.width
-        return cute.make_tensor(storage.sA.data_ptr(), cute.make_layout(
-            (self.stages * cfg.tile_m * cfg.tile_k // per, per), stride=(per, 1)))
-
-    @cute.jit
-    def gathered_rows(self, tid: cutlass.Int32, rows: cutlass.Int32, src_row):
-        """Producer warpgroup thread ``tid`` (0..127) of a gathered-A tile: the global row index of each
-        tile row it copies (rows ``tid // 8 + 16 j``, j < tile_m / 16; -1 past ``rows``), from
-        ``src_row(r)`` (the tile's row r -> its source row), as an Int32 register tensor."""
-        cfg = self.cfg
-        passes = cfg.tile_m * 8 // THREADS_PER_WG
-        src = cute.make_rmem_tensor((passes,), cutlass.Int32)
-        for j in cutlass.range_constexpr(passes):
-            r = tid // 8 + j * (THREADS_PER_WG // 8)
-            src[j] = cutlass.Int32(-1)
-            if r < rows:
-                src[j] = src_row(r)
-        return src
-
-    @cute.jit
-    def load_tile_rows(self, pipe, state, tid: cutlass.Int32, src: cute.Tensor, base: cutlass.Int64,
-                       row_bytes: cutlass.Int64, sAu: cute.Tensor, atom_b: cute.CopyAtom, gB: cute.Tensor,
-                       sB: cute.Tensor, k_tiles: cutlass.Int32, atom_b_hi: cute.CopyAtom = None,
-                       gB_hi: cute.Tensor = None, tma_warp: cutlass.Constexpr[bool] = False):
-        """Producer warpgroup thread ``tid`` (every one of the 128, in a pipeline of
-        :data:`GATHER_ARRIVALS` producers): the k-tiles of one tile whose A rows are gathered: tile row
-        r is the global row ``src`` (:meth:`gathered_rows`; -1: not copied, the row's stage data is
-        stale and its output rows must be masked) at ``base + row * row_bytes`` (16-byte aligned
-        K-contiguous rows). Per k-tile: wait for the slot, warp 0 (``tma_warp``) arrives expecting
-        B's bytes and TMA-loads B (``gB``, stacked along N with ``gB_hi`` as :meth:`load_tile`), and
-        every thread copies its 16-byte units (unit ``tid % 8`` of its rows; 8 per row, one 128-byte
-        k-tile row) by ``cp.async`` into ``sAu`` (:meth:`a_units`) at their swizzled places (the
-        128-byte swizzle: unit c of row r at ``r * 8 + (c ^ r % 8)``), then arrives on the slot's
-        full barrier when they have landed (``cp.async.mbarrier.arrive.noinc``). Returns the state."""
-        cfg = self.cfg
-        per = UNIT * 8 // cfg.ab_dtype.width  # elements per unit
-        units = cfg.tile_k // per  # units per k-tile row
-        passes = cfg.tile_m * units // THREADS_PER_WG
-        b_bytes = cfg.tile_n * cfg.tile_k * cfg.ab_dtype.width // 8
-        tBsB, tBgB, tBsB_hi, tBgB_hi = None, None, None, None
-        if cutlass.const_expr(tma_warp):
-            tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, atom_b_hi, gB_hi)
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cfg.ab_dtype,
-                                  num_bits_per_copy=UNIT * 8)
-        c = tid % units
-        # the thread's rows all share r % 8 (passes step 16 rows): one swizzled unit column for all of them
-        dst0 = (tid // units) * units + (c ^ (tid // units % 8))
-        col = cutlass.Int64(c * UNIT)
-        for k in cutlass.range(k_tiles, unroll=1):
-            pipe.sync_object_empty.wait(state.index, state.phase)
-            bar = pipe.producer_get_barrier(state)
-            if cutlass.const_expr(tma_warp):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, b_bytes)
-                cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                if cutlass.const_expr(gB_hi is not None):
-                    cute.copy(atom_b_hi, tBgB_hi[(None, k)], tBsB_hi[(None, state.index)], tma_bar_ptr=bar)
-            off = col + cutlass.Int64(k) * cutlass.Int64(cfg.tile_k * cfg.ab_dtype.width // 8)
-            slot0 = state.index * (cfg.tile_m * units) + dst0
-            for j in cutlass.range_constexpr(passes):
-                if src[j] >= 0:
-                    g = cute.make_ptr(cfg.ab_dtype, base + cutlass.Int64(src[j]) * row_bytes + off,
-                                      cute.AddressSpace.gmem, assumed_align=UNIT)
-                    cute.copy(g2s, cute.make_tensor(g, cute.make_layout((per,))),
-                              sAu[slot0 + j * (THREADS_PER_WG // units) * units, None])
-            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-            state.advance()
-        return state
 
     def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):
         """``(thr_mma, tCrA, tCrB, acc)`` for consumer thread ``consumer_tid`` (0..255)."""

@@ -16,30 +16,30 @@ def _clean(rep):
 
 
 @functools.cache
-def _gemm(epilogue: str, n_tail: bool, mx_h: bool = False, tma: bool = False):
+def _gemm(epilogue: str, n_tail: bool, mx_h: bool = False, helpers: bool = False):
     from mok_cute.kernels.sm90 import grouped_gemm as gg
     from mok_cute.kernels.sm90.mainloop import MN_MAJOR
 
     major = MN_MAJOR if epilogue == "dswiglu" else "k"
-    return gg.compile_grouped_gemm(epilogue, clamp=True, cfg=gg.MainloopConfig(tma_store=tma), b_major=major,
-                                   mx_h=mx_h, n_tail=n_tail, inspect=True)[1]
+    return gg.compile_grouped_gemm(epilogue, clamp=True, b_major=major, mx_h=mx_h, n_tail=n_tail, helpers=helpers,
+                                   inspect=True)[1]
 
 
-@pytest.mark.parametrize("epilogue, mx_h, tma", [("plain", False, False), ("swiglu", False, False),
-                                                 ("swiglu", True, False), ("swiglu", True, True),
-                                                 ("dswiglu", False, False)])
-def test_gemm_tail_variants(epilogue, mx_h, tma):
-    """The masked variant compiles clean and differs from the aligned one; a TMA-store epilogue
-    whose only per-thread store is h's MXFP8 copy still differs (that copy is masked)."""
-    rep = _gemm(epilogue, True, mx_h, tma)
+@pytest.mark.parametrize("epilogue, mx_h, helpers", [("plain", False, False), ("swiglu", False, False),
+                                                     ("swiglu", True, False), ("swiglu", False, True),
+                                                     ("dswiglu", False, False)])
+def test_gemm_tail_variants(epilogue, mx_h, helpers):
+    """The tail variant compiles clean and differs from the aligned one: dswiglu masks its stores, swiglu
+    counts its n-tiles up to I's and masks h's per-thread stores (the MXFP8 copy, the helpers' h)."""
+    rep = _gemm(epilogue, True, mx_h, helpers)
     _clean(rep)
-    assert rep.ptx != _gemm(epilogue, False, mx_h, tma).ptx
+    assert rep.ptx != _gemm(epilogue, False, mx_h, helpers).ptx
 
 
 def test_plain_tma_store_needs_no_mask():
     """TMA stores clip N in the unit: the TMA-store plain epilogue's tail variant stores exactly as
     the aligned one (only its tile count rounds up)."""
-    tail, aligned = _gemm("plain", True, tma=True), _gemm("plain", False, tma=True)
+    tail, aligned = _gemm("plain", True), _gemm("plain", False)
     _clean(tail)
     assert aligned.ptx.count("cp.async.bulk.tensor.4d.global.shared") > 0  # the row-bounded TMA store
     for op in ("st.global", "cp.async.bulk.tensor.4d.global.shared"):
@@ -69,7 +69,8 @@ def test_fused_forward_tail_variant(mx):
 def test_fused_backward_tail_variant(kw):
     from mok_cute.kernels.sm90 import fused_bwd
 
-    reps = [fused_bwd.compile_fused_backward_core(True, n_tail=t, inspect=True, **kw)[1] for t in (False, True)]
+    reps = [fused_bwd.compile_fused_backward_core(fused_bwd.BwdVariant(True, n_tail=t, **kw), inspect=True)[1]
+            for t in (False, True)]
     _clean(reps[1])
     assert reps[0].ptx != reps[1].ptx
 
@@ -96,5 +97,5 @@ def test_host_picks_the_tail_variant_only_for_tails(monkeypatch):
     for n in (256, 512, 320, 192):
         with pytest.raises(Stop):
             gg._launch("plain", False, gg.DEFAULT_CONFIG, a, torch.zeros(1, n, 64, dtype=torch.bfloat16), offs,
-                       None, None, 0.0, n)
+                       gg.GemmOutputs(None, None), 0.0, n)
     assert [k[7] for k in keys] == [False, False, True, True]

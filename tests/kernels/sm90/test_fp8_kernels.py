@@ -396,3 +396,81 @@ def test_weights_t_validation(no_launch, ws, match):
 def test_weight_quantizer_validation(no_launch, w, match):
     with pytest.raises((TypeError, ValueError), match=match):
         qf.quantize_fp8_block_weight(w)
+
+
+@pytest.fixture
+def fp8_host(monkeypatch):
+    """fp8_gemm's launch path as on an sm_90a device with 132 SMs (CPU tensors, the device checks of the
+    wrappers off), its compile cache returning a recorder of each launch's flat argument tuple."""
+    from mok_cute.kernels.sm90 import fp8_expert as fx
+    from mok_cute.kernels.sm90 import fp8_gemm as g
+
+    calls, keys = [], []
+    monkeypatch.setattr(g, "device_arch", lambda d: (0, "sm_90a"))
+    monkeypatch.setattr(g, "sm_count", lambda d: 132)
+    monkeypatch.setattr(g, "current_stream", lambda d: "stream")
+    monkeypatch.setattr(g, "compile_cached", lambda key, build: keys.append(key) or (lambda *a: calls.append(a)))
+    for mod in (g, fx):
+        monkeypatch.setattr(mod, "_check_devices", lambda **kw: None)
+    return calls, keys
+
+
+def _packed(x):
+    from mok_cute.dsl.launch import _Desc
+    return (x._keep.data_ptr(), tuple(x._keep.shape)) if isinstance(x, _Desc) else x
+
+
+@pytest.mark.parametrize("which", ["plain", "gemm1", "dswiglu", "dgrad1"])
+def test_fp8_launch_packs_the_kernel_order(fp8_host, which):
+    """launch_fp8_block unpacks its Fp8Operand bundles into Fp8BlockGroupedGemm's call order ``(A, SA^T, B, SB,
+    B2, SB2, offsets, out0, out1, limit, num_ctas, stream)``; B2 / SB2 (w_up and its scales) only for GEMM1."""
+    from mok_cute.kernels.sm90 import fp8_expert as fx
+    from mok_cute.kernels.sm90 import fp8_gemm as g
+
+    calls, keys = fp8_host
+    if which == "plain":
+        a = _expert_args()["dgrad1"]
+        args = dict(a=a["dguq"], a_scales=a["dgu_scales"], offsets=a["offsets"], w=a["w1t_q"], w_scales=a["w1t_s"])
+        out = g.grouped_gemm_fp8_block(**args)
+        ops = [args["a"], None, args["w"], args["w_scales"], None, None, args["offsets"], out, out]
+    else:
+        args = _expert_args()[which]
+        fn = {"gemm1": fx.grouped_gemm1_swiglu_fp8_block, "dswiglu": fx.grouped_dswiglu_dgrad_fp8_block,
+              "dgrad1": fx.grouped_dgrad1_fp8_block}[which]
+        res = fn(**args) if which == "dgrad1" else fn(**args, limit=4.0)
+        m = res[0].shape[0] if which == "gemm1" else res.shape[0]
+        if which == "gemm1":
+            gu, h = res
+            ops = [args["xq"], None, args["wg_q"], args["wg_s"], args["wu_q"], args["wu_s"], args["offsets"],
+                   gu.view(m, 2, -1), h]
+        elif which == "dswiglu":
+            ops = [args["dyq"], None, args["wdt_q"], args["wdt_s"], None, None, args["offsets"], res.view(m, 2, -1),
+                   args["gu"].view(m, 2, -1)]
+        else:
+            ops = [args["dguq"], None, args["w1t_q"], args["w1t_s"], None, None, args["offsets"], res, res]
+    (packed,) = calls
+    want = [None if t is None else (t.data_ptr(), tuple(t.shape)) for t in ops]
+    got = [_packed(x) for x in packed[:9]]
+    got[1] = None  # A's scales: checked in test_fp8_launch_reads_a_scales_transposed
+    assert got == want
+    assert packed[9].value == (0.0 if which in ("plain", "dgrad1") else 4.0) and packed[10].value >= 1
+    assert packed[11] == "stream" and len(packed) == 12
+    assert keys[0][2] == {"plain": "plain", "gemm1": "swiglu", "dswiglu": "dswiglu", "dgrad1": "plain"}[which]
+
+
+@pytest.mark.parametrize("layout", ["transposed-view", "row-major"])
+def test_fp8_launch_reads_a_scales_transposed(fp8_host, layout):
+    """A's scales [M, K/128] are read as their [K/128, M] transpose: a transposed view of contiguous [K/128, M]
+    storage (quantize_fp8_block_act's output) goes in place, a row-major [M, K/128] tensor is copied once."""
+    from mok_cute.kernels.sm90 import fp8_gemm as g
+
+    calls, _ = fp8_host
+    a = _expert_args()["dgrad1"]
+    m, kb = a["dgu_scales"].shape
+    sa = torch.rand(kb, m).t() if layout == "transposed-view" else torch.rand(m, kb)
+    out = torch.empty(m, 256, dtype=torch.bfloat16)
+    g.launch_fp8_block("plain", False, g.DEFAULT_FP8_CONFIG, g.Fp8Operand(a["dguq"], sa),
+                       g.Fp8Operand(a["w1t_q"], a["w1t_s"]), None, a["offsets"], out, out, 0.0, 256)
+    desc = calls[0][1]._keep
+    assert desc.shape == (kb, m) and desc.is_contiguous() and torch.equal(desc, sa.t())
+    assert (desc.data_ptr() == sa.data_ptr()) is (layout == "transposed-view")

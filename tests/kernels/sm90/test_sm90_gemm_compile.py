@@ -13,40 +13,30 @@ from mok_cute.kernels.sm90.grouped_gemm import (
 )
 from mok_cute.kernels.sm90.mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
 
-VARIANTS = {
+N128 = MainloopConfig(tile_n=128)
+VARIANTS = {  # plain, swiglu and wgrad store through TMA (cp.async.bulk), dswiglu by row-masked 16-byte stores
     "plain-n256": lambda: compile_grouped_gemm("plain", inspect=True),
+    "plain-n128": lambda: compile_grouped_gemm("plain", cfg=N128, inspect=True),
     "swiglu": lambda: compile_grouped_gemm("swiglu", inspect=True),
     "swiglu-clamp": lambda: compile_grouped_gemm("swiglu", clamp=True, inspect=True),
-    "plain-n128": lambda: compile_grouped_gemm("plain", cfg=MainloopConfig(tile_n=128), inspect=True),
+    "swiglu-clamp-n128": lambda: compile_grouped_gemm("swiglu", clamp=True, cfg=N128, inspect=True),
+    # h by the producer warpgroup's warps 1-3 (the launches' choice from K = HELPERS_MIN_K)
+    "swiglu-helpers": lambda: compile_grouped_gemm("swiglu", helpers=True, inspect=True),
+    "swiglu-clamp-helpers": lambda: compile_grouped_gemm("swiglu", clamp=True, helpers=True, inspect=True),
+    "swiglu-clamp-tail-helpers": lambda: compile_grouped_gemm("swiglu", clamp=True, n_tail=True, helpers=True,
+                                                              inspect=True),
     # backward: GEMM2 dgrad + dSwiGLU (B N-major), GEMM1 dgrad (B split along K), wgrad
     "dswiglu": lambda: compile_grouped_gemm("dswiglu", b_major=MN_MAJOR, inspect=True),
     "dswiglu-clamp": lambda: compile_grouped_gemm("dswiglu", clamp=True, b_major=MN_MAJOR, inspect=True),
     "dgrad1": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
     "wgrad": lambda: compile_grouped_wgrad(inspect=True),
 }
-TMA = MainloopConfig(tma_store=True)
-# opt-in TMA-store epilogues (cfg.tma_store): plain (GEMM2, dgrad1), wgrad, swiglu
-TMA_VARIANTS = {
-    "plain-n256-tma": lambda: compile_grouped_gemm("plain", cfg=TMA, inspect=True),
-    "plain-n128-tma": lambda: compile_grouped_gemm("plain", cfg=MainloopConfig(tile_n=128, tma_store=True),
-                                                   inspect=True),
-    "dgrad1-tma": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, cfg=TMA, inspect=True),
-    "wgrad-tma": lambda: compile_grouped_wgrad(cfg=TMA, inspect=True),
-    "swiglu-tma": lambda: compile_grouped_gemm("swiglu", cfg=TMA, inspect=True),
-    "swiglu-clamp-n128-tma": lambda: compile_grouped_gemm("swiglu", clamp=True,
-                                                          cfg=MainloopConfig(tile_n=128, tma_store=True), inspect=True),
-    "swiglu-mx-tma": lambda: compile_grouped_gemm("swiglu", clamp=True, mx_h=True, cfg=TMA, inspect=True),
-    # h by the producer warpgroup's warps 1-3 (the default from K = HELPERS_MIN_K)
-    "swiglu-helpers-tma": lambda: compile_grouped_gemm("swiglu", cfg=TMA, helpers=True, inspect=True),
-    "swiglu-clamp-tail-helpers-tma": lambda: compile_grouped_gemm("swiglu", clamp=True, n_tail=True, cfg=TMA,
-                                                                  helpers=True, inspect=True),
-}
 MX_VARIANTS = {  # GEMM1 + SwiGLU writing h's MXFP8 copy (quantized where it is produced)
     "swiglu-mx": lambda: compile_grouped_gemm("swiglu", mx_h=True, inspect=True),
-    "swiglu-mx-tma": TMA_VARIANTS["swiglu-mx-tma"],
+    "swiglu-clamp-mx": lambda: compile_grouped_gemm("swiglu", clamp=True, mx_h=True, inspect=True),
 }
-VARIANTS.update(TMA_VARIANTS)
 VARIANTS.update(MX_VARIANTS)
+MASKED = ("dswiglu", "dswiglu-clamp")  # the epilogue without a TMA-store form
 _TMA_STORE = "cp.async.bulk.tensor"  # + ".<n>d.global.shared::cta" (the store direction)
 
 
@@ -65,12 +55,12 @@ def _tma_stores(rep):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_tma_store_only_when_opted_in(name):
-    """tma_store variants store through TMA (async bulk groups, fenced, waited before reuse);
-    the default variants keep the masked 16-byte stores (no TMA store in their PTX)."""
+def test_tma_store_epilogues(name):
+    """plain, swiglu and wgrad store through TMA (async bulk groups, fenced, waited before the staging
+    buffer is reused); dswiglu keeps the row-masked 16-byte stores (no TMA store in its PTX)."""
     rep = _compiled(name)
     stores = _tma_stores(rep)
-    if name in TMA_VARIANTS:
+    if name not in MASKED:
         assert stores and all(".bulk_group" in ln for ln in stores), stores
         assert rep.has("cp.async.bulk.commit_group")
         assert rep.has("cp.async.bulk.wait_group.read")
@@ -79,9 +69,9 @@ def test_tma_store_only_when_opted_in(name):
         assert not stores, stores
 
 
-def test_tma_store_in_compile_key():
+def test_compile_key():
     assert MainloopConfig().key() == (128, 256, 64, 0, (1, 1), "BFloat16", "Float32")
-    assert MainloopConfig(tma_store=True).key() != MainloopConfig().key()
+    assert MainloopConfig(tile_n=128).key() != MainloopConfig().key()
 
 
 def test_ptx_has_wgmma_and_setmaxnreg(report):
@@ -308,21 +298,6 @@ def test_graph_launcher_paths(monkeypatch):
     assert calls[-1] == ("dsl", (1, 2, ("stream", 7))) and L._enabled is False
 
 
-def test_process_wide_tma_store_override():
-    from mok_cute.kernels.sm90 import grouped_gemm as gg
-
-    cfg = MainloopConfig(tile_n=128)
-    prev = gg.set_tma_store(False)
-    try:
-        assert gg.effective_config(cfg) is cfg
-        gg.set_tma_store(True)
-        on = gg.effective_config(cfg)
-        assert on.tma_store and on.tile_n == 128 and gg.effective_config(cfg) is on
-        assert gg.effective_config(on) is on
-    finally:
-        gg.set_tma_store(prev)
-
-
 @pytest.mark.parametrize("name", list(MX_VARIANTS))
 def test_swiglu_mx_h_quantizes_in_the_epilogue(name):
     """The MXFP8 h copy uses the quantize kernels' ops: u16x2 amax, butterfly shuffles over the
@@ -331,7 +306,7 @@ def test_swiglu_mx_h_quantizes_in_the_epilogue(name):
     for inst in ("max.u16x2", "shfl.sync.bfly", "mul.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "st.global.b8"):
         assert rep.has(inst), inst
     assert rep.total_spill_bytes == 0
-    base = _compiled("swiglu-tma" if "tma" in name else "swiglu")
+    base = _compiled(name.replace("-mx", ""))
     assert not base.has("cvt.rn.satfinite.e4m3x2.f32")
 
 
@@ -353,25 +328,184 @@ def test_swiglu_helpers_hand_off(name):
     assert rep.has(f"bar.arrive {gg.FREE_BARRIER}, {n}")
     assert rep.has("st.global.v2.b32")
     assert rep.total_spill_bytes == 0
-    if name == "swiglu-helpers-tma":
-        assert rep.ptx.count("div.rn.f32") < _compiled("swiglu-tma").ptx.count("div.rn.f32")
+    if name in ("swiglu-helpers", "swiglu-clamp-helpers"):
+        without = _compiled(name.replace("-helpers", ""))
+        assert rep.ptx.count("div.rn.f32") < without.ptx.count("div.rn.f32")
+        assert not without.has(f"bar.arrive {gg.FREE_BARRIER}, {n}")
 
 
-def test_swiglu_helpers_rule():
+@pytest.mark.parametrize("epilogue, mx_h, k, helpers", [
+    ("swiglu", False, 2048, True),  # HELPERS_MIN_K: the helpers from here
+    ("swiglu", False, 7168, True),
+    ("swiglu", False, 2048 - 64, False),  # a tile's mainloop shorter than the helpers' h (measured slower)
+    ("swiglu", False, 512, False),
+    ("swiglu", True, 7168, False),  # the MXFP8 h copy: its stores are the MMA warps'
+    ("plain", False, 7168, False),
+    ("dswiglu", False, 7168, False),
+])
+def test_swiglu_helpers_rule(epilogue, mx_h, k, helpers):
+    """The launches' choice of the helper-warp variant (no environment switch: a decided measurement)."""
     from mok_cute.kernels.sm90 import grouped_gemm as gg
-    k = gg.HELPERS_MIN_K
-    prev = gg.set_swiglu_helpers(True)
-    try:
-        assert gg.swiglu_helpers("swiglu", TMA, False, k)
-        assert not gg.swiglu_helpers("swiglu", TMA, False, k - 64)  # the mainloop too short
-        assert not gg.swiglu_helpers("swiglu", MainloopConfig(), False, k)  # masked stores
-        assert not gg.swiglu_helpers("swiglu", TMA, True, k)  # mx_h
-        assert not gg.swiglu_helpers("plain", TMA, False, k)
-        gg.set_swiglu_helpers(False)
-        assert not gg.swiglu_helpers("swiglu", TMA, False, k)
-    finally:
-        gg.set_swiglu_helpers(prev)
+    assert gg.HELPERS_MIN_K == 2048
+    assert gg.swiglu_helpers(epilogue, mx_h, k) is helpers
+
+
+def test_swiglu_helpers_needs_swiglu_without_mx_h():
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
     with pytest.raises(ValueError, match="helpers"):
-        gg.GroupedGemmSm90(MainloopConfig(), "swiglu", helpers=True)
+        gg.GroupedGemmSm90(MainloopConfig(), "plain", helpers=True)
     with pytest.raises(ValueError, match="helpers"):
-        gg.GroupedGemmSm90(TMA, "swiglu", mx_h=True, helpers=True)
+        gg.GroupedGemmSm90(MainloopConfig(), "swiglu", mx_h=True, helpers=True)
+
+
+@pytest.mark.parametrize("var", ["MOK_CUTE_SM90_TMA_STORE", "MOK_CUTE_SWIGLU_HELPERS"])
+def test_decided_switches_left_the_environment(var):
+    """The TMA-store epilogue and SwiGLU's helper warps were measured and decided: neither the kernels' module
+    nor anything else in the package reads their former environment variables."""
+    from pathlib import Path
+
+    import mok_cute
+    root = Path(mok_cute.__file__).parent
+    assert not [p for p in root.rglob("*.py") if var in p.read_text()]
+
+
+class _Recorder:
+    """Stands in for a compiled grouped GEMM's GraphLauncher: records each launch's graph key and the flat
+    argument tuple it packs (the kernel's ``__call__`` order)."""
+
+    def __init__(self):
+        self.keys, self.args = [], []
+
+    def launch(self, dev, stream, key, make_args):
+        self.keys.append(key)
+        self.args.append(make_args("stream"))
+
+
+@pytest.fixture
+def sm90_host(monkeypatch):
+    """grouped_gemm's host path as on an sm_90a device with 132 SMs (CPU tensors), its compile cache returning a
+    :class:`_Recorder`: ``(recorder, compile keys)``."""
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+
+    rec, keys = _Recorder(), []
+    monkeypatch.setattr(gg, "device_arch", lambda d: (0, "sm_90a"))
+    monkeypatch.setattr(gg, "sm_count", lambda d: 132)
+    monkeypatch.setattr(gg, "compile_cached", lambda key, build: keys.append(key) or rec)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    return rec, keys
+
+
+def _arg(x):
+    """A packed launch argument as (data pointer, shape) for a tensor descriptor, else the value itself."""
+    from mok_cute.dsl.launch import _Desc
+    return (x._keep.data_ptr(), tuple(x._keep.shape)) if isinstance(x, _Desc) else x
+
+
+def _t(t):
+    return t.data_ptr(), tuple(t.shape)
+
+
+def _bf(*shape):
+    return torch.randn(*shape).bfloat16()
+
+
+@pytest.mark.parametrize("case", ["plain", "swiglu", "swiglu-mx", "dswiglu", "dgrad1"])
+def test_launch_packs_the_kernel_order(sm90_host, case):
+    """Each host wrapper's launch packs ``(A, B, B2, offsets, out0, out1, hq, hs, limit, num_ctas, stream)``
+    (:class:`GroupedGemmSm90`'s call order; the outputs from one :class:`GemmOutputs`), None where absent."""
+    from mok_cute.kernels.sm90 import expert_bwd as bwd
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+
+    rec, keys = sm90_host
+    m, k, n, e = 300, 2048, 256, 3
+    offs = torch.tensor([0, 100, 100, m], dtype=torch.int32)
+    if case == "plain":
+        a, w = _bf(m, k), _bf(e, n, k)
+        out = gg._run_gemm(a, offs, w)
+        want = [_t(a), _t(w), None, _t(offs), _t(out), _t(out), None, None]
+    elif case.startswith("swiglu"):
+        x, wg, wu = _bf(m, k), _bf(e, n, k), _bf(e, n, k)
+        res = gg._run_gemm1_swiglu(x, offs, wg, wu, 4.0, mx_h=case == "swiglu-mx")
+        gu, h = res[:2]
+        hq = hs = None
+        if case == "swiglu-mx":
+            hq, hs = _t(res[2].view(torch.int32)), _t(res[3])
+            assert res[2].dtype == torch.float8_e4m3fn and res[3].shape == (m, n // 32)
+        want = [_t(x), _t(wg), _t(wu), _t(offs), _t(gu.view(m, 2, n)), _t(h), hq, hs]
+    elif case == "dswiglu":
+        dy, wd, gu = _bf(m, k), _bf(e, k, n), _bf(m, 2 * n)
+        out = bwd._run_dswiglu_dgrad(dy, offs, wd, gu, 4.0)
+        want = [_t(dy), _t(wd), None, _t(offs), _t(out.view(m, 2, n)), _t(gu.view(m, 2, n)), None, None]
+    else:
+        dgu, wg, wu = _bf(m, 2 * n), _bf(e, n, k), _bf(e, n, k)
+        out = bwd._run_dgrad1(dgu, offs, wg, wu)
+        want = [_t(dgu), _t(wg), _t(wu), _t(offs), _t(out), _t(out), None, None]
+    (args,) = rec.args
+    assert [_arg(x) for x in args[:8]] == want
+    assert len(args) == 11 and args[-1] == "stream"
+    assert args[8].value == (0.0 if case in ("plain", "dgrad1") else 4.0) and args[9].value >= 1
+    (key,) = keys
+    assert key[5:9] == (case == "dgrad1", case == "swiglu-mx", False, case == "swiglu")  # split_b, mx_h, tail, helpers
+
+
+@pytest.mark.parametrize("which", ["a", "w", "w2", "offsets", "out0", "out1", "hq", "hs"])
+def test_graph_key_follows_every_tensor(sm90_host, which):
+    """A launch replays a graph captured per argument set: swapping any one tensor of a launch (here GEMM1 +
+    SwiGLU with the MXFP8 h copy) must give a new graph key (a stale key would replay old pointers)."""
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+
+    rec, _ = sm90_host
+    m, k, n, e = 256, 512, 128, 2
+    ops = dict(a=_bf(m, k), w=_bf(e, n, k), w2=_bf(e, n, k), offsets=torch.tensor([0, 100, m], dtype=torch.int32))
+    outs = dict(out0=_bf(m, 2, n), out1=_bf(m, n), hq=torch.zeros(m, n // 4, dtype=torch.int32),
+                hs=torch.zeros(m, n // 32, dtype=torch.uint8))
+
+    def launch():
+        gg._launch("swiglu", True, gg.DEFAULT_CONFIG, ops["a"], ops["w"], ops["offsets"], gg.GemmOutputs(**outs),
+                   4.0, 2 * n, w2=ops["w2"])
+
+    launch()
+    launch()
+    group = ops if which in ops else outs
+    group[which] = group[which].clone()
+    launch()
+    assert rec.keys[0] == rec.keys[1] != rec.keys[2]
+
+
+def _flat_params(fn) -> list[str]:
+    """A kernel's parameters with each operand bundle (a NamedTuple annotation) replaced by its fields: the
+    order of the kernel's flattened parameters, hence of its PTX entry's."""
+    import inspect
+    import typing
+
+    fn = inspect.unwrap(fn)
+    hints = typing.get_type_hints(fn)
+    out = []
+    for name in list(inspect.signature(fn).parameters)[1:]:  # self
+        t = hints.get(name)
+        out += list(t._fields) if isinstance(t, type) and issubclass(t, tuple) else [name]
+    return out
+
+
+def test_kernel_bundles_keep_the_flat_parameter_order():
+    """GroupedGemmSm90's and Fp8BlockGroupedGemm's kernels take operand bundles whose fields, in order, are the
+    flat parameters they replaced (the PTX stays byte-identical up to the entry symbol)."""
+    from mok_cute.kernels.sm90.fp8_gemm import Fp8BlockGroupedGemm
+    from mok_cute.kernels.sm90.grouped_gemm import GroupedGemmSm90
+
+    loads = ["atom_a", "coord_a", "atom_b", "coord_b", "atom_b2", "coord_b2"]
+    assert _flat_params(GroupedGemmSm90.kernel) == loads + [
+        "mOffsets", "out0", "out1", "hq", "hs", "limit", "atom_c", "coord_c", "atom_h", "coord_h"]
+    assert _flat_params(Fp8BlockGroupedGemm.kernel) == loads + [
+        "sa", "sb", "sb2", "mOffsets", "mOut0", "mOut1", "limit"]
+
+
+def test_mainloop_bundles():
+    """The mainloop's device bundles: optional operands default to None (absent at compile time), the tile walk
+    in :func:`~mok_cute.schedule.group_tiles.grouped_start`'s terms."""
+    from mok_cute.kernels.sm90 import mainloop as ml
+
+    assert ml.TmaLoads(1, 2, 3, 4) == (1, 2, 3, 4, None, None)
+    assert ml.GroupWalk._fields == ("offsets", "num_experts", "n_tiles", "linear", "expert", "base", "grid")
+    assert ml.SplitB._fields == ("atom", "g", "k_tiles") and ml.StackedB._fields == ("atom", "g")
+    assert all(c.__doc__ for c in (ml.TmaLoads, ml.GroupWalk, ml.SplitB, ml.StackedB))

@@ -142,3 +142,12 @@ def test_rows_into_round_trip_compiles(reports):
     assert rep.ptx.count("st.global.v4") > plain.ptx.count("st.global.v4")
     with pytest.raises(TypeError, match="bfloat16"):
         kq.compiled_quantize("row_pitched_rt", "sm_90a", torch.float32)
+
+
+def test_ptx_manifest_lists_the_compiled_variants():
+    """tools/ptx_manifest.py's quantize table holds exactly the variants this module compiles (it once listed
+    ``row_pitched_rt`` with fp32 input, which compiled_quantize rejects, and the manifest run stopped there)."""
+    from tools.ptx_manifest import _quant
+
+    names = {n for n in _quant() if n.startswith("quantize/")}
+    assert names == {f"quantize/{kind}-{str(dt)[6:]}@{arch}" for kind, arch, dt in CASES}
