@@ -94,19 +94,12 @@ def step(pkg, inputs, shared, dy, limit, precision, backward: bool = True):
 
 def time_rounds(fns: dict, rounds: int, iters: int) -> dict:
     """Median over ``rounds`` of each fn's mean ms over ``iters`` calls, the fns interleaved per round."""
-    import torch
+    from mok_cute.bench.run import events_ms
 
     out = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            out[name].append(start.elapsed_time(end) / iters)
+            out[name].append(events_ms(fn, iters))
     return {name: statistics.median(v) for name, v in out.items()}
 
 

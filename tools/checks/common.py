@@ -82,16 +82,11 @@ def bench_pipelined_us(fn, warmup: int = 3, iters: int = 10) -> float:
     """Mean time of ``fn()`` in microseconds over ``iters`` back-to-back calls with no sync
     between them (one CUDA-event pair around all): a training step's view, where the host
     enqueues the next call while the GPU runs this one."""
-    for _ in range(warmup):
+    from mok_cute.bench.run import events_ms
+
+    for _ in range(warmup - 1):
         fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / iters
+    return events_ms(fn, iters) * 1e3  # events_ms makes the last warm-up call itself
 
 
 def sm90_skip(ctx: Ctx, check: str) -> list[Row] | None:
