@@ -49,7 +49,8 @@ UNVERIFIED = (
     "the slot sum reading them through the inverse route order; bitwise the slot-buffer variant",
     "fused backward main_grads (accumulate): the W epilogue's fp32 read-add-write of each dW tile "
     "(GroupedGemmSm100._store_accumulate); bitwise start + fp32(dW)",
-    "fused forward tma_gather (MOK_CUTE_SM100_GATHER=tma): R1's rows by TMA tile::gather4 from x into A's MMA "
+    "fused forward gather='tma' (Sm100Launch, a kernel launch parameter): R1's rows by TMA tile::gather4 from x into "
+    "A's MMA "
     "layout (the gather4 atom built on the tile atom's _thrfrg_A projection), 32 issues per k-tile from the TMA "
     "warp: bitwise the comm-gather forward; its speed against the ring",
 )

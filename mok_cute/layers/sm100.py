@@ -2,10 +2,11 @@
 
 Compile-verified only: no Blackwell GPU is available to this project, so this path has
 never run. Forward: GEMM1 + SwiGLU (gu, h), GEMM2; backward: dgrad2 + dSwiGLU, dgrad1, three
-wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call). EP > 1 (opt-in,
-``MOK_CUTE_SM100_FUSED=1``): the fused forward's EP mode (:meth:`Sm100ExpertMLP.fused_forward_ep`),
-the fused EP backward at BF16 (:meth:`Sm100ExpertMLP.backward_fused_ep`), else the unfused EP backward
-of :mod:`mok_cute.layers.ep` over :meth:`Sm100ExpertMLP.backward`.
+wgrads (mok_cute.kernels.sm100.grouped_gemm, whose wrappers validate every call). The layer
+runs the unfused path by default; the fused paths (the fused forward, its EP mode
+:meth:`Sm100ExpertMLP.fused_forward_ep`, the fused backward core, :meth:`Sm100ExpertMLP.backward_fused`,
+:meth:`Sm100ExpertMLP.backward_fused_ep`) and EP > 1 only when the config asks for a path
+(:mod:`mok_cute.layers.paths`).
 
 Precisions "bf16" and "mxfp8". MXFP8 quantizes every GEMM operand along the axes of the
 table in :mod:`mok_cute.reference` with the CuTe quantize kernels, then calls the MXFP8
@@ -33,14 +34,15 @@ the reference quantizers.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from mok_cute.layers.common import (
-    ExpertGroup, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+    ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
 )
+from mok_cute.layers import paths
 from mok_cute.layers.weight_cache import WeightCache
+from mok_cute.config import ForwardPath
 from mok_cute.kernels.sm100 import layouts as lay
 from mok_cute.kernels.sm100.layouts import TokenOperand, pack_token_scales_device, token_rows  # noqa: F401
 from mok_cute.dsl.host import offsets_i32
@@ -107,60 +109,58 @@ def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quan
 FUSED_BWD_TIMEOUT_S = 30.0  # the fused backward core's bounded waits (the sm90 core's default)
 
 
-def _fused_core_ok(g: ExpertGroup, dy_rows) -> bool:
-    """Whether the fused backward core takes these operands: contiguous CUDA rows (elsewhere the
-    unfused path, whose kernels the CPU tests emulate)."""
-    return g.x is not None and dy_rows.is_cuda and all(t.is_contiguous() for t in (dy_rows, g.x, g.gu, g.h))
-
-
 FUSED_CORE_PRECISIONS = ("bf16", "mxfp8")  # the fused backward core's (fused_bwd: BF16 and its mx variant)
+
+
+def fused_tile_m(config) -> int:
+    """The SM100 fused kernels' tile rows for ``config``: its ``tile_m``, 128 (None: the default,
+    ``cta_group::1``) or 256 (``cta_group::2``: CTA pairs run 256-row tiles); ValueError naming
+    ``tile_m`` and the allowed values otherwise. ``config`` None: 128."""
+    from mok_cute.kernels.sm100.fused_moe import check_tile_m
+
+    tile_m = 128 if config is None or config.tile_m is None else config.tile_m
+    check_tile_m(tile_m)
+    return tile_m
+
+
+def fused_launch(config, mx: bool, comm_ctas: int, timeout_s: float, num_ctas: int | None = None,
+                 ring: int | None = None):
+    """The SM100 megakernels' launch policy (:class:`~mok_cute.kernels.sm100.fused_moe.Sm100Launch`)
+    of one call with ``config`` (None: the defaults): ``comm_ctas``, ``timeout_s``, the grid
+    ``num_ctas`` (None: every SM), the forward's ``ring`` chunks, ``mx`` (MXFP8 weight scales are
+    given), ``config.trace`` (resolved by the layer: a bool), :func:`fused_tile_m`, and the EP > 1
+    push by ``cp.async.bulk`` where ``config.comm_transport`` is "bulk" (the kernels ignore it at
+    EP = 1). R1's rows are always gathered by the comm CTAs (``gather="comm"``): the TMA gather4
+    variant has never been measured against it (no Blackwell GPU), so no config field selects it."""
+    from mok_cute.kernels.sm100.fused_moe import Sm100Launch
+
+    return Sm100Launch(comm_ctas, timeout_s, num_ctas, ring, bool(config is not None and config.trace), mx,
+                       tile_m=fused_tile_m(config),
+                       bulk_push=config is not None and config.comm_transport == "bulk")
 
 
 class Sm100ExpertMLP:
     """BF16 / MXFP8 expert MLP on the SM100 kernels (output tiles 256 wide; H, I, I_s any
     multiple of 64: partial last tiles along N are masked, K tails zero-filled)."""
 
-    arch = "sm100"
+    arch = "sm100"  # its row of the path table (mok_cute.layers.paths): what runs fused, in which precisions
     dim_multiple = {"bf16": 64, "mxfp8": 64}
+    strided_weights = False  # its kernels read compact weights (the layer passes contiguous ones)
     precisions = ("bf16", "mxfp8")
+    fused_mx_prologue = False  # BackwardPath.FUSED: the route_grad pass, then backward_tokens
 
     def __init__(self):
         self.weights = WeightCache()
 
-    @property
-    def fused_precisions(self) -> tuple:
-        """The precisions the EP = 1 layer runs through the fused forward
-        (:mod:`mok_cute.kernels.sm100.fused_moe`: BF16 and MXFP8) and, where it takes the group
-        (:data:`FUSED_CORE_PRECISIONS`: BF16 and MXFP8), the fused backward core
-        (:mod:`mok_cute.kernels.sm100.fused_bwd`): opt-in with ``MOK_CUTE_SM100_FUSED=1`` (read at
-        every call) until they have run on a Blackwell GPU; else none (the unfused path)."""
-        return ("bf16", "mxfp8") if os.environ.get("MOK_CUTE_SM100_FUSED", "0") == "1" else ()
-
-    @property
-    def expert_parallel(self) -> bool:
-        """EP > 1 through :mod:`mok_cute.layers.ep` (its forward the fused kernel's EP mode,
-        :meth:`fused_forward_ep`, unless ``MOK_CUTE_FUSED_EP=0``; its backward :meth:`backward_fused_ep`,
-        BF16 and MXFP8, unless ``MOK_CUTE_FUSED_BWD=0``: the unfused EP stages over :meth:`backward`): opted in with
-        ``MOK_CUTE_SM100_FUSED=1`` only, as the fused kernels (never run on a Blackwell GPU)."""
-        return bool(self.fused_precisions)
-
-    @property
-    def ep_precisions(self) -> tuple:
-        """The precisions EP > 1 runs in (``GroupedExpertBackend.check``): those of the fused forward."""
-        return self.fused_precisions
-
-    def _fused_core(self, g: ExpertGroup, dy_rows) -> bool:
-        """Whether the fused backward core runs this backward: opted in, a BF16 / MXFP8 group, operands it takes."""
-        return g.precision in FUSED_CORE_PRECISIONS and g.precision in self.fused_precisions \
-            and _fused_core_ok(g, dy_rows)
-
     def _core_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
-        """``(w_gate, w_up, w_down, {"w_scales": ...} or {})``: the fused core's weights, at MXFP8
-        quantized along their rows' K as :func:`mx_backward` reads them (cached per version)."""
+        """``(ExpertWeights, w_scales or None)``: the fused backward's weights, at MXFP8 quantized
+        along their rows' K as :func:`mx_backward` reads them (cached per version), with their scales."""
+        from mok_cute.kernels.operands import ExpertWeights
+
         if g.precision != "mxfp8":
-            return w_gate, w_up, w_down, {}
+            return ExpertWeights(w_gate, w_up, w_down), None
         (gq, gs), (uq, us), (dq, ds) = (self._qw(w, 1) for w in (w_gate, w_up, w_down))
-        return gq, uq, dq, {"w_scales": (gs, us, ds)}
+        return ExpertWeights(gq, uq, dq), (gs, us, ds)
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                       gate=None):
@@ -169,15 +169,16 @@ class Sm100ExpertMLP:
         kernel's host): the contract of the sm90 MLP's ``fused_forward`` (``(y, gu, h, slot_out, gus,
         hs, s_out)``, gu / h / gus / hs bf16 for the unfused MXFP8 backward; the ring of
         ``ring_chunks`` slots; the kernel's status watched on the device, raised by a later call)."""
+        from mok_cute.kernels.operands import RoutePlan, SharedExpert
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
-        w_gate, w_up, w_down, shared, mx = self._fused_weights(config, w_gate, w_up, w_down, shared)
-        out = fused.fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit,
-                                  config.comm_ctas_fwd(1), config.device_timeout_s,
-                                  ring_chunks=ring_chunks(config, topk_idx), gate=gate, interleave=self._interleaved,
-                                  **mx)
-        watch_status(out[7][-1], first=config.validate_routing)
+        weights, shared, scales = self._fused_weights(config, w_gate, w_up, w_down, shared)
+        launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(1), config.device_timeout_s,
+                              ring=ring_chunks(config, topk_idx))
+        out = fused.fused_forward(x, RoutePlan(order, offsets, topk_idx, topk_w), weights,
+                                  SharedExpert.of(shared, gate), limit, launch, scales, interleave=self._interleaved)
+        watch_status(out.counters[-1], first=config.validate_routing)
         return out[:7]
 
     def fused_forward_ep(self, ws, plan, x, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
@@ -187,30 +188,35 @@ class Sm100ExpertMLP:
         ``fused_forward_ep``: returns ``(y, gu, h, slot_out, gus, hs, w_rows)`` (``slot_out`` this
         rank's slot rows [T*k, H], ``w_rows`` each grouped row's router weight); peer errors are in
         ``ws.status`` (the caller's ``ws.check_status()``); ``num_ctas``: this rank's grid."""
+        from mok_cute.kernels.operands import RoutePlan, SharedExpert
         from mok_cute.kernels.sm100 import fused_moe as fused
 
-        w_gate, w_up, w_down, shared, mx = self._fused_weights(config, w_gate, w_up, w_down, shared)
-        out = fused.fused_forward(x, plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w, w_gate, w_up,
-                                  w_down, shared, limit, config.comm_ctas_fwd(ws.EP), config.device_timeout_s,
-                                  num_ctas=num_ctas, ring_chunks=ring_chunks(config, topk_idx),
-                                  interleave=self._interleaved, ws=ws, **mx)
-        return (*out[:6], out[8])
+        weights, shared, scales = self._fused_weights(config, w_gate, w_up, w_down, shared)
+        launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(ws.EP), config.device_timeout_s,
+                              num_ctas, ring_chunks(config, topk_idx))
+        out = fused.fused_forward(x, RoutePlan(plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w), weights,
+                                  SharedExpert.of(shared), limit, launch, scales, ws=ws, interleave=self._interleaved)
+        return (*out[:6], out.w_rows)
 
     def _fused_weights(self, config, w_gate, w_up, w_down, shared):
-        """``(w_gate, w_up, w_down, shared, mx kwargs)`` as the fused forward reads them in
-        ``config.precision`` (ValueError unless a fused precision): BF16 as given; MXFP8 quantized
-        along their rows as the unfused MXFP8 forward does (cached per version), ``mx`` holding
-        ``w_scales`` [and ``shared_scales``]."""
-        if config.precision not in self.fused_precisions:
-            raise ValueError(f"the sm100 fused forward runs {self.fused_precisions}, not {config.precision!r}")
-        mx = {}
-        if config.precision == "mxfp8":
-            (w_gate, gs), (w_up, us), (w_down, ds) = (self._qw(w, 2) for w in (w_gate, w_up, w_down))
-            mx["w_scales"] = (gs, us, ds)
-            if shared is not None:  # as shared_forward's [1, R, C] weights: the same rows quantized
-                q = [self._qw(w[None], 2) for w in shared]
-                shared, mx["shared_scales"] = tuple(d[0] for d, _ in q), tuple(s[0] for _, s in q)
-        return w_gate, w_up, w_down, shared, mx
+        """``(ExpertWeights, shared weights or None, MxScales or None)`` as the fused forward reads
+        them in ``config.precision`` (ValueError unless a fused precision of the path table): BF16 as
+        given; MXFP8 quantized along their rows as the unfused MXFP8 forward does (cached per
+        version), their scales in the :class:`~mok_cute.kernels.sm100.fused_moe.MxScales`."""
+        from mok_cute.kernels.operands import ExpertWeights
+        from mok_cute.kernels.sm100.fused_moe import MxScales
+
+        fused = paths.runs("sm100", "forward", ForwardPath.FUSED, 1).precisions
+        if config.precision not in fused:
+            raise ValueError(f"the sm100 fused forward runs {fused}, not {config.precision!r}")
+        if config.precision != "mxfp8":
+            return ExpertWeights(w_gate, w_up, w_down), shared, None
+        (w_gate, gs), (w_up, us), (w_down, ds) = (self._qw(w, 2) for w in (w_gate, w_up, w_down))
+        shared_scales = None
+        if shared is not None:  # as shared_forward's [1, R, C] weights: the same rows quantized
+            q = [self._qw(w[None], 2) for w in shared]
+            shared, shared_scales = tuple(d[0] for d, _ in q), tuple(s[0] for _, s in q)
+        return ExpertWeights(w_gate, w_up, w_down), shared, MxScales((gs, us, ds), shared_scales)
 
     def _interleaved(self, w_gate, w_up, half: int):
         """GEMM1's interleaved gate / up weights, or their MXFP8 scales
@@ -234,113 +240,113 @@ class Sm100ExpertMLP:
         gemm1 = functools.partial(k.grouped_gemm1_swiglu, interleave=self._interleaved)
         return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
 
-    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
-        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``: BF16 or MXFP8
-        through the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch) with
-        ``MOK_CUTE_SM100_FUSED=1`` (opt-in until it has run on a Blackwell GPU), else the unfused
-        kernels."""
+    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None):
+        """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; ``fused``: BF16
+        or MXFP8 through the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch;
+        the backward path FUSED, asked for in the config: compile-verified only; its tiles
+        :func:`fused_tile_m` of ``config``), else the unfused kernels."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
-        if self._fused_core(g, dy_rows):
+        if fused:
             from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
-            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
-            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit,
-                                       FUSED_BWD_TIMEOUT_S, **mx)
-
+            g, dy_rows = contiguous_group(g), dy_rows.contiguous()
+            weights, scales = self._core_weights(g, w_gate, w_up, w_down)
+            return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), weights, limit,
+                                       fused_launch(config, scales is not None, 1, FUSED_BWD_TIMEOUT_S),
+                                       w_scales=scales)
         if g.precision == "mxfp8":
             return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)
         return mlp_backward(k.grouped_dswiglu_dgrad, k.grouped_dgrad1, k.grouped_wgrad, g, dy_rows, w_gate, w_up,
                             w_down, limit)
 
 
-    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, order, topk_idx, dx_shared,
-                        dx_add=None, consume: bool = False):
+    def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
+                        config=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
-        in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``order`` [M+] grouped
-        row -> t*k + j, ``topk_idx`` [T, k], ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or
-        None: added to its fp32 start), meant bitwise the unfused scatter and slot sum; None where
-        that launch does not apply (not BF16 / MXFP8, not opted in, operands not contiguous CUDA:
-        then call :meth:`backward`). ``consume`` (the caller gives up dy_rows, g.x, g.gu, g.h): at
-        BF16 dgu is written over gu (the core makes no round trips), at MXFP8 the dx rows over
-        dy_rows."""
-        if not self._fused_core(g, dy_rows):
-            return None
-        if any(a is not None and not a.is_contiguous() for a in (dx_shared, dx_add)):
-            return None
+        in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
+        topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
+        ``dx_shared`` [T, H] or None, ``dx_add`` fp32 [T, H] or None: added to its fp32 start), meant
+        bitwise the unfused scatter and slot sum: the backward
+        path FUSED (asked for in the config), BF16 or MXFP8. ``consume`` (the caller gives up dy_rows,
+        g.x, g.gu, g.h): at BF16 dgu is written over gu (the core makes no round trips), at MXFP8 the
+        dx rows over dy_rows. ``config``: the call's (the core's tiles, :func:`fused_tile_m`)."""
+        if g.precision not in FUSED_CORE_PRECISIONS:
+            raise ValueError(f"the sm100 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
+        order, topk_idx, dx_shared, dx_add = tokens
+        g, dy_rows = contiguous_group(g), dy_rows.contiguous()
+        dx_shared, dx_add = (None if a is None else a.contiguous() for a in (dx_shared, dx_add))
         from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
-        *w, mx = self._core_weights(g, w_gate, w_up, w_down)
-        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), *w, limit, FUSED_BWD_TIMEOUT_S,
-                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, **mx)
+        weights, scales = self._core_weights(g, w_gate, w_up, w_down)
+        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), weights, limit,
+                                   fused_launch(config, scales is not None, 1, FUSED_BWD_TIMEOUT_S),
+                                   tokens=(order, topk_idx, dx_shared, dx_add), w_scales=scales, consume=consume)
 
-    def backward_fused(self, g: ExpertGroup, dy, x, r_rows, order, topk_w, topk_idx, w_gate, w_up, w_down, limit,
-                       rows_by_route: bool, shared_group: ExpertGroup | None = None, shared=None, main_grads=None,
-                       comm_ctas: int = 28):
-        """The whole backward from the layer's tokens in one launch (``fused_bwd.fused_backward``: the
-        route_grad pass, the x gather, the routed and the shared expert's GEMMs, the dx scatter and slot
-        sum), the contract of the sm90 MLP's ``backward_fused``: ``(dx [T, H], d topk_w [T, k], dWg, dWu,
-        dWd, d shared weights or None)``, meant bitwise the unfused backward; with ``main_grads`` (fp32,
-        validated by ``ops.moe``; all contiguous, else the caller adds them) the weight gradients are
-        added into them in the launch and returned as None. MXFP8: the launch's ``mx`` variant (the
-        gathered rows quantized by its comm CTAs), the shared expert's backward before it (its dx the
-        slot sum's start, its weight gradients returned; ``main_grads`` then takes the routed three).
-        None where it does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, operands not
-        contiguous CUDA tensors of the forward's shapes: the layer falls back)."""
-        t, k = topk_idx.shape
-        rows = t * k
-        if rows == 0 or g.precision not in FUSED_CORE_PRECISIONS or g.precision not in self.fused_precisions:
-            return None
-        if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and r_rows.is_contiguous()):
-            return None
-        if r_rows.shape[0] != rows or g.gu.shape[0] < rows or g.h.shape[0] < rows or order.shape[0] != rows:
-            return None
-        from mok_cute.kernels.sm100.fused_bwd import fused_backward
+    def backward_fused(self, st, dy, main_grads=None):
+        """The backward path FUSED_WHOLE (after the fused forward, no output gate: the path table;
+        asked for in the config: compile-verified only): the whole backward from the layer's tokens in
+        one launch (``fused_bwd.fused_backward``: the route_grad pass, the x gather, the routed and the
+        shared expert's GEMMs, the dx scatter and slot sum) from the EP = 1 forward state ``st``
+        (:class:`~mok_cute.layers.common.LocalState`), the contract of the sm90 MLP's
+        ``backward_fused``: ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or None)``,
+        meant bitwise the unfused backward; with ``main_grads`` (fp32, validated by ``ops.moe``; all
+        contiguous, else the caller adds them) the weight gradients are added into them in the launch
+        and returned as None. MXFP8: the launch's ``mx`` variant (the gathered rows quantized by its
+        comm CTAs), the shared expert's backward before it (its dx the slot sum's start, its weight
+        gradients returned; ``main_grads`` then takes the routed three)."""
+        g, x, r_rows, order = contiguous_group(st.routed), st.x, st.rows, st.order
+        topk_w, topk_idx = st.topk_w, st.topk_idx
+        w_gate, w_up, w_down = st.weights
+        limit, rows_by_route, comm_ctas = st.limit, st.rows_by_route, st.config.comm_sms_bwd
+        shared_group, shared = st.shared_group, st.shared
+        dy, x, r_rows = dy.contiguous(), x.contiguous(), r_rows.contiguous()
+        from mok_cute.kernels.operands import RoutePlan
+        from mok_cute.kernels.sm100.fused_bwd import ForwardSaved, fused_backward
 
         if main_grads is not None and not all(mg.is_contiguous() for mg in main_grads):
             main_grads = None  # the caller adds them
+        weights, scales = self._core_weights(g, w_gate, w_up, w_down)
+        plan = RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous())
+        saved = ForwardSaved(g.gu, g.h, r_rows, rows_by_route)
+        launch = fused_launch(st.config, scales is not None, comm_ctas, FUSED_BWD_TIMEOUT_S)
         if g.precision == "mxfp8":
-            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
-            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
-            out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu,
-                                 g.h, *w, limit, None if dxs is None else dxs.contiguous(), rows_by_route, comm_ctas,
-                                 FUSED_BWD_TIMEOUT_S, main_grads=None if main_grads is None else main_grads[:3], **mx)
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
+            out = fused_backward(dy, x, plan, saved, weights, limit, launch,
+                                 dx_shared=None if dxs is None else dxs.contiguous(),
+                                 main_grads=None if main_grads is None else main_grads[:3], w_scales=scales)
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared, contiguous=True)
-        if sh is False:
-            return None
-        out = fused_backward(dy, x, r_rows, order, topk_w.contiguous(), topk_idx, offsets_i32(g.offsets), g.gu, g.h,
-                             w_gate, w_up, w_down, limit, None, rows_by_route, comm_ctas, FUSED_BWD_TIMEOUT_S,
-                             shared=sh, main_grads=main_grads)
+        out = fused_backward(dy, x, plan, saved, weights, limit, launch, shared=sh, main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
-    def backward_fused_ep(self, ws, plan, g: ExpertGroup, dy, x, slot_rows, w_rows, topk_idx, w_gate, w_up, w_down,
-                          limit, shared_group: ExpertGroup | None = None, shared=None, comm_ctas: int = 16,
-                          num_ctas: int | None = None):
-        """The whole backward at EP > 1 in one launch per rank (``fused_bwd.fused_backward_ep``; collective
-        over ``ws``'s ranks), the contract of the sm90 MLP's ``backward_fused_ep``: ``(dx [T, H], d topk_w
-        [T, k], dWg, dWu, dWd, d shared weights or None)``, meant the unfused EP backward's with d topk_w a
-        fixed-order fp32 sum (``slot_rows``: this rank's [T, k, H] or [T*k, H] slot rows of the forward);
-        MXFP8 as :meth:`backward_fused`'s (the shared expert's backward before the launch). None where it
-        does not apply (not opted in with ``MOK_CUTE_SM100_FUSED=1``, operands not contiguous CUDA
-        tensors), the same answer on every rank. The caller checks ``ws``'s status."""
+    def backward_fused_ep(self, st, dy):
+        """The backward path FUSED (or FUSED_WHOLE: the same launch) at EP > 1 after the fused forward
+        (asked for in the config: compile-verified only): the whole backward in one launch per rank
+        (``fused_bwd.fused_backward_ep``; collective over the workspace's ranks) from the EP forward
+        state ``st`` (:class:`~mok_cute.layers.common.EPState`), the contract of the sm90 MLP's
+        ``backward_fused_ep``: ``(dx [T, H], d topk_w [T, k], dWg, dWu, dWd, d shared weights or
+        None)``, meant the unfused EP backward's with d topk_w a fixed-order fp32 sum; MXFP8 as
+        :meth:`backward_fused`'s (the shared expert's backward before the launch). The caller checks
+        the workspace's status."""
+        ws, plan, g, x, w_rows, topk_idx = st.ws, st.plan, contiguous_group(st.routed), st.x, st.w_rows, st.topk_idx
+        w_gate, w_up, w_down = st.weights
+        limit, shared_group, shared = st.limit, st.shared_group, st.shared
+        comm_ctas, num_ctas = st.config.comm_sms_bwd, ws.grid_ctas
+        dy, x, slot_rows = dy.contiguous(), x.contiguous(), st.slot_out.contiguous()
         t, k = topk_idx.shape
-        if g.precision not in FUSED_CORE_PRECISIONS or g.precision not in self.fused_precisions:
-            return None
-        if not (_fused_core_ok(ExpertGroup(x, g.offsets, g.gu, g.h), dy) and slot_rows.is_contiguous()):
-            return None
-        from mok_cute.kernels.sm100.fused_bwd import fused_backward_ep
+        from mok_cute.kernels.operands import RoutePlan
+        from mok_cute.kernels.sm100.fused_bwd import ForwardSaved, fused_backward_ep
 
+        weights, scales = self._core_weights(g, w_gate, w_up, w_down)
+        route = RoutePlan(plan.recv_src, plan.offsets, topk_idx, None)  # topk_w: per grouped row in w_rows
+        saved = ForwardSaved(g.gu, g.h, slot_rows.view(t * k, -1), False, w_rows)
+        launch = fused_launch(st.config, scales is not None, comm_ctas, ws.timeout_s, num_ctas)
         if g.precision == "mxfp8":
-            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit)
-            *w, mx = self._core_weights(g, w_gate, w_up, w_down)
-            out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, *w,
-                                    limit, comm_ctas, num_ctas, dx_shared=None if dxs is None else dxs.contiguous(),
-                                    **mx)
+            dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
+            out = fused_backward_ep(ws, route, dy, x, saved, weights, limit, launch, w_scales=scales,
+                                    dx_shared=None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared, contiguous=True)
-        if sh is False:
-            return None
-        out = fused_backward_ep(ws, plan, dy, x, slot_rows.view(t * k, -1), w_rows, topk_idx, g.gu, g.h, w_gate,
-                                w_up, w_down, limit, comm_ctas, num_ctas, shared=sh)
+        out = fused_backward_ep(ws, route, dy, x, saved, weights, limit, launch, shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)

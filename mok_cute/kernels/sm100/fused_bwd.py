@@ -46,7 +46,7 @@ quantizers); D2's dSwiGLU epilogue writes dgu's two quantizations instead of bf1
 quantizers' ops: :meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`).
 The weights come quantized from the caller (``layers.sm100.quantize_weight(w, 1)``).
 
-``cta_group::2`` (``tile_m`` 256, :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode`): as in the fused
+``cta_group::2`` (``tile_m`` 256, ``Sm100Launch.tile_m``: ``MoKConfig.tile_m=256``): as in the fused
 forward, every task is a 256-row tile run by a CTA pair (the leader claims it for both through the
 pair's task ring and issues its MMAs; each CTA loads its halves and stores its 128 rows, of dW's rows
 in W), the comm CTAs' chunks are 256-row m-tiles, and both CTAs publish each tile, so every readiness
@@ -64,6 +64,9 @@ says FREE. Every wait's error goes to the workspace's status.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import torch
 
@@ -73,24 +76,28 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
-from mok_cute.comm.peer_rows import PeerRows
+from mok_cute.comm.peer_rows import PeerRows, PeerSections
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
 from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
+from mok_cute.kernels.operands import ExpertWeights, RoutePlan
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.expert_bwd import _expert_k
 from mok_cute.kernels import slot_rows
-from mok_cute.kernels.route_grad_row import gather_chunks
+from mok_cute.kernels.route_grad_row import CommCta, EpPull, GatherRows, RowWalk, gather_chunks
 from mok_cute.kernels.sm90.fused_bwd import (
     _NO_EP, D1_DONE, D2_READY, EP_SECTIONS, ROWS_READY, SUM_BATCH, X_UNROLL, _split, describe, grouped_rows,
 )
 from mok_cute.kernels.sm100.fused_moe import (
-    _BULK_PTX, _PAIR_PTX, PUSH_FIELD, bulk_push_mode, check_push_fits, pair_grid, push_routed, push_routed_bulk,
-    push_staging, store_routed, tile_config, tile_m_mode,
+    _BULK_PTX, _PAIR_PTX, PUSH_FIELD, Sm100Launch, _check_launch, check_push_fits, check_tile_m, pair_grid,
+    push_routed, push_routed_bulk, push_staging, store_routed, tile_config,
 )
 from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.bundles import (
+    BwdGather, BwdGroup, BwdMx, BwdPeer, BwdScalars, BwdTokens, GatherPass, launch_bundles, present,
+)
 from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_CONFIG, GroupedGemmSm100, _check_gate_up_scales, _check_scales, _check_weight, _fake_sf,
 )
@@ -113,42 +120,68 @@ _VEC = 8  # bf16 elements per 16-byte vector
 _FP8 = torch.float8_e4m3fn
 
 
-class FusedMoeBwdSm100:
-    """The persistent routed backward core (see the module doc); ``clamp``: SwiGLU limit given;
-    ``tokens``: D1 rows to their (token, slot) rows and the dx slot sum in the launch, starting
-    from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term; ``mx``: MXFP8 tiles;
-    ``gather``: the routed dy rows, d topk_w and x rows built in the launch by its first
-    ``comm_ctas`` CTAs (``by_route``: the forward's GEMM2 rows in route order); ``shared``: the
-    shared expert's tiles as a second group, its dx the slot sum's ``init``; ``ep``: EP > 1 (the module
-    doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands, None / ignored at EP = 1);
-    ``accumulate``: the weight-gradient tiles added into fp32 main grads (``mDWg`` .. ``mDWd`` and the
-    shared group's ``mSDW*`` fp32: ``main += fp32(bf16(dW))``, Megatron's gradient-accumulation
-    fusion) instead of written as bf16; the whole backward's (``gather``); ``grouped_slots`` (MXFP8
-    tokens, no gather): the D1 rows stay in grouped order in ``mDx`` (the caller's bf16 dy, which no
-    MXFP8 tile reads) and the slot sum reads slot (t, j) at row ``mOrder[t*k + j]`` (the inverse order,
-    ``sm90.fused_bwd.grouped_rows``); ``tile_m`` 256: ``cta_group::2`` tiles run by CTA pairs (the
-    module doc)."""
+@dataclass(frozen=True)
+class BwdVariant:
+    """What changes the fused backward's generated code (with the arch, its compile cache key).
 
-    def __init__(self, clamp: bool, tokens: bool = False, init: bool = False, add: bool = False, mx: bool = False,
-                 gather: bool = False, by_route: bool = False, shared: bool = False, ep: bool = False,
-                 accumulate: bool = False, grouped_slots: bool = False, tile_m: int = 128, bulk_push: bool = False):
-        if (init or add) and not tokens:
+    ``clamp``: SwiGLU limit given; ``tokens``: D1 rows to their (token, slot) rows and the dx slot sum
+    in the launch, starting from fp32(``init``) (else 0) plus, with ``add``, an fp32 [T, H] term;
+    ``mx``: MXFP8 tiles; ``gather``: the routed dy rows, d topk_w and x rows built in the launch by
+    its first ``comm_ctas`` CTAs (``by_route``: the forward's GEMM2 rows in route order); ``shared``:
+    the shared expert's tiles as a second group, its dx the slot sum's ``init``; ``ep``: EP > 1;
+    ``accumulate``: the weight-gradient tiles added into fp32 main grads (``main += fp32(bf16(dW))``,
+    Megatron's gradient-accumulation fusion) instead of written as bf16, the whole backward's
+    (``gather``); ``grouped_slots`` (MXFP8 tokens, no gather): the D1 rows stay in grouped order over
+    the caller's bf16 dy (which no MXFP8 tile reads) and the slot sum reads slot (t, j) at row
+    ``order[t*k + j]`` (the inverse order, ``sm90.fused_bwd.grouped_rows``); ``tile_m`` 128 or 256
+    (``cta_group::2`` tiles run by CTA pairs); ``bulk_push`` (needs ``ep``): D1's rows into the peers
+    by ``cp.async.bulk``."""
+
+    clamp: bool
+    tokens: bool = False
+    init: bool = False
+    add: bool = False
+    mx: bool = False
+    gather: bool = False
+    by_route: bool = False
+    shared: bool = False
+    ep: bool = False
+    accumulate: bool = False
+    grouped_slots: bool = False
+    tile_m: int = 128
+    bulk_push: bool = False
+
+    def __post_init__(self):
+        if (self.init or self.add) and not self.tokens:
             raise ValueError("init / add (terms of the dx slot sum's start) need tokens")
-        if (gather and not tokens) or (by_route and not gather) or (shared and not (gather and init)):
+        if (self.gather and not self.tokens) or (self.by_route and not self.gather) or \
+                (self.shared and not (self.gather and self.init)):
             raise ValueError("gather needs tokens, by_route needs gather, shared needs gather and init (its dx)")
-        if mx and shared:
+        if self.mx and self.shared:
             raise ValueError("mx (the MXFP8 backward) runs the routed experts only: the shared expert's tiles are "
                              "not in its launch")
-        if ep and not (gather and not by_route):
+        if self.ep and not (self.gather and not self.by_route):
             raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
-        if accumulate and not gather:
+        if self.accumulate and not self.gather:
             raise ValueError("accumulate (main grads) is the whole backward's: it needs gather")
-        if grouped_slots and not (mx and tokens and not gather):
+        if self.grouped_slots and not (self.mx and self.tokens and not self.gather):
             raise ValueError("grouped_slots (the dx rows in grouped order over dy) needs mx and tokens without gather")
-        if tile_m not in (128, 256):
-            raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
-        if bulk_push and not ep:
+        check_tile_m(self.tile_m)
+        if self.bulk_push and not self.ep:
             raise ValueError("bulk_push (D1's rows by cp.async.bulk into the peers) needs ep (EP > 1)")
+
+
+class FusedMoeBwdSm100:
+    """The persistent routed backward core of variant ``v`` (:class:`BwdVariant`; see the module doc).
+    ``__call__`` takes the bundles of :mod:`~mok_cute.kernels.sm100.bundles`: :class:`BwdPeer` holds
+    the EP > 1 operands (ignored at EP = 1); with ``accumulate`` the weight gradients of both groups
+    (``dwg`` .. ``dwd``) are the fp32 main grads."""
+
+    def __init__(self, v: BwdVariant):
+        clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots, tile_m, bulk_push = (
+            v.clamp, v.tokens, v.init, v.add, v.mx, v.gather, v.by_route, v.shared, v.ep, v.accumulate,
+            v.grouped_slots, v.tile_m, v.bulk_push)
+        self.variant = v
         self.grouped_slots, self.bulk_push = grouped_slots, bulk_push
         cfg = tile_config(mx, tile_m, bulk_push)
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
@@ -185,23 +218,14 @@ class FusedMoeBwdSm100:
         return cute.struct(type("FusedBwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mWg: cute.Tensor,
-                 mWu: cute.Tensor, mWd: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor, mDWg: cute.Tensor,
-                 mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor, mWords: cute.Tensor,
-                 mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor, mOut: cute.Tensor,
-                 mDysf: cute.Tensor, mWdsf: cute.Tensor, mDgusf: cute.Tensor, mWgusf: cute.Tensor,
-                 mDyt: cute.Tensor, mDytsf: cute.Tensor, mHtsf: cute.Tensor, mDgut: cute.Tensor,
-                 mDgtsf: cute.Tensor, mDutsf: cute.Tensor, mXtsf: cute.Tensor, mDyTok: cute.Tensor,
-                 mXTok: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mDtw: cute.Tensor, mGdy: cute.Tensor,
-                 mDyRows: cute.Tensor, mXRows: cute.Tensor, mSGU: cute.Tensor, mSH: cute.Tensor,
-                 mSWg: cute.Tensor, mSWu: cute.Tensor, mSWd: cute.Tensor,
-                 mSDgu: cute.Tensor, mSDWg: cute.Tensor, mSDWu: cute.Tensor, mSDWd: cute.Tensor,
-                 mSOffsets: cute.Tensor, mSD2: cute.Tensor, k: Int32, comm_ctas: Int32, limit: Float32,
-                 num_ctas: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mStatus: cute.Tensor, me: Int32,
-                 n_ranks: Int32, src_off: Int64, dy_off: Int64, slots_off: Int64, flags_off: Int64,
-                 epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
-        """Tokens variant: ``mDx`` is the slot rows [T*k, H] (rows of -1 slots untouched), ``mOrder``
-        int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
+    def __call__(self, routed: BwdGroup, toks: BwdTokens, mx: BwdMx, gather: BwdGather, shared: BwdGroup,
+                 scalars: BwdScalars, peer: BwdPeer, stream: cuda.CUstream):
+        """Launch on ``stream`` (the bundles of :mod:`~mok_cute.kernels.sm100.bundles`; the kernel gets
+        them less what only this host side reads: the TMA atoms' operands, the grid size, and at EP = 1
+        no ``peer``). Below, ``mX`` names a field of a bundle as the flat kernel parameter it was.
+
+        Tokens variant (``toks``): ``mDx`` (routed.dx) is the slot rows [T*k, H] (rows of -1 slots
+        untouched), ``mOrder`` int32 [M] (grouped row -> t*k + j), ``mIdx`` int32 [T*k] (-1: no expert), ``mInit`` bf16
         [T, H] or None, ``mAdd`` fp32 [T, H] or None, ``mOut`` the dx [T, H]; ``mWords`` then holds
         the done word too (``grouped_slots``: ``mDx`` the caller's dy [M, H], D1 rows in grouped order,
         ``mOrder`` [T*k] t*k + j -> its grouped row). Otherwise those five are None and ``mDx`` is dx
@@ -233,36 +257,39 @@ class FusedMoeBwdSm100:
         epochs; ``mOrder`` [M] packed ``p*T*k + t*k + j``, ``mW`` fp32 [M] each grouped row's router
         weight, ``mR`` [T*k, H] this rank's slot rows of the forward, ``mDx`` the workspace's slot
         section; ``mWords`` then holds the pull and sum arrival words too."""
+        # absent bundles arrive as None (bundles.present): their empty bundles
+        toks, mx = BwdTokens() if toks is None else toks, BwdMx() if mx is None else mx
+        gather, shared = BwdGather() if gather is None else gather, BwdGroup() if shared is None else shared
         md, mw = self.ml_d, self.ml_w
         md.setup()
         mw.setup()
-        tmas = self._tma(mDy, mX, mH, mWg, mWu, mWd, mDgu, mOffsets.shape[0] - 1,
-                         (mDysf, mWdsf, mDgusf, mWgusf, mDyt, mDytsf, mHtsf, mDgut, mDgtsf, mDutsf, mXtsf))
+        tmas = self._tma(routed, routed.offsets.shape[0] - 1, mx)
         s_t = g_t = None
         if cutlass.const_expr(self.shared):
-            tmas = tmas + self._tma(mDyTok, mXTok, mSH, mSWg, mSWu, mSWd, mSDgu, mSOffsets.shape[0] - 1, (None,) * 11)
-            s_t = (mSGU, mSDgu, mInit, mSDWg, mSDWu, mSDWd, mSOffsets, mSD2)
+            tmas = tmas + self._tma(shared._replace(dy=gather.dy_tok, x=gather.x_tok), shared.offsets.shape[0] - 1,
+                                    BwdMx())
+            s_t = shared._replace(dy=None, x=None, h=None, w_gate=None, w_up=None, w_down=None, dx=toks.init)
         if cutlass.const_expr(self.gather):
-            g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDy, mX, comm_ctas, None)
+            g_t = GatherPass(*gather[:6], routed.dy, routed.x, scalars.comm_ctas, None)
             if cutlass.const_expr(self.mx):  # the bf16 rows, then their MXFP8 operands
-                g_t = (mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas,
-                       (mDy, mDysf, mDyt, mDytsf, mX, mXtsf))
+                g_t = GatherPass(*gather, scalars.comm_ctas,
+                                 (routed.dy, mx.dy_sf, mx.dy_t, mx.dy_tsf, routed.x, mx.x_tsf))
         self.shared_storage = self._storage()
-        peer = []  # EP = 1: no kernel parameters for the workspace
-        if cutlass.const_expr(self.ep):
-            peer = [mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push]
-        self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2,
-                    mWords, mOrder, mIdx, mInit, mAdd, mOut, mDgusf, mDgut, mDgtsf, mDutsf, k, limit,
-                    timeout_ns, s_t, g_t, peer).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
+        self.kernel([t[0] for t in tmas], [t[1] for t in tmas],
+                    routed._replace(dy=None, x=None, h=None, w_gate=None, w_up=None, w_down=None), toks,
+                    mx._replace(dy_sf=None, wd_sf=None, wgu_sf=None, dy_t=None, dy_tsf=None, h_tsf=None, x_tsf=None),
+                    scalars._replace(comm_ctas=None, num_ctas=None), s_t, g_t,
+                    peer if cutlass.const_expr(self.ep) else None).launch(
+            grid=[scalars.num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
             stream=stream)
 
-    def _tma(self, mDy, mX, mH, mWg, mWu, mWd, mDgu, e, mx_ops):
-        """One group's TMA (atom, coordinates) pairs (p = self.per: A, B[, SFA, SFB]): D2 (dy,
+    def _tma(self, g: BwdGroup, e, mx_ops: BwdMx):
+        """Group ``g``'s TMA (atom, coordinates) pairs (p = self.per: A, B[, SFA, SFB]): D2 (dy,
         w_down) from 0, D1 (dg, w_gate) from p and its second part (du, w_up) at 2p, dWd (dy, h) from
         2p + 2, dWg (dg, x) from 3p + 2, dWu's du [and its scales] from 4p + 2 (its x operands:
-        dWg's); ``e`` experts, ``mx_ops``: ``__call__``'s eleven MXFP8 tensors (None each for BF16)."""
+        dWg's); ``e`` experts, ``mx_ops``: the MXFP8 tensors (None each for BF16)."""
         md, mw = self.ml_d, self.ml_w
+        mDy, mX, mH, mWg, mWu, mWd, mDgu = g.dy, g.x, g.h, g.w_gate, g.w_up, g.w_down, g.dgu
         mDysf, mWdsf, mDgusf, mWgusf, mDyt, mDytsf, mHtsf, mDgut, mDgtsf, mDutsf, mXtsf = mx_ops
         dgt = mDgut if cutlass.const_expr(self.mx) else mDgu  # the wgrads' dg / du (MXFP8: along tokens)
         dg, du = dgt[(None, 0, None)], dgt[(None, 1, None)]
@@ -281,23 +308,21 @@ class FusedMoeBwdSm100:
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, atoms: list, coords: list, mGU: cute.Tensor, mDgu: cute.Tensor, mDx: cute.Tensor,
-               mDWg: cute.Tensor, mDWu: cute.Tensor, mDWd: cute.Tensor, mOffsets: cute.Tensor, mD2: cute.Tensor,
-               mWords: cute.Tensor, mOrder: cute.Tensor, mIdx: cute.Tensor, mInit: cute.Tensor, mAdd: cute.Tensor,
-               mOut: cute.Tensor, mDgusf: cute.Tensor, mDgut: cute.Tensor, mDgtsf: cute.Tensor, mDutsf: cute.Tensor,
-               k: Int32, limit: Float32, timeout_ns: Int64, s_t: tuple, g_t: tuple, peer: list):
+    def kernel(self, atoms: list, coords: list, routed_t: BwdGroup, toks: BwdTokens, mx: BwdMx, scalars: BwdScalars,
+               s_t: BwdGroup, g_t: GatherPass, peer: BwdPeer):
+        mDx, mWords = routed_t.dx, routed_t.words
+        mOrder, mIdx, mInit, mAdd, mOut = toks
+        k, _, limit, _, timeout_ns = scalars
         cfg, md, mw = self.cfg, self.ml_d, self.ml_w
         md.setup()
         mw.setup()
-        warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem = task_ring.kernel_start(
-            md, atoms, self.shared_storage)
+        warp, tidx, storage, pipes = task_ring.kernel_start(md, atoms, self.shared_storage)
         smem = md.smem_tensors(storage) + mw.smem_tensors(storage)  # sA, sB, sSFA, sSFB of each (SF: MXFP8)
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cg, 1))
         cta_v = cute.arch.block_idx()[0] % self.cg  # this CTA's half of a cta_group::2 tile (0: the leader)
 
         n_r = len(atoms) // 2 if cutlass.const_expr(self.shared) else len(atoms)  # the routed group's atoms
-        routed = _Group(cfg, atoms[:n_r], coords[:n_r], (mGU, mDgu, mDx, mDWg, mDWu, mDWd, mOffsets, mD2),
-                        self.gather, self.tokens)
+        routed = _Group(cfg, atoms[:n_r], coords[:n_r], routed_t, self.gather, self.tokens)
         shared = None
         n_tasks, n_done = routed.dims[0], routed.n_d1  # the tasks, the D1 tiles the slot sum waits for
         if cutlass.const_expr(self.shared):
@@ -307,10 +332,10 @@ class FusedMoeBwdSm100:
         if cutlass.const_expr(self.ep):
             mPeer, mStatus, me, n_ranks, src_off, dy_off, slots_off, flags_off, epoch_pull, epoch_push = peer
             status = mStatus.iterator  # every wait's error: the workspace's status
-            ep = PeerRows(mPeer, g_t[3], me, n_ranks, src_off, slots_off, Int64(0), flags_off, epoch_pull,
-                          epoch_push, mIdx.shape[0], timeout_ns, status)
-            ep_dy = PeerRows(mPeer, g_t[3], me, n_ranks, dy_off, slots_off, Int64(0), flags_off, epoch_pull,
-                             epoch_push, mIdx.shape[0], timeout_ns, status)
+            ep = PeerRows(mPeer, g_t[3], me, n_ranks, PeerSections(src_off, slots_off, Int64(0), flags_off),
+                          epoch_pull, epoch_push, mIdx.shape[0], timeout_ns, status)
+            ep_dy = PeerRows(mPeer, g_t[3], me, n_ranks, PeerSections(dy_off, slots_off, Int64(0), flags_off),
+                             epoch_pull, epoch_push, mIdx.shape[0], timeout_ns, status)
         gdy = None
         if cutlass.const_expr(self.gather):
             gdy = g_t[5]
@@ -320,15 +345,15 @@ class FusedMoeBwdSm100:
                 cute.arch.barrier()
 
         if warp == TMA_WARP:
-            self._produce(ab_pipe, task_pipe, sTask, smem, routed, shared, mWords.iterator, n_tasks, gdy,
+            self._produce(pipes, smem, routed, shared, mWords.iterator, n_tasks, gdy,
                           mWords.iterator + 1 if ep is None else ep.status, timeout_ns, cta_v)
         if warp == MMA_WARP:
             if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
-                self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, routed, shared, n_tasks)
+                self._mma(pipes, smem, routed, shared, n_tasks)
         if warp < MMA_WARP:
             sPush = push_staging(storage) if cutlass.const_expr(self.bulk_push) else None
-            self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, routed, shared, n_tasks, limit, mOrder,
-                           mWords.iterator + DONE_WORD, (mDgusf, mDgut, mDgtsf, mDutsf), ep, cta_v, sPush)
+            self._epilogue(pipes, tidx, routed, shared, n_tasks, limit, mOrder, mWords.iterator + DONE_WORD,
+                           (mx.dgu_sf, mx.dgu_t, mx.dg_tsf, mx.du_tsf), ep, cta_v, sPush)
         if cutlass.const_expr(self.tokens):  # every CTA: the dx slot sum, once every D1 tile is stored
             cute.arch.barrier()
             if tidx == 0:
@@ -343,8 +368,9 @@ class FusedMoeBwdSm100:
             if cutlass.const_expr(self.mx):
                 buf = cute.recast_ptr(buf, dtype=cutlass.BFloat16)
             sbuf = cute.make_tensor(buf, cute.make_layout((SUM_BATCH * NUM_THREADS, _VEC), stride=(_VEC, 1)))
-            slot_rows.slot_sum(tidx, bidx, grid, mDx, mInit, mOut, mIdx, None, k, mOut.shape[0], routed.hidden, sbuf,
-                               SUM_BATCH, NUM_THREADS, None, mAdd, None, mOrder if self.grouped_slots else None)
+            sums = slot_rows.SlotSumOperands(mDx, mInit, mOut, mIdx, add=mAdd,
+                                             row=mOrder if self.grouped_slots else None)
+            slot_rows.slot_sum(tidx, bidx, grid, sums, k, mOut.shape[0], routed.hidden, sbuf, SUM_BATCH, NUM_THREADS)
             if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
                 ep.close_push(tidx, mWords.iterator + SUMMED_WORD, grid)
         task_ring.pair_exit(self.cg)
@@ -355,7 +381,8 @@ class FusedMoeBwdSm100:
         role's cursors ``cur``: ``(phase, expert, n_tile, m_tile, row0, rows, mt, which, cur)``."""
         n_d2, n_d1, n_i, n_h, wd_m, wgu_m = g.dims[1:7]
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
-            t, n_d2, n_d1, n_i, n_h, g.offsets, g.num_experts, self.cfg.tile_m, wd_m, n_i, wgu_m, n_h, *cur)
+            t, tasks.CoreDims(n_d2, n_d1, n_i, n_h, wd_m, n_i, wgu_m, n_h), g.offsets, g.num_experts, self.cfg.tile_m,
+            cur)
         return phase, expert, n_tile, m_tile, row0, rows, mt, which, (e1, b1, e2, b2)
 
     # ------------------------------------------------------------------ roles
@@ -369,18 +396,21 @@ class FusedMoeBwdSm100:
         ``counters + PULLED_WORD`` says DONE, d topk_w of this rank's routes; ``mx``: each m-tile
         quantized, :func:`~mok_cute.kernels.sm100.mx_gather.quantize_tile`)."""
         mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows, comm_ctas, mx_ops = g_t
-        gather_chunks(tidx, bidx, comm_ctas, g.mt, g.offsets, g.num_experts, mOrder, mIdx, mDyTok, mXTok, mR, mW, mDtw,
-                      mDyRows, mXRows, mGdy, k, g.hidden, ep, ep_dy, counters, PULLED_WORD, None, self.cfg.tile_m,
-                      NUM_THREADS, X_UNROLL, self.by_route, (quantize_tile, mx_ops) if self.mx else None)
+        gather_chunks(CommCta(tidx, bidx, comm_ctas, NUM_THREADS),
+                      RowWalk(g.mt, g.offsets, g.num_experts, mOrder, mIdx, k, g.hidden, self.cfg.tile_m),
+                      GatherRows(mDyTok, mXTok, mR, mW, mDtw, mGdy, mDyRows, mXRows),
+                      None if ep is None else EpPull(ep, ep_dy, counters, PULLED_WORD), None, X_UNROLL, self.by_route,
+                      (quantize_tile, mx_ops) if self.mx else None)
 
     @cute.jit
-    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, views, routed, shared, ticket: cute.Pointer,
-                 n_tasks: Int32, gdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, cta_v: Int32):
+    def _produce(self, pipes: task_ring.Pipes, views, routed, shared, ticket: cute.Pointer, n_tasks: Int32,
+                 gdy: cute.Tensor, status: cute.Pointer, timeout_ns: Int64, cta_v: Int32):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
         for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop). With a
         shared group, list task t is ``fused_bwd90._split``'s (group, task). ``cta_group::2``: the
         leader claims for the pair, the peer takes its ids (:func:`task_ring.next_task`), each loads
         its halves (``cta_v``)."""
+        ab_pipe, task_pipe, sTask = pipes.ab, pipes.task, pipes.sTask
         r_parts = self._parts(routed, views, cta_v)
         s_parts = self._parts(shared, views, cta_v) if cutlass.const_expr(self.shared) else None
         state = self.ml_d.producer_state()
@@ -488,8 +518,8 @@ class FusedMoeBwdSm100:
                     ready_g = expert
             w0 = 2 * p + 2  # dWd's atoms, then dWg's, dWu's
             if which == WD:
-                state = self._load_w(ab_pipe, state, atoms, coords, (w0, w0 + 1, w0 + 2, w0 + 3), views[4:], lo,
-                                     length, m_tile, n_tile, kt, expert, cta_v)
+                state = self._load_w(ab_pipe, state, (atoms, coords, views[4:]), (w0, w0 + 1, w0 + 2, w0 + 3),
+                                     (lo, length), (m_tile, n_tile, kt, expert), cta_v)
             else:
                 if expert != ready_e:  # once per expert and CTA: its tickets only grow
                     first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
@@ -500,11 +530,12 @@ class FusedMoeBwdSm100:
                     ready_e = expert
                 wg = w0 + p
                 if which == WG:
-                    state = self._load_w(ab_pipe, state, atoms, coords, (wg, wg + 1, wg + 2, wg + 3), views[4:],
-                                         lo, length, m_tile, n_tile, kt, expert, cta_v)
+                    state = self._load_w(ab_pipe, state, (atoms, coords, views[4:]), (wg, wg + 1, wg + 2, wg + 3),
+                                         (lo, length), (m_tile, n_tile, kt, expert), cta_v)
                 else:
-                    state = self._load_w(ab_pipe, state, atoms, coords, (wg + p, wg + 1, wg + p + 1, wg + 3),
-                                         views[4:], lo, length, m_tile, n_tile, kt, expert, cta_v)
+                    state = self._load_w(ab_pipe, state, (atoms, coords, views[4:]),
+                                         (wg + p, wg + 1, wg + p + 1, wg + 3), (lo, length),
+                                         (m_tile, n_tile, kt, expert), cta_v)
         return state, (ready_e, ready_g)
 
     @cute.jit
@@ -524,11 +555,14 @@ class FusedMoeBwdSm100:
         return sfa, sf[1][(None, n_tile, None, expert)]
 
     @cute.jit
-    def _load_w(self, ab_pipe, state, atoms, coords, idx, smem, lo: Int32, length: Int32, m_tile: Int32,
-                n_tile: Int32, kt: Int32, expert: Int32, cta_v: Int32):
-        """TMA warp: the k-tiles of weight-gradient tile (m_tile, n_tile) over the expert's rows
-        ``lo .. lo + length`` (the unfused wgrad's ragged views; ``idx``: the atoms of A, B[, SFA,
-        SFB], MXFP8: scale k-tiles from the expert's first, ``lo // 128 + e``); returns the state."""
+    def _load_w(self, ab_pipe, state, tma: tuple, idx: tuple, rows: tuple, tile: tuple, cta_v: Int32):
+        """TMA warp: the ``kt`` k-tiles of weight-gradient tile (m_tile, n_tile) of ``expert`` (``tile`` =
+        (m_tile, n_tile, kt, expert)) over the expert's rows ``lo .. lo + length`` (``rows``; the unfused
+        wgrad's ragged views; ``tma`` = (atoms, coords, smem); ``idx``: the atoms of A, B[, SFA, SFB],
+        MXFP8: scale k-tiles from the expert's first, ``lo // 128 + e``); returns the state."""
+        atoms, coords, smem = tma
+        lo, length = rows
+        m_tile, n_tile, kt, expert = tile
         cfg, mw = self.cfg, self.ml_w
         atom_a, atom_b = atoms[idx[0]], atoms[idx[1]]
         gA = cute.local_tile(_expert_k(coords[idx[0]], lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
@@ -549,9 +583,10 @@ class FusedMoeBwdSm100:
         return mw.load_tile(ab_pipe, state, used, srcs, dsts, kt, sf_k0, mw.mcast_masks(cta_v)[:self.per])
 
     @cute.jit
-    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, views, tmem, routed, shared, n_tasks: Int32):
+    def _mma(self, pipes: task_ring.Pipes, views, routed, shared, n_tasks: Int32):
         """MMA warp: each task's tile into the next TMEM accumulator stage (D2, D1: the (K, MN)
         tiled MMA; W: the (MN, MN) one)."""
+        ab_pipe, acc_pipe, task_pipe, sTask, tmem = pipes
         md, mw = self.ml_d, self.ml_w
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
@@ -603,15 +638,15 @@ class FusedMoeBwdSm100:
         return state, mma_d, mma_w
 
     @cute.jit
-    def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, routed, shared, n_tasks: Int32,
-                  limit: Float32, mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep, cta_v: Int32,
-                  sPush: cute.Tensor = None):
+    def _epilogue(self, pipes: task_ring.Pipes, tidx: Int32, routed, shared, n_tasks: Int32, limit: Float32,
+                  mOrder: cute.Tensor, done: cute.Pointer, mx_out, ep, cta_v: Int32, sPush: cute.Tensor = None):
         """Epilogue warps: store each task's accumulator (:meth:`_store`), then publish it
         (:meth:`_publish`). EP > 1: first, every rank must have freed its slot buffer of the previous
         push round (FREE >= epoch - 1: an earlier launch's, so nothing in this one waits for it).
         ``cta_group::2``: this CTA stores rows ``cta_v * 128 ..`` of each tile (its TMEM half) and
         publishes the tile too. ``bulk_push``: D1's rows go to the peers through ``sPush``
         (:func:`~mok_cute.kernels.sm100.fused_moe.push_routed_bulk`)."""
+        _, acc_pipe, task_pipe, sTask, tmem = pipes
         t_atoms = None
         if cutlass.const_expr(self.mx):  # token scales: ceil(M / 128) + E atoms per feature atom row
             t_atoms = (routed.gu.shape[0] + (lay.SF_ATOM_ROWS - 1)) // lay.SF_ATOM_ROWS + routed.num_experts
@@ -728,14 +763,16 @@ class FusedMoeBwdSm100:
 class _Group:
     """One group of the backward's tiles inside the kernel: the routed experts, or (``shared``) the
     shared expert as one expert over the T tokens. ``atoms`` / ``coords``: its TMA atoms and
-    coordinates (:meth:`FusedMoeBwdSm100._tma` order); ``t`` = ``(gu, dgu, dx, dWg, dWu, dWd,
-    offsets, d2)``; ``gather``: its D2 / W tiles wait for the comm CTAs' rows; ``routed``: D1 rows to
+    coordinates (:meth:`FusedMoeBwdSm100._tma` order); ``t``: its :class:`~mok_cute.kernels.sm100.bundles.BwdGroup`
+    (gu, dgu, dx, dWg, dWu, dWd, offsets, d2 read); ``gather``: its D2 / W tiles wait for the comm CTAs'
+    rows; ``routed``: D1 rows to
     their (token, slot) rows. ``dims`` = ``(n_tasks, n_d2, n_d1, n_i, n_h, wd_m, wgu_m, per_e, k_h,
     k_i)``; ``n_d2`` / ``n_d1`` / ``n_w``: its phases' sizes (``fused_bwd90._split``)."""
 
-    def __init__(self, cfg, atoms, coords, t: tuple, gather: bool, routed: bool):
+    def __init__(self, cfg, atoms, coords, t: BwdGroup, gather: bool, routed: bool):
         self.atoms, self.coords, self.gather, self.routed = atoms, coords, gather, routed
-        self.gu, self.dgu, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2 = t
+        self.gu, self.dgu, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2 = (
+            t.gu, t.dgu, t.dx, t.dwg, t.dwu, t.dwd, t.offsets, t.d2)
         self.num_experts = self.offsets.shape[0] - 1
         self.hidden = self.dx.shape[1]
         inter = self.gu.shape[2]
@@ -755,24 +792,14 @@ class _Group:
 
 
 # ---------------------------------------------------------------- compile
-def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool = False, add: bool = False,
-                                 mx: bool = False, gather: bool = False, by_route: bool = False, shared: bool = False,
-                                 ep: bool = False, accumulate: bool = False, *, grouped_slots: bool = False,
-                                 tile_m: int = 128, bulk_push: bool = False, arch: str = "sm_100a",
-                                 inspect: bool = False):
-    """Compile the routed core with symbolic M, T, T*k, H, I, I_s, E for ``arch`` (sm_100a / sm_103a;
-    ``tokens``: the dx scatter and slot sum in the launch, ``init`` / ``add``: its bf16 / fp32
-    start terms, need ``tokens``; ``mx``: MXFP8; ``gather``: the routed dy rows, d topk_w and x
-    rows in the launch, ``by_route``: the GEMM2 rows in route order; ``shared``: the shared
-    expert's tiles, its dx the slot sum's ``init``; ``ep``: EP > 1, the rows pulled and pushed
-    through the workspace; ``accumulate``: the weight gradients added into fp32 main grads;
-    ``grouped_slots``: the MXFP8 tokens variant's dx rows over dy, see the kernel class; ``tile_m`` 256:
-    ``cta_group::2`` tiles; ``bulk_push``: D1's pushes by ``cp.async.bulk``, needs ``ep``); returns
-    ``(compiled, report)``."""
+def compile_fused_backward_sm100(v: BwdVariant, arch: str = "sm_100a", inspect: bool = False):
+    """Compile variant ``v`` (:class:`BwdVariant`) with symbolic M, T, T*k, H, I, I_s, E for ``arch``
+    (sm_100a / sm_103a); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs arch in {ARCHS}, got {arch!r}")
-    op = FusedMoeBwdSm100(clamp, tokens, init, add, mx, gather, by_route, shared, ep, accumulate, grouped_slots,
-                          tile_m, bulk_push)
+    op = FusedMoeBwdSm100(v)
+    tokens, init, add, mx, gather, shared, ep, accumulate, grouped_slots = (
+        v.tokens, v.init, v.add, v.mx, v.gather, v.shared, v.ep, v.accumulate, v.grouped_slots)
     bf = cutlass.BFloat16
     dw = Float32 if accumulate else bf  # the weight gradients' element type
     q = cutlass.Float8E4M3FN if mx else bf  # the GEMM operands
@@ -783,42 +810,76 @@ def compile_fused_backward_sm100(clamp: bool, tokens: bool = False, init: bool =
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int() if n is None else n,), stride=(1,),
                                              assumed_align=4)
 
-    args = (_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
-            _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
-            _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens and not grouped_slots else m, hid),
-            _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(), vec(), vec())
-    toks = (None,) * 5
+    routed = BwdGroup(_fake_2d(q, m, hid), _fake_2d(q, m, hid), _fake_3d(bf, m, two, inter), _fake_2d(q, m, inter),
+                      _fake_3d(q, e, inter, hid), _fake_3d(q, e, inter, hid), _fake_3d(q, e, hid, inter),
+                      _fake_3d(q, m, two, inter), _fake_2d(bf, tk if tokens and not grouped_slots else m, hid),
+                      _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(),
+                      vec(), vec())
+    toks = BwdTokens()
     if tokens:
-        toks = (vec(), vec(tk), _fake_2d(bf, t, hid) if init else None, _fake_2d(Float32, t, hid) if add else None,
-                _fake_2d(bf, t, hid))
-    mxs = (None,) * 11
+        toks = BwdTokens(vec(), vec(tk), _fake_2d(bf, t, hid) if init else None,
+                         _fake_2d(Float32, t, hid) if add else None, _fake_2d(bf, t, hid))
+    mxs = BwdMx()
     if mx:
         sf = MX_CONFIG
-        mxs = (_fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_2d(q, m, hid), _fake_sf(sf),
-               _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
-    rows = (None,) * 8
+        mxs = BwdMx(_fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf), _fake_2d(q, m, hid), _fake_sf(sf),
+                    _fake_sf(sf), _fake_3d(q, m, two, inter), _fake_sf(sf), _fake_sf(sf), _fake_sf(sf))
+    rows = BwdGather()
     if gather:
-        rows = (_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid),
-                vec(m if ep else tk, Float32), vec(tk, Float32), vec(),
-                *((_fake_2d(bf, m, hid), _fake_2d(bf, m, hid)) if mx else (None, None)))
-    sh = (None,) * 11
+        rows = BwdGather(_fake_2d(bf, t, hid), _fake_2d(bf, t, hid), _fake_2d(bf, cute.sym_int(), hid),
+                         vec(m if ep else tk, Float32), vec(tk, Float32), vec(),
+                         *((_fake_2d(bf, m, hid), _fake_2d(bf, m, hid)) if mx else (None, None)))
+    sh = BwdGroup()
     if shared:
         i_s, one = cute.sym_int(divisibility=DIM_MULTIPLE), cute.sym_int()
-        sh = (_fake_3d(bf, t, two, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, i_s, hid),
-              _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), _fake_3d(dw, one, i_s, hid),
-              _fake_3d(dw, one, i_s, hid), _fake_3d(dw, one, hid, i_s), vec(), vec())
-    ep_t = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
-            vec()) if ep else (None, None)
-    return compile_kernel(op, *args, *toks, *mxs, *rows, *sh, Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1),
-                          *ep_t, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+        sh = BwdGroup(None, None, _fake_3d(bf, t, two, i_s), _fake_2d(bf, t, i_s), _fake_3d(bf, one, i_s, hid),
+                      _fake_3d(bf, one, i_s, hid), _fake_3d(bf, one, hid, i_s), _fake_3d(bf, t, two, i_s), None,
+                      _fake_3d(dw, one, i_s, hid), _fake_3d(dw, one, i_s, hid), _fake_3d(dw, one, hid, i_s), vec(),
+                      vec())
+    peer = BwdPeer(*((cute.runtime.make_fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
+                      vec()) if ep else (None, None)), *_NO_EP)
+    scalars = BwdScalars(Int32(1), Int32(1), Float32(0.0), Int32(1), Int64(1))
+    return compile_kernel(op, routed, *(present(b) for b in (toks, mxs, rows, sh)), scalars, peer,
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
-def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales=None,
+class ForwardSaved(NamedTuple):
+    """What the forward kept for a fused backward launch.
+
+    gu [>= M, 2I], h [>= M, I]: bf16, the forward's GEMM1 output and activation (first M rows read);
+    rows: its GEMM2 rows [T*k, H] bf16 (EP = 1: expert-grouped or, ``by_route``, in route order;
+        EP > 1: this rank's slot rows, rows of -1 slots unread);
+    by_route: the EP = 1 rows are in route order;
+    w_rows: fp32 [M], each grouped row's router weight (EP > 1; None at EP = 1).
+    """
+
+    gu: torch.Tensor
+    h: torch.Tensor
+    rows: torch.Tensor | None = None
+    by_route: bool = False
+    w_rows: torch.Tensor | None = None
+
+
+class _Whole(NamedTuple):
+    """:func:`_whole`'s validated extras: the checked shared group (by name) or None, the slot sum's
+    start ``dx_shared`` or None, the checked main grads or None, the MXFP8 weight scales or None, the
+    EP > 1 workspace or None, and ``(T, k, M grouped rows)``."""
+
+    sh: dict | None
+    dx_shared: torch.Tensor | None
+    main_grads: tuple | None
+    w_scales: tuple | None
+    ws: object
+    dims: tuple
+
+
+def _check_operands(dy, x, gu, h, offsets, weights: ExpertWeights, limit, launch: Sm100Launch, w_scales=None,
                     rows=None):
     """Raise TypeError / ValueError for operands :func:`fused_backward_core` cannot launch on
     (``w_scales`` given: MXFP8, e4m3 weights with those scales; ``rows``: the grouped rows gu and h
     hold at least, default dy's)."""
+    w_gate, w_up, w_down = weights
     bf = (torch.bfloat16,)
     mx = w_scales is not None
     _check_tensor("dy", dy, 2, bf)
@@ -858,12 +919,7 @@ def _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_
         if name not in ("w_gate", "w_up", *scales) and (not a.is_contiguous() or a.data_ptr() % 16):
             raise ValueError(f"{name} must be contiguous and 16-byte aligned")
     _check_limit(limit)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
-        raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
+    _check_launch(launch, mx, min_ctas=1)
 
 
 def _check_tokens(tokens, dy, rows=None):
@@ -898,15 +954,17 @@ def _check_tokens(tokens, dy, rows=None):
             t, k)
 
 
-def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s: float,
-                        num_ctas: int | None = None, tokens=None, w_scales=None, consume: bool = False):
+def fused_backward_core(dy, x, gu, h, offsets, weights: ExpertWeights, limit, launch: Sm100Launch, tokens=None,
+                        w_scales=None, consume: bool = False):
     """Validate, then launch the routed backward core on the current stream (the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_core` without ``tokens`` / ``mx``):
     dy, x [M, H] bf16 (grouped rows, dy already scaled by the router weights); gu [>= M, 2I] and
     h [>= M, I] (the forward's, first M rows read); ``offsets`` int32 [E+1] (trusted: 0,
-    non-decreasing, last = M); w_gate, w_up [E, I, H] (unit last stride, other strides multiples of
-    16 bytes), w_down [E, H, I]; ``limit`` None or the SwiGLU clamp; H, I multiples of 64; one
-    sm_100 / sm_103 device. ``num_ctas``: the grid (default all SMs). Returns ``(dx [M, H], dWg,
+    non-decreasing, last = M); ``weights``: w_gate, w_up [E, I, H] (unit last stride, other strides
+    multiples of 16 bytes), w_down [E, H, I]; ``limit`` None or the SwiGLU clamp; H, I multiples of
+    64; one sm_100 / sm_103 device. ``launch`` (:class:`~mok_cute.kernels.sm100.fused_moe.Sm100Launch`):
+    ``num_ctas`` the grid (default all SMs), ``timeout_s``, ``tile_m`` (``comm_ctas`` unread: no
+    gather). Returns ``(dx [M, H], dWg,
     dWu [E, I, H], dWd [E, H, I])``, meant bitwise the unfused SM100 backward's (unverified on
     hardware). ``tokens`` = ``(order, topk_idx, dx_shared[, dx_add])``: each dx row goes to its
     (token, slot) row and the launch ends with the fixed-order slot sum, so dx is [T, H] =
@@ -929,8 +987,9 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     D2's epilogue quantizes dgu along I and along tokens
     (:meth:`~mok_cute.kernels.sm100.grouped_gemm.GroupedGemmSm100._store_dgu_mx`), so every tile is
     the unfused MXFP8 GEMMs' on the same operands (meant bitwise ``mx_backward``)."""
-    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales)
+    _check_operands(dy, x, gu, h, offsets, weights, limit, launch, w_scales)
     toks = None if tokens is None else _check_tokens(tokens, dy)
+    w_gate, w_up, w_down = weights
     dev, arch = device_arch(dy.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused backward needs an sm_100a / sm_103a device, got {arch}")
@@ -948,7 +1007,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
                 dx.copy_((dx.float() + toks[3]).bfloat16())
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     mx = w_scales is not None
-    mx_args = (None,) * 11
+    mx_args = BwdMx()
     ops = (dy, x, h[:m])
     if consume and not mx:  # D2's bf16 dgu over gu (the caller gives it up)
         dgu = gu[:m].view(m, 2, inter)
@@ -957,7 +1016,7 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
     if mx:
         ops, mx_args = _mx_operands(dy, x, h[:m], offsets, w_scales)
     _, d2, words = _counters(m, e, DONE_WORD + 1 if toks is not None else WORDS, dy.device)
-    k, tok_args, rows = 1, (None,) * 5, dx
+    k, tok_args, rows = 1, BwdTokens(), dx
     grouped = mx and consume and toks is not None  # dy is contiguous (_check_operands)
     if toks is not None:
         order32, idx32, dxs, add, t, k = toks
@@ -965,28 +1024,27 @@ def fused_backward_core(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, time
             rows, order32 = dy, grouped_rows(order32, t * k)
         else:
             rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
-        tok_args = (order32, idx32, dxs, add, dx)
-    variant = (limit is not None, toks is not None, toks is not None and toks[2] is not None,
-               toks is not None and toks[3] is not None, mx)
-    tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu, dwd,
-               offsets, d2, words, *tok_args, *mx_args) + (None,) * 19
-    _launch(("sm100_fused_moe_bwd_core", arch) + variant + (grouped,), variant, tensors, k, 1, limit, num_ctas,
-            timeout_s, dev, words, grouped_slots=grouped)
+        tok_args = BwdTokens(order32, idx32, dxs, add, dx)
+    v = BwdVariant(limit is not None, toks is not None, toks is not None and toks[2] is not None,
+                   toks is not None and toks[3] is not None, mx, grouped_slots=grouped, tile_m=launch.tile_m)
+    routed = BwdGroup(ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu,
+                      dwd, offsets, d2, words)
+    _launch(v, (routed, tok_args, mx_args, BwdGather(), BwdGroup()), k, limit, launch, dev)
     return dx, dwg, dwu, dwd
 
 
-def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gate, w_up, w_down, limit, dx_shared,
-                   rows_by_route: bool, comm_ctas: int = 16, timeout_s: float = 30.0, num_ctas: int | None = None,
-                   shared=None, main_grads=None, w_scales=None):
+def fused_backward(dy, x, plan: RoutePlan, saved: ForwardSaved, weights: ExpertWeights, limit,
+                   launch: Sm100Launch, shared=None, dx_shared=None, main_grads=None, w_scales=None):
     """The routed backward from the layer's tokens in one launch (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward`):
-    :func:`fused_backward_core` with ``tokens`` and, in its first ``comm_ctas`` CTAs, the work of
-    ``route_grad.dy_rows_and_dtopk_w`` and of gathering x's rows (meant bitwise theirs). dy, x [T, H]
-    bf16; ``r_rows`` [T*k, H] (the forward's GEMM2 rows, expert-grouped or, ``rows_by_route``, in
-    route order); ``order`` int [T*k] (grouped row -> t*k + j, routes without an expert last, trusted);
-    ``topk_w`` fp32, ``topk_idx`` int [T, k]; ``offsets`` int32 [E+1] (trusted); gu [>= T*k, 2I], h
-    [>= T*k, I]; ``dx_shared`` bf16 [T, H] or None (the slot sum's start). Returns ``(dx [T, H],
-    d topk_w [T, k] fp32, dWg, dWu, dWd)`` (d topk_w 0 for -1 slots).
+    :func:`fused_backward_core` with ``tokens`` and, in its first ``launch.comm_ctas`` CTAs, the work
+    of ``route_grad.dy_rows_and_dtopk_w`` and of gathering x's rows (meant bitwise theirs). dy, x
+    [T, H] bf16; ``plan``: ``order`` int [T*k] (grouped row -> t*k + j, routes without an expert
+    last, trusted), ``offsets`` int32 [E+1] (trusted), ``topk_idx`` int, ``topk_w`` fp32 [T, k];
+    ``saved`` (:class:`ForwardSaved`): gu [>= T*k, 2I], h [>= T*k, I], ``rows`` [T*k, H] (the
+    forward's GEMM2 rows, expert-grouped or, ``by_route``, in route order); ``dx_shared`` bf16 [T, H]
+    or None (the slot sum's start). Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg, dWu, dWd)``
+    (d topk_w 0 for -1 slots).
 
     ``shared`` = ``(offsets_s int32 [0, T], gu_s [T, 2I_s], h_s [T, I_s], ws_gate, ws_up [I_s, H],
     ws_down [H, I_s])`` (the shared expert's group, as the forward made it): its tiles run in the same
@@ -1002,11 +1060,12 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     is quantized along the tokens here; the shared expert runs outside the launch (``shared`` None,
     its dx ``dx_shared``). Every operand is validated before anything is compiled or launched; a
     device wait's timeout is raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    order, offsets, topk_idx, topk_w = plan
     ints = (torch.int32, torch.int64)
     _check_tensor("topk_idx", topk_idx, 2, ints)
     t, k = topk_idx.shape
     m = t * k
-    _check_operands(dy, x, gu, h, offsets, w_gate, w_up, w_down, limit, timeout_s, num_ctas, w_scales, rows=m)
+    _check_operands(dy, x, saved.gu, saved.h, offsets, weights, limit, launch, w_scales, rows=m)
     hid = dy.shape[1]
     if dy.shape[0] != t:
         raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
@@ -1015,51 +1074,50 @@ def fused_backward(dy, x, r_rows, order, topk_w, topk_idx, offsets, gu, h, w_gat
     if shared is not None and w_scales is not None:
         raise ValueError("w_scales (MXFP8): the shared expert runs outside the launch (give its dx as dx_shared)")
     order32, idx32, _, _, _, _ = _check_tokens((order, topk_idx, dx_shared), dy, rows=m)
+    r_rows = saved.rows
     _check_tensor("r_rows", r_rows, 2, (torch.bfloat16,))
     _check_tensor("topk_w", topk_w, 2, (torch.float32,))
     if tuple(r_rows.shape) != (m, hid) or not r_rows.is_contiguous() or r_rows.data_ptr() % 16:
         raise ValueError(f"r_rows must be contiguous [T*k, H] = {(m, hid)}, got {tuple(r_rows.shape)}")
     if tuple(topk_w.shape) != (t, k):
         raise ValueError(f"topk_w must be [T, k] = {(t, k)}, got {tuple(topk_w.shape)}")
-    if not isinstance(rows_by_route, bool):
-        raise TypeError(f"rows_by_route must be a bool, got {type(rows_by_route).__name__}")
-    if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
-        raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
+    if not isinstance(saved.by_route, bool):
+        raise TypeError(f"rows_by_route must be a bool, got {type(saved.by_route).__name__}")
     sh = None if shared is None else _check_shared(shared, t, hid)
-    mains = _check_main_grads(main_grads, (w_gate, w_up, w_down), sh)
+    mains = _check_main_grads(main_grads, weights, sh)
     for name, a in dict(r_rows=r_rows, topk_w=topk_w, **(sh or {}), **mains).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
-    return _whole(dy, x, r_rows, topk_w.reshape(-1).contiguous(), order32, idx32, dx_shared, offsets, gu, h,
-                  (w_gate, w_up, w_down), limit, rows_by_route, sh, (t, k, m), comm_ctas, num_ctas, timeout_s,
-                  main_grads=main_grads, w_scales=w_scales)
+    return _whole(dy, x, RoutePlan(order32, offsets, idx32, topk_w.reshape(-1).contiguous()), saved, weights, limit,
+                  launch, _Whole(sh, dx_shared, main_grads, w_scales, None, (t, k, m)))
 
 
-def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gate, w_up, w_down, limit,
-                      comm_ctas: int = 16, num_ctas: int | None = None, shared=None, main_grads=None,
-                      w_scales=None, dx_shared=None):
+def fused_backward_ep(ws, plan: RoutePlan, dy, x, saved: ForwardSaved, weights: ExpertWeights, limit,
+                      launch: Sm100Launch, shared=None, main_grads=None, w_scales=None, dx_shared=None):
     """The backward at EP > 1 in one launch per rank (BF16 or MXFP8; collective over ``ws``'s ranks, every
     rank calls it in the same order; the contract of :func:`mok_cute.kernels.sm90.fused_bwd.fused_backward_ep`):
     :func:`fused_backward` with the rows moved through the workspace (``main_grads``, ``w_scales`` as
     there; with ``w_scales`` the shared expert's dx [T, H] bf16 is ``dx_shared``, the slot sum's start). This
     rank's x and dy [T, H] bf16 are staged in its ``src`` and ``dy`` sections (after every peer finished
-    the previous pull); the comm CTAs pull the dy rows (times ``w_rows`` [M] fp32, the forward's router
+    the previous pull); the comm CTAs pull the dy rows (times ``saved.w_rows`` [M] fp32, the forward's router
     weight of each grouped row) and x rows of the routes this rank's experts serve (``plan``: the
-    forward's device plan, ``recv_src`` int32 [M] packed sources, local expert ``offsets`` int32 [E+1]),
-    the dgrad1 rows are pushed to their (token, slot) rows of the source ranks' slot sections, and every
-    rank sums its own (from the shared expert's dx with ``shared``, as :func:`fused_backward`). d topk_w
-    [T, k] of this rank's routes is made from ``slot_rows`` [T*k, H] (its routed rows of the forward,
-    rows of -1 slots unread). gu [>= M, 2I], h [>= M, I]: the forward's. Returns ``(dx [T, H], d topk_w
-    [T, k] fp32, dWg, dWu, dWd)``, then the shared expert's three with ``shared``. Every operand is
-    validated before anything is staged, compiled or launched; errors of the device waits (a peer's
-    timeout included) go to ``ws.status`` (the caller's ``ws.check_status()``); ``num_ctas``: this
-    rank's grid (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU)."""
+    forward's device plan, ``order`` = its ``recv_src`` int32 [M] packed sources, local expert ``offsets``
+    int32 [E+1], ``topk_idx`` [T, k]; ``topk_w`` unread), the dgrad1 rows are pushed to their (token, slot)
+    rows of the source ranks' slot sections, and every rank sums its own (from the shared expert's dx
+    with ``shared``, as :func:`fused_backward`). d topk_w [T, k] of this rank's routes is made from
+    ``saved.rows`` [T*k, H] (its routed rows of the forward, rows of -1 slots unread). ``saved.gu``
+    [>= M, 2I], ``saved.h`` [>= M, I]: the forward's. Returns ``(dx [T, H], d topk_w [T, k] fp32, dWg,
+    dWu, dWd)``, then the shared expert's three with ``shared``. Every operand is validated before
+    anything is staged, compiled or launched; errors of the device waits (a peer's timeout included)
+    go to ``ws.status`` (the caller's ``ws.check_status()``); ``launch.num_ctas``: this rank's grid
+    (default all SMs; ``ws.grid_ctas`` for virtual ranks sharing one GPU); the waits' bound is the
+    workspace's ``timeout_s``; ``launch.bulk_push``: the dgrad1 rows by ``cp.async.bulk``."""
+    recv_src, offsets, topk_idx, _ = plan
     _check_tensor("topk_idx", topk_idx, 2, (torch.int32, torch.int64))
     t, k = topk_idx.shape
-    _check_tensor("recv_src", plan.recv_src, 1, (torch.int32,))
-    m = plan.recv_src.shape[0]
-    _check_operands(dy, x, gu, h, plan.offsets, w_gate, w_up, w_down, limit, ws.timeout_s, num_ctas, w_scales,
-                    rows=m)
+    _check_tensor("recv_src", recv_src, 1, (torch.int32,))
+    m = recv_src.shape[0]
+    _check_operands(dy, x, saved.gu, saved.h, offsets, weights, limit, launch, w_scales, rows=m)
     hid = dy.shape[1]
     if dy.shape[0] != t:
         raise ValueError(f"dy must be [T, H] with T = topk_idx's {t} tokens, got {tuple(dy.shape)}")
@@ -1067,33 +1125,33 @@ def fused_backward_ep(ws, plan, dy, x, slot_rows, w_rows, topk_idx, gu, h, w_gat
         raise ValueError("dx_shared is the MXFP8 launch's (w_scales given, shared None)")
     if shared is not None and w_scales is not None:
         raise ValueError("w_scales (MXFP8): the shared expert runs outside the launch (give its dx as dx_shared)")
-    order32, idx32, _, _, _, _ = _check_tokens((plan.recv_src, topk_idx, dx_shared), dy, rows=m)
+    order32, idx32, _, _, _, _ = _check_tokens((recv_src, topk_idx, dx_shared), dy, rows=m)
+    slot_rows, w_rows = saved.rows, saved.w_rows
     _check_tensor("slot_rows", slot_rows, 2, (torch.bfloat16,))
     _check_tensor("w_rows", w_rows, 1, (torch.float32,))
     if tuple(slot_rows.shape) != (t * k, hid) or not slot_rows.is_contiguous() or slot_rows.data_ptr() % 16:
         raise ValueError(f"slot_rows must be contiguous [T*k, H] = {(t * k, hid)}, got {tuple(slot_rows.shape)}")
     if w_rows.shape[0] != m:
         raise ValueError(f"w_rows must be [M] = [{m}] (plan.recv_src's rows), got {tuple(w_rows.shape)}")
-    if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
-        raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
     sh = None if shared is None else _check_shared(shared, t, hid)
-    mains = _check_main_grads(main_grads, (w_gate, w_up, w_down), sh)
-    for name, a in dict(recv_src=plan.recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {}), **mains).items():
+    mains = _check_main_grads(main_grads, weights, sh)
+    for name, a in dict(recv_src=recv_src, slot_rows=slot_rows, w_rows=w_rows, **(sh or {}), **mains).items():
         if a.device != dy.device:
             raise ValueError(f"{name} is on {a.device} but dy is on {dy.device}")
-    return _whole(dy, x, slot_rows, w_rows, order32, idx32, dx_shared, plan.offsets, gu, h, (w_gate, w_up, w_down),
-                  limit, False, sh, (t, k, m), comm_ctas, num_ctas, ws.timeout_s, ws, main_grads, w_scales)
+    return _whole(dy, x, RoutePlan(order32, offsets, idx32, w_rows), saved._replace(by_route=False), weights, limit,
+                  replace(launch, timeout_s=ws.timeout_s), _Whole(sh, dx_shared, main_grads, w_scales, ws, (t, k, m)))
 
 
-def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, limit, by_route: bool, sh, dims,
-           comm_ctas: int, num_ctas, timeout_s, ws=None, main_grads=None, w_scales=None):
-    """The launch of :func:`fused_backward` (``ws`` None) or :func:`fused_backward_ep` on validated
-    operands: ``rows`` / ``w`` the gather's GEMM2 rows and flat topk_w (EP > 1: this rank's slot rows
-    and the grouped rows' router weights), ``sh`` the checked shared group or None, ``dims`` = (T, k,
-    M grouped rows), ``main_grads`` the checked fp32 main grads or None, ``w_scales`` the MXFP8
-    variant's; returns their outputs (T = 0: zeros, nothing launched, the main grads unchanged; every
-    rank of an EP group holds the same T)."""
-    t, k, m = dims
+def _whole(dy, x, plan: RoutePlan, saved: ForwardSaved, weights: ExpertWeights, limit, launch: Sm100Launch,
+           opts: _Whole):
+    """The launch of :func:`fused_backward` (``opts.ws`` None) or :func:`fused_backward_ep` on validated
+    operands: ``plan`` = (int32 order, offsets, flat int32 topk_idx, the gather's flat router weights:
+    topk_w, at EP > 1 the grouped rows' ``w_rows``), ``saved.rows`` the gather's GEMM2 rows (EP > 1:
+    this rank's slot rows); returns their outputs (T = 0: zeros, nothing launched, the main grads
+    unchanged; every rank of an EP group holds the same T)."""
+    sh, dx_shared, main_grads, w_scales, ws, (t, k, m) = opts
+    order32, offsets, idx32, w = plan
+    gu, h = saved.gu, saved.h
     w_gate, w_up, w_down = weights
     hid = dy.shape[1]
     dev, arch = device_arch(dy.device)
@@ -1128,23 +1186,24 @@ def _whole(dy, x, rows, w, order32, idx32, dx_shared, offsets, gu, h, weights, l
     init = dx_shared if sh is None else torch.empty((t, hid), **bf)  # the shared expert's dx: D1 of its group
     rows_bf = (torch.empty((m, hid), **bf), torch.empty((m, hid), **bf))  # the gather's dy and x rows
     if w_scales is None:  # the tiles read the gathered rows
-        gather, ops = (dy, x, rows, w, dtw.view(-1), gdy, None, None), (*rows_bf, h[:m])
-        dgu, mx_args = torch.empty((m, 2, inter), **bf), (None,) * 11
+        gather, ops = BwdGather(dy, x, saved.rows, w, dtw.view(-1), gdy), (*rows_bf, h[:m])
+        dgu, mx_args = torch.empty((m, 2, inter), **bf), BwdMx()
     else:  # the tiles read their MXFP8 operands, made from the rows in the launch
-        gather = (dy, x, rows, w, dtw.view(-1), gdy, *rows_bf)
+        gather = BwdGather(dy, x, saved.rows, w, dtw.view(-1), gdy, *rows_bf)
         ops, mx_args = _mx_operands(None, None, h[:m], offsets, w_scales, hid)
         dgu = torch.empty((m, 2, inter), dtype=_FP8, device=dy.device)
-    sh_args = (None,) * 11
+    sh_args = BwdGroup()
     if sh is not None:
         i_s = sh["ws_gate"].shape[0]
-        sh_args = (sh["gu_s"].view(t, 2, i_s), sh["h_s"], sh["ws_gate"][None], sh["ws_up"][None],
-                   sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), *dws, sh["offsets_s"], sd2)
-    tensors = (ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, slot, *dw, offsets, d2,
-               words, order32, idx32, init, None, dx, *mx_args, *gather, *sh_args)
-    variant = (limit is not None, True, init is not None, False, w_scales is not None, True, by_route, sh is not None,
-               ws is not None, main_grads is not None)
-    _launch(("sm100_fused_moe_bwd", arch) + variant, variant, tensors, k, comm_ctas, limit, num_ctas, timeout_s, dev,
-            words, ws)
+        sh_args = BwdGroup(None, None, sh["gu_s"].view(t, 2, i_s), sh["h_s"], sh["ws_gate"][None], sh["ws_up"][None],
+                           sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), None, *dws, sh["offsets_s"], sd2)
+    routed = BwdGroup(ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, slot, *dw, offsets,
+                      d2, words)
+    v = BwdVariant(limit is not None, True, init is not None, False, w_scales is not None, True, saved.by_route,
+                   sh is not None, ws is not None, main_grads is not None, tile_m=launch.tile_m,
+                   bulk_push=launch.bulk_push and ws is not None)
+    _launch(v, (routed, BwdTokens(order32, idx32, init, None, dx), mx_args, gather, sh_args), k, limit, launch, dev,
+            ws)
     if main_grads is not None:
         return (dx, dtw, *(None,) * n_dw)
     return (dx, dtw, *dw, *(d[0] for d in dws))
@@ -1207,34 +1266,31 @@ def _counters(m: int, e: int, n_words: int, device, extra: int = 0):
     return counters, counters[:mt_cap], counters[mt_cap:mt_cap + n_words]
 
 
-def _launch(key, variant, tensors, k: int, comm: int, limit, num_ctas, timeout_s, dev, words, ws=None,
-            grouped_slots: bool = False):
-    """Compile (cached per ``key``) the variant ``compile_fused_backward_sm100(*variant, grouped_slots=)`` and
-    launch it on the current stream with ``__call__``'s tensors (None: absent) and scalars; the status words
-    watched. ``ws``: the EP > 1 variant over that workspace (launched directly with its arguments, the epochs
-    bumped; its status, not ``words``, holds the errors). The tiles' rows:
-    :func:`~mok_cute.kernels.sm100.fused_moe.tile_m_mode` (256: CTA pairs, the grid and ``comm`` rounded to
-    whole pairs) and, with ``ws``, the push transport (:func:`~mok_cute.kernels.sm100.fused_moe.bulk_push_mode`)
-    end the cache key."""
-    tile_m, bulk = tile_m_mode(), ws is not None and bulk_push_mode()
-    key = key + (tile_m, bulk)
-    launcher = compile_cached(key, lambda: GraphLauncher(compile_fused_backward_sm100(
-        *variant, grouped_slots=grouped_slots, tile_m=tile_m, bulk_push=bulk, arch=key[1])[0]))
-    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    comm = max(1, min(comm, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
-    num_ctas, comm = pair_grid(num_ctas, comm, tile_m)
-    scalars = (Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
-    launcher.launch_tensors(dev, tensors, scalars, (k, comm, lim, num_ctas, timeout_ns), (None, None, *_NO_EP),
-                            None if ws is None else ws.kernel_args((ws.status,), EP_SECTIONS))
+def _launch(v: BwdVariant, bundles: tuple, k: int, limit, launch: Sm100Launch, dev: int, ws=None):
+    """Compile (cached per arch and ``v``) variant ``v`` and launch it on the current stream with
+    ``bundles`` = (routed :class:`BwdGroup`, :class:`BwdTokens`, :class:`BwdMx`, :class:`BwdGather`,
+    shared :class:`BwdGroup`) and the scalars of ``k``, ``limit`` and ``launch`` (``tile_m`` 256: CTA
+    pairs, the grid and the comm CTAs rounded to whole pairs); the status words (the routed group's
+    ``words``) watched. ``ws``: the EP > 1 variant over that workspace (launched directly with its
+    arguments, the epochs bumped; its status, not ``words``, holds the errors)."""
+    _, arch = device_arch(dev)
+    launcher = compile_cached(("sm100_fused_moe_bwd", arch, v),
+                              lambda: GraphLauncher(compile_fused_backward_sm100(v, arch)[0]))
+    num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
+    lim, timeout_ns = 0.0 if limit is None else float(limit), int(launch.timeout_s * 1e9)
+    comm = max(1, min(launch.comm_ctas, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
+    num_ctas, comm = pair_grid(num_ctas, comm, v.tile_m)
+    scalars = BwdScalars(Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))
+    peer = BwdPeer(None, None, *_NO_EP) if ws is None else BwdPeer(*ws.kernel_args((ws.status,), EP_SECTIONS))
+    launch_bundles(launcher, dev, (*bundles, scalars, peer), direct=ws is not None)
     if ws is None:
-        deferred.watch(words[1:WORDS], describe)
+        deferred.watch(bundles[0].words[1:WORDS], describe)
 
 
 def _mx_operands(dy, x, h, offsets, w_scales, hid: int | None = None):
     """``((dyq, x_t, h_t), tensors)`` of the MXFP8 variant, what ``layers.sm100.mx_backward`` hands
     the unfused MXFP8 GEMMs: dy quantized along H (D2's A) and x, h token rows quantized along
-    tokens (dWg / dWu's and dWd's B), then the kernel's eleven MXFP8 tensors in ``__call__`` order:
+    tokens (dWg / dWu's and dWd's B), then the kernel's eleven MXFP8 tensors (a :class:`BwdMx`):
     dy's grouped blocked row scales, w_down's and [w_gate; w_up]'s blocked scales along K
     (``pack_kn_weight_scales``), dgu's row scales (zeroed: the halves' padding stays 0), dy's token
     rows and token scales, h's token scales, dgu's token rows (scratch), dg's and du's token scales
@@ -1261,11 +1317,12 @@ def _mx_operands(dy, x, h, offsets, w_scales, hid: int | None = None):
         dy_sf = lay.pack_row_scales(dys, offsets)
         dyt, x_t = lay.TokenOperand(dy, offsets), lay.TokenOperand(x, offsets)
         dy_t, x_data, x_sf = (dyt.data, dyt.scales()), x_t.data, x_t.scales()
-    tensors = (dy_sf, lay.pack_kn_weight_scales(w_scales[2]),
-               torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), 2 * half_kb), **u8),
-               lay.pack_kn_weight_scales(*w_scales[:2]), *dy_t, h_t.scales(),
-               torch.empty((m, 2, inter), dtype=_FP8, device=h.device), torch.zeros(lay.sf_bytes(inter, tok_kb), **u8),
-               torch.zeros(lay.sf_bytes(inter, tok_kb), **u8), x_sf)
+    tensors = BwdMx(dy_sf, lay.pack_kn_weight_scales(w_scales[2]),
+                    torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(m, e), 2 * half_kb), **u8),
+                    lay.pack_kn_weight_scales(*w_scales[:2]), *dy_t, h_t.scales(),
+                    torch.empty((m, 2, inter), dtype=_FP8, device=h.device),
+                    torch.zeros(lay.sf_bytes(inter, tok_kb), **u8), torch.zeros(lay.sf_bytes(inter, tok_kb), **u8),
+                    x_sf)
     return (dyq, x_data, h_t.data), tensors
 
 
@@ -1287,7 +1344,7 @@ def variants() -> dict:
     """``name -> (compile(arch, inspect) -> (compiled, report), PTX substrings it must hold)`` for
     every fused-backward variant this module builds."""
     def core(clamp, **kw):
-        return lambda arch, inspect=True: compile_fused_backward_sm100(clamp, arch=arch, inspect=inspect, **kw)
+        return lambda arch, inspect=True: compile_fused_backward_sm100(BwdVariant(clamp, **kw), arch, inspect)
 
     return {"fused-bwd-core-clamp": (core(True), _PTX), "fused-bwd-core-noclamp": (core(False), _PTX),
             "fused-bwd-tokens-clamp": (core(True, tokens=True, init=True, add=True), _PTX + _PTX_TOKENS),

@@ -38,7 +38,7 @@ as :func:`mok_cute.kernels.sm90.fused_moe.counter_sizes`. H, I, I_s multiples of
 Variants: ``clamp``, ``shared``, ``gate`` (y starts from fp32(s_out) * gate), ``trace`` (per-task
 records in the SM90 kernel's layout), ``mx``, ``ep``.
 
-``cta_group::2`` (``tile_m`` 256, :func:`tile_m_mode`): every GEMM task is a 256-row tile run by a
+``cta_group::2`` (``tile_m`` 256, ``MoKConfig.tile_m=256``): every GEMM task is a 256-row tile run by a
 cluster of two CTAs, the leader claiming it from the ticket for both (:mod:`~mok_cute.kernels.sm100.task_ring`'s
 pair ring) and issuing its MMAs, each CTA loading its halves of A and B and storing its 128 rows;
 gather chunks, ring slots and m-tiles are 256 rows; both CTAs publish a finished tile, so each
@@ -52,10 +52,10 @@ every comm CTA waits READY from every rank, the last comm CTA to finish signals 
 each row into rank p's ``slots[t*k + j]`` (the epilogue first waits FREE of the previous push
 epoch from every rank; a system-scope fence before the tile is published); the slot sum waits
 until every GEMM2 tile is stored, CTA 0 signals DATA, every CTA waits DATA from every rank, sums
-this rank's slot buffer while copying its rows into ``slot_copy`` (``slot_rows.slot_sum(mCopy=)``),
+this rank's slot buffer while copying its rows into ``slot_copy`` (``slot_rows.SlotSumOperands(copy=)``),
 and the last CTA to finish signals FREE. MXFP8 at EP > 1: the staged rows are
 :func:`~mok_cute.comm.workspace.mxfp8_row_bytes` wide (H e4m3 bytes, then x's scale words,
-zero-padded), the gather reads both from the source rank. ``bulk_push`` (``MOK_CUTE_SM100_PUSH=bulk``):
+zero-padded), the gather reads both from the source rank. ``bulk_push`` (``MoKConfig.comm_transport="bulk"``):
 R2's rows go to the peers by ``cp.async.bulk`` shared -> global from a per-thread staging area in shared
 memory instead of ``st.global`` (:func:`push_routed_bulk`; compile-verified only, not yet run on a GPU).
 
@@ -73,7 +73,8 @@ caller (along their rows: ``layers.sm100.quantize_weight(w, 2)``).
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import torch
@@ -84,7 +85,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.comm import protocol as P
-from mok_cute.comm.peer_rows import PeerRows
+from mok_cute.comm.peer_rows import PeerRows, PeerSections
 from mok_cute.comm.rows import bulk_s2g
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_limit, _check_tensor, sm_count
@@ -92,6 +93,9 @@ from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.bundles import (
+    FwdCounters, FwdMx, FwdOperands, FwdOutputs, FwdPeer, FwdRouting, FwdScalars, launch_bundles, present,
+)
 from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _bf16, _check_gate_up_scales, _check_scales, _fake_sf,
     interleave_gate_up,
@@ -102,10 +106,11 @@ from mok_cute.kernels.sm100.mainloop import (
 )
 from mok_cute.kernels.sm90 import persistent
 from mok_cute.kernels.sm90.fused_moe import (
-    _NO_EP, CHUNK, DONE, EP_SECTIONS, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, SH_READY, SUM_BATCH,
-    counter_sizes, record_sum, ring_band, routed_outputs, slot_sum_batch,
+    _NO_EP, CHUNK, DONE, EP_SECTIONS, GATHER, GATHER_KIND, GATHER_UNROLL, H_READY, RING, RING_BAND, SH_READY,
+    SUM_BATCH, counter_sizes, record_sum, routed_outputs,
 )
-from mok_cute.kernels.sm90.persistent import TRACE_WORDS, tracing
+from mok_cute.kernels.sm90.persistent import TRACE_WORDS
+from mok_cute.kernels.operands import ExpertWeights, FusedForwardOut, FusedLaunch, RoutePlan, SharedExpert
 from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import R1, R2, S1, S2
 
@@ -211,50 +216,87 @@ def push_staging(storage) -> cute.Tensor:
                                                                        stride=(PUSH_PITCH // 2, 1)))
 
 
-class FusedMoeFwdSm100:
-    """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given,
-    ``shared``: a shared expert is fused in; ``unroll``: 16-byte loads in flight per gather lane;
-    ``sum_batch``: slot rows in flight per slot-sum thread (cp.async into the idle B stages); ``mx``:
-    MXFP8 (the module doc; ``__call__``'s ``mXsw`` .. ``mSdsf`` are its operands, None for BF16); ``ep``:
-    EP > 1 (the module doc; ``__call__``'s ``mPeer`` .. ``epoch_push`` are its operands: peer bases
-    int64 [EP], w_rows fp32 [M_cap], slot_copy [T*k, H], this rank, EP, the workspace's section offsets
-    and the pull / push epochs; None / ignored at EP = 1); ``tma_gather`` (BF16, EP = 1): no ring and
-    no gather: R1's TMA warp loads its A rows straight from x, four rows per ``tile::gather4``
-    instruction, by the token of each grouped row (``__call__``'s ``mTok`` int32 [M_cap + 128]:
-    ``order[p] // k``, then padding; the comm CTAs only run GEMM tasks). ``tile_m`` 256:
-    ``cta_group::2`` tiles (:data:`PAIR_CONFIG` / :data:`MX_PAIR_CONFIG`): a cluster of two CTAs
-    runs each task, the leader claiming it for both (:func:`~mok_cute.kernels.sm100.task_ring.publish_pair`),
-    each CTA loading and storing its 128 rows; m-tiles, gather chunks and ring slots are 256 rows;
-    both CTAs publish a finished task, so every readiness target counts each tile twice. ``bulk_push``
-    (needs ``ep``): R2's rows go to the peers by ``cp.async.bulk`` from a staging area of
-    :data:`PUSH_SMEM` bytes in shared memory after the mainloop's stages (:func:`push_routed_bulk`;
-    BF16 ``tile_m`` 256 then runs :data:`PAIR_BULK_CONFIG`'s 6 stages); compile-verified only."""
+TILE_MS = (128, 256)  # the megakernels' tile rows: cta_group::1, cta_group::2 (CTA pairs)
+GATHERS = ("comm", "tma")  # R1's rows: gathered into the ring by the comm CTAs, or TMA gather4 from x
 
-    def __init__(self, clamp: bool, shared: bool, unroll: int = 8, trace: bool = False,
-                 sum_batch: int = SUM_BATCH, mx: bool = False, ep: bool = False, tma_gather: bool = False,
-                 tile_m: int = 128, bulk_push: bool = False):
-        if bulk_push and not ep:
+
+def check_tile_m(tile_m) -> None:
+    """ValueError unless ``tile_m`` is one of :data:`TILE_MS` (the fused kernels' tile rows)."""
+    if isinstance(tile_m, bool) or tile_m not in TILE_MS:
+        raise ValueError(f"tile_m must be one of {TILE_MS} on the sm100 fused kernels (256: cta_group::2 CTA "
+                         f"pairs), got {tile_m!r}")
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    """What changes the fused forward's generated code (with the arch, its compile cache key).
+
+    ``clamp``: a SwiGLU limit is given; ``shared``: a shared expert is fused in; ``gate``: the slot
+    sum starts from fp32(s_out) * gate (needs ``shared``); ``mx``: MXFP8; ``ep``: EP > 1; ``trace``:
+    per-task records; ``gather``: ``"comm"`` (the comm CTAs gather R1's rows into the ring) or
+    ``"tma"`` (BF16, EP = 1, ``tile_m`` 128: R1's TMA warp loads x's rows by token with
+    ``tile::gather4``, no ring; compile-verified only, never measured against the ring); ``tile_m``
+    128 or 256 (``cta_group::2``); ``bulk_push`` (needs ``ep``): R2's rows into the peers by
+    ``cp.async.bulk``; ``unroll``: 16-byte loads in flight per gather lane; ``sum_batch``: slot rows
+    in flight per slot-sum thread."""
+
+    clamp: bool
+    shared: bool
+    gate: bool = False
+    mx: bool = False
+    ep: bool = False
+    trace: bool = False
+    gather: str = "comm"
+    tile_m: int = 128
+    bulk_push: bool = False
+    unroll: int = 8
+    sum_batch: int = SUM_BATCH
+
+    def __post_init__(self):
+        check_tile_m(self.tile_m)
+        if self.gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        if self.gate and not self.shared:
+            raise ValueError("gate (the shared expert's output gate) needs shared")
+        if self.bulk_push and not self.ep:
             raise ValueError("bulk_push (R2's rows by cp.async.bulk into the peers) needs ep (EP > 1)")
-        if tma_gather and (mx or ep or tile_m != 128):
-            raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's, tile_m 128")
-        if tile_m not in (128, 256):
-            raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m}")
-        self.tma_gather = tma_gather
-        cfg = tile_config(mx, tile_m, bulk_push)
+        if self.gather == "tma" and (self.mx or self.ep or self.tile_m != 128):
+            raise ValueError("gather='tma' (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's, tile_m 128")
+
+
+class FusedMoeFwdSm100:
+    """The persistent fused forward of variant ``v`` (:class:`FwdVariant`; see the module doc).
+    ``__call__`` takes the bundles of :mod:`~mok_cute.kernels.sm100.bundles`: :class:`FwdMx` holds the
+    MXFP8 operands (None each at BF16), :class:`FwdPeer` the EP > 1 ones (ignored at EP = 1),
+    :class:`FwdRouting`'s ``tok`` the TMA gather's token per grouped row (``order[p] // k``, then
+    padding; the comm CTAs then only run GEMM tasks). ``tile_m`` 256: ``cta_group::2`` tiles
+    (:data:`PAIR_CONFIG` / :data:`MX_PAIR_CONFIG`): a cluster of two CTAs runs each task, the
+    leader claiming it for both (:func:`~mok_cute.kernels.sm100.task_ring.publish_pair`), each CTA
+    loading and storing its 128 rows; m-tiles, gather chunks and ring slots are 256 rows; both CTAs
+    publish a finished task, so every readiness target counts each tile twice. ``bulk_push``: R2's
+    rows go to the peers from a staging area of :data:`PUSH_SMEM` bytes in shared memory after the
+    mainloop's stages (:func:`push_routed_bulk`; BF16 ``tile_m`` 256 then runs
+    :data:`PAIR_BULK_CONFIG`'s 6 stages); compile-verified only."""
+
+    def __init__(self, v: FwdVariant):
+        mx, ep, bulk_push, sum_batch = v.mx, v.ep, v.bulk_push, v.sum_batch
+        self.variant, self.tma_gather = v, v.gather == "tma"
+        cfg = tile_config(mx, v.tile_m, bulk_push)
         self.bulk_push = bulk_push
-        self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, clamp, shared, unroll, trace, mx
+        self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, v.clamp, v.shared, v.unroll, \
+            v.trace, mx
         self.ep = ep
         self.sum_batch = sum_batch
         self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
         self.mainloop = Sm100Mainloop(cfg)
         if bulk_push:
             check_push_fits(self.mainloop)
-        self.swiglu = GroupedGemmSm100(cfg, "swiglu", clamp)  # its views and epilogues (the unfused path's)
+        self.swiglu = GroupedGemmSm100(cfg, "swiglu", v.clamp)  # its views and epilogues (the unfused path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
         self.chunk = cfg.tile_m  # rows of a gather chunk, a ring slot and an m-tile
         b_bytes = self.mainloop.stages * (cfg.tile_n // self.cg) * lay.K_TILE_BYTES
-        self.staged = not mx and not ep and not tma_gather  # the bf16 EP = 1 gather through the idle B stages
+        self.staged = not mx and not ep and not self.tma_gather  # the bf16 EP = 1 gather through the idle B stages
         self.gather_cap = b_bytes // (2 * NUM_THREADS * _VEC * 2)
         if not 1 <= sum_batch * NUM_THREADS * _VEC * 2 <= b_bytes:
             raise ValueError(f"sum_batch {sum_batch}: the slot sum's cp.async buffer must fit the B stages "
@@ -279,52 +321,43 @@ class FusedMoeFwdSm100:
         return cute.struct(type("FusedFwdStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mXg: cute.Tensor, mW1: cute.Tensor, mWd: cute.Tensor, mS1: cute.Tensor,
-                 mSd: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor,
-                 mSlot: cute.Tensor, mSout: cute.Tensor, mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor,
-                 mIdx: cute.Tensor, mW: cute.Tensor, mGate: cute.Tensor, mGather: cute.Tensor, mHready: cute.Tensor,
-                 mShready: cute.Tensor, mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor,
-                 mXsw: cute.Tensor, mXgsf: cute.Tensor, mW1sf: cute.Tensor, mHq: cute.Tensor, mHsf: cute.Tensor,
-                 mWdsf: cute.Tensor, mXsf: cute.Tensor, mS1sf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor,
-                 mSdsf: cute.Tensor, mTok: cute.Tensor, k: Int32, limit: Float32, comm_ctas: Int32, num_ctas: Int32,
-                 ring: Int32,
-                 band: Int32, timeout_ns: Int64, mPeer: cute.Tensor, mWrows: cute.Tensor, mSlotCopy: cute.Tensor,
-                 me: Int32, n_ranks: Int32, src_off: Int64, slots_off: Int64, w_off: Int64, flags_off: Int64,
-                 epoch_pull: Int32, epoch_push: Int32, stream: cuda.CUstream):
+    def __call__(self, ops: FwdOperands, outs: FwdOutputs, plan: FwdRouting, counters: FwdCounters, mx: FwdMx,
+                 scalars: FwdScalars, peer: FwdPeer, stream: cuda.CUstream):
+        """Launch on ``stream`` (the module doc; each bundle's doc gives shapes and dtypes). The kernel
+        gets the same bundles less what only this host side reads (the weights and the operands the
+        TMA atoms carry, the grid size) and, at EP = 1, no ``peer``."""
+        mx = FwdMx() if mx is None else mx  # BF16: no MXFP8 operands (bundles.present)
         ml = self.mainloop
         ml.setup()
         views = self.swiglu._views  # (M|N, K, L) views of A, B[, SFA, SFB]; ring and shared: no per-expert atoms
-        a2, a2s = (mHq, mHsq) if cutlass.const_expr(self.mx) else (mH, mHs)  # GEMM2's A operands
-        tmas = ml.make_tma(*views(mXg, mW1, mXgsf, mW1sf, 0)) + \
-            ml.make_tma(*views(a2, mWd, mHsf, mWdsf, mOffsets.shape[0] - 1))
+        a2, a2s = (mx.hq, mx.hsq) if cutlass.const_expr(self.mx) else (outs.h, outs.hs)  # GEMM2's A operands
+        tmas = ml.make_tma(*views(ops.xg, ops.w1, mx.ring_sf, mx.w1_sf, 0)) + \
+            ml.make_tma(*views(a2, ops.w_down, mx.h_sf, mx.wd_sf, plan.offsets.shape[0] - 1))
         if cutlass.const_expr(self.tma_gather):  # R1's A: x's rows by token, not the ring
-            tmas[0] = ml.make_gather4_tma_a(mX, mTok)
+            tmas[0] = ml.make_gather4_tma_a(ops.x, plan.tok)
         if cutlass.const_expr(self.shared):
-            tmas = tmas + ml.make_tma(*views(mX, mS1, mXsf, mS1sf, 0)) + ml.make_tma(*views(a2s, mSd, mHssf, mSdsf, 0))
+            tmas = tmas + ml.make_tma(*views(ops.x, ops.s1, mx.x_sf, mx.s1_sf, 0)) + \
+                ml.make_tma(*views(a2s, ops.s_down, mx.hs_sf, mx.sd_sf, 0))
         self.shared_storage = self._storage()
-        peer = []  # EP = 1: no kernel parameters for the workspace
-        if cutlass.const_expr(self.ep):
-            peer = [mPeer, mWrows, mSlotCopy, me, n_ranks, src_off, slots_off, w_off, flags_off, epoch_pull,
-                    epoch_push]
-        self.kernel([t[0] for t in tmas], [t[1] for t in tmas], mX, mXg, mGU, mH, mGUs, mHs, mSlot, mSout, mY, mOrder,
-                    mOffsets, mIdx, mW, mGate, mGather, mHready, mShready, mDone, mStatus, mTrace, mXsw, mXgsf, mHq,
-                    mHsf, mHsq, mHssf, k, limit, comm_ctas, ring, band, timeout_ns, peer).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
+        self.kernel([t[0] for t in tmas], [t[1] for t in tmas],
+                    ops._replace(w1=None, w_down=None, s1=None, s_down=None), outs, plan._replace(tok=None), counters,
+                    mx._replace(w1_sf=None, wd_sf=None, x_sf=None, s1_sf=None, sd_sf=None),
+                    scalars._replace(num_ctas=None), peer if cutlass.const_expr(self.ep) else None).launch(
+            grid=[scalars.num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
             stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, atoms: list, coords: list, mX: cute.Tensor, mXg: cute.Tensor, mGU: cute.Tensor,
-               mH: cute.Tensor, mGUs: cute.Tensor, mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor,
-               mY: cute.Tensor, mOrder: cute.Tensor, mOffsets: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor,
-               mGate: cute.Tensor, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
-               mDone: cute.Tensor, mStatus: cute.Tensor, mTrace: cute.Tensor, mXsw: cute.Tensor, mXgsf: cute.Tensor,
-               mHq: cute.Tensor, mHsf: cute.Tensor, mHsq: cute.Tensor, mHssf: cute.Tensor, k: Int32, limit: Float32,
-               comm_ctas: Int32, ring: Int32, band: Int32, timeout_ns: Int64, peer: list):
+    def kernel(self, atoms: list, coords: list, ops: FwdOperands, outs: FwdOutputs, plan: FwdRouting,
+               counters: FwdCounters, mx: FwdMx, scalars: FwdScalars, peer: FwdPeer):
+        mX, mXg = ops.x, ops.xg
+        mGU, mH, mGUs, mHs, mSlot, mSout, mY = outs
+        mOrder, mOffsets, mIdx, mW, mGate, _ = plan
+        mGather, mHready, mShready, mDone, mStatus, mTrace = counters
+        k, limit, comm_ctas, _, ring, band, timeout_ns = scalars
         cfg, ml, per = self.cfg, self.mainloop, self.per
         ml.setup()
-        warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem = task_ring.kernel_start(
-            ml, atoms, self.shared_storage)
+        warp, tidx, storage, pipes = task_ring.kernel_start(ml, atoms, self.shared_storage)
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         smem = ml.smem_tensors(storage)  # sA, sB, sSFA, sSFB (MXFP8)
@@ -337,7 +370,8 @@ class FusedMoeFwdSm100:
         ep = slot_copy = None  # EP > 1: the symmetric workspace's rows and flags
         if cutlass.const_expr(self.ep):
             slot_copy = peer[2]
-            ep = PeerRows(peer[0], peer[1], *peer[3:], tokens * k, timeout_ns, status)
+            ep = PeerRows(peer[0], peer[1], peer[3], peer[4], PeerSections(*peer[5:9]), peer[9], peer[10], tokens * k,
+                          timeout_ns, status)
         num_experts = mOffsets.shape[0] - 1
         n1 = (coords[1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM1 n-tiles (2 I_p / tile_n)
         n2 = (coords[per + 1].shape[0] + (cfg.tile_n - 1)) // cfg.tile_n  # GEMM2 n-tiles (H / tile_n, rounded up)
@@ -356,6 +390,7 @@ class FusedMoeFwdSm100:
         n_r1 = mt_routed * n1
         n_tasks = n_s1 + n_r1 + n_s2 + mt_routed * n2
         shape = (n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band)
+        work = (shape, (k1, k2, k2s), num_experts, tokens)  # the task list and k-tiles (the roles' geometry)
 
         if cutlass.const_expr(not self.tma_gather):  # tma_gather: no gather, the comm CTAs run GEMM tasks
             if bidx < comm_ctas:  # first the gather, then GEMM tasks like every CTA
@@ -364,23 +399,21 @@ class FusedMoeFwdSm100:
                     gbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
                                             cute.make_layout((2 * self.gather_cap * NUM_THREADS, _VEC),
                                                              stride=(_VEC, 1)))
-                self._gather(tidx, bidx, comm_ctas, mX, mXg, mOrder, mOffsets, num_experts, mt_routed, ring,
-                             task_ring.tile_target(n1, self.cg), k,
-                             mGather, mHready, mTrace, timeout_ns, status, mXsw, mXgsf, ep, mDone, gbuf)
+                self._gather(tidx, bidx, ops, plan, counters, mx, scalars,
+                             (num_experts, mt_routed, task_ring.tile_target(n1, self.cg)), ep, gbuf, status)
                 if cutlass.const_expr(self.staged):  # generic-proxy writes of the B stages before their TMA loads
                     cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier()
         if warp == TMA_WARP:
-            self._produce(ab_pipe, task_pipe, sTask, smem, atoms, coords, mDone.iterator + 1, shape, k1, k2, k2s,
-                          ring, mOffsets, num_experts, tokens, mGather, mHready, mShready, status, timeout_ns, cta_v)
+            self._produce(pipes, (atoms, coords, smem), mDone.iterator + 1, work, plan, counters, scalars, status,
+                          cta_v)
         if warp == MMA_WARP:
             if cta_v == 0:  # cta_group::2: the leader issues the pair's MMAs
-                self._mma(ab_pipe, acc_pipe, task_pipe, sTask, smem, tmem, shape, k1, k2, k2s)
+                self._mma(pipes, smem, work)
         if warp < MMA_WARP:
             sPush = push_staging(storage) if cutlass.const_expr(self.bulk_push) else None
-            self._epilogue(acc_pipe, task_pipe, sTask, tmem, tidx, shape, mOffsets, num_experts, tokens, mGU, mH,
-                           mGUs, mHs, mSlot, mSout, mOrder, mHready, mShready, mDone, limit, mTrace, bidx,
-                           mGather.shape[0], mHq, mHsf, mHsq, mHssf, ep, cta_v, sPush)
+            self._epilogue(pipes, (tidx, bidx, cta_v), work, outs, plan, counters, mx, scalars, mGather.shape[0], ep,
+                           sPush)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
@@ -395,8 +428,8 @@ class FusedMoeFwdSm100:
         sbuf = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.BFloat16),
                                 cute.make_layout((self.sum_batch * NUM_THREADS, _VEC), stride=(_VEC, 1)))
         s_out = mSout if cutlass.const_expr(self.shared) else None
-        slot_rows.slot_sum(tidx, bidx, grid, mSlot, s_out, mY, mIdx, mW, k, tokens, hidden, sbuf, self.sum_batch,
-                           NUM_THREADS, mGate, mCopy=slot_copy)
+        sums = slot_rows.SlotSumOperands(mSlot, s_out, mY, mIdx, mW, mGate, copy=slot_copy)
+        slot_rows.slot_sum(tidx, bidx, grid, sums, k, tokens, hidden, sbuf, self.sum_batch, NUM_THREADS)
         if cutlass.const_expr(self.ep):  # every CTA has read its slot rows: the last one says FREE
             ep.close_push(tidx, mDone.iterator + 3, grid)
         if cutlass.const_expr(self.trace):
@@ -406,12 +439,10 @@ class FusedMoeFwdSm100:
 
     # ------------------------------------------------------------------ roles
     @cute.jit
-    def _gather(self, tidx: Int32, bidx: Int32, comm_ctas: Int32, mX: cute.Tensor, mXg: cute.Tensor,
-                mOrder: cute.Tensor, mOffsets: cute.Tensor, num_experts: Int32, chunks: Int32, ring: Int32, n1: Int32,
-                k: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mTrace: cute.Tensor, timeout_ns: Int64,
-                status: cute.Pointer, mXsw: cute.Tensor, mXgsf: cute.Tensor, ep, mDone: cute.Tensor,
-                gbuf: cute.Tensor):
-        """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc).
+    def _gather(self, tidx: Int32, bidx: Int32, ops: FwdOperands, plan: FwdRouting, counters: FwdCounters, mx: FwdMx,
+                scalars: FwdScalars, tiles: tuple, ep, gbuf: cute.Tensor, status: cute.Pointer):
+        """Comm CTA ``bidx``: chunks ``c = bidx, bidx + comm_ctas, ...`` in order (see the module doc);
+        ``tiles`` = (experts, routed m-tiles = chunks, GEMM1 tiles an m-tile's slot waits for).
         BF16 at EP = 1 (``staged``): through ``gbuf``, the idle B stages
         (:func:`~mok_cute.kernels.slot_rows.gather_rows_staged`, as the SM90 forward's comm CTAs).
         MXFP8: a row's e4m3 bytes, then its scale words (``mXsw`` [T, W] int32, W = ceil(H / 128):
@@ -420,6 +451,11 @@ class FusedMoeFwdSm100:
         MXFP8 scale words, after a staged row's H data bytes) are pulled from the source ranks' staged
         rows and lane 0 pulls each row's router weight into ``w_rows``, between the READY and DONE
         signals of the pull protocol (the module doc)."""
+        mX, mXg, mOrder, mOffsets = ops.x, ops.xg, plan.order, plan.offsets
+        mGather, mHready, mDone, mTrace = counters.gather_ready, counters.h_ready, counters.done, counters.trace
+        mXsw, mXgsf = mx.x_words, mx.ring_sf
+        k, comm_ctas, ring, timeout_ns = scalars.k, scalars.comm_ctas, scalars.ring, scalars.timeout_ns
+        num_experts, chunks, n1 = tiles
         hid = mXg.shape[1]
         row_bytes = hid * (self.cfg.ab_dtype.width // 8)
         warp = tidx // 32
@@ -441,11 +477,11 @@ class FusedMoeFwdSm100:
         for c in cutlass.range(bidx, chunks, comm_ctas, unroll=1):
             t0 = persistent.now(self.trace)
             row0, rows, ge, gb = tasks.chunk_start(tidx, c, ring, n1, mOffsets, num_experts, self.chunk, ge, gb,
-                                                   mHready,
-                                                   timeout_ns, status, Int32(RING))
+                                                   tasks.RingWait(mHready, timeout_ns, status, Int32(RING)))
             slot_row = (c % ring) * self.chunk
             if cutlass.const_expr(self.staged):
-                slot_rows.gather_rows_staged(tidx, rows, hid // _VEC, mOrder, row0, k, base, row_bytes, dbase, slot_row,
+                slot_rows.gather_rows_staged(tidx, rows, hid // _VEC,
+                                             slot_rows.TokenRows(mOrder, row0, k, base, row_bytes), dbase, slot_row,
                                              gbuf, NUM_THREADS, self.gather_cap)
             else:
                 for rr in cutlass.range(warp, rows, NUM_THREADS // 32, unroll=1):
@@ -481,14 +517,18 @@ class FusedMoeFwdSm100:
             ep.close_pull(tidx, mDone.iterator + 2, comm_ctas)
 
     @cute.jit
-    def _produce(self, ab_pipe, task_pipe, sTask: cute.Tensor, smem, atoms, coords, ticket: cute.Pointer, shape,
-                 k1: Int32, k2: Int32, k2s: Int32, ring: Int32, mOffsets: cute.Tensor, num_experts: Int32,
-                 tokens: Int32, mGather: cute.Tensor, mHready: cute.Tensor, mShready: cute.Tensor,
-                 status: cute.Pointer, timeout_ns: Int64, cta_v: Int32):
+    def _produce(self, pipes: task_ring.Pipes, tma: tuple, ticket: cute.Pointer, work: tuple, plan: FwdRouting,
+                 counters: FwdCounters, scalars: FwdScalars, status: cute.Pointer, cta_v: Int32):
         """TMA warp: claim tasks from the ticket (list order across the grid), hand each on, wait
         for its inputs, load its k-tiles; the first id >= n_tasks is handed on last (stop).
         ``cta_group::2``: the leader claims for the pair, the peer takes the leader's ids, and each
-        loads its halves of the tiles (``cta_v``)."""
+        loads its halves of the tiles (``cta_v``). ``tma`` = (atoms, coords, smem), ``work`` the
+        kernel's (task list sizes, k-tiles, experts, tokens)."""
+        ab_pipe, task_pipe, sTask = pipes.ab, pipes.task, pipes.sTask
+        atoms, coords, smem = tma
+        shape, (k1, k2, k2s), num_experts, tokens = work
+        mOffsets, mGather, mHready, mShready = plan.offsets, counters.gather_ready, counters.h_ready, counters.sh_ready
+        ring, timeout_ns = scalars.ring, scalars.timeout_ns
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         parts = self._b_parts(atoms, coords, smem, cta_v)
         state = self.mainloop.producer_state()
@@ -497,7 +537,8 @@ class FusedMoeFwdSm100:
         t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2, b2)
+                t, tasks.ListShape(n_s1, n_r1, n_s2, m_sh, n1, n2), mOffsets, num_experts, tokens, self.cfg.tile_m,
+                band, e1, b1, e2, b2)
             if cutlass.const_expr(not self.tma_gather):  # the gathered chunk (tma_gather: x is ready)
                 if phase == R1:
                     persistent.wait_input(mGather.iterator + mt, Int32(1), timeout_ns, status, Int32(GATHER), mt)
@@ -512,19 +553,16 @@ class FusedMoeFwdSm100:
             if phase == R1:
                 slot = mt % ring
                 a_row = row0 if cutlass.const_expr(self.tma_gather) else slot * self.chunk  # x's rows by token / ring
-                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 0, a_row, slot, n_tile, expert, k1,
-                                   cta_v)
+                state = self._load(ab_pipe, state, tma, parts, 0, a_row, slot, n_tile, expert, k1, cta_v)
             elif phase == R2:
-                state = self._load(ab_pipe, state, atoms, coords, parts, smem, 1, row0,
-                                   self._sf_row(mOffsets, expert, row0), n_tile, expert, k2, cta_v)
+                state = self._load(ab_pipe, state, tma, parts, 1, row0, self._sf_row(mOffsets, expert, row0), n_tile,
+                                   expert, k2, cta_v)
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
-                        state = self._load(ab_pipe, state, atoms, coords, parts, smem, 2, row0, mt, n_tile, Int32(0),
-                                           k1, cta_v)
+                        state = self._load(ab_pipe, state, tma, parts, 2, row0, mt, n_tile, Int32(0), k1, cta_v)
                     else:
-                        state = self._load(ab_pipe, state, atoms, coords, parts, smem, 3, row0, mt, n_tile, Int32(0),
-                                           k2s, cta_v)
+                        state = self._load(ab_pipe, state, tma, parts, 3, row0, mt, n_tile, Int32(0), k2s, cta_v)
             t, tstate = task_ring.next_task(ticket, task_pipe, tstate, sTask, cta_v, self.cg == 2)
         ab_pipe.producer_tail(state)
 
@@ -548,12 +586,13 @@ class FusedMoeFwdSm100:
         return parts
 
     @cute.jit
-    def _load(self, ab_pipe, state, atoms, coords, parts, smem, g: cutlass.Constexpr[int], row0: Int32,
-              sf_row: Int32, n_tile: Int32, expert: Int32, k_tiles: Int32, cta_v: Int32):
+    def _load(self, ab_pipe, state, tma: tuple, parts, g: cutlass.Constexpr[int], row0: Int32, sf_row: Int32,
+              n_tile: Int32, expert: Int32, k_tiles: Int32, cta_v: Int32):
         """TMA warp: the k-tiles of GEMM ``g``'s tile (A rows from ``row0``, B's ``n_tile`` of
         ``expert``; MXFP8: SFA's tile ``sf_row`` (R2: the scale atom row where the tile's scales
-        start, maybe odd with 256-row tiles), SFB as B) into the ring; ``cta_v``: this CTA's
-        halves of a ``cta_group::2`` tile."""
+        start, maybe odd with 256-row tiles), SFB as B) into the ring; ``tma`` = (atoms, coords,
+        smem); ``cta_v``: this CTA's halves of a ``cta_group::2`` tile."""
+        atoms, coords, smem = tma
         ml, per = self.mainloop, self.per
         i = g * per
         tiler = (self.cfg.tile_m, self.cfg.tile_k)
@@ -588,10 +627,11 @@ class FusedMoeFwdSm100:
         return lo // lay.SF_ATOM_ROWS + expert + (row0 - lo) // lay.SF_ATOM_ROWS
 
     @cute.jit
-    def _mma(self, ab_pipe, acc_pipe, task_pipe, sTask: cute.Tensor, smem, tmem, shape, k1: Int32, k2: Int32,
-             k2s: Int32):
+    def _mma(self, pipes: task_ring.Pipes, smem, work: tuple):
         """MMA warp: each task's tile into the next TMEM accumulator stage (MXFP8: each k-tile's
         scales copied to TMEM first, :meth:`Sm100Mainloop.mma_tile`)."""
+        ab_pipe, acc_pipe, task_pipe, sTask, tmem = pipes
+        shape, (k1, k2, k2s), _, _ = work
         n_tasks, n_s1, n_r1, n_s2 = shape[0], shape[1], shape[2], shape[3]
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(Float32)
@@ -618,14 +658,12 @@ class FusedMoeFwdSm100:
 
 
     @cute.jit
-    def _epilogue(self, acc_pipe, task_pipe, sTask: cute.Tensor, tmem, tidx: Int32, shape, mOffsets: cute.Tensor,
-                  num_experts: Int32, tokens: Int32, mGU: cute.Tensor, mH: cute.Tensor, mGUs: cute.Tensor,
-                  mHs: cute.Tensor, mSlot: cute.Tensor, mSout: cute.Tensor, mOrder: cute.Tensor,
-                  mHready: cute.Tensor, mShready: cute.Tensor, mDone: cute.Tensor, limit: Float32,
-                  mTrace: cute.Tensor, bidx: Int32, trace_base: Int32, mHq: cute.Tensor, mHsf: cute.Tensor,
-                  mHsq: cute.Tensor, mHssf: cute.Tensor, ep, cta_v: Int32, sPush: cute.Tensor = None):
-        """Epilogue warps: store each task's accumulator, then publish it (release add by thread 0
-        after every thread's GPU-scope fence and the epilogue barrier). MXFP8: R1 / S1 also store
+    def _epilogue(self, pipes: task_ring.Pipes, who: tuple, work: tuple, outs: FwdOutputs, plan: FwdRouting,
+                  counters: FwdCounters, mx: FwdMx, scalars: FwdScalars, trace_base: Int32, ep,
+                  sPush: cute.Tensor = None):
+        """Epilogue warps (``who`` = (tidx, bidx, cta_v)): store each task's accumulator, then publish
+        it (release add by thread 0 after every thread's GPU-scope fence and the epilogue barrier;
+        ``work`` the kernel's task geometry, the bundles the kernel's). MXFP8: R1 / S1 also store
         h / hs quantized (GEMM2's A: ``mHq`` + ``mHsf`` at the tile's grouped scale atom row,
         ``mHsq`` + ``mHssf`` at its m-tile). EP > 1 (``ep``): R2 rows go to the source ranks' slot
         sections (:func:`push_routed`) once every rank freed its slot buffer of the previous push
@@ -634,6 +672,13 @@ class FusedMoeFwdSm100:
         ``fence.proxy.async.global`` behind the FREE wait. ``cta_group::2``: this CTA stores rows
         ``cta_v * 128 ..`` of each tile (its TMEM half) and publishes the tile too (the leader alone
         records it in the trace)."""
+        _, acc_pipe, task_pipe, sTask, tmem = pipes
+        tidx, bidx, cta_v = who
+        shape, _, num_experts, tokens = work
+        mGU, mH, mGUs, mHs, mSlot, mSout, _ = outs
+        mOrder, mOffsets = plan.order, plan.offsets
+        mHready, mShready, mDone, mTrace = counters.h_ready, counters.sh_ready, counters.done, counters.trace
+        mHq, mHsf, mHsq, mHssf, limit = mx.hq, mx.h_sf, mx.hsq, mx.hs_sf, scalars.limit
         n_tasks, n_s1, n_r1, n_s2, m_sh, n1, n1s, n2, band = shape
         tmem.allocate(self.mainloop.tmem_alloc)
         tmem.wait_for_alloc()
@@ -646,8 +691,8 @@ class FusedMoeFwdSm100:
         t, tstate = task_ring.take_any(task_pipe, tstate, sTask, False, self.cg == 2)
         while t < n_tasks:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
-                t, n_s1, n_r1, n_s2, m_sh, n1, n2, mOffsets, num_experts, tokens, self.cfg.tile_m, band, e1, b1, e2,
-                b2)
+                t, tasks.ListShape(n_s1, n_r1, n_s2, m_sh, n1, n2), mOffsets, num_experts, tokens, self.cfg.tile_m,
+                band, e1, b1, e2, b2)
             sf_mt = mt  # hsq's scale atom row (S1)
             if cutlass.const_expr(self.cg == 2):  # this CTA's 128 rows of the tile
                 row0 = row0 + cta_v * EPI_THREADS
@@ -700,21 +745,13 @@ class FusedMoeFwdSm100:
 
 
 # ---------------------------------------------------------------- compile
-def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_100a", unroll: int = 8,
-                                trace: bool = False, sum_batch: int = SUM_BATCH, gate: bool = False, mx: bool = False,
-                                ep: bool = False, tma_gather: bool = False, tile_m: int = 128,
-                                bulk_push: bool = False, inspect: bool = False):
-    """Compile one variant with symbolic T, H, I, I_s, E, M_cap for ``arch`` (sm_100a / sm_103a;
-    ``gate``: the slot sum starts from fp32(s_out) * gate, needs ``shared``; ``mx``: MXFP8, the
-    GEMM operands e4m3 with blocked E8M0 scales; ``ep``: EP > 1, rows pulled from and pushed to the
-    workspace's peers; ``tma_gather``: R1's rows by TMA gather4 from x, no ring; ``tile_m`` 256:
-    ``cta_group::2`` tiles; ``bulk_push``: R2's pushes by ``cp.async.bulk``, needs ``ep``); returns
-    ``(compiled, report)``."""
+def compile_fused_forward_sm100(v: FwdVariant, arch: str = "sm_100a", inspect: bool = False):
+    """Compile variant ``v`` (:class:`FwdVariant`) with symbolic T, H, I, I_s, E, M_cap for ``arch``
+    (sm_100a / sm_103a); returns ``(compiled, report)``."""
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs arch in {ARCHS}, got {arch!r}")
-    if gate and not shared:
-        raise ValueError("gate (the shared expert's output gate) needs shared")
-    op = FusedMoeFwdSm100(clamp, shared, unroll, trace, sum_batch, mx, ep, tma_gather, tile_m, bulk_push)
+    op = FusedMoeFwdSm100(v)
+    shared, mx = v.shared, v.mx
     bf, ab = cutlass.BFloat16, op.cfg.ab_dtype
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=DIM_MULTIPLE) for _ in range(3))
@@ -725,22 +762,26 @@ def compile_fused_forward_sm100(clamp: bool, shared: bool, *, arch: str = "sm_10
     shared_w = (_fake_3d(ab, cute.sym_int(), cute.sym_int(), hid), _fake_3d(ab, cute.sym_int(), hid, inter_s)) \
         if shared else (None, None)
     shared_out = (_fake_3d(bf, t, cute.sym_int(), inter_s), _fake_2d(bf, t, inter_s)) if shared else (None, None)
-    mx_args = (None,) * 11
+    mx_args = FwdMx()
     if mx:  # x scale words, ring / w1 scales, hq + scales, w_down scales, [x, s1 scales, hsq + scales, s_down scales]
         sf = _fake_sf(op.cfg)
         words = cute.runtime.make_fake_tensor(Int32, (t, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
-        mx_args = (words, sf, sf, _fake_2d(ab, mcap, inter), sf, sf,
-                   *((sf, sf, _fake_2d(ab, t, inter_s), sf, sf) if shared else (None,) * 5))
-    args = (_fake_2d(ab, t, hid), _fake_2d(ab, cute.sym_int(), hid), _fake_3d(ab, e, cute.sym_int(), hid),
-            _fake_3d(ab, e, hid, inter), *shared_w, _fake_3d(bf, mcap, cute.sym_int(), inter), _fake_2d(bf, mcap, inter),
-            *shared_out, _fake_2d(bf, tk, hid), _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid),
-            vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
-            vec(Float32, t) if gate else None, *(vec(Int32, cute.sym_int()) for _ in range(5)),
-            vec(Int64, cute.sym_int(), 8) if trace else None, *mx_args,
-            vec(Int32, cute.sym_int(), 16) if tma_gather else None)
-    ep_args = (vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if ep else (None,) * 3
-    return compile_kernel(op, *args, Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1),
-                          *ep_args, *_NO_EP, cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+        mx_args = FwdMx(words, sf, sf, _fake_2d(ab, mcap, inter), sf, sf,
+                        *((sf, sf, _fake_2d(ab, t, inter_s), sf, sf) if shared else (None,) * 5))
+    ops = FwdOperands(_fake_2d(ab, t, hid), _fake_2d(ab, cute.sym_int(), hid), _fake_3d(ab, e, cute.sym_int(), hid),
+                      _fake_3d(ab, e, hid, inter), *shared_w)
+    outs = FwdOutputs(_fake_3d(bf, mcap, cute.sym_int(), inter), _fake_2d(bf, mcap, inter), *shared_out,
+                      _fake_2d(bf, tk, hid), _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid))
+    plan = FwdRouting(vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
+                      vec(Float32, t) if v.gate else None,
+                      vec(Int32, cute.sym_int(), 16) if v.gather == "tma" else None)
+    counters = FwdCounters(*(vec(Int32, cute.sym_int()) for _ in range(5)),
+                           vec(Int64, cute.sym_int(), 8) if v.trace else None)
+    scalars = FwdScalars(Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1))
+    peer = FwdPeer(*((vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if v.ep
+                     else (None,) * 3), *_NO_EP)
+    return compile_kernel(op, ops, outs, plan, counters, present(mx_args), scalars, peer,
+                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- launch
@@ -753,11 +794,54 @@ def last_trace():
     return _last_trace[0] if _last_trace else None
 
 
-def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                    timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales):
+@dataclass(frozen=True)
+class Sm100Launch(FusedLaunch):
+    """:class:`~mok_cute.kernels.operands.FusedLaunch` plus the SM100 megakernels' own choices (the
+    forward's and the backward's launch policy; the results do not depend on them).
+
+    tile_m: 128 (``cta_group::1``, the default) or 256 (``cta_group::2``: CTA pairs run 256-row
+        tiles; the grid and the comm CTAs rounded to whole pairs, a grid of >= 4 CTAs).
+    bulk_push: EP > 1 only (ignored at EP = 1): the GEMM2 (forward) / dgrad1 (backward) rows go into
+        the peers by ``cp.async.bulk`` from shared memory instead of ``st.global``
+        (``MoKConfig.comm_transport == "bulk"``; compile-verified only).
+    gather: the BF16 EP = 1 forward's R1 rows: ``"comm"`` (the default: the comm CTAs gather them into
+        the ring) or ``"tma"`` (R1's TMA warp loads x's rows by token with ``tile::gather4``, no ring;
+        compile-verified only and never measured against the ring, so no config field reaches it).
+    The backward reads ``comm_ctas`` (its gather), ``timeout_s``, ``num_ctas``, ``tile_m`` and
+    ``bulk_push``; ``mx`` must say whether MXFP8 weight scales are given.
+    """
+
+    tile_m: int = 128
+    bulk_push: bool = False
+    gather: str = "comm"
+
+    def __post_init__(self):
+        check_tile_m(self.tile_m)
+        if self.gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        if not isinstance(self.bulk_push, bool):
+            raise TypeError(f"bulk_push must be a bool, got {type(self.bulk_push).__name__}")
+
+
+class MxScales(NamedTuple):
+    """The MXFP8 weights' E8M0 scales (uint8; the weights float8_e4m3fn quantized along their rows,
+    ``layers.sm100.quantize_weight(w, 2)``): ``routed`` = (gate [E, I, H/32], up [E, I, H/32], down
+    [E, H, I/32]); ``shared`` = the shared expert's (gate [I_s, H/32], up, down [H, I_s/32]) or None."""
+
+    routed: tuple
+    shared: tuple | None = None
+
+
+def _check_operands(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpert | None, limit,
+                    launch: Sm100Launch, scales: MxScales | None):
     """Raise TypeError / ValueError for operands :func:`fused_forward` cannot launch on."""
+    order, offsets, topk_idx, topk_w = plan
+    w_gate, w_up, w_down = weights
+    gate = None if shared is None else shared.gate
+    if scales is not None and scales.routed is None:
+        raise ValueError("shared_scales (MXFP8) needs w_scales")
     bf = (torch.bfloat16,)
-    mx = w_scales is not None
+    mx = scales is not None
     wdt = (_FP8,) if mx else bf  # the weights' dtype
     _check_tensor("x", x, 2, bf)
     t, hid = x.shape
@@ -777,55 +861,66 @@ def _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, s
                          f"got {tuple(w_gate.shape)}")
     if offsets.numel() != e + 1:
         raise ValueError(f"offsets must hold E+1 = {e + 1} entries, got {offsets.numel()}")
-    weights = {"w_gate": (w_gate, (e, inter, hid)), "w_up": (w_up, (e, inter, hid)),
-               "w_down": (w_down, (e, hid, inter))}
+    named = {"w_gate": (w_gate, (e, inter, hid)), "w_up": (w_up, (e, inter, hid)),
+             "w_down": (w_down, (e, hid, inter))}
     if shared is not None:
-        if not isinstance(shared, (tuple, list)) or len(shared) != 3:
-            raise ValueError("shared must be None or (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s])")
-        _check_tensor("ws_gate", shared[0], 2, wdt)
-        inter_s = shared[0].shape[0]
+        _check_tensor("ws_gate", shared.w_gate, 2, wdt)
+        inter_s = shared.w_gate.shape[0]
         if inter_s == 0 or inter_s % DIM_MULTIPLE:
             raise ValueError(f"ws_gate: I_s={inter_s} must be a positive multiple of {DIM_MULTIPLE}")
-        weights.update(ws_gate=(shared[0], (inter_s, hid)), ws_up=(shared[1], (inter_s, hid)),
-                       ws_down=(shared[2], (hid, inter_s)))
+        named.update(ws_gate=(shared.w_gate, (inter_s, hid)), ws_up=(shared.w_up, (inter_s, hid)),
+                     ws_down=(shared.w_down, (hid, inter_s)))
     if gate is not None:
-        if shared is None:
-            raise ValueError("gate (the shared expert's output gate) needs shared")
         _check_tensor("gate", gate, 1, (torch.float32,))
         if gate.shape[0] != t:
             raise ValueError(f"gate must be [T={t}], got {tuple(gate.shape)}")
-    for name, (w, shape) in weights.items():
+    for name, (w, shape) in named.items():
         _check_tensor(name, w, len(shape), wdt)
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
-    scales = _check_mx_scales(w_scales, shared_scales, shared is not None, e, hid, inter,
-                              None if shared is None else shared[0].shape[0])
+    by_name = _check_mx_scales(scales, shared is not None, e, hid, inter,
+                               None if shared is None else shared.w_gate.shape[0])
     for name, a in dict(x=x, order=order, offsets=offsets, topk_idx=topk_idx, topk_w=topk_w, gate=gate,
-                        **{n: w for n, (w, _) in weights.items()}, **scales).items():
+                        **{n: w for n, (w, _) in named.items()}, **by_name).items():
         if a is None:
             continue
         if a.device != x.device:
             raise ValueError(f"{name} is on {a.device} but x is on {x.device}")
-        if name not in scales and (not a.is_contiguous() or a.data_ptr() % 16):
+        if name not in by_name and (not a.is_contiguous() or a.data_ptr() % 16):
             raise ValueError(f"{name} must be contiguous and 16-byte aligned")
     _check_limit(limit)
-    if isinstance(comm_ctas, bool) or not isinstance(comm_ctas, int) or comm_ctas < 1:
-        raise ValueError(f"comm_ctas must be an int >= 1, got {comm_ctas!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if num_ctas is not None and num_ctas < 2:
-        raise ValueError(f"num_ctas must be None or >= 2 (a comm CTA and a GEMM CTA), got {num_ctas}")
-    if ring_chunks is not None and ring_chunks < 1:
-        raise ValueError(f"ring_chunks must be None or >= 1, got {ring_chunks}")
+    _check_launch(launch, mx)
+    if launch.ring_chunks is not None and launch.ring_chunks < 1:
+        raise ValueError(f"ring_chunks must be None or >= 1, got {launch.ring_chunks}")
 
 
-def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, inter: int, inter_s):
+def _check_launch(launch, mx: bool, min_ctas: int = 2) -> None:
+    """TypeError / ValueError for a launch policy the SM100 megakernels cannot take: not an
+    :class:`Sm100Launch`, ``mx`` not saying whether MXFP8 scales are given, comm CTAs < 1, a
+    timeout <= 0 or a grid under ``min_ctas``."""
+    if not isinstance(launch, Sm100Launch):
+        raise TypeError(f"launch must be an Sm100Launch, got {type(launch).__name__}")
+    if launch.mx != mx:
+        raise ValueError(f"launch.mx={launch.mx} but MXFP8 weight scales are {'' if mx else 'not '}given")
+    comm = launch.comm_ctas
+    if isinstance(comm, bool) or not isinstance(comm, int) or comm < 1:
+        raise ValueError(f"comm_ctas must be an int >= 1, got {comm!r}")
+    t = launch.timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise TypeError(f"timeout_s must be a number, got {type(t).__name__}")
+    if not t > 0:
+        raise ValueError(f"timeout_s must be > 0, got {t!r}")
+    n = launch.num_ctas
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < min_ctas):
+        raise ValueError(f"num_ctas must be None or an int >= {min_ctas}, got {n!r}")
+
+
+def _check_mx_scales(scales: MxScales | None, shared: bool, e: int, hid: int, inter: int, inter_s):
     """The MXFP8 weight scales (uint8 E8M0, the weights quantized along their rows) by name, {}
-    for BF16 (``w_scales`` None); ValueError / TypeError for missing or misshapen ones."""
-    if w_scales is None:
-        if shared_scales is not None:
-            raise ValueError("shared_scales (MXFP8) needs w_scales")
+    for BF16 (``scales`` None); ValueError / TypeError for missing or misshapen ones."""
+    if scales is None:
         return {}
+    w_scales, shared_scales = scales
     if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 3:
         raise ValueError("w_scales must be (gate [E, I, H/32], up [E, I, H/32], down [E, H, I/32]) for MXFP8")
     _check_gate_up_scales(w_scales[:2], (e, inter, hid // lay.SF_VEC))
@@ -844,75 +939,77 @@ def _check_mx_scales(w_scales, shared_scales, shared: bool, e: int, hid: int, in
     return out
 
 
-def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas: int,
-                  timeout_s: float, num_ctas: int | None = None, ring_chunks: int | None = None, gate=None,
-                  interleave=interleave_gate_up, w_scales=None, shared_scales=None, ws=None, tma_gather=None,
-                  tile_m: int | None = None, bulk_push: bool | None = None):
+def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpert | None, limit,
+                  launch: Sm100Launch, scales: MxScales | None = None, ws=None,
+                  interleave=interleave_gate_up) -> FusedForwardOut:
     """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
-    :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16;
-    ``order`` int32 [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert); ``offsets``
-    int32 [E+1] (trusted: 0, non-decreasing, last <= M_cap); ``topk_idx`` int32 / ``topk_w`` fp32
-    [T, k]; w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or (ws_gate [I_s, H], ws_up
-    [I_s, H], ws_down [H, I_s]); ``limit`` None or the SwiGLU clamp; ``gate`` None or fp32 [T] (y
-    starts from fp32(s_out) * gate; needs ``shared``); H, I, I_s multiples of 64; every tensor
+    :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16; ``plan``: ``order`` int32
+    [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert), ``offsets`` int32 [E+1]
+    (trusted: 0, non-decreasing, last <= M_cap), ``topk_idx`` int32 / ``topk_w`` fp32 [T, k];
+    ``weights``: w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or the shared expert
+    (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s]; its ``gate`` None or fp32 [T]: y starts from
+    fp32(s_out) * gate); ``limit`` None or the SwiGLU clamp; H, I, I_s multiples of 64; every tensor
     contiguous on one sm_100 / sm_103 device. gate / up (and their MXFP8 scales) are interleaved by
     ``interleave(w_gate, w_up, tile_n / 2)`` (default
     :func:`~mok_cute.kernels.sm100.grouped_gemm.interleave_gate_up`, the unfused GEMM1's operand, a
     copy per call; a caller may pass one that caches it while the weights are unchanged).
 
-    MXFP8 (``w_scales`` given): every weight float8_e4m3fn quantized along its rows (K), ``w_scales``
-    = (gate [E, I, H/32], up [E, I, H/32], down [E, H, I/32]) uint8 E8M0, ``shared_scales`` the
-    shared expert's (gate [I_s, H/32], up, down [H, I_s/32]); x is quantized along H here
-    (``quantize.quantize_mxfp8(x, -1)``, looked up at call time) and the gather moves its e4m3 rows
-    and scales; GEMM1's epilogue quantizes h along I for GEMM2 (:meth:`GroupedGemmSm100._store_swiglu`):
-    bitwise the unfused SM100 MXFP8 forward (``layers.sm100.mx_forward``: x rows quantized, the
-    MXFP8 GEMM1 + SwiGLU, h quantized, the MXFP8 GEMM2 on the same tiles).
+    MXFP8 (``scales`` given, ``launch.mx``): every weight float8_e4m3fn quantized along its rows (K),
+    :class:`MxScales` their E8M0 scales; x is quantized along H here (``quantize.quantize_mxfp8(x, -1)``,
+    looked up at call time) and the gather moves its e4m3 rows and scales; GEMM1's epilogue quantizes
+    h along I for GEMM2 (:meth:`GroupedGemmSm100._store_swiglu`): bitwise the unfused SM100 MXFP8
+    forward (``layers.sm100.mx_forward``: x rows quantized, the MXFP8 GEMM1 + SwiGLU, h quantized, the
+    MXFP8 GEMM2 on the same tiles).
 
-    ``tma_gather`` (BF16, EP = 1; None: :func:`tma_gather_mode`): no ring and no gather, R1 loads x's
-    rows by token with TMA gather4 (:class:`FusedMoeFwdSm100`); ``comm_ctas`` then run GEMM tasks only.
+    ``launch`` (:class:`Sm100Launch`): ``comm_ctas`` clamped to ``[1, num_ctas - 1]``; ``num_ctas`` the
+    grid (default all SMs; ``tile_m`` 256: >= 4, the grid and ``comm_ctas`` rounded to whole pairs);
+    ``ring_chunks`` the ring's size in chunks of 128 gathered rows (None: a slot per routed m-tile; a
+    slot holds ``tile_m`` rows, so at 256 two chunks, rounded up), R1's band ``min(RING_BAND, ring)``;
+    ``trace``: per-task records (:func:`last_trace`); ``gather="tma"`` (BF16, EP = 1, ``tile_m`` 128):
+    no ring and no gather, R1 loads x's rows by token with TMA gather4, the comm CTAs run GEMM tasks
+    only; ``bulk_push`` (EP > 1 only, ignored at EP = 1): R2's rows go to the peers by
+    ``cp.async.bulk`` (:func:`push_routed_bulk`, compile-verified only).
 
-    ``tile_m`` (None: :func:`tile_m_mode`): 128, or 256 for ``cta_group::2`` tiles run by CTA pairs
-    (the grid and ``comm_ctas`` then rounded to whole pairs; not with ``tma_gather``).
+    Returns :class:`~mok_cute.kernels.operands.FusedForwardOut` (gu [M_cap, 2I], h, gus [T, 2 I_s], hs
+    bf16 as the unfused path saves them; shared outputs None without a shared expert; ``counters``:
+    gather_ready, h_ready, sh_ready, done + ticket + gather and slot-sum arrivals, status, int32
+    device tensors; read status with :func:`mok_cute.kernels.sm90.fused_moe.watch_status`: the same
+    wait channels; ``w_rows`` None at EP = 1).
 
-    ``ring_chunks``: the ring's size in chunks of 128 gathered rows (None: a slot per routed m-tile; a
-    slot holds ``tile_m`` rows, so at 256 two chunks, rounded up), R1's band ``min(ring_band(), ring)``;
-    ``num_ctas``: the grid (default all SMs; tile_m 256: >= 4), ``comm_ctas`` clamped to ``[1, num_ctas - 1]``. Returns ``(y, gu [M_cap, 2I], h, slot_out, gus [T, 2 I_s], hs, s_out,
-    counters, w_rows)`` (gu, h, gus, hs bf16 as the unfused path saves them; shared outputs None
-    without a shared expert; ``counters``: gather_ready, h_ready, sh_ready, done + ticket + gather
-    and slot-sum arrivals, status, int32 device tensors; read status with
-    :func:`mok_cute.kernels.sm90.fused_moe.watch_status`: the same wait channels; ``w_rows`` None at
-    EP = 1).
-
-    EP > 1 with ``ws`` (this rank's :class:`~mok_cute.comm.workspace.CommWorkspace`; no ``gate``):
-    ``order`` / ``offsets`` are the device plan's ``recv_src`` (packed ``p*T*k + t*k + j``) and local
-    expert offsets; x (MXFP8: its e4m3 rows and scale words) and topk_w are staged in the workspace
-    (after every peer finished the previous pull), ``slot_out`` is the slot sum's copy of this
-    rank's slot rows (rows of -1 slots unwritten), ``w_rows`` [M_cap] fp32 each grouped row's router
-    weight, status = ``ws.status`` (peer errors: the caller's ``ws.check_status()``); ``num_ctas``
-    this rank's grid (fewer for virtual ranks on one GPU). Launched through the DSL (the epochs
-    change every call). ``bulk_push`` (EP > 1 only; None: :func:`bulk_push_mode`, ignored at EP = 1):
-    R2's rows go to the peers by ``cp.async.bulk`` (:func:`push_routed_bulk`, compile-verified only)."""
-    _check_operands(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, comm_ctas,
-                    timeout_s, num_ctas, ring_chunks, gate, w_scales, shared_scales)
-    if ws is not None and gate is not None:
+    EP > 1 with ``ws`` (this rank's :class:`~mok_cute.comm.workspace.CommWorkspace`; no gate):
+    ``plan.order`` / ``plan.offsets`` are the device plan's ``recv_src`` (packed ``p*T*k + t*k + j``)
+    and local expert offsets; x (MXFP8: its e4m3 rows and scale words) and topk_w are staged in the
+    workspace (after every peer finished the previous pull), ``slot_out`` is the slot sum's copy of
+    this rank's slot rows (rows of -1 slots unwritten), ``w_rows`` [M_cap] fp32 each grouped row's
+    router weight, status = ``ws.status`` (peer errors: the caller's ``ws.check_status()``);
+    ``num_ctas`` this rank's grid (fewer for virtual ranks on one GPU). Launched through the DSL (the
+    epochs change every call)."""
+    _check_operands(x, plan, weights, shared, limit, launch, scales)
+    if ws is not None and shared is not None and shared.gate is not None:
         raise ValueError("gate (the shared expert's output gate) runs at EP = 1 only")
+    if launch.gather == "tma" and (scales is not None or ws is not None or launch.tile_m != 128):
+        raise ValueError("gather='tma' (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's, tile_m 128")
     dev, arch = device_arch(x.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs an sm_100a / sm_103a device, got {arch}")
-    mx = w_scales is not None
-    if tma_gather is None:
-        tma_gather = tma_gather_mode() and not mx and ws is None
-    if tma_gather and (mx or ws is not None):
-        raise ValueError("tma_gather (R1's rows by TMA gather4 from x) is the BF16 EP = 1 forward's")
-    tile_m = tile_m_mode() if tile_m is None else tile_m
-    if tile_m not in (128, 256):
-        raise ValueError(f"tile_m must be 128 or 256 (cta_group::2), got {tile_m!r}")
-    if tma_gather and tile_m != 128:
-        raise ValueError("tma_gather (R1's rows by TMA gather4 from x) needs tile_m 128 (cta_group::1)")
-    if bulk_push is None:
-        bulk_push = bulk_push_mode() and ws is not None
-    if bulk_push and ws is None:
-        raise ValueError("bulk_push (R2's rows by cp.async.bulk into the peers) needs ws (EP > 1)")
+    v = FwdVariant(limit is not None, shared is not None, gate=shared is not None and shared.gate is not None,
+                   mx=scales is not None, ep=ws is not None, trace=launch.trace, gather=launch.gather,
+                   tile_m=launch.tile_m, bulk_push=launch.bulk_push and ws is not None, unroll=GATHER_UNROLL,
+                   sum_batch=SUM_BATCH)
+    launcher = compile_cached(("sm100_fused_moe_fwd", arch, v),
+                              lambda: GraphLauncher(compile_fused_forward_sm100(v, arch)[0]))
+    bundles, out = _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interleave, v, dev)
+    launch_bundles(launcher, dev, bundles, direct=ws is not None)
+    return out
+
+
+def _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interleave, v: FwdVariant, dev: int):
+    """``(bundles, FusedForwardOut)``: :class:`FusedMoeFwdSm100`'s launch bundles (in ``__call__``
+    order) for validated operands, and what :func:`fused_forward` returns (its buffers, allocated
+    here)."""
+    tile_m, mx, tma_gather = v.tile_m, v.mx, v.gather == "tma"
+    order, offsets, topk_idx, topk_w = plan
+    w_gate, w_up, w_down = weights
     t, hid = x.shape
     k = topk_idx.shape[1]
     mcap, e, inter = order.shape[0], w_gate.shape[0], w_gate.shape[1]
@@ -920,8 +1017,9 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     half = CONFIG.tile_n // 2
     sizes = counter_sizes(t, mcap, e)  # 128-row m-tiles: enough for 256-row ones
     mtiles = -(-mcap // tile_m) + e  # routed m-tiles at most
+    ring_chunks = launch.ring_chunks
     ring = mtiles if ring_chunks is None else min(-(-int(ring_chunks) * CHUNK // tile_m), mtiles)
-    band = min(ring_band(), ring)
+    band = min(RING_BAND, ring)
     xg = torch.empty(((1 if tma_gather else ring) * tile_m, hid), dtype=_FP8 if mx else torch.bfloat16,
                      device=x.device)  # tma_gather: a slot's stand-in (R1 reads x)
     tok = None
@@ -933,48 +1031,43 @@ def fused_forward(x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, sha
     s1 = sd = gus = hs = s_out = None
     n1s = 0
     if shared is not None:
-        inter_s = shared[0].shape[0]
+        inter_s = shared.w_gate.shape[0]
         n1s = -(-inter_s // half)
-        s1, sd = interleave(shared[0][None], shared[1][None], half), shared[2][None]
+        s1, sd = interleave(shared.w_gate[None], shared.w_up[None], half), shared.w_down[None]
         gus = torch.empty((t, 2, inter_s), **bf)
         hs = torch.empty((t, inter_s), **bf)
         s_out = torch.empty((t, hid), **bf)
-    mx_tensors = (None,) * 11
+    mx_tensors = FwdMx()
     if mx:
-        x, mx_tensors = _mx_operands(x, mcap, e, inter, ring * tile_m, w_scales, shared_scales, interleave)
+        x, mx_tensors = _mx_operands(x, mcap, e, inter, ring * tile_m, scales, interleave)
     w_rows = slot_copy = None
     if ws is not None:
-        _stage_source(ws, x, mx_tensors[0])
+        _stage_source(ws, x, mx_tensors.x_words)
         ws.view("w", torch.float32, (t, k)).copy_(topk_w)
         w_rows = torch.zeros(mcap, dtype=torch.float32, device=x.device)
         slot_copy = torch.empty((t * k, hid), **bf)
-    trace = tracing()
-    nb = slot_sum_batch()
-    variant = (limit is not None, shared is not None, GATHER_UNROLL, trace, nb, gate is not None, mx, ws is not None,
-               tma_gather, tile_m, bulk_push)
-    launcher = compile_cached(("sm100_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(
-        compile_fused_forward_sm100(variant[0], variant[1], arch=arch, unroll=GATHER_UNROLL, trace=trace,
-                                    sum_batch=nb, gate=gate is not None, mx=mx, ep=ws is not None,
-                                    tma_gather=tma_gather, tile_m=tile_m, bulk_push=bulk_push)[0]))
-    num_ctas = sm_count(dev) if num_ctas is None else num_ctas
+    num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     # chunk c is CTA c % comm_ctas's, and a gather waiting for its ring slot needs a GEMM CTA to free it
-    comm_ctas = max(1, min(comm_ctas, num_ctas - 1))
+    comm_ctas = max(1, min(launch.comm_ctas, num_ctas - 1))
     num_ctas, comm_ctas = pair_grid(num_ctas, comm_ctas, tile_m)
     records = None
-    if trace:  # gather chunks, then every possible task, then two per CTA
+    if v.trace:  # gather chunks, then every possible task, then two per CTA
         n2, n1, m_sh, mt = -(-hid // CONFIG.tile_n), -(-inter // half), -(-t // tile_m), mtiles
         n_tasks = m_sh * (n1s + (n2 if shared is not None else 0)) + mt * (n1 + n2)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
-    tensors = (x, xg, w1, w_down, s1, sd, gu, h, gus, hs, slot, s_out, y, order, offsets, topk_idx.reshape(-1),
-               topk_w.reshape(-1), gate, *parts, None if records is None else records.view(-1), *mx_tensors, tok)
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(timeout_s * 1e9)
-    scalars = (Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
-    launcher.launch_tensors(dev, tensors, scalars, (k, lim, comm_ctas, num_ctas, ring, band, timeout_ns),
-                            (None, None, None, *_NO_EP),
-                            None if ws is None else ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
-    slot = slot if ws is None else slot_copy
-    return (y, gu.view(mcap, 2 * inter), h, slot, None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
+    lim, timeout_ns = 0.0 if limit is None else float(limit), int(launch.timeout_s * 1e9)
+    peer = FwdPeer(None, None, None, *_NO_EP) if ws is None else \
+        FwdPeer(*ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
+    bundles = (FwdOperands(x, xg, w1, w_down, s1, sd), FwdOutputs(gu, h, gus, hs, slot, s_out, y),
+               FwdRouting(order, offsets, topk_idx.reshape(-1), topk_w.reshape(-1),
+                          None if shared is None else shared.gate, tok),
+               FwdCounters(*parts, None if records is None else records.view(-1)), mx_tensors,
+               FwdScalars(Int32(k), Float32(lim), Int32(comm_ctas), Int32(num_ctas), Int32(ring), Int32(band),
+                          Int64(timeout_ns)), peer)
+    out = FusedForwardOut(y, gu.view(mcap, 2 * inter), h, slot if ws is None else slot_copy,
+                          None if gus is None else gus.view(t, -1), hs, s_out, parts, w_rows)
+    return bundles, out
 
 
 def pair_grid(num_ctas: int, comm_ctas: int, tile_m: int) -> tuple[int, int]:
@@ -984,39 +1077,9 @@ def pair_grid(num_ctas: int, comm_ctas: int, tile_m: int) -> tuple[int, int]:
     if tile_m != 256:
         return num_ctas, comm_ctas
     if num_ctas < 4:
-        raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with 256-row tiles (MOK_CUTE_SM100_TILE_M=256), "
-                         f"got {num_ctas}")
+        raise ValueError(f"num_ctas must be >= 4 (two CTA pairs) with tile_m 256, got {num_ctas}")
     num_ctas -= num_ctas % 2
     return num_ctas, min(comm_ctas + comm_ctas % 2, num_ctas - 2)
-
-
-def tile_m_mode() -> int:
-    """The fused forward's and backward's tile rows on SM100 (``MOK_CUTE_SM100_TILE_M``, read at every
-    call): 128 (``cta_group::1``, the default) or 256 (``cta_group::2``: CTA pairs)."""
-    return int(_env_mode("MOK_CUTE_SM100_TILE_M", ("128", "256")))
-
-
-def bulk_push_mode() -> bool:
-    """Whether the EP > 1 fused forward's R2 epilogue pushes its rows into the peers by
-    ``cp.async.bulk`` from shared memory (``MOK_CUTE_SM100_PUSH=bulk``, read at every call) instead
-    of ``st.global`` (``st``, the default)."""
-    return _env_mode("MOK_CUTE_SM100_PUSH", ("st", "bulk")) == "bulk"
-
-
-def tma_gather_mode() -> bool:
-    """Whether the BF16 EP = 1 fused forward loads R1's rows by TMA gather4 from x
-    (``MOK_CUTE_SM100_GATHER=tma``, read at every call) instead of the comm CTAs' gather into the ring
-    (``comm``, the default)."""
-    return _env_mode("MOK_CUTE_SM100_GATHER", ("comm", "tma")) == "tma"
-
-
-def _env_mode(var: str, modes: tuple) -> str:
-    """Environment variable ``var``'s value, one of ``modes`` (unset: the first); ValueError naming
-    ``var`` otherwise."""
-    mode = os.environ.get(var, modes[0])
-    if mode not in modes:
-        raise ValueError(f"{var} must be one of {modes}, got {mode!r}")
-    return mode
 
 
 def _stage_source(ws, x, x_words):
@@ -1037,9 +1100,9 @@ def _stage_source(ws, x, x_words):
     src[:, hid:hid + 4 * x_words.shape[1]].copy_(x_words.view(torch.uint8))
 
 
-def _mx_operands(x, mcap: int, e: int, inter: int, ring_rows: int, w_scales, shared_scales, interleave):
-    """``(xq, tensors)`` of the MXFP8 variant: x's e4m3 rows (the gather's source and S1's A) and
-    the kernel's eleven MXFP8 tensors in ``__call__`` order: x's scale words [T, ceil(H / 128)]
+def _mx_operands(x, mcap: int, e: int, inter: int, ring_rows: int, scales: MxScales, interleave):
+    """``(xq, FwdMx)`` of the MXFP8 variant: x's e4m3 rows (the gather's source and S1's A) and
+    the kernel's eleven MXFP8 tensors (:class:`FwdMx` order): x's scale words [T, ceil(H / 128)]
     int32 (each row's E8M0 bytes zero-padded to whole scale atoms), the ring's blocked scales,
     GEMM1's interleaved weight scales (blocked per expert), hq [M_cap, I] e4m3 and its grouped
     blocked scales (zeroed: padding stays 0), w_down's blocked scales, then with a shared expert
@@ -1047,6 +1110,7 @@ def _mx_operands(x, mcap: int, e: int, inter: int, ring_rows: int, w_scales, sha
     The scale layouts are the unfused MXFP8 GEMMs' (:mod:`~mok_cute.kernels.sm100.layouts`)."""
     from mok_cute.kernels.quant import quantize
 
+    w_scales, shared_scales = scales
     t, hid = x.shape
     dev, u8 = x.device, torch.uint8
     half = MX_CONFIG.tile_n // 2
@@ -1060,13 +1124,13 @@ def _mx_operands(x, mcap: int, e: int, inter: int, ring_rows: int, w_scales, sha
            torch.zeros(lay.sf_bytes(lay.grouped_sf_rows(mcap, e), inter // lay.SF_VEC), dtype=u8, device=dev),
            lay.to_blocked(w_scales[2]).reshape(-1)]
     if shared_scales is None:
-        return xq, (*out, None, None, None, None, None)
+        return xq, FwdMx(*out)
     inter_s = shared_scales[0].shape[0]
     s1_sf = lay.to_blocked(interleave(shared_scales[0][None], shared_scales[1][None], half)).reshape(-1)
     out += [lay.to_blocked(xs), s1_sf, torch.empty((t, inter_s), dtype=_FP8, device=dev),
             torch.zeros(lay.sf_bytes(t, inter_s // lay.SF_VEC), dtype=u8, device=dev),
             lay.to_blocked(shared_scales[2][None]).reshape(-1)]
-    return xq, tuple(out)
+    return xq, FwdMx(*out)
 
 
 # ---------------------------------------------------------------- variant registry (readiness tool)
@@ -1085,7 +1149,7 @@ def variants() -> dict:
     """``name -> (compile(arch, inspect) -> (compiled, report), PTX substrings it must hold)`` for
     every fused-forward variant this module builds."""
     def fused(clamp, shared, **kw):
-        return lambda arch, inspect=True: compile_fused_forward_sm100(clamp, shared, arch=arch, inspect=inspect, **kw)
+        return lambda arch, inspect=True: compile_fused_forward_sm100(FwdVariant(clamp, shared, **kw), arch, inspect)
 
     return {
         "fused-fwd-clamp-shared": (fused(True, True), _PTX),
@@ -1099,7 +1163,7 @@ def variants() -> dict:
         "fused-fwd-ep-clamp-shared": (fused(True, True, ep=True), _PTX + _EP_PTX),
         "fused-fwd-ep-noclamp-routed": (fused(False, False, ep=True), _PTX + _EP_PTX),
         "fused-fwd-mxfp8-ep-clamp-shared": (fused(True, True, mx=True, ep=True), _MX_PTX + _EP_PTX),
-        "fused-fwd-tma-gather-clamp-shared": (fused(True, True, tma_gather=True), _PTX + ("tile::gather4",)),
+        "fused-fwd-tma-gather-clamp-shared": (fused(True, True, gather="tma"), _PTX + ("tile::gather4",)),
         "fused-fwd-2cta-clamp-shared": (fused(True, True, tile_m=256), _PTX + _PAIR_PTX),
         "fused-fwd-2cta-noclamp-routed-trace": (fused(False, False, tile_m=256, trace=True), _PTX + _PAIR_PTX),
         "fused-fwd-mxfp8-2cta-clamp-shared": (fused(True, True, mx=True, tile_m=256), _MX_PTX + _PAIR_PTX),

@@ -42,6 +42,8 @@ written).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import torch
 
@@ -782,10 +784,23 @@ def _num_ctas(device, cfg: Sm100Config, tiles: int) -> int:
     return clusters * cfg.cta_group
 
 
-def _launch(cfg: Sm100Config, epilogue: str, clamp: bool, b_major: str, a, w, a_sf, w_sf, offsets, out0, out1,
-            limit: float, n: int, w2=None):
-    """Compile (once per variant and arch) and launch one grouped GEMM on the current stream
-    (``w2``: B's second part along K, split K: ``a`` is then [M, 2, K1]); ``n``: B's N."""
+class GemmKind(NamedTuple):
+    """One grouped GEMM variant of :class:`GroupedGemmSm100`: its tile config, epilogue (one of
+    :data:`EPILOGUES`), whether the SwiGLU / dSwiGLU epilogue clamps, and B's major mode."""
+
+    cfg: Sm100Config
+    epilogue: str
+    clamp: bool
+    b_major: str
+
+
+def _launch(kind: GemmKind, a, w, scales: tuple, offsets, outs: tuple, limit: float, n: int, w2=None):
+    """Compile (once per variant and arch) and launch one grouped GEMM of ``kind`` on the current
+    stream: A ``a``, B ``w`` (``w2``: B's second part along K, split K: ``a`` is then [M, 2, K1]),
+    ``scales`` = (A's, B's blocked MXFP8 scales, or None each), ``outs`` = (out0, out1) (the same
+    tensor twice for the plain epilogue); ``n``: B's N."""
+    cfg, epilogue, clamp, b_major = kind
+    (a_sf, w_sf), (out0, out1) = scales, outs
     arch = _arch(a.device)
     split_k = w2 is not None
     compiled = compile_cached(
@@ -847,7 +862,7 @@ def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: 
     if m:
         if cfg.mx:
             a_sf, w_sf = lay.pack_row_scales(a_scales, offsets), lay.to_blocked(w_scales).reshape(-1)
-        _launch(cfg, "plain", False, K_MAJOR, a, w, a_sf, w_sf, offsets, out, out, 0.0, n)
+        _launch(GemmKind(cfg, "plain", False, K_MAJOR), a, w, (a_sf, w_sf), offsets, (out, out), 0.0, n)
     return out
 
 
@@ -885,8 +900,8 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
         if cfg.mx:
             x_sf = lay.pack_row_scales(x_scales, offsets)
             w_sf = lay.to_blocked(interleave(*w_scales, cfg.tile_n // 2)).reshape(-1)
-        _launch(cfg, "swiglu", limit is not None, K_MAJOR, x, w, x_sf, w_sf, offsets, gu.view(m, 2, inter), h,
-                0.0 if limit is None else float(limit), w.shape[1])
+        _launch(GemmKind(cfg, "swiglu", limit is not None, K_MAJOR), x, w, (x_sf, w_sf), offsets,
+                (gu.view(m, 2, inter), h), 0.0 if limit is None else float(limit), w.shape[1])
     return gu, h
 
 
@@ -919,8 +934,8 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
         if cfg.mx:
             dy_sf = lay.pack_row_scales(dy_scales, offsets)
             w_sf = lay.pack_kn_weight_scales(w_scales)
-        _launch(cfg, "dswiglu", limit is not None, MN_MAJOR, dy, w_down, dy_sf, w_sf, offsets,
-                out.view(m, 2, inter), gu.view(m, 2, inter), 0.0 if limit is None else float(limit), inter)
+        _launch(GemmKind(cfg, "dswiglu", limit is not None, MN_MAJOR), dy, w_down, (dy_sf, w_sf), offsets,
+                (out.view(m, 2, inter), gu.view(m, 2, inter)), 0.0 if limit is None else float(limit), inter)
     return out
 
 
@@ -960,8 +975,8 @@ def grouped_dgrad1(dgu, offsets, w_gate, w_up, *, dgu_scales=None, w_scales=None
         if cfg.mx:
             dgu_sf = lay.pack_row_scales(lay.pad_k_parts(dgu_scales.chunk(2, 1), 1), offsets)
             w_sf = lay.pack_kn_weight_scales(*w_scales)
-        _launch(cfg, "plain", False, MN_MAJOR, dgu.view(m, 2, inter), w_gate, dgu_sf, w_sf, offsets, out, out, 0.0,
-                hid, w2=w_up)
+        _launch(GemmKind(cfg, "plain", False, MN_MAJOR), dgu.view(m, 2, inter), w_gate, (dgu_sf, w_sf), offsets,
+                (out, out), 0.0, hid, w2=w_up)
     return out
 
 

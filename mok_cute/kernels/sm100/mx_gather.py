@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from mok_cute.kernels.mx_rows import MX_BLOCK, chunk_words, column_scales
+from mok_cute.kernels.route_grad_row import MxTile
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm100 import layouts as lay
 
@@ -25,16 +26,15 @@ _OPS = Fp8Ops(bf16=True)  # (a module global: a local object may not cross a run
 
 
 @cute.jit
-def quantize_tile(tidx: Int32, warp: Int32, lane: Int32, xpass: cutlass.Constexpr[int],
-                  threads: cutlass.Constexpr[int], dy_rows: cute.Tensor, x_rows: cute.Tensor, row0: Int32,
-                  rows: Int32, tile_m: cutlass.Constexpr[int], hc: Int32, offsets: cute.Tensor, expert: Int32,
-                  m_tile: Int32, operands: tuple):
-    """The CTA's ``threads`` on m-tile ``m_tile`` of ``expert`` (rows ``row0 .. row0 + rows`` of the
+def quantize_tile(tile: MxTile, xpass: cutlass.Constexpr[int], operands: tuple):
+    """The CTA's ``threads`` (``tile``: :class:`~mok_cute.kernels.route_grad_row.MxTile`) on m-tile ``m_tile`` of
+    ``expert`` (rows ``row0 .. row0 + rows`` of the
     bf16 ``dy_rows`` / ``x_rows`` [M, H], stored before it by any of them; the caller's fence and
     barrier follow it). ``operands`` = ``(dyq, dy_sf, dy_t, dy_tsf, x_t, x_tsf)``: e4m3 [M, H] dy
     along H, uint8 flat blocked row scales, e4m3 [M, H] dy along the tokens and its token scales,
     the same for x. Pass 0 writes dy's three (with their scales), pass 1 x's token rows. ``tile_m``
     128 or 256 (the ``cta_group::2`` megakernels' m-tiles: two scale atom rows each)."""
+    tidx, warp, lane, threads, dy_rows, x_rows, row0, rows, tile_m, hc, offsets, expert, m_tile = tile
     dyq, dy_sf, dy_t, dy_tsf, x_t, x_tsf = operands
     atom_row = offsets[expert] // lay.SF_ATOM_ROWS + expert + m_tile  # the tile's scale atom row
     if cutlass.const_expr(tile_m != lay.SF_ATOM_ROWS):

@@ -18,6 +18,8 @@ remote arrive, :func:`take_pair`), so the leader reuses a slot only once both CT
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -62,12 +64,23 @@ def make_pair(storage):
     return (full, empty), storage.task.get_tensor(cute.make_layout(TASK_STAGES))
 
 
+class Pipes(NamedTuple):
+    """A megakernel's pipelines, made by :func:`kernel_start`: the A/B stages (``ab``: TMA warp ->
+    MMA warp), the TMEM accumulators (``acc``: MMA warp -> epilogue warps), the task ring
+    (``task`` with its id slots ``sTask``) and the TMEM allocator ``tmem``."""
+    ab: Any
+    acc: Any
+    task: Any
+    sTask: Any
+    tmem: Any
+
+
 @cute.jit
 def kernel_start(ml, atoms, shared_storage):
     """Both megakernels' start: the TMA warp prefetches ``atoms``' descriptors, the storage is
     allocated, ``ml``'s A/B and accumulator pipelines, the task ring (``cta_group::2``: the pair's,
     :func:`make_pair`) and the TMEM allocator are made on it and the pipelines' init arrive is
-    issued (cluster-wide); ``(warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem)``.
+    issued (cluster-wide); ``(warp, tidx, storage, Pipes)``.
     The caller takes its shared-memory tensors, then ``pipeline.pipeline_init_wait`` over the
     cluster ``(ml.cfg.cta_group, 1)``."""
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -83,7 +96,7 @@ def kernel_start(ml, atoms, shared_storage):
         task_pipe, sTask = make(storage)
     tmem = ml.make_tmem_allocator(storage)
     pipeline.pipeline_init_arrive(cluster_shape_mn=(ml.cfg.cta_group, 1), is_relaxed=True)
-    return warp, tidx, storage, ab_pipe, acc_pipe, task_pipe, sTask, tmem
+    return warp, tidx, storage, Pipes(ab_pipe, acc_pipe, task_pipe, sTask, tmem)
 
 
 def producer_state():

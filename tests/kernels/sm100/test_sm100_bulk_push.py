@@ -1,16 +1,16 @@
-"""The SM100 fused forward's opt-in bulk push (``bulk_push``, ``MOK_CUTE_SM100_PUSH=bulk``) on the CPU:
+"""The SM100 fused forward's opt-in bulk push (``bulk_push``, ``MoKConfig.comm_transport="bulk"``) on the CPU:
 at EP > 1 R2's epilogue threads stage each 32-column bf16 chunk of their row in shared memory and
 move it into the owner rank's slot row with ``cp.async.bulk`` shared -> global (bulk groups, a read
 wait before a slice is rewritten, a full wait and ``fence.proxy.async.global`` before the
 system-scope fence and the release that publishes the tile). It compiles for sm_100a and sm_103a
 (one-CTA and ``cta_group::2`` tiles, BF16 and MXFP8) with the EP protocol's instructions and no
-spills; the host picks it from the environment. Nothing here runs a kernel (no Blackwell GPU)."""
+spills; the host picks it from its launch policy. Nothing here runs a kernel (no Blackwell GPU)."""
 import functools
 import re
 
 import pytest
 
-from test_sm100_fused_fwd import EP_NEEDED, MAX_REGISTERS, _fake_device, _operands, _rep
+from test_sm100_fused_fwd import EP_NEEDED, MAX_REGISTERS, _fake_device, _operands, _rep, by_name, forward
 
 from mok_cute.kernels.sm100.grouped_gemm import ARCHS
 
@@ -26,8 +26,8 @@ CASES = [(False, False, False, 128), (True, True, True, 128), (False, False, Fal
 def _bulk(arch: str, clamp: bool, shared: bool, mx: bool, tile_m: int):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, mx=mx, ep=True, tile_m=tile_m, bulk_push=True,
-                                          inspect=True)[1]
+    return fm.compile_fused_forward_sm100(fm.FwdVariant(clamp, shared, mx=mx, ep=True, tile_m=tile_m, bulk_push=True),
+                                          arch, inspect=True)[1]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -78,56 +78,44 @@ def test_bulk_push_shared_memory_and_arguments(monkeypatch):
     from mok_cute.kernels.sm100 import layouts as lay
 
     with pytest.raises(ValueError, match="bulk_push.*needs ep"):
-        fm.FusedMoeFwdSm100(True, True, bulk_push=True)
-    with pytest.raises(ValueError, match="bulk_push.*needs ep"):
-        fm.compile_fused_forward_sm100(True, True, bulk_push=True)
+        fm.FwdVariant(True, True, bulk_push=True)
     assert fm.PUSH_SMEM == 128 * (2 * 64 + 16)
     for mx in (False, True):
         for tile_m in (128, 256):
-            bulk = fm.FusedMoeFwdSm100(False, False, mx=mx, ep=True, tile_m=tile_m, bulk_push=True)
-            st = fm.FusedMoeFwdSm100(False, False, mx=mx, ep=True, tile_m=tile_m)
+            bulk = fm.FusedMoeFwdSm100(fm.FwdVariant(False, False, mx=mx, ep=True, tile_m=tile_m, bulk_push=True))
+            st = fm.FusedMoeFwdSm100(fm.FwdVariant(False, False, mx=mx, ep=True, tile_m=tile_m))
             assert bulk.mainloop.smem_bytes + fm.PUSH_SMEM <= lay.SMEM_CAPACITY
             assert bulk.mainloop.stages == st.mainloop.stages - (not mx and tile_m == 256)
             assert bulk.cfg.key()[:2] == st.cfg.key()[:2] and bulk.cfg.key()[3:] == st.cfg.key()[3:]
-    assert fm.PAIR_CONFIG.stages == 0 and fm.FusedMoeFwdSm100(False, False, ep=True, tile_m=256).mainloop.stages == 7
+    pair = fm.FusedMoeFwdSm100(fm.FwdVariant(False, False, ep=True, tile_m=256))
+    assert fm.PAIR_CONFIG.stages == 0 and pair.mainloop.stages == 7
     monkeypatch.setattr(fm, "PUSH_SMEM", 64 * 1024)
     with pytest.raises(ValueError, match="staging area does not fit"):
-        fm.FusedMoeFwdSm100(False, False, ep=True, bulk_push=True)
+        fm.FusedMoeFwdSm100(fm.FwdVariant(False, False, ep=True, bulk_push=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_host_push_toggle(monkeypatch, arch):
-    """fused_forward(ws=...) on CPU (compile and launch faked): MOK_CUTE_SM100_PUSH (read at every
-    call) picks the variant, the last element of the compile key (st: the default; bulk; with
-    ``tile_m`` 256 too), with one argument per ``__call__`` parameter either way; EP = 1 ignores
-    it; a bad value is a ValueError naming the variable; ``bulk_push=True`` without ``ws`` is refused
-    before any launch."""
-    import inspect
-
+    """fused_forward(ws=...) on CPU (compile and launch faked): ``Sm100Launch.bulk_push`` picks the
+    variant (the compile key's ``bulk_push``: st, the default; bulk; with ``tile_m`` 256 too), with
+    one argument per ``__call__`` parameter either way; EP = 1 ignores it (no peers to push to); the
+    environment is not read."""
     from conftest import FakeWorkspace
 
     fm, fake, keys = _fake_device(monkeypatch, arch)
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
     ops = dict(_operands(True), comm_ctas=100)
     ws = FakeWorkspace(100, 256, 2)
-    monkeypatch.delenv("MOK_CUTE_SM100_PUSH", raising=False)
-    fm.fused_forward(**ops, ws=ws, num_ctas=74)
-    assert keys[-1][:2] == ("sm100_fused_moe_fwd", arch) and keys[-1][-4:] == (True, False, 128, False)
-    for mode, tile_m, bulk in (("bulk", 128, True), ("st", 128, False), ("bulk", 256, True)):
-        monkeypatch.setenv("MOK_CUTE_SM100_PUSH", mode)
-        fm.fused_forward(**ops, ws=ws, num_ctas=74, tile_m=tile_m)
-        assert keys[-1][-4:] == (True, False, tile_m, bulk), mode
-        assert len(fake.direct[-1]) == len(params)
+    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")  # gone: not read
+    forward(fm, ops, ws=ws, num_ctas=74)
+    v = keys[-1][2]
+    assert keys[-1][:2] == ("sm100_fused_moe_fwd", arch) and (v.ep, v.gather, v.tile_m, v.bulk_push) == \
+        (True, "comm", 128, False)
+    for tile_m, bulk in ((128, True), (128, False), (256, True)):
+        forward(fm, ops, ws=ws, num_ctas=74, tile_m=tile_m, bulk_push=bulk)
+        assert (keys[-1][2].tile_m, keys[-1][2].bulk_push) == (tile_m, bulk)
+        by_name(fake.direct[-1])  # one argument per __call__ parameter
     assert len(fake.direct) == 4 and not fake.calls
-    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")
-    fm.fused_forward(**_operands(True))  # EP = 1: the st variant (no peers to push to)
-    assert keys[-1][-4:] == (False, False, 128, False) and len(fake.calls) == 1
-    n = len(keys)
-    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "tma")
-    with pytest.raises(ValueError, match="MOK_CUTE_SM100_PUSH"):
-        fm.fused_forward(**ops, ws=ws, num_ctas=74)
-    monkeypatch.delenv("MOK_CUTE_SM100_PUSH")
-    with pytest.raises(ValueError, match="bulk_push.*needs ws"):
-        fm.fused_forward(**_operands(True), bulk_push=True)
-    fm.fused_forward(**ops, ws=ws, num_ctas=74, bulk_push=True)  # the argument overrides the environment
-    assert len(keys) == n + 1 and keys[-1][-1] is True and len(fake.direct) == 5
+    forward(fm, _operands(True), bulk_push=True)  # EP = 1: the st variant
+    assert keys[-1][2].bulk_push is False and keys[-1][2].ep is False and len(fake.calls) == 1
+    with pytest.raises(TypeError, match="bulk_push"):
+        forward(fm, ops, ws=ws, bulk_push="bulk")

@@ -62,8 +62,9 @@ def _deq(data, flat, rows, scale_rows):
     return data.float() * R._pow2_f32(s - 127).repeat_interleave(lay.SF_VEC, 1)
 
 
-def launch_model(cfg, epilogue, clamp, b_major, a, w, a_sf, w_sf, offsets, out0, out1, limit, n, w2=None):
+def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None):
     """The kernel's tile walk in torch on exactly the operands the wrapper hands ``_launch``."""
+    (cfg, epilogue, clamp, b_major), (a_sf, w_sf), (out0, out1) = kind, scales, outs
     split = w2 is not None
     if split:  # a [M, 2, I]; B = [w_gate; w_up] along K
         a, w = a.reshape(a.shape[0], -1), torch.cat([w, w2], 1)

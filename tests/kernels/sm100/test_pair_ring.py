@@ -2,14 +2,11 @@
 hand-off) on the CPU: its device probe (tools/checks/pair_ring.py, run on the H200 by
 ``gpu_check pair_ring``) compiles for every arch with clusters with the ring's instructions and 0
 spills, and the probe's verdict catches each way the ring could fail."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from checks import pair_ring  # noqa: E402
+from tools.checks import pair_ring
 
 PTX = ("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32", "mapa.shared::cluster",
        "mbarrier.arrive.expect_tx.shared::cluster", "mbarrier.arrive.release.cluster.shared::cluster",
@@ -59,6 +56,6 @@ def test_pairs_run_the_shared_task_lists(counts):
     offs = offsets_from(counts)
     for pairs, comm in ((1, 1), (5, 2), (74, 8)):
         ft.simulate(offs, 700, 256, n1=4, n1s=2, n2=3, shared=True, gemm_ctas=pairs, comm_ctas=comm, seed=pairs,
-                    ring=max(2, comm), band=max(2, comm))  # the kernel's band: min(ring_band(), ring)
+                    gather=ft.Gather(ring=max(2, comm), band=max(2, comm)))  # the kernel's band: min(ring_band(), ring)
         bt.simulate(offs, 700, 256, n_i=2, n_is=1, n_h=3, w_d=2, w_gu=3, shared=True, gemm_ctas=pairs, comm_ctas=comm,
                     seed=pairs)

@@ -19,11 +19,65 @@ MAX_REGISTERS = 200  # as tests/test_sm100_compile.py: headroom below 255
 
 @functools.cache
 def _rep(arch: str, clamp: bool, shared: bool, trace: bool = False, gate: bool = False, mx: bool = False,
-         ep: bool = False, tma_gather: bool = False, tile_m: int = 128):
+         ep: bool = False, gather: str = "comm", tile_m: int = 128):
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    return fm.compile_fused_forward_sm100(clamp, shared, arch=arch, trace=trace, gate=gate, mx=mx, ep=ep,
-                                          tma_gather=tma_gather, tile_m=tile_m, inspect=True)[1]
+    v = fm.FwdVariant(clamp, shared, trace=trace, gate=gate, mx=mx, ep=ep, gather=gather, tile_m=tile_m)
+    return fm.compile_fused_forward_sm100(v, arch, inspect=True)[1]
+
+
+# the launch's bundles' fields as the flat kernel parameters they were (``__call__``'s order before bundling)
+PARAM_NAMES = {
+    "FwdOperands": ("mX", "mXg", "mW1", "mWd", "mS1", "mSd"),
+    "FwdOutputs": ("mGU", "mH", "mGUs", "mHs", "mSlot", "mSout", "mY"),
+    "FwdRouting": ("mOrder", "mOffsets", "mIdx", "mW", "mGate", "mTok"),
+    "FwdCounters": ("mGather", "mHready", "mShready", "mDone", "mStatus", "mTrace"),
+    "FwdMx": ("mXsw", "mXgsf", "mW1sf", "mHq", "mHsf", "mWdsf", "mXsf", "mS1sf", "mHsq", "mHssf", "mSdsf"),
+    "FwdScalars": ("k", "limit", "comm_ctas", "num_ctas", "ring", "band", "timeout_ns"),
+    "FwdPeer": ("mPeer", "mWrows", "mSlotCopy", "me", "n_ranks", "src_off", "slots_off", "w_off", "flags_off",
+                "epoch_pull", "epoch_push"),
+}
+
+
+def by_name(args, keep: bool = False) -> dict:
+    """One launch's arguments (the bundles, then the stream) by their flat parameter names, after
+    checking they are ``__call__``'s bundles in order (an all-None one passed as None); ``keep``: a
+    tensor's ``_Desc`` as its tensor."""
+    import inspect
+
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters.values())[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    out = {}
+    for b, p in zip(args[:-1], params):  # an absent bundle (all None) is passed as None
+        names = PARAM_NAMES[p.annotation]
+        assert b is None or (type(b).__name__ == p.annotation and len(b) == len(names)
+                             and any(v is not None for v in b))
+        out.update(zip(names, (None,) * len(names) if b is None else b))
+    if keep:
+        out = {n: None if a is None else getattr(a, "_keep", a) for n, a in out.items()}
+    return out
+
+
+def forward(fm, ops: dict, ws=None, interleave=None, **launch):
+    """``fm.fused_forward`` on ``ops`` (:func:`_operands`' flat operands, maybe with ``gate``,
+    ``w_scales`` / ``shared_scales``) bundled, with an ``Sm100Launch`` of ``ops``' comm_ctas and
+    timeout_s and ``launch``'s other fields."""
+    from mok_cute.kernels.operands import ExpertWeights, RoutePlan, SharedExpert
+
+    o = dict(ops)
+    x = o.pop("x")
+    plan = RoutePlan(o.pop("order"), o.pop("offsets"), o.pop("topk_idx"), o.pop("topk_w"))
+    weights = ExpertWeights(o.pop("w_gate"), o.pop("w_up"), o.pop("w_down"))
+    shared = SharedExpert.of(o.pop("shared"), o.pop("gate", None))
+    w_scales, shared_scales = o.pop("w_scales", None), o.pop("shared_scales", None)
+    scales = None if w_scales is None and shared_scales is None else fm.MxScales(w_scales, shared_scales)
+    limit = o.pop("limit")
+    lau = fm.Sm100Launch(o.pop("comm_ctas"), o.pop("timeout_s"), mx=scales is not None, **launch)
+    assert not o, o
+    kw = {} if interleave is None else dict(interleave=interleave)
+    return fm.fused_forward(x, plan, weights, shared, limit, lau, scales, ws=ws, **kw)
 
 
 VARIANTS = [(True, True), (False, False), (True, False), (False, True)]
@@ -80,11 +134,13 @@ def test_compile_arguments_validated():
     from mok_cute.kernels.sm100 import fused_moe as fm
 
     with pytest.raises(ValueError, match="arch"):
-        fm.compile_fused_forward_sm100(True, True, arch="sm_90a")
+        fm.compile_fused_forward_sm100(fm.FwdVariant(True, True), "sm_90a")
     with pytest.raises(ValueError, match="gate.*needs shared"):
-        fm.compile_fused_forward_sm100(True, False, gate=True)
+        fm.FwdVariant(True, False, gate=True)
     with pytest.raises(ValueError, match="sum_batch"):
-        fm.FusedMoeFwdSm100(True, True, sum_batch=100)
+        fm.FusedMoeFwdSm100(fm.FwdVariant(True, True, sum_batch=100))
+    with pytest.raises(ValueError, match="gather"):
+        fm.FwdVariant(True, True, gather="ring")
 
 
 def _operands(shared=True, t=100, h=256, inter=192, inter_s=128, e=4, k=2):
@@ -114,8 +170,6 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     """fused_forward's host side on CPU tensors (compile and launch replaced): one argument per
     parameter of the kernel's ``__call__`` (a host / kernel mismatch fails here, not on the GPU),
     gate / up interleaved as the unfused SM100 GEMM1 reads them, the cache key per variant."""
-    import inspect
-
     import torch
 
     from mok_cute.kernels.sm100.grouped_gemm import interleave_gate_up
@@ -124,12 +178,11 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     ops = _operands(shared)
     if gate:
         ops["gate"] = torch.rand(100)
-    out = fm.fused_forward(**ops, ring_chunks=5)
+    out = forward(fm, ops, ring_chunks=5)
     (args,) = fake.calls
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
-    assert len(args) == len(params), (len(args), len(params))
-    by = dict(zip(params, args))
-    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and keys[0][2:4] == (True, shared) and keys[0][-6] == gate
+    by = by_name(args)
+    v = keys[0][2]
+    assert keys[0][:2] == ("sm100_fused_moe_fwd", arch) and (v.clamp, v.shared, v.gate) == (True, shared, gate)
     assert torch.equal(by["mW1"]._keep, interleave_gate_up(ops["w_gate"], ops["w_up"], 128))
     assert tuple(by["mW1"]._keep.shape) == (4, 2 * 256, 256)  # I = 192 padded to 256
     assert by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
@@ -139,7 +192,7 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
         assert tuple(by["mGUs"]._keep.shape) == (100, 2, 128) and tuple(by["mSd"]._keep.shape) == (1, 256, 128)
     assert (by["mGate"] is not None) == gate and by["mTrace"] is None
     assert all(by[n] is None for n in MX_PARAMS)
-    assert keys[0][-5:] == (False, False, False, 128, False)  # BF16, EP = 1, comm gather, cta_group::1, st push
+    assert (v.mx, v.ep, v.gather, v.tile_m, v.bulk_push) == (False, False, "comm", 128, False)
     assert tuple(by["mIdx"]._keep.shape) == (200,) and tuple(by["mW"]._keep.shape) == (200,)
     assert (int(by["num_ctas"]), int(by["comm_ctas"]), int(by["k"])) == (148, 8, 2)
     # the ring: 5 slots asked, ceil(200 / 128) + 4 = 6 routed m-tiles at most; bands never wider
@@ -148,21 +201,23 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, shared, gat
     # counters: gather_ready, h_ready [6], sh_ready [1], done / ticket / 2 spare, status [4], one zeroed buffer
     assert [tuple(by[n]._keep.shape) for n in ("mGather", "mHready", "mShready", "mDone", "mStatus")] == \
         [(6,), (6,), (1,), (4,), (4,)]
-    assert out[7][-1] is by["mStatus"]._keep and out[8] is None
+    assert out.counters[-1] is by["mStatus"]._keep and out.w_rows is None
     assert tuple(out[1].shape) == (200, 384) and out[0] is by["mY"]._keep and out[3] is by["mSlot"]._keep
 
 
 def test_host_launch_traced(monkeypatch):
-    """MOK_CUTE_TRACE=1: the traced variant with a record per gather chunk, per possible task and
-    two per CTA (the SM90 kernel's layout)."""
+    """``Sm100Launch(trace=True)`` (the layer's resolved ``MoKConfig.trace``; the environment is not
+    read here): the traced variant with a record per gather chunk, per possible task and two per CTA
+    (the SM90 kernel's layout)."""
     fm, fake, keys = _fake_device(monkeypatch)
-    monkeypatch.setenv("MOK_CUTE_TRACE", "1")
-    fm.fused_forward(**_operands(True))
-    (args,) = fake.calls
-    by = dict(zip(list(__import__("inspect").signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:], args))
+    monkeypatch.setenv("MOK_CUTE_TRACE", "1")  # not read by the kernel's host: untraced
+    forward(fm, _operands(True))
+    assert keys[0][2].trace is False and by_name(fake.calls[0])["mTrace"] is None
+    forward(fm, _operands(True), trace=True)
+    by = by_name(fake.calls[1])
     n_tasks = 1 * (1 + 1) + 6 * (2 + 1)  # m_sh (n1s + n2) + mt (n1 + n2)
     assert tuple(by["mTrace"]._keep.shape) == ((6 + n_tasks + 2 * 148) * 4,)
-    assert keys[0][5] is True and fm.last_trace()[0].shape == (6 + n_tasks + 2 * 148, 4)
+    assert keys[1][2].trace is True and fm.last_trace()[0].shape == (6 + n_tasks + 2 * 148, 4)
 
 
 @pytest.mark.parametrize("change, exc, match", [
@@ -178,10 +233,10 @@ def test_host_launch_traced(monkeypatch):
     ("inter", ValueError, "w_gate"),
     ("w_up_shape", ValueError, "w_up"),
     ("w_down_shape", ValueError, "w_down"),
-    ("shared_len", ValueError, "shared"),
+    ("shared_len", TypeError, "w_down"),
     ("shared_inter", ValueError, "I_s"),
     ("ws_down_shape", ValueError, "ws_down"),
-    ("gate_no_shared", ValueError, "needs shared"),
+    ("gate_no_shared", ValueError, "needs a shared expert"),
     ("gate_shape", ValueError, "gate"),
     ("x_strided", ValueError, "contiguous"),
     (dict(limit=-1.0), ValueError, "limit"),
@@ -217,9 +272,13 @@ def test_host_validates_before_launch(monkeypatch, change, exc, match):
         "x_strided": dict(x=torch.zeros(100, 512, dtype=bf)[:, :256]),
         "arch": {},
     }
+    launch = {}
+    for name in ("num_ctas", "ring_chunks"):
+        if isinstance(change, dict) and name in change:
+            launch[name] = change.pop(name)
     ops.update(change if isinstance(change, dict) else edits[change])
     with pytest.raises(exc, match=match):
-        fm.fused_forward(**ops)
+        forward(fm, ops, **launch)
     assert not fake.calls and (change == "arch" or not keys)
 
 
@@ -257,41 +316,43 @@ def test_tma_gather_variant_loads_r1_rows_by_gather4(arch):
     staged cp.async copies gone, the slot sum's stay); the same MMAs; 0 spills. The registry lists it."""
     from mok_cute.kernels.sm100 import fused_moe as fm
 
-    rep, comm = _rep(arch, True, True, tma_gather=True), _rep(arch, True, True)
+    rep, comm = _rep(arch, True, True, gather="tma"), _rep(arch, True, True)
     assert rep.ptx.count("tile::gather4") == 32 and "tile::gather4" not in comm.ptx
     assert rep.ptx.count("tcgen05.mma") == comm.ptx.count("tcgen05.mma")
     assert rep.ptx.count("cp.async.cg") < comm.ptx.count("cp.async.cg")
     assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS
     assert "fused-fwd-tma-gather-clamp-shared" in fm.variants()
-    with pytest.raises(ValueError, match="tma_gather"):
-        fm.FusedMoeFwdSm100(True, True, mx=True, tma_gather=True)
+    with pytest.raises(ValueError, match="gather='tma'"):
+        fm.FwdVariant(True, True, mx=True, gather="tma")
 
 
 def test_host_tma_gather_hands_each_rows_token(monkeypatch):
-    """fused_forward(tma_gather=True) on CPU (compile and launch faked): the variant's key, ``mTok`` =
-    order // k then a tile of zero padding, a one-slot stand-in for the ring; MOK_CUTE_SM100_GATHER=tma
-    picks it (BF16, EP = 1), a bad value is a ValueError; MXFP8 refuses it."""
-    import inspect
-
+    """``Sm100Launch(gather="tma")`` on CPU (compile and launch faked): the variant's key, ``mTok`` =
+    order // k then a tile of zero padding, a one-slot stand-in for the ring; the default is the comm
+    CTAs' gather (the environment is not read); a bad value is a ValueError; MXFP8, EP > 1 and
+    ``tile_m`` 256 refuse it."""
     import torch
+
+    from conftest import FakeWorkspace
 
     fm, fake, keys = _fake_device(monkeypatch)
     ops = _operands(True)
-    fm.fused_forward(**ops, tma_gather=True)
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
-    by = dict(zip(params, fake.calls[-1]))
+    forward(fm, ops, gather="tma")
+    by = by_name(fake.calls[-1])
     tok = by["mTok"]._keep
-    assert keys[-1][-3] is True and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
+    assert keys[-1][2].gather == "tma" and tok.dtype == torch.int32 and tok.shape == (200 + 128,)
     assert torch.equal(tok[:200], (ops["order"] // 2).int()) and not tok[200:].any()
     assert tuple(by["mXg"]._keep.shape) == (128, 256)
-    fm.fused_forward(**ops)
-    assert keys[-1][-3] is False and dict(zip(params, fake.calls[-1]))["mTok"] is None
-    monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "tma")
-    fm.fused_forward(**ops)
-    assert keys[-1][-3] is True
-    monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "ring")
-    with pytest.raises(ValueError, match="MOK_CUTE_SM100_GATHER"):
-        fm.fused_forward(**ops)
+    monkeypatch.setenv("MOK_CUTE_SM100_GATHER", "tma")  # gone: not read
+    forward(fm, ops)
+    assert keys[-1][2].gather == "comm" and by_name(fake.calls[-1])["mTok"] is None
+    with pytest.raises(ValueError, match="gather must be one of"):
+        forward(fm, ops, gather="ring")
+    n = len(keys)
+    for bad in (dict(ops=_mx_weights(ops)), dict(ws=FakeWorkspace(100, 256, 2)), dict(tile_m=256)):
+        with pytest.raises(ValueError, match="gather='tma'"):
+            forward(fm, bad.pop("ops", ops), gather="tma", **bad)
+    assert len(keys) == n
 
 
 def test_variants_registry_has_the_mx_variants():
@@ -328,8 +389,6 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     parameter, the MXFP8 variant's cache key, x's e4m3 rows and scale words, and every weight and
     weight-scale operand byte-equal to what the unfused SM100 MXFP8 GEMMs hand their launch
     (``grouped_gemm1_swiglu`` / ``grouped_gemm`` with the same quantized weights)."""
-    import inspect
-
     import torch
 
     from mok_cute import reference as R
@@ -338,12 +397,11 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
 
     fm, fake, keys = _fake_device(monkeypatch)
     ops = _mx_weights(_operands(shared))
-    out = fm.fused_forward(**ops, ring_chunks=5)
+    out = forward(fm, ops, ring_chunks=5)
     (args,) = fake.calls
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
-    assert len(args) == len(params)
-    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys[0][-5:-2] == (True, False, False) and keys[0][2:4] == (True, shared)
+    by = by_name(args, keep=True)
+    v = keys[0][2]
+    assert (v.mx, v.ep, v.gather, v.clamp, v.shared) == (True, False, "comm", True, shared)
     f8 = torch.float8_e4m3fn
     xq, xs = R.mxfp8_quantize(ops["x"], -1)
     assert torch.equal(by["mX"].view(torch.uint8), xq.view(torch.uint8))
@@ -353,7 +411,7 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     assert tuple(by["mXgsf"].shape) == (lay.sf_bytes(5 * 128, 8),)
     assert by["mHq"].dtype == f8 and tuple(by["mHq"].shape) == (200, 192)
     assert tuple(by["mHsf"].shape) == (lay.sf_bytes(lay.grouped_sf_rows(200, 4), 6),) and not by["mHsf"].any()
-    assert by["mH"].dtype == torch.bfloat16 and out[2] is by["mH"] and out[1].dtype == torch.bfloat16
+    assert by["mH"].dtype == torch.bfloat16 and out.h is by["mH"] and out.gu.dtype == torch.bfloat16
 
     launched = []
     monkeypatch.setattr(k, "_launch", lambda *a, **kw: launched.append(a))
@@ -364,8 +422,8 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
     k.grouped_gemm(torch.zeros(200, 192, dtype=f8), off, ops["w_down"], a_scales=torch.zeros(200, 6, dtype=torch.uint8),
                    w_scales=ds)
     (g1, g2) = launched[:2]
-    assert torch.equal(by["mW1"].view(torch.uint8), g1[5].view(torch.uint8)) and torch.equal(by["mW1sf"], g1[7])
-    assert by["mWd"] is ops["w_down"] and torch.equal(by["mWdsf"], g2[7])
+    assert torch.equal(by["mW1"].view(torch.uint8), g1[2].view(torch.uint8)) and torch.equal(by["mW1sf"], g1[3][1])
+    assert by["mWd"] is ops["w_down"] and torch.equal(by["mWdsf"], g2[3][1])
     assert all((by[n] is None) != shared for n in MX_PARAMS[6:])
     if shared:
         ts = torch.tensor([0, 100], dtype=torch.int32)
@@ -376,9 +434,9 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant, share
                        w_scales=ssd)
         s1, s2 = launched[2:]
         n = by["mXsf"].numel()  # x's blocked scales: the unfused one-expert packing less its spare atom row
-        assert torch.equal(by["mXsf"], s1[6][:n]) and not s1[6][n:].any()
-        assert torch.equal(by["mS1"].view(torch.uint8), s1[5].view(torch.uint8)) and torch.equal(by["mS1sf"], s1[7])
-        assert torch.equal(by["mSdsf"], s2[7])
+        assert torch.equal(by["mXsf"], s1[3][0][:n]) and not s1[3][0][n:].any()
+        assert torch.equal(by["mS1"].view(torch.uint8), s1[2].view(torch.uint8)) and torch.equal(by["mS1sf"], s1[3][1])
+        assert torch.equal(by["mSdsf"], s2[3][1])
         assert by["mHsq"].dtype == f8 and tuple(by["mHsq"].shape) == (100, 128)
         assert tuple(by["mHssf"].shape) == (lay.sf_bytes(100, 4),) and not by["mHssf"].any()
 
@@ -408,7 +466,7 @@ def test_mx_scale_placement_is_the_unfused_layout(monkeypatch, ref_quant, tile_m
     x = torch.randn(t, hid, generator=g).bfloat16()
     u8 = torch.uint8
     ws = (torch.zeros(e, inter, hid // 32, dtype=u8),) * 2 + (torch.zeros(e, hid, inter // 32, dtype=u8),)
-    xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring * tile_m, ws, None,
+    xq, (xs_w, ring_sf, _, _, h_sf, _, *_) = fm._mx_operands(x, mcap, e, inter, ring * tile_m, fm.MxScales(ws),
                                                              interleave_gate_up)
     per = tile_m // 128  # scale atom rows per slot / tile
     tok = order.long() // k
@@ -488,7 +546,7 @@ def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
     }
     ops.update(edits[change])
     with pytest.raises(exc, match=match):
-        fm.fused_forward(**ops)
+        forward(fm, ops)
     assert not fake.calls and not keys
 
 
@@ -536,8 +594,6 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
     ``__call__`` parameter, x (MXFP8: its e4m3 rows and scale words) and topk_w staged in the
     workspace, mSlot = the workspace's slots, status = ``ws.status``, the epochs bumped, the slot
     sum's copy and w_rows returned; the EP = 1 launch passes None / the neutral scalars there."""
-    import inspect
-
     import torch
 
     from conftest import FakeWorkspace
@@ -550,17 +606,17 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
         ops = _mx_weights(ops)
     t, h, k = 100, 256, 2
     ws = FakeWorkspace(t, h, k)
-    out = fm.fused_forward(**dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
+    out = forward(fm, dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
     assert not fake.calls
     (args,) = fake.direct
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
-    assert len(args) == len(params), (len(args), len(params))
-    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    by = by_name(args, keep=True)
+    v = keys[0][2]
     assert keys[0][:2] == ("sm100_fused_moe_fwd", arch)
-    assert keys[0][-5:] == (mx, True, False, 128, False)  # mx, ep, tma_gather, tile_m, bulk_push
+    assert (v.mx, v.ep, v.gather, v.tile_m, v.bulk_push) == (mx, True, "comm", 128, False)
     assert by["mPeer"] is ws.peer_bases and by["mWrows"].shape == (t * k,) and not by["mWrows"].any()
-    assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status and out[7][-1] is ws.status
-    assert out[3] is by["mSlotCopy"] and out[3].shape == (t * k, h) and out[8] is by["mWrows"]
+    assert by["mSlot"].data_ptr() == ws._slots.data_ptr() and by["mStatus"] is ws.status
+    assert out.counters[-1] is ws.status
+    assert out.slot_out is by["mSlotCopy"] and out.slot_out.shape == (t * k, h) and out.w_rows is by["mWrows"]
     assert torch.equal(ws._w, ops["topk_w"])
     assert (int(by["me"]), int(by["n_ranks"]), int(by["epoch_pull"]), int(by["epoch_push"])) == (1, 2, 1, 1)
     assert [int(by[n]) for n in ("src_off", "slots_off", "w_off", "flags_off")] == [0, 4096, 8192, 12288]
@@ -572,11 +628,12 @@ def test_ep_host_launch_matches_the_kernel_signature(monkeypatch, ref_quant, arc
         assert torch.equal(by["mX"].view(torch.uint8), q.view(torch.uint8))  # S1 reads the local e4m3 rows
     else:
         assert torch.equal(ws._src, ops["x"]) and by["mX"] is ops["x"]  # S1 reads the caller's x
-    fm.fused_forward(**dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
-    assert (int(fake.direct[1][params.index("epoch_pull")]), int(fake.direct[1][params.index("epoch_push")])) == (2, 2)
-    fm.fused_forward(**ops)  # EP = 1: the graph path, no workspace operands
-    local = dict(zip(params, fake.calls[0]))
-    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][-4] is False
+    forward(fm, dict(ops, comm_ctas=100), ws=ws, num_ctas=74, ring_chunks=5)
+    again = by_name(fake.direct[1])
+    assert (int(again["epoch_pull"]), int(again["epoch_push"])) == (2, 2)
+    forward(fm, ops)  # EP = 1: the graph path, no workspace operands
+    local = by_name(fake.calls[0])
+    assert all(local[n] is None for n in EP_PARAMS) and int(local["n_ranks"]) == 1 and keys[-1][2].ep is False
 
 
 def test_ep_host_validates_before_launch(monkeypatch):
@@ -590,9 +647,9 @@ def test_ep_host_validates_before_launch(monkeypatch):
     ws = FakeWorkspace(100, 256, 2)
     monkeypatch.setattr(ws, "acquire_src", lambda *a: pytest.fail("staged before validation"))
     with pytest.raises(ValueError, match="EP = 1 only"):
-        fm.fused_forward(**_operands(True), gate=torch.rand(100), ws=ws)
+        forward(fm, dict(_operands(True), gate=torch.rand(100)), ws=ws)
     with pytest.raises(ValueError, match="comm_ctas"):
-        fm.fused_forward(**dict(_operands(True), comm_ctas=0), ws=ws)
+        forward(fm, dict(_operands(True), comm_ctas=0), ws=ws)
     assert not fake.calls and not fake.direct and not keys and ws.epoch == {"pull": 0, "push": 0}
 
 
@@ -624,50 +681,43 @@ def test_pair_variant_registry_and_arguments():
     reg = fm.variants()
     pairs = [n for n in reg if "2cta" in n]
     assert len(pairs) == 7 and all("cta_group::2" in reg[n][1] for n in pairs)
-    with pytest.raises(ValueError, match="tile_m"):
-        fm.FusedMoeFwdSm100(True, True, tile_m=64)
-    with pytest.raises(ValueError, match="tma_gather"):
-        fm.FusedMoeFwdSm100(True, True, tma_gather=True, tile_m=256)
+    with pytest.raises(ValueError, match=r"tile_m must be one of \(128, 256\)"):
+        fm.FwdVariant(True, True, tile_m=64)
+    with pytest.raises(ValueError, match="gather='tma'"):
+        fm.FwdVariant(True, True, gather="tma", tile_m=256)
 
 
 def test_host_pair_launch(monkeypatch, ref_quant):  # noqa: F811
-    """fused_forward(tile_m=256) on CPU (compile and launch faked): the variant's key, 256-row ring
-    slots (one per routed 256-row m-tile at most), whole CTA pairs (an odd comm_ctas rounded up);
-    MOK_CUTE_SM100_TILE_M=256 picks it, a bad value or tile_m is a ValueError, tma_gather refuses it;
-    MXFP8: the ring's blocked scales hold 256 rows per slot."""
-    import inspect
-
-    import torch
-
+    """``Sm100Launch(tile_m=256)`` on CPU (compile and launch faked): the variant's key, 256-row ring
+    slots (one per routed 256-row m-tile at most), whole CTA pairs (an odd comm_ctas rounded up); the
+    default is 128 (the environment is not read); another tile_m is a ValueError naming it and the
+    allowed values, ``gather="tma"`` refuses 256; MXFP8: the ring's blocked scales hold 256 rows per
+    slot."""
     from mok_cute.kernels.sm100 import layouts as lay
 
     fm, fake, keys = _fake_device(monkeypatch)
     ops = _operands(True)
-    params = list(inspect.signature(fm.FusedMoeFwdSm100.__call__).parameters)[1:]
-    fm.fused_forward(**{**ops, "comm_ctas": 7}, tile_m=256)
-    by = dict(zip(params, fake.calls[-1]))
-    assert keys[-1][-2] == 256 and keys[-1][-3] is False
+    forward(fm, {**ops, "comm_ctas": 7}, tile_m=256)
+    by = by_name(fake.calls[-1])
+    assert keys[-1][2].tile_m == 256 and keys[-1][2].gather == "comm"
     ring = -(-200 // 256) + 4
     assert int(by["ring"]) == ring and tuple(by["mXg"]._keep.shape) == (ring * 256, 256)
     assert (int(by["num_ctas"]), int(by["comm_ctas"])) == (148, 8)
-    fm.fused_forward(**ops, num_ctas=9)
-    assert keys[-1][-2] == 128 and int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 9
-    fm.fused_forward(**ops, num_ctas=9, tile_m=256, ring_chunks=5)  # 5 chunks of 128 rows: 3 slots of 256
-    by = dict(zip(params, fake.calls[-1]))
+    forward(fm, ops, num_ctas=9)
+    assert keys[-1][2].tile_m == 128 and int(by_name(fake.calls[-1])["num_ctas"]) == 9
+    forward(fm, ops, num_ctas=9, tile_m=256, ring_chunks=5)  # 5 chunks of 128 rows: 3 slots of 256
+    by = by_name(fake.calls[-1])
     assert int(by["num_ctas"]) == 8 and int(by["ring"]) == 3 and int(by["band"]) <= 3
     with pytest.raises(ValueError, match="two CTA pairs"):
-        fm.fused_forward(**ops, num_ctas=3, tile_m=256)
-    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
-    fm.fused_forward(**ops)
-    assert keys[-1][-2] == 256
-    with pytest.raises(ValueError, match="tma_gather"):
-        fm.fused_forward(**ops, tma_gather=True)
-    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "512")
-    with pytest.raises(ValueError, match="MOK_CUTE_SM100_TILE_M"):
-        fm.fused_forward(**ops)
-    with pytest.raises(ValueError, match="tile_m"):
-        fm.fused_forward(**ops, tile_m=64)
-    monkeypatch.delenv("MOK_CUTE_SM100_TILE_M")
-    fm.fused_forward(**_mx_weights(ops), tile_m=256)
-    by = dict(zip(params, fake.calls[-1]))
+        forward(fm, ops, num_ctas=3, tile_m=256)
+    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")  # gone: not read
+    forward(fm, ops)
+    assert keys[-1][2].tile_m == 128
+    with pytest.raises(ValueError, match="gather='tma'"):
+        forward(fm, ops, gather="tma", tile_m=256)
+    for bad in (64, 512, "256"):
+        with pytest.raises(ValueError, match=r"tile_m must be one of \(128, 256\)"):
+            forward(fm, ops, tile_m=bad)
+    forward(fm, _mx_weights(ops), tile_m=256)
+    by = by_name(fake.calls[-1])
     assert by["mXgsf"]._keep.numel() == lay.sf_bytes(ring * 256, 256 // lay.SF_VEC)

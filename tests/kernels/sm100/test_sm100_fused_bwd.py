@@ -6,6 +6,7 @@ here runs a kernel (no Blackwell GPU)."""
 import functools
 import inspect
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -25,9 +26,92 @@ def _rep(arch: str, clamp: bool, tokens: bool = False, init: bool = False, add: 
          grouped: bool = False):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
-    return fb.compile_fused_backward_sm100(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather,
-                                           by_route=gather and not ep, shared=shared, ep=ep, accumulate=accumulate,
-                                           grouped_slots=grouped, arch=arch, inspect=True)[1]
+    v = fb.BwdVariant(clamp, tokens=tokens, init=init, add=add, mx=mx, gather=gather, by_route=gather and not ep,
+                      shared=shared, ep=ep, accumulate=accumulate, grouped_slots=grouped)
+    return fb.compile_fused_backward_sm100(v, arch, inspect=True)[1]
+
+
+# the launch's bundles' fields as the flat kernel parameters they were (``__call__``'s order before bundling)
+PARAM_NAMES = {
+    "routed": ("mDy", "mX", "mGU", "mH", "mWg", "mWu", "mWd", "mDgu", "mDx", "mDWg", "mDWu", "mDWd", "mOffsets", "mD2",
+               "mWords"),
+    "toks": ("mOrder", "mIdx", "mInit", "mAdd", "mOut"),
+    "mx": ("mDysf", "mWdsf", "mDgusf", "mWgusf", "mDyt", "mDytsf", "mHtsf", "mDgut", "mDgtsf", "mDutsf", "mXtsf"),
+    "gather": ("mDyTok", "mXTok", "mR", "mW", "mDtw", "mGdy", "mDyRows", "mXRows"),
+    "shared": ("mSDy", "mSX", "mSGU", "mSH", "mSWg", "mSWu", "mSWd", "mSDgu", "mSDx", "mSDWg", "mSDWu", "mSDWd",
+               "mSOffsets", "mSD2", "mSWords"),
+    "scalars": ("k", "comm_ctas", "limit", "num_ctas", "timeout_ns"),
+    "peer": ("mPeer", "mStatus", "me", "n_ranks", "src_off", "dy_off", "slots_off", "flags_off", "epoch_pull",
+             "epoch_push"),
+}
+
+
+def by_name(args, keep: bool = False) -> dict:
+    """One launch's arguments (the bundles, then the stream) by their flat parameter names, after
+    checking they are ``__call__``'s bundles in order (an all-None one passed as None); ``keep``: a
+    tensor's ``_Desc`` as its tensor."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+
+    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters.values())[1:]
+    assert len(args) == len(params), (len(args), len(params))
+    out = {}
+    for b, p in zip(args[:-1], params):
+        names = PARAM_NAMES[p.name]
+        assert b is None or (type(b).__name__ == p.annotation and len(b) == len(names)
+                             and any(v is not None for v in b))
+        out.update(zip(names, (None,) * len(names) if b is None else b))
+    if keep:
+        out = {n: None if a is None else getattr(a, "_keep", a) for n, a in out.items()}
+    return out
+
+
+def _launch_of(o: dict, mx: bool, timeout_s=30.0):
+    """The ``Sm100Launch`` of the launch fields popped from the flat operands ``o``."""
+    from mok_cute.kernels.sm100 import fused_moe as fm
+
+    kw = {n: o.pop(n) for n in ("num_ctas", "tile_m", "bulk_push") if n in o}
+    return fm.Sm100Launch(o.pop("comm_ctas", 1), o.pop("timeout_s", timeout_s), mx=mx, **kw)
+
+
+def core(fb, ops: dict, **more):
+    """``fb.fused_backward_core`` on the flat operands of :func:`_operands` (and ``more``) bundled."""
+    from mok_cute.kernels.operands import ExpertWeights
+
+    o = dict(ops, **more)
+    w_scales = o.pop("w_scales", None)
+    launch = _launch_of(o, w_scales is not None)
+    return fb.fused_backward_core(o.pop("dy"), o.pop("x"), o.pop("gu"), o.pop("h"), o.pop("offsets"),
+                                  ExpertWeights(o.pop("w_gate"), o.pop("w_up"), o.pop("w_down")), o.pop("limit"),
+                                  launch, w_scales=w_scales, **o)
+
+
+def whole(fb, ops: dict, **more):
+    """``fb.fused_backward`` on the flat operands of :func:`_gather_operands` (and ``more``) bundled."""
+    from mok_cute.kernels.operands import ExpertWeights, RoutePlan
+
+    o = dict(ops, **more)
+    w_scales = o.pop("w_scales", None)
+    launch = _launch_of(o, w_scales is not None)
+    plan = RoutePlan(o.pop("order"), o.pop("offsets"), o.pop("topk_idx"), o.pop("topk_w"))
+    saved = fb.ForwardSaved(o.pop("gu"), o.pop("h"), o.pop("r_rows"), o.pop("rows_by_route"))
+    weights = ExpertWeights(o.pop("w_gate"), o.pop("w_up"), o.pop("w_down"))
+    return fb.fused_backward(o.pop("dy"), o.pop("x"), plan, saved, weights, o.pop("limit"), launch, w_scales=w_scales,
+                             **o)
+
+
+def whole_ep(fb, ops: dict, **more):
+    """``fb.fused_backward_ep`` on the flat operands of :func:`_ep_operands` (and ``more``) bundled."""
+    from mok_cute.kernels.operands import ExpertWeights, RoutePlan
+
+    o = dict(ops, **more)
+    ws, p = o.pop("ws"), o.pop("plan")
+    w_scales = o.pop("w_scales", None)
+    launch = _launch_of(o, w_scales is not None, ws.timeout_s)
+    plan = RoutePlan(p.recv_src, p.offsets, o.pop("topk_idx"), None)
+    saved = fb.ForwardSaved(o.pop("gu"), o.pop("h"), o.pop("slot_rows"), False, o.pop("w_rows"))
+    weights = ExpertWeights(o.pop("w_gate"), o.pop("w_up"), o.pop("w_down"))
+    return fb.fused_backward_ep(ws, plan, o.pop("dy"), o.pop("x"), saved, weights, o.pop("limit"), launch,
+                                w_scales=w_scales, **o)
 
 
 NEEDED = ("tcgen05.mma", "kind::f16", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor",
@@ -67,7 +151,7 @@ def test_compile_arguments_validated():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     with pytest.raises(ValueError, match="arch"):
-        fb.compile_fused_backward_sm100(True, arch="sm_90a")
+        fb.compile_fused_backward_sm100(fb.BwdVariant(True), "sm_90a")
 
 
 def _fake_device(monkeypatch, arch="sm_100a"):
@@ -98,13 +182,12 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     fb, fake, keys = _fake_device(monkeypatch, arch)
     ops = _operands()
     ops["limit"] = limit
-    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops)
+    dx, dwg, dwu, dwd = core(fb, ops)
     (args,) = fake.calls
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
-    by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", arch, limit is not None, False, False, False, False, False, 128,
-                     False)]
+    by = by_name(args)
+    assert keys == [("sm100_fused_moe_bwd", arch, fb.BwdVariant(limit is not None))]
     assert by["mDy"]._keep is ops["dy"] and by["mX"]._keep is ops["x"] and by["mWd"]._keep is ops["w_down"]
     assert by["mWg"]._keep is ops["w_gate"] and by["mWu"]._keep is ops["w_up"] and by["mOffsets"]._keep is ops["offsets"]
     assert torch.equal(by["mGU"]._keep, ops["gu"][:200].view(200, 2, 192))  # the forward's first M rows
@@ -120,11 +203,11 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, arch, limit):
     assert all(by[n] is None for n in ("mOrder", "mIdx", "mInit", "mAdd", "mOut") + MX_PARAMS)
     assert int(by["num_ctas"]) == 148 and int(by["timeout_ns"]) == 10 ** 9
     assert by["limit"].value == (0.0 if limit is None else 4.0)
-    fb.fused_backward_core(**ops, num_ctas=7)
-    assert int(dict(zip(params, fake.calls[1]))["num_ctas"]) == 7
+    core(fb, ops, num_ctas=7)
+    assert int(by_name(fake.calls[1])["num_ctas"]) == 7
     assert by["mDgu"]._keep.data_ptr() != ops["gu"].data_ptr()
-    fb.fused_backward_core(**ops, consume=True)  # the one-shot layer backward: dgu over gu's first M rows
-    dgu = dict(zip(params, fake.calls[2]))["mDgu"]._keep
+    core(fb, ops, consume=True)  # the one-shot layer backward: dgu over gu's first M rows
+    dgu = by_name(fake.calls[2])["mDgu"]._keep
     assert dgu.data_ptr() == ops["gu"].data_ptr() and tuple(dgu.shape) == (200, 2, 192)
 
 
@@ -135,7 +218,7 @@ def test_host_no_rows(monkeypatch):
     fb, fake, keys = _fake_device(monkeypatch)
     ops = _operands()
     ops.update(dy=ops["dy"][:0], x=ops["x"][:0], offsets=torch.zeros(5, dtype=torch.int32))
-    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops)
+    dx, dwg, dwu, dwd = core(fb, ops)
     assert tuple(dx.shape) == (0, 256) and not fake.calls and not keys
     assert not dwg.any() and not dwu.any() and not dwd.any()
 
@@ -192,7 +275,7 @@ def test_host_validates_before_launch(monkeypatch, change, exc, match):
     }
     ops.update(change if isinstance(change, dict) else edits[change])
     with pytest.raises(exc, match=match):
-        fb.fused_backward_core(**ops)
+        core(fb, ops)
     assert not fake.calls and (change == "arch" or not keys)
 
 
@@ -204,9 +287,9 @@ def test_strided_gate_up_halves_accepted(monkeypatch):
     ops = _operands()
     w = torch.cat([ops["w_gate"], ops["w_up"]], 1)
     ops.update(w_gate=w[:, :192], w_up=w[:, 192:])
-    fb.fused_backward_core(**ops)
+    core(fb, ops)
     (args,) = fake.calls
-    by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
+    by = by_name(args)
     assert by["mWg"]._keep.stride() == (384 * 256, 256, 1) and by["mWu"]._keep.data_ptr() == w[:, 192:].data_ptr()
 
 
@@ -275,7 +358,7 @@ def test_tokens_compile_arguments_validated():
 
     for kw in (dict(init=True), dict(add=True)):
         with pytest.raises(ValueError, match="need tokens"):
-            fb.compile_fused_backward_sm100(True, **kw)
+            fb.BwdVariant(True, **kw)
 
 
 def _tokens(t=90, k=3, h=256, m=200, shared=True, add=True, seed=0):
@@ -303,12 +386,12 @@ def test_host_tokens_launch_matches_the_kernel_signature(monkeypatch, shared, ad
     ops = _operands()
     order, idx, dxs, dxa = _tokens(shared=shared, add=add)
     tokens = (order, idx, dxs) + ((dxa,) if add else ())
-    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops, tokens=tokens)
+    dx, dwg, dwu, dwd = core(fb, ops, tokens=tokens)
     (args,) = fake.calls
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
-    by = dict(zip(params, args))
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, True, shared, add, False, False, 128, False)]
+    by = by_name(args)
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", fb.BwdVariant(True, True, shared, add))]
     assert tuple(dx.shape) == (90, 256) and dx.dtype == torch.bfloat16 and by["mOut"]._keep is dx
     assert tuple(by["mDx"]._keep.shape) == (270, 256) and by["mDx"]._keep.dtype == torch.bfloat16
     assert by["mOrder"]._keep.dtype == torch.int32 and torch.equal(by["mOrder"]._keep, order[:200].int())
@@ -334,7 +417,7 @@ def test_host_tokens_no_rows(monkeypatch, shared, add):
     ops = _operands()
     ops.update(dy=ops["dy"][:0], x=ops["x"][:0], offsets=torch.zeros(5, dtype=torch.int32))
     order, idx, dxs, dxa = _tokens(m=0, shared=shared, add=add)
-    dx, dwg, _, _ = fb.fused_backward_core(**ops, tokens=(order, idx, dxs, dxa))
+    dx, dwg, _, _ = core(fb, ops, tokens=(order, idx, dxs, dxa))
     start = torch.zeros(90, 256) if dxs is None else dxs.float()
     if dxa is not None:
         start = start + dxa
@@ -382,7 +465,7 @@ def test_host_tokens_validated_before_launch(monkeypatch, change, exc, match):
         tok.update(edits[change])
         tokens = (tok["order"], tok["idx"], tok["dxs"], tok["dxa"])
     with pytest.raises(exc, match=match):
-        fb.fused_backward_core(**ops, tokens=tokens)
+        core(fb, ops, tokens=tokens)
     assert not fake.calls and not keys
 
 
@@ -424,7 +507,7 @@ def test_mx_tokens_grouped_variant(arch):
         assert rep.ptx.count(i) == scatter.ptx.count(i), i
     for bad in (dict(mx=False), dict(mx=True, gather=True, by_route=True)):
         with pytest.raises(ValueError, match="grouped_slots"):
-            fb.compile_fused_backward_sm100(True, tokens=True, grouped_slots=True, **bad)
+            fb.BwdVariant(True, tokens=True, grouped_slots=True, **bad)
 
 
 def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # noqa: F811
@@ -440,10 +523,10 @@ def test_host_mx_tokens_consumed_writes_dx_over_dy(monkeypatch, ref_quant):  # n
     order, idx, dxs, _ = _tokens(shared=True, add=False)
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     for consume in (True, False):
-        fb.fused_backward_core(**ops, tokens=(order, idx, dxs), consume=consume)
-        by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, fake.calls[-1])}
-        assert keys[-1][-3] is consume and keys[-1][-4] is True  # (.., mx, grouped, tile_m, bulk_push)
-        assert keys[-1][-2:] == (128, False)
+        core(fb, ops, tokens=(order, idx, dxs), consume=consume)
+        by = by_name(fake.calls[-1], keep=True)
+        v = keys[-1][2]
+        assert v.grouped_slots is consume and v.mx is True and (v.tile_m, v.bulk_push) == (128, False)
         assert by["mDy"].dtype == torch.float8_e4m3fn  # no tile reads the bf16 dy: its rows are free
         if consume:
             assert by["mDx"] is ops["dy"]
@@ -480,12 +563,12 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # n
 
     fb, fake, keys = _fake_device(monkeypatch)
     ops, bf = _mx_operands(monkeypatch)
-    dx, dwg, dwu, dwd = fb.fused_backward_core(**ops)
+    dx, dwg, dwu, dwd = core(fb, ops)
     (args,) = fake.calls
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params)
-    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd_core", "sm_100a", True, False, False, False, True, False, 128, False)]
+    by = by_name(args, keep=True)
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", fb.BwdVariant(True, mx=True))]
     assert tuple(dx.shape) == (200, 256) and dx.dtype == torch.bfloat16 and tuple(dwd.shape) == (4, 256, 192)
 
     launched, wgrads = [], []
@@ -505,12 +588,13 @@ def test_mx_host_launch_hands_the_unfused_operands(monkeypatch, ref_quant):  # n
     (d2, _), (d1, d1_kw) = launched
     u8 = torch.uint8
     f8 = torch.float8_e4m3fn
-    assert torch.equal(by["mDy"].view(u8), d2[4].view(u8)) and by["mWd"] is d2[5] is ops["w_down"]
-    assert torch.equal(by["mDysf"], d2[6]) and torch.equal(by["mWdsf"], d2[7])
-    assert torch.equal(by["mGU"], d2[10]) and torch.equal(by["mGU"], bf["gu"][:200].view(200, 2, 192))
-    assert by["mWg"] is d1[5] and by["mWu"] is d1_kw["w2"] and torch.equal(by["mWgusf"], d1[7])
-    assert by["mDgu"].dtype == f8 and by["mDgu"].shape == d1[4].shape  # written by D2 (along I)
-    assert by["mDgusf"].shape == d1[6].shape and not by["mDgusf"].any()  # zeroed: the padding stays 0
+    # grouped_gemm._launch(kind, a, w, (a_sf, w_sf), offsets, (out0, out1), limit, n, w2=)
+    assert torch.equal(by["mDy"].view(u8), d2[1].view(u8)) and by["mWd"] is d2[2] is ops["w_down"]
+    assert torch.equal(by["mDysf"], d2[3][0]) and torch.equal(by["mWdsf"], d2[3][1])
+    assert torch.equal(by["mGU"], d2[5][1]) and torch.equal(by["mGU"], bf["gu"][:200].view(200, 2, 192))
+    assert by["mWg"] is d1[2] and by["mWu"] is d1_kw["w2"] and torch.equal(by["mWgusf"], d1[3][1])
+    assert by["mDgu"].dtype == f8 and by["mDgu"].shape == d1[1].shape  # written by D2 (along I)
+    assert by["mDgusf"].shape == d1[3][0].shape and not by["mDgusf"].any()  # zeroed: the padding stays 0
     (wd_a, wd_b, wd_as, wd_bs), (wg_a, wg_b, wg_as, wg_bs), (wu_a, wu_b, wu_as, wu_bs) = wgrads
     assert torch.equal(by["mDyt"].view(u8), wd_a.view(u8)) and torch.equal(by["mH"].view(u8), wd_b.view(u8))
     assert torch.equal(by["mDytsf"], wd_as) and torch.equal(by["mHtsf"], wd_bs)
@@ -642,7 +726,7 @@ def test_mx_host_validates_before_launch(monkeypatch, change, exc, match):
     }
     ops.update(edits[change])
     with pytest.raises(exc, match=match):
-        fb.fused_backward_core(**ops)
+        core(fb, ops)
     assert not fake.calls and not keys
 
 
@@ -706,7 +790,7 @@ def test_gather_compile_arguments_validated():
                dict(tokens=True, gather=True, shared=True), dict(tokens=True, gather=True, init=True, shared=True,
                                                                  mx=True)):
         with pytest.raises(ValueError, match="need|mx"):
-            fb.compile_fused_backward_sm100(True, **kw)
+            fb.BwdVariant(True, **kw)
 
 
 def _gather_operands(t=90, k=3, h=256, inter=192, e=4, i_s=128, shared=True, seed=3):
@@ -746,13 +830,13 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
 
     fb, fake, keys = _fake_device(monkeypatch)
     ops = _gather_operands(shared=shared)
-    out = fb.fused_backward(**ops)
+    out = whole(fb, ops)
     (args,) = fake.calls
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
-    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     False, 128, False)]
+    by = by_name(args, keep=True)
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a",
+                     fb.BwdVariant(True, True, shared, False, False, True, True, shared))]
     assert len(out) == 5 + 3 * shared
     dx, dtw, dwg, dwu, dwd = out[:5]
     assert tuple(dx.shape) == (90, 256) and by["mOut"] is dx and dtw.dtype == torch.float32
@@ -786,8 +870,8 @@ def test_host_gather_launch_matches_the_kernel_signature(monkeypatch, shared):
         assert tuple(out[5].shape) == tuple(out[6].shape) == (128, 256) and tuple(out[7].shape) == (256, 128)
         assert by["mSD2"].shape == (90 // 128 + 2,) and not by["mSD2"].any()
         assert by["mSD2"].data_ptr() == gdy.data_ptr() + gdy.numel() * 4
-    fb.fused_backward(**dict(ops, comm_ctas=500, num_ctas=20))
-    assert int(dict(zip(params, fake.calls[1]))["comm_ctas"]) == 19  # one GEMM CTA remains
+    whole(fb, dict(ops, comm_ctas=500, num_ctas=20))
+    assert int(by_name(fake.calls[1])["comm_ctas"]) == 19  # one GEMM CTA remains
 
 
 def test_host_gather_dx_shared_is_the_init(monkeypatch):
@@ -796,11 +880,10 @@ def test_host_gather_dx_shared_is_the_init(monkeypatch):
 
     fb, fake, keys = _fake_device(monkeypatch)
     dxs = torch.randn(90, 256).bfloat16()
-    fb.fused_backward(**dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
-    by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], fake.calls[0]))
+    whole(fb, dict(_gather_operands(shared=False), dx_shared=dxs, rows_by_route=False))
+    by = by_name(fake.calls[0])
     assert by["mInit"]._keep is dxs
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, False, True, False, False, False,
-                     False, 128, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", fb.BwdVariant(True, True, True, False, False, True, False))]
 
 
 def test_host_gather_no_tokens(monkeypatch):
@@ -810,7 +893,7 @@ def test_host_gather_no_tokens(monkeypatch):
     offs, gus, hs, *w = ops["shared"]
     ops.update(dy=ops["dy"][:0], x=ops["x"][:0], r_rows=ops["r_rows"][:0], order=ops["order"][:0],
                topk_w=ops["topk_w"][:0], topk_idx=ops["topk_idx"][:0], shared=(offs, gus[:0], hs[:0], *w))
-    out = fb.fused_backward(**ops)
+    out = whole(fb, ops)
     assert tuple(out[0].shape) == (0, 256) and tuple(out[1].shape) == (0, 3) and not fake.calls and not keys
     assert all(not d.any() for d in out[2:]) and len(out) == 8
 
@@ -836,13 +919,12 @@ def test_host_mx_gather_hands_buffers_for_the_launch_to_fill(monkeypatch, ref_qu
               torch.randint(0, 255, (e, inter // 32, hid), dtype=u8, generator=g),
               torch.randint(0, 255, (e, hid // 32, inter), dtype=u8, generator=g))
     dxs = torch.randn(90, hid).bfloat16()
-    out = fb.fused_backward(**dict(ops, dx_shared=dxs), w_scales=scales)
+    out = whole(fb, dict(ops, dx_shared=dxs), w_scales=scales)
     (args,) = fake.calls
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
-    by = {n: None if a is None else getattr(a, "_keep", a) for n, a in zip(params, args)}
+    by = by_name(args, keep=True)
     assert len(args) == len(params) and len(out) == 5
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, True, False, False,
-                     False, 128, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a", fb.BwdVariant(True, True, True, False, True, True, True))]
     m = 270
     tok_kb = lay.grouped_sf_rows(m, e) // 32
     assert by["mInit"] is dxs and by["mDyTok"] is ops["dy"] and by["mXTok"] is ops["x"]
@@ -863,7 +945,7 @@ def test_host_mx_gather_hands_buffers_for_the_launch_to_fill(monkeypatch, ref_qu
     assert all(by[n] is None for n in ("mSGU", "mSDWg", "mSOffsets"))
     bad = dict(_gather_operands(shared=True), **{n: ops[n] for n in ("w_gate", "w_up", "w_down")})
     with pytest.raises(ValueError, match="w_scales"):
-        fb.fused_backward(**bad, w_scales=scales)
+        whole(fb, bad, w_scales=scales)
     assert len(fake.calls) == 1
 
 
@@ -930,7 +1012,7 @@ def test_host_gather_validates_before_launch(monkeypatch, change, exc, match):
                   "main_grads_strided": dict(main_grads=main[:5] + [torch.zeros(wsd.shape[::-1]).t()])})
     ops.update(edits[change])
     with pytest.raises(exc, match=match):
-        fb.fused_backward(**ops)
+        whole(fb, ops)
     assert not fake.calls and (change == "arch" or not keys)
 
 
@@ -952,7 +1034,7 @@ def test_accumulate_needs_gather():
     from mok_cute.kernels.sm100 import fused_bwd as fb
 
     with pytest.raises(ValueError, match="accumulate"):
-        fb.FusedMoeBwdSm100(True, tokens=True, accumulate=True)
+        fb.BwdVariant(True, tokens=True, accumulate=True)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -967,11 +1049,11 @@ def test_host_main_grads_are_the_weight_gradient_operands(monkeypatch, shared):
     ws = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
     main = [torch.randn(w.shape) for w in ws]
     start = [m.clone() for m in main]
-    out = fb.fused_backward(**ops, main_grads=main)
+    out = whole(fb, ops, main_grads=main)
     (args,) = fake.calls
-    by = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, True, shared, False,
-                     True, 128, False)]
+    by = by_name(args)
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a",
+                     fb.BwdVariant(True, True, shared, False, False, True, True, shared, accumulate=True))]
     assert len(out) == 5 + 3 * shared and all(d is None for d in out[2:])
     names = ("mDWg", "mDWu", "mDWd") + (("mSDWg", "mSDWu", "mSDWd") if shared else ())
     for n, m in zip(names, main):
@@ -982,7 +1064,7 @@ def test_host_main_grads_are_the_weight_gradient_operands(monkeypatch, shared):
                topk_w=ops["topk_w"][:0], topk_idx=ops["topk_idx"][:0])
     if shared:
         ops["shared"] = (offs, gus[:0], hs[:0], *w)
-    out = fb.fused_backward(**ops, main_grads=main)
+    out = whole(fb, ops, main_grads=main)
     assert len(fake.calls) == 1 and all(d is None for d in out[2:])
     assert all(torch.equal(m, s) for m, s in zip(main, start))
 
@@ -1016,7 +1098,7 @@ def test_ep_compile_arguments_validated():
 
     for kw in (dict(tokens=True, ep=True), dict(tokens=True, gather=True, by_route=True, ep=True)):
         with pytest.raises(ValueError, match="ep"):
-            fb.compile_fused_backward_sm100(True, **kw)
+            fb.BwdVariant(True, **kw)
 
 
 def _ep_operands(t=64, h=256, inter=128, e=2, k=2, i_s=128, shared=True, seed=5):
@@ -1058,14 +1140,14 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     fb, fake, keys = _fake_device(monkeypatch)
     ops = _ep_operands(shared=shared)
     ws, plan = ops["ws"], ops["plan"]
-    out = fb.fused_backward_ep(**ops)
+    out = whole_ep(fb, ops)
     assert not fake.calls and len(fake.direct) == 1
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, shared, False, False, True, False, shared, True,
-                     False, 128, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a",
+                     fb.BwdVariant(True, True, shared, False, False, True, False, shared, True))]
     params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
     (args,) = fake.direct
     assert len(args) == len(params), (len(args), len(params))
-    a = {n: None if v is None else getattr(v, "_keep", v) for n, v in zip(params, args)}
+    a = by_name(args, keep=True)
     assert torch.equal(ws._src, ops["x"]) and torch.equal(ws._dy, ops["dy"])
     assert a["mDx"].data_ptr() == ws._slots.data_ptr() and tuple(a["mDx"].shape) == (128, 256)
     assert a["mStatus"] is ws.status and a["mPeer"] is ws.peer_bases
@@ -1086,17 +1168,19 @@ def test_host_ep_launch_matches_the_kernel_signature(monkeypatch, shared):
     dx, dtw = out[:2]
     assert a["mOut"] is dx and tuple(dx.shape) == (64, 256) and a["mDtw"].data_ptr() == dtw.data_ptr()
     assert tuple(dtw.shape) == (64, 2) and len(out) == 5 + 3 * shared
-    fb.fused_backward_ep(**ops)
+    whole_ep(fb, ops)
     assert ws.epoch == {"pull": 2, "push": 2} and len(fake.direct) == 2
     weights = [ops["w_gate"], ops["w_up"], ops["w_down"]] + (list(ops["shared"][3:]) if shared else [])
     main = [torch.zeros(w.shape) for w in weights]  # main_grads: the accumulate variant on the same protocol
-    out = fb.fused_backward_ep(**ops, main_grads=main)
-    assert keys[-1] == keys[0][:-3] + (True, 128, False) and all(d is None for d in out[2:])
-    a = dict(zip(params, fake.direct[-1]))
+    out = whole_ep(fb, ops, main_grads=main)
+    assert keys[-1][2] == replace(keys[0][2], accumulate=True) and all(d is None for d in out[2:])
+    a = by_name(fake.direct[-1])
     assert getattr(a["mDWd"], "_keep", a["mDWd"]).data_ptr() == main[2].data_ptr()
-    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")  # the bulk transport: the key's last entry
-    fb.fused_backward_ep(**ops)
-    assert keys[-1] == keys[0][:-1] + (True,) and len(fake.direct[-1]) == len(params)
+    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")  # gone: not read
+    whole_ep(fb, ops)
+    assert keys[-1][2] == keys[0][2]
+    whole_ep(fb, ops, bulk_push=True)  # the bulk transport (MoKConfig.comm_transport="bulk")
+    assert keys[-1][2] == replace(keys[0][2], bulk_push=True) and len(fake.direct[-1]) == len(params)
 
 
 def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa: F811
@@ -1114,12 +1198,12 @@ def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa:
     scales = (torch.zeros(e, inter // 32, hid, dtype=u8), torch.zeros(e, inter // 32, hid, dtype=u8),
               torch.zeros(e, hid // 32, inter, dtype=u8))
     dxs = torch.randn(64, hid).bfloat16()
-    out = fb.fused_backward_ep(**ops, w_scales=scales, dx_shared=dxs)
+    out = whole_ep(fb, ops, w_scales=scales, dx_shared=dxs)
     (args,) = fake.direct
-    a = dict(zip(list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:], args))
+    a = by_name(args)
     a = {n: None if v is None else getattr(v, "_keep", v) for n, v in a.items()}
-    assert keys == [("sm100_fused_moe_bwd", "sm_100a", True, True, True, False, True, True, False, False, True,
-                     False, 128, False)]
+    assert keys == [("sm100_fused_moe_bwd", "sm_100a",
+                     fb.BwdVariant(True, True, True, False, True, True, False, False, True))]
     assert a["mInit"] is dxs and a["mDy"].dtype == f8 and a["mDyRows"].dtype == torch.bfloat16 and len(out) == 5
     assert tuple(a["mXRows"].shape) == (256, hid) and a["mDyt"].dtype == f8
     bad = {"dx_shared without w_scales": dict(_ep_operands(shared=False), dx_shared=dxs),
@@ -1127,7 +1211,7 @@ def test_host_ep_mx_launches_the_mx_ep_variant(monkeypatch, ref_quant):  # noqa:
                                         **{n: ops[n] for n in ("w_gate", "w_up", "w_down")})}
     for kw in bad.values():
         with pytest.raises(ValueError, match="dx_shared|w_scales"):
-            fb.fused_backward_ep(**kw)
+            whole_ep(fb, kw)
     assert len(fake.direct) == 1
 
 
@@ -1143,7 +1227,7 @@ def test_host_ep_no_tokens(monkeypatch):
                w_rows=ops["w_rows"][:0], shared=(offs, gus[:0], hs[:0], *w))
     ops["plan"].recv_src = ops["plan"].recv_src[:0]
     ops["plan"].offsets = torch.zeros(3, dtype=torch.int32)
-    out = fb.fused_backward_ep(**ops)
+    out = whole_ep(fb, ops)
     assert tuple(out[0].shape) == (0, 256) and tuple(out[1].shape) == (0, 2) and all(not d.any() for d in out[2:])
     assert not fake.direct and not fake.calls and not keys and ops["ws"].epoch == {"pull": 0, "push": 0}
 
@@ -1188,7 +1272,7 @@ def test_host_ep_validates_before_launch(monkeypatch, change, exc, match):
     }
     edits[change]()
     with pytest.raises(exc, match=match):
-        fb.fused_backward_ep(**ops)
+        whole_ep(fb, ops)
     ws = ops["ws"]
     assert not fake.direct and not fake.calls and (change == "arch" or not keys)
     assert not ws._src.any() and not ws._dy.any() and ws.epoch == {"pull": 0, "push": 0}
@@ -1230,24 +1314,24 @@ def test_one_cta_variants_have_no_pair_instructions():
 
 
 def test_host_pair_launch(monkeypatch):
-    """MOK_CUTE_SM100_TILE_M=256 on the backward's host path (compile and launch faked): the key ends
-    with the tile rows, the grid is whole pairs, fewer than two pairs is a ValueError, the variant
-    compiled with ``tile_m`` 256; a bad tile_m to the kernel class is a ValueError."""
-    import inspect
-
+    """``Sm100Launch(tile_m=256)`` on the backward's host path (compile and launch faked): the
+    variant's tile rows, the grid is whole pairs, fewer than two pairs is a ValueError, the variant
+    compiled with ``tile_m`` 256; the environment is not read; a bad tile_m is a ValueError naming it
+    and the allowed values."""
     fb, fake, keys = _fake_device(monkeypatch)
     ops = _operands()
-    params = list(inspect.signature(fb.FusedMoeBwdSm100.__call__).parameters)[1:]
-    fb.fused_backward_core(**ops)
-    assert keys[-1][-2:] == (128, False)
-    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")
-    fb.fused_backward_core(**ops, num_ctas=9)
-    assert keys[-1][-2:] == (256, False) and keys[-1][:-2] == keys[0][:-2]
-    assert int(dict(zip(params, fake.calls[-1]))["num_ctas"]) == 8
+    monkeypatch.setenv("MOK_CUTE_SM100_TILE_M", "256")  # gone: not read
+    core(fb, ops)
+    assert (keys[-1][2].tile_m, keys[-1][2].bulk_push) == (128, False)
+    core(fb, ops, num_ctas=9, tile_m=256)
+    assert keys[-1][2] == replace(keys[0][2], tile_m=256)
+    assert int(by_name(fake.calls[-1])["num_ctas"]) == 8
     with pytest.raises(ValueError, match="two CTA pairs"):
-        fb.fused_backward_core(**ops, num_ctas=3)
-    with pytest.raises(ValueError, match="tile_m"):
-        fb.FusedMoeBwdSm100(True, tile_m=192)
+        core(fb, ops, num_ctas=3, tile_m=256)
+    with pytest.raises(ValueError, match=r"tile_m must be one of \(128, 256\)"):
+        fb.BwdVariant(True, tile_m=192)
+    with pytest.raises(ValueError, match=r"tile_m must be one of \(128, 256\)"):
+        core(fb, ops, tile_m=192)
 
 
 BULK_VARIANTS = ["fused-bwd-ep-bulk-push-clamp", "fused-bwd-mxfp8-ep-bulk-push-init-noclamp",
@@ -1276,11 +1360,10 @@ def test_bulk_push_variants(arch, name):
 
 
 def test_host_bulk_push(monkeypatch):
-    """MOK_CUTE_SM100_PUSH=bulk picks the bulk variant for the EP > 1 backward only (the key's last
-    entry); EP = 1 ignores it; bulk_push without ep is a ValueError."""
+    """``Sm100Launch.bulk_push`` picks the bulk variant for the EP > 1 backward only (test_host_ep_launch_*);
+    EP = 1 ignores it; a variant with bulk_push without ep is a ValueError."""
     fb, fake, keys = _fake_device(monkeypatch)
-    monkeypatch.setenv("MOK_CUTE_SM100_PUSH", "bulk")
-    fb.fused_backward_core(**_operands())
-    assert keys[-1][-1] is False
+    core(fb, _operands(), bulk_push=True)
+    assert keys[-1][2].bulk_push is False
     with pytest.raises(ValueError, match="bulk_push"):
-        fb.FusedMoeBwdSm100(True, bulk_push=True)
+        fb.BwdVariant(True, bulk_push=True)
