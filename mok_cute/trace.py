@@ -155,9 +155,10 @@ def occupancy(recs, n_kinds: int, bins: int = 400) -> tuple[list[float], list[li
 
 
 def plot_occupancy(ax, recs, kinds, title: str = "") -> None:
-    """Stack plot of :func:`occupancy` on the matplotlib axes ``ax`` (kinds that never ran left out)."""
+    """Stack plot of :func:`occupancy` on the matplotlib axes ``ax`` (kinds that never ran left out, and
+    the "CTA" life records: a CTA's span from entry to exit, not a task)."""
     xs, occ = occupancy(recs, len(kinds))
-    used = [k for k in range(len(kinds)) if any(occ[k])]
+    used = [k for k in range(len(kinds)) if any(occ[k]) and kinds[k] != "CTA"]
     ax.stackplot(xs, *[occ[k] for k in used], labels=[kinds[k] for k in used])
     ax.set_xlabel("time (us)")
     ax.set_ylabel("SMs busy")

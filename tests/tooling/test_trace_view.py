@@ -103,3 +103,25 @@ def test_cli_writes_chrome_trace_and_png(tmp_path, capsys):
 def test_last_names_the_pass():
     with pytest.raises(ValueError, match="forward' or 'backward"):
         trace_view.last("sideways")
+
+
+class _Axes:
+    """Records what plot_occupancy draws (no matplotlib needed)."""
+
+    def stackplot(self, xs, *ys, labels):
+        self.labels, self.ys = list(labels), ys
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def test_occupancy_plot_stacks_tasks_not_cta_lives():
+    from mok_cute import trace
+
+    kinds = ["R1", "R2", "CTA"]
+    recs = [(0, 1000, 0, 0, 0), (1000, 2000, 1, 0, 0), (0, 2000, 2, 0, 0), (0, 2000, 0, 1, 0)]
+    ax = _Axes()
+    trace.plot_occupancy(ax, recs, kinds)
+    assert ax.labels == ["R1", "R2"]
+    total = [sum(col) for col in zip(*ax.ys)]
+    assert max(total) <= 2.0 + 1e-9  # two SMs ran tasks; their CTA lives add nothing
