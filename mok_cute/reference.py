@@ -564,13 +564,18 @@ class HostGroup(Protocol):
 
 def _world(group) -> tuple[int, int]:
     """(EP, rank) of ``group``: a torch.distributed group (None: the default group when one is
-    initialized, else EP = 1), or a :class:`HostGroup` (the calling thread's rank)."""
+    initialized, else EP = 1), or a :class:`HostGroup` (the calling thread's rank). Checked in
+    that order: a runtime Protocol ``isinstance`` costs microseconds on every layer call."""
     import torch.distributed as dist
 
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        return dist.get_world_size(), dist.get_rank()
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return dist.get_world_size(group), dist.get_rank(group)
     if isinstance(group, HostGroup):
         return group.size(), group.rank()
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 
