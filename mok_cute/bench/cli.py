@@ -2,7 +2,8 @@
 
     python -m mok_cute.bench [--shapes NAME ...] [--precision bf16 mxfp8 ...] [--tokens T]
         [--rounds 5] [--iters 10] [--warmup 3] [--config FIELD=VALUE ...] [--out PREFIX]
-        [--plot DIR] [--trace-shape NAME] [--save-outputs FILE] [--digests] [--no-progress] [--list-shapes]
+        [--plot DIR] [--trace-shape NAME] [--save-outputs FILE] [--digests] [--peers sonicmoe]
+        [--no-progress] [--list-shapes]
 
 On one CUDA GPU (EP = 1), per shape (:data:`mok_cute.bench.shapes.SHAPES`): the torch layer a
 PyTorch user writes (:mod:`mok_cute.bench.torch_layer`, BF16) and ``mok_cute.moe`` at each
@@ -16,6 +17,17 @@ and, from one traced step of the ``--trace-shape`` (default: the first) at the f
 (``torch.save``: {"shape/precision": {name: tensor}}; gigabytes at the model shapes), and their
 sha256 in the JSON, so that two commits' runs can be compared bitwise; ``--digests``: only the
 sha256 in the JSON. Without a GPU it says so and exits with status 2.
+
+``--peers sonicmoe``: SonicMoE (:mod:`mok_cute.bench.peers`; ``tools/peer_env.sh`` installs it) runs
+beside them in the same process on the same inputs, routing and weights, and a second table (JSON
+``systems``, ``PREFIX_systems.csv``) has one row per system: its ms, peak memory, first-call seconds
+(its first forward + backward, compiling included) and the relative L1 error of y and of every
+gradient against an fp32 computation of the same layer (:mod:`mok_cute.bench.accuracy`). SonicMoE has
+no shared expert and no SwiGLU clamp, so with ``--peers`` every shape runs without them for every
+system (the table's dims say so). Every mok_cute kernel the run needs is compiled, at every shape,
+before SonicMoE is imported (importing QuACK changes CuTe DSL process-wide: the peers module says
+how), so mok_cute's first-call seconds come from that first pass. :func:`compare` runs the same from
+Python.
 """
 from __future__ import annotations
 
@@ -30,8 +42,9 @@ import torch
 
 from mok_cute import MoKConfig, __version__
 from mok_cute.config import PRECISIONS
-from mok_cute.bench import report, run
-from mok_cute.bench.shapes import SHAPES, pick
+from mok_cute.bench import accuracy, report, run
+from mok_cute.bench import peers as peer_layers
+from mok_cute.bench.shapes import SHAPES, Shape, pick
 
 OWN_FIELDS = ("precision", "trace")  # set by --precision and the trace step, not by --config
 
@@ -97,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--digests", action="store_true",
                     help="the sha256 of y and every gradient of one mok_cute step per shape and precision in the JSON "
                          "(implied by --save-outputs)")
+    ap.add_argument("--peers", nargs="+", default=[], choices=peer_layers.PEERS,
+                    help="other MoE layers to run beside them (every shape without its shared expert and clamp), "
+                         "with a per-system table of times, peak memory, first-call seconds and accuracy")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list-shapes", action="store_true", help="print the shapes and exit (no GPU needed)")
     return ap
@@ -122,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--trace-shape {args.trace_shape!r} is not among the shapes run: {names}")
     args.trace_shape = args.trace_shape or names[0]
     args.precision = list(dict.fromkeys(args.precision))
+    args.peers = list(dict.fromkeys(args.peers))
+    if args.peers:
+        args.shapes = [s.routed_only() for s in args.shapes]
     return args
 
 
@@ -151,27 +170,64 @@ def metadata(args, argv) -> dict:
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "mok_cute": __version__,
             "commit": _commit(), "command": " ".join(["python -m mok_cute.bench", *argv]),
             "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup, "config": args.config,
-            "precisions": args.precision}
+            "precisions": args.precision, "peers": args.peers}
 
 
-def bench_shape(shape, args, bar, saved: dict, digests: dict, device="cuda") -> tuple[list[dict], dict]:
-    """One shape's result rows, and its traces ({pass: Trace}) if it is the traced shape of ``--plot``;
-    the outputs of one step per precision into ``saved`` (``--save-outputs``) and their sha256 into
-    ``digests`` (``--digests`` too), keyed ``shape/precision``."""
-    impls = run.build(shape, device, args.precision, args.config)
-    for impl in impls:
-        bar.set_description(f"{shape.name}: compiling + warm-up {impl.name}")
-        run.warm(impl, args.warmup)
-        bar.update()
+def compile_ours_first(args, bar, device="cuda") -> tuple[dict, dict]:
+    """Before any peer is imported (:mod:`mok_cute.bench.peers` says why): every mok row of every
+    shape compiled and warmed up (:func:`mok_cute.bench.run.warm`), and ``--plot``'s traced step
+    taken. Returns ``({shape name: {row name: (first-call s, error)}}, traces)``."""
+    first, traces = {}, {}
+    for shape in args.shapes:
+        moks = run.build(shape, device, args.precision, args.config)[1:]
+        for impl in moks:
+            bar.set_description(f"{shape.name}: compiling + warm-up {impl.name} (before the peers)")
+            run.warm(impl, args.warmup)
+            bar.update()
+        first[shape.name] = {m.name: (m.first_s, m.error) for m in moks}
+        if args.plot and shape.name == args.trace_shape:
+            traces = traced(moks[0], bar, shape.name)
+        del moks
+        torch.cuda.empty_cache()
+    return first, traces
+
+
+def traced(impl, bar, shape_name: str) -> dict:
+    """{pass: Trace} of one traced step of the mok row ``impl`` (empty if it did not run)."""
+    if impl.error:
+        return {}
+    bar.set_description(f"{shape_name}: one traced step ({impl.name})")
+    fwd, bwd = run.traced_step(impl)
+    return {name: tr for name, tr in (("forward", fwd), ("backward", bwd)) if tr is not None}
+
+
+def bench_shape(shape, args, bar, saved: dict, digests: dict, device="cuda", systems: list | None = None,
+                first: dict | None = None) -> tuple[list[dict], dict]:
+    """One shape's result rows, and its traces ({pass: Trace}) if it is the traced shape of ``--plot``
+    (without peers; with them :func:`compile_ours_first` takes the traced step); the outputs of one
+    step per precision into ``saved`` (``--save-outputs``) and their sha256 into ``digests``
+    (``--digests`` too), keyed ``shape/precision``. With ``args.peers``: the peers join the rows, one
+    system row per implementation goes into ``systems``, and ``first`` (the shape's entry of
+    :func:`compile_ours_first`) gives the mok rows' first-call seconds and errors."""
+    names = getattr(args, "peers", None) or []
+    want = accuracy.reference_for(shape, device) if names else None  # before the rows: its fp32 tensors leave first
+    impls = build_and_warm(shape, args, bar, device, first)
+    moks = [m for m in impls if m.config is not None]
     peaks = {impl.name: None if impl.error else run.peak_mb(impl) for impl in impls}
     if args.save_outputs or args.digests:
-        for impl in impls[1:]:
+        for impl in moks:
             if not impl.error:
                 bar.set_description(f"{shape.name}: the outputs of one step of {impl.name}")
                 key, out = f"{shape.name}/{impl.precision}", run.outputs(impl)
                 digests[key] = {n: run.digest(t) for n, t in out.items()}
                 if args.save_outputs:
                     saved[key] = out
+    errs = {}
+    for impl in impls if want else ():
+        if not impl.error:
+            bar.set_description(f"{shape.name}: accuracy of {impl.name}")
+            errs[impl.name] = accuracy.errors(run.step_outputs(impl), want)
+    del want
     for r in range(args.rounds):
         bar.set_description(f"{shape.name}: timing round {r + 1}/{args.rounds}")
         run.time_round(impls, args.iters)
@@ -180,14 +236,79 @@ def bench_shape(shape, args, bar, saved: dict, digests: dict, device="cuda") -> 
     base_ms = {w: run.median_ms(base, w) for w in ("fwd", "fwdbwd")}
     rows = [report.make_row(shape, m.precision, base_ms, {w: run.median_ms(m, w) for w in ("fwd", "fwdbwd")},
                             (peaks[base.name], peaks[m.name]), m.error or (base.error and f"torch layer: {base.error}"))
-            for m in impls[1:]]
+            for m in moks]
+    if names and systems is not None:
+        systems += [system_row(shape, impl, peaks[impl.name], errs.get(impl.name, {})) for impl in impls]
     traces = {}
-    traced = impls[1]
-    if args.plot and shape.name == args.trace_shape and not traced.error:
-        bar.set_description(f"{shape.name}: one traced step ({traced.name})")
-        fwd, bwd = run.traced_step(traced)
-        traces = {name: tr for name, tr in (("forward", fwd), ("backward", bwd)) if tr is not None}
+    if args.plot and shape.name == args.trace_shape and not names:
+        traces = traced(moks[0], bar, shape.name)
     return rows, traces
+
+
+def build_and_warm(shape, args, bar, device="cuda", first: dict | None = None) -> list:
+    """The rows of ``shape`` (:func:`mok_cute.bench.run.rows`: torch, then mok at each precision),
+    compiled and warmed up, then each of ``args.peers`` on the same leaves (imported only now, after
+    ours) warmed up. ``first`` (the shape's entry of :func:`compile_ours_first`): the mok rows'
+    first-call seconds, and their errors (a row that failed before the peers' import is not
+    compiled after it)."""
+    inputs, dy = run.leaves(shape, device)
+    impls = run.rows(shape, inputs, dy, args.precision, args.config)
+    done = first or {}
+    for impl in impls:
+        impl.error = done[impl.name][1] if impl.name in done else impl.error
+    for impl in impls:
+        bar.set_description(f"{shape.name}: compiling + warm-up {impl.name}")
+        run.warm(impl, args.warmup)
+        impl.first_s = done[impl.name][0] if impl.name in done else impl.first_s
+        bar.update()
+    for name in getattr(args, "peers", None) or []:
+        impls.append(peer_layers.build(name, shape, inputs, dy))
+        bar.set_description(f"{shape.name}: compiling + warm-up {name}")
+        run.warm(impls[-1], args.warmup)
+        bar.update()
+    return impls
+
+
+def system_row(shape, impl, peak, errors: dict) -> dict:
+    """The system row of ``impl`` (:func:`mok_cute.bench.report.make_system_row`) after its rounds."""
+    measured = {w: run.median_ms(impl, w) for w in ("fwd", "fwdbwd")}
+    measured.update(peak_mb=peak, first_call_s=None if impl.error else impl.first_s)
+    return report.make_system_row(shape, impl.name, impl.precision, measured, errors, impl.error)
+
+
+def run_shapes(args, bar, device="cuda") -> dict:
+    """Every shape of ``args`` (:func:`parse_args`): ``{"rows", "systems", "traces", "saved",
+    "digests"}`` (:func:`bench_shape`'s, gathered); with peers, :func:`compile_ours_first` first."""
+    out = {"rows": [], "systems": [], "traces": {}, "saved": {}, "digests": {}}
+    first = {}
+    if args.peers:
+        first, out["traces"] = compile_ours_first(args, bar, device)
+    for shape in args.shapes:
+        rows, traces = bench_shape(shape, args, bar, out["saved"], out["digests"], device, out["systems"],
+                                   first.get(shape.name))
+        out["rows"] += rows
+        out["traces"].update(traces)
+        torch.cuda.empty_cache()
+    return out
+
+
+def compare(shapes, peers=peer_layers.PEERS, precisions=("bf16",), config: dict | None = None, rounds: int = 5,
+            iters: int = 10, warmup: int = 3, device="cuda") -> list[dict]:
+    """``python -m mok_cute.bench --peers`` from Python, nothing printed or written: the system rows
+    (:func:`mok_cute.bench.report.make_system_row`) of the torch layer, mok_cute at each of
+    ``precisions`` (with MoKConfig fields ``config``) and each of ``peers``, per shape (names of
+    :data:`SHAPES` or :class:`Shape` objects; each run :meth:`Shape.routed_only`). ValueError for
+    no peer, an unknown peer or shape."""
+    if not peers or any(p not in peer_layers.PEERS for p in peers):
+        raise ValueError(f"peers must name one or more of {peer_layers.PEERS}, got {list(peers)}")
+    from tqdm import tqdm
+
+    args = parse_args(["--peers", *peers, "--precision", *precisions, "--rounds", str(rounds), "--iters", str(iters),
+                       "--warmup", str(warmup)])
+    args.shapes = [s.routed_only() for s in (x if isinstance(x, Shape) else pick([x])[0] for x in shapes)]
+    args.config = dict(config or {})
+    with tqdm(disable=True) as bar:
+        return run_shapes(args, bar, device)["systems"]
 
 
 def write_plots(plot_dir: Path, rows: list[dict], traces: dict, title: str, trace_label: str) -> None:
@@ -223,20 +344,23 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     meta = metadata(args, argv)
-    rows, saved, digests, traces = [], {}, {}, {}
-    units = len(args.shapes) * (1 + len(args.precision) + args.rounds)
+    units = len(args.shapes) * (1 + len(args.precision) * (2 if args.peers else 1) + len(args.peers) + args.rounds)
     with tqdm(total=units, disable=args.no_progress, file=sys.stderr, unit="step") as bar:
-        for shape in args.shapes:
-            shape_rows, shape_traces = bench_shape(shape, args, bar, saved, digests)
-            rows += shape_rows
-            traces.update(shape_traces)
-            torch.cuda.empty_cache()
+        out = run_shapes(args, bar)
+    rows, saved, digests, traces, systems = out["rows"], out["saved"], out["digests"], out["traces"], out["systems"]
     where = f"{meta['device']}, {meta['date']}, commit {meta['commit'] or 'unknown'}"
     print(report.table(rows, f"mok_cute.bench on {where}: EP = 1; speed-up = torch layer ms / mok_cute ms (the torch "
                              f"layer: BF16 sort + grouped_mm + fp32 scatter)"))
-    report.write_json(f"{args.out}.json", meta, rows, digests)
+    if systems:
+        meta["peer_versions"] = peer_layers.versions()
+        print()
+        print(report.system_table(systems, f"beside {', '.join(args.peers)}: the same inputs, routing and weights, "
+                                           f"no shared expert or clamp; rel-L1 against an fp32 computation"))
+        report.write_csv(f"{args.out}_systems.csv", systems, report.SYSTEM_FIELDS)
+    report.write_json(f"{args.out}.json", meta, rows, digests, systems)
     report.write_csv(f"{args.out}.csv", rows)
-    print(f"results written to {args.out}.json and {args.out}.csv", file=sys.stderr)
+    also = f" and {args.out}_systems.csv" if systems else ""
+    print(f"results written to {args.out}.json and {args.out}.csv{also}", file=sys.stderr)
     if args.save_outputs:
         torch.save(saved, args.save_outputs)
         print(f"outputs of one step per shape and precision saved to {args.save_outputs}", file=sys.stderr)

@@ -4,6 +4,10 @@ A row is one (shape, precision): the torch layer's and mok_cute's forward and fo
 times (ms), the speed-ups torch / mok (> 1: mok_cute is faster), peak memory of one forward +
 backward (MiB) and mok_cute's TFLOP/s (forward FLOPs :attr:`Shape.flop_fwd`, three times that
 for forward + backward). Plots need matplotlib (``pip install mok_cute[plot]``).
+
+With ``--peers``, a system row is one (shape, system): the torch layer, each mok_cute precision and
+each peer, with its times, peak memory, first-call seconds (compiling included) and the relative
+L1 error of y and of each gradient against the fp32 computation (:mod:`mok_cute.bench.accuracy`).
 """
 from __future__ import annotations
 
@@ -13,6 +17,13 @@ from pathlib import Path
 
 FIELDS = ("shape", "dims", "precision", "torch_fwd_ms", "mok_fwd_ms", "fwd_speedup", "torch_fwdbwd_ms", "mok_fwdbwd_ms",
           "fwdbwd_speedup", "torch_peak_mb", "mok_peak_mb", "mok_fwd_tflops", "mok_fwdbwd_tflops", "error")
+ERROR_NAMES = ("y", "dx", "dtopk_w", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+SYSTEM_FIELDS = ("shape", "dims", "system", "precision", "fwd_ms", "fwdbwd_ms", "peak_mb", "first_call_s",
+                 *(f"rel_l1_{n}" for n in ERROR_NAMES), "error")
+SYSTEM_COLUMNS = (("shape", "shape"), ("system", "system"), ("fwd ms", "fwd_ms"), ("fwd+bwd ms", "fwdbwd_ms"),
+                  ("peak MiB", "peak_mb"), ("first call s", "first_call_s"), ("rel-L1 y", "rel_l1_y"),
+                  ("dx", "rel_l1_dx"), ("dtopk_w", "rel_l1_dtopk_w"), ("dw_gate", "rel_l1_dw_gate"),
+                  ("dw_up", "rel_l1_dw_up"), ("dw_down", "rel_l1_dw_down"))
 COLUMNS = (("shape", "shape"), ("precision", "precision"), ("torch fwd ms", "torch_fwd_ms"),
            ("mok fwd ms", "mok_fwd_ms"), ("fwd speed-up", "fwd_speedup"), ("torch fwd+bwd ms", "torch_fwdbwd_ms"),
            ("mok fwd+bwd ms", "mok_fwdbwd_ms"), ("fwd+bwd speed-up", "fwdbwd_speedup"))
@@ -36,42 +47,66 @@ def make_row(shape, precision: str, torch_ms: dict, mok_ms: dict, peaks: tuple, 
             "mok_fwdbwd_tflops": tflops(3 * shape.flop_fwd, mok_ms.get("fwdbwd")), "error": error}
 
 
+def make_system_row(shape, name: str, precision: str, measured: dict, errors: dict, error: str = "") -> dict:
+    """One system row (see the module doc). ``measured``: {"fwd": ms, "fwdbwd": ms, "peak_mb": MiB,
+    "first_call_s": s}, None (or absent) where not measured; ``errors``: {"rel_l1_NAME": value}
+    (:func:`mok_cute.bench.accuracy.errors`)."""
+    row = {"shape": shape.name, "dims": shape.dims, "system": name, "precision": precision,
+           "fwd_ms": measured.get("fwd"), "fwdbwd_ms": measured.get("fwdbwd"), "peak_mb": measured.get("peak_mb"),
+           "first_call_s": measured.get("first_call_s")}
+    row.update({f"rel_l1_{n}": errors.get(f"rel_l1_{n}") for n in ERROR_NAMES})
+    row["error"] = error
+    return row
+
+
 def _cell(key: str, v) -> str:
     if v is None:
         return "-"
     if key.endswith("speedup"):
         return f"{v:.2f}x"
+    if key.startswith("rel_l1") and isinstance(v, float):
+        return f"{v:.2e}"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
 
 
-def table(rows: list[dict], title: str = "") -> str:
-    """The rows as a Markdown table (``title`` above it), each row's error below it."""
+def table(rows: list[dict], title: str = "", columns=COLUMNS, label=("shape", "precision")) -> str:
+    """The rows as a Markdown table (``title`` above it), each row's error below it (named by the
+    ``label`` fields); ``columns``: (header, key) pairs (:data:`SYSTEM_COLUMNS` for system rows)."""
     lines = [title, ""] if title else []
-    lines.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
+    lines.append("| " + " | ".join(h for h, _ in columns) + " |")
+    lines.append("|" + "---|" * len(columns))
     for r in rows:
-        lines.append("| " + " | ".join(_cell(k, r.get(k)) for _, k in COLUMNS) + " |")
-    errors = [f"- {r['shape']} {r['precision']}: {r['error']}" for r in rows if r.get("error")]
+        lines.append("| " + " | ".join(_cell(k, r.get(k)) for _, k in columns) + " |")
+    errors = [f"- {' '.join(str(r[k]) for k in label)}: {r['error']}" for r in rows if r.get("error")]
     return "\n".join(lines + ([""] + errors if errors else []))
 
 
-def write_json(path, meta: dict, rows: list[dict], digests: dict | None = None) -> None:
-    """``{"meta": ..., "rows": [...], "outputs_sha256": {"shape/precision": {name: sha256}}}``."""
+def system_table(rows: list[dict], title: str = "") -> str:
+    """System rows (:func:`make_system_row`) as a Markdown table, errors below it."""
+    return table(rows, title, SYSTEM_COLUMNS, ("shape", "system"))
+
+
+def write_json(path, meta: dict, rows: list[dict], digests: dict | None = None, systems: list | None = None) -> None:
+    """``{"meta": ..., "rows": [...], "systems": [...], "outputs_sha256": {"shape/precision": {name:
+    sha256}}}`` (``systems`` and ``outputs_sha256`` only where given)."""
     out = {"meta": meta, "rows": rows}
+    if systems:
+        out["systems"] = systems
     if digests:
         out["outputs_sha256"] = digests
     Path(path).write_text(json.dumps(out, indent=1))
 
 
-def write_csv(path, rows: list[dict]) -> None:
-    """One line per row, the columns of :data:`FIELDS` (empty where None)."""
+def write_csv(path, rows: list[dict], fields=FIELDS) -> None:
+    """One line per row, the columns of ``fields`` (:data:`FIELDS`, or :data:`SYSTEM_FIELDS` for
+    system rows; empty where None)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            w.writerow({k: "" if r.get(k) is None else r[k] for k in FIELDS})
+            w.writerow({k: "" if r.get(k) is None else r[k] for k in fields})
 
 
 def pyplot():

@@ -8,12 +8,15 @@ is the mean of ``iters`` back-to-back calls between two CUDA events (the host en
 call while the GPU runs this one, as in training), after one untimed call; the implementations
 take turns within each of ``rounds`` rounds (clock and thermal drift hit them alike) and each
 one's median round is reported. Peak memory: the most one forward + backward allocates above
-what was allocated before it.
+what was allocated before it. First call: the wall seconds of an implementation's first forward +
+backward (compiling included), before its warm-up. Peers (:mod:`mok_cute.bench.peers`) join the
+rows on the same :func:`leaves` only after every mok row has compiled (that module says why).
 """
 from __future__ import annotations
 
 import hashlib
 import statistics
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -29,9 +32,11 @@ GRAD_NAMES = ("dx", "dtopk_w", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_u
 @dataclass
 class Impl:
     """One timed implementation: ``call(config)`` returns y (``config``: the MoKConfig of a mok row,
-    None for the torch layer); ``leaves`` are the tensors whose gradients a step computes (x, topk_w,
-    the routed weights, the shared expert's); ``error`` says why it did not run (empty: it ran);
-    ``times`` holds each round's ms per pass ("fwd", "fwdbwd")."""
+    None for the torch layer and peers); ``leaves`` are the tensors whose gradients a step computes (x,
+    topk_w, the routed weights, the shared expert's); ``unpack`` maps their gradients (a list, leaves'
+    order) to ours by name (:func:`named_grads`; None: ``leaves`` are in :data:`GRAD_NAMES`'s order
+    already); ``error`` says why it did not run (empty: it ran); ``times`` holds each round's ms per
+    pass ("fwd", "fwdbwd"); ``first_s`` the wall seconds of its first step (:func:`warm`)."""
 
     name: str
     precision: str
@@ -41,6 +46,8 @@ class Impl:
     config: MoKConfig | None = None
     error: str = ""
     times: dict = field(default_factory=lambda: {"fwd": [], "fwdbwd": []})
+    unpack: Callable | None = None
+    first_s: float | None = None
 
     def forward(self) -> torch.Tensor:
         return self.call(self.config)
@@ -57,36 +64,68 @@ class Impl:
             p.grad = None
 
 
-def build(shape: Shape, device, precisions, config: dict, seed: int = 0) -> list[Impl]:
-    """The torch layer (BF16) and mok_cute's layer at each precision on one shape's inputs
-    (:func:`mok_cute.bench.shapes.make_inputs`); ``config``: further MoKConfig fields of the mok rows."""
+def leaves(shape: Shape, device, seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """``(inputs, dy)`` of :func:`mok_cute.bench.shapes.make_inputs` with x, topk_w, the routed
+    weights and the shared expert's (``inputs["shared"]``, None without one) requiring grad: the
+    tensors every row of the shape runs on (the peers' too: :func:`mok_cute.bench.peers.build`)."""
     inputs, dy = make_inputs(shape, device, seed)
     for name in ("x", "topk_w", "w_gate", "w_up", "w_down"):
         inputs[name].requires_grad_()
-    shared = inputs.pop("shared")
-    shared = None if shared is None else tuple(s.requires_grad_() for s in shared)
-    w1 = torch.cat([inputs["w_gate"].detach(), inputs["w_up"].detach()], 1).requires_grad_()
-    sh_leaves = list(shared or ())
-    i = inputs
-    impls = [Impl("torch", "bf16", lambda _: torch_layer(i["x"], i["topk_idx"], i["topk_w"], w1, i["w_down"], shared,
-                                                         shape.limit), [i["x"], i["topk_w"], w1, i["w_down"], *sh_leaves],
-                  dy)]
-    mok_leaves = [i["x"], i["topk_w"], i["w_gate"], i["w_up"], i["w_down"], *sh_leaves]
+    if inputs["shared"] is not None:
+        inputs["shared"] = tuple(s.requires_grad_() for s in inputs["shared"])
+    return inputs, dy
+
+
+def rows(shape: Shape, inputs: dict, dy: torch.Tensor, precisions, config: dict) -> list[Impl]:
+    """The torch layer (BF16) and mok_cute's layer at each precision on :func:`leaves`' ``inputs``;
+    ``config``: further MoKConfig fields of the mok rows."""
+    routed = {k: v for k, v in inputs.items() if k != "shared"}
+    shared = inputs["shared"]
+    mok_leaves = [inputs[n] for n in ("x", "topk_w", "w_gate", "w_up", "w_down")] + list(shared or ())
+    impls = [torch_impl(shape, inputs, shared, dy)]
     for p in precisions:
         cfg = MoKConfig(**{"validate_routing": False, **config, "precision": p})
-        impls.append(Impl(f"mok {p}", p, lambda c: moe(**inputs, shared=shared, swiglu_limit=shape.limit, config=c),
+        impls.append(Impl(f"mok {p}", p, lambda c: moe(**routed, shared=shared, swiglu_limit=shape.limit, config=c),
                           mok_leaves, dy, cfg))
     return impls
 
 
+def build(shape: Shape, device, precisions, config: dict, seed: int = 0) -> list[Impl]:
+    """:func:`rows` on one shape's :func:`leaves` (``seed``): the torch row, then one per precision."""
+    return rows(shape, *leaves(shape, device, seed), precisions, config)
+
+
+def torch_impl(shape: Shape, i: dict, shared, dy) -> Impl:
+    """The torch layer's row on ``i`` (:func:`build`'s leaves; its own [E, 2I, H] gate / up weight,
+    whose gradient :func:`named_grads` splits into dw_gate and dw_up)."""
+    w1 = torch.cat([i["w_gate"].detach(), i["w_up"].detach()], 1).requires_grad_()
+    inter = w1.shape[1] // 2
+
+    def unpack(grads):
+        g = list(grads)
+        return dict(zip(GRAD_NAMES, [g[0], g[1], g[2][:, :inter], g[2][:, inter:], *g[3:]]))
+
+    return Impl("torch", "bf16", lambda _: torch_layer(i["x"], i["topk_idx"], i["topk_w"], w1, i["w_down"], shared,
+                                                       shape.limit),
+                [i["x"], i["topk_w"], w1, i["w_down"], *(shared or ())], dy, unpack=unpack)
+
+
 def warm(impl: Impl, warmup: int) -> None:
-    """Compile (the first call) and warm up ``impl``'s forward and step; a failure is kept in
-    ``impl.error`` (e.g. a precision this GPU's backend does not run) instead of raised."""
+    """Compile and warm up ``impl``: its first step (forward + backward, compiling; its wall seconds
+    into ``impl.first_s``), then its forward (the no-grad variant's first call) and step ``warmup``
+    more times each. A failure is kept in ``impl.error`` (e.g. a precision this GPU's backend does
+    not run) instead of raised; an ``impl`` that has an error already is left alone."""
+    if impl.error:
+        return
     try:
+        start = time.perf_counter()
+        impl.step()
+        torch.cuda.synchronize()
+        impl.first_s = time.perf_counter() - start
         with torch.no_grad():
             for _ in range(1 + warmup):
                 impl.forward()
-        for _ in range(1 + warmup):
+        for _ in range(warmup):
             impl.step()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 (reported in its row; the other rows still run)
@@ -136,14 +175,26 @@ def median_ms(impl: Impl, what: str) -> float | None:
     return statistics.median(impl.times[what]) if impl.times[what] else None
 
 
-def outputs(impl: Impl) -> dict[str, torch.Tensor]:
-    """y and every gradient of one step of a mok ``impl`` (names: ``y`` and :data:`GRAD_NAMES`, the
-    shared expert's last if it has one), on the CPU."""
+def named_grads(impl: Impl) -> dict[str, torch.Tensor]:
+    """The gradients the last step left on ``impl``'s leaves, by our names (:data:`GRAD_NAMES`, the
+    shared expert's only where it has one), mapped from its own weight layout by ``impl.unpack``."""
+    grads = [p.grad for p in impl.leaves]
+    return impl.unpack(grads) if impl.unpack else dict(zip(GRAD_NAMES, grads))
+
+
+def step_outputs(impl: Impl) -> dict[str, torch.Tensor]:
+    """y and every gradient (:func:`named_grads`) of one step of ``impl``, where it ran them (the
+    caller drops them; ``impl``'s gradients are cleared)."""
     y = impl.step()
-    out = {"y": y.detach().cpu()}
-    out.update({n: p.grad.detach().cpu() for n, p in zip(GRAD_NAMES, impl.leaves)})
+    out = {"y": y.detach(), **{n: g.detach() for n, g in named_grads(impl).items()}}
     impl.clear()
     return out
+
+
+def outputs(impl: Impl) -> dict[str, torch.Tensor]:
+    """:func:`step_outputs` on the CPU (names: ``y`` and :data:`GRAD_NAMES`, the shared expert's last
+    if it has one)."""
+    return {n: t.cpu() for n, t in step_outputs(impl).items()}
 
 
 def digest(t: torch.Tensor) -> str:

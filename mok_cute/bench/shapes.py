@@ -6,7 +6,7 @@ shapes take each model's published layer dimensions; T is a training micro-batch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,11 @@ class Shape:
     def with_tokens(self, t: int) -> "Shape":
         """The same layer at ``t`` tokens."""
         return Shape(self.name, t, self.h, self.i, self.e, self.k, self.shared_i, self.limit, self.note)
+
+    def routed_only(self) -> "Shape":
+        """The same layer without its shared expert and SwiGLU clamp (same name; :attr:`dims` shows it):
+        what ``--peers`` runs for every system, as SonicMoE computes neither."""
+        return replace(self, shared_i=0, limit=None)
 
 
 SHAPES = {s.name: s for s in (
