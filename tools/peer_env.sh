@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The peers of `python -m mok_cute.bench --peers sonicmoe` (mok_cute/bench/peers.py) on a GPU machine
 # without network: installs the wheels of WHEEL_DIR (default .peers/wheels: sonic-moe, quack-kernels
-# and their pure-Python dependencies) offline into .peers/site and prints the PYTHONPATH export.
+# and their pure-Python dependencies) offline into .peers/lib/site-packages and prints the PYTHONPATH export.
 #   eval "$(bash tools/peer_env.sh [WHEEL_DIR])" && python -m mok_cute.bench --peers sonicmoe ...
 # --no-deps: torch, triton, nvidia-cutlass-dsl and cuda-python stay the environment's own (mok_cute's),
 # whatever versions the peers' metadata pins.
 set -euo pipefail
 wheels="${1:-.peers/wheels}"
-site="$(pwd)/.peers/site"
+site="$(pwd)/.peers/lib/site-packages"  # a site-packages path: QuACK fingerprints (walks into) only code outside one
 shopt -s nullglob
 files=("$wheels"/*.whl)
 if (( ${#files[@]} == 0 )); then
