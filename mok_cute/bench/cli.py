@@ -276,9 +276,11 @@ def system_row(shape, impl, peak, errors: dict) -> dict:
     return report.make_system_row(shape, impl.name, impl.precision, measured, errors, impl.error)
 
 
-def run_shapes(args, bar, device="cuda") -> dict:
+def run_shapes(args, bar, device="cuda", on_shape=None) -> dict:
     """Every shape of ``args`` (:func:`parse_args`): ``{"rows", "systems", "traces", "saved",
-    "digests"}`` (:func:`bench_shape`'s, gathered); with peers, :func:`compile_ours_first` first."""
+    "digests"}`` (:func:`bench_shape`'s, gathered); with peers, :func:`compile_ours_first` first.
+    ``on_shape(out, rows)``, if given, runs after each shape with the results so far and that
+    shape's rows (the CLI writes its files then: a run cut short keeps the shapes it finished)."""
     out = {"rows": [], "systems": [], "traces": {}, "saved": {}, "digests": {}}
     first = {}
     if args.peers:
@@ -289,6 +291,8 @@ def run_shapes(args, bar, device="cuda") -> dict:
         out["rows"] += rows
         out["traces"].update(traces)
         torch.cuda.empty_cache()
+        if on_shape is not None:
+            on_shape(out, rows)
     return out
 
 
@@ -331,6 +335,28 @@ def write_plots(plot_dir: Path, rows: list[dict], traces: dict, title: str, trac
     print(f"plots written to {plot_dir}", file=sys.stderr)
 
 
+def _ms(v, unit: str = "ms", digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f} {unit}"
+
+
+def write_partial(args, meta: dict, out: dict, rows: list[dict], bar) -> None:
+    """After each shape: its rows printed (one line each, through the progress bar) and the JSON
+    and CSV files written with every shape finished so far."""
+    for r in rows:
+        bar.write(f"{r['shape']} {r['precision']}: fwd {r['fwd_speedup'] or 0:.2f}x, fwd+bwd "
+                  f"{r['fwdbwd_speedup'] or 0:.2f}x the torch layer{' (' + r['error'] + ')' if r['error'] else ''}",
+                  file=sys.stdout)
+    shape = rows[0]["shape"] if rows else None
+    for r in (r for r in out["systems"] if r["shape"] == shape):
+        bar.write(f"{shape} {r['system']}: fwd {_ms(r['fwd_ms'])}, fwd+bwd {_ms(r['fwdbwd_ms'])}, peak "
+                  f"{_ms(r['peak_mb'], 'MiB', 0)}, first call {_ms(r['first_call_s'], 's', 1)}"
+                  f"{' (' + r['error'] + ')' if r['error'] else ''}", file=sys.stdout)
+    report.write_json(f"{args.out}.json", meta, out["rows"], out["digests"], out["systems"])
+    report.write_csv(f"{args.out}.csv", out["rows"])
+    if out["systems"]:
+        report.write_csv(f"{args.out}_systems.csv", out["systems"], report.SYSTEM_FIELDS)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -346,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = metadata(args, argv)
     units = len(args.shapes) * (1 + len(args.precision) * (2 if args.peers else 1) + len(args.peers) + args.rounds)
     with tqdm(total=units, disable=args.no_progress, file=sys.stderr, unit="step") as bar:
-        out = run_shapes(args, bar)
+        out = run_shapes(args, bar, on_shape=lambda so_far, rows: write_partial(args, meta, so_far, rows, bar))
     rows, saved, digests, traces, systems = out["rows"], out["saved"], out["digests"], out["traces"], out["systems"]
     where = f"{meta['device']}, {meta['date']}, commit {meta['commit'] or 'unknown'}"
     print(report.table(rows, f"mok_cute.bench on {where}: EP = 1; speed-up = torch layer ms / mok_cute ms (the torch "

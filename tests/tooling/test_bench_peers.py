@@ -271,3 +271,27 @@ def test_a_sonicmoe_with_another_api_gives_a_row_with_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "sonicmoe", types.ModuleType("sonicmoe"))  # imports, has no enums
     impl = peers.build("sonicmoe", NARROW, *run.leaves(NARROW, "cpu"))
     assert impl.error == "sonicmoe row not built: AttributeError: module 'sonicmoe' has no attribute 'enums'"
+
+
+def test_each_finished_shape_is_printed_and_written_at_once(cpu_timing, events, tmp_path, capsys):
+    """A run cut short keeps what it finished: after each shape its lines are printed and the
+    JSON / CSV files hold every shape done so far."""
+    from tqdm import tqdm
+
+    args = cli.parse_args(["--peers", "sonicmoe", "--precision", "bf16", "--rounds", "1", "--warmup", "0",
+                           "--config", "backend=reference", "--out", str(tmp_path / "r")])
+    args.shapes = [TINY.routed_only(), NARROW]
+    meta, seen = {"device": "cpu"}, []
+
+    def on_shape(out, rows):
+        cli.write_partial(args, meta, out, rows, bar)
+        seen.append([r["shape"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]])
+        with open(tmp_path / "r_systems.csv") as f:
+            seen[-1].append(len(list(csv.DictReader(f))))
+
+    with tqdm(disable=True) as bar:
+        cli.run_shapes(args, bar, "cpu", on_shape=on_shape)
+    assert seen == [["tiny", 3], ["tiny", "narrow", 6]]
+    printed = capsys.readouterr().out
+    assert "narrow bf16: fwd 1.00x, fwd+bwd 1.00x the torch layer" in printed
+    assert "narrow sonicmoe: fwd 2.000 ms, fwd+bwd 2.000 ms, peak 7 MiB" in printed
