@@ -93,13 +93,15 @@ def step(pkg, inputs, shared, dy, limit, precision, backward: bool = True):
 
 
 def time_rounds(fns: dict, rounds: int, iters: int) -> dict:
-    """Median over ``rounds`` of each fn's mean ms over ``iters`` calls, the fns interleaved per round."""
+    """Median over ``rounds`` of each fn's mean ms over ``iters`` calls, the fns interleaved per round,
+    their order reversed every other round (A B B A ...: what runs before a call, and the allocator
+    and clock state it leaves, falls on both trees alike)."""
     from mok_cute.bench.run import events_ms
 
     out = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            out[name].append(events_ms(fn, iters))
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            out[name].append(events_ms(fns[name], iters))
     return {name: statistics.median(v) for name, v in out.items()}
 
 
