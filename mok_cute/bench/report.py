@@ -146,10 +146,15 @@ def plot_speedup(rows: list[dict], path, title: str = "") -> bool:
     axes[0].set_ylim(0, top * 1.25)  # headroom for the legend above the bars
     axes[0].legend(fontsize=8, loc="upper left", ncol=len(precisions), title="mok_cute precision",
                    title_fontsize=8)
+    return _save(plt, fig, path, title, 120)
+
+
+def _save(plt, fig, path, title: str, dpi: int) -> bool:
+    """Title, lay out, write ``fig`` to ``path`` as a PNG of ``dpi`` and close it; True."""
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return True
 
@@ -165,9 +170,4 @@ def plot_timeline(traces: dict, path, title: str = "") -> bool:
     fig, axes = plt.subplots(len(traces), 1, figsize=(12, 3.6 * len(traces)), squeeze=False)
     for ax, (name, (recs, kinds)) in zip(axes[:, 0], traces.items()):
         trace.plot_occupancy(ax, recs, kinds, name)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path, title, 110)

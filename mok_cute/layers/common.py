@@ -33,6 +33,14 @@ def contiguous_group(g: ExpertGroup) -> ExpertGroup:
     return replace(g, x=x, gu=g.gu.contiguous(), h=g.h.contiguous())
 
 
+def whole_backward_operands(st, dy):
+    """``(g, dy, x, r_rows, (w_gate, w_up, w_down))`` of the FUSED_WHOLE backward from the EP = 1
+    forward state ``st`` (:class:`LocalState`): the routed group with contiguous rows
+    (:func:`contiguous_group`), the layer's dy and x and the forward's route-order GEMM2 rows,
+    contiguous, and the routed weights. The rest the arch reads from ``st`` itself."""
+    return contiguous_group(st.routed), dy.contiguous(), st.x.contiguous(), st.rows.contiguous(), st.weights
+
+
 @dataclass
 class LocalState:
     """The EP = 1 forward's state, what its backward reads (one-shot: the backward consumes it).

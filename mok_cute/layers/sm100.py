@@ -39,6 +39,7 @@ import torch
 
 from mok_cute.layers.common import (
     ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+    whole_backward_operands,
 )
 from mok_cute.layers import paths
 from mok_cute.layers.weight_cache import WeightCache
@@ -295,12 +296,9 @@ class Sm100ExpertMLP:
         and returned as None. MXFP8: the launch's ``mx`` variant (the gathered rows quantized by its
         comm CTAs), the shared expert's backward before it (its dx the slot sum's start, its weight
         gradients returned; ``main_grads`` then takes the routed three)."""
-        g, x, r_rows, order = contiguous_group(st.routed), st.x, st.rows, st.order
-        topk_w, topk_idx = st.topk_w, st.topk_idx
-        w_gate, w_up, w_down = st.weights
-        limit, rows_by_route, comm_ctas = st.limit, st.rows_by_route, st.config.comm_sms_bwd
-        shared_group, shared = st.shared_group, st.shared
-        dy, x, r_rows = dy.contiguous(), x.contiguous(), r_rows.contiguous()
+        g, dy, x, r_rows, (w_gate, w_up, w_down) = whole_backward_operands(st, dy)
+        order, topk_w, topk_idx, limit, rows_by_route = st.order, st.topk_w, st.topk_idx, st.limit, st.rows_by_route
+        comm_ctas, shared_group, shared = st.config.comm_sms_bwd, st.shared_group, st.shared
         from mok_cute.kernels.operands import RoutePlan
         from mok_cute.kernels.sm100.fused_bwd import ForwardSaved, fused_backward
 

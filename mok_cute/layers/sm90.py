@@ -42,7 +42,7 @@ from mok_cute.config import ForwardPath
 from mok_cute.layers import paths
 from mok_cute.layers.common import (
     ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
-    whole_offsets,
+    whole_backward_operands, whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
@@ -293,12 +293,9 @@ class Sm90ExpertMLP:
         from mok_cute.kernels.operands import RoutePlan
         from mok_cute.kernels.sm90.fused_bwd import BackwardInputs, BackwardLaunch, fused_backward
 
-        g, x, r_rows, order = contiguous_group(st.routed), st.x, st.rows, st.order
-        topk_w, topk_idx = st.topk_w, st.topk_idx
-        w_gate, w_up, w_down = st.weights
-        limit, rows_by_route, comm_ctas = st.limit, st.rows_by_route, st.config.comm_sms_bwd
-        shared_group, shared = st.shared_group, st.shared
-        dy, x, r_rows = dy.contiguous(), x.contiguous(), r_rows.contiguous()
+        g, dy, x, r_rows, (w_gate, w_up, w_down) = whole_backward_operands(st, dy)
+        order, topk_w, topk_idx, limit, rows_by_route = st.order, st.topk_w, st.topk_idx, st.limit, st.rows_by_route
+        comm_ctas, shared_group, shared = st.config.comm_sms_bwd, st.shared_group, st.shared
         mx = g.precision == "mxfp8"
         if mx:  # the shared expert's backward first, its dx the slot sum's start (as at EP > 1)
             dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
