@@ -13,10 +13,16 @@ with default fields): y, dx, d topk_w and every weight gradient of one forward +
 be ``torch.equal``; then forward and forward + backward are timed with CUDA events in interleaved
 rounds (median of each round's mean) and the ratio ``base / tree`` printed (> 1: the tree is faster).
 Exit status 1 if any output differs.
+
+``--host``: also the host time per call of the layer's main functions in each tree (one forward
+per call, the GPU idle when it starts: :data:`HOST_TARGETS`), to find where an eager call's time
+goes when the routing check's sync puts the host on the critical path.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import importlib.util
 import io
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 # name: (T, H, I, E, k, I_s or 0, swiglu_limit or None)
@@ -105,7 +112,78 @@ def time_rounds(fns: dict, rounds: int, iters: int) -> dict:
     return {name: statistics.median(v) for name, v in out.items()}
 
 
-def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int) -> int:
+# (module under the package, function or Class.method): the host path of one EP = 1 forward
+HOST_TARGETS = (("ops", "moe"), ("validate", "check_moe_inputs"), ("custom_ops", "run_forward"),
+                ("layers.grouped", "GroupedExpertBackend.forward"), ("layers.grouped", "routing_plan"),
+                ("layers.grouped", "GroupedExpertBackend._fused_forward"),
+                ("layers.sm90", "Sm90ExpertMLP.fused_forward"), ("kernels.sm90.fused_moe", "fused_forward"),
+                ("kernels.sm90.fused_moe", "watch_status"))
+
+
+@contextlib.contextmanager
+def host_timers(pkg, targets=HOST_TARGETS):
+    """Within the block, each of ``targets`` present in ``pkg`` (a package module) adds its wall
+    seconds per call to the yielded dict under ``"module.name"``; the originals come back after."""
+    acc, undo = {}, []
+    for mod, name in targets:
+        try:
+            owner = importlib.import_module(f"{pkg.__name__}.{mod}")
+        except ImportError:
+            continue
+        *cls, attr = name.split(".")
+        owner = getattr(owner, cls[0], None) if cls else owner
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _key=f"{mod}.{name}", **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                acc[_key] = acc.get(_key, 0.0) + time.perf_counter() - t0
+
+        wrapped = functools.wraps(fn)(timed)
+        holders = [(owner, attr)] if cls else _holders(pkg, fn)  # a function: every module's name for it
+        for holder, held in holders:
+            setattr(holder, held, wrapped)
+            undo.append((holder, held, fn))
+    try:
+        yield acc
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+
+
+def _holders(pkg, fn) -> list:
+    """``(module, name)`` of every module of ``pkg`` (itself included) whose attribute ``name`` is ``fn``
+    (``from .ops import moe`` binds the same function in another module)."""
+    mods = [m for n, m in list(sys.modules.items()) if m is not None and (n == pkg.__name__
+                                                                          or n.startswith(pkg.__name__ + "."))]
+    return [(m, n) for m in mods for n, v in list(vars(m).items()) if v is fn]
+
+
+def host_table(fns: dict, calls: int, sync) -> list[str]:
+    """Markdown rows: per :data:`HOST_TARGETS` entry, the host us per call of each ``fns`` entry
+    (label -> (package, one call)), ``sync()`` before each call so the GPU is idle when it starts."""
+    per = {}
+    for label, (pkg, fn) in fns.items():
+        with host_timers(pkg) as acc:
+            for _ in range(calls):
+                sync()
+                fn()
+            sync()
+        per[label] = {k: v / calls * 1e6 for k, v in acc.items()}
+    labels = list(fns)
+    rows = [f"| function | {' | '.join(f'{x} us' for x in labels)} |", "|---|" + "---|" * len(labels)]
+    for mod, name in HOST_TARGETS:
+        key = f"{mod}.{name}"
+        rows.append(f"| {key} | " + " | ".join("-" if key not in per[x] else f"{per[x][key]:.1f}" for x in labels)
+                    + " |")
+    return rows
+
+
+def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int, host: bool = False) -> int:
     import torch
 
     base, tree = load_base(base_dir), importlib.import_module("mok_cute")
@@ -125,6 +203,11 @@ def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int) -> int:
             rows.append((name, prec, "bitwise" if same else "DIFFERS", ms["base fwd"], ms["tree fwd"],
                          ms["base fwdbwd"], ms["tree fwdbwd"]))
             print(rows[-1], flush=True)
+            if host:
+                fwd = {label: (pkg, lambda p=pkg: step(p, inputs, shared, dy, shape[6], prec, backward=False))
+                       for label, pkg in (("base", base), ("tree", tree))}
+                print(f"host time of one forward, {name} {prec}:", *host_table(fwd, 20, torch.cuda.synchronize),
+                      sep="\n", flush=True)
     print(f"\n{torch.cuda.get_device_name()}; base / tree > 1: the tree is faster")
     print("| shape | precision | outputs | fwd ms base | fwd ms tree | base/tree | fwd+bwd ms base | fwd+bwd ms tree |"
           " base/tree |")
@@ -142,13 +225,14 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", nargs="+", default=["bf16", "mxfp8"], choices=["bf16", "mxfp8", "fp8_block"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--host", action="store_true", help="also the host time per call of the layer's main functions")
     args = ap.parse_args(argv)
     if args.prepare:
         prepare(args.prepare[0], Path(args.prepare[1]))
         return 0
     if args.base is None:
         ap.error("--base DIR (or --prepare COMMIT DIR)")
-    return compare(args.base, args.shapes, args.precision, args.rounds, args.iters)
+    return compare(args.base, args.shapes, args.precision, args.rounds, args.iters, args.host)
 
 
 if __name__ == "__main__":
