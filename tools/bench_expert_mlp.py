@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mok_cute.bench.accuracy import rel_l1
 from tools.checks.common import bench_us
 
 SHAPES = [  # (experts, routed tokens, H, I)
@@ -60,11 +61,6 @@ def torch_mlp(x, offs, w1t, wdt, inter):
     gu = F.grouped_mm(x, w1t, offs=offs)
     h = F.silu(gu[:, :inter]) * gu[:, inter:]
     return F.grouped_mm(h, wdt, offs=offs)
-
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))  # callers pass detached tensors
 
 
 def pipelined_us(fn, n: int = 20) -> tuple[float, float]:
@@ -159,7 +155,7 @@ def run_ours(e, m, h, inter, offs, x, w1, wd, dy, t_f_torch, t_fb_torch, t_graph
     y_t = torch_mlp(x, offs, w1.transpose(1, 2), wd.transpose(1, 2), inter)
     y_t.backward(dy)
     with torch.no_grad():
-        rel = max(_rel(y, y_t), _rel(xo.grad, x.grad), _rel(wdo.grad, wd.grad))
+        rel = max(rel_l1(y, y_t), rel_l1(xo.grad, x.grad), rel_l1(wdo.grad, wd.grad))
     x.grad = w1.grad = wd.grad = xo.grad = wg.grad = wu.grad = wdo.grad = None
     with torch.no_grad():
         t_f = bench_us(fwd)

@@ -21,6 +21,7 @@ import torch
 from mok_cute.bench.run import GRAD_NAMES
 from mok_cute.bench.shapes import Shape, make_inputs
 from mok_cute.reference import swiglu
+from mok_cute.schedule.local_plan import plan_reference
 
 CHUNK = 1 << 26  # elements per step of rel_l1 (bounded temporaries at the model shapes)
 
@@ -34,11 +35,10 @@ def float32_layer(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, limit=
     """y [T, H] in the dtype of ``x`` (fp32 here) of the routed layer plus the shared expert: per token
     the sum over its kept slots of topk_w * expert MLP, nothing rounded in between. ``w_gate`` /
     ``w_up`` / ``w_down`` are indexed by expert (a tensor [E, ...] or a list of per-expert leaves)."""
-    t, k = topk_idx.shape
-    flat = topk_idx.reshape(-1).long()
-    kept = torch.nonzero(flat >= 0).squeeze(1)
-    order = kept[torch.argsort(flat[kept], stable=True)]
-    counts = torch.bincount(flat[order], minlength=len(w_gate)).tolist()
+    k = topk_idx.shape[1]
+    order, offsets, _, _ = plan_reference(topk_idx, len(w_gate))  # routes by expert (stable), -1 last
+    order = order[: int(offsets[-1])].long()
+    counts = offsets.diff().tolist()
     tok = order // k
     parts = x[tok].split(counts)
     rows = torch.cat([_mlp(p, w_gate[e], w_up[e], w_down[e], limit) for e, p in enumerate(parts)])

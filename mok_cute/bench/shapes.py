@@ -38,7 +38,7 @@ class Shape:
 
     def with_tokens(self, t: int) -> "Shape":
         """The same layer at ``t`` tokens."""
-        return Shape(self.name, t, self.h, self.i, self.e, self.k, self.shared_i, self.limit, self.note)
+        return replace(self, t=t)
 
     def routed_only(self) -> "Shape":
         """The same layer without its shared expert and SwiGLU clamp (same name; :attr:`dims` shows it):

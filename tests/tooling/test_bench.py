@@ -12,15 +12,11 @@ import torch
 
 import mok_cute
 from mok_cute.bench import cli, report, run
+from mok_cute.bench.accuracy import rel_l1
 from mok_cute.bench.shapes import SHAPES, Shape, make_inputs, parse, pick
 from mok_cute.bench.torch_layer import torch_layer
 
 TINY = Shape("tiny", 24, 64, 64, 4, 2, shared_i=64, limit=4.0)
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------- shapes
@@ -87,9 +83,9 @@ def test_torch_layer_tracks_the_reference(shared, limit, minus_one):
     got = torch.autograd.grad(y, [inputs["x"], inputs["topk_w"], w1, inputs["w_down"]] + sh_leaves, dy)
     got = [got[0], got[1], got[2][:, :s.i], got[2][:, s.i:], *got[3:]]
     assert y.dtype == torch.bfloat16 and y.shape == (32, 64)
-    assert _rel(y, y_ref) < 2e-2
+    assert rel_l1(y, y_ref) < 2e-2
     for name, a, b in zip(("dx", "dtopk_w", "dWg", "dWu", "dWd", "dWsg", "dWsu", "dWsd"), got, ref):
-        assert _rel(a, b) < 3e-2, name
+        assert rel_l1(a, b) < 3e-2, name
     if minus_one:  # a token with no expert: y is its shared expert's output alone
         assert torch.equal(y[7], ((torch.nn.functional.silu(inputs["x"][7] @ sh[0].t()) * (inputs["x"][7] @ sh[1].t()))
                                   @ sh[2].t()).float().bfloat16())
@@ -110,7 +106,7 @@ def test_build_outputs_and_digests_on_the_reference_backend():
     assert run.digest(first["y"]) != run.digest(first["dx"])
     assert run.digest(torch.zeros(2, dtype=torch.bfloat16)) != run.digest(torch.zeros(1, dtype=torch.float32))
     y_torch = impls[0].step()
-    assert _rel(y_torch, first["y"]) < 2e-2 and impls[0].leaves[2].grad.shape == (4, 128, 64)
+    assert rel_l1(y_torch, first["y"]) < 2e-2 and impls[0].leaves[2].grad.shape == (4, 128, 64)
 
 
 def test_warm_keeps_a_failure_in_its_row(monkeypatch):
