@@ -83,8 +83,9 @@ class BwdVariant(NamedTuple):
     ``accumulate`` the weight gradients added into fp32 main grads; ``trace`` per-task records;
     ``mx`` the MXFP8 backward's operands; ``add`` an fp32 [T, H] term in the sum's start; ``n_tail``
     H, I or I_s not a multiple of tile_n; ``ep`` EP > 1 (the rows pulled and pushed through the
-    workspace); ``grouped_slots`` the MXFP8 dx rows over dy's grouped rows; ``wd_first`` the dW_down
-    tiles first, dgu's round trip along the tokens over dy's."""
+    workspace); ``grouped_slots`` the dx rows over dy's grouped rows (no [T*k, H] slot buffer); ``wd_first``
+    the dW_down tiles first (MXFP8: dgu's round trip along the tokens over dy's; BF16: dW_down reads dy
+    itself, so with grouped_slots every dgrad1 tile waits for them before it writes over dy)."""
 
     clamp: bool
     scatter: bool = False
@@ -264,9 +265,10 @@ class FusedMoeBwdCoreSm90:
         self.cfg, self.clamp, self.scatter, self.gather, self.by_route = cfg, clamp, v.scatter, v.gather, v.by_route
         self.shared, self.accumulate = v.shared, v.accumulate  # accumulate: dW tiles added into fp32 main grads
         self.trace, self.mx, self.n_tail, self.ep, self.grouped_slots = v.trace, mx, n_tail, v.ep, v.grouped_slots
-        # wd_first: every dW_down tile runs first and counts itself done (WD_WORD); the producer of a D2 tile waits
-        # for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers). Routed group
-        # only: grouped_slots needs mx, which has no shared group in the launch
+        # wd_first: every dW_down tile runs first and counts itself done (WD_WORD). MXFP8: the producer of a D2
+        # tile waits for all of them, so D2 may write dgu's token round trip over dy's (the caller's buffers).
+        # BF16 (grouped_slots): dW_down reads dy itself, so the producer of a D1 tile waits for them before its
+        # dx rows go over dy's. Routed group only: grouped_slots has no shared group in the launch
         self.wd_first = v.wd_first
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -295,9 +297,10 @@ class FusedMoeBwdCoreSm90:
         along the tokens (dW_down's A), ``routed.x`` / ``h`` those of x / h along the tokens, the weights
         dequantized; the dSwiGLU epilogue writes dgu's along 2I into ``dgu`` (dgrad1's A) and along the
         tokens into ``mx.dgu_t3`` (the weight gradients' A); with ``gather`` the comm CTAs make dy's,
-        ``dy_t`` and x's, ``route_grad_row.gather_chunks``); ``grouped_slots`` variant (MXFP8 without
-        gather): ``slots.slot`` is dy's buffer [M, H] itself, each dgrad1 tile writes its dx rows over
-        dy's grouped rows (dead once the m-tile's dgrad2 tiles, which dgrad1 waits for, have read them),
+        ``dy_t`` and x's, ``route_grad_row.gather_chunks``); ``grouped_slots`` variant (no gather, no
+        shared group): ``slots.slot`` is dy's buffer [M, H] itself, each dgrad1 tile writes its dx rows over
+        dy's grouped rows (dead once the m-tile's dgrad2 tiles, which dgrad1 waits for, have read them; at
+        BF16 the dW_down tiles read dy too: they run first, ``wd_first``, and dgrad1 waits for them),
         ``slots.order`` [T*k] maps t*k + j to its grouped row; ``mAdd`` fp32 [T, H] (scatter variant) or
         None: added to the slot sum's start (the shared expert's output gate's share of dx); ``trace``
         variant: ``mTrace`` int64 [n * TRACE_WORDS] (task t's record at t, gather chunk c's at n_tasks +
@@ -468,7 +471,8 @@ class FusedMoeBwdCoreSm90:
         """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
         the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
         producer saw complete); returns ``(state, cur)``. ``wd_first`` (``wd_done``: the dW_down tiles
-        done, given for the routed group): a D2 tile first waits for every dW_down tile."""
+        done, given for the routed group): a D2 tile (MXFP8) or a D1 tile (BF16 grouped_slots) first waits for
+        every dW_down tile."""
         cfg = self.cfg
         pipe, (sA, sB, sA_w, sB_w) = smem.pipe, smem.views
         e1, b1, e2, b2, ready_e, ready_g = cur
@@ -477,7 +481,7 @@ class FusedMoeBwdCoreSm90:
         k_h = g.hidden // cfg.tile_k
         k_i = g.inter // cfg.tile_k
         if phase == D2:
-            if cutlass.const_expr(self.wd_first):
+            if cutlass.const_expr(self.wd_first and self.mx):
                 wd_m, wd_n, _, _ = g.wdims
                 persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
                                       Int32(0))
@@ -488,6 +492,10 @@ class FusedMoeBwdCoreSm90:
             state = self.ml_d.load_tile(pipe, state, g.atom_dy, gA, sA, g.atom_wd, gB, sB, k_h)
         elif phase == D1:
             persistent.wait_input(g.d2.iterator + mt, g.n_i, timeout_ns, status, Int32(D2_READY), mt)
+            if cutlass.const_expr(self.grouped_slots and not self.mx):  # dx over dy, which dW_down reads (BF16)
+                wd_m, wd_n, _, _ = g.wdims
+                persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
+                                      Int32(0))
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
             gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
@@ -611,7 +619,8 @@ class FusedMoeBwdCoreSm90:
                 routes = route_rows.tile_routes(tid, row0, rows, mOrder, cfg.tile_m, cfg.tile_n)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
             s_plain = self.plain.smem_tensor(storage.sC)
-            if cutlass.const_expr(self.grouped_slots):  # over dy's rows: every dgrad2 tile of m-tile mt has read them
+            if cutlass.const_expr(self.grouped_slots):  # over dy's rows: every dgrad2 tile of m-tile mt (and, BF16,
+                # every dW_down tile: the producer waited) has read them
                 self.plain.run(self.ml_d.tiled_mma, thr_d, acc, s_plain, et, row0, rows, n_tile, mSlot, mSlot,
                                Float32(0.0))
             elif cutlass.const_expr(scatter):
@@ -757,11 +766,15 @@ def _check_variant(v: BwdVariant, arch: str = "sm_90a") -> None:
                          "are not in its launch")
     if v.ep and not (v.gather and not v.by_route):
         raise ValueError("ep (EP > 1) moves the rows in the launch: it needs gather, not by_route")
-    if v.grouped_slots and not (v.mx and v.scatter and not v.gather):
-        raise ValueError("grouped_slots (the dx rows over dy's rows) needs mx and scatter without gather: "
-                         "only there is dy read by dgrad2 alone")
+    if v.grouped_slots and not (v.scatter and not v.gather and not v.shared):
+        raise ValueError("grouped_slots (the dx rows over dy's rows) needs scatter without gather or shared: "
+                         "only there is dy the caller's grouped rows, read by dgrad2 and dW_down alone")
+    if v.grouped_slots and not v.mx and not v.wd_first:
+        raise ValueError("grouped_slots at BF16 needs wd_first: dW_down reads dy, so every dW_down tile must be "
+                         "done before a dgrad1 tile writes over it")
     if v.wd_first and not v.grouped_slots:
-        raise ValueError("wd_first (dgu's token round trip over dy's, after every dW_down tile) needs grouped_slots")
+        raise ValueError("wd_first (the dW_down tiles first, a later phase writing over dy's rows) needs "
+                         "grouped_slots")
 
 
 def compile_fused_backward_core(variant: BwdVariant, *, arch: str = "sm_90a", inspect: bool = False):
@@ -937,8 +950,9 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     layer backward) makes the round trips of the contiguous ones in place instead of in new [M, H] /
     [M, I] buffers, and D2 writes dgu over gu's first M rows (each dSwiGLU tile reads its own g, u
     elements before it stores their dg, du, and no other task reads gu), not into a new [M, 2I]
-    buffer. With ``mx`` and ``tokens`` the dx rows are written over dy's round trip along H
-    (``grouped_slots``: no [T*k, H] slot buffer) and, where 2I <= H, every dW_down tile runs first and
+    buffer. With ``tokens`` and ``consume`` (BF16) or ``mx`` the dx rows are written over dy (MXFP8: its
+    round trip along H) (``grouped_slots``: no [T*k, H] slot buffer; BF16: after every dW_down tile, which
+    reads dy and runs first, ``wd_first``, bitwise the same) and, at MXFP8 where 2I <= H, every dW_down tile runs first and
     dgu's round trip along the tokens is written over dy's (``wd_first``: no [M, 2I] buffer for it;
     measured bitwise on the device, docs/benchmarks.md). ``mx_dyt`` (with ``mx``): the caller made dy's
     and x's round trips (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``): ``rows.dy`` is its round
@@ -964,7 +978,8 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
         else:
             dyt, h = mx_dyt, mxfp8_round_trip_tokens(h[:m].contiguous(), offsets, out=into(h[:m]))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
-    return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt, dgu=dgu)
+    return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt, dgu=dgu,
+                   dy_free=consume or launch.mx)
 
 
 def fused_backward(inputs: BackwardInputs, plan, weights, limit, launch: BackwardLaunch = BackwardLaunch(),
@@ -1086,22 +1101,25 @@ def _check_ep(inputs: BackwardInputs, w_rows, t: int, k: int, m: int) -> None:
 
 # ---------------------------------------------------------------- one launch
 def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: TokenSum | None,
-            gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, dgu=None):
+            gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, dgu=None,
+            dy_free: bool = False):
     """One launch of the variant the arguments ask for (see the entries above); with ``shared``
     returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones; with
     ``main_grads`` the weight gradients are accumulated there and returned as None; ``mx_dyt``: the
     MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with ``gather``: its
     buffer, the launch writes it and the rows' round trips, h already its own); ``ws``: the EP > 1
     variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output buffer [M, 2I] bf16
-    (None: a new one). MXFP8 ``tokens`` without ``gather`` (``grouped_slots``): the dx rows written
-    over ``rows.dy``, the caller's to give up; with it, where 2I <= H (``wd_first``): dgu's round trip
-    along the tokens written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer)."""
+    (None: a new one). ``tokens`` without ``gather`` or ``shared`` where ``dy_free`` (the caller gives up
+    ``rows.dy``: consumed, or the MXFP8 round trip made for the launch) (``grouped_slots``): the dx rows
+    written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after every dW_down tile, which reads dy and
+    runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
+    written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer)."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
-    grouped_slots = mx_dyt is not None and tokens is not None and gather is None
-    wd_first = grouped_slots and 2 * inter <= hid
+    grouped_slots = dy_free and tokens is not None and gather is None and shared is None
+    wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     if main_grads is None:
@@ -1142,7 +1160,8 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
             gather.dtw.zero_()
         return dx, dwg.zero_(), dwu.zero_(), dwd.zero_()
     dgu = torch.empty((m, 2 * inter), **bf) if dgu is None else dgu
-    if wd_first:  # the weight gradients' dgu over dy's token round trip, dead once every dW_down tile has read it
+    if wd_first and mx_dyt is not None:  # the weight gradients' dgu over dy's token round trip, dead once every
+        # dW_down tile has read it
         dgut = mx_dyt.view(-1)[:m * 2 * inter].view(m, 2 * inter)
     else:
         dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)

@@ -505,16 +505,30 @@ def _mx_tokens_core(grouped_slots: bool, wd_first: bool = False):
 def test_grouped_slots_variant():
     """The MXFP8 core with the dx rows over dy's grouped rows (``grouped_slots``): 0 spills, the same
     GEMM work as the scatter variant, different code (D1's plain store, the slot sum's row lookup);
-    refused where dy has another reader or the rows are gathered in the launch."""
+    refused where the rows are gathered in the launch or the shared group is in it, and at BF16
+    without wd_first (dW_down reads dy there)."""
     from mok_cute.kernels.sm90 import fused_bwd
 
     rep, scatter = _mx_tokens_core(True), _mx_tokens_core(False)
     _clean(rep)
     assert rep.ptx != scatter.ptx
     assert rep.ptx.count("wgmma.mma_async") == scatter.ptx.count("wgmma.mma_async")
-    for bad in (dict(mx=False), dict(mx=True, gather=True)):
+    for bad in (dict(mx=False), dict(mx=True, gather=True), dict(mx=False, wd_first=True, gather=True),
+                dict(mx=False, wd_first=True, shared=True)):
         with pytest.raises(ValueError, match="grouped_slots"):
-            _report(True, True, False, grouped_slots=True, **bad)
+            _report(True, True, bad.get("shared", False), grouped_slots=True, **bad)
+
+
+def test_bf16_grouped_slots_variant():
+    """The BF16 tokens core with the dx rows over dy (``grouped_slots`` + ``wd_first``: the layer's FUSED
+    backward, no [T*k, H] slot buffer): 0 spills, unserialized wgmma, the scatter variant's GEMM work, one
+    release add more (a dW_down tile done) and more bounded acquire waits (dgrad1's producer waits for
+    every dW_down tile, dgrad2's does not)."""
+    rep, scatter = _report(True, True, False, grouped_slots=True, wd_first=True), _compiled(True, True)
+    _clean(rep)
+    assert rep.ptx.count("wgmma.mma_async") == scatter.ptx.count("wgmma.mma_async")
+    assert rep.ptx.count("atom.global.release.add") == scatter.ptx.count("atom.global.release.add") + 1
+    assert rep.ptx.count("ld.acquire") > scatter.ptx.count("ld.acquire")
 
 
 def test_wd_first_variant():
@@ -541,7 +555,7 @@ def test_wd_first_invariants_in_the_source():
     from mok_cute.kernels.sm90 import fused_bwd
 
     src = inspect.getsource(fused_bwd.FusedMoeBwdCoreSm90)
-    d2 = src[src.index("        if phase == D2:\n            if cutlass.const_expr(self.wd_first"):]
+    d2 = src[src.index("        if phase == D2:\n            if cutlass.const_expr(self.wd_first and self.mx"):]
     assert re.search(r"persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,", d2)
     assert re.search(r"if which == WD:\s+if tid == 0:\s+cute\.arch\.atomic_add\(wd_done, Int32\(1\), "
                      r"sem=\"release\"", src)
@@ -560,6 +574,10 @@ def test_grouped_slots_invariants_in_the_source():
     assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2\.iterator \+ mt, g\.n_i,", d1)
     assert "_ragged_k(g.dy if dyt is None else dyt)" in src
     assert re.search(r"r_tma = self\._tma\(routed, mx\.dy_t\)", src)
+    # BF16 (dW_down reads dy itself): the D1 producer also waits for every dW_down tile, counted after its epilogue
+    assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2[^\n]+\n\s+if cutlass\.const_expr\(self\.grouped_slots "
+                    r"and not self\.mx\):[^\n]*\n\s+wd_m, wd_n, _, _ = g\.wdims\n\s+persistent\.wait_input\(wd_done, "
+                    r"g\.num_experts \* wd_m \* wd_n,", d1)
 
 
 def test_grouped_rows_reads_the_scattered_rows():
