@@ -8,6 +8,10 @@ Cache contract: ``compile_cached(key, build)`` compiles once per key for the lif
 process. The key must hold everything that changes the generated code (kernel name, arch,
 dtypes, tile shapes, flags); dims that vary per step (token counts) stay symbolic in the
 compiled kernel and are *not* part of the key, so a training step never recompiles.
+
+Across processes: while ``build()`` runs, each ``compile_kernel`` call is looked up in the disk cache
+(:mod:`mok_cute.dsl.disk_cache`, ``MOK_CUTE_CACHE_DIR``) by the key, which call of the build it is,
+the arch and the sources: an earlier process's kernel is loaded instead of compiled.
 """
 from __future__ import annotations
 
@@ -16,16 +20,18 @@ import re
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Hashable
 
+from mok_cute.dsl import disk_cache
 from mok_cute.dsl.host import device_index
 
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 _lock = threading.Lock()
 _cache: dict[Hashable, Any] = {}
-_stats = {"compiles": 0, "hits": 0}
+_stats = {"compiles": 0, "hits": 0, "kernel_compiles": 0}
+_build = threading.local()  # the compile_cached key whose build() runs, and its compile_kernel calls so far
 
 
 _dump_dir: list[str] = []  # private PTX dump directory, made on the first inspected compile
@@ -106,11 +112,27 @@ def _parse_ptxas(log: str, arch: str, ptx: str) -> CompileReport:
 def compile_kernel(fn: Callable, *args, arch: str, inspect: bool = False, **kwargs):
     """``cute.compile(fn, *args)`` for ``arch``; returns ``(compiled, CompileReport | None)``.
 
-    With ``inspect`` the PTX is kept and the ptxas resource report is captured.
+    With ``inspect`` the PTX is kept and the ptxas resource report is captured. Inside a
+    :func:`compile_cached` build the result may come from the disk cache (a loaded function, the
+    stored report) instead.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    scope = getattr(_build, "key", None)
+    if scope is None:
+        return _compile(fn, args, kwargs, arch, inspect)
+    _build.calls += 1
+
+    def build():
+        compiled, rep = _compile(fn, args, kwargs, arch, inspect)
+        return compiled, None if rep is None else asdict(rep)
+    compiled, rep = disk_cache.compile_or_load(scope[0], _build.calls - 1, fn, arch, inspect, kwargs, build)
+    return compiled, None if rep is None else CompileReport(**rep)
+
+
+def _compile(fn: Callable, args: tuple, kwargs: dict, arch: str, inspect: bool):
     _, cute = dsl()
+    _stats["kernel_compiles"] += 1
     opts = f"--gpu-arch {arch}"
     if not inspect:
         return cute.compile(fn, *args, options=opts, **kwargs), None
@@ -127,17 +149,26 @@ def compile_kernel(fn: Callable, *args, arch: str, inspect: bool = False, **kwar
 
 
 def compile_cached(key: Hashable, build: Callable[[], Any]) -> Any:
-    """Return the compiled object for ``key``, calling ``build()`` only on the first request."""
+    """Return the compiled object for ``key``, calling ``build()`` only on the first request (its
+    ``compile_kernel`` calls go through the disk cache, see the module doc)."""
     with _lock:
         if key in _cache:
             _stats["hits"] += 1
             return _cache[key]
-        obj = build()
+        outer = getattr(_build, "key", None), getattr(_build, "calls", 0)
+        _build.key, _build.calls = (key,), 0  # boxed: a key may be None
+        try:
+            obj = build()
+        finally:
+            _build.key, _build.calls = outer
         _cache[key] = obj
         _stats["compiles"] += 1
         return obj
 
 
 def cache_stats() -> dict[str, int]:
-    """Counts of compiles and cache hits in this process (a step should add only hits)."""
-    return dict(_stats, entries=len(_cache))
+    """Counts in this process: compiled objects built (``compiles``) and found (``hits``) in memory,
+    ``cute.compile`` calls (``kernel_compiles``) and the disk cache's (``disk_*``, see
+    :func:`mok_cute.dsl.disk_cache.stats`). A training step should add only ``hits``."""
+    disk = {f"disk_{k}": v for k, v in disk_cache.stats().items()}
+    return dict(_stats, entries=len(_cache), **disk)
