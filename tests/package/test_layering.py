@@ -4,8 +4,9 @@ function-level imports count as much as module-level ones):
     dsl < schedule < comm < kernels: comm may import schedule (the plan it moves rows by),
     schedule imports no comm (one direction between the two folders);  kernels may import comm /
     schedule;  layers import kernels + reference;  the public API (ops, layer, ...) imports layers;
-    the reference imports no kernels, layers, comm or dsl;  nothing in mok_cute imports tools/;
-    and no import cycle among mok_cute's modules.
+    the reference imports no kernels, layers, comm or dsl;  integrations (e.g. the transformers
+    experts backend) sit above the public API: they import only it, nothing imports them;  nothing
+    in mok_cute imports tools/;  and no import cycle among mok_cute's modules.
 """
 import ast
 from pathlib import Path
@@ -104,6 +105,11 @@ def broken_rules(mod: str, deps: set[str]) -> list[str]:
         out += rule("dsl imports only dsl", {d for d in own if not _under(d, "mok_cute.dsl")})
     if _under(mod, "mok_cute.kernels"):
         out += rule("kernels import no layers or public API", {d for d in own if _under(d, "mok_cute.layers", *PUBLIC)})
+    if _under(mod, "mok_cute.integrations"):
+        out += rule("integrations import only the public API",
+                    {d for d in own if d != "mok_cute" and not _under(d, "mok_cute.integrations", *PUBLIC)})
+    else:
+        out += rule("nothing imports integrations", {d for d in own if _under(d, "mok_cute.integrations")})
     return out
 
 
@@ -139,6 +145,9 @@ def test_the_rules_catch_a_back_edge():
     assert broken_rules("mok_cute.dsl.status", {"mok_cute.comm.protocol"})
     assert broken_rules("mok_cute.comm.dispatch", {"mok_cute.schedule.plan", "mok_cute.dsl.host"}) == []
     assert broken_rules("mok_cute.reference", {"torch"}) == []
+    assert broken_rules("mok_cute.ops", {"mok_cute.integrations.transformers"})
+    assert broken_rules("mok_cute.integrations.transformers", {"mok_cute.layers.grouped"})
+    assert broken_rules("mok_cute.integrations.transformers", {"mok_cute.ops", "mok_cute.config"}) == []
     graph = _graph(MODULES)
     graph["mok_cute.schedule.plan"] = graph["mok_cute.schedule.plan"] | {"mok_cute.comm.protocol"}
     edges = folder_edges(graph)
