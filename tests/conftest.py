@@ -2,8 +2,14 @@
 ``gpu`` are skipped where torch sees no CUDA device."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# the suite compiles with the on-disk kernel cache off (tests/dsl point it at their own temporary
+# directories): no test writes to the user's cache, and every run compiles what it tests
+os.environ.setdefault("MOK_CUTE_CACHE_DIR", "off")
 
 from mok_cute.comm.workspace import CommWorkspace
 from mok_cute.dsl.launch import GraphLauncher
