@@ -11,7 +11,7 @@ call, so a test or a script can set a variable late.
 | ``MOK_CUTE_TRACE`` | ``0`` (default), ``1`` | the megakernels record one timestamped record per task (``MoKConfig(trace=...)`` wins) |
 | ``MOK_CUTE_PROGRESS`` | ``0`` (default), ``1`` | debugging a stall: the fused forward writes per-CTA progress words to pinned host memory |
 | ``MOK_CUTE_LAUNCH`` | ``graph`` (default), ``dsl`` | host launch path: one-node CUDA-graph replays, or every launch through the DSL |
-| ``MOK_CUTE_CACHE_DIR`` | a directory (default ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``), ``off`` | where compiled kernels persist across processes (:mod:`mok_cute.dsl.disk_cache`); ``off`` keeps them in memory only |
+| ``MOK_CUTE_CACHE_DIR`` | unset / ``off`` (default), ``on``, a directory | where compiled kernels persist across processes (:mod:`mok_cute.dsl.disk_cache`): ``on`` is ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``; off (the default until a loaded kernel has run on a GPU) keeps them in memory only |
 """
 from __future__ import annotations
 
@@ -54,12 +54,13 @@ def launch_mode() -> str:
 
 def cache_dir() -> str | None:
     """``MOK_CUTE_CACHE_DIR``: the directory compiled kernels persist in across processes (an absolute
-    path; ``~`` expanded), or None when it is ``off`` (or ``0``: compile in every process, as before
-    the disk cache). Unset or empty: ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``.
-    ``python -m mok_cute.cache --info`` shows it; ``--clear`` empties it."""
+    path; ``~`` expanded), or None: unset, empty, ``off`` or ``0`` (compile in every process). ``on``:
+    ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``. Off by default: the loaded kernels are
+    tested on the CPU (same object, same call path and argument bytes as a compiled one) but have not
+    yet run on a GPU. ``python -m mok_cute.cache --info`` shows it; ``--clear`` empties it."""
     value = os.environ.get(CACHE_DIR, "").strip()
-    if value.lower() in CACHE_OFF:
+    if not value or value.lower() in CACHE_OFF:
         return None
-    if not value:
+    if value.lower() == "on":
         value = os.path.join(os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache"), "mok_cute")
     return os.path.abspath(os.path.expanduser(value))

@@ -320,7 +320,14 @@ def test_off_writes_nothing(tmp_path, cache, monkeypatch):
 
 
 def test_cache_dir_default_and_paths(tmp_path, monkeypatch):
-    monkeypatch.delenv(env.CACHE_DIR, raising=False)
+    """Off unless asked for (unset, empty); ``on``: the user's cache directory; a path as given."""
+    for unset in (None, "", "  "):
+        if unset is None:
+            monkeypatch.delenv(env.CACHE_DIR, raising=False)
+        else:
+            monkeypatch.setenv(env.CACHE_DIR, unset)
+        assert env.cache_dir() is None
+    monkeypatch.setenv(env.CACHE_DIR, "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert env.cache_dir() == str(tmp_path / "xdg" / "mok_cute")
     monkeypatch.delenv("XDG_CACHE_HOME")
