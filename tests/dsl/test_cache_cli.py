@@ -93,10 +93,11 @@ def test_prune_keeps_current_entries(tmp_path, capsys):
 
 
 def test_off(monkeypatch, capsys):
-    monkeypatch.setenv(env.CACHE_DIR, "off")
-    assert cli.main([]) == 0
-    assert "off (MOK_CUTE_CACHE_DIR=off|0)" in capsys.readouterr().out
-    assert cli.main(["--clear"]) == 1
+    for value in ("off", ""):
+        monkeypatch.setenv(env.CACHE_DIR, value)
+        assert cli.main([]) == 0
+        assert "off (MOK_CUTE_CACHE_DIR unset or off|0;" in capsys.readouterr().out
+        assert cli.main(["--clear"]) == 1
 
 
 @pytest.mark.parametrize("argv", [["--info", "--clear"], ["--bogus"]])
