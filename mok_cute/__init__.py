@@ -1,17 +1,21 @@
 """mok_cute: deterministic Mixture-of-Experts training kernels in CUTLASS CuTe DSL.
 
-Public API: :func:`moe`, :class:`MoELayer`, :class:`MoKConfig` (with its path enums
-:class:`ForwardPath`, :class:`BackwardPath`), :func:`check_errors` (raise for a device-side error
-an earlier call recorded: a wait that timed out, an expert id out of range with
-``validate_routing=False``; waits for the queued launches). The pure-torch reference
-(:mod:`mok_cute.reference`) is the executable specification. Importing needs no GPU and no
-CuTe DSL; kernels are compiled lazily on first use.
+Public API: :func:`moe`, :class:`MoELayer`, :class:`SwiGLU` (the experts' activation: clamp
+limit, alpha, up offset), :class:`MoKConfig` (with its path enums
+:class:`ForwardPath`, :class:`BackwardPath` and its :class:`KernelPolicy` of :class:`GemmTiles`),
+:func:`check_errors` (raise for a device-side error an earlier call recorded: a wait that
+timed out, an expert id out of range with ``validate_routing=False``; waits for the queued
+launches). The pure-torch reference (:mod:`mok_cute.reference`) is the executable
+specification. Importing needs no GPU and no CuTe DSL; kernels are compiled lazily on first use.
 """
 from .config import BackwardPath, ForwardPath, MoKConfig
+from .policy import GemmTiles, KernelPolicy
 from .dsl.deferred import check as check_errors
 from .layer import MoELayer
 from .ops import moe
+from .reference import SwiGLU
 from . import custom_ops  # noqa: F401  (the mok_cute:: ops, registered on import)
 
-__all__ = ["BackwardPath", "ForwardPath", "MoKConfig", "MoELayer", "check_errors", "moe"]
+__all__ = ["BackwardPath", "ForwardPath", "GemmTiles", "KernelPolicy", "MoKConfig", "MoELayer", "SwiGLU", "check_errors",
+           "moe"]
 __version__ = "0.1.0"

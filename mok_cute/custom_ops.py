@@ -4,16 +4,19 @@ break (the ops are opaque to it; their fake implementations give the output shap
 run the same core through autograd.Functions.
 
 * ``mok_cute::moe_fwd(x, topk_idx, topk_w, weights[], main_grads[], swiglu_limit?, config, group,
-  keep) -> (y, handle)``: the backend's forward. ``weights``: the layer's weights present, in the
-  order w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate (3, 6 or 7: the gate needs the
-  shared expert). ``config``: the :class:`~mok_cute.config.MoKConfig` as a string
+  keep, swiglu_alpha, swiglu_up_offset, biased) -> (y, handle)``: the backend's forward.
+  ``weights``: the layer's weights present, in the order w_gate, w_up, w_down, ws_gate, ws_up,
+  ws_down, shared_gate, b_gate, b_up, b_down (the shared expert's three, then its gate: it needs
+  the shared expert; the routed experts' biases last, with ``biased``). The activation is
+  :class:`~mok_cute.reference.SwiGLU` ``(swiglu_limit, swiglu_alpha, swiglu_up_offset)``.
+  ``config``: the :class:`~mok_cute.config.MoKConfig` as a string
   (:func:`config_key`), ``group``: a key of :func:`group_key` (0: none). With ``keep`` (a
   backward will follow) the backend's state is held in a table under the int64 handle's id
   until the backward takes it or the handle tensor is freed; without it nothing is kept.
-* ``mok_cute::moe_bwd(dy, handle, x, topk_w, weights[], main_grads[]) -> 9 tensors``: the
+* ``mok_cute::moe_bwd(dy, handle, x, topk_w, weights[], main_grads[], biased) -> 12 tensors``: the
   backward of the forward that made ``handle``, adding into ``main_grads`` (mutated) when given:
-  dx, d topk_w, then one per weight slot (w_gate, w_up, w_down, the shared expert's three, its
-  gate; an empty tensor for a weight that is absent or whose gradient ``main_grads`` took).
+  dx, d topk_w, then one per weight slot (``weights``' order; an empty tensor for each slot past
+  the weights given, and for a weight whose gradient ``main_grads`` took).
 
 Autograd is registered on ``moe_fwd`` (``torch.library.register_autograd``). Eager calls take
 :class:`MoEFunction` over the same :func:`run_forward` / :func:`run_backward` (the ops' Python
@@ -31,6 +34,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from .config import MoKConfig
+from .reference import SwiGLU
 
 _STATES: dict[int, tuple] = {}  # handle id -> a forward's entry for its backward (run_forward, run_mlp_forward)
 _IDS = itertools.count(1)
@@ -101,16 +105,19 @@ def _state_bytes(state, inputs) -> int:
     return sum(n for p, n in _storages(state).items() if p not in held)
 
 
-def layer_inputs(x, topk_idx, topk_w, weights, swiglu_limit, main_grads):
+def layer_inputs(x, topk_idx, topk_w, weights, act: SwiGLU, main_grads, biased: bool = False):
     """:class:`~mok_cute.layers.select.MoEInputs` of one layer call from its weights present
-    (``weights``: w_gate, w_up, w_down[, ws_gate, ws_up, ws_down[, shared_gate]]) and ``main_grads``
-    (a sequence of fp32 tensors, empty or None for none)."""
+    (``weights``: w_gate, w_up, w_down[, ws_gate, ws_up, ws_down[, shared_gate]][, b_gate, b_up,
+    b_down] -- the biases with ``biased``), the activation ``act`` and ``main_grads`` (a sequence
+    of fp32 tensors, empty or None for none)."""
     from .layers.select import MoEInputs
 
-    shared = tuple(weights[3:6]) if len(weights) > 3 else None
-    gate = weights[6] if len(weights) > 6 else None
-    return MoEInputs(x, topk_idx, topk_w, *weights[:3], shared, swiglu_limit, gate,
-                     tuple(main_grads) if main_grads else None)
+    n = len(weights) - 3 * biased  # the weights before the biases
+    shared = tuple(weights[3:6]) if n > 3 else None
+    gate = weights[6] if n > 6 else None
+    return MoEInputs(x, topk_idx, topk_w, *weights[:3], shared, act.limit, gate,
+                     tuple(main_grads) if main_grads else None, None if act.plain else act,
+                     tuple(weights[n:]) if biased else None)
 
 
 def run_forward(inp, cfg: MoKConfig, grp, keep: bool):
@@ -137,25 +144,29 @@ def run_forward(inp, cfg: MoKConfig, grp, keep: bool):
     return y, (backend, state, None)
 
 
-def run_backward(entry, dy, weights, main_grads) -> list:
-    """``[dx, d topk_w, one per weight]`` of the forward that made ``entry``; with ``main_grads``
-    (one fp32 tensor per weight) the weight gradients are added into them and given as None."""
+def run_backward(entry, dy, weights, main_grads, biased: bool = False) -> list:
+    """``[dx, d topk_w, one per weight]`` of the forward that made ``entry`` (``weights`` as
+    :func:`layer_inputs` takes them); with ``main_grads`` (one fp32 tensor per weight) the weight
+    gradients are added into them and given as None."""
     backend, state, recompute = entry[:3]  # (a 4th item: the budget's hold, released with the entry)
     if recompute is not None:  # run the forward again, then the backward
         with torch.no_grad():
             _, state = backend.forward(*recompute)
     g = backend.backward(state, dy, main_grads=tuple(main_grads) if main_grads else None)
+    n = len(weights) - 3 * biased  # the weights before the biases
     d_w = [g.d_w_gate, g.d_w_up, g.d_w_down]
-    if len(weights) > 3:
+    if n > 3:
         d_w += list(g.d_shared)
-    if len(weights) > 6:
+    if n > 6:
         d_w.append(g.d_shared_gate)  # fp32
+    if biased:
+        d_w += list(g.d_biases)
     if main_grads:  # accumulate in fp32 (Megatron's main_grad); the weights get no gradient
         for acc, d in zip(main_grads, d_w):
             if d is not None:  # None: the backend accumulated it already (the fused backward's epilogue)
                 acc.add_(d.float())
         d_w = [None] * len(weights)
-    elif len(weights) > 6:
+    elif n > 6:
         d_w[6] = d_w[6].to(weights[6].dtype)  # the gate's fp32 gradient as its weight's dtype
     return [g.dx, g.d_topk_w, *d_w]
 
@@ -163,27 +174,29 @@ def run_backward(entry, dy, weights, main_grads) -> list:
 @dataclass(frozen=True)
 class LayerCall:
     """What one eager layer call passes :class:`MoEFunction` besides the tensors autograd tracks:
-    the config, the expert-parallel group, ``keep`` (a backward will follow), the SwiGLU limit,
-    topk_idx [T, k] (not differentiable) and ``main_grads`` (fp32 tensors or None)."""
+    the config, the expert-parallel group, ``keep`` (a backward will follow), the activation
+    (:class:`~mok_cute.reference.SwiGLU`), topk_idx [T, k] (not differentiable), ``main_grads``
+    (fp32 tensors or None) and ``biased`` (the weights end with the routed experts' biases)."""
 
     config: MoKConfig
     group: object
     keep: bool
-    swiglu_limit: float | None
+    swiglu: SwiGLU
     topk_idx: torch.Tensor
     main_grads: tuple | None
+    biased: bool = False
 
 
 class MoEFunction(torch.autograd.Function):
     """The eager path of :func:`mok_cute.moe` (the custom ops' Python dispatch costs about 0.2 ms
     per call, ``tools/bench_dispatch.py``): the same :func:`run_forward` / :func:`run_backward`,
-    the state held in ``ctx``. The weights are passed one by one (None where absent: the shared
-    expert's three, its gate) so that autograd tracks each."""
+    the state held in ``ctx``. The weights present are passed one by one, in :func:`layer_inputs`'
+    order, so that autograd tracks each."""
 
     @staticmethod
-    def forward(ctx, call: LayerCall, x, topk_w, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate):
-        ctx.weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down, shared_gate) if w is not None]
-        inp = layer_inputs(x, call.topk_idx, topk_w, ctx.weights, call.swiglu_limit, call.main_grads)
+    def forward(ctx, call: LayerCall, x, topk_w, *weights):
+        ctx.weights, ctx.biased = list(weights), call.biased
+        inp = layer_inputs(x, call.topk_idx, topk_w, ctx.weights, call.swiglu, call.main_grads, call.biased)
         y, ctx.entry = run_forward(inp, call.config, call.group, call.keep)
         ctx.main_grads = call.main_grads
         return y
@@ -191,16 +204,16 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         entry, ctx.entry = ctx.entry, None
-        grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads)
-        d_w = grads[2:] + [None] * (7 - len(ctx.weights))  # absent weights: no gradient
-        return None, grads[0], grads[1], *d_w
+        grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads, ctx.biased)
+        return None, *grads
 
 
 @torch.library.custom_op("mok_cute::moe_fwd", mutates_args=())
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: list[torch.Tensor],
             main_grads: list[torch.Tensor], swiglu_limit: float | None, config: str, group: int,
-            keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    inp = layer_inputs(x, topk_idx, topk_w, weights, swiglu_limit, main_grads)
+            keep: bool, swiglu_alpha: float, swiglu_up_offset: float, biased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    act = SwiGLU(swiglu_limit, swiglu_alpha, swiglu_up_offset)
+    inp = layer_inputs(x, topk_idx, topk_w, weights, act, main_grads, biased)
     y, entry = run_forward(inp, _config(config), _GROUPS.get(group) if group else None, keep)
     return y, _stash(entry)
 
@@ -226,19 +239,23 @@ def _take(handle: torch.Tensor):
 
 
 @moe_fwd.register_fake
-def _(x, topk_idx, topk_w, weights, main_grads, swiglu_limit, config, group, keep):
+def _(x, topk_idx, topk_w, weights, main_grads, swiglu_limit, config, group, keep, swiglu_alpha, swiglu_up_offset,
+      biased):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
+
+
+_BWD_OUTS = 12  # dx, d topk_w, then up to 10 weight slots (3 routed, 3 shared, the gate, 3 biases)
 
 
 @torch.library.custom_op("mok_cute::moe_bwd", mutates_args=("main_grads",))
 def moe_bwd(dy: torch.Tensor, handle: torch.Tensor, x: torch.Tensor, topk_w: torch.Tensor,
-            weights: list[torch.Tensor], main_grads: list[torch.Tensor]) -> tuple[
+            weights: list[torch.Tensor], main_grads: list[torch.Tensor], biased: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-        torch.Tensor, torch.Tensor]:
-    grads = run_backward(_take(handle), dy, weights, main_grads)
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = run_backward(_take(handle), dy, weights, main_grads, biased)
     grads = [g if g is not None else torch.empty(0, dtype=w.dtype, device=w.device)
              for g, w in zip(grads, [x, topk_w, *weights])]
-    return *grads, *_absent(dy, 9 - len(grads))
+    return *grads, *_absent(dy, _BWD_OUTS - len(grads))
 
 
 def _absent(like: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -246,14 +263,14 @@ def _absent(like: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 @moe_bwd.register_fake
-def _(dy, handle, x, topk_w, weights, main_grads):
+def _(dy, handle, x, topk_w, weights, main_grads, biased):
     d_w = [torch.empty(0, dtype=w.dtype, device=w.device) if main_grads else torch.empty_like(w) for w in weights]
-    return torch.empty_like(x), torch.empty_like(topk_w), *d_w, *_absent(dy, 7 - len(d_w))
+    return torch.empty_like(x), torch.empty_like(topk_w), *d_w, *_absent(dy, _BWD_OUTS - 2 - len(d_w))
 
 
 def _setup(ctx, inputs, output):
     x, _, topk_w, weights, main_grads = inputs[:5]
-    ctx.n_weights, ctx.n_main = len(weights), len(main_grads)
+    ctx.n_weights, ctx.n_main, ctx.biased = len(weights), len(main_grads), inputs[11]
     ctx.save_for_backward(output[1], x, topk_w, *weights, *main_grads)
 
 
@@ -262,9 +279,9 @@ def _backward(ctx, dy, _dhandle):
     each with ``main_grads``: they took them), none for the rest."""
     handle, x, topk_w, *rest = ctx.saved_tensors
     weights, main_grads = rest[:ctx.n_weights], rest[ctx.n_weights:]
-    g = moe_bwd(dy.contiguous(), handle, x, topk_w, list(weights), list(main_grads))
+    g = moe_bwd(dy.contiguous(), handle, x, topk_w, list(weights), list(main_grads), ctx.biased)
     d_w = [None] * len(weights) if main_grads else list(g[2:2 + len(weights)])
-    return g[0], None, g[1], d_w, [None] * ctx.n_main, None, None, None, None
+    return g[0], None, g[1], d_w, [None] * ctx.n_main, None, None, None, None, None, None, None
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup)
@@ -279,6 +296,7 @@ def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: Mo
     from .config import BackwardPath
     from .layers import paths
     from .layers.select import get_backend, select_backend
+    from .policy import GEMMS
 
     name, precision = select_backend(x_rows.device, cfg), cfg.precision
     if name == "reference":
@@ -287,6 +305,11 @@ def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: Mo
     mlp = get_backend(name).mlp
     if precision not in mlp.precisions:
         raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, not {precision!r}")
+    policy = cfg.kernel_policy
+    tiles = {g: policy.gemm(g).given() for g in GEMMS if policy.gemm(g).given()}
+    if tiles:
+        raise NotImplementedError(f"expert_mlp: backend {name!r} runs its tuned tiles only; the kernel policy's tiles "
+                                  f"{tiles} apply to mok_cute.moe (leave them None here)")
     call = paths.Call(precision, recompute=cfg.activations != "save", cuda=x_rows.is_cuda)
     fused = paths.decide_expert_mlp(cfg, mlp.arch, call) is not BackwardPath.UNFUSED
     kw = {} if precision == "bf16" else {"precision": precision}

@@ -26,6 +26,11 @@ class MoELayer(nn.Module):
     ``main_grad`` between optimizer steps is the caller's, as in Megatron.
     ``shared_output_gate=True`` (needs the shared expert): shared_gate [1, H] bf16, the shared
     expert's output gate (``mok_cute.moe(..., shared_gate=...)``), initialized to 0 (g = 0.5).
+    ``swiglu_limit``: None, L, or a :class:`~mok_cute.reference.SwiGLU` (the experts' activation,
+    e.g. ``SwiGLU.gpt_oss()``), passed to ``mok_cute.moe``. Expert biases (gpt-oss):
+    :meth:`add_expert_biases` gives the routed experts b_gate, b_up [E_local, I] and b_down
+    [E_local, H] bf16 parameters (zeros), passed with their weights (``mok_cute.moe``'s
+    (weight, bias) pairs).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -58,7 +63,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"shared_output_gate must be a bool, got {type(shared_output_gate).__name__}")
         if shared_output_gate and shared_intermediate_size is None:
             raise ValueError("shared_output_gate=True needs the shared expert (shared_intermediate_size)")
-        self.shared_gate = None
+        self.shared_gate = self.b_gate = self.b_up = self.b_down = None
         if shared_output_gate:
             self.shared_gate = nn.Parameter(torch.zeros(1, h, device=device, dtype=torch.bfloat16))
         self.router_weight = param(num_experts, h, fan_in=h, dt=torch.float32) if router else None
@@ -68,11 +73,29 @@ class MoELayer(nn.Module):
         for w in self._expert_weights() if accumulate_main_grad else ():
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
 
+    def add_expert_biases(self) -> MoELayer:
+        """Give the routed experts biases (gpt-oss's experts): b_gate, b_up [E_local, I] and
+        b_down [E_local, H] bf16 parameters, zeros, on the weights' device (with
+        ``accumulate_main_grad``, their ``.main_grad`` buffers too). Create the optimizer after.
+        Returns the layer; raises if it has them already."""
+        if self.b_gate is not None:
+            raise ValueError("this MoELayer has expert biases already")
+        e_local, inter, h = self.w_gate.shape
+        dev = self.w_gate.device
+        self.b_gate = nn.Parameter(torch.zeros(e_local, inter, device=dev, dtype=torch.bfloat16))
+        self.b_up = nn.Parameter(torch.zeros(e_local, inter, device=dev, dtype=torch.bfloat16))
+        self.b_down = nn.Parameter(torch.zeros(e_local, h, device=dev, dtype=torch.bfloat16))
+        for b in (self.b_gate, self.b_up, self.b_down) if self.accumulate_main_grad else ():
+            b.main_grad = torch.zeros(b.shape, dtype=torch.float32, device=dev)
+        return self
+
     def _expert_weights(self) -> tuple:
-        """w_gate, w_up, w_down, then the shared expert's three and its output gate when there are."""
+        """w_gate, w_up, w_down, then the shared expert's three and its output gate when there
+        are, then the expert biases when there are (``mok_cute.moe``'s ``main_grads`` order)."""
         shared = () if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
         gate = () if self.shared_gate is None else (self.shared_gate,)
-        return (self.w_gate, self.w_up, self.w_down) + shared + gate
+        biases = () if self.b_gate is None else (self.b_gate, self.b_up, self.b_down)
+        return (self.w_gate, self.w_up, self.w_down) + shared + gate + biases
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx [T, k] int64, topk_w [T, k] fp32) from the router."""
@@ -88,6 +111,9 @@ class MoELayer(nn.Module):
             topk_idx, topk_w = self.route(x)
         shared = None if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
         main_grads = tuple(w.main_grad for w in self._expert_weights()) if self.accumulate_main_grad else None
-        return moe(x, topk_idx, topk_w, self.w_gate, self.w_up, self.w_down, shared=shared,
+        routed = (self.w_gate, self.w_up, self.w_down)
+        if self.b_gate is not None:  # (weight, bias) pairs
+            routed = tuple(zip(routed, (self.b_gate, self.b_up, self.b_down)))
+        return moe(x, topk_idx, topk_w, *routed, shared=shared,
                    swiglu_limit=self.swiglu_limit, config=self.config, group=self.group, main_grads=main_grads,
                    shared_gate=self.shared_gate)

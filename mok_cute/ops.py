@@ -8,8 +8,8 @@ import torch
 from .custom_ops import ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, moe_fwd
 from .config import MoKConfig
 from .dsl.host import weight_operand
-from .reference import _world
-from .validate import check_main_grads, check_moe_inputs, check_shared_gate
+from .reference import SwiGLU, _world
+from .validate import check_expert_biases, check_main_grads, check_moe_inputs, check_shared_gate, split_biases
 
 
 def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=None, config=None,
@@ -20,7 +20,10 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     topk_w [T, k] fp32; w_gate, w_up [E_local, I, H] bf16 and w_down [E_local, H, I] bf16 are
     this rank's experts (rank p of EP owns experts [p*E_local, (p+1)*E_local));
     shared = (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s]) bf16 or None;
-    swiglu_limit: None or L > 0 (gate clamped to <= L, up to [-L, L]);
+    swiglu_limit: the experts' activation (every expert, the shared one too): None (silu(g) * u),
+    L > 0 (gate clamped to <= L, up to [-L, L]), or a :class:`~mok_cute.reference.SwiGLU`
+    ``(limit, alpha, up_offset)``: h = gc * sigmoid(alpha * gc) * (uc + up_offset) with the
+    clamped gc, uc (``SwiGLU.gpt_oss()``: L 7, alpha 1.702, up_offset 1);
     group: torch.distributed group of the expert-parallel ranks (None: the default group if
     initialized, else EP = 1), or a :class:`mok_cute.comm.virtual.VirtualGroup` (virtual ranks
     in one process: call inside its ``run_ranks``). Returns y [T, H] bf16. Numerics:
@@ -42,34 +45,46 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     variables, e.g. ``MOK_CUTE_TRACE``, the default of ``config.trace`` only). The GPU backends
     decide the forward and backward paths once per call (:mod:`mok_cute.layers.paths`).
 
+    Expert biases (gpt-oss): w_gate, w_up, w_down may each be a pair (weight, bias) instead, all
+    three or none, with b_gate, b_up [E_local, I] and b_down [E_local, H] bf16 (any strides: e.g.
+    the interleaved ``gate_up_proj_bias[:, ::2]``): the gate / up bias is added to GEMM1's fp32
+    result before its rounding, the down bias to GEMM2's, inside the expert's output, which the
+    routing weight then scales (as gpt-oss). Their gradients are bf16 (with ``main_grads``: three
+    more fp32 tensors, last). Weights may be strided views too (gate / up interleaved in one
+    projection: ``gate_up[:, ::2]``, ``gate_up[:, 1::2]``): used in place where the kernels' TMA
+    addresses them, else copied to contiguous operands. The reference backend runs the SwiGLU's
+    alpha / up_offset and the biases; the GPU backends raise NotImplementedError for them (before
+    any launch) until their kernels do.
+
     Under ``torch.compile`` the routing values are not checked on the host (``validate_routing``
     needs a host sync): an id outside [-1, E) is then handled as with ``validate_routing=False``.
     """
     config = config if config is not None else MoKConfig()
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")
+    (w_gate, w_up, w_down), biases = split_biases(w_gate, w_up, w_down)
     ep, _ = _world(group)
     check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit, ep,
                      check_values=config.validate_routing and not torch.compiler.is_compiling())
     check_shared_gate(shared_gate, shared, x)
+    check_expert_biases(biases, w_gate, w_down)
+    given = ((w_gate, w_up, w_down) + (tuple(shared) if shared is not None else ())
+             + ((shared_gate,) if shared_gate is not None else ()) + (tuple(biases) if biases is not None else ()))
     if main_grads is not None:
-        check_main_grads(main_grads, (w_gate, w_up, w_down) + (tuple(shared) if shared is not None else ())
-                         + ((shared_gate,) if shared_gate is not None else ()))
+        check_main_grads(main_grads, given, biased=biases is not None)
         main_grads = tuple(main_grads)
-    ws = tuple(weight_operand(w) for w in shared) if shared is not None else (None, None, None)
-    limit = None if swiglu_limit is None else float(swiglu_limit)
-    inputs = (x, topk_w, w_gate, w_up, w_down, *(w for w in ws if w is not None)) + (
-        (shared_gate,) if shared_gate is not None else ())
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    act = swiglu_limit if isinstance(swiglu_limit, SwiGLU) else SwiGLU(swiglu_limit)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w) + given)
     # weights as given when the kernels' TMA addresses them in place (fc1 halves: no copy)
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
-    weights = (weight_operand(w_gate), weight_operand(w_up), weight_operand(w_down), *ws,
-               None if shared_gate is None else shared_gate.contiguous())
+    weights = [weight_operand(w) for w in given[:6 if shared is not None else 3]]
+    weights += [] if shared_gate is None else [shared_gate.contiguous()]
+    weights += [] if biases is None else [b.contiguous() for b in biases]
     if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
-        present = [w for w in weights if w is not None]
-        return moe_fwd(x, topk_idx, topk_w, present, list(main_grads or ()), limit, config_key(config),
-                       group_key(group), keep)[0]
-    return MoEFunction.apply(LayerCall(config, group, keep, limit, topk_idx, main_grads), x, topk_w, *weights)
+        return moe_fwd(x, topk_idx, topk_w, weights, list(main_grads or ()), act.limit, config_key(config),
+                       group_key(group), keep, act.alpha, act.up_offset, biases is not None)[0]
+    call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None)
+    return MoEFunction.apply(call, x, topk_w, *weights)
 
 
 def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, config=None):
@@ -94,6 +109,11 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int32, torch.int64) \
             or offsets.shape != (w_gate.shape[0] + 1,):
         raise TypeError(f"offsets must be an int32/int64 tensor of shape [E+1] = [{w_gate.shape[0] + 1}]")
+    if isinstance(swiglu_limit, SwiGLU):  # its limit alone (silu(g) * u) runs here
+        if not swiglu_limit.plain:
+            raise NotImplementedError(f"expert_mlp runs silu(g) * u only, not {swiglu_limit} (its alpha / up_offset "
+                                      "run through mok_cute.moe)")
+        swiglu_limit = swiglu_limit.limit
     limit = None if swiglu_limit is None else float(swiglu_limit)
     args = (x_rows.contiguous(), offsets, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous())
     if torch.compiler.is_compiling():  # the custom ops (mok_cute::expert_mlp_fwd / _bwd): no graph break

@@ -7,16 +7,28 @@ Layer (per rank; EP = world size of ``group``, a torch.distributed group or a vi
     x [T, H] bf16, topk_idx [T, k] int (global expert id, -1 = no expert), topk_w [T, k] fp32,
     w_gate/w_up [E_local, I, H] bf16, w_down [E_local, H, I] bf16,
     optional shared expert ws_gate/ws_up [I_s, H], ws_down [H, I_s] (every token), optionally
-    with an output gate w_sg [1, H] bf16 (Qwen-style; :func:`shared_gate`).
+    with an output gate w_sg [1, H] bf16 (Qwen-style; :func:`shared_gate`), optional routed
+    expert biases b_gate/b_up [E_local, I], b_down [E_local, H] bf16 (gpt-oss), and the experts'
+    activation, a :class:`SwiGLU` (clamp limit L, alpha, up offset).
 
 Numerics (precision "bf16"; "where rounding happens" is the contract):
     * Every GEMM multiplies its operands exactly and sums in fp64, then rounds to fp32
       (an order-free stand-in for fp32 accumulation; kernels accumulate in fp32 and are
       compared with tolerances).
     * GEMM1: g = bf16(x.Wg^T), u = bf16(x.Wu^T) (these bf16 values are what backward reads).
-    * SwiGLU in fp32 from the bf16 g, u: with limit L, g <- min(g, L), u <- clamp(u, -L, L);
-      h = bf16(silu(g) * u).
-    * GEMM2: r = bf16(h.Wd^T), one row per routed (token, slot).
+      With expert biases (routed experts only) b_gate, b_up [E_local, I] bf16: the bias is added
+      to the GEMM's fp32 result (a kernel: to its fp32 accumulator, in the epilogue) before the
+      one rounding to bf16: g = bf16(fp32(x.Wg^T) + fp32(b_gate[e])), u = bf16(fp32(x.Wu^T) +
+      fp32(b_up[e])) (one fp32 add; biases are never quantized, at any precision).
+    * SwiGLU (:class:`SwiGLU`: limit L, alpha a, up offset o; defaults None, 1, 0; every expert,
+      the shared one included) in fp32 from the bf16 g, u: gc = min(g, L), uc = clamp(u, -L, L)
+      (no clamp without L); h = bf16(act(gc) * (uc + o)) with act(gc) = gc * sigmoid(a * gc),
+      fp32 ops in this order: a * gc, sigmoid, gc * that (at a = 1: silu(gc), torch's silu),
+      uc + o (skipped at o = 0), then the product. The defaults are silu(g) * u; gpt-oss is
+      L = 7, a = 1.702, o = 1. a and o are used as fp32 values (no gradient: constants).
+    * GEMM2: r = bf16(h.Wd^T), one row per routed (token, slot). With expert biases,
+      b_down [E_local, H] bf16: r = bf16(fp32(h.Wd^T) + fp32(b_down[e])), the bias inside r,
+      so the combine scales it by the routing weight (gpt-oss: (h.Wd^T + b_down) * w).
     * Combine: acc = fp32(shared(x)[t]) (or 0); for j = 0..k-1 with topk_idx[t, j] >= 0:
       acc = acc + topk_w[t, j] * fp32(r_j) (an fp32 multiply, then an fp32 add);
       y = bf16(acc). Slots with -1 are skipped (not added as zeros).
@@ -31,12 +43,17 @@ Numerics (precision "bf16"; "where rounding happens" is the contract):
       of dx is the fp32 product dz * fp32(w_sg), and d w_sg = fp32(dz^T . x) [1, H] (fp32, the
       GEMM rule).
     * d topk_w[t, j] = fp32(sum_h dy[t, h] * r_j[t, h]) (fp64 sum), 0 for -1 slots.
-    * dh = dyj.Wd in fp32 (never rounded); dSwiGLU with gc, uc the clamped g, u, s = sigmoid(gc):
-      dg = dh * uc * s * (1 + gc * (1 - s)) * [g <= L],  du = dh * (gc * s) * [-L <= u <= L];
-      dgu = bf16([dg, du]).
+    * dh = dyj.Wd in fp32 (never rounded); dSwiGLU with gc, uc the clamped g, u, s = sigmoid(a * gc):
+      dg = dh * (uc + o) * s * (1 + a * gc * (1 - s)) * [g <= L],  du = dh * (gc * s) * [-L <= u <= L]
+      (fp32, in this order; uc + o is uc at o = 0); dgu = bf16([dg, du]).
     * dx_j = bf16(dgu.[Wg; Wu]) (one sum over 2I); dx = bf16(fp32(dx_shared) [+ gate's share]
       + sum_j fp32(dx_j)) in slot order, -1 slots skipped.
     * dWd = bf16(dyj^T.h), dWg = bf16(dg^T.x), dWu = bf16(du^T.x) per expert over its tokens.
+    * Expert biases, per expert over its rows (bf16, the biases' dtype): d b_down = bf16(sum dyj),
+      d b_gate = bf16(sum dg), d b_up = bf16(sum du), summing the bf16 rows dyj and dgu = [dg, du]
+      with the GEMM rule (a wgrad against a column of ones: fp64 sum of the rows in token order,
+      rounded to fp32, then to bf16); at every precision the rows are summed unquantized. An
+      expert with no rows gets 0.
     Token order inside an expert: by source rank, then token index, then slot.
 
 MXFP8 (precision "mxfp8"): E4M3 elements, one E8M0 scale per 32 elements along the GEMM's
@@ -69,6 +86,7 @@ gradient checks against torch.autograd.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -404,25 +422,91 @@ def _num(precision: str) -> Numerics:
 
 
 # ----------------------------------------------------------------------------- SwiGLU
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """silu(min(g, L)) * clamp(u, -L, L) in the inputs' dtype (fp32 or fp64)."""
-    if limit is not None:
-        g = g.clamp(max=limit)
-        u = u.clamp(-limit, limit)
-    return F.silu(g) * u
+def _real(name: str, v, positive: bool) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{name} must be a {'positive ' if positive else ''}finite float, got {v}")
+    return float(v)
 
 
-def dswiglu(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit: float | None):
+@dataclass(frozen=True)
+class SwiGLU:
+    """The experts' gated activation (the module doc's numerics): with gc = min(g, L) and
+    uc = clamp(u, -L, L) (no clamp when ``limit`` is None),
+    ``h = gc * sigmoid(alpha * gc) * (uc + up_offset)``. The defaults are silu(g) * u;
+    ``SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)`` is gpt-oss's (:meth:`gpt_oss`).
+
+    limit: None or L > 0 (what ``swiglu_limit=L`` alone gives); alpha: the sigmoid's slope, > 0;
+    up_offset: added to the clamped up before the product (gpt-oss: 1). Validated on
+    construction (TypeError / ValueError naming the field)."""
+
+    limit: float | None = None
+    alpha: float = 1.0
+    up_offset: float = 0.0
+
+    def __post_init__(self):
+        if self.limit is not None:
+            object.__setattr__(self, "limit", _real("SwiGLU.limit", self.limit, positive=True))
+        object.__setattr__(self, "alpha", _real("SwiGLU.alpha", self.alpha, positive=True))
+        object.__setattr__(self, "up_offset", _real("SwiGLU.up_offset", self.up_offset, positive=False))
+
+    @classmethod
+    def gpt_oss(cls, limit: float = 7.0, alpha: float = 1.702) -> SwiGLU:
+        """gpt-oss's activation: ``(clamp(u, -L, L) + 1) * gc * sigmoid(alpha * gc)``."""
+        return cls(limit, alpha, 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is silu(min(g, L)) * clamp(u, -L, L) (alpha 1, up offset 0): what a bare
+        ``swiglu_limit`` gives."""
+        return self.alpha == 1.0 and self.up_offset == 0.0
+
+
+def swiglu_of(limit) -> SwiGLU:
+    """The :class:`SwiGLU` of an activation argument: None (silu(g) * u), a limit L, or a SwiGLU."""
+    return limit if isinstance(limit, SwiGLU) else SwiGLU(limit)
+
+
+def _consts(act: SwiGLU, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha and up_offset as 0-dim tensors of ``like``'s dtype (fp32 values in fp32 math)."""
+    return (torch.tensor(act.alpha, dtype=like.dtype, device=like.device),
+            torch.tensor(act.up_offset, dtype=like.dtype, device=like.device))
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit) -> torch.Tensor:
+    """act(min(g, L)) * (clamp(u, -L, L) + o) in the inputs' dtype (fp32 or fp64), act(gc) =
+    gc * sigmoid(a * gc) (silu at a = 1); ``limit``: None, L, or a :class:`SwiGLU` (L, a, o)."""
+    act = swiglu_of(limit)
+    if act.limit is not None:
+        g = g.clamp(max=act.limit)
+        u = u.clamp(-act.limit, act.limit)
+    if act.plain:
+        return F.silu(g) * u
+    alpha, offset = _consts(act, g)
+    a = F.silu(g) if act.alpha == 1.0 else g * torch.sigmoid(alpha * g)
+    return a * (u if act.up_offset == 0.0 else u + offset)
+
+
+def dswiglu(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, limit):
     """(dg, du) of :func:`swiglu` at (g, u) for upstream dh; clamped inputs get zero grad."""
+    act = swiglu_of(limit)
+    lim = act.limit
     gc, uc = g, u
-    if limit is not None:
-        gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
-    s = torch.sigmoid(gc)
-    dg = dh * uc * s * (1 + gc * (1 - s))
+    if lim is not None:
+        gc, uc = g.clamp(max=lim), u.clamp(-lim, lim)
+    if act.plain:
+        s = torch.sigmoid(gc)
+        dg = dh * uc * s * (1 + gc * (1 - s))
+    else:
+        alpha, offset = _consts(act, gc)
+        s = torch.sigmoid(alpha * gc)
+        up = uc if act.up_offset == 0.0 else uc + offset
+        dg = dh * up * s * (1 + alpha * gc * (1 - s))
     du = dh * (gc * s)
-    if limit is not None:
-        dg = torch.where(g <= limit, dg, torch.zeros_like(dg))
-        du = torch.where((u >= -limit) & (u <= limit), du, torch.zeros_like(du))
+    if lim is not None:
+        dg = torch.where(g <= lim, dg, torch.zeros_like(dg))
+        du = torch.where((u >= -lim) & (u <= lim), du, torch.zeros_like(du))
     return dg, du
 
 
@@ -431,21 +515,37 @@ def _offs(offsets) -> list[int]:
     return [int(v) for v in (offsets.tolist() if torch.is_tensor(offsets) else offsets)]
 
 
-def grouped_gemm(a, offsets, w, precision: str = "bf16") -> torch.Tensor:
-    """out[rows of e] = round(a_e . w[e]^T); a [M, K], w [E, N, K] -> [M, N]."""
+def grouped_gemm(a, offsets, w, precision: str = "bf16", bias=None) -> torch.Tensor:
+    """out[rows of e] = round(a_e . w[e]^T [+ bias[e]]); a [M, K], w [E, N, K], bias None or
+    [E, N] (added to the GEMM's fp32 result, unquantized, before the rounding) -> [M, N]."""
     num, offs = _num(precision), _offs(offsets)
     out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
     for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
         if hi > lo:
-            out[lo:hi] = num.act(num.mm(num.q(a[lo:hi], -1), num.q_weight(w[e], -1)))
+            acc = num.mm(num.q(a[lo:hi], -1), num.q_weight(w[e], -1))
+            out[lo:hi] = num.act(acc if bias is None else acc + num.f32(bias[e]))
     return out
 
 
-def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, precision: str = "bf16"):
-    """GEMM1 + SwiGLU: returns (gu [M, 2I] = [g | u] rounded, h [M, I] rounded)."""
+def grouped_row_sums(a, offsets, precision: str = "bf16") -> torch.Tensor:
+    """d bias[e] = round(sum of expert e's rows of ``a``) [E, N]: the GEMM rule's fp64 sum in row
+    order, rounded to fp32 then to ``a``'s storage type (bf16; nothing rounded in exact mode);
+    never quantized; 0 for an expert with no rows."""
+    num, offs = _num(precision), _offs(offsets)
+    out = torch.zeros(len(offs) - 1, a.shape[1], dtype=a.dtype, device=a.device)
+    for e, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+        if hi > lo:
+            s = a[lo:hi].double().sum(0)
+            out[e] = num.act(s if num.exact else s.float())
+    return out
+
+
+def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, precision: str = "bf16", bias=None):
+    """GEMM1 + SwiGLU: returns (gu [M, 2I] = [g | u] rounded, h [M, I] rounded). ``limit``: None,
+    L or a :class:`SwiGLU`; ``bias``: None or (b_gate, b_up) [E, I] each."""
     num = _num(precision)
     w1 = torch.cat([w_gate, w_up], dim=1)  # [E, 2I, H]
-    gu = grouped_gemm(x, offsets, w1, precision)
+    gu = grouped_gemm(x, offsets, w1, precision, None if bias is None else torch.cat(bias, dim=1))
     inter = w_gate.shape[1]
     h = num.act(swiglu(num.f32(gu[:, :inter]), num.f32(gu[:, inter:]), limit))
     return gu, h
@@ -488,30 +588,38 @@ def grouped_wgrad(a, b, offsets, precision: str = "bf16"):
 
 @dataclass
 class ExpertSaved:
-    """What an expert group's backward reads: inputs x, gu = [g | u], h, offsets."""
+    """What an expert group's backward reads: inputs x, gu = [g | u], h, offsets; ``biased``:
+    the forward added expert biases (the backward returns their gradients too)."""
 
     x: torch.Tensor
     gu: torch.Tensor
     h: torch.Tensor
     offsets: list[int]
+    biased: bool = False
 
 
-def experts_forward(x, offsets, w_gate, w_up, w_down, limit, precision):
-    """Grouped expert MLP forward: rows r [M, H] and what backward needs."""
-    gu, h = grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit, precision)
-    r = grouped_gemm(h, offsets, w_down, precision)
-    return r, ExpertSaved(x, gu, h, _offs(offsets))
+def experts_forward(x, offsets, w_gate, w_up, w_down, limit, precision, biases=None):
+    """Grouped expert MLP forward: rows r [M, H] and what backward needs. ``limit``: None, L or
+    a :class:`SwiGLU`; ``biases``: None or (b_gate [E, I], b_up [E, I], b_down [E, H])."""
+    gu, h = grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit, precision,
+                                 None if biases is None else tuple(biases[:2]))
+    r = grouped_gemm(h, offsets, w_down, precision, None if biases is None else biases[2])
+    return r, ExpertSaved(x, gu, h, _offs(offsets), biases is not None)
 
 
 def experts_backward(saved: ExpertSaved, dy_rows, w_gate, w_up, w_down, limit, precision):
-    """Grouped expert MLP backward for routed dy rows [M, H]: (dx rows, dWg, dWu, dWd)."""
+    """Grouped expert MLP backward for routed dy rows [M, H]: (dx rows, dWg, dWu, dWd), then
+    (d b_gate, d b_up, d b_down) when the forward added biases (``saved.biased``)."""
     inter = w_gate.shape[1]
     dgu = grouped_dswiglu_dgrad(dy_rows, saved.offsets, w_down, saved.gu, limit, precision)
     dx = grouped_dgrad1(dgu, saved.offsets, w_gate, w_up, precision)
     dwd = grouped_wgrad(dy_rows, saved.h, saved.offsets, precision)
     dwg = grouped_wgrad(dgu[:, :inter], saved.x, saved.offsets, precision)
     dwu = grouped_wgrad(dgu[:, inter:], saved.x, saved.offsets, precision)
-    return dx, dwg, dwu, dwd
+    if not saved.biased:
+        return dx, dwg, dwu, dwd
+    dbg, dbu, dbd = (grouped_row_sums(a, saved.offsets, precision) for a in (dgu[:, :inter], dgu[:, inter:], dy_rows))
+    return dx, dwg, dwu, dwd, dbg, dbu, dbd
 
 
 # ----------------------------------------------------------------------------- routing
@@ -632,7 +740,7 @@ class MoESaved:
     """Forward state the reference backward reads."""
 
     num: Numerics
-    limit: float | None
+    limit: float | SwiGLU | None  # the activation
     group: object
     ep: int
     rank: int
@@ -679,9 +787,12 @@ def slot_sum(acc: torch.Tensor, rows: torch.Tensor, topk_idx: torch.Tensor, scal
 
 
 def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
-                precision: str = "bf16", group=None, shared_gate_w=None):
+                precision: str = "bf16", group=None, shared_gate_w=None, expert_biases=None):
     """The layer forward on this rank (see the module docstring). Returns (y [T, H], saved).
-    ``shared_gate_w``: the shared expert's output gate w_sg [1, H] bf16 (needs ``shared``)."""
+    ``swiglu_limit``: None, L, or a :class:`SwiGLU` (every expert's activation);
+    ``shared_gate_w``: the shared expert's output gate w_sg [1, H] bf16 (needs ``shared``);
+    ``expert_biases``: None or the routed experts' (b_gate [E_local, I], b_up [E_local, I],
+    b_down [E_local, H])."""
     if shared_gate_w is not None and shared is None:
         raise ValueError("shared_gate_w (the shared expert's output gate) needs shared")
     num = _num(precision)
@@ -697,7 +808,7 @@ def moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_l
     gather_idx = (base[routing.src] + routing.tok).to(x.device)
     slot_w = torch.cat(w_all)[gather_idx, routing.slot.to(x.device)]
     r, routed = experts_forward(torch.cat(x_all)[gather_idx], routing.offsets, w_gate, w_up,
-                                w_down, swiglu_limit, precision)
+                                w_down, swiglu_limit, precision, expert_biases)
     slot_out = _deliver(r, routing, t_all, k, topk_idx, e_local, group, ep, rank)
     acc = torch.zeros(x.shape, dtype=torch.float64 if num.exact else torch.float32, device=x.device)
     shared_saved = gate = None
@@ -728,6 +839,7 @@ class MoEGrads:
     d_w_down: torch.Tensor
     d_shared: tuple | None
     d_shared_gate: torch.Tensor | None = None  # [1, H] fp32, with the shared expert's output gate
+    d_biases: tuple | None = None  # (d b_gate, d b_up, d b_down) bf16, with expert biases
 
 
 def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
@@ -736,8 +848,8 @@ def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
     precision = num.precision
     dy_rows = torch.cat(_all_gather(dy, saved.group, ep))[saved.gather_idx]
     dy_rows = num.act(num.f32(dy_rows) * saved.slot_w.to(num.f32(dy).dtype)[:, None])
-    dxr, dwg, dwu, dwd = experts_backward(saved.routed, dy_rows, *saved.weights, saved.limit,
-                                          precision)
+    dxr, dwg, dwu, dwd, *d_biases = experts_backward(saved.routed, dy_rows, *saved.weights, saved.limit,
+                                                     precision)
     dx_slots = _deliver(dxr, saved.routing, saved.t_all, saved.topk_idx.shape[1],
                         saved.topk_idx, saved.e_local, saved.group, ep, saved.rank)
     acc = torch.zeros(dy.shape, dtype=num.f32(dy).dtype, device=dy.device)
@@ -757,11 +869,11 @@ def moe_backward(saved: MoESaved, dy: torch.Tensor) -> MoEGrads:
     dtw = (dy.double()[:, None, :] * saved.slot_out.double()).sum(-1)
     dtw = torch.where(saved.topk_idx >= 0, dtw, torch.zeros_like(dtw))
     dtw = dtw if num.exact else dtw.float()
-    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate)
+    return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate, tuple(d_biases) if d_biases else None)
 
 
 def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
-        precision: str = "bf16", group=None, shared_gate_w=None) -> torch.Tensor:
+        precision: str = "bf16", group=None, shared_gate_w=None, expert_biases=None) -> torch.Tensor:
     """Forward only: y [T, H]."""
     return moe_forward(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_limit,
-                       precision, group, shared_gate_w)[0]
+                       precision, group, shared_gate_w, expert_biases)[0]

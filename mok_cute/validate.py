@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from .reference import SwiGLU
+
 ALIGN = 64
 
 
@@ -71,9 +73,10 @@ def check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_l
         _shape(names[2], shared[2], (h, i_s), "[H, I_s]")
         _aligned("shared intermediate size I_s", i_s)
         tensors += list(zip(names, shared))
-    if swiglu_limit is not None:
+    if swiglu_limit is not None and not isinstance(swiglu_limit, SwiGLU):  # (a SwiGLU checked itself)
         if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
-            raise TypeError(f"swiglu_limit must be None or a float, got {type(swiglu_limit).__name__}")
+            raise TypeError(f"swiglu_limit must be None or a float (or a mok_cute.SwiGLU), "
+                            f"got {type(swiglu_limit).__name__}")
         if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
             raise ValueError(f"swiglu_limit must be a positive finite float, got {swiglu_limit}")
     dev = x.device
@@ -87,14 +90,48 @@ def check_moe_inputs(x, topk_idx, topk_w, w_gate, w_up, w_down, shared, swiglu_l
             raise ValueError(f"topk_idx holds expert id {v}; ids must be -1 (no expert) or in [0, E = {n_exp})")
 
 
-def check_main_grads(main_grads, weights) -> None:
+def split_biases(w_gate, w_up, w_down):
+    """``((w_gate, w_up, w_down), biases)`` of :func:`mok_cute.moe`'s weight arguments: each a
+    tensor (biases None), or each a pair (weight, bias) -- all three or none -- (biases
+    ``(b_gate, b_up, b_down)``). Checks the form only (:func:`check_expert_biases` the biases)."""
+    pairs = [isinstance(w, (tuple, list)) for w in (w_gate, w_up, w_down)]
+    if not any(pairs):
+        return (w_gate, w_up, w_down), None
+    names = ("w_gate", "w_up", "w_down")
+    if not all(pairs):
+        raise TypeError("w_gate, w_up, w_down must all be tensors or all be (weight, bias) pairs (expert biases), "
+                        f"got pairs for {', '.join(n for n, q in zip(names, pairs) if q)} only")
+    for n, w in zip(names, (w_gate, w_up, w_down)):
+        if len(w) != 2:
+            raise TypeError(f"{n} must be a tensor or a (weight, bias) pair, got a sequence of length {len(w)}")
+    return (w_gate[0], w_up[0], w_down[0]), (w_gate[1], w_up[1], w_down[1])
+
+
+def check_expert_biases(biases, w_gate, w_down) -> None:
+    """The routed experts' biases of :func:`mok_cute.moe` (None, or (b_gate, b_up, b_down)):
+    bf16 (the weights' dtype) b_gate, b_up [E_local, I] and b_down [E_local, H], on the weights'
+    device (any strides: e.g. gpt-oss's interleaved ``gate_up_proj_bias[:, ::2]``)."""
+    if biases is None:
+        return
+    e_local, inter, h = w_gate.shape
+    names = ("b_gate (w_gate's bias)", "b_up (w_up's bias)", "b_down (w_down's bias)")
+    for n, b, want, what in zip(names, biases, ((e_local, inter), (e_local, inter), (e_local, h)),
+                                ("[E_local, I]", "[E_local, I]", "[E_local, H]")):
+        _tensor(n, b, (torch.bfloat16,), 2)
+        _shape(n, b, want, what)
+        if b.device != w_gate.device:
+            raise ValueError(f"{n} is on {b.device} but w_gate is on {w_gate.device}")
+
+
+def check_main_grads(main_grads, weights, biased: bool = False) -> None:
     """``main_grads`` of :func:`mok_cute.moe`: a tuple/list of fp32 tensors, one per weight in the
     order w_gate, w_up, w_down (then ws_gate, ws_up, ws_down with a shared expert, then
-    shared_gate with its output gate), each of its
-    weight's shape, contiguous, on its device."""
-    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "shared_gate")
+    shared_gate with its output gate, then b_gate, b_up, b_down with expert biases: ``biased``),
+    each of its weight's shape, contiguous, on its device."""
+    names = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "shared_gate")[:len(weights) - 3 * biased]
+    names += ("b_gate", "b_up", "b_down") if biased else ()
     if not isinstance(main_grads, (tuple, list)) or len(main_grads) != len(weights):
-        raise TypeError(f"main_grads must be a tuple of {len(weights)} fp32 tensors ({', '.join(names[:len(weights)])})"
+        raise TypeError(f"main_grads must be a tuple of {len(weights)} fp32 tensors ({', '.join(names)})"
                         f", got {type(main_grads).__name__} of length {len(main_grads) if hasattr(main_grads, '__len__') else '?'}")
     for name, g, w in zip(names, main_grads, weights):
         what = f"main_grads[{names.index(name)}] ({name})"

@@ -222,7 +222,29 @@ def _comm():
     return out
 
 
-FAMILIES = (_sm90_bf16, _sm90_fp8, _sm100, _quant, _comm)
+def _sm90_policy():
+    """SM90 kernels at non-default KernelPolicy tiles (mok_cute.layers.tiles): tile_n 128 (as many stages as fit)
+    and 2 stages at tile_n 256, on the fused kernels' fullest variants and the unfused dSwiGLU."""
+    from mok_cute.kernels.sm90 import fused_bwd as fb
+    from mok_cute.kernels.sm90 import fused_moe as fm
+    from mok_cute.kernels.sm90.grouped_gemm import compile_grouped_gemm
+    from mok_cute.kernels.sm90.mainloop import MN_MAJOR, MainloopConfig
+
+    out = {}
+    for tile_n, stages in ((128, 0), (256, 2)):
+        cfg, tag = MainloopConfig(tile_n=tile_n, stages=stages), f"n{tile_n}-s{stages}"
+        out[f"sm90/fused-fwd-clamp-shared-{tag}@sm_90a"] = (
+            lambda c=cfg: fm.compile_fused_forward(True, True, cfg=c, inspect=True))
+        out[f"sm90/fused-fwd-clamp-shared-mxfp8-{tag}@sm_90a"] = (
+            lambda c=cfg: fm.compile_fused_forward(True, True, mx=True, cfg=c, inspect=True))
+        out[f"sm90/fused-bwd-whole-clamp-{tag}@sm_90a"] = lambda c=cfg: fb.compile_fused_backward_core(
+            fb.BwdVariant(True, True, True, True, True, True), cfg=c, inspect=True)
+        out[f"sm90-bf16/dswiglu-clamp-{tag}@sm_90a"] = lambda c=cfg: compile_grouped_gemm(
+            "dswiglu", clamp=True, b_major=MN_MAJOR, cfg=c, inspect=True)
+    return out
+
+
+FAMILIES = (_sm90_bf16, _sm90_fp8, _sm100, _quant, _comm, _sm90_policy)
 
 
 def _sha(text: str) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,13 @@ OWN_FIELDS = ("precision", "trace")  # set by --precision and the trace step, no
 
 
 def parse_value(text: str):
-    """A ``--config`` value: ``none`` / ``true`` / ``false`` (any case), an int, a float, or the string."""
+    """A ``--config`` value: ``none`` / ``true`` / ``false`` (any case), an int, a float, a JSON object (``{...}``:
+    e.g. ``policy={"fused_forward": {"tile_n": 128}}``, a ``KernelPolicy``'s fields), or the string."""
+    if text.strip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: {text!r} is not a JSON object ({e})") from None
     low = text.strip().lower()
     if low in ("none", "null"):
         return None
@@ -99,8 +106,9 @@ def parser() -> argparse.ArgumentParser:
                     help="back-to-back forwards per timing (half as many forward + backward steps; default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="calls after the compiling one before timing (default 3)")
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a MoKConfig field of the mok_cute rows, e.g. forward_path=unfused (repeatable; "
-                         "validate_routing=false unless given)")
+                    help="a MoKConfig field of the mok_cute rows, e.g. forward_path=unfused or "
+                         "'policy={\"fused_forward\": {\"tile_n\": 128}}' (repeatable; validate_routing=false "
+                         "unless given)")
     ap.add_argument("--out", default="mok_bench_results", metavar="PREFIX",
                     help="write PREFIX.json and PREFIX.csv (default mok_bench_results)")
     ap.add_argument("--plot", default=None, metavar="DIR", help="write speedup.png and timeline.png into DIR")

@@ -16,13 +16,21 @@ forward and backward. The model's own block keeps everything around the experts:
 
 What the backend reads from the experts module, each call:
     * ``gate_up_proj``: [E, 2I, H] (``is_transposed`` False) or [E, H, 2I] (True), gate rows /
-      columns first, then up (``is_concatenated``); ``down_proj``: [E, H, I] or [E, I, H].
-      w_gate, w_up are the two halves of ``gate_up_proj`` and w_down is ``down_proj``, all as
-      views of the parameters (no copy here): gradients land in the parameters themselves.
-      The GPU kernels address the untransposed halves in place; a transposed layout has its
-      reduction dim strided, which mok_cute copies to a contiguous operand inside the layer
-      (:func:`mok_cute.dsl.host.weight_operand`), each call.
-    * ``act_fn``: must be SiLU (the layer's activation is SwiGLU: silu(gate) * up).
+      columns first, then up (``is_concatenated``), or gate and up interleaved (gate at even,
+      up at odd rows / columns: gpt-oss); ``down_proj``: [E, H, I] or [E, I, H].
+      w_gate, w_up are the two halves (or the even / odd rows) of ``gate_up_proj`` and w_down is
+      ``down_proj``, all as views of the parameters (no copy here): gradients land in the
+      parameters themselves. The GPU kernels address the untransposed halves in place; a
+      transposed or interleaved layout has its reduction dim strided, which mok_cute copies to a
+      contiguous operand inside the layer (:func:`mok_cute.dsl.host.weight_operand`), each call.
+    * with ``has_bias``: ``gate_up_proj_bias`` [E, 2I] (split as ``gate_up_proj``) and
+      ``down_proj_bias`` [E, H], views passed as mok_cute's expert biases (added before each
+      GEMM's rounding; the down bias inside the expert output the routing weight scales, as
+      transformers does).
+    * the activation: ``act_fn`` SiLU with transformers' default gate (silu(gate) * up), or
+      gpt-oss's own ``GptOssExperts._apply_gate`` (``(clamp(up, -limit, limit) + 1) *
+      gate * sigmoid(alpha * gate)``, gate clamped to <= limit; its ``alpha`` and ``limit`` read
+      from the module): :class:`mok_cute.SwiGLU` ``(limit, alpha, up_offset=1)``.
     * the hidden states [T, H], ``top_k_index`` [T, k] (int; expert ids of this module's
       experts) and ``top_k_weights`` [T, k] (any float dtype: passed as fp32, so their gradient
       flows back to the router through the cast). With transformers' expert parallelism
@@ -34,12 +42,13 @@ mok_cute always runs these calls at EP = 1 on the calling rank, also when torch.
 initialized (data parallelism, FSDP, transformers' own expert parallelism).
 
 What mok_cute cannot run raises, naming the experts class, the model type and the feature:
-a dtype other than bf16 (hidden states or weights) a TypeError; expert biases, interleaved
-gate/up, a model's own gated activation (``_apply_gate``, e.g. gpt-oss's clamped
-``(up + 1) * gate * sigmoid(1.702 * gate)``), an activation other than SiLU, experts without a
-gate, a post-expert norm, H or I not a multiple of 64 a NotImplementedError. With
-``fallback=True`` those layers run on transformers' ``grouped_mm`` backend instead, with one
-warning per experts class and reason.
+a dtype other than bf16 (hidden states, weights or biases) a TypeError; interleaved gate/up
+with the default activation, a model's own gated activation (``_apply_gate``) other than
+gpt-oss's, an activation other than SiLU, experts without a gate, a post-expert norm, H or I not
+a multiple of 64 a NotImplementedError. With ``fallback=True`` those layers run on
+transformers' ``grouped_mm`` backend instead, with one warning per experts class and reason.
+(gpt-oss runs on the reference backend; the GPU backends raise NotImplementedError for its
+activation's alpha / up offset and the biases until their kernels run them.)
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ import warnings
 import torch
 
 from ..config import MoKConfig
-from ..ops import moe
+from ..ops import SwiGLU, moe
 from ..validate import ALIGN
 
 
@@ -112,9 +121,12 @@ def _experts_forward(config: MoKConfig, fallback):
                 warnings.warn(f"{message}. Running it on transformers' grouped_mm backend (fallback=True)",
                               RuntimeWarning, stacklevel=2)
             return fallback(self, hidden_states, top_k_index, top_k_weights)
-        w_gate, w_up, w_down = expert_weights(self)
-        return moe(hidden_states, local_ids(self, top_k_index), top_k_weights.float(), w_gate, w_up, w_down,
-                   config=config, group=ONE_RANK)
+        routed = expert_weights(self)
+        biases = expert_biases(self)
+        if biases is not None:  # mok_cute.moe's (weight, bias) pairs
+            routed = tuple(zip(routed, biases))
+        return moe(hidden_states, local_ids(self, top_k_index), top_k_weights.float(), *routed,
+                   swiglu_limit=activation(self), config=config, group=ONE_RANK)
 
     return mok_cute_experts_forward
 
@@ -129,6 +141,8 @@ def unsupported(experts, hidden_states: torch.Tensor) -> tuple[type[Exception], 
         return NotImplementedError, f"mok_cute cannot run the experts of {who}: {'; '.join(features)}"
     dtypes = {"hidden states": hidden_states.dtype, "gate_up_proj": experts.gate_up_proj.dtype,
               "down_proj": experts.down_proj.dtype}
+    if experts.has_bias:
+        dtypes.update(gate_up_proj_bias=experts.gate_up_proj_bias.dtype, down_proj_bias=experts.down_proj_bias.dtype)
     if any(d != torch.bfloat16 for d in dtypes.values()):
         got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
         return TypeError, (f"mok_cute runs bfloat16 experts only, but {who} has {got}: load the model "
@@ -143,25 +157,27 @@ def describe(experts) -> str:
 
 
 def missing_features(experts) -> list[str]:
-    """What the experts module ``experts`` needs beyond mok_cute's layer (concatenated
-    [gate; up] without biases, silu(gate) * up, no post-expert norm, H and I multiples of
-    :data:`~mok_cute.validate.ALIGN`), one phrase each; empty when mok_cute runs it."""
+    """What the experts module ``experts`` needs beyond mok_cute's layer (gate and up
+    concatenated [gate; up] with silu(gate) * up, or interleaved with gpt-oss's activation;
+    biases or none; no post-expert norm; H and I multiples of :data:`~mok_cute.validate.ALIGN`),
+    one phrase each; empty when mok_cute runs it."""
     from transformers.integrations import moe as hf_moe
 
     out = []
+    gpt_oss = is_gpt_oss_gate(experts)
     if not experts.has_gate:
         out.append("experts without a gate (up_proj then act_fn; mok_cute runs silu(gate) * up)")
-    if experts.has_bias:
-        out.append("expert biases (gate_up_proj_bias, down_proj_bias)")
-    if not experts.is_concatenated:
-        out.append("gate and up interleaved in gate_up_proj (is_concatenated=False)")
+    if not experts.is_concatenated and not gpt_oss:
+        out.append("gate and up interleaved in gate_up_proj (is_concatenated=False) with silu(gate) * up")
+    if experts.is_concatenated and gpt_oss:
+        out.append("gpt-oss's activation (gate and up interleaved) on concatenated [gate; up] (is_concatenated=True)")
     if experts.has_post_expert_norm:
         out.append("a norm after each expert (has_post_expert_norm=True)")
-    if type(experts)._apply_gate is not hf_moe._default_apply_gate:
+    if type(experts)._apply_gate is not hf_moe._default_apply_gate and not gpt_oss:
         params = ", ".join(f"{a}={getattr(experts, a)}" for a in ("alpha", "limit") if hasattr(experts, a))
         out.append(f"its own gated activation {type(experts).__name__}._apply_gate"
-                   f"{f' ({params})' if params else ''} instead of silu(gate) * up")
-    elif experts.has_gate and not is_silu(getattr(experts, "act_fn", None)):
+                   f"{f' ({params})' if params else ''} instead of silu(gate) * up or gpt-oss's")
+    elif not gpt_oss and experts.has_gate and not is_silu(getattr(experts, "act_fn", None)):
         act = getattr(experts, "act_fn", None)
         hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
         out.append(f"the activation {type(act).__name__} (hidden_act {hidden_act!r}); mok_cute runs SiLU only")
@@ -180,15 +196,51 @@ def is_silu(act) -> bool:
     return isinstance(act, (torch.nn.SiLU, SiLUActivation)) or act is torch.nn.functional.silu
 
 
+_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+
+
+def is_gpt_oss_gate(experts) -> bool:
+    """Whether ``experts`` computes gpt-oss's gated activation: its class's ``_apply_gate`` is the
+    function transformers defines as ``GptOssExperts._apply_gate`` (gate / up interleaved, gate
+    clamped to <= limit, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``), not
+    one a subclass or a patch put in its place."""
+    fn = type(experts)._apply_gate
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _GPT_OSS_GATE
+
+
+def activation(experts) -> SwiGLU | None:
+    """The :class:`mok_cute.SwiGLU` of ``experts``: gpt-oss's ``(limit, alpha, up_offset=1)`` from
+    the module, else None (silu(gate) * up)."""
+    if not is_gpt_oss_gate(experts):
+        return None
+    return SwiGLU(experts.limit, experts.alpha, 1.0)
+
+
+def _split(gate_up: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) views of ``gate_up`` along dim 1: its halves, or its even / odd entries."""
+    if interleaved:
+        return gate_up[:, 0::2], gate_up[:, 1::2]
+    inter = gate_up.shape[1] // 2
+    return gate_up[:, :inter], gate_up[:, inter:]
+
+
 def expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I])``: views of the module's
-    ``gate_up_proj`` ([E, 2I, H], or [E, H, 2I] with ``is_transposed``; gate first) and
-    ``down_proj`` ([E, H, I], or [E, I, H] with ``is_transposed``), no copy."""
+    ``gate_up_proj`` ([E, 2I, H], or [E, H, 2I] with ``is_transposed``; gate first, or gate / up
+    interleaved when not ``is_concatenated``) and ``down_proj`` ([E, H, I], or [E, I, H] with
+    ``is_transposed``), no copy."""
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if experts.is_transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    inter = gate_up.shape[1] // 2
-    return gate_up[:, :inter], gate_up[:, inter:], down
+    return (*_split(gate_up, not experts.is_concatenated), down)
+
+
+def expert_biases(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(b_gate [E, I], b_up [E, I], b_down [E, H])``: views of the module's ``gate_up_proj_bias``
+    [E, 2I] (split as ``gate_up_proj``) and ``down_proj_bias`` [E, H], or None without biases."""
+    if not experts.has_bias:
+        return None
+    return (*_split(experts.gate_up_proj_bias, not experts.is_concatenated), experts.down_proj_bias)
 
 
 def local_ids(experts, top_k_index: torch.Tensor) -> torch.Tensor:

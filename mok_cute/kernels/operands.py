@@ -81,6 +81,9 @@ class FusedLaunch:
         can number): one slot per m-tile, no slot reused.
     trace: the kernel records one timestamped record per task (``mok_cute.trace``).
     mx: the MXFP8 forward (x's rows move as e4m3 + E8M0; the reference's MXFP8 numerics).
+    tile_n / stages: the GEMMs' tile width and ring of shared-memory stages (None: the arch's
+        default; the layer checks a policy's values per arch, ``mok_cute.layers.tiles``). Results do
+        not depend on them (each element's sum over K keeps its order).
     """
 
     comm_ctas: int
@@ -89,6 +92,8 @@ class FusedLaunch:
     ring_chunks: int | None = None
     trace: bool = False
     mx: bool = False
+    tile_n: int | None = None
+    stages: int | None = None
 
 
 class FusedForwardOut(NamedTuple):

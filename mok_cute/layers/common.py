@@ -159,5 +159,15 @@ def topk_w_grad(dy, slot_out, topk_idx):
 
 def ring_chunks(config, topk_idx) -> int:
     """Slots of 128 rows (the fused kernels' ``CHUNK``, one m-tile) in a fused forward's ring: the
-    routed rows of ``minibatch_tokens`` tokens at k slots each (``ceil(minibatch_tokens * k / 128)``)."""
-    return -(-config.minibatch_tokens * topk_idx.shape[1] // 128)
+    routed rows of the policy's ``minibatch_tokens`` tokens at k slots each
+    (``ceil(minibatch_tokens * k / 128)``)."""
+    return -(-config.kernel_policy.ring_tokens() * topk_idx.shape[1] // 128)
+
+
+def mlp_options(config) -> dict:
+    """An expert MLP's ``forward`` keywords for the call's ``config``: ``precision`` unless "bf16",
+    ``config`` where its policy sets tiles of the unfused GEMM1 / GEMM2 (else the MLP runs its own)."""
+    kw = {} if config.precision == "bf16" else {"precision": config.precision}
+    if any(config.kernel_policy.gemm(g).given() for g in ("gemm1", "gemm2")):
+        kw["config"] = config
+    return kw

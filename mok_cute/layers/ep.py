@@ -51,7 +51,7 @@ import torch
 
 from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.layers.common import (
-    EPState, ExpertGroup, ExpertWeights, shared_backward, shared_forward, topk_w_grad, whole_offsets,
+    EPState, ExpertGroup, ExpertWeights, mlp_options, shared_backward, shared_forward, topk_w_grad, whole_offsets,
 )
 from mok_cute.reference import MoEGrads
 
@@ -72,7 +72,7 @@ def forward(mlp, inp, group, ep: int, config, paths):
     ctas = config.comm_ctas_fwd(ep)
     if paths.forward is ForwardPath.FUSED:
         return _fused_forward(mlp, inp, (ws, plan), config, paths)
-    kw = {} if config.precision == "bf16" else {"precision": config.precision}
+    kw = mlp_options(config)
     if config.precision == "mxfp8":
         from mok_cute.kernels.quant.dequant_mxfp8 import dequantize_mxfp8
         from mok_cute.kernels.quant.quantize import quantize_mxfp8
@@ -119,7 +119,7 @@ def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
     from mok_cute.comm.combine import reverse_dispatch
     from mok_cute.comm.dispatch import dispatch, reverse_combine
 
-    ws, plan, ctas = st.ws, st.plan, st.config.comm_sms_bwd
+    ws, plan, ctas = st.ws, st.plan, st.config.comm_ctas_bwd()
     if st.paths.backward is not BackwardPath.UNFUSED:
         out = mlp.backward_fused_ep(st, dy)
         ws.check_status()
@@ -128,8 +128,8 @@ def backward(mlp, st: EPState, dy: torch.Tensor) -> MoEGrads:
         st.routed = replace(st.routed, x=dispatch(ws, st.x, plan, num_ctas=ctas))
     dyr = reverse_combine(ws, dy, plan, num_ctas=ctas)
     dy_rows = (dyr.float() * st.w_rows[:, None]).to(torch.bfloat16)
-    dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False)
-    dxs, d_shared = shared_backward(mlp, st.shared_group, dy, st.shared, st.limit)
+    dxr, dwg, dwu, dwd = mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False, config=st.config)
+    dxs, d_shared = shared_backward(mlp, st.shared_group, dy, st.shared, st.limit, config=st.config)
     dx = reverse_dispatch(ws, dxr, plan, dx_shared=dxs, num_ctas=ctas)
     dtw = topk_w_grad(dy, st.slot_out, st.topk_idx)
     ws.check_status()

@@ -23,8 +23,9 @@ the rows and their round trips in two launches over every SM first, the MLP's
 An expert MLP implementation has ``arch`` ("sm90", "sm100": its row of the path table),
 ``dim_multiple`` (precision -> what H, I, I_s must be multiples of), ``strided_weights``
 (its kernels address strided weights in place), ``fused_mx_prologue``,
-``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=]) -> (rows, ExpertGroup)``
-(``precision`` passed only when not "bf16"),
+``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=][, config=]) -> (rows, ExpertGroup)``
+(``precision`` passed only when not "bf16", ``config`` only when its policy sets the unfused
+GEMM1 / GEMM2 tiles: :func:`~mok_cute.layers.common.mlp_options`),
 ``backward(group, dy_rows, w_gate, w_up, w_down, limit, fused=, config=) -> (dx_rows, dWg, dWu,
 dWd)`` (in the group's precision; ``config`` the call's, its trace resolved) and, for the fused
 paths, ``fused_forward``, ``backward_tokens``, ``backward_fused`` (and at EP > 1
@@ -42,8 +43,9 @@ from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
+from mok_cute.layers import tiles
 from mok_cute.layers.common import (
-    ExpertGroup, ExpertWeights, LocalState, shared_backward, shared_forward, whole_offsets,
+    ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
@@ -57,6 +59,21 @@ def _gate(inp, s):
     if inp.shared_gate is None:
         return None
     return inp.shared_gate, shared_gate(_BF16, inp.x, inp.shared_gate), s, inp.x
+
+
+def kernel_refusals(inp) -> list[str]:
+    """The features of the layer inputs ``inp`` the arch kernels do not implement yet, one phrase
+    each (empty: none): the SwiGLU's alpha and up offset other than 1 and 0 (gpt-oss's
+    activation; its clamps alone run), the routed experts' biases."""
+    out = []
+    act = inp.activation
+    if act is not None and act.alpha != 1.0:
+        out.append(f"SwiGLU.alpha = {act.alpha} (swiglu_alpha; the kernels run alpha 1)")
+    if act is not None and act.up_offset != 0.0:
+        out.append(f"SwiGLU.up_offset = {act.up_offset} (swiglu_up_offset; the kernels run 0)")
+    if inp.biases is not None:
+        out.append("expert biases (b_gate, b_up, b_down)")
+    return out
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
@@ -104,7 +121,12 @@ class GroupedExpertBackend:
 
     def check(self, inp, config, group) -> P.Paths:
         """Raise for what this backend does not run, before any kernel; else the paths the call
-        runs (:func:`mok_cute.layers.paths.decide`)."""
+        runs (:func:`mok_cute.layers.paths.decide`), their kernels' tiles checked
+        (:func:`mok_cute.layers.tiles.check`: ValueError naming a policy field they cannot run)."""
+        refused = kernel_refusals(inp)
+        if refused:
+            raise NotImplementedError(f"mok_cute backend {self.name!r}: {'; '.join(refused)}: not implemented in "
+                                      "its kernels yet (the reference backend runs them: MoKConfig(backend='reference'))")
         ep, _ = _world(group)
         wired = P.precisions(self.mlp.arch)
         if config.precision not in wired:
@@ -112,9 +134,7 @@ class GroupedExpertBackend:
                                       f"is not wired yet ({', '.join(wired)} only)")
         call = P.Call.of(inp, config, ep)
         paths = P.decide(config, self.mlp.arch, call)
-        why = P.tiles_refusal(self.mlp.arch, paths, config, call)
-        if why is not None:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: {why}")
+        tiles.check(config.kernel_policy, self.mlp.arch, config.precision, paths.forward, paths.backward)
         h, inter = inp.x.shape[1], inp.w_gate.shape[1]
         sizes = [("H", h), ("I", inter)] + ([("I_s", inp.shared[0].shape[0])] if inp.shared else [])
         mult = self.mlp.dim_multiple[config.precision]
@@ -145,7 +165,7 @@ class GroupedExpertBackend:
         x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
         x_rows = x.index_select(0, order // k)
-        kw = {} if config.precision == "bf16" else {"precision": config.precision}
+        kw = mlp_options(config)
         r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
         slot_out = _scatter_slots(r, order, valid, t, k)
         s, shared_group = shared_forward(self.mlp, x, inp.shared, limit, **kw)
@@ -236,9 +256,10 @@ class GroupedExpertBackend:
         dx_gate, d_gate = gate
         t, k = st.topk_idx.shape
         dy_rows, dtw = self._rows(st, dy)
-        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False)
+        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False,
+                                               config=st.config)
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
-        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit)
+        dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, config=st.config)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         if dx_gate is not None:
             acc = acc + dx_gate

@@ -30,9 +30,10 @@ sm100   backward  FUSED_WHOLE  bf16, mxfp8 after FUSED; no            bf16, mxfp
 sm100   backward  UNFUSED      bf16, mxfp8 (default)                  bf16, mxfp8; no shared_gate (default)
 ======  ========  ===========  =====================================  ==========================================
 
-GEMM tile overrides (``MoKConfig.tile_*``): only ``tile_m`` 128 or 256 on SM100's fused paths
-(256: the ``cta_group::2`` kernels, CTA pairs on 256-row tiles); any other override raises
-NotImplementedError (:func:`tiles_refusal`), never silently ignored.
+The paths are the config's ``kernel_policy`` fields (``MoKConfig.forward_path`` /
+``backward_path`` or ``KernelPolicy``'s); the GEMM tiles and stages of the kernels each path runs
+are checked by :func:`mok_cute.layers.tiles.check` (ValueError naming the field and the allowed
+values, never silently ignored).
 
 So the defaults are: SM90 FUSED both ways where the table allows it, else UNFUSED (fp8_block
 runs unfused: that is its default, not an error); SM100 UNFUSED both ways at EP = 1 (its fused
@@ -70,11 +71,9 @@ class Runs:
     default: bool = True
     not_with: tuple[tuple[str, tuple[str, ...]], ...] = ()
     after_fused_forward: bool = False
-    tile_m: tuple[int, ...] = ()  # the MoKConfig.tile_m values it takes (none: no tile override)
 
 
 _NO_GATE = (("shared_gate", ALL),)
-_SM100_TILE_M = (128, 256)
 _EP_FUSED_BWD = Runs(BF16_MX, not_with=_NO_GATE, after_fused_forward=True)  # one launch per rank
 
 TABLE: dict[str, dict[str, dict]] = {
@@ -92,18 +91,18 @@ TABLE: dict[str, dict[str, dict]] = {
             BackwardPath.UNFUSED: {EP1: Runs(ALL), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
         },
     },
-    "sm100": {  # the fused kernels take tile_m 128 or 256 (cta_group::2)
+    "sm100": {
         "forward": {
-            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, tile_m=_SM100_TILE_M),
-                                EPN: Runs(BF16_MX, default=False, not_with=_NO_GATE, tile_m=_SM100_TILE_M)},
+            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False),
+                                EPN: Runs(BF16_MX, default=False, not_with=_NO_GATE)},
             ForwardPath.UNFUSED: {EP1: Runs(BF16_MX), EPN: Runs(BF16_MX, default=False, not_with=_NO_GATE)},
         },
         "backward": {
-            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, tile_m=_SM100_TILE_M),
-                                 EPN: replace(_EP_FUSED_BWD, default=False, tile_m=_SM100_TILE_M)},
+            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False),
+                                 EPN: replace(_EP_FUSED_BWD, default=False)},
             BackwardPath.FUSED_WHOLE: {
-                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE, after_fused_forward=True, tile_m=_SM100_TILE_M),
-                EPN: replace(_EP_FUSED_BWD, default=False, tile_m=_SM100_TILE_M)},
+                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE, after_fused_forward=True),
+                EPN: replace(_EP_FUSED_BWD, default=False)},
             BackwardPath.UNFUSED: {EP1: Runs(BF16_MX), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
         },
     },
@@ -203,27 +202,12 @@ def _choose(arch: str, pass_: str, asked, call: Call, forward: ForwardPath | Non
 
 def decide(config: MoKConfig, arch: str, call: Call) -> Paths:
     """The forward and the backward path of one layer call on ``arch`` ("sm90", "sm100"): the
-    config's ``forward_path`` / ``backward_path`` where given (NotImplementedError naming the
-    path, arch, precision and feature when the table does not allow it), else the arch's
-    default (see the module docstring). Runs on any machine: it reads no device."""
-    forward = _choose(arch, "forward", config.forward_path, call, None)
-    return Paths(forward, _choose(arch, "backward", config.backward_path, call, forward))
-
-
-def tiles_refusal(arch: str, paths: Paths, config: MoKConfig, call: Call) -> str | None:
-    """Why ``config``'s GEMM tile overrides do not apply to the call's decided ``paths`` (None:
-    none given, or a decided path takes each): only ``tile_m`` is selectable, on the paths whose
-    table entry lists its value (each such path runs with it; the others have their own tiles)."""
-    given = {n: getattr(config, n) for n in ("tile_m", "tile_n", "tile_k") if getattr(config, n) is not None}
-    if not given:
-        return None
-    entries = (runs(arch, "forward", paths.forward, call.ep), runs(arch, "backward", paths.backward, call.ep))
-    takes = {m for r in entries if r is not None for m in r.tile_m}
-    if set(given) == {"tile_m"} and given["tile_m"] in takes:
-        return None
-    where = f"tile_m {', '.join(map(str, sorted(takes)))} on these paths" if takes else "none on these paths"
-    return (f"GEMM tile overrides {given} are not selectable yet for forward_path={paths.forward.name}, "
-            f"backward_path={paths.backward.name} ({where}; leave MoKConfig tile_* as None for the tuned tiles)")
+    config's (``kernel_policy``'s) ``forward_path`` / ``backward_path`` where given
+    (NotImplementedError naming the path, arch, precision and feature when the table does not allow
+    it), else the arch's default (see the module docstring). Runs on any machine: it reads no device."""
+    policy = config.kernel_policy
+    forward = _choose(arch, "forward", policy.forward_path, call, None)
+    return Paths(forward, _choose(arch, "backward", policy.backward_path, call, forward))
 
 
 def decide_expert_mlp(config: MoKConfig, arch: str, call: Call) -> BackwardPath:
@@ -231,7 +215,7 @@ def decide_expert_mlp(config: MoKConfig, arch: str, call: Call) -> BackwardPath:
     backward core, one launch) or UNFUSED (the separate kernels), as :func:`decide` picks them
     after an unfused forward; its forward is the arch's grouped GEMMs (``forward_path`` is the
     routed layer's and does not apply; FUSED_WHOLE needs the layer's routing and is refused)."""
-    return _choose(arch, "backward", config.backward_path, call, ForwardPath.UNFUSED)
+    return _choose(arch, "backward", config.kernel_policy.backward_path, call, ForwardPath.UNFUSED)
 
 
 _TRACED: dict[tuple[str, bool], MoKConfig] = {}

@@ -27,9 +27,12 @@ _announced: set[str] = set()
 @dataclass
 class MoEInputs:
     """The arguments of one layer call (weights are this rank's local slice; shapes and dtypes:
-    :func:`mok_cute.moe`): ``shared`` (ws_gate, ws_up, ws_down) or None, ``shared_gate`` [1, H]
-    the shared expert's output gate or None, ``main_grads`` the fp32 buffers the backward adds
-    the weight gradients into, or None."""
+    :func:`mok_cute.moe`): ``shared`` (ws_gate, ws_up, ws_down) or None, ``swiglu_limit`` the
+    activation's clamp limit L or None, ``shared_gate`` [1, H] the shared expert's output gate or
+    None, ``main_grads`` the fp32 buffers the backward adds the weight gradients into, or None,
+    ``activation`` the whole :class:`~mok_cute.reference.SwiGLU` (its limit is ``swiglu_limit``)
+    when its alpha or up offset is not the default, else None (silu(g) * u), ``biases`` the
+    routed experts' (b_gate, b_up [E_local, I], b_down [E_local, H]) bf16 or None."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -41,6 +44,8 @@ class MoEInputs:
     swiglu_limit: float | None
     shared_gate: torch.Tensor | None = None
     main_grads: tuple | None = None
+    activation: reference.SwiGLU | None = None
+    biases: tuple | None = None
 
 
 def select_backend(device: torch.device, config: MoKConfig) -> str:
@@ -71,15 +76,17 @@ def _announce(msg: str) -> None:
 
 
 class ReferenceBackend:
-    """The executable specification (mok_cute.reference), any device, bf16 and mxfp8."""
+    """The executable specification (mok_cute.reference), any device, every precision, every
+    feature (the shared expert's output gate, the SwiGLU's alpha / up offset, expert biases)."""
 
     name = "reference"
     shared_gate = True  # runs the shared expert's output gate
 
     def forward(self, inp: MoEInputs, config: MoKConfig, group):
+        act = inp.swiglu_limit if inp.activation is None else inp.activation
         return reference.moe_forward(inp.x, inp.topk_idx, inp.topk_w, inp.w_gate, inp.w_up,
-                                     inp.w_down, inp.shared, inp.swiglu_limit, config.precision,
-                                     group, inp.shared_gate)
+                                     inp.w_down, inp.shared, act, config.precision,
+                                     group, inp.shared_gate, inp.biases)
 
     def backward(self, state, dy: torch.Tensor, main_grads=None) -> reference.MoEGrads:
         """(``main_grads`` is the caller's to accumulate into: every gradient is returned.)"""

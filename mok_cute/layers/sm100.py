@@ -113,30 +113,33 @@ FUSED_BWD_TIMEOUT_S = 30.0  # the fused backward core's bounded waits (the sm90 
 FUSED_CORE_PRECISIONS = ("bf16", "mxfp8")  # the fused backward core's (fused_bwd: BF16 and its mx variant)
 
 
-def fused_tile_m(config) -> int:
-    """The SM100 fused kernels' tile rows for ``config``: its ``tile_m``, 128 (None: the default,
-    ``cta_group::1``) or 256 (``cta_group::2``: CTA pairs run 256-row tiles); ValueError naming
-    ``tile_m`` and the allowed values otherwise. ``config`` None: 128."""
+def fused_tile_m(config, gemm: str = "fused_backward") -> int:
+    """The SM100 fused kernel ``gemm``'s ("fused_forward" or "fused_backward") tile rows for ``config``:
+    its policy's ``tile_m`` (``policy.<gemm>.tile_m``, else ``policy.tiles.tile_m``: ``MoKConfig.tile_m``),
+    128 (None: the default, ``cta_group::1``) or 256 (``cta_group::2``: CTA pairs run 256-row tiles);
+    ValueError naming ``tile_m`` and the allowed values otherwise. ``config`` None: 128."""
     from mok_cute.kernels.sm100.fused_moe import check_tile_m
 
-    tile_m = 128 if config is None or config.tile_m is None else config.tile_m
+    tile_m = None if config is None else config.kernel_policy.gemm(gemm).tile_m
+    tile_m = 128 if tile_m is None else tile_m
     check_tile_m(tile_m)
     return tile_m
 
 
 def fused_launch(config, mx: bool, comm_ctas: int, timeout_s: float, num_ctas: int | None = None,
-                 ring: int | None = None):
+                 ring: int | None = None, gemm: str = "fused_backward"):
     """The SM100 megakernels' launch policy (:class:`~mok_cute.kernels.sm100.fused_moe.Sm100Launch`)
     of one call with ``config`` (None: the defaults): ``comm_ctas``, ``timeout_s``, the grid
     ``num_ctas`` (None: every SM), the forward's ``ring`` chunks, ``mx`` (MXFP8 weight scales are
-    given), ``config.trace`` (resolved by the layer: a bool), :func:`fused_tile_m`, and the EP > 1
+    given), ``config.trace`` (resolved by the layer: a bool), :func:`fused_tile_m` of ``gemm`` (the
+    launch's kernel: "fused_forward" or "fused_backward"), and the EP > 1
     push by ``cp.async.bulk`` where ``config.comm_transport`` is "bulk" (the kernels ignore it at
     EP = 1). R1's rows are always gathered by the comm CTAs (``gather="comm"``): the TMA gather4
     variant has never been measured against it (no Blackwell GPU), so no config field selects it."""
     from mok_cute.kernels.sm100.fused_moe import Sm100Launch
 
     return Sm100Launch(comm_ctas, timeout_s, num_ctas, ring, bool(config is not None and config.trace), mx,
-                       tile_m=fused_tile_m(config),
+                       tile_m=fused_tile_m(config, gemm),
                        bulk_push=config is not None and config.comm_transport == "bulk")
 
 
@@ -176,7 +179,7 @@ class Sm100ExpertMLP:
 
         weights, shared, scales = self._fused_weights(config, w_gate, w_up, w_down, shared)
         launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(1), config.device_timeout_s,
-                              ring=ring_chunks(config, topk_idx))
+                              ring=ring_chunks(config, topk_idx), gemm="fused_forward")
         out = fused.fused_forward(x, RoutePlan(order, offsets, topk_idx, topk_w), weights,
                                   SharedExpert.of(shared, gate), limit, launch, scales, interleave=self._interleaved)
         watch_status(out.counters[-1], first=config.validate_routing)
@@ -194,7 +197,7 @@ class Sm100ExpertMLP:
 
         weights, shared, scales = self._fused_weights(config, w_gate, w_up, w_down, shared)
         launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(ws.EP), config.device_timeout_s,
-                              num_ctas, ring_chunks(config, topk_idx))
+                              num_ctas, ring_chunks(config, topk_idx), gemm="fused_forward")
         out = fused.fused_forward(x, RoutePlan(plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w), weights,
                                   SharedExpert.of(shared), limit, launch, scales, ws=ws, interleave=self._interleaved)
         return (*out[:6], out.w_rows)
@@ -230,8 +233,9 @@ class Sm100ExpertMLP:
         """MXFP8 of a weight along ``axis``, quantized once while the weight is unchanged."""
         return self.weights.get(("mxfp8", axis), (w,), lambda t: quantize_weight(t, axis))
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
-        """(rows [M, H], ExpertGroup) for expert-grouped x_rows."""
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None):
+        """(rows [M, H], ExpertGroup) for expert-grouped x_rows (``config``: the call's; its policy's
+        unfused tiles are the kernels' own here, the layer's check allows no other)."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if precision == "mxfp8":
@@ -298,7 +302,7 @@ class Sm100ExpertMLP:
         gradients returned; ``main_grads`` then takes the routed three)."""
         g, dy, x, r_rows, (w_gate, w_up, w_down) = whole_backward_operands(st, dy)
         order, topk_w, topk_idx, limit, rows_by_route = st.order, st.topk_w, st.topk_idx, st.limit, st.rows_by_route
-        comm_ctas, shared_group, shared = st.config.comm_sms_bwd, st.shared_group, st.shared
+        comm_ctas, shared_group, shared = st.config.comm_ctas_bwd(), st.shared_group, st.shared
         from mok_cute.kernels.operands import RoutePlan
         from mok_cute.kernels.sm100.fused_bwd import ForwardSaved, fused_backward
 
@@ -330,7 +334,7 @@ class Sm100ExpertMLP:
         ws, plan, g, x, w_rows, topk_idx = st.ws, st.plan, contiguous_group(st.routed), st.x, st.w_rows, st.topk_idx
         w_gate, w_up, w_down = st.weights
         limit, shared_group, shared = st.limit, st.shared_group, st.shared
-        comm_ctas, num_ctas = st.config.comm_sms_bwd, ws.grid_ctas
+        comm_ctas, num_ctas = st.config.comm_ctas_bwd(), ws.grid_ctas
         dy, x, slot_rows = dy.contiguous(), x.contiguous(), st.slot_out.contiguous()
         t, k = topk_idx.shape
         from mok_cute.kernels.operands import RoutePlan

@@ -34,6 +34,7 @@ runs when called (none hands back None to ask for another path).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -93,10 +94,33 @@ def _mx_tokens(x, offs32):
 
 
 # ----------------------------------------------------------------------------- FP8 blockwise
+def _tiles(config, gemm: str) -> dict:
+    """``tile_n`` and ``stages`` of GEMM ``gemm`` (``mok_cute.policy.GEMMS``) under the call's ``config``
+    (its ``kernel_policy``, checked by the layer: SM90 runs tile_m and tile_k at their defaults only), as
+    the launches take them (None: the kernel's default); none for ``config`` None."""
+    if config is None:
+        return {}
+    t = config.kernel_policy.gemm(gemm)
+    return {"tile_n": t.tile_n, "stages": t.stages}
+
+
+def _with_tiles(run, config, gemm: str):
+    """The unfused GEMM ``gemm``'s run function ``run`` with the mainloop of the call's ``config`` (``cfg=``),
+    or ``run`` itself where the policy leaves that GEMM's tiles to the kernel (the call as it always was)."""
+    from mok_cute.kernels.sm90.mainloop import launch_config
+
+    tiles = _tiles(config, gemm)
+    if all(v is None for v in tiles.values()):
+        return run
+    return functools.partial(run, cfg=launch_config(**tiles))
+
+
 def _core_launch(launch_cls, g: ExpertGroup, config):
     """The fused backward core's launch for group ``g`` under the call's ``config`` (None: defaults):
-    its device timeout and resolved trace flag, MXFP8 by the group's precision."""
-    extra = {} if config is None else dict(timeout_s=config.device_timeout_s, trace=bool(config.trace))
+    its device timeout, resolved trace flag and the policy's fused backward tiles, MXFP8 by the group's
+    precision."""
+    extra = {} if config is None else dict(timeout_s=config.device_timeout_s, trace=bool(config.trace),
+                                           **_tiles(config, "fused_backward"))
     return launch_cls(mx=g.precision == "mxfp8", **extra)
 
 
@@ -134,18 +158,21 @@ class Sm90ExpertMLP:
     def __init__(self):
         self.weights = WeightCache()
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16"):
-        """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``."""
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None):
+        """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``; ``config``: the call's,
+        whose policy's GEMM1 / GEMM2 tiles the BF16 kernels run (None: their defaults; fp8_block: its own)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         if precision not in self.precisions:
             raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
         _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, self.dim_multiple[precision])
+        gemm1 = _with_tiles(fwd._run_gemm1_swiglu, config, "gemm1")
+        gemm2 = _with_tiles(fwd._run_gemm, config, "gemm2")
         if precision == "mxfp8":
-            return self._mx_forward(fwd, x_rows, offsets, w_gate, w_up, w_down, limit)
+            return self._mx_forward((gemm1, gemm2), x_rows, offsets, w_gate, w_up, w_down, limit)
         if precision == "fp8_block":
             return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
-        return mlp_forward(fwd._run_gemm1_swiglu, fwd._run_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
+        return mlp_forward(gemm1, gemm2, x_rows, offsets, w_gate, w_up, w_down, limit)
 
     def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
                       gate=None):
@@ -163,7 +190,8 @@ class Sm90ExpertMLP:
             args[0], fused.RoutePlan(order, offsets, topk_idx, topk_w), fused.ExpertWeights(*args[1:4]),
             fused.SharedExpert.of(args[4], gate), limit,
             fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s,
-                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx))
+                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx,
+                              **_tiles(config, "fused_forward")))
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:7]
 
@@ -180,7 +208,8 @@ class Sm90ExpertMLP:
             args[0], fused.RoutePlan(plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w),
             fused.ExpertWeights(*args[1:4]), fused.SharedExpert.of(args[4]), limit,
             fused.FusedLaunch(config.comm_ctas_fwd(ws.EP), config.device_timeout_s, num_ctas=num_ctas,
-                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx), ws=ws)
+                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx,
+                              **_tiles(config, "fused_forward")), ws=ws)
         return (*out[:6], out[8])
 
     def _fused_operands(self, x, offsets, w_gate, w_up, w_down, shared, limit, config):
@@ -206,7 +235,8 @@ class Sm90ExpertMLP:
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands
         were validated by forward, only dy is new. ``fused``: one launch of the fused backward
         core (BF16, MXFP8: its mx variant; the backward path FUSED), else the separate kernels
-        (bitwise the same). ``config``: the call's (its ``trace`` resolved by the layer), or None."""
+        (bitwise the same). ``config``: the call's (its ``trace`` resolved by the layer; its policy's tiles
+        of the kernels that run), or None."""
         from mok_cute.kernels.sm90 import expert_bwd as bwd
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
@@ -222,10 +252,11 @@ class Sm90ExpertMLP:
             return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                        self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                        _core_launch(BackwardLaunch, g, config))
+        kernels = tuple(_with_tiles(f, config, n) for f, n in (
+            (bwd._run_dswiglu_dgrad, "dgrad2"), (bwd._run_dgrad1, "dgrad1"), (bwd._run_wgrad, "wgrad")))
         if g.precision == "mxfp8":
-            return self._mx_backward(bwd, g, dy_rows, w_gate, w_up, w_down, limit)
-        return mlp_backward(bwd._run_dswiglu_dgrad, bwd._run_dgrad1, bwd._run_wgrad, g, dy_rows, w_gate, w_up,
-                            w_down, limit)
+            return self._mx_backward(kernels, g, dy_rows, w_gate, w_up, w_down, limit)
+        return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
                         config=None, mx_dyt=None):
@@ -295,14 +326,15 @@ class Sm90ExpertMLP:
 
         g, dy, x, r_rows, (w_gate, w_up, w_down) = whole_backward_operands(st, dy)
         order, topk_w, topk_idx, limit, rows_by_route = st.order, st.topk_w, st.topk_idx, st.limit, st.rows_by_route
-        comm_ctas, shared_group, shared = st.config.comm_sms_bwd, st.shared_group, st.shared
+        comm_ctas, shared_group, shared = st.config.comm_ctas_bwd(), st.shared_group, st.shared
+        tiles = _tiles(st.config, "fused_backward")
         mx = g.precision == "mxfp8"
         if mx:  # the shared expert's backward first, its dx the slot sum's start (as at EP > 1)
             dxs, d_shared = shared_backward(self, shared_group, dy, shared, limit, True, st.config)
             out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
                                  RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
                                  self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                 BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, mx=True),
+                                 BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, mx=True, **tiles),
                                  None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
@@ -310,7 +342,8 @@ class Sm90ExpertMLP:
             main_grads = None  # the caller adds them
         out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
                              RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
-                             (w_gate, w_up, w_down), limit, BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace),
+                             (w_gate, w_up, w_down), limit,
+                             BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, **tiles),
                              shared=sh, main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
@@ -328,7 +361,8 @@ class Sm90ExpertMLP:
         ws, plan, g, x, w_rows, topk_idx = st.ws, st.plan, contiguous_group(st.routed), st.x, st.w_rows, st.topk_idx
         w_gate, w_up, w_down = st.weights
         limit, shared_group, shared = st.limit, st.shared_group, st.shared
-        comm_ctas, num_ctas = st.config.comm_sms_bwd, ws.grid_ctas
+        comm_ctas, num_ctas = st.config.comm_ctas_bwd(), ws.grid_ctas
+        tiles = _tiles(st.config, "fused_backward")
         dy, x = dy.contiguous(), x.contiguous()
         mx = g.precision == "mxfp8"
         slots = st.slot_out.contiguous().reshape(-1, dy.shape[1])
@@ -337,12 +371,13 @@ class Sm90ExpertMLP:
             out = fused_backward_ep(ws, plan, BackwardInputs(dy, x, slots, g.gu, g.h), w_rows, topk_idx,
                                     self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                     BackwardLaunch(num_ctas=num_ctas, comm_ctas=comm_ctas, trace=st.config.trace,
-                                                   mx=True), dx_shared=None if dxs is None else dxs.contiguous())
+                                                   mx=True, **tiles),
+                                    dx_shared=None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
         out = fused_backward_ep(ws, plan, BackwardInputs(dy, x, slots, g.gu, g.h), w_rows, topk_idx,
                                 (w_gate, w_up, w_down), limit,
-                                BackwardLaunch(num_ctas=num_ctas, comm_ctas=comm_ctas, trace=st.config.trace),
+                                BackwardLaunch(num_ctas=num_ctas, comm_ctas=comm_ctas, trace=st.config.trace, **tiles),
                                 shared=sh)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
@@ -350,22 +385,25 @@ class Sm90ExpertMLP:
     def _mx_weight(self, w, axis):
         return self.weights.get(("mxfp8", axis), (w,), lambda t: _mx_dequant_weight(t, axis))
 
-    def _mx_forward(self, fwd, x_rows, offsets, w_gate, w_up, w_down, limit):
-        gu, h = fwd._run_gemm1_swiglu(_mx_rows(x_rows), offsets, self._mx_weight(w_gate, 2), self._mx_weight(w_up, 2),
-                                      limit)
-        out = fwd._run_gemm(_mx_rows(h), offsets, self._mx_weight(w_down, 2))
+    def _mx_forward(self, gemms, x_rows, offsets, w_gate, w_up, w_down, limit):
+        """The MXFP8 forward on the BF16 ``gemms`` (GEMM1 + SwiGLU, GEMM2) over the operands' round trips."""
+        gemm1, gemm2 = gemms
+        gu, h = gemm1(_mx_rows(x_rows), offsets, self._mx_weight(w_gate, 2), self._mx_weight(w_up, 2), limit)
+        out = gemm2(_mx_rows(h), offsets, self._mx_weight(w_down, 2))
         return out, ExpertGroup(x_rows, offsets, gu, h, "mxfp8")
 
-    def _mx_backward(self, bwd, g, dy_rows, w_gate, w_up, w_down, limit):
+    def _mx_backward(self, kernels, g, dy_rows, w_gate, w_up, w_down, limit):
+        """The MXFP8 backward on the BF16 ``kernels`` (dgrad2 + dSwiGLU, dgrad1, wgrad) over the round trips."""
+        dswiglu_dgrad, dgrad1, wgrad = kernels
         inter = w_gate.shape[1]
-        dgu = bwd._run_dswiglu_dgrad(_mx_rows(dy_rows), g.offsets, self._mx_weight(w_down, 1), g.gu, limit)
-        dx = bwd._run_dgrad1(_mx_rows(dgu), g.offsets, self._mx_weight(w_gate, 1), self._mx_weight(w_up, 1))
+        dgu = dswiglu_dgrad(_mx_rows(dy_rows), g.offsets, self._mx_weight(w_down, 1), g.gu, limit)
+        dx = dgrad1(_mx_rows(dgu), g.offsets, self._mx_weight(w_gate, 1), self._mx_weight(w_up, 1))
         offs32 = offsets_i32(g.offsets)
         dy_t, h_t = _mx_tokens(dy_rows, offs32), _mx_tokens(g.h, offs32)
         dgu_t, x_t = _mx_tokens(dgu, offs32), _mx_tokens(g.x, offs32)
-        dwd = bwd._run_wgrad(dy_t, h_t, g.offsets)
-        dwg = bwd._run_wgrad(dgu_t[:, :inter], x_t, g.offsets)
-        dwu = bwd._run_wgrad(dgu_t[:, inter:], x_t, g.offsets)
+        dwd = wgrad(dy_t, h_t, g.offsets)
+        dwg = wgrad(dgu_t[:, :inter], x_t, g.offsets)
+        dwu = wgrad(dgu_t[:, inter:], x_t, g.offsets)
         return dx, dwg, dwu, dwd
 
     # ------------------------------------------------------------------ FP8 blockwise

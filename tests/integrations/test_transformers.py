@@ -12,6 +12,16 @@ experts in bf16 than in float32 for a few tokens (measured with 4-8 experts, top
 256 per layer), which moves gradients by up to 20% whatever the experts backend. Sparse routing
 (k < E) is compared at the experts module (:func:`test_sparse_routing_matches_fp32_eager`;
 measured ~0.4%, tolerance 1.5e-2).
+
+gpt-oss (gate / up interleaved in a transposed ``gate_up_proj``, biases, its clamped
+``(up + 1) * gate * sigmoid(1.702 * gate)``) runs through ``mok_cute.SwiGLU`` and the expert
+biases; its zero-initialized biases are drawn N(0, 0.1) here so that they matter. Measured:
+logits 0.9%, the worst gradient (the router's bias) 3.5% (transformers' eager experts in bf16:
+1.0%, 3.1%). At its limit 7 no clamp acts in these tiny models; at limit 1 (10-20% of gate / up
+clamped) the whole model's router-bias gradient moves ~10% whatever the experts backend in bf16
+(values on either side of the limit in bf16 and float32), so the clamps are compared at the
+experts module (:func:`test_gpt_oss_clamps_match_fp32_eager`: measured <= 1.1%, tolerance 1.5e-2)
+and exactly in tests/reference.
 """
 from __future__ import annotations
 
@@ -54,8 +64,9 @@ MODELS = {
     "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=4, eos_token_id=2),
     # gate_up_proj [E, H, 2I], down_proj [E, I, H] (is_transposed), and shared experts
     "aria_text": dict(intermediate_size=64, moe_num_experts=4, moe_topk=4, moe_num_shared_experts=1),
+    # gate_up_proj [E, H, 2I] interleaved (gate even, up odd) and transposed, biases, alpha 1.702, limit 7
+    "gpt_oss": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=4),
 }
-GPT_OSS = dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,6 +84,10 @@ def _fp32_model(model_type: str, **overrides):
     cfg = AutoConfig.for_model(model_type, **{**COMMON, **MODELS.get(model_type, {}), **overrides})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager")
     with torch.no_grad():
+        for m in _experts_of(model):  # expert biases (gpt-oss) start at zero: draw them
+            if m.has_bias:
+                m.gate_up_proj_bias.normal_(0.0, 0.1)
+                m.down_proj_bias.normal_(0.0, 0.1)
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
     return model
@@ -161,7 +176,22 @@ def test_the_tolerances_catch_a_wrong_layout_and_a_lost_router_gradient():
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_sparse_routing_matches_fp32_eager(model_type):
     """The first experts module alone, each token routed to 2 of its 4 experts: output and the
-    gradients of the hidden states, routing weights and both weight tensors vs float32 eager."""
+    gradients of the hidden states, routing weights and both weight tensors (and the biases)
+    vs float32 eager."""
+    _sparse_errors_within(_fp32_model(model_type), SPARSE_TOL)
+
+
+def test_gpt_oss_clamps_match_fp32_eager():
+    """gpt-oss's experts with limit 1 (10-20% of the gate / up values clamped), sparse routing:
+    as :func:`test_sparse_routing_matches_fp32_eager`."""
+    model = _fp32_model("gpt_oss", swiglu_limit=1.0)
+    module = _experts_of(model)[0]
+    gu = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) @ module.gate_up_proj[0].detach()
+    assert (gu[:, 0::2] > 1.0).float().mean() > 0.05 and (gu[:, 1::2].abs() > 1.0).float().mean() > 0.05
+    _sparse_errors_within(model, SPARSE_TOL)
+
+
+def _sparse_errors_within(model, tol):
     g = torch.Generator().manual_seed(2)
     t, k = 64, 2
     x = torch.randn(t, 64, generator=g).bfloat16()
@@ -170,14 +200,18 @@ def test_sparse_routing_matches_fp32_eager(model_type):
     dy = torch.randn(t, 64, generator=g).bfloat16()
     runs = []
     for dtype, experts in ((torch.float32, "eager"), (torch.bfloat16, "mok_cute")):
-        module = _experts_of(_copy(_fp32_model(model_type), dtype, experts))[0]
+        module = _experts_of(_copy(model, dtype, experts))[0]
         xx, ww = (v.to(dtype).detach().clone().requires_grad_() for v in (x, w))
         y = module(xx, idx, ww)
         y.backward(dy.to(dtype))
         grads = (xx.grad, ww.grad, module.gate_up_proj.grad, module.down_proj.grad)
+        if module.has_bias:
+            grads += (module.gate_up_proj_bias.grad, module.down_proj_bias.grad)
         runs.append([v.detach().float() for v in (y, *grads)])
-    for name, a, b in zip(("y", "dx", "d topk_w", "d gate_up_proj", "d down_proj"), runs[1], runs[0]):
-        assert rel_l1(a, b) <= SPARSE_TOL, name
+    names = ("y", "dx", "d topk_w", "d gate_up_proj", "d down_proj", "d gate_up_proj_bias", "d down_proj_bias")
+    assert len(runs[1]) == len(runs[0]) >= 5
+    for name, a, b in zip(names, runs[1], runs[0]):
+        assert rel_l1(a, b) <= tol, name
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "aria_text"])
@@ -220,17 +254,56 @@ def test_expert_parallel_sentinels_are_no_expert():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_gpt_oss_raises_naming_its_activation():
-    model = _copy(_fp32_model("gpt_oss", **GPT_OSS), torch.bfloat16, "mok_cute")
+def test_gpt_oss_reaches_the_layer_as_interleaved_views_with_its_activation(monkeypatch):
+    """gpt-oss's experts: mok_cute.moe gets (weight, bias) pairs of views -- gate / up the even /
+    odd columns of the transposed gate_up_proj and of gate_up_proj_bias, down_proj transposed,
+    down_proj_bias -- and SwiGLU(limit 7, alpha 1.702, up_offset 1) from the module; the
+    gradients land in the four parameters."""
+    seen = []
+    monkeypatch.setattr(mok_hf, "moe", lambda *a, **kw: seen.append((a, kw)) or mok_cute.moe(*a, **kw))
+    model = _copy(_fp32_model("gpt_oss"), torch.bfloat16, "mok_cute")
+    _step(model)
+    experts = _experts_of(model)
+    assert len(seen) == len(experts) == 2
+    for (args, kw), module in zip(seen, experts):
+        (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = args[3:]
+        gate_up, bias = module.gate_up_proj, module.gate_up_proj_bias
+        assert torch.equal(w_gate, gate_up.transpose(1, 2)[:, 0::2]) and torch.equal(w_up, gate_up.transpose(1, 2)[:, 1::2])
+        assert w_gate.data_ptr() == gate_up.data_ptr() and w_up.data_ptr() == gate_up.data_ptr() + gate_up.element_size()
+        assert w_gate.shape == w_up.shape == (4, 64, 64) and w_gate.stride() == (64 * 128, 2, 128)
+        assert torch.equal(w_down, module.down_proj.transpose(1, 2)) and w_down.data_ptr() == module.down_proj.data_ptr()
+        assert b_gate.data_ptr() == bias.data_ptr() and b_up.data_ptr() == bias.data_ptr() + bias.element_size()
+        assert b_gate.stride() == b_up.stride() == (128, 2) and b_down is module.down_proj_bias
+        assert kw["swiglu_limit"] == mok_cute.SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+
+
+@pytest.fixture
+def own_gate(monkeypatch):
+    """GptOssExperts with its ``_apply_gate`` replaced by another function of the same values: a
+    model's own gated activation, which mok_cute cannot know, so it refuses it (or falls back)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    gpt_oss_gate = GptOssExperts._apply_gate
+
+    def own(self, gate_up):
+        return gpt_oss_gate(self, gate_up)
+
+    monkeypatch.setattr(GptOssExperts, "_apply_gate", own)
+
+
+def test_other_gated_activation_raises_naming_it(own_gate):
+    model = _copy(_fp32_model("gpt_oss"), torch.bfloat16, "mok_cute")
     with pytest.raises(NotImplementedError, match=r"GptOssExperts \(model_type 'gpt_oss'\)") as err:
         _step(model)
     message = str(err.value)
-    for feature in ("GptOssExperts._apply_gate (alpha=1.702, limit=7.0)", "expert biases", "interleaved"):
+    for feature in ("GptOssExperts._apply_gate (alpha=1.702, limit=7.0)", "interleaved"):
         assert feature in message
+    assert "bias" not in message  # biases are no refusal now
 
 
-def test_gpt_oss_falls_back_to_grouped_mm_with_one_warning():
-    ref = _fp32_model("gpt_oss", **GPT_OSS)
+def test_other_gated_activation_falls_back_to_grouped_mm_with_one_warning(own_gate):
+    ref = _fp32_model("gpt_oss")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logits, grads = _step(_copy(ref, torch.bfloat16, "mok_cute_fallback"))
@@ -238,6 +311,32 @@ def test_gpt_oss_falls_back_to_grouped_mm_with_one_warning():
     assert len(fallback) == 1 and "GptOssExperts" in str(fallback[0].message)  # two layers, one warning
     logits_mm, grads_mm = _step(_copy(ref, torch.bfloat16, "grouped_mm"))
     assert torch.equal(logits, logits_mm) and all(torch.equal(grads[n], grads_mm[n]) for n in grads)
+
+
+def test_float32_gpt_oss_raises_naming_the_dtype():
+    cfg = copy.deepcopy(_fp32_model("gpt_oss").config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="mok_cute")
+    with pytest.raises(TypeError, match=r"bfloat16 .* GptOssExperts \(model_type 'gpt_oss'\) has "
+                                        r"hidden states torch.float32.*gate_up_proj_bias torch.float32"):
+        _step(model)
+
+
+def test_gpt_oss_on_a_gpu_backend_raises_naming_the_features():
+    """The GPU backends refuse gpt-oss's alpha, up offset and biases before any launch (their
+    check, run here on CPU tensors)."""
+    from mok_cute.layers.select import MoEInputs, get_backend
+
+    module = _experts_of(_copy(_fp32_model("gpt_oss", hidden_size=256, intermediate_size=256), torch.bfloat16,
+                               "mok_cute"))[0]
+    x = torch.randn(8, 256).bfloat16()
+    idx = torch.randint(0, 4, (8, 2))
+    act = mok_hf.activation(module)
+    inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act.limit,
+                    activation=act, biases=mok_hf.expert_biases(module))
+    for arch in ("sm90", "sm100"):
+        with pytest.raises(NotImplementedError, match=rf"'{arch}': SwiGLU.alpha = 1.702 .*SwiGLU.up_offset = 1.0 "
+                                                      r".*expert biases"):
+            get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
 
 
 def test_float32_model_raises_naming_the_dtype():

@@ -38,23 +38,30 @@ def test_config_rejects(kw, exc, msg):
 
 def test_config_defaults():
     c = MoKConfig()
-    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", 1024, None, 28)
+    # the policy's knobs: None (not given), the tuned defaults resolved by kernel_policy
+    assert (c.precision, c.minibatch_tokens, c.comm_sms_fwd, c.comm_sms_bwd) == ("bf16", None, None, None)
+    assert (c.kernel_policy.ring_tokens(), c.comm_ctas_bwd()) == (1024, 28)
     assert (c.tile_m, c.tile_n, c.tile_k) == (None, None, None)  # each backend's tuned tiles
-    assert MoKConfig(tile_n=128).tile_n == 128
+    assert MoKConfig(tile_n=128).tile_n == 128 == MoKConfig(tile_n=128).kernel_policy.gemm("gemm1").tile_n
     # the forward's comm CTAs: a tuned default per EP size unless given
     assert (c.comm_ctas_fwd(1), c.comm_ctas_fwd(2), c.comm_ctas_fwd(8)) == (16, 40, 40)
     assert (MoKConfig(comm_sms_fwd=6).comm_ctas_fwd(1), MoKConfig(comm_sms_fwd=6).comm_ctas_fwd(4)) == (6, 6)
 
 
-def test_gpu_backend_rejects_tile_overrides():
-    """A tile override is never silently ignored: the GPU backends raise before any kernel."""
+def test_gpu_backend_checks_tile_overrides():
+    """A tile override is never silently ignored: the GPU backends raise ValueError naming the field
+    and the allowed values before any kernel where a GEMM of the call cannot run it (SM100: its own tile_n
+    only; SM90 takes tile_n 128)."""
     from mok_cute.layers.select import MoEInputs, get_backend
 
     p, _ = make_problem(T=8, H=256, I=256, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
+    with pytest.raises(ValueError, match=r"'sm100': policy.tiles.tile_n \(MoKConfig.tile_n\) = 128 .*allowed: 256"):
+        get_backend("sm100").check(inp, MoKConfig(tile_n=128), None)
+    with pytest.raises(ValueError, match=r"'sm90': policy.tiles.tile_n \(MoKConfig.tile_n\) = 64 .*allowed: 256, 128"):
+        get_backend("sm90").check(inp, MoKConfig(tile_n=64), None)
+    get_backend("sm90").check(inp, MoKConfig(tile_n=128), None)
     for name in ("sm90", "sm100"):
-        with pytest.raises(NotImplementedError, match="tile overrides"):
-            get_backend(name).check(inp, MoKConfig(tile_n=128), None)
         get_backend(name).check(inp, MoKConfig(), None)
 
 

@@ -81,7 +81,7 @@ def test_state_table_keeps_nothing_without_a_backward():
     ws = [torch.randn(4, 64, 64).bfloat16() for _ in range(3)]
 
     def fwd(keep):
-        return torch.ops.mok_cute.moe_fwd(x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, keep)
+        return torch.ops.mok_cute.moe_fwd(x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, keep, 1.0, 0.0, False)
 
     gc.collect()
     n0 = len(custom_ops._STATES)
@@ -93,7 +93,7 @@ def test_state_table_keeps_nothing_without_a_backward():
     gc.collect()
     assert len(custom_ops._STATES) == n0
     _, handle = fwd(True)
-    torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [])
+    torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [], False)
     assert len(custom_ops._STATES) == n0
 
 
@@ -105,16 +105,16 @@ def test_ops_are_registered_with_fake_implementations():
     idx = torch.zeros(8, 2, dtype=torch.int64)
     tw = torch.rand(8, 2)
     ws = [torch.randn(4, 64, 64).bfloat16() for _ in range(3)]
-    args = (x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, True)
+    args = (x, idx, tw, ws, [], None, custom_ops.config_key(CFG), 0, True, 1.0, 0.0, False)
     y, handle = torch.ops.mok_cute.moe_fwd(*args)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fy, fh = torch.ops.mok_cute.moe_fwd(*args)
-        grads = torch.ops.mok_cute.moe_bwd(torch.empty_like(x), fh, x, tw, ws, [])
+        grads = torch.ops.mok_cute.moe_bwd(torch.empty_like(x), fh, x, tw, ws, [], False)
     assert (fy.shape, fy.dtype, fh.shape, fh.dtype) == (y.shape, y.dtype, handle.shape, handle.dtype)
-    real = torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [])
-    assert [(g.shape, g.dtype) for g in grads] == [(g.shape, g.dtype) for g in real] and len(real) == 9
+    real = torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [], False)
+    assert [(g.shape, g.dtype) for g in grads] == [(g.shape, g.dtype) for g in real] and len(real) == 12
     with pytest.raises(RuntimeError, match="forward state is gone"):
-        torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [])
+        torch.ops.mok_cute.moe_bwd(torch.randn_like(x), handle, x, tw, ws, [], False)
 
 
 def test_compiled_calls_take_the_custom_ops(monkeypatch):

@@ -191,31 +191,48 @@ def test_the_layer_decides_once_and_passes_the_resolved_config(monkeypatch):
     assert seen[2:] == [("backward", False)]
 
 
-def test_tile_m_only_on_the_sm100_fused_paths():
-    """``tile_m`` 128 / 256 (256: the cta_group::2 kernels) reaches SM100's fused paths; on paths
-    that do not take it, and for tile_n / tile_k, the override is refused, never ignored."""
-    fused = Paths(F, BU)
-    assert P.tiles_refusal("sm100", fused, MoKConfig(tile_m=256), Call("bf16")) is None
-    assert P.tiles_refusal("sm100", Paths(U, BF), MoKConfig(tile_m=128), Call("mxfp8")) is None
-    assert P.tiles_refusal("sm100", Paths(F, BF), MoKConfig(tile_m=256), Call("bf16", ep=2)) is None
-    assert P.tiles_refusal("sm90", Paths(F, BF), MoKConfig(), Call("bf16")) is None
-    for arch, paths, cfg in (("sm100", Paths(U, BU), MoKConfig(tile_m=256)),
-                             ("sm100", fused, MoKConfig(tile_m=64)),
-                             ("sm100", fused, MoKConfig(tile_m=256, tile_n=128)),
-                             ("sm90", Paths(F, BF), MoKConfig(tile_m=256))):
-        why = P.tiles_refusal(arch, paths, cfg, Call("bf16"))
-        assert "GEMM tile overrides" in why and paths.forward.name in why, why
+def test_tile_rule_per_arch():
+    """The GEMM tiles a call's kernels run (mok_cute.layers.tiles): tile_m 128 / 256 (256: the
+    cta_group::2 kernels) reaches SM100's fused kernels; the ``MoKConfig.tile_*`` knobs reach every GEMM
+    the call runs, each of which must take the value: where one does not (SM100's unfused kernels,
+    tile_n / tile_k there, tile_m 256 on SM90), ValueError names the field and the allowed values."""
+    from mok_cute.layers import tiles
+    from mok_cute.policy import GemmTiles, KernelPolicy
+
+    def check(arch, paths, cfg, precision="bf16"):
+        policy = cfg.kernel_policy if isinstance(cfg, MoKConfig) else cfg
+        tiles.check(policy, arch, precision, paths.forward, paths.backward)
+
+    check("sm100", Paths(F, BF), MoKConfig(tile_m=256))
+    check("sm100", Paths(F, BW), MoKConfig(tile_m=128), "mxfp8")
+    check("sm100", Paths(F, BU), KernelPolicy(fused_forward=GemmTiles(tile_m=256)))  # the forward's own
+    check("sm100", Paths(U, BU), KernelPolicy(fused_forward=GemmTiles(tile_m=256)))  # valid there, not run
+    check("sm90", Paths(F, BF), MoKConfig())
+    check("sm90", Paths(U, BU), MoKConfig(tile_m=128, tile_n=128, tile_k=64))  # SM90 BF16's own tile_m, tile_k
+    for arch, paths, cfg, where, allowed in (
+            ("sm100", Paths(U, BU), MoKConfig(tile_m=256), r"policy.tiles.tile_m \(MoKConfig.tile_m\) = 256", "128"),
+            ("sm100", Paths(F, BU), MoKConfig(tile_m=256), "unfused dgrad2", "128"),
+            ("sm100", Paths(F, BF), MoKConfig(tile_m=64), r"MoKConfig.tile_m\) = 64", "128, 256"),
+            ("sm100", Paths(F, BF), MoKConfig(tile_m=256, tile_n=128), r"MoKConfig.tile_n\) = 128", "256"),
+            ("sm90", Paths(F, BF), MoKConfig(tile_m=256), r"\) = 256 does not run on the fused forward", "128"),
+            ("sm90", Paths(U, BU), KernelPolicy(fused_forward=GemmTiles(tile_n=192)),
+             "policy.fused_forward.tile_n = 192", "256, 128")):
+        with pytest.raises(ValueError, match=f"'{arch}': .*{where}.*allowed: {allowed}"):
+            check(arch, paths, cfg)
 
 
 def test_the_backend_check_applies_the_tile_rule():
     from conftest import make_problem
     from mok_cute.layers.select import MoEInputs, get_backend
+    from mok_cute.policy import GemmTiles, KernelPolicy
 
     p, _ = make_problem(T=8, H=256, I=256, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
     sm100 = get_backend("sm100")
-    assert sm100.check(inp, MoKConfig(tile_m=256, forward_path="fused"), None) == Paths(F, BU)
-    with pytest.raises(NotImplementedError, match="'sm100': GEMM tile overrides .*forward_path=UNFUSED"):
+    fused_fwd = KernelPolicy(forward_path="fused", fused_forward=GemmTiles(tile_m=256))
+    assert sm100.check(inp, MoKConfig(policy=fused_fwd), None) == Paths(F, BU)
+    with pytest.raises(ValueError, match="'sm100': policy.tiles.tile_m .*unfused GEMM1"):
         sm100.check(inp, MoKConfig(tile_m=256), None)
-    with pytest.raises(NotImplementedError, match="'sm90': GEMM tile overrides"):
-        get_backend("sm90").check(inp, MoKConfig(tile_m=128), None)
+    with pytest.raises(ValueError, match="'sm90': policy.tiles.tile_m .*allowed: 128"):
+        get_backend("sm90").check(inp, MoKConfig(tile_m=256), None)
+    assert get_backend("sm90").check(inp, MoKConfig(tile_n=128), None) == Paths(U, BU)  # CPU tensors: unfused

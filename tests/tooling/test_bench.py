@@ -267,6 +267,13 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
 def test_config_values():
     assert [cli.parse_value(v) for v in ("None", "TRUE", "false", "8", "0.5", "fused")] == [None, True, False, 8, 0.5,
                                                                                               "fused"]
+    # a JSON object: a KernelPolicy's fields (MoKConfig takes the mapping)
+    policy = cli.parse_config(['policy={"fused_forward": {"tile_n": 128}, "minibatch_tokens": 2048}'])["policy"]
+    assert policy == {"fused_forward": {"tile_n": 128}, "minibatch_tokens": 2048}
+    with pytest.raises(ValueError, match="not a JSON object"):
+        cli.parse_value("{tile_n: 128}")
+    with pytest.raises(ValueError, match="--config: .*tile_n must be one of"):
+        cli.parse_config(['policy={"gemm1": {"tile_n": 100}}'])
 
 
 def test_list_shapes_needs_no_gpu(capsys):

@@ -54,7 +54,7 @@ from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, SplitB,
-    acc_to_smem, consumer_barrier, experts_last,
+    acc_to_smem, consumer_barrier, experts_last, launch_config,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
@@ -277,6 +277,10 @@ class FusedMoeBwdCoreSm90:
         self.ml_d = Sm90Mainloop(cfg, epi_smem_bytes=epi * 2, b_major=MN_MAJOR)  # D2, D1
         self.ml_w = Sm90Mainloop(cfg, epi_smem_bytes=epi * 2, a_major=MN_MAJOR, b_major=MN_MAJOR)  # W
         assert self.ml_d.stages == self.ml_w.stages
+        b_bytes = self.ml_d.stages * cfg.tile_n * cfg.tile_k * 2
+        if self.scatter and SUM_BATCH * NUM_THREADS * _VEC * 2 > b_bytes:
+            raise ValueError(f"SUM_BATCH {SUM_BATCH}: the dx slot sum's cp.async buffer must fit the B stages "
+                             f"({b_bytes} bytes at tile_n {cfg.tile_n}, {self.ml_d.stages} stages)")
 
     @cute.jit
     def __call__(self, routed: GroupOperands, mCounters: cute.Tensor, slots: SlotSum, rows: GatherRows,
@@ -777,12 +781,14 @@ def _check_variant(v: BwdVariant, arch: str = "sm_90a") -> None:
                          "grouped_slots")
 
 
-def compile_fused_backward_core(variant: BwdVariant, *, arch: str = "sm_90a", inspect: bool = False):
-    """Compile one :class:`BwdVariant` with symbolic M, T, T*k, H, I, E; returns ``(compiled, report)``
-    (the report with ``inspect``). ValueError for a variant the kernel does not build."""
+def compile_fused_backward_core(variant: BwdVariant, *, cfg: MainloopConfig = MainloopConfig(), arch: str = "sm_90a",
+                                inspect: bool = False):
+    """Compile one :class:`BwdVariant` with symbolic M, T, T*k, H, I, E on the mainloop ``cfg`` (its tile_n and
+    stages: :func:`~mok_cute.kernels.sm90.mainloop.launch_config`); returns ``(compiled, report)`` (the report with
+    ``inspect``). ValueError for a variant the kernel does not build."""
     v = variant
     _check_variant(v, arch)
-    op = FusedMoeBwdCoreSm90(v)
+    op = FusedMoeBwdCoreSm90(v, cfg)
     dw = Float32 if v.accumulate else cutlass.BFloat16  # the weight gradients' element type
     bf = cutlass.BFloat16
     m, e, t, tk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -910,6 +916,9 @@ class BackwardLaunch:
         to ``[1, num_ctas - 1]``; read where the launch gathers the rows.
     trace: the kernel records one timestamped record per task (:func:`last_trace`).
     mx: the MXFP8 backward, bitwise the unfused one (see each entry point).
+    tile_n / stages: the mainloop's tile width and ring of shared-memory stages, one for all its GEMMs
+        (None: the defaults; :func:`~mok_cute.kernels.sm90.mainloop.launch_config`); results do not depend
+        on them (each element's sum over K keeps its order).
     """
 
     timeout_s: float = 30.0
@@ -917,6 +926,8 @@ class BackwardLaunch:
     comm_ctas: int = 16
     trace: bool = False
     mx: bool = False
+    tile_n: int | None = None
+    stages: int | None = None
 
 
 class _Gather(NamedTuple):
@@ -1140,7 +1151,8 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         else:
             slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
         slots = SlotSum(slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)
-    mt_cap = m // 128 + e + 1  # routed m-tiles: at most one partial per expert
+    cfg = launch_config(launch.tile_n, launch.stages)
+    mt_cap = m // cfg.tile_m + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
     row_args = GatherRows(None, None, None, None, None, None)
@@ -1169,15 +1181,15 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         limit is not None, tokens is not None, tokens is not None and tokens.dx_shared is not None, gather is not None,
         gather is not None and gather.by_route, shared is not None, main_grads is not None, launch.trace,
         mx_dyt is not None, tokens is not None and tokens.dx_add is not None,
-        any(d % MainloopConfig().tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
+        any(d % cfg.tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
         ws is not None, grouped_slots, wd_first)
-    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, variant), lambda: GraphLauncher(
-        compile_fused_backward_core(variant, arch=arch)[0]))
+    launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, variant, cfg.key()), lambda: GraphLauncher(
+        compile_fused_backward_core(variant, cfg=cfg, arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     comm = max(1, min(int(comm), num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on them
     records = None
     if launch.trace:  # every possible task, the gather chunks of both passes, three per CTA (see the kernel)
-        n_rec = _task_cap(m, e, hid, inter, shared) + 2 * mt_cap + 3 * num_ctas
+        n_rec = _task_cap(m, e, hid, inter, shared, cfg) + 2 * mt_cap + 3 * num_ctas
         records = torch.zeros((n_rec, persistent.TRACE_WORDS), dtype=torch.int64, device=dy.device)
         _last_trace[:] = [(records, comm if gather is not None else 0)]
     mx = MxOperands(None, None) if mx_dyt is None else MxOperands(mx_dyt, dgut.view(m, 2, inter))
@@ -1235,14 +1247,17 @@ def _graph_key(a):
     return a
 
 
-def _task_cap(m: int, e: int, hid: int, inter: int, shared) -> int:
-    """An upper bound of the launch's task count (routed m-tiles at most ``m // 128 + e + 1``)."""
+def _task_cap(m: int, e: int, hid: int, inter: int, shared, cfg: MainloopConfig = MainloopConfig()) -> int:
+    """An upper bound of the launch's task count on the mainloop ``cfg`` (routed m-tiles at most
+    ``m // tile_m + e + 1``)."""
+    tm, tn = cfg.tile_m, cfg.tile_n
+
     def group(mt: int, experts: int, i: int) -> int:  # D2 + D1 tiles, then dWd + dWg + dWu tiles
-        ni, nh = -(-i // 256), -(-hid // 256)
-        return mt * (ni + nh) + experts * (-(-hid // 128) * ni + 2 * -(-i // 128) * nh)
-    cap = group(m // 128 + e + 1, e, inter)
+        ni, nh = -(-i // tn), -(-hid // tn)
+        return mt * (ni + nh) + experts * (-(-hid // tm) * ni + 2 * -(-i // tm) * nh)
+    cap = group(m // tm + e + 1, e, inter)
     if shared is not None:
-        cap += group(shared[1].shape[0] // 128 + 2, 1, shared[3].shape[0])
+        cap += group(shared[1].shape[0] // tm + 2, 1, shared[3].shape[0])
     return cap
 
 

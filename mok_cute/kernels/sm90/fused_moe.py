@@ -52,7 +52,7 @@ Outputs: xg [ring * 128, H] (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out 
 of -1 slots untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H]. Counters int32,
 zero at launch: gather_ready and h_ready [ceil(M_cap/128) + E] (per routed m-tile), sh_ready
 [ceil(T/128)], [done, ticket, gather CTAs, slot-sum CTAs]. H, I, I_s multiples of 64 (H not of
-256, or I, I_s not of 128: the ``n_tail`` variant, its last n-tiles masked).
+tile_n, 256 by default, or I, I_s not of tile_n / 2: the ``n_tail`` variant, its last n-tiles masked).
 
 Variants: ``mx`` (MXFP8: x's rows move as e4m3 + E8M0 and are dequantized into the ring, the
 SwiGLU epilogue also writes h's MXFP8 round trip, GEMM2's A operand); ``ep`` (EP > 1,
@@ -92,12 +92,12 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, STAGED_BARRIER, PlainEpilogue, SwigluEpilogue,
-    helper_threads,
+    _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, HELPERS_TILE_N, STAGED_BARRIER, PlainEpilogue,
+    SwigluEpilogue, helper_threads,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, StackedB, acc_to_smem,
-    consumer_barrier, experts_last,
+    consumer_barrier, experts_last, launch_config,
 )
 from mok_cute.schedule import fused_tasks as tasks
 from mok_cute.schedule.fused_tasks import PIECE_ROWS, PIECES, R1, R2, S1, S2
@@ -308,6 +308,9 @@ class FusedMoeFwdSm90:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         if helpers and ep:
             raise ValueError("helpers (SwiGLU's h by the producer warpgroup's warps): EP = 1 only")
+        if helpers and cfg.tile_n != HELPERS_TILE_N:
+            raise ValueError(f"helpers: the helper lanes span a {HELPERS_TILE_N // 2}-column half tile, so tile_n "
+                             f"{HELPERS_TILE_N} only, got {cfg.tile_n}")
         self.cfg, self.clamp, self.shared, self.trace = cfg, clamp, shared, trace
         self.progress, self.mx, self.ep, self.n_tail = progress, mx, ep, n_tail
         # EP = 1: the comm CTAs gather the ring's first fill, the background warps the later chunks (bg); EP > 1:
@@ -954,15 +957,17 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
 
 def compile_fused_forward(clamp: bool, shared: bool, *, trace: bool = False, progress: bool = False, mx: bool = False,
                           ep: bool = False, gate: bool = False, n_tail: bool = False, helpers: bool = False,
-                          arch: str = "sm_90a", inspect: bool = False):
+                          cfg: MainloopConfig = MainloopConfig(), arch: str = "sm_90a", inspect: bool = False):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts from the shared
     output times the per-token output gate, ``FwdRoutes.gate`` fp32 [T]; ``n_tail``, ``helpers``: see
-    :class:`FusedMoeFwdSm90`); returns ``(compiled, report)``."""
+    :class:`FusedMoeFwdSm90`; ``cfg``: the mainloop's tile_n and stages, :func:`~mok_cute.kernels.sm90.mainloop.
+    launch_config`); returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, trace=trace, progress=progress, mx=mx, ep=ep, n_tail=n_tail, helpers=helpers)
+    op = FusedMoeFwdSm90(clamp, shared, trace=trace, progress=progress, mx=mx, ep=ep, n_tail=n_tail, helpers=helpers,
+                         cfg=cfg)
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -1001,12 +1006,13 @@ _last_trace: list = []  # (records int64 [n, 4], comm_ctas) of the last traced l
 _last_progress: list = []  # host-pinned progress words of the last progress-mode launch
 
 
-def fused_helpers(mx: bool, ep: bool, hidden: int) -> bool:
+def fused_helpers(mx: bool, ep: bool, hidden: int, tile_n: int = HELPERS_TILE_N) -> bool:
     """Whether a forward runs :class:`FusedMoeFwdSm90`'s ``helpers`` variant (S1 / R1 tiles' h by the producer
     warpgroup's warps): at EP = 1 from a GEMM1 depth H of ``grouped_gemm.HELPERS_MIN_K`` (2048) at BF16 and of
     ``grouped_gemm.HELPERS_MX_MIN_K`` (7168) at MXFP8 (docs/design-decisions.md, 2026-12-02/03: BF16 1.6-1.8% faster
-    from H 2048; MXFP8 2.0-2.9% faster at H 7168 but 5.1% slower at H 4096)."""
-    return not ep and hidden >= (HELPERS_MX_MIN_K if mx else HELPERS_MIN_K)
+    from H 2048; MXFP8 2.0-2.9% faster at H 7168 but 5.1% slower at H 4096), with tile_n
+    ``grouped_gemm.HELPERS_TILE_N`` (the helper lanes span its half tile; other tiles run without them)."""
+    return not ep and hidden >= (HELPERS_MX_MIN_K if mx else HELPERS_MIN_K) and tile_n == HELPERS_TILE_N
 
 
 def last_progress():
@@ -1100,11 +1106,12 @@ def _records(trace: bool, progress: bool, sizes, n_tasks: int, num_ctas: int, co
     return None if records is None else records.view(-1)
 
 
-def _max_tasks(sizes, hid: int, inter: int, inter_s: int | None) -> int:
-    """Every task the list can hold (the trace's records): S1 and S2 per shared m-tile, R1 and R2 per routed one."""
-    n1s = 0 if inter_s is None else -(-inter_s // 128)
-    m_sh, mt, n2 = sizes[2], sizes[1], -(-hid // 256)
-    return m_sh * (n1s + (n2 if inter_s is not None else 0)) + mt * (-(-inter // 128) + n2)
+def _max_tasks(sizes, hid: int, inter: int, inter_s: int | None, tile_n: int) -> int:
+    """Every task the list can hold (the trace's records): S1 and S2 per shared m-tile, R1 and R2 per routed one
+    (GEMM1 n-tiles of ``tile_n / 2`` intermediate columns, GEMM2 n-tiles of ``tile_n`` output columns)."""
+    n1s = 0 if inter_s is None else -(-inter_s // (tile_n // 2))
+    m_sh, mt, n2 = sizes[2], sizes[1], -(-hid // tile_n)
+    return m_sh * (n1s + (n2 if inter_s is not None else 0)) + mt * (-(-inter // (tile_n // 2)) + n2)
 
 
 def _wrap(bundle):
@@ -1133,7 +1140,8 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     ``plan`` (:class:`~mok_cute.kernels.operands.RoutePlan`, on x's device), the routed ``experts``' weights, the
     ``shared`` expert (None: none; its ``gate``: y starts from fp32(s_out) * gate), the SwiGLU ``limit`` (None: no
     clamp) and the ``launch`` policy (:class:`~mok_cute.kernels.operands.FusedLaunch`: comm CTAs, grid, ring
-    slots, timeout, trace, MXFP8). Returns a :class:`~mok_cute.kernels.operands.FusedForwardOut`.
+    slots, timeout, trace, MXFP8, the mainloop's tile_n and stages). Returns a
+    :class:`~mok_cute.kernels.operands.FusedForwardOut`.
 
     ``launch.mx``: the MXFP8 forward (the reference's numerics): x is quantized here and its rows move as e4m3
     + E8M0 (:func:`~mok_cute.comm.workspace.mxfp8_row_bytes` per row; at EP > 1 staged in the workspace),
@@ -1164,18 +1172,19 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     h_rt = torch.empty((mcap, inter), dtype=torch.bfloat16, device=x.device) if mx else None
     inter_s = None if shared is None else shared.w_gate.shape[0]
     progress = env.progress() and not trace  # debugging a stall: process infrastructure, not a kernel choice
-    tn = MainloopConfig().tile_n
+    cfg = launch_config(launch.tile_n, launch.stages)
+    tn = cfg.tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if inter_s is None else (inter_s,))))
-    helpers = fused_helpers(mx, ep, hid)
+    helpers = fused_helpers(mx, ep, hid, tn)
     variant = (limit is not None, shared is not None, trace, progress, mx, ep, gate is not None, n_tail, helpers)
-    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant, lambda: GraphLauncher(compile_fused_forward(
-        variant[0], variant[1], trace=trace, progress=progress, mx=mx, ep=ep, gate=gate is not None, n_tail=n_tail,
-        helpers=helpers, arch=arch)[0]))
+    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant + (cfg.key(),), lambda: GraphLauncher(
+        compile_fused_forward(variant[0], variant[1], trace=trace, progress=progress, mx=mx, ep=ep,
+                              gate=gate is not None, n_tail=n_tail, helpers=helpers, cfg=cfg, arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
     comm_ctas = max(1, min(launch.comm_ctas, num_ctas - 1))
-    records = _records(trace, progress, sizes, _max_tasks(sizes, hid, inter, inter_s) if trace else 0, num_ctas,
+    records = _records(trace, progress, sizes, _max_tasks(sizes, hid, inter, inter_s, tn) if trace else 0, num_ctas,
                        comm_ctas, x.device)
     shared_w = (None,) * 3 if shared is None else tuple(w[None] for w in shared.weights)
     host = (FwdInputs(x, xq, xg), FwdWeights(*experts, *shared_w),

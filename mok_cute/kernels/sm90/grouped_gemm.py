@@ -80,6 +80,7 @@ HELPER_WARPS = 3
 # named barriers of the hand-off (1: the consumers' own; 2-6: the fused forward's task hand-off and gather)
 STAGED_BARRIER, FREE_BARRIER = 7, 8
 _H_VEC = 4  # h elements per helper lane and row: 32 lanes x 4 = a 128-column half tile
+HELPERS_TILE_N = 2 * 32 * _H_VEC  # so the helper warps run with tile_n 256 only (other tiles: without them)
 HELPERS_MIN_K = 2048  # below it a tile's mainloop is shorter than the helpers' h (measured: K 1024 slower)
 # the fused MXFP8 forward's helpers also make h's round trip: measured 3% faster at K 7168, 5% slower at K 4096
 HELPERS_MX_MIN_K = 7168
@@ -716,6 +717,9 @@ class GroupedGemmSm90:
         self.tma_store = epilogue in ("plain", "swiglu")  # dswiglu: masked stores
         if helpers and not (self.stack_n and not mx_h):
             raise ValueError("helpers (h by the producer warpgroup's warps) needs the swiglu epilogue without mx_h")
+        if helpers and cfg.tile_n != HELPERS_TILE_N:
+            raise ValueError(f"helpers: the helper lanes span a {HELPERS_TILE_N // 2}-column half tile, so tile_n "
+                             f"{HELPERS_TILE_N} only, got {cfg.tile_n}")
         self.helpers = helpers
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2, b_major=b_major)
 
@@ -856,10 +860,11 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
 DEFAULT_CONFIG = MainloopConfig()
 
 
-def swiglu_helpers(epilogue: str, mx_h: bool, k: int) -> bool:
-    """Whether a launch of ``epilogue`` with ``mx_h`` and reduction depth ``k`` runs the helper-warp variant:
-    BF16 GEMM1 + SwiGLU without the MXFP8 h copy from K = :data:`HELPERS_MIN_K` (see the module doc)."""
-    return epilogue == "swiglu" and not mx_h and k >= HELPERS_MIN_K
+def swiglu_helpers(epilogue: str, mx_h: bool, k: int, tile_n: int = HELPERS_TILE_N) -> bool:
+    """Whether a launch of ``epilogue`` with ``mx_h``, reduction depth ``k`` and ``tile_n`` runs the helper-warp
+    variant: BF16 GEMM1 + SwiGLU without the MXFP8 h copy from K = :data:`HELPERS_MIN_K` (see the module doc), at
+    tile_n :data:`HELPERS_TILE_N` (the helper lanes span its half tile)."""
+    return epilogue == "swiglu" and not mx_h and k >= HELPERS_MIN_K and tile_n == HELPERS_TILE_N
 
 
 def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
@@ -897,7 +902,7 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, outs
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     mx_h = outs.hq is not None
     n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
-    helpers = swiglu_helpers(epilogue, mx_h, a.shape[1])
+    helpers = swiglu_helpers(epilogue, mx_h, a.shape[1], cfg.tile_n)
     launcher = compile_cached(
         ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,

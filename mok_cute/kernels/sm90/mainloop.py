@@ -101,6 +101,15 @@ class MainloopConfig:
                 self.ab_dtype.__name__, self.acc_dtype.__name__)
 
 
+def launch_config(tile_n: int | None = None, stages: int | None = None) -> MainloopConfig:
+    """The BF16 mainloop of a launch's tile choices (``FusedLaunch`` / ``BackwardLaunch`` / the layer's
+    policy, checked there): ``tile_n`` (None: the default 256) and ``stages`` (None: as many as fit);
+    tile_m and tile_k the defaults. Both None: ``MainloopConfig()`` itself (the same compile key)."""
+    default = MainloopConfig()
+    return MainloopConfig(tile_n=default.tile_n if tile_n is None else tile_n,
+                          stages=default.stages if stages is None else stages)
+
+
 class TmaLoads(NamedTuple):
     """A grouped GEMM kernel's TMA load atoms and coordinate tensors (:meth:`Sm90Mainloop.make_tma`): A (M, K),
     B (N, K, E) and B2 (N, K, E), B's second part along K or (gate / up) the upper half of each B tile along N;

@@ -466,6 +466,31 @@ def test_host_trace_is_the_launch_flag(monkeypatch):
     assert records.dtype == torch.int64 and not records.any() and comm == 0
 
 
+@pytest.mark.parametrize("tile_n,stages", [(None, None), (128, None), (128, 3), (256, 2)])
+def test_host_launch_tiles_reach_the_compile_key(monkeypatch, tile_n, stages):
+    """``BackwardLaunch.tile_n`` / ``stages`` (the policy's ``fused_backward``) pick the compiled mainloop (its key
+    in the compile key) and the host's tile arithmetic: n_tail by tile_n (I 128: a partial tile at tile_n 256, none
+    at 128), the trace buffer's task bound (``_task_cap`` on that mainloop, at least the task list's length)."""
+    from mok_cute.kernels.sm90 import fused_bwd
+    from mok_cute.kernels.sm90.mainloop import MainloopConfig
+    from mok_cute.schedule import fused_bwd_tasks as tasks
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    m, h, inter = 200, 256, 128
+    rows = fused_bwd.ExpertRows(torch.randn(m, h).to(torch.bfloat16), torch.randn(m, h).to(torch.bfloat16), gu, hh,
+                                torch.tensor([0, 50, m], dtype=torch.int32))
+    launch = fused_bwd.BackwardLaunch(trace=True, tile_n=tile_n, stages=stages)
+    fused_bwd.fused_backward_core(rows, weights, 4.0, launch)
+    cfg = MainloopConfig(tile_n=tile_n or 256, stages=stages or 0)
+    assert keys[-1][3] == cfg.key() and keys[-1][2].n_tail is (cfg.tile_n == 256)
+    tn = cfg.tile_n
+    n = len(tasks.task_list([0, 50, m], 0, 128, -(-inter // tn), 0, h // tn, -(-h // 128) * -(-inter // tn),
+                            -(-inter // 128) * (h // tn), False))
+    assert fused_bwd._task_cap(m, 2, h, inter, None, cfg) >= n
+    records, _ = fused_bwd.last_trace()
+    assert records.shape[0] == fused_bwd._task_cap(m, 2, h, inter, None, cfg) + 2 * (m // 128 + 3) + 3 * 132
+
+
 def test_bundles_keep_the_flat_parameter_order():
     """The launch bundles flatten (None fields dropped, as the DSL does) to the kernel's flat parameter order of
     the commit before the bundles: the shared group's 14 tensors in their old order (its dy, x and dx absent),

@@ -335,8 +335,8 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            ws=ws)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., trace, progress, mx, ep, gate, n_tail, helpers): no helpers below H = HELPERS_MIN_K
-    assert keys[0][-7:] == (False, False, mx, ep, False, False, False)
+    # (..., trace, progress, mx, ep, gate, n_tail, helpers, mainloop): no helpers below H = HELPERS_MIN_K
+    assert keys[0][-8:-1] == (False, False, mx, ep, False, False, False) and keys[0][-1] == fm.MainloopConfig().key()
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     bundles = (fm.FwdInputs, fm.FwdWeights, fm.FwdOutputs, fm.FwdRoutes, fm.FwdCounters, fm.FwdScalars, fm.FwdPeers)
@@ -651,12 +651,37 @@ def test_helpers_rule():
 
 def test_helpers_launch_at_depth(monkeypatch):
     """The host launches the helpers variant by :func:`fused_helpers`: at H 2048 BF16 (EP = 1) yes, MXFP8 no (its
-    threshold is H 7168); the compile key's last entries are (n_tail, helpers)."""
+    threshold is H 7168), nor with tile_n 128 (the helper lanes span a 256-wide tile's half); the compile key's last
+    entries are (n_tail, helpers, the mainloop's key)."""
     fm, fake, keys = _fake_host(monkeypatch)
     x, plan, experts, sh = _host_problem(fm, False, h=2048)
     for mx in (False, True):
         fm.fused_forward(x, plan, experts, sh, None, fm.FusedLaunch(8, 1.0, mx=mx))
-        assert keys[-1][-2:] == (False, not mx)
+        assert keys[-1][-3:-1] == (False, not mx)
+    fm.fused_forward(x, plan, experts, sh, None, fm.FusedLaunch(8, 1.0, tile_n=128))
+    assert keys[-1][-3:] == (False, False, fm.MainloopConfig(tile_n=128).key())
+    assert not fm.fused_helpers(False, False, 2048, 128) and fm.fused_helpers(False, False, 2048, 256)
+    with pytest.raises(ValueError, match="tile_n 256 only, got 128"):
+        fm.FusedMoeFwdSm90(False, False, helpers=True, cfg=fm.MainloopConfig(tile_n=128))
+
+
+@pytest.mark.parametrize("tile_n,stages,n_tail", [(None, None, True), (128, None, False), (128, 4, False),
+                                                  (256, 2, True)])
+def test_launch_tiles_reach_the_compile_key(monkeypatch, tile_n, stages, n_tail):
+    """``FusedLaunch.tile_n`` / ``stages`` (the policy's ``fused_forward``) pick the compiled mainloop (its key in
+    the compile key: every field that changes the binary) and the host's tile arithmetic: n_tail by tile_n (I 192:
+    a partial 128-wide GEMM1 tile at tile_n 256, none at tile_n 128), the trace's task records (GEMM1 n-tiles of
+    tile_n / 2 columns, GEMM2 of tile_n). None, None: the default mainloop, ``MainloopConfig()``."""
+    fm, fake, keys = _fake_host(monkeypatch)
+    x, plan, experts, sh = _host_problem(fm, True, h=256, inter=192)
+    fm.fused_forward(x, plan, experts, sh, 4.0, fm.FusedLaunch(8, 1.0, trace=True, tile_n=tile_n, stages=stages))
+    want = fm.MainloopConfig(tile_n=tile_n or 256, stages=stages or 0)
+    assert keys[-1][-1] == want.key() and keys[-1][-3] is n_tail
+    records, _ = fm.last_trace()
+    tn = tile_n or 256
+    sizes = fm.counter_sizes(100, 200, 4)
+    tasks = sizes[2] * (-(-192 // (tn // 2)) + -(-256 // tn)) + sizes[1] * (-(-192 // (tn // 2)) + -(-256 // tn))
+    assert records.shape[0] == sizes[0] + tasks + 2 * 132
 
 
 def test_bulk_background_gather_variant():

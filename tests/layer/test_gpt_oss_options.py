@@ -1,0 +1,290 @@
+"""gpt-oss's expert options through the public API on the reference backend:
+``mok_cute.moe(..., swiglu_limit=mok_cute.SwiGLU(limit, alpha, up_offset))`` and expert biases as
+(weight, bias) pairs, with gate / up as interleaved strided views of one projection (used in place
+or copied, the gradients landing in the projection), ``main_grads``, ``activations="recompute"``,
+torch.compile, ``MoELayer(swiglu_limit=SwiGLU(...)).add_expert_biases()``, the argument errors,
+and the GPU backends' refusal (their check, before any launch) until their kernels run them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok_cute
+from mok_cute import MoKConfig, MoELayer, SwiGLU, reference as R
+from mok_cute.layers import grouped as G
+from mok_cute.layers.select import MoEInputs, get_backend
+
+CFG = MoKConfig(backend="reference")
+ACT = SwiGLU(0.7, 1.702, 1.0)  # gpt-oss's alpha and up offset, a limit that clamps here
+
+
+def _problem(seed=0, t=24, h=64, inter=64, e=4, k=2):
+    """x, topk_idx (with -1 slots), topk_w, gpt-oss's gate_up [E, H, 2I] (interleaved, transposed),
+    down [E, I, H], gate_up_bias [E, 2I], down_bias [E, H], dy."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    gate_up = (torch.randn(e, h, 2 * inter, generator=g) * h ** -0.5).bfloat16()
+    down = (torch.randn(e, inter, h, generator=g) * inter ** -0.5).bfloat16()
+    gu_bias = (torch.randn(e, 2 * inter, generator=g) * 0.3).bfloat16()
+    d_bias = (torch.randn(e, h, generator=g) * 0.3).bfloat16()
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    return x, idx, w, gate_up, down, gu_bias, d_bias, dy
+
+
+def _views(gate_up, down, gu_bias, d_bias):
+    """mok_cute.moe's (weight, bias) pairs of gpt-oss's tensors: views, no copy."""
+    gu = gate_up.transpose(1, 2)
+    return ((gu[:, 0::2], gu_bias[:, 0::2]), (gu[:, 1::2], gu_bias[:, 1::2]), (down.transpose(1, 2), d_bias))
+
+
+def test_interleaved_views_and_biases_match_contiguous_copies_and_grads_land_in_place():
+    """moe on strided views of gpt-oss's parameters: y and every gradient equal the reference on
+    contiguous copies, bitwise; the gradients land in gate_up, down and the two bias tensors."""
+    x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(1)
+    params = [t.clone().requires_grad_() for t in (gate_up, down, gu_bias, d_bias)]
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = mok_cute.moe(xl, idx, wl, *_views(*params), swiglu_limit=ACT, config=CFG)
+    y.backward(dy)
+    flat = [t.contiguous() for pair in _views(gate_up, down, gu_bias, d_bias) for t in pair]
+    want, saved = R.moe_forward(x, idx, w, *flat[0::2], None, ACT, "bf16", None, None, tuple(flat[1::2]))
+    g = R.moe_backward(saved, dy)
+    assert torch.equal(y, want) and torch.equal(xl.grad, g.dx) and torch.equal(wl.grad, g.d_topk_w)
+    d_gate_up = torch.stack([g.d_w_gate, g.d_w_up], dim=2).reshape(gate_up.shape[0], -1, gate_up.shape[1])
+    assert torch.equal(params[0].grad, d_gate_up.transpose(1, 2))  # [E, H, 2I]: gate even, up odd columns
+    assert torch.equal(params[1].grad, g.d_w_down.transpose(1, 2))
+    assert torch.equal(params[2].grad, torch.stack(g.d_biases[:2], dim=2).reshape(gu_bias.shape))
+    assert torch.equal(params[3].grad, g.d_biases[2])
+    assert all(p.grad.dtype == torch.bfloat16 for p in params)
+
+
+def test_interleaved_halves_are_used_in_place_where_tma_addresses_them():
+    """Gate / up interleaved rows of an untransposed [E, 2I, H] projection (rows 2i, 2i + 1) have a
+    contiguous reduction dim: the kernels' TMA reads them in place (no copy); gpt-oss's transposed
+    [E, H, 2I] has it strided by 2I: copied to a contiguous operand (:func:`weight_operand`)."""
+    from mok_cute.dsl.host import tma_weight, weight_operand
+
+    e, inter, h = 4, 64, 128
+    fc1 = torch.randn(e, 2 * inter, h).bfloat16()
+    for half in (fc1[:, 0::2], fc1[:, 1::2]):
+        assert tma_weight(half) and weight_operand(half) is half
+    gpt_oss = torch.randn(e, h, 2 * inter).bfloat16().transpose(1, 2)[:, 0::2]
+    assert not tma_weight(gpt_oss) and weight_operand(gpt_oss).is_contiguous()
+    assert torch.equal(weight_operand(gpt_oss), gpt_oss)
+
+
+def test_the_layer_receives_the_activation_and_the_biases(monkeypatch):
+    """The backend gets the SwiGLU (not plain) and the three biases; a plain SwiGLU(L) reaches it
+    as swiglu_limit=L alone (what the GPU kernels run)."""
+    from mok_cute.layers import select
+
+    seen = []
+    real = select.get_backend
+
+    class Spy:
+        def __init__(self, be):
+            self.be, self.name, self.shared_gate = be, be.name, True
+
+        def forward(self, inp, config, group):
+            seen.append(inp)
+            return self.be.forward(inp, config, group)
+
+    monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))
+    x, idx, w, gate_up, down, gu_bias, d_bias, _ = _problem(2)
+    pairs = _views(gate_up, down, gu_bias, d_bias)
+    mok_cute.moe(x, idx, w, *pairs, swiglu_limit=ACT, config=CFG)
+    mok_cute.moe(x, idx, w, *(p[0] for p in pairs), swiglu_limit=SwiGLU(4.0), config=CFG)
+    assert seen[0].activation == ACT and seen[0].swiglu_limit == 0.7 and len(seen[0].biases) == 3
+    assert seen[1].activation is None and seen[1].swiglu_limit == 4.0 and seen[1].biases is None
+
+
+def test_plain_swiglu_is_the_float_limit_bitwise():
+    x, idx, w, gate_up, down, *_ = _problem(3)
+    ws = [t.contiguous() for t in (gate_up.transpose(1, 2)[:, 0::2], gate_up.transpose(1, 2)[:, 1::2],
+                                   down.transpose(1, 2))]
+    for old, new in ((None, SwiGLU()), (4.0, SwiGLU(4.0))):
+        assert torch.equal(mok_cute.moe(x, idx, w, *ws, swiglu_limit=old, config=CFG),
+                           mok_cute.moe(x, idx, w, *ws, swiglu_limit=new, config=CFG))
+
+
+def test_main_grads_take_the_bias_gradients_last():
+    """main_grads: one fp32 tensor per weight, the three biases last; main_grad = start +
+    fp32(gradient), bitwise; no .grad."""
+    x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(4)
+    flat = [t.contiguous() for pair in _views(gate_up, down, gu_bias, d_bias) for t in pair]
+    weights, biases = flat[0::2], flat[1::2]
+    leaves = [t.clone().requires_grad_() for t in weights + biases]
+    y = mok_cute.moe(x, idx, w, *zip(leaves[:3], leaves[3:]), swiglu_limit=ACT, config=CFG)
+    fresh = torch.autograd.grad(y, leaves, dy)
+    start = [torch.randn(t.shape) for t in leaves]
+    acc = [s.clone() for s in start]
+    y2 = mok_cute.moe(x, idx, w, *zip(leaves[:3], leaves[3:]), swiglu_limit=ACT, config=CFG, main_grads=acc)
+    y2.backward(dy)
+    assert all(torch.equal(a, s + f.float()) for a, s, f in zip(acc, start, fresh))
+    assert all(t.grad is None for t in leaves)
+    with pytest.raises(TypeError, match=r"main_grads must be a tuple of 6 fp32 tensors \(w_gate, w_up, w_down, "
+                                        r"b_gate, b_up, b_down\)"):
+        mok_cute.moe(x, idx, w, *zip(leaves[:3], leaves[3:]), swiglu_limit=ACT, config=CFG, main_grads=acc[:3])
+
+
+def test_gradients_for_the_biases_alone_and_recompute_is_bitwise():
+    """Only the biases require grad: they get theirs; activations="recompute" gives the "save"
+    policy's every gradient bitwise."""
+    x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(5)
+    pairs = _views(gate_up, down, gu_bias.clone().requires_grad_(), d_bias.clone().requires_grad_())
+    y = mok_cute.moe(x, idx, w, *pairs, swiglu_limit=ACT, config=CFG)
+    got = torch.autograd.grad(y, [pairs[0][1], pairs[1][1], pairs[2][1]], dy)
+    assert all(g is not None and g.abs().sum() > 0 for g in got)
+
+    def grads(policy):
+        leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down, gu_bias, d_bias)]
+        out = mok_cute.moe(leaves[0], idx, leaves[1], *_views(*leaves[2:]), swiglu_limit=ACT,
+                           config=MoKConfig(backend="reference", activations=policy))
+        return [out, *torch.autograd.grad(out, leaves, dy)]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads("save"), grads("recompute")))
+
+
+def test_compiles_fullgraph_bitwise():
+    """A model calling moe with gpt-oss's options (the custom ops carry the activation and the
+    biases), compiled with fullgraph: forward and every gradient bitwise eager."""
+    x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(6)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up, self.down = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+            self.gu_bias, self.d_bias = torch.nn.Parameter(gu_bias.clone()), torch.nn.Parameter(d_bias.clone())
+
+        def forward(self, x, w):
+            return mok_cute.moe(x, idx, w, *_views(self.gate_up, self.down, self.gu_bias, self.d_bias),
+                                swiglu_limit=ACT, config=CFG)
+
+    def step(fn, model):
+        model.zero_grad(set_to_none=True)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xl, wl)
+        y.backward(dy)
+        return [y, xl.grad, wl.grad] + [p.grad for p in model.parameters()]
+
+    model = Model()
+    eager = step(model, model)
+    compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"), model)
+    assert len(eager) == len(compiled) == 7
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+def test_layer_options():
+    """MoELayer(swiglu_limit=SwiGLU.gpt_oss()).add_expert_biases(): bf16 zero biases that train,
+    the layer equal to the functional call with (weight, bias) pairs; with accumulate_main_grad
+    their main_grad buffers fill and .grad stays None."""
+    torch.manual_seed(0)
+    layer = MoELayer(64, 64, 4, 2, swiglu_limit=SwiGLU.gpt_oss(), config=CFG).add_expert_biases()
+    assert [tuple(b.shape) for b in (layer.b_gate, layer.b_up, layer.b_down)] == [(4, 64), (4, 64), (4, 64)]
+    assert all(b.dtype == torch.bfloat16 and not b.any() for b in (layer.b_gate, layer.b_up, layer.b_down))
+    with torch.no_grad():
+        for b in (layer.b_gate, layer.b_up, layer.b_down):
+            b.normal_(0, 0.3)
+    x = torch.randn(16, 64).bfloat16()
+    idx, w = layer.route(x)
+    y = layer(x)
+    pairs = [(layer.w_gate, layer.b_gate), (layer.w_up, layer.b_up), (layer.w_down, layer.b_down)]
+    assert torch.equal(y, mok_cute.moe(x, idx, w, *pairs, swiglu_limit=SwiGLU.gpt_oss(), config=CFG))
+    y.float().square().sum().backward()
+    assert all(b.grad is not None and b.grad.abs().sum() > 0 for b in (layer.b_gate, layer.b_up, layer.b_down))
+    with pytest.raises(ValueError, match="expert biases already"):
+        layer.add_expert_biases()
+    acc = MoELayer(64, 64, 4, 2, shared_intermediate_size=64, config=CFG, accumulate_main_grad=True).add_expert_biases()
+    acc(x).float().square().sum().backward()
+    assert all(b.grad is None and b.main_grad.dtype == torch.float32 and b.main_grad.abs().sum() > 0
+               for b in (acc.b_gate, acc.b_up, acc.b_down))
+    assert MoELayer(64, 64, 4, 2, config=CFG).b_gate is None
+
+
+def test_expert_mlp_takes_a_plain_swiglu_only():
+    from mok_cute.ops import expert_mlp
+
+    x, _, _, gate_up, down, *_ = _problem(7)
+    ws = [t.contiguous() for t in (gate_up.transpose(1, 2)[:, 0::2], gate_up.transpose(1, 2)[:, 1::2],
+                                   down.transpose(1, 2))]
+    offs = torch.tensor([0, 5, 5, 12, 20], dtype=torch.int32)
+    assert torch.equal(expert_mlp(x, offs, *ws, swiglu_limit=SwiGLU(4.0), config=CFG),
+                       expert_mlp(x, offs, *ws, swiglu_limit=4.0, config=CFG))
+    with pytest.raises(NotImplementedError, match="expert_mlp runs silu.*mok_cute.moe"):
+        expert_mlp(x, offs, *ws, swiglu_limit=ACT, config=CFG)
+
+
+# ---------------------------------------------------------------- argument errors
+def _bad(case):
+    x, idx, w, gate_up, down, gu_bias, d_bias, _ = _problem(8)
+    pairs = list(_views(gate_up, down, gu_bias, d_bias))
+    kw = dict(swiglu_limit=ACT, config=CFG)
+    if case == "mixed":
+        pairs[1] = pairs[1][0]
+    elif case == "triple":
+        pairs[2] = pairs[2] + (d_bias,)
+    elif case == "bias_dtype":
+        pairs[0] = (pairs[0][0], pairs[0][1].float())
+    elif case == "bias_shape":
+        pairs[1] = (pairs[1][0], gu_bias)
+    elif case == "down_bias_shape":
+        pairs[2] = (pairs[2][0], gu_bias[:, :32])
+    elif case == "bias_device":
+        pairs[2] = (pairs[2][0], torch.empty(d_bias.shape, dtype=torch.bfloat16, device="meta"))
+    elif case == "bias_not_tensor":
+        pairs[0] = (pairs[0][0], gu_bias.tolist())
+    elif case == "limit_type":
+        kw["swiglu_limit"] = (0.7, 1.702, 1.0)
+    return (x, idx, w, *pairs), kw
+
+
+ERRORS = {
+    "mixed": (TypeError, "w_gate, w_up, w_down must all be tensors or all be \\(weight, bias\\) pairs .*w_gate, w_down only"),
+    "triple": (TypeError, "w_down must be a tensor or a \\(weight, bias\\) pair, got a sequence of length 3"),
+    "bias_dtype": (TypeError, "b_gate \\(w_gate's bias\\) must have dtype bfloat16, got float32"),
+    "bias_shape": (ValueError, "b_up \\(w_up's bias\\) must have shape \\[E_local, I\\] = \\(4, 64\\), got \\(4, 128\\)"),
+    "down_bias_shape": (ValueError, "b_down \\(w_down's bias\\) must have shape \\[E_local, H\\] = \\(4, 64\\)"),
+    "bias_device": (ValueError, "b_down \\(w_down's bias\\) is on meta but w_gate is on cpu"),
+    "bias_not_tensor": (TypeError, "b_gate \\(w_gate's bias\\) must be a torch.Tensor, got list"),
+    "limit_type": (TypeError, "swiglu_limit must be None or a float \\(or a mok_cute.SwiGLU\\), got tuple"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_argument_errors_name_the_argument(case):
+    args, kw = _bad(case)
+    exc, msg = ERRORS[case]
+    with pytest.raises(exc, match=msg):
+        mok_cute.moe(*args, **kw)
+
+
+# ---------------------------------------------------------------- the GPU backends refuse
+def _inputs(act=None, biased=False, h=256, inter=256):
+    x, idx, w, gate_up, down, gu_bias, d_bias, _ = _problem(9, h=h, inter=inter)
+    (wg, bg), (wu, bu), (wd, bd) = _views(gate_up, down, gu_bias, d_bias)
+    limit = None if act is None else act.limit
+    return MoEInputs(x, idx, w, wg, wu, wd, None, limit, activation=None if act is None or act.plain else act,
+                     biases=(bg, bu, bd) if biased else None)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_gpu_backends_refuse_each_feature_before_any_launch(arch, monkeypatch):
+    """Their check (no kernel, CPU tensors here) raises NotImplementedError naming each feature,
+    at EP = 1 and EP > 1; a plain SwiGLU (its limit) passes it."""
+    be = get_backend(arch)
+    be.check(_inputs(SwiGLU(7.0)), MoKConfig(backend=arch), None)  # the clamps alone: the kernels run them
+    cases = [(SwiGLU(7.0, 1.702, 0.0), False, r"SwiGLU.alpha = 1.702 \(swiglu_alpha"),
+             (SwiGLU(7.0, 1.0, 1.0), False, r"SwiGLU.up_offset = 1.0 \(swiglu_up_offset"),
+             (None, True, r"expert biases \(b_gate, b_up, b_down\)"),
+             (SwiGLU.gpt_oss(), True, r"SwiGLU.alpha = 1.702 .*SwiGLU.up_offset = 1.0 .*expert biases")]
+    for ep in (1, 2):
+        monkeypatch.setattr(G, "_world", lambda group, ep=ep: (ep, 0))
+        for act, biased, msg in cases:
+            with pytest.raises(NotImplementedError, match=rf"'{arch}': {msg}.*reference backend runs them"):
+                be.check(_inputs(act, biased), MoKConfig(backend=arch), None if ep == 1 else object())
+
+
+def test_kernel_refusals_lists_nothing_for_the_defaults():
+    assert G.kernel_refusals(_inputs()) == [] and G.kernel_refusals(_inputs(SwiGLU(4.0))) == []
+    assert len(G.kernel_refusals(_inputs(SwiGLU.gpt_oss(), True))) == 3
