@@ -105,28 +105,32 @@ def run(ctx) -> list[Row]:
         x, idx, w, ws, sh, dy = _problem(t, h, inter, e, k, shared, skew, dev, seed=300 + si)
         for prec in PRECISIONS:
             tag = f"policy {sname} {prec}"
-            t0 = time.time()
-            try:
-                ref = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec)
-                again = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec)
+
+            def run_with(policy=None):
+                kw = {} if policy is None else {"policy": policy}
+                out = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec, **kw)
                 torch.cuda.synchronize()
+                return out
+
+            try:
+                ref = run_with()
             except Exception as ex:  # noqa: BLE001
                 rows.append(Row(f"{tag} default", ok=False, note=f"{type(ex).__name__}: {ex}"[:120]))
                 continue
-            same, worst, bad = _diff(again, ref)
-            rows.append(Row(f"{tag} default (repeat)", max_err=worst, bitwise=same, ok=same,
-                            note=f"{time.time() - t0:.1f}s" + (f"; differ: {' '.join(bad)}" if bad else "")))
-            for vname, pol in variants(prec, shared):
-                t0 = time.time()
-                try:
-                    outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec, policy=pol)
-                    torch.cuda.synchronize()
-                except Exception as ex:  # noqa: BLE001
-                    rows.append(Row(f"{tag} {vname}", ok=False, note=f"{type(ex).__name__}: {ex}"[:120]))
-                    continue
-                same, worst, bad = _diff(outs, ref)
-                rows.append(Row(f"{tag} {vname}", max_err=worst, bitwise=same, ok=same,
-                                note=f"{time.time() - t0:.1f}s" + (f"; differ: {' '.join(bad)}" if bad else "")))
-                del outs
-            del ref, again
+            rows.append(_compare(f"{tag} default (repeat)", run_with, None, ref))
+            rows += [_compare(f"{tag} {vname}", run_with, pol, ref) for vname, pol in variants(prec, shared)]
+            del ref
     return rows
+
+
+def _compare(name: str, run_with, policy, ref) -> Row:
+    """One row: the layer under ``policy`` (None: the default again) against ``ref``, torch.equal on every
+    output; an exception is a failed row (the other variants still run)."""
+    t0 = time.time()
+    try:
+        outs = run_with(policy)
+    except Exception as ex:  # noqa: BLE001
+        return Row(name, ok=False, note=f"{type(ex).__name__}: {ex}"[:120])
+    same, worst, bad = _diff(outs, ref)
+    return Row(name, max_err=worst, bitwise=same, ok=same,
+               note=f"{time.time() - t0:.1f}s" + (f"; differ: {' '.join(bad)}" if bad else ""))
