@@ -313,14 +313,6 @@ def test_other_gated_activation_falls_back_to_grouped_mm_with_one_warning(own_ga
     assert torch.equal(logits, logits_mm) and all(torch.equal(grads[n], grads_mm[n]) for n in grads)
 
 
-def test_float32_gpt_oss_raises_naming_the_dtype():
-    cfg = copy.deepcopy(_fp32_model("gpt_oss").config)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="mok_cute")
-    with pytest.raises(TypeError, match=r"bfloat16 .* GptOssExperts \(model_type 'gpt_oss'\) has "
-                                        r"hidden states torch.float32.*gate_up_proj_bias torch.float32"):
-        _step(model)
-
-
 def test_gpt_oss_on_a_gpu_backend_raises_naming_the_features():
     """The GPU backends refuse gpt-oss's alpha, up offset and biases before any launch (their
     check, run here on CPU tensors)."""
@@ -339,11 +331,15 @@ def test_gpt_oss_on_a_gpu_backend_raises_naming_the_features():
             get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
 
 
-def test_float32_model_raises_naming_the_dtype():
-    cfg = copy.deepcopy(_fp32_model("qwen3_moe").config)
+@pytest.mark.parametrize("model_type, match", [
+    ("qwen3_moe", r"bfloat16 .* Qwen3MoeExperts \(model_type 'qwen3_moe'\) has hidden states torch.float32"),
+    ("gpt_oss", r"bfloat16 .* GptOssExperts \(model_type 'gpt_oss'\) has hidden states torch.float32.*"
+                r"gate_up_proj_bias torch.float32"),
+])
+def test_float32_model_raises_naming_the_dtype(model_type, match):
+    cfg = copy.deepcopy(_fp32_model(model_type).config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="mok_cute")
-    with pytest.raises(TypeError, match=r"bfloat16 .* Qwen3MoeExperts \(model_type 'qwen3_moe'\) has "
-                                        r"hidden states torch.float32"):
+    with pytest.raises(TypeError, match=match):
         _step(model)
 
 
