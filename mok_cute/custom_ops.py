@@ -296,7 +296,6 @@ def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: Mo
     from .config import BackwardPath
     from .layers import paths
     from .layers.select import get_backend, select_backend
-    from .policy import GEMMS
 
     name, precision = select_backend(x_rows.device, cfg), cfg.precision
     if name == "reference":
@@ -305,8 +304,7 @@ def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: Mo
     mlp = get_backend(name).mlp
     if precision not in mlp.precisions:
         raise NotImplementedError(f"expert_mlp: backend {name!r} runs precisions {mlp.precisions}, not {precision!r}")
-    policy = cfg.kernel_policy
-    tiles = {g: policy.gemm(g).given() for g in GEMMS if policy.gemm(g).given()}
+    tiles = {k: v for k, v in cfg.kernel_policy.given().items() if "." in k}  # "gemm1.tile_n", "tiles.stages"
     if tiles:
         raise NotImplementedError(f"expert_mlp: backend {name!r} runs its tuned tiles only; the kernel policy's tiles "
                                   f"{tiles} apply to mok_cute.moe (leave them None here)")

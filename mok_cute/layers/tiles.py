@@ -60,13 +60,13 @@ class Choices:
         return GemmTiles(self.tile_m[0], self.tile_n[0], self.tile_k[0])
 
 
-def _sm90(tn128_stages: int) -> Choices:
-    return Choices((128,), (256, 128), (64,), ((256, (2, 3)), (128, tuple(range(2, tn128_stages + 1)))))
+def _sm90(tn128_stages: int, tn128_min: int = 2) -> Choices:
+    """An SM90 mainloop: tile_n 256 at 2-3 stages, 128 at ``tn128_min``-``tn128_stages`` (the fused
+    kernels' slot-sum buffer needs 3)."""
+    return Choices((128,), (256, 128), (64,), ((256, (2, 3)), (128, tuple(range(tn128_min, tn128_stages + 1)))))
 
 
-_SM90_FUSED_FWD = Choices((128,), (256, 128), (64,), ((256, (2, 3)), (128, (3, 4, 5, 6))))
-_SM90_FUSED_BWD = Choices((128,), (256, 128), (64,), ((256, (2, 3)), (128, (3, 4, 5))))
-_SM90_BF16 = {"fused_forward": _SM90_FUSED_FWD, "fused_backward": _SM90_FUSED_BWD, "gemm1": _sm90(6),
+_SM90_BF16 = {"fused_forward": _sm90(6, 3), "fused_backward": _sm90(5, 3), "gemm1": _sm90(6),
               "gemm2": _sm90(6), "dgrad2": _sm90(5), "dgrad1": _sm90(6), "wgrad": _sm90(6)}
 _SM90_FP8 = {g: Choices((128,), (128,), (128,)) for g in ("gemm1", "gemm2", "dgrad2", "dgrad1", "wgrad")}
 
