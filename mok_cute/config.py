@@ -27,6 +27,10 @@ class MoKConfig:
     policy: a :class:`~mok_cute.policy.KernelPolicy` (or a mapping of its fields): how the GPU
         kernels run (paths, ring, comm CTAs, tiles and stages per GEMM); None: every choice its
         tuned default. Read the merged choices from :attr:`kernel_policy`.
+    tuned: whether a GPU layer call fills the policy fields left None from a tuning file entry
+        matching its GPU, shape, EP and precision (:mod:`mok_cute.tuning`, written by
+        ``python -m mok_cute.tune``; explicit fields always win); False: the built-in defaults.
+        Every policy field is bitwise invariant, so this changes speed only.
     minibatch_tokens, comm_sms_fwd, comm_sms_bwd: knobs for the policy's fields of the same names
         (see :class:`~mok_cute.policy.KernelPolicy`: the ring's tokens, a multiple of 256; the comm
         CTAs per pass, even, >= 2); None (default): the policy's, else the tuned default (1024
@@ -82,6 +86,7 @@ class MoKConfig:
     comm_transport: str = "plain"
     trace: bool | None = None
     policy: KernelPolicy | None = None
+    tuned: bool = True
 
     def __post_init__(self) -> None:
         for name, enum in (("forward_path", ForwardPath), ("backward_path", BackwardPath)):
@@ -107,6 +112,8 @@ class MoKConfig:
         t = self.device_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"device_timeout_s must be a positive finite number of seconds, got {t!r}")
+        if not isinstance(self.tuned, bool):
+            raise TypeError(f"tuned must be a bool, got {type(self.tuned).__name__}")
         if not isinstance(self.validate_routing, bool):
             raise TypeError(f"validate_routing must be a bool, got {type(self.validate_routing).__name__}")
         # the layer's custom ops take the config as this string (read without tracing under torch.compile)

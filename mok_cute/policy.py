@@ -199,6 +199,23 @@ class KernelPolicy:
         given = {k: v for k, v in given.items() if v is not None and v != GemmTiles()}
         return f"KernelPolicy({', '.join(f'{k}={v!r}' for k, v in given.items())})"
 
+    @classmethod
+    def from_given(cls, given: Mapping) -> KernelPolicy:
+        """The policy whose :meth:`given` is ``given`` (dotted names; paths as enums or their string
+        values): the inverse of :meth:`given`, validated like the constructor (ValueError naming an
+        unknown field)."""
+        top, tiles = {}, {}
+        names = {f.name for f in fields(cls)}
+        for name, v in given.items():
+            head, _, sub = str(name).partition(".")
+            if head not in names or bool(sub) != (head in ("tiles",) + GEMMS):
+                raise ValueError(f"KernelPolicy has no field {name!r}")
+            if sub:
+                tiles.setdefault(head, {})[sub] = v
+            else:
+                top[head] = v
+        return cls(**top, **tiles)
+
     def given(self) -> dict:
         """Every field set, by dotted name (``"fused_forward.tile_n"``), with its value."""
         out = {}

@@ -10,6 +10,8 @@ import torch
 # the suite compiles with the on-disk kernel cache off (tests/dsl point it at their own temporary
 # directories): no test writes to the user's cache, and every run compiles what it tests
 os.environ.setdefault("MOK_CUTE_CACHE_DIR", "off")
+# and reads no user tuning file (tests/tune point it at their own files): only the shipped tuned defaults
+os.environ.setdefault("MOK_CUTE_TUNING_FILE", "off")
 
 from mok_cute.comm.workspace import CommWorkspace
 from mok_cute.dsl.launch import GraphLauncher

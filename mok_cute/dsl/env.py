@@ -12,6 +12,7 @@ call, so a test or a script can set a variable late.
 | ``MOK_CUTE_PROGRESS`` | ``0`` (default), ``1`` | debugging a stall: the fused forward writes per-CTA progress words to pinned host memory |
 | ``MOK_CUTE_LAUNCH`` | ``graph`` (default), ``dsl`` | host launch path: one-node CUDA-graph replays, or every launch through the DSL |
 | ``MOK_CUTE_CACHE_DIR`` | unset / ``off`` (default), ``on``, a directory | where compiled kernels persist across processes (:mod:`mok_cute.dsl.disk_cache`): ``on`` is ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``; off (the default until a loaded kernel has run on a GPU) keeps them in memory only |
+| ``MOK_CUTE_TUNING_FILE`` | unset (default), a file, ``off`` | the tuning file :mod:`mok_cute.tune` writes and every layer call reads (:mod:`mok_cute.tuning`): unset is ``$XDG_CACHE_HOME/mok_cute/tuning.json``, else ``~/.cache/mok_cute/tuning.json``; ``off``: only the tuned defaults shipped with the package |
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ PROGRESS = "MOK_CUTE_PROGRESS"
 LAUNCH = "MOK_CUTE_LAUNCH"
 CACHE_DIR = "MOK_CUTE_CACHE_DIR"
 CACHE_OFF = ("off", "0")  # values of MOK_CUTE_CACHE_DIR that turn the disk cache off
+TUNING_FILE = "MOK_CUTE_TUNING_FILE"
 
 
 def _flag(name: str) -> bool:
@@ -52,6 +54,22 @@ def launch_mode() -> str:
     return value
 
 
+def _user_cache(*parts: str) -> str:
+    """``$XDG_CACHE_HOME/mok_cute/...``, else ``~/.cache/mok_cute/...`` (absolute)."""
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+    return os.path.abspath(os.path.expanduser(os.path.join(base, "mok_cute", *parts)))
+
+
+def tuning_file() -> str | None:
+    """``MOK_CUTE_TUNING_FILE``: the user's tuning file (an absolute path, ``~`` expanded); unset or
+    empty: ``$XDG_CACHE_HOME/mok_cute/tuning.json``, else ``~/.cache/mok_cute/tuning.json``; None for
+    ``off`` or ``0`` (no user file: the package's shipped tuned defaults only)."""
+    value = os.environ.get(TUNING_FILE, "").strip()
+    if value.lower() in CACHE_OFF:
+        return None
+    return os.path.abspath(os.path.expanduser(value)) if value else _user_cache("tuning.json")
+
+
 def cache_dir() -> str | None:
     """``MOK_CUTE_CACHE_DIR``: the directory compiled kernels persist in across processes (an absolute
     path; ``~`` expanded), or None: unset, empty, ``off`` or ``0`` (compile in every process). ``on``:
@@ -62,5 +80,5 @@ def cache_dir() -> str | None:
     if not value or value.lower() in CACHE_OFF:
         return None
     if value.lower() == "on":
-        value = os.path.join(os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache"), "mok_cute")
+        return _user_cache()
     return os.path.abspath(os.path.expanduser(value))

@@ -43,7 +43,7 @@ from mok_cute.dsl import deferred
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
-from mok_cute.layers import tiles
+from mok_cute.layers import tiles, tuned
 from mok_cute.layers.common import (
     ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
@@ -146,14 +146,16 @@ class GroupedExpertBackend:
 
     def forward(self, inp, config, group):
         """``(y [T, H] bf16, state)`` of one layer call: the paths decided once (:meth:`check`),
-        ``config``'s trace resolved once (:func:`~mok_cute.layers.paths.with_trace`)."""
+        ``config``'s trace resolved once (:func:`~mok_cute.layers.paths.with_trace`) and its tuned
+        policy merged in (:func:`mok_cute.layers.tuned.apply`)."""
         config = P.with_trace(config)
+        ep, _ = _world(group)
+        config = tuned.apply(config, self.mlp.arch, inp, ep)
         paths = self.check(inp, config, group)
         if not self.mlp.strided_weights:  # this arch's kernels read compact weights
             inp = replace(inp, w_gate=inp.w_gate.contiguous(), w_up=inp.w_up.contiguous(),
                           w_down=inp.w_down.contiguous(),
                           shared=None if inp.shared is None else tuple(w.contiguous() for w in inp.shared))
-        ep, _ = _world(group)
         if ep != 1:
             from mok_cute.layers import ep as ep_layer
 
