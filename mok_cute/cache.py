@@ -1,9 +1,9 @@
 """The compiled-kernel cache on disk: ``python -m mok_cute.cache [--info | --clear | --prune]``.
 
 Kernels compiled in one process are loaded by the next instead of compiled again
-(:mod:`mok_cute.dsl.disk_cache`). The directory is ``MOK_CUTE_CACHE_DIR`` (``on``:
-``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``; unset or ``off``: no disk cache, the
-default until a loaded kernel has run on a GPU, :func:`mok_cute.dsl.env.cache_dir`). Entries are
+(:mod:`mok_cute.dsl.disk_cache`). The directory is ``MOK_CUTE_CACHE_DIR``, by default
+``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute`` (``off``: no disk cache,
+:func:`mok_cute.dsl.env.cache_dir`). Entries are
 keyed by mok_cute's kernel sources, the CuTe DSL version and settings, the target arch and the
 compile-time parameters, so an edit or an upgrade only makes new entries: ``--prune`` removes the
 old ones. Needs neither a GPU nor the DSL imported.
@@ -29,7 +29,7 @@ def _size(n: int) -> str:
 def format_info(info: dict) -> str:
     """:func:`mok_cute.dsl.disk_cache.info` as lines of text."""
     if info["directory"] is None:
-        where = f"off ({env.CACHE_DIR} unset or {'|'.join(env.CACHE_OFF)}; 'on' or a directory turns it on): " \
+        where = f"off ({env.CACHE_DIR}={'|'.join(env.CACHE_OFF)}; unset, 'on' or a directory turns it on): " \
                 "every process compiles its kernels"
     else:
         where = info["directory"]

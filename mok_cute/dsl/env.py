@@ -11,7 +11,7 @@ call, so a test or a script can set a variable late.
 | ``MOK_CUTE_TRACE`` | ``0`` (default), ``1`` | the megakernels record one timestamped record per task (``MoKConfig(trace=...)`` wins) |
 | ``MOK_CUTE_PROGRESS`` | ``0`` (default), ``1`` | debugging a stall: the fused forward writes per-CTA progress words to pinned host memory |
 | ``MOK_CUTE_LAUNCH`` | ``graph`` (default), ``dsl`` | host launch path: one-node CUDA-graph replays, or every launch through the DSL |
-| ``MOK_CUTE_CACHE_DIR`` | unset / ``off`` (default), ``on``, a directory | where compiled kernels persist across processes (:mod:`mok_cute.dsl.disk_cache`): ``on`` is ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``; off (the default until a loaded kernel has run on a GPU) keeps them in memory only |
+| ``MOK_CUTE_CACHE_DIR`` | unset (default), a directory, ``off`` | where compiled kernels persist across processes (:mod:`mok_cute.dsl.disk_cache`): unset or ``on`` is ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``; ``off`` keeps them in memory only (every process compiles) |
 | ``MOK_CUTE_TUNING_FILE`` | unset (default), a file, ``off`` | the tuning file :mod:`mok_cute.tune` writes and every layer call reads (:mod:`mok_cute.tuning`): unset is ``$XDG_CACHE_HOME/mok_cute/tuning.json``, else ``~/.cache/mok_cute/tuning.json``; ``off``: only the tuned defaults shipped with the package |
 """
 from __future__ import annotations
@@ -72,13 +72,13 @@ def tuning_file() -> str | None:
 
 def cache_dir() -> str | None:
     """``MOK_CUTE_CACHE_DIR``: the directory compiled kernels persist in across processes (an absolute
-    path; ``~`` expanded), or None: unset, empty, ``off`` or ``0`` (compile in every process). ``on``:
-    ``$XDG_CACHE_HOME/mok_cute``, else ``~/.cache/mok_cute``. Off by default: the loaded kernels are
-    tested on the CPU (same object, same call path and argument bytes as a compiled one) but have not
-    yet run on a GPU. ``python -m mok_cute.cache --info`` shows it; ``--clear`` empties it."""
+    path; ``~`` expanded); unset, empty or ``on`` (the default): ``$XDG_CACHE_HOME/mok_cute``, else
+    ``~/.cache/mok_cute``; None for ``off`` or ``0`` (compile in every process). A loaded kernel is
+    bitwise the compiled one (checked on a GPU by ``tools/checks/disk_cache.py``). ``python -m
+    mok_cute.cache --info`` shows it; ``--clear`` empties it."""
     value = os.environ.get(CACHE_DIR, "").strip()
-    if not value or value.lower() in CACHE_OFF:
+    if value.lower() in CACHE_OFF:
         return None
-    if value.lower() == "on":
+    if not value or value.lower() == "on":
         return _user_cache()
     return os.path.abspath(os.path.expanduser(value))

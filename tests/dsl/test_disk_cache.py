@@ -320,16 +320,15 @@ def test_off_writes_nothing(tmp_path, cache, monkeypatch):
 
 
 def test_cache_dir_default_and_paths(tmp_path, monkeypatch):
-    """Off unless asked for (unset, empty); ``on``: the user's cache directory; a path as given."""
-    for unset in (None, "", "  "):
+    """On by default (unset, empty, ``on``: the user's cache directory); a path as given."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for unset in (None, "", "  ", "on", "ON"):
         if unset is None:
             monkeypatch.delenv(env.CACHE_DIR, raising=False)
         else:
             monkeypatch.setenv(env.CACHE_DIR, unset)
-        assert env.cache_dir() is None
+        assert env.cache_dir() == str(tmp_path / "xdg" / "mok_cute")
     monkeypatch.setenv(env.CACHE_DIR, "on")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert env.cache_dir() == str(tmp_path / "xdg" / "mok_cute")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert env.cache_dir() == str(tmp_path / "home" / ".cache" / "mok_cute")
