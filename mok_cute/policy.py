@@ -29,6 +29,7 @@ MINIBATCH_TOKENS = 1024  # the fused forward's ring by default (512-8192 within 
 COMM_SMS_FWD_EP1 = 16  # the fused forward's gather CTAs at EP = 1 by default
 COMM_SMS_FWD_EP = 40  # the forward's comm CTAs at EP > 1 by default (not yet tuned on two GPUs)
 COMM_SMS_BWD = 28  # the backward's comm CTAs by default
+RASTER_BAND = 8  # the fused forward's GEMM1 walk: m-tiles per band (16 and 32 within 0.3%, docs/design-decisions.md)
 
 
 class ForwardPath(str, Enum):
@@ -131,6 +132,17 @@ class KernelPolicy:
         path's comm kernels; even, >= 2. Default: forward :data:`COMM_SMS_FWD_EP1` at EP = 1,
         :data:`COMM_SMS_FWD_EP` at EP > 1; backward :data:`COMM_SMS_BWD`. Bitwise invariant (the
         task list and each task's arithmetic are fixed; only which CTA runs a task changes).
+    grid_ctas: CTAs of each fused persistent kernel, comm CTAs included (the rest take GEMM tiles);
+        None: one per SM (at EP > 1 with virtual ranks: the rank's share). Fewer leave SMs to work
+        running beside the layer (e.g. overlapped communication); more than the device's SMs, or
+        not more than a pass's comm CTAs, raises ValueError at the call. Bitwise invariant (as the
+        comm CTAs).
+    raster_band: the fused forward's GEMM1 tile walk (its raster order): each expert's m-tiles in
+        bands of this many m-tiles, a band's tiles n-tile outer, m-tile inner, before the next band's
+        (1: n-tile inner, m-tile by m-tile; large: every n-tile of an expert's m-tile column).
+        At most the ring's slots (``ceil(minibatch_tokens * k / 128)``: a slot is reused only after
+        the band that read it; ValueError at the call otherwise); None: :data:`RASTER_BAND`.
+        Bitwise invariant (the order tiles are claimed in, not their arithmetic).
     tiles: :class:`GemmTiles` for every GEMM of the call, where the GEMM's own field below leaves
         one None (``MoKConfig(tile_n=...)`` sets it); every GEMM the call runs must take it.
     fused_forward, fused_backward: :class:`GemmTiles` of the fused kernels (each one mainloop shared
@@ -148,6 +160,8 @@ class KernelPolicy:
     minibatch_tokens: int | None = None
     comm_sms_fwd: int | None = None
     comm_sms_bwd: int | None = None
+    grid_ctas: int | None = None
+    raster_band: int | None = None
     tiles: GemmTiles = GemmTiles()
     fused_forward: GemmTiles = GemmTiles()
     fused_backward: GemmTiles = GemmTiles()
@@ -172,6 +186,12 @@ class KernelPolicy:
                 _int(name, v)
                 if v < 2 or v % 2:
                     raise ValueError(f"{name} must be an even integer >= 2, got {v}")
+        for name, lo in (("grid_ctas", 2), ("raster_band", 1)):
+            v = getattr(self, name)
+            if v is not None:
+                _int(name, v)
+                if v < lo:
+                    raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
 
     def gemm(self, name: str) -> GemmTiles:
         """The tiles of GEMM ``name`` (one of :data:`GEMMS`): its own fields, each None one from
@@ -189,6 +209,10 @@ class KernelPolicy:
         if self.comm_sms_fwd is not None:
             return self.comm_sms_fwd
         return COMM_SMS_FWD_EP1 if ep == 1 else COMM_SMS_FWD_EP
+
+    def band(self) -> int:
+        """The fused forward's raster band: ``raster_band``, or :data:`RASTER_BAND`."""
+        return RASTER_BAND if self.raster_band is None else self.raster_band
 
     def backward_comm_ctas(self) -> int:
         """The backward's comm CTAs: ``comm_sms_bwd``, or :data:`COMM_SMS_BWD`."""

@@ -84,6 +84,9 @@ class FusedLaunch:
     tile_n / stages: the GEMMs' tile width and ring of shared-memory stages (None: the arch's
         default; the layer checks a policy's values per arch, ``mok_cute.layers.tiles``). Results do
         not depend on them (each element's sum over K keeps its order).
+    band: R1's m-tiles per band (the GEMM1 walk's raster order), at most ``ring_chunks`` (the layer
+        checks it, ``mok_cute.layers.launch``); None: the kernel's ``RING_BAND``. Results do not
+        depend on it.
     """
 
     comm_ctas: int
@@ -94,6 +97,7 @@ class FusedLaunch:
     mx: bool = False
     tile_n: int | None = None
     stages: int | None = None
+    band: int | None = None
 
 
 class FusedForwardOut(NamedTuple):

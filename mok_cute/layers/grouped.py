@@ -40,10 +40,11 @@ import torch
 
 from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.dsl import deferred
+from mok_cute.dsl.host import sm_count
 from mok_cute.kernels import route_grad
 from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
-from mok_cute.layers import tiles, tuned
+from mok_cute.layers import launch, tiles, tuned
 from mok_cute.layers.common import (
     ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
@@ -121,8 +122,9 @@ class GroupedExpertBackend:
 
     def check(self, inp, config, group) -> P.Paths:
         """Raise for what this backend does not run, before any kernel; else the paths the call
-        runs (:func:`mok_cute.layers.paths.decide`), their kernels' tiles checked
-        (:func:`mok_cute.layers.tiles.check`: ValueError naming a policy field they cannot run)."""
+        runs (:func:`mok_cute.layers.paths.decide`), their kernels' tiles and launch fields checked
+        (:func:`mok_cute.layers.tiles.check`, :func:`mok_cute.layers.launch.check`: ValueError naming a
+        policy field they cannot run)."""
         refused = kernel_refusals(inp)
         if refused:
             raise NotImplementedError(f"mok_cute backend {self.name!r}: {'; '.join(refused)}: not implemented in "
@@ -135,6 +137,8 @@ class GroupedExpertBackend:
         call = P.Call.of(inp, config, ep)
         paths = P.decide(config, self.mlp.arch, call)
         tiles.check(config.kernel_policy, self.mlp.arch, config.precision, paths.forward, paths.backward)
+        if inp.x.is_cuda:
+            launch.check(config, inp.topk_idx, ep, sm_count(inp.x.device))
         h, inter = inp.x.shape[1], inp.w_gate.shape[1]
         sizes = [("H", h), ("I", inter)] + ([("I_s", inp.shared[0].shape[0])] if inp.shared else [])
         mult = self.mlp.dim_multiple[config.precision]

@@ -41,6 +41,7 @@ from mok_cute.layers.common import (
     ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
     whole_backward_operands,
 )
+from mok_cute.layers import launch as policy_launch
 from mok_cute.layers import paths
 from mok_cute.layers.weight_cache import WeightCache
 from mok_cute.config import ForwardPath
@@ -138,8 +139,9 @@ def fused_launch(config, mx: bool, comm_ctas: int, timeout_s: float, num_ctas: i
     variant has never been measured against it (no Blackwell GPU), so no config field selects it."""
     from mok_cute.kernels.sm100.fused_moe import Sm100Launch
 
-    return Sm100Launch(comm_ctas, timeout_s, num_ctas, ring, bool(config is not None and config.trace), mx,
-                       tile_m=fused_tile_m(config, gemm),
+    return Sm100Launch(comm_ctas, timeout_s, policy_launch.grid(config, num_ctas), ring,
+                       bool(config is not None and config.trace), mx,
+                       tile_m=fused_tile_m(config, gemm), band=policy_launch.band(config),
                        bulk_push=config is not None and config.comm_transport == "bulk")
 
 

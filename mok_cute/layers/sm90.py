@@ -40,7 +40,7 @@ import importlib
 import torch
 
 from mok_cute.config import ForwardPath
-from mok_cute.layers import paths
+from mok_cute.layers import launch, paths
 from mok_cute.layers.common import (
     ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
     whole_backward_operands, whole_offsets,
@@ -120,7 +120,7 @@ def _core_launch(launch_cls, g: ExpertGroup, config):
     its device timeout, resolved trace flag and the policy's fused backward tiles, MXFP8 by the group's
     precision."""
     extra = {} if config is None else dict(timeout_s=config.device_timeout_s, trace=bool(config.trace),
-                                           **_tiles(config, "fused_backward"))
+                                           num_ctas=launch.grid(config), **_tiles(config, "fused_backward"))
     return launch_cls(mx=g.precision == "mxfp8", **extra)
 
 
@@ -189,9 +189,9 @@ class Sm90ExpertMLP:
         out = fused.fused_forward(
             args[0], fused.RoutePlan(order, offsets, topk_idx, topk_w), fused.ExpertWeights(*args[1:4]),
             fused.SharedExpert.of(args[4], gate), limit,
-            fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s,
+            fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s, num_ctas=launch.grid(config),
                               ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx,
-                              **_tiles(config, "fused_forward")))
+                              band=launch.band(config), **_tiles(config, "fused_forward")))
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:7]
 
@@ -207,8 +207,9 @@ class Sm90ExpertMLP:
         out = fused.fused_forward(
             args[0], fused.RoutePlan(plan.recv_src, plan.offsets, topk_idx.to(torch.int32), topk_w),
             fused.ExpertWeights(*args[1:4]), fused.SharedExpert.of(args[4]), limit,
-            fused.FusedLaunch(config.comm_ctas_fwd(ws.EP), config.device_timeout_s, num_ctas=num_ctas,
-                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx,
+            fused.FusedLaunch(config.comm_ctas_fwd(ws.EP), config.device_timeout_s,
+                              num_ctas=launch.grid(config, num_ctas), ring_chunks=ring_chunks(config, topk_idx),
+                              trace=bool(config.trace), mx=mx, band=launch.band(config),
                               **_tiles(config, "fused_forward")), ws=ws)
         return (*out[:6], out[8])
 
@@ -334,7 +335,8 @@ class Sm90ExpertMLP:
             out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
                                  RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
                                  self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                 BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, mx=True, **tiles),
+                                 BackwardLaunch(num_ctas=launch.grid(st.config), comm_ctas=comm_ctas,
+                                                trace=st.config.trace, mx=True, **tiles),
                                  None if dxs is None else dxs.contiguous())
             return (*out[:5], d_shared)
         sh = shared_launch_operands(shared_group, shared)
@@ -343,7 +345,8 @@ class Sm90ExpertMLP:
         out = fused_backward(BackwardInputs(dy, x, r_rows, g.gu, g.h, rows_by_route),
                              RoutePlan(order, offsets_i32(g.offsets), topk_idx, topk_w.contiguous()),
                              (w_gate, w_up, w_down), limit,
-                             BackwardLaunch(comm_ctas=comm_ctas, trace=st.config.trace, **tiles),
+                             BackwardLaunch(num_ctas=launch.grid(st.config), comm_ctas=comm_ctas,
+                                            trace=st.config.trace, **tiles),
                              shared=sh, main_grads=main_grads)
         return (*out[:5], tuple(out[5:]) if shared is not None else None)
 
@@ -361,7 +364,7 @@ class Sm90ExpertMLP:
         ws, plan, g, x, w_rows, topk_idx = st.ws, st.plan, contiguous_group(st.routed), st.x, st.w_rows, st.topk_idx
         w_gate, w_up, w_down = st.weights
         limit, shared_group, shared = st.limit, st.shared_group, st.shared
-        comm_ctas, num_ctas = st.config.comm_ctas_bwd(), ws.grid_ctas
+        comm_ctas, num_ctas = st.config.comm_ctas_bwd(), launch.grid(st.config, ws.grid_ctas)
         tiles = _tiles(st.config, "fused_backward")
         dy, x = dy.contiguous(), x.contiguous()
         mx = g.precision == "mxfp8"

@@ -9,8 +9,10 @@ and the tiles table, :data:`mok_cute.layers.tiles.CHOICES`), so a candidate neve
   per cluster and is compile-verified only);
 - stages: the ring one shallower than "as many as fit", at the current tile_n only (a deeper ring
   is the default; shallower ones only free shared memory the kernels do not use);
-- the ring (``minibatch_tokens``) 512, 2048 and 4096 tokens around the default 1024; the comm CTAs
-  half and one and a half times their default (even);
+- the ring (``minibatch_tokens``) 512, 2048 and 4096 tokens around the default 1024; the GEMM1
+  walk's raster band 4 and 16 m-tiles around the default 8 (a band the ring cannot hold fails its
+  trial); the comm CTAs half and one and a half times their default (even);
+- ``grid_ctas`` is not searched: fewer CTAs than SMs only leave SMs to work beside the layer;
 - the unfused GEMMs' tiles only when the current path runs them;
 - SM100: the paths stay at their defaults (its fused kernels are compile-verified, never run).
 
@@ -27,6 +29,7 @@ from mok_cute.layers import tiles
 from mok_cute.policy import BackwardPath, ForwardPath, KernelPolicy
 
 RINGS = (512, 2048, 4096)
+BANDS = (4, 16)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Group:
 
 
 GROUPS = (Group("forward_path", False), Group("fused_forward", False), Group("minibatch_tokens", False),
+          Group("raster_band", False),
           Group("comm_sms_fwd", False), Group("gemm1", False), Group("gemm2", False),
           Group("backward_path", True), Group("fused_backward", True), Group("comm_sms_bwd", True),
           Group("dgrad2", True), Group("dgrad1", True), Group("wgrad", True))
@@ -83,6 +87,10 @@ def options(group: Group, current: KernelPolicy, precision: str, arch: str, call
         if paths.forward is not ForwardPath.FUSED:
             return []
         out = [{name: r} for r in RINGS if r != current.ring_tokens()]
+    elif name == "raster_band":
+        if paths.forward is not ForwardPath.FUSED:
+            return []
+        out = [{name: b} for b in BANDS if b != current.band()]
     elif name == "comm_sms_fwd":
         out = _spread(name, current.forward_comm_ctas(call.ep))
     elif name == "comm_sms_bwd":

@@ -25,6 +25,7 @@ POLICY = KernelPolicy(fused_forward=GemmTiles(tile_n=128), minibatch_tokens=2048
 def user_file(tmp_path, monkeypatch):
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("MOK_CUTE_TUNING_FILE", str(path))
+    monkeypatch.setattr(tuning, "SHIPPED", tmp_path / "shipped.json")  # none: the package's entries stay out
     tuning._READ.clear()
     tuning._warned.clear()
     return path

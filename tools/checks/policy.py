@@ -15,7 +15,7 @@ it) and the path table (:mod:`mok_cute.layers.paths`): each GEMM's non-default t
 that run it (the fused backward under FUSED and, where the table allows, FUSED_WHOLE; the unfused
 GEMMs and ``policy.tiles`` under forward and backward UNFUSED), the fused forward's smallest ring at
 its default tile_n, the paths alone (to tell a path's difference from a tile's), comm_sms_fwd 8 and
-minibatch_tokens 512 / 4096. A first row per (shape, precision) repeats the default run (the
+minibatch_tokens 512 / 4096, grid_ctas 64 and raster_band 1 / 32. A first row per (shape, precision) repeats the default run (the
 baseline must itself be deterministic). One row per (shape, precision, variant); a variant that
 raises is a failed row and the others still run. Notes give the first call's seconds (with compile).
 """
@@ -38,6 +38,8 @@ SHAPES = (
 )
 COMM_SMS_FWD = (8,)
 MINIBATCH_TOKENS = (512, 4096)
+GRID_CTAS = (64,)  # of 132 SMs: a grid of about half the GPU
+RASTER_BANDS = (1, 32)  # a 1024-token ring holds 32 slots at k 4
 
 
 def variants(precision: str, shared: bool) -> list[tuple[str, object]]:
@@ -76,6 +78,8 @@ def variants(precision: str, shared: bool) -> list[tuple[str, object]]:
     out += [(f"tiles n{tn} unfused", KernelPolicy(**unfused, tiles=GemmTiles(tile_n=tn))) for tn in common]
     out += [(f"comm_sms_fwd {c}", KernelPolicy(comm_sms_fwd=c)) for c in COMM_SMS_FWD]
     out += [(f"minibatch_tokens {m}", KernelPolicy(minibatch_tokens=m)) for m in MINIBATCH_TOKENS]
+    out += [(f"grid_ctas {g}", KernelPolicy(grid_ctas=g)) for g in GRID_CTAS]
+    out += [(f"raster_band {b}", KernelPolicy(raster_band=b)) for b in RASTER_BANDS]
     return out
 
 

@@ -1019,7 +1019,7 @@ def _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interl
     mtiles = -(-mcap // tile_m) + e  # routed m-tiles at most
     ring_chunks = launch.ring_chunks
     ring = mtiles if ring_chunks is None else min(-(-int(ring_chunks) * CHUNK // tile_m), mtiles)
-    band = min(RING_BAND, ring)
+    band = min(RING_BAND if launch.band is None else launch.band, ring)
     xg = torch.empty(((1 if tma_gather else ring) * tile_m, hid), dtype=_FP8 if mx else torch.bfloat16,
                      device=x.device)  # tma_gather: a slot's stand-in (R1 reads x)
     tok = None

@@ -1165,7 +1165,7 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     x, xq, w_rows, slot_copy = _stage_source(x, plan, ws, mx, shared is not None)
     sizes = counter_sizes(t, mcap, e)
     ring = sizes[0] if launch.ring_chunks is None else max(1, min(int(launch.ring_chunks), sizes[0]))
-    band = min(RING_BAND, ring)
+    band = min(RING_BAND if launch.band is None else launch.band, ring)
     xg = torch.empty((ring * CHUNK, hid), dtype=torch.bfloat16, device=x.device)
     gu, h, slot, y, parts = routed_outputs(t, k, hid, mcap, inter, sizes, ws, x.device)
     gus, hs, s_out, hs_rt = _shared_outputs(t, hid, shared, mx, x.device)
