@@ -62,8 +62,9 @@ class GemmTiles:
     """One mainloop's tile and pipeline (M = rows, N = output features, K = reduction); None each:
     the tuned default. Any value here is also checked per arch and precision by the layer.
 
-    tile_m: rows per tile. SM90: 128 only. SM100 fused kernels: 128 or 256 (``cta_group::2``).
-        Bitwise invariant (each element's sum over K keeps its order).
+    tile_m: rows per tile. SM90: 128 only. SM100 fused kernels: 128 or 256 (``cta_group::2``: a
+        cluster of two CTAs per tile, the only cluster shape the kernels take; the SM90 kernels run
+        without clusters). Bitwise invariant (each element's sum over K keeps its order).
     tile_n: columns per tile. SM90 (BF16, MXFP8): 128 or 256 (default 256; GEMM1's tile is the
         gate and up halves of ``tile_n / 2`` columns each). Bitwise invariant expected (the k-tile
         walk and tile_k are unchanged; the device check confirms it per kernel).
