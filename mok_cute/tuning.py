@@ -24,17 +24,15 @@ a partial file. Reading needs no GPU, no torch and no CuTe DSL.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
-import time
 import warnings
 from dataclasses import asdict, dataclass, fields  # noqa: F401  (asdict: a key as its file form)
 from pathlib import Path
 from typing import NamedTuple
 
-from mok_cute.dsl import env
+from mok_cute.dsl import env, flock
 from mok_cute.policy import KernelPolicy
 
 FORMAT = 1
@@ -212,15 +210,8 @@ def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tuning file {path}: another process held its lock for {LOCK_WAIT_S:.0f} s")
-                time.sleep(0.05)
+        if not flock.acquire(fd, LOCK_WAIT_S):
+            raise TimeoutError(f"tuning file {path}: its lock was not free within {LOCK_WAIT_S:.0f} s")
         yield
     finally:
         os.close(fd)

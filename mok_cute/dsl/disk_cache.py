@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -65,7 +64,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
-from mok_cute.dsl import env
+from mok_cute.dsl import env, flock
 
 FORMAT = 1
 ROOT = "v1"  # everything this module writes lies under <cache dir>/v1
@@ -419,17 +418,7 @@ def _entry_lock(d: Path):
         yield
         return
     try:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            except OSError:  # no flock on this file system
-                break
+        flock.acquire(fd, LOCK_WAIT_S)  # not held (timed out, no flock here): go on unlocked
         yield
     finally:
         os.close(fd)  # releases the lock
