@@ -52,9 +52,9 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     routing weight then scales (as gpt-oss). Their gradients are bf16 (with ``main_grads``: three
     more fp32 tensors, last). Weights may be strided views too (gate / up interleaved in one
     projection: ``gate_up[:, ::2]``, ``gate_up[:, 1::2]``): used in place where the kernels' TMA
-    addresses them, else copied to contiguous operands. The reference backend runs the SwiGLU's
-    alpha / up_offset and the biases; the GPU backends raise NotImplementedError for them (before
-    any launch) until their kernels do.
+    addresses them, else copied to contiguous operands. Every backend runs the SwiGLU's alpha /
+    up_offset (the GPU kernels compile them in); the biases run on the reference backend, the GPU
+    backends raise NotImplementedError for them (before any launch) until their kernels do.
 
     Under ``torch.compile`` the routing values are not checked on the host (``validate_routing``
     needs a host sync): an id outside [-1, E) is then handled as with ``validate_routing=False``.

@@ -112,7 +112,11 @@ def _check_devices(**tensors):
 
 
 def _check_limit(limit):
-    """``limit``: None (no clamp) or a finite float > 0."""
+    """``limit``: None (no clamp), a finite float > 0, or an activation with ``limit``, ``alpha`` and
+    ``up_offset`` attributes (a :class:`~mok_cute.reference.SwiGLU`, which validated alpha and up_offset
+    itself): its limit checked likewise."""
+    if all(hasattr(limit, a) for a in ("limit", "alpha", "up_offset")):
+        limit = limit.limit
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)):
             raise TypeError(f"limit must be a float or None, got {type(limit).__name__}")

@@ -47,8 +47,9 @@ with the default activation, a model's own gated activation (``_apply_gate``) ot
 gpt-oss's, an activation other than SiLU, experts without a gate, a post-expert norm, H or I not
 a multiple of 64 a NotImplementedError. With ``fallback=True`` those layers run on
 transformers' ``grouped_mm`` backend instead, with one warning per experts class and reason.
-(gpt-oss runs on the reference backend; the GPU backends raise NotImplementedError for its
-activation's alpha / up offset and the biases until their kernels run them.)
+(gpt-oss's activation, alpha and up offset included, runs in the GPU kernels; its expert biases do not yet:
+the GPU backends raise NotImplementedError for them, so gpt-oss, which has biases, runs on the reference
+backend for now.)
 """
 from __future__ import annotations
 

@@ -51,9 +51,10 @@ class LocalState:
     ``routed.x`` is None (the fused forward kept no gathered rows: the backward gathers them);
     ``gate`` ``(w_sg, g [T, 1] bf16, s [T, H] the shared output, x)`` of the shared expert's
     output gate; ``config`` the call's config (``trace`` resolved, :func:`~mok_cute.layers.paths.
-    with_trace`); ``paths`` the paths decided with the forward."""
+    with_trace`); ``paths`` the paths decided with the forward; ``limit`` the experts' activation
+    (:func:`activation`)."""
 
-    limit: float | None
+    limit: object
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
     order: torch.Tensor
@@ -75,12 +76,12 @@ class EPState:
     """The EP > 1 forward's state: the workspace ``ws`` and device ``plan``, ``w_rows``
     [recv_capacity] fp32 the router weight of each grouped row (0 past M), ``slot_out`` [T, k, H]
     the routed rows r_j of this rank's tokens (stale for -1 slots), ``x`` the layer input when
-    ``routed.x`` is None (the backward pulls its rows again), ``config`` / ``paths`` as in
+    ``routed.x`` is None (the backward pulls its rows again), ``config`` / ``paths`` / ``limit`` as in
     :class:`LocalState`."""
 
     ws: object
     plan: object
-    limit: float | None
+    limit: object
     topk_idx: torch.Tensor
     w_rows: torch.Tensor
     weights: ExpertWeights
@@ -91,6 +92,14 @@ class EPState:
     config: MoKConfig
     paths: Paths
     x: torch.Tensor | None = None
+
+
+def activation(inp):
+    """The experts' activation as the expert MLPs and their kernels take it (their ``limit`` argument) from the
+    layer inputs ``inp`` (:class:`~mok_cute.layers.select.MoEInputs`): ``inp.swiglu_limit`` (None or a clamp L:
+    silu(g) * u) where ``inp.activation`` is None, else that :class:`~mok_cute.reference.SwiGLU` (limit, alpha and
+    up offset; the kernels' :func:`~mok_cute.kernels.swiglu_math.swiglu_args` compiles its alpha / up offset in)."""
+    return inp.swiglu_limit if inp.activation is None else inp.activation
 
 
 def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):

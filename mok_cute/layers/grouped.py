@@ -46,7 +46,7 @@ from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
 from mok_cute.layers import launch, tiles, tuned
 from mok_cute.layers.common import (
-    ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
+    ExpertGroup, ExpertWeights, LocalState, activation, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
@@ -64,14 +64,9 @@ def _gate(inp, s):
 
 def kernel_refusals(inp) -> list[str]:
     """The features of the layer inputs ``inp`` the arch kernels do not implement yet, one phrase
-    each (empty: none): the SwiGLU's alpha and up offset other than 1 and 0 (gpt-oss's
-    activation; its clamps alone run), the routed experts' biases."""
+    each (empty: none): the routed experts' biases. (The whole SwiGLU, gpt-oss's alpha and up offset
+    included, runs in the kernels: :func:`~mok_cute.layers.common.activation`.)"""
     out = []
-    act = inp.activation
-    if act is not None and act.alpha != 1.0:
-        out.append(f"SwiGLU.alpha = {act.alpha} (swiglu_alpha; the kernels run alpha 1)")
-    if act is not None and act.up_offset != 0.0:
-        out.append(f"SwiGLU.up_offset = {act.up_offset} (swiglu_up_offset; the kernels run 0)")
     if inp.biases is not None:
         out.append("expert biases (b_gate, b_up, b_down)")
     return out
@@ -168,7 +163,7 @@ class GroupedExpertBackend:
         order, valid = order32.long(), idx.reshape(-1) >= 0
         if paths.forward is ForwardPath.FUSED:
             return self._fused_forward(inp, config, paths, (order32, order, offsets, idx, valid))
-        x, limit = inp.x, inp.swiglu_limit
+        x, limit = inp.x, activation(inp)
         t, k = idx.shape
         x_rows = x.index_select(0, order // k)
         kw = mlp_options(config)
@@ -189,7 +184,7 @@ class GroupedExpertBackend:
         order int64, offsets, idx, valid)`` (:func:`routing_plan`): one persistent launch (gather,
         GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum, shared expert)."""
         order32, order, offsets, idx, valid = plan
-        x, limit = inp.x, inp.swiglu_limit
+        x, limit = inp.x, activation(inp)
         t = x.shape[0]
         g = None if inp.shared_gate is None else shared_gate(_BF16, x, inp.shared_gate)
         out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared,

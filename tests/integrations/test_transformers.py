@@ -26,6 +26,7 @@ and exactly in tests/reference.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -37,36 +38,20 @@ import torch
 pytest.importorskip("transformers", minversion="5.17",
                     reason="transformers >= 5.17 is not installed (pip install -e '.[test]' installs it)")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
 import mok_cute  # noqa: E402
 import mok_cute.integrations.transformers as mok_hf  # noqa: E402
 from mok_cute.reference import _world  # noqa: E402
+from tools import hf_tiny  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")  # the reference backend, as intended here
 
 LOGITS_TOL, GRAD_TOL, SPARSE_TOL = 2e-2, 5e-2, 1.5e-2
-VOCAB = 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              head_dim=32, max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False)
-# every layer an MoE layer with E = 4 experts of I = 64, each token routed to all four
-MODELS = {
-    "qwen3_moe": dict(intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=4,
-                      norm_topk_prob=True),
-    "qwen2_moe": dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128,
-                      num_experts=4, num_experts_per_tok=4),
-    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=4),
-    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=4,
-                        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None,
-                        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
-                        head_dim=16, num_key_value_heads=2),
-    "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=4, eos_token_id=2),
-    # gate_up_proj [E, H, 2I], down_proj [E, I, H] (is_transposed), and shared experts
-    "aria_text": dict(intermediate_size=64, moe_num_experts=4, moe_topk=4, moe_num_shared_experts=1),
-    # gate_up_proj [E, H, 2I] interleaved (gate even, up odd) and transposed, biases, alpha 1.702, limit 7
-    "gpt_oss": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=4),
-}
+# the tiny models (configs, builders), shared with the device check tools/checks/hf_models.py
+VOCAB, COMMON, MODELS = hf_tiny.VOCAB, hf_tiny.COMMON, hf_tiny.MODELS
+rel_l1 = hf_tiny.rel_l1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,18 +64,8 @@ def backends():
 @functools.cache
 def _fp32_model(model_type: str, **overrides):
     """A tiny float32 model on "eager" experts, its weights rounded to bf16 (so that its bf16 copy
-    holds the same values); seeded."""
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **MODELS.get(model_type, {}), **overrides})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager")
-    with torch.no_grad():
-        for m in _experts_of(model):  # expert biases (gpt-oss) start at zero: draw them
-            if m.has_bias:
-                m.gate_up_proj_bias.normal_(0.0, 0.1)
-                m.down_proj_bias.normal_(0.0, 0.1)
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
-    return model
+    holds the same values); seeded (:func:`tools.hf_tiny.fp32_model`), built once per arguments."""
+    return hf_tiny.fp32_model(model_type, **overrides)
 
 
 def _copy(model, dtype, experts: str):
@@ -102,18 +77,8 @@ def _copy(model, dtype, experts: str):
 
 def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """Logits [2, 16, VOCAB] (fp32) and every parameter's gradient (fp32; None if it got none)
-    of one cross-entropy forward + backward on fixed tokens."""
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    grads = {n: None if p.grad is None else p.grad.float() for n, p in model.named_parameters()}
-    return out.logits.detach().float(), grads
-
-
-def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    """sum|a - b| / sum|b| (b the reference)."""
-    return float((a - b).abs().sum() / b.abs().sum())
+    of one cross-entropy forward + backward on fixed tokens (:func:`tools.hf_tiny.step`)."""
+    return hf_tiny.step(model)
 
 
 def _errors(model_type: str, experts: str) -> dict[str, float]:
@@ -127,9 +92,7 @@ def _errors(model_type: str, experts: str) -> dict[str, float]:
     return out
 
 
-def _experts_of(model) -> list:
-    """The experts modules of ``model`` (its MoE layers' ``experts``), in layer order."""
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+_experts_of = hf_tiny.experts_of
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))
@@ -313,9 +276,10 @@ def test_other_gated_activation_falls_back_to_grouped_mm_with_one_warning(own_ga
     assert torch.equal(logits, logits_mm) and all(torch.equal(grads[n], grads_mm[n]) for n in grads)
 
 
-def test_gpt_oss_on_a_gpu_backend_raises_naming_the_features():
-    """The GPU backends refuse gpt-oss's alpha, up offset and biases before any launch (their
-    check, run here on CPU tensors)."""
+def test_gpt_oss_on_a_gpu_backend_raises_naming_the_biases_alone():
+    """The GPU backends refuse gpt-oss's expert biases before any launch, naming them and not its activation
+    (alpha, up offset: the kernels run them; their check, run here on CPU tensors): without the biases the
+    same call passes the check."""
     from mok_cute.layers.select import MoEInputs, get_backend
 
     module = _experts_of(_copy(_fp32_model("gpt_oss", hidden_size=256, intermediate_size=256), torch.bfloat16,
@@ -326,9 +290,11 @@ def test_gpt_oss_on_a_gpu_backend_raises_naming_the_features():
     inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act.limit,
                     activation=act, biases=mok_hf.expert_biases(module))
     for arch in ("sm90", "sm100"):
-        with pytest.raises(NotImplementedError, match=rf"'{arch}': SwiGLU.alpha = 1.702 .*SwiGLU.up_offset = 1.0 "
-                                                      r".*expert biases"):
+        with pytest.raises(NotImplementedError, match=rf"'{arch}': expert biases \(b_gate, b_up, b_down\): not "
+                                                      r"implemented") as err:
             get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
+        assert "SwiGLU" not in str(err.value)
+        get_backend(arch).check(dataclasses.replace(inp, biases=None), mok_cute.MoKConfig(backend=arch), None)
 
 
 @pytest.mark.parametrize("model_type, match", [

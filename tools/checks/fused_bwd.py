@@ -2,7 +2,8 @@
 unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads).
 
 * dx rows, dWg, dWu and dWd bitwise equal to the unfused ones, on uniform, skewed (empty
-  experts, partial m-tiles) and one-expert routings, with and without the SwiGLU clamp;
+  experts, partial m-tiles) and one-expert routings, with and without the SwiGLU clamp, and with
+  gpt-oss's SwiGLU (alpha 1.702, up offset 1; its limit 7, and 1.5 where clamps act);
 * bitwise across 3 repeats and across grid sizes (132, 37, 8 CTAs);
 * ``tokens=`` (the dx rows scattered to their slots and summed in the launch): dx bitwise the
   unfused scatter + ``reference.slot_sum`` from the shared expert's dx (or zeros), -1 slots
@@ -10,7 +11,7 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
 * the layer: ``mok_cute.moe`` forward + backward with ``MoKConfig(backward_path=...)`` FUSED and
   FUSED_WHOLE (also the route_grad pass and the x gather in the launch, the fused forward's rows)
   gives every gradient bitwise equal to UNFUSED (shared expert included: it runs the core too, as
-  one group of all tokens);
+  one group of all tokens), with the clamped SwiGLU and with gpt-oss's;
 * ``main_grads`` on the sm90 backend (unfused and fused backward): two backwards into random
   fp32 buffers give start + fp32(dW_1) + fp32(dW_2) bitwise, the weights no ``.grad``;
 * time of the core vs the five launches at 8 experts x 4096 rows, H 7168, I 2048.
@@ -25,10 +26,23 @@ from pathlib import Path
 
 import torch
 
+from mok_cute import SwiGLU
 from tools.checks.common import Row, bench_us, env_var
 from tools.checks.layer_sm90 import _problem, _run
 
 PARTS = ("core", "tokens", "mx", "layer", "bench")  # what run() checks by default: everything
+# (name, rows per expert, activation) of the core rows at H 1024, I 512
+CORE_CASES = (("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
+              ("skewed", [2845, 0, 32, 0, 4, 82, 0, 37], 4.0),
+              ("one expert", [0, 0, 1000, 0], 1.5),
+              ("skewed gpt-oss", [2845, 0, 32, 0, 4, 82, 0, 37], SwiGLU.gpt_oss()),
+              ("one expert gpt-oss", [0, 0, 1000, 0], SwiGLU.gpt_oss(limit=1.5)))  # g, u ~ N(0, 1): clamps act
+LAYER_ACTS = (("L=4", 4.0), ("gpt-oss", SwiGLU.gpt_oss()))  # the layer rows' activations
+
+
+def _act_name(act) -> str:
+    """A row's name for an activation (None, L or a SwiGLU, its alpha / up offset in the case's name): its limit."""
+    return f"L={act.limit if isinstance(act, SwiGLU) else act}"
 
 
 def _operands(m_counts, h, inter, dev, seed, rows=None):
@@ -86,11 +100,8 @@ def run(ctx, parts: tuple[str, ...] = PARTS, out_dir: str | None = None) -> list
 def _core_rows(dev) -> list[Row]:
     """The core vs the unfused launches on uniform, skewed and one-expert routings, over grid sizes."""
     rows = []
-    cases = [("uniform", [370, 385, 390, 361, 402, 377, 366, 389], None),
-             ("skewed", [2845, 0, 32, 0, 4, 82, 0, 37], 4.0),
-             ("one expert", [0, 0, 1000, 0], 1.5)]
     names = ("dx", "dWg", "dWu", "dWd")
-    for name, counts, limit in cases:
+    for name, counts, limit in CORE_CASES:
         ops = _operands(counts, 1024, 512, dev, seed=len(name))
         want = _unfused(*ops, limit)
         runs = [_core(ops, limit, num_ctas=n) for n in (132, 132, 132, 37, 8)]
@@ -98,21 +109,24 @@ def _core_rows(dev) -> list[Row]:
         eq = [all(torch.equal(a, b) for a, b in zip(r, want)) for r in runs]
         diff = [n for n, a, b in zip(names, runs[0], want) if not torch.equal(a, b)]
         finite = all(bool(torch.isfinite(a.float()).all()) for a in runs[0])
-        rows.append(Row(f"fused bwd core {name} L={limit}", bitwise=all(eq), ok=all(eq) and finite,
+        rows.append(Row(f"fused bwd core {name} {_act_name(limit)}", bitwise=all(eq), ok=all(eq) and finite,
                         note=f"== unfused per run (132 x3, 37, 8 CTAs): {eq}; differs: {diff} M={sum(counts)}"))
     return rows
 
 
 def _layer_rows(dev) -> list[Row]:
-    """The layer's gradients per backward path vs UNFUSED, its launch count, its main_grads."""
+    """The layer's gradients per backward path vs UNFUSED (per activation of :data:`LAYER_ACTS`), its launch
+    count, its main_grads."""
     rows = []
     x, idx, w, ws, sh, dy = _problem(600, 1024, 512, 8, 4, True, True, dev, seed=71)
-    outs = {path: _run("sm90", x, idx, w, ws, sh, dy, 4.0, backward_path=path)
-            for path in ("unfused", "fused", "fused_whole")}
-    for path in ("fused", "fused_whole"):
-        same = [torch.equal(a, b) for a, b in zip(outs["unfused"], outs[path])]
-        rows.append(Row(f"layer grads backward_path={path} == unfused (skew + shared)", bitwise=all(same),
-                        ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
+    for tag, act in LAYER_ACTS:
+        outs = {path: _run("sm90", x, idx, w, ws, sh, dy, act, backward_path=path)
+                for path in ("unfused", "fused", "fused_whole")}
+        for path in ("fused", "fused_whole"):
+            same = [torch.equal(a, b) for a, b in zip(outs["unfused"], outs[path])]
+            suffix = "" if tag == "L=4" else f" {tag}"  # (the clamped rows keep their names)
+            rows.append(Row(f"layer grads backward_path={path} == unfused (skew + shared){suffix}", bitwise=all(same),
+                            ok=all(same), note=f"[y, dx, dtw, dWg, dWu, dWd, dWs...] equal: {same}"))
     rows.append(_launch_count_row(x, idx, w, ws, sh, dy))
     return rows + _main_grads_rows(x, idx, w, ws, sh, dy)
 

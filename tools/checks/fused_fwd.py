@@ -2,7 +2,8 @@
 through mok_cute.moe at EP = 1, BF16.
 
 Per routing case (uniform, skewed with empty experts and -1 slots, every token to one expert,
-with and without the shared expert, SwiGLU clamped at 4 and not):
+with and without the shared expert, SwiGLU clamped at 4 and not, gpt-oss's SwiGLU: ``SwiGLU.gpt_oss()``, alpha
+1.702, up offset 1, limit 7; also in the MXFP8 and the helper-warp rows):
   * y and every gradient (the backward is the unfused one, fed by the fused forward's saved
     rows; it gathers x's rows again) vs the reference backend at MoK's BF16 tolerances (max-abs 0.5, rel-L1 1e-2);
   * y bitwise equal to the unfused sm90 forward (``forward_path="unfused"``; the same GEMM tiles and the
@@ -22,11 +23,27 @@ from __future__ import annotations
 
 import torch
 
+from mok_cute import SwiGLU
 from tools.checks.common import Row
 from tools.checks.layer_sm90 import _compare, _problem, _run
 
 REPEATS = 5
 UNFUSED = dict(forward_path="unfused")
+GPT_OSS = SwiGLU.gpt_oss()  # gpt-oss's activation (the kernels compile its alpha and up offset in)
+# (name, skew, shared, limit, every token to one expert) of the BF16 rows at T 1000, H 1024, I 512, E 8, k 4
+CASES = (("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
+         ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
+         ("one expert+shared L=4", False, True, 4.0, True), ("skew+shared gpt-oss", True, True, GPT_OSS, False))
+# (name, H, skew, shared, limit, precision) of the helper-warp rows at T 1500, I 512, E 8, k 4
+HELPER_CASES = (("H2048 uniform+shared", 2048, False, True, None, "bf16"),
+                ("H2048 skew+shared L=4", 2048, True, True, 4.0, "bf16"),
+                ("H2048 skew", 2048, True, False, None, "bf16"),
+                ("H2880 skew+shared", 2880, True, True, None, "bf16"),  # a row of 1.4 bulk segments, the n_tail variant
+                ("mxfp8 H7168 skew+shared L=4", 7168, True, True, 4.0, "mxfp8"),
+                ("H2048 skew+shared gpt-oss", 2048, True, True, GPT_OSS, "bf16"))
+# (name, skew, shared, limit) of the MXFP8 rows at T 1000, H 1024, I 512, E 8, k 4
+MX_CASES = (("uniform", False, False, None), ("skew+shared L=4", True, True, 4.0),
+            ("skew+shared gpt-oss", True, True, GPT_OSS))
 
 
 def _moe(x, idx, w, ws, sh, limit, **cfg):
@@ -68,12 +85,8 @@ def _helper_rows(dev, fused) -> list[Row]:
     warps run (``fused_moe.fused_helpers``: BF16 from H 2048, MXFP8 from H 7168): y and every gradient bitwise the
     unfused forward's (the same backward on bitwise the same saved rows), y bitwise across three configurations
     (the ring reused at 256 tokens)."""
-    cases = (("H2048 uniform+shared", 2048, False, True, None, "bf16"),
-             ("H2048 skew+shared L=4", 2048, True, True, 4.0, "bf16"), ("H2048 skew", 2048, True, False, None, "bf16"),
-             ("H2880 skew+shared", 2880, True, True, None, "bf16"),  # a row of 1.4 bulk segments, the n_tail variant
-             ("mxfp8 H7168 skew+shared L=4", 7168, True, True, 4.0, "mxfp8"))
     rows = []
-    for i, (name, hid, skew, shared, limit, prec) in enumerate(cases):
+    for i, (name, hid, skew, shared, limit, prec) in enumerate(HELPER_CASES):
         x, idx, w, ws, sh, dy = _problem(1500, hid, 512, 8, 4, shared, skew, dev, seed=370 + i)
         outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec)
         base = _run("sm90", x, idx, w, ws, sh, dy, limit, precision=prec, **UNFUSED)
@@ -92,8 +105,7 @@ def _mx_rows(dev, fused) -> list[Row]:
     """MXFP8: y bitwise the unfused MXFP8 forward's and across comm CTAs; everything within the MXFP8 tolerance of
     the reference backend at mxfp8 (rel-L1 2e-2, as checks/layer_fp8)."""
     rows = []
-    for i, (name, skew, shared, limit) in enumerate((("uniform", False, False, None),
-                                                     ("skew+shared L=4", True, True, 4.0))):
+    for i, (name, skew, shared, limit) in enumerate(MX_CASES):
         x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=350 + i)
         ref = _run("reference", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
         outs = _run("sm90", x, idx, w, ws, sh, dy, limit, precision="mxfp8")
@@ -120,10 +132,7 @@ def run(ctx) -> list[Row]:
     from mok_cute.kernels.sm90 import fused_moe as fused
 
     dev, rows = ctx.device, []
-    cases = [("uniform", False, False, None, False), ("skew+shared L=4", True, True, 4.0, False),
-             ("skew", True, False, None, False), ("uniform+shared", False, True, None, False),
-             ("one expert+shared L=4", False, True, 4.0, True)]
-    for i, (name, skew, shared, limit, one) in enumerate(cases):
+    for i, (name, skew, shared, limit, one) in enumerate(CASES):
         x, idx, w, ws, sh, dy = _problem(1000, 1024, 512, 8, 4, shared, skew, dev, seed=300 + i)
         if one:
             idx = _one_expert(x, idx, w)

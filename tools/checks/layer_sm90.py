@@ -4,8 +4,10 @@ against the reference backend, forward and backward.
 Tolerances (BF16, MoK's): max-abs <= 0.5 and rel-L1 <= 1e-2 per output and gradient;
 bitwise equality of everything over 5 repeats. Routings: uniform top-k, skewed (most routes
 to one expert, some experts empty, -1 slots); with and without the shared expert, SwiGLU
-clamped (L = 4) and not. Inputs are fresh random (MoK-style: logits N(0,1), softmax over the
-top-k values, weights N(0,1) * fan_in^-0.5).
+clamped (L = 4) and not; gpt-oss's SwiGLU (``SwiGLU.gpt_oss()``: alpha 1.702, up offset 1, limit 7,
+:data:`GPT_OSS_CASES`) at one small shape along each path pair: the fused forward with the whole fused
+backward, the fused forward with the fused backward core, and both unfused. Inputs are fresh random
+(MoK-style: logits N(0,1), softmax over the top-k values, weights N(0,1) * fan_in^-0.5).
 """
 from __future__ import annotations
 
@@ -14,6 +16,19 @@ import torch
 from tools.checks.common import Row, bench_us
 
 MAX_ABS, REL_L1, REPEATS = 0.5, 1e-2, 5
+# gpt-oss's activation rows: (name, forward_path, backward_path), skewed routing + shared expert at GPT_OSS_SHAPE
+GPT_OSS_CASES = (("fused/fused_whole", "fused", "fused_whole"), ("fused/fused", "fused", "fused"),
+                 ("unfused/unfused", "unfused", "unfused"))
+GPT_OSS_SHAPE = dict(t=512, h=512, inter=256, e=8, k=4)
+
+
+def gpt_oss_problem(dev, seed=900):
+    """``(SwiGLU.gpt_oss(), layer inputs)`` of the gpt-oss rows: :func:`_problem` at :data:`GPT_OSS_SHAPE`,
+    skewed routing, the shared expert (on ``dev``: the CPU too)."""
+    from mok_cute import SwiGLU
+
+    s = GPT_OSS_SHAPE
+    return SwiGLU.gpt_oss(), _problem(s["t"], s["h"], s["inter"], s["e"], s["k"], True, True, dev, seed)
 
 
 def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
@@ -84,6 +99,14 @@ def run(ctx) -> list[Row]:
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
         rows.append(_compare(f"layer sm90 {name}", outs[0], ref, same))
+    act, (x, idx, w, ws, sh, dy) = gpt_oss_problem(dev)
+    ref = _run("reference", x, idx, w, ws, sh, dy, act)
+    for name, fwd_path, bwd_path in GPT_OSS_CASES:
+        outs = [_run("sm90", x, idx, w, ws, sh, dy, act, forward_path=fwd_path, backward_path=bwd_path)
+                for _ in range(REPEATS)]
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+        rows.append(_compare(f"layer sm90 gpt-oss {name}", outs[0], ref, same))
     # timing: one MoK-like shape scaled to one GPU
     x, idx, w, ws, sh, dy = _problem(4096, 7168, 2048, 16, 8, True, False, dev, seed=7)
     import mok_cute

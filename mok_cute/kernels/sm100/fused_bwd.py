@@ -103,6 +103,7 @@ from mok_cute.kernels.sm100.grouped_gemm import (
 )
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mx_gather import quantize_tile
+from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm100.mainloop import (
     EPI_THREADS, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, epi_barrier,
 )
@@ -135,7 +136,8 @@ class BwdVariant:
     the caller's bf16 dy (which no MXFP8 tile reads) and the slot sum reads slot (t, j) at row
     ``order[t*k + j]`` (the inverse order, ``sm90.fused_bwd.grouped_rows``); ``tile_m`` 128 or 256
     (``cta_group::2`` tiles run by CTA pairs); ``bulk_push`` (needs ``ep``): D1's rows into the peers
-    by ``cp.async.bulk``."""
+    by ``cp.async.bulk``; ``gated``: the SwiGLU's alpha and up offset (None: silu(g) * u;
+    :mod:`mok_cute.kernels.swiglu_math`)."""
 
     clamp: bool
     tokens: bool = False
@@ -150,6 +152,7 @@ class BwdVariant:
     grouped_slots: bool = False
     tile_m: int = 128
     bulk_push: bool = False
+    gated: Gated | None = None
 
     def __post_init__(self):
         if (self.init or self.add) and not self.tokens:
@@ -188,7 +191,7 @@ class FusedMoeBwdSm100:
         self.cfg, self.clamp, self.tokens, self.init, self.add, self.mx = cfg, clamp, tokens, init, add, mx
         self.gather, self.by_route, self.shared, self.ep, self.accumulate = gather, by_route, shared, ep, accumulate
         self.per = 4 if mx else 2  # TMA descriptors per GEMM operand set: A, B[, SFA, SFB]
-        self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR)  # D2
+        self.dswiglu = GroupedGemmSm100(cfg, "dswiglu", clamp, MN_MAJOR, gated=v.gated)  # D2
         self.dgrad1 = GroupedGemmSm100(cfg, "plain", b_major=MN_MAJOR, split_k=True)  # D1
         self.wgrad = GroupedGemmSm100(cfg, wgrad=True)  # W
         self.ml_d, self.ml_w = self.dswiglu.mainloop, self.wgrad.mainloop  # (K, MN) and (MN, MN) majors
@@ -961,7 +964,8 @@ def fused_backward_core(dy, x, gu, h, offsets, weights: ExpertWeights, limit, la
     dy, x [M, H] bf16 (grouped rows, dy already scaled by the router weights); gu [>= M, 2I] and
     h [>= M, I] (the forward's, first M rows read); ``offsets`` int32 [E+1] (trusted: 0,
     non-decreasing, last = M); ``weights``: w_gate, w_up [E, I, H] (unit last stride, other strides
-    multiples of 16 bytes), w_down [E, H, I]; ``limit`` None or the SwiGLU clamp; H, I multiples of
+    multiples of 16 bytes), w_down [E, H, I]; ``limit`` None, the SwiGLU clamp or a
+    :class:`~mok_cute.reference.SwiGLU` (its alpha and up offset compiled in); H, I multiples of
     64; one sm_100 / sm_103 device. ``launch`` (:class:`~mok_cute.kernels.sm100.fused_moe.Sm100Launch`):
     ``num_ctas`` the grid (default all SMs), ``timeout_s``, ``tile_m`` (``comm_ctas`` unread: no
     gather). Returns ``(dx [M, H], dWg,
@@ -1025,8 +1029,10 @@ def fused_backward_core(dy, x, gu, h, offsets, weights: ExpertWeights, limit, la
         else:
             rows = torch.empty((t * k, hid), **bf)  # the dx rows by (token, slot); rows of -1 slots not summed
         tok_args = BwdTokens(order32, idx32, dxs, add, dx)
-    v = BwdVariant(limit is not None, toks is not None, toks is not None and toks[2] is not None,
-                   toks is not None and toks[3] is not None, mx, grouped_slots=grouped, tile_m=launch.tile_m)
+    clamp, gated, _ = swiglu_args(limit)
+    v = BwdVariant(clamp, toks is not None, toks is not None and toks[2] is not None,
+                   toks is not None and toks[3] is not None, mx, grouped_slots=grouped, tile_m=launch.tile_m,
+                   gated=gated)
     routed = BwdGroup(ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, rows, dwg, dwu,
                       dwd, offsets, d2, words)
     _launch(v, (routed, tok_args, mx_args, BwdGather(), BwdGroup()), k, limit, launch, dev)
@@ -1199,9 +1205,10 @@ def _whole(dy, x, plan: RoutePlan, saved: ForwardSaved, weights: ExpertWeights, 
                            sh["ws_down"][None], torch.empty((t, 2, i_s), **bf), None, *dws, sh["offsets_s"], sd2)
     routed = BwdGroup(ops[0], ops[1], gu[:m].view(m, 2, inter), ops[2], w_gate, w_up, w_down, dgu, slot, *dw, offsets,
                       d2, words)
-    v = BwdVariant(limit is not None, True, init is not None, False, w_scales is not None, True, saved.by_route,
+    clamp, gated, _ = swiglu_args(limit)
+    v = BwdVariant(clamp, True, init is not None, False, w_scales is not None, True, saved.by_route,
                    sh is not None, ws is not None, main_grads is not None, tile_m=launch.tile_m,
-                   bulk_push=launch.bulk_push and ws is not None)
+                   bulk_push=launch.bulk_push and ws is not None, gated=gated)
     _launch(v, (routed, BwdTokens(order32, idx32, init, None, dx), mx_args, gather, sh_args), k, limit, launch, dev,
             ws)
     if main_grads is not None:
@@ -1277,7 +1284,7 @@ def _launch(v: BwdVariant, bundles: tuple, k: int, limit, launch: Sm100Launch, d
     launcher = compile_cached(("sm100_fused_moe_bwd", arch, v),
                               lambda: GraphLauncher(compile_fused_backward_sm100(v, arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(launch.timeout_s * 1e9)
+    lim, timeout_ns = swiglu_args(limit)[2], int(launch.timeout_s * 1e9)
     comm = max(1, min(launch.comm_ctas, num_ctas - 1))  # a GEMM CTA must remain to run the tiles that wait on the rows
     num_ctas, comm = pair_grid(num_ctas, comm, v.tile_m)
     scalars = BwdScalars(Int32(k), Int32(comm), Float32(lim), Int32(num_ctas), Int64(timeout_ns))

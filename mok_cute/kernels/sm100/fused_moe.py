@@ -100,6 +100,7 @@ from mok_cute.kernels.sm100.grouped_gemm import (
     ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _bf16, _check_gate_up_scales, _check_scales, _fake_sf,
     interleave_gate_up,
 )
+from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm100 import task_ring
 from mok_cute.kernels.sm100.mainloop import (
     EPI_N, EPI_THREADS, MMA_WARP, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config, Sm100Mainloop, epi_barrier,
@@ -238,7 +239,8 @@ class FwdVariant:
     ``tile::gather4``, no ring; compile-verified only, never measured against the ring); ``tile_m``
     128 or 256 (``cta_group::2``); ``bulk_push`` (needs ``ep``): R2's rows into the peers by
     ``cp.async.bulk``; ``unroll``: 16-byte loads in flight per gather lane; ``sum_batch``: slot rows
-    in flight per slot-sum thread."""
+    in flight per slot-sum thread; ``gated``: the SwiGLU's alpha and up offset (None: silu(g) * u;
+    :mod:`mok_cute.kernels.swiglu_math`)."""
 
     clamp: bool
     shared: bool
@@ -251,6 +253,7 @@ class FwdVariant:
     bulk_push: bool = False
     unroll: int = 8
     sum_batch: int = SUM_BATCH
+    gated: Gated | None = None
 
     def __post_init__(self):
         check_tile_m(self.tile_m)
@@ -291,7 +294,8 @@ class FusedMoeFwdSm100:
         self.mainloop = Sm100Mainloop(cfg)
         if bulk_push:
             check_push_fits(self.mainloop)
-        self.swiglu = GroupedGemmSm100(cfg, "swiglu", v.clamp)  # its views and epilogues (the unfused path's)
+        self.swiglu = GroupedGemmSm100(cfg, "swiglu", v.clamp, gated=v.gated)  # its views and epilogues (the unfused
+        # path's)
         self.plain = GroupedGemmSm100(cfg, "plain")
         self.cg = cfg.cta_group  # CTAs per tile: each publishes it (readiness targets count tiles cg times)
         self.chunk = cfg.tile_m  # rows of a gather chunk, a ring slot and an m-tile
@@ -948,7 +952,8 @@ def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpe
     (trusted: 0, non-decreasing, last <= M_cap), ``topk_idx`` int32 / ``topk_w`` fp32 [T, k];
     ``weights``: w_gate, w_up [E, I, H], w_down [E, H, I]; ``shared`` None or the shared expert
     (ws_gate [I_s, H], ws_up [I_s, H], ws_down [H, I_s]; its ``gate`` None or fp32 [T]: y starts from
-    fp32(s_out) * gate); ``limit`` None or the SwiGLU clamp; H, I, I_s multiples of 64; every tensor
+    fp32(s_out) * gate); ``limit`` None, the SwiGLU clamp or a :class:`~mok_cute.reference.SwiGLU` (its alpha and up
+    offset compiled in); H, I, I_s multiples of 64; every tensor
     contiguous on one sm_100 / sm_103 device. gate / up (and their MXFP8 scales) are interleaved by
     ``interleave(w_gate, w_up, tile_n / 2)`` (default
     :func:`~mok_cute.kernels.sm100.grouped_gemm.interleave_gate_up`, the unfused GEMM1's operand, a
@@ -992,10 +997,11 @@ def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpe
     dev, arch = device_arch(x.device)
     if arch not in ARCHS:
         raise ValueError(f"the SM100 fused forward needs an sm_100a / sm_103a device, got {arch}")
-    v = FwdVariant(limit is not None, shared is not None, gate=shared is not None and shared.gate is not None,
+    clamp, gated, _ = swiglu_args(limit)
+    v = FwdVariant(clamp, shared is not None, gate=shared is not None and shared.gate is not None,
                    mx=scales is not None, ep=ws is not None, trace=launch.trace, gather=launch.gather,
                    tile_m=launch.tile_m, bulk_push=launch.bulk_push and ws is not None, unroll=GATHER_UNROLL,
-                   sum_batch=SUM_BATCH)
+                   sum_batch=SUM_BATCH, gated=gated)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch, v),
                               lambda: GraphLauncher(compile_fused_forward_sm100(v, arch)[0]))
     bundles, out = _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interleave, v, dev)
@@ -1056,7 +1062,7 @@ def _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interl
         n_tasks = m_sh * (n1s + (n2 if shared is not None else 0)) + mt * (n1 + n2)
         records = torch.zeros((sizes[0] + n_tasks + 2 * num_ctas, TRACE_WORDS), dtype=torch.int64, device=x.device)
         _last_trace[:] = [(records, comm_ctas)]
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(launch.timeout_s * 1e9)
+    lim, timeout_ns = swiglu_args(limit)[2], int(launch.timeout_s * 1e9)
     peer = FwdPeer(None, None, None, *_NO_EP) if ws is None else \
         FwdPeer(*ws.kernel_args((w_rows, slot_copy), EP_SECTIONS))
     bundles = (FwdOperands(x, xg, w1, w_down, s1, sd), FwdOutputs(gu, h, gus, hs, slot, s_out, y),

@@ -5,7 +5,7 @@ Same operand and offsets contract as :mod:`mok_cute.kernels.sm90.grouped_gemm` a
 non-decreasing, offsets[E] = M_total, trusted), on the :mod:`sm100.mainloop` (TMA warp,
 tcgen05 MMA warp, TMEM accumulators, four epilogue warps). One compiled kernel serves every
 token count; the compile cache key holds arch, dtype, tile shape, majorness, split B,
-epilogue, clamp.
+epilogue, clamp and the gated SwiGLU's constants (:mod:`mok_cute.kernels.swiglu_math`).
 Tiles are scheduled by :mod:`mok_cute.schedule.group_tiles` (grid = SMs; with
 ``cta_group::2`` a cluster of two CTAs takes one tile, clusters stride over the tiles).
 
@@ -17,8 +17,8 @@ Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-
                accumulator (no concatenated copy; each part's K tail is zero-filled).
   ``swiglu``:  B = :func:`interleave_gate_up` (w_gate, w_up; I padded to tile_n/2 with zero
                rows); gu [M, 2I] (gate cols [0, I), up [I, 2I)) and h [M, I] = bf16(silu(g) * u)
-               from the bf16 g, u in FP32, optional clamp L: g = min(g, L), u = clamp(u, -L, L)
-               (as the SM90 epilogue).
+               from the bf16 g, u in FP32, optional clamp L: g = min(g, L), u = clamp(u, -L, L);
+               gated (alpha a, up offset o): h = bf16(g * sigmoid(a * g) * (u + o)) (as the SM90 epilogue).
   ``dswiglu``: N = I, the FP32 accumulator dh (never rounded) meets g, u read from gu:
                dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
 N tails: N (H or I) need only be a multiple of :data:`EPI_N` (32); the tile count over N
@@ -68,7 +68,7 @@ from mok_cute.kernels.sm100.mainloop import (
     EPI_N, EPI_THREADS, K_MAJOR, MMA_WARP, MN_MAJOR, NUM_THREADS, SF_DTYPE, TMA_WARP, AccChunks, Sm100Config,
     Sm100Mainloop, epi_barrier, tmem_load,
 )
-from mok_cute.kernels.swiglu_math import swiglu_
+from mok_cute.kernels.swiglu_math import Gated, dswiglu, swiglu_, swiglu_args
 from mok_cute.schedule.group_tiles import seek, tile_coords, wgrad_tile
 
 ARCHS = ("sm_100a", "sm_103a")
@@ -192,11 +192,12 @@ class GroupedGemmSm100:
     gu [M, 2, N]. Wgrad: ``(mA [M, Na], mB [M, Nb], None, mSFA, mSFB, mOffsets, mOut [E, Na,
     Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale buffers
     (MXFP8; SFB over the whole K) or None. N (Nb, I) a multiple of :data:`EPI_N`, tiles over
-    it round up; ``num_ctas`` a multiple of the cluster size.
+    it round up; ``num_ctas`` a multiple of the cluster size. ``clamp``, ``gated``: the (d)SwiGLU's compile-time
+    switches (:mod:`mok_cute.kernels.swiglu_math`).
     """
 
     def __init__(self, cfg: Sm100Config, epilogue: str = "plain", clamp: bool = False, b_major: str = K_MAJOR,
-                 wgrad: bool = False, split_k: bool = False):
+                 wgrad: bool = False, split_k: bool = False, gated: Gated | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if wgrad and epilogue != "plain":
@@ -206,6 +207,7 @@ class GroupedGemmSm100:
         if epilogue == "swiglu" and (cfg.tile_n // 2) % EPI_N:
             raise ValueError(f"swiglu needs tile_n a multiple of {2 * EPI_N}, got {cfg.tile_n}")
         self.cfg, self.epilogue, self.clamp, self.wgrad, self.split_k = cfg, epilogue, clamp, wgrad, split_k
+        self.gated = gated
         self.b_major = MN_MAJOR if wgrad else b_major
         self.mainloop = Sm100Mainloop(cfg, a_major=MN_MAJOR if wgrad else K_MAJOR, b_major=self.b_major)
 
@@ -537,7 +539,7 @@ class GroupedGemmSm100:
             g.store(rg.load().to(Float32))
             u = cute.make_rmem_tensor_like(ru, Float32)
             u.store(ru.load().to(Float32))
-            swiglu_(g, u, limit, self.clamp)
+            swiglu_(g, u, limit, self.clamp, self.gated)
             rh = _bf16(g)
             d_gate = chunks.part(cute.local_tile(g_gate, (EPI_THREADS, EPI_N), (0, c)))
             d_up = chunks.part(cute.local_tile(g_up, (EPI_THREADS, EPI_N), (0, c)))
@@ -590,17 +592,20 @@ class GroupedGemmSm100:
             for i in cutlass.range_constexpr(cute.size(dh)):
                 gf = g[i].to(Float32)
                 uf = u[i].to(Float32)
-                gc = gf
-                uc = uf
-                if cutlass.const_expr(self.clamp):
-                    gc = cutlass.min(gf, limit)
-                    uc = cutlass.max(cutlass.min(uf, limit), -limit)
-                s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gc, fastmath=True))
-                a = dh[i] * uc * s * (Float32(1.0) + gc * (Float32(1.0) - s))
-                b = dh[i] * (gc * s)
-                if cutlass.const_expr(self.clamp):
-                    a = Float32(cutlass.select_(gf > limit, Float32(0.0), a))
-                    b = Float32(cutlass.select_((uf < -limit) | (uf > limit), Float32(0.0), b))
+                if cutlass.const_expr(self.gated is not None):  # gpt-oss's: swiglu_math's dSwiGLU
+                    a, b = dswiglu(dh[i], gf, uf, limit, self.clamp, self.gated)
+                else:  # (swiglu_math.dswiglu's plain arm, written out: the PTX of the measured kernels)
+                    gc = gf
+                    uc = uf
+                    if cutlass.const_expr(self.clamp):
+                        gc = cutlass.min(gf, limit)
+                        uc = cutlass.max(cutlass.min(uf, limit), -limit)
+                    s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gc, fastmath=True))
+                    a = dh[i] * uc * s * (Float32(1.0) + gc * (Float32(1.0) - s))
+                    b = dh[i] * (gc * s)
+                    if cutlass.const_expr(self.clamp):
+                        a = Float32(cutlass.select_(gf > limit, Float32(0.0), a))
+                        b = Float32(cutlass.select_((uf < -limit) | (uf > limit), Float32(0.0), b))
                 dg[i] = a
                 du[i] = b
             rdg = _bf16(dg)
@@ -658,12 +663,13 @@ def _check_arch(arch: str):
 
 
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config = Sm100Config(),
-                         b_major: str = K_MAJOR, split_k: bool = False, arch: str = "sm_100a",
-                         inspect: bool = False):
+                         b_major: str = K_MAJOR, split_k: bool = False, gated: Gated | None = None,
+                         arch: str = "sm_100a", inspect: bool = False):
     """Compile one grouped GEMM variant with symbolic M_total, N, K, E (and strides; ``split_k``:
-    A = [M, 2, K1], B = [E, K1, N] + [E, K1, N]); returns ``(compiled, report)``."""
+    A = [M, 2, K1], B = [E, K1, N] + [E, K1, N]; ``gated``: the SwiGLU's alpha / up offset); returns
+    ``(compiled, report)``."""
     _check_arch(arch)
-    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_k=split_k)
+    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_k=split_k, gated=gated)
     ab = cfg.ab_dtype
     div = _VEC * 8 // ab.width
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=div), cute.sym_int(), cute.sym_int()
@@ -786,12 +792,14 @@ def _num_ctas(device, cfg: Sm100Config, tiles: int) -> int:
 
 class GemmKind(NamedTuple):
     """One grouped GEMM variant of :class:`GroupedGemmSm100`: its tile config, epilogue (one of
-    :data:`EPILOGUES`), whether the SwiGLU / dSwiGLU epilogue clamps, and B's major mode."""
+    :data:`EPILOGUES`), whether the SwiGLU / dSwiGLU epilogue clamps, B's major mode, and the SwiGLU's
+    alpha / up offset (``gated``, None: silu(g) * u)."""
 
     cfg: Sm100Config
     epilogue: str
     clamp: bool
     b_major: str
+    gated: Gated | None = None
 
 
 def _launch(kind: GemmKind, a, w, scales: tuple, offsets, outs: tuple, limit: float, n: int, w2=None):
@@ -799,14 +807,14 @@ def _launch(kind: GemmKind, a, w, scales: tuple, offsets, outs: tuple, limit: fl
     stream: A ``a``, B ``w`` (``w2``: B's second part along K, split K: ``a`` is then [M, 2, K1]),
     ``scales`` = (A's, B's blocked MXFP8 scales, or None each), ``outs`` = (out0, out1) (the same
     tensor twice for the plain epilogue); ``n``: B's N."""
-    cfg, epilogue, clamp, b_major = kind
+    cfg, epilogue, clamp, b_major, gated = kind
     (a_sf, w_sf), (out0, out1) = scales, outs
     arch = _arch(a.device)
     split_k = w2 is not None
     compiled = compile_cached(
-        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_k, cfg.key()),
+        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_k, gated, cfg.key()),
         lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_k=split_k,
-                                     arch=arch)[0])
+                                     gated=gated, arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     offs32 = offsets_i32(offsets)
@@ -870,7 +878,8 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
                          cfg: Sm100Config | None = None, interleave=None):
     """(gu [M, 2I], h [M, I]) bf16: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T) (gate in columns
     [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u, with g = min(g,
-    limit), u = clamp(u, -limit, limit) when ``limit`` is given.
+    limit), u = clamp(u, -limit, limit) when ``limit`` is given; ``limit`` may be a
+    :class:`~mok_cute.reference.SwiGLU` (h = bf16(g * sigmoid(alpha * g) * (u + up_offset)), clamped as above).
 
     x [M, H], w_gate/w_up [E, I, H] (bf16, or float8_e4m3fn with ``x_scales`` [M, H/32] and
     ``w_scales = (gate_scales, up_scales)`` each [E, I, H/32]); I a multiple of 32. The
@@ -900,15 +909,17 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
         if cfg.mx:
             x_sf = lay.pack_row_scales(x_scales, offsets)
             w_sf = lay.to_blocked(interleave(*w_scales, cfg.tile_n // 2)).reshape(-1)
-        _launch(GemmKind(cfg, "swiglu", limit is not None, K_MAJOR), x, w, (x_sf, w_sf), offsets,
-                (gu.view(m, 2, inter), h), 0.0 if limit is None else float(limit), w.shape[1])
+        clamp, gated, lim = swiglu_args(limit)
+        _launch(GemmKind(cfg, "swiglu", clamp, K_MAJOR, gated), x, w, (x_sf, w_sf), offsets, (gu.view(m, 2, inter), h),
+                lim, w.shape[1])
     return gu, h
 
 
 def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None, w_scales=None, out=None,
                           cfg: Sm100Config | None = None):
     """dgu [M, 2I] bf16 = bf16([dg | du]): dh = dy_e . w_down[e] in FP32 (never rounded), then
-    the dSwiGLU of :func:`mok_cute.reference.dswiglu` at the bf16 g = gu[:, :I], u = gu[:, I:].
+    the dSwiGLU of :func:`mok_cute.reference.dswiglu` at the bf16 g = gu[:, :I], u = gu[:, I:] (``limit``: None,
+    L or a :class:`~mok_cute.reference.SwiGLU`, as in the forward).
 
     dy [M, H] (routed rows, scaled by topk_w), w_down [E, H, I] contiguous (read N-major in
     place), bf16 or float8_e4m3fn with ``dy_scales`` [M, H/32] and ``w_scales`` [E, H/32, I]
@@ -934,8 +945,9 @@ def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, dy_scales=None
         if cfg.mx:
             dy_sf = lay.pack_row_scales(dy_scales, offsets)
             w_sf = lay.pack_kn_weight_scales(w_scales)
-        _launch(GemmKind(cfg, "dswiglu", limit is not None, MN_MAJOR), dy, w_down, (dy_sf, w_sf), offsets,
-                (out.view(m, 2, inter), gu.view(m, 2, inter)), 0.0 if limit is None else float(limit), inter)
+        clamp, gated, lim = swiglu_args(limit)
+        _launch(GemmKind(cfg, "dswiglu", clamp, MN_MAJOR, gated), dy, w_down, (dy_sf, w_sf), offsets,
+                (out.view(m, 2, inter), gu.view(m, 2, inter)), lim, inter)
     return out
 
 
@@ -1018,6 +1030,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
 _COMMON_PTX = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor", "mbarrier")
 _BF16_PTX = _COMMON_PTX + ("kind::f16",)
 _MX_PTX = _COMMON_PTX + ("kind::mxf8f6f4", "block_scale", "tcgen05.cp")
+GPT_OSS = Gated(1.702, 1.0)  # gpt-oss's SwiGLU constants (reference.SwiGLU.gpt_oss), the gated variants'
 
 
 def variants() -> dict:
@@ -1035,12 +1048,15 @@ def variants() -> dict:
         "bf16-plain": (gemm("plain"), _BF16_PTX),
         "bf16-swiglu-clamp": (gemm("swiglu", clamp=True), _BF16_PTX),
         "bf16-dswiglu-clamp": (gemm("dswiglu", clamp=True, b_major=MN_MAJOR), _BF16_PTX),
+        "bf16-swiglu-gpt-oss": (gemm("swiglu", clamp=True, gated=GPT_OSS), _BF16_PTX),
+        "bf16-dswiglu-gpt-oss": (gemm("dswiglu", clamp=True, b_major=MN_MAJOR, gated=GPT_OSS), _BF16_PTX),
         "bf16-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_k=True), _BF16_PTX),
         "bf16-wgrad": (wgrad(), _BF16_PTX),
         "bf16-plain-2cta": (gemm("plain", cfg=Sm100Config(tile_m=256)), _BF16_PTX + ("cta_group::2",)),
         "mxfp8-plain": (gemm("plain", cfg=mx), _MX_PTX),
         "mxfp8-swiglu-clamp": (gemm("swiglu", clamp=True, cfg=mx), _MX_PTX),
         "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),
+        "mxfp8-swiglu-gpt-oss": (gemm("swiglu", clamp=True, gated=GPT_OSS, cfg=mx), _MX_PTX),
         "mxfp8-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_k=True, cfg=mx), _MX_PTX),
         "mxfp8-wgrad": (wgrad(cfg=mx), _MX_PTX),
         "mxfp8-plain-2cta": (gemm("plain", cfg=MXFP8_2CTA_CONFIG), _MX_PTX + ("cta_group::2",)),

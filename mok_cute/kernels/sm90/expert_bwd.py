@@ -49,6 +49,7 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     _VEC, DEFAULT_CONFIG, N_ALIGN, GemmOutputs, PlainEpilogue, _launch, make_tma_store, tma_store_drain,
     tma_store_tile,
 )
+from mok_cute.kernels.swiglu_math import swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     experts_last,
@@ -186,7 +187,8 @@ def _check_weight(name, w, shape):
 def grouped_dswiglu_dgrad(dy, offsets, w_down, gu, limit=None, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """dgu [M, 2I] bf16 = bf16([dg | du]) with dh = dy_e . w_down[e] (FP32, never rounded) and
     the dSwiGLU of :func:`mok_cute.reference.dswiglu` at the bf16 g = gu[:, :I], u = gu[:, I:]
-    (clamp ``limit`` as in the forward; clamped inputs get zero gradient).
+    (clamp ``limit`` as in the forward; clamped inputs get zero gradient). ``limit``: None, L, or a
+    :class:`~mok_cute.reference.SwiGLU` (its alpha and up offset too).
 
     dy [M, H] bf16 contiguous (routed rows, already scaled by topk_w); w_down [E, H, I] bf16
     with unit last stride (read N-major in place); gu [M, 2I] bf16 contiguous; I a multiple of
@@ -215,9 +217,9 @@ def _run_dswiglu_dgrad(dy, offsets, w_down, gu, limit, out=None, cfg: MainloopCo
     if out is None:
         out = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=dy.device)
     if m:
-        _launch("dswiglu", limit is not None, cfg, dy, w_down, offsets,
-                GemmOutputs(out.view(m, 2, inter), gu.view(m, 2, inter)), 0.0 if limit is None else float(limit),
-                inter, b_major=MN_MAJOR)
+        clamp, gated, lim = swiglu_args(limit)
+        _launch("dswiglu", clamp, cfg, dy, w_down, offsets, GemmOutputs(out.view(m, 2, inter), gu.view(m, 2, inter)),
+                lim, inter, b_major=MN_MAJOR, gated=gated)
     return out
 
 

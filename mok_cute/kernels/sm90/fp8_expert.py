@@ -20,7 +20,7 @@ exact sum. Rounding points as in bf16 (gu, h, dgu, dx rounded once to bf16).
 Activation operands: data [M, K] float8_e4m3fn contiguous with fp32 scales [M, K/128] (the
 view ``quantize_fp8.quantize_fp8_block_act`` returns: its [K/128, M] storage is read in
 place; other strides are copied on the device). offsets int32/int64 [E+1] on the device
-(trusted, no host sync). Compiles are cached per (epilogue, clamp, config); M, N, K, E are
+(trusted, no host sync). Compiles are cached per (epilogue, clamp, gated, config); M, N, K, E are
 symbolic. Outputs are written in every row; results are bitwise reproducible.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_t
 from mok_cute.kernels.sm90.fp8_gemm import (
     DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, Fp8Operand, launch_fp8_block,
 )
+from mok_cute.kernels.swiglu_math import swiglu_args
 
 _FP8 = torch.float8_e4m3fn
 
@@ -79,7 +80,8 @@ def grouped_gemm1_swiglu_fp8_block(xq, x_scales, offsets, wg_q, wg_s, wu_q, wu_s
     """GEMM1 + SwiGLU, FP8 blockwise: returns (gu [M, 2I], h [M, I]) bf16 with
     gu = bf16(x_e . [Wg_e; Wu_e]^T) (gate in columns [0, I), up in [I, 2I)) and
     h = bf16(silu(g) * u) in fp32 from the bf16 g, u (g = min(g, limit), u = clamp(u, -limit,
-    limit) when ``limit`` is given), as ``reference.grouped_gemm1_swiglu(..., "fp8_block")``.
+    limit) when ``limit`` is given), as ``reference.grouped_gemm1_swiglu(..., "fp8_block")``; ``limit`` may be
+    a :class:`~mok_cute.reference.SwiGLU` (h = bf16(g * sigmoid(alpha * g) * (u + up_offset)), clamped as above).
 
     xq [M, H] e4m3 + x_scales fp32 [M, H/128]; wg_q, wu_q [E, I, H] e4m3 contiguous with
     wg_s, wu_s fp32 [E, I/128, H/128] (``reference.fp8_block_quantize_weight`` per expert);
@@ -96,16 +98,16 @@ def grouped_gemm1_swiglu_fp8_block(xq, x_scales, offsets, wg_q, wg_s, wu_q, wu_s
     h = _check_out("h", h, (m, inter), xq.device)
     _check_devices(xq=xq, x_scales=x_scales, offsets=offsets, wg_q=wg_q, wg_s=wg_s, wu_q=wu_q, wu_s=wu_s, gu=gu, h=h)
     if m:
-        launch_fp8_block("swiglu", limit is not None, cfg, Fp8Operand(xq, x_scales), Fp8Operand(wg_q, wg_s),
-                         Fp8Operand(wu_q, wu_s), offsets, gu.view(m, 2, inter), h,
-                         0.0 if limit is None else float(limit), 2 * inter)
+        clamp, gated, lim = swiglu_args(limit)
+        launch_fp8_block("swiglu", clamp, cfg, Fp8Operand(xq, x_scales), Fp8Operand(wg_q, wg_s),
+                         Fp8Operand(wu_q, wu_s), offsets, gu.view(m, 2, inter), h, lim, 2 * inter, gated)
     return gu, h
 
 
 def grouped_dswiglu_dgrad_fp8_block(dyq, dy_scales, offsets, wdt_q, wdt_s, gu, limit=None, *, out=None,
                                     cfg: Fp8MainloopConfig = DEFAULT_FP8_CONFIG):
     """dgu [M, 2I] bf16 = bf16([dg | du]): dh = dy_e . Wd_e in fp32 (never rounded), dSwiGLU at
-    the bf16 g = gu[:, :I], u = gu[:, I:] (clamp ``limit`` as in the forward), as
+    the bf16 g = gu[:, :I], u = gu[:, I:] (``limit``: None, L or a SwiGLU, as in the forward), as
     ``reference.grouped_dswiglu_dgrad(..., "fp8_block")``.
 
     dyq [M, H] e4m3 + dy_scales fp32 [M, H/128]; wdt_q [E, I, H] e4m3 contiguous = the
@@ -126,9 +128,9 @@ def grouped_dswiglu_dgrad_fp8_block(dyq, dy_scales, offsets, wdt_q, wdt_s, gu, l
     out = _check_out("out", out, (m, 2 * inter), dyq.device)
     _check_devices(dyq=dyq, dy_scales=dy_scales, offsets=offsets, wdt_q=wdt_q, wdt_s=wdt_s, gu=gu, out=out)
     if m:
-        launch_fp8_block("dswiglu", limit is not None, cfg, Fp8Operand(dyq, dy_scales), Fp8Operand(wdt_q, wdt_s),
-                         None, offsets, out.view(m, 2, inter), gu.view(m, 2, inter),
-                         0.0 if limit is None else float(limit), inter)
+        clamp, gated, lim = swiglu_args(limit)
+        launch_fp8_block("dswiglu", clamp, cfg, Fp8Operand(dyq, dy_scales), Fp8Operand(wdt_q, wdt_s),
+                         None, offsets, out.view(m, 2, inter), gu.view(m, 2, inter), lim, inter, gated)
     return out
 
 

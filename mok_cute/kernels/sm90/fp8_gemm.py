@@ -74,7 +74,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, GroupWalk, MainloopConfig,
     Sm90Mainloop, TmaLoads, consumer_barrier, experts_last,
 )
-from mok_cute.kernels.swiglu_math import dswiglu
+from mok_cute.kernels.swiglu_math import Gated, dswiglu
 from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 SCALE_BLOCK = 128
@@ -199,7 +199,7 @@ class DSwigluPrefetchedEpilogue(DSwigluEpilogue):
                 if cutlass.const_expr(i % 16 == 0):
                     cute.arch.sync_warp()  # scheduling fence (see DSwigluEpilogue.run)
                 if cutlass.const_expr(cols[i][1] // self.half == h):
-                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp)
+                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp, self.gated)
                     tG[i] = dg.to(cutlass.BFloat16)
                     tU[i] = du.to(cutlass.BFloat16)
         consumer_barrier()
@@ -225,13 +225,15 @@ class Fp8BlockGroupedGemm:
       (two TMA loads per k-tile); accumulator elements of the gate half are promoted with
       the gate block scale, those of the up half with the up one (which half is a
       compile-time fact of the element's index); mOut0 = gu [M, 2, I], mOut1 = h [M, I]
-      (:class:`SwigluEpilogue`, clamp ``limit`` when built with ``clamp``).
+      (:class:`SwigluEpilogue`, clamp ``limit`` when built with ``clamp``; ``gated``: the SwiGLU's alpha / up
+      offset, compile-time constants, :mod:`~mok_cute.kernels.swiglu_math`).
     * ``dswiglu``: as ``plain`` with N = I; mOut0 = dgu [M, 2, I] (out), mOut1 = gu
       [M, 2, I] (in); :class:`DSwigluPrefetchedEpilogue` on the FP32 accumulator (g, u of
       the tile fetched before the mainloop: 73.7 KB of shared memory, 4 ring stages).
     """
 
-    def __init__(self, cfg: Fp8MainloopConfig, epilogue: str = "plain", clamp: bool = False):
+    def __init__(self, cfg: Fp8MainloopConfig, epilogue: str = "plain", clamp: bool = False,
+                 gated: Gated | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         self.cfg, self.epilogue = cfg, epilogue
@@ -239,9 +241,9 @@ class Fp8BlockGroupedGemm:
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n)
         elif epilogue == "swiglu":
-            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, gated=gated)
         else:
-            self.epi = DSwigluPrefetchedEpilogue(cfg.tile_m, cfg.tile_n, clamp)
+            self.epi = DSwigluPrefetchedEpilogue(cfg.tile_m, cfg.tile_n, clamp, gated=gated)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.epi.smem_elems() * 2)
 
     @cute.jit
@@ -467,12 +469,13 @@ def _fake(dtype, shape, align_elems):
 
 
 def compile_fp8_block_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(), arch: str = "sm_90a", inspect: bool = False,
-                           epilogue: str = "plain", clamp: bool = False):
-    """Compile one FP8 blockwise grouped GEMM variant (``epilogue`` plain / swiglu / dswiglu,
-    see :class:`Fp8BlockGroupedGemm`) with symbolic M, N, K, E; returns ``(compiled, report)``."""
+                           epilogue: str = "plain", clamp: bool = False, gated: Gated | None = None):
+    """Compile one FP8 blockwise grouped GEMM variant (``epilogue`` plain / swiglu / dswiglu, ``clamp`` and
+    ``gated`` the (d)SwiGLU's switches, see :class:`Fp8BlockGroupedGemm`) with symbolic M, N, K, E; returns
+    ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 FP8 GEMM needs arch sm_90a, got {arch!r}")
-    op = Fp8BlockGroupedGemm(cfg, epilogue, clamp)
+    op = Fp8BlockGroupedGemm(cfg, epilogue, clamp, gated)
     f8, bf16 = cutlass.Float8E4M3FN, cutlass.BFloat16
     m, n, e = cute.sym_int(), cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=16)
@@ -495,17 +498,18 @@ def compile_fp8_block_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(), arch: s
 
 
 def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a: Fp8Operand, w: Fp8Operand,
-                     w2: Fp8Operand | None, offsets, out0, out1, limit: float, n: int):
+                     w2: Fp8Operand | None, offsets, out0, out1, limit: float, n: int, gated: Gated | None = None):
     """Compile (cached per variant and config) and launch on the current stream; operands
     already validated (:class:`Fp8BlockGroupedGemm`'s ``mB2`` / ``mSB2`` from ``w2``, swiglu's w_up);
+    ``clamp``, ``gated``, ``limit``: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`'s;
     ``n``: the N extent tiled by ``cfg.tile_n``; ``a.scales`` [M, K/128] (its [K/128, M] transpose is
     read, copied only if not already contiguous)."""
     (a, a_scales), (w, w_scales) = a, w
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 FP8 GEMM needs an sm_90a device, got {arch}")
-    compiled = compile_cached(("sm90_fp8_block_gemm", arch, epilogue, clamp, cfg.key()),
-                              lambda: compile_fp8_block_gemm(cfg, arch, epilogue=epilogue, clamp=clamp)[0])
+    compiled = compile_cached(("sm90_fp8_block_gemm", arch, epilogue, clamp, gated, cfg.key()),
+                              lambda: compile_fp8_block_gemm(cfg, arch, epilogue=epilogue, clamp=clamp, gated=gated)[0])
     m, e = a.shape[0], w.shape[0]
     sa_t = a_scales.t() if a_scales.t().is_contiguous() else a_scales.t().contiguous()
     tiles_bound = (-(-m // cfg.tile_m) + e) * (n // cfg.tile_n)

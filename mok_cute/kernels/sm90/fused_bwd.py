@@ -52,6 +52,7 @@ from mok_cute.kernels.sm90.route_rows import grouped_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
+from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, SplitB,
     acc_to_smem, consumer_barrier, experts_last, launch_config,
@@ -85,7 +86,8 @@ class BwdVariant(NamedTuple):
     H, I or I_s not a multiple of tile_n; ``ep`` EP > 1 (the rows pulled and pushed through the
     workspace); ``grouped_slots`` the dx rows over dy's grouped rows (no [T*k, H] slot buffer); ``wd_first``
     the dW_down tiles first (MXFP8: dgu's round trip along the tokens over dy's; BF16: dW_down reads dy
-    itself, so with grouped_slots every dgrad1 tile waits for them before it writes over dy)."""
+    itself, so with grouped_slots every dgrad1 tile waits for them before it writes over dy); ``gated`` the
+    SwiGLU's alpha and up offset (None: silu(g) * u; :mod:`mok_cute.kernels.swiglu_math`)."""
 
     clamp: bool
     scatter: bool = False
@@ -101,6 +103,7 @@ class BwdVariant(NamedTuple):
     ep: bool = False
     grouped_slots: bool = False
     wd_first: bool = False
+    gated: Gated | None = None
 
 
 class GroupOperands(NamedTuple):
@@ -270,7 +273,7 @@ class FusedMoeBwdCoreSm90:
         # BF16 (grouped_slots): dW_down reads dy itself, so the producer of a D1 tile waits for them before its
         # dx rows go over dy's. Routed group only: grouped_slots has no shared group in the launch
         self.wd_first = v.wd_first
-        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail)
+        self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail, v.gated)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
         self.epi_elems = epi
@@ -949,6 +952,8 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     the unfused path accepts; I, H multiples of 64, not of 256: the n_tail variant) and ``weights``
     ``(w_gate, w_up [E, I, H], w_down [E, H, I])`` bf16 with unit last stride (``ExpertWeights``).
     Returns ``(dx [M, H], dWg, dWu [E, I, H], dWd [E, H, I])``, bitwise the unfused ``mlp_backward``'s.
+    ``limit``: the activation, None, a clamp L or a :class:`~mok_cute.reference.SwiGLU` (its alpha and up offset
+    compiled in: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`).
 
     ``tokens`` (:class:`TokenSum` or its tuple): the dx rows go straight to their (token, slot) rows
     and the launch ends with the fixed-order slot sum, so dx is [T, H], bitwise the unfused
@@ -1177,12 +1182,13 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         dgut = mx_dyt.view(-1)[:m * 2 * inter].view(m, 2 * inter)
     else:
         dgut = dgu if mx_dyt is None else torch.empty((m, 2 * inter), **bf)
+    clamp, gated, lim = swiglu_args(limit)
     variant = BwdVariant(
-        limit is not None, tokens is not None, tokens is not None and tokens.dx_shared is not None, gather is not None,
+        clamp, tokens is not None, tokens is not None and tokens.dx_shared is not None, gather is not None,
         gather is not None and gather.by_route, shared is not None, main_grads is not None, launch.trace,
         mx_dyt is not None, tokens is not None and tokens.dx_add is not None,
         any(d % cfg.tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
-        ws is not None, grouped_slots, wd_first)
+        ws is not None, grouped_slots, wd_first, gated)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, variant, cfg.key()), lambda: GraphLauncher(
         compile_fused_backward_core(variant, cfg=cfg, arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
@@ -1196,7 +1202,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     routed = GroupOperands(dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter],
                            dgut[:, inter:], dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd,
                            offsets, d2)
-    sc = Scalars(k, comm, 0.0 if limit is None else float(limit), num_ctas, int(launch.timeout_s * 1e9))
+    sc = Scalars(k, comm, lim, num_ctas, int(launch.timeout_s * 1e9))
     ep = EpOperands(None, None, *_NO_EP) if ws is None else EpOperands(*ws.kernel_args((ws.status,), EP_SECTIONS))
     _run(launcher, dev, (routed, words, *(_present(b) for b in (slots, row_args, sh_args, mx)),
                          None if tokens is None else tokens.dx_add, None if records is None else records.view(-1), sc,

@@ -64,7 +64,8 @@ of :func:`fused_helpers`): an S1 / R1 tile's h (MXFP8: and its round trip) is co
 and published by the producer warpgroup's last two warps from the staged tile (named barriers
 STAGED / FREE) while the consumers store gu and go on; one background-gather warp is left
 beside them, which at BF16 moves its rows by ``cp.async.bulk`` through a small shared-memory
-ring (the register copy fell behind GEMM1 at I 1024).
+ring (the register copy fell behind GEMM1 at I 1024); ``clamp`` / ``gated``: the SwiGLU's limit given / its
+alpha and up offset (compile-time constants, :mod:`mok_cute.kernels.swiglu_math`).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, HELPERS_TILE_N, STAGED_BARRIER, PlainEpilogue,
     SwigluEpilogue, helper_threads,
 )
+from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, StackedB, acc_to_smem,
     consumer_barrier, experts_last, launch_config,
@@ -294,16 +296,16 @@ class _Tile(NamedTuple):
 
 
 class FusedMoeFwdSm90:
-    """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given, ``shared``: a shared
-    expert is fused in; ``n_tail``: H not a multiple of tile_n or I, I_s not of tile_n / 2 (the last n-tiles'
-    stores masked); ``helpers`` (EP = 1): the S1 / R1 tiles' h (MXFP8: and its round trip) computed, stored and
-    published by the producer warpgroup's last two warps from the staged tile while the consumers store gu and go
-    on to the next tile, the one background-gather warp left beside them moving its rows (BF16) by
-    ``cp.async.bulk`` through a small shared-memory ring."""
+    """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given, ``gated``: the SwiGLU's
+    alpha and up offset (None: silu(g) * u), ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple
+    of tile_n or I, I_s not of tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1): the S1 / R1
+    tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last two warps
+    from the staged tile while the consumers store gu and go on to the next tile, the one background-gather warp
+    left beside them moving its rows (BF16) by ``cp.async.bulk`` through a small shared-memory ring."""
 
     def __init__(self, clamp: bool, shared: bool, *, trace: bool = False, progress: bool = False, mx: bool = False,
                  ep: bool = False, n_tail: bool = False, helpers: bool = False,
-                 cfg: MainloopConfig = MainloopConfig()):
+                 cfg: MainloopConfig = MainloopConfig(), gated: Gated | None = None):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         if helpers and ep:
@@ -322,7 +324,7 @@ class FusedMoeFwdSm90:
         self.bg_warps = 1 if helpers else BG_WARPS
         self.helper_warps = 3 - self.bg_warps if helpers else 0
         self.bg_bulk = helpers and not mx  # the BF16 background warp beside the helpers: by cp.async.bulk
-        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail)
+        self.swiglu = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_rt=mx, n_tail=n_tail, gated=gated)
         self.fp8 = Fp8Ops(bf16=True)  # the MXFP8 gather's dequantization
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         self.mainloop = Sm90Mainloop(cfg, epi_smem_bytes=self.swiglu.smem_elems() * 2)
@@ -955,19 +957,19 @@ def record_sum(mTrace: cute.Tensor, grid: Int32, bidx: Int32, t0: Int64, t1: Int
     persistent.record(mTrace, base + 1, t1, persistent.now(True), SUM_KIND, bidx, Int32(0))
 
 
-def compile_fused_forward(clamp: bool, shared: bool, *, trace: bool = False, progress: bool = False, mx: bool = False,
-                          ep: bool = False, gate: bool = False, n_tail: bool = False, helpers: bool = False,
-                          cfg: MainloopConfig = MainloopConfig(), arch: str = "sm_90a", inspect: bool = False):
+def compile_fused_forward(clamp: bool, shared: bool, *, gate: bool = False, cfg: MainloopConfig = MainloopConfig(),
+                          arch: str = "sm_90a", inspect: bool = False, **switches):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts from the shared
-    output times the per-token output gate, ``FwdRoutes.gate`` fp32 [T]; ``n_tail``, ``helpers``: see
-    :class:`FusedMoeFwdSm90`; ``cfg``: the mainloop's tile_n and stages, :func:`~mok_cute.kernels.sm90.mainloop.
-    launch_config`); returns ``(compiled, report)``."""
+    output times the per-token output gate, ``FwdRoutes.gate`` fp32 [T]; ``switches``: :class:`FusedMoeFwdSm90`'s
+    keyword switches ``trace``, ``progress``, ``mx``, ``ep``, ``n_tail``, ``helpers``, ``gated``, all off by
+    default; ``cfg``: the mainloop's tile_n and stages, :func:`~mok_cute.kernels.sm90.mainloop.launch_config`);
+    returns ``(compiled, report)``."""
     if gate and not shared:
         raise ValueError("gate (the shared expert's output gate) needs shared")
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
-    op = FusedMoeFwdSm90(clamp, shared, trace=trace, progress=progress, mx=mx, ep=ep, n_tail=n_tail, helpers=helpers,
-                         cfg=cfg)
+    op = FusedMoeFwdSm90(clamp, shared, cfg=cfg, **switches)
+    trace, progress, mx, ep = op.trace, op.progress, op.mx, op.ep
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -1139,8 +1141,9 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     """Launch the fused forward on validated operands (see the module doc for shapes): x [T, H] bf16, the routing
     ``plan`` (:class:`~mok_cute.kernels.operands.RoutePlan`, on x's device), the routed ``experts``' weights, the
     ``shared`` expert (None: none; its ``gate``: y starts from fp32(s_out) * gate), the SwiGLU ``limit`` (None: no
-    clamp) and the ``launch`` policy (:class:`~mok_cute.kernels.operands.FusedLaunch`: comm CTAs, grid, ring
-    slots, timeout, trace, MXFP8, the mainloop's tile_n and stages). Returns a
+    clamp; or a :class:`~mok_cute.reference.SwiGLU`: its limit, alpha and up offset) and the ``launch`` policy
+    (:class:`~mok_cute.kernels.operands.FusedLaunch`: comm CTAs, grid, ring slots, timeout, trace, MXFP8, the
+    mainloop's tile_n and stages). Returns a
     :class:`~mok_cute.kernels.operands.FusedForwardOut`.
 
     ``launch.mx``: the MXFP8 forward (the reference's numerics): x is quantized here and its rows move as e4m3
@@ -1176,10 +1179,12 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     tn = cfg.tile_n
     n_tail = hid % tn != 0 or any(i % (tn // 2) for i in (inter, *(() if inter_s is None else (inter_s,))))
     helpers = fused_helpers(mx, ep, hid, tn)
-    variant = (limit is not None, shared is not None, trace, progress, mx, ep, gate is not None, n_tail, helpers)
+    clamp, gated, lim = swiglu_args(limit)
+    variant = (clamp, shared is not None, trace, progress, mx, ep, gate is not None, gated, n_tail, helpers)
     launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant + (cfg.key(),), lambda: GraphLauncher(
         compile_fused_forward(variant[0], variant[1], trace=trace, progress=progress, mx=mx, ep=ep,
-                              gate=gate is not None, n_tail=n_tail, helpers=helpers, cfg=cfg, arch=arch)[0]))
+                              gate=gate is not None, n_tail=n_tail, helpers=helpers, cfg=cfg, gated=gated,
+                              arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -1191,7 +1196,7 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
             FwdOutputs(gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y),
             FwdRoutes(plan.order, plan.offsets, plan.topk_idx.reshape(-1), plan.topk_w.reshape(-1), gate),
             FwdCounters(*parts, records))
-    lim, timeout_ns = 0.0 if limit is None else float(limit), int(launch.timeout_s * 1e9)
+    timeout_ns = int(launch.timeout_s * 1e9)
     scalars = FwdScalars(Int32(k), Float32(lim), Int32(comm_ctas), Int32(ring), Int32(band), Int64(timeout_ns))
     if ws is None:
         _launch(launcher, dev, host, (scalars, _NO_PEERS, Int32(num_ctas)),

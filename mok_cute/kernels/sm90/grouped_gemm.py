@@ -10,7 +10,7 @@ Operands (BF16):
     (trusted, not checked: checking needs a host sync).
 One compiled kernel serves every token count (M_total and the offsets are runtime values);
 the compile cache key holds only what changes code (arch, dtypes, tile shape, majorness,
-epilogue, clamp flag). Grid = number of SMs; CTAs stride over all experts' tiles
+epilogue, clamp flag, the gated activation's constants). Grid = number of SMs; CTAs stride over all experts' tiles
 (:mod:`mok_cute.schedule.group_tiles`). Rows past an expert's end are read by the A tile
 (they belong to the next expert or are TMA zero fill) but never written: stores are
 row-masked (16-byte vectors) or row-clipped by the TMA unit.
@@ -37,11 +37,14 @@ Epilogues:
                (two TMA loads per k-tile, no interleaved weight copy); writes
                gu [M_total, 2I] (gate in [0, I), up in [I, 2I)) and
                h [M_total, I] = bf16(silu(g) * u) from the BF16-rounded g, u in FP32, with
-               optional clamp L: g = min(g, L), u = clamp(u, -L, L).
+               optional clamp L: g = min(g, L), u = clamp(u, -L, L); gated (alpha a, up offset o,
+               compile-time constants): h = bf16(g * sigmoid(a * g) * (u + o)).
   ``dswiglu``: N = I; the FP32 accumulator dh (never rounded) meets g, u read from
-               gu [M_total, 2I]: gc = min(g, L), uc = clamp(u, -L, L), s = sigmoid(gc),
-               dg = dh * uc * s * (1 + gc * (1 - s)) (0 where g > L),
-               du = dh * (gc * s) (0 where |u| > L); writes dgu = bf16([dg | du]).
+               gu [M_total, 2I]: gc = min(g, L), uc = clamp(u, -L, L), s = sigmoid(a * gc),
+               dg = dh * (uc + o) * s * (1 + a * gc * (1 - s)) (0 where g > L),
+               du = dh * (gc * s) (0 where |u| > L) (a = 1, o = 0 unless gated); writes
+               dgu = bf16([dg | du]).
+Element math: :mod:`mok_cute.kernels.swiglu_math` (``clamp`` and ``gated`` compile-time).
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.dsl.host import (
     _check_devices, _check_limit, _check_out, _check_tensor, offsets_i32, sm_count, tma_weight,
 )
-from mok_cute.kernels.swiglu_math import dswiglu, swiglu_
+from mok_cute.kernels.swiglu_math import Gated, dswiglu, swiglu_, swiglu_args
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, K_MAJOR, MN_MAJOR, NUM_CONSUMER_THREADS, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG,
@@ -327,7 +330,8 @@ def tma_store_drain(tid: Int32):
 
 class SwigluEpilogue(_StagedEpilogue):
     """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, for intermediate columns
-    ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped).
+    ``n_tile * tile_n/2 + c``: writes gu (gate, up halves) and h = silu(g) * u (optionally clamped; ``gated``:
+    :func:`~mok_cute.kernels.swiglu_math.swiglu_`'s alpha / up offset).
 
     ``mx_h`` (:meth:`run_tma`): also writes h quantized to MXFP8 along I (GEMM2's forward operand, quantized
     where it is produced): data hq [M, I] e4m3 (seen as u32 words [M, I/4]) and E8M0 scales
@@ -344,9 +348,9 @@ class SwigluEpilogue(_StagedEpilogue):
     """
 
     def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx_h: bool = False, mx_rt: bool = False,
-                 n_tail: bool = False):
+                 n_tail: bool = False, gated: Gated | None = None):
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx_h = tile_m, tile_n, tile_n // 2, clamp, mx_h
-        self.mx_rt, self.n_tail = mx_rt, n_tail
+        self.mx_rt, self.n_tail, self.gated = mx_rt, n_tail, gated
         if (mx_h or mx_rt) and self.half % MX_BLOCK:
             raise ValueError(f"mx_h / mx_rt need tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
 
@@ -407,12 +411,12 @@ class SwigluEpilogue(_StagedEpilogue):
 
     @cute.jit
     def _h(self, rg: cute.Tensor, ru: cute.Tensor, limit: Float32):
-        """h = silu(g) * u (optionally clamped) in FP32 from BF16 register vectors, as BF16."""
+        """h = silu(g) * u (optionally clamped, or gated) in FP32 from BF16 register vectors, as BF16."""
         g = cute.make_rmem_tensor_like(rg, Float32)
         u = cute.make_rmem_tensor_like(ru, Float32)
         g.store(rg.load().to(Float32))
         u.store(ru.load().to(Float32))
-        swiglu_(g, u, limit, self.clamp)
+        swiglu_(g, u, limit, self.clamp, self.gated)
         rh = cute.make_rmem_tensor_like(rg)
         rh.store(g.load().to(cutlass.BFloat16))
         return rh
@@ -566,17 +570,19 @@ class DSwigluEpilogue:
     along its rows (dgrad1's operand) and ``mDGUt`` its round trip along the tokens in blocks
     of 32 rows from the tile's first row (the weight gradients' operand; a tile's rows are one
     expert's, from a multiple of 128 of them), bitwise ``dequant_mxfp8.mxfp8_round_trip`` and
-    ``mxfp8_round_trip_tokens`` of the unfused dgu.
+    ``mxfp8_round_trip_tokens`` of the unfused dgu. ``clamp``, ``gated``: those of
+    :func:`~mok_cute.kernels.swiglu_math.dswiglu`.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx: bool = False, n_tail: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, clamp: bool, mx: bool = False, n_tail: bool = False,
+                 gated: Gated | None = None):
         if tile_n % 16:
             raise ValueError(f"dswiglu needs tile_n a multiple of 16, got {tile_n}")
         if mx and (tile_n // 2) % MX_BLOCK:
             raise ValueError(f"mx needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
         self.tile_m, self.tile_n, self.half, self.clamp, self.mx = tile_m, tile_n, tile_n // 2, clamp, mx
         self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
-        self.n_tail = n_tail
+        self.n_tail, self.gated = n_tail, gated
 
     def smem_elems(self) -> int:
         return 2 * self.tile_m * self.pitch
@@ -636,7 +642,7 @@ class DSwigluEpilogue:
                     # above the math (with 128 accumulators live that spilled)
                     cute.arch.sync_warp()
                 if cutlass.const_expr(cols[i][1] // self.half == h):
-                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp)
+                    dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp, self.gated)
                     tG[i] = dg.to(cutlass.BFloat16)
                     tU[i] = du.to(cutlass.BFloat16)
             consumer_barrier()
@@ -692,11 +698,13 @@ class GroupedGemmSm90:
     stacked along N with ``mB`` = w_gate. ``mOut0 .. mHs``: :class:`GemmOutputs`. N (I for swiglu) a multiple
     of tile_n (tile_n/2), or with ``n_tail`` of ``N_ALIGN`` (the last n-tile's columns past N: B rows
     zero-filled by TMA, stores masked or clipped); K1 a multiple of tile_k. ``plain`` and ``swiglu`` store
-    through TMA, ``dswiglu`` by row-masked stores (see the module doc).
+    through TMA, ``dswiglu`` by row-masked stores (see the module doc). ``clamp``, ``gated``: the (d)SwiGLU's
+    compile-time switches (:mod:`~mok_cute.kernels.swiglu_math`).
     """
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
-                 split_b: bool = False, mx_h: bool = False, n_tail: bool = False, helpers: bool = False):
+                 split_b: bool = False, mx_h: bool = False, n_tail: bool = False, helpers: bool = False,
+                 gated: Gated | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if mx_h and epilogue != "swiglu":
@@ -711,9 +719,9 @@ class GroupedGemmSm90:
         if epilogue == "plain":
             self.epi = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         elif epilogue == "swiglu":
-            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail)
+            self.epi = SwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx_h, n_tail=n_tail, gated=gated)
         else:
-            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail)
+            self.epi = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, n_tail=n_tail, gated=gated)
         self.tma_store = epilogue in ("plain", "swiglu")  # dswiglu: masked stores
         if helpers and not (self.stack_n and not mx_h):
             raise ValueError("helpers (h by the producer warpgroup's warps) needs the swiglu epilogue without mx_h")
@@ -819,13 +827,14 @@ class GroupedGemmSm90:
 # ---------------------------------------------------------------- compile
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
                          b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, n_tail: bool = False,
-                         helpers: bool = False, arch: str = "sm_90a", inspect: bool = False):
+                         helpers: bool = False, gated: Gated | None = None, arch: str = "sm_90a",
+                         inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E (``n_tail``: N not a multiple of
-    the tile; ``helpers``: SwiGLU's h by helper warps; see :class:`GroupedGemmSm90`); returns
-    ``(compiled, report)``."""
+    the tile; ``helpers``: SwiGLU's h by helper warps; ``gated``: the SwiGLU's alpha / up offset; see
+    :class:`GroupedGemmSm90`); returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
@@ -891,10 +900,11 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
 
 
 def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, outs: GemmOutputs, limit: float, n: int,
-            b_major: str = K_MAJOR, w2=None):
+            b_major: str = K_MAJOR, w2=None, gated: Gated | None = None):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``outs``: the
     :class:`GemmOutputs` torch tensors (``hq``/``hs``, swiglu only: the MXFP8 copy of h as int32 words
-    [M, I/4] and uint8 scales [M, I/32]); ``n`` is the N extent tiled by ``cfg.tile_n``. Launches replay a
+    [M, I/4] and uint8 scales [M, I/32]); ``n`` is the N extent tiled by ``cfg.tile_n``; ``clamp``, ``gated``,
+    ``limit``: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`'s. Launches replay a
     captured graph per argument set (:mod:`mok_cute.dsl.launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
@@ -904,10 +914,10 @@ def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, outs
     n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
     helpers = swiglu_helpers(epilogue, mx_h, a.shape[1], cfg.tile_n)
     launcher = compile_cached(
-        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, cfg.key()),
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated, cfg.key()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
                                                    split_b=split_b, mx_h=mx_h, n_tail=n_tail, helpers=helpers,
-                                                   arch=arch)[0]))
+                                                   gated=gated, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
@@ -949,7 +959,8 @@ def _run_gemm(a, offsets, w, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
 def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
     """(gu [M, 2I], h [M, I]) bf16 for expert rows of x [M, H]: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T)
     (gate in columns [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u,
-    with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given.
+    with g = min(g, limit), u = clamp(u, -limit, limit) when ``limit`` is given. ``limit``: None, L, or a
+    :class:`~mok_cute.reference.SwiGLU` (its limit, alpha and up offset: h = bf16(g * sigmoid(a * g) * (u + o))).
 
     w_gate, w_up [E, I, H] bf16 contiguous, I a multiple of ``N_ALIGN`` (64); read in place
     (each B tile is tile_n/2 gate rows stacked on the matching up rows by two TMA loads).
@@ -985,6 +996,6 @@ def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: Mai
         hs = torch.empty((m, inter // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if m:
         outs = GemmOutputs(gu.view(m, 2, inter), h, None if hq is None else hq.view(torch.int32), hs)
-        _launch("swiglu", limit is not None, cfg, x, w_gate, offsets, outs, 0.0 if limit is None else float(limit),
-                2 * inter, w2=w_up)
+        clamp, gated, lim = swiglu_args(limit)
+        _launch("swiglu", clamp, cfg, x, w_gate, offsets, outs, lim, 2 * inter, w2=w_up, gated=gated)
     return (gu, h, hq, hs) if mx_h else (gu, h)

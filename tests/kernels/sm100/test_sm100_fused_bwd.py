@@ -154,6 +154,34 @@ def test_compile_arguments_validated():
         fb.compile_fused_backward_sm100(fb.BwdVariant(True), "sm_90a")
 
 
+def test_gated_swiglu_variant():
+    """gpt-oss's dSwiGLU (``gated``: alpha 1.702, up offset 1) in the D2 epilogue (sm_100a): the plain core's GEMM
+    code (tcgen05.mma count), 0 spills, registers within the headroom, alpha as an fp32 immediate."""
+    from mok_cute.kernels.sm100 import fused_bwd as fb
+    from mok_cute.kernels.swiglu_math import Gated
+
+    rep = fb.compile_fused_backward_sm100(fb.BwdVariant(True, gated=Gated(1.702, 1.0)), "sm_100a", inspect=True)[1]
+    plain = _rep("sm_100a", True)
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS
+    assert rep.ptx.count("tcgen05.mma") == plain.ptx.count("tcgen05.mma")
+    alpha = re.compile(r"0f[3B]FD9DB23\b")
+    assert alpha.search(rep.ptx) and not alpha.search(plain.ptx)
+
+
+def test_host_launch_compiles_the_activation_in(monkeypatch):
+    """fused_backward_core takes the activation as ``limit``: SwiGLU.gpt_oss()'s alpha and up offset go in the
+    compiled variant (``gated``), its limit 7 in the scalars; a plain SwiGLU(L) is the float L's variant."""
+    from mok_cute.kernels.swiglu_math import Gated
+    from mok_cute.reference import SwiGLU
+
+    fb, fake, keys = _fake_device(monkeypatch)
+    for act in (SwiGLU.gpt_oss(), SwiGLU(4.0), 4.0):
+        core(fb, dict(_operands(), limit=act))
+    assert [k[2] for k in keys] == [fb.BwdVariant(True, gated=Gated(1.702, 1.0)), fb.BwdVariant(True),
+                                    fb.BwdVariant(True)]
+    assert [by_name(args)["limit"].value for args in fake.calls] == [7.0, 4.0, 4.0]
+
+
 def _fake_device(monkeypatch, arch="sm_100a"):
     from mok_cute.kernels.sm100 import fused_bwd as fb
 

@@ -130,6 +130,33 @@ def test_trace_and_gate_variants(arch):
     assert _rep(arch, True, True, gate=True).ptx.count("mul.rn.f32") == plain.ptx.count("mul.rn.f32") + 8
 
 
+def test_gated_swiglu_variant():
+    """gpt-oss's SwiGLU (``gated``: alpha 1.702, up offset 1) in the R1 / S1 epilogues (sm_100a): the plain
+    variant's GEMM code (tcgen05.mma count), 0 spills, registers within the headroom, alpha as an fp32 immediate."""
+    from mok_cute.kernels.sm100 import fused_moe as fm
+    from mok_cute.kernels.swiglu_math import Gated
+
+    v = fm.FwdVariant(True, True, gated=Gated(1.702, 1.0))
+    rep, plain = fm.compile_fused_forward_sm100(v, "sm_100a", inspect=True)[1], _rep("sm_100a", True, True)
+    assert rep.total_spill_bytes == 0 and rep.max_registers <= MAX_REGISTERS
+    assert rep.ptx.count("tcgen05.mma") == plain.ptx.count("tcgen05.mma")
+    alpha = re.compile(r"0f[3B]FD9DB23\b")
+    assert alpha.search(rep.ptx) and not alpha.search(plain.ptx)
+
+
+def test_host_launch_compiles_the_activation_in(monkeypatch):
+    """fused_forward takes the activation as ``limit``: SwiGLU.gpt_oss()'s alpha and up offset go in the compiled
+    variant (``gated``), its limit 7 in the scalars; a plain SwiGLU(L) is the float L's variant."""
+    from mok_cute.kernels.swiglu_math import Gated
+    from mok_cute.reference import SwiGLU
+
+    fm, fake, keys = _fake_device(monkeypatch)
+    for act in (SwiGLU.gpt_oss(), SwiGLU(4.0), 4.0):
+        forward(fm, dict(_operands(), limit=act), ring_chunks=5)
+    assert [(k[2].clamp, k[2].gated) for k in keys] == [(True, Gated(1.702, 1.0)), (True, None), (True, None)]
+    assert keys[1] == keys[2] and [by_name(args)["limit"].value for args in fake.calls] == [7.0, 4.0, 4.0]
+
+
 def test_compile_arguments_validated():
     from mok_cute.kernels.sm100 import fused_moe as fm
 

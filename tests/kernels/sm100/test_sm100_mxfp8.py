@@ -322,7 +322,8 @@ def test_real_sm100_wrappers_accept_mxfp8_glue_operands(monkeypatch, ref_quant, 
     launches = []
 
     def launch(kind, a, w, scales, offsets, outs, limit, n, w2=None):
-        (cfg, epilogue, clamp, b_major), (a_sf, w_sf), (out0, out1) = kind, scales, outs
+        cfg, epilogue, b_major = kind.cfg, kind.epilogue, kind.b_major
+        (a_sf, w_sf), (out0, out1) = scales, outs
         assert cfg.mx and a.dtype == w.dtype == torch.float8_e4m3fn and a_sf.dtype == w_sf.dtype == torch.uint8
         launches.append((epilogue, b_major, w2 is not None))
         out0.zero_()

@@ -8,7 +8,8 @@ GPU exists here, so the kernels never run; these tests check the host side they 
   launch replaced by a torch model of the kernel's documented walk (ceil(N / tile_n) tiles;
   TMA zero fill of B past N and of each K part past its end; MXFP8 scales read from the
   packed blocked buffers at the kernel's indices; only columns inside N stored) equals the
-  reference layer bitwise, BF16 and MXFP8, d topk_w within fp32 summation tolerance.
+  reference layer bitwise, BF16 and MXFP8, d topk_w within fp32 summation tolerance; with
+  gpt-oss's SwiGLU too (the launch's kind carries its alpha / up offset, the model applies them).
 """
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ def _deq(data, flat, rows, scale_rows):
 
 def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None):
     """The kernel's tile walk in torch on exactly the operands the wrapper hands ``_launch``."""
-    (cfg, epilogue, clamp, b_major), (a_sf, w_sf), (out0, out1) = kind, scales, outs
+    (cfg, epilogue, clamp, b_major, gated), (a_sf, w_sf), (out0, out1) = kind, scales, outs
+    act = limit if clamp else None  # the activation the kind and the runtime limit stand for
+    if gated is not None:
+        act = R.SwiGLU(act, gated.alpha, gated.up_offset)
     split = w2 is not None
     if split:  # a [M, 2, I]; B = [w_gate; w_up] along K
         a, w = a.reshape(a.shape[0], -1), torch.cat([w, w2], 1)
@@ -93,11 +97,10 @@ def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None):
             t = acc.view(hi - lo, n_tiles, 2, half)
             gate, up = (t[:, :, j].reshape(hi - lo, -1)[:, :inter].bfloat16() for j in (0, 1))
             out0[lo:hi, 0], out0[lo:hi, 1] = gate, up
-            out1[lo:hi] = R.swiglu(gate.float(), up.float(), limit if clamp else None).bfloat16()
+            out1[lo:hi] = R.swiglu(gate.float(), up.float(), act).bfloat16()
         else:
             inter = out0.shape[2]
-            dg, du = R.dswiglu(acc[:, :inter], out1[lo:hi, 0].float(), out1[lo:hi, 1].float(),
-                               limit if clamp else None)
+            dg, du = R.dswiglu(acc[:, :inter], out1[lo:hi, 0].float(), out1[lo:hi, 1].float(), act)
             out0[lo:hi, 0], out0[lo:hi, 1] = dg.bfloat16(), du.bfloat16()
 
 
@@ -130,17 +133,23 @@ def model(monkeypatch, ref_quant):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-@pytest.mark.parametrize("hid, inter, shared_i, limit", [(192, 320, 64, 4.0), (320, 128, 192, None)])
-def test_layer_with_tails_equals_reference(model, precision, hid, inter, shared_i, limit):
+@pytest.mark.parametrize("hid, inter, shared_i, act", [(192, 320, 64, 4.0), (320, 128, 192, None),
+                                                      (192, 128, 64, R.SwiGLU(1.0, 1.702, 1.0))],
+                         ids=["clamp", "plain", "gpt-oss"])
+def test_layer_with_tails_equals_reference(model, precision, hid, inter, shared_i, act):
+    """``act``: the activation, None, a clamp L or a SwiGLU (gpt-oss's alpha and up offset, a limit that clamps
+    here), passed as the layer inputs carry it (``swiglu_limit`` its limit, ``activation`` the SwiGLU)."""
     from mok_cute.config import MoKConfig
     from mok_cute.layers import select as B
 
     p, dy = make_problem(T=40, H=hid, I=inter, E=5, k=3, shared_I=shared_i, seed=hid + inter)
     p["topk_idx"][p["topk_idx"] == 2] = -1  # expert 2 gets no token
-    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"], limit)
+    gated = isinstance(act, R.SwiGLU)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], p["shared"],
+                      act.limit if gated else act, activation=act if gated else None)
     be = B.get_backend("sm100")
     y, st = be.forward(inp, MoKConfig(precision=precision), None)
-    assert_reference_layer(p, dy, limit, y, be.backward(st, dy), precision)
+    assert_reference_layer(p, dy, act, y, be.backward(st, dy), precision)
 
 
 def assert_reference_layer(p, dy, limit, y, grads, precision="bf16"):

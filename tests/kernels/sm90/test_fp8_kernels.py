@@ -228,6 +228,21 @@ def test_fp8_expert_kernels_compile(expert_reports, case):
         assert "cp.async.ca.shared.global" in ptx
 
 
+@pytest.mark.parametrize("epilogue", ["swiglu", "dswiglu"])
+def test_fp8_expert_kernels_compile_gated(expert_reports, epilogue):
+    """gpt-oss's SwiGLU (``gated``: alpha 1.702, up offset 1) in the FP8 expert kernels: no spills, the same
+    wgmma count as the plain clamped variant, alpha as an fp32 immediate (the plain one has none)."""
+    from mok_cute.kernels.sm90 import fp8_gemm as g
+    from mok_cute.kernels.swiglu_math import Gated
+
+    rep = g.compile_fp8_block_gemm(inspect=True, epilogue=epilogue, clamp=True, gated=Gated(1.702, 1.0))[1]
+    plain = expert_reports[(epilogue, True)]
+    _no_spills(rep)
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    alpha = re.compile(r"0f[3B]FD9DB23\b")
+    assert alpha.search(rep.ptx) and not alpha.search(plain.ptx)
+
+
 def _expert_args(m=256, hid=256, inter=256, e=2):
     f8 = torch.float8_e4m3fn
     offs = torch.tensor([0, m // 2, m], dtype=torch.int32)
@@ -456,6 +471,22 @@ def test_fp8_launch_packs_the_kernel_order(fp8_host, which):
     assert packed[9].value == (0.0 if which in ("plain", "dgrad1") else 4.0) and packed[10].value >= 1
     assert packed[11] == "stream" and len(packed) == 12
     assert keys[0][2] == {"plain": "plain", "gemm1": "swiglu", "dswiglu": "dswiglu", "dgrad1": "plain"}[which]
+
+
+@pytest.mark.parametrize("which", ["gemm1", "dswiglu"])
+def test_fp8_launch_compiles_the_activation_in(fp8_host, which):
+    """The FP8 expert wrappers take the activation as ``limit``: SwiGLU.gpt_oss()'s alpha and up offset go in the
+    compile key (``Gated``), its limit 7 is the kernel's runtime clamp; a plain SwiGLU(L) is the float L's variant."""
+    from mok_cute.kernels.sm90 import fp8_expert as fx
+    from mok_cute.kernels.swiglu_math import Gated
+    from mok_cute.reference import SwiGLU
+
+    calls, keys = fp8_host
+    fn = fx.grouped_gemm1_swiglu_fp8_block if which == "gemm1" else fx.grouped_dswiglu_dgrad_fp8_block
+    for act in (SwiGLU.gpt_oss(), SwiGLU(4.0), 4.0):
+        fn(**_expert_args()[which], limit=act)
+    assert [k[3:5] for k in keys] == [(True, Gated(1.702, 1.0)), (True, None), (True, None)]
+    assert [c[9].value for c in calls] == [7.0, 4.0, 4.0]
 
 
 @pytest.mark.parametrize("layout", ["transposed-view", "row-major"])

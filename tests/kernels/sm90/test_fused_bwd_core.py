@@ -51,6 +51,19 @@ def test_clamp_variant_differs():
     assert _compiled(True).ptx != _compiled(False).ptx
 
 
+@pytest.mark.parametrize("flags", [(True,), (True, True, True, True, True, True)], ids=["core", "whole"])
+def test_gated_swiglu_variant(flags):
+    """gpt-oss's dSwiGLU (``gated``: alpha 1.702, up offset 1) in the D2 epilogue: the plain variant's GEMM work
+    (wgmma count), clean (no spills, no serialized wgmma), alpha as an fp32 immediate (the plain one has none)."""
+    from mok_cute.kernels.swiglu_math import Gated
+
+    rep, plain = _report(*flags, gated=Gated(1.702, 1.0)), _report(*flags)
+    _clean(rep)
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    alpha = re.compile(r"0f[3B]FD9DB23\b")
+    assert alpha.search(rep.ptx) and not alpha.search(plain.ptx)
+
+
 @pytest.mark.parametrize("clamp,init", [(True, True), (False, False)])
 def test_tokens_variant(clamp, init):
     """The variant that scatters the dx rows and ends with the slot sum: 0 spills, the slot sum's
@@ -375,6 +388,21 @@ def test_ep_host_launch(monkeypatch):
     assert (int(a["sc"].num_ctas), int(a["sc"].comm_ctas)) == (66, 6)
     assert int(a["sc"].timeout_ns) == int(ws.timeout_s * 1e9)  # the workspace's bound, not the launch's default
     assert len(out) == 8 and out[1].shape == (t, k) and out[0].shape == (t, h)  # dx, d topk_w, 3 + 3 dW
+
+
+def test_host_launch_compiles_the_activation_in(monkeypatch):
+    """fused_backward_ep takes the activation as ``limit``: SwiGLU.gpt_oss()'s alpha and up offset go in the
+    compiled variant (``gated``), its limit 7 in the scalars; a plain SwiGLU(L) is the float L's variant."""
+    from mok_cute.kernels.sm90 import fused_bwd
+    from mok_cute.kernels.swiglu_math import Gated
+    from mok_cute.reference import SwiGLU
+
+    fake, keys, (ws, plan, dy, x, slot_rows, w_rows, idx, weights, gu, hh, sh) = _ep_host(monkeypatch)
+    for act in (SwiGLU.gpt_oss(), SwiGLU(4.0), 4.0):
+        fused_bwd.fused_backward_ep(ws, plan, fused_bwd.BackwardInputs(dy, x, slot_rows, gu, hh), w_rows, idx,
+                                    weights, act, fused_bwd.BackwardLaunch(num_ctas=66, comm_ctas=6), shared=sh)
+    assert [(k[2].clamp, k[2].gated) for k in keys] == [(True, Gated(1.702, 1.0)), (True, None), (True, None)]
+    assert keys[1] == keys[2] and [_launched(args)["sc"].limit.value for args in fake.direct] == [7.0, 4.0, 4.0]
 
 
 def test_gather_mx_variant():

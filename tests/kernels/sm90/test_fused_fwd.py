@@ -48,6 +48,21 @@ def test_compiles_with_its_protocol(clamp, shared, trace):
     assert (rep.ptx.count("%globaltimer") > plain.ptx.count("%globaltimer")) == trace
 
 
+_ALPHA = re.compile(r"0f[3B]FD9DB23\b")  # +-1.702 (gpt-oss's alpha) as an fp32 PTX immediate
+
+
+@pytest.mark.parametrize("kw", [{}, {"helpers": True}], ids=["staged", "helpers"])
+def test_gated_swiglu_variant(kw):
+    """gpt-oss's SwiGLU (``gated``: alpha 1.702, up offset 1) in the R1 / S1 epilogues (stored by the consumers, or
+    by the helper warps): the plain variant's GEMM code (wgmma count), no spills, alpha as an fp32 immediate."""
+    from mok_cute.kernels.swiglu_math import Gated
+
+    rep, plain = _built(True, True, gated=Gated(1.702, 1.0), **kw), _built(True, True, **kw)
+    assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
+    assert rep.total_spill_bytes == 0
+    assert _ALPHA.search(rep.ptx) and not _ALPHA.search(plain.ptx)
+
+
 @pytest.mark.parametrize("clamp,shared", [(True, True), (False, False)])
 def test_ep_variant_protocol(clamp, shared):
     """The EP > 1 variant (pull dispatch / push combine through the symmetric workspace) compiles
@@ -313,6 +328,21 @@ def _host_problem(fm, shared: bool, t=100, h=256, inter=256, e=4, k=2):
     return x, plan, experts, fm.SharedExpert.of(sh)
 
 
+def test_host_launch_compiles_the_activation_in(monkeypatch):
+    """fused_forward takes the activation as ``limit``: SwiGLU.gpt_oss()'s alpha and up offset go in the compile
+    key (the variant's ``gated``), its limit 7 in the kernel's scalars; a plain SwiGLU(L) is the float L's variant."""
+    from mok_cute.kernels.swiglu_math import Gated
+    from mok_cute.reference import SwiGLU
+
+    fm, fake, keys = _fake_host(monkeypatch)
+    x, plan, experts, sh = _host_problem(fm, True)
+    for act in (SwiGLU.gpt_oss(), SwiGLU(4.0), 4.0):
+        fm.fused_forward(x, plan, experts, sh, act, fm.FusedLaunch(8, 1.0, ring_chunks=5))
+    # (clamp, shared, ..., gate, gated, n_tail, helpers, mainloop)
+    assert [(k[2], k[-4]) for k in keys] == [(True, Gated(1.702, 1.0)), (True, None), (True, None)]
+    assert keys[1] == keys[2] and [args[5].limit.value for args in fake.calls] == [7.0, 4.0, 4.0]
+
+
 @pytest.mark.parametrize("shared,mx,ep", [(False, False, False), (True, False, False), (True, True, False),
                                           (True, False, True), (False, True, True)])
 def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
@@ -335,8 +365,9 @@ def test_host_launch_matches_the_kernel_signature(monkeypatch, shared, mx, ep):
                            ws=ws)
     (args,) = fake.direct if ep else fake.calls
     assert len(fake.calls) + len(fake.direct) == 1
-    # (..., trace, progress, mx, ep, gate, n_tail, helpers, mainloop): no helpers below H = HELPERS_MIN_K
-    assert keys[0][-8:-1] == (False, False, mx, ep, False, False, False) and keys[0][-1] == fm.MainloopConfig().key()
+    # (..., trace, progress, mx, ep, gate, gated, n_tail, helpers, mainloop): no helpers below H = HELPERS_MIN_K
+    assert keys[0][-9:-1] == (False, False, mx, ep, False, None, False, False)
+    assert keys[0][-1] == fm.MainloopConfig().key()
     params = list(inspect.signature(fm.FusedMoeFwdSm90.__call__).parameters)[1:]
     assert len(args) == len(params), (len(args), len(params))
     bundles = (fm.FwdInputs, fm.FwdWeights, fm.FwdOutputs, fm.FwdRoutes, fm.FwdCounters, fm.FwdScalars, fm.FwdPeers)

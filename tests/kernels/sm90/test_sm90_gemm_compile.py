@@ -1,6 +1,7 @@
 """SM90 grouped GEMM kernels (forward and backward) compile for sm_90a (CPU only) and the
 host wrappers validate inputs."""
 import functools
+import re
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     compile_grouped_gemm, grouped_gemm, grouped_gemm1_swiglu,
 )
 from mok_cute.kernels.sm90.mainloop import MN_MAJOR, NUM_THREADS, MainloopConfig, Sm90Mainloop
+from mok_cute.kernels.swiglu_math import Gated
+from mok_cute.reference import SwiGLU
+
+GPT_OSS = Gated(1.702, 1.0)  # SwiGLU.gpt_oss()'s alpha and up offset, compiled in (its limit 7 is the runtime clamp)
 
 N128 = MainloopConfig(tile_n=128)
 VARIANTS = {  # plain, swiglu and wgrad store through TMA (cp.async.bulk), dswiglu by row-masked 16-byte stores
@@ -30,13 +35,19 @@ VARIANTS = {  # plain, swiglu and wgrad store through TMA (cp.async.bulk), dswig
     "dswiglu-clamp": lambda: compile_grouped_gemm("dswiglu", clamp=True, b_major=MN_MAJOR, inspect=True),
     "dgrad1": lambda: compile_grouped_gemm("plain", b_major=MN_MAJOR, split_b=True, inspect=True),
     "wgrad": lambda: compile_grouped_wgrad(inspect=True),
+    # gpt-oss's SwiGLU: h = g * sigmoid(1.702 g) * (u + 1), its dSwiGLU
+    "swiglu-gpt-oss": lambda: compile_grouped_gemm("swiglu", clamp=True, gated=GPT_OSS, inspect=True),
+    "swiglu-gpt-oss-helpers": lambda: compile_grouped_gemm("swiglu", clamp=True, helpers=True, gated=GPT_OSS,
+                                                           inspect=True),
+    "dswiglu-gpt-oss": lambda: compile_grouped_gemm("dswiglu", clamp=True, b_major=MN_MAJOR, gated=GPT_OSS,
+                                                    inspect=True),
 }
 MX_VARIANTS = {  # GEMM1 + SwiGLU writing h's MXFP8 copy (quantized where it is produced)
     "swiglu-mx": lambda: compile_grouped_gemm("swiglu", mx_h=True, inspect=True),
     "swiglu-clamp-mx": lambda: compile_grouped_gemm("swiglu", clamp=True, mx_h=True, inspect=True),
 }
 VARIANTS.update(MX_VARIANTS)
-MASKED = ("dswiglu", "dswiglu-clamp")  # the epilogue without a TMA-store form
+MASKED = ("dswiglu", "dswiglu-clamp", "dswiglu-gpt-oss")  # the epilogue without a TMA-store form
 _TMA_STORE = "cp.async.bulk.tensor"  # + ".<n>d.global.shared::cta" (the store direction)
 
 
@@ -67,6 +78,25 @@ def test_tma_store_epilogues(name):
         assert rep.has("fence.proxy.async.shared::cta")
     else:
         assert not stores, stores
+
+
+_ALPHA = re.compile(r"0f[3B]FD9DB23\b")  # +-1.702 as an fp32 PTX immediate
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "dswiglu"])
+def test_gated_swiglu_compiles_its_constants_in(epilogue):
+    """gpt-oss's SwiGLU (``gated``): alpha 1.702 is an fp32 immediate of the gated kernel (not of the plain one)
+    and its epilogue has more multiplies (alpha * g; forward also g * s) and adds (u + 1); ``Gated(1.0, 0.0)``,
+    the plain constants through the gated arm, compiles to the plain kernel's PTX byte for byte (the gated math
+    keeps the plain formula's op order, as the reference does)."""
+    major = MN_MAJOR if epilogue == "dswiglu" else "k"
+    plain = _compiled(f"{epilogue}-clamp")
+    gated = _compiled(f"{epilogue}-gpt-oss")
+    assert _ALPHA.search(gated.ptx) and not _ALPHA.search(plain.ptx)
+    for op in ("mul.f32", "add.f32"):
+        assert len(re.findall(rf"\b{op}\b", gated.ptx)) > len(re.findall(rf"\b{op}\b", plain.ptx)), op
+    same = compile_grouped_gemm(epilogue, clamp=True, b_major=major, gated=Gated(1.0, 0.0), inspect=True)[1]
+    assert same.ptx == plain.ptx
 
 
 def test_compile_key():
@@ -446,6 +476,25 @@ def test_launch_packs_the_kernel_order(sm90_host, case):
     assert args[8].value == (0.0 if case in ("plain", "dgrad1") else 4.0) and args[9].value >= 1
     (key,) = keys
     assert key[5:9] == (case == "dgrad1", case == "swiglu-mx", False, case == "swiglu")  # split_b, mx_h, tail, helpers
+
+
+@pytest.mark.parametrize("act, clamp, gated, limit", [
+    (None, False, None, 0.0), (4.0, True, None, 4.0), (SwiGLU(4.0), True, None, 4.0),
+    (SwiGLU.gpt_oss(), True, GPT_OSS, 7.0), (SwiGLU(None, 1.702, 0.0), False, Gated(1.702, 0.0), 0.0)])
+def test_launch_compiles_the_activation_in(sm90_host, act, clamp, gated, limit):
+    """GEMM1 + SwiGLU and dgrad2 + dSwiGLU take the activation as their ``limit``: None, L, or a SwiGLU. Its clamp
+    and (other than silu(g) * u) its alpha and up offset are in the compile key, a plain SwiGLU(L) is the float L's
+    variant; the kernel's runtime limit is L (0 without a clamp)."""
+    from mok_cute.kernels.sm90 import expert_bwd as bwd
+    from mok_cute.kernels.sm90 import grouped_gemm as gg
+
+    rec, keys = sm90_host
+    m, k, n, e = 300, 512, 256, 3
+    offs = torch.tensor([0, 100, 100, m], dtype=torch.int32)
+    gg._run_gemm1_swiglu(_bf(m, k), offs, _bf(e, n, k), _bf(e, n, k), act)
+    bwd._run_dswiglu_dgrad(_bf(m, k), offs, _bf(e, k, n), _bf(m, 2 * n), act)
+    assert [key[2:4] + key[9:10] for key in keys] == [("swiglu", clamp, gated), ("dswiglu", clamp, gated)]
+    assert [args[8].value for args in rec.args] == [limit, limit]
 
 
 @pytest.mark.parametrize("which", ["a", "w", "w2", "offsets", "out0", "out1", "hq", "hs"])
