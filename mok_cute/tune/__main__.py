@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
     from mok_cute import tuning
+    from mok_cute.dsl import env
     from mok_cute.tune import tune
 
     file = None if args.no_write else args.file
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{result.key.describe()}\n")
             print(result.table(), flush=True)
     where = tuning.user_file() if file == "default" else file
-    print(f"\nwritten to {where}" if where else "\nnot written (--no-write)")
+    why = "--no-write" if file is None else f"{env.TUNING_FILE} is off"
+    print(f"\nwritten to {where}" if where else f"\nnot written ({why})")
     return 0
 
 
