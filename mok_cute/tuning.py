@@ -88,19 +88,11 @@ class Key:
 
 
 def device_identity(device) -> tuple[str, int]:
-    """``(name, SM count)`` of a CUDA ``device`` (read once per device and process)."""
-    import torch
+    """``(name, SM count)`` of a CUDA ``device`` (a torch.device; its properties are read once per process)."""
+    from mok_cute.dsl.host import device_props
 
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    hit = _DEVICES.get(index)
-    if hit is None:
-        p = torch.cuda.get_device_properties(index)
-        hit = _DEVICES[index] = (p.name, p.multi_processor_count)
-    return hit
-
-
-_DEVICES: dict[int, tuple[str, int]] = {}
+    p = device_props(device)
+    return p.name, p.multi_processor_count
 
 
 class Entry(NamedTuple):

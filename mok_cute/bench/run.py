@@ -64,11 +64,11 @@ class Impl:
             p.grad = None
 
 
-def leaves(shape: Shape, device, seed: int = 0) -> tuple[dict, torch.Tensor]:
-    """``(inputs, dy)`` of :func:`mok_cute.bench.shapes.make_inputs` with x, topk_w, the routed
-    weights and the shared expert's (``inputs["shared"]``, None without one) requiring grad: the
-    tensors every row of the shape runs on (the peers' too: :func:`mok_cute.bench.peers.build`)."""
-    inputs, dy = make_inputs(shape, device, seed)
+def leaves(shape: Shape, device, seed: int = 0, local_experts: int | None = None) -> tuple[dict, torch.Tensor]:
+    """``(inputs, dy)`` of :func:`mok_cute.bench.shapes.make_inputs` (``local_experts`` passed on) with x,
+    topk_w, the routed weights and the shared expert's (``inputs["shared"]``, None without one) requiring
+    grad: the tensors every row of the shape runs on (the peers' too: :func:`mok_cute.bench.peers.build`)."""
+    inputs, dy = make_inputs(shape, device, seed, local_experts)
     for name in ("x", "topk_w", "w_gate", "w_up", "w_down"):
         inputs[name].requires_grad_()
     if inputs["shared"] is not None:

@@ -81,12 +81,13 @@ def parse(text: str) -> Shape:
     return Shape(f"T{t}H{h}I{inter}E{e}k{k}", t, h, inter, e, k, shared_i=inter)
 
 
-def make_inputs(shape: Shape, device, seed: int = 0) -> tuple[dict, torch.Tensor]:
+def make_inputs(shape: Shape, device, seed: int = 0, local_experts: int | None = None) -> tuple[dict, torch.Tensor]:
     """``(inputs, dy)``: the layer's inputs as keyword arguments of ``mok_cute.moe`` (x [T, H] bf16,
     topk_idx [T, k] int32, topk_w [T, k] fp32, w_gate / w_up [E, I, H], w_down [E, H, I] bf16, shared
     None or its three bf16 weights) and a bf16 output gradient dy [T, H]. Logits N(0, 1), top-k, softmax
     over the k values; weights N(0, 1) * fan_in^-0.5. The same ``seed`` and device give the same
-    tensors in every run (so outputs of two commits can be compared bitwise)."""
+    tensors in every run (so outputs of two commits can be compared bitwise). ``local_experts``: the
+    weights of that many experts (one rank's at EP > 1, the routing still over all E); None: all E."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def w(*size):
@@ -95,8 +96,9 @@ def make_inputs(shape: Shape, device, seed: int = 0) -> tuple[dict, torch.Tensor
     s = shape
     x = torch.randn(s.t, s.h, device=device, generator=g).to(torch.bfloat16)
     vals, idx = torch.randn(s.t, s.e, device=device, generator=g).topk(s.k, dim=1)
-    inputs = dict(x=x, topk_idx=idx.to(torch.int32), topk_w=vals.softmax(dim=1), w_gate=w(s.e, s.i, s.h),
-                  w_up=w(s.e, s.i, s.h), w_down=w(s.e, s.h, s.i),
+    el = s.e if local_experts is None else local_experts
+    inputs = dict(x=x, topk_idx=idx.to(torch.int32), topk_w=vals.softmax(dim=1), w_gate=w(el, s.i, s.h),
+                  w_up=w(el, s.i, s.h), w_down=w(el, s.h, s.i),
                   shared=(w(s.shared_i, s.h), w(s.shared_i, s.h), w(s.h, s.shared_i)) if s.shared_i else None)
     dy = torch.randn(s.t, s.h, device=device, generator=g).to(torch.bfloat16)
     return inputs, dy

@@ -70,7 +70,7 @@ def current_stream(device=None):
 
 # ---------------------------------------------------------------- grouped GEMM wrappers
 _FP8 = torch.float8_e4m3fn
-_sm_count: dict[int, int] = {}
+_props: dict[int, object] = {}  # device index -> its properties
 
 
 def offsets_i32(offsets: torch.Tensor) -> torch.Tensor:
@@ -79,12 +79,17 @@ def offsets_i32(offsets: torch.Tensor) -> torch.Tensor:
     return (offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)).contiguous()
 
 
+def device_props(device):
+    """``torch.cuda.get_device_properties`` of a CUDA device (a torch.device or an index; cached)."""
+    dev = device_index(device)
+    if dev not in _props:
+        _props[dev] = torch.cuda.get_device_properties(dev)
+    return _props[dev]
+
+
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (a torch.device or an index; cached)."""
-    dev = device_index(device)
-    if dev not in _sm_count:
-        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _sm_count[dev]
+    return device_props(device).multi_processor_count
 
 
 def _check_tensor(name, t, ndim, dtypes):

@@ -36,13 +36,13 @@ def apply(config: MoKConfig, arch: str, inp, ep: int) -> MoKConfig:
     ``config`` itself (no entry, ``tuned=False``, or not on CUDA)."""
     if not config.tuned or not inp.x.is_cuda:
         return config
-    key = key_of(inp, config, arch, ep)
+    key, call = key_of(inp, config, arch, ep), P.Call.of(inp, config, ep)
     stamps = tuple(tuning._stamp(f) for f in tuning.files())  # a rewritten file is read again
-    memo = (config._key, key, P.Call.of(inp, config, ep), stamps)
+    memo = (config._key, key, call, stamps)
     hit = _RESOLVED.get(memo)
     if hit is None:
         entry = tuning.lookup(key)
-        hit = config if entry is None else _merge(config, entry.policy, arch, P.Call.of(inp, config, ep))
+        hit = config if entry is None else _merge(config, entry.policy, arch, call)
         _RESOLVED[memo] = hit
     return hit
 

@@ -122,21 +122,16 @@ class Bench:
     side-by-side timing. ``group``: the EP group (None at EP = 1); ``backend``: MoKConfig's."""
 
     def __init__(self, problem: Problem, device, backend: str = "auto", group=None, seed: int = 0):
+        from mok_cute.bench.run import leaves
+        from mok_cute.bench.shapes import Shape
+
         self.p, self.device, self.backend, self.group = problem, torch.device(device), backend, group
         rank = 0 if group is None else torch.distributed.get_rank(group)
-        g = torch.Generator(device=self.device).manual_seed(seed + 1000 * rank)
-        pr, dev = problem, self.device
-        el = pr.experts // pr.ep
-
-        def w(*size):
-            return (torch.randn(*size, device=dev, generator=g) * size[-1] ** -0.5).to(torch.bfloat16).requires_grad_()
-
-        self.x = torch.randn(pr.tokens, pr.hidden, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
-        vals, idx = torch.randn(pr.tokens, pr.experts, device=dev, generator=g).topk(pr.topk, dim=1)
-        self.topk_idx, self.topk_w = idx.to(torch.int32), vals.softmax(dim=1).requires_grad_()
-        self.weights = (w(el, pr.inter, pr.hidden), w(el, pr.inter, pr.hidden), w(el, pr.hidden, pr.inter))
-        self.shared = (w(pr.shared, pr.hidden), w(pr.shared, pr.hidden), w(pr.hidden, pr.shared)) if pr.shared else None
-        self.dy = torch.randn(pr.tokens, pr.hidden, device=dev, generator=g).to(torch.bfloat16)
+        pr = problem
+        shape = Shape("tune", pr.tokens, pr.hidden, pr.inter, pr.experts, pr.topk, pr.shared, pr.limit)
+        i, self.dy = leaves(shape, self.device, seed + 1000 * rank, local_experts=pr.experts // pr.ep)
+        self.x, self.topk_idx, self.topk_w, self.shared = i["x"], i["topk_idx"], i["topk_w"], i["shared"]
+        self.weights = (i["w_gate"], i["w_up"], i["w_down"])
         self.leaves = [self.x, self.topk_w, *self.weights, *(self.shared or ())]
 
     def config(self, policy: KernelPolicy) -> MoKConfig:
