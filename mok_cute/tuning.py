@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, fields  # noqa: F401  (asdict: a key as its file form)
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 

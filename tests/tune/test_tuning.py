@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +15,7 @@ from mok_cute import tuning
 from mok_cute.config import MoKConfig
 from mok_cute.layers import paths as P
 from mok_cute.layers import tuned
-from mok_cute.policy import BackwardPath, ForwardPath, GemmTiles, KernelPolicy
+from mok_cute.policy import BackwardPath, GemmTiles, KernelPolicy
 
 KEY = tuning.Key("NVIDIA H100 80GB HBM3", 132, "sm90", 16384, 2048, 768, 128, 8, 0, 1, "bf16", tuning.version())
 POLICY = KernelPolicy(fused_forward=GemmTiles(tile_n=128), minibatch_tokens=2048, backward_path="fused_whole")
@@ -83,10 +83,10 @@ def test_an_unreadable_file_is_ignored_with_a_warning(user_file, text):
 
 
 def test_an_invalid_entry_is_ignored_with_a_warning(user_file):
-    good = {"key": tuning.asdict(KEY), "policy": {"comm_sms_bwd": 20}, "measured": {}}
-    bad = [{"key": {**tuning.asdict(KEY), "tokens": 1}, "policy": {"fused_forward.tile_n": 96}},
-           {"key": {**tuning.asdict(KEY), "tokens": "many"}, "policy": {}},
-           {"key": tuning.asdict(KEY) | {"tokens": 2}, "policy": {"no_such_field": 1}}, "not an entry"]
+    good = {"key": asdict(KEY), "policy": {"comm_sms_bwd": 20}, "measured": {}}
+    bad = [{"key": {**asdict(KEY), "tokens": 1}, "policy": {"fused_forward.tile_n": 96}},
+           {"key": {**asdict(KEY), "tokens": "many"}, "policy": {}},
+           {"key": asdict(KEY) | {"tokens": 2}, "policy": {"no_such_field": 1}}, "not an entry"]
     user_file.write_text(json.dumps({"format": 1, "entries": [*bad, good]}))
     with pytest.warns(UserWarning, match="4 invalid entries ignored"):
         assert tuning.lookup(KEY).policy == KernelPolicy(comm_sms_bwd=20)
