@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import mok_cute
 from mok_cute import tuning
 from mok_cute.layers import paths as P
-from mok_cute.policy import BackwardPath, ForwardPath, KernelPolicy
+from mok_cute.policy import BackwardPath, KernelPolicy
 from mok_cute.tune import search, space
 
 SMALL = dict(hidden=64, inter=64, experts=4, topk=2, tokens=64, device="cpu", backend="reference", arch="sm90",
@@ -81,8 +80,6 @@ def test_a_candidate_that_changes_the_results_is_never_chosen(monkeypatch):
             out[0] = out[0] + 1
         return out
 
-    fast = {}
-
     def time_(self, policies, what, rounds, iters):  # the broken candidates look fastest
         return [0.5 if p.comm_sms_bwd is not None else 1.0 + 0.1 * (p != KernelPolicy()) for p in policies]
 
@@ -93,7 +90,6 @@ def test_a_candidate_that_changes_the_results_is_never_chosen(monkeypatch):
     assert broken and all(t.bitwise is False and not t.adopted for t in broken)
     assert result.policy.comm_sms_bwd is None
     assert result.policy == KernelPolicy()  # every other candidate was slower than the default
-    del fast
 
 
 def test_a_faster_candidate_is_adopted(monkeypatch):
