@@ -52,7 +52,8 @@ class LocalState:
     ``gate`` ``(w_sg, g [T, 1] bf16, s [T, H] the shared output, x)`` of the shared expert's
     output gate; ``config`` the call's config (``trace`` resolved, :func:`~mok_cute.layers.paths.
     with_trace`); ``paths`` the paths decided with the forward; ``limit`` the experts' activation
-    (:func:`activation`)."""
+    (:func:`activation`); ``biased``: the forward added the routed experts' biases (the backward returns their
+    gradients)."""
 
     limit: object
     topk_idx: torch.Tensor
@@ -69,6 +70,7 @@ class LocalState:
     rows_by_route: bool = False
     x: torch.Tensor | None = None
     gate: tuple | None = None
+    biased: bool = False
 
 
 @dataclass
@@ -102,24 +104,47 @@ def activation(inp):
     return inp.swiglu_limit if inp.activation is None else inp.activation
 
 
-def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit):
+def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit, biases=None):
     """(rows [M, H], ExpertGroup): h = SwiGLU GEMM1 (gu, h), then GEMM2, through an arch's
     grouped GEMM calls (``gemm1_swiglu(x, offsets, w_gate, w_up, limit) -> (gu, h)``,
-    ``gemm(a, offsets, w) -> out``)."""
-    gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
-    return gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+    ``gemm(a, offsets, w) -> out``); ``biases``: None or the experts' (b_gate, b_up, b_down), passed
+    to those calls as ``bias=(b_gate, b_up)`` and ``bias=b_down``."""
+    if biases is None:
+        gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit)
+        return gemm(h, offsets, w_down), ExpertGroup(x_rows, offsets, gu, h)
+    gu, h = gemm1_swiglu(x_rows, offsets, w_gate, w_up, limit, bias=tuple(biases[:2]))
+    return gemm(h, offsets, w_down, bias=biases[2]), ExpertGroup(x_rows, offsets, gu, h)
 
 
-def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit):
+def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit,
+                 biased: bool = False):
     """(dx rows, dWg, dWu, dWd): dgrad2 + dSwiGLU, dgrad1 and the three weight gradients,
-    through an arch's grouped GEMM calls (argument order of ``sm90.expert_bwd``)."""
+    through an arch's grouped GEMM calls (argument order of ``sm90.expert_bwd``); ``biased``: then
+    also the biases' gradients (:func:`bias_grads`)."""
     inter = w_gate.shape[1]
     dgu = dswiglu_dgrad(dy_rows, g.offsets, w_down, g.gu, limit)
     dx = dgrad1(dgu, g.offsets, w_gate, w_up)
     dwd = wgrad(dy_rows, g.h, g.offsets)
     dwg = wgrad(dgu[:, :inter], g.x, g.offsets)
     dwu = wgrad(dgu[:, inter:], g.x, g.offsets)
-    return dx, dwg, dwu, dwd
+    return (dx, dwg, dwu, dwd) + (bias_grads(dgu, dy_rows, g.offsets) if biased else ())
+
+
+def expert_sums(rows, offsets) -> torch.Tensor:
+    """[E, N] bf16: each expert's rows of ``rows`` [M, N] summed in row order in fp32, rounded once (an expert
+    bias's gradient; :func:`mok_cute.kernels.row_sums.expert_row_sums`, the reference's ``grouped_row_sums``);
+    the offsets stay on the device (no host sync)."""
+    from mok_cute.dsl.host import offsets_i32
+    from mok_cute.kernels.row_sums import expert_row_sums
+
+    return expert_row_sums(rows, offsets_i32(offsets))
+
+
+def bias_grads(dgu, dy_rows, offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d b_gate, d b_up [E, I], d b_down [E, H])`` of the routed experts' biases: :func:`expert_sums` of dgu's
+    gate and up halves [M, 2I] and of the routed dy rows [M, H]."""
+    inter = dgu.shape[1] // 2
+    return expert_sums(dgu[:, :inter], offsets), expert_sums(dgu[:, inter:], offsets), expert_sums(dy_rows, offsets)
 
 
 def whole_offsets(rows: int, device) -> torch.Tensor:

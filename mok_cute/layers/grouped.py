@@ -42,6 +42,7 @@ from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.dsl import deferred
 from mok_cute.dsl.host import sm_count
 from mok_cute.kernels import route_grad
+from mok_cute.kernels.operands import RoutePlan
 from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
 from mok_cute.layers import launch, tiles, tuned
@@ -62,14 +63,15 @@ def _gate(inp, s):
     return inp.shared_gate, shared_gate(_BF16, inp.x, inp.shared_gate), s, inp.x
 
 
-def kernel_refusals(inp) -> list[str]:
-    """The features of the layer inputs ``inp`` the arch kernels do not implement yet, one phrase
-    each (empty: none): the routed experts' biases. (The whole SwiGLU, gpt-oss's alpha and up offset
-    included, runs in the kernels: :func:`~mok_cute.layers.common.activation`.)"""
-    out = []
-    if inp.biases is not None:
-        out.append("expert biases (b_gate, b_up, b_down)")
-    return out
+def _biases(inp) -> dict:
+    """The arch MLP's forward keyword for the routed experts' biases of ``inp`` (none without them: the shared
+    expert and unbiased calls pass nothing)."""
+    return {} if inp.biases is None else {"biases": inp.biases}
+
+
+def _biased(st) -> dict:
+    """The arch MLP's backward keyword asking for the biases' gradients when the forward ``st`` added biases."""
+    return {"biased": True} if st.biased else {}
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, watch: bool):
@@ -120,10 +122,6 @@ class GroupedExpertBackend:
         runs (:func:`mok_cute.layers.paths.decide`), their kernels' tiles and launch fields checked
         (:func:`mok_cute.layers.tiles.check`, :func:`mok_cute.layers.launch.check`: ValueError naming a
         policy field they cannot run)."""
-        refused = kernel_refusals(inp)
-        if refused:
-            raise NotImplementedError(f"mok_cute backend {self.name!r}: {'; '.join(refused)}: not implemented in "
-                                      "its kernels yet (the reference backend runs them: MoKConfig(backend='reference'))")
         ep, _ = _world(group)
         wired = P.precisions(self.mlp.arch)
         if config.precision not in wired:
@@ -155,6 +153,8 @@ class GroupedExpertBackend:
             inp = replace(inp, w_gate=inp.w_gate.contiguous(), w_up=inp.w_up.contiguous(),
                           w_down=inp.w_down.contiguous(),
                           shared=None if inp.shared is None else tuple(w.contiguous() for w in inp.shared))
+        if inp.biases is not None:  # the kernels read them with unit last strides (a no-op for the layer's own)
+            inp = replace(inp, biases=tuple(b.contiguous() for b in inp.biases))
         if ep != 1:
             from mok_cute.layers import ep as ep_layer
 
@@ -167,7 +167,8 @@ class GroupedExpertBackend:
         t, k = idx.shape
         x_rows = x.index_select(0, order // k)
         kw = mlp_options(config)
-        r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw)
+        r, routed = self.mlp.forward(x_rows, offsets, inp.w_gate, inp.w_up, inp.w_down, limit, **kw,
+                                     **_biases(inp))
         slot_out = _scatter_slots(r, order, valid, t, k)
         s, shared_group = shared_forward(self.mlp, x, inp.shared, limit, **kw)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if s is None else s.float()
@@ -176,7 +177,7 @@ class GroupedExpertBackend:
             acc = acc * gate[1].float()
         y = slot_sum(acc, slot_out, idx, inp.topk_w).to(torch.bfloat16)
         state = LocalState(limit, idx, inp.topk_w, order, valid, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down),
-                           inp.shared, routed, shared_group, r, config, paths, gate=gate)
+                           inp.shared, routed, shared_group, r, config, paths, gate=gate, biased=inp.biases is not None)
         return y, state
 
     def _fused_forward(self, inp, config, paths, plan):
@@ -187,8 +188,9 @@ class GroupedExpertBackend:
         x, limit = inp.x, activation(inp)
         t = x.shape[0]
         g = None if inp.shared_gate is None else shared_gate(_BF16, x, inp.shared_gate)
-        out = self.mlp.fused_forward(x, order32, offsets, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared,
-                                     limit, config, gate=None if g is None else g.float().reshape(-1))
+        out = self.mlp.fused_forward(x, RoutePlan(order32, offsets, idx, inp.topk_w),
+                                     ExpertWeights(inp.w_gate, inp.w_up, inp.w_down), inp.shared, limit, config,
+                                     gate=None if g is None else g.float().reshape(-1), **_biases(inp))
         y, gu, h, slot, gus, hs, s_out = out
         prec = config.precision
         shared_group = None
@@ -198,7 +200,7 @@ class GroupedExpertBackend:
         routed = ExpertGroup(None, offsets, gu, h, prec)
         state = LocalState(limit, idx, inp.topk_w, order, valid, ExpertWeights(inp.w_gate, inp.w_up, inp.w_down),
                            inp.shared, routed, shared_group, slot, config, paths, rows_by_route=True, x=x,
-                           gate=None if g is None else (inp.shared_gate, g, s_out, x))
+                           gate=None if g is None else (inp.shared_gate, g, s_out, x), biased=inp.biases is not None)
         return y, state
 
     def backward(self, st, dy: torch.Tensor, main_grads=None) -> MoEGrads:
@@ -248,8 +250,8 @@ class GroupedExpertBackend:
             dy_rows, dtw = self._rows(st, dy)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
-                                       consume=True, config=st.config, **core)
-        return MoEGrads(out[0], dtw, *out[1:], d_shared, d_gate)
+                                       consume=True, config=st.config, **core, **_biased(st))
+        return MoEGrads(out[0], dtw, *out[1:4], d_shared, d_gate, tuple(out[4:]) or None)
 
     def _unfused_backward(self, st, dy, dy_s, gate):
         """BackwardPath.UNFUSED: the route_grad pass, the MLP's separate kernels, the dx scatter
@@ -257,12 +259,12 @@ class GroupedExpertBackend:
         dx_gate, d_gate = gate
         t, k = st.topk_idx.shape
         dy_rows, dtw = self._rows(st, dy)
-        dxr, dwg, dwu, dwd = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False,
-                                               config=st.config)
+        dxr, dwg, dwu, dwd, *d_biases = self.mlp.backward(st.routed, dy_rows, *st.weights, st.limit, fused=False,
+                                                          config=st.config, **_biased(st))
         dx_slots = _scatter_slots(dxr, st.order, st.valid, t, k)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, config=st.config)
         acc = torch.zeros(dy.shape, dtype=torch.float32, device=dy.device) if dxs is None else dxs.float()
         if dx_gate is not None:
             acc = acc + dx_gate
         dx = slot_sum(acc, dx_slots, st.topk_idx).to(torch.bfloat16)
-        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate)
+        return MoEGrads(dx, dtw, dwg, dwu, dwd, d_shared, d_gate, tuple(d_biases) or None)

@@ -20,7 +20,8 @@ sm90    forward   UNFUSED      bf16, mxfp8, fp8_block (default)       bf16, mxfp
 sm90    backward  FUSED        bf16, mxfp8 (default)                  bf16, mxfp8 after FUSED; no shared_gate
                                                                       (default)
 sm90    backward  FUSED_WHOLE  bf16, mxfp8 after FUSED; no            bf16, mxfp8 after FUSED (the same launch
-                               shared_gate, no main_grads at mxfp8    as FUSED); no shared_gate
+                               shared_gate, no main_grads at mxfp8,   as FUSED); no shared_gate
+                               no biases
 sm90    backward  UNFUSED      bf16, mxfp8, fp8_block (default)       bf16, mxfp8; no shared_gate (default)
 sm100   forward   FUSED        bf16, mxfp8                            bf16, mxfp8; no shared_gate
 sm100   forward   UNFUSED      bf16, mxfp8 (default)                  bf16, mxfp8; no shared_gate
@@ -29,6 +30,9 @@ sm100   backward  FUSED_WHOLE  bf16, mxfp8 after FUSED; no            bf16, mxfp
                                shared_gate                            as FUSED); no shared_gate
 sm100   backward  UNFUSED      bf16, mxfp8 (default)                  bf16, mxfp8; no shared_gate (default)
 ======  ========  ===========  =====================================  ==========================================
+
+Expert biases (gpt-oss; the "biases" feature) run on sm90 at EP = 1 and bf16 only, on every path but
+FUSED_WHOLE; nowhere at EP > 1, and not on sm100 yet.
 
 The paths are the config's ``kernel_policy`` fields (``MoKConfig.forward_path`` /
 ``backward_path`` or ``KernelPolicy``'s); the GEMM tiles and stages of the kernels each path runs
@@ -57,7 +61,8 @@ EP1, EPN = "EP = 1", "EP > 1"
 BF16_MX = ("bf16", "mxfp8")
 ALL = ("bf16", "mxfp8", "fp8_block")
 FEATURES = {"shared": "the shared expert", "shared_gate": "shared_gate", "main_grads": "main_grads",
-            "recompute": "activations recompute"}  # Call's feature fields, as messages name them
+            "recompute": "activations recompute", "biases": "expert biases"}  # Call's feature fields, as messages
+#                                                                            name them
 
 
 @dataclass(frozen=True)
@@ -74,36 +79,40 @@ class Runs:
 
 
 _NO_GATE = (("shared_gate", ALL),)
-_EP_FUSED_BWD = Runs(BF16_MX, not_with=_NO_GATE, after_fused_forward=True)  # one launch per rank
+_BF16_BIASES = (("biases", ("mxfp8", "fp8_block")),)  # the kernels' epilogues add expert biases at BF16 only
+_NO_BIASES = (("biases", ALL),)
+_EPN = _NO_GATE + _NO_BIASES  # EP > 1: neither the output gate nor expert biases
+_EP_FUSED_BWD = Runs(BF16_MX, not_with=_EPN, after_fused_forward=True)  # one launch per rank
 
 TABLE: dict[str, dict[str, dict]] = {
     "sm90": {
         "forward": {
-            ForwardPath.FUSED: {EP1: Runs(BF16_MX), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
-            ForwardPath.UNFUSED: {EP1: Runs(ALL), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
+            ForwardPath.FUSED: {EP1: Runs(BF16_MX, not_with=_BF16_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
+            ForwardPath.UNFUSED: {EP1: Runs(ALL, not_with=_BF16_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
         },
         "backward": {
-            BackwardPath.FUSED: {EP1: Runs(BF16_MX), EPN: _EP_FUSED_BWD},
+            BackwardPath.FUSED: {EP1: Runs(BF16_MX, not_with=_BF16_BIASES), EPN: _EP_FUSED_BWD},
             BackwardPath.FUSED_WHOLE: {
-                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE + (("main_grads", ("mxfp8",)),),
+                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE + _NO_BIASES + (("main_grads", ("mxfp8",)),),
                           after_fused_forward=True),
                 EPN: replace(_EP_FUSED_BWD, default=False)},
-            BackwardPath.UNFUSED: {EP1: Runs(ALL), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
+            BackwardPath.UNFUSED: {EP1: Runs(ALL, not_with=_BF16_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
         },
     },
     "sm100": {
         "forward": {
-            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False),
-                                EPN: Runs(BF16_MX, default=False, not_with=_NO_GATE)},
-            ForwardPath.UNFUSED: {EP1: Runs(BF16_MX), EPN: Runs(BF16_MX, default=False, not_with=_NO_GATE)},
+            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_NO_BIASES),
+                                EPN: Runs(BF16_MX, default=False, not_with=_EPN)},
+            ForwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_NO_BIASES),
+                                  EPN: Runs(BF16_MX, default=False, not_with=_EPN)},
         },
         "backward": {
-            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False),
+            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_NO_BIASES),
                                  EPN: replace(_EP_FUSED_BWD, default=False)},
             BackwardPath.FUSED_WHOLE: {
-                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE, after_fused_forward=True),
+                EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE + _NO_BIASES, after_fused_forward=True),
                 EPN: replace(_EP_FUSED_BWD, default=False)},
-            BackwardPath.UNFUSED: {EP1: Runs(BF16_MX), EPN: Runs(BF16_MX, not_with=_NO_GATE)},
+            BackwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_NO_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
         },
     },
 }
@@ -116,7 +125,8 @@ _ORDER = {"forward": (ForwardPath.FUSED, ForwardPath.UNFUSED),
 class Call:
     """What one layer call asks for, as the path decision reads it: ``precision``, the
     expert-parallel size ``ep``, the features (a shared expert, its output gate, ``main_grads``,
-    ``activations`` other than "save") and whether its tensors are on a CUDA device."""
+    ``activations`` other than "save", the routed experts' biases) and whether its tensors are on a CUDA
+    device."""
 
     precision: str
     ep: int = 1
@@ -124,13 +134,14 @@ class Call:
     shared_gate: bool = False
     main_grads: bool = False
     recompute: bool = False
+    biases: bool = False
     cuda: bool = True
 
     @classmethod
     def of(cls, inp, config: MoKConfig, ep: int) -> Call:
         """The call of the layer inputs ``inp`` (:class:`~mok_cute.layers.select.MoEInputs`)."""
         return cls(config.precision, ep, inp.shared is not None, inp.shared_gate is not None,
-                   inp.main_grads is not None, config.activations != "save", inp.x.is_cuda)
+                   inp.main_grads is not None, config.activations != "save", inp.biases is not None, inp.x.is_cuda)
 
     def describe(self) -> str:
         """E.g. ``EP > 1, precision 'bf16', with shared_gate``."""

@@ -168,21 +168,21 @@ class Sm100ExpertMLP:
         (gq, gs), (uq, us), (dq, ds) = (self._qw(w, 1) for w in (w_gate, w_up, w_down))
         return ExpertWeights(gq, uq, dq), (gs, us, ds)
 
-    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
-                      gate=None):
-        """The fused forward at EP = 1 in ``config.precision`` (bf16, or mxfp8: the weights quantized
+    def fused_forward(self, x, plan, weights, shared, limit, config, gate=None):
+        """The fused forward at EP = 1 on the route ``plan`` and routed ``weights`` (:mod:`mok_cute.kernels.operands`)
+        in ``config.precision`` (bf16, or mxfp8: the weights quantized
         along their rows as the unfused MXFP8 forward does, cached per version; x quantized by the
         kernel's host): the contract of the sm90 MLP's ``fused_forward`` (``(y, gu, h, slot_out, gus,
         hs, s_out)``, gu / h / gus / hs bf16 for the unfused MXFP8 backward; the ring of
         ``ring_chunks`` slots; the kernel's status watched on the device, raised by a later call)."""
-        from mok_cute.kernels.operands import RoutePlan, SharedExpert
+        from mok_cute.kernels.operands import SharedExpert
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
-        weights, shared, scales = self._fused_weights(config, w_gate, w_up, w_down, shared)
+        weights, shared, scales = self._fused_weights(config, *weights, shared)
         launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(1), config.device_timeout_s,
-                              ring=ring_chunks(config, topk_idx), gemm="fused_forward")
-        out = fused.fused_forward(x, RoutePlan(order, offsets, topk_idx, topk_w), weights,
+                              ring=ring_chunks(config, plan.topk_idx), gemm="fused_forward")
+        out = fused.fused_forward(x, plan, weights,
                                   SharedExpert.of(shared, gate), limit, launch, scales, interleave=self._interleaved)
         watch_status(out.counters[-1], first=config.validate_routing)
         return out[:7]

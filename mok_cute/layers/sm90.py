@@ -42,7 +42,7 @@ import torch
 from mok_cute.config import ForwardPath
 from mok_cute.layers import launch, paths
 from mok_cute.layers.common import (
-    ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
+    ExpertGroup, contiguous_group, expert_sums, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
     whole_backward_operands, whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
@@ -158,40 +158,45 @@ class Sm90ExpertMLP:
     def __init__(self):
         self.weights = WeightCache()
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None):
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None,
+                biases=None):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows, in ``precision``; ``config``: the call's,
-        whose policy's GEMM1 / GEMM2 tiles the BF16 kernels run (None: their defaults; fp8_block: its own)."""
+        whose policy's GEMM1 / GEMM2 tiles the BF16 kernels run (None: their defaults; fp8_block: its own);
+        ``biases``: None or the experts' (b_gate, b_up [E, I], b_down [E, H]) bf16, unit last strides (BF16 only:
+        the epilogues add them, :mod:`~mok_cute.kernels.sm90.bias`)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         if precision not in self.precisions:
             raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
         _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, self.dim_multiple[precision])
+        _check_biases(biases, precision)
         gemm1 = _with_tiles(fwd._run_gemm1_swiglu, config, "gemm1")
         gemm2 = _with_tiles(fwd._run_gemm, config, "gemm2")
         if precision == "mxfp8":
             return self._mx_forward((gemm1, gemm2), x_rows, offsets, w_gate, w_up, w_down, limit)
         if precision == "fp8_block":
             return self._fp8_forward(x_rows, offsets, w_gate, w_up, w_down, limit)
-        return mlp_forward(gemm1, gemm2, x_rows, offsets, w_gate, w_up, w_down, limit)
+        return mlp_forward(gemm1, gemm2, x_rows, offsets, w_gate, w_up, w_down, limit, biases)
 
-    def fused_forward(self, x, order, offsets, topk_idx, topk_w, w_gate, w_up, w_down, shared, limit, config,
-                      gate=None):
-        """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H] and the
-        route plan (order int32 [T*k], offsets int32 [E+1]) in ``config.precision`` (bf16 or mxfp8:
+    def fused_forward(self, x, plan, weights, shared, limit, config, gate=None, biases=None):
+        """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H], the route ``plan``
+        (:class:`~mok_cute.kernels.operands.RoutePlan`: order int32 [T*k], offsets int32 [E+1], topk_idx, topk_w)
+        and the routed ``weights`` (:class:`~mok_cute.kernels.operands.ExpertWeights`) in ``config.precision`` (bf16 or mxfp8:
         x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
-        ``gate``: fp32 [T], the shared expert's output gate per token; returns ``(y, gu, h,
+        ``gate``: fp32 [T], the shared expert's output gate per token; ``biases``: as :meth:`forward`'s; returns
+        ``(y, gu, h,
         slot_out, gus, hs, s_out)`` (``s_out`` the shared expert's output, None without one). The
         gathered rows pass through a ring of ``config.minibatch_tokens * k`` rows
         (:func:`~mok_cute.layers.common.ring_chunks`), not kept."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
-        args, mx = self._fused_operands(x, offsets, w_gate, w_up, w_down, shared, limit, config)
+        args, mx = self._fused_operands(x, plan.offsets, *weights, shared, limit, config)
+        _check_biases(biases, config.precision)
         out = fused.fused_forward(
-            args[0], fused.RoutePlan(order, offsets, topk_idx, topk_w), fused.ExpertWeights(*args[1:4]),
-            fused.SharedExpert.of(args[4], gate), limit,
+            args[0], plan, fused.ExpertWeights(*args[1:4]), fused.SharedExpert.of(args[4], gate), limit,
             fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s, num_ctas=launch.grid(config),
-                              ring_chunks=ring_chunks(config, topk_idx), trace=bool(config.trace), mx=mx,
-                              band=launch.band(config), **_tiles(config, "fused_forward")))
+                              ring_chunks=ring_chunks(config, plan.topk_idx), trace=bool(config.trace), mx=mx,
+                              band=launch.band(config), **_tiles(config, "fused_forward")), biases=biases)
         fused.watch_status(out[7][-1], first=config.validate_routing)  # else routing_plan watched first
         return out[:7]
 
@@ -232,16 +237,21 @@ class Sm90ExpertMLP:
                 shared = tuple(self._mx_weight(w[None], 2)[0] for w in shared)
         return (x, w_gate, w_up, w_down, shared), mx
 
-    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None):
+    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None,
+                 biased: bool = False):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; operands
         were validated by forward, only dy is new. ``fused``: one launch of the fused backward
         core (BF16, MXFP8: its mx variant; the backward path FUSED), else the separate kernels
         (bitwise the same). ``config``: the call's (its ``trace`` resolved by the layer; its policy's tiles
-        of the kernels that run), or None."""
+        of the kernels that run), or None. ``biased`` (BF16, the separate kernels): then also (d b_gate,
+        d b_up, d b_down) (:func:`~mok_cute.layers.common.bias_grads`)."""
         from mok_cute.kernels.sm90 import expert_bwd as bwd
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
 
         _check_dy(fwd, g, dy_rows)
+        if biased and (fused or g.precision != "bf16"):
+            raise ValueError(f"biased: the sm90 expert MLP's separate BF16 kernels only, not fused={fused} at "
+                             f"{g.precision!r} (the layer's fused backward: backward_tokens)")
         if fused and g.precision not in FUSED_CORE_PRECISIONS:
             raise ValueError(f"the sm90 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
         if g.precision == "fp8_block":
@@ -257,10 +267,10 @@ class Sm90ExpertMLP:
             (bwd._run_dswiglu_dgrad, "dgrad2"), (bwd._run_dgrad1, "dgrad1"), (bwd._run_wgrad, "wgrad")))
         if g.precision == "mxfp8":
             return self._mx_backward(kernels, g, dy_rows, w_gate, w_up, w_down, limit)
-        return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit)
+        return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit, biased)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
-                        config=None, mx_dyt=None):
+                        config=None, mx_dyt=None, biased: bool = False):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
         topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
@@ -269,7 +279,9 @@ class Sm90ExpertMLP:
         ``consume``: the caller gives up ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written
         over gu; MXFP8: their round trips are made in place). ``config``: the call's (its ``trace``
         resolved by the layer), or None. ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's
-        round trips (dy_t its second output)."""
+        round trips (dy_t its second output). ``biased`` (BF16, ``consume``): then also (d b_gate, d b_up,
+        d b_down): d b_down from dy_rows before the launch (which writes the dx rows over them), the others
+        from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
@@ -280,10 +292,17 @@ class Sm90ExpertMLP:
         if dx_shared is not None:
             dx_shared = dx_shared.contiguous()
         _check_dy(fwd, g, dy_rows)
-        return fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
-                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
-                                   _core_launch(BackwardLaunch, g, config),
-                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
+        if biased and not (consume and g.precision == "bf16"):
+            raise ValueError(f"biased: backward_tokens at bf16 with consume only, got {g.precision!r}, consume={consume}")
+        d_down = expert_sums(dy_rows, g.offsets) if biased else None
+        out = fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
+                                  self._bwd_weights(g, w_gate, w_up, w_down), limit,
+                                  _core_launch(BackwardLaunch, g, config),
+                                  tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
+        if not biased:
+            return out
+        inter = w_gate.shape[1]  # the launch wrote dgu over gu (consume)
+        return (*out, expert_sums(g.gu[:, :inter], g.offsets), expert_sums(g.gu[:, inter:], g.offsets), d_down)
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
         """The MXFP8 backward's prologue (the backward path FUSED at MXFP8 after the fused forward,
@@ -464,6 +483,12 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
         raise ValueError(f"x: M = {m} rows must be < 2^31")
     fwd._check_limit(limit)
     fwd._check_devices(x=x_rows, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down)
+
+
+def _check_biases(biases, precision: str):
+    """Expert biases (validated by ``ops.moe``) run at BF16 only on sm90."""
+    if biases is not None and precision != "bf16":
+        raise NotImplementedError(f"sm90 expert MLP: expert biases run at precision 'bf16' only, not {precision!r}")
 
 
 def _check_dy(fwd, g: ExpertGroup, dy_rows):

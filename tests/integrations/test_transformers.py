@@ -276,10 +276,10 @@ def test_other_gated_activation_falls_back_to_grouped_mm_with_one_warning(own_ga
     assert torch.equal(logits, logits_mm) and all(torch.equal(grads[n], grads_mm[n]) for n in grads)
 
 
-def test_gpt_oss_on_a_gpu_backend_raises_naming_the_biases_alone():
-    """The GPU backends refuse gpt-oss's expert biases before any launch, naming them and not its activation
-    (alpha, up offset: the kernels run them; their check, run here on CPU tensors): without the biases the
-    same call passes the check."""
+def test_gpt_oss_biases_pass_the_sm90_check_and_are_refused_where_no_kernel_runs_them():
+    """gpt-oss's experts (activation and biases) pass the sm90 backend's check at bf16, EP = 1 (its kernels run
+    them; the check runs here on CPU tensors); sm100 and sm90 at mxfp8 refuse the biases before any launch,
+    naming them and not the activation; without the biases sm100 passes too."""
     from mok_cute.layers.select import MoEInputs, get_backend
 
     module = _experts_of(_copy(_fp32_model("gpt_oss", hidden_size=256, intermediate_size=256), torch.bfloat16,
@@ -289,12 +289,12 @@ def test_gpt_oss_on_a_gpu_backend_raises_naming_the_biases_alone():
     act = mok_hf.activation(module)
     inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act.limit,
                     activation=act, biases=mok_hf.expert_biases(module))
-    for arch in ("sm90", "sm100"):
-        with pytest.raises(NotImplementedError, match=rf"'{arch}': expert biases \(b_gate, b_up, b_down\): not "
-                                                      r"implemented") as err:
-            get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
+    get_backend("sm90").check(inp, mok_cute.MoKConfig(backend="sm90"), None)
+    for arch, precision in (("sm100", "bf16"), ("sm90", "mxfp8")):
+        with pytest.raises(NotImplementedError, match=rf"'{arch}': .*with expert biases") as err:
+            get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch, precision=precision), None)
         assert "SwiGLU" not in str(err.value)
-        get_backend(arch).check(dataclasses.replace(inp, biases=None), mok_cute.MoKConfig(backend=arch), None)
+    get_backend("sm100").check(dataclasses.replace(inp, biases=None), mok_cute.MoKConfig(backend="sm100"), None)
 
 
 @pytest.mark.parametrize("model_type, match", [

@@ -3,8 +3,8 @@
 (weight, bias) pairs, with gate / up as interleaved strided views of one projection (used in place
 or copied, the gradients landing in the projection), ``main_grads``, ``activations="recompute"``,
 torch.compile, ``MoELayer(swiglu_limit=SwiGLU(...)).add_expert_biases()``, the argument errors,
-and the GPU backends' check: the whole SwiGLU passes it (their kernels run it), the biases are refused
-(before any launch) until their kernels run them."""
+and the GPU backends' check: the whole SwiGLU passes it (their kernels run it), the biases pass where their
+kernels run them (sm90, EP = 1, bf16) and are refused before any launch elsewhere."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 import mok_cute
 from mok_cute import MoKConfig, MoELayer, SwiGLU, reference as R
 from mok_cute.layers import grouped as G
+from mok_cute.layers import paths as P
 from mok_cute.layers.select import MoEInputs, get_backend
 
 CFG = MoKConfig(backend="reference")
@@ -260,7 +261,7 @@ def test_argument_errors_name_the_argument(case):
         mok_cute.moe(*args, **kw)
 
 
-# ---------------------------------------------------------------- the GPU backends: the activation runs, biases refused
+# ---------------------------------------------------------------- the GPU backends: the activation and the biases
 def _inputs(act=None, biased=False, h=256, inter=256):
     x, idx, w, gate_up, down, gu_bias, d_bias, _ = _problem(9, h=h, inter=inter)
     (wg, bg), (wu, bu), (wd, bd) = _views(gate_up, down, gu_bias, d_bias)
@@ -270,21 +271,73 @@ def _inputs(act=None, biased=False, h=256, inter=256):
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-def test_gpu_backends_run_the_activation_and_refuse_the_biases_before_any_launch(arch, monkeypatch):
+def test_gpu_backends_check_the_activation_and_the_biases_before_any_launch(arch, monkeypatch):
     """Their check (no kernel, CPU tensors here): every SwiGLU passes it (the kernels run its limit, alpha and up
-    offset); expert biases raise NotImplementedError naming them (and nothing else), at EP = 1 and EP > 1."""
+    offset); expert biases pass on sm90 at EP = 1 and bf16 (its epilogues add them) and raise NotImplementedError
+    naming them at the other precisions, at EP > 1 and on sm100."""
     be = get_backend(arch)
     for act in (SwiGLU(7.0), SwiGLU(7.0, 1.702, 0.0), SwiGLU(None, 1.0, 1.0), SwiGLU.gpt_oss()):
         be.check(_inputs(act), MoKConfig(backend=arch), None)
     for ep in (1, 2):
         monkeypatch.setattr(G, "_world", lambda group, ep=ep: (ep, 0))
-        for act in (None, SwiGLU.gpt_oss()):
-            msg = rf"'{arch}': expert biases \(b_gate, b_up, b_down\): not implemented in its kernels yet .*reference"
-            with pytest.raises(NotImplementedError, match=msg):
-                be.check(_inputs(act, True), MoKConfig(backend=arch), None if ep == 1 else object())
+        for precision in ("bf16", "mxfp8", "fp8_block"):
+            if precision not in P.precisions(arch):
+                continue
+            for act in (None, SwiGLU.gpt_oss()):
+                cfg = MoKConfig(backend=arch, precision=precision)
+                group = None if ep == 1 else object()
+                if arch == "sm90" and ep == 1 and precision == "bf16":
+                    be.check(_inputs(act, True), cfg, group)
+                    continue
+                with pytest.raises(NotImplementedError, match=rf"'{arch}': .*with expert biases"):
+                    be.check(_inputs(act, True), cfg, group)
 
 
-def test_kernel_refusals_lists_the_biases_alone():
-    assert G.kernel_refusals(_inputs()) == [] and G.kernel_refusals(_inputs(SwiGLU(4.0))) == []
-    assert G.kernel_refusals(_inputs(SwiGLU.gpt_oss())) == []
-    assert G.kernel_refusals(_inputs(SwiGLU.gpt_oss(), True)) == ["expert biases (b_gate, b_up, b_down)"]
+def test_fused_whole_refuses_the_biases():
+    """FUSED_WHOLE builds the routed dy rows inside its launch: no bias gradients there (FUSED runs them)."""
+    from mok_cute.config import BackwardPath, ForwardPath
+
+    call = P.Call("bf16", biases=True)
+    cfg = MoKConfig(forward_path=ForwardPath.FUSED, backward_path=BackwardPath.FUSED_WHOLE)
+    with pytest.raises(NotImplementedError, match="FUSED_WHOLE does not run with expert biases"):
+        P.decide(cfg, "sm90", call)
+    assert P.decide(MoKConfig(), "sm90", call) == P.Paths(ForwardPath.FUSED, BackwardPath.FUSED)
+
+
+class _ReferenceMlp:
+    """An sm90 row of the table (CPU tensors: the unfused paths) whose "kernels" are the reference's grouped
+    expert math: the layer's own plumbing of the biases (forward keyword, state, backward keyword, MoEGrads)."""
+
+    arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
+
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, biases=None):
+        from mok_cute.layers.common import ExpertGroup
+
+        r, saved = R.experts_forward(x_rows, offsets, w_gate, w_up, w_down, limit, "bf16", biases)
+        return r, ExpertGroup(x_rows, offsets, saved.gu, saved.h)
+
+    def backward(self, g, dy_rows, w_gate, w_up, w_down, limit, fused, config=None, biased=False):
+        saved = R.ExpertSaved(g.x, g.gu, g.h, R._offs(g.offsets), biased)
+        return R.experts_backward(saved, dy_rows, w_gate, w_up, w_down, limit, "bf16")
+
+
+def test_the_gpu_layer_carries_the_biases_to_its_mlp_and_their_gradients_back():
+    """GroupedExpertBackend (the sm90 / sm100 layer) with the reference's math as its MLP: y and every gradient,
+    the three bias gradients included, are the reference backend's, bitwise (d topk_w: the layer's route_grad
+    pass sums in fp32, the reference in fp64: within 1e-5 relative)."""
+    from mok_cute.layers.grouped import GroupedExpertBackend
+
+    x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(4, h=64, inter=64)
+    (wg, bg), (wu, bu), (wd, bd) = (tuple(t.contiguous() for t in pair) for pair in _views(gate_up, down, gu_bias,
+                                                                                           d_bias))
+    inp = MoEInputs(x, idx, w, wg, wu, wd, None, ACT.limit, activation=ACT, biases=(bg, bu, bd))
+    y, st = GroupedExpertBackend(_ReferenceMlp()).forward(inp, MoKConfig(trace=False), None)
+    assert st.biased and st.paths == P.Paths(P.ForwardPath.UNFUSED, P.BackwardPath.UNFUSED)
+    got = GroupedExpertBackend(_ReferenceMlp()).backward(st, dy)
+    want_y, saved = R.moe_forward(x, idx, w, wg, wu, wd, None, ACT, "bf16", None, None, (bg, bu, bd))
+    want = R.moe_backward(saved, dy)
+    assert torch.equal(y, want_y)
+    for name in ("dx", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.d_topk_w, want.d_topk_w, rtol=1e-5, atol=1e-6)
+    assert len(got.d_biases) == 3 and all(torch.equal(a, b) for a, b in zip(got.d_biases, want.d_biases))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mok_cute import KernelPolicy, MoKConfig
+from mok_cute.kernels.operands import RoutePlan
 from mok_cute.layers import launch
 
 
@@ -62,7 +63,7 @@ def test_sm90_launches_take_them(monkeypatch):
     assert core.num_ctas == 100
     seen = {}
 
-    def fake_forward(x, plan, experts, shared, limit, launch_, ws=None):
+    def fake_forward(x, plan, experts, shared, limit, launch_, ws=None, biases=None):
         seen["launch"] = launch_
         raise StopIteration
 
@@ -70,10 +71,10 @@ def test_sm90_launches_take_them(monkeypatch):
     monkeypatch.setattr(fused_moe, "fused_forward", fake_forward)
     monkeypatch.setattr(mlp, "_fused_operands", lambda *a: ((None,) * 5, False))
     with pytest.raises(StopIteration):
-        mlp.fused_forward(None, None, None, IDX, None, None, None, None, None, None, cfg)
+        mlp.fused_forward(None, RoutePlan(None, None, IDX, None), (None,) * 3, None, None, cfg)
     assert (seen["launch"].num_ctas, seen["launch"].band, seen["launch"].ring_chunks) == (100, 4, 64)
     with pytest.raises(StopIteration):
-        mlp.fused_forward(None, None, None, IDX, None, None, None, None, None, None, MoKConfig())
+        mlp.fused_forward(None, RoutePlan(None, None, IDX, None), (None,) * 3, None, None, MoKConfig())
     assert (seen["launch"].num_ctas, seen["launch"].band) == (None, None)
 
 

@@ -30,23 +30,27 @@ def test_registered_with_gpt_oss_cases():
     assert gpt_oss in dict(fused_bwd.LAYER_ACTS).values()
 
 
-@pytest.mark.parametrize("name, fwd, bwd", layer_sm90.GPT_OSS_CASES)
-def test_layer_rows_run_the_paths_they_name(name, fwd, bwd):
+@pytest.mark.parametrize("name, fwd, bwd, biased", layer_sm90.GPT_OSS_CASES)
+def test_layer_rows_run_the_paths_they_name(name, fwd, bwd, biased):
     cfg = MoKConfig(backend="sm90", forward_path=fwd, backward_path=bwd)
-    p = paths.decide(cfg, "sm90", paths.Call("bf16", ep=1, shared=True))
+    p = paths.decide(cfg, "sm90", paths.Call("bf16", ep=1, shared=True, biases=biased))
     assert (p.forward, p.backward) == (ForwardPath(fwd), BackwardPath(bwd)), name
 
 
 def test_layer_inputs_build_on_cpu_pass_the_sm90_check_and_run_on_the_reference():
-    act, (x, idx, w, ws, sh, dy) = layer_sm90.gpt_oss_problem(CPU)
+    act, (x, idx, w, ws, sh, dy), biases = layer_sm90.gpt_oss_problem(CPU)
     s = layer_sm90.GPT_OSS_SHAPE
     assert act == SwiGLU.gpt_oss() and x.shape == (s["t"], s["h"]) and idx.shape == (s["t"], s["k"])
     assert ws[0].shape == (s["e"], s["inter"], s["h"]) and sh is not None and (idx == -1).any()
-    for fwd, bwd in {(f, b) for _, f, b in layer_sm90.GPT_OSS_CASES}:
+    assert [b.shape for b in biases] == [(s["e"], s["inter"]), (s["e"], s["inter"]), (s["e"], s["h"])]
+    for _, fwd, bwd, biased in layer_sm90.GPT_OSS_CASES:
         cfg = MoKConfig(backend="sm90", forward_path=fwd, backward_path=bwd)
-        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, sh, act.limit, activation=act), cfg, None)
+        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, sh, act.limit, activation=act,
+                                            biases=biases if biased else None), cfg, None)
     outs = layer_sm90._run("reference", x, idx, w, ws, sh, dy, act)
     assert len(outs) == 9 and all(bool(torch.isfinite(o.float()).all()) for o in outs)
+    with_b = layer_sm90._run("reference", x, idx, w, ws, sh, dy, act, biases=biases)
+    assert len(with_b) == 12 and not torch.equal(with_b[0], outs[0])  # the biases reach y and their gradients
     plain = layer_sm90._run("reference", x, idx, w, ws, sh, dy, act.limit)
     assert not torch.equal(outs[0], plain[0])  # the activation's alpha and up offset matter at this shape
 

@@ -83,8 +83,7 @@ def _sm90_inputs(mok_hf, module, t=16, k=2):
 def test_model_inputs_build_on_cpu_and_the_sm90_backend_takes_them(hf, model_type):
     """The check's tiny model and token ids build here (2 MoE layers, H and I multiples of 64, ids in the
     vocabulary and within the positions); the bf16 copy's experts are no refusal of the integration, and
-    the SM90 backend's check (on CPU tensors) passes them -- gpt-oss's refused for its biases alone, with
-    the message the check's row recognizes."""
+    the SM90 backend's check (on CPU tensors) passes them, gpt-oss's biases included."""
     from mok_cute import MoKConfig
     from mok_cute.layers.select import get_backend
 
@@ -99,12 +98,7 @@ def test_model_inputs_build_on_cpu_and_the_sm90_backend_takes_them(hf, model_typ
         _, inter, h = hf.expert_weights(module)[0].shape
         assert h % 64 == 0 and inter % 64 == 0
         assert hf.unsupported(module, torch.zeros(1, h, dtype=torch.bfloat16)) is None
-        inp = _sm90_inputs(hf, module)
-        if model_type == "gpt_oss":
-            with pytest.raises(NotImplementedError, match=hf_models.BIAS_REFUSAL.pattern):
-                get_backend("sm90").check(inp, MoKConfig(backend="sm90"), None)
-        else:
-            get_backend("sm90").check(inp, MoKConfig(backend="sm90"), None)
+        get_backend("sm90").check(_sm90_inputs(hf, module), MoKConfig(backend="sm90"), None)
 
 
 @pytest.mark.filterwarnings("ignore:no CUDA device")
@@ -142,18 +136,9 @@ def sm90_checked(hf, monkeypatch):
 @pytest.mark.filterwarnings("ignore:no CUDA device")
 @pytest.mark.parametrize("model_type", ["gpt_oss", "qwen2_moe"])
 def test_rows_with_the_sm90_check_in_front(sm90_checked, model_type):
-    """gpt-oss: the documented refusal of its expert biases, ok, saying that fallback=True refuses the same;
-    Qwen2-MoE: a comparison row as without it."""
+    """With the SM90 backend's check in front of every experts call, gpt-oss (biases) and Qwen2-MoE (shared
+    expert, its gate) are comparison rows as without it: the check passes both."""
     from mok_cute import MoKConfig
 
     row = hf_models.compare(model_type, CPU, MoKConfig(backend="reference"))
-    if model_type == "gpt_oss":
-        assert row.ok and row.name.endswith(": refused") and row.bitwise is None and row.max_err is None
-        assert "expert biases" in row.note and "fallback=True: refused the same" in row.note
-    else:
-        assert row.ok and row.bitwise is True and "experts calls 4/4" in row.note
-
-
-def test_an_unexpected_refusal_is_no_ok_row():
-    row = hf_models.bias_refusal_row("hf x", NotImplementedError("something else"), "fallback=True: ran")
-    assert not row.ok and "unexpected" in row.note
+    assert row.ok and row.bitwise is True and "experts calls 4/4" in row.note

@@ -160,7 +160,7 @@ def test_apply_reads_the_file_for_a_cuda_call(user_file, monkeypatch):
     x = SimpleNamespace(is_cuda=True, shape=(KEY.tokens, KEY.hidden), device="cuda:0")
     inp = SimpleNamespace(x=x, w_gate=torch.empty(KEY.experts, KEY.inter, KEY.hidden, device="meta"),
                           topk_idx=torch.empty(KEY.tokens, KEY.topk, device="meta"), shared=None, shared_gate=None,
-                          main_grads=None)
+                          main_grads=None, biases=None)
     assert tuned.apply(MoKConfig(), "sm90", inp, 1) == MoKConfig()  # no entry yet
     tuning.record(user_file, KEY, POLICY, {})
     assert tuned.apply(MoKConfig(), "sm90", inp, 1).kernel_policy == POLICY

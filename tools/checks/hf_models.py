@@ -33,12 +33,9 @@ Tolerances (BF16; rel-L1 = sum|a - b| / sum|b|, max-abs scaled = max|a - b| / ma
 Row: ``max_err`` the worst scaled max-abs (logits or a gradient), ``bitwise`` the determinism, the note the
 logits' and worst gradient's rel-L1 (named) and the experts calls.
 
-gpt-oss has expert biases (``gate_up_proj_bias``, ``down_proj_bias``), which the GPU kernels do not run yet:
-the SM90 backend refuses them with a NotImplementedError naming them (``expert biases (b_gate, b_up,
-b_down): not implemented``). Its row is ok for that documented refusal only, with a note; ``fallback=True``
-does not change it (the fallback covers what the integration's ``unsupported()`` names, and biases are not
-among them: the refusal comes from the backend, at the ``mok_cute.moe`` call), which the row tries and
-reports too. Once the kernels run biases, the row becomes a comparison like the others by itself.
+gpt-oss has expert biases (``gate_up_proj_bias``, ``down_proj_bias``): the SM90 kernels add them in their GEMM
+epilogues and the layer sums their gradients per expert (bf16, EP = 1), so its row is a comparison like the
+others.
 
 Skipped (one ok row) without an sm_90 GPU, or when transformers (>= 5.17) is not importable: the GPU node
 has none of its own; ``source .gpu-node/activate.sh && source .hfnode/activate.sh`` there first (the
@@ -50,8 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
-import warnings
 
 import torch
 
@@ -64,9 +59,7 @@ LOGITS_REL_L1, GRAD_REL_L1 = 2e-2, 5e-2
 GRAD_REL_L1_OF = {"gpt_oss": 1e-1}  # per model type, where not GRAD_REL_L1 (module doc)
 LOGITS_MAX_ABS, GRAD_MAX_ABS = 0.1, 0.25  # max|a - b| / max|b|
 IDS_SHAPE = (4, 64)  # 256 tokens, k = 4: 1024 routes over 4 experts per layer
-BACKEND_NAME, FALLBACK_NAME = "mok_cute", "mok_cute_fallback"
-# the SM90 / SM100 backends' refusal of expert biases (mok_cute.layers.grouped.kernel_refusals)
-BIAS_REFUSAL = re.compile(r"expert biases \(b_gate, b_up, b_down\): not implemented")
+BACKEND_NAME = "mok_cute"
 
 
 def skip_rows(ctx) -> list[Row] | None:
@@ -183,8 +176,7 @@ def judge(label: str, errs: dict[str, tuple[float, float]], diff: list[str] | No
 
 def compare(model_type: str, device, config, label: str | None = None) -> Row:
     """The row of ``model_type``: its tiny model in bf16 on mok_cute (``config``, registered as
-    :data:`BACKEND_NAME`) on ``device``, twice, against float32 "eager" there. gpt-oss's bias refusal
-    (or any refusal naming the biases): :func:`bias_refusal_row`."""
+    :data:`BACKEND_NAME`) on ``device``, twice, against float32 "eager" there."""
     label = label or f"hf {model_type} bf16 mok_cute vs fp32 eager"
     model, ids = build(model_type)
     layers = len(hf_tiny.experts_of(model))
@@ -192,41 +184,12 @@ def compare(model_type: str, device, config, label: str | None = None) -> Row:
     with exact_fp32():
         ref = hf_tiny.step(on(model, device, torch.float32, "eager"), ids)
     bf16 = on(model, device, torch.bfloat16, BACKEND_NAME)
-    try:
-        first = hf_tiny.step(bf16, ids)
-    except NotImplementedError as e:
-        if not BIAS_REFUSAL.search(str(e)):
-            raise
-        return bias_refusal_row(label, e, fallback_outcome(model, ids, device, config))
+    first = hf_tiny.step(bf16, ids)
     second = hf_tiny.step(bf16, ids)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return judge(label, errors(first, ref), bitwise_equal(first, second), calls[0], 2 * layers,
                  GRAD_REL_L1_OF.get(model_type, GRAD_REL_L1))
-
-
-def fallback_outcome(model, ids, device, config) -> str:
-    """What the same model does on mok_cute registered with ``fallback=True`` (a phrase for the note)."""
-    register(config, name=FALLBACK_NAME, fallback=True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            hf_tiny.step(on(model, device, torch.bfloat16, FALLBACK_NAME), ids)
-    except NotImplementedError as e:
-        return ("fallback=True: refused the same (biases are the backend's refusal, not the integration's)"
-                if BIAS_REFUSAL.search(str(e)) else f"fallback=True: NotImplementedError {str(e)[:80]}")
-    except Exception as e:  # noqa: BLE001  (reported, not judged)
-        return f"fallback=True: {type(e).__name__} {str(e)[:80]}"
-    fell = any("grouped_mm" in str(w.message) for w in caught)
-    return "fallback=True: ran on grouped_mm" if fell else "fallback=True: ran"
-
-
-def bias_refusal_row(label: str, error: NotImplementedError, fallback_note: str) -> Row:
-    """The ok row of the documented refusal of expert biases by the GPU kernels (``error`` names them)."""
-    ok = bool(BIAS_REFUSAL.search(str(error)))
-    return Row(label + ": refused", ok=ok,
-               note=("expected: NotImplementedError, expert biases not in the GPU kernels yet (" if ok else
-                     "unexpected NotImplementedError (") + f"{fallback_note})")
 
 
 def run(ctx) -> list[Row]:

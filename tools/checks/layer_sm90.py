@@ -6,7 +6,8 @@ bitwise equality of everything over 5 repeats. Routings: uniform top-k, skewed (
 to one expert, some experts empty, -1 slots); with and without the shared expert, SwiGLU
 clamped (L = 4) and not; gpt-oss's SwiGLU (``SwiGLU.gpt_oss()``: alpha 1.702, up offset 1, limit 7,
 :data:`GPT_OSS_CASES`) at one small shape along each path pair: the fused forward with the whole fused
-backward, the fused forward with the fused backward core, and both unfused. Inputs are fresh random
+backward (no expert biases: that path refuses them), then with gpt-oss's expert biases (b_gate, b_up,
+b_down; their gradients compared too) the fused forward with the fused backward core, and both unfused. Inputs are fresh random
 (MoK-style: logits N(0,1), softmax over the top-k values, weights N(0,1) * fan_in^-0.5).
 """
 from __future__ import annotations
@@ -16,19 +17,24 @@ import torch
 from tools.checks.common import Row, bench_us
 
 MAX_ABS, REL_L1, REPEATS = 0.5, 1e-2, 5
-# gpt-oss's activation rows: (name, forward_path, backward_path), skewed routing + shared expert at GPT_OSS_SHAPE
-GPT_OSS_CASES = (("fused/fused_whole", "fused", "fused_whole"), ("fused/fused", "fused", "fused"),
-                 ("unfused/unfused", "unfused", "unfused"))
+# gpt-oss's activation rows: (name, forward_path, backward_path, expert biases), skewed routing + shared expert at
+# GPT_OSS_SHAPE
+GPT_OSS_CASES = (("fused/fused_whole", "fused", "fused_whole", False), ("fused/fused +biases", "fused", "fused", True),
+                 ("unfused/unfused +biases", "unfused", "unfused", True))
 GPT_OSS_SHAPE = dict(t=512, h=512, inter=256, e=8, k=4)
 
 
 def gpt_oss_problem(dev, seed=900):
-    """``(SwiGLU.gpt_oss(), layer inputs)`` of the gpt-oss rows: :func:`_problem` at :data:`GPT_OSS_SHAPE`,
-    skewed routing, the shared expert (on ``dev``: the CPU too)."""
+    """``(SwiGLU.gpt_oss(), layer inputs, biases)`` of the gpt-oss rows: :func:`_problem` at :data:`GPT_OSS_SHAPE`,
+    skewed routing, the shared expert (on ``dev``: the CPU too), and the routed experts' (b_gate, b_up [E, I],
+    b_down [E, H]) bf16, N(0, 0.1^2)."""
     from mok_cute import SwiGLU
 
     s = GPT_OSS_SHAPE
-    return SwiGLU.gpt_oss(), _problem(s["t"], s["h"], s["inter"], s["e"], s["k"], True, True, dev, seed)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    biases = tuple((torch.randn(s["e"], n, device=dev, generator=g) * 0.1).bfloat16()
+                   for n in (s["inter"], s["inter"], s["h"]))
+    return SwiGLU.gpt_oss(), _problem(s["t"], s["h"], s["inter"], s["e"], s["k"], True, True, dev, seed), biases
 
 
 def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
@@ -52,21 +58,25 @@ def _problem(t, h, inter, e, k, shared, skew, dev, seed, e_local=None):
     return x, idx, w, ws, sh, dy
 
 
-def _run(backend, x, idx, w, ws, sh, dy, limit, group=None, precision="bf16", **config):
-    """[y, dx, d topk_w, dWg, dWu, dWd(, dWs_gate, dWs_up, dWs_down)] of mok_cute.moe on copies
-    of the inputs (``config``: further MoKConfig fields)."""
+def _run(backend, x, idx, w, ws, sh, dy, limit, group=None, precision="bf16", biases=None, **config):
+    """[y, dx, d topk_w, dWg, dWu, dWd(, dWs_gate, dWs_up, dWs_down)(, d b_gate, d b_up, d b_down)] of
+    mok_cute.moe on copies of the inputs (``biases``: the routed experts', passed as (weight, bias) pairs;
+    ``config``: further MoKConfig fields)."""
     import mok_cute
 
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()] + [p.clone().requires_grad_() for p in ws]
     shl = [p.clone().requires_grad_() for p in sh] if sh else []
-    y = mok_cute.moe(leaves[0], idx, leaves[1], *leaves[2:], shared=tuple(shl) if shl else None,
+    bl = [b.clone().requires_grad_() for b in biases] if biases else []
+    routed = tuple(zip(leaves[2:], bl)) if bl else leaves[2:]
+    y = mok_cute.moe(leaves[0], idx, leaves[1], *routed, shared=tuple(shl) if shl else None,
                      swiglu_limit=limit, config=mok_cute.MoKConfig(backend=backend, precision=precision, **config),
                      group=group)
-    grads = torch.autograd.grad(y, leaves + shl, dy)
+    grads = torch.autograd.grad(y, leaves + shl + bl, dy)
     return [y] + list(grads)
 
 
-OUT_NAMES = ["y", "dx", "dtopk_w", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"]
+OUT_NAMES = ["y", "dx", "dtopk_w", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down", "db_gate", "db_up",
+             "db_down"]
 
 
 def _compare(name, outs, refs, same):
@@ -99,11 +109,12 @@ def run(ctx) -> list[Row]:
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
         rows.append(_compare(f"layer sm90 {name}", outs[0], ref, same))
-    act, (x, idx, w, ws, sh, dy) = gpt_oss_problem(dev)
-    ref = _run("reference", x, idx, w, ws, sh, dy, act)
-    for name, fwd_path, bwd_path in GPT_OSS_CASES:
-        outs = [_run("sm90", x, idx, w, ws, sh, dy, act, forward_path=fwd_path, backward_path=bwd_path)
-                for _ in range(REPEATS)]
+    act, (x, idx, w, ws, sh, dy), biases = gpt_oss_problem(dev)
+    refs = {b: _run("reference", x, idx, w, ws, sh, dy, act, biases=biases if b else None) for b in (False, True)}
+    for name, fwd_path, bwd_path, biased in GPT_OSS_CASES:
+        ref = refs[biased]
+        outs = [_run("sm90", x, idx, w, ws, sh, dy, act, biases=biases if biased else None, forward_path=fwd_path,
+                     backward_path=bwd_path) for _ in range(REPEATS)]
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
         rows.append(_compare(f"layer sm90 gpt-oss {name}", outs[0], ref, same))

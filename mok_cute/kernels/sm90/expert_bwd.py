@@ -49,7 +49,6 @@ from mok_cute.kernels.sm90.grouped_gemm import (
     _VEC, DEFAULT_CONFIG, N_ALIGN, GemmOutputs, PlainEpilogue, _launch, make_tma_store, tma_store_drain,
     tma_store_tile,
 )
-from mok_cute.kernels.swiglu_math import swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop,
     experts_last,
@@ -217,9 +216,8 @@ def _run_dswiglu_dgrad(dy, offsets, w_down, gu, limit, out=None, cfg: MainloopCo
     if out is None:
         out = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=dy.device)
     if m:
-        clamp, gated, lim = swiglu_args(limit)
-        _launch("dswiglu", clamp, cfg, dy, w_down, offsets, GemmOutputs(out.view(m, 2, inter), gu.view(m, 2, inter)),
-                lim, inter, b_major=MN_MAJOR, gated=gated)
+        _launch("dswiglu", cfg, dy, w_down, offsets, GemmOutputs(out.view(m, 2, inter), gu.view(m, 2, inter)),
+                inter, limit, b_major=MN_MAJOR)
     return out
 
 
@@ -254,8 +252,7 @@ def _run_dgrad1(dgu, offsets, w_gate, w_up, out=None, cfg: MainloopConfig = DEFA
     if out is None:
         out = torch.empty((m, hid), dtype=torch.bfloat16, device=dgu.device)
     if m:
-        _launch("plain", False, cfg, dgu, w_gate, offsets, GemmOutputs(out, out), 0.0, hid, b_major=MN_MAJOR,
-                w2=w_up)
+        _launch("plain", cfg, dgu, w_gate, offsets, GemmOutputs(out, out), hid, b_major=MN_MAJOR, w2=w_up)
     return out
 
 

@@ -91,6 +91,7 @@ from mok_cute.kernels.operands import ExpertWeights, FusedForwardOut, FusedLaunc
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS
+from mok_cute.kernels.sm90.bias import TileBias, add_bias, fake_bias
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
     _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, HELPERS_TILE_N, STAGED_BARRIER, PlainEpilogue,
@@ -149,7 +150,8 @@ class FwdInputs(NamedTuple):
 
 class FwdWeights(NamedTuple):
     """The weights (host function only; the kernel gets their TMA atoms), bf16: w_gate, w_up [E, I, H], w_down
-    [E, H, I]; the shared expert's s_gate, s_up [1, I_s, H] and s_down [1, H, I_s] (None without one)."""
+    [E, H, I]; the shared expert's s_gate, s_up [1, I_s, H] and s_down [1, H, I_s] (None without one); the routed
+    experts' biases b_gate, b_up [E, I] and b_down [E, H] (``biased``; else None), which the kernel reads itself."""
 
     w_gate: cute.Tensor
     w_up: cute.Tensor
@@ -157,6 +159,9 @@ class FwdWeights(NamedTuple):
     s_gate: cute.Tensor | None
     s_up: cute.Tensor | None
     s_down: cute.Tensor | None
+    b_gate: cute.Tensor | None = None
+    b_up: cute.Tensor | None = None
+    b_down: cute.Tensor | None = None
 
 
 class FwdOutputs(NamedTuple):
@@ -286,26 +291,29 @@ class _Smem(NamedTuple):
 
 
 class _Tile(NamedTuple):
-    """A task's tile as handed off: phase, n-tile, first grouped row, rows, m-tile."""
+    """A task's tile as handed off: phase, n-tile, first grouped row, rows, m-tile, expert (``biased``; else 0)."""
 
     phase: Int32
     n_tile: Int32
     row0: Int32
     rows: Int32
     mt: Int32
+    expert: Int32
 
 
 class FusedMoeFwdSm90:
     """The persistent fused forward (see the module doc); ``clamp``: SwiGLU limit given, ``gated``: the SwiGLU's
     alpha and up offset (None: silu(g) * u), ``shared``: a shared expert is fused in; ``n_tail``: H not a multiple
-    of tile_n or I, I_s not of tile_n / 2 (the last n-tiles' stores masked); ``helpers`` (EP = 1): the S1 / R1
+    of tile_n or I, I_s not of tile_n / 2 (the last n-tiles' stores masked); ``biased``: the routed experts' biases
+    added to the R1 / R2 tiles' accumulators (:mod:`~mok_cute.kernels.sm90.bias`; the hand-off carries each task's
+    expert); ``helpers`` (EP = 1): the S1 / R1
     tiles' h (MXFP8: and its round trip) computed, stored and published by the producer warpgroup's last two warps
     from the staged tile while the consumers store gu and go on to the next tile, the one background-gather warp
     left beside them moving its rows (BF16) by ``cp.async.bulk`` through a small shared-memory ring."""
 
     def __init__(self, clamp: bool, shared: bool, *, trace: bool = False, progress: bool = False, mx: bool = False,
                  ep: bool = False, n_tail: bool = False, helpers: bool = False,
-                 cfg: MainloopConfig = MainloopConfig(), gated: Gated | None = None):
+                 cfg: MainloopConfig = MainloopConfig(), gated: Gated | None = None, biased: bool = False):
         if trace and progress:
             raise ValueError("trace and progress share the kernel's record buffer: ask for one")
         if helpers and ep:
@@ -320,7 +328,9 @@ class FusedMoeFwdSm90:
         self.bg = not ep
         self.staged = not mx and not ep  # the BF16 comm CTAs' chunks through their idle shared-memory stages
         self.gather_units = PIECES if self.bg else 1  # gather_ready's count of a gathered chunk
-        self.helpers = helpers
+        self.helpers, self.biased = helpers, biased
+        self.fields = TASK_FIELDS + (1 if biased else 0)  # the hand-off's words per task: the expert when biased
+        self.task_words = 2 * (1 + self.fields)
         self.bg_warps = 1 if helpers else BG_WARPS
         self.helper_warps = 3 - self.bg_warps if helpers else 0
         self.bg_bulk = helpers and not mx  # the BF16 background warp beside the helpers: by cp.async.bulk
@@ -356,24 +366,25 @@ class FusedMoeFwdSm90:
         tma = FwdTmas(Tma(atom_x, coord_x), Tma(atom_xg, coord_xg), Tma(atom_wg, coord_wg), Tma(atom_wu, coord_wu),
                       Tma(atom_h, coord_h), Tma(atom_wd, coord_wd), sg, su, hs, sd)
         # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
-        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=TASK_WORDS + HELP_WORDS,
+        self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=self.task_words + HELP_WORDS,
                                                 bulk_bytes=BG_SEG * BG_STAGES if self.bg_bulk else 0,
                                                 bulk_barriers=BG_STAGES if self.bg_bulk else 0)
-        self.kernel(tma, inp, outs, routes, sync, scalars, peers).launch(
+        bias = TileBias(weights.b_gate, weights.b_up, weights.b_down)
+        self.kernel(tma, inp, outs, routes, sync, scalars, peers, bias).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, tma: FwdTmas, inp: FwdInputs, outs: FwdOutputs, routes: FwdRoutes, sync: FwdCounters,
-               scalars: FwdScalars, peers: FwdPeers):
+               scalars: FwdScalars, peers: FwdPeers, bias: TileBias):
         cfg = self.cfg
         atoms = [tma.x.atom, tma.xg.atom, tma.wg.atom, tma.wu.atom, tma.h.atom, tma.wd.atom]
         if cutlass.const_expr(self.shared):
             atoms += [tma.sg.atom, tma.su.atom, tma.hs.atom, tma.sd.atom]
         tidx, warp = self.mainloop.start(atoms)
         pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.swiglu, with_storage=True)
-        sTask = storage.extra.get_tensor(cute.make_layout(TASK_WORDS))  # task hand-off: producer -> consumers
-        sHelp = cute.make_tensor(storage.extra.data_ptr() + TASK_WORDS, cute.make_layout(HELP_WORDS))  # -> helpers
+        sTask = storage.extra.get_tensor(cute.make_layout(self.task_words))  # task hand-off: producer -> consumers
+        sHelp = cute.make_tensor(storage.extra.data_ptr() + self.task_words, cute.make_layout(HELP_WORDS))  # helpers
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         status = sync.status.iterator
@@ -440,7 +451,7 @@ class FusedMoeFwdSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(pipe, smem, tidx - THREADS_PER_WG, outs, routes, sync, scalars, walk, ep,
-                          sync.gather.shape[0])
+                          sync.gather.shape[0], bias)
         # every CTA: the slot sum, once every GEMM2 tile is stored, with the registers evened out.
         # The consumers give registers back first and the producer warpgroup takes them only after
         # a CTA barrier: setmaxnreg.inc takes from the CTA's pool per warp, so producer warps that
@@ -709,7 +720,7 @@ class FusedMoeFwdSm90:
             phase, expert, n_tile, row0, rows, mt, e1, b1, e2, b2 = tasks.task(
                 t, walk.shape, routes.offsets, walk.num_experts, walk.tokens, self.cfg.tile_m, scalars.band, e1, b1,
                 e2, b2)
-            persistent.hand_off(sTask, i, t, (phase, n_tile, row0, rows, mt))
+            persistent.hand_off(sTask, i, t, (phase, n_tile, row0, rows, mt) + ((expert,) if self.biased else ()))
             i += 1
             if phase == R1:
                 persistent.wait_input(sync.gather.iterator + mt, Int32(self.gather_units), timeout_ns, status,
@@ -752,7 +763,7 @@ class FusedMoeFwdSm90:
             if lead:
                 self._mark(mProg, bidx, 0, 3, t)
             t = persistent.claim(ticket)
-        persistent.hand_off(sTask, i, t, (Int32(0),) * TASK_FIELDS)
+        persistent.hand_off(sTask, i, t, (Int32(0),) * self.fields)
         if lead:
             self._mark(mProg, bidx, 0, 4, i)
         persistent.finish_hand_offs(i)
@@ -793,7 +804,7 @@ class FusedMoeFwdSm90:
 
     @cute.jit
     def _consume(self, pipe, smem: _Smem, tid: Int32, outs: FwdOutputs, routes: FwdRoutes, sync: FwdCounters,
-                 scalars: FwdScalars, walk: _Walk, ep, trace_base: Int32):
+                 scalars: FwdScalars, walk: _Walk, ep, trace_base: Int32, bias: TileBias):
         """Consumer warpgroups: MMA each task's tile (handed off decoded: no global load between tiles), run its
         epilogue, publish it (``trace_base``: the task records' first index, past the gather chunks'). EP > 1:
         before the CTA's first routed GEMM2 rows go to their source ranks, every rank must have freed
@@ -805,7 +816,7 @@ class FusedMoeFwdSm90:
         staged = Int32(0)  # helpers: an S1 / R1 tile is staged in sC and its h not yet read by the helpers
         gemm2 = Int32(0)  # GEMM2 tiles stored, published once after the CTA's last task
         i = Int32(0)
-        t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, TASK_FIELDS)
+        t, phase, n_tile, row0, rows, mt, expert = self._take(sTask, i)
         while t < walk.n_tasks:
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 1, t)
@@ -818,7 +829,9 @@ class FusedMoeFwdSm90:
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, walk.k1, walk.k2, walk.k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            tile = _Tile(phase, n_tile, row0, rows, mt)
+            tile = _Tile(phase, n_tile, row0, rows, mt, expert)
+            if cutlass.const_expr(self.biased):
+                self._add_bias(tile, thr_mma, acc, bias)
             # the tile's stores are published by one thread (:meth:`_publish`) after the consumers' barrier; the
             # helpers publish the S1 / R1 tiles
             if cutlass.const_expr(self.helpers):
@@ -843,7 +856,7 @@ class FusedMoeFwdSm90:
                 if cutlass.const_expr(self.trace):
                     persistent.record(mTrace, trace_base + t, t0, persistent.now(self.trace), phase, bidx, t)
                 self._mark(mTrace, bidx, 1, 4, t)
-            t, phase, n_tile, row0, rows, mt = persistent.take(sTask, i, TASK_FIELDS)
+            t, phase, n_tile, row0, rows, mt, expert = self._take(sTask, i)
         if tid == 0:  # every GEMM2 tile's stores came before a consumer barrier that thread 0 passed since
             persistent.publish_count(sync.done.iterator, gemm2, self.ep)
         if cutlass.const_expr(self.helpers):  # the helpers' last FREE arrive, then their stop
@@ -853,6 +866,27 @@ class FusedMoeFwdSm90:
             cute.arch.barrier_arrive(barrier_id=STAGED_BARRIER, number_of_threads=helper_threads(self.helper_warps))
         if tid == 0:
             self._mark(mTrace, bidx, 1, 5, i)
+
+    @cute.jit
+    def _take(self, sTask: cute.Tensor, i: Int32):
+        """Consumers: hand-off ``i`` as ``(t, phase, n_tile, row0, rows, mt, expert)`` (expert 0 unless ``biased``)."""
+        got = persistent.take(sTask, i, self.fields)
+        expert = Int32(0)
+        if cutlass.const_expr(self.biased):
+            expert = got[6]
+        return (*got[:6], expert)
+
+    @cute.jit
+    def _add_bias(self, tile: _Tile, thr_mma, acc: cute.Tensor, bias: TileBias):
+        """``biased``: an R1 tile's accumulators plus b_gate / b_up of its expert, an R2 tile's plus b_down (before
+        any epilogue rounds them; shared-expert tiles have no biases)."""
+        cfg = self.cfg
+        if tile.phase == R1:
+            add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, tile.expert, tile.n_tile,
+                     bias.gate, bias.up, self.n_tail)
+        elif tile.phase == R2:
+            add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, tile.expert, tile.n_tile,
+                     bias.down, None, self.n_tail)
 
     @cute.jit
     def _store_staged(self, tile: _Tile, thr_mma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, limit: Float32,
@@ -912,7 +946,7 @@ class FusedMoeFwdSm90:
         """Consumers (``helpers``), an S1 / R1 tile: stage it once ``sC`` is free, hand it and its coordinates
         (``smem.help``) to the helpers (an arrive on ``STAGED_BARRIER``: the consumers do not wait for them) and
         store its gu rows from ``sC``; returns 1 (staged: the helpers read it)."""
-        phase, n_tile, row0, rows, mt = tile
+        phase, n_tile, row0, rows, mt, _ = tile
         sC, sHelp = smem.c, smem.help
         self._wait_helpers(staged)
         acc_to_smem(thr_mma, acc, sC)
@@ -961,7 +995,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, gate: bool = False, cfg:
                           arch: str = "sm_90a", inspect: bool = False, **switches):
     """Compile one variant with symbolic T, H, I, I_s, E, M_cap (``gate``: the slot sum starts from the shared
     output times the per-token output gate, ``FwdRoutes.gate`` fp32 [T]; ``switches``: :class:`FusedMoeFwdSm90`'s
-    keyword switches ``trace``, ``progress``, ``mx``, ``ep``, ``n_tail``, ``helpers``, ``gated``, all off by
+    keyword switches ``trace``, ``progress``, ``mx``, ``ep``, ``n_tail``, ``helpers``, ``gated``, ``biased``, all off by
     default; ``cfg``: the mainloop's tile_n and stages, :func:`~mok_cute.kernels.sm90.mainloop.launch_config`);
     returns ``(compiled, report)``."""
     if gate and not shared:
@@ -969,7 +1003,7 @@ def compile_fused_forward(clamp: bool, shared: bool, *, gate: bool = False, cfg:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 fused forward needs arch sm_90a, got {arch!r}")
     op = FusedMoeFwdSm90(clamp, shared, cfg=cfg, **switches)
-    trace, progress, mx, ep = op.trace, op.progress, op.mx, op.ep
+    trace, progress, mx, ep, biased = op.trace, op.progress, op.mx, op.ep, op.biased
     bf = cutlass.BFloat16
     t, mcap, tk, e = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     hid, inter, inter_s = (cute.sym_int(divisibility=_VEC) for _ in range(3))
@@ -984,8 +1018,9 @@ def compile_fused_forward(clamp: bool, shared: bool, *, gate: bool = False, cfg:
     rt_out = (_fake_2d(bf, mcap, inter) if mx else None, _fake_2d(bf, t, inter_s) if mx and shared else None)
     xq = _fake_2d(cutlass.Uint8, t, cute.sym_int(divisibility=16)) if mx else None  # MXFP8 token rows
     inp = FwdInputs(_fake_2d(bf, t, hid), xq, _fake_2d(bf, cute.sym_int(), hid))
+    biases = (fake_bias(bf, e, inter), fake_bias(bf, e, inter), fake_bias(bf, e, hid)) if biased else (None,) * 3
     weights = FwdWeights(_fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
-                         *shared_w)
+                         *shared_w, *biases)
     outs = FwdOutputs(_fake_3d(bf, mcap, cute.sym_int(), inter), _fake_2d(bf, mcap, inter), *shared_out, *rt_out,
                       _fake_2d(bf, tk, hid), _fake_2d(bf, t, hid) if shared else None, _fake_2d(bf, t, hid))
     routes = FwdRoutes(vec(Int32, mcap), vec(Int32, cute.sym_int()), vec(Int32, tk), vec(Float32, tk),
@@ -1137,7 +1172,7 @@ def _launch(launcher: GraphLauncher, dev: int, host: tuple, tail: tuple, key_sca
 
 
 def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpert | None, limit,
-                  launch: FusedLaunch, ws=None) -> FusedForwardOut:
+                  launch: FusedLaunch, ws=None, biases=None) -> FusedForwardOut:
     """Launch the fused forward on validated operands (see the module doc for shapes): x [T, H] bf16, the routing
     ``plan`` (:class:`~mok_cute.kernels.operands.RoutePlan`, on x's device), the routed ``experts``' weights, the
     ``shared`` expert (None: none; its ``gate``: y starts from fp32(s_out) * gate), the SwiGLU ``limit`` (None: no
@@ -1158,7 +1193,10 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     from the peers, the GEMM2 rows pushed into the source ranks' slot buffers (``slot_out``: a copy of this
     rank's slot rows made by the slot sum before it frees the buffer; rows of -1 slots unwritten), peer errors
     go to ``ws.status``, ``w_rows`` [M_cap] fp32 holds each grouped row's router weight (None at EP = 1).
-    Launched through the DSL (the epochs change every call); at EP = 1 a cached CUDA-graph replay."""
+    Launched through the DSL (the epochs change every call); at EP = 1 a cached CUDA-graph replay.
+
+    ``biases``: None, or the routed experts' (b_gate [E, I], b_up [E, I], b_down [E, H]) bf16 with unit last
+    strides, added to GEMM1's g, u and GEMM2's rows before their rounding (the reference's numerics)."""
     dev, arch = device_arch(x.device)
     t, hid = x.shape
     k = plan.topk_idx.shape[1]
@@ -1181,10 +1219,12 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     helpers = fused_helpers(mx, ep, hid, tn)
     clamp, gated, lim = swiglu_args(limit)
     variant = (clamp, shared is not None, trace, progress, mx, ep, gate is not None, gated, n_tail, helpers)
-    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant + (cfg.key(),), lambda: GraphLauncher(
-        compile_fused_forward(variant[0], variant[1], trace=trace, progress=progress, mx=mx, ep=ep,
-                              gate=gate is not None, n_tail=n_tail, helpers=helpers, cfg=cfg, gated=gated,
-                              arch=arch)[0]))
+    biased = biases is not None
+    launcher = compile_cached(("sm90_fused_moe_fwd", arch) + variant + (cfg.key(),) + (("biased",) if biased else ()),
+                              lambda: GraphLauncher(compile_fused_forward(
+                                  variant[0], variant[1], trace=trace, progress=progress, mx=mx, ep=ep,
+                                  gate=gate is not None, n_tail=n_tail, helpers=helpers, cfg=cfg, gated=gated,
+                                  biased=biased, arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
     # chunk c is CTA c % comm_ctas's: that CTA must exist, and a gather waiting for its ring
     # slot needs a GEMM CTA to free it
@@ -1192,7 +1232,7 @@ def fused_forward(x, plan: RoutePlan, experts: ExpertWeights, shared: SharedExpe
     records = _records(trace, progress, sizes, _max_tasks(sizes, hid, inter, inter_s, tn) if trace else 0, num_ctas,
                        comm_ctas, x.device)
     shared_w = (None,) * 3 if shared is None else tuple(w[None] for w in shared.weights)
-    host = (FwdInputs(x, xq, xg), FwdWeights(*experts, *shared_w),
+    host = (FwdInputs(x, xq, xg), FwdWeights(*experts, *shared_w, *(biases if biased else (None,) * 3)),
             FwdOutputs(gu, h, gus, hs, h_rt, hs_rt, slot, s_out, y),
             FwdRoutes(plan.order, plan.offsets, plan.topk_idx.reshape(-1), plan.topk_w.reshape(-1), gate),
             FwdCounters(*parts, records))

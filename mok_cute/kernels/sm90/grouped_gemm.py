@@ -60,6 +60,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.kernels.mx_rows import MX_BLOCK, mx_column_block
+from mok_cute.kernels.sm90.bias import TileBias, add_bias, fake_bias
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.dsl.host import (
@@ -704,9 +705,12 @@ class GroupedGemmSm90:
 
     def __init__(self, cfg: MainloopConfig, epilogue: str, clamp: bool = False, b_major: str = K_MAJOR,
                  split_b: bool = False, mx_h: bool = False, n_tail: bool = False, helpers: bool = False,
-                 gated: Gated | None = None):
+                 gated: Gated | None = None, biased: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if biased and (epilogue == "dswiglu" or split_b):
+            raise ValueError("biased: the swiglu and plain (K-major B) epilogues only")
+        self.biased = biased
         if mx_h and epilogue != "swiglu":
             raise ValueError("mx_h (the MXFP8 copy of h) needs epilogue 'swiglu'")
         self.mx_h = mx_h
@@ -733,8 +737,8 @@ class GroupedGemmSm90:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mOffsets: cute.Tensor,
-                 mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, limit: Float32,
-                 num_ctas: Int32, stream: cuda.CUstream):
+                 mOut0: cute.Tensor, mOut1: cute.Tensor, mHq: cute.Tensor, mHs: cute.Tensor, bias: TileBias,
+                 limit: Float32, num_ctas: Int32, stream: cuda.CUstream):
         ml = self.mainloop
         ml.setup()
         atom_a, coord_a, atom_b, coord_b = ml.make_tma(mA, experts_last(mB, self.b_major != K_MAJOR), b_half=self.stack_n)
@@ -750,12 +754,13 @@ class GroupedGemmSm90:
 
         self.shared_storage = ml.shared_storage(self.epi.smem_elems())
         self.kernel(TmaLoads(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2), mOffsets,
-                    GemmOutputs(mOut0, mOut1, mHq, mHs), limit, stores).launch(
+                    GemmOutputs(mOut0, mOut1, mHq, mHs), bias, limit, stores).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
-    def kernel(self, loads: TmaLoads, mOffsets: cute.Tensor, outs: GemmOutputs, limit: Float32, stores: TmaStores):
+    def kernel(self, loads: TmaLoads, mOffsets: cute.Tensor, outs: GemmOutputs, bias: TileBias, limit: Float32,
+               stores: TmaStores):
         cfg = self.cfg
         atom_c, coord_c, atom_h, coord_h = stores
         atoms = [loads.atom_a, loads.atom_b]
@@ -805,6 +810,10 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, outs.out1)
                 state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+                if cutlass.const_expr(self.biased):  # swiglu: b_gate | b_up; plain: b_down
+                    add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, expert, n_tile,
+                             bias.gate if self.stack_n else bias.down, bias.up if self.stack_n else None,
+                             self.epi.n_tail)
                 if cutlass.const_expr(self.helpers):
                     g_gate, g_up, _ = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     self.epi.stage_for_helpers(thr_mma, acc, sC, tid, atom_c, g_gate, g_up)
@@ -827,14 +836,15 @@ class GroupedGemmSm90:
 # ---------------------------------------------------------------- compile
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopConfig = MainloopConfig(),
                          b_major: str = K_MAJOR, split_b: bool = False, mx_h: bool = False, n_tail: bool = False,
-                         helpers: bool = False, gated: Gated | None = None, arch: str = "sm_90a",
-                         inspect: bool = False):
+                         helpers: bool = False, gated: Gated | None = None, biased: bool = False,
+                         arch: str = "sm_90a", inspect: bool = False):
     """Compile one kernel variant with symbolic M_total, N, K, E (``n_tail``: N not a multiple of
-    the tile; ``helpers``: SwiGLU's h by helper warps; ``gated``: the SwiGLU's alpha / up offset; see
-    :class:`GroupedGemmSm90`); returns ``(compiled, report)``."""
+    the tile; ``helpers``: SwiGLU's h by helper warps; ``gated``: the SwiGLU's alpha / up offset;
+    ``biased``: expert biases, :mod:`~mok_cute.kernels.sm90.bias`; see :class:`GroupedGemmSm90`);
+    returns ``(compiled, report)``."""
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM needs arch sm_90a, got {arch!r}")
-    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated)
+    op = GroupedGemmSm90(cfg, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated, biased)
     ab = cfg.ab_dtype
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=_VEC), cute.sym_int(), cute.sym_int()
     mA = _fake_2d(ab, m, k)
@@ -860,8 +870,13 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: MainloopCon
         hq = _fake_2d(cutlass.Uint32, m, cute.sym_int())
         hs = cute.runtime.make_fake_tensor(cutlass.Uint8, (m, cute.sym_int()), stride=(cute.sym_int64(), 1),
                                            assumed_align=4)
+    bias = TileBias()
+    if biased and epilogue == "swiglu":
+        bias = TileBias(fake_bias(ab, e, inter), fake_bias(ab, e, inter))
+    elif biased:
+        bias = TileBias(down=fake_bias(ab, e, n))
     stream = cute.runtime.make_fake_stream()
-    return compile_kernel(op, mA, mB, mB2, offs, out0, out1, hq, hs, Float32(0.0), Int32(1), stream,
+    return compile_kernel(op, mA, mB, mB2, offs, out0, out1, hq, hs, bias, Float32(0.0), Int32(1), stream,
                           arch=arch, inspect=inspect)
 
 
@@ -899,35 +914,42 @@ def _check_operands(a, offsets, weights: dict, a_name: str = "a"):
     return m, k, e
 
 
-def _launch(epilogue: str, clamp: bool, cfg: MainloopConfig, a, w, offsets, outs: GemmOutputs, limit: float, n: int,
-            b_major: str = K_MAJOR, w2=None, gated: Gated | None = None):
+def _launch(epilogue: str, cfg: MainloopConfig, a, w, offsets, outs: GemmOutputs, n: int, act=None,
+            b_major: str = K_MAJOR, w2=None, bias: TileBias = TileBias()):
     """Compile (once per variant) and launch one grouped GEMM on the current stream; ``outs``: the
     :class:`GemmOutputs` torch tensors (``hq``/``hs``, swiglu only: the MXFP8 copy of h as int32 words
-    [M, I/4] and uint8 scales [M, I/32]); ``n`` is the N extent tiled by ``cfg.tile_n``; ``clamp``, ``gated``,
-    ``limit``: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`'s. Launches replay a
-    captured graph per argument set (:mod:`mok_cute.dsl.launch`)."""
+    [M, I/4] and uint8 scales [M, I/32]); ``n`` is the N extent tiled by ``cfg.tile_n``; ``act``: the (d)SwiGLU's
+    activation argument (None, a limit L or a SwiGLU: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`, which
+    gives the compile-time clamp and alpha / up offset and the runtime limit); ``bias``: the expert biases' bf16 torch
+    tensors (:class:`~mok_cute.kernels.sm90.bias.TileBias`: swiglu ``gate`` and ``up``, plain ``down``; all None:
+    none). Launches replay a captured graph per argument set (:mod:`mok_cute.dsl.launch`)."""
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 grouped GEMM needs an sm_90a device, got {arch}")
+    clamp, gated, limit = swiglu_args(act)
     split_b = w2 is not None and epilogue != "swiglu"  # swiglu: w2 = w_up, stacked along N
     mx_h = outs.hq is not None
     n_tail = n % cfg.tile_n != 0  # a partial last n-tile: the masked variant
     helpers = swiglu_helpers(epilogue, mx_h, a.shape[1], cfg.tile_n)
+    biased = any(b is not None for b in bias)
     launcher = compile_cached(
-        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated, cfg.key()),
+        ("sm90_grouped_gemm", arch, epilogue, clamp, b_major, split_b, mx_h, n_tail, helpers, gated, cfg.key())
+        + (("biased",) if biased else ()),
         lambda: GraphLauncher(compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major,
                                                    split_b=split_b, mx_h=mx_h, n_tail=n_tail, helpers=helpers,
-                                                   gated=gated, arch=arch)[0]))
+                                                   gated=gated, biased=biased, arch=arch)[0]))
     m, e = a.shape[0], offsets.numel() - 1
     tiles_bound = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     num_ctas = max(1, min(sm_count(dev), tiles_bound))
     offs32 = offsets_i32(offsets)
     key = (tensor_key(a), tensor_key(w), None if w2 is None else tensor_key(w2), offs32.data_ptr(), offs32.shape,
            tensor_key(outs.out0), tensor_key(outs.out1), limit, num_ctas) + (
-               (tensor_key(outs.hq), tensor_key(outs.hs)) if mx_h else ())
+               (tensor_key(outs.hq), tensor_key(outs.hs)) if mx_h else ()) + tuple(
+               tensor_key(b) for b in bias if b is not None)
     launcher.launch(dev, torch._C._cuda_getCurrentRawStream(dev), key, lambda stream: (
         _Desc(a), _Desc(w), None if w2 is None else _Desc(w2), _Desc(offs32),
-        *(None if t is None else _Desc(t) for t in outs), Float32(limit), Int32(num_ctas), stream))
+        *(None if t is None else _Desc(t) for t in outs), TileBias(*(None if b is None else _Desc(b) for b in bias)),
+        Float32(limit), Int32(num_ctas), stream))
 
 
 def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
@@ -946,13 +968,15 @@ def grouped_gemm(a, offsets, w, *, out=None, cfg: MainloopConfig = DEFAULT_CONFI
     return _run_gemm(a, offsets, w, out, cfg)
 
 
-def _run_gemm(a, offsets, w, out=None, cfg: MainloopConfig = DEFAULT_CONFIG):
-    """:func:`grouped_gemm` on operands already validated (no checks; ``out`` None allocates)."""
+def _run_gemm(a, offsets, w, out=None, cfg: MainloopConfig = DEFAULT_CONFIG, bias=None):
+    """:func:`grouped_gemm` on operands already validated (no checks; ``out`` None allocates); ``bias``: None
+    or [E, N] bf16 with a unit last stride, added to each row of expert e before the rounding (the reference's
+    ``grouped_gemm(..., bias=)``)."""
     m, n = a.shape[0], w.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m:
-        _launch("plain", False, cfg, a, w, offsets, GemmOutputs(out, out), 0.0, n)
+        _launch("plain", cfg, a, w, offsets, GemmOutputs(out, out), n, bias=TileBias(down=bias))
     return out
 
 
@@ -981,10 +1005,11 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, out=None, cfg:
 
 
 def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: MainloopConfig = DEFAULT_CONFIG,
-                      mx_h: bool = False):
+                      mx_h: bool = False, bias=None):
     """:func:`grouped_gemm1_swiglu` on operands already validated (no checks); with ``mx_h``
     returns ``(gu, h, hq, hs)``: also h's MXFP8 copy along I (data e4m3 [M, I], scales uint8
-    [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` on rows < offsets[E])."""
+    [M, I/32], bitwise ``reference.mxfp8_quantize(h, -1)`` on rows < offsets[E]). ``bias``: None or
+    ``(b_gate, b_up)`` [E, I] bf16 each (unit last stride), added to g and u before their rounding."""
     m, inter = x.shape[0], w_gate.shape[1]
     if gu is None:
         gu = torch.empty((m, 2 * inter), dtype=torch.bfloat16, device=x.device)
@@ -996,6 +1021,6 @@ def _run_gemm1_swiglu(x, offsets, w_gate, w_up, limit, gu=None, h=None, cfg: Mai
         hs = torch.empty((m, inter // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if m:
         outs = GemmOutputs(gu.view(m, 2, inter), h, None if hq is None else hq.view(torch.int32), hs)
-        clamp, gated, lim = swiglu_args(limit)
-        _launch("swiglu", clamp, cfg, x, w_gate, offsets, outs, lim, 2 * inter, w2=w_up, gated=gated)
+        _launch("swiglu", cfg, x, w_gate, offsets, outs, 2 * inter, limit, w2=w_up,
+                bias=TileBias() if bias is None else TileBias(*bias))
     return (gu, h, hq, hs) if mx_h else (gu, h)

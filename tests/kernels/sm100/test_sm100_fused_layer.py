@@ -48,7 +48,7 @@ def test_fused_paths_are_asked_for_in_the_config(monkeypatch):
         assert be.check(inp, asked, None) == P.Paths(ForwardPath.FUSED, BackwardPath.FUSED_WHOLE)
     assert not hasattr(Sm100ExpertMLP, "fused_precisions")
     with pytest.raises(ValueError, match="fused forward runs"):
-        Sm100ExpertMLP().fused_forward(*[None] * 10, MoKConfig(precision="fp8_block"))
+        Sm100ExpertMLP().fused_forward(None, None, (None,) * 3, None, None, MoKConfig(precision="fp8_block"))
 
 
 def test_tile_m_and_transport_reach_the_launch_policy():

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from mok_cute.kernels.operands import ExpertWeights, RoutePlan
 from mok_cute.kernels import route_grad
 from mok_cute.layers.grouped import route_sort
 from mok_cute.schedule import fused_tasks as ft
@@ -268,12 +269,12 @@ def test_fused_entry_validates_before_launch():
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
     wg = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     order, offsets, _ = route_sort(torch.zeros(16, 2, dtype=torch.int64), 2)
-    args = (order.int(), offsets, torch.zeros(16, 2, dtype=torch.int32), torch.zeros(16, 2), wg, wg)
+    plan = RoutePlan(order.int(), offsets, torch.zeros(16, 2, dtype=torch.int32), torch.zeros(16, 2))
+    bad_down = ExpertWeights(wg, wg, torch.zeros(2, 256, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="w_down"):
-        Sm90ExpertMLP().fused_forward(x, *args, torch.zeros(2, 256, 128, dtype=torch.bfloat16), None, None,
-                                      MoKConfig())
+        Sm90ExpertMLP().fused_forward(x, plan, bad_down, None, None, MoKConfig())
     with pytest.raises(ValueError, match="CUDA"):
-        Sm90ExpertMLP().fused_forward(x, *args, wg, None, None, MoKConfig())
+        Sm90ExpertMLP().fused_forward(x, plan, ExpertWeights(wg, wg, wg), None, None, MoKConfig())
 
 
 def test_ptxas_report_parses_wrapped_entries():
