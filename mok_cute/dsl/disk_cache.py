@@ -73,7 +73,8 @@ LOCK_WAIT_S = 300.0  # longest wait for another process compiling the same entry
 LEFTOVER_S = 3600.0  # a temporary directory this old belongs to no running writer
 PACKAGE = Path(__file__).resolve().parents[1]
 # kernel code may not import these (tests/package/test_layering.py): editing them keeps the cache
-NOT_KERNEL_SOURCES = ("layers", "ops.py", "layer.py", "config.py", "validate.py")
+NOT_KERNEL_SOURCES = ("layers", "ops.py", "layer.py", "config.py", "validate.py", "tune", "tuning.py", "bench",
+                      "integrations", "precompile.py", "cache.py")
 _ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
 # the settings the DSL keys its own cache by, where its spec cannot be read (arch: from --gpu-arch)
 _DSL_SETTINGS = ("debug", "lineinfo", "enable_assertions", "compiler_opt", "compiler_backend", "shared_libs",
