@@ -2,15 +2,23 @@
 
     out[e, n] = bf16(fp32 sum over rows p in [offsets[e], offsets[e+1]) of fp32(rows[p, n]))
 
-for e < E, n < N; an expert with no rows gets 0. Each column's sum is a chain of single-rounded fp32 adds in
-row order (p ascending), computed by exactly one thread, so the result is bitwise reproducible run to run and
-independent of the grid size; the reference (:func:`mok_cute.reference.grouped_row_sums`) sums in fp64, so the
-two are compared with a tolerance.
+for e < E, n < N; an expert with no rows gets 0. The fp32 summation order is fixed by the expert's rows alone
+(not by the grid, the scheduling or the device): with ``lo = offsets[e]``, stripe ``w`` (of :data:`_WARPS`) is the
+chain of single-rounded fp32 adds, from 0 in row order, of rows ``lo + w, lo + w + 8, lo + w + 16, ...``, and the
+column's sum is ``((s_0 + s_1) + s_2) + ... + s_7``, rounded once to bf16. So the result is bitwise reproducible run
+to run and independent of the grid size; the reference (:func:`mok_cute.reference.grouped_row_sums`) sums in fp64,
+so the two are compared with a tolerance.
 
-Grid (E, ceil(N / (128 * 8))), 128 threads per CTA: thread ``c`` of expert ``e`` owns the 8 adjacent columns of
-16-byte chunk ``c`` and walks the expert's rows with :data:`_UNROLL` 16-byte loads in flight before their adds.
-``offsets`` is read only on the device (no host sync, CUDA-graph capturable); the rows walked are clamped to
-``[0, M)`` so bad offsets read nothing out of bounds. ``rows`` may be a strided column slice (row stride a
+Grid (E, ceil(N / 256)), 256 threads (:data:`_WARPS` warps) per CTA: the CTA owns expert ``e`` and a 256-column
+block (32 lanes x one 16-byte chunk of 8 bf16 columns); warp ``w`` sums stripe ``w`` of the expert's rows (each
+row's 512 bytes of the block in one coalesced warp load), a round of :data:`_UNROLL` 16-byte loads per lane in
+flight at once (software pipelined: issued at the end of the previous round's iteration, before the back edge,
+so ptxas cannot interleave them with the adds; 64 registers, 4 CTAs per SM, 128 KiB of loads in flight per SM);
+the 8 stripes' fp32 partials meet in shared memory and warp 0 adds them in stripe order and stores the bf16
+chunk. A whole expert is one CTA per column block: with few experts of many rows (E * ceil(N/256)
+well under the SM count) the kernel is latency bound, not bandwidth bound (no split of an expert's rows across
+CTAs). ``offsets`` is read only on the device (no host sync, CUDA-graph capturable); the rows walked are clamped
+to ``[0, M)`` so bad offsets read nothing out of bounds. ``rows`` may be a strided column slice (row stride a
 multiple of 8 elements, e.g. ``dgu[:, :I]``): read in place. Dims are runtime ``Int32`` (one compiled kernel
 per arch).
 """
@@ -20,9 +28,10 @@ import torch
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch, dsl
 from mok_cute.dsl.host import MAX_NUMEL, current_stream, dptr, fake_ptr, fake_stream
 
-_THREADS = 128  # per CTA, one 16-byte column chunk each
+_WARPS = 8  # per CTA: the expert's rows in _WARPS interleaved stripes, one per warp
+_LANES = 32  # 16-byte column chunks per CTA (one per lane)
 _VEC = 8  # bf16 columns per 16-byte chunk
-_UNROLL = 8  # rows whose loads are in flight before their adds
+_UNROLL = 8  # rows of a warp's stripe whose loads are in flight before their adds
 
 
 def _build(arch: str):
@@ -31,27 +40,50 @@ def _build(arch: str):
 
     cutlass, cute = dsl()
     Int32, Float32 = cutlass.Int32, cutlass.Float32
+    step = _WARPS * _UNROLL  # rows per unrolled round of the CTA
+
+    @cute.jit
+    def _load_round(rows: cute.Tensor, buf: cute.Tensor, p0: Int32, hi: Int32, ldc: Int32, c: Int32):
+        """buf[:, u] = rows p0 + 8u (zeros past hi: adding +0.0 to a sum that starts at +0.0 changes no bit)."""
+        for u in cutlass.range_constexpr(_UNROLL):
+            buf[None, u].fill(0.0)
+            if p0 + u * _WARPS < hi:
+                buf[None, u].store(rows[(p0 + u * _WARPS) * ldc + c, None].load())
+
+    @cute.jit
+    def _add_round(acc: cute.Tensor, buf: cute.Tensor):
+        for u in cutlass.range_constexpr(_UNROLL):  # in the stripe's row order
+            acc.store(acc.load() + buf[None, u].load().to(Float32))
 
     @cute.kernel
     def kernel(rows: cute.Tensor, offs: cute.Tensor, out: cute.Tensor, m: Int32, ldc: Int32, nc: Int32):
         tid, _, _ = cute.arch.thread_idx()
         e, by, _ = cute.arch.block_idx()
-        c = by * _THREADS + tid
+        warp, lane = tid // _LANES, tid % _LANES
+        c = by * _LANES + lane
+        part = cutlass.memory.SmemAllocator().allocate_tensor(  # the stripes' partials (stripe, lane, column)
+            Float32, cute.make_layout((_WARPS, _LANES, _VEC), stride=(_LANES * _VEC, _VEC, 1)), byte_alignment=16)
+        acc = cute.make_rmem_tensor((_VEC,), Float32)
+        acc.fill(0.0)
         if c < nc:
             lo = cutlass.min(cutlass.max(offs[e], 0), m)
             hi = cutlass.max(cutlass.min(offs[e + 1], m), lo)
-            full = lo + (hi - lo) // _UNROLL * _UNROLL
-            acc = cute.make_rmem_tensor((_VEC,), Float32)
-            acc.fill(0.0)
             buf = cute.make_rmem_tensor((_VEC, _UNROLL), cutlass.BFloat16)
-            for p0 in cutlass.range(lo, full, _UNROLL, unroll=1):
-                for u in cutlass.range_constexpr(_UNROLL):  # every load first
-                    buf[None, u].store(rows[(p0 + u) * ldc + c, None].load())
-                for u in cutlass.range_constexpr(_UNROLL):  # then the adds, in row order
-                    acc.store(acc.load() + buf[None, u].load().to(Float32))
-            for p in cutlass.range(full, hi, unroll=1):
-                acc.store(acc.load() + rows[p * ldc + c, None].load().to(Float32))
-            out[e * nc + c, None].store(acc.load().to(cutlass.BFloat16))
+            _load_round(rows, buf, lo + warp, hi, ldc, c)
+            # software pipelined: a round's loads are issued at the end of the previous iteration, across the loop's
+            # back edge (else ptxas interleaves them with the adds, 2 loads in flight), then added in row order
+            for p0 in cutlass.range(lo + step, hi, step, unroll=1):
+                _add_round(acc, buf)
+                _load_round(rows, buf, p0 + warp, hi, ldc, c)
+            _add_round(acc, buf)
+        if warp > 0:
+            part[warp, lane, None].store(acc.load())
+        cute.arch.barrier()
+        if warp == 0:
+            if c < nc:
+                for w in cutlass.range_constexpr(1, _WARPS):  # the stripes in order (stripe 0's sum is acc)
+                    acc.store(acc.load() + part[w, lane, None].load())
+                out[e * nc + c, None].store(acc.load().to(cutlass.BFloat16))
 
     @cute.jit
     def launch(rows_p: cute.Pointer, offs_p: cute.Pointer, out_p: cute.Pointer, m: Int32, e: Int32, ldc: Int32,
@@ -61,7 +93,7 @@ def _build(arch: str):
         offs = cute.make_tensor(offs_p, cute.make_layout((e + 1,)))
         out = cute.make_tensor(out_p, cute.make_layout((e * nc, _VEC), stride=(_VEC, 1)))
         kernel(rows, offs, out, m, ldc, nc).launch(
-            grid=[e, (nc + _THREADS - 1) // _THREADS, 1], block=[_THREADS, 1, 1], stream=stream)
+            grid=[e, (nc + _LANES - 1) // _LANES, 1], block=[_WARPS * _LANES, 1, 1], stream=stream)
 
     offs = cute.runtime.make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)  # as dptr(offsets, align=4)
     return compile_kernel(launch, fake_ptr("bf16"), offs, fake_ptr("bf16"), *(Int32(1),) * 4, fake_stream(),
@@ -107,7 +139,8 @@ def _check(rows, offsets, out) -> torch.Tensor | None:
 
 def expert_row_sums(rows: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert row sums ``out`` [E, N] bf16 (the module doc): ``out[e] = bf16(fp32 sum of rows[offsets[e]:
-    offsets[e+1]])`` summed in row order, bitwise reproducible; 0 for an expert with no rows.
+    offsets[e+1]])`` in a fixed fp32 order (8 interleaved row stripes, each in row order, then added in stripe
+    order: the module doc), bitwise reproducible; 0 for an expert with no rows.
 
     rows [M, N] bf16, N a multiple of 8, unit column stride, row stride a multiple of 8 (a column slice such as
     ``dgu[:, I:]`` is read in place), 16-byte aligned; offsets int32 [E+1] contiguous, non-decreasing, within

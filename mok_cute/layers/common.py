@@ -131,9 +131,10 @@ def mlp_backward(dswiglu_dgrad, dgrad1, wgrad, g: ExpertGroup, dy_rows, w_gate, 
 
 
 def expert_sums(rows, offsets) -> torch.Tensor:
-    """[E, N] bf16: each expert's rows of ``rows`` [M, N] summed in row order in fp32, rounded once (an expert
-    bias's gradient; :func:`mok_cute.kernels.row_sums.expert_row_sums`, the reference's ``grouped_row_sums``);
-    the offsets stay on the device (no host sync)."""
+    """[E, N] bf16: each expert's rows of ``rows`` [M, N] summed in fp32 in a fixed order (8 interleaved row
+    stripes, each in row order, then added in stripe order), rounded once: an expert bias's gradient
+    (:func:`mok_cute.kernels.row_sums.expert_row_sums`; the reference's ``grouped_row_sums`` within its
+    tolerance); the offsets stay on the device (no host sync)."""
     from mok_cute.dsl.host import offsets_i32
     from mok_cute.kernels.row_sums import expert_row_sums
 

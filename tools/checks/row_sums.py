@@ -4,11 +4,12 @@ Random bf16 rows (per-row scales 2^-4..2^3) and random expert sizes with empty e
 them), rows before offsets[0] and past offsets[E] belonging to none: a small case, one chunk of columns (N 8), a
 column tail (N 1032), one expert holding every row (the unrolled loop and its tail), M = 0, and the two halves
 ``dgu[:, :I]`` / ``dgu[:, I:]`` of a [M, 2I] tensor read in place (gpt-oss I 2880, 32 768 rows, 64 experts).
-Each: bitwise equal to :func:`fp32_mirror` (the same fp32 adds in row order, in torch ops), empty experts exactly
-0, within one bf16 ulp of the reference (``|out - reference.grouped_row_sums| <= 2^-7 * sum|rows|`` per column: the
-reference sums in fp64, each side rounds to bf16 once), a second run and the ``out=`` form bitwise equal. One
-CUDA graph captures a call and is replayed after the offsets change in place (no host read of them). Timed: the
-gpt-oss half slice, vs a torch fp32 ``index_add_``.
+Each: bitwise equal to :func:`fp32_mirror` (the kernel's fp32 adds in its order, in torch ops: 8 interleaved row
+stripes per expert, each in row order, then added in stripe order), empty experts exactly 0, within one bf16 ulp of
+the reference (``|out - reference.grouped_row_sums| <= 2^-7 * sum|rows|`` per column: the reference sums in fp64,
+each side rounds to bf16 once), a second run and the ``out=`` form bitwise equal. One CUDA graph captures a call
+and is replayed after the offsets change in place (no host read of them). Timed: the gpt-oss half slice, vs a
+torch fp32 ``index_add_``.
 """
 from __future__ import annotations
 
@@ -17,18 +18,29 @@ import torch
 from tools.checks.common import Row, bench_us, seeded
 
 TOL = 2.0 ** -7  # one bf16 ulp relative to sum |rows|
+STRIPES = 8  # the kernel's row stripes per expert (mok_cute.kernels.row_sums._WARPS)
 
 
 def fp32_mirror(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The kernel's sums in torch ops: for each expert, ``acc = acc + fp32(rows[p])`` in row order from fp32 0,
-    then one rounding to bf16 (adding 0.0 for an expert already done leaves its sum as it is). [E, N] bf16."""
+    """The kernel's sums in torch ops: for each expert (rows from ``lo = offsets[e]``) and stripe ``w`` < 8,
+    ``s_w = s_w + fp32(rows[lo + w + 8 i])`` for i ascending from fp32 0, then ``((s_0 + s_1) + s_2) + ... + s_7``
+    and one rounding to bf16 (adding 0.0 for a stripe already done leaves its sum as it is: a sum that starts at
+    +0.0 is never -0.0). [E, N] bf16."""
     offs = offsets.tolist()
-    lo = torch.tensor(offs[:-1], device=rows.device)
-    cnt = torch.tensor(offs[1:], device=rows.device) - lo
-    acc = torch.zeros(len(offs) - 1, rows.shape[1], dtype=torch.float32, device=rows.device)
-    for i in range(int(cnt.max()) if len(offs) > 1 else 0):
-        live = (i < cnt)[:, None]
-        acc = acc + torch.where(live, rows[(lo + i).clamp(0, max(rows.shape[0] - 1, 0))].float(), 0.0)
+    e, n = len(offs) - 1, rows.shape[1]
+    lo = torch.tensor(offs[:-1], device=rows.device, dtype=torch.long)
+    cnt = torch.tensor(offs[1:], device=rows.device, dtype=torch.long) - lo
+    w = torch.arange(STRIPES, device=rows.device)
+    part = torch.zeros(e, STRIPES, n, dtype=torch.float32, device=rows.device)
+    rounds = (int(cnt.max()) + STRIPES - 1) // STRIPES if e else 0
+    for i in range(rounds):
+        k = i * STRIPES + w[None, :]  # [E, 8]: the rows' ranks in their experts
+        live = (k < cnt[:, None])[..., None]
+        idx = (lo[:, None] + k).clamp(0, max(rows.shape[0] - 1, 0))
+        part = part + torch.where(live, rows[idx].float(), 0.0)
+    acc = part[:, 0]
+    for s in range(1, STRIPES):
+        acc = acc + part[:, s]
     return acc.bfloat16()
 
 

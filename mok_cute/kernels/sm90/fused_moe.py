@@ -91,7 +91,7 @@ from mok_cute.kernels.operands import ExpertWeights, FusedForwardOut, FusedLaunc
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.persistent import TRACE_WORDS
-from mok_cute.kernels.sm90.bias import TileBias, add_bias, fake_bias
+from mok_cute.kernels.sm90.bias import TileBias, add_bias, bias_load, fake_bias
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.grouped_gemm import (
     _VEC, FREE_BARRIER, HELPERS_MIN_K, HELPERS_MX_MIN_K, HELPERS_TILE_N, STAGED_BARRIER, PlainEpilogue,
@@ -281,13 +281,15 @@ class _Walk(NamedTuple):
 
 
 class _Smem(NamedTuple):
-    """The CTA's shared memory: the A / B stages, the epilogue tile, the task hand-off and the helpers' words."""
+    """The CTA's shared memory: the A / B stages, the epilogue tile, the task hand-off, the helpers' words and
+    (``biased``) the tile's biases, fp32 [tile_n]."""
 
     a: cute.Tensor
     b: cute.Tensor
     c: cute.Tensor
     task: cute.Tensor
     help: cute.Tensor
+    bias: cute.Tensor | None
 
 
 class _Tile(NamedTuple):
@@ -368,7 +370,8 @@ class FusedMoeFwdSm90:
         # extra words: the task hand-off's two slots, then (helpers) the staged tile's (phase, n_tile, row0, rows, mt)
         self.shared_storage = ml.shared_storage(self.swiglu.smem_elems(), extra_i32=self.task_words + HELP_WORDS,
                                                 bulk_bytes=BG_SEG * BG_STAGES if self.bg_bulk else 0,
-                                                bulk_barriers=BG_STAGES if self.bg_bulk else 0)
+                                                bulk_barriers=BG_STAGES if self.bg_bulk else 0,
+                                                extra_f32=self.cfg.tile_n if self.biased else 0)
         bias = TileBias(weights.b_gate, weights.b_up, weights.b_down)
         self.kernel(tma, inp, outs, routes, sync, scalars, peers, bias).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream)
@@ -420,7 +423,10 @@ class FusedMoeFwdSm90:
             fill = cutlass.min(scalars.ring, mt_routed)
         walk = _Walk(bidx, grid, status, tokens, num_experts, tasks.ListShape(n_s1, n_r1, n_s2, m_sh, n1, n2), n1s,
                      k1, k2, k2s, n_tasks, mt_routed, fill)
-        smem = _Smem(sA, sB, sC, sTask, sHelp)
+        sBias = None
+        if cutlass.const_expr(self.biased):
+            sBias = storage.extra_f32.get_tensor(cute.make_layout(cfg.tile_n))
+        smem = _Smem(sA, sB, sC, sTask, sHelp, sBias)
 
         if bidx < scalars.comm_ctas:  # first the gather, then GEMM tasks like every CTA
             gbuf = None  # the staged gather's buffer: the idle A and B stages
@@ -826,12 +832,17 @@ class FusedMoeFwdSm90:
             if phase == R2:
                 r2_rows = rows
             r2_routes = route_rows.tile_routes(tid, row0, r2_rows, routes.order, self.cfg.tile_m, self.cfg.tile_n)
+            tile = _Tile(phase, n_tile, row0, rows, mt, expert)
+            bv = Float32(0.0)
+            if cutlass.const_expr(self.biased):
+                bv = self._bias_load(tile, tid, bias)
             state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, _k_tiles(phase, walk.k1, walk.k2, walk.k2s))
             if tid == 0:
                 self._mark(mTrace, bidx, 1, 2, t)
-            tile = _Tile(phase, n_tile, row0, rows, mt, expert)
             if cutlass.const_expr(self.biased):
-                self._add_bias(tile, thr_mma, acc, bias)
+                if (phase == R1) | (phase == R2):  # (shared-expert tiles have no biases)
+                    add_bias(self.mainloop.tiled_mma, thr_mma, acc, self.cfg.tile_m, self.cfg.tile_n, tid, bv,
+                             smem.bias)
             # the tile's stores are published by one thread (:meth:`_publish`) after the consumers' barrier; the
             # helpers publish the S1 / R1 tiles
             if cutlass.const_expr(self.helpers):
@@ -877,16 +888,16 @@ class FusedMoeFwdSm90:
         return (*got[:6], expert)
 
     @cute.jit
-    def _add_bias(self, tile: _Tile, thr_mma, acc: cute.Tensor, bias: TileBias):
-        """``biased``: an R1 tile's accumulators plus b_gate / b_up of its expert, an R2 tile's plus b_down (before
-        any epilogue rounds them; shared-expert tiles have no biases)."""
-        cfg = self.cfg
+    def _bias_load(self, tile: _Tile, tid: Int32, bias: TileBias) -> Float32:
+        """``biased``, before the tile's mainloop: this consumer thread's bias value (:func:`~mok_cute.kernels.sm90.
+        bias.bias_load`) of an R1 tile (b_gate / b_up) or an R2 tile (b_down) of its expert; 0 for a shared-expert
+        tile (no biases)."""
+        v = Float32(0.0)
         if tile.phase == R1:
-            add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, tile.expert, tile.n_tile,
-                     bias.gate, bias.up, self.n_tail)
+            v = bias_load(tid, self.cfg.tile_n, tile.expert, tile.n_tile, bias.gate, bias.up)
         elif tile.phase == R2:
-            add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, tile.expert, tile.n_tile,
-                     bias.down, None, self.n_tail)
+            v = bias_load(tid, self.cfg.tile_n, tile.expert, tile.n_tile, bias.down)
+        return v
 
     @cute.jit
     def _store_staged(self, tile: _Tile, thr_mma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32, limit: Float32,

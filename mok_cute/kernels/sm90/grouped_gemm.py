@@ -60,7 +60,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.kernels.mx_rows import MX_BLOCK, mx_column_block
-from mok_cute.kernels.sm90.bias import TileBias, add_bias, fake_bias
+from mok_cute.kernels.sm90.bias import TileBias, add_bias, bias_load, fake_bias
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.dsl.host import (
@@ -752,7 +752,7 @@ class GroupedGemmSm90:
         elif cutlass.const_expr(self.tma_store):
             stores = TmaStores(*make_tma_store(_ragged_rows(mOut0), self.cfg.tile_m, self.cfg.tile_n))
 
-        self.shared_storage = ml.shared_storage(self.epi.smem_elems())
+        self.shared_storage = ml.shared_storage(self.epi.smem_elems(), extra_f32=self.cfg.tile_n if self.biased else 0)
         self.kernel(TmaLoads(atom_a, coord_a, atom_b, coord_b, atom_b2, coord_b2), mOffsets,
                     GemmOutputs(mOut0, mOut1, mHq, mHs), bias, limit, stores).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
@@ -772,7 +772,7 @@ class GroupedGemmSm90:
                 atoms.append(atom_h)
         tidx, warp = self.mainloop.start(atoms)
 
-        pipe, sA, sB, sC = self.mainloop.allocate(self.shared_storage, self.epi)
+        pipe, sA, sB, sC, storage = self.mainloop.allocate(self.shared_storage, self.epi, with_storage=True)
 
         b_rows = cfg.tile_n // 2 if cutlass.const_expr(self.stack_n) else cfg.tile_n  # B rows per TMA tile
         num_experts, n_tiles, k_tiles, linear, grid, expert, base = grouped_start(
@@ -809,11 +809,14 @@ class GroupedGemmSm90:
                 _, n_tile, row0, rows = tile_coords(mOffsets, cfg.tile_m, linear, expert, base)
                 if cutlass.const_expr(isinstance(self.epi, DSwigluEpilogue)):
                     self.epi.prefetch(sC, tid, row0, rows, n_tile, outs.out1)
-                state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+                bv = Float32(0.0)
                 if cutlass.const_expr(self.biased):  # swiglu: b_gate | b_up; plain: b_down
-                    add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, expert, n_tile,
-                             bias.gate if self.stack_n else bias.down, bias.up if self.stack_n else None,
-                             self.epi.n_tail)
+                    bv = bias_load(tid, cfg.tile_n, expert, n_tile, bias.gate if self.stack_n else bias.down,
+                                   bias.up if self.stack_n else None)
+                state = self.mainloop.mma_tile(pipe, state, tCrA, tCrB, acc, k_tiles)
+                if cutlass.const_expr(self.biased):
+                    add_bias(self.mainloop.tiled_mma, thr_mma, acc, cfg.tile_m, cfg.tile_n, tid, bv,
+                             storage.extra_f32.get_tensor(cute.make_layout(cfg.tile_n)))
                 if cutlass.const_expr(self.helpers):
                     g_gate, g_up, _ = swiglu_tma_tiles(coord_c, coord_h, row0, rows, n_tile, cfg.tile_m, cfg.tile_n)
                     self.epi.stage_for_helpers(thr_mma, acc, sC, tid, atom_c, g_gate, g_up)

@@ -240,12 +240,13 @@ class Sm90Mainloop:
                 cpasync.prefetch_descriptor(atom)
         return tidx, warp
 
-    def shared_storage(self, epi_elems: int, extra_i32: int = 0, bulk_bytes: int = 0, bulk_barriers: int = 0):
+    def shared_storage(self, epi_elems: int, extra_i32: int = 0, bulk_bytes: int = 0, bulk_barriers: int = 0,
+                       extra_f32: int = 0):
         """The kernel's shared storage struct: the ring's mbarriers, the A/B stages and a BF16
         epilogue buffer of ``epi_elems`` elements (each 1024-byte aligned), and ``extra_i32``
         int32 words of the kernel's own (field ``extra``) when asked; ``bulk_bytes``: a 128-byte aligned
         byte buffer (field ``bulk``) and ``bulk_barriers`` mbarriers (field ``bulk_mbar``) of the kernel's own
-        bulk copies."""
+        bulk copies; ``extra_f32``: fp32 words of the kernel's own (field ``extra_f32``: a tile's biases)."""
         ab = self.cfg.ab_dtype
         fields = {
             "barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
@@ -258,6 +259,8 @@ class Sm90Mainloop:
         if bulk_bytes:
             fields["bulk"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int8, bulk_bytes], 128]
             fields["bulk_mbar"] = cute.struct.MemRange[cutlass.Int64, bulk_barriers]
+        if extra_f32:
+            fields["extra_f32"] = cute.struct.MemRange[cutlass.Float32, extra_f32]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def allocate(self, shared_storage, epi, with_storage: bool = False):
