@@ -83,8 +83,11 @@ def register(config: MoKConfig | None = None, *, name: str = "mok_cute", fallbac
     """Register mok_cute in transformers' experts registry (``ExpertsInterface``) as ``name``.
 
     config: the :class:`~mok_cute.MoKConfig` of every layer call of the models that select
-    ``name`` (None: the defaults). For another configuration per model (precision, paths,
-    activations policy), register it under another name and give each model its name.
+    ``name`` (None: the defaults with ``validate_routing=False``: a transformers router's top-k ids
+    are in range by construction, ids of other ranks' experts are passed as -1 here, so the check's
+    host sync per layer call would buy nothing; an id out of range is still caught on the device and
+    raised by a later call). For another configuration per model (precision, paths, activations
+    policy), register it under another name and give each model its name.
     fallback: run the layers mok_cute cannot (module docstring) on transformers' ``grouped_mm``
     backend, warning once per experts class and reason; False (default): raise for them.
     Registering a name again replaces its backend. Returns the registered function
@@ -93,7 +96,7 @@ def register(config: MoKConfig | None = None, *, name: str = "mok_cute", fallbac
     """
     from transformers.integrations.moe import ExpertsInterface
 
-    config = config if config is not None else MoKConfig()
+    config = config if config is not None else MoKConfig(validate_routing=False)
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")
     if not isinstance(name, str) or not name or name == "eager":
