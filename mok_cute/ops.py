@@ -53,9 +53,9 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     more fp32 tensors, last). Weights may be strided views too (gate / up interleaved in one
     projection: ``gate_up[:, ::2]``, ``gate_up[:, 1::2]``): used in place where the kernels' TMA
     addresses them, else copied to contiguous operands. Every backend runs the SwiGLU's alpha /
-    up_offset (the GPU kernels compile them in). The biases run on the reference backend and on sm90
-    at bf16, EP = 1 (its GEMM epilogues add them; their gradients are per-expert row sums in a fixed
-    order in fp32, rounded once); elsewhere (mxfp8, fp8_block, EP > 1, sm100) the GPU backends raise
+    up_offset (the GPU kernels compile them in). The biases run on the reference backend and on the GPU
+    backends at bf16, EP = 1 (their GEMM epilogues add them; their gradients are per-expert row sums in a fixed
+    order in fp32, rounded once); elsewhere (mxfp8, fp8_block, EP > 1) the GPU backends raise
     NotImplementedError naming them before any launch.
 
     Under ``torch.compile`` the routing values are not checked on the host (``validate_routing``

@@ -47,9 +47,9 @@ with the default activation, a model's own gated activation (``_apply_gate``) ot
 gpt-oss's, an activation other than SiLU, experts without a gate, a post-expert norm, H or I not
 a multiple of 64 a NotImplementedError. With ``fallback=True`` those layers run on
 transformers' ``grouped_mm`` backend instead, with one warning per experts class and reason.
-gpt-oss's activation (alpha and up offset included) and its expert biases run in the SM90 kernels at bf16
-(the biases: not at MXFP8 / fp8_block, not on SM100 yet, where the backend raises NotImplementedError naming
-them).
+gpt-oss's activation (alpha and up offset included) and its expert biases run in the kernels at bf16 (the
+biases: not at MXFP8 / fp8_block, where the backend raises NotImplementedError naming them; SM100:
+compile-verified only).
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ sm100   backward  FUSED_WHOLE  bf16, mxfp8 after FUSED; no            bf16, mxfp
 sm100   backward  UNFUSED      bf16, mxfp8 (default)                  bf16, mxfp8; no shared_gate (default)
 ======  ========  ===========  =====================================  ==========================================
 
-Expert biases (gpt-oss; the "biases" feature) run on sm90 at EP = 1 and bf16 only, on every path but
-FUSED_WHOLE; nowhere at EP > 1, and not on sm100 yet.
+Expert biases (gpt-oss; the "biases" feature) run at EP = 1 and bf16 only, on every path but FUSED_WHOLE
+(sm100: compile-verified only, like all its kernels); nowhere at EP > 1.
 
 The paths are the config's ``kernel_policy`` fields (``MoKConfig.forward_path`` /
 ``backward_path`` or ``KernelPolicy``'s); the GEMM tiles and stages of the kernels each path runs
@@ -101,18 +101,18 @@ TABLE: dict[str, dict[str, dict]] = {
     },
     "sm100": {
         "forward": {
-            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_NO_BIASES),
+            ForwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_BF16_BIASES),
                                 EPN: Runs(BF16_MX, default=False, not_with=_EPN)},
-            ForwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_NO_BIASES),
+            ForwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_BF16_BIASES),
                                   EPN: Runs(BF16_MX, default=False, not_with=_EPN)},
         },
         "backward": {
-            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_NO_BIASES),
+            BackwardPath.FUSED: {EP1: Runs(BF16_MX, default=False, not_with=_BF16_BIASES),
                                  EPN: replace(_EP_FUSED_BWD, default=False)},
             BackwardPath.FUSED_WHOLE: {
                 EP1: Runs(BF16_MX, default=False, not_with=_NO_GATE + _NO_BIASES, after_fused_forward=True),
                 EPN: replace(_EP_FUSED_BWD, default=False)},
-            BackwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_NO_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
+            BackwardPath.UNFUSED: {EP1: Runs(BF16_MX, not_with=_BF16_BIASES), EPN: Runs(BF16_MX, not_with=_EPN)},
         },
     },
 }

@@ -30,6 +30,12 @@ offsets stay on the device, the packers are torch ops on device
 tensors. The quantize kernels are looked up at call time (``mok_cute.kernels.quant.quantize.
 quantize_mxfp8``, ``mok_cute.kernels.quant.quantize_fp8.quantize_tokens``) so CPU tests can swap in
 the reference quantizers.
+
+Expert biases (gpt-oss's b_gate, b_up [E, I], b_down [E, H] bf16; precision "bf16" only): the GEMM1 + SwiGLU and
+GEMM2 epilogues add them to the FP32 accumulators before they round (:mod:`mok_cute.kernels.sm100.bias`; the
+unfused wrappers' ``bias=`` and the fused forward's ``biases=``); their gradients are per-expert row sums of dgu's
+halves and of the routed dy rows (:func:`~mok_cute.layers.common.bias_grads`), after the unfused backward's
+dSwiGLU or, in :meth:`Sm100ExpertMLP.backward_tokens`, around the fused core's launch.
 """
 from __future__ import annotations
 
@@ -38,8 +44,8 @@ import functools
 import torch
 
 from mok_cute.layers.common import (
-    ExpertGroup, contiguous_group, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
-    whole_backward_operands,
+    ExpertGroup, contiguous_group, expert_sums, mlp_backward, mlp_forward, ring_chunks, shared_backward,
+    shared_launch_operands, whole_backward_operands,
 )
 from mok_cute.layers import launch as policy_launch
 from mok_cute.layers import paths
@@ -111,6 +117,25 @@ def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quan
 FUSED_BWD_TIMEOUT_S = 30.0  # the fused backward core's bounded waits (the sm90 core's default)
 
 
+def _check_biases(biases, precision: str) -> None:
+    """Expert biases (validated by ``ops.moe``) run at precision "bf16" only on sm100 (NotImplementedError
+    naming the precision otherwise)."""
+    if biases is not None and precision != "bf16":
+        raise NotImplementedError(f"sm100 expert MLP: expert biases run at precision 'bf16' only, not {precision!r}")
+
+
+def _kernel_biases(biases):
+    """``(b_gate, b_up, b_down)`` as the sm100 epilogues read them (unit last stride, rows 16-byte aligned:
+    :func:`mok_cute.kernels.sm100.bias.aligned`, the given tensors where they already are), or None."""
+    if biases is None:
+        return None
+    from mok_cute.kernels.sm100.bias import aligned
+
+    if len(biases) != 3:
+        raise ValueError("biases must be None or (b_gate, b_up, b_down)")
+    return tuple(aligned(b) for b in biases)
+
+
 FUSED_CORE_PRECISIONS = ("bf16", "mxfp8")  # the fused backward core's (fused_bwd: BF16 and its mx variant)
 
 
@@ -168,22 +193,27 @@ class Sm100ExpertMLP:
         (gq, gs), (uq, us), (dq, ds) = (self._qw(w, 1) for w in (w_gate, w_up, w_down))
         return ExpertWeights(gq, uq, dq), (gs, us, ds)
 
-    def fused_forward(self, x, plan, weights, shared, limit, config, gate=None):
+    def fused_forward(self, x, plan, weights, shared, limit, config, gate=None, biases=None):
         """The fused forward at EP = 1 on the route ``plan`` and routed ``weights`` (:mod:`mok_cute.kernels.operands`)
         in ``config.precision`` (bf16, or mxfp8: the weights quantized
         along their rows as the unfused MXFP8 forward does, cached per version; x quantized by the
         kernel's host): the contract of the sm90 MLP's ``fused_forward`` (``(y, gu, h, slot_out, gus,
         hs, s_out)``, gu / h / gus / hs bf16 for the unfused MXFP8 backward; the ring of
-        ``ring_chunks`` slots; the kernel's status watched on the device, raised by a later call)."""
+        ``ring_chunks`` slots; the kernel's status watched on the device, raised by a later call).
+        ``biases``: None or the routed experts' (b_gate, b_up [E, I], b_down [E, H]) bf16 (bf16 only: the
+        kernel's ``biased`` variant adds them in R1's and R2's epilogues; NotImplementedError at mxfp8)."""
         from mok_cute.kernels.operands import SharedExpert
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
+        _check_biases(biases, config.precision)
         weights, shared, scales = self._fused_weights(config, *weights, shared)
         launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(1), config.device_timeout_s,
                               ring=ring_chunks(config, plan.topk_idx), gemm="fused_forward")
+        kw = {} if biases is None else {"biases": _kernel_biases(biases)}
         out = fused.fused_forward(x, plan, weights,
-                                  SharedExpert.of(shared, gate), limit, launch, scales, interleave=self._interleaved)
+                                  SharedExpert.of(shared, gate), limit, launch, scales, interleave=self._interleaved,
+                                  **kw)
         watch_status(out.counters[-1], first=config.validate_routing)
         return out[:7]
 
@@ -235,25 +265,38 @@ class Sm100ExpertMLP:
         """MXFP8 of a weight along ``axis``, quantized once while the weight is unchanged."""
         return self.weights.get(("mxfp8", axis), (w,), lambda t: quantize_weight(t, axis))
 
-    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None):
+    def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, precision: str = "bf16", config=None,
+                biases=None):
         """(rows [M, H], ExpertGroup) for expert-grouped x_rows (``config``: the call's; its policy's
-        unfused tiles are the kernels' own here, the layer's check allows no other)."""
+        unfused tiles are the kernels' own here, the layer's check allows no other); ``biases``: None or the
+        experts' (b_gate, b_up [E, I], b_down [E, H]) bf16 (bf16 only: NotImplementedError at another
+        precision), passed to the GEMM1 + SwiGLU and GEMM2 wrappers (``bias=``)."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
+        _check_biases(biases, precision)
         if precision == "mxfp8":
             return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw, self._interleaved)
         if precision != "bf16":
             raise NotImplementedError(f"sm100 expert MLP: precision {precision!r} is not wired")
         gemm1 = functools.partial(k.grouped_gemm1_swiglu, interleave=self._interleaved)
-        return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit)
+        biased = () if biases is None else (_kernel_biases(biases),)  # (the unbiased call as it was)
+        return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit, *biased)
 
-    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None):
+    def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None,
+                 biased: bool = False):
         """(dx rows, dWg, dWu, dWd) in the precision of the forward that made ``g``; ``fused``: BF16
         or MXFP8 through the fused backward core (:mod:`mok_cute.kernels.sm100.fused_bwd`, one launch;
         the backward path FUSED, asked for in the config: compile-verified only; its tiles
-        :func:`fused_tile_m` of ``config``), else the unfused kernels."""
+        :func:`fused_tile_m` of ``config``), else the unfused kernels. ``biased`` (the forward added expert
+        biases; BF16, the unfused kernels): then also (d b_gate, d b_up [E, I], d b_down [E, H]), the per-expert
+        row sums of dgu's halves and of dy_rows (:func:`~mok_cute.layers.common.bias_grads`)."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
+        if biased:
+            _check_biases(True, g.precision)
+            if fused:
+                raise ValueError("biased: the sm100 expert MLP's unfused BF16 backward only, not fused=True (the "
+                                 "layer's fused backward with biases: backward_tokens)")
         if fused:
             from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
@@ -265,11 +308,11 @@ class Sm100ExpertMLP:
         if g.precision == "mxfp8":
             return mx_backward(k, g, dy_rows, w_gate, w_up, w_down, limit, self._qw)
         return mlp_backward(k.grouped_dswiglu_dgrad, k.grouped_dgrad1, k.grouped_wgrad, g, dy_rows, w_gate, w_up,
-                            w_down, limit)
+                            w_down, limit, **({"biased": True} if biased else {}))
 
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
-                        config=None):
+                        config=None, biased: bool = False):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
         topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
@@ -277,18 +320,31 @@ class Sm100ExpertMLP:
         bitwise the unfused scatter and slot sum: the backward
         path FUSED (asked for in the config), BF16 or MXFP8. ``consume`` (the caller gives up dy_rows,
         g.x, g.gu, g.h): at BF16 dgu is written over gu (the core makes no round trips), at MXFP8 the
-        dx rows over dy_rows. ``config``: the call's (the core's tiles, :func:`fused_tile_m`)."""
+        dx rows over dy_rows. ``config``: the call's (the core's tiles, :func:`fused_tile_m`). ``biased`` (the
+        forward added expert biases; BF16 with ``consume``): then also (d b_gate, d b_up [E, I], d b_down [E, H]):
+        d b_down the row sums of dy_rows before the launch (which may write over them), d b_gate / d b_up those of
+        the dgu halves the launch writes over gu (:func:`~mok_cute.layers.common.bias_grads`' sums)."""
         if g.precision not in FUSED_CORE_PRECISIONS:
             raise ValueError(f"the sm100 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
+        if biased:
+            _check_biases(True, g.precision)
+            if not consume:
+                raise ValueError("biased: backward_tokens needs consume=True (the core writes dgu, whose row sums "
+                                 "are d b_gate / d b_up, over gu only then)")
         order, topk_idx, dx_shared, dx_add = tokens
         g, dy_rows = contiguous_group(g), dy_rows.contiguous()
         dx_shared, dx_add = (None if a is None else a.contiguous() for a in (dx_shared, dx_add))
         from mok_cute.kernels.sm100.fused_bwd import fused_backward_core
 
         weights, scales = self._core_weights(g, w_gate, w_up, w_down)
-        return fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), weights, limit,
-                                   fused_launch(config, scales is not None, 1, FUSED_BWD_TIMEOUT_S),
-                                   tokens=(order, topk_idx, dx_shared, dx_add), w_scales=scales, consume=consume)
+        d_down = expert_sums(dy_rows, g.offsets) if biased else None  # before the launch: dy rows may be consumed
+        out = fused_backward_core(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets), weights, limit,
+                                  fused_launch(config, scales is not None, 1, FUSED_BWD_TIMEOUT_S),
+                                  tokens=(order, topk_idx, dx_shared, dx_add), w_scales=scales, consume=consume)
+        if not biased:
+            return out
+        inter = w_gate.shape[1]  # consume at BF16: the launch wrote dgu = [dg | du] over gu's first M rows
+        return (*out, expert_sums(g.gu[:, :inter], g.offsets), expert_sums(g.gu[:, inter:], g.offsets), d_down)
 
     def backward_fused(self, st, dy, main_grads=None):
         """The backward path FUSED_WHOLE (after the fused forward, no output gate: the path table;

@@ -277,9 +277,9 @@ def test_other_gated_activation_falls_back_to_grouped_mm_with_one_warning(own_ga
 
 
 def test_gpt_oss_biases_pass_the_sm90_check_and_are_refused_where_no_kernel_runs_them():
-    """gpt-oss's experts (activation and biases) pass the sm90 backend's check at bf16, EP = 1 (its kernels run
-    them; the check runs here on CPU tensors); sm100 and sm90 at mxfp8 refuse the biases before any launch,
-    naming them and not the activation; without the biases sm100 passes too."""
+    """gpt-oss's experts (activation and biases) pass the sm90 and sm100 backends' check at bf16, EP = 1 (their
+    kernels run them; the check runs here on CPU tensors); at mxfp8 both refuse the biases before any launch,
+    naming them and not the activation; without the biases mxfp8 passes."""
     from mok_cute.layers.select import MoEInputs, get_backend
 
     module = _experts_of(_copy(_fp32_model("gpt_oss", hidden_size=256, intermediate_size=256), torch.bfloat16,
@@ -289,12 +289,14 @@ def test_gpt_oss_biases_pass_the_sm90_check_and_are_refused_where_no_kernel_runs
     act = mok_hf.activation(module)
     inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act.limit,
                     activation=act, biases=mok_hf.expert_biases(module))
-    get_backend("sm90").check(inp, mok_cute.MoKConfig(backend="sm90"), None)
-    for arch, precision in (("sm100", "bf16"), ("sm90", "mxfp8")):
+    for arch in ("sm90", "sm100"):
+        get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
+    for arch, precision in (("sm100", "mxfp8"), ("sm90", "mxfp8")):
         with pytest.raises(NotImplementedError, match=rf"'{arch}': .*with expert biases") as err:
             get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch, precision=precision), None)
         assert "SwiGLU" not in str(err.value)
-    get_backend("sm100").check(dataclasses.replace(inp, biases=None), mok_cute.MoKConfig(backend="sm100"), None)
+    get_backend("sm100").check(dataclasses.replace(inp, biases=None), mok_cute.MoKConfig(backend="sm100",
+                                                                                          precision="mxfp8"), None)
 
 
 @pytest.mark.parametrize("model_type, match", [

@@ -273,8 +273,8 @@ def _inputs(act=None, biased=False, h=256, inter=256):
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_gpu_backends_check_the_activation_and_the_biases_before_any_launch(arch, monkeypatch):
     """Their check (no kernel, CPU tensors here): every SwiGLU passes it (the kernels run its limit, alpha and up
-    offset); expert biases pass on sm90 at EP = 1 and bf16 (its epilogues add them) and raise NotImplementedError
-    naming them at the other precisions, at EP > 1 and on sm100."""
+    offset); expert biases pass at EP = 1 and bf16 (the epilogues add them) and raise NotImplementedError naming
+    them at the other precisions and at EP > 1."""
     be = get_backend(arch)
     for act in (SwiGLU(7.0), SwiGLU(7.0, 1.702, 0.0), SwiGLU(None, 1.0, 1.0), SwiGLU.gpt_oss()):
         be.check(_inputs(act), MoKConfig(backend=arch), None)
@@ -286,7 +286,7 @@ def test_gpu_backends_check_the_activation_and_the_biases_before_any_launch(arch
             for act in (None, SwiGLU.gpt_oss()):
                 cfg = MoKConfig(backend=arch, precision=precision)
                 group = None if ep == 1 else object()
-                if arch == "sm90" and ep == 1 and precision == "bf16":
+                if ep == 1 and precision == "bf16":
                     be.check(_inputs(act, True), cfg, group)
                     continue
                 with pytest.raises(NotImplementedError, match=rf"'{arch}': .*with expert biases"):

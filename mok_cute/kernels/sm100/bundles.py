@@ -120,6 +120,15 @@ class FwdPeer(NamedTuple):
     epoch_push: Any
 
 
+class ExpertBias(NamedTuple):
+    """The routed experts' biases (gpt-oss; :mod:`~mok_cute.kernels.sm100.bias`), bf16 with unit column strides:
+    gate, up [E, I] (GEMM1's, added before the SwiGLU), down [E, H] (GEMM2's); None each where absent (an unbiased
+    variant: the bundle crosses as None). The fused forward's last bundle and the grouped GEMM's ``bias``."""
+    gate: Any = None
+    up: Any = None
+    down: Any = None
+
+
 # ---------------------------------------------------------------- fused backward
 class BwdGroup(NamedTuple):
     """One group of the backward's tiles (the routed experts, or the shared expert as one expert

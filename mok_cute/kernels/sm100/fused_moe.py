@@ -36,7 +36,10 @@ Outputs: xg (scratch), gu [M_cap, 2, I], h [M_cap, I], slot_out [T*k, H] (rows o
 untouched), gus [T, 2, I_s], hs [T, I_s], s_out [T, H], y [T, H]. Counters int32, zero at launch,
 as :func:`mok_cute.kernels.sm90.fused_moe.counter_sizes`. H, I, I_s multiples of 64.
 Variants: ``clamp``, ``shared``, ``gate`` (y starts from fp32(s_out) * gate), ``trace`` (per-task
-records in the SM90 kernel's layout), ``mx``, ``ep``.
+records in the SM90 kernel's layout), ``mx``, ``ep``, ``biased`` (BF16: the routed experts' biases b_gate,
+b_up [E, I] added to R1's accumulators before the SwiGLU epilogue rounds g, u, b_down [E, H] to R2's before the
+rows round; the shared expert has none: :mod:`~mok_cute.kernels.sm100.bias`, the epilogue warps read the task's
+expert from the task list).
 
 ``cta_group::2`` (``tile_m`` 256, ``MoKConfig.tile_m=256``): every GEMM task is a 256-row tile run by a
 cluster of two CTAs, the leader claiming it from the ticket for both (:mod:`~mok_cute.kernels.sm100.task_ring`'s
@@ -93,12 +96,13 @@ from mok_cute.dsl.launch import GraphLauncher
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.kernels import slot_rows
 from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.bias import check_bias, fake_bias
 from mok_cute.kernels.sm100.bundles import (
-    FwdCounters, FwdMx, FwdOperands, FwdOutputs, FwdPeer, FwdRouting, FwdScalars, launch_bundles, present,
+    ExpertBias, FwdCounters, FwdMx, FwdOperands, FwdOutputs, FwdPeer, FwdRouting, FwdScalars, launch_bundles, present,
 )
 from mok_cute.kernels.sm100.grouped_gemm import (
-    ARCHS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _bf16, _check_gate_up_scales, _check_scales, _fake_sf,
-    interleave_gate_up,
+    ARCHS, BIAS_PTX, GPT_OSS, MXFP8_2CTA_CONFIG, MXFP8_CONFIG, GroupedGemmSm100, _bf16, _check_gate_up_scales,
+    _check_scales, _fake_sf, interleave_gate_up,
 )
 from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm100 import task_ring
@@ -132,18 +136,19 @@ _FP8 = torch.float8_e4m3fn
 
 @cute.jit
 def store_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
-                 mSlot: cute.Tensor, mOrder: cute.Tensor):
+                 mSlot: cute.Tensor, mOrder: cute.Tensor, bias=None):
     """``epi``'s plain epilogue with tile row r (< rows) stored to row ``order[row0 + r]`` of
-    ``slot`` (its (token, slot) row): the fused forward's R2 and the fused backward's D1 rows."""
+    ``slot`` (its (token, slot) row): the fused forward's R2 and the fused backward's D1 rows;
+    ``bias``: :meth:`GroupedGemmSm100._store_plain`'s (None: none)."""
     route = chunks.row
     if chunks.row < rows:
         route = mOrder[row0 + chunks.row]
-    epi._store_plain(chunks, route - chunks.row, rows, n_tile, mSlot)
+    epi._store_plain(chunks, route - chunks.row, rows, n_tile, mSlot, bias=bias)
 
 
 @cute.jit
 def push_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
-                mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows):
+                mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows, bias=None):
     """:func:`store_routed` at EP > 1: tile row r (< rows) stored to rank p's slot row ``t*k + j``
     (``order[row0 + r]`` = ``p*T*k + t*k + j``; ``mSlot`` gives the slot section's layout)."""
     route = chunks.row
@@ -154,12 +159,12 @@ def push_routed(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int
         route = q - p * ep.tk
         addr = ep.pb[p] + ep.slots_off
     dst = cute.make_tensor(P.gptr(cutlass.BFloat16, addr, 16), mSlot.layout)
-    epi._store_plain(chunks, route - chunks.row, rows, n_tile, dst)
+    epi._store_plain(chunks, route - chunks.row, rows, n_tile, dst, bias=bias)
 
 
 @cute.jit
 def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32,
-                     mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows, sPush: cute.Tensor):
+                     mSlot: cute.Tensor, mOrder: cute.Tensor, ep: PeerRows, sPush: cute.Tensor, bias=None):
     """:func:`push_routed` (same rows, same destinations) by bulk copies: for each 32-column chunk of
     its row inside H (row r < rows only), the thread converts it to bf16, writes it into its slice
     ``c % PUSH_BUFS`` of ``sPush`` (bf16 [EPI_THREADS, PUSH_PITCH / 2]: row t is thread t's, 64 bytes
@@ -167,7 +172,8 @@ def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows
     into the peer's slot row and a commit; before rewriting a slice it waits until the copy that read
     it has (``cp.async.bulk.wait_group.read``). Returns after its copies completed
     (``cp.async.bulk.wait_group 0``) and a ``fence.proxy.async.global``, so the caller's system-scope
-    fence and release order them before the tile is published. Compile-verified only."""
+    fence and release order them before the tile is published; ``bias``: :meth:`GroupedGemmSm100._store_plain`'s
+    (None: none). Compile-verified only."""
     row = chunks.row
     cols = mSlot.shape[1] - n_tile * epi.cfg.tile_n
     gaddr = Int64(0)  # this row's first byte of the tile's columns on the owner rank
@@ -179,7 +185,10 @@ def push_routed_bulk(epi: GroupedGemmSm100, chunks: AccChunks, row0: Int32, rows
     sbase = sPush.iterator.toint() + row * PUSH_PITCH  # this thread's slices
     for c in cutlass.range_constexpr(epi.cfg.tile_n // EPI_N):
         b = c % PUSH_BUFS
-        r = _bf16(chunks.load(c))
+        if cutlass.const_expr(bias is None):
+            r = _bf16(chunks.load(c))
+        else:
+            r = epi._biased_chunk(chunks, c, bias, n_tile * epi.cfg.tile_n + c * EPI_N, c * EPI_N < cols)
         stage = chunks.part(cute.local_tile(sPush, (EPI_THREADS, EPI_N), (0, b)))
         if row < rows:
             if c * EPI_N < cols:
@@ -240,7 +249,8 @@ class FwdVariant:
     128 or 256 (``cta_group::2``); ``bulk_push`` (needs ``ep``): R2's rows into the peers by
     ``cp.async.bulk``; ``unroll``: 16-byte loads in flight per gather lane; ``sum_batch``: slot rows
     in flight per slot-sum thread; ``gated``: the SwiGLU's alpha and up offset (None: silu(g) * u;
-    :mod:`mok_cute.kernels.swiglu_math`)."""
+    :mod:`mok_cute.kernels.swiglu_math`); ``biased`` (BF16): the routed experts' biases added in R1's and R2's
+    epilogues (:class:`~mok_cute.kernels.sm100.bundles.ExpertBias`, :mod:`~mok_cute.kernels.sm100.bias`)."""
 
     clamp: bool
     shared: bool
@@ -254,9 +264,12 @@ class FwdVariant:
     unroll: int = 8
     sum_batch: int = SUM_BATCH
     gated: Gated | None = None
+    biased: bool = False
 
     def __post_init__(self):
         check_tile_m(self.tile_m)
+        if self.biased and self.mx:
+            raise ValueError("biased (expert biases): the BF16 fused forward only, not mx")
         if self.gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
         if self.gate and not self.shared:
@@ -288,7 +301,7 @@ class FusedMoeFwdSm100:
         self.bulk_push = bulk_push
         self.cfg, self.clamp, self.shared, self.unroll, self.trace, self.mx = cfg, v.clamp, v.shared, v.unroll, \
             v.trace, mx
-        self.ep = ep
+        self.ep, self.biased = ep, v.biased
         self.sum_batch = sum_batch
         self.per = 4 if mx else 2  # TMA descriptors per GEMM: A, B[, SFA, SFB]
         self.mainloop = Sm100Mainloop(cfg)
@@ -326,10 +339,11 @@ class FusedMoeFwdSm100:
 
     @cute.jit
     def __call__(self, ops: FwdOperands, outs: FwdOutputs, plan: FwdRouting, counters: FwdCounters, mx: FwdMx,
-                 scalars: FwdScalars, peer: FwdPeer, stream: cuda.CUstream):
+                 scalars: FwdScalars, peer: FwdPeer, bias: ExpertBias, stream: cuda.CUstream):
         """Launch on ``stream`` (the module doc; each bundle's doc gives shapes and dtypes). The kernel
         gets the same bundles less what only this host side reads (the weights and the operands the
-        TMA atoms carry, the grid size) and, at EP = 1, no ``peer``."""
+        TMA atoms carry, the grid size) and, at EP = 1, no ``peer``; ``bias`` (``biased``; else None): the
+        routed experts' biases, read by the epilogue warps."""
         mx = FwdMx() if mx is None else mx  # BF16: no MXFP8 operands (bundles.present)
         ml = self.mainloop
         ml.setup()
@@ -346,14 +360,15 @@ class FusedMoeFwdSm100:
         self.kernel([t[0] for t in tmas], [t[1] for t in tmas],
                     ops._replace(w1=None, w_down=None, s1=None, s_down=None), outs, plan._replace(tok=None), counters,
                     mx._replace(w1_sf=None, wd_sf=None, x_sf=None, s1_sf=None, sd_sf=None),
-                    scalars._replace(num_ctas=None), peer if cutlass.const_expr(self.ep) else None).launch(
+                    scalars._replace(num_ctas=None), peer if cutlass.const_expr(self.ep) else None,
+                    bias if cutlass.const_expr(self.biased) else None).launch(
             grid=[scalars.num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[self.cg, 1, 1], min_blocks_per_mp=1,
             stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, atoms: list, coords: list, ops: FwdOperands, outs: FwdOutputs, plan: FwdRouting,
-               counters: FwdCounters, mx: FwdMx, scalars: FwdScalars, peer: FwdPeer):
+               counters: FwdCounters, mx: FwdMx, scalars: FwdScalars, peer: FwdPeer, bias: ExpertBias):
         mX, mXg = ops.x, ops.xg
         mGU, mH, mGUs, mHs, mSlot, mSout, mY = outs
         mOrder, mOffsets, mIdx, mW, mGate, _ = plan
@@ -417,7 +432,7 @@ class FusedMoeFwdSm100:
         if warp < MMA_WARP:
             sPush = push_staging(storage) if cutlass.const_expr(self.bulk_push) else None
             self._epilogue(pipes, (tidx, bidx, cta_v), work, outs, plan, counters, mx, scalars, mGather.shape[0], ep,
-                           sPush)
+                           sPush, bias)
 
         # every CTA: the slot sum, once every GEMM2 tile is stored
         cute.arch.barrier()
@@ -664,7 +679,7 @@ class FusedMoeFwdSm100:
     @cute.jit
     def _epilogue(self, pipes: task_ring.Pipes, who: tuple, work: tuple, outs: FwdOutputs, plan: FwdRouting,
                   counters: FwdCounters, mx: FwdMx, scalars: FwdScalars, trace_base: Int32, ep,
-                  sPush: cute.Tensor = None):
+                  sPush: cute.Tensor = None, bias: ExpertBias = None):
         """Epilogue warps (``who`` = (tidx, bidx, cta_v)): store each task's accumulator, then publish
         it (release add by thread 0 after every thread's GPU-scope fence and the epilogue barrier;
         ``work`` the kernel's task geometry, the bundles the kernel's). MXFP8: R1 / S1 also store
@@ -675,7 +690,8 @@ class FusedMoeFwdSm100:
         system-scope; ``bulk_push``: by :func:`push_routed_bulk` through ``sPush``, after a
         ``fence.proxy.async.global`` behind the FREE wait. ``cta_group::2``: this CTA stores rows
         ``cta_v * 128 ..`` of each tile (its TMEM half) and publishes the tile too (the leader alone
-        records it in the trace)."""
+        records it in the trace). ``biased``: R1's accumulators plus ``bias``'s b_gate / b_up of the task's expert,
+        R2's plus its b_down, before they are rounded (:mod:`~mok_cute.kernels.sm100.bias`)."""
         _, acc_pipe, task_pipe, sTask, tmem = pipes
         tidx, bidx, cta_v = who
         shape, _, num_experts, tokens = work
@@ -709,6 +725,9 @@ class FusedMoeFwdSm100:
                 if cutlass.const_expr(self.mx):
                     self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit, mHq, mHsf,
                                               self._sf_row(mOffsets, expert, row0))
+                elif cutlass.const_expr(self.biased):
+                    self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit,
+                                              bias=(bias.gate, bias.up, expert))
                 else:
                     self.swiglu._store_swiglu(chunks, row0, rows, n_tile, mGU, mH, limit)
             elif phase == R2:
@@ -721,11 +740,13 @@ class FusedMoeFwdSm100:
                             cute.arch.fence_proxy("async.global")
                         freed = Int32(1)
                     if cutlass.const_expr(self.bulk_push):
-                        push_routed_bulk(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep, sPush)
+                        push_routed_bulk(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep, sPush,
+                                         self._b_down(bias, expert))
                     else:
-                        push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep)
+                        push_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, ep,
+                                    self._b_down(bias, expert))
                 else:
-                    store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder)
+                    store_routed(self.plain, chunks, row0, rows, n_tile, mSlot, mOrder, self._b_down(bias, expert))
             else:
                 if cutlass.const_expr(self.shared):
                     if phase == S1:
@@ -746,6 +767,10 @@ class FusedMoeFwdSm100:
         tmem.relinquish_alloc_permit()
         epi_barrier()
         tmem.free(acc_ptr)
+
+    def _b_down(self, bias: ExpertBias, expert):
+        """R2's ``bias`` argument of the plain epilogue: ``(b_down, expert)`` when ``biased``, else None."""
+        return (bias.down, expert) if self.biased else None
 
 
 # ---------------------------------------------------------------- compile
@@ -784,7 +809,8 @@ def compile_fused_forward_sm100(v: FwdVariant, arch: str = "sm_100a", inspect: b
     scalars = FwdScalars(Int32(1), Float32(0.0), Int32(1), Int32(2), Int32(1), Int32(1), Int64(1))
     peer = FwdPeer(*((vec(Int64, cute.sym_int(), 8), vec(Float32, mcap), _fake_2d(bf, tk, hid)) if v.ep
                      else (None,) * 3), *_NO_EP)
-    return compile_kernel(op, ops, outs, plan, counters, present(mx_args), scalars, peer,
+    bias = ExpertBias(fake_bias(e, inter), fake_bias(e, inter), fake_bias(e, hid)) if v.biased else None
+    return compile_kernel(op, ops, outs, plan, counters, present(mx_args), scalars, peer, bias,
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
@@ -945,7 +971,7 @@ def _check_mx_scales(scales: MxScales | None, shared: bool, e: int, hid: int, in
 
 def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpert | None, limit,
                   launch: Sm100Launch, scales: MxScales | None = None, ws=None,
-                  interleave=interleave_gate_up) -> FusedForwardOut:
+                  interleave=interleave_gate_up, biases=None) -> FusedForwardOut:
     """Validate, then launch the fused forward on the current stream (BF16 or MXFP8; the contract of
     :func:`mok_cute.kernels.sm90.fused_moe.fused_forward`): x [T, H] bf16; ``plan``: ``order`` int32
     [M_cap] (route ``t*k + j`` of each grouped row, rows sorted by expert), ``offsets`` int32 [E+1]
@@ -988,8 +1014,14 @@ def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpe
     this rank's slot rows (rows of -1 slots unwritten), ``w_rows`` [M_cap] fp32 each grouped row's
     router weight, status = ``ws.status`` (peer errors: the caller's ``ws.check_status()``);
     ``num_ctas`` this rank's grid (fewer for virtual ranks on one GPU). Launched through the DSL (the
-    epochs change every call)."""
+    epochs change every call).
+
+    ``biases`` (BF16 only): None, or the routed experts' (b_gate [E, I], b_up [E, I], b_down [E, H]) bf16 with unit
+    last strides, row strides multiples of 8 and 16-byte aligned starts (:func:`~mok_cute.kernels.sm100.bias.
+    check_bias`), added to GEMM1's g, u (before the SwiGLU) and GEMM2's rows before their rounding (the
+    reference's numerics; the ``biased`` variant, compile-verified only)."""
     _check_operands(x, plan, weights, shared, limit, launch, scales)
+    _check_biases(biases, x, weights, scales)
     if ws is not None and shared is not None and shared.gate is not None:
         raise ValueError("gate (the shared expert's output gate) runs at EP = 1 only")
     if launch.gather == "tma" and (scales is not None or ws is not None or launch.tile_m != 128):
@@ -1001,12 +1033,27 @@ def fused_forward(x, plan: RoutePlan, weights: ExpertWeights, shared: SharedExpe
     v = FwdVariant(clamp, shared is not None, gate=shared is not None and shared.gate is not None,
                    mx=scales is not None, ep=ws is not None, trace=launch.trace, gather=launch.gather,
                    tile_m=launch.tile_m, bulk_push=launch.bulk_push and ws is not None, unroll=GATHER_UNROLL,
-                   sum_batch=SUM_BATCH, gated=gated)
+                   sum_batch=SUM_BATCH, gated=gated, biased=biases is not None)
     launcher = compile_cached(("sm100_fused_moe_fwd", arch, v),
                               lambda: GraphLauncher(compile_fused_forward_sm100(v, arch)[0]))
     bundles, out = _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interleave, v, dev)
-    launch_bundles(launcher, dev, bundles, direct=ws is not None)
+    launch_bundles(launcher, dev, bundles + (None if biases is None else ExpertBias(*biases),),
+                   direct=ws is not None)
     return out
+
+
+def _check_biases(biases, x, weights: ExpertWeights, scales) -> None:
+    """ValueError for expert biases :func:`fused_forward` cannot take: not a triple (b_gate, b_up, b_down), with
+    MXFP8 weights, or one failing :func:`~mok_cute.kernels.sm100.bias.check_bias` ([E, I], [E, I], [E, H])."""
+    if biases is None:
+        return
+    if not isinstance(biases, (tuple, list)) or len(biases) != 3:
+        raise ValueError("biases must be None or (b_gate [E, I], b_up [E, I], b_down [E, H])")
+    if scales is not None:
+        raise ValueError("biases (expert biases) run with the BF16 fused forward only, not MXFP8")
+    e, inter, hid = weights[0].shape[0], weights[0].shape[1], x.shape[1]
+    for name, b, shape in zip(("b_gate", "b_up", "b_down"), biases, ((e, inter), (e, inter), (e, hid))):
+        check_bias(name, b, shape, x.device)
 
 
 def _forward_bundles(x, plan, weights, shared, limit, launch, scales, ws, interleave, v: FwdVariant, dev: int):
@@ -1184,4 +1231,7 @@ def variants() -> dict:
                                                        _PTX + _EP_PTX + _PAIR_PTX + _BULK_PTX),
         "fused-fwd-mxfp8-ep-2cta-bulk-push-clamp-shared": (
             fused(True, True, mx=True, ep=True, tile_m=256, bulk_push=True), _MX_PTX + _EP_PTX + _PAIR_PTX + _BULK_PTX),
+        "fused-fwd-biased-gpt-oss-shared": (fused(True, True, gated=GPT_OSS, biased=True), _PTX + BIAS_PTX),
+        "fused-fwd-2cta-biased-gpt-oss-routed": (fused(True, False, gated=GPT_OSS, tile_m=256, biased=True),
+                                                 _PTX + _PAIR_PTX + BIAS_PTX),
     }

@@ -21,6 +21,9 @@ Grouped GEMM (``A [M, K]`` token rows, ``B`` per-expert weights ``[E, N, K]`` K-
                gated (alpha a, up offset o): h = bf16(g * sigmoid(a * g) * (u + o)) (as the SM90 epilogue).
   ``dswiglu``: N = I, the FP32 accumulator dh (never rounded) meets g, u read from gu:
                dgu = bf16([dg | du]) (formula of :func:`mok_cute.reference.dswiglu`).
+Expert biases (``biased``, BF16 ``plain`` and ``swiglu`` only; gpt-oss): the epilogue adds fp32(b[e, n]) to the
+FP32 accumulator before it rounds (swiglu: b_gate to g's and b_up to u's columns, before the SwiGLU reads them;
+plain: b_down), :mod:`mok_cute.kernels.sm100.bias`.
 N tails: N (H or I) need only be a multiple of :data:`EPI_N` (32); the tile count over N
 rounds up, TMA zero-fills B's rows past N (B is viewed 3-D per expert) and the epilogues
 store (dswiglu: also read) only the 32-column chunks inside N. K tails are zero-filled too
@@ -57,6 +60,8 @@ from cutlass import Float32, Int32
 from mok_cute.comm.combine import add_rn
 from mok_cute.kernels.quant.fp8_ops import Fp8Ops
 from mok_cute.kernels.sm100 import layouts as lay
+from mok_cute.kernels.sm100.bias import add_bias, check_bias, fake_bias, load_bias
+from mok_cute.kernels.sm100.bundles import ExpertBias
 from mok_cute.dsl.compile import arch_of_device, compile_cached, compile_kernel
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.dsl.tensors import _cute_tensor, _fake_2d, _fake_3d
@@ -184,7 +189,7 @@ class GroupedGemmSm100:
     """Persistent warp-specialized grouped GEMM (``wgrad=False``) or weight gradient (``True``).
 
     Call (jit), grouped: ``(mA [M, K], mB, mB2, mSFA, mSFB, mOffsets [E+1] int32, mOut0,
-    mOut1, limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N]
+    mOut1, bias, limit, num_ctas, stream)``: ``mB`` [E, N, K] (``b_major="k"``) or [E, K, N]
     (``"mn"``); ``split_k``: ``mA`` [M, 2, K1] and ``mB`` [E, K1, N], ``mB2`` [E, K1, N] are
     A's and B's two parts along K (four TMA descriptors; MXFP8 scales padded per part to
     whole k-tiles), else ``mB2`` None; plain: ``mOut0`` = out [M, N] (``mOut1`` = mOut0);
@@ -193,13 +198,20 @@ class GroupedGemmSm100:
     Nb], mOut, limit, num_ctas, stream)``. ``mSFA``/``mSFB``: flat uint8 scale buffers
     (MXFP8; SFB over the whole K) or None. N (Nb, I) a multiple of :data:`EPI_N`, tiles over
     it round up; ``num_ctas`` a multiple of the cluster size. ``clamp``, ``gated``: the (d)SwiGLU's compile-time
-    switches (:mod:`mok_cute.kernels.swiglu_math`).
+    switches (:mod:`mok_cute.kernels.swiglu_math`). ``biased`` (BF16 plain with K-major B, swiglu): ``bias`` an
+    :class:`~mok_cute.kernels.sm100.bundles.ExpertBias` (swiglu: gate, up [E, I]; plain: down [E, N]) added to the
+    accumulators before the epilogue rounds them (:mod:`~mok_cute.kernels.sm100.bias`); else None. Wgrad: ``bias``
+    None too.
     """
 
     def __init__(self, cfg: Sm100Config, epilogue: str = "plain", clamp: bool = False, b_major: str = K_MAJOR,
-                 wgrad: bool = False, split_k: bool = False, gated: Gated | None = None):
+                 wgrad: bool = False, split_k: bool = False, gated: Gated | None = None, biased: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if biased and (wgrad or split_k or epilogue == "dswiglu" or b_major != K_MAJOR):
+            raise ValueError("biased (expert biases): the plain epilogue with K-major B and the swiglu epilogue only")
+        if biased and cfg.mx:
+            raise ValueError("biased (expert biases): BF16 only, not MXFP8")
         if wgrad and epilogue != "plain":
             raise ValueError("wgrad has the plain epilogue only")
         if split_k and (wgrad or b_major != MN_MAJOR):
@@ -207,7 +219,7 @@ class GroupedGemmSm100:
         if epilogue == "swiglu" and (cfg.tile_n // 2) % EPI_N:
             raise ValueError(f"swiglu needs tile_n a multiple of {2 * EPI_N}, got {cfg.tile_n}")
         self.cfg, self.epilogue, self.clamp, self.wgrad, self.split_k = cfg, epilogue, clamp, wgrad, split_k
-        self.gated = gated
+        self.gated, self.biased = gated, biased
         self.b_major = MN_MAJOR if wgrad else b_major
         self.mainloop = Sm100Mainloop(cfg, a_major=MN_MAJOR if wgrad else K_MAJOR, b_major=self.b_major)
 
@@ -251,8 +263,8 @@ class GroupedGemmSm100:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB2: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
-                 mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, limit: Float32, num_ctas: Int32,
-                 stream: cuda.CUstream):
+                 mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor, bias: ExpertBias, limit: Float32,
+                 num_ctas: Int32, stream: cuda.CUstream):
         ml, cfg = self.mainloop, self.cfg
         ml.setup()
         a2 = b2 = None
@@ -269,7 +281,7 @@ class GroupedGemmSm100:
         self.shared_storage = _shared_storage(ab, stages, acc_stages, a_n, b_n, sf_n)
         atoms = [t[0] for t in tmas]
         coords = [t[1] for t in tmas]
-        self.kernel(atoms, coords, mOffsets, mOut0, mOut1, limit).launch(
+        self.kernel(atoms, coords, mOffsets, mOut0, mOut1, bias, limit).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[cfg.cta_group, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
@@ -311,7 +323,7 @@ class GroupedGemmSm100:
     # ------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, atoms: list, coords: list, mOffsets: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor,
-               limit: Float32):
+               bias: ExpertBias, limit: Float32):
         cfg = self.cfg
         self.mainloop.setup()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -457,9 +469,16 @@ class GroupedGemmSm100:
                     out_e = mOut0[(e, None, None)]
                     self._store_plain(chunks, crow0, crows, n_tile, out_e)
                 elif cutlass.const_expr(self.epilogue == "plain"):
-                    self._store_plain(chunks, crow0, crows, n_tile, mOut0)
+                    if cutlass.const_expr(self.biased):  # + b_down[e]
+                        self._store_plain(chunks, crow0, crows, n_tile, mOut0, bias=(bias.down, e))
+                    else:
+                        self._store_plain(chunks, crow0, crows, n_tile, mOut0)
                 elif cutlass.const_expr(self.epilogue == "swiglu"):
-                    self._store_swiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit)
+                    if cutlass.const_expr(self.biased):  # + b_gate[e], b_up[e]
+                        self._store_swiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit,
+                                           bias=(bias.gate, bias.up, e))
+                    else:
+                        self._store_swiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit)
                 else:
                     self._store_dswiglu(chunks, crow0, crows, n_tile, mOut0, mOut1, limit)
                 cute.arch.fence_view_async_tmem_load()
@@ -473,14 +492,19 @@ class GroupedGemmSm100:
 
     # ------------------------------------------------------------ epilogues (epilogue warps)
     @cute.jit
-    def _store_plain(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mOut: cute.Tensor):
+    def _store_plain(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mOut: cute.Tensor,
+                     bias=None):
         """out[row0 + r, n_tile * tile_n + c] = bf16(acc[r, c]) for r < rows and columns inside
-        out's N (a multiple of EPI_N)."""
+        out's N (a multiple of EPI_N); ``bias`` = ``(b [E, N] bf16, expert)``: bf16(acc[r, c] +
+        fp32(b[expert, n_tile * tile_n + c])) (:mod:`~mok_cute.kernels.sm100.bias`), None: none."""
         row = chunks.row
         cols = mOut.shape[1] - n_tile * self.cfg.tile_n
         g = cute.local_tile(cute.domain_offset((row0, 0), mOut), (EPI_THREADS, self.cfg.tile_n), (0, n_tile))
         for c in cutlass.range_constexpr(self.cfg.tile_n // EPI_N):
-            r = _bf16(chunks.load(c))
+            if cutlass.const_expr(bias is None):
+                r = _bf16(chunks.load(c))
+            else:
+                r = self._biased_chunk(chunks, c, bias, n_tile * self.cfg.tile_n + c * EPI_N, c * EPI_N < cols)
             dst = chunks.part(cute.local_tile(g, (EPI_THREADS, EPI_N), (0, c)))
             if row < rows:
                 if c * EPI_N < cols:
@@ -510,7 +534,7 @@ class GroupedGemmSm100:
     @cute.jit
     def _store_swiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
                       mH: cute.Tensor, limit: Float32, mHq: cute.Tensor = None, mHsf: cute.Tensor = None,
-                      sf_row: Int32 = None):
+                      sf_row: Int32 = None, bias=None):
         """Tile columns [0, tile_n/2) are gate, [tile_n/2, tile_n) up, of intermediate columns
         ``n_tile * tile_n/2 + c``: writes gu (gate, up halves of [M, 2, I]) and h, for
         columns < I (a multiple of EPI_N; B's padding rows past I gave zeros).
@@ -519,7 +543,10 @@ class GroupedGemmSm100:
         e4m3 ``mHq`` [M, I] and each row's E8M0 scales into the flat blocked ``mHsf`` at scale
         atom row ``sf_row`` (:func:`~sm100.layouts.sf_byte`, I / 128 atoms per atom row rounded
         up), bitwise ``quantize_mxfp8(h, -1)`` placed as ``pack_row_scales`` places it (an
-        epilogue thread's EPI_N = 32 columns are one MX block: :func:`_mxfp8_block`)."""
+        epilogue thread's EPI_N = 32 columns are one MX block: :func:`_mxfp8_block`).
+
+        ``bias`` = ``(b_gate, b_up [E, I] bf16, expert)``: g, u = bf16(acc + fp32(b_gate / b_up[expert, column]))
+        before the SwiGLU reads them (:mod:`~mok_cute.kernels.sm100.bias`), None: none."""
         half = self.cfg.tile_n // 2
         shape = (EPI_THREADS, half)
         row = chunks.row
@@ -533,8 +560,13 @@ class GroupedGemmSm100:
             g_hq = cute.local_tile(cute.domain_offset((row0, 0), mHq), shape, (0, n_tile))
             kb_atoms = (mH.shape[1] + (lay.SF_ATOM_KBLOCKS * lay.SF_VEC - 1)) // (lay.SF_ATOM_KBLOCKS * lay.SF_VEC)
         for c in cutlass.range_constexpr(half // EPI_N):
-            rg = _bf16(chunks.load(c))
-            ru = _bf16(chunks.load(c + half // EPI_N))
+            if cutlass.const_expr(bias is None):
+                rg = _bf16(chunks.load(c))
+                ru = _bf16(chunks.load(c + half // EPI_N))
+            else:
+                col, live = n_tile * half + c * EPI_N, c * EPI_N < cols  # gate chunk c, up chunk c + half / EPI_N
+                rg = self._biased_chunk(chunks, c, (bias[0], bias[2]), col, live)
+                ru = self._biased_chunk(chunks, c + half // EPI_N, (bias[1], bias[2]), col, live)
             g = cute.make_rmem_tensor_like(rg, Float32)
             g.store(rg.load().to(Float32))
             u = cute.make_rmem_tensor_like(ru, Float32)
@@ -556,6 +588,16 @@ class GroupedGemmSm100:
                     if c * EPI_N < cols:
                         cute.autovec_copy(q, d_q)
                         mHsf[lay.sf_byte(sf_row, row, n_tile * (half // lay.SF_VEC) + c, kb_atoms)] = byte
+
+    @cute.jit
+    def _biased_chunk(self, chunks: AccChunks, c: cutlass.Constexpr[int], bias, col: Int32, live):
+        """bf16 registers of accumulator chunk ``c`` plus ``bias`` = ``(b, expert)``: bf16(acc + fp32(b[expert,
+        col + j])) (``col``: the chunk's first bias column; the bias loaded before the chunk's ``tcgen05.ld``,
+        nothing read unless ``live``: a chunk past the bias's width is not stored)."""
+        b = load_bias(bias[0], bias[1], col, live)
+        acc = chunks.load(c)
+        add_bias(chunks, acc, b)
+        return _bf16(acc)
 
     @cute.jit
     def _store_dswiglu(self, chunks: AccChunks, row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor,
@@ -664,12 +706,13 @@ def _check_arch(arch: str):
 
 def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config = Sm100Config(),
                          b_major: str = K_MAJOR, split_k: bool = False, gated: Gated | None = None,
-                         arch: str = "sm_100a", inspect: bool = False):
+                         biased: bool = False, arch: str = "sm_100a", inspect: bool = False):
     """Compile one grouped GEMM variant with symbolic M_total, N, K, E (and strides; ``split_k``:
-    A = [M, 2, K1], B = [E, K1, N] + [E, K1, N]; ``gated``: the SwiGLU's alpha / up offset); returns
+    A = [M, 2, K1], B = [E, K1, N] + [E, K1, N]; ``gated``: the SwiGLU's alpha / up offset; ``biased``: expert
+    biases, swiglu b_gate / b_up [E, I], plain b_down [E, N], :mod:`~mok_cute.kernels.sm100.bias`); returns
     ``(compiled, report)``."""
     _check_arch(arch)
-    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_k=split_k, gated=gated)
+    op = GroupedGemmSm100(cfg, epilogue, clamp, b_major, split_k=split_k, gated=gated, biased=biased)
     ab = cfg.ab_dtype
     div = _VEC * 8 // ab.width
     m, k, n, e = cute.sym_int(), cute.sym_int(divisibility=div), cute.sym_int(), cute.sym_int()
@@ -684,14 +727,19 @@ def compile_grouped_gemm(epilogue: str, *, clamp: bool = False, cfg: Sm100Config
         mB = _fake_3d(ab, e, k, n)
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     out0 = out1 = _fake_2d(cutlass.BFloat16, m, n)
+    bias = None
     if epilogue == "swiglu":  # gu as [M, 2, I], h as [M, I]
         inter = cute.sym_int(divisibility=8)
         out0, out1 = _fake_3d(cutlass.BFloat16, m, cute.sym_int(), inter), _fake_2d(cutlass.BFloat16, m, inter)
+        if biased:
+            bias = ExpertBias(fake_bias(e, inter), fake_bias(e, inter))
     elif epilogue == "dswiglu":  # dgu, gu as [M, 2, I]
         two = cute.sym_int()
         out0, out1 = _fake_3d(cutlass.BFloat16, m, two, n), _fake_3d(cutlass.BFloat16, m, two, n)
-    return compile_kernel(op, mA, mB, mB2, _fake_sf(cfg), _fake_sf(cfg), offs, out0, out1, Float32(0.0), Int32(1),
-                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+    elif biased:
+        bias = ExpertBias(down=fake_bias(e, n))
+    return compile_kernel(op, mA, mB, mB2, _fake_sf(cfg), _fake_sf(cfg), offs, out0, out1, bias, Float32(0.0),
+                          Int32(1), cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_100a", inspect: bool = False):
@@ -705,8 +753,8 @@ def compile_grouped_wgrad(*, cfg: Sm100Config = Sm100Config(), arch: str = "sm_1
     mB = _fake_2d(cfg.ab_dtype, m, cute.sym_int(divisibility=div))
     offs = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     out = _fake_3d(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int())
-    return compile_kernel(op, mA, mB, None, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, Float32(0.0), Int32(1),
-                          cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
+    return compile_kernel(op, mA, mB, None, _fake_sf(cfg), _fake_sf(cfg), offs, out, out, None, Float32(0.0),
+                          Int32(1), cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
 # ---------------------------------------------------------------- host wrappers
@@ -802,27 +850,48 @@ class GemmKind(NamedTuple):
     gated: Gated | None = None
 
 
-def _launch(kind: GemmKind, a, w, scales: tuple, offsets, outs: tuple, limit: float, n: int, w2=None):
+def _launch(kind: GemmKind, a, w, scales: tuple, offsets, outs: tuple, limit: float, n: int, w2=None,
+            bias: ExpertBias | None = None):
     """Compile (once per variant and arch) and launch one grouped GEMM of ``kind`` on the current
     stream: A ``a``, B ``w`` (``w2``: B's second part along K, split K: ``a`` is then [M, 2, K1]),
     ``scales`` = (A's, B's blocked MXFP8 scales, or None each), ``outs`` = (out0, out1) (the same
-    tensor twice for the plain epilogue); ``n``: B's N."""
+    tensor twice for the plain epilogue); ``n``: B's N; ``bias``: None, or the
+    :class:`~mok_cute.kernels.sm100.bundles.ExpertBias` of checked bf16 torch tensors (swiglu: gate, up;
+    plain: down), the ``biased`` variant."""
     cfg, epilogue, clamp, b_major, gated = kind
     (a_sf, w_sf), (out0, out1) = scales, outs
     arch = _arch(a.device)
     split_k = w2 is not None
+    biased = bias is not None
     compiled = compile_cached(
-        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_k, gated, cfg.key()),
+        ("sm100_grouped_gemm", arch, epilogue, clamp, b_major, split_k, gated, cfg.key()) + (("biased",) if biased
+                                                                                              else ()),
         lambda: compile_grouped_gemm(epilogue, clamp=clamp, cfg=cfg, b_major=b_major, split_k=split_k,
-                                     gated=gated, arch=arch)[0])
+                                     gated=gated, biased=biased, arch=arch)[0])
     m, e = a.shape[0], offsets.numel() - 1
     tiles = (-(-m // cfg.tile_m) + e) * -(-n // cfg.tile_n)
     offs32 = offsets_i32(offsets)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(w), None if w2 is None else _cute_tensor(w2),
              None if a_sf is None else _cute_tensor(a_sf), None if w_sf is None else _cute_tensor(w_sf),
-             _cute_tensor(offs32, 4), _cute_tensor(out0), _cute_tensor(out1), Float32(limit),
-             Int32(_num_ctas(a.device, cfg, tiles)), stream)
+             _cute_tensor(offs32, 4), _cute_tensor(out0), _cute_tensor(out1),
+             None if bias is None else ExpertBias(*(None if b is None else _cute_tensor(b) for b in bias)),
+             Float32(limit), Int32(_num_ctas(a.device, cfg, tiles)), stream)
+
+
+def _check_biases(cfg: Sm100Config, given: dict, shapes: dict, device) -> bool:
+    """Whether expert biases are given (``given``: name -> tensor or None, all or none; each checked by
+    :func:`~mok_cute.kernels.sm100.bias.check_bias` against ``shapes``); ValueError for MXFP8 operands with
+    biases (the epilogues add them at BF16 only)."""
+    if all(b is None for b in given.values()):
+        return False
+    if cfg.mx:
+        raise ValueError("expert biases (bias=) run with BF16 operands only, not MXFP8")
+    for name, b in given.items():
+        if b is None:
+            raise ValueError(f"{name} is None: give every bias or none")
+        check_bias(name, b, shapes[name], device)
+    return True
 
 
 def _check_n(name, n):
@@ -847,13 +916,16 @@ def interleave_gate_up(w_gate, w_up, half: int):
     return out.view(e, -1, c)
 
 
-def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: Sm100Config | None = None):
+def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: Sm100Config | None = None,
+                 bias=None):
     """out [M, N] bf16: rows offsets[e]..offsets[e+1] = bf16(a_e @ w[e]^T) (FP32 accumulate).
 
     a [M, K] bf16 or float8_e4m3fn, contiguous; offsets [E+1] int32/int64 on the device (0,
     non-decreasing, last = M; not checked); w [E, N, K] same dtype, N a multiple of 32
     (:data:`EPI_N`). MXFP8: ``a_scales`` [M, K/32] and ``w_scales`` [E, N, K/32] uint8 E8M0
     (``mxfp8_quantize`` along K), repacked on the device into the blocked layouts.
+    ``bias`` (BF16 only): None or [E, N] bf16 (unit last stride, row stride a multiple of 8, 16-byte aligned):
+    out = bf16(fp32(a_e @ w[e]^T) + fp32(bias[e])), added to the accumulator before the rounding.
     """
     cfg, e = _row_operand("a", a, offsets, cfg)
     m, k = a.shape
@@ -867,15 +939,17 @@ def grouped_gemm(a, offsets, w, *, a_scales=None, w_scales=None, out=None, cfg: 
         _check_scales("w_scales", w_scales, (e, n, k // lay.SF_VEC))
     out = _check_out("out", out, (m, n), a.device)
     _check_devices(a=a, offsets=offsets, w=w, out=out)
+    biased = _check_biases(cfg, {"bias": bias}, {"bias": (e, n)}, a.device)
     if m:
         if cfg.mx:
             a_sf, w_sf = lay.pack_row_scales(a_scales, offsets), lay.to_blocked(w_scales).reshape(-1)
-        _launch(GemmKind(cfg, "plain", False, K_MAJOR), a, w, (a_sf, w_sf), offsets, (out, out), 0.0, n)
+        _launch(GemmKind(cfg, "plain", False, K_MAJOR), a, w, (a_sf, w_sf), offsets, (out, out), 0.0, n,
+                **({"bias": ExpertBias(down=bias)} if biased else {}))
     return out
 
 
 def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None, w_scales=None, out=None,
-                         cfg: Sm100Config | None = None, interleave=None):
+                         cfg: Sm100Config | None = None, interleave=None, bias=None):
     """(gu [M, 2I], h [M, I]) bf16: gu = bf16(x_e @ [w_gate[e]; w_up[e]]^T) (gate in columns
     [0, I), up in [I, 2I)); h = bf16(silu(g) * u) in FP32 from the bf16 g, u, with g = min(g,
     limit), u = clamp(u, -limit, limit) when ``limit`` is given; ``limit`` may be a
@@ -886,6 +960,9 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     weights (and scales) are interleaved into one [E, 2 I_p, H] copy by ``interleave(w_gate, w_up,
     tile_n / 2)`` (default :func:`interleave_gate_up`, a copy per call; I_p = I rounded up to
     ``tile_n / 2``; a caller may pass one that caches it while the weights are unchanged).
+    ``bias`` (BF16 only): None or ``(b_gate, b_up)`` [E, I] bf16 each (unit last stride, row stride a multiple of
+    8, 16-byte aligned): g = bf16(fp32(x_e @ w_gate[e]^T) + fp32(b_gate[e])), u likewise with b_up, added to the
+    accumulator before the rounding; h from those g, u.
     """
     interleave = interleave_gate_up if interleave is None else interleave
     cfg, e = _row_operand("x", x, offsets, cfg, "H")
@@ -903,6 +980,11 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
     gu = _check_out("gu", gu, (m, 2 * inter), x.device)
     h = _check_out("h", h, (m, inter), x.device)
     _check_devices(x=x, offsets=offsets, w_gate=w_gate, w_up=w_up, gu=gu, h=h)
+    if bias is not None and (not isinstance(bias, (tuple, list)) or len(bias) != 2):
+        raise ValueError("bias must be None or (b_gate, b_up), each [E, I] bf16")
+    b_gate, b_up = (None, None) if bias is None else bias
+    biased = _check_biases(cfg, {"bias[0] (b_gate)": b_gate, "bias[1] (b_up)": b_up},
+                           {"bias[0] (b_gate)": (e, inter), "bias[1] (b_up)": (e, inter)}, x.device)
     if m:
         w = interleave(w_gate, w_up, cfg.tile_n // 2)
         x_sf = w_sf = None
@@ -911,7 +993,7 @@ def grouped_gemm1_swiglu(x, offsets, w_gate, w_up, limit=None, *, x_scales=None,
             w_sf = lay.to_blocked(interleave(*w_scales, cfg.tile_n // 2)).reshape(-1)
         clamp, gated, lim = swiglu_args(limit)
         _launch(GemmKind(cfg, "swiglu", clamp, K_MAJOR, gated), x, w, (x_sf, w_sf), offsets, (gu.view(m, 2, inter), h),
-                lim, w.shape[1])
+                lim, w.shape[1], **({"bias": ExpertBias(b_gate, b_up)} if biased else {}))
     return gu, h
 
 
@@ -1022,7 +1104,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     compiled(_cute_tensor(a), _cute_tensor(b), None, None if a_scales is None else _cute_tensor(a_scales),
              None if b_scales is None else _cute_tensor(b_scales), _cute_tensor(offs32, 4),
-             _cute_tensor(out), _cute_tensor(out), Float32(0.0), Int32(_num_ctas(a.device, cfg, tiles)), stream)
+             _cute_tensor(out), _cute_tensor(out), None, Float32(0.0), Int32(_num_ctas(a.device, cfg, tiles)), stream)
     return out
 
 
@@ -1030,6 +1112,7 @@ def grouped_wgrad(a, b, offsets, *, a_scales=None, b_scales=None, out=None, cfg:
 _COMMON_PTX = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "cp.async.bulk.tensor", "mbarrier")
 _BF16_PTX = _COMMON_PTX + ("kind::f16",)
 _MX_PTX = _COMMON_PTX + ("kind::mxf8f6f4", "block_scale", "tcgen05.cp")
+BIAS_PTX = ("ld.global.v4.b32", "add.rn.f32.bf16")  # expert biases: 16-byte bias loads, fp32 + bf16 adds
 GPT_OSS = Gated(1.702, 1.0)  # gpt-oss's SwiGLU constants (reference.SwiGLU.gpt_oss), the gated variants'
 
 
@@ -1053,6 +1136,10 @@ def variants() -> dict:
         "bf16-dgrad1": (gemm("plain", b_major=MN_MAJOR, split_k=True), _BF16_PTX),
         "bf16-wgrad": (wgrad(), _BF16_PTX),
         "bf16-plain-2cta": (gemm("plain", cfg=Sm100Config(tile_m=256)), _BF16_PTX + ("cta_group::2",)),
+        "bf16-plain-biased": (gemm("plain", biased=True), _BF16_PTX + BIAS_PTX),
+        "bf16-swiglu-gpt-oss-biased": (gemm("swiglu", clamp=True, gated=GPT_OSS, biased=True), _BF16_PTX + BIAS_PTX),
+        "bf16-plain-2cta-biased": (gemm("plain", cfg=Sm100Config(tile_m=256), biased=True),
+                                   _BF16_PTX + ("cta_group::2",) + BIAS_PTX),
         "mxfp8-plain": (gemm("plain", cfg=mx), _MX_PTX),
         "mxfp8-swiglu-clamp": (gemm("swiglu", clamp=True, cfg=mx), _MX_PTX),
         "mxfp8-dswiglu": (gemm("dswiglu", b_major=MN_MAJOR, cfg=mx), _MX_PTX),

@@ -36,6 +36,7 @@ PARAM_NAMES = {
     "FwdScalars": ("k", "limit", "comm_ctas", "num_ctas", "ring", "band", "timeout_ns"),
     "FwdPeer": ("mPeer", "mWrows", "mSlotCopy", "me", "n_ranks", "src_off", "slots_off", "w_off", "flags_off",
                 "epoch_pull", "epoch_push"),
+    "ExpertBias": ("mBgate", "mBup", "mBdown"),  # the biased variant's (else None)
 }
 
 
@@ -707,7 +708,7 @@ def test_pair_variant_registry_and_arguments():
 
     reg = fm.variants()
     pairs = [n for n in reg if "2cta" in n]
-    assert len(pairs) == 7 and all("cta_group::2" in reg[n][1] for n in pairs)
+    assert len(pairs) == 8 and all("cta_group::2" in reg[n][1] for n in pairs)  # (one with expert biases)
     with pytest.raises(ValueError, match=r"tile_m must be one of \(128, 256\)"):
         fm.FwdVariant(True, True, tile_m=64)
     with pytest.raises(ValueError, match="gather='tma'"):

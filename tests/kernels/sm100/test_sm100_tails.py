@@ -63,8 +63,10 @@ def _deq(data, flat, rows, scale_rows):
     return data.float() * R._pow2_f32(s - 127).repeat_interleave(lay.SF_VEC, 1)
 
 
-def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None):
-    """The kernel's tile walk in torch on exactly the operands the wrapper hands ``_launch``."""
+def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None, bias=None):
+    """The kernel's tile walk in torch on exactly the operands the wrapper hands ``_launch``; ``bias`` (the
+    ``biased`` variant's ``ExpertBias``): fp32(b[e]) added to the fp32 accumulator before the epilogue rounds it
+    (swiglu: gate / up to g / u, plain: down)."""
     (cfg, epilogue, clamp, b_major, gated), (a_sf, w_sf), (out0, out1) = kind, scales, outs
     act = limit if clamp else None  # the activation the kind and the runtime limit stand for
     if gated is not None:
@@ -91,11 +93,15 @@ def launch_model(kind, a, w, scales, offsets, outs, limit, n, w2=None):
             continue
         acc = (a[lo:hi].double() @ b[e].double().t()).float()  # [rows, n_tiles * tile_n]
         if epilogue == "plain":
-            out0[lo:hi] = acc[:, :out0.shape[1]].bfloat16()
+            r = acc[:, :out0.shape[1]]
+            out0[lo:hi] = (r if bias is None else r + bias.down[e].float()).bfloat16()
         elif epilogue == "swiglu":  # tile t: gate cols t*half + c, then up; columns < I stored
             inter, half = out1.shape[1], cfg.tile_n // 2
             t = acc.view(hi - lo, n_tiles, 2, half)
-            gate, up = (t[:, :, j].reshape(hi - lo, -1)[:, :inter].bfloat16() for j in (0, 1))
+            gate, up = (t[:, :, j].reshape(hi - lo, -1)[:, :inter] for j in (0, 1))
+            if bias is not None:
+                gate, up = gate + bias.gate[e].float(), up + bias.up[e].float()
+            gate, up = gate.bfloat16(), up.bfloat16()
             out0[lo:hi, 0], out0[lo:hi, 1] = gate, up
             out1[lo:hi] = R.swiglu(gate.float(), up.float(), act).bfloat16()
         else:
