@@ -649,6 +649,7 @@ def _run_compiles(pool, problems, target, kernels: list[Kernel], progress: bool)
 
 # ---------------------------------------------------------------- the command line
 def parser() -> argparse.ArgumentParser:
+    from mok_cute.bench.shapes import add_size_args
     from mok_cute.config import PRECISIONS
 
     ap = argparse.ArgumentParser(
@@ -662,16 +663,9 @@ def parser() -> argparse.ArgumentParser:
                "  python -m mok_cute.precompile --hidden 2048 --inter 768 --experts 128 --topk 8 --tokens 16384\n"
                "  python -m mok_cute.precompile --shape qwen3-30b-a3b gpt-oss-20b --precision bf16 mxfp8 --jobs 8\n"
                "  python -m mok_cute.precompile --shape deepseek-v3-ep8 --arch sm_100a --list")
-    ap.add_argument("--hidden", type=int, help="H, the model's hidden size")
-    ap.add_argument("--inter", type=int, help="I, each routed expert's width")
-    ap.add_argument("--experts", type=int, help="E, the routed experts (per rank)")
-    ap.add_argument("--topk", type=int, help="k, experts per token")
-    ap.add_argument("--tokens", type=int, help="T, tokens per layer call (with --shape: instead of each shape's own; "
-                                               "changes no kernel, only which tuning entry applies)")
-    ap.add_argument("--shared", type=int, default=0, metavar="I_S", help="the shared expert's width (default 0: none)")
-    ap.add_argument("--shape", nargs="+", metavar="NAME", default=None,
-                    help="instead of the sizes: named shapes (python -m mok_cute.bench --list-shapes), each with its "
-                         "own shared expert and clamp")
+    add_size_args(ap, "E, the routed experts (per rank)",
+                  "T, tokens per layer call (with --shape: instead of each shape's own; changes no kernel, only "
+                  "which tuning entry applies)", "each with its own shared expert and clamp")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size: only 1 is covered (the module doc)")
     ap.add_argument("--precision", nargs="+", default=None, choices=PRECISIONS,
                     help="the precisions to compile for (default: --config's, else bf16)")
@@ -706,30 +700,11 @@ _OWN_FIELDS = {"precision": "--precision", "backend": "--arch"}
 
 
 def parse_config(items: list[str]) -> dict:
-    """``["FIELD=VALUE", ...]`` as MoKConfig fields (values as ``python -m mok_cute.bench --config``'s);
-    ValueError for a malformed item, an unknown field, one set by another option, or a value MoKConfig rejects."""
-    import dataclasses
+    """``["FIELD=VALUE", ...]`` as MoKConfig fields (``python -m mok_cute.bench --config``'s rules, precision and
+    backend set by --precision / --arch here)."""
+    from mok_cute.bench.cli import parse_config as bench_config
 
-    from mok_cute.bench.cli import parse_value
-    from mok_cute.config import MoKConfig
-
-    fields = {f.name for f in dataclasses.fields(MoKConfig)}
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ValueError(f"--config takes FIELD=VALUE, got {item!r}")
-        if name not in fields:
-            raise ValueError(f"--config: MoKConfig has no field {name!r}")
-        if name in _OWN_FIELDS:
-            raise ValueError(f"--config: {name!r} is set by {_OWN_FIELDS[name]}")
-        out[name] = parse_value(value)
-    try:
-        MoKConfig(**out)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--config: {e}") from None
-    return out
+    return bench_config(items, _OWN_FIELDS)
 
 
 def problems_of(args) -> list[Problem]:

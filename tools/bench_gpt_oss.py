@@ -14,6 +14,8 @@ import argparse
 
 import torch
 
+from tools.checks.common import bench_us
+
 
 def _inputs(t: int, h: int, inter: int, e: int, k: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -25,21 +27,6 @@ def _inputs(t: int, h: int, inter: int, e: int, k: int, seed: int = 0):
     bs = [(torch.randn(e, n, device="cuda", generator=g) * 0.1).bfloat16().requires_grad_() for n in (inter, inter, h)]
     dy = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     return x, idx, w, ws, bs, dy
-
-
-def _median_ms(f, iters: int) -> float:
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> dict:
@@ -60,8 +47,8 @@ def main(argv=None) -> dict:
             def fwd(routed=routed, act=act):
                 return mok_cute.moe(x, idx, w, *routed, swiglu_limit=act)
             with torch.no_grad():
-                tf = _median_ms(fwd, a.iters)
-            tb = _median_ms(lambda: torch.autograd.backward(fwd(), dy), a.iters)
+                tf = bench_us(fwd, warmup=3, iters=a.iters) / 1e3
+            tb = bench_us(lambda: torch.autograd.backward(fwd(), dy), warmup=3, iters=a.iters) / 1e3
             old = best.get(name, (float("inf"), float("inf")))
             best[name] = (min(old[0], tf), min(old[1], tb))
     base = best["plain SwiGLU"][1]

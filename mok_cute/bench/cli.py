@@ -47,7 +47,7 @@ from mok_cute.bench import accuracy, report, run
 from mok_cute.bench import peers as peer_layers
 from mok_cute.bench.shapes import SHAPES, Shape, pick
 
-OWN_FIELDS = ("precision", "trace")  # set by --precision and the trace step, not by --config
+OWN_FIELDS = {"precision": "--precision", "trace": "the trace step"}  # set by the benchmark, not by --config
 
 
 def parse_value(text: str):
@@ -71,9 +71,9 @@ def parse_value(text: str):
     return text
 
 
-def parse_config(items: list[str]) -> dict:
-    """``["FIELD=VALUE", ...]`` as MoKConfig fields; ValueError for a malformed item, an unknown or
-    reserved field, or a value MoKConfig rejects."""
+def parse_config(items: list[str], own: dict[str, str] = OWN_FIELDS) -> dict:
+    """``["FIELD=VALUE", ...]`` as MoKConfig fields; ValueError for a malformed item, an unknown field, one of
+    ``own`` (field -> what sets it instead), or a value MoKConfig rejects."""
     fields = {f.name for f in dataclasses.fields(MoKConfig)}
     out = {}
     for item in items:
@@ -83,8 +83,8 @@ def parse_config(items: list[str]) -> dict:
             raise ValueError(f"--config takes FIELD=VALUE, got {item!r}")
         if name not in fields:
             raise ValueError(f"--config: MoKConfig has no field {name!r}")
-        if name in OWN_FIELDS:
-            raise ValueError(f"--config: {name!r} is set by the benchmark itself (see --precision / --plot)")
+        if name in own:
+            raise ValueError(f"--config: {name!r} is set by {own[name]}")
         out[name] = parse_value(value)
     try:
         MoKConfig(**out)

@@ -102,3 +102,17 @@ def make_inputs(shape: Shape, device, seed: int = 0, local_experts: int | None =
                   shared=(w(s.shared_i, s.h), w(s.shared_i, s.h), w(s.h, s.shared_i)) if s.shared_i else None)
     dy = torch.randn(s.t, s.h, device=device, generator=g).to(torch.bfloat16)
     return inputs, dy
+
+
+def add_size_args(ap, experts: str, tokens: str, shape: str) -> None:
+    """The layer-size options that the tuner's and the precompiler's command lines share on ``ap`` (an
+    ``argparse`` parser): --hidden, --inter, --experts, --topk, --tokens, --shared and --shape NAME..., with
+    ``experts``, ``tokens`` and ``shape`` the help texts that differ between them."""
+    ap.add_argument("--hidden", type=int, help="H, the model's hidden size")
+    ap.add_argument("--inter", type=int, help="I, each routed expert's width")
+    ap.add_argument("--experts", type=int, help=experts)
+    ap.add_argument("--topk", type=int, help="k, experts per token")
+    ap.add_argument("--tokens", type=int, help=tokens)
+    ap.add_argument("--shared", type=int, default=0, metavar="I_S", help="the shared expert's width (default 0: none)")
+    ap.add_argument("--shape", nargs="+", metavar="NAME", default=None,
+                    help=f"instead of the sizes: named shapes (python -m mok_cute.bench --list-shapes), {shape}")

@@ -12,21 +12,16 @@ import sys
 
 
 def parser() -> argparse.ArgumentParser:
+    from mok_cute.bench.shapes import add_size_args
     from mok_cute.config import PRECISIONS
 
     ap = argparse.ArgumentParser(prog="python -m mok_cute.tune", description=__doc__.split("\n\n")[0],
                                  epilog="Example: python -m mok_cute.tune --hidden 2048 --inter 768 --experts 128 "
                                         "--topk 8 --tokens 16384. At EP > 1: torchrun --nproc_per_node N -m "
                                         "mok_cute.tune ... --ep N.")
-    ap.add_argument("--hidden", type=int, help="H, the model's hidden size")
-    ap.add_argument("--inter", type=int, help="I, each routed expert's width")
-    ap.add_argument("--experts", type=int, help="E, the routed experts in all (E / ep per rank)")
-    ap.add_argument("--topk", type=int, help="k, experts per token")
-    ap.add_argument("--tokens", type=int, help="T, tokens per rank per layer call (micro-batch x sequence)")
-    ap.add_argument("--shared", type=int, default=0, metavar="I_S", help="the shared expert's width (default 0: none)")
-    ap.add_argument("--shape", nargs="+", metavar="NAME", default=None,
-                    help="instead of the five sizes: named shapes (python -m mok_cute.bench --list-shapes), each "
-                         "with its own shared expert and clamp, tuned one after the other")
+    add_size_args(ap, "E, the routed experts in all (E / ep per rank)",
+                  "T, tokens per rank per layer call (micro-batch x sequence)",
+                  "each with its own shared expert and clamp, tuned one after the other")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1; > 1 under torchrun)")
     ap.add_argument("--precision", default="bf16", choices=PRECISIONS)
     ap.add_argument("--limit", type=float, default=None, help="the SwiGLU clamp (default: none)")

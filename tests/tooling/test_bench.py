@@ -250,8 +250,8 @@ def test_arguments():
 @pytest.mark.parametrize("argv,message", [
     (["--shapes", "nope"], "unknown shape"),
     (["--precision", "fp4"], "invalid choice"),
-    (["--config", "precision=mxfp8"], "set by the benchmark itself"),
-    (["--config", "trace=true"], "set by the benchmark itself"),
+    (["--config", "precision=mxfp8"], "is set by --precision"),
+    (["--config", "trace=true"], "is set by the trace step"),
     (["--config", "no_such=1"], "no field 'no_such'"),
     (["--config", "comm_sms_fwd=3"], "even integer"),
     (["--config", "comm_sms_fwd"], "FIELD=VALUE"),
