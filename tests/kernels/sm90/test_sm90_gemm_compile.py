@@ -441,8 +441,9 @@ def _bf(*shape):
 
 @pytest.mark.parametrize("case", ["plain", "swiglu", "swiglu-mx", "dswiglu", "dgrad1"])
 def test_launch_packs_the_kernel_order(sm90_host, case):
-    """Each host wrapper's launch packs ``(A, B, B2, offsets, out0, out1, hq, hs, limit, num_ctas, stream)``
-    (:class:`GroupedGemmSm90`'s call order; the outputs from one :class:`GemmOutputs`), None where absent."""
+    """Each host wrapper's launch packs ``(A, B, B2, offsets, out0, out1, hq, hs, bias, limit, num_ctas, stream)``
+    (:class:`GroupedGemmSm90`'s call order; the outputs from one :class:`GemmOutputs`, the biases one
+    :class:`~mok_cute.kernels.sm90.bias.TileBias`), None where absent."""
     from mok_cute.kernels.sm90 import expert_bwd as bwd
     from mok_cute.kernels.sm90 import grouped_gemm as gg
 
@@ -472,8 +473,9 @@ def test_launch_packs_the_kernel_order(sm90_host, case):
         want = [_t(dgu), _t(wg), _t(wu), _t(offs), _t(out), _t(out), None, None]
     (args,) = rec.args
     assert [_arg(x) for x in args[:8]] == want
-    assert len(args) == 11 and args[-1] == "stream"
-    assert args[8].value == (0.0 if case in ("plain", "dgrad1") else 4.0) and args[9].value >= 1
+    assert tuple(args[8]) == (None, None, None)  # no biases
+    assert len(args) == 12 and args[-1] == "stream"
+    assert args[9].value == (0.0 if case in ("plain", "dgrad1") else 4.0) and args[10].value >= 1
     (key,) = keys
     assert key[5:9] == (case == "dgrad1", case == "swiglu-mx", False, case == "swiglu")  # split_b, mx_h, tail, helpers
 
@@ -494,7 +496,7 @@ def test_launch_compiles_the_activation_in(sm90_host, act, clamp, gated, limit):
     gg._run_gemm1_swiglu(_bf(m, k), offs, _bf(e, n, k), _bf(e, n, k), act)
     bwd._run_dswiglu_dgrad(_bf(m, k), offs, _bf(e, k, n), _bf(m, 2 * n), act)
     assert [key[2:4] + key[9:10] for key in keys] == [("swiglu", clamp, gated), ("dswiglu", clamp, gated)]
-    assert [args[8].value for args in rec.args] == [limit, limit]
+    assert [args[9].value for args in rec.args] == [limit, limit]
 
 
 @pytest.mark.parametrize("which", ["a", "w", "w2", "offsets", "out0", "out1", "hq", "hs"])
@@ -510,8 +512,8 @@ def test_graph_key_follows_every_tensor(sm90_host, which):
                 hs=torch.zeros(m, n // 32, dtype=torch.uint8))
 
     def launch():
-        gg._launch("swiglu", True, gg.DEFAULT_CONFIG, ops["a"], ops["w"], ops["offsets"], gg.GemmOutputs(**outs),
-                   4.0, 2 * n, w2=ops["w2"])
+        gg._launch("swiglu", gg.DEFAULT_CONFIG, ops["a"], ops["w"], ops["offsets"], gg.GemmOutputs(**outs), 2 * n,
+                   4.0, w2=ops["w2"])
 
     launch()
     launch()
@@ -544,7 +546,8 @@ def test_kernel_bundles_keep_the_flat_parameter_order():
 
     loads = ["atom_a", "coord_a", "atom_b", "coord_b", "atom_b2", "coord_b2"]
     assert _flat_params(GroupedGemmSm90.kernel) == loads + [
-        "mOffsets", "out0", "out1", "hq", "hs", "limit", "atom_c", "coord_c", "atom_h", "coord_h"]
+        "mOffsets", "out0", "out1", "hq", "hs", "gate", "up", "down", "limit", "atom_c", "coord_c", "atom_h",
+        "coord_h"]
     assert _flat_params(Fp8BlockGroupedGemm.kernel) == loads + [
         "sa", "sb", "sb2", "mOffsets", "mOut0", "mOut1", "limit"]
 

@@ -96,6 +96,6 @@ def test_host_picks_the_tail_variant_only_for_tails(monkeypatch):
     offs = torch.tensor([0, 4], dtype=torch.int32)
     for n in (256, 512, 320, 192):
         with pytest.raises(Stop):
-            gg._launch("plain", False, gg.DEFAULT_CONFIG, a, torch.zeros(1, n, 64, dtype=torch.bfloat16), offs,
-                       gg.GemmOutputs(None, None), 0.0, n)
+            gg._launch("plain", gg.DEFAULT_CONFIG, a, torch.zeros(1, n, 64, dtype=torch.bfloat16), offs,
+                       gg.GemmOutputs(None, None), n)
     assert [k[7] for k in keys] == [False, False, True, True]
