@@ -288,6 +288,13 @@ moe_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 # ---------------------------------------------------------------- the grouped expert MLP (mok_cute.expert_mlp)
+def mlp_activation(limit: float | None, alpha: float, up_offset: float):
+    """The expert MLPs' activation argument from its three numbers: the clamp limit alone (None or L) for
+    silu(g) * u, else the :class:`~mok_cute.reference.SwiGLU` (alpha / up offset compiled into the kernels)."""
+    act = SwiGLU(limit, alpha, up_offset)
+    return act.limit if act.plain else act
+
+
 def run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, cfg: MoKConfig):
     """``(out, entry)`` of the expert MLP on the backend ``cfg`` selects for x's device (the
     reference, or an arch's MLP in a precision it runs, else NotImplementedError first); the
@@ -344,39 +351,41 @@ class ExpertMLPFunction(torch.autograd.Function):
 
 @torch.library.custom_op("mok_cute::expert_mlp_fwd", mutates_args=())
 def expert_mlp_fwd(x_rows: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, swiglu_limit: float | None, config: str,
-                   keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, entry = run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, _config(config))
+                   w_down: torch.Tensor, swiglu_limit: float | None, config: str, keep: bool,
+                   swiglu_alpha: float = 1.0, swiglu_up_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    act = mlp_activation(swiglu_limit, swiglu_alpha, swiglu_up_offset)
+    out, entry = run_mlp_forward(x_rows, offsets, w_gate, w_up, w_down, act, _config(config))
     return out, _stash(entry if keep else None)
 
 
 @expert_mlp_fwd.register_fake
-def _(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, config, keep):
+def _(x_rows, offsets, w_gate, w_up, w_down, swiglu_limit, config, keep, swiglu_alpha=1.0, swiglu_up_offset=0.0):
     out = torch.empty((x_rows.shape[0], w_down.shape[1]), dtype=x_rows.dtype, device=x_rows.device)
     return out, torch.empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("mok_cute::expert_mlp_bwd", mutates_args=())
 def expert_mlp_bwd(d_out: torch.Tensor, handle: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, swiglu_limit: float | None) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run_mlp_backward(_take(handle), d_out, (w_gate, w_up, w_down), swiglu_limit)
+                   w_down: torch.Tensor, swiglu_limit: float | None, swiglu_alpha: float = 1.0,
+                   swiglu_up_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    act = mlp_activation(swiglu_limit, swiglu_alpha, swiglu_up_offset)
+    return run_mlp_backward(_take(handle), d_out, (w_gate, w_up, w_down), act)
 
 
 @expert_mlp_bwd.register_fake
-def _(d_out, handle, w_gate, w_up, w_down, swiglu_limit):
+def _(d_out, handle, w_gate, w_up, w_down, swiglu_limit, swiglu_alpha=1.0, swiglu_up_offset=0.0):
     return torch.empty_like(d_out), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
 
 
 def _mlp_setup(ctx, inputs, output):
-    ctx.limit = inputs[5]
+    ctx.act = (inputs[5], *inputs[8:10])  # limit, alpha, up offset
     ctx.save_for_backward(output[1], *inputs[2:5])
 
 
 def _mlp_backward(ctx, d_out, _dhandle):
     handle, w_gate, w_up, w_down = ctx.saved_tensors
-    g = expert_mlp_bwd(d_out.contiguous(), handle, w_gate, w_up, w_down, ctx.limit)
-    return g[0], None, g[1], g[2], g[3], None, None, None
+    g = expert_mlp_bwd(d_out.contiguous(), handle, w_gate, w_up, w_down, *ctx.act)
+    return g[0], None, g[1], g[2], g[3], None, None, None, None, None
 
 
 expert_mlp_fwd.register_autograd(_mlp_backward, setup_context=_mlp_setup)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .custom_ops import ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, moe_fwd
+from .custom_ops import (
+    ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, mlp_activation, moe_fwd,
+)
 from .config import MoKConfig
 from .dsl.host import weight_operand
 from .reference import SwiGLU, _world
@@ -95,7 +97,8 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     x_rows [M, H] bf16, expert e owns rows offsets[e]..offsets[e+1] (offsets [E+1] int32 on
     x's device, non-decreasing, offsets[0] = 0, offsets[E] <= M; rows past offsets[E] are
     ignored); w_gate, w_up [E, I, H], w_down [E, H, I] bf16. Returns out [M, H] bf16 with
-    out[rows of e] = bf16(swiglu(x.Wg^T, x.Wu^T) . Wd^T) (numerics of mok_cute.reference);
+    out[rows of e] = bf16(swiglu(x.Wg^T, x.Wu^T) . Wd^T) (numerics of mok_cute.reference; ``swiglu_limit``:
+    None, L, or a :class:`~mok_cute.reference.SwiGLU`, e.g. ``SwiGLU.gpt_oss()``, as for :func:`moe`);
     rows past offsets[E] are unspecified. Precision ``config.precision`` (bf16, mxfp8,
     fp8_block: the reference's numerics for each; a backend that does not run it raises
     NotImplementedError). Backend: sm90 kernels on capability 9.0, sm100 on
@@ -111,14 +114,10 @@ def expert_mlp(x_rows, offsets, w_gate, w_up, w_down, *, swiglu_limit=None, conf
     if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int32, torch.int64) \
             or offsets.shape != (w_gate.shape[0] + 1,):
         raise TypeError(f"offsets must be an int32/int64 tensor of shape [E+1] = [{w_gate.shape[0] + 1}]")
-    if isinstance(swiglu_limit, SwiGLU):  # its limit alone (silu(g) * u) runs here
-        if not swiglu_limit.plain:
-            raise NotImplementedError(f"expert_mlp runs silu(g) * u only, not {swiglu_limit} (its alpha / up_offset "
-                                      "run through mok_cute.moe)")
-        swiglu_limit = swiglu_limit.limit
-    limit = None if swiglu_limit is None else float(swiglu_limit)
+    act = swiglu_limit if isinstance(swiglu_limit, SwiGLU) else SwiGLU(
+        None if swiglu_limit is None else float(swiglu_limit))
     args = (x_rows.contiguous(), offsets, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous())
     if torch.compiler.is_compiling():  # the custom ops (mok_cute::expert_mlp_fwd / _bwd): no graph break
         keep = torch.is_grad_enabled() and any(t.requires_grad for t in (args[0], *args[2:]))
-        return expert_mlp_fwd(*args, limit, config_key(config), keep)[0]
-    return ExpertMLPFunction.apply(config, limit, *args)
+        return expert_mlp_fwd(*args, act.limit, config_key(config), keep, act.alpha, act.up_offset)[0]
+    return ExpertMLPFunction.apply(config, mlp_activation(act.limit, act.alpha, act.up_offset), *args)

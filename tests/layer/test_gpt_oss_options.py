@@ -204,17 +204,33 @@ def test_layer_options():
     assert MoELayer(64, 64, 4, 2, config=CFG).b_gate is None
 
 
-def test_expert_mlp_takes_a_plain_swiglu_only():
+def test_expert_mlp_runs_the_whole_swiglu_eager_and_compiled():
+    """expert_mlp with gpt-oss's activation: out and every gradient equal the reference's grouped MLP with that
+    SwiGLU, bitwise, eagerly and under torch.compile(fullgraph) (the custom ops carry alpha and up offset); a
+    plain SwiGLU(L) is the float L's call."""
     from mok_cute.ops import expert_mlp
 
     x, _, _, gate_up, down, *_ = _problem(7)
+    x = x[:20].contiguous()  # every row an expert's
     ws = [t.contiguous() for t in (gate_up.transpose(1, 2)[:, 0::2], gate_up.transpose(1, 2)[:, 1::2],
                                    down.transpose(1, 2))]
     offs = torch.tensor([0, 5, 5, 12, 20], dtype=torch.int32)
     assert torch.equal(expert_mlp(x, offs, *ws, swiglu_limit=SwiGLU(4.0), config=CFG),
                        expert_mlp(x, offs, *ws, swiglu_limit=4.0, config=CFG))
-    with pytest.raises(NotImplementedError, match="expert_mlp runs silu.*mok_cute.moe"):
-        expert_mlp(x, offs, *ws, swiglu_limit=ACT, config=CFG)
+    d_out = torch.randn(20, x.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    want, saved = R.experts_forward(x, offs, *ws, ACT, "bf16")
+    want_g = R.experts_backward(saved, d_out, *ws, ACT, "bf16")
+
+    def fn(x, *ws):
+        return expert_mlp(x, offs, *ws, swiglu_limit=ACT, config=CFG)
+
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_()] + [w.clone().requires_grad_() for w in ws]
+        out = f(*leaves)
+        out.backward(d_out)
+        assert torch.equal(out, want)
+        assert all(torch.equal(p.grad, g) for p, g in zip(leaves, want_g))
+    assert not torch.equal(want, expert_mlp(x, offs, *ws, swiglu_limit=ACT.limit, config=CFG))
 
 
 # ---------------------------------------------------------------- argument errors
