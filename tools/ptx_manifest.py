@@ -113,7 +113,7 @@ def _quant():
     import torch
 
     from mok_cute.dsl.compile import ARCHS
-    from mok_cute.kernels import route_grad
+    from mok_cute.kernels import route_grad, row_sums
     from mok_cute.kernels.quant import dequant_mxfp8 as dq
     from mok_cute.kernels.quant import quantize as q
     from mok_cute.kernels.quant import quantize_fp8 as qf
@@ -137,6 +137,8 @@ def _quant():
             for count in (False, True):
                 out[f"dequant/{layout}-{'count' if count else 'plain'}@{arch}"] = (
                     lambda lo=layout, a=arch, c=count: dq.compiled_dequant(lo, a, c))
+    for arch in ARCHS:  # the expert biases' gradients (mok_cute.kernels.row_sums)
+        out[f"row_sums/row_sums@{arch}"] = lambda a=arch: row_sums.compiled_row_sums(a)
     for arch in ARCHS:
         out[f"route_grad/route_grad@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a)
         out[f"route_grad/route_grad-by-route@{arch}"] = lambda a=arch: route_grad.compiled_route_grad(a, True)
