@@ -141,11 +141,23 @@ def expert_sums(rows, offsets) -> torch.Tensor:
     return expert_row_sums(rows, offsets_i32(offsets))
 
 
-def bias_grads(dgu, dy_rows, offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d b_gate, d b_up [E, I], d b_down [E, H])`` of the routed experts' biases: :func:`expert_sums` of dgu's
-    gate and up halves [M, 2I] and of the routed dy rows [M, H]."""
+def gate_up_bias_grads(dgu, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d b_gate, d b_up)`` [E, I]: :func:`expert_sums` of dgu's gate and up halves ([M, 2I])."""
     inter = dgu.shape[1] // 2
-    return expert_sums(dgu[:, :inter], offsets), expert_sums(dgu[:, inter:], offsets), expert_sums(dy_rows, offsets)
+    return expert_sums(dgu[:, :inter], offsets), expert_sums(dgu[:, inter:], offsets)
+
+
+def bias_grads(dgu, dy_rows, offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d b_gate, d b_up [E, I], d b_down [E, H])`` of the routed experts' biases: :func:`gate_up_bias_grads` of
+    dgu and :func:`expert_sums` of the routed dy rows [M, H]."""
+    return (*gate_up_bias_grads(dgu, offsets), expert_sums(dy_rows, offsets))
+
+
+def check_biases(arch: str, biases, precision: str) -> None:
+    """Expert biases (validated by ``ops.moe``; None or anything) run at precision "bf16" only in the ``arch``
+    expert MLPs' kernels: NotImplementedError naming the precision otherwise."""
+    if biases is not None and precision != "bf16":
+        raise NotImplementedError(f"{arch} expert MLP: expert biases run at precision 'bf16' only, not {precision!r}")
 
 
 def whole_offsets(rows: int, device) -> torch.Tensor:

@@ -44,8 +44,8 @@ import functools
 import torch
 
 from mok_cute.layers.common import (
-    ExpertGroup, contiguous_group, expert_sums, mlp_backward, mlp_forward, ring_chunks, shared_backward,
-    shared_launch_operands, whole_backward_operands,
+    ExpertGroup, check_biases, contiguous_group, expert_sums, gate_up_bias_grads, mlp_backward, mlp_forward,
+    ring_chunks, shared_backward, shared_launch_operands, whole_backward_operands,
 )
 from mok_cute.layers import launch as policy_launch
 from mok_cute.layers import paths
@@ -115,13 +115,6 @@ def mx_backward(k, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, qw=quan
 
 
 FUSED_BWD_TIMEOUT_S = 30.0  # the fused backward core's bounded waits (the sm90 core's default)
-
-
-def _check_biases(biases, precision: str) -> None:
-    """Expert biases (validated by ``ops.moe``) run at precision "bf16" only on sm100 (NotImplementedError
-    naming the precision otherwise)."""
-    if biases is not None and precision != "bf16":
-        raise NotImplementedError(f"sm100 expert MLP: expert biases run at precision 'bf16' only, not {precision!r}")
 
 
 def _kernel_biases(biases):
@@ -206,7 +199,7 @@ class Sm100ExpertMLP:
         from mok_cute.kernels.sm100 import fused_moe as fused
         from mok_cute.kernels.sm90.fused_moe import watch_status
 
-        _check_biases(biases, config.precision)
+        check_biases("sm100", biases, config.precision)
         weights, shared, scales = self._fused_weights(config, *weights, shared)
         launch = fused_launch(config, scales is not None, config.comm_ctas_fwd(1), config.device_timeout_s,
                               ring=ring_chunks(config, plan.topk_idx), gemm="fused_forward")
@@ -273,14 +266,13 @@ class Sm100ExpertMLP:
         precision), passed to the GEMM1 + SwiGLU and GEMM2 wrappers (``bias=``)."""
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
-        _check_biases(biases, precision)
+        check_biases("sm100", biases, precision)
         if precision == "mxfp8":
             return mx_forward(k, x_rows, offsets, w_gate, w_up, w_down, limit, self._qw, self._interleaved)
         if precision != "bf16":
             raise NotImplementedError(f"sm100 expert MLP: precision {precision!r} is not wired")
         gemm1 = functools.partial(k.grouped_gemm1_swiglu, interleave=self._interleaved)
-        biased = () if biases is None else (_kernel_biases(biases),)  # (the unbiased call as it was)
-        return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit, *biased)
+        return mlp_forward(gemm1, k.grouped_gemm, x_rows, offsets, w_gate, w_up, w_down, limit, _kernel_biases(biases))
 
     def backward(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, *, fused: bool = False, config=None,
                  biased: bool = False):
@@ -293,7 +285,7 @@ class Sm100ExpertMLP:
         from mok_cute.kernels.sm100 import grouped_gemm as k
 
         if biased:
-            _check_biases(True, g.precision)
+            check_biases("sm100", True, g.precision)
             if fused:
                 raise ValueError("biased: the sm100 expert MLP's unfused BF16 backward only, not fused=True (the "
                                  "layer's fused backward with biases: backward_tokens)")
@@ -327,7 +319,7 @@ class Sm100ExpertMLP:
         if g.precision not in FUSED_CORE_PRECISIONS:
             raise ValueError(f"the sm100 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
         if biased:
-            _check_biases(True, g.precision)
+            check_biases("sm100", True, g.precision)
             if not consume:
                 raise ValueError("biased: backward_tokens needs consume=True (the core writes dgu, whose row sums "
                                  "are d b_gate / d b_up, over gu only then)")
@@ -343,8 +335,7 @@ class Sm100ExpertMLP:
                                   tokens=(order, topk_idx, dx_shared, dx_add), w_scales=scales, consume=consume)
         if not biased:
             return out
-        inter = w_gate.shape[1]  # consume at BF16: the launch wrote dgu = [dg | du] over gu's first M rows
-        return (*out, expert_sums(g.gu[:, :inter], g.offsets), expert_sums(g.gu[:, inter:], g.offsets), d_down)
+        return (*out, *gate_up_bias_grads(g.gu, g.offsets), d_down)  # consume at BF16: dgu was written over gu
 
     def backward_fused(self, st, dy, main_grads=None):
         """The backward path FUSED_WHOLE (after the fused forward, no output gate: the path table;

@@ -42,8 +42,8 @@ import torch
 from mok_cute.config import ForwardPath
 from mok_cute.layers import launch, paths
 from mok_cute.layers.common import (
-    ExpertGroup, contiguous_group, expert_sums, mlp_backward, mlp_forward, ring_chunks, shared_backward, shared_launch_operands,
-    whole_backward_operands, whole_offsets,
+    ExpertGroup, check_biases, contiguous_group, expert_sums, gate_up_bias_grads, mlp_backward, mlp_forward,
+    ring_chunks, shared_backward, shared_launch_operands, whole_backward_operands, whole_offsets,
 )
 from mok_cute.dsl.host import offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
@@ -169,7 +169,7 @@ class Sm90ExpertMLP:
         if precision not in self.precisions:
             raise ValueError(f"sm90 expert MLP: precision must be one of {self.precisions}, got {precision!r}")
         _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, self.dim_multiple[precision])
-        _check_biases(biases, precision)
+        check_biases("sm90", biases, precision)
         gemm1 = _with_tiles(fwd._run_gemm1_swiglu, config, "gemm1")
         gemm2 = _with_tiles(fwd._run_gemm, config, "gemm2")
         if precision == "mxfp8":
@@ -181,17 +181,16 @@ class Sm90ExpertMLP:
     def fused_forward(self, x, plan, weights, shared, limit, config, gate=None, biases=None):
         """The fused forward (:mod:`mok_cute.kernels.sm90.fused_moe`) at EP = 1 on x [T, H], the route ``plan``
         (:class:`~mok_cute.kernels.operands.RoutePlan`: order int32 [T*k], offsets int32 [E+1], topk_idx, topk_w)
-        and the routed ``weights`` (:class:`~mok_cute.kernels.operands.ExpertWeights`) in ``config.precision`` (bf16 or mxfp8:
-        x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
+        and the routed ``weights`` (:class:`~mok_cute.kernels.operands.ExpertWeights`) in ``config.precision``
+        (bf16 or mxfp8: x and the weights round-tripped as the unfused MXFP8 forward does, h in the kernel);
         ``gate``: fp32 [T], the shared expert's output gate per token; ``biases``: as :meth:`forward`'s; returns
-        ``(y, gu, h,
-        slot_out, gus, hs, s_out)`` (``s_out`` the shared expert's output, None without one). The
+        ``(y, gu, h, slot_out, gus, hs, s_out)`` (``s_out`` the shared expert's output, None without one). The
         gathered rows pass through a ring of ``config.minibatch_tokens * k`` rows
         (:func:`~mok_cute.layers.common.ring_chunks`), not kept."""
         from mok_cute.kernels.sm90 import fused_moe as fused
 
         args, mx = self._fused_operands(x, plan.offsets, *weights, shared, limit, config)
-        _check_biases(biases, config.precision)
+        check_biases("sm90", biases, config.precision)
         out = fused.fused_forward(
             args[0], plan, fused.ExpertWeights(*args[1:4]), fused.SharedExpert.of(args[4], gate), limit,
             fused.FusedLaunch(config.comm_ctas_fwd(1), config.device_timeout_s, num_ctas=launch.grid(config),
@@ -293,7 +292,8 @@ class Sm90ExpertMLP:
             dx_shared = dx_shared.contiguous()
         _check_dy(fwd, g, dy_rows)
         if biased and not (consume and g.precision == "bf16"):
-            raise ValueError(f"biased: backward_tokens at bf16 with consume only, got {g.precision!r}, consume={consume}")
+            raise ValueError(f"biased: backward_tokens at bf16 with consume only, got {g.precision!r}, "
+                             f"consume={consume}")
         d_down = expert_sums(dy_rows, g.offsets) if biased else None
         out = fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
@@ -301,8 +301,7 @@ class Sm90ExpertMLP:
                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
         if not biased:
             return out
-        inter = w_gate.shape[1]  # the launch wrote dgu over gu (consume)
-        return (*out, expert_sums(g.gu[:, :inter], g.offsets), expert_sums(g.gu[:, inter:], g.offsets), d_down)
+        return (*out, *gate_up_bias_grads(g.gu, g.offsets), d_down)  # the launch wrote dgu over gu (consume)
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
         """The MXFP8 backward's prologue (the backward path FUSED at MXFP8 after the fused forward,
@@ -483,12 +482,6 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
         raise ValueError(f"x: M = {m} rows must be < 2^31")
     fwd._check_limit(limit)
     fwd._check_devices(x=x_rows, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down)
-
-
-def _check_biases(biases, precision: str):
-    """Expert biases (validated by ``ops.moe``) run at BF16 only on sm90."""
-    if biases is not None and precision != "bf16":
-        raise NotImplementedError(f"sm90 expert MLP: expert biases run at precision 'bf16' only, not {precision!r}")
 
 
 def _check_dy(fwd, g: ExpertGroup, dy_rows):

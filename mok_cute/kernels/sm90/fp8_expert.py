@@ -31,7 +31,6 @@ from mok_cute.dsl.host import _check_devices, _check_limit, _check_out, _check_t
 from mok_cute.kernels.sm90.fp8_gemm import (
     DEFAULT_FP8_CONFIG, SCALE_BLOCK, Fp8MainloopConfig, Fp8Operand, launch_fp8_block,
 )
-from mok_cute.kernels.swiglu_math import swiglu_args
 
 _FP8 = torch.float8_e4m3fn
 
@@ -98,9 +97,8 @@ def grouped_gemm1_swiglu_fp8_block(xq, x_scales, offsets, wg_q, wg_s, wu_q, wu_s
     h = _check_out("h", h, (m, inter), xq.device)
     _check_devices(xq=xq, x_scales=x_scales, offsets=offsets, wg_q=wg_q, wg_s=wg_s, wu_q=wu_q, wu_s=wu_s, gu=gu, h=h)
     if m:
-        clamp, gated, lim = swiglu_args(limit)
-        launch_fp8_block("swiglu", clamp, cfg, Fp8Operand(xq, x_scales), Fp8Operand(wg_q, wg_s),
-                         Fp8Operand(wu_q, wu_s), offsets, gu.view(m, 2, inter), h, lim, 2 * inter, gated)
+        launch_fp8_block("swiglu", cfg, Fp8Operand(xq, x_scales), Fp8Operand(wg_q, wg_s), Fp8Operand(wu_q, wu_s),
+                         offsets, gu.view(m, 2, inter), h, 2 * inter, limit)
     return gu, h
 
 
@@ -128,9 +126,8 @@ def grouped_dswiglu_dgrad_fp8_block(dyq, dy_scales, offsets, wdt_q, wdt_s, gu, l
     out = _check_out("out", out, (m, 2 * inter), dyq.device)
     _check_devices(dyq=dyq, dy_scales=dy_scales, offsets=offsets, wdt_q=wdt_q, wdt_s=wdt_s, gu=gu, out=out)
     if m:
-        clamp, gated, lim = swiglu_args(limit)
-        launch_fp8_block("dswiglu", clamp, cfg, Fp8Operand(dyq, dy_scales), Fp8Operand(wdt_q, wdt_s),
-                         None, offsets, out.view(m, 2, inter), gu.view(m, 2, inter), lim, inter, gated)
+        launch_fp8_block("dswiglu", cfg, Fp8Operand(dyq, dy_scales), Fp8Operand(wdt_q, wdt_s), None, offsets,
+                         out.view(m, 2, inter), gu.view(m, 2, inter), inter, limit)
     return out
 
 
@@ -153,8 +150,8 @@ def grouped_dgrad1_fp8_block(dguq, dgu_scales, offsets, w1t_q, w1t_s, *, out=Non
     out = _check_out("out", out, (m, hid), dguq.device)
     _check_devices(dguq=dguq, dgu_scales=dgu_scales, offsets=offsets, w1t_q=w1t_q, w1t_s=w1t_s, out=out)
     if m:
-        launch_fp8_block("plain", False, cfg, Fp8Operand(dguq, dgu_scales), Fp8Operand(w1t_q, w1t_s), None,
-                         offsets, out, out, 0.0, hid)
+        launch_fp8_block("plain", cfg, Fp8Operand(dguq, dgu_scales), Fp8Operand(w1t_q, w1t_s), None, offsets, out,
+                         out, hid)
     return out
 
 

@@ -74,7 +74,7 @@ from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, GroupWalk, MainloopConfig,
     Sm90Mainloop, TmaLoads, consumer_barrier, experts_last,
 )
-from mok_cute.kernels.swiglu_math import Gated, dswiglu
+from mok_cute.kernels.swiglu_math import Gated, dswiglu, swiglu_args
 from mok_cute.schedule.group_tiles import grouped_start, seek, tile_coords
 
 SCALE_BLOCK = 128
@@ -497,17 +497,20 @@ def compile_fp8_block_gemm(cfg: Fp8MainloopConfig = Fp8MainloopConfig(), arch: s
                           cute.runtime.make_fake_stream(), arch=arch, inspect=inspect)
 
 
-def launch_fp8_block(epilogue: str, clamp: bool, cfg: Fp8MainloopConfig, a: Fp8Operand, w: Fp8Operand,
-                     w2: Fp8Operand | None, offsets, out0, out1, limit: float, n: int, gated: Gated | None = None):
+def launch_fp8_block(epilogue: str, cfg: Fp8MainloopConfig, a: Fp8Operand, w: Fp8Operand, w2: Fp8Operand | None,
+                     offsets, out0, out1, n: int, act=None):
     """Compile (cached per variant and config) and launch on the current stream; operands
     already validated (:class:`Fp8BlockGroupedGemm`'s ``mB2`` / ``mSB2`` from ``w2``, swiglu's w_up);
-    ``clamp``, ``gated``, ``limit``: :func:`~mok_cute.kernels.swiglu_math.swiglu_args`'s;
+    ``act``: the (d)SwiGLU's activation argument (None, a limit L or a SwiGLU:
+    :func:`~mok_cute.kernels.swiglu_math.swiglu_args` gives the compile-time clamp and alpha / up offset and the
+    runtime limit);
     ``n``: the N extent tiled by ``cfg.tile_n``; ``a.scales`` [M, K/128] (its [K/128, M] transpose is
     read, copied only if not already contiguous)."""
     (a, a_scales), (w, w_scales) = a, w
     dev, arch = device_arch(a.device)
     if arch != "sm_90a":
         raise ValueError(f"a: the SM90 FP8 GEMM needs an sm_90a device, got {arch}")
+    clamp, gated, limit = swiglu_args(act)
     compiled = compile_cached(("sm90_fp8_block_gemm", arch, epilogue, clamp, gated, cfg.key()),
                               lambda: compile_fp8_block_gemm(cfg, arch, epilogue=epilogue, clamp=clamp, gated=gated)[0])
     m, e = a.shape[0], w.shape[0]
@@ -561,6 +564,5 @@ def grouped_gemm_fp8_block(a, a_scales, offsets, w, w_scales, *, out=None, cfg: 
     _check_devices(a=a, a_scales=a_scales, offsets=offsets, w=w, w_scales=w_scales, out=out)
     if m == 0:
         return out
-    launch_fp8_block("plain", False, cfg, Fp8Operand(a, a_scales), Fp8Operand(w, w_scales), None, offsets, out, out,
-                     0.0, n)
+    launch_fp8_block("plain", cfg, Fp8Operand(a, a_scales), Fp8Operand(w, w_scales), None, offsets, out, out, n)
     return out

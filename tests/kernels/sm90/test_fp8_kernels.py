@@ -500,8 +500,8 @@ def test_fp8_launch_reads_a_scales_transposed(fp8_host, layout):
     m, kb = a["dgu_scales"].shape
     sa = torch.rand(kb, m).t() if layout == "transposed-view" else torch.rand(m, kb)
     out = torch.empty(m, 256, dtype=torch.bfloat16)
-    g.launch_fp8_block("plain", False, g.DEFAULT_FP8_CONFIG, g.Fp8Operand(a["dguq"], sa),
-                       g.Fp8Operand(a["w1t_q"], a["w1t_s"]), None, a["offsets"], out, out, 0.0, 256)
+    g.launch_fp8_block("plain", g.DEFAULT_FP8_CONFIG, g.Fp8Operand(a["dguq"], sa),
+                       g.Fp8Operand(a["w1t_q"], a["w1t_s"]), None, a["offsets"], out, out, 256)
     desc = calls[0][1]._keep
     assert desc.shape == (kb, m) and desc.is_contiguous() and torch.equal(desc, sa.t())
     assert (desc.data_ptr() == sa.data_ptr()) is (layout == "transposed-view")
