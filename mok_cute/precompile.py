@@ -75,6 +75,8 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+from mok_cute.bench.shapes import LayerSize
+
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 INDEX_DTYPES = ("int32", "int64")
 _BACKEND = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}
@@ -83,23 +85,15 @@ _SMS = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}  # H100 / H200, B200 / B3
 
 # ---------------------------------------------------------------- what to compile
 @dataclass(frozen=True)
-class Problem:
-    """One layer call whose kernels to compile: T ``tokens`` per rank, H ``hidden``, I ``inter``, E
-    ``experts``, top-``topk``, the shared expert's width ``shared`` (0: none), ``ep`` (only 1 is
-    covered), ``precision`` (None: ``config``'s), the activation (``limit`` None: no clamp;
+class Problem(LayerSize):
+    """One layer call whose kernels to compile: its sizes (:class:`~mok_cute.bench.shapes.LayerSize`, E
+    ``experts`` per rank; ``ep``: only 1 is covered), ``precision`` (None: ``config``'s), the activation (``limit`` None: no clamp;
     ``swiglu_alpha`` / ``swiglu_up_offset``: gpt-oss's 1.702 / 1), ``backward`` (the backward's
     kernels too), ``shared_gate`` (the shared expert's output gate), ``main_grads`` (the weight
     gradients added into fp32 buffers), ``index_dtypes`` (``topk_idx``'s dtypes: the routing plan
     compiles per dtype) and ``config`` (a :class:`~mok_cute.config.MoKConfig`, or a mapping of its
     fields; None: the defaults). ValueError for a value no layer call takes."""
 
-    tokens: int
-    hidden: int
-    inter: int
-    experts: int
-    topk: int
-    shared: int = 0
-    ep: int = 1
     precision: str | None = None
     limit: float | None = None
     swiglu_alpha: float = 1.0
@@ -114,12 +108,7 @@ class Problem:
     def __post_init__(self):
         from mok_cute.config import PRECISIONS, MoKConfig
 
-        for n in ("tokens", "hidden", "inter", "experts", "topk", "shared", "ep"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if n == "shared" else 1):
-                raise ValueError(f"{n} must be an int >= {0 if n == 'shared' else 1}, got {v!r}")
-        if self.topk > self.experts:
-            raise ValueError(f"topk = {self.topk} must be at most experts = {self.experts}")
+        super().__post_init__()
         if self.ep != 1:
             raise ValueError(f"ep = {self.ep}: EP > 1 is not precompiled (its comm kernels, device planner and ep "
                              "kernel variants need the ranks' workspace and process group; see the module doc), "

@@ -116,3 +116,28 @@ def add_size_args(ap, experts: str, tokens: str, shape: str) -> None:
     ap.add_argument("--shared", type=int, default=0, metavar="I_S", help="the shared expert's width (default 0: none)")
     ap.add_argument("--shape", nargs="+", metavar="NAME", default=None,
                     help=f"instead of the sizes: named shapes (python -m mok_cute.bench --list-shapes), {shape}")
+
+
+@dataclass(frozen=True)
+class LayerSize:
+    """The sizes of one layer call that the tuner's and the precompiler's problems share: T ``tokens`` per rank,
+    H ``hidden``, I ``inter``, E ``experts``, top-``topk``, the shared expert's width ``shared`` (0: none) and
+    the expert-parallel size ``ep``; ValueError for a size no layer call takes."""
+
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    topk: int
+    shared: int = 0
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tokens", "hidden", "inter", "experts", "topk", "ep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.shared, bool) or not isinstance(self.shared, int) or self.shared < 0:
+            raise ValueError(f"shared must be an int >= 0 (0: no shared expert), got {self.shared!r}")
+        if self.topk > self.experts:
+            raise ValueError(f"topk = {self.topk} must be at most experts = {self.experts}")

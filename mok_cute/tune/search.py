@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mok_cute.bench.shapes import LayerSize
 from mok_cute import tuning
 from mok_cute.config import MoKConfig
 from mok_cute.layers import paths as P
@@ -30,33 +31,18 @@ from mok_cute.tune import space
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One layer per rank: T tokens, hidden H, expert width I, E experts in all (E / ep per rank),
-    top-k, a shared expert of width ``shared`` (0: none), the SwiGLU clamp ``limit`` (None: none),
-    the precision, and whether the backward is tuned too."""
+class Problem(LayerSize):
+    """One layer per rank (:class:`~mok_cute.bench.shapes.LayerSize`, E experts in all: E / ep per rank), the
+    SwiGLU clamp ``limit`` (None: none), the precision, and whether the backward is tuned too."""
 
-    tokens: int
-    hidden: int
-    inter: int
-    experts: int
-    topk: int
-    shared: int = 0
-    ep: int = 1
     precision: str = "bf16"
     limit: float | None = None
     backward: bool = True
 
     def __post_init__(self):
-        for name in ("tokens", "hidden", "inter", "experts", "topk", "ep"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if isinstance(self.shared, bool) or not isinstance(self.shared, int) or self.shared < 0:
-            raise ValueError(f"shared must be an int >= 0 (0: no shared expert), got {self.shared!r}")
+        super().__post_init__()
         if self.experts % self.ep:
             raise ValueError(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
-        if self.topk > self.experts:
-            raise ValueError(f"topk ({self.topk}) must be at most experts ({self.experts})")
 
     @property
     def objective(self) -> str:
