@@ -13,8 +13,10 @@ batches, 16,384 tokens per step (--batch 4 x --seq 4096):
 ``source .gpu-node/activate.sh && source .hfnode/activate.sh && python3 examples/hf_finetune.py``)
 
 Backends (--backends): "mok_cute" (registered by ``mok_cute.integrations.transformers.register()``),
-transformers' "grouped_mm", and "sonicmoe" where transformers can load that kernel (else skipped,
-with the reason). On a CPU, mok_cute runs its pure-torch reference backend.
+transformers' "grouped_mm", and transformers' "sonicmoe" on a Hopper or newer GPU, with transformers'
+hub kernel or, offline, the ``sonic-moe`` pip package (``bash tools/peer_env.sh`` installs its wheels;
+else skipped, with the reason; listed after mok_cute). On a CPU, mok_cute runs its pure-torch
+reference backend.
 
 Reported per backend: tokens/s of the whole training step (forward, backward and optimizer step;
 the median step after --warmup steps, timed between torch.cuda.synchronize calls), the first
@@ -110,20 +112,46 @@ class Phrases:
         return self.table[picks].view(batch, -1)[:, :seq]
 
 
-def sonicmoe_missing() -> str | None:
-    """Why transformers cannot run its "sonicmoe" backend here, or None when it can."""
-    try:
-        from transformers.integrations.sonicmoe import load_sonicmoe_kernel
+def sonicmoe_missing(device: torch.device) -> str | None:
+    """Why the "sonicmoe" backend cannot run here, or None when it can: a CUDA GPU of SM90 or newer, and
+    either transformers' hub kernel (``kernels`` installed) or the ``sonic-moe`` pip package. Imports
+    nothing of SonicMoE: importing it (QuACK) patches CuTe DSL process-wide, so it is loaded only by
+    :func:`load_sonicmoe`, after mok_cute's kernels have compiled."""
+    import importlib.util
 
-        load_sonicmoe_kernel()
-    except Exception as e:  # ImportError for a missing package or GPU; others from the kernel's loading
-        return f"{type(e).__name__}: {e}"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return "SonicMoE needs an NVIDIA GPU of SM90 (Hopper) or newer"
+    if importlib.util.find_spec("kernels") is None and importlib.util.find_spec("sonicmoe") is None:
+        return ("neither the `kernels` package (transformers' hub kernel) nor the `sonic-moe` package is installed "
+                "(pip install sonic-moe)")
     return None
+
+
+def load_sonicmoe() -> str:
+    """Load SonicMoE for transformers' "sonicmoe" backend: transformers' own loader (the hub kernel
+    ``kernels-community/sonic-moe``), else the installed ``sonic-moe`` package put in its place
+    (``transformers.integrations.sonicmoe._SONICMOE``; its ``moe_general_routing_inputs`` takes the
+    same arguments). Returns where it came from; raises ImportError when neither loads."""
+    from transformers.integrations import sonicmoe as hf_sonic
+
+    try:
+        hf_sonic.load_sonicmoe_kernel()
+        return "kernels-community/sonic-moe (transformers' hub kernel)"
+    except Exception as hub_error:  # noqa: BLE001  (no `kernels`, no network, no build for this torch)
+        try:
+            import sonicmoe
+        except ImportError as e:
+            raise ImportError(f"SonicMoE: hub kernel: {hub_error}; pip package: {e}") from e
+        hf_sonic._SONICMOE = hf_sonic.SonicMoE(activation_type_enum=sonicmoe.enums.ActivationType,
+                                              moe_general_routing_inputs=sonicmoe.moe_general_routing_inputs)
+        return f"sonic-moe {getattr(sonicmoe, '__version__', '?')} (pip package)"
 
 
 def train(model, init: dict, backend: str, args, data: Phrases, device: torch.device) -> dict:
     """``args.steps`` AdamW steps of ``model`` from the weights ``init`` on the experts ``backend``."""
     model.load_state_dict(init)
+    if backend == "sonicmoe":
+        print(f"hf_finetune: sonicmoe from {load_sonicmoe()}")
     model.set_experts_implementation(backend)
     model.train()
     cuda = device.type == "cuda"
@@ -201,8 +229,12 @@ def main(argv=None) -> dict:
     mok_hf.register(mok_cute.MoKConfig(precision=args.precision, validate_routing=False))
 
     backends, skipped = [], {}
-    for name in (b.strip() for b in args.backends.split(",") if b.strip()):
-        reason = sonicmoe_missing() if name == "sonicmoe" else None
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "sonicmoe" in names and "mok_cute" in names[names.index("sonicmoe"):]:
+        raise SystemExit("hf_finetune: --backends must list mok_cute before sonicmoe (importing SonicMoE patches "
+                         "CuTe DSL process-wide; mok_cute's kernels must compile first)")
+    for name in names:
+        reason = sonicmoe_missing(device) if name == "sonicmoe" else None
         if reason:
             print(f"hf_finetune: skipping sonicmoe ({reason})")
             skipped[name] = reason

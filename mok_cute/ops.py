@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .custom_ops import (
-    ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, mlp_activation, moe_fwd,
+    ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, fc1_of, group_key, mlp_activation, moe_fwd,
 )
 from .config import MoKConfig
 from .dsl.host import weight_operand
@@ -87,7 +87,10 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
         return moe_fwd(x, topk_idx, topk_w, weights, list(main_grads or ()), act.limit, config_key(config),
                        group_key(group), keep, act.alpha, act.up_offset, biases is not None)[0]
-    call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None)
+    fc1 = None if main_grads is not None else fc1_of(weights[0], weights[1])  # gate / up: halves of one tensor
+    if fc1 is not None:
+        weights = [fc1, *weights[2:]]
+    call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None, fc1 is not None)
     return MoEFunction.apply(call, x, topk_w, *weights)
 
 

@@ -53,9 +53,11 @@ FAMILIES = {
 }
 BACKENDS = ("grouped_mm", "mok_cute")
 FIELDS = ("model", "block", "note", "shape", "tokens", "hidden", "intermediate", "experts", "top_k",
-          "shared_intermediate", "grouped_mm_ms", "mok_cute_ms", "speedup", "grouped_mm_peak_mib",
+          "shared_intermediate", "grouped_mm_ms", "mok_cute_ms", "speedup", "grouped_mm_host_ms", "mok_cute_host_ms",
+          "grouped_mm_peak_mib",
           "mok_cute_peak_mib", "rel_err_out", "rel_err_dx", "error")
-COLUMNS = {"grouped_mm_ms": ".2f", "mok_cute_ms": ".2f", "speedup": ".2f", "grouped_mm_peak_mib": ".0f",
+COLUMNS = {"grouped_mm_ms": ".2f", "mok_cute_ms": ".2f", "speedup": ".2f", "grouped_mm_host_ms": ".2f",
+           "mok_cute_host_ms": ".2f", "grouped_mm_peak_mib": ".0f",
            "mok_cute_peak_mib": ".0f", "rel_err_out": ".1e", "rel_err_dx": ".1e"}  # the table's, after model, shape
 
 
@@ -68,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed steps first (default 3; 0 with --tiny)")
     p.add_argument("--deepseek-experts", type=int, default=32, help="DeepSeek-V3's experts (default 32: EP=8's slice)")
     p.add_argument("--json", metavar="PATH", help="write meta and rows to PATH")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timing, print each backend's N heaviest CUDA kernels per step (torch.profiler, "
+                        "2 steps) and its GPU-busy ms per step (default 0: no profile)")
     p.add_argument("--tiny", action="store_true", help="tools/hf_tiny's dims, mok_cute's reference backend, 1 step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -110,7 +115,8 @@ def build(model_type: str, args) -> tuple[torch.nn.Module, dict]:
 
 
 def time_backend(block, impl: str, x, dy, args) -> tuple[float, float | None, torch.Tensor, torch.Tensor]:
-    """(median ms, peak MiB above the start or None on CPU, output, dx) of ``impl``'s steps."""
+    """(median ms, median host ms, peak MiB above the start or None on CPU, output, dx) of ``impl``'s steps; host
+    ms: a step's enqueue time on the host (no synchronization), ~ its ms when the host is the bottleneck."""
     block.experts.config._experts_implementation = impl
     cuda = x.device.type == "cuda"
 
@@ -135,17 +141,39 @@ def time_backend(block, impl: str, x, dy, args) -> tuple[float, float | None, to
     if cuda:  # the peak of the timed steps, over anything the backend keeps from its warmup (caches) too
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    laps = []
+    laps, host = [], []
     for _ in range(args.iters):
         out = dx = None  # the previous step's output is no part of this step's peak
-        start = mark()
+        start, t0 = mark(), time.perf_counter()
         out, dx = step()
+        host.append((time.perf_counter() - t0) * 1e3)
         laps.append((start, mark()))
     if cuda:
         torch.cuda.synchronize()
     times = [start.elapsed_time(end) if cuda else end - start for start, end in laps]
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-    return statistics.median(times), peak, out, dx
+    return statistics.median(times), statistics.median(host), peak, out, dx
+
+
+def profile_backend(block, impl: str, x, dy, top: int, steps: int = 2) -> str:
+    """``impl``'s ``top`` heaviest CUDA kernels over ``steps`` steps (ms per step, calls per step), and the sum of
+    every kernel's time per step (GPU busy): a step's span above that is launch latency or host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block.experts.config._experts_implementation = impl
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            out = block(x)
+            (out[0] if isinstance(out, tuple) else out).backward(dy)
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    lines = [f"  {impl}: GPU busy {busy:.2f} ms per step, {sum(e.count for e in kernels) // steps} kernels per step"]
+    lines += [f"    {e.device_time_total / steps / 1e3:7.3f} ms x{e.count // steps:<3} {e.key[:90]}" for e in kernels[:top]]
+    return "\n".join(lines)
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -173,6 +201,8 @@ def bench(model_type: str, args) -> dict:
             try:  # --tiny registers mok_cute's reference backend under its own name
                 impl = "mok_cute_reference" if args.tiny and name == "mok_cute" else name
                 results[name] = time_backend(block, impl, x, dy, args)
+                if args.profile and x.device.type == "cuda":
+                    print(profile_backend(block, impl, x, dy, args.profile), flush=True)
             except Exception as e:  # noqa: BLE001  (OOM, a refusal, a missing kernel: reported, the rest goes on)
                 errors.append(f"{name}: {reason(e)}")
                 x.grad = None
@@ -180,10 +210,10 @@ def bench(model_type: str, args) -> dict:
                 torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001  (transformers lacks the family, OOM building it)
         errors.append(reason(e))
-    for name, (ms, peak, _, _) in results.items():
-        row[f"{name}_ms"], row[f"{name}_peak_mib"] = ms, peak
+    for name, (ms, host, peak, _, _) in results.items():
+        row[f"{name}_ms"], row[f"{name}_host_ms"], row[f"{name}_peak_mib"] = ms, host, peak
     if len(results) == len(BACKENDS):
-        (_, _, y_mm, dx_mm), (_, _, y_mok, dx_mok) = results["grouped_mm"], results["mok_cute"]
+        (*_, y_mm, dx_mm), (*_, y_mok, dx_mok) = results["grouped_mm"], results["mok_cute"]
         row.update(speedup=row["grouped_mm_ms"] / row["mok_cute_ms"], rel_err_out=max_rel(y_mok, y_mm),
                    rel_err_dx=max_rel(dx_mok, dx_mm))
     row["error"] = "; ".join(errors) or None

@@ -16,7 +16,10 @@ import time
 _T0 = time.perf_counter()  # the process's start, as near as a module can see it
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import cProfile  # noqa: E402
 import os  # noqa: E402
+import pstats  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -26,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8", "fp8_block"))
     p.add_argument("--ref", required=True, help="outputs of the first process (written when absent)")
     p.add_argument("--shape", default="1024,2048,1024,16,8", help="T,H,I,E,k")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print the first step's N most expensive functions (cProfile, cumulative seconds)")
     a = p.parse_args(argv)
     import mok_cute
     from mok_cute.dsl.compile import cache_stats
@@ -36,9 +41,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     layer = mok_cute.MoELayer(h, i, e, k, config=mok_cute.MoKConfig(precision=a.precision), device="cuda")
     x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    prof = cProfile.Profile() if a.profile else None
     start = time.perf_counter()
-    layer(x).float().square().mean().backward()
-    torch.cuda.synchronize()
+    with prof or contextlib.nullcontext():
+        layer(x).float().square().mean().backward()
+        torch.cuda.synchronize()
     t_step = time.perf_counter() - start
     for _ in range(3):  # graph captures, then replays, of the same kernels
         x.grad = None
@@ -55,6 +62,8 @@ def main(argv=None) -> int:
     print(f"{a.precision} cache {os.environ.get('MOK_CUTE_CACHE_DIR')}: import {t_import:.2f} s, first fwd+bwd "
           f"{t_step:.2f} s (start to end of step 1: {t_import + t_step:.2f} s), bitwise = first process: {same}\n"
           f"  {cache_stats()}\n  launches {launch_stats()}", flush=True)
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
     return 0 if same in (None, True) else 1
 
 

@@ -51,3 +51,10 @@ def test_tiny_finetune_writes_its_report(tmp_path, registry):
     assert report["backends"]["grouped_mm"]["loss_gap_vs_reference"] == 0.0
     assert report["backends"]["mok_cute"]["loss_gap_vs_reference"] < 5e-2
     assert (tmp_path / report["plot"]).is_file() and report["plot"] in ("hf_finetune_loss.png", "hf_finetune_loss.csv")
+
+
+def test_sonicmoe_must_follow_mok_cute(tmp_path, registry):
+    # importing SonicMoE patches CuTe DSL process-wide: mok_cute's kernels must compile first
+    with pytest.raises(SystemExit, match="mok_cute before sonicmoe"):
+        _example().main(["--tiny", "--steps", "1", "--device", "cpu", "--backends", "sonicmoe,mok_cute",
+                         "--out", str(tmp_path)])

@@ -54,6 +54,8 @@ def test_fc1_halves_reach_the_backend_uncopied_and_match_contiguous(monkeypatch)
     monkeypatch.setattr(select, "get_backend", lambda name: Spy(real(name)))
     dy = torch.randn(t, h, generator=g).bfloat16()
     y = mok_cute.moe(x, idx, w, fc1[:, :i], fc1[:, i:], wd, config=CFG)
+    # fc1 itself is the autograd input (one gradient, no zero-filled gradient per half)
+    assert any(f is not None and getattr(f, "variable", None) is fc1 for f, _ in y.grad_fn.next_functions)
     y.backward(dy)
     assert seen == [(fc1.data_ptr(), fc1.data_ptr() + i * h * 2)]
     gate, up = fc1.detach()[:, :i].clone().requires_grad_(), fc1.detach()[:, i:].clone().requires_grad_()
@@ -76,3 +78,24 @@ def test_sm90_operand_check_takes_the_halves():
     assert gg._check_operands(x, offs, {"w_gate": fc1[:, :i], "w_up": fc1[:, i:]}, a_name="x") == (8, h, e)
     with pytest.raises(ValueError, match="w_up must be .*strides"):
         gg._check_operands(x, offs, {"w_up": fc1.transpose(1, 2)[:, :, :h]}, a_name="x")
+
+
+def test_fc1_of_and_join_halves():
+    """fc1_of finds the tensor whose halves the gate and up weights are (nothing else); join_halves gives the
+    halves' common buffer back without a copy, else their concatenation."""
+    from mok_cute.custom_ops import fc1_of, join_halves
+
+    e, i, h = 3, 8, 16
+    fc1 = torch.randn(e, 2 * i, h)
+    assert fc1_of(fc1[:, :i], fc1[:, i:]) is fc1
+    assert fc1_of(fc1[:, i:], fc1[:, :i]) is None  # swapped halves
+    assert fc1_of(fc1[:, 0::2], fc1[:, 1::2]) is None  # interleaved
+    assert fc1_of(fc1[:, :i].clone(), fc1[:, i:]) is None  # a copy
+    assert fc1_of(fc1[:2, :i], fc1[:2, i:]) is None  # not every expert
+    wide = torch.randn(e, 3 * i, h)
+    assert fc1_of(wide[:, :i], wide[:, i:2 * i]) is None  # halves of a part of a bigger tensor
+    buf = torch.randn(e, 2 * i, h)
+    assert join_halves(buf[:, :i], buf[:, i:]) is buf
+    a, b = torch.randn(e, i, h), torch.randn(e, i, h)
+    assert torch.equal(join_halves(a, b), torch.cat([a, b], 1))
+    assert join_halves(None, None) is None

@@ -1138,9 +1138,9 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
-    if main_grads is None:
-        dwg = torch.empty((e, inter, hid), **bf)
-        dwu = torch.empty((e, inter, hid), **bf)
+    if main_grads is None:  # dW_gate, dW_up: the halves of one [E, 2I, H] buffer (fc1's gradient without a copy)
+        dwgu = torch.empty((e, 2 * inter, hid), **bf)
+        dwg, dwu = dwgu[:, :inter], dwgu[:, inter:]
         dwd = torch.empty((e, hid, inter), **bf)
     else:
         dwg, dwu, dwd = main_grads[:3]
