@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
+from . import fc1
 from .config import MoKConfig
 from .reference import SwiGLU
 
@@ -185,51 +186,22 @@ class LayerCall:
     topk_idx: torch.Tensor
     main_grads: tuple | None
     biased: bool = False
-    fc1: bool = False  # the weights start with the [E, 2I, H] tensor whose halves are w_gate, w_up (:func:`fc1_of`)
-
-
-def _halves_of(base: torch.Tensor | None, first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Whether ``first`` and ``second`` are exactly ``base[:, :I]`` and ``base[:, I:]`` of a 3-D ``base`` [E, 2I, H]."""
-    if base is None or base.dim() != 3 or first.dim() != 3 or first.shape != second.shape:
-        return False
-    e, inter, h = first.shape
-    step = base.stride(1) * base.element_size()
-    return (tuple(base.shape) == (e, 2 * inter, h) and first.stride() == base.stride() == second.stride()
-            and first.data_ptr() == base.data_ptr() and second.data_ptr() == base.data_ptr() + inter * step)
-
-
-def fc1_of(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
-    """The tensor fc1 [E, 2I, H] whose halves along dim 1 ``w_gate`` and ``w_up`` are as views (the fused gate /
-    up projection of Megatron's and transformers' experts, ``gate_up_proj[:, :I]`` and ``[:, I:]``), else None.
-    :class:`MoEFunction` then takes fc1 itself, so that its gradient is one tensor (the fused backward writes
-    dW_gate and dW_up as the halves of one buffer) instead of two view gradients that autograd zero-fills to
-    fc1's size and adds (about six bytes of traffic per byte of fc1)."""
-    return w_gate._base if _halves_of(w_gate._base, w_gate, w_up) and w_up._base is w_gate._base else None
-
-
-def join_halves(d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> torch.Tensor | None:
-    """fc1's gradient [E, 2I, H] from its halves' gradients: their common buffer when they are its halves (no copy),
-    else their concatenation along dim 1 (None when both are None: gradients accumulated elsewhere)."""
-    if d_gate is None and d_up is None:
-        return None
-    if _halves_of(d_gate._base, d_gate, d_up) and d_up._base is d_gate._base:
-        return d_gate._base
-    return torch.cat((d_gate, d_up), dim=1)
+    fc1: tuple[bool, bool] | None = None  # the weights start with fc1's base: (transposed, interleaved), mok_cute.fc1
 
 
 class MoEFunction(torch.autograd.Function):
     """The eager path of :func:`mok_cute.moe` (the custom ops' Python dispatch costs about 0.2 ms
     per call, ``tools/bench_dispatch.py``): the same :func:`run_forward` / :func:`run_backward`,
     the state held in ``ctx``. The weights present are passed one by one, in :func:`layer_inputs`'
-    order, so that autograd tracks each; with ``call.fc1`` the first is fc1 [E, 2I, H] instead of
-    w_gate and w_up (its halves, :func:`fc1_of`), and its gradient is one tensor."""
+    order, so that autograd tracks each; with ``call.fc1`` the first is the tensor whose views w_gate
+    and w_up are (:mod:`mok_cute.fc1`), and its gradient is one tensor in its layout."""
 
     @staticmethod
     def forward(ctx, call: LayerCall, x, topk_w, *weights):
-        if call.fc1:
-            fc1, inter = weights[0], weights[0].shape[1] // 2
-            weights = (fc1[:, :inter], fc1[:, inter:], *weights[1:])
-        ctx.weights, ctx.biased, ctx.fc1 = list(weights), call.biased, call.fc1
+        ctx.fc1 = None if call.fc1 is None else fc1.Fc1(weights[0], *call.fc1)
+        if ctx.fc1 is not None:
+            weights = (*fc1.operands(ctx.fc1), *weights[1:])
+        ctx.weights, ctx.biased = list(weights), call.biased
         inp = layer_inputs(x, call.topk_idx, topk_w, ctx.weights, call.swiglu, call.main_grads, call.biased)
         y, ctx.entry = run_forward(inp, call.config, call.group, call.keep)
         ctx.main_grads = call.main_grads
@@ -239,8 +211,8 @@ class MoEFunction(torch.autograd.Function):
     def backward(ctx, dy):
         entry, ctx.entry = ctx.entry, None
         grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads, ctx.biased)
-        if ctx.fc1:
-            grads = [*grads[:2], join_halves(grads[2], grads[3]), *grads[4:]]
+        if ctx.fc1 is not None:
+            grads = [*grads[:2], fc1.grad(ctx.fc1, grads[2], grads[3]), *grads[4:]]
         return None, *grads
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from .custom_ops import (
-    ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, fc1_of, group_key, mlp_activation, moe_fwd,
+    ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, mlp_activation, moe_fwd,
 )
+from . import fc1 as fc1_views
 from .config import MoKConfig
 from .dsl.host import weight_operand
 from .reference import SwiGLU, _world
@@ -81,16 +82,18 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w) + given)
     # weights as given when the kernels' TMA addresses them in place (fc1 halves: no copy)
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
-    weights = [weight_operand(w) for w in given[:6 if shared is not None else 3]]
+    compiling = torch.compiler.is_compiling()
+    # gate / up as views of one tensor (a model's gate_up_proj): autograd takes that tensor (mok_cute.fc1)
+    fc1 = None if main_grads is not None or compiling else fc1_views.find(w_gate, w_up)
+    weights = [weight_operand(w) for w in given[0 if fc1 is None else 2:6 if shared is not None else 3]]
+    weights = weights if fc1 is None else [fc1.base, *weights]
     weights += [] if shared_gate is None else [shared_gate.contiguous()]
     weights += [] if biases is None else [b.contiguous() for b in biases]
-    if torch.compiler.is_compiling():  # the custom ops: opaque to the trace, no graph break
+    if compiling:  # the custom ops: opaque to the trace, no graph break
         return moe_fwd(x, topk_idx, topk_w, weights, list(main_grads or ()), act.limit, config_key(config),
                        group_key(group), keep, act.alpha, act.up_offset, biases is not None)[0]
-    fc1 = None if main_grads is not None else fc1_of(weights[0], weights[1])  # gate / up: halves of one tensor
-    if fc1 is not None:
-        weights = [fc1, *weights[2:]]
-    call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None, fc1 is not None)
+    call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None,
+                     None if fc1 is None else (fc1.transposed, fc1.interleaved))
     return MoEFunction.apply(call, x, topk_w, *weights)
 
 

@@ -80,22 +80,70 @@ def test_sm90_operand_check_takes_the_halves():
         gg._check_operands(x, offs, {"w_up": fc1.transpose(1, 2)[:, :, :h]}, a_name="x")
 
 
-def test_fc1_of_and_join_halves():
-    """fc1_of finds the tensor whose halves the gate and up weights are (nothing else); join_halves gives the
-    halves' common buffer back without a copy, else their concatenation."""
-    from mok_cute.custom_ops import fc1_of, join_halves
+def _layouts(e, i, h, g):
+    """(fc1 base, transposed, interleaved, w_gate view, w_up view) for every layout mok_cute.fc1 knows."""
+    from mok_cute import fc1 as F
 
-    e, i, h = 3, 8, 16
+    for transposed, interleaved in F.LAYOUTS:
+        base = torch.randn(*((e, h, 2 * i) if transposed else (e, 2 * i, h)), generator=g).bfloat16()
+        gate, up = F.split(F.rows(base, transposed), interleaved)
+        yield base, transposed, interleaved, gate, up
+
+
+def test_fc1_find_operands_grad():
+    """find recognises the four layouts of gate / up in one tensor (nothing else); operands gives the same
+    values (in place for [E, 2I, H], a halves re-layout for [E, H, 2I]); grad gives the base's gradient in
+    the base's layout (the halves' own buffer without a copy)."""
+    from mok_cute import fc1 as F
+
+    g = torch.Generator().manual_seed(0)
+    e, i, h = 3, 64, 128
+    for base, transposed, interleaved, gate, up in _layouts(e, i, h, g):
+        found = F.find(gate, up)
+        assert found == F.Fc1(base, transposed, interleaved)
+        assert F.find(up, gate) is None and F.find(gate.clone(), up) is None
+        og, ou = F.operands(found)
+        assert torch.equal(og, gate) and torch.equal(ou, up)
+        assert (og.data_ptr() == gate.data_ptr()) == (not transposed)  # in place: TMA addresses the rows
+        dg, du = torch.randn(e, i, h, generator=g).bfloat16(), torch.randn(e, i, h, generator=g).bfloat16()
+        d = F.grad(found, dg, du)
+        assert d.shape == base.shape and d.stride() == base.stride()
+        want = torch.zeros_like(base, dtype=torch.float32)
+        wg, wu = F.split(F.rows(want, transposed), interleaved)
+        wg.copy_(dg), wu.copy_(du)
+        assert torch.equal(d.float(), want)
+        assert F.grad(found, None, None) is None
     fc1 = torch.randn(e, 2 * i, h)
-    assert fc1_of(fc1[:, :i], fc1[:, i:]) is fc1
-    assert fc1_of(fc1[:, i:], fc1[:, :i]) is None  # swapped halves
-    assert fc1_of(fc1[:, 0::2], fc1[:, 1::2]) is None  # interleaved
-    assert fc1_of(fc1[:, :i].clone(), fc1[:, i:]) is None  # a copy
-    assert fc1_of(fc1[:2, :i], fc1[:2, i:]) is None  # not every expert
+    assert F.find(fc1[:2, :i], fc1[:2, i:]) is None  # not every expert
     wide = torch.randn(e, 3 * i, h)
-    assert fc1_of(wide[:, :i], wide[:, i:2 * i]) is None  # halves of a part of a bigger tensor
-    buf = torch.randn(e, 2 * i, h)
-    assert join_halves(buf[:, :i], buf[:, i:]) is buf
-    a, b = torch.randn(e, i, h), torch.randn(e, i, h)
-    assert torch.equal(join_halves(a, b), torch.cat([a, b], 1))
-    assert join_halves(None, None) is None
+    assert F.find(wide[:, :i], wide[:, i:2 * i]) is None  # halves of a part of a bigger tensor
+    found, buf = F.find(fc1[:, :i], fc1[:, i:]), torch.randn(e, 2 * i, h)
+    assert F.grad(found, buf[:, :i], buf[:, i:]) is buf  # the fused backward's buffer itself
+
+
+@pytest.mark.parametrize("layout", range(4))
+def test_moe_takes_fc1_in_every_layout(layout):
+    """mok_cute.moe on gate / up views of one tensor, in each layout: autograd's input is that tensor, and y and
+    every gradient equal those of contiguous copies of the views."""
+    from mok_cute import fc1 as F
+
+    g = torch.Generator().manual_seed(1)
+    t, h, i, e, k = 24, 64, 64, 4, 2
+    transposed, interleaved = F.LAYOUTS[layout]
+    base = (torch.randn(*((e, h, 2 * i) if transposed else (e, 2 * i, h)), generator=g) * 0.1).bfloat16()
+    base.requires_grad_()
+    gate, up = F.split(F.rows(base, transposed), interleaved)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    wd = (torch.randn(e, h, i, generator=g) * 0.1).bfloat16()
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    y = mok_cute.moe(x, idx, w, gate, up, wd, config=CFG)
+    assert any(getattr(f, "variable", None) is base for f, _ in y.grad_fn.next_functions)
+    y.backward(dy)
+    g2, u2 = (v.detach().clone().requires_grad_() for v in (gate, up))
+    y2 = mok_cute.moe(x, idx, w, g2, u2, wd, config=CFG)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    dg, du = F.split(F.rows(base.grad, transposed), interleaved)
+    assert torch.equal(dg, g2.grad) and torch.equal(du, u2.grad)
