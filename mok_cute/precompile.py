@@ -50,15 +50,16 @@ device name. So:
 Covered: one layer call's forward and (unless ``--no-backward``) backward at EP = 1 on the
 ``sm90`` / ``sm100`` backend, in each precision asked for, with the shared expert (``--shared``),
 its output gate (``--shared-gate``), ``main_grads`` (``--main-grads``), the SwiGLU clamp and
-gpt-oss's alpha / up offset (``--limit 7 --swiglu-alpha 1.702 --swiglu-up-offset 1``), and the
+gpt-oss's alpha / up offset (``--limit 7 --swiglu-alpha 1.702 --swiglu-up-offset 1``), expert biases
+(``--biases``: gpt-oss; bf16 only, as the layer runs them), and the
 routing plan for int32 and int64 ``topk_idx`` (``MoELayer``'s router gives int64; ``--index-dtype``).
 ``activations="recompute"`` / ``"budget"`` run the same kernels. The token count T changes no key
 (every per-step dim is symbolic in the kernels); it only selects a tuning entry.
 
 Not covered: EP > 1 (``--ep`` > 1 is refused: the EP layer's comm kernels, device planner and
 ``ep`` kernel variants need the ranks' symmetric-memory workspace and process group; its first
-step compiles them), :func:`mok_cute.expert_mlp` (the grouped expert MLP on its own), calls with
-expert biases (not modelled here), more than 1024 experts per rank (the routing plan's torch
+step compiles them), :func:`mok_cute.expert_mlp` (the grouped expert MLP on its own), more than 1024
+experts per rank (the routing plan's torch
 fallback has a value-dependent shape: refused with a message), and kernels compiled outside
 ``compile_cached`` (tools, PTX checks), which never use the disk cache.
 """
@@ -90,7 +91,7 @@ class Problem(LayerSize):
     ``experts`` per rank; ``ep``: only 1 is covered), ``precision`` (None: ``config``'s), the activation (``limit`` None: no clamp;
     ``swiglu_alpha`` / ``swiglu_up_offset``: gpt-oss's 1.702 / 1), ``backward`` (the backward's
     kernels too), ``shared_gate`` (the shared expert's output gate), ``main_grads`` (the weight
-    gradients added into fp32 buffers), ``index_dtypes`` (``topk_idx``'s dtypes: the routing plan
+    gradients added into fp32 buffers), ``biases`` (the routed experts' biases, gpt-oss), ``index_dtypes`` (``topk_idx``'s dtypes: the routing plan
     compiles per dtype) and ``config`` (a :class:`~mok_cute.config.MoKConfig`, or a mapping of its
     fields; None: the defaults). ValueError for a value no layer call takes."""
 
@@ -101,6 +102,7 @@ class Problem(LayerSize):
     backward: bool = True
     shared_gate: bool = False
     main_grads: bool = False
+    biases: bool = False
     index_dtypes: tuple[str, ...] = INDEX_DTYPES
     config: object = None
     name: str = ""
@@ -149,7 +151,7 @@ class Problem(LayerSize):
         extra = [f"+shared{self.shared}"] if self.shared else []
         extra += [f"L{self.limit:g}"] if self.limit is not None else []
         extra += [f"alpha{self.swiglu_alpha:g} up{self.swiglu_up_offset:g}"] if not self.swiglu().plain else []
-        extra += ["shared_gate"] * self.shared_gate + ["main_grads"] * self.main_grads
+        extra += ["shared_gate"] * self.shared_gate + ["main_grads"] * self.main_grads + ["biases"] * self.biases
         dims = " ".join([f"T{self.tokens} H{self.hidden} I{self.inter} E{self.experts} k{self.topk}", *extra])
         prec = self.precision or self.config.precision
         return f"{self.name + ': ' if self.name else ''}{dims} {prec} {'fwd+bwd' if self.backward else 'fwd'}"
@@ -429,15 +431,19 @@ def _run_layer(problem: Problem, target: Target, on_key) -> None:
                 weights += list(shared)
             gate = empty(1, p.hidden) if p.shared_gate else None
             weights += [gate] if gate is not None else []
-            main_grads = [empty(*w.shape, dtype=torch.float32) for w in weights] if p.main_grads else None
+            biases = (empty(p.experts, p.inter), empty(p.experts, p.inter), empty(p.experts, p.hidden))
+            biases = biases if p.biases else None
             validate.check_moe_inputs(x, topk_idx, topk_w, *weights[:3], shared, act, 1, check_values=False)
             validate.check_shared_gate(gate, shared, x)
+            validate.check_expert_biases(biases, weights[0], weights[2])
+            weights += list(biases or ())
+            main_grads = [empty(*w.shape, dtype=torch.float32) for w in weights] if p.main_grads else None
             if main_grads is not None:
-                validate.check_main_grads(main_grads, weights)
-            inp = custom_ops.layer_inputs(x, topk_idx, topk_w, weights, act, main_grads)
+                validate.check_main_grads(main_grads, weights, biased=p.biases)
+            inp = custom_ops.layer_inputs(x, topk_idx, topk_w, weights, act, main_grads, p.biases)
             _, entry = custom_ops.run_forward(inp, cfg, None, p.backward)
             if p.backward:
-                custom_ops.run_backward(entry, empty(p.tokens, p.hidden), weights, main_grads)
+                custom_ops.run_backward(entry, empty(p.tokens, p.hidden), weights, main_grads, p.biases)
 
 
 def _label(key) -> str:
@@ -665,6 +671,7 @@ def parser() -> argparse.ArgumentParser:
                     help="the training step's kernels (default) or, with --no-backward, the forward's alone")
     ap.add_argument("--shared-gate", action="store_true", help="with the shared expert's output gate")
     ap.add_argument("--main-grads", action="store_true", help="with main_grads (fp32 weight-gradient accumulation)")
+    ap.add_argument("--biases", action="store_true", help="with the routed experts' biases (gpt-oss; bf16)")
     ap.add_argument("--index-dtype", choices=(*INDEX_DTYPES, "both"), default="both",
                     help="topk_idx's dtype (MoELayer's router: int64; default both)")
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
@@ -703,7 +710,7 @@ def problems_of(args) -> list[Problem]:
     config = parse_config(args.config)
     precisions = args.precision or [config.get("precision") or "bf16"]
     common = dict(ep=args.ep, swiglu_alpha=args.swiglu_alpha, swiglu_up_offset=args.swiglu_up_offset,
-                  backward=args.backward, shared_gate=args.shared_gate, main_grads=args.main_grads,
+                  backward=args.backward, shared_gate=args.shared_gate, main_grads=args.main_grads, biases=args.biases,
                   index_dtypes=INDEX_DTYPES if args.index_dtype == "both" else (args.index_dtype,), config=config)
     if args.shape is None:
         shapes = [(args.tokens, args.hidden, args.inter, args.experts, args.topk, args.shared, args.limit, "")]

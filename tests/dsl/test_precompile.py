@@ -136,3 +136,17 @@ def test_precompile_fills_the_cache_then_compiles_nothing(tmp_path):
     assert (again["compiled"], again["cached"], again["failed"]) == (0, n, 0)
     assert all(k["hits"] == 1 and k["compiles"] == 0 for k in again["kernels"])
     assert dc.info(tmp_path)["entries"] == n
+
+
+def test_biased_calls_reach_the_biased_kernels(tmp_path):
+    """--biases (gpt-oss): the fused forward's biased variant and the bias gradients' row sums, beside the unbiased
+    call's kernels; at MXFP8 the backend's refusal names the biases."""
+    plain, biased = pc.Problem(64, 128, 128, 4, 2), pc.Problem(64, 128, 128, 4, 2, biases=True)
+    s = pc.precompile([plain, biased], arch="sm_90a", cache_dir=tmp_path, dry_run=True, progress=False)
+    fwd = {k.key.endswith("'biased')"): k.problems for k in s.kernels if k.label == "sm90_fused_moe_fwd"}
+    assert fwd == {False: [0], True: [1]}
+    assert [k.problems for k in s.kernels if k.label == "row_sums"] == [[1]]
+    assert "biases" in biased.describe()
+    with pytest.raises(NotImplementedError, match="with expert biases"):
+        pc.precompile(pc.Problem(64, 128, 128, 4, 2, biases=True, precision="mxfp8"), arch="sm_90a",
+                      cache_dir=tmp_path, dry_run=True, progress=False)
