@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8", "fp8_block"),
                    help="mok_cute's GEMM precision (default bf16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ceiling", type=int, default=0, metavar="STEPS",
+                   help="also time STEPS steps with the routed experts skipped (an experts backend that returns "
+                        "zeros): the rest of the step, hence the experts' share of each backend's step and the "
+                        "most any experts backend could gain (default 0: not measured)")
     p.add_argument("--tiny", action="store_true",
                    help="a toy model for a smoke test, fast on a CPU: 2 layers, hidden 64, 8 experts of 64, top-2, "
                         "vocab 512, 2 heads of 32, 2 x 64 tokens a step (these flags are then ignored)")
@@ -181,6 +185,32 @@ def train(model, init: dict, backend: str, args, data: Phrases, device: torch.de
                 final_loss=losses[-1], losses=losses)
 
 
+def _no_experts(self, hidden_states, top_k_index, top_k_weights):
+    """An experts backend that computes nothing (zeros): what the rest of the training step costs."""
+    return hidden_states.new_zeros(hidden_states.shape)
+
+
+def measure_ceiling(model, init: dict, args, data, device, results: dict) -> dict:
+    """``args.ceiling`` steps with the routed experts skipped (:func:`_no_experts`, registered as "no_experts"):
+    the median step without them, each backend's experts share (1 - that / its step) and the most any experts
+    backend could speed up grouped_mm's step, were its experts free (Amdahl: grouped_mm's step / the step without
+    them). Printed, and returned for the report."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("no_experts", _no_experts)
+    short = argparse.Namespace(**{**vars(args), "steps": args.ceiling, "warmup": min(args.warmup, args.ceiling - 1)})
+    rest = train(model, init, "no_experts", short, data, device)["step_s_median"]
+    out = dict(steps=args.ceiling, step_s_without_experts=rest,
+               experts_share={name: 1 - rest / r["step_s_median"] for name, r in results.items()})
+    if "grouped_mm" in results:
+        out["max_speedup_vs_grouped_mm"] = results["grouped_mm"]["step_s_median"] / rest
+    print(f"\nwithout the routed experts: {rest * 1e3:.1f} ms a step; experts' share: "
+          + ", ".join(f"{n} {v:.0%}" for n, v in out["experts_share"].items())
+          + (f"; free experts would make grouped_mm's step {out['max_speedup_vs_grouped_mm']:.2f}x faster"
+             if "max_speedup_vs_grouped_mm" in out else ""))
+    return out
+
+
 def write_plot(out: Path, results: dict, title: str) -> Path:
     """The loss curves as a PNG, or as a CSV (one column per backend) without matplotlib."""
     try:
@@ -255,6 +285,7 @@ def main(argv=None) -> dict:
 
     data = Phrases(args.vocab, args.seed)
     results = {name: train(model, init, name, args, data, device) for name in backends}
+    ceiling = measure_ceiling(model, init, args, data, device, results) if args.ceiling else None
 
     reference = "grouped_mm" if "grouped_mm" in results else next(iter(results))
     ref_loss = results[reference]["final_loss"]
@@ -279,7 +310,7 @@ def main(argv=None) -> dict:
                  warmup=args.warmup, lr=args.lr, seed=args.seed, precision=args.precision, device=str(device),
                  gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                  torch=torch.__version__, transformers=transformers.__version__),
-        reference=reference, backends=results, skipped=skipped, plot=plot.name)
+        reference=reference, backends=results, skipped=skipped, plot=plot.name, ceiling=ceiling)
     path = args.out / "hf_finetune.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} and {plot}")

@@ -53,6 +53,16 @@ def test_tiny_finetune_writes_its_report(tmp_path, registry):
     assert (tmp_path / report["plot"]).is_file() and report["plot"] in ("hf_finetune_loss.png", "hf_finetune_loss.csv")
 
 
+def test_ceiling_times_the_step_without_experts(tmp_path, registry):
+    report = _example().main(["--tiny", "--steps", "2", "--warmup", "0", "--device", "cpu", "--ceiling", "2",
+                              "--backends", "grouped_mm", "--out", str(tmp_path)])
+    c = report["ceiling"]
+    assert c["steps"] == 2 and c["step_s_without_experts"] > 0
+    assert set(c["experts_share"]) == {"grouped_mm"} and c["experts_share"]["grouped_mm"] < 1
+    assert c["max_speedup_vs_grouped_mm"] == pytest.approx(
+        report["backends"]["grouped_mm"]["step_s_median"] / c["step_s_without_experts"])
+
+
 def test_sonicmoe_must_follow_mok_cute(tmp_path, registry):
     # importing SonicMoE patches CuTe DSL process-wide: mok_cute's kernels must compile first
     with pytest.raises(SystemExit, match="mok_cute before sonicmoe"):
