@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, print each backend's N heaviest CUDA kernels per step (torch.profiler, "
                         "2 steps) and its GPU-busy ms per step (default 0: no profile)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="after the timing, print the N Python functions with the most own host time over 5 mok_cute "
+                        "steps (cProfile; default 0: none)")
     p.add_argument("--tiny", action="store_true", help="tools/hf_tiny's dims, mok_cute's reference backend, 1 step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -176,6 +179,30 @@ def profile_backend(block, impl: str, x, dy, top: int, steps: int = 2) -> str:
     return "\n".join(lines)
 
 
+def profile_host(block, impl: str, x, dy, top: int, steps: int = 5) -> str:
+    """The ``top`` functions with the most own (not cumulative) host seconds over ``steps`` steps of ``impl``
+    (cProfile, the backward run on the calling thread so that it is seen), per step in ms: where a step's
+    enqueue time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    block.experts.config._experts_implementation = impl
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False), prof:
+        for _ in range(steps):
+            out = block(x)
+            (out[0] if isinstance(out, tuple) else out).backward(dy)
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    total = stats.total_tt / steps * 1e3
+    stats.sort_stats("tottime").print_stats(top)
+    return f"  {impl}: host {total:.2f} ms per step (profiled)\n" + "\n".join(
+        "    " + line for line in text.getvalue().splitlines() if line.strip())
+
+
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max|b|."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
@@ -203,6 +230,8 @@ def bench(model_type: str, args) -> dict:
                 results[name] = time_backend(block, impl, x, dy, args)
                 if args.profile and x.device.type == "cuda":
                     print(profile_backend(block, impl, x, dy, args.profile), flush=True)
+                if args.host_profile and name == "mok_cute":
+                    print(profile_host(block, impl, x, dy, args.host_profile), flush=True)
             except Exception as e:  # noqa: BLE001  (OOM, a refusal, a missing kernel: reported, the rest goes on)
                 errors.append(f"{name}: {reason(e)}")
                 x.grad = None
