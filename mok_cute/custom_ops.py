@@ -116,9 +116,8 @@ def layer_inputs(x, topk_idx, topk_w, weights, act: SwiGLU, main_grads, biased: 
     n = len(weights) - 3 * biased  # the weights before the biases
     shared = tuple(weights[3:6]) if n > 3 else None
     gate = weights[6] if n > 6 else None
-    return MoEInputs(x, topk_idx, topk_w, *weights[:3], shared, act.limit, gate,
-                     tuple(main_grads) if main_grads else None, None if act.plain else act,
-                     tuple(weights[n:]) if biased else None)
+    return MoEInputs(x, topk_idx, topk_w, *weights[:3], shared, act.limit if act.plain else act, gate,
+                     tuple(main_grads) if main_grads else None, tuple(weights[n:]) if biased else None)
 
 
 def run_forward(inp, cfg: MoKConfig, grp, keep: bool):

@@ -96,14 +96,6 @@ class EPState:
     x: torch.Tensor | None = None
 
 
-def activation(inp):
-    """The experts' activation as the expert MLPs and their kernels take it (their ``limit`` argument) from the
-    layer inputs ``inp`` (:class:`~mok_cute.layers.select.MoEInputs`): ``inp.swiglu_limit`` (None or a clamp L:
-    silu(g) * u) where ``inp.activation`` is None, else that :class:`~mok_cute.reference.SwiGLU` (limit, alpha and
-    up offset; the kernels' :func:`~mok_cute.kernels.swiglu_math.swiglu_args` compiles its alpha / up offset in)."""
-    return inp.swiglu_limit if inp.activation is None else inp.activation
-
-
 def mlp_forward(gemm1_swiglu, gemm, x_rows, offsets, w_gate, w_up, w_down, limit, biases=None):
     """(rows [M, H], ExpertGroup): h = SwiGLU GEMM1 (gu, h), then GEMM2, through an arch's
     grouped GEMM calls (``gemm1_swiglu(x, offsets, w_gate, w_up, limit) -> (gu, h)``,

@@ -51,7 +51,7 @@ import torch
 
 from mok_cute.config import BackwardPath, ForwardPath
 from mok_cute.layers.common import (
-    EPState, ExpertGroup, ExpertWeights, activation, mlp_options, shared_backward, shared_forward, topk_w_grad,
+    EPState, ExpertGroup, ExpertWeights, mlp_options, shared_backward, shared_forward, topk_w_grad,
     whole_offsets,
 )
 from mok_cute.reference import MoEGrads
@@ -65,7 +65,7 @@ def forward(mlp, inp, group, ep: int, config, paths):
     from mok_cute.comm.workspace import get_workspace
     from mok_cute.comm.planner import plan_routing_device
 
-    x, idx, limit = inp.x, inp.topk_idx, activation(inp)
+    x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
     h = x.shape[1]
     ws = get_workspace(group, T=t, H=h, k=k, E=inp.w_gate.shape[0] * ep, timeout_s=config.device_timeout_s)
@@ -97,7 +97,7 @@ def _fused_forward(mlp, inp, comm, config, paths):
     already made): the same :class:`EPState` as the unfused stages (routed rows pulled by the
     kernel, slot rows copied out of the workspace for d topk_w)."""
     ws, plan = comm
-    x, idx, limit = inp.x, inp.topk_idx, activation(inp)
+    x, idx, limit = inp.x, inp.topk_idx, inp.swiglu_limit
     t, k = idx.shape
     y, gu, h, slot_out, gus, hs, w_rows = mlp.fused_forward_ep(
         ws, plan, x, idx, inp.topk_w, inp.w_gate, inp.w_up, inp.w_down, inp.shared, limit, config,

@@ -47,7 +47,7 @@ from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
 from mok_cute.layers import launch, tiles, tuned
 from mok_cute.layers.common import (
-    ExpertGroup, ExpertWeights, LocalState, activation, mlp_options, shared_backward, shared_forward, whole_offsets,
+    ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
@@ -163,7 +163,7 @@ class GroupedExpertBackend:
         order, valid = order32.long(), idx.reshape(-1) >= 0
         if paths.forward is ForwardPath.FUSED:
             return self._fused_forward(inp, config, paths, (order32, order, offsets, idx, valid))
-        x, limit = inp.x, activation(inp)
+        x, limit = inp.x, inp.swiglu_limit
         t, k = idx.shape
         x_rows = x.index_select(0, order // k)
         kw = mlp_options(config)
@@ -185,7 +185,7 @@ class GroupedExpertBackend:
         order int64, offsets, idx, valid)`` (:func:`routing_plan`): one persistent launch (gather,
         GEMM1 + SwiGLU, GEMM2 into route-order rows, slot sum, shared expert)."""
         order32, order, offsets, idx, valid = plan
-        x, limit = inp.x, activation(inp)
+        x, limit = inp.x, inp.swiglu_limit
         t = x.shape[0]
         g = None if inp.shared_gate is None else shared_gate(_BF16, x, inp.shared_gate)
         out = self.mlp.fused_forward(x, RoutePlan(order32, offsets, idx, inp.topk_w),

@@ -28,11 +28,12 @@ _announced: set[str] = set()
 class MoEInputs:
     """The arguments of one layer call (weights are this rank's local slice; shapes and dtypes:
     :func:`mok_cute.moe`): ``shared`` (ws_gate, ws_up, ws_down) or None, ``swiglu_limit`` the
-    activation's clamp limit L or None, ``shared_gate`` [1, H] the shared expert's output gate or
-    None, ``main_grads`` the fp32 buffers the backward adds the weight gradients into, or None,
-    ``activation`` the whole :class:`~mok_cute.reference.SwiGLU` (its limit is ``swiglu_limit``)
-    when its alpha or up offset is not the default, else None (silu(g) * u), ``biases`` the
-    routed experts' (b_gate, b_up [E_local, I], b_down [E_local, H]) bf16 or None."""
+    activation as the expert MLPs and their kernels take it: None (silu(g) * u), a clamp limit L, or
+    a :class:`~mok_cute.reference.SwiGLU` when its alpha or up offset is not the default (the
+    kernels' :func:`~mok_cute.kernels.swiglu_math.swiglu_args` compile them in), ``shared_gate`` [1, H]
+    the shared expert's output gate or None, ``main_grads`` the fp32 buffers the backward adds the
+    weight gradients into, or None, ``biases`` the routed experts' (b_gate, b_up [E_local, I],
+    b_down [E_local, H]) bf16 or None."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -41,10 +42,9 @@ class MoEInputs:
     w_up: torch.Tensor
     w_down: torch.Tensor
     shared: tuple | None
-    swiglu_limit: float | None
+    swiglu_limit: float | reference.SwiGLU | None
     shared_gate: torch.Tensor | None = None
     main_grads: tuple | None = None
-    activation: reference.SwiGLU | None = None
     biases: tuple | None = None
 
 
@@ -83,9 +83,8 @@ class ReferenceBackend:
     shared_gate = True  # runs the shared expert's output gate
 
     def forward(self, inp: MoEInputs, config: MoKConfig, group):
-        act = inp.swiglu_limit if inp.activation is None else inp.activation
         return reference.moe_forward(inp.x, inp.topk_idx, inp.topk_w, inp.w_gate, inp.w_up,
-                                     inp.w_down, inp.shared, act, config.precision,
+                                     inp.w_down, inp.shared, inp.swiglu_limit, config.precision,
                                      group, inp.shared_gate, inp.biases)
 
     def backward(self, state, dy: torch.Tensor, main_grads=None) -> reference.MoEGrads:

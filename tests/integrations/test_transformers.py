@@ -287,8 +287,8 @@ def test_gpt_oss_biases_pass_the_sm90_check_and_are_refused_where_no_kernel_runs
     x = torch.randn(8, 256).bfloat16()
     idx = torch.randint(0, 4, (8, 2))
     act = mok_hf.activation(module)
-    inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act.limit,
-                    activation=act, biases=mok_hf.expert_biases(module))
+    inp = MoEInputs(x, idx, torch.rand(8, 2), *mok_hf.expert_weights(module), None, act,
+                    biases=mok_hf.expert_biases(module))
     for arch in ("sm90", "sm100"):
         get_backend(arch).check(inp, mok_cute.MoKConfig(backend=arch), None)
     for arch, precision in (("sm100", "mxfp8"), ("sm90", "mxfp8")):

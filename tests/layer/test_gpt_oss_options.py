@@ -97,8 +97,8 @@ def test_the_layer_receives_the_activation_and_the_biases(monkeypatch):
     pairs = _views(gate_up, down, gu_bias, d_bias)
     mok_cute.moe(x, idx, w, *pairs, swiglu_limit=ACT, config=CFG)
     mok_cute.moe(x, idx, w, *(p[0] for p in pairs), swiglu_limit=SwiGLU(4.0), config=CFG)
-    assert seen[0].activation == ACT and seen[0].swiglu_limit == 0.7 and len(seen[0].biases) == 3
-    assert seen[1].activation is None and seen[1].swiglu_limit == 4.0 and seen[1].biases is None
+    assert seen[0].swiglu_limit == ACT and len(seen[0].biases) == 3
+    assert seen[1].swiglu_limit == 4.0 and seen[1].biases is None  # a plain SwiGLU: its limit alone
 
 
 def test_plain_swiglu_is_the_float_limit_bitwise():
@@ -281,8 +281,7 @@ def test_argument_errors_name_the_argument(case):
 def _inputs(act=None, biased=False, h=256, inter=256):
     x, idx, w, gate_up, down, gu_bias, d_bias, _ = _problem(9, h=h, inter=inter)
     (wg, bg), (wu, bu), (wd, bd) = _views(gate_up, down, gu_bias, d_bias)
-    limit = None if act is None else act.limit
-    return MoEInputs(x, idx, w, wg, wu, wd, None, limit, activation=None if act is None or act.plain else act,
+    return MoEInputs(x, idx, w, wg, wu, wd, None, None if act is None else act.limit if act.plain else act,
                      biases=(bg, bu, bd) if biased else None)
 
 
@@ -346,7 +345,7 @@ def test_the_gpu_layer_carries_the_biases_to_its_mlp_and_their_gradients_back():
     x, idx, w, gate_up, down, gu_bias, d_bias, dy = _problem(4, h=64, inter=64)
     (wg, bg), (wu, bu), (wd, bd) = (tuple(t.contiguous() for t in pair) for pair in _views(gate_up, down, gu_bias,
                                                                                            d_bias))
-    inp = MoEInputs(x, idx, w, wg, wu, wd, None, ACT.limit, activation=ACT, biases=(bg, bu, bd))
+    inp = MoEInputs(x, idx, w, wg, wu, wd, None, ACT, biases=(bg, bu, bd))
     y, st = GroupedExpertBackend(_ReferenceMlp()).forward(inp, MoKConfig(trace=False), None)
     assert st.biased and st.paths == P.Paths(P.ForwardPath.UNFUSED, P.BackwardPath.UNFUSED)
     got = GroupedExpertBackend(_ReferenceMlp()).backward(st, dy)

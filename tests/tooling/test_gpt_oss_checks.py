@@ -45,7 +45,7 @@ def test_layer_inputs_build_on_cpu_pass_the_sm90_check_and_run_on_the_reference(
     assert [b.shape for b in biases] == [(s["e"], s["inter"]), (s["e"], s["inter"]), (s["e"], s["h"])]
     for _, fwd, bwd, biased in layer_sm90.GPT_OSS_CASES:
         cfg = MoKConfig(backend="sm90", forward_path=fwd, backward_path=bwd)
-        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, sh, act.limit, activation=act,
+        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, sh, act,
                                             biases=biases if biased else None), cfg, None)
     outs = layer_sm90._run("reference", x, idx, w, ws, sh, dy, act)
     assert len(outs) == 9 and all(bool(torch.isfinite(o.float()).all()) for o in outs)

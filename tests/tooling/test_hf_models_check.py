@@ -76,7 +76,7 @@ def _sm90_inputs(mok_hf, module, t=16, k=2):
     idx = torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(t)])
     act = mok_hf.activation(module)
     return MoEInputs(x, idx, torch.rand(t, k, generator=g), *mok_hf.expert_weights(module), None,
-                     None if act is None else act.limit, activation=act, biases=mok_hf.expert_biases(module))
+                     act, biases=mok_hf.expert_biases(module))
 
 
 @pytest.mark.parametrize("model_type", hf_models.MODEL_TYPES)
@@ -124,9 +124,7 @@ def sm90_checked(hf, monkeypatch):
 
     def moe(x, idx, w, *routed, swiglu_limit=None, config=None, group=None):
         ws, bs = (tuple(zip(*routed)) if isinstance(routed[0], tuple) else (routed, None))
-        act = swiglu_limit if not isinstance(swiglu_limit, (int, float)) else None
-        limit = swiglu_limit if act is None else act.limit
-        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, None, limit, activation=act, biases=bs),
+        get_backend("sm90").check(MoEInputs(x, idx, w, *ws, None, swiglu_limit, biases=bs),
                                   MoKConfig(backend="sm90"), None)
         return real(x, idx, w, *routed, swiglu_limit=swiglu_limit, config=config, group=group)
 
