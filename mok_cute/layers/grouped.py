@@ -34,6 +34,7 @@ reference's table.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -108,6 +109,9 @@ def _scatter_slots(rows, order, valid, t, k):
     return out.view(t, k, rows.shape[1])
 
 
+_ALIASED: set[tuple[str, str]] = set()  # (backend, precision) pairs whose alias was warned
+
+
 class GroupedExpertBackend:
     """Layer backend over an arch's expert MLP (forward and backward): EP = 1 here; EP > 1
     through :mod:`mok_cute.layers.ep`. The paths each call runs: :mod:`mok_cute.layers.paths`."""
@@ -117,11 +121,26 @@ class GroupedExpertBackend:
     def __init__(self, mlp):
         self.mlp, self.name = mlp, mlp.arch
 
+    def run_config(self, config):
+        """``config`` with the precision this arch runs for its ``precision``: the MLP's
+        ``precision_alias`` (SM100 runs fp8_block as mxfp8: :class:`~mok_cute.layers.sm100.Sm100ExpertMLP`),
+        warned once per process and pair; else ``config`` itself."""
+        alias = getattr(self.mlp, "precision_alias", {}).get(config.precision)
+        if alias is None:
+            return config
+        if (self.name, config.precision) not in _ALIASED:
+            _ALIASED.add((self.name, config.precision))
+            warnings.warn(f"mok_cute backend {self.name!r}: precision {config.precision!r} runs as {alias!r} on this "
+                          f"arch ({self.mlp.precision_alias_reason}); its results follow the {alias!r} numerics of "
+                          "mok_cute.reference", RuntimeWarning, stacklevel=3)
+        return replace(config, precision=alias)
+
     def check(self, inp, config, group) -> P.Paths:
         """Raise for what this backend does not run, before any kernel; else the paths the call
         runs (:func:`mok_cute.layers.paths.decide`), their kernels' tiles and launch fields checked
         (:func:`mok_cute.layers.tiles.check`, :func:`mok_cute.layers.launch.check`: ValueError naming a
-        policy field they cannot run)."""
+        policy field they cannot run). ``config`` as :meth:`run_config` maps it."""
+        config = self.run_config(config)
         ep, _ = _world(group)
         wired = P.precisions(self.mlp.arch)
         if config.precision not in wired:
@@ -145,7 +164,7 @@ class GroupedExpertBackend:
         """``(y [T, H] bf16, state)`` of one layer call: the paths decided once (:meth:`check`),
         ``config``'s trace resolved once (:func:`~mok_cute.layers.paths.with_trace`) and its tuned
         policy merged in (:func:`mok_cute.layers.tuned.apply`)."""
-        config = P.with_trace(config)
+        config = P.with_trace(self.run_config(config))
         ep, _ = _world(group)
         config = tuned.apply(config, self.mlp.arch, inp, ep)
         paths = self.check(inp, config, group)

@@ -31,6 +31,9 @@ sm100   backward  FUSED_WHOLE  bf16, mxfp8 after FUSED; no            bf16, mxfp
 sm100   backward  UNFUSED      bf16, mxfp8 (default)                  bf16, mxfp8; no shared_gate (default)
 ======  ========  ===========  =====================================  ==========================================
 
+SM100 has no fp8_block row: its backend runs a layer asking for fp8_block as mxfp8 (hardware block scales;
+:meth:`~mok_cute.layers.grouped.GroupedExpertBackend.run_config`, warned once), before this table is read.
+
 Expert biases (gpt-oss; the "biases" feature) run at EP = 1 and bf16 only, on every path but FUSED_WHOLE
 (sm100: compile-verified only, like all its kernels); nowhere at EP > 1.
 

@@ -236,15 +236,16 @@ def test_quickstart_runs_and_matches_readme():
 
 
 def test_gpu_backends_raise_for_missing_kernels(monkeypatch):
+    from mok_cute.layers import grouped as G
+
     p, _ = make_problem(T=4, H=256, I=256)
     inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
     B.get_backend("sm100").check(inp, MoKConfig(precision="mxfp8"), None)  # MXFP8 wired on sm100 (EP = 1)
     B.get_backend("sm100").check(inp, MoKConfig(), None)
-    with pytest.raises(NotImplementedError, match="'sm100': precision 'fp8_block'"):
-        B.get_backend("sm100").check(inp, MoKConfig(precision="fp8_block"), None)
+    with pytest.warns(RuntimeWarning, match="'sm100': precision 'fp8_block' runs as 'mxfp8'"):
+        G._ALIASED.clear()
+        B.get_backend("sm100").check(inp, MoKConfig(precision="fp8_block"), None)  # as MXFP8 (hardware scales)
     with monkeypatch.context() as mp:
-        from mok_cute.layers import grouped as G
-
         mp.setattr(G, "_world", lambda group: (2, 0))
         for precision in ("bf16", "mxfp8"):  # EP > 1 on sm100 still raises, in either precision
             with pytest.raises(NotImplementedError, match="'sm100': EP > 1"):

@@ -389,3 +389,31 @@ def test_mxfp8_weights_quantized_once_while_unchanged(emu, monkeypatch):
     wd.mul_(2.0)
     mlp.forward(x, offs, wg, wu, wd, None, precision="mxfp8")
     assert sum(s in weight_shapes for s in shapes) == 1
+
+
+def test_sm100_runs_fp8_block_as_mxfp8(emu):
+    """precision="fp8_block" on SM100 runs the MXFP8 kernels (Sm100ExpertMLP.precision_alias: hardware block
+    scales), warned once: y and every gradient bitwise those of precision="mxfp8"."""
+    import warnings
+
+    from mok_cute.config import MoKConfig
+    from mok_cute.layers import grouped
+    from mok_cute.layers import select as B
+
+    p, dy = make_problem(T=40, H=256, I=256, E=5, k=3, shared_I=None, seed=22)
+    inp = B.MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, 4.0)
+    be = B.get_backend("sm100")
+    grouped._ALIASED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, st = be.forward(inp, MoKConfig(precision="fp8_block"), None)
+        be.forward(inp, MoKConfig(precision="fp8_block"), None)
+    assert [str(w.message) for w in caught if "runs as 'mxfp8'" in str(w.message)] == [
+        str(caught[0].message)]  # once per process
+    assert st.routed.precision == "mxfp8"
+    grads = be.backward(st, dy)
+    y2, st2 = be.forward(inp, MoKConfig(precision="mxfp8"), None)
+    grads2 = be.backward(st2, dy)
+    assert torch.equal(y, y2)
+    for name in ("dx", "d_topk_w", "d_w_gate", "d_w_up", "d_w_down"):
+        assert torch.equal(getattr(grads, name), getattr(grads2, name)), name
