@@ -55,7 +55,10 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     routing weight then scales (as gpt-oss). Their gradients are bf16 (with ``main_grads``: three
     more fp32 tensors, last). Weights may be strided views too (gate / up interleaved in one
     projection: ``gate_up[:, ::2]``, ``gate_up[:, 1::2]``): used in place where the kernels' TMA
-    addresses them, else copied to contiguous operands. Every backend runs the SwiGLU's alpha /
+    addresses them, else copied to contiguous operands. When w_gate and w_up are views of one tensor
+    (a model's ``gate_up_proj``: [E, 2I, H] or [E, H, 2I], halves or interleaved), autograd takes that
+    tensor and its gradient comes as one tensor in its layout (:mod:`mok_cute.fc1`; eager calls without
+    ``main_grads``). Every backend runs the SwiGLU's alpha /
     up_offset (the GPU kernels compile them in). The biases run on the reference backend and on the GPU
     backends at bf16, EP = 1 (their GEMM epilogues add them; their gradients are per-expert row sums in a fixed
     order in fp32, rounded once); elsewhere (mxfp8, fp8_block, EP > 1) the GPU backends raise
