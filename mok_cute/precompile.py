@@ -431,8 +431,8 @@ def _run_layer(problem: Problem, target: Target, on_key) -> None:
                 weights += list(shared)
             gate = empty(1, p.hidden) if p.shared_gate else None
             weights += [gate] if gate is not None else []
-            biases = (empty(p.experts, p.inter), empty(p.experts, p.inter), empty(p.experts, p.hidden))
-            biases = biases if p.biases else None
+            biases = (empty(p.experts, p.inter), empty(p.experts, p.inter), empty(p.experts, p.hidden)) if p.biases \
+                else None
             validate.check_moe_inputs(x, topk_idx, topk_w, *weights[:3], shared, act, 1, check_values=False)
             validate.check_shared_gate(gate, shared, x)
             validate.check_expert_biases(biases, weights[0], weights[2])

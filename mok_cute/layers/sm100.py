@@ -171,11 +171,8 @@ class Sm100ExpertMLP:
     dim_multiple = {"bf16": 64, "mxfp8": 64}
     strided_weights = False  # its kernels read compact weights (the layer passes contiguous ones)
     precisions = ("bf16", "mxfp8")
-    # fp8_block (DeepSeek-V3's recipe: fp32 scales per 1x128 / 128x128 block, promoted every 128 of K) is
-    # Hopper's way to scale FP8 without block-scaled MMA. SM100's tcgen05 MMA scales FP8 in hardware, per 32
-    # of K with UE8M0 (power-of-two) scales: MXFP8, the same e4m3 operands with finer scales at no cost in
-    # the mainloop. An fp32 scale per 128 would need the accumulator promoted outside the MMA (a TMEM read
-    # and fp32 FMA per 128 of K per tile). So a layer asking for fp8_block runs MXFP8 here.
+    # a layer asking for fp8_block (Hopper's recipe: fp32 scales per 128 of K) runs MXFP8 here, for this reason
+    # (GroupedExpertBackend.run_config warns with it; docs/blackwell.md)
     precision_alias = {"fp8_block": "mxfp8"}
     precision_alias_reason = ("tcgen05 scales FP8 blocks of 32 in hardware (MXFP8); fp32 scales per 128 would need "
                               "the accumulator promoted outside the MMA")
