@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
-from . import fc1
+from . import fc1, transposed
 from .config import MoKConfig
 from .reference import SwiGLU
 
@@ -186,6 +186,7 @@ class LayerCall:
     main_grads: tuple | None
     biased: bool = False
     fc1: tuple[bool, bool] | None = None  # the weights start with fc1's base: (transposed, interleaved), mok_cute.fc1
+    transposed: tuple[int, ...] = ()  # the weights given transposed (mok_cute.transposed), by index
 
 
 class MoEFunction(torch.autograd.Function):
@@ -198,6 +199,8 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, x, topk_w, *weights):
         ctx.fc1 = None if call.fc1 is None else fc1.Fc1(weights[0], *call.fc1)
+        ctx.transposed = call.transposed
+        weights = tuple(transposed.operand(w) if i in call.transposed else w for i, w in enumerate(weights))
         if ctx.fc1 is not None:
             weights = (*fc1.operands(ctx.fc1), *weights[1:])
         ctx.weights, ctx.biased = list(weights), call.biased
@@ -212,6 +215,7 @@ class MoEFunction(torch.autograd.Function):
         grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads, ctx.biased)
         if ctx.fc1 is not None:
             grads = [*grads[:2], fc1.grad(ctx.fc1, grads[2], grads[3]), *grads[4:]]
+        grads = [transposed.grad(g) if i - 2 in ctx.transposed else g for i, g in enumerate(grads)]
         return None, *grads
 
 

@@ -8,7 +8,8 @@ views of it; when both are views of one ``base`` (:func:`find`), the layer's aut
 
 * the kernels read the views in place where TMA addresses them ([E, 2I, H] halves or interleaved
   rows) and otherwise one re-layout copy of ``base`` into a [E, 2I, H] halves buffer
-  (:func:`operands`: one read, one write, instead of a strided copy per view), and
+  (:func:`operands`: one read, one write, instead of a strided copy per view; a transposed ``base`` by
+  the tiled transpose of :mod:`mok_cute.kernels.relayout`), and
 * ``base``'s gradient is one tensor in ``base``'s layout (:func:`grad`): the fused backward's
   dW_gate / dW_up, the halves of one buffer, as they are for [E, 2I, H] halves; one copy into
   ``base``'s layout otherwise. Autograd on the views instead allocates a zero-filled gradient of
@@ -24,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .dsl.host import tma_weight
+from .kernels.relayout import relayout, relayout_fits
 
 LAYOUTS = tuple((t, i) for t in (False, True) for i in (False, True))  # (transposed, interleaved)
 
@@ -74,11 +76,13 @@ def find(w_gate: torch.Tensor, w_up: torch.Tensor) -> Fc1 | None:
 def operands(fc1: Fc1) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_gate, w_up) [E, I, H] as the kernels take them: the views of ``fc1.base`` themselves when TMA
     addresses both (:func:`mok_cute.dsl.host.tma_weight`), else the halves of one contiguous [E, 2I, H]
-    re-layout of it."""
+    re-layout of it (a transposed ``base``: :func:`mok_cute.kernels.relayout.relayout`'s tiled transpose)."""
     gate_up = rows(fc1.base, fc1.transposed)
     gate, up = split(gate_up, fc1.interleaved)
     if tma_weight(gate) and tma_weight(up):
         return gate, up
+    if fc1.transposed and relayout_fits(fc1.base):
+        return split(relayout(fc1.base, "deinterleave" if fc1.interleaved else "plain"), False)
     e, two_i, h = gate_up.shape
     if fc1.interleaved:  # [E, I, 2, H] -> [E, 2, I, H]: gate rows, then up rows
         gate_up = gate_up.unflatten(1, (two_i // 2, 2)).transpose(1, 2)
@@ -87,17 +91,28 @@ def operands(fc1: Fc1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grad(fc1: Fc1, d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> torch.Tensor | None:
     """``fc1.base``'s gradient in its layout from the gate / up gradients [E, I, H] (None when both are None:
-    accumulated elsewhere). [E, 2I, H] halves whose gradients are the halves of one buffer: that buffer (no
-    copy); otherwise one copy of each into a new tensor of ``base``'s strides."""
+    accumulated elsewhere). When they are the halves of one [E, 2I, H] buffer (the fused backward's): that
+    buffer itself for [E, 2I, H] halves (no copy), its tiled transpose for a transposed ``base``; otherwise one
+    copy of each into a new tensor of ``base``'s strides."""
     if d_gate is None and d_up is None:
         return None
-    if not fc1.transposed and not fc1.interleaved:
-        buf = d_gate._base
-        if buf is not None and d_up._base is buf and tuple(buf.shape) == tuple(fc1.base.shape) \
-                and all(_same_view(a, b) for a, b in zip(split(buf, False), (d_gate, d_up))):
-            return buf
+    buf = _halves_of(d_gate, d_up)
+    if buf is not None and not fc1.transposed and not fc1.interleaved:
+        return buf
+    if buf is not None and fc1.transposed and relayout_fits(buf) and fc1.base.is_contiguous():
+        return relayout(buf, "interleave" if fc1.interleaved else "plain")
     out = torch.empty_like(fc1.base)
     gate, up = split(rows(out, fc1.transposed), fc1.interleaved)
     gate.copy_(d_gate)
     up.copy_(d_up)
     return out
+
+
+def _halves_of(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous [E, 2I, H] tensor whose halves ``d_gate`` and ``d_up`` are, or None."""
+    buf = d_gate._base
+    if buf is None or d_up._base is not buf or buf.dim() != 3 or not buf.is_contiguous():
+        return None
+    if tuple(buf.shape) != (d_gate.shape[0], 2 * d_gate.shape[1], d_gate.shape[2]):
+        return None
+    return buf if all(_same_view(a, b) for a, b in zip(split(buf, False), (d_gate, d_up))) else None

@@ -8,7 +8,7 @@ import torch
 from .custom_ops import (
     ExpertMLPFunction, LayerCall, MoEFunction, config_key, expert_mlp_fwd, group_key, mlp_activation, moe_fwd,
 )
-from . import fc1 as fc1_views
+from . import fc1 as fc1_views, transposed
 from .config import MoKConfig
 from .dsl.host import weight_operand
 from .reference import SwiGLU, _world
@@ -87,16 +87,22 @@ def moe(x, topk_idx, topk_w, w_gate, w_up, w_down, *, shared=None, swiglu_limit=
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
     compiling = torch.compiler.is_compiling()
     # gate / up as views of one tensor (a model's gate_up_proj): autograd takes that tensor (mok_cute.fc1)
-    fc1 = None if main_grads is not None or compiling else fc1_views.find(w_gate, w_up)
-    weights = [weight_operand(w) for w in given[0 if fc1 is None else 2:6 if shared is not None else 3]]
-    weights = weights if fc1 is None else [fc1.base, *weights]
+    eager = main_grads is None and not compiling
+    fc1 = fc1_views.find(w_gate, w_up) if eager else None
+    # transposed weights (e.g. gpt-oss's down_proj) as given: the layer re-lays them out (mok_cute.transposed)
+    mats = given[0 if fc1 is None else 2:6 if shared is not None else 3]
+    flip = [eager and transposed.is_transposed(w) for w in mats]
+    weights = [w if f else weight_operand(w) for w, f in zip(mats, flip)]
+    if fc1 is not None:
+        weights, flip = [fc1.base, *weights], [False, *flip]
     weights += [] if shared_gate is None else [shared_gate.contiguous()]
     weights += [] if biases is None else [b.contiguous() for b in biases]
     if compiling:  # the custom ops: opaque to the trace, no graph break
         return moe_fwd(x, topk_idx, topk_w, weights, list(main_grads or ()), act.limit, config_key(config),
                        group_key(group), keep, act.alpha, act.up_offset, biases is not None)[0]
     call = LayerCall(config, group, keep, act, topk_idx, main_grads, biases is not None,
-                     None if fc1 is None else (fc1.transposed, fc1.interleaved))
+                     None if fc1 is None else (fc1.transposed, fc1.interleaved),
+                     tuple(i for i, f in enumerate(flip) if f))
     return MoEFunction.apply(call, x, topk_w, *weights)
 
 

@@ -119,6 +119,12 @@ def test_fc1_find_operands_grad():
     assert F.find(wide[:, :i], wide[:, i:2 * i]) is None  # halves of a part of a bigger tensor
     found, buf = F.find(fc1[:, :i], fc1[:, i:]), torch.randn(e, 2 * i, h)
     assert F.grad(found, buf[:, :i], buf[:, i:]) is buf  # the fused backward's buffer itself
+    buf = torch.randn(e, 2 * i, h, generator=g).bfloat16()  # ... or its tiled transpose for [E, H, 2I]
+    for base, transposed, interleaved, gate, up in _layouts(e, i, h, g):
+        d = F.grad(F.find(gate, up), buf[:, :i], buf[:, i:])
+        assert d.stride() == base.stride()
+        dg, du = F.split(F.rows(d, transposed), interleaved)
+        assert torch.equal(dg, buf[:, :i]) and torch.equal(du, buf[:, i:])
 
 
 @pytest.mark.parametrize("layout", range(4))
@@ -146,4 +152,35 @@ def test_moe_takes_fc1_in_every_layout(layout):
     y2.backward(dy)
     assert torch.equal(y, y2)
     dg, du = F.split(F.rows(base.grad, transposed), interleaved)
+    assert torch.equal(dg, g2.grad) and torch.equal(du, u2.grad)
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_moe_takes_a_transposed_w_down(gpt_oss):
+    """w_down given as the transpose of a contiguous [E, I, H] tensor (gpt-oss's down_proj; with ``gpt_oss`` also
+    its [E, H, 2I] interleaved gate_up_proj): autograd takes the view (mok_cute.transposed), y and every gradient
+    equal those of contiguous copies, and the [E, I, H] tensor's gradient comes contiguous, in its own layout."""
+    from mok_cute import fc1 as F
+    from mok_cute import transposed as T
+
+    g = torch.Generator().manual_seed(2)
+    t, h, i, e, k = 24, 64, 64, 4, 2
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    down = (torch.randn(e, i, h, generator=g) * 0.1).bfloat16().requires_grad_()
+    base = (torch.randn(e, h, 2 * i, generator=g) * 0.1).bfloat16().requires_grad_()
+    gate, up = F.split(F.rows(base, True), True) if gpt_oss else (v.detach().clone().requires_grad_() for v in
+                                                                 F.split(F.rows(base, True), True))
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    assert T.is_transposed(down.transpose(1, 2)) and not T.is_transposed(down)
+    y = mok_cute.moe(x, idx, w, gate, up, down.transpose(1, 2), config=CFG)
+    y.backward(dy)
+    g2, u2 = (v.detach().clone().requires_grad_() for v in (gate, up))
+    d2 = down.detach().transpose(1, 2).contiguous().requires_grad_()
+    y2 = mok_cute.moe(x, idx, w, g2, u2, d2, config=CFG)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    assert down.grad.is_contiguous() and torch.equal(down.grad, d2.grad.transpose(1, 2))
+    dg, du = F.split(F.rows(base.grad, True), True) if gpt_oss else (gate.grad, up.grad)
     assert torch.equal(dg, g2.grad) and torch.equal(du, u2.grad)
