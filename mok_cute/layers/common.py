@@ -134,9 +134,11 @@ def expert_sums(rows, offsets) -> torch.Tensor:
 
 
 def gate_up_bias_grads(dgu, offsets) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d b_gate, d b_up)`` [E, I]: :func:`expert_sums` of dgu's gate and up halves ([M, 2I])."""
+    """``(d b_gate, d b_up)`` [E, I]: the halves of :func:`expert_sums` of dgu [M, 2I] (one launch over both halves;
+    each column's sum is its own, so the same values as one launch per half)."""
     inter = dgu.shape[1] // 2
-    return expert_sums(dgu[:, :inter], offsets), expert_sums(dgu[:, inter:], offsets)
+    sums = expert_sums(dgu, offsets)
+    return sums[:, :inter], sums[:, inter:]
 
 
 def bias_grads(dgu, dy_rows, offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
