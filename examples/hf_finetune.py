@@ -72,9 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="mok_cute's GEMM precision (default bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ceiling", type=int, default=0, metavar="STEPS",
-                   help="also time STEPS steps with the routed experts skipped (an experts backend that returns "
-                        "zeros): the rest of the step, hence the experts' share of each backend's step and the "
-                        "most any experts backend could gain (default 0: not measured)")
+                   help="also time STEPS steps with the routed experts' computation skipped (an experts backend "
+                        "that returns zeros, its weights still updated with zero gradients): the rest of the step, "
+                        "hence the experts' share of each backend's step and the most any experts backend could "
+                        "gain (default 0: not measured)")
     p.add_argument("--tiny", action="store_true",
                    help="a toy model for a smoke test, fast on a CPU: 2 layers, hidden 64, 8 experts of 64, top-2, "
                         "vocab 512, 2 heads of 32, 2 x 64 tokens a step (these flags are then ignored)")
@@ -185,14 +186,30 @@ def train(model, init: dict, backend: str, args, data: Phrases, device: torch.de
                 final_loss=losses[-1], losses=losses)
 
 
+class _FreeExperts(torch.autograd.Function):
+    """Zeros forward; backward, zero gradients for the routing weights and the experts' own parameters, so that
+    the router's backward and the optimizer's update of the experts' weights stay in the step."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, *params):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (top_k_weights, *params)]  # shapes only, nothing saved
+        return hidden_states.new_zeros(hidden_states.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (None, *(torch.zeros(shape, dtype=dtype, device=dev) for shape, dtype, dev in ctx.like))
+
+
 def _no_experts(self, hidden_states, top_k_index, top_k_weights):
-    """An experts backend that computes nothing (zeros): what the rest of the training step costs."""
-    return hidden_states.new_zeros(hidden_states.shape)
+    """An experts backend that computes nothing (zeros) at no cost, its weights and the routing weights still
+    getting (zero) gradients: what the rest of the training step costs, the optimizer's work on the experts'
+    weights included."""
+    return _FreeExperts.apply(hidden_states, top_k_weights, *self.parameters(recurse=False))
 
 
 def measure_ceiling(model, init: dict, args, data, device, results: dict) -> dict:
-    """``args.ceiling`` steps with the routed experts skipped (:func:`_no_experts`, registered as "no_experts"):
-    the median step without them, each backend's experts share (1 - that / its step) and the most any experts
+    """``args.ceiling`` steps with the routed experts' computation skipped (:func:`_no_experts`, registered as
+    "no_experts"; their weights still updated by the optimizer): the median step without it, each backend's experts share (1 - that / its step) and the most any experts
     backend could speed up grouped_mm's step, were its experts free (Amdahl: grouped_mm's step / the step without
     them). Printed, and returned for the report."""
     from transformers.integrations.moe import ExpertsInterface

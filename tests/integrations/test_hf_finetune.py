@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", minversion="5.17",
                     reason="transformers >= 5.17 is not installed (pip install -e '.[test]' installs it)")
@@ -61,6 +62,20 @@ def test_ceiling_times_the_step_without_experts(tmp_path, registry):
     assert set(c["experts_share"]) == {"grouped_mm"} and c["experts_share"]["grouped_mm"] < 1
     assert c["max_speedup_vs_grouped_mm"] == pytest.approx(
         report["backends"]["grouped_mm"]["step_s_median"] / c["step_s_without_experts"])
+
+
+def test_no_experts_keeps_the_router_and_the_experts_weights_in_the_step():
+    """The ceiling's experts backend returns zeros, yet the routing weights and the experts' parameters get (zero)
+    gradients: the router's backward and the optimizer's update of those weights stay in the timed step."""
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 4))
+    experts.down_proj = torch.nn.Parameter(torch.randn(2, 4, 4))
+    hidden, top_w = torch.randn(3, 4, requires_grad=True), torch.rand(3, 2, requires_grad=True)
+    y = _example()._no_experts(experts, hidden, torch.zeros(3, 2, dtype=torch.long), top_w)
+    assert torch.equal(y, torch.zeros(3, 4))
+    y.sum().backward()
+    for t in (experts.gate_up_proj, experts.down_proj, top_w):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
 
 
 def test_sonicmoe_must_follow_mok_cute(tmp_path, registry):
