@@ -37,6 +37,7 @@ from pathlib import Path
 SHAPES = {
     "qwen3": (16384, 2048, 768, 128, 8, 0, None),
     "gptoss": (8192, 2880, 2880, 32, 4, 0, 7.0),
+    "gptoss120": (8192, 2880, 2880, 128, 4, 0, 7.0),
     "h7168": (4096, 7168, 2048, 16, 8, 2048, None),
     "i1024": (8192, 4096, 1024, 32, 10, 1024, 4.0),
     "mixtral": (4096, 4096, 14336, 8, 2, 0, None),
@@ -87,11 +88,14 @@ def make_inputs(shape, seed: int = 0):
     return inputs, shared, dy
 
 
+CONFIG = {}  # further MoKConfig fields of both trees' calls (``--untuned``: tuned=False)
+
+
 def step(pkg, inputs, shared, dy, limit, precision, backward: bool = True):
     """One forward (+ backward) of ``pkg.moe``; returns y and the gradients (leaves' .grad)."""
     leaves = {n: v.detach().requires_grad_(v.is_floating_point()) for n, v in inputs.items()}
     sh = None if shared is None else tuple(s.detach().requires_grad_() for s in shared)
-    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=pkg.MoKConfig(precision=precision))
+    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=pkg.MoKConfig(precision=precision, **CONFIG))
     if not backward:
         return [y]
     y.backward(dy)
@@ -226,12 +230,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--host", action="store_true", help="also the host time per call of the layer's main functions")
+    ap.add_argument("--untuned", action="store_true",
+                    help="both trees at their built-in defaults (MoKConfig(tuned=False): no tuning-file entry)")
     args = ap.parse_args(argv)
     if args.prepare:
         prepare(args.prepare[0], Path(args.prepare[1]))
         return 0
     if args.base is None:
         ap.error("--base DIR (or --prepare COMMIT DIR)")
+    if args.untuned:
+        CONFIG["tuned"] = False
     return compare(args.base, args.shapes, args.precision, args.rounds, args.iters, args.host)
 
 
