@@ -41,9 +41,18 @@ def _build(arch: str, mode: str):
     Int32 = cutlass.Int32
 
     @cute.jit
-    def _halves(c: Int32, half: Int32) -> Int32:
-        """d(c): interleaved index c to its place among the halves."""
-        return (c % 2) * half + c // 2
+    def _chunk(tid: Int32, j: cutlass.Constexpr[int]):
+        """Thread ``tid``'s ``j``-th 16-byte chunk of a tile: (tile row, chunk of that row)."""
+        q = tid + j * _THREADS
+        return q // _ROW_CHUNKS, q % _ROW_CHUNKS
+
+    @cute.jit
+    def _row(r: Int32, dim: Int32, interleaved: cutlass.Constexpr[bool]) -> Int32:
+        """Row ``r`` of a matrix, or (``interleaved``) d(r) = (r % 2) * dim / 2 + r // 2: its place among the
+        halves."""
+        if cutlass.const_expr(interleaved):
+            r = (r % 2) * (dim // 2) + r // 2
+        return r
 
     @cute.kernel
     def kernel(inp: cute.Tensor, out: cute.Tensor, a_dim: Int32, b_dim: Int32):
@@ -55,26 +64,19 @@ def _build(arch: str, mode: str):
             cutlass.BFloat16, cute.make_layout((_TILE * _ROW_CHUNKS, _VEC), stride=(_VEC, 1)), byte_alignment=16)
         buf = cute.make_rmem_tensor((_VEC, _PER_THREAD), cutlass.BFloat16)
         for j in cutlass.range_constexpr(_PER_THREAD):  # every load in flight before the shared stores
-            q = tid + j * _THREADS
-            bb, v = q // _ROW_CHUNKS, q % _ROW_CHUNKS
+            bb, v = _chunk(tid, j)
             if b0 + bb < b_dim and a0 + v * _VEC < a_dim:
-                row = b0 + bb
-                if cutlass.const_expr(mode == "interleave"):
-                    row = _halves(row, b_dim // 2)
+                row = _row(b0 + bb, b_dim, mode == "interleave")
                 buf[None, j].store(inp[(e * b_dim + row) * ca + a0 // _VEC + v, None].load())
         for j in cutlass.range_constexpr(_PER_THREAD):
-            q = tid + j * _THREADS
-            bb, v = q // _ROW_CHUNKS, q % _ROW_CHUNKS
+            bb, v = _chunk(tid, j)
             for i in cutlass.range_constexpr(_VEC):  # tile row a = 8 v + i: its chunk swizzle is v
                 tile[(v * _VEC + i) * _ROW_CHUNKS + ((bb // _VEC) ^ v), bb % _VEC] = buf[i, j]
         cute.arch.barrier()
         for j in cutlass.range_constexpr(_PER_THREAD):
-            q = tid + j * _THREADS
-            aa, w = q // _ROW_CHUNKS, q % _ROW_CHUNKS
+            aa, w = _chunk(tid, j)
             if a0 + aa < a_dim and b0 + w * _VEC < b_dim:
-                row = a0 + aa
-                if cutlass.const_expr(mode == "deinterleave"):
-                    row = _halves(row, a_dim // 2)
+                row = _row(a0 + aa, a_dim, mode == "deinterleave")
                 out[(e * a_dim + row) * cb + b0 // _VEC + w, None].store(
                     tile[aa * _ROW_CHUNKS + (w ^ (aa // _VEC)), None].load())
 

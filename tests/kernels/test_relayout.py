@@ -20,6 +20,16 @@ def test_compiles_to_vector_copies_through_one_shared_tile(arch, mode):
     assert rep.ptx.count("st.shared.b16") == R._PER_THREAD * R._VEC
 
 
+def _chunks():
+    """Every (thread, j) of a CTA with its tile row and chunk, as the kernel's ``_chunk``."""
+    for tid, j in itertools.product(range(R._THREADS), range(R._PER_THREAD)):
+        yield divmod(tid + j * R._THREADS, R._ROW_CHUNKS)
+
+
+def _row(r: int, dim: int, interleaved: bool) -> int:
+    return (r % 2) * (dim // 2) + r // 2 if interleaved else r
+
+
 def _kernel_mirror(inp: torch.Tensor, mode: str) -> torch.Tensor:
     """The kernel's index arithmetic, thread by thread (grid, tile, swizzle, masks), on int64 element ids; -1 where
     nothing was written; raises if an element is written twice."""
@@ -29,24 +39,15 @@ def _kernel_mirror(inp: torch.Tensor, mode: str) -> torch.Tensor:
     for e, ta, tb in itertools.product(range(e_n), range(-(-a_n // R._TILE)), range(-(-b_n // R._TILE))):
         a0, b0 = ta * R._TILE, tb * R._TILE
         tile = {}
-        for tid, j in itertools.product(range(R._THREADS), range(R._PER_THREAD)):
-            q = tid + j * R._THREADS
-            bb, v = divmod(q, R._ROW_CHUNKS)
+        for bb, v in _chunks():
             if b0 + bb < b_n and a0 + v * R._VEC < a_n:
-                row = b0 + bb
-                if mode == "interleave":
-                    row = (row % 2) * (b_n // 2) + row // 2
-                chunk = flat_in[(e * b_n + row) * (a_n // R._VEC) + a0 // R._VEC + v]
+                chunk = flat_in[(e * b_n + _row(b0 + bb, b_n, mode == "interleave")) * (a_n // R._VEC)
+                                + a0 // R._VEC + v]
                 for i in range(R._VEC):
                     tile[((v * R._VEC + i) * R._ROW_CHUNKS + ((bb // R._VEC) ^ v), bb % R._VEC)] = int(chunk[i])
-        for tid, j in itertools.product(range(R._THREADS), range(R._PER_THREAD)):
-            q = tid + j * R._THREADS
-            aa, w = divmod(q, R._ROW_CHUNKS)
+        for aa, w in _chunks():
             if a0 + aa < a_n and b0 + w * R._VEC < b_n:
-                row = a0 + aa
-                if mode == "deinterleave":
-                    row = (row % 2) * (a_n // 2) + row // 2
-                dst = out[e, row, b0 + w * R._VEC: b0 + (w + 1) * R._VEC]
+                dst = out[e, _row(a0 + aa, a_n, mode == "deinterleave"), b0 + w * R._VEC: b0 + (w + 1) * R._VEC]
                 assert torch.all(dst == -1), "an element written twice"
                 dst.copy_(torch.tensor([tile[(aa * R._ROW_CHUNKS + (w ^ (aa // R._VEC)), i)]
                                         for i in range(R._VEC)]))
