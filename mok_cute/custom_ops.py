@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import weakref
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
@@ -199,24 +199,48 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, x, topk_w, *weights):
         ctx.fc1 = None if call.fc1 is None else fc1.Fc1(weights[0], *call.fc1)
-        ctx.transposed = call.transposed
-        weights = tuple(transposed.operand(w) if i in call.transposed else w for i, w in enumerate(weights))
-        if ctx.fc1 is not None:
-            weights = (*fc1.operands(ctx.fc1), *weights[1:])
-        ctx.weights, ctx.biased = list(weights), call.biased
-        inp = layer_inputs(x, call.topk_idx, topk_w, ctx.weights, call.swiglu, call.main_grads, call.biased)
-        y, ctx.entry = run_forward(inp, call.config, call.group, call.keep)
-        ctx.main_grads = call.main_grads
+        ctx.transposed, ctx.biased, ctx.main_grads = call.transposed, call.biased, call.main_grads
+        ops = _operands(ctx.fc1, ctx.transposed, weights)
+        inp = layer_inputs(x, call.topk_idx, topk_w, ops, call.swiglu, call.main_grads, call.biased)
+        y, entry = run_forward(inp, call.config, call.group, call.keep)
+        ctx.weights, ctx.given = ops, None
+        if entry is not None and entry[1] is None and _relaid(ctx.fc1, ctx.transposed):
+            # the backward runs the forward again: keep the given weights, not their re-laid copies
+            ctx.weights, ctx.given = None, weights
+            entry = _with_routed(entry, None, None, None)
+        ctx.entry = entry
         return y
 
     @staticmethod
     def backward(ctx, dy):
         entry, ctx.entry = ctx.entry, None
-        grads = run_backward(entry, dy.contiguous(), ctx.weights, ctx.main_grads, ctx.biased)
+        weights = ctx.weights
+        if weights is None:  # the re-laid copies again, for the forward the backward runs again
+            weights = _operands(ctx.fc1, ctx.transposed, ctx.given)
+            entry = _with_routed(entry, *weights[:3])
+        grads = run_backward(entry, dy.contiguous(), weights, ctx.main_grads, ctx.biased)
         if ctx.fc1 is not None:
             grads = [*grads[:2], fc1.grad(ctx.fc1, grads[2], grads[3]), *grads[4:]]
         grads = [transposed.grad(g) if i - 2 in ctx.transposed else g for i, g in enumerate(grads)]
         return None, *grads
+
+
+def _operands(fc: fc1.Fc1 | None, flipped: tuple[int, ...], weights) -> list:
+    """The weights as :func:`layer_inputs` takes them: those given transposed re-laid out
+    (:mod:`mok_cute.transposed`), fc1's tensor as its gate / up operands (:mod:`mok_cute.fc1`)."""
+    weights = [transposed.operand(w) if i in flipped else w for i, w in enumerate(weights)]
+    return weights if fc is None else [*fc1.operands(fc), *weights[1:]]
+
+
+def _relaid(fc: fc1.Fc1 | None, flipped: tuple[int, ...]) -> bool:
+    """Whether :func:`_operands` copies a weight (a transposed one, or a transposed fc1 tensor)."""
+    return bool(flipped) or (fc is not None and fc.transposed)
+
+
+def _with_routed(entry, w_gate, w_up, w_down):
+    """A recompute ``entry`` (:func:`run_forward`) whose saved inputs hold these routed weights."""
+    backend, state, (inp, cfg, grp), *rest = entry
+    return (backend, state, (replace(inp, w_gate=w_gate, w_up=w_up, w_down=w_down), cfg, grp), *rest)
 
 
 @torch.library.custom_op("mok_cute::moe_fwd", mutates_args=())

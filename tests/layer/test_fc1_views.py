@@ -184,3 +184,36 @@ def test_moe_takes_a_transposed_w_down(gpt_oss):
     assert down.grad.is_contiguous() and torch.equal(down.grad, d2.grad.transpose(1, 2))
     dg, du = F.split(F.rows(base.grad, True), True) if gpt_oss else (gate.grad, up.grad)
     assert torch.equal(dg, g2.grad) and torch.equal(du, u2.grad)
+
+
+@pytest.mark.parametrize("activations", ["save", "recompute"])
+def test_relaid_weights_kept_for_the_backward_only_when_saving(activations):
+    """gpt-oss's layouts (a transposed interleaved fc1 tensor, a transposed w_down): with ``activations="save"`` the
+    layer keeps the forward's re-laid copies for the backward; with ``"recompute"`` it keeps the given weights and
+    re-lays them out in the backward (nothing weight-sized held between the passes). Same y and gradients."""
+    from mok_cute import fc1 as F
+
+    g = torch.Generator().manual_seed(3)
+    t, h, i, e, k = 24, 64, 64, 4, 2
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.randint(-1, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    base = (torch.randn(e, h, 2 * i, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(e, i, h, generator=g) * 0.1).bfloat16()
+    dy = torch.randn(t, h, generator=g).bfloat16()
+    out = {}
+    for mode in ("save", activations):
+        b, d = base.clone().requires_grad_(), down.clone().requires_grad_()
+        gate, up = F.split(F.rows(b, True), True)
+        y = mok_cute.moe(x, idx, w, gate, up, d.transpose(1, 2),
+                         config=MoKConfig(backend="reference", activations=mode))
+        held = y.grad_fn.weights
+        y.backward(dy)
+        out[mode] = (held, y, b.grad, d.grad)
+    held = out[activations][0]
+    if activations == "save":
+        # the re-laid copies: gate / up the halves of one new [E, 2I, H] buffer, w_down a contiguous [E, H, I]
+        assert len(held) == 3 and held[0]._base is held[1]._base is not None and held[2].is_contiguous()
+    else:
+        assert held is None
+    assert all(torch.equal(a, c) for a, c in zip(out["save"][1:], out[activations][1:]))
