@@ -51,9 +51,7 @@ from mok_cute.kernels.sm90 import persistent, route_rows
 from mok_cute.kernels.sm90.route_rows import grouped_rows
 from mok_cute.kernels.sm90.persistent import opaque as _opaque
 from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
-from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, DSwigluEpilogue, PlainEpilogue, _store_warp, make_tma_store, tma_store_drain, tma_store_tile,
-)
+from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
 from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, SplitB,
@@ -197,8 +195,7 @@ class EpOperands(NamedTuple):
 class GroupTma(NamedTuple):
     """One group's TMA atoms and coordinate tensors (:meth:`FusedMoeBwdCoreSm90._tma`): D2 reads dy
     and w_down, D1 dgu, w_gate and w_up, the weight gradients dy (MXFP8: its round trip along the
-    tokens), h, dg, x and du along the rows (``t`` suffix: ragged along the rows); the weight gradients'
-    TMA stores to dW_down, dW_gate, dW_up (``cw`` prefix; None in the ``accumulate`` variant)."""
+    tokens), h, dg, x and du along the rows (``t`` suffix: ragged along the rows)."""
 
     atom_dy: cute.CopyAtom
     coord_dy: cute.Tensor
@@ -220,12 +217,6 @@ class GroupTma(NamedTuple):
     coord_xt: cute.Tensor
     atom_dut: cute.CopyAtom
     coord_dut: cute.Tensor
-    atom_cwd: cute.CopyAtom = None
-    coord_cwd: cute.Tensor = None
-    atom_cwg: cute.CopyAtom = None
-    coord_cwg: cute.Tensor = None
-    atom_cwu: cute.CopyAtom = None
-    coord_cwu: cute.Tensor = None
 
 
 class GroupTensors(NamedTuple):
@@ -359,11 +350,7 @@ class FusedMoeBwdCoreSm90:
         wd = mw.make_tma(_ragged_k(g.dy if dyt is None else dyt), _ragged_k(g.h))
         wg = mw.make_tma(_ragged_k(g.dg), _ragged_k(g.x))
         atom_dut, coord_dut, _, _ = mw.make_tma(_ragged_k(g.du), _ragged_k(g.x))
-        stores = ()  # the weight gradients' tiles by TMA stores (bf16); fp32 main grads are accumulated instead
-        if cutlass.const_expr(not self.accumulate):
-            for w in (g.dwd, g.dwg, g.dwu):
-                stores += tuple(make_tma_store(experts_last(w), self.cfg.tile_m, self.cfg.tile_n))
-        return GroupTma(*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut, *stores)
+        return GroupTma(*d2, *d1, atom_wu, coord_wu, *wd, *wg, atom_dut, coord_dut)
 
     @cute.kernel
     def kernel(self, r_tma: GroupTma, r_t: GroupTensors, s_tma: GroupTma, s_t: GroupTensors, mCounters: cute.Tensor,
@@ -378,9 +365,9 @@ class FusedMoeBwdCoreSm90:
         cfg = self.cfg
         md, mw = self.ml_d, self.ml_w
         t_entry = persistent.now(self.trace)
-        atoms = [r_tma[i] for i in range(0, len(r_tma), 2) if r_tma[i] is not None]
+        atoms = [r_tma[i] for i in range(0, len(r_tma), 2)]
         if cutlass.const_expr(self.shared):
-            atoms += [s_tma[i] for i in range(0, len(s_tma), 2) if s_tma[i] is not None]
+            atoms += [s_tma[i] for i in range(0, len(s_tma), 2)]
         tidx, warp = md.start(atoms)
         mw.setup()
         pipe, sA, sB, _, storage = md.allocate(self.shared_storage, self.plain, with_storage=True)
@@ -570,7 +557,6 @@ class FusedMoeBwdCoreSm90:
         rc = (Int32(0), Int32(0), Int32(0), Int32(0))
         sc = (Int32(0), Int32(0), Int32(0), Int32(0))
         i = Int32(0)
-        pend = Int32(0)  # a weight-gradient tile's TMA store may still be reading the staging buffer
         sD1 = cute.make_tensor(storage.extra.data_ptr() + 2, cute.make_layout(1))  # after sTask
         if tid == 0:  # D1 tiles stored (with the slot sum), in shared memory (no register held across the tasks)
             sD1[0] = Int32(0)
@@ -582,14 +568,13 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(self.shared):
                 grp, lt = _split(t, shared, routed)
                 if grp == 0:
-                    state, sc, kind, pend = self._compute(shared, lt, smem, state, tid, sc, limit, slots, False, pend)
+                    state, sc, kind = self._compute(shared, lt, smem, state, tid, sc, limit, slots, False)
                     kind += SHARED_KIND
                 else:
-                    state, rc, kind, pend = self._compute(routed, lt, smem, state, tid, rc, limit, slots, self.scatter,
-                                                          pend, ep)
+                    state, rc, kind = self._compute(routed, lt, smem, state, tid, rc, limit, slots, self.scatter, ep)
             else:
-                state, rc, kind, pend = self._compute(routed, t, smem, state, tid, rc, limit, slots, self.scatter,
-                                                      pend, ep, wd_done)
+                state, rc, kind = self._compute(routed, t, smem, state, tid, rc, limit, slots, self.scatter, ep,
+                                                wd_done)
             if cutlass.const_expr(self.scatter):
                 if tid == 0:
                     if kind % SHARED_KIND == 1:
@@ -599,23 +584,19 @@ class FusedMoeBwdCoreSm90:
                     bidx, _, _ = cute.arch.block_idx()
                     persistent.record(mTrace, t, t0, persistent.now(self.trace), kind, bidx, t)
             t = persistent.take(sTask, i)
-        tma_store_drain(tid)  # the weight gradients' last stores
         if cutlass.const_expr(self.scatter):  # only the slot sum, after every task, waits for ``done``
             if tid == 0:  # one fence (EP > 1: system scope), cumulative over the rows each D1 tile's barrier ordered
                 persistent.publish_count(done, sD1[0], self.ep)
 
     @cute.jit
     def _compute(self, g, lt: Int32, smem: _Smem, state, tid: Int32, cur, limit: Float32, slots: SlotSum,
-                 scatter: cutlass.Constexpr, pend: Int32, ep=None, wd_done: cute.Pointer = None):
+                 scatter: cutlass.Constexpr, ep=None, wd_done: cute.Pointer = None):
         """Consumer warpgroups, group ``g``'s task ``lt``: a D2 tile is published on ``g.d2[mt]``
         (release) once its dgu rows are stored; a D1 tile's rows go to ``g.dx`` (``scatter``: to
         their (token, slot) rows, ``ep``: on their source ranks); in a kernel with the slot sum every D1 tile is
         counted (on ``done``, by :meth:`_consume` after the CTA's last task). ``cur``: the group's D2 and D1
-        cursors; ``pend``: 1 while a weight-gradient tile's TMA store may be reading the staging buffer (a D2 /
-        D1 tile waits for that read before it writes there); returns ``(state, cur, trace kind, pend)``
-        (kinds D2 0, D1 1, dWd / dWg / dWu 2-4). A weight-gradient tile goes out by one TMA store, issued
-        without waiting for it (its write overlaps the next tile's mainloop; ``accumulate``: added into the
-        fp32 main grads by the consumers). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
+        cursors; returns ``(state, cur, trace kind)``
+        (D2 0, D1 1, dWd / dWg / dWu 2-4). ``wd_first`` (``wd_done``: given for the routed group): a dW_down tile counts itself on
         ``wd_done`` (release) once its epilogue is done (its operand loads landed before its MMAs)."""
         cfg = self.cfg
         pipe, (sA, sB, sA_w, sB_w), storage = smem.pipe, smem.views, smem.storage
@@ -628,7 +609,6 @@ class FusedMoeBwdCoreSm90:
         et = _opaque(tid)  # the epilogues' shared addresses rebuilt per tile, not held across the loop
         # each branch builds its own fragments and accumulator: none is live across the tasks
         if phase == D2:
-            pend = _staging_free(et, pend)
             thr_d, tCrA, tCrB, acc = self.ml_d.consumer_fragments(sA, sB, et)
             s_dsw = self.dswiglu.smem_tensor(storage.sC)
             self.dswiglu.prefetch(s_dsw, et, row0, rows, n_tile, g.gu3)
@@ -645,7 +625,6 @@ class FusedMoeBwdCoreSm90:
             if cutlass.const_expr(scatter and not self.grouped_slots and not self.mx):  # registers would spill)
                 routes = route_rows.tile_routes(tid, row0, rows, mOrder, cfg.tile_m, cfg.tile_n)
             state = self.ml_d.mma_tile(pipe, state, tCrA, tCrB, acc, k_2i)
-            pend = _staging_free(et, pend)
             s_plain = self.plain.smem_tensor(storage.sC)
             if cutlass.const_expr(self.grouped_slots):  # over dy's rows: every dgrad2 tile of m-tile mt (and, BF16,
                 # every dW_down tile: the producer waited) has read them
@@ -668,7 +647,6 @@ class FusedMoeBwdCoreSm90:
             r0 = m_tile * cfg.tile_m
             s_plain = self.plain.smem_tensor(storage.sC)
             if cutlass.const_expr(self.accumulate):  # main_grad += fp32(bf16(dW tile))
-                pend = _staging_free(et, pend)
                 acc_to_smem(thr_w, acc, s_plain)
                 consumer_barrier()
                 if which == WD:
@@ -681,17 +659,19 @@ class FusedMoeBwdCoreSm90:
                     route_rows.accumulate(s_plain, et, r0, cutlass.min(g.inter - r0, cfg.tile_m), n_tile,
                                           g.dwu[(expert, None, None)], cfg.tile_n, self.n_tail)
                 consumer_barrier()
-            else:  # one TMA store of the tile (rows / columns past the gradient's clipped), not waited for
+            else:
                 if which == WD:
-                    tma_store_tile(thr_w, acc, s_plain, et, g.atom_cwd, cute.local_tile(
-                        g.coord_cwd[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile)))
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.hidden - r0, cfg.tile_m), n_tile, g.dwd[(expert, None, None)],
+                                   g.dwd[(expert, None, None)], Float32(0.0))
                 elif which == WG:
-                    tma_store_tile(thr_w, acc, s_plain, et, g.atom_cwg, cute.local_tile(
-                        g.coord_cwg[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile)))
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwg[(expert, None, None)],
+                                   g.dwg[(expert, None, None)], Float32(0.0))
                 else:
-                    tma_store_tile(thr_w, acc, s_plain, et, g.atom_cwu, cute.local_tile(
-                        g.coord_cwu[(None, None, expert)], (cfg.tile_m, cfg.tile_n), (m_tile, n_tile)))
-                pend = Int32(1)
+                    self.plain.run(self.ml_w.tiled_mma, thr_w, acc, s_plain, et, r0,
+                                   cutlass.min(g.inter - r0, cfg.tile_m), n_tile, g.dwu[(expert, None, None)],
+                                   g.dwu[(expert, None, None)], Float32(0.0))
             if cutlass.const_expr(self.wd_first):
                 if which == WD:
                     if tid == 0:
@@ -701,7 +681,7 @@ class FusedMoeBwdCoreSm90:
             kind = Int32(1)
         elif phase != D2:
             kind = 2 + which
-        return state, (e1, b1, e2, b2), kind, pend
+        return state, (e1, b1, e2, b2), kind
 
 
     @cute.jit
@@ -717,18 +697,6 @@ class FusedMoeBwdCoreSm90:
         walk = RowWalk(g.mt, g.offsets, g.num_experts, slots.order, slots.idx, k, g.hidden, self.cfg.tile_m)
         gather_chunks(cta, walk, rows, pull, trace_rec, X_UNROLL, self.by_route,
                       (mx_round_trips, (rows.dyt_rows,)) if self.mx else None)
-
-
-@cute.jit
-def _staging_free(tid: Int32, pend: Int32) -> Int32:
-    """Consumers, before an epilogue other than the weight gradients' TMA store writes the staging buffer: while
-    ``pend`` (a TMA store issued since the last wait), the store warp waits until its stores have read the buffer,
-    then every consumer passes a barrier; returns 0."""
-    if pend != 0:
-        if _store_warp(tid):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        consumer_barrier()
-    return Int32(0)
 
 
 class _Group:

@@ -240,10 +240,6 @@ def test_accumulate_variant():
     _clean(rep)
     assert rep.ptx.count("add.rn.f32") > plain.ptx.count("add.rn.f32")
     assert rep.ptx.count("wgmma.mma_async") == plain.ptx.count("wgmma.mma_async")
-    # bf16 weight-gradient tiles leave by TMA stores (the routed and the shared group's dW_down, dW_gate, dW_up:
-    # a 256-column tile is four 64-column boxes of the 128-byte swizzle), not waited for; fp32 main grads take none
-    stores = r"cp\.async\.bulk\.tensor\.3d\.global\.shared"
-    assert len(re.findall(stores, plain.ptx)) == 2 * 3 * 4 and not re.findall(stores, rep.ptx)
 
 
 def test_trace_variant():
