@@ -194,7 +194,9 @@ class MoEFunction(torch.autograd.Function):
     per call, ``tools/bench_dispatch.py``): the same :func:`run_forward` / :func:`run_backward`,
     the state held in ``ctx``. The weights present are passed one by one, in :func:`layer_inputs`'
     order, so that autograd tracks each; with ``call.fc1`` the first is the tensor whose views w_gate
-    and w_up are (:mod:`mok_cute.fc1`), and its gradient is one tensor in its layout."""
+    and w_up are (:mod:`mok_cute.fc1`), and its gradient is one tensor in its layout; those given
+    transposed (``call.transposed``, :mod:`mok_cute.transposed`) reach the kernels re-laid out. With
+    ``activations="recompute"`` the re-laid copies are not kept: the backward makes them again."""
 
     @staticmethod
     def forward(ctx, call: LayerCall, x, topk_w, *weights):
