@@ -209,9 +209,9 @@ def _no_experts(self, hidden_states, top_k_index, top_k_weights):
 
 def measure_ceiling(model, init: dict, args, data, device, results: dict) -> dict:
     """``args.ceiling`` steps with the routed experts' computation skipped (:func:`_no_experts`, registered as
-    "no_experts"; their weights still updated by the optimizer): the median step without it, each backend's experts share (1 - that / its step) and the most any experts
-    backend could speed up grouped_mm's step, were its experts free (Amdahl: grouped_mm's step / the step without
-    them). Printed, and returned for the report."""
+    "no_experts"; their weights still updated by the optimizer): the median step without it, each backend's
+    experts share (1 - that / its step) and the most any experts backend could speed up grouped_mm's step, were
+    its experts free (Amdahl: grouped_mm's step / the step without them). Printed, and returned for the report."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register("no_experts", _no_experts)

@@ -88,14 +88,12 @@ def make_inputs(shape, seed: int = 0):
     return inputs, shared, dy
 
 
-CONFIG = {}  # further MoKConfig fields of both trees' calls (``--untuned``: tuned=False)
-
-
-def step(pkg, inputs, shared, dy, limit, precision, backward: bool = True):
-    """One forward (+ backward) of ``pkg.moe``; returns y and the gradients (leaves' .grad)."""
+def _step(pkg, inputs, shared, dy, limit, precision, backward: bool = True, fields: dict | None = None):
+    """One forward (+ backward) of ``pkg.moe`` (``fields``: further ``MoKConfig`` fields); returns y and the
+    gradients (leaves' .grad)."""
     leaves = {n: v.detach().requires_grad_(v.is_floating_point()) for n, v in inputs.items()}
     sh = None if shared is None else tuple(s.detach().requires_grad_() for s in shared)
-    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=pkg.MoKConfig(precision=precision, **CONFIG))
+    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=pkg.MoKConfig(precision=precision, **(fields or {})))
     if not backward:
         return [y]
     y.backward(dy)
@@ -187,9 +185,13 @@ def host_table(fns: dict, calls: int, sync) -> list[str]:
     return rows
 
 
-def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int, host: bool = False) -> int:
+def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int, host: bool = False,
+            fields: dict | None = None) -> int:
+    """Both trees' layer on each shape and precision (``fields``: further ``MoKConfig`` fields of every call):
+    outputs compared bitwise, then timed side by side; 1 if any output differs."""
     import torch
 
+    step = functools.partial(_step, fields=fields)
     base, tree = load_base(base_dir), importlib.import_module("mok_cute")
     rows, bad = [], 0
     for name in shapes:
@@ -238,9 +240,8 @@ def main(argv=None) -> int:
         return 0
     if args.base is None:
         ap.error("--base DIR (or --prepare COMMIT DIR)")
-    if args.untuned:
-        CONFIG["tuned"] = False
-    return compare(args.base, args.shapes, args.precision, args.rounds, args.iters, args.host)
+    return compare(args.base, args.shapes, args.precision, args.rounds, args.iters, args.host,
+                   {"tuned": False} if args.untuned else None)
 
 
 if __name__ == "__main__":
