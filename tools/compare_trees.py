@@ -11,7 +11,8 @@ occurrence of the package name rewritten, custom-op namespace included), so that
 side by side. The comparison uses only the public API both trees share (``moe``, ``MoKConfig``
 with default fields): y, dx, d topk_w and every weight gradient of one forward + backward must
 be ``torch.equal``; then forward and forward + backward are timed with CUDA events in interleaved
-rounds (median of each round's mean) and the ratio ``base / tree`` printed (> 1: the tree is faster).
+rounds (median of each round's mean) and the ratio ``base / tree`` printed (> 1: the tree is faster),
+with each tree's peak memory of one forward + backward (gradients included).
 Exit status 1 if any output differs.
 
 ``--host``: also the host time per call of the layer's main functions in each tree (one forward
@@ -99,6 +100,22 @@ def _step(pkg, inputs, shared, dy, limit, precision, backward: bool = True, fiel
     y.backward(dy)
     grads = [v.grad for v in leaves.values() if v.requires_grad] + ([] if sh is None else [s.grad for s in sh])
     return [y, *grads]
+
+
+def peak_mib(fn) -> float:
+    """MiB one call of ``fn`` allocates at its peak above what was allocated before it (what it returns, the
+    gradients, included), after a warm call."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2 ** 20
 
 
 def time_rounds(fns: dict, rounds: int, iters: int) -> dict:
@@ -205,9 +222,11 @@ def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int, host: b
             for label, pkg in (("base", base), ("tree", tree)):
                 fns[f"{label} fwd"] = lambda p=pkg: step(p, inputs, shared, dy, shape[6], prec, backward=False)
                 fns[f"{label} fwdbwd"] = lambda p=pkg: step(p, inputs, shared, dy, shape[6], prec)
+            del outs
             ms = time_rounds(fns, rounds, iters)
+            mib = [peak_mib(fns[f"{label} fwdbwd"]) for label in ("base", "tree")]
             rows.append((name, prec, "bitwise" if same else "DIFFERS", ms["base fwd"], ms["tree fwd"],
-                         ms["base fwdbwd"], ms["tree fwdbwd"]))
+                         ms["base fwdbwd"], ms["tree fwdbwd"], *mib))
             print(rows[-1], flush=True)
             if host:
                 fwd = {label: (pkg, lambda p=pkg: step(p, inputs, shared, dy, shape[6], prec, backward=False))
@@ -216,10 +235,11 @@ def compare(base_dir: Path, shapes, precisions, rounds: int, iters: int, host: b
                       sep="\n", flush=True)
     print(f"\n{torch.cuda.get_device_name()}; base / tree > 1: the tree is faster")
     print("| shape | precision | outputs | fwd ms base | fwd ms tree | base/tree | fwd+bwd ms base | fwd+bwd ms tree |"
-          " base/tree |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, p, s, bf, tf, bb, tb in rows:
-        print(f"| {n} | {p} | {s} | {bf:.3f} | {tf:.3f} | {bf / tf:.3f} | {bb:.3f} | {tb:.3f} | {bb / tb:.3f} |")
+          " base/tree | peak MiB base | peak MiB tree |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, p, s, bf, tf, bb, tb, mb, mt in rows:
+        print(f"| {n} | {p} | {s} | {bf:.3f} | {tf:.3f} | {bf / tf:.3f} | {bb:.3f} | {tb:.3f} | {bb / tb:.3f} "
+              f"| {mb:.0f} | {mt:.0f} |")
     return 1 if bad else 0
 
 

@@ -22,7 +22,8 @@ the rows and their round trips in two launches over every SM first, the MLP's
 
 An expert MLP implementation has ``arch`` ("sm90", "sm100": its row of the path table),
 ``dim_multiple`` (precision -> what H, I, I_s must be multiples of), ``strided_weights``
-(its kernels address strided weights in place), ``fused_mx_prologue``,
+(its kernels address strided weights in place), ``fused_mx_prologue``, ``gathers_x`` (its BF16
+``backward_tokens`` takes ``x_tok=``, the layer's x, and gathers its rows in the launch),
 ``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=][, config=]) -> (rows, ExpertGroup)``
 (``precision`` passed only when not "bf16", ``config`` only when its policy sets the unfused
 GEMM1 / GEMM2 tiles: :func:`~mok_cute.layers.common.mlp_options`),
@@ -240,10 +241,11 @@ class GroupedExpertBackend:
             return self._fused_backward(st, dy, dy_s, (dx_gate, d_gate))
         return self._unfused_backward(st, dy, dy_s, (dx_gate, d_gate))
 
-    def _rows(self, st, dy):
+    def _rows(self, st, dy, x_rows: bool = True):
         """``(dy_rows, d topk_w)`` of the route_grad pass, the routed group given its x rows (the
-        fused forward kept none: gathered in the same pass); the GEMM2 rows released."""
-        if st.routed.x is None:
+        fused forward kept none: gathered in the same pass; not with ``x_rows`` False, where the backward's
+        launch gathers them itself); the GEMM2 rows released."""
+        if st.routed.x is None and x_rows:
             dy_rows, dtw, x_rows = route_grad.dy_x_rows_and_dtopk_w(dy, st.x, st.rows, st.order, st.topk_w,
                                                                     st.routed.offsets, rows_by_route=st.rows_by_route)
             st.routed = replace(st.routed, x=x_rows)
@@ -265,8 +267,10 @@ class GroupedExpertBackend:
                                                                         st.rows_by_route)
             st.rows = None  # before the x rows: three [M, H] buffers at a time, as on the other path
             st.routed = replace(st.routed, x=x_rows(st.x))
-        else:
-            dy_rows, dtw = self._rows(st, dy)
+        else:  # BF16 on an MLP that gathers x's rows in its launch: none made here
+            if st.routed.x is None and st.routed.precision == "bf16" and self.mlp.gathers_x:
+                core["x_tok"] = st.x
+            dy_rows, dtw = self._rows(st, dy, x_rows="x_tok" not in core)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
                                        consume=True, config=st.config, **core, **_biased(st))

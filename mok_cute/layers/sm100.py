@@ -177,6 +177,7 @@ class Sm100ExpertMLP:
     precision_alias_reason = ("tcgen05 scales FP8 blocks of 32 in hardware (MXFP8); fp32 scales per 128 would need "
                               "the accumulator promoted outside the MMA")
     fused_mx_prologue = False  # BackwardPath.FUSED: the route_grad pass, then backward_tokens
+    gathers_x = False  # its backward_tokens reads the grouped x rows the route_grad pass makes
 
     def __init__(self):
         self.weights = WeightCache()

@@ -154,6 +154,7 @@ class Sm90ExpertMLP:
     strided_weights = True  # weights in place when TMA addresses them (dsl.host.tma_weight), no copy
     precisions = ("bf16", "mxfp8", "fp8_block")
     fused_mx_prologue = True  # BackwardPath.FUSED at MXFP8 after the fused forward: mx_prologue first
+    gathers_x = True  # BackwardPath.FUSED at BF16: backward_tokens(x_tok=) gathers x's rows in its launch
 
     def __init__(self):
         self.weights = WeightCache()
@@ -269,7 +270,7 @@ class Sm90ExpertMLP:
         return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit, biased)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
-                        config=None, mx_dyt=None, biased: bool = False):
+                        config=None, mx_dyt=None, biased: bool = False, x_tok=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
         topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
@@ -280,7 +281,9 @@ class Sm90ExpertMLP:
         resolved by the layer), or None. ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's
         round trips (dy_t its second output). ``biased`` (BF16, ``consume``): then also (d b_gate, d b_up,
         d b_down): d b_down from dy_rows before the launch (which writes the dx rows over them), the others
-        from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`)."""
+        from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`). ``x_tok`` (BF16 with
+        ``consume``, ``g.x`` None): the layer's x [T, H]; the launch's weight gradients gather its rows (no
+        grouped x rows are made)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
@@ -290,7 +293,7 @@ class Sm90ExpertMLP:
         g = contiguous_group(g)
         if dx_shared is not None:
             dx_shared = dx_shared.contiguous()
-        _check_dy(fwd, g, dy_rows)
+        _check_dy(fwd, g, dy_rows, x_tok)
         if biased and not (consume and g.precision == "bf16"):
             raise ValueError(f"biased: backward_tokens at bf16 with consume only, got {g.precision!r}, "
                              f"consume={consume}")
@@ -298,7 +301,8 @@ class Sm90ExpertMLP:
         out = fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                   _core_launch(BackwardLaunch, g, config),
-                                  tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt)
+                                  tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt,
+                                  x_tok=None if x_tok is None else x_tok.contiguous())
         if not biased:
             return out
         return (*out, *gate_up_bias_grads(g.gu, g.offsets), d_down)  # the launch wrote dgu over gu (consume)
@@ -484,9 +488,12 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
     fwd._check_devices(x=x_rows, offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
-def _check_dy(fwd, g: ExpertGroup, dy_rows):
-    """The backward's one new input: dy [M, H] bf16 contiguous, 16-byte aligned, x's device."""
+def _check_dy(fwd, g: ExpertGroup, dy_rows, x_tok=None):
+    """The backward's one new input: dy [M, H] bf16 contiguous, 16-byte aligned, x's device (M: g.x's rows, or
+    with ``x_tok``, the layer's x [T, H] whose rows the launch gathers, gu's)."""
     fwd._check_tensor("dy", dy_rows, 2, (torch.bfloat16,))
-    if dy_rows.shape != g.x.shape or not dy_rows.is_contiguous() or dy_rows.data_ptr() % 16:
-        raise ValueError(f"dy must be contiguous {tuple(g.x.shape)} and 16-byte aligned, got {tuple(dy_rows.shape)}")
-    fwd._check_devices(x=g.x, dy=dy_rows)
+    x = g.x if x_tok is None else x_tok
+    want = tuple(x.shape) if x_tok is None else (g.gu.shape[0], x_tok.shape[1])
+    if tuple(dy_rows.shape) != want or not dy_rows.is_contiguous() or dy_rows.data_ptr() % 16:
+        raise ValueError(f"dy must be contiguous {want} and 16-byte aligned, got {tuple(dy_rows.shape)}")
+    fwd._check_devices(x=x, dy=dy_rows)

@@ -324,6 +324,7 @@ class _ReferenceMlp:
     expert math: the layer's own plumbing of the biases (forward keyword, state, backward keyword, MoEGrads)."""
 
     arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
+    gathers_x = False
 
     def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, biases=None):
         from mok_cute.layers.common import ExpertGroup

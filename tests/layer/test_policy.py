@@ -258,6 +258,7 @@ def test_layer_passes_the_config_to_the_unfused_mlp_only_with_tiles():
 
     class Mlp:  # an sm90 row of the table (CPU tensors: the unfused paths)
         arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
+        gathers_x = False
 
         def forward(self, x_rows, offsets, w_gate, w_up, w_down, limit, **kw):
             seen.append(("forward", kw.get("config")))

@@ -7,7 +7,8 @@ unfused backward's five grouped launches (dgrad2 + dSwiGLU, dgrad1, three wgrads
 * bitwise across 3 repeats and across grid sizes (132, 37, 8 CTAs);
 * ``tokens=`` (the dx rows scattered to their slots and summed in the launch): dx bitwise the
   unfused scatter + ``reference.slot_sum`` from the shared expert's dx (or zeros), -1 slots
-  included;
+  included; with ``x_tok=`` (x's token rows gathered in the weight gradients' loads) every output
+  bitwise the unfused backward on grouped x rows (empty experts, tile_n 128, a small grid);
 * the layer: ``mok_cute.moe`` forward + backward with ``MoKConfig(backward_path=...)`` FUSED and
   FUSED_WHOLE (also the route_grad pass and the x gather in the launch, the fused forward's rows)
   gives every gradient bitwise equal to UNFUSED (shared expert included: it runs the core too, as
@@ -87,7 +88,7 @@ def run(ctx, parts: tuple[str, ...] = PARTS, out_dir: str | None = None) -> list
     dev = ctx.device
     rows = _core_rows(dev) if "core" in parts else []
     if "tokens" in parts:
-        rows += _tokens_rows(dev)
+        rows += _tokens_rows(dev) + _x_gather_rows(dev)
     if "mx" in parts:
         rows += _mx_rows(dev)
     if "layer" in parts:
@@ -245,6 +246,38 @@ def _tokens_rows(dev) -> list[Row]:
         eq = [torch.equal(r[0], want) and all(torch.equal(a, b) for a, b in zip(r[1:], dws)) for r in got]
         rows.append(Row(f"fused bwd core tokens= (dx slot sum){' + shared dx' if shared else ''}", bitwise=all(eq),
                         ok=all(eq), note=f"dx and dW == unfused scatter + slot_sum per run (132 x2, 19 CTAs): {eq}"))
+    return rows
+
+
+def _x_gather_rows(dev) -> list[Row]:
+    """``x_tok=`` (the layer's FUSED backward at BF16: x's token rows gathered in the dW_gate / dW_up loads, no
+    grouped x rows): dx and every weight gradient bitwise the unfused backward on the grouped x rows, with -1 slots,
+    empty experts and ragged k-tiles, at tile_n 256 and 128 and on a small grid."""
+    from mok_cute.layers.grouped import _scatter_slots
+    from mok_cute.reference import slot_sum
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(17)
+    t, k, e, hid = 700, 4, 12, 1024
+    idx, order, valid, counts = _routes(g, t, k, e // 2)  # experts 6..11 get no rows
+    counts += [0] * (e - len(counts))
+    ops = list(_operands(counts, hid, 512, dev, seed=21, rows=t * k))
+    x_tok = (torch.randn(t, hid, device=dev, generator=g)).bfloat16()
+    ops[1] = x_tok[order // k]
+    dxr, *dws = _unfused(*ops, 4.0)
+    want = slot_sum(torch.zeros(t, hid, dtype=torch.float32, device=dev), _scatter_slots(dxr, order, valid, t, k),
+                    idx).to(torch.bfloat16)
+    from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
+
+    for tile_n, ctas in ((None, 132), (None, 132), (128, 132), (None, 11)):
+        mine = [a.clone() for a in ops]  # consume: the launch writes over dy and gu
+        got = fused_backward_core(ExpertRows(mine[0], None, *mine[2:5]), ops[5:], 4.0,
+                                  BackwardLaunch(num_ctas=ctas, tile_n=tile_n), tokens=(order, idx, None),
+                                  consume=True, x_tok=x_tok)
+        torch.cuda.synchronize()
+        eq = [torch.equal(got[0], want)] + [torch.equal(a, b) for a, b in zip(got[1:], dws)]
+        rows.append(Row(f"fused bwd core x gathered in the loads (tile_n {tile_n or 256}, {ctas} CTAs)",
+                        bitwise=all(eq), ok=all(eq), note=f"[dx, dWg, dWu, dWd] == unfused on grouped x rows: {eq}"))
     return rows
 
 

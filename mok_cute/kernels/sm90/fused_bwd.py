@@ -54,7 +54,7 @@ from mok_cute.kernels.sm90.expert_bwd import _expert_k, _ragged_k
 from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilogue
 from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
-    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, MainloopConfig, Sm90Mainloop, SplitB,
+    CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, GatherB, MainloopConfig, Sm90Mainloop, SplitB,
     acc_to_smem, consumer_barrier, experts_last, launch_config,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
@@ -87,7 +87,9 @@ class BwdVariant(NamedTuple):
     workspace); ``grouped_slots`` the dx rows over dy's grouped rows (no [T*k, H] slot buffer); ``wd_first``
     the dW_down tiles first (MXFP8: dgu's round trip along the tokens over dy's; BF16: dW_down reads dy
     itself, so with grouped_slots every dgrad1 tile waits for them before it writes over dy); ``gated`` the
-    SwiGLU's alpha and up offset (None: silu(g) * u; :mod:`mok_cute.kernels.swiglu_math`)."""
+    SwiGLU's alpha and up offset (None: silu(g) * u; :mod:`mok_cute.kernels.swiglu_math`); ``x_gather`` the
+    dW_gate / dW_up tiles gather x's token rows in their loads (``routed.x`` the layer's x [T, H], ``routed.tok``
+    each grouped row's token: no [M, H] x rows)."""
 
     clamp: bool
     scatter: bool = False
@@ -104,6 +106,7 @@ class BwdVariant(NamedTuple):
     grouped_slots: bool = False
     wd_first: bool = False
     gated: Gated | None = None
+    x_gather: bool = False
 
 
 class GroupOperands(NamedTuple):
@@ -117,7 +120,8 @@ class GroupOperands(NamedTuple):
     the weight gradients' A (dgu's column halves, or of its MXFP8 round trip along the tokens);
     ``dgu3`` [M, 2, I] D2's output view of ``dgu``; ``dx`` [M, H] the grouped dx rows (None with the slot
     sum); ``dwg``, ``dwu`` [E, I, H], ``dwd`` [E, H, I] (bf16, or fp32 main grads: ``accumulate``);
-    ``offsets`` int32 [E+1]; ``d2`` int32 [m-tiles], zeroed: the D2 tiles done per m-tile."""
+    ``offsets`` int32 [E+1]; ``d2`` int32 [m-tiles], zeroed: the D2 tiles done per m-tile; ``tok`` int32 [M]
+    (``x_gather``, else None): each grouped row's token, ``x`` then the layer's x [T, H]."""
 
     dy: cute.Tensor | None
     x: cute.Tensor | None
@@ -136,6 +140,7 @@ class GroupOperands(NamedTuple):
     dwd: cute.Tensor
     offsets: cute.Tensor
     d2: cute.Tensor
+    tok: cute.Tensor | None = None
 
 
 class SlotSum(NamedTuple):
@@ -222,7 +227,8 @@ class GroupTma(NamedTuple):
 class GroupTensors(NamedTuple):
     """One group's tensors in the kernel beside its TMA operands (:class:`GroupOperands`' of the same
     name; ``dx`` of the shared group: the slot sum's start; ``dgut3``: the MXFP8 variant's dgu round
-    trip along the tokens, else None)."""
+    trip along the tokens, else None; ``x`` / ``tok``: the ``x_gather`` variant's token rows and each grouped
+    row's token, else None)."""
 
     gu3: cute.Tensor
     dgu3: cute.Tensor
@@ -233,6 +239,8 @@ class GroupTensors(NamedTuple):
     offsets: cute.Tensor
     d2: cute.Tensor
     dgut3: cute.Tensor | None
+    x: cute.Tensor | None = None
+    tok: cute.Tensor | None = None
 
 
 class _Smem(NamedTuple):
@@ -273,6 +281,7 @@ class FusedMoeBwdCoreSm90:
         # BF16 (grouped_slots): dW_down reads dy itself, so the producer of a D1 tile waits for them before its
         # dx rows go over dy's. Routed group only: grouped_slots has no shared group in the launch
         self.wd_first = v.wd_first
+        self.x_gather = v.x_gather  # dW_gate / dW_up: x's token rows gathered in the producer's loads
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail, v.gated)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -332,7 +341,7 @@ class FusedMoeBwdCoreSm90:
         if cutlass.const_expr(self.ep):
             ep_args = ep
         r_t = GroupTensors(routed.gu3, routed.dgu3, routed.dx, routed.dwg, routed.dwu, routed.dwd, routed.offsets,
-                           routed.d2, mx.dgu_t3)
+                           routed.d2, mx.dgu_t3, routed.x if self.x_gather else None, routed.tok)
         k_rows = rows._replace(dy_rows=routed.dy, x_rows=routed.x, dyt_rows=mx.dy_t if self.gather else None)
         self.kernel(r_tma, r_t, s_tma, s_t, mCounters, slots, k_rows, mAdd, mTrace, sc._replace(num_ctas=None),
                     ep_args).launch(grid=[sc.num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], cluster=[1, 1, 1],
@@ -530,16 +539,33 @@ class FusedMoeBwdCoreSm90:
                         persistent.wait_input(g.d2.iterator + first + m, g.n_i, timeout_ns, status,
                                               Int32(D2_READY), first + m)
                     ready_e = expert
-                gB = cute.local_tile(_expert_k(g.coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
                 if which == WG:
-                    gA = cute.local_tile(_expert_k(g.coord_dgt, lo, length), (cfg.tile_m, cfg.tile_k),
-                                         (m_tile, None))
-                    state = self.ml_w.load_tile(pipe, state, g.atom_dgt, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+                    state = self._load_wx(g, g.atom_dgt, g.coord_dgt, smem, state, expert, n_tile, m_tile, k_rows)
                 else:
-                    gA = cute.local_tile(_expert_k(g.coord_dut, lo, length), (cfg.tile_m, cfg.tile_k),
-                                         (m_tile, None))
-                    state = self.ml_w.load_tile(pipe, state, g.atom_dut, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+                    state = self._load_wx(g, g.atom_dut, g.coord_dut, smem, state, expert, n_tile, m_tile, k_rows)
         return state, (e1, b1, e2, b2, ready_e, ready_g)
+
+    @cute.jit
+    def _load_wx(self, g, atom_a: cute.CopyAtom, coord_a: cute.Tensor, smem: _Smem, state, expert: Int32,
+                 n_tile: Int32, m_tile: Int32, k_rows: Int32):
+        """Producer warp: the k-tiles of a dW_gate / dW_up tile, A (``atom_a``, ``coord_a``: dg or du along the
+        rows) by TMA, B x's rows: by TMA from the grouped x rows, or (``x_gather``) gathered from x's token
+        rows (:meth:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop.load_tile_gather_b`). Returns the state."""
+        cfg = self.cfg
+        pipe, (_, _, sA_w, sB_w) = smem.pipe, smem.views
+        lo = g.offsets[expert]
+        length = g.offsets[expert + 1] - lo
+        gA = cute.local_tile(_expert_k(coord_a, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
+        if cutlass.const_expr(self.x_gather and g.tok is not None):
+            xb = g.x.element_type.width // 8
+            src = GatherB(g.x.iterator.toint(), Int64(g.x.stride[0]) * xb, n_tile * (cfg.tile_n * xb),
+                          g.hidden * xb, g.tok, lo, length)
+            state = self.ml_w.load_tile_gather_b(pipe, state, atom_a, gA, sA_w, smem.storage.sB.data_ptr().toint(),
+                                                 src, k_rows)
+        else:
+            gB = cute.local_tile(_expert_k(g.coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
+            state = self.ml_w.load_tile(pipe, state, atom_a, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+        return state
 
     @cute.jit
     def _consume(self, smem: _Smem, tid: Int32, n_tasks: Int32, routed, shared, limit: Float32, slots: SlotSum,
@@ -708,7 +734,8 @@ class _Group:
     def __init__(self, tma: GroupTma, t: GroupTensors, cfg: MainloopConfig, n_tail: bool):
         for name, value in zip(tma._fields, tma):
             setattr(self, name, value)
-        self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2, self.dgut3 = t
+        (self.gu3, self.dgu3, self.dx, self.dwg, self.dwu, self.dwd, self.offsets, self.d2, self.dgut3, self.x,
+         self.tok) = t
         self.num_experts = self.offsets.shape[0] - 1
         self.inter = self.gu3.shape[2]
         self.hidden = self.dwd.shape[1]
@@ -779,6 +806,9 @@ def _check_variant(v: BwdVariant, arch: str = "sm_90a") -> None:
     if v.grouped_slots and not v.mx and not v.wd_first:
         raise ValueError("grouped_slots at BF16 needs wd_first: dW_down reads dy, so every dW_down tile must be "
                          "done before a dgrad1 tile writes over it")
+    if v.x_gather and not (v.grouped_slots and not v.mx):
+        raise ValueError("x_gather (x's token rows gathered in the weight gradients' loads) needs grouped_slots at "
+                         "BF16: the launch without the gather and the shared group, on the layer's x")
     if v.wd_first and not v.grouped_slots:
         raise ValueError("wd_first (the dW_down tiles first, a later phase writing over dy's rows) needs "
                          "grouped_slots")
@@ -802,11 +832,13 @@ def compile_fused_backward_core(variant: BwdVariant, *, cfg: MainloopConfig = Ma
                                              assumed_align=4)
 
     routed = GroupOperands(
-        _fake_2d(bf, m, hid), _fake_2d(bf, m, hid), _fake_3d(bf, m, cute.sym_int(), inter), _fake_2d(bf, m, inter),
+        _fake_2d(bf, m, hid), _fake_2d(bf, t if v.x_gather else m, hid), _fake_3d(bf, m, cute.sym_int(), inter),
+        _fake_2d(bf, m, inter),
         _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, inter, hid), _fake_3d(bf, e, hid, inter),
         _fake_2d(bf, m, cute.sym_int(divisibility=_VEC)), _fake_2d(bf, m, inter), _fake_2d(bf, m, inter),
         _fake_3d(bf, m, cute.sym_int(), inter), None if v.scatter else _fake_2d(bf, m, hid),
-        _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(Int32), vec(Int32))
+        _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, inter, hid), _fake_3d(dw, e, hid, inter), vec(Int32), vec(Int32),
+        vec(Int32, m) if v.x_gather else None)
     counters = vec(Int32)
     slots = SlotSum(None, None, None, None, None)
     if v.scatter:
@@ -888,12 +920,14 @@ class TokenSum(NamedTuple):
     """The dx slot sum of :func:`fused_backward_core` (``tokens``): ``order`` [M] grouped row -> t*k + j,
     ``topk_idx`` [T, k] (-1: no expert), ``dx_shared`` bf16 [T, H] or None (the sum's start; else 0),
     ``dx_add`` fp32 [T, H] or None, added to that start in fp32 (the shared expert's output gate's
-    share of dx)."""
+    share of dx); ``x_tok`` bf16 [T, H] or None: the layer's x, whose token rows the weight gradients gather
+    in their loads (``x_gather``; the launch's x rows None)."""
 
     order: torch.Tensor
     topk_idx: torch.Tensor
     dx_shared: torch.Tensor | None = None
     dx_add: torch.Tensor | None = None
+    x_tok: torch.Tensor | None = None
 
 
 class SharedOperands(NamedTuple):
@@ -947,7 +981,7 @@ class _Gather(NamedTuple):
 
 # ---------------------------------------------------------------- entry points
 def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch = BackwardLaunch(), tokens=None,
-                        consume: bool = False, mx_dyt=None):
+                        consume: bool = False, mx_dyt=None, x_tok=None):
     """The routed backward in one launch (module doc) on ``rows`` (:class:`ExpertRows`, the operands
     the unfused path accepts; I, H multiples of 64, not of 256: the n_tail variant) and ``weights``
     ``(w_gate, w_up [E, I, H], w_down [E, H, I])`` bf16 with unit last stride (``ExpertWeights``).
@@ -973,13 +1007,17 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     measured bitwise on the device, docs/benchmarks.md). ``mx_dyt`` (with ``mx``): the caller made dy's
     and x's round trips (``route_grad.mx_dy_rows_and_dtopk_w``, ``mx_x_rows``): ``rows.dy`` is its round
     trip along H, ``rows.x`` along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made
-    here. Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    here. ``x_tok`` (BF16, with ``tokens`` and ``consume``; ``rows.x`` then None): the layer's x [T, H] bf16
+    contiguous; the dW_gate / dW_up tiles gather each grouped row's token row of it in their loads (no [M, H] x
+    rows; bitwise the same). Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     dy, x, gu, h, offsets = rows
     m = dy.shape[0]
+    if x_tok is not None and (tokens is None or not consume or launch.mx or x is not None):
+        raise ValueError("x_tok (x's rows gathered in the launch) needs tokens, consume=True, BF16 and rows.x None")
     toks = None
     if tokens is not None:
-        order, topk_idx, dxs, add = TokenSum(*tokens)
-        toks = TokenSum(order[:m].to(torch.int32), topk_idx, dxs, add)
+        order, topk_idx, dxs, add = TokenSum(*tokens)[:4]
+        toks = TokenSum(order[:m].to(torch.int32), topk_idx, dxs, add, x_tok)
     dyt = None
     if launch.mx and m:
         from mok_cute.kernels.quant.dequant_mxfp8 import mxfp8_round_trip, mxfp8_round_trip_tokens
@@ -1129,13 +1167,21 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     ``rows.dy``: consumed, or the MXFP8 round trip made for the launch) (``grouped_slots``): the dx rows
     written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after every dW_down tile, which reads dy and
     runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
-    written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer)."""
+    written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer). ``tokens.x_tok``: the layer's
+    x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up loads; needs ``grouped_slots``)."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     grouped_slots = dy_free and tokens is not None and gather is None and shared is None
     wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
+    tok = None
+    x_tok = None if tokens is None else tokens.x_tok
+    if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j)
+        if not grouped_slots or mx_dyt is not None:
+            raise ValueError("x_tok needs the BF16 launch with the slot sum over dy's rows (grouped_slots)")
+        x = x_tok
+        tok = torch.div(tokens.order[:m], tokens.topk_idx.shape[1], rounding_mode="floor").to(torch.int32)
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     if main_grads is None:  # dW_gate, dW_up: the halves of one [E, 2I, H] buffer (fc1's gradient without a copy)
@@ -1148,7 +1194,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     if tokens is None:
         dx = torch.empty((m, hid), **bf)
     else:
-        order32, topk_idx, dxs, _ = tokens
+        order32, topk_idx, dxs = tokens[:3]
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
         if grouped_slots:  # the slot sum reads the dx rows at dy's grouped rows, through the inverse order
@@ -1188,7 +1234,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         gather is not None and gather.by_route, shared is not None, main_grads is not None, launch.trace,
         mx_dyt is not None, tokens is not None and tokens.dx_add is not None,
         any(d % cfg.tile_n for d in (hid, inter, *(() if shared is None else (shared[3].shape[0],)))),
-        ws is not None, grouped_slots, wd_first, gated)
+        ws is not None, grouped_slots, wd_first, gated, x_tok is not None)
     launcher = compile_cached(("sm90_fused_moe_bwd_core", arch, variant, cfg.key()), lambda: GraphLauncher(
         compile_fused_backward_core(variant, cfg=cfg, arch=arch)[0]))
     num_ctas = sm_count(dev) if launch.num_ctas is None else launch.num_ctas
@@ -1201,7 +1247,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     mx = MxOperands(None, None) if mx_dyt is None else MxOperands(mx_dyt, dgut.view(m, 2, inter))
     routed = GroupOperands(dy, x, gu[:m].view(m, 2, inter), h[:m], w_gate, w_up, w_down, dgu, dgut[:, :inter],
                            dgut[:, inter:], dgu.view(m, 2, inter), None if tokens is not None else dx, dwg, dwu, dwd,
-                           offsets, d2)
+                           offsets, d2, tok)
     sc = Scalars(k, comm, lim, num_ctas, int(launch.timeout_s * 1e9))
     ep = EpOperands(None, None, *_NO_EP) if ws is None else EpOperands(*ws.kernel_args((ws.status,), EP_SECTIONS))
     _run(launcher, dev, (routed, words, *(_present(b) for b in (slots, row_args, sh_args, mx)),

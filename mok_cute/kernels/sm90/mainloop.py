@@ -20,6 +20,13 @@ Device operand bundles (:class:`typing.NamedTuple`, flattened in field order whe
 :class:`TmaLoads` (a grouped GEMM's TMA load atoms and coordinates), :class:`GroupWalk` (a CTA's tile walk),
 :class:`SplitB` / :class:`StackedB` (B from two tensors, along K / along N).
 
+B gathered along K (:meth:`Sm90Mainloop.load_tile_gather_b`, an MN-major B whose K rows are arbitrary
+rows of a row-major tensor, e.g. the tokens' x rows of one expert's routed rows in a weight gradient):
+the producer warp's lanes copy each k-tile's rows by 16-byte ``cp.async`` into their swizzled places
+(rows past the expert and columns past the tensor zero-filled) while one lane TMA-loads A; each lane's
+``cp.async.mbarrier.arrive`` (counted: it raises the slot's pending arrivals before A's arrive) makes the
+slot's full barrier wait for its copies, so the pipeline and the consumers are those of the TMA tiles.
+
 Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
 K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:
 a [K, M] / [K, N] tensor seen transposed), chosen per operand (``a_major``/``b_major``,
@@ -51,6 +58,7 @@ NUM_CONSUMER_THREADS = THREADS_PER_WG * NUM_CONSUMER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 _BARRIER_BYTES = 1024  # mbarriers and struct padding
+UNIT = 16  # bytes per cp.async copy of a gathered B row
 K_MAJOR = "k"
 MN_MAJOR = "mn"
 _LAYOUT = {K_MAJOR: LayoutEnum.ROW_MAJOR, MN_MAJOR: LayoutEnum.COL_MAJOR}
@@ -153,6 +161,43 @@ class StackedB(NamedTuple):
 
     atom: cute.CopyAtom
     g: cute.Tensor
+
+
+class GatherB(NamedTuple):
+    """The rows of a B operand gathered along K (:meth:`Sm90Mainloop.load_tile_gather_b`): k-row ``r`` of the tile
+    (``r < rows``) is row ``tok[row0 + r]`` of a row-major 16-bit tensor at global byte address ``base`` (rows
+    ``row_bytes`` apart), its N columns from byte ``col0`` of that row; k-rows past ``rows`` and bytes past
+    ``row_end`` of a row are zeros. Int64 addresses and byte counts, Int32 rows."""
+
+    base: cutlass.Int64
+    row_bytes: cutlass.Int64
+    col0: cutlass.Int32
+    row_end: cutlass.Int32
+    tok: cute.Tensor
+    row0: cutlass.Int32
+    rows: cutlass.Int32
+
+
+@cute.jit
+def cp_async_16(smem_addr: cutlass.Int32, gaddr: cutlass.Int64, src_bytes: cutlass.Int32):
+    """``cp.async.cg`` of 16 bytes global -> shared, the bytes past ``src_bytes`` (0 or 16) zero-filled."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[smem_addr, gaddr, src_bytes])
+
+
+@cute.jit
+def cp_async_arrive(mbar_addr: cutlass.Int32):
+    """``cp.async.mbarrier.arrive`` (counted): the mbarrier's pending arrivals rise by one now and fall by one
+    once this thread's earlier ``cp.async`` copies have landed."""
+    cute.arch.inline_ptx("cp.async.mbarrier.arrive.shared::cta.b64 [{$r0}];", read_only_args=[mbar_addr])
+
+
+def gather_b_offset(n: int, k: int, tile_k: int) -> int:
+    """The byte offset in a B stage (MN-major, 16-bit, the 128-byte swizzle) of element (n, k): 64-column blocks
+    of ``tile_k`` k-rows of 128 bytes, each row's 16-byte units permuted by ``k % 8``; the formula
+    :meth:`Sm90Mainloop.load_tile_gather_b` writes by (tests check it against the DSL's layout)."""
+    unit = (n % 64) // 8
+    return (n // 64) * tile_k * 128 + k * 128 + (unit ^ (k % 8)) * UNIT + (n % 8) * 2
 
 
 class Sm90Mainloop:
@@ -375,6 +420,57 @@ class Sm90Mainloop:
             tBsB_hi, tBgB_hi = cpasync.tma_partition(b_hi.atom, 0, cute.make_layout(1),
                                                      cute.group_modes(sB_hi, 0, 2), cute.group_modes(b_hi.g, 0, 2))
         return tBsB, tBgB, tBsB_hi, tBgB_hi
+
+    @cute.jit
+    def load_tile_gather_b(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
+                           sB_addr: cutlass.Int32, src: GatherB, k_tiles: cutlass.Int32):
+        """Producer warp (all 32 lanes; B MN-major, 16-bit, ``tile_k`` 64): :meth:`load_tile` with B's k-rows
+        gathered (:class:`GatherB`) into the stages at shared address ``sB_addr``. Per k-tile: wait for the slot;
+        each lane takes the tokens of k-rows ``lane`` and ``lane + 32``, copies its 16-byte units (unit
+        ``lane % U`` of k-rows ``p * (32 / U) + lane // U``, U = tile_n / 8 units per k-row) by ``cp.async`` to
+        :func:`gather_b_offset` and arrives on the slot's full barrier (:func:`cp_async_arrive`); after the warp's
+        arrivals one lane arrives expecting A's bytes and A's k-tile is TMA-loaded. Returns the state."""
+        cfg = self.cfg
+        units = cfg.tile_n * cfg.ab_dtype.width // 8 // UNIT  # 16-byte units per k-row
+        rpp = 32 // units  # k-rows per pass of the warp
+        a_bytes = cfg.tile_m * cfg.tile_k * cfg.ab_dtype.width // 8
+        b_stage = cfg.tile_n * cfg.tile_k * cfg.ab_dtype.width // 8
+        lane = cute.arch.lane_idx()
+        u = lane % units
+        sub = lane // units
+        tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        col = src.col0 + u * UNIT
+        size = cutlass.Int32(0)  # the lane's bytes per row: its unit inside the row, or none
+        if col < src.row_end:
+            size = cutlass.Int32(UNIT)
+        gcol = src.base + cutlass.Int64(col)
+        lane_dst = sB_addr + (u // 8) * (cfg.tile_k * 128)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            pipe.sync_object_empty.wait(state.index, state.phase)
+            bar = pipe.producer_get_barrier(state)
+            r0 = kt * cfg.tile_k
+            t_lo, t_hi = cutlass.Int32(-1), cutlass.Int32(-1)  # the tokens of k-rows lane and lane + 32 (-1: none)
+            if r0 + lane < src.rows:
+                t_lo = src.tok[src.row0 + r0 + lane]
+            if r0 + 32 + lane < src.rows:
+                t_hi = src.tok[src.row0 + r0 + 32 + lane]
+            stage = lane_dst + state.index * b_stage
+            for p in cutlass.range_constexpr(cfg.tile_k // rpp):
+                kr = p * rpp + sub
+                t = cute.arch.shuffle_sync(t_lo if p * rpp < 32 else t_hi, kr % 32)
+                n = cutlass.Int32(0)
+                if t >= 0:
+                    n = size
+                g = gcol + cutlass.Int64(cutlass.max(t, 0)) * src.row_bytes
+                cp_async_16(stage + kr * 128 + ((u % 8) ^ (kr % 8)) * UNIT, g, n)
+            cp_async_arrive(bar.toint())
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, a_bytes)
+            cute.copy(atom_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            state.advance()
+        return state
 
     def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):
         """``(thr_mma, tCrA, tCrB, acc)`` for consumer thread ``consumer_tid`` (0..255)."""

@@ -789,3 +789,79 @@ def test_ep_host_validates_before_staging(monkeypatch):
                                       ((dy[:-1], x, slots, w), ValueError, "dy")):
         with pytest.raises(err, match=what):
             fused_bwd.fused_backward_ep(ws, plan, fused_bwd.BackwardInputs(d, xx, r, gu, hh), ww, idx, wts, None)
+
+
+def test_x_gather_variant():
+    """``x_gather`` (the layer's BF16 FUSED backward: x's token rows gathered in the dW_gate / dW_up loads, no
+    grouped x rows): 0 spills, unserialized wgmma, the grouped_slots variant's GEMM work, 64 zero-filling 16-byte
+    ``cp.async`` copies per gathered k-tile (one per k-row and lane at tile_n 256) in each of the two W-tile
+    loaders, each k-tile's copies counted on its slot (``cp.async.mbarrier.arrive``, not ``.noinc``: the TMA tiles'
+    barriers keep their one arrival); refused without grouped_slots or at MXFP8."""
+    rep = _report(True, True, False, grouped_slots=True, wd_first=True, x_gather=True)
+    base = _report(True, True, False, grouped_slots=True, wd_first=True)
+    _clean(rep)
+    assert rep.ptx.count("wgmma.mma_async") == base.ptx.count("wgmma.mma_async")
+    zfill = re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16, %r\d+;", rep.ptx)
+    assert len(zfill) == 2 * 64
+    assert rep.ptx.count("cp.async.mbarrier.arrive.shared::cta.b64") == 2
+    assert "cp.async.mbarrier.arrive.noinc" not in rep.ptx
+    assert "cp.async.mbarrier.arrive" not in base.ptx
+    for bad in (dict(), dict(mx=True, grouped_slots=True)):
+        with pytest.raises(ValueError, match="x_gather"):
+            _report(True, True, False, x_gather=True, **bad)
+
+
+def test_gather_b_offset_is_the_dsl_layout():
+    """The byte offsets the gathered-B loader writes (``mainloop.gather_b_offset``) are the DSL's MN-major 16-bit
+    B stage layout with its 128-byte swizzle applied to byte addresses, for every (n, k) of two stages at tile_n
+    128 and 256 (evaluated while tracing: static layouts give Python ints)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.tensor_utils import LayoutEnum
+
+    from mok_cute.kernels.sm90.mainloop import gather_b_offset
+
+    found = {}
+
+    @cute.jit
+    def trace():
+        for tile_n in cutlass.range_constexpr(128, 257, 128):
+            staged = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (128, tile_n, 64), cutlass.BFloat16, 2)
+            found[tile_n] = (str(staged.inner), [2 * cute.crd2idx((n, kk, s), staged.outer)
+                                                 for s in range(2) for n in range(tile_n) for kk in range(64)])
+    trace()
+    for tile_n, (swizzle, offsets) in found.items():
+        assert swizzle == "S<3,4,3>"
+        swizzled = [b ^ (((b >> 7) & 7) << 4) for b in offsets]
+        want = [s * tile_n * 128 + gather_b_offset(n, kk, 64) for s in range(2) for n in range(tile_n)
+                for kk in range(64)]
+        assert swizzled == want
+
+
+def test_host_core_x_tok(monkeypatch):
+    """fused_backward_core(x_tok=): the launch gets the layer's x [T, H] as the routed group's x and each grouped
+    row's token (order // k) as ``tok``, compiles the ``x_gather`` variant; x_tok without consume / tokens, with
+    x rows given, or at MXFP8 is a ValueError before any launch."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    t, k, m, h = 100, 2, 200, 256
+    dy, x_tok = torch.randn(m, h).to(torch.bfloat16), torch.randn(t, h).to(torch.bfloat16)
+    offsets = torch.tensor([0, 50, m], dtype=torch.int32)
+    order = torch.randperm(m)
+    idx = torch.zeros(t, k, dtype=torch.int64)
+    fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, None, gu, hh, offsets), weights, 4.0,
+                                  tokens=(order, idx, None), consume=True, x_tok=x_tok)
+    a = _launched((fake.calls or fake.direct)[-1])["routed"]
+    assert a.x.data_ptr() == x_tok.data_ptr() and a.tok.dtype == torch.int32
+    assert torch.equal(a.tok, (order // k).to(torch.int32))
+    assert keys[-1][2].x_gather and keys[-1][2].grouped_slots
+    rows = fused_bwd.ExpertRows(dy, None, gu, hh, offsets)
+    for kw in (dict(tokens=(order, idx, None)), dict(consume=True),
+               dict(tokens=(order, idx, None), consume=True, launch=fused_bwd.BackwardLaunch(mx=True))):
+        with pytest.raises(ValueError, match="x_tok"):
+            fused_bwd.fused_backward_core(rows, weights, 4.0, x_tok=x_tok, **kw)
+    with pytest.raises(ValueError, match="x_tok"):
+        fused_bwd.fused_backward_core(rows._replace(x=dy), weights, 4.0, tokens=(order, idx, None), consume=True,
+                                      x_tok=x_tok)
