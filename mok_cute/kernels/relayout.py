@@ -113,27 +113,34 @@ def reference_relayout(inp: torch.Tensor, mode: str) -> torch.Tensor:
     return inp.reshape(e, 2, b // 2, a).permute(0, 3, 2, 1).reshape(e, a, b)
 
 
+def _inp_error(inp) -> Exception | None:
+    """What is wrong with ``inp`` as :func:`relayout`'s input (a TypeError / ValueError naming it), or None."""
+    if not isinstance(inp, torch.Tensor) or inp.dtype != torch.bfloat16 or inp.dim() != 3:
+        return TypeError(f"inp must be a 3-D torch.bfloat16 tensor, got "
+                         f"{getattr(inp, 'dtype', type(inp).__name__)} {tuple(getattr(inp, 'shape', ()))}")
+    if inp.shape[2] % _VEC or inp.shape[1] % _VEC:
+        return ValueError(f"inp [E, B, A] = {tuple(inp.shape)}: A and B must be multiples of {_VEC}")
+    if not inp.is_contiguous() or inp.data_ptr() % 16:
+        return ValueError(f"inp must be contiguous and 16-byte aligned, got strides {inp.stride()}")
+    if inp.numel() > MAX_NUMEL:
+        return ValueError(f"inp must have < 2^31 elements, got {inp.numel()}")
+    return None
+
+
 def relayout_fits(inp: torch.Tensor) -> bool:
     """Whether :func:`relayout` takes ``inp`` (on any device): 3-D bf16, contiguous, 16-byte aligned, its last
     two dims multiples of 8, fewer than 2^31 elements."""
-    return (inp.dim() == 3 and inp.dtype == torch.bfloat16 and inp.is_contiguous() and inp.data_ptr() % 16 == 0
-            and inp.shape[1] % _VEC == 0 and inp.shape[2] % _VEC == 0 and inp.numel() <= MAX_NUMEL)
+    return _inp_error(inp) is None
 
 
 def _check(inp, mode, out):
     """TypeError / ValueError naming the argument, before any launch (CPU tensors too)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(inp, torch.Tensor) or inp.dtype != torch.bfloat16 or inp.dim() != 3:
-        raise TypeError(f"inp must be a 3-D torch.bfloat16 tensor, got "
-                        f"{getattr(inp, 'dtype', type(inp).__name__)} {tuple(getattr(inp, 'shape', ()))}")
+    err = _inp_error(inp)
+    if err is not None:
+        raise err
     e, b, a = inp.shape
-    if a % _VEC or b % _VEC:
-        raise ValueError(f"inp [E, B, A] = {tuple(inp.shape)}: A and B must be multiples of {_VEC}")
-    if not inp.is_contiguous() or inp.data_ptr() % 16:
-        raise ValueError(f"inp must be contiguous and 16-byte aligned, got strides {inp.stride()}")
-    if inp.numel() > MAX_NUMEL:
-        raise ValueError(f"inp must have < 2^31 elements, got {inp.numel()}")
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
             raise TypeError(f"out must be a torch.bfloat16 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
