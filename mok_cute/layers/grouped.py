@@ -241,11 +241,11 @@ class GroupedExpertBackend:
             return self._fused_backward(st, dy, dy_s, (dx_gate, d_gate))
         return self._unfused_backward(st, dy, dy_s, (dx_gate, d_gate))
 
-    def _rows(self, st, dy, x_rows: bool = True):
+    def _rows(self, st, dy, make_x: bool = True):
         """``(dy_rows, d topk_w)`` of the route_grad pass, the routed group given its x rows (the
-        fused forward kept none: gathered in the same pass; not with ``x_rows`` False, where the backward's
+        fused forward kept none: gathered in the same pass; not with ``make_x`` False, where the backward's
         launch gathers them itself); the GEMM2 rows released."""
-        if st.routed.x is None and x_rows:
+        if st.routed.x is None and make_x:
             dy_rows, dtw, x_rows = route_grad.dy_x_rows_and_dtopk_w(dy, st.x, st.rows, st.order, st.topk_w,
                                                                     st.routed.offsets, rows_by_route=st.rows_by_route)
             st.routed = replace(st.routed, x=x_rows)
@@ -270,7 +270,7 @@ class GroupedExpertBackend:
         else:  # BF16 on an MLP that gathers x's rows in its launch: none made here
             if st.routed.x is None and st.routed.precision == "bf16" and self.mlp.gathers_x:
                 core["x_tok"] = st.x
-            dy_rows, dtw = self._rows(st, dy, x_rows="x_tok" not in core)
+            dy_rows, dtw = self._rows(st, dy, make_x="x_tok" not in core)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
                                        consume=True, config=st.config, **core, **_biased(st))
