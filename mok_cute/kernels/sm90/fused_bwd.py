@@ -37,6 +37,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.dsl import deferred
@@ -55,6 +56,7 @@ from mok_cute.kernels.sm90.grouped_gemm import _VEC, DSwigluEpilogue, PlainEpilo
 from mok_cute.kernels.swiglu_math import Gated, swiglu_args
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, MN_MAJOR, NUM_THREADS, PRODUCER_REGS, THREADS_PER_WG, GatherB, MainloopConfig, Sm90Mainloop, SplitB,
+    TmaA,
     acc_to_smem, consumer_barrier, experts_last, launch_config,
 )
 from mok_cute.schedule import fused_bwd_tasks as tasks
@@ -72,6 +74,10 @@ PULLED_WORD, SUMMED_WORD = DONE_WORD + 1, DONE_WORD + 2  # EP > 1: comm CTAs don
 WD_WORD = DONE_WORD + 3  # wd_first: the dW_down tiles done (they have read dy's token round trip)
 COUNTER_WORDS = DONE_WORD + 4
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
+GATHER_WARPS = THREADS_PER_WG // 32  # x_gather: the producer warpgroup's warps share each gathered k-tile's copies
+TILE_BAR, KT_BAR = 10, 11  # x_gather: named barriers of the producer warps (a gathered tile handed on, a k-tile's
+#                            copies issued; 1: the consumers', 2-5: the task hand-off)
+_TILE_WORDS = 3  # shared int32 words: the task hand-off (2), the stored D1 tiles (1); x_gather: _GatherTile after
 X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
 
@@ -243,6 +249,18 @@ class GroupTensors(NamedTuple):
     tok: cute.Tensor | None = None
 
 
+class _GatherTile(NamedTuple):
+    """A dW_gate / dW_up tile producer warp 0 hands on to warps 1-3 (``x_gather``): the expert's rows ``lo``,
+    ``length``, the tile's ``n_tile``, its k-tiles ``k_rows`` (-1: stop) and the ring state of its first."""
+
+    lo: Int32
+    length: Int32
+    n_tile: Int32
+    k_rows: Int32
+    index: Int32
+    phase: Int32
+
+
 class _Smem(NamedTuple):
     """A CTA's shared memory as its roles use it: the mbarrier ring ``pipe``, the ring's ``views``
     ``(sA, sB, sA_w, sB_w)`` (D2 / D1 and W mainloops), the ``storage`` struct (epilogue staging, extra
@@ -336,7 +354,8 @@ class FusedMoeBwdCoreSm90:
             s_tma = self._tma(shared._replace(dy=rows.dy_tok, x=rows.x_tok))
             s_t = GroupTensors(shared.gu3, shared.dgu3, slots.init, shared.dwg, shared.dwu, shared.dwd, shared.offsets,
                                shared.d2, None)
-        self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=3)
+        self.shared_storage = self.ml_d.shared_storage(self.epi_elems,
+                                                       extra_i32=_TILE_WORDS + len(_GatherTile._fields))
         ep_args = None
         if cutlass.const_expr(self.ep):
             ep_args = ep
@@ -412,6 +431,8 @@ class FusedMoeBwdCoreSm90:
             if warp == 0:
                 self._produce(smem, mCounters.iterator, n_tasks, routed, shared, rows.ready, status, timeout_ns,
                               mCounters.iterator + WD_WORD)
+            elif cutlass.const_expr(self.x_gather):
+                self._gather_x(smem, routed, warp)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._consume(smem, tidx - THREADS_PER_WG, n_tasks, routed, shared, limit, slots,
@@ -479,6 +500,8 @@ class FusedMoeBwdCoreSm90:
             t = persistent.claim(ticket)
         persistent.hand_off(sTask, i, t)
         persistent.finish_hand_offs(i)
+        if cutlass.const_expr(self.x_gather):  # the other producer warps stop
+            self._hand_on(smem, _GatherTile(Int32(0), Int32(0), Int32(0), Int32(-1), Int32(0), Int32(0)))
         pipe.producer_tail(state)
 
     @cute.jit
@@ -557,15 +580,50 @@ class FusedMoeBwdCoreSm90:
         length = g.offsets[expert + 1] - lo
         gA = cute.local_tile(_expert_k(coord_a, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
         if cutlass.const_expr(self.x_gather and g.tok is not None):
-            xb = g.x.element_type.width // 8
-            src = GatherB(g.x.iterator.toint(), Int64(g.x.stride[0]) * xb, n_tile * (cfg.tile_n * xb),
-                          g.hidden * xb, g.tok, lo, length)
-            state = self.ml_w.load_tile_gather_b(pipe, state, atom_a, gA, sA_w, smem.storage.sB.data_ptr().toint(),
-                                                 src, k_rows)
+            self._hand_on(smem, _GatherTile(lo, length, n_tile, k_rows, state.index, state.phase))
+            state = self.ml_w.load_tile_gather_b(pipe, state, smem.storage.sB.data_ptr().toint(),
+                                                 self._x_rows(g, lo, length, n_tile), k_rows,
+                                                 TmaA(atom_a, gA, sA_w), Int32(0), GATHER_WARPS, KT_BAR)
         else:
             gB = cute.local_tile(_expert_k(g.coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
             state = self.ml_w.load_tile(pipe, state, atom_a, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
         return state
+
+    def _x_rows(self, g, lo: Int32, length: Int32, n_tile: Int32) -> GatherB:
+        """The x rows of one dW_gate / dW_up tile (``x_gather``): expert rows ``lo .. lo + length`` of group ``g``,
+        each its token's row of ``g.x``, the columns of ``n_tile``."""
+        xb = g.x.element_type.width // 8
+        return GatherB(g.x.iterator.toint(), Int64(g.x.stride[0]) * xb, n_tile * (self.cfg.tile_n * xb),
+                       g.hidden * xb, g.tok, lo, length)
+
+    @cute.jit
+    def _hand_on(self, smem: _Smem, tile: _GatherTile):
+        """Producer warp 0 (``x_gather``): hand a gathered tile (``k_rows`` -1: stop) to warps 1-3 (``TILE_BAR``).
+        Its words are not written again before they have read them: the next hand-on follows this tile's first
+        k-tile barrier, which they reach after reading."""
+        words = cute.make_tensor(smem.storage.extra.data_ptr() + _TILE_WORDS, cute.make_layout(len(tile)))
+        if cute.arch.lane_idx() == 0:
+            for j in cutlass.range_constexpr(len(tile)):
+                words[j] = tile[j]
+        cute.arch.barrier(barrier_id=TILE_BAR, number_of_threads=THREADS_PER_WG)
+
+    @cute.jit
+    def _gather_x(self, smem: _Smem, routed, warp: Int32):
+        """Producer warps 1-3 (``x_gather``): for every dW_gate / dW_up tile producer warp 0 hands on
+        (:meth:`_hand_on`), their share of its x rows' copies (``load_tile_gather_b`` at the tile's ring slot);
+        until the stop."""
+        words = cute.make_tensor(smem.storage.extra.data_ptr() + _TILE_WORDS, cute.make_layout(len(_GatherTile._fields)))
+        go = Int32(1)
+        while go > 0:
+            cute.arch.barrier(barrier_id=TILE_BAR, number_of_threads=THREADS_PER_WG)
+            tile = _GatherTile(*(words[j] for j in range(len(_GatherTile._fields))))
+            if tile.k_rows < 0:
+                go = Int32(0)
+            else:
+                state = pipeline.PipelineState(self.ml_w.stages, Int32(0), tile.index, tile.phase)
+                self.ml_w.load_tile_gather_b(smem.pipe, state, smem.storage.sB.data_ptr().toint(),
+                                             self._x_rows(routed, tile.lo, tile.length, tile.n_tile), tile.k_rows,
+                                             None, warp, GATHER_WARPS, KT_BAR)
 
     @cute.jit
     def _consume(self, smem: _Smem, tid: Int32, n_tasks: Int32, routed, shared, limit: Float32, slots: SlotSum,

@@ -163,6 +163,15 @@ class StackedB(NamedTuple):
     g: cute.Tensor
 
 
+class TmaA(NamedTuple):
+    """An A operand by TMA beside a gathered B (:meth:`Sm90Mainloop.load_tile_gather_b`): its atom, its
+    (tile_m, tile_k, k-tiles) coordinate tile and the staged ring tensor."""
+
+    atom: cute.CopyAtom
+    g: cute.Tensor
+    s: cute.Tensor
+
+
 class GatherB(NamedTuple):
     """The rows of a B operand gathered along K (:meth:`Sm90Mainloop.load_tile_gather_b`): k-row ``r`` of the tile
     (``r < rows``) is row ``tok[row0 + r]`` of a row-major 16-bit tensor at global byte address ``base`` (rows
@@ -422,24 +431,30 @@ class Sm90Mainloop:
         return tBsB, tBgB, tBsB_hi, tBgB_hi
 
     @cute.jit
-    def load_tile_gather_b(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
-                           sB_addr: cutlass.Int32, src: GatherB, k_tiles: cutlass.Int32):
-        """Producer warp (all 32 lanes; B MN-major, 16-bit, ``tile_k`` 64): :meth:`load_tile` with B's k-rows
-        gathered (:class:`GatherB`) into the stages at shared address ``sB_addr``. Per k-tile: wait for the slot;
-        each lane takes the tokens of k-rows ``lane`` and ``lane + 32``, copies its 16-byte units (unit
-        ``lane % U`` of k-rows ``p * (32 / U) + lane // U``, U = tile_n / 8 units per k-row) by ``cp.async`` to
-        :func:`gather_b_offset` and arrives on the slot's full barrier (:func:`cp_async_arrive`); after the warp's
-        arrivals one lane arrives expecting A's bytes and A's k-tile is TMA-loaded. Returns the state."""
+    def load_tile_gather_b(self, pipe, state, sB_addr: cutlass.Int32, src: GatherB, k_tiles: cutlass.Int32,
+                           a: TmaA = None, warp: cutlass.Int32 = 0, warps: cutlass.Constexpr[int] = 1,
+                           bar_id: cutlass.Constexpr[int] = 0):
+        """Producer warp ``warp`` of ``warps`` (B MN-major, 16-bit, ``tile_k`` 64): the k-tiles of one tile whose B
+        k-rows are gathered (:class:`GatherB`) into the stages at shared address ``sB_addr``, A TMA-loaded by warp 0
+        (``a``: :class:`TmaA`; None in the other warps). Per k-tile every lane waits for the slot, takes the tokens
+        of its warp's k-rows (the warps take the passes of ``32 / U`` k-rows in turn, U = tile_n / 8 units per
+        k-row), copies its 16-byte units (unit ``lane % U`` of k-row ``pass * 32 / U + lane // U``) by ``cp.async``
+        to :func:`gather_b_offset` and arrives on the slot's full barrier (:func:`cp_async_arrive`); once every
+        warp's arrivals are in (named barrier ``bar_id`` over the ``warps``, or the warp's own sync), warp 0
+        arrives expecting A's bytes and TMA-loads A's k-tile. Every warp returns the advanced state."""
         cfg = self.cfg
         units = cfg.tile_n * cfg.ab_dtype.width // 8 // UNIT  # 16-byte units per k-row
-        rpp = 32 // units  # k-rows per pass of the warp
+        rpp = 32 // units  # k-rows per pass of a warp
+        per_warp = cfg.tile_k // warps  # k-rows per warp and k-tile
         a_bytes = cfg.tile_m * cfg.tile_k * cfg.ab_dtype.width // 8
         b_stage = cfg.tile_n * cfg.tile_k * cfg.ab_dtype.width // 8
         lane = cute.arch.lane_idx()
         u = lane % units
         sub = lane // units
-        tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
-                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tAsA, tAgA = None, None
+        if cutlass.const_expr(a is not None):
+            tAsA, tAgA = cpasync.tma_partition(a.atom, 0, cute.make_layout(1),
+                                               cute.group_modes(a.s, 0, 2), cute.group_modes(a.g, 0, 2))
         col = src.col0 + u * UNIT
         size = cutlass.Int32(0)  # the lane's bytes per row: its unit inside the row, or none
         if col < src.row_end:
@@ -450,25 +465,32 @@ class Sm90Mainloop:
             pipe.sync_object_empty.wait(state.index, state.phase)
             bar = pipe.producer_get_barrier(state)
             r0 = kt * cfg.tile_k
-            t_lo, t_hi = cutlass.Int32(-1), cutlass.Int32(-1)  # the tokens of k-rows lane and lane + 32 (-1: none)
-            if r0 + lane < src.rows:
-                t_lo = src.tok[src.row0 + r0 + lane]
-            if r0 + 32 + lane < src.rows:
-                t_hi = src.tok[src.row0 + r0 + 32 + lane]
+            toks = []  # lane l holds the token of its warp's k-row h * 32 + l (-1: past the rows)
+            for h in cutlass.range_constexpr((per_warp + 31) // 32):
+                j = h * 32 + lane
+                kr = (j // rpp * warps + warp) * rpp + j % rpp
+                t = cutlass.Int32(-1)
+                if j < per_warp and r0 + kr < src.rows:
+                    t = src.tok[src.row0 + r0 + kr]
+                toks.append(t)
             stage = lane_dst + state.index * b_stage
-            for p in cutlass.range_constexpr(cfg.tile_k // rpp):
-                kr = p * rpp + sub
-                t = cute.arch.shuffle_sync(t_lo if p * rpp < 32 else t_hi, kr % 32)
+            for q in cutlass.range_constexpr(per_warp // rpp):
+                kr = (q * warps + warp) * rpp + sub
+                t = cute.arch.shuffle_sync(toks[q * rpp // 32], (q * rpp + sub) % 32)
                 n = cutlass.Int32(0)
                 if t >= 0:
                     n = size
                 g = gcol + cutlass.Int64(cutlass.max(t, 0)) * src.row_bytes
                 cp_async_16(stage + kr * 128 + ((u % 8) ^ (kr % 8)) * UNIT, g, n)
             cp_async_arrive(bar.toint())
-            cute.arch.sync_warp()
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, a_bytes)
-            cute.copy(atom_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(warps > 1):
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=32 * warps)
+            else:
+                cute.arch.sync_warp()
+            if cutlass.const_expr(a is not None):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, a_bytes)
+                cute.copy(a.atom, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             state.advance()
         return state
 
