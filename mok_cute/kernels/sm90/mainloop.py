@@ -461,18 +461,12 @@ class Sm90Mainloop:
             size = cutlass.Int32(UNIT)
         gcol = src.base + cutlass.Int64(col)
         lane_dst = sB_addr + (u // 8) * (cfg.tile_k * 128)
+        cur = self._gather_tokens(src, 0, lane, warp, warps, rpp, per_warp)
         for kt in cutlass.range(k_tiles, unroll=1):
+            nxt = self._gather_tokens(src, (kt + 1) * cfg.tile_k, lane, warp, warps, rpp, per_warp)  # in flight now
             pipe.sync_object_empty.wait(state.index, state.phase)
             bar = pipe.producer_get_barrier(state)
-            r0 = kt * cfg.tile_k
-            toks = []  # lane l holds the token of its warp's k-row h * 32 + l (-1: past the rows)
-            for h in cutlass.range_constexpr((per_warp + 31) // 32):
-                j = h * 32 + lane
-                kr = (j // rpp * warps + warp) * rpp + j % rpp
-                t = cutlass.Int32(-1)
-                if j < per_warp and r0 + kr < src.rows:
-                    t = src.tok[src.row0 + r0 + kr]
-                toks.append(t)
+            toks = cur
             stage = lane_dst + state.index * b_stage
             for q in cutlass.range_constexpr(per_warp // rpp):
                 kr = (q * warps + warp) * rpp + sub
@@ -492,7 +486,23 @@ class Sm90Mainloop:
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, a_bytes)
                 cute.copy(a.atom, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             state.advance()
+            cur = nxt
         return state
+
+    @cute.jit
+    def _gather_tokens(self, src: GatherB, r0: cutlass.Int32, lane: cutlass.Int32, warp: cutlass.Int32,
+                       warps: cutlass.Constexpr[int], rpp: cutlass.Constexpr[int], per_warp: cutlass.Constexpr[int]):
+        """The tokens :meth:`load_tile_gather_b`'s lane holds for the k-tile from k-row ``r0``: ``(t0, t1)``, those
+        of its warp's k-rows ``lane`` and ``32 + lane`` (-1: past the warp's k-rows or the expert's rows)."""
+        toks = [cutlass.Int32(-1), cutlass.Int32(-1)]
+        for h in cutlass.range_constexpr((per_warp + 31) // 32):
+            j = h * 32 + lane
+            kr = (j // rpp * warps + warp) * rpp + j % rpp
+            t = cutlass.Int32(-1)
+            if j < per_warp and r0 + kr < src.rows:
+                t = src.tok[src.row0 + r0 + kr]
+            toks[h] = t
+        return toks[0], toks[1]
 
     def consumer_fragments(self, sA: cute.Tensor, sB: cute.Tensor, consumer_tid):
         """``(thr_mma, tCrA, tCrB, acc)`` for consumer thread ``consumer_tid`` (0..255)."""
