@@ -1242,9 +1242,8 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         tok = torch.div(tokens.order[:m], tokens.topk_idx.shape[1], rounding_mode="floor").to(torch.int32)
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
-    if main_grads is None:  # dW_gate, dW_up: the halves of one [E, 2I, H] buffer (fc1's gradient without a copy)
-        dwgu = torch.empty((e, 2 * inter, hid), **bf)
-        dwg, dwu = dwgu[:, :inter], dwgu[:, inter:]
+    if main_grads is None:
+        dwg, dwu = gate_up_grads(w_gate, w_up)
         dwd = torch.empty((e, hid, inter), **bf)
     else:
         dwg, dwu, dwd = main_grads[:3]
@@ -1316,6 +1315,22 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     if main_grads is not None:
         return (dx, None, None, None, *sh_out)
     return (dx, dwg, dwu, dwd, *sh_out)
+
+
+def gate_up_grads(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (dW_gate, dW_up) bf16 [E, I, H] in the weights' own layout, so that autograd hands them to the
+    parameters as they are: the halves of one [E, 2I, H] buffer where w_gate and w_up are such halves (fc1's
+    gradient in one tensor, :mod:`mok_cute.fc1`), else two contiguous tensors (a strided half given to a
+    contiguous parameter would be copied by autograd's gradient accumulation: twice dW_gate's and dW_up's
+    bytes of traffic and memory)."""
+    e, inter, hid = w_gate.shape
+    halves = (w_up.data_ptr() == w_gate.data_ptr() + inter * hid * w_gate.element_size()
+              and w_gate.stride() == w_up.stride() == (2 * inter * hid, hid, 1))
+    if halves:
+        dwgu = torch.empty((e, 2 * inter, hid), dtype=torch.bfloat16, device=w_gate.device)
+        return dwgu[:, :inter], dwgu[:, inter:]
+    return (torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device),
+            torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device))
 
 
 def _run(launcher: GraphLauncher, dev: int, args: tuple, direct: bool) -> None:

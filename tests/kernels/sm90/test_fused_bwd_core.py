@@ -867,3 +867,19 @@ def test_host_core_x_tok(monkeypatch):
     with pytest.raises(ValueError, match="x_tok"):
         fused_bwd.fused_backward_core(rows._replace(x=dy), weights, 4.0, tokens=(order, idx, None), consume=True,
                                       x_tok=x_tok)
+
+
+def test_gate_up_grads_follow_the_weights_layout():
+    """The fused backward's dW_gate / dW_up take their weights' layout (autograd then hands them over without a
+    copy): the halves of one [E, 2I, H] buffer for the halves of one fc1 tensor, two contiguous tensors for
+    separate weights (MoELayer's parameters) or interleaved views."""
+    from mok_cute.kernels.sm90.fused_bwd import gate_up_grads
+
+    base = torch.zeros(4, 16, 32, dtype=torch.bfloat16)
+    dg, du = gate_up_grads(base[:, :8], base[:, 8:])
+    assert dg._base is du._base and dg.stride() == base[:, :8].stride() and du.data_ptr() - dg.data_ptr() == 8 * 32 * 2
+    for gate, up in ((torch.zeros(4, 8, 32, dtype=torch.bfloat16), torch.zeros(4, 8, 32, dtype=torch.bfloat16)),
+                     (base[:, 0::2], base[:, 1::2]), (base[:, 8:], base[:, :8])):
+        dg, du = gate_up_grads(gate, up)
+        assert dg.is_contiguous() and du.is_contiguous() and dg._base is None and du._base is None
+        assert dg.shape == du.shape == (4, 8, 32)
