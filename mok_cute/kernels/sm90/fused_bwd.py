@@ -75,8 +75,8 @@ WD_WORD = DONE_WORD + 3  # wd_first: the dW_down tiles done (they have read dy's
 COUNTER_WORDS = DONE_WORD + 4
 SUM_BATCH = 8  # slot rows in flight per thread of the dx slot sum
 GATHER_WARPS = THREADS_PER_WG // 32  # x_gather: the producer warpgroup's warps share each gathered k-tile's copies
-TILE_BAR, KT_BAR = 10, 11  # x_gather: named barriers of the producer warps (a gathered tile handed on, a k-tile's
-#                            copies issued; 1: the consumers', 2-5: the task hand-off)
+TILE_BAR, READ_BAR = 10, 11  # x_gather: the producer warps' named barriers (a gathered tile handed on, its words
+#                              read; 1: the consumers', 2-5: the task hand-off)
 _TILE_WORDS = 3  # shared int32 words: the task hand-off (2), the stored D1 tiles (1); x_gather: _GatherTile after
 X_UNROLL = 8  # 16-byte loads in flight per lane of the x row copy
 
@@ -300,6 +300,7 @@ class FusedMoeBwdCoreSm90:
         # dx rows go over dy's. Routed group only: grouped_slots has no shared group in the launch
         self.wd_first = v.wd_first
         self.x_gather = v.x_gather  # dW_gate / dW_up: x's token rows gathered in the producer's loads
+        self.extra = GATHER_WARPS - 1 if v.x_gather else 0  # the TMA tiles' arrivals for the other gathering warps
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail, v.gated)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
         epi = max(self.dswiglu.smem_elems(), self.plain.smem_elems())
@@ -398,7 +399,8 @@ class FusedMoeBwdCoreSm90:
             atoms += [s_tma[i] for i in range(0, len(s_tma), 2)]
         tidx, warp = md.start(atoms)
         mw.setup()
-        pipe, sA, sB, _, storage = md.allocate(self.shared_storage, self.plain, with_storage=True)
+        pipe, sA, sB, _, storage = md.allocate(self.shared_storage, self.plain, with_storage=True,
+                                               producers=GATHER_WARPS if self.x_gather else 1)
         sA_w = storage.sA.get_tensor(mw.a_smem_staged.outer, swizzle=mw.a_smem_staged.inner)
         sB_w = storage.sB.get_tensor(mw.b_smem_staged.outer, swizzle=mw.b_smem_staged.inner)
         sTask = storage.extra.get_tensor(cute.make_layout(2))
@@ -528,7 +530,8 @@ class FusedMoeBwdCoreSm90:
                 persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
             gB = cute.local_tile(g.coord_wd[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
-            state = self.ml_d.load_tile(pipe, state, g.atom_dy, gA, sA, g.atom_wd, gB, sB, k_h)
+            state = self.ml_d.load_tile(pipe, state, g.atom_dy, gA, sA, g.atom_wd, gB, sB, k_h,
+                                        extra_arrivals=self.extra)
         elif phase == D1:
             persistent.wait_input(g.d2.iterator + mt, g.n_i, timeout_ns, status, Int32(D2_READY), mt)
             if cutlass.const_expr(self.grouped_slots and not self.mx):  # dx over dy, which dW_down reads (BF16)
@@ -539,7 +542,8 @@ class FusedMoeBwdCoreSm90:
             gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             state = self.ml_d.load_tile(pipe, state, g.atom_dgu, gA, sA, g.atom_wg, gB, sB, k_i,
-                                        SplitB(g.atom_wu, gB2, k_i))
+                                        SplitB(g.atom_wu, gB2, k_i),
+                                        extra_arrivals=self.extra)
         else:
             lo = g.offsets[expert]
             length = g.offsets[expert + 1] - lo
@@ -554,7 +558,8 @@ class FusedMoeBwdCoreSm90:
             if which == WD:
                 gA = cute.local_tile(_expert_k(g.coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
                 gB = cute.local_tile(_expert_k(g.coord_ht, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-                state = self.ml_w.load_tile(pipe, state, g.atom_dyt, gA, sA_w, g.atom_ht, gB, sB_w, k_rows)
+                state = self.ml_w.load_tile(pipe, state, g.atom_dyt, gA, sA_w, g.atom_ht, gB, sB_w, k_rows,
+                                        extra_arrivals=self.extra)
             else:
                 if expert != ready_e:  # once per expert and CTA: its tickets only grow
                     first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
@@ -583,10 +588,11 @@ class FusedMoeBwdCoreSm90:
             self._hand_on(smem, _GatherTile(lo, length, n_tile, k_rows, state.index, state.phase))
             state = self.ml_w.load_tile_gather_b(pipe, state, smem.storage.sB.data_ptr().toint(),
                                                  self._x_rows(g, lo, length, n_tile), k_rows,
-                                                 TmaA(atom_a, gA, sA_w), Int32(0), GATHER_WARPS, KT_BAR)
+                                                 TmaA(atom_a, gA, sA_w), Int32(0), GATHER_WARPS)
         else:
             gB = cute.local_tile(_expert_k(g.coord_xt, lo, length), (cfg.tile_n, cfg.tile_k), (n_tile, None))
-            state = self.ml_w.load_tile(pipe, state, atom_a, gA, sA_w, g.atom_xt, gB, sB_w, k_rows)
+            state = self.ml_w.load_tile(pipe, state, atom_a, gA, sA_w, g.atom_xt, gB, sB_w, k_rows,
+                                        extra_arrivals=self.extra)
         return state
 
     def _x_rows(self, g, lo: Int32, length: Int32, n_tile: Int32) -> GatherB:
@@ -598,14 +604,14 @@ class FusedMoeBwdCoreSm90:
 
     @cute.jit
     def _hand_on(self, smem: _Smem, tile: _GatherTile):
-        """Producer warp 0 (``x_gather``): hand a gathered tile (``k_rows`` -1: stop) to warps 1-3 (``TILE_BAR``).
-        Its words are not written again before they have read them: the next hand-on follows this tile's first
-        k-tile barrier, which they reach after reading."""
+        """Producer warp 0 (``x_gather``): hand a gathered tile (``k_rows`` -1: stop) to warps 1-3 (``TILE_BAR``),
+        then wait until they have read its words (``READ_BAR``), so the next hand-on cannot overwrite them."""
         words = cute.make_tensor(smem.storage.extra.data_ptr() + _TILE_WORDS, cute.make_layout(len(tile)))
         if cute.arch.lane_idx() == 0:
             for j in cutlass.range_constexpr(len(tile)):
                 words[j] = tile[j]
         cute.arch.barrier(barrier_id=TILE_BAR, number_of_threads=THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=READ_BAR, number_of_threads=THREADS_PER_WG)
 
     @cute.jit
     def _gather_x(self, smem: _Smem, routed, warp: Int32):
@@ -617,13 +623,14 @@ class FusedMoeBwdCoreSm90:
         while go > 0:
             cute.arch.barrier(barrier_id=TILE_BAR, number_of_threads=THREADS_PER_WG)
             tile = _GatherTile(*(words[j] for j in range(len(_GatherTile._fields))))
+            cute.arch.barrier_arrive(barrier_id=READ_BAR, number_of_threads=THREADS_PER_WG)
             if tile.k_rows < 0:
                 go = Int32(0)
             else:
                 state = pipeline.PipelineState(self.ml_w.stages, Int32(0), tile.index, tile.phase)
                 self.ml_w.load_tile_gather_b(smem.pipe, state, smem.storage.sB.data_ptr().toint(),
                                              self._x_rows(routed, tile.lo, tile.length, tile.n_tile), tile.k_rows,
-                                             None, warp, GATHER_WARPS, KT_BAR)
+                                             None, warp, GATHER_WARPS)
 
     @cute.jit
     def _consume(self, smem: _Smem, tid: Int32, n_tasks: Int32, routed, shared, limit: Float32, slots: SlotSum,

@@ -22,10 +22,11 @@ Device operand bundles (:class:`typing.NamedTuple`, flattened in field order whe
 
 B gathered along K (:meth:`Sm90Mainloop.load_tile_gather_b`, an MN-major B whose K rows are arbitrary
 rows of a row-major tensor, e.g. the tokens' x rows of one expert's routed rows in a weight gradient):
-the producer warp's lanes copy each k-tile's rows by 16-byte ``cp.async`` into their swizzled places
+the producer warps' lanes copy each k-tile's rows by 16-byte ``cp.async`` into their swizzled places
 (rows past the expert and columns past the tensor zero-filled) while one lane TMA-loads A; each lane's
-``cp.async.mbarrier.arrive`` (counted: it raises the slot's pending arrivals before A's arrive) makes the
-slot's full barrier wait for its copies, so the pipeline and the consumers are those of the TMA tiles.
+``cp.async.mbarrier.arrive`` (counted: it raises the slot's pending arrivals before its warp's arrival)
+makes the slot's full barrier wait for its copies. Such a pipeline counts one producer arrival per warp
+(``producers``); its TMA-only tiles add the other warps' in one arrive (``load_tile(extra_arrivals=)``).
 
 Operands are given logically as A (M, K) and B (N, K) (the tile is ``A @ B^T``); each is
 K-major (K contiguous: rows of a [M, K] / [N, K] tensor) or MN-major (M resp. N contiguous:
@@ -268,14 +269,15 @@ class Sm90Mainloop:
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (b_n, cfg.tile_k))
         return atom_a, coord_a, atom_b, coord_b
 
-    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None):
-        """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): one
-        TMA producer thread, one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes
-        landing per slot) default to this mainloop's ring."""
+    def make_pipeline(self, barrier_ptr, stages: int | None = None, tx_bytes: int | None = None, producers: int = 1):
+        """The A/B ring's full/empty mbarrier pipeline (``barrier_ptr``: 2 * stages Int64): ``producers`` arrivals
+        per slot (one TMA producer thread; a gathered-B pipeline's warps: one each, :meth:`load_tile_gather_b`),
+        one arrive per consumer warp; ``stages`` / ``tx_bytes`` (bytes landing per slot) default to this
+        mainloop's ring."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barrier_ptr,
             num_stages=self.stages if stages is None else stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4),
             tx_count=self.tx_bytes if tx_bytes is None else tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -317,13 +319,13 @@ class Sm90Mainloop:
             fields["extra_f32"] = cute.struct.MemRange[cutlass.Float32, extra_f32]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    def allocate(self, shared_storage, epi, with_storage: bool = False):
+    def allocate(self, shared_storage, epi, with_storage: bool = False, producers: int = 1):
         """In the kernel: allocate ``shared_storage`` (:meth:`shared_storage`), build the ring's
-        pipeline (:meth:`make_pipeline`) and initialise its barriers; returns
+        pipeline (:meth:`make_pipeline`, ``producers`` arrivals per slot) and initialise its barriers; returns
         ``(pipe, sA, sB, sC)`` (``sC``: the epilogue ``epi``'s view of its buffer), and the
         storage itself with ``with_storage``."""
         storage = cutlass.memory.SmemAllocator().allocate(shared_storage)
-        pipe = self.make_pipeline(storage.barriers.data_ptr())
+        pipe = self.make_pipeline(storage.barriers.data_ptr(), producers=producers)
         sA = storage.sA.get_tensor(self.a_smem_staged.outer, swizzle=self.a_smem_staged.inner)
         sB = storage.sB.get_tensor(self.b_smem_staged.outer, swizzle=self.b_smem_staged.inner)
         sC = epi.smem_tensor(storage.sC)
@@ -374,7 +376,7 @@ class Sm90Mainloop:
     @cute.jit
     def load_tile(self, pipe, state, atom_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor,
                   atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, k_tiles: cutlass.Int32,
-                  b2: SplitB = None, b_hi: StackedB = None):
+                  b2: SplitB = None, b_hi: StackedB = None, extra_arrivals: cutlass.Constexpr[int] = 0):
         """Producer warp: TMA every k-tile of one tile pair into the ring; returns the state.
 
         ``gA``: TMA coordinates (tile_m, tile_k, k_tiles [+ b2.k_tiles]); ``gB``: (tile_n, tile_k,
@@ -384,12 +386,13 @@ class Sm90Mainloop:
         With ``b_hi`` (:class:`StackedB`) the B tile is stacked along N from two tensors: rows
         ``[0, tile_n/2)`` of the ring slot come from ``gB`` (tile_n/2, tile_k, k_tiles), rows
         ``[tile_n/2, tile_n)`` from ``b_hi.g`` (atoms from ``make_tma(..., b_half=True)``).
+        ``extra_arrivals``: a gathered-B pipeline's other arrivals per slot (its other warps'), made by one thread.
         """
         tAsA, tAgA = cpasync.tma_partition(atom_a, 0, cute.make_layout(1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB, tBsB_hi, tBgB_hi = self._b_partitions(atom_b, gB, sB, b_hi)
         for k in cutlass.range(k_tiles, unroll=1):
-            bar = self._acquire(pipe, state)
+            bar = self._acquire(pipe, state, extra_arrivals)
             cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(b_hi is not None):
@@ -400,7 +403,7 @@ class Sm90Mainloop:
             _, tBgB2 = cpasync.tma_partition(b2.atom, 0, cute.make_layout(1),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(b2.g, 0, 2))
             for k in cutlass.range(b2.k_tiles, unroll=1):
-                bar = self._acquire(pipe, state)
+                bar = self._acquire(pipe, state, extra_arrivals)
                 cute.copy(atom_a, tAgA[(None, k_tiles + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(b2.atom, tBgB2[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                 pipe.producer_commit(state)
@@ -408,11 +411,15 @@ class Sm90Mainloop:
         return state
 
     @cute.jit
-    def _acquire(self, pipe, state):
+    def _acquire(self, pipe, state, extra_arrivals: cutlass.Constexpr[int] = 0):
         """Producer warp: wait for the slot of ``state`` and arrive on its full barrier expecting the stage's
-        bytes; returns the barrier."""
+        bytes (and ``extra_arrivals`` more, by one thread); returns the barrier."""
         pipe.producer_acquire(state)
-        return pipe.producer_get_barrier(state)
+        bar = pipe.producer_get_barrier(state)
+        if cutlass.const_expr(extra_arrivals > 0):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(bar, arrive_count=extra_arrivals)
+        return bar
 
     def _b_partitions(self, atom_b: cute.CopyAtom, gB: cute.Tensor, sB: cute.Tensor, b_hi: StackedB = None):
         """TMA partitions ``(tBsB, tBgB, tBsB_hi, tBgB_hi)`` of a B tile: all of it from ``gB``, or (``b_hi``)
@@ -432,16 +439,18 @@ class Sm90Mainloop:
 
     @cute.jit
     def load_tile_gather_b(self, pipe, state, sB_addr: cutlass.Int32, src: GatherB, k_tiles: cutlass.Int32,
-                           a: TmaA = None, warp: cutlass.Int32 = 0, warps: cutlass.Constexpr[int] = 1,
-                           bar_id: cutlass.Constexpr[int] = 0):
-        """Producer warp ``warp`` of ``warps`` (B MN-major, 16-bit, ``tile_k`` 64): the k-tiles of one tile whose B
-        k-rows are gathered (:class:`GatherB`) into the stages at shared address ``sB_addr``, A TMA-loaded by warp 0
-        (``a``: :class:`TmaA`; None in the other warps). Per k-tile every lane waits for the slot, takes the tokens
-        of its warp's k-rows (the warps take the passes of ``32 / U`` k-rows in turn, U = tile_n / 8 units per
-        k-row), copies its 16-byte units (unit ``lane % U`` of k-row ``pass * 32 / U + lane // U``) by ``cp.async``
-        to :func:`gather_b_offset` and arrives on the slot's full barrier (:func:`cp_async_arrive`); once every
-        warp's arrivals are in (named barrier ``bar_id`` over the ``warps``, or the warp's own sync), warp 0
-        arrives expecting A's bytes and TMA-loads A's k-tile. Every warp returns the advanced state."""
+                           a: TmaA = None, warp: cutlass.Int32 = 0, warps: cutlass.Constexpr[int] = 1):
+        """Producer warp ``warp`` of ``warps`` (B MN-major, 16-bit, ``tile_k`` 64; a pipeline of ``warps``
+        producer arrivals per slot): the k-tiles of one tile whose B k-rows are gathered (:class:`GatherB`) into
+        the stages at shared address ``sB_addr``, A TMA-loaded by warp 0 (``a``: :class:`TmaA`; None in the other
+        warps). Per k-tile the warp waits for the slot; warp 0 expects A's bytes on its full barrier and TMA-loads
+        A's k-tile; every lane takes the tokens of its warp's k-rows (the warps take the passes of ``32 / U``
+        k-rows in turn, U = tile_n / 8 units per k-row), copies its 16-byte units (unit ``lane % U`` of k-row
+        ``pass * 32 / U + lane // U``) by ``cp.async`` to :func:`gather_b_offset` and counts them on the full
+        barrier (:func:`cp_async_arrive`: the pending arrivals rise now, before the warp's own arrival below, so
+        the slot's phase waits for every copy); then one lane arrives. The warps need not meet: each warp's
+        arrival follows its lanes' counts, and the phase completes only with every warp's arrival. Returns the
+        advanced state."""
         cfg = self.cfg
         units = cfg.tile_n * cfg.ab_dtype.width // 8 // UNIT  # 16-byte units per k-row
         rpp = 32 // units  # k-rows per pass of a warp
@@ -466,25 +475,23 @@ class Sm90Mainloop:
             nxt = self._gather_tokens(src, (kt + 1) * cfg.tile_k, lane, warp, warps, rpp, per_warp)  # in flight now
             pipe.sync_object_empty.wait(state.index, state.phase)
             bar = pipe.producer_get_barrier(state)
-            toks = cur
+            if cutlass.const_expr(a is not None):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_expect_tx(bar, a_bytes)
+                cute.copy(a.atom, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             stage = lane_dst + state.index * b_stage
             for q in cutlass.range_constexpr(per_warp // rpp):
                 kr = (q * warps + warp) * rpp + sub
-                t = cute.arch.shuffle_sync(toks[q * rpp // 32], (q * rpp + sub) % 32)
+                t = cute.arch.shuffle_sync(cur[q * rpp // 32], (q * rpp + sub) % 32)
                 n = cutlass.Int32(0)
                 if t >= 0:
                     n = size
                 g = gcol + cutlass.Int64(cutlass.max(t, 0)) * src.row_bytes
                 cp_async_16(stage + kr * 128 + ((u % 8) ^ (kr % 8)) * UNIT, g, n)
             cp_async_arrive(bar.toint())
-            if cutlass.const_expr(warps > 1):
-                cute.arch.barrier(barrier_id=bar_id, number_of_threads=32 * warps)
-            else:
-                cute.arch.sync_warp()
-            if cutlass.const_expr(a is not None):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, a_bytes)
-                cute.copy(a.atom, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(bar)
             state.advance()
             cur = nxt
         return state
