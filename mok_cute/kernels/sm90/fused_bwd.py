@@ -5,7 +5,8 @@ its first CTAs, and the shared expert's tiles as a second group: the whole backw
 
 Inputs (grouped rows, expert order, ``offsets`` int32 [E+1]; M rows, bf16): ``dy`` [M, H] (the
 route's dy row times its router weight, ``kernels/route_grad.py``), ``x`` [M, H] (the gathered
-input rows), ``gu`` [M, 2I] and ``h`` [M, I] (saved by the forward); weights ``w_gate``,
+input rows; the ``x_gather`` variant: the layer's x [T, H], its token rows gathered in the dW_gate /
+dW_up tiles' loads), ``gu`` [M, 2I] and ``h`` [M, I] (saved by the forward); weights ``w_gate``,
 ``w_up`` [E, I, H], ``w_down`` [E, H, I]. Outputs: ``dgu`` [M, 2I] (kept: the weight gradients
 read it), ``dx`` [M, H] (grouped rows), ``dWg``, ``dWu`` [E, I, H] and ``dWd`` [E, H, I].
 
