@@ -68,7 +68,7 @@ from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
 from mok_cute.dsl.host import _check_devices, _check_out, _check_tensor, current_stream, offsets_i32, sm_count
 from mok_cute.dsl.launch import _Desc
 from mok_cute.kernels.sm90.grouped_gemm import (
-    _VEC, EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _fetch_rows, _load_rows, _row_copy, _store_rows,
+    EPILOGUES, DSwigluEpilogue, PlainEpilogue, SwigluEpilogue, _fetch_rows, _load_rows, _row_copy, _store_rows,
 )
 from mok_cute.kernels.sm90.mainloop import (
     CONSUMER_REGS, NUM_CONSUMER_WG, PRODUCER_REGS, NUM_THREADS, THREADS_PER_WG, GroupWalk, MainloopConfig,
@@ -157,11 +157,6 @@ class DSwigluPrefetchedEpilogue(DSwigluEpilogue):
     mainloop into four row-padded buffers, so no global-load round trip sits inside the
     epilogue (the FP8 mainloop is short enough per tile for it to show). Same math, same
     stores."""
-
-    def __init__(self, tile_m: int, tile_n: int, clamp: bool, **kw):
-        super().__init__(tile_m, tile_n, clamp, **kw)
-        self.half = tile_n // 2
-        self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
 
     def smem_elems(self) -> int:
         return 4 * self.tile_m * self.pitch

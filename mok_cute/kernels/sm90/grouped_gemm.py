@@ -557,16 +557,14 @@ class DSwigluEpilogue:
     """dSwiGLU on the FP32 accumulator dh of intermediate columns ``n_tile * tile_n + c``.
 
     ``mDGU`` (out) and ``mGU`` (in) are [M, 2, I] views of dgu / gu (gate half, up half).
-    The tile is done in column parts (four of ``tile_n / 4`` where tile_n is a multiple of 128, else
-    two halves): each part's g and u are fetched (cp.async) into a pair of row-padded (conflict-free for
-    the accumulator layout, unswizzled so addresses are a per-thread base plus constants) shared buffers,
-    each thread turns its accumulator elements of that part into bf16 dg / du in place (same shared
-    positions), then rows ``< rows`` are stored. With four parts there are two buffer pairs: parts 0 and 1
-    are fetched by :meth:`prefetch` before the mainloop, and part q + 2 is fetched while part q + 1 is
-    computed, so only part 0's wait can show; with halves one pair (half 0 prefetched, half 1 fetched after
-    half 0 is stored). In the wgmma accumulator layout a thread's column for element i differs from thread
-    0's by less than 8 (within one 8-column group), so an element's part is a compile-time fact (taken from
-    thread 0's coordinates).
+    The tile is done in two column halves: the g and u halves are fetched (cp.async) into
+    two row-padded (conflict-free for the accumulator layout, unswizzled so addresses are
+    a per-thread base plus constants) shared buffers (half 0 by :meth:`prefetch` before
+    the mainloop), each thread turns its accumulator elements of that half into bf16 dg /
+    du in place (same shared positions), then rows ``< rows`` are stored. In the wgmma
+    accumulator layout a thread's column for element i differs from thread 0's by less
+    than 8 (within one 8-column group), so an element's half is a compile-time fact
+    (taken from thread 0's coordinates; checked for every 5th thread, tile_n 128 and 256).
 
     ``n_tail``: columns past I are neither fetched nor stored (without it I must be a multiple of
     tile_n). ``mx`` (the MXFP8 backward's operands): instead of dgu, ``mDGU`` gets dgu's MXFP8 round trip
@@ -581,97 +579,91 @@ class DSwigluEpilogue:
                  gated: Gated | None = None):
         if tile_n % 16:
             raise ValueError(f"dswiglu needs tile_n a multiple of 16, got {tile_n}")
-        self.parts, self.slots = (4, 2) if tile_n % 128 == 0 else (2, 1)
-        self.part = tile_n // self.parts
-        if mx and self.part % MX_BLOCK:
-            raise ValueError(f"mx needs tile_n/{self.parts} a multiple of {MX_BLOCK}, got tile_n={tile_n}")
-        self.tile_m, self.tile_n, self.clamp, self.mx = tile_m, tile_n, clamp, mx
-        self.pitch = self.part + _VEC  # row pitch: 16 bytes of padding
+        if mx and (tile_n // 2) % MX_BLOCK:
+            raise ValueError(f"mx needs tile_n/2 a multiple of {MX_BLOCK}, got tile_n={tile_n}")
+        self.tile_m, self.tile_n, self.half, self.clamp, self.mx = tile_m, tile_n, tile_n // 2, clamp, mx
+        self.pitch = self.half + _VEC  # row pitch: 16 bytes of padding
         self.n_tail, self.gated = n_tail, gated
 
     def smem_elems(self) -> int:
-        return self.slots * 2 * self.tile_m * self.pitch
+        return 2 * self.tile_m * self.pitch
 
     def smem_tensor(self, region):
-        """(tile_m, part, 2 * slots): the g and u buffers of each slot (g of slot s at 2s, u at 2s + 1)."""
-        return region.get_tensor(cute.make_layout((self.tile_m, self.part, 2 * self.slots),
+        """(tile_m, half, 2): the g and u buffers."""
+        return region.get_tensor(cute.make_layout((self.tile_m, self.half, 2),
                                                   stride=(self.pitch, 1, self.tile_m * self.pitch)))
 
-    def _bufs(self, sC: cute.Tensor, slot: int):
-        return sC[(None, None, 2 * slot)], sC[(None, None, 2 * slot + 1)]  # g, u
+    def _bufs(self, sC: cute.Tensor):
+        return sC[(None, None, 0)], sC[(None, None, 1)]  # g, u
 
     @cute.jit
-    def _valid(self, n_tile: Int32, q: cutlass.Constexpr[int], mGU: cute.Tensor):
-        """Columns of part ``q`` of the tile inside I (``n_tail``; else None: all)."""
+    def _valid(self, n_tile: Int32, h: cutlass.Constexpr[int], mGU: cute.Tensor):
+        """Columns of half ``h`` of the tile inside I (``n_tail``; else None: all)."""
         valid = None
         if cutlass.const_expr(self.n_tail):
-            valid = mGU.shape[2] - (self.parts * n_tile + q) * self.part
+            valid = mGU.shape[2] - (2 * n_tile + h) * self.half
         return valid
 
     @cute.jit
     def _fetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor,
-               q: cutlass.Constexpr[int]):
-        """Start the cp.async loads of part ``q`` of the tile's g and u into its slot (one commit group)."""
-        bufs = self._bufs(sC, q % self.slots)
+               h: cutlass.Constexpr[int]):
+        """Start the cp.async loads of column half ``h`` of the tile's g and u."""
+        bufs = self._bufs(sC)
         for j in cutlass.range_constexpr(2):  # 0: gate half of gu, 1: up half
             src = cute.domain_offset((row0, 0), mGU[(None, j, None)])
-            _fetch_rows(self.part, tid, cute.local_tile(src, (self.tile_m, self.part), (0, self.parts * n_tile + q)),
-                        bufs[j], rows, self._valid(n_tile, q, mGU))
+            _fetch_rows(self.half, tid, cute.local_tile(src, (self.tile_m, self.half), (0, 2 * n_tile + h)),
+                        bufs[j], rows, self._valid(n_tile, h, mGU))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
     def prefetch(self, sC: cute.Tensor, tid: Int32, row0: Int32, rows: Int32, n_tile: Int32, mGU: cute.Tensor):
-        """Before the mainloop (the buffers are free, the accumulators not yet live): fetch the first parts."""
-        for q in cutlass.range_constexpr(self.slots):
-            self._fetch(sC, tid, row0, rows, n_tile, mGU, q)
+        """Before the mainloop (the buffer is free, the accumulators not yet live): fetch half 0."""
+        self._fetch(sC, tid, row0, rows, n_tile, mGU, 0)
 
     @cute.jit
     def run(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sC: cute.Tensor, tid: Int32,
             row0: Int32, rows: Int32, n_tile: Int32, mDGU: cute.Tensor, mGU: cute.Tensor, limit: Float32,
             mDGUt: cute.Tensor = None):
-        shape = (self.tile_m, self.part)
-        # per slot, a (tile_m, tile_n) view of its g / u buffer whose column c lands on buffer column c % part
-        alias = cute.make_layout((self.tile_m, (self.part, self.parts)), stride=(self.pitch, (1, 0)))
-        views = [[thr_mma.partition_C(cute.make_tensor(b.iterator, alias)) for b in self._bufs(sC, slot)]
-                 for slot in range(self.slots)]
+        shape = (self.tile_m, self.half)
+        bufs = self._bufs(sC)
+        # a (tile_m, tile_n) view whose column c lands on buffer column c % half
+        alias = cute.make_layout((self.tile_m, (self.half, 2)), stride=(self.pitch, (1, 0)))
+        tG = thr_mma.partition_C(cute.make_tensor(bufs[0].iterator, alias))
+        tU = thr_mma.partition_C(cute.make_tensor(bufs[1].iterator, alias))
         cols = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        copy = _row_copy(self.part)
-        for q in cutlass.range_constexpr(self.parts):
-            bufs = self._bufs(sC, q % self.slots)
-            tG, tU = views[q % self.slots]
-            cute.arch.cp_async_wait_group(min(self.slots - 1, self.parts - 1 - q))  # part q has landed
+        copy = _row_copy(self.half)
+        for h in cutlass.range_constexpr(2):
+            if cutlass.const_expr(h == 1):
+                self._fetch(sC, tid, row0, rows, n_tile, mGU, 1)
+            cute.arch.cp_async_wait_group(0)
             consumer_barrier()
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if cutlass.const_expr(i % 16 == 0):
-                    # scheduling fence: stops ptxas hoisting every shared load of the part
+                    # scheduling fence: stops ptxas hoisting every shared load of the half
                     # above the math (with 128 accumulators live that spilled)
                     cute.arch.sync_warp()
-                if cutlass.const_expr(cols[i][1] // self.part == q):
+                if cutlass.const_expr(cols[i][1] // self.half == h):
                     dg, du = dswiglu(acc[i], tG[i].to(Float32), tU[i].to(Float32), limit, self.clamp, self.gated)
                     tG[i] = dg.to(cutlass.BFloat16)
                     tU[i] = du.to(cutlass.BFloat16)
             consumer_barrier()
-            valid = self._valid(n_tile, q, mGU)
+            valid = self._valid(n_tile, h, mGU)
             for j in cutlass.range_constexpr(2):
                 r, coords = _load_rows(copy, tid, bufs[j])
                 if cutlass.const_expr(self.mx):
                     r = _mx_rows_rt(r)
                 dst = cute.domain_offset((row0, 0), mDGU[(None, j, None)])
-                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, self.parts * n_tile + q)), rows,
-                            valid)
+                _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows, valid)
             if cutlass.const_expr(self.mx):  # then the round trip along the tokens, in place
                 consumer_barrier()
                 for j in cutlass.range_constexpr(2):
-                    _mx_tokens_rt(bufs[j], tid, rows, self.tile_m, self.part, self.pitch)
+                    _mx_tokens_rt(bufs[j], tid, rows, self.tile_m, self.half, self.pitch)
                 consumer_barrier()
                 for j in cutlass.range_constexpr(2):
                     r, coords = _load_rows(copy, tid, bufs[j])
                     dst = cute.domain_offset((row0, 0), mDGUt[(None, j, None)])
-                    _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, self.parts * n_tile + q)),
-                                rows, valid)
+                    _store_rows(copy, tid, r, coords, cute.local_tile(dst, shape, (0, 2 * n_tile + h)), rows, valid)
             consumer_barrier()
-            if cutlass.const_expr(q + self.slots < self.parts):  # the slot is read: fetch the part after next
-                self._fetch(sC, tid, row0, rows, n_tile, mGU, q + self.slots)
 
 
 class GemmOutputs(NamedTuple):
