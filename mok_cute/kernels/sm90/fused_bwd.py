@@ -356,8 +356,8 @@ class FusedMoeBwdCoreSm90:
             s_tma = self._tma(shared._replace(dy=rows.dy_tok, x=rows.x_tok))
             s_t = GroupTensors(shared.gu3, shared.dgu3, slots.init, shared.dwg, shared.dwu, shared.dwd, shared.offsets,
                                shared.d2, None)
-        self.shared_storage = self.ml_d.shared_storage(self.epi_elems,
-                                                       extra_i32=_TILE_WORDS + len(_GatherTile._fields))
+        words = _TILE_WORDS + (len(_GatherTile._fields) if self.x_gather else 0)
+        self.shared_storage = self.ml_d.shared_storage(self.epi_elems, extra_i32=words)
         ep_args = None
         if cutlass.const_expr(self.ep):
             ep_args = ep
@@ -569,21 +569,20 @@ class FusedMoeBwdCoreSm90:
                                               Int32(D2_READY), first + m)
                     ready_e = expert
                 if which == WG:
-                    state = self._load_wx(g, g.atom_dgt, g.coord_dgt, smem, state, expert, n_tile, m_tile, k_rows)
+                    state = self._load_wx(g, g.atom_dgt, g.coord_dgt, smem, state, (lo, length, n_tile, m_tile, k_rows))
                 else:
-                    state = self._load_wx(g, g.atom_dut, g.coord_dut, smem, state, expert, n_tile, m_tile, k_rows)
+                    state = self._load_wx(g, g.atom_dut, g.coord_dut, smem, state, (lo, length, n_tile, m_tile, k_rows))
         return state, (e1, b1, e2, b2, ready_e, ready_g)
 
     @cute.jit
-    def _load_wx(self, g, atom_a: cute.CopyAtom, coord_a: cute.Tensor, smem: _Smem, state, expert: Int32,
-                 n_tile: Int32, m_tile: Int32, k_rows: Int32):
-        """Producer warp: the k-tiles of a dW_gate / dW_up tile, A (``atom_a``, ``coord_a``: dg or du along the
-        rows) by TMA, B x's rows: by TMA from the grouped x rows, or (``x_gather``) gathered from x's token
-        rows (:meth:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop.load_tile_gather_b`). Returns the state."""
+    def _load_wx(self, g, atom_a: cute.CopyAtom, coord_a: cute.Tensor, smem: _Smem, state, tile: tuple):
+        """Producer warp: the k-tiles of a dW_gate / dW_up tile ``tile`` = ``(lo, length, n_tile, m_tile, k_rows)``
+        (the expert's rows, the tile, its k-tiles), A (``atom_a``, ``coord_a``: dg or du along the rows) by TMA, B
+        x's rows: by TMA from the grouped x rows, or (``x_gather``) gathered from x's token rows
+        (:meth:`~mok_cute.kernels.sm90.mainloop.Sm90Mainloop.load_tile_gather_b`). Returns the state."""
         cfg = self.cfg
+        lo, length, n_tile, m_tile, k_rows = tile
         pipe, (_, _, sA_w, sB_w) = smem.pipe, smem.views
-        lo = g.offsets[expert]
-        length = g.offsets[expert + 1] - lo
         gA = cute.local_tile(_expert_k(coord_a, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
         if cutlass.const_expr(self.x_gather and g.tok is not None):
             self._hand_on(smem, _GatherTile(lo, length, n_tile, k_rows, state.index, state.phase))
