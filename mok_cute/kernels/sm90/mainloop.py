@@ -202,6 +202,18 @@ def cp_async_arrive(mbar_addr: cutlass.Int32):
     cute.arch.inline_ptx("cp.async.mbarrier.arrive.shared::cta.b64 [{$r0}];", read_only_args=[mbar_addr])
 
 
+def gather_pass_row(q, warp, sub, warps: int, rpp: int):
+    """The k-row a gathering lane copies in its warp's pass ``q`` (:meth:`Sm90Mainloop.load_tile_gather_b`: warp
+    ``warp`` of ``warps``, ``sub`` = lane // units, ``rpp`` k-rows per pass); Python ints or DSL values."""
+    return (q * warps + warp) * rpp + sub
+
+
+def gather_token_row(j, warp, warps: int, rpp: int):
+    """The k-row whose token a gathering warp's lane ``j % 32`` holds in register ``j // 32`` (its warp's j-th
+    k-row: the rows of :func:`gather_pass_row` in pass order)."""
+    return (j // rpp * warps + warp) * rpp + j % rpp
+
+
 def gather_b_offset(n: int, k: int, tile_k: int) -> int:
     """The byte offset in a B stage (MN-major, 16-bit, the 128-byte swizzle) of element (n, k): 64-column blocks
     of ``tile_k`` k-rows of 128 bytes, each row's 16-byte units permuted by ``k % 8``; the formula
@@ -481,8 +493,8 @@ class Sm90Mainloop:
                 cute.copy(a.atom, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             stage = lane_dst + state.index * b_stage
             for q in cutlass.range_constexpr(per_warp // rpp):
-                kr = (q * warps + warp) * rpp + sub
-                t = cute.arch.shuffle_sync(cur[q * rpp // 32], (q * rpp + sub) % 32)
+                kr = gather_pass_row(q, warp, sub, warps, rpp)
+                t = cute.arch.shuffle_sync(cur[q * rpp // 32], (q * rpp + sub) % 32)  # the lane holding kr's token
                 n = cutlass.Int32(0)
                 if t >= 0:
                     n = size
@@ -504,7 +516,7 @@ class Sm90Mainloop:
         toks = [cutlass.Int32(-1), cutlass.Int32(-1)]
         for h in cutlass.range_constexpr((per_warp + 31) // 32):
             j = h * 32 + lane
-            kr = (j // rpp * warps + warp) * rpp + j % rpp
+            kr = gather_token_row(j, warp, warps, rpp)
             t = cutlass.Int32(-1)
             if j < per_warp and r0 + kr < src.rows:
                 t = src.tok[src.row0 + r0 + kr]

@@ -883,3 +883,26 @@ def test_gate_up_grads_follow_the_weights_layout():
         dg, du = gate_up_grads(gate, up)
         assert dg.is_contiguous() and du.is_contiguous() and dg._base is None and du._base is None
         assert dg.shape == du.shape == (4, 8, 32)
+
+
+@pytest.mark.parametrize("tile_n", [64, 128, 256])
+@pytest.mark.parametrize("warps", [1, 4])
+def test_gather_b_lanes_cover_the_k_tile_once(tile_n, warps):
+    """The gathered B's lane plan (``mainloop.gather_pass_row`` / ``gather_token_row``, the formulas the loader
+    traces): over the warps, lanes and passes of one k-tile every (k-row, 16-byte unit) is copied exactly once,
+    and in each pass the lane a shuffle reads (register ``q * rpp // 32``, lane ``(q * rpp + sub) % 32``) holds the
+    token of the k-row being copied."""
+    from mok_cute.kernels.sm90.mainloop import gather_pass_row, gather_token_row
+
+    tile_k, units = 64, tile_n // 8
+    rpp, per_warp = 32 // units, tile_k // warps
+    copied = []
+    for w in range(warps):
+        held = {(j // 32, j % 32): gather_token_row(j, w, warps, rpp) for j in range(per_warp)}
+        for q in range(per_warp // rpp):
+            for lane in range(32):
+                u, sub = lane % units, lane // units
+                kr = gather_pass_row(q, w, sub, warps, rpp)
+                assert held[(q * rpp // 32, (q * rpp + sub) % 32)] == kr
+                copied.append((kr, u))
+    assert sorted(copied) == [(kr, u) for kr in range(tile_k) for u in range(units)]
