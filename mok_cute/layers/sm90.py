@@ -329,10 +329,19 @@ class Sm90ExpertMLP:
 
     def _bwd_weights(self, g: ExpertGroup, w_gate, w_up, w_down):
         """The weights the backward's GEMMs read: as given (BF16), or dequantized from their MXFP8
-        along dgrad's reduction axis (cached while unchanged)."""
-        if g.precision == "mxfp8":
+        along dgrad's reduction axis (cached while unchanged); gate and up given as the halves of one fc1
+        tensor stay the halves of one dequantized tensor (their gradients then are too: fc1's in one piece;
+        the MXFP8 blocks of 32 along 2I never straddle the halves, I being a multiple of 64)."""
+        from mok_cute.kernels.sm90.fused_bwd import fc1_halves
+
+        if g.precision != "mxfp8":
+            return w_gate, w_up, w_down
+        fc1 = fc1_halves(w_gate, w_up)
+        if fc1 is None:
             return tuple(self._mx_weight(w, 1) for w in (w_gate, w_up, w_down))
-        return w_gate, w_up, w_down
+        inter = w_gate.shape[1]
+        d = self._mx_weight(fc1, 1)
+        return d[:, :inter], d[:, inter:], self._mx_weight(w_down, 1)
 
     def backward_fused(self, st, dy, main_grads=None):
         """The backward path FUSED_WHOLE (after the fused forward, no output gate: the path table):

@@ -1331,13 +1331,22 @@ def gate_up_grads(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tenso
     contiguous parameter would be copied by autograd's gradient accumulation: twice dW_gate's and dW_up's
     bytes of traffic and memory)."""
     e, inter, hid = w_gate.shape
-    halves = (w_up.data_ptr() == w_gate.data_ptr() + inter * hid * w_gate.element_size()
-              and w_gate.stride() == w_up.stride() == (2 * inter * hid, hid, 1))
-    if halves:
+    if fc1_halves(w_gate, w_up) is not None:
         dwgu = torch.empty((e, 2 * inter, hid), dtype=torch.bfloat16, device=w_gate.device)
         return dwgu[:, :inter], dwgu[:, inter:]
     return (torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device),
             torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device))
+
+
+def fc1_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
+    """The [E, 2I, H] view whose halves along dim 1 ``w_gate`` and ``w_up`` [E, I, H] are (one fc1 tensor), or
+    None."""
+    e, inter, hid = w_gate.shape
+    if (tuple(w_up.shape) != (e, inter, hid) or w_up.dtype != w_gate.dtype
+            or w_up.data_ptr() != w_gate.data_ptr() + inter * hid * w_gate.element_size()
+            or not w_gate.stride() == w_up.stride() == (2 * inter * hid, hid, 1)):
+        return None
+    return w_gate.as_strided((e, 2 * inter, hid), (2 * inter * hid, hid, 1))
 
 
 def _run(launcher: GraphLauncher, dev: int, args: tuple, direct: bool) -> None:

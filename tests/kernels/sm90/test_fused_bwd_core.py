@@ -906,3 +906,26 @@ def test_gather_b_lanes_cover_the_k_tile_once(tile_n, warps):
                 assert held[(q * rpp // 32, (q * rpp + sub) % 32)] == kr
                 copied.append((kr, u))
     assert sorted(copied) == [(kr, u) for kr in range(tile_k) for u in range(units)]
+
+
+def test_mxfp8_backward_weights_keep_fc1_halves(monkeypatch):
+    """At MXFP8 the backward's dequantized gate / up weights stay the halves of one tensor where the given ones
+    are (so the fused backward's gradients are fc1's in one piece), and equal the halves dequantized one by one
+    (blocks of 32 along 2I never straddle gate and up); separate weights stay separate."""
+    from mok_cute import reference
+    from mok_cute.kernels.sm90.fused_bwd import fc1_halves
+    from mok_cute.layers import sm90
+    from mok_cute.layers.common import ExpertGroup
+
+    def dequant(w, axis):  # the kernel's: [E*R, C] in blocks of 32 rows from row 0 (axis 1)
+        assert axis == 1
+        return reference.mx_round_trip(w.reshape(-1, w.shape[2]).float(), 0).bfloat16().view(w.shape)
+    monkeypatch.setattr(sm90, "_mx_dequant_weight", dequant)
+    base = torch.randn(2, 128, 64).bfloat16()
+    gate, up, w_down = base[:, :64], base[:, 64:], torch.randn(2, 64, 64).bfloat16()
+    group = ExpertGroup(None, None, torch.zeros(1), torch.zeros(1), "mxfp8")
+    halves = sm90.Sm90ExpertMLP()._bwd_weights(group, gate, up, w_down)
+    apart = sm90.Sm90ExpertMLP()._bwd_weights(group, gate.contiguous(), up.contiguous(), w_down)
+    assert all(torch.equal(a, b) for a, b in zip(halves, apart))
+    assert fc1_halves(*halves[:2]) is not None and fc1_halves(*apart[:2]) is None
+    assert fc1_halves(gate, up) is not None and fc1_halves(up, gate) is None
