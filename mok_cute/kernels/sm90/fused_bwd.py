@@ -618,11 +618,12 @@ class FusedMoeBwdCoreSm90:
         """Producer warps 1-3 (``x_gather``): for every dW_gate / dW_up tile producer warp 0 hands on
         (:meth:`_hand_on`), their share of its x rows' copies (``load_tile_gather_b`` at the tile's ring slot);
         until the stop."""
-        words = cute.make_tensor(smem.storage.extra.data_ptr() + _TILE_WORDS, cute.make_layout(len(_GatherTile._fields)))
+        n_words = len(_GatherTile._fields)
+        words = cute.make_tensor(smem.storage.extra.data_ptr() + _TILE_WORDS, cute.make_layout(n_words))
         go = Int32(1)
         while go > 0:
             cute.arch.barrier(barrier_id=TILE_BAR, number_of_threads=THREADS_PER_WG)
-            tile = _GatherTile(*(words[j] for j in range(len(_GatherTile._fields))))
+            tile = _GatherTile(*(words[j] for j in range(n_words)))
             cute.arch.barrier_arrive(barrier_id=READ_BAR, number_of_threads=THREADS_PER_WG)
             if tile.k_rows < 0:
                 go = Int32(0)
@@ -1233,7 +1234,8 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after every dW_down tile, which reads dy and
     runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
     written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer). ``tokens.x_tok``: the layer's
-    x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up loads; needs ``grouped_slots``)."""
+    x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up loads; needs
+    ``grouped_slots``)."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
     m, hid = dy.shape
