@@ -67,9 +67,16 @@ def dump(path, records, comm_ctas: int, kinds, gemm_kinds: int = FORWARD_GEMM_KI
 def load(path) -> tuple[list, list, int, int]:
     """``(records, kinds, comm_ctas, gemm_kinds)`` of a trace file (records as in the module doc)."""
     d = json.loads(Path(path).read_text())
-    t0 = min(r[0] for r in d["records"])
-    recs = [(r[0] - t0, r[1] - t0, r[2] & 0xFF, r[2] >> 8, r[3]) for r in d["records"]]
-    return recs, d["kinds"], d["comm_ctas"], d.get("gemm_kinds", FORWARD_GEMM_KINDS)
+    return normalize(d["records"]), d["kinds"], d["comm_ctas"], d.get("gemm_kinds", FORWARD_GEMM_KINDS)
+
+
+def normalize(rows) -> list:
+    """Raw records ``[start_ns, end_ns, kind | cta << 8, task]`` (rows of a :class:`Trace`'s tensor as lists, or of
+    a file) as loaded tuples ``(start_ns, end_ns, kind, cta, task)``, times relative to the earliest start;
+    zero rows (tasks that did not run) dropped."""
+    rows = [r for r in rows if r[1]]
+    t0 = min(r[0] for r in rows)
+    return [(r[0] - t0, r[1] - t0, r[2] & 0xFF, r[2] >> 8, r[3]) for r in rows]
 
 
 def summary(recs, kinds, comm_ctas, gemm_kinds: int = FORWARD_GEMM_KINDS) -> dict:

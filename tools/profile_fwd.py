@@ -1,11 +1,13 @@
 """Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (one GPU,
 EP = 1): a torch.profiler kernel table of ``--calls`` calls (CUDA time per kernel name, per call),
 the GPU time between kernels (idle), and the host time per call (pipelined calls, one sync at the
-end); ``--graph``: the wall time per replay of one forward captured in a CUDA graph.
+end); ``--graph``: the wall time per replay of one forward captured in a CUDA graph; ``--tasks``: one
+traced call more, then each fused kernel's tasks by kind (count, p10 / p50 / p90 / max us, CTA time:
+:func:`mok_cute.trace.kind_stats`).
 
     python -m tools.profile_fwd [--shape NAME | T,H,I,E,k] [--precision bf16] [--comm 16]
         [--forward-path fused|unfused] [--backward-path fused|fused_whole|unfused] [--bwd]
-        [--graph] [--host] [--timeline] [--who TEXT]
+        [--graph] [--host] [--timeline] [--tasks] [--who TEXT]
 
 ``--shape``: as ``python -m tools.mem_peak`` (default 4096,7168,2048,16,8).
 """
@@ -36,6 +38,8 @@ def parse_args(argv):
                     help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
     ap.add_argument("--timeline", action="store_true",
                     help="print the last profiled call's GPU events in order: start, duration, gap before each")
+    ap.add_argument("--tasks", action="store_true",
+                    help="one traced call more: the fused kernels' task durations by kind (mok_cute.trace)")
     ap.add_argument("--who", default="", help="print the Python stack (mok_cute frames) of the ops launching "
                                               "kernels whose name contains this text")
     return ap.parse_args(argv)
@@ -68,6 +72,23 @@ def timeline_table(evs, calls: int) -> None:
         print(f"| {ev.name[:60]} | {ev.time_range.start - last[0].time_range.start:.1f} | {ev.device_time:.1f} | "
               f"{ev.time_range.start - prev:.1f} |")
         prev = max(prev, ev.time_range.end)
+
+
+def task_lines(traces: dict) -> list[str]:
+    """One line per traced pass (``traces``: pass name -> :class:`mok_cute.trace.Trace` or None): its span and
+    its tasks by kind (:func:`mok_cute.trace.kind_stats`)."""
+    from mok_cute import trace
+
+    out = []
+    for name, t in traces.items():
+        if t is None:
+            out.append(f"{name}: no fused launch traced")
+            continue
+        recs = trace.normalize(t.records.cpu().tolist())
+        span = trace.summary(recs, t.kinds, t.comm_ctas, t.gemm_kinds)["span_us"]
+        out.append(f"{name} tasks (span {span:.0f} us): "
+                   + trace.format_kind_stats(trace.kind_stats(recs, t.kinds, t.gemm_kinds)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | per call | us per call |\n|---|---|---|")
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"| {name[:90]} | {n / args.calls:.0f} | {us / args.calls:.1f} |")
+    if args.tasks:
+        from dataclasses import replace
+
+        from mok_cute import trace
+
+        cfg = replace(cfg, trace=True)
+        fwd()
+        torch.cuda.synchronize()
+        passes = ("forward", "backward") if args.bwd else ("forward",)
+        print(*task_lines({p: trace.last(p) for p in passes}), sep="\n")
     return 0
 
 

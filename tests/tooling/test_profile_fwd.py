@@ -1,0 +1,26 @@
+"""tools.profile_fwd's task lines (``--tasks``) and mok_cute.trace.normalize on CPU records."""
+import json
+
+import torch
+
+from mok_cute import trace
+from tools import profile_fwd
+
+
+def _trace(rows):
+    return trace.Trace(torch.tensor(rows, dtype=torch.int64), ("A", "B", "wait"), 1, 2)
+
+
+def test_normalize_is_what_load_reads(tmp_path):
+    rows = [[1000, 4000, 0 | 3 << 8, 7], [0, 0, 0, 0], [2000, 2500, 1 | 1 << 8, 8]]
+    trace.dump(tmp_path / "t.json", torch.tensor(rows), 1, ("A", "B"), 2)
+    assert trace.normalize(rows) == trace.load(tmp_path / "t.json")[0]
+    assert trace.normalize(rows) == [(0, 3000, 0, 3, 7), (1000, 1500, 1, 1, 8)]
+    assert json.loads((tmp_path / "t.json").read_text())["gemm_kinds"] == 2
+
+
+def test_task_lines_name_each_kind_and_the_span():
+    t = _trace([[0, 10_000, 0, 1], [5_000, 25_000, 0 | 1 << 8, 2], [25_000, 27_000, 1, 3], [0, 0, 0, 0]])
+    fwd, bwd = profile_fwd.task_lines({"forward": t, "backward": None})
+    assert fwd.startswith("forward tasks (span 27 us): ") and "A 2 " in fwd and "B 1 " in fwd and "wait" not in fwd
+    assert bwd == "backward: no fused launch traced"
