@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dsl.host import tma_weight
+from .dsl.host import halves_of, tma_weight
 from .kernels.relayout import relayout, relayout_fits
 
 LAYOUTS = tuple((t, i) for t in (False, True) for i in (False, True))  # (transposed, interleaved)
@@ -96,7 +96,7 @@ def grad(fc1: Fc1, d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> to
     copy of each into a new tensor of ``base``'s strides."""
     if d_gate is None and d_up is None:
         return None
-    buf = _halves_of(d_gate, d_up)
+    buf = halves_of(d_gate, d_up)
     if buf is not None and not fc1.transposed and not fc1.interleaved:
         return buf
     if buf is not None and fc1.transposed and relayout_fits(buf) and fc1.base.is_contiguous():
@@ -106,13 +106,3 @@ def grad(fc1: Fc1, d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> to
     gate.copy_(d_gate)
     up.copy_(d_up)
     return out
-
-
-def _halves_of(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor | None:
-    """The contiguous [E, 2I, H] tensor whose halves ``d_gate`` and ``d_up`` are, or None."""
-    buf = d_gate._base
-    if buf is None or d_up._base is not buf or buf.dim() != 3 or not buf.is_contiguous():
-        return None
-    if tuple(buf.shape) != (d_gate.shape[0], 2 * d_gate.shape[1], d_gate.shape[2]):
-        return None
-    return buf if all(_same_view(a, b) for a, b in zip(split(buf, False), (d_gate, d_up))) else None

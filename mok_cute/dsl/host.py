@@ -46,6 +46,24 @@ def tma_weight(w: torch.Tensor) -> bool:
             and w.stride(0) >= w.shape[1] * w.stride(1))
 
 
+def halves_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous [E, 2I, H] tensor whose halves along dim 1 ``gate`` and ``up`` [E, I, H] are, gate first (one
+    fc1 tensor's gate and up, or their gradients), or None: the tensor they are views of where it is exactly that,
+    else a view over both."""
+    if gate.dim() != 3:
+        return None
+    e, inter, hid = gate.shape
+    if (tuple(up.shape) != (e, inter, hid) or up.dtype != gate.dtype or up.device != gate.device
+            or up.data_ptr() != gate.data_ptr() + inter * hid * gate.element_size()
+            or not gate.stride() == up.stride() == (2 * inter * hid, hid, 1)):
+        return None
+    base = gate._base
+    if (base is not None and tuple(base.shape) == (e, 2 * inter, hid) and base.data_ptr() == gate.data_ptr()
+            and base.stride() == (2 * inter * hid, hid, 1)):
+        return base
+    return gate.as_strided((e, 2 * inter, hid), (2 * inter * hid, hid, 1))
+
+
 def weight_operand(w: torch.Tensor) -> torch.Tensor:
     """``w`` itself when :func:`tma_weight`, else its contiguous copy."""
     return w if tma_weight(w) else w.contiguous()

@@ -45,7 +45,7 @@ from mok_cute.layers.common import (
     ExpertGroup, check_biases, contiguous_group, expert_sums, gate_up_bias_grads, mlp_backward, mlp_forward,
     ring_chunks, shared_backward, shared_launch_operands, whole_backward_operands, whole_offsets,
 )
-from mok_cute.dsl.host import offsets_i32, tma_weight
+from mok_cute.dsl.host import halves_of, offsets_i32, tma_weight
 from mok_cute.layers.weight_cache import WeightCache
 
 # FP8 blockwise kernels and the module of each (looked up at call time: tests swap in emulators)
@@ -332,11 +332,9 @@ class Sm90ExpertMLP:
         along dgrad's reduction axis (cached while unchanged); gate and up given as the halves of one fc1
         tensor stay the halves of one dequantized tensor (their gradients then are too: fc1's in one piece;
         the MXFP8 blocks of 32 along 2I never straddle the halves, I being a multiple of 64)."""
-        from mok_cute.kernels.sm90.fused_bwd import fc1_halves
-
         if g.precision != "mxfp8":
             return w_gate, w_up, w_down
-        fc1 = fc1_halves(w_gate, w_up)
+        fc1 = halves_of(w_gate, w_up)
         if fc1 is None:
             return tuple(self._mx_weight(w, 1) for w in (w_gate, w_up, w_down))
         inter = w_gate.shape[1]

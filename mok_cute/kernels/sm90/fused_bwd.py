@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64
 
 from mok_cute.dsl import deferred
 from mok_cute.dsl.compile import compile_cached, compile_kernel, device_arch
-from mok_cute.dsl.host import sm_count
+from mok_cute.dsl.host import halves_of, sm_count
 from mok_cute.dsl.launch import GraphLauncher, _Desc, tensor_key
 from mok_cute.dsl.tensors import _fake_2d, _fake_3d
 from mok_cute.comm import protocol as P
@@ -1333,22 +1333,12 @@ def gate_up_grads(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tenso
     contiguous parameter would be copied by autograd's gradient accumulation: twice dW_gate's and dW_up's
     bytes of traffic and memory)."""
     e, inter, hid = w_gate.shape
-    if fc1_halves(w_gate, w_up) is not None:
+    if halves_of(w_gate, w_up) is not None:
         dwgu = torch.empty((e, 2 * inter, hid), dtype=torch.bfloat16, device=w_gate.device)
         return dwgu[:, :inter], dwgu[:, inter:]
     return (torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device),
             torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device))
 
-
-def fc1_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
-    """The [E, 2I, H] view whose halves along dim 1 ``w_gate`` and ``w_up`` [E, I, H] are (one fc1 tensor), or
-    None."""
-    e, inter, hid = w_gate.shape
-    if (tuple(w_up.shape) != (e, inter, hid) or w_up.dtype != w_gate.dtype
-            or w_up.data_ptr() != w_gate.data_ptr() + inter * hid * w_gate.element_size()
-            or not w_gate.stride() == w_up.stride() == (2 * inter * hid, hid, 1)):
-        return None
-    return w_gate.as_strided((e, 2 * inter, hid), (2 * inter * hid, hid, 1))
 
 
 def _run(launcher: GraphLauncher, dev: int, args: tuple, direct: bool) -> None:

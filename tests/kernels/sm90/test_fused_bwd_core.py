@@ -913,7 +913,7 @@ def test_mxfp8_backward_weights_keep_fc1_halves(monkeypatch):
     are (so the fused backward's gradients are fc1's in one piece), and equal the halves dequantized one by one
     (blocks of 32 along 2I never straddle gate and up); separate weights stay separate."""
     from mok_cute import reference
-    from mok_cute.kernels.sm90.fused_bwd import fc1_halves
+    from mok_cute.dsl.host import halves_of
     from mok_cute.layers import sm90
     from mok_cute.layers.common import ExpertGroup
 
@@ -927,5 +927,5 @@ def test_mxfp8_backward_weights_keep_fc1_halves(monkeypatch):
     halves = sm90.Sm90ExpertMLP()._bwd_weights(group, gate, up, w_down)
     apart = sm90.Sm90ExpertMLP()._bwd_weights(group, gate.contiguous(), up.contiguous(), w_down)
     assert all(torch.equal(a, b) for a, b in zip(halves, apart))
-    assert fc1_halves(*halves[:2]) is not None and fc1_halves(*apart[:2]) is None
-    assert fc1_halves(gate, up) is not None and fc1_halves(up, gate) is None
+    assert halves_of(*halves[:2]) is not None and halves_of(*apart[:2]) is None
+    assert halves_of(gate, up) is not None and halves_of(up, gate) is None
