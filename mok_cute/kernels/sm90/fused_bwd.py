@@ -1244,9 +1244,8 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
     tok = None
     x_tok = None if tokens is None else tokens.x_tok
-    if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j)
-        if not grouped_slots or mx_dyt is not None:
-            raise ValueError("x_tok needs the BF16 launch with the slot sum over dy's rows (grouped_slots)")
+    if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j); the
+        # caller's check (fused_backward_core) makes this launch grouped_slots at BF16, as _check_variant wants
         x = x_tok
         tok = torch.div(tokens.order[:m], tokens.topk_idx.shape[1], rounding_mode="floor").to(torch.int32)
     dev, arch = device_arch(dy.device)
