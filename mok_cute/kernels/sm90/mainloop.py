@@ -217,9 +217,19 @@ def gather_token_row(j, warp, warps: int, rpp: int):
 def gather_b_offset(n: int, k: int, tile_k: int) -> int:
     """The byte offset in a B stage (MN-major, 16-bit, the 128-byte swizzle) of element (n, k): 64-column blocks
     of ``tile_k`` k-rows of 128 bytes, each row's 16-byte units permuted by ``k % 8``; the formula
-    :meth:`Sm90Mainloop.load_tile_gather_b` writes by (tests check it against the DSL's layout)."""
-    unit = (n % 64) // 8
-    return (n // 64) * tile_k * 128 + k * 128 + (unit ^ (k % 8)) * UNIT + (n % 8) * 2
+    :meth:`Sm90Mainloop.load_tile_gather_b` writes by, in its two parts (tests check it against the DSL's
+    layout)."""
+    return gather_unit_at(gather_unit_block(n // 8, tile_k), n // 8, k) + (n % 8) * 2
+
+
+def gather_unit_block(u, tile_k: int):
+    """The byte offset of 16-byte unit ``u``'s 64-column block in a B stage (:func:`gather_b_offset`)."""
+    return (u // 8) * (tile_k * 128)
+
+
+def gather_unit_at(block, u, k):
+    """The byte address of 16-byte unit ``u`` of k-row ``k`` in the block at ``block`` (:func:`gather_b_offset`)."""
+    return block + k * 128 + ((u % 8) ^ (k % 8)) * UNIT
 
 
 class Sm90Mainloop:
@@ -481,7 +491,7 @@ class Sm90Mainloop:
         if col < src.row_end:
             size = cutlass.Int32(UNIT)
         gcol = src.base + cutlass.Int64(col)
-        lane_dst = sB_addr + (u // 8) * (cfg.tile_k * 128)
+        lane_dst = sB_addr + gather_unit_block(u, cfg.tile_k)
         cur = self._gather_tokens(src, 0, lane, warp, warps, rpp, per_warp)
         for kt in cutlass.range(k_tiles, unroll=1):
             nxt = self._gather_tokens(src, (kt + 1) * cfg.tile_k, lane, warp, warps, rpp, per_warp)  # in flight now
@@ -499,7 +509,7 @@ class Sm90Mainloop:
                 if t >= 0:
                     n = size
                 g = gcol + cutlass.Int64(cutlass.max(t, 0)) * src.row_bytes
-                cp_async_16(stage + kr * 128 + ((u % 8) ^ (kr % 8)) * UNIT, g, n)
+                cp_async_16(gather_unit_at(stage, u, kr), g, n)
             cp_async_arrive(bar.toint())
             cute.arch.sync_warp()
             with cute.arch.elect_one():
