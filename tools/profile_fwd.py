@@ -7,9 +7,10 @@ traced call more, then each fused kernel's tasks by kind (count, p10 / p50 / p90
 
     python -m tools.profile_fwd [--shape NAME | T,H,I,E,k] [--precision bf16] [--comm 16]
         [--forward-path fused|unfused] [--backward-path fused|fused_whole|unfused] [--bwd]
-        [--graph] [--host] [--timeline] [--tasks] [--who TEXT]
+        [--graph] [--host] [--timeline] [--tasks] [--who TEXT] [--config FIELD=VALUE ...]
 
-``--shape``: as ``python -m tools.mem_peak`` (default 4096,7168,2048,16,8).
+``--shape``: as ``python -m tools.mem_peak`` (default 4096,7168,2048,16,8). ``--config``: further MoKConfig
+fields, as the benchmark's (e.g. ``--config 'policy={"fused_backward": {"tile_n": 128, "stages": 3}}'``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from mok_cute.bench.cli import parse_config
 from mok_cute.config import BackwardPath, ForwardPath
 from tools.mem_peak import parse_shape
 
@@ -42,7 +44,18 @@ def parse_args(argv):
                     help="one traced call more: the fused kernels' task durations by kind (mok_cute.trace)")
     ap.add_argument("--who", default="", help="print the Python stack (mok_cute frames) of the ops launching "
                                               "kernels whose name contains this text")
-    return ap.parse_args(argv)
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a further MoKConfig field (repeatable; values as python -m mok_cute.bench --config)")
+    args = ap.parse_args(argv)
+    try:
+        args.config = parse_config(args.config, OWN)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+OWN = {"precision": "--precision", "validate_routing": "this tool (off: no host sync)", "comm_sms_fwd": "--comm",
+       "forward_path": "--forward-path", "backward_path": "--backward-path"}  # set by the tool, not by --config
 
 
 def host_table(prof, evs, calls: int) -> None:
@@ -102,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = inputs.pop("shared")
     fields = {k: v for k, v in (("comm_sms_fwd", args.comm), ("forward_path", args.forward_path),
                                 ("backward_path", args.backward_path)) if v is not None}
-    cfg = mok_cute.MoKConfig(precision=args.precision, validate_routing=False, **fields)
+    cfg = mok_cute.MoKConfig(precision=args.precision, validate_routing=False, **fields, **args.config)
     fwd = lambda: mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg)  # noqa: E731
     if args.bwd:
         leaves = [inputs[n].requires_grad_() for n in ("x", "topk_w", "w_gate", "w_up", "w_down")]

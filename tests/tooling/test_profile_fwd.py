@@ -24,3 +24,17 @@ def test_task_lines_name_each_kind_and_the_span():
     fwd, bwd = profile_fwd.task_lines({"forward": t, "backward": None})
     assert fwd.startswith("forward tasks (span 27 us): ") and "A 2 " in fwd and "B 1 " in fwd and "wait" not in fwd
     assert bwd == "backward: no fused launch traced"
+
+
+def test_config_fields_reach_the_layer_config():
+    """``--config FIELD=VALUE`` (the benchmark's parser) adds MoKConfig fields, policy objects included; the fields
+    the tool sets itself, unknown fields and rejected values exit with an error naming them."""
+    import pytest
+
+    args = profile_fwd.parse_args(["--config", 'policy={"fused_backward": {"tile_n": 128, "stages": 3}}',
+                                   "--config", "minibatch_tokens=4096"])
+    assert args.config == {"policy": {"fused_backward": {"tile_n": 128, "stages": 3}}, "minibatch_tokens": 4096}
+    assert profile_fwd.parse_args([]).config == {}
+    for bad in ("comm_sms_fwd=8", "validate_routing=true", "no_such=1", "tile_n=100"):
+        with pytest.raises(SystemExit):
+            profile_fwd.parse_args(["--config", bad])
