@@ -9,7 +9,8 @@ commit and of the working tree on the same inputs, interleaved, on the same warm
 ``--prepare`` exports the base commit's ``mok_cute`` package as ``mok_cute_base`` (every
 occurrence of the package name rewritten, custom-op namespace included), so that both import
 side by side. The comparison uses only the public API both trees share (``moe``, ``MoKConfig``
-with default fields): y, dx, d topk_w and every weight gradient of one forward + backward must
+with default fields but ``validate_routing=False``: no host sync per call, since 2026-12-07; before, the
+routing check's sync was in every timed call): y, dx, d topk_w and every weight gradient of one forward + backward must
 be ``torch.equal``; then forward and forward + backward are timed with CUDA events in interleaved
 rounds (median of each round's mean) and the ratio ``base / tree`` printed (> 1: the tree is faster),
 with each tree's peak memory of one forward + backward (gradients included).
@@ -90,11 +91,13 @@ def make_inputs(shape, seed: int = 0):
 
 
 def _step(pkg, inputs, shared, dy, limit, precision, backward: bool = True, fields: dict | None = None):
-    """One forward (+ backward) of ``pkg.moe`` (``fields``: further ``MoKConfig`` fields); returns y and the
+    """One forward (+ backward) of ``pkg.moe`` (``fields``: further ``MoKConfig`` fields; ``validate_routing``
+    off unless they set it: no host sync per call, as the benchmark times the layer); returns y and the
     gradients (leaves' .grad)."""
     leaves = {n: v.detach().requires_grad_(v.is_floating_point()) for n, v in inputs.items()}
     sh = None if shared is None else tuple(s.detach().requires_grad_() for s in shared)
-    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=pkg.MoKConfig(precision=precision, **(fields or {})))
+    cfg = pkg.MoKConfig(precision=precision, **{"validate_routing": False, **(fields or {})})
+    y = pkg.moe(**leaves, shared=sh, swiglu_limit=limit, config=cfg)
     if not backward:
         return [y]
     y.backward(dy)

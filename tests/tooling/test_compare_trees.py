@@ -53,3 +53,18 @@ def test_host_table_rows(monkeypatch):
     moe_row = next(r for r in rows if r.startswith("| ops.moe |"))
     assert float(moe_row.split("|")[2]) >= 2000  # two 1 ms sleeps per call
     assert "| validate.check_moe_inputs | - |" in rows
+
+
+def test_step_times_the_layer_without_the_routing_sync():
+    """Each timed call builds its MoKConfig with ``validate_routing=False`` (no host sync per call, as the
+    benchmark), unless the caller's fields set it."""
+    import types
+
+    import torch
+
+    seen = []
+    pkg = types.SimpleNamespace(MoKConfig=lambda **kw: kw, moe=lambda **kw: seen.append(kw["config"]) or torch.ones(1))
+    inputs = {"x": torch.ones(2), "topk_idx": torch.zeros(2, dtype=torch.int64)}
+    compare_trees._step(pkg, inputs, None, None, None, "bf16", backward=False)
+    compare_trees._step(pkg, inputs, None, None, None, "bf16", backward=False, fields={"validate_routing": True})
+    assert seen == [{"precision": "bf16", "validate_routing": False}, {"precision": "bf16", "validate_routing": True}]
