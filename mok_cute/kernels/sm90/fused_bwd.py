@@ -844,10 +844,6 @@ def _split(t: Int32, s: _Group, r: _Group):
     return grp, lt
 
 
-
-
-
-
 # ---------------------------------------------------------------- compile and launch
 def _check_variant(v: BwdVariant, arch: str = "sm_90a") -> None:
     """ValueError for a variant the kernel does not build (or an arch other than sm_90a), naming why."""
@@ -1337,7 +1333,6 @@ def gate_up_grads(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tenso
         return dwgu[:, :inter], dwgu[:, inter:]
     return (torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device),
             torch.empty((e, inter, hid), dtype=torch.bfloat16, device=w_gate.device))
-
 
 
 def _run(launcher: GraphLauncher, dev: int, args: tuple, direct: bool) -> None:
