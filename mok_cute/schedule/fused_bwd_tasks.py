@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from mok_cute.schedule.fused_tasks import check_ep_pushes, mtile_rows
-from mok_cute.schedule.group_tiles import seek, tile_coords
+from mok_cute.schedule.group_tiles import seek, tile_coords, warp_sum
 from mok_cute.schedule.tickets import run_tickets, strided
 
 SD2, D2, SD1, D1, SW, W = range(6)
@@ -239,9 +239,18 @@ def core_task(t: Int32, dims: CoreDims, offsets: cute.Tensor, num_experts: Int32
 
 
 @cute.jit
-def expert_mtile_range(offsets: cute.Tensor, expert: Int32, tile_m: cutlass.Constexpr[int]):
-    """``(first routed m-tile of expert, its m-tile count)`` (one pass over the offsets before it)."""
+def expert_mtile_range(offsets: cute.Tensor, expert: Int32, tile_m: cutlass.Constexpr[int],
+                       warp: cutlass.Constexpr[bool] = False):
+    """``(first routed m-tile of expert, its m-tile count)``: one pass over the offsets before it, or (``warp``,
+    called by a whole converged warp) each lane summing the m-tiles of every 32nd expert before it (independent
+    loads), then the warp adding the lanes' sums (the SM90 backward; SM100's TMA warp keeps the one pass: the
+    warp's registers)."""
     first = Int32(0)
-    for e in cutlass.range(expert, unroll=1):
-        first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
+    if cutlass.const_expr(warp):
+        for e in cutlass.range(cute.arch.lane_idx(), expert, 32, unroll=1):
+            first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
+        first = warp_sum(first)
+    else:
+        for e in cutlass.range(expert, unroll=1):
+            first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
     return first, (offsets[expert + 1] - offsets[expert] + (tile_m - 1)) // tile_m

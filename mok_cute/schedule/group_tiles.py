@@ -175,3 +175,11 @@ def wgrad_tile(linear: Int32, m_tiles: Int32, n_tiles: Int32):
     per_expert = m_tiles * n_tiles
     local = linear % per_expert
     return linear // per_expert, local % m_tiles, local // m_tiles
+
+
+@cute.jit
+def warp_sum(v: Int32) -> Int32:
+    """The sum of ``v`` over the 32 lanes of a converged warp, in every lane (butterfly shuffles)."""
+    for s in cutlass.range_constexpr(5):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> s)
+    return v

@@ -19,6 +19,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from mok_cute.schedule.group_tiles import warp_sum
+
 
 # ---------------------------------------------------------------- pure-Python mirror
 def _blocks(offsets, blk: int) -> list[int]:
@@ -68,13 +70,6 @@ def search_steps(rounds: int) -> int:
 
 # ---------------------------------------------------------------- device
 @cute.jit
-def _warp_sum(v: Int32) -> Int32:
-    for s in cutlass.range_constexpr(5):
-        v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> s)
-    return v
-
-
-@cute.jit
 def _share(rho: Int32, n: Int32, rounds: Int32) -> Int32:
     """floor(rho * n / rounds) without Int32 overflow."""
     return Int32(Int64(rho) * Int64(n) // Int64(rounds))
@@ -87,7 +82,7 @@ def _start(offs: cute.Tensor, n_exp: Int32, blk: cutlass.Constexpr[int], rho: In
     s = Int32(0)
     for e in cutlass.range(lane, n_exp, 32, unroll=1):
         s = s + _share(rho, (offs[e + 1] - offs[e] + blk - 1) // blk, rounds)
-    return _warp_sum(s)
+    return warp_sum(s)
 
 
 @cute.jit

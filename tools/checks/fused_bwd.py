@@ -252,16 +252,22 @@ def _tokens_rows(dev) -> list[Row]:
 def _x_gather_rows(dev) -> list[Row]:
     """``x_tok=`` (the layer's FUSED backward at BF16: x's token rows gathered in the dW_gate / dW_up loads, no
     grouped x rows): dx and every weight gradient bitwise the unfused backward on the grouped x rows, with -1 slots,
-    empty experts and ragged k-tiles, at tile_n 256 and 128 and on a small grid."""
+    empty experts and ragged k-tiles, at tile_n 256 and 128 and on a small grid; at H 1024, I 512 and at H 960,
+    I 320 (partial last tiles along H and I)."""
+    return [r for hid, inter in ((1024, 512), (960, 320)) for r in _x_gather_case(dev, hid, inter)]
+
+
+def _x_gather_case(dev, hid: int, inter: int) -> list[Row]:
+    """:func:`_x_gather_rows` at one (H, I)."""
     from mok_cute.layers.grouped import _scatter_slots
     from mok_cute.reference import slot_sum
 
     rows = []
     g = torch.Generator(device=dev).manual_seed(17)
-    t, k, e, hid = 700, 4, 12, 1024
+    t, k, e = 700, 4, 12
     idx, order, valid, counts = _routes(g, t, k, e // 2)  # experts 6..11 get no rows
     counts += [0] * (e - len(counts))
-    ops = list(_operands(counts, hid, 512, dev, seed=21, rows=t * k))
+    ops = list(_operands(counts, hid, inter, dev, seed=21, rows=t * k))
     x_tok = (torch.randn(t, hid, device=dev, generator=g)).bfloat16()
     ops[1] = x_tok[order // k]
     dxr, *dws = _unfused(*ops, 4.0)
@@ -276,7 +282,7 @@ def _x_gather_rows(dev) -> list[Row]:
                                   consume=True, x_tok=x_tok)
         torch.cuda.synchronize()
         eq = [torch.equal(got[0], want)] + [torch.equal(a, b) for a, b in zip(got[1:], dws)]
-        rows.append(Row(f"fused bwd core x gathered in the loads (tile_n {tile_n or 256}, {ctas} CTAs)",
+        rows.append(Row(f"fused bwd core x gathered in the loads H{hid} I{inter} (tile_n {tile_n or 256}, {ctas} CTAs)",
                         bitwise=all(eq), ok=all(eq), note=f"[dx, dWg, dWu, dWd] == unfused on grouped x rows: {eq}"))
     return rows
 

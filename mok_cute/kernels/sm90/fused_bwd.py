@@ -301,6 +301,9 @@ class FusedMoeBwdCoreSm90:
         # dx rows go over dy's. Routed group only: grouped_slots has no shared group in the launch
         self.wd_first = v.wd_first
         self.x_gather = v.x_gather  # dW_gate / dW_up: x's token rows gathered in the producer's loads
+        # a W tile's readiness waits side by side in the producer warp's lanes (tasks.expert_mtile_range,
+        # persistent.wait_inputs); not where the producer has no registers to spare (the gather / shared variants)
+        self.lanes = v.grouped_slots
         self.extra = GATHER_WARPS - 1 if v.x_gather else 0  # the TMA tiles' arrivals for the other gathering warps
         self.dswiglu = DSwigluEpilogue(cfg.tile_m, cfg.tile_n, clamp, mx, n_tail, v.gated)
         self.plain = PlainEpilogue(cfg.tile_m, cfg.tile_n, n_tail)
@@ -485,8 +488,8 @@ class FusedMoeBwdCoreSm90:
         inputs, then TMA its k-tiles; a task id >= n_tasks handed off last stops the consumers."""
         pipe, sTask = smem.pipe, smem.task
         state = self.ml_d.producer_state()
-        rc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # routed: cursors, ready experts
-        sc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1))  # the shared group's
+        rc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1), Int32(0))  # routed: cursors, ready
+        sc = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1), Int32(-1), Int32(0))  # experts, dW_down seen done
         i = Int32(0)
         t = persistent.claim(ticket)
         while t < n_tasks:
@@ -512,21 +515,23 @@ class FusedMoeBwdCoreSm90:
               timeout_ns: Int64, gather: cutlass.Constexpr, wd_done: cute.Pointer = None):
         """Producer warp, group ``g``'s task ``lt``: wait for its inputs, TMA its k-tiles. ``cur``:
         the group's (D2 cursor, D1 cursor, last expert whose dgrad2 tiles / gathered rows this
-        producer saw complete); returns ``(state, cur)``. ``wd_first`` (``wd_done``: the dW_down tiles
-        done, given for the routed group): a D2 tile (MXFP8) or a D1 tile (BF16 grouped_slots) first waits for
-        every dW_down tile."""
+        producer saw complete, 1 once it saw every dW_down tile done); returns ``(state, cur)``.
+        ``wd_first`` (``wd_done``: the dW_down tiles done, given for the routed group): a D2 tile (MXFP8) or a
+        D1 tile (BF16 grouped_slots) first waits for every dW_down tile."""
         cfg = self.cfg
         pipe, (sA, sB, sA_w, sB_w) = smem.pipe, smem.views
-        e1, b1, e2, b2, ready_e, ready_g = cur
+        e1, b1, e2, b2, ready_e, ready_g, wd_seen = cur
         phase, expert, n_tile, m_tile, row0, rows, mt, which, e1, b1, e2, b2 = tasks.core_task(
             lt, g.dims, g.offsets, g.num_experts, cfg.tile_m, (e1, b1, e2, b2), self.wd_first)
         k_h = g.hidden // cfg.tile_k
         k_i = g.inter // cfg.tile_k
         if phase == D2:
             if cutlass.const_expr(self.wd_first and self.mx):
-                wd_m, wd_n, _, _ = g.wdims
-                persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
-                                      Int32(0))
+                if wd_seen == 0:  # once per CTA: the count only grows
+                    wd_m, wd_n, _, _ = g.wdims
+                    persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
+                                          Int32(0))
+                    wd_seen = Int32(1)
             if cutlass.const_expr(gather):
                 persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
@@ -536,9 +541,11 @@ class FusedMoeBwdCoreSm90:
         elif phase == D1:
             persistent.wait_input(g.d2.iterator + mt, g.n_i, timeout_ns, status, Int32(D2_READY), mt)
             if cutlass.const_expr(self.grouped_slots and not self.mx):  # dx over dy, which dW_down reads (BF16)
-                wd_m, wd_n, _, _ = g.wdims
-                persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
-                                      Int32(0))
+                if wd_seen == 0:  # once per CTA: the count only grows
+                    wd_m, wd_n, _, _ = g.wdims
+                    persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
+                                          Int32(0))
+                    wd_seen = Int32(1)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
             gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
@@ -551,10 +558,9 @@ class FusedMoeBwdCoreSm90:
             k_rows = cutlass.max((length + (cfg.tile_k - 1)) // cfg.tile_k, 1)
             if cutlass.const_expr(gather):
                 if expert != ready_g:  # the expert's dy and x rows (both passes), once per expert and CTA
-                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
-                    for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(mGdy.iterator + first + m, Int32(2), timeout_ns, status,
-                                              Int32(ROWS_READY), first + m)
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m, self.lanes)
+                    persistent.wait_inputs(mGdy.iterator, first, count, Int32(2), timeout_ns, status,
+                                           Int32(ROWS_READY), self.lanes)
                     ready_g = expert
             if which == WD:
                 gA = cute.local_tile(_expert_k(g.coord_dyt, lo, length), (cfg.tile_m, cfg.tile_k), (m_tile, None))
@@ -563,16 +569,15 @@ class FusedMoeBwdCoreSm90:
                                         extra_arrivals=self.extra)
             else:
                 if expert != ready_e:  # once per expert and CTA: its tickets only grow
-                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m)
-                    for m in cutlass.range(count, unroll=1):
-                        persistent.wait_input(g.d2.iterator + first + m, g.n_i, timeout_ns, status,
-                                              Int32(D2_READY), first + m)
+                    first, count = tasks.expert_mtile_range(g.offsets, expert, cfg.tile_m, self.lanes)
+                    persistent.wait_inputs(g.d2.iterator, first, count, g.n_i, timeout_ns, status, Int32(D2_READY),
+                                           self.lanes)
                     ready_e = expert
                 if which == WG:
                     state = self._load_wx(g, g.atom_dgt, g.coord_dgt, smem, state, (lo, length, n_tile, m_tile, k_rows))
                 else:
                     state = self._load_wx(g, g.atom_dut, g.coord_dut, smem, state, (lo, length, n_tile, m_tile, k_rows))
-        return state, (e1, b1, e2, b2, ready_e, ready_g)
+        return state, (e1, b1, e2, b2, ready_e, ready_g, wd_seen)
 
     @cute.jit
     def _load_wx(self, g, atom_a: cute.CopyAtom, coord_a: cute.Tensor, smem: _Smem, state, tile: tuple):

@@ -113,6 +113,23 @@ def wait_input(counter: cute.Pointer, target: Int32, timeout_ns: Int64, status: 
     cute.arch.fence_proxy("async.global")
 
 
+@cute.jit
+def wait_inputs(counters: cute.Pointer, first: Int32, count: Int32, target: Int32, timeout_ns: Int64,
+                status: cute.Pointer, channel: Int32, lanes: cutlass.Constexpr[bool] = True):
+    """A whole producer warp: :func:`wait_input` for ``counters[first .. first + count)`` each ``>= target``;
+    ``lanes``: the lanes wait on every 32nd counter side by side (not one after another), then the warp meets and
+    every lane orders its async proxy's reads after what the warp observed (False: one after another, a warp with
+    no registers to spare)."""
+    if cutlass.const_expr(lanes):
+        for m in cutlass.range(cute.arch.lane_idx(), count, 32, unroll=1):
+            P.wait_geq(counters + first + m, target, timeout_ns, status, first + m, channel)
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+    else:
+        for m in cutlass.range(count, unroll=1):
+            wait_input(counters + first + m, target, timeout_ns, status, channel, first + m)
+
+
 def opaque(v: Int32) -> Int32:
     """``v`` through a side-effecting move: what is derived from it is computed where it is used
     (LLVM cannot hoist it out of a loop), so no register holds it across the loop (the

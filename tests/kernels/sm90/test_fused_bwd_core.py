@@ -628,9 +628,11 @@ def test_grouped_slots_invariants_in_the_source():
     assert "_ragged_k(g.dy if dyt is None else dyt)" in src
     assert re.search(r"r_tma = self\._tma\(routed, mx\.dy_t\)", src)
     # BF16 (dW_down reads dy itself): the D1 producer also waits for every dW_down tile, counted after its epilogue
+    # (until one wait of the CTA's saw them all: the count only grows)
     assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2[^\n]+\n\s+if cutlass\.const_expr\(self\.grouped_slots "
-                    r"and not self\.mx\):[^\n]*\n\s+wd_m, wd_n, _, _ = g\.wdims\n\s+persistent\.wait_input\(wd_done, "
-                    r"g\.num_experts \* wd_m \* wd_n,", d1)
+                    r"and not self\.mx\):[^\n]*\n\s+if wd_seen == 0:[^\n]*\n\s+wd_m, wd_n, _, _ = g\.wdims\n"
+                    r"\s+persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,[^\n]*\n[^\n]*\n"
+                    r"\s+wd_seen = Int32\(1\)", d1)
 
 
 def test_grouped_rows_reads_the_scattered_rows():
@@ -929,3 +931,15 @@ def test_mxfp8_backward_weights_keep_fc1_halves(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(halves, apart))
     assert halves_of(*halves[:2]) is not None and halves_of(*apart[:2]) is None
     assert halves_of(gate, up) is not None and halves_of(up, gate) is None
+
+
+def test_weight_tiles_wait_side_by_side():
+    """A dW_gate / dW_up tile's producer waits for its expert's dgrad2 tiles with the warp's lanes side by side in
+    the grouped_slots variants (the layer's BF16 and MXFP8 FUSED backward): the expert's first m-tile one warp sum
+    (5 butterfly shuffles), the counters one per lane, then the warp meets; the core variant keeps the one-thread
+    pass (no butterfly: its producer's registers)."""
+    rep = _report(False, True, False, grouped_slots=True, wd_first=True, x_gather=True)
+    core = _compiled(False)
+    assert rep.ptx.count("shfl.sync.bfly") == 5 and "bar.warp.sync" in rep.ptx
+    assert "shfl.sync.bfly" not in core.ptx
+
