@@ -942,4 +942,3 @@ def test_weight_tiles_wait_side_by_side():
     core = _compiled(False)
     assert rep.ptx.count("shfl.sync.bfly") == 5 and "bar.warp.sync" in rep.ptx
     assert "shfl.sync.bfly" not in core.ptx
-
