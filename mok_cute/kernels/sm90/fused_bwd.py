@@ -527,11 +527,7 @@ class FusedMoeBwdCoreSm90:
         k_i = g.inter // cfg.tile_k
         if phase == D2:
             if cutlass.const_expr(self.wd_first and self.mx):
-                if wd_seen == 0:  # once per CTA: the count only grows
-                    wd_m, wd_n, _, _ = g.wdims
-                    persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
-                                          Int32(0))
-                    wd_seen = Int32(1)
+                wd_seen = self._wait_wd_done(g, wd_done, wd_seen, timeout_ns, status)
             if cutlass.const_expr(gather):
                 persistent.wait_input(mGdy.iterator + mt, Int32(1), timeout_ns, status, Int32(ROWS_READY), mt)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dy), (cfg.tile_m, cfg.tile_k), (0, None))
@@ -541,11 +537,7 @@ class FusedMoeBwdCoreSm90:
         elif phase == D1:
             persistent.wait_input(g.d2.iterator + mt, g.n_i, timeout_ns, status, Int32(D2_READY), mt)
             if cutlass.const_expr(self.grouped_slots and not self.mx):  # dx over dy, which dW_down reads (BF16)
-                if wd_seen == 0:  # once per CTA: the count only grows
-                    wd_m, wd_n, _, _ = g.wdims
-                    persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE),
-                                          Int32(0))
-                    wd_seen = Int32(1)
+                wd_seen = self._wait_wd_done(g, wd_done, wd_seen, timeout_ns, status)
             gA = cute.local_tile(cute.domain_offset((row0, 0), g.coord_dgu), (cfg.tile_m, cfg.tile_k), (0, None))
             gB = cute.local_tile(g.coord_wg[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
             gB2 = cute.local_tile(g.coord_wu[(None, None, expert)], (cfg.tile_n, cfg.tile_k), (n_tile, None))
@@ -578,6 +570,16 @@ class FusedMoeBwdCoreSm90:
                 else:
                     state = self._load_wx(g, g.atom_dut, g.coord_dut, smem, state, (lo, length, n_tile, m_tile, k_rows))
         return state, (e1, b1, e2, b2, ready_e, ready_g, wd_seen)
+
+    @cute.jit
+    def _wait_wd_done(self, g, wd_done: cute.Pointer, wd_seen: Int32, timeout_ns: Int64, status: cute.Pointer):
+        """``wd_first``: wait until every dW_down tile of group ``g`` counted itself on ``wd_done`` (after its
+        epilogue), unless this CTA saw that already (``wd_seen`` 1: the count only grows); returns 1."""
+        if wd_seen == 0:
+            wd_m, wd_n, _, _ = g.wdims
+            persistent.wait_input(wd_done, g.num_experts * wd_m * wd_n, timeout_ns, status, Int32(WD_DONE), Int32(0))
+            wd_seen = Int32(1)
+        return wd_seen
 
     @cute.jit
     def _load_wx(self, g, atom_a: cute.CopyAtom, coord_a: cute.Tensor, smem: _Smem, state, tile: tuple):

@@ -609,7 +609,11 @@ def test_wd_first_invariants_in_the_source():
 
     src = inspect.getsource(fused_bwd.FusedMoeBwdCoreSm90)
     d2 = src[src.index("        if phase == D2:\n            if cutlass.const_expr(self.wd_first and self.mx"):]
-    assert re.search(r"persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,", d2)
+    assert re.match(r"\s+if phase == D2:\n[^\n]+\n\s+wd_seen = self\._wait_wd_done\(g, wd_done, wd_seen,", d2)
+    helper = src[src.index("    def _wait_wd_done("):]
+    assert re.search(r"if wd_seen == 0:\s+wd_m, wd_n, _, _ = g\.wdims\s+"
+                     r"persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,[^\n]*\n\s+wd_seen = Int32\(1\)"
+                     r"\s+return wd_seen", helper)
     assert re.search(r"if which == WD:\s+if tid == 0:\s+cute\.arch\.atomic_add\(wd_done, Int32\(1\), "
                      r"sem=\"release\"", src)
 
@@ -629,10 +633,9 @@ def test_grouped_slots_invariants_in_the_source():
     assert re.search(r"r_tma = self\._tma\(routed, mx\.dy_t\)", src)
     # BF16 (dW_down reads dy itself): the D1 producer also waits for every dW_down tile, counted after its epilogue
     # (until one wait of the CTA's saw them all: the count only grows)
+    # (:meth:`_wait_wd_done`, pinned by test_wd_first_invariants_in_the_source)
     assert re.match(r"elif phase == D1:\s+persistent\.wait_input\(g\.d2[^\n]+\n\s+if cutlass\.const_expr\(self\.grouped_slots "
-                    r"and not self\.mx\):[^\n]*\n\s+if wd_seen == 0:[^\n]*\n\s+wd_m, wd_n, _, _ = g\.wdims\n"
-                    r"\s+persistent\.wait_input\(wd_done, g\.num_experts \* wd_m \* wd_n,[^\n]*\n[^\n]*\n"
-                    r"\s+wd_seen = Int32\(1\)", d1)
+                    r"and not self\.mx\):[^\n]*\n\s+wd_seen = self\._wait_wd_done\(g, wd_done, wd_seen,", d1)
 
 
 def test_grouped_rows_reads_the_scattered_rows():
