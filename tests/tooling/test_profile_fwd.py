@@ -38,3 +38,17 @@ def test_config_fields_reach_the_layer_config():
     for bad in ("comm_sms_fwd=8", "validate_routing=true", "no_such=1", "tile_n=100"):
         with pytest.raises(SystemExit):
             profile_fwd.parse_args(["--config", bad])
+
+
+def test_call_stats_leave_out_the_first_call():
+    """Three calls of two events each, the first with a long profiler start-up gap: the per-call figures are
+    those of the last two (span, busy, idle, events); without plan kernels every call counts."""
+    ev = [("count_kernel", 0, 10), ("fused", 500, 1000),  # call 1: 490 us idle
+          ("count_kernel", 1005, 1015), ("fused", 1020, 1500),
+          ("count_kernel", 1510, 1520), ("fused", 1525, 2005)]
+    st = profile_fwd.call_stats(ev, 3)
+    assert st["calls_counted"] == 2 and st["events"] == 2
+    assert st["span"] == (2005 - 1005) / 2 and st["busy"] == (10 + 480) * 2 / 2
+    assert st["idle"] == st["span"] - st["busy"] == 10
+    plain = profile_fwd.call_stats([("k", 0, 10), ("k", 20, 30)], 2)
+    assert plain["calls_counted"] == 2 and plain["idle"] == 5 and plain["busy"] == 10
