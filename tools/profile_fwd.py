@@ -125,28 +125,39 @@ def task_lines(traces: dict) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def layer_step(s, precision: str, bwd: bool, config: dict):
+    """A callable running one layer call of shape ``s`` on the GPU (the benchmark's inputs, seed 11;
+    ``MoKConfig(precision=..., validate_routing=False, **config)``, or the MoKConfig ``step(cfg)`` is given):
+    its forward, or (``bwd``) forward and backward with the leaves' gradients set to None first. Returns
+    ``(step, cfg)``."""
     import mok_cute
     from mok_cute.bench.shapes import make_inputs
+
+    inputs, dy = make_inputs(s, torch.device("cuda"), seed=11)
+    shared = inputs.pop("shared")
+    base = mok_cute.MoKConfig(precision=precision, validate_routing=False, **config)
+    leaves = [inputs[n].requires_grad_() for n in ("x", "topk_w", "w_gate", "w_up", "w_down")] if bwd else []
+    leaves += [w.requires_grad_() for w in shared or ()] if bwd else []
+
+    def step(cfg=None):
+        call = lambda: mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg or base)  # noqa: E731
+        if not bwd:
+            return call()
+        for p in leaves:
+            p.grad = None
+        with torch.enable_grad():
+            call().backward(dy)
+    return step, base
+
+
+def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     args = parse_args(argv)
     s = args.shape
-    inputs, dy = make_inputs(s, torch.device("cuda"), seed=11)
-    shared = inputs.pop("shared")
     fields = {k: v for k, v in (("comm_sms_fwd", args.comm), ("forward_path", args.forward_path),
                                 ("backward_path", args.backward_path)) if v is not None}
-    cfg = mok_cute.MoKConfig(precision=args.precision, validate_routing=False, **fields, **args.config)
-    fwd = lambda: mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg)  # noqa: E731
-    if args.bwd:
-        leaves = [inputs[n].requires_grad_() for n in ("x", "topk_w", "w_gate", "w_up", "w_down")]
-        leaves += [w.requires_grad_() for w in shared or ()]
-
-        def fwd():
-            for p in leaves:
-                p.grad = None
-            with torch.enable_grad():
-                mok_cute.moe(**inputs, shared=shared, swiglu_limit=s.limit, config=cfg).backward(dy)
+    fwd, cfg = layer_step(s, args.precision, args.bwd, {**fields, **args.config})
     with torch.no_grad():
         for _ in range(3):
             fwd()
@@ -199,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from mok_cute import trace
 
-        cfg = replace(cfg, trace=True)
-        fwd()
+        fwd(replace(cfg, trace=True))
         torch.cuda.synchronize()
         passes = ("forward", "backward") if args.bwd else ("forward",)
         print(*task_lines({p: trace.last(p) for p in passes}), sep="\n")

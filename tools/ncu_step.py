@@ -1,0 +1,147 @@
+"""Nsight Compute figures of one layer step's kernels (one GPU, EP = 1): runs ``ncu`` on a child process
+that warms the layer up, then profiles exactly one forward (``--bwd``: forward + backward) between
+``cudaProfilerStart`` / ``cudaProfilerStop``, and prints one row per kernel: its time, the tensor pipe's
+active cycles (wgmma on SM90), SM, DRAM and L2 throughput and the L2 hit rate, each as ncu reports it.
+
+    python -m tools.ncu_step [--shape NAME | T,H,I,E,k] [--precision bf16] [--bwd] [--kernels REGEX]
+        [--ncu PATH] [--metrics NAME ...] [--config FIELD=VALUE ...]
+
+``--kernels``: only kernels whose name matches (ncu's ``regex:``; default: every kernel of the step).
+ncu replays each kernel once per pass its metrics need, restoring the memory it writes, so a persistent
+megakernel's counters start from the same state in every pass; it also locks the clocks at base (its
+``--clock-control base``), so its times are longer than a run's: compare kernels within one table. ``--shape`` and ``--config``: as
+``python -m tools.profile_fwd``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+from tools.mem_peak import parse_shape
+
+METRICS = {  # ncu metric -> column title
+    "gpu__time_duration.sum": "us",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed": "tensor pipe %",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 %",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
+}
+
+
+def parse_args(argv):
+    from mok_cute.bench.cli import parse_config
+    from tools.profile_fwd import OWN
+
+    ap = argparse.ArgumentParser(prog="python -m tools.ncu_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", type=parse_shape, default=parse_shape("qwen3-30b-a3b"))
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--bwd", action="store_true", help="profile a forward + backward step")
+    ap.add_argument("--kernels", default=None, help="only kernels whose name matches this regex")
+    ap.add_argument("--ncu", default="ncu", help="the ncu executable (default: ncu on PATH)")
+    ap.add_argument("--metrics", nargs="+", default=list(METRICS), help="ncu metric names (default: the table's)")
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a further MoKConfig field (repeatable; as python -m tools.profile_fwd --config)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        args.config = parse_config(args.config, OWN)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def ncu_command(args, argv: list[str]) -> list[str]:
+    """The ncu command line that profiles the child (this tool with ``--child`` and the same ``argv``)."""
+    cmd = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--metrics", ",".join(args.metrics)]
+    if args.kernels:
+        cmd += ["--kernel-name", f"regex:{args.kernels}"]
+    return cmd + [sys.executable, "-m", "tools.ncu_step", "--child", *argv]
+
+
+def rows_of(text: str, metrics: list[str]) -> list[dict]:
+    """ncu's ``--csv --page raw`` output (one line per profiled kernel after a header line and a units
+    line; ncu's own ``==PROF==`` lines and the child's output around it are skipped) as dicts: ``name``,
+    then each metric as a float (None where ncu gave none); ``gpu__time_duration.sum`` in microseconds."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return []
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    head, body = table[0], table[2:]  # table[1]: the units
+    units = dict(zip(head, table[1])) if len(table) > 1 else {}
+    out = []
+    for rec in body:
+        got = dict(zip(head, rec))
+        row = {"name": got.get("Kernel Name", "?")}
+        for m in metrics:
+            row[m] = _number(got.get(m))
+            if m == "gpu__time_duration.sum" and row[m] is not None:
+                row[m] *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(units.get(m), 1.0)
+        out.append(row)
+    return out
+
+
+def _number(text):
+    try:
+        return float(str(text).replace(",", ""))
+    except (TypeError, ValueError):
+        return None
+
+
+def table(rows: list[dict], metrics: list[str]) -> str:
+    """A markdown table of :func:`rows_of`'s rows, the kernel names shortened."""
+    titles = [METRICS.get(m, m) for m in metrics]
+    out = ["| kernel | " + " | ".join(titles) + " |", "|---|" + "---|" * len(titles)]
+    for r in rows:
+        cells = ["-" if r[m] is None else f"{r[m]:.1f}" for m in metrics]
+        out.append(f"| {_short(r['name'])} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _short(name: str) -> str:
+    for key in ("FusedMoeBwd", "FusedMoeFwd", "RouteOperands", "count_kernel", "scatter_kernel"):
+        if key in name:
+            return key
+    return name[:48]
+
+
+def child(args) -> int:
+    """Warm the layer up (compiles, caches), then one profiled step between cudaProfilerStart / Stop."""
+    import torch
+
+    from tools.profile_fwd import layer_step
+
+    step, _ = layer_step(args.shape, args.precision, args.bwd, args.config)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    done = subprocess.run(ncu_command(args, argv), capture_output=True, text=True, env=dict(os.environ))
+    rows = rows_of(done.stdout, args.metrics)
+    if done.returncode or not rows:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        print(f"ncu_step: ncu exited with {done.returncode}, {len(rows)} kernels profiled", file=sys.stderr)
+        return done.returncode or 1
+    s = args.shape
+    print(f"{s.dims} {args.precision} {'forward + backward' if args.bwd else 'forward'}, one step under ncu:")
+    print(table(rows, args.metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
