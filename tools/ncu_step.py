@@ -119,10 +119,10 @@ def child(args) -> int:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda.profiler.start()
     step()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    torch.cuda.profiler.stop()
     return 0
 
 
