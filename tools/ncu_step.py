@@ -34,8 +34,7 @@ METRICS = {  # ncu metric -> column title
 
 
 def parse_args(argv):
-    from mok_cute.bench.cli import parse_config
-    from tools.profile_fwd import OWN
+    from tools.profile_fwd import parse_with_config
 
     ap = argparse.ArgumentParser(prog="python -m tools.ncu_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("qwen3-30b-a3b"))
@@ -44,15 +43,8 @@ def parse_args(argv):
     ap.add_argument("--kernels", default=None, help="only kernels whose name matches this regex")
     ap.add_argument("--ncu", default="ncu", help="the ncu executable (default: ncu on PATH)")
     ap.add_argument("--metrics", nargs="+", default=list(METRICS), help="ncu metric names (default: the table's)")
-    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a further MoKConfig field (repeatable; as python -m tools.profile_fwd --config)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    try:
-        args.config = parse_config(args.config, OWN)
-    except ValueError as e:
-        ap.error(str(e))
-    return args
+    return parse_with_config(ap, argv)
 
 
 def ncu_command(args, argv: list[str]) -> list[str]:

@@ -44,6 +44,12 @@ def parse_args(argv):
                     help="one traced call more: the fused kernels' task durations by kind (mok_cute.trace)")
     ap.add_argument("--who", default="", help="print the Python stack (mok_cute frames) of the ops launching "
                                               "kernels whose name contains this text")
+    return parse_with_config(ap, argv)
+
+
+def parse_with_config(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``ap``'s arguments with a repeatable ``--config FIELD=VALUE`` option added (further MoKConfig fields,
+    values as ``python -m mok_cute.bench --config``; those in :data:`OWN` are the tool's), ``config`` a dict."""
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a further MoKConfig field (repeatable; values as python -m mok_cute.bench --config)")
     args = ap.parse_args(argv)
