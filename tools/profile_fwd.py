@@ -36,6 +36,9 @@ def parse_args(argv):
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--bwd", action="store_true", help="profile forward + backward steps (grads set to None first)")
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
+    ap.add_argument("--syncs", action="store_true",
+                    help="also, with validate_routing off and on: the synchronizing calls of one call (torch's sync "
+                         "debug mode) and ms per call over 10 calls by CUDA events")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: CUDA API calls by total time, and the GPU gap between calls")
     ap.add_argument("--timeline", action="store_true",
@@ -156,6 +159,46 @@ def layer_step(s, precision: str, bwd: bool, config: dict):
     return step, base
 
 
+def synchronizing_calls(step) -> list[str]:
+    """``file:line message`` of each synchronizing CUDA call torch's sync debug mode reports during ``step()``."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename}:{w.lineno} {str(w.message).splitlines()[0][:80]}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def sync_lines(step, cfg) -> list[str]:
+    """For ``validate_routing`` False and True: one call's synchronizing calls, then ms per call over 10 calls
+    (CUDA events) and the host's enqueue ms per call."""
+    from dataclasses import replace
+
+    out = []
+    for v in (False, True):
+        c = replace(cfg, validate_routing=v)
+        for _ in range(3):
+            step(c)
+        torch.cuda.synchronize()
+        found = synchronizing_calls(lambda: step(c))  # noqa: B023
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step(c)
+        host = (time.perf_counter() - t0) / 10 * 1e3
+        end.record()
+        end.synchronize()
+        out.append(f"validate_routing={v}: {start.elapsed_time(end) / 10:.3f} ms per call (events), host "
+                   f"{host:.3f} ms; {len(found)} synchronizing call(s){': ' if found else ''}{'; '.join(found)}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -211,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | per call | us per call |\n|---|---|---|")
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"| {name[:90]} | {n / args.calls:.0f} | {us / args.calls:.1f} |")
+    if args.syncs:
+        print(*sync_lines(fwd, cfg), sep="\n")
     if args.tasks:
         from dataclasses import replace
 

@@ -52,3 +52,19 @@ def test_call_stats_leave_out_the_first_call():
     assert st["idle"] == st["span"] - st["busy"] == 10
     plain = profile_fwd.call_stats([("k", 0, 10), ("k", 20, 30)], 2)
     assert plain["calls_counted"] == 2 and plain["idle"] == 5 and plain["busy"] == 10
+
+
+def test_synchronizing_calls_are_the_sync_debug_warnings(monkeypatch):
+    """Only the warnings of torch's sync debug mode count, each as ``file:line message``; the mode is off after."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at x.cpp:1.)")
+        warnings.warn("an unrelated warning")
+
+    found = profile_fwd.synchronizing_calls(step)
+    assert len(found) == 1 and "test_profile_fwd.py:" in found[0] and "synchronizing CUDA operation" in found[0]
+    assert modes == ["warn", 0]
