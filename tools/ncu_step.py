@@ -4,13 +4,15 @@ that warms the layer up, then profiles exactly one forward (``--bwd``: forward +
 active cycles (wgmma on SM90), SM, DRAM and L2 throughput and the L2 hit rate, each as ncu reports it.
 
     python -m tools.ncu_step [--shape NAME | T,H,I,E,k] [--precision bf16] [--bwd] [--kernels REGEX]
-        [--ncu PATH] [--metrics NAME ...] [--config FIELD=VALUE ...]
+        [--ncu PATH] [--metrics NAME ...] [--comm N] [--forward-path P] [--backward-path P]
+        [--config FIELD=VALUE ...]
 
-``--kernels``: only kernels whose name matches (ncu's ``regex:``; default: every kernel of the step).
+``--kernels``: only kernels whose name matches (ncu's ``regex:``; default: every kernel of the step). The layer's
+options are ``python -m tools.profile_fwd``'s.
+
 ncu replays each kernel once per pass its metrics need, restoring the memory it writes, so a persistent
 megakernel's counters start from the same state in every pass; it also locks the clocks at base (its
-``--clock-control base``), so its times are longer than a run's: compare kernels within one table. ``--shape`` and ``--config``: as
-``python -m tools.profile_fwd``'s.
+``--clock-control base``), so its times are longer than a run's: compare kernels within one table.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import os
 import subprocess
 import sys
 
-from tools.mem_peak import parse_shape
 
 METRICS = {  # ncu metric -> column title
     "gpu__time_duration.sum": "us",
@@ -34,12 +35,10 @@ METRICS = {  # ncu metric -> column title
 
 
 def parse_args(argv):
-    from tools.profile_fwd import parse_with_config
+    from tools.profile_fwd import add_layer_options, parse_with_config
 
     ap = argparse.ArgumentParser(prog="python -m tools.ncu_step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", type=parse_shape, default=parse_shape("qwen3-30b-a3b"))
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--bwd", action="store_true", help="profile a forward + backward step")
+    add_layer_options(ap, "qwen3-30b-a3b")
     ap.add_argument("--kernels", default=None, help="only kernels whose name matches this regex")
     ap.add_argument("--ncu", default="ncu", help="the ncu executable (default: ncu on PATH)")
     ap.add_argument("--metrics", nargs="+", default=list(METRICS), help="ncu metric names (default: the table's)")
@@ -105,9 +104,9 @@ def child(args) -> int:
     """Warm the layer up (compiles, caches), then one profiled step between cudaProfilerStart / Stop."""
     import torch
 
-    from tools.profile_fwd import layer_step
+    from tools.profile_fwd import layer_fields, layer_step
 
-    step, _ = layer_step(args.shape, args.precision, args.bwd, args.config)
+    step, _ = layer_step(args.shape, args.precision, args.bwd, layer_fields(args))
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -26,15 +26,29 @@ from mok_cute.config import BackwardPath, ForwardPath
 from tools.mem_peak import parse_shape
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m tools.profile_fwd", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", type=parse_shape, default=parse_shape("4096,7168,2048,16,8"))
+def add_layer_options(ap: argparse.ArgumentParser, shape: str) -> None:
+    """The layer call's options (shared with ``tools.ncu_step``): ``--shape`` (default ``shape``), ``--precision``,
+    ``--bwd``, ``--comm``, ``--forward-path``, ``--backward-path`` (:func:`layer_fields` turns them into MoKConfig
+    fields)."""
+    ap.add_argument("--shape", type=parse_shape, default=parse_shape(shape))
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--bwd", action="store_true", help="forward + backward steps (grads set to None first)")
     ap.add_argument("--comm", type=int, default=None, help="MoKConfig.comm_sms_fwd (default: the config's)")
-    ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--forward-path", choices=[p.value for p in ForwardPath], default=None)
     ap.add_argument("--backward-path", choices=[p.value for p in BackwardPath], default=None)
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--bwd", action="store_true", help="profile forward + backward steps (grads set to None first)")
+
+
+def layer_fields(args) -> dict:
+    """The MoKConfig fields of :func:`add_layer_options`' options that were given, and ``--config``'s."""
+    fields = {k: v for k, v in (("comm_sms_fwd", args.comm), ("forward_path", args.forward_path),
+                                ("backward_path", args.backward_path)) if v is not None}
+    return {**fields, **args.config}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_fwd", description=__doc__.split("\n\n")[0])
+    add_layer_options(ap, "4096,7168,2048,16,8")
+    ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--graph", action="store_true", help="also time 20 replays of one forward captured in a CUDA graph")
     ap.add_argument("--syncs", action="store_true",
                     help="also, with validate_routing off and on: the synchronizing calls of one call (torch's sync "
@@ -204,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     s = args.shape
-    fields = {k: v for k, v in (("comm_sms_fwd", args.comm), ("forward_path", args.forward_path),
-                                ("backward_path", args.backward_path)) if v is not None}
-    fwd, cfg = layer_step(s, args.precision, args.bwd, {**fields, **args.config})
+    fwd, cfg = layer_step(s, args.precision, args.bwd, layer_fields(args))
     with torch.no_grad():
         for _ in range(3):
             fwd()
