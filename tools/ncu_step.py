@@ -20,6 +20,7 @@ import argparse
 import csv
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
+    if shutil.which(args.ncu) is None:
+        print(f"ncu_step: no ncu executable {args.ncu!r}; pass --ncu PATH (e.g. /usr/local/cuda/bin/ncu)",
+              file=sys.stderr)
+        return 2
     done = subprocess.run(ncu_command(args, argv), capture_output=True, text=True, env=dict(os.environ))
     rows = rows_of(done.stdout, args.metrics)
     if done.returncode or not rows:

@@ -34,3 +34,8 @@ def test_rows_read_the_raw_page_in_microseconds():
     text = ncu_step.table(rows, metrics)
     assert "| FusedMoeFwd | 2429.1 | 71.2 | - |" in text and "| us | tensor pipe % |" in text
     assert ncu_step.rows_of("no csv here\n", metrics) == []
+
+
+def test_a_missing_ncu_is_named(capsys):
+    assert ncu_step.main(["--ncu", "/nonexistent/ncu"]) == 2
+    assert "no ncu executable '/nonexistent/ncu'" in capsys.readouterr().err
