@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ncu_step: no ncu executable {args.ncu!r}; pass --ncu PATH (e.g. /usr/local/cuda/bin/ncu)",
               file=sys.stderr)
         return 2
-    done = subprocess.run(ncu_command(args, argv), capture_output=True, text=True, env=dict(os.environ))
+    done = subprocess.run(ncu_command(args, argv), capture_output=True, text=True)
     rows = rows_of(done.stdout, args.metrics)
     if done.returncode or not rows:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
