@@ -11,8 +11,8 @@ active cycles (wgmma on SM90), SM, DRAM and L2 throughput and the L2 hit rate, e
 options are ``python -m tools.profile_fwd``'s.
 
 ncu replays each kernel once per pass its metrics need, restoring the memory it writes, so a persistent
-megakernel's counters start from the same state in every pass; it also locks the clocks at base (its
-``--clock-control base``), so its times are longer than a run's: compare kernels within one table.
+megakernel's counters start from the same state in every pass. The clocks are left alone (``--clock-control
+none``): the kernels run at the clocks the power cap gives them, whose mean the SM GHz column reports.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ METRICS = {  # ncu metric -> column title
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 %",
     "lts__t_sector_hit_rate.pct": "L2 hit %",
+    "sm__cycles_elapsed.avg.per_second": "SM GHz",
 }
 
 
@@ -48,7 +49,8 @@ def parse_args(argv):
 
 def ncu_command(args, argv: list[str]) -> list[str]:
     """The ncu command line that profiles the child (this tool with ``--child`` and the same ``argv``)."""
-    cmd = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--metrics", ",".join(args.metrics)]
+    cmd = [args.ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw",
+           "--metrics", ",".join(args.metrics)]
     if args.kernels:
         cmd += ["--kernel-name", f"regex:{args.kernels}"]
     return cmd + [sys.executable, "-m", "tools.ncu_step", "--child", *argv]
@@ -57,7 +59,8 @@ def ncu_command(args, argv: list[str]) -> list[str]:
 def rows_of(text: str, metrics: list[str]) -> list[dict]:
     """ncu's ``--csv --page raw`` output (one line per profiled kernel after a header line and a units
     line; ncu's own ``==PROF==`` lines and the child's output around it are skipped) as dicts: ``name``,
-    then each metric as a float (None where ncu gave none); ``gpu__time_duration.sum`` in microseconds."""
+    then each metric as a float (None where ncu gave none); ``gpu__time_duration.sum`` in microseconds, the SM
+    clock in GHz."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     if not lines:
         return []
@@ -70,10 +73,18 @@ def rows_of(text: str, metrics: list[str]) -> list[dict]:
         row = {"name": got.get("Kernel Name", "?")}
         for m in metrics:
             row[m] = _number(got.get(m))
-            if m == "gpu__time_duration.sum" and row[m] is not None:
-                row[m] *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(units.get(m), 1.0)
+            if row[m] is not None:
+                row[m] *= _SCALE.get(m, {}).get(units.get(m), 1.0)
         out.append(row)
     return out
+
+
+_SCALE = {  # metric -> {ncu's unit: factor to the table's unit}: microseconds, GHz
+    "gpu__time_duration.sum": {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+                               "second": 1e6, "s": 1e6},
+    "sm__cycles_elapsed.avg.per_second": {"cycle/nsecond": 1.0, "cycle/usecond": 1e-3, "cycle/msecond": 1e-6,
+                                          "cycle/second": 1e-9, "Ghz": 1.0, "Mhz": 1e-3, "hz": 1e-9},
+}
 
 
 def _number(text):
@@ -88,7 +99,8 @@ def table(rows: list[dict], metrics: list[str]) -> str:
     titles = [METRICS.get(m, m) for m in metrics]
     out = ["| kernel | " + " | ".join(titles) + " |", "|---|" + "---|" * len(titles)]
     for r in rows:
-        cells = ["-" if r[m] is None else f"{r[m]:.1f}" for m in metrics]
+        cells = ["-" if r[m] is None else f"{r[m]:.2f}" if METRICS.get(m) == "SM GHz" else f"{r[m]:.1f}"
+                 for m in metrics]
         out.append(f"| {_short(r['name'])} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
