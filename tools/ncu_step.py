@@ -80,8 +80,8 @@ def rows_of(text: str, metrics: list[str]) -> list[dict]:
 
 
 _SCALE = {  # metric -> {ncu's unit: factor to the table's unit}: microseconds, GHz
-    "gpu__time_duration.sum": {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
-                               "second": 1e6, "s": 1e6},
+    "gpu__time_duration.sum": {"nsecond": 1e-3, "ns": 1e-3, "nsec": 1e-3, "usecond": 1.0, "us": 1.0, "usec": 1.0,
+                               "msecond": 1e3, "ms": 1e3, "msec": 1e3, "second": 1e6, "s": 1e6},
     "sm__cycles_elapsed.avg.per_second": {"cycle/nsecond": 1.0, "cycle/usecond": 1e-3, "cycle/msecond": 1e-6,
                                           "cycle/second": 1e-9, "Ghz": 1.0, "Mhz": 1e-3, "hz": 1e-9},
 }
