@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from mok_cute.schedule.fused_tasks import check_ep_pushes, mtile_rows
-from mok_cute.schedule.group_tiles import seek, tile_coords, warp_sum
+from mok_cute.schedule.group_tiles import expert_mtile_count, seek, tile_coords, warp_sum
 from mok_cute.schedule.tickets import run_tickets, strided
 
 SD2, D2, SD1, D1, SW, W = range(6)
@@ -246,11 +246,9 @@ def expert_mtile_range(offsets: cute.Tensor, expert: Int32, tile_m: cutlass.Cons
     loads), then the warp adding the lanes' sums (the SM90 backward; SM100's TMA warp keeps the one pass: the
     warp's registers)."""
     first = Int32(0)
+    start, step = (cute.arch.lane_idx(), 32) if cutlass.const_expr(warp) else (0, 1)
+    for e in cutlass.range(start, expert, step, unroll=1):
+        first += expert_mtile_count(offsets, e, tile_m)
     if cutlass.const_expr(warp):
-        for e in cutlass.range(cute.arch.lane_idx(), expert, 32, unroll=1):
-            first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
         first = warp_sum(first)
-    else:
-        for e in cutlass.range(expert, unroll=1):
-            first += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
-    return first, (offsets[expert + 1] - offsets[expert] + (tile_m - 1)) // tile_m
+    return first, expert_mtile_count(offsets, expert, tile_m)

@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from mok_cute.dsl.status import wait_geq
-from mok_cute.schedule.group_tiles import seek, tile_coords
+from mok_cute.schedule.group_tiles import expert_mtile_count, mtiles, seek, tile_coords
 from mok_cute.schedule.tickets import run_tickets, strided
 
 S1, R1, S2, R2 = range(4)
@@ -250,7 +250,7 @@ def routed_mtiles(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Cons
     """m-tiles of all routed experts, ``sum_e ceil(rows_e / tile_m)`` (one pass over offsets)."""
     total = Int32(0)
     for e in cutlass.range(num_experts, unroll=1):
-        total += (offsets[e + 1] - offsets[e] + (tile_m - 1)) // tile_m
+        total += expert_mtile_count(offsets, e, tile_m)
     return total
 
 
@@ -273,7 +273,7 @@ def banded_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: 
     is :func:`~mok_cute.schedule.group_tiles.tile_coords`)."""
     lo = offsets[expert]
     hi = offsets[expert + 1]
-    m_tiles = (hi - lo + (tile_m - 1)) // tile_m
+    m_tiles = mtiles(lo, hi, tile_m)
     local = linear - base
     b = local // (band * n_tiles)
     within = local - b * band * n_tiles

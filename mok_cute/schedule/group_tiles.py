@@ -85,6 +85,17 @@ def wgrad_cta_tiles(num_experts: int, m_tiles: int, n_tiles: int, cta: int, num_
     return out
 
 
+def mtiles(lo, hi, tile_m: int):
+    """``ceil((hi - lo) / tile_m)``: the ``tile_m``-row tiles over rows ``lo .. hi`` (Python ints or DSL values)."""
+    return (hi - lo + (tile_m - 1)) // tile_m
+
+
+def expert_mtile_count(offsets, e, tile_m: int):
+    """:func:`mtiles` of expert ``e``'s rows ``offsets[e] .. offsets[e + 1]`` (offsets: a device tensor [E+1])."""
+    hi = offsets[e + 1]
+    return mtiles(offsets[e], hi, tile_m)
+
+
 # ---------------------------------------------------------------- device functions
 @cute.jit
 def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int], n_tiles: Int32,
@@ -101,7 +112,7 @@ def seek(offsets: cute.Tensor, num_experts: Int32, tile_m: cutlass.Constexpr[int
     while searching:
         lo = offsets[e]
         hi = offsets[e + 1]
-        nt = (hi - lo + (tile_m - 1)) // tile_m * n_tiles
+        nt = mtiles(lo, hi, tile_m) * n_tiles
         if linear < b + nt:
             searching = False
         else:
@@ -144,7 +155,7 @@ def tile_coords(offsets: cute.Tensor, tile_m: cutlass.Constexpr[int], linear: In
     """
     lo = offsets[expert]
     hi = offsets[expert + 1]
-    m_tiles = (hi - lo + (tile_m - 1)) // tile_m
+    m_tiles = mtiles(lo, hi, tile_m)
     local = linear - base
     m_tile = local % m_tiles
     n_tile = local // m_tiles
