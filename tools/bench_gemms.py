@@ -24,6 +24,7 @@ def cases(t: int, h: int, i: int, e: int, k: int, device: str = "cuda") -> dict:
 
     from mok_cute.kernels.sm90 import expert_bwd as eb
     from mok_cute.kernels.sm90 import grouped_gemm as gg
+    from mok_cute.schedule.group_tiles import total_tiles
 
     m = t * k
     gen = torch.Generator().manual_seed(0)
@@ -50,7 +51,7 @@ def cases(t: int, h: int, i: int, e: int, k: int, device: str = "cuda") -> dict:
         "torch GEMM2": (lambda: torch._grouped_mm(h_rows, w2.transpose(-2, -1), offs=ends), f2, h, i),
         "torch dgrad2": (lambda: torch._grouped_mm(dy, w2, offs=ends), f2, i, h),
         "torch dgrad1": (lambda: torch._grouped_mm(dgu, w1, offs=ends), f1, h, 2 * i),
-    }, int(sum(-(-int(c) // 128) for c in cnt))
+    }, total_tiles(offs.tolist(), 128, 1)
 
 
 def ktile_us(ms: float, m_tiles: int, n: int, depth: int) -> float:
