@@ -28,9 +28,9 @@ class ExpertGroup:
 
 def contiguous_group(g: ExpertGroup) -> ExpertGroup:
     """``g`` with x, gu and h contiguous, as the fused launches read them (the same tensors where
-    they already are: the layer's own, always)."""
+    they already are: the layer's own, always); x or h None (not kept) stays None."""
     x = None if g.x is None else g.x.contiguous()
-    return replace(g, x=x, gu=g.gu.contiguous(), h=g.h.contiguous())
+    return replace(g, x=x, gu=g.gu.contiguous(), h=None if g.h is None else g.h.contiguous())
 
 
 def whole_backward_operands(st, dy):

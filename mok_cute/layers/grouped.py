@@ -23,7 +23,9 @@ the rows and their round trips in two launches over every SM first, the MLP's
 An expert MLP implementation has ``arch`` ("sm90", "sm100": its row of the path table),
 ``dim_multiple`` (precision -> what H, I, I_s must be multiples of), ``strided_weights``
 (its kernels address strided weights in place), ``fused_mx_prologue``, ``gathers_x`` (its BF16
-``backward_tokens`` takes ``x_tok=``, the layer's x, and gathers its rows in the launch),
+``backward_tokens`` takes ``x_tok=``, the layer's x, and gathers its rows in the launch), ``down_grad_first``
+(then also ``down_weight_grad(group, dy_rows, config)``, whose dW_down its BF16 ``backward_tokens`` takes as
+``dwd=``: h is freed before that launch),
 ``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=][, config=]) -> (rows, ExpertGroup)``
 (``precision`` passed only when not "bf16", ``config`` only when its policy sets the unfused
 GEMM1 / GEMM2 tiles: :func:`~mok_cute.layers.common.mlp_options`),
@@ -271,6 +273,9 @@ class GroupedExpertBackend:
             if st.routed.x is None and st.routed.precision == "bf16" and self.mlp.gathers_x:
                 core["x_tok"] = st.x
             dy_rows, dtw = self._rows(st, dy, make_x="x_tok" not in core)
+            if "x_tok" in core and self.mlp.down_grad_first:  # dW_down first, then h goes: the launch holds none
+                core["dwd"] = self.mlp.down_weight_grad(st.routed, dy_rows, st.config)
+                st.routed = replace(st.routed, h=None)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
                                        consume=True, config=st.config, **core, **_biased(st))

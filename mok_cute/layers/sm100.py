@@ -178,6 +178,7 @@ class Sm100ExpertMLP:
                               "the accumulator promoted outside the MMA")
     fused_mx_prologue = False  # BackwardPath.FUSED: the route_grad pass, then backward_tokens
     gathers_x = False  # its backward_tokens reads the grouped x rows the route_grad pass makes
+    down_grad_first = False  # its backward_tokens computes dW_down in its launch (h held through it)
 
     def __init__(self):
         self.weights = WeightCache()

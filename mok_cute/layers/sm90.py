@@ -155,6 +155,7 @@ class Sm90ExpertMLP:
     precisions = ("bf16", "mxfp8", "fp8_block")
     fused_mx_prologue = True  # BackwardPath.FUSED at MXFP8 after the fused forward: mx_prologue first
     gathers_x = True  # BackwardPath.FUSED at BF16: backward_tokens(x_tok=) gathers x's rows in its launch
+    down_grad_first = True  # BackwardPath.FUSED at BF16: down_weight_grad, then backward_tokens(dwd=) without h
 
     def __init__(self):
         self.weights = WeightCache()
@@ -270,7 +271,7 @@ class Sm90ExpertMLP:
         return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit, biased)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
-                        config=None, mx_dyt=None, biased: bool = False, x_tok=None):
+                        config=None, mx_dyt=None, biased: bool = False, x_tok=None, dwd=None):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
         topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
@@ -283,7 +284,8 @@ class Sm90ExpertMLP:
         d b_down): d b_down from dy_rows before the launch (which writes the dx rows over them), the others
         from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`). ``x_tok`` (BF16 with
         ``consume``, ``g.x`` None): the layer's x [T, H]; the launch's weight gradients gather its rows (no
-        grouped x rows are made)."""
+        grouped x rows are made). ``dwd`` (BF16 with ``consume``): :meth:`down_weight_grad`'s dW_down, made before
+        this launch, which then skips its dW_down tiles and reads no h (``g.h`` may be None)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
@@ -302,10 +304,26 @@ class Sm90ExpertMLP:
                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                   _core_launch(BackwardLaunch, g, config),
                                   tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt,
-                                  x_tok=None if x_tok is None else x_tok.contiguous())
+                                  x_tok=None if x_tok is None else x_tok.contiguous(), dwd=dwd)
         if not biased:
             return out
         return (*out, *gate_up_bias_grads(g.gu, g.offsets), d_down)  # the launch wrote dgu over gu (consume)
+
+    def down_weight_grad(self, g: ExpertGroup, dy_rows, config=None):
+        """dW_down [E, H, I] of BF16 group ``g`` from the routed dy rows [M, H], by the fused backward's dW_down
+        tiles on their own (``fused_bwd.down_weight_grad``, bitwise the launch's): run before
+        :meth:`backward_tokens` (``dwd=``) so that the caller frees h before that launch, whose peak then holds
+        no h. ``config``: the call's, or None."""
+        from mok_cute.kernels.sm90 import grouped_gemm as fwd
+        from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, down_weight_grad
+
+        if g.precision != "bf16" or g.h is None:
+            raise ValueError(f"down_weight_grad: a BF16 group with its h, got {g.precision!r}, h={g.h is not None}")
+        fwd._check_tensor("dy", dy_rows, 2, (torch.bfloat16,))
+        if tuple(dy_rows.shape) != (g.h.shape[0], dy_rows.shape[1]) or not dy_rows.is_contiguous():
+            raise ValueError(f"dy must be contiguous [M = {g.h.shape[0]}, H], got {tuple(dy_rows.shape)}")
+        return down_weight_grad(dy_rows, g.h.contiguous(), offsets_i32(g.offsets),
+                                _core_launch(BackwardLaunch, g, config))
 
     def mx_prologue(self, g: ExpertGroup, dy, r_rows, order, topk_w, rows_by_route: bool):
         """The MXFP8 backward's prologue (the backward path FUSED at MXFP8 after the fused forward,

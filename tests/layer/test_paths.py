@@ -162,7 +162,7 @@ def test_the_layer_decides_once_and_passes_the_resolved_config(monkeypatch):
 
     class Mlp:  # an sm90 row of the table; fused_forward records the config it gets
         arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
-        gathers_x = False
+        gathers_x = down_grad_first = False
 
         def fused_forward(self, *a, gate=None):
             seen.append(a[-1].trace)
@@ -239,11 +239,13 @@ def test_the_backend_check_applies_the_tile_rule():
     assert get_backend("sm90").check(inp, MoKConfig(tile_n=128), None) == Paths(U, BU)  # CPU tensors: unfused
 
 
-@pytest.mark.parametrize("gathers", [True, False])
-def test_fused_backward_gathers_x_where_the_mlp_does(gathers):
+@pytest.mark.parametrize("gathers, down_first", [(True, True), (True, False), (False, False)])
+def test_fused_backward_gathers_x_where_the_mlp_does(gathers, down_first):
     """BackwardPath.FUSED at BF16 after the fused forward: on an MLP whose launch gathers x's rows (``gathers_x``,
     SM90) the route_grad pass makes no grouped x rows and ``backward_tokens`` gets the layer's x as ``x_tok``;
-    otherwise (SM100) it gets the grouped x rows x[order // k], as before."""
+    otherwise (SM100) it gets the grouped x rows x[order // k], as before. ``down_grad_first`` (SM90): the MLP's
+    ``down_weight_grad`` runs first on the forward's h and the same dy rows, then the state lets h go and
+    ``backward_tokens`` gets a group without h and that dW_down as ``dwd``, returned as the layer's."""
     from conftest import make_problem
     from mok_cute.layers.common import ExpertGroup
     from mok_cute.layers.grouped import GroupedExpertBackend
@@ -253,25 +255,35 @@ def test_fused_backward_gathers_x_where_the_mlp_does(gathers):
 
     class Mlp:  # an sm90 row of the table whose fused kernels are stand-ins
         arch, dim_multiple, precisions, strided_weights, fused_mx_prologue = "sm90", {"bf16": 64}, ("bf16",), True, True
-        gathers_x = gathers
+        gathers_x, down_grad_first = gathers, down_first
 
         def fused_forward(self, x, plan, experts, shared, limit, config, gate=None):
             tk, inter = plan.topk_idx.numel(), experts.w_gate.shape[1]
             rows = torch.zeros(tk, x.shape[1], dtype=x.dtype)
-            return (torch.zeros_like(x), torch.zeros(tk, 2 * inter, dtype=x.dtype), torch.zeros(tk, inter, dtype=x.dtype),
-                    rows, None, None, None)
+            seen["h"] = torch.zeros(tk, inter, dtype=x.dtype)
+            return (torch.zeros_like(x), torch.zeros(tk, 2 * inter, dtype=x.dtype), seen["h"], rows, None, None, None)
+
+        def down_weight_grad(self, g: ExpertGroup, dy_rows, config=None):
+            seen.update(down_h=g.h, down_dy=dy_rows, dwd=torch.ones(2, 64, 64))
+            return seen["dwd"]
 
         def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume=False,
-                            config=None, x_tok=None):
-            seen.update(x=g.x, x_tok=x_tok, order=tokens[0], consume=consume)
-            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, w_down
+                            config=None, x_tok=None, dwd=None):
+            seen.update(x=g.x, x_tok=x_tok, order=tokens[0], consume=consume, h=g.h, dy=dy_rows, got_dwd=dwd)
+            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, w_down if dwd is None else dwd
 
     p, dy = make_problem(T=8, H=64, I=64, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
     be = GroupedExpertBackend(Mlp())
     _, st = be.forward(inp, MoKConfig(forward_path="fused", backward_path="fused"), None)
-    be.backward(st, dy)
+    h = seen["h"]
+    grads = be.backward(st, dy)
     assert seen["consume"]
+    if down_first:
+        assert seen["down_h"] is h and seen["down_dy"] is seen["dy"] and seen["h"] is None and st.routed.h is None
+        assert seen["got_dwd"] is seen["dwd"] and grads.d_w_down is seen["dwd"]
+    else:
+        assert "down_h" not in seen and seen["got_dwd"] is None and seen["h"] is h
     if gathers:
         assert seen["x"] is None and seen["x_tok"] is p["x"]
     else:

@@ -1050,7 +1050,7 @@ class _Gather(NamedTuple):
 
 # ---------------------------------------------------------------- entry points
 def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch = BackwardLaunch(), tokens=None,
-                        consume: bool = False, mx_dyt=None, x_tok=None):
+                        consume: bool = False, mx_dyt=None, x_tok=None, dwd=None):
     """The routed backward in one launch (module doc) on ``rows`` (:class:`ExpertRows`, the operands
     the unfused path accepts; I, H multiples of 64, not of 256: the n_tail variant) and ``weights``
     ``(w_gate, w_up [E, I, H], w_down [E, H, I])`` bf16 with unit last stride (``ExpertWeights``).
@@ -1078,9 +1078,19 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     trip along H, ``rows.x`` along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made
     here. ``x_tok`` (BF16, with ``tokens`` and ``consume``; ``rows.x`` then None): the layer's x [T, H] bf16
     contiguous; the dW_gate / dW_up tiles gather each grouped row's token row of it in their loads (no [M, H] x
-    rows; bitwise the same). Errors of the device waits are raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
+    rows; bitwise the same). ``dwd`` (BF16 with ``tokens`` and ``consume``): dW_down [E, H, I] bf16 that
+    :func:`down_weight_grad` made from the same dy rows and h before this launch; the launch resumes its task list
+    after the dW_down tiles (ticket and dW_down-done words start at their count), reads no h (``rows.h`` may be
+    None: the caller can free h first) and returns ``dwd`` as dWd. Errors of the device waits are raised by a
+    later call (:mod:`mok_cute.dsl.deferred`)."""
     dy, x, gu, h, offsets = rows
     m = dy.shape[0]
+    if dwd is not None and (launch.mx or tokens is None or not consume):
+        raise ValueError("dwd (dW_down made before the launch) needs BF16, tokens and consume=True (the launch "
+                         f"whose dW_down tiles run first), got mx={launch.mx}, tokens={tokens is not None}, "
+                         f"consume={consume}")
+    if h is None and dwd is None:
+        raise ValueError("rows.h: the forward's h [M, I] bf16 is needed unless dwd is given")
     if x_tok is not None and (tokens is None or not consume or launch.mx or x is not None):
         raise ValueError("x_tok (x's rows gathered in the launch) needs tokens, consume=True, BF16 and rows.x None")
     toks = None
@@ -1102,7 +1112,17 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
             dyt, h = mx_dyt, mxfp8_round_trip_tokens(h[:m].contiguous(), offsets, out=into(h[:m]))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
     return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt, dgu=dgu,
-                   dy_free=consume or launch.mx)
+                   dy_free=consume or launch.mx, dwd=dwd)
+
+
+def down_weight_grad(dy, h, offsets, launch: BackwardLaunch = BackwardLaunch()):
+    """dW_down [E, H, I] bf16 = each expert's ``dy_e^T h_e`` (``dy`` [M, H], ``h`` [M, I] bf16 contiguous grouped
+    rows, ``offsets`` int32 [E+1]) by the grouped weight-gradient kernel on ``launch``'s mainloop: the tiles the
+    fused backward's dW_down tasks run, bitwise theirs (each element sums its expert's rows in row order). The
+    layer runs it before :func:`fused_backward_core` (``dwd=``) so that h is freed before that launch."""
+    from mok_cute.kernels.sm90.expert_bwd import _run_wgrad
+
+    return _run_wgrad(dy, h, offsets, cfg=launch_config(launch.tile_n, launch.stages))
 
 
 def fused_backward(inputs: BackwardInputs, plan, weights, limit, launch: BackwardLaunch = BackwardLaunch(),
@@ -1225,7 +1245,7 @@ def _check_ep(inputs: BackwardInputs, w_rows, t: int, k: int, m: int) -> None:
 # ---------------------------------------------------------------- one launch
 def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: TokenSum | None,
             gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, dgu=None,
-            dy_free: bool = False):
+            dy_free: bool = False, dwd=None):
     """One launch of the variant the arguments ask for (see the entries above); with ``shared``
     returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones; with
     ``main_grads`` the weight gradients are accumulated there and returned as None; ``mx_dyt``: the
@@ -1238,13 +1258,17 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
     written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer). ``tokens.x_tok``: the layer's
     x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up loads; needs
-    ``grouped_slots``)."""
+    ``grouped_slots``). ``dwd``: dW_down made before the launch (BF16 ``wd_first``): the task list resumes after
+    the dW_down tiles and gu's gate half stands in for the unread h."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
+    dwd_made = dwd is not None
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
     grouped_slots = dy_free and tokens is not None and gather is None and shared is None
     wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
+    if dwd is not None and not (wd_first and mx_dyt is None and main_grads is None):
+        raise ValueError("dwd: only a BF16 launch whose dW_down tiles run first (grouped_slots) skips them")
     tok = None
     x_tok = None if tokens is None else tokens.x_tok
     if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j); the
@@ -1255,7 +1279,10 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     if main_grads is None:
         dwg, dwu = gate_up_grads(w_gate, w_up)
-        dwd = torch.empty((e, hid, inter), **bf)
+        if dwd is None:
+            dwd = torch.empty((e, hid, inter), **bf)
+        elif tuple(dwd.shape) != (e, hid, inter) or dwd.dtype != torch.bfloat16 or not dwd.is_contiguous():
+            raise ValueError(f"dwd must be contiguous bf16 {(e, hid, inter)}, got {dwd.dtype} {tuple(dwd.shape)}")
     else:
         dwg, dwu, dwd = main_grads[:3]
     slots, k, comm = SlotSum(None, None, None, None, None), 1, 1
@@ -1274,6 +1301,9 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     mt_cap = m // cfg.tile_m + e + 1  # routed m-tiles: at most one partial per expert
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
+    if dwd_made:  # the list's first E * (dW_down tiles per expert) tasks ran in that launch: claimed and done
+        words[0] = words[WD_WORD] = e * -(-hid // cfg.tile_m) * -(-inter // cfg.tile_n)
+        h = gu[:m].view(m, 2, inter)[:, 0]  # an [M, I] view the launch's h operand never reads
     row_args = GatherRows(None, None, None, None, None, None)
     if gather is not None:
         row_args = GatherRows(gather.dy, gather.x, gather.r_rows, gather.w, gather.dtw, gdy)

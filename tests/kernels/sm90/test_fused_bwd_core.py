@@ -874,6 +874,45 @@ def test_host_core_x_tok(monkeypatch):
                                       x_tok=x_tok)
 
 
+def test_host_core_dwd_resumes_after_the_dw_down_tiles(monkeypatch):
+    """fused_backward_core(dwd=) (the layer's BF16 FUSED backward after down_weight_grad): the variant compiled
+    without it (grouped_slots, wd_first), its ticket and dW_down-done words starting at E * the dW_down tiles
+    of one expert (no dW_down tile is claimed, no dgrad1 tile waits for one), h None (gu's gate half stands in,
+    unread), ``dwd`` returned as dW_down; at MXFP8, without consume or tokens, of the wrong shape, or with
+    neither h nor dwd: a ValueError before any launch."""
+    from mok_cute.kernels.sm90 import fused_bwd
+
+    fake, keys, (_, _, _, _, _, _, _, weights, gu, hh, _) = _ep_host(monkeypatch)
+    t, k, m, h, inter, e = 100, 2, 200, 256, 128, 2
+    dy, x_tok = torch.randn(m, h).to(torch.bfloat16), torch.randn(t, h).to(torch.bfloat16)
+    offsets = torch.tensor([0, 50, m], dtype=torch.int32)
+    order, idx = torch.randperm(m), torch.zeros(t, k, dtype=torch.int64)
+    kw = dict(tokens=(order, idx, None), consume=True, x_tok=x_tok)
+    fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy.clone(), None, gu.clone(), hh, offsets), weights, 4.0, **kw)
+    with_h = _launched((fake.calls or fake.direct)[-1])
+    assert int(with_h["mCounters"][0]) == 0 and int(with_h["mCounters"][fused_bwd.WD_WORD]) == 0
+    dwd = torch.randn(e, h, inter).to(torch.bfloat16)
+    out = fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, None, gu, None, offsets), weights, 4.0, dwd=dwd, **kw)
+    assert out[3] is dwd and keys[-1] == keys[-2]
+    a = _launched((fake.calls or fake.direct)[-1])
+    wd_tiles = e * (h // 128) * 1  # tile_m 128 over H, one 256-wide n-tile over I = 128
+    assert int(a["mCounters"][0]) == wd_tiles and int(a["mCounters"][fused_bwd.WD_WORD]) == wd_tiles
+    assert a["routed"].h.data_ptr() == gu.data_ptr() and tuple(a["routed"].h.shape) == (m, inter)
+    launches = len(fake.calls or fake.direct)
+    bad = (dict(kw, launch=fused_bwd.BackwardLaunch(mx=True), x_tok=None), dict(kw, consume=False, x_tok=None),
+           dict(consume=True))
+    for args in bad:
+        with pytest.raises(ValueError, match="dwd"):
+            fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, x_tok.new_zeros(m, h), gu, hh, offsets), weights,
+                                          4.0, dwd=dwd, **args)
+    with pytest.raises(ValueError, match="dwd must be contiguous bf16"):
+        fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, None, gu, None, offsets), weights, 4.0,
+                                      dwd=dwd[:, :, :64], **kw)
+    with pytest.raises(ValueError, match="rows.h"):
+        fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, None, gu, None, offsets), weights, 4.0, **kw)
+    assert len(fake.calls or fake.direct) == launches
+
+
 def test_gate_up_grads_follow_the_weights_layout():
     """The fused backward's dW_gate / dW_up take their weights' layout (autograd then hands them over without a
     copy): the halves of one [E, 2I, H] buffer for the halves of one fc1 tensor, two contiguous tensors for
