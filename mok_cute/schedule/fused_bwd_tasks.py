@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from mok_cute.schedule.fused_tasks import check_ep_pushes, mtile_rows
-from mok_cute.schedule.group_tiles import expert_mtile_count, seek, tile_coords, warp_sum
+from mok_cute.schedule.group_tiles import expert_mtile_count, mtiles, seek, tile_coords, warp_sum
 from mok_cute.schedule.tickets import run_tickets, strided
 
 SD2, D2, SD1, D1, SW, W = range(6)
@@ -47,7 +47,7 @@ def expert_mtiles(offsets, tile_m: int) -> list[list[int]]:
     offs = [int(o) for o in offsets]
     out, mt = [], 0
     for e in range(len(offs) - 1):
-        n = -(-(offs[e + 1] - offs[e]) // tile_m)
+        n = mtiles(offs[e], offs[e + 1], tile_m)
         out.append(list(range(mt, mt + n)))
         mt += n
     return out
@@ -59,7 +59,7 @@ def task_list(offsets, tokens: int, tile_m: int, n_i: int, n_is: int, n_h: int, 
     weight-gradient tile; ``mt``: the routed or shared m-tile, -1 for weight tiles; ``which``:
     WD / WG / WU for weight tiles, else -1). ``w_d`` / ``w_gu``: tiles of one dW_down / one dW_gate
     (= dW_up) per expert (the shared expert's counts when ``shared``: the same formula at I_s)."""
-    m_sh = -(-tokens // tile_m)
+    m_sh = mtiles(0, tokens, tile_m)
     per_e = expert_mtiles(offsets, tile_m)
     out = []
     if shared:
@@ -108,7 +108,7 @@ def simulate(offsets, tokens: int, tile_m: int, n_i: int, n_is: int, n_h: int, w
     tasks = task_list(offsets, tokens, tile_m, n_i, n_is, n_h, w_d, w_gu, shared)
     per_e = expert_mtiles(offsets, tile_m)
     chunks = len(mtile_rows(offsets, tile_m))
-    m_sh = -(-tokens // tile_m)
+    m_sh = mtiles(0, tokens, tile_m)
     jobs = [([], ("gdy", c)) for c in range(chunks)] + [([], ("gx", c)) for c in range(chunks)]
     rounds, count = run_tickets(tasks, lambda t: needs(t, per_e, m_sh, n_i, n_is), publishes,
                                 strided(jobs, comm_ctas), gemm_ctas, seed)

@@ -50,10 +50,10 @@ def task_list(offsets, tokens: int, tile_m: int, n1: int, n1s: int, n2: int, sha
     expert -1, ``mt`` = the token m-tile; routed: ``mt`` = the routed m-tile index); R1 in bands
     of ``band`` m-tiles per expert (None: one band per expert)."""
     offs = [int(o) for o in offsets]
-    m_sh = -(-tokens // tile_m)
+    m_sh = mtiles(0, tokens, tile_m)
     routed = []  # (expert, m_tile, row0, rows, mt) in expert order
     for e in range(len(offs) - 1):
-        for m in range(-(-(offs[e + 1] - offs[e]) // tile_m)):
+        for m in range(mtiles(offs[e], offs[e + 1], tile_m)):
             row0 = offs[e] + m * tile_m
             routed.append((e, row0, min(tile_m, offs[e + 1] - row0), len(routed)))
     out = []
@@ -77,7 +77,7 @@ def mtile_rows(offsets, tile_m: int) -> list[tuple[int, int]]:
     """``(row0, rows)`` of every routed m-tile (= gather chunk) in ``mt`` order."""
     offs = [int(o) for o in offsets]
     return [(offs[e] + m * tile_m, min(tile_m, offs[e + 1] - offs[e] - m * tile_m))
-            for e in range(len(offs) - 1) for m in range(-(-(offs[e + 1] - offs[e]) // tile_m))]
+            for e in range(len(offs) - 1) for m in range(mtiles(offs[e], offs[e + 1], tile_m))]
 
 
 def needs(task: tuple, n1: int, n1s: int, units: int = 1) -> list[tuple[str, int, int]]:

@@ -31,7 +31,7 @@ from cutlass import Int32
 def expert_tiles(offsets, tile_m: int, n_tiles: int) -> list[int]:
     """Tiles of each expert: ``ceil(rows_e / tile_m) * n_tiles``."""
     offs = [int(o) for o in offsets]
-    return [-(-(offs[e + 1] - offs[e]) // tile_m) * n_tiles for e in range(len(offs) - 1)]
+    return [mtiles(offs[e], offs[e + 1], tile_m) * n_tiles for e in range(len(offs) - 1)]
 
 
 def total_tiles(offsets, tile_m: int, n_tiles: int) -> int:
@@ -59,7 +59,7 @@ def cta_tiles(offsets, tile_m: int, n_tiles: int, cta: int, num_ctas: int) -> li
 
 def _seek(offs, num_experts, tile_m, n_tiles, linear, expert, base):
     while expert < num_experts:
-        nt = -(-(offs[expert + 1] - offs[expert]) // tile_m) * n_tiles
+        nt = mtiles(offs[expert], offs[expert + 1], tile_m) * n_tiles
         if linear < base + nt:
             break
         base += nt
@@ -68,7 +68,7 @@ def _seek(offs, num_experts, tile_m, n_tiles, linear, expert, base):
 
 
 def _coords(offs, tile_m, linear, expert, base):
-    m_tiles = -(-(offs[expert + 1] - offs[expert]) // tile_m)
+    m_tiles = mtiles(offs[expert], offs[expert + 1], tile_m)
     local = linear - base
     m_tile, n_tile = local % m_tiles, local // m_tiles
     row0 = offs[expert] + m_tile * tile_m
