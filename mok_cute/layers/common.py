@@ -26,6 +26,18 @@ class ExpertGroup:
     precision: str = "bf16"
 
 
+@dataclass(frozen=True)
+class MadeBefore:
+    """What the layer made before an arch MLP's fused backward launch (``backward_tokens(made=)``), None where
+    it made nothing: ``mx_dyt`` dy's MXFP8 round trip along the tokens (``mx_prologue``), ``x_tok`` the layer's x
+    [T, H] whose rows the launch gathers (``gathers_x``), ``dwd`` the dW_down of ``down_weight_grad``
+    (``down_grad_first``: the launch skips its dW_down tiles and reads no h)."""
+
+    mx_dyt: torch.Tensor | None = None
+    x_tok: torch.Tensor | None = None
+    dwd: torch.Tensor | None = None
+
+
 def contiguous_group(g: ExpertGroup) -> ExpertGroup:
     """``g`` with x, gu and h contiguous, as the fused launches read them (the same tensors where
     they already are: the layer's own, always); x or h None (not kept) stays None."""

@@ -23,9 +23,9 @@ the rows and their round trips in two launches over every SM first, the MLP's
 An expert MLP implementation has ``arch`` ("sm90", "sm100": its row of the path table),
 ``dim_multiple`` (precision -> what H, I, I_s must be multiples of), ``strided_weights``
 (its kernels address strided weights in place), ``fused_mx_prologue``, ``gathers_x`` (its BF16
-``backward_tokens`` takes ``x_tok=``, the layer's x, and gathers its rows in the launch), ``down_grad_first``
+``backward_tokens`` takes ``made.x_tok``, the layer's x, and gathers its rows in the launch), ``down_grad_first``
 (then also ``down_weight_grad(group, dy_rows, config)``, whose dW_down its BF16 ``backward_tokens`` takes as
-``dwd=``: h is freed before that launch),
+``made.dwd``: h is freed before that launch; ``made``: :class:`~mok_cute.layers.common.MadeBefore`),
 ``forward(x_rows, offsets, w_gate, w_up, w_down, limit[, precision=][, config=]) -> (rows, ExpertGroup)``
 (``precision`` passed only when not "bf16", ``config`` only when its policy sets the unfused
 GEMM1 / GEMM2 tiles: :func:`~mok_cute.layers.common.mlp_options`),
@@ -51,7 +51,7 @@ from mok_cute.schedule import local_plan
 from mok_cute.layers import paths as P
 from mok_cute.layers import launch, tiles, tuned
 from mok_cute.layers.common import (
-    ExpertGroup, ExpertWeights, LocalState, mlp_options, shared_backward, shared_forward, whole_offsets,
+    ExpertGroup, ExpertWeights, LocalState, MadeBefore, mlp_options, shared_backward, shared_forward, whole_offsets,
 )
 from mok_cute.reference import MoEGrads, Numerics, _world, shared_gate, shared_gate_backward, slot_sum
 
@@ -278,7 +278,8 @@ class GroupedExpertBackend:
                 st.routed = replace(st.routed, h=None)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
-                                       consume=True, config=st.config, **core, **_biased(st))
+                                       consume=True, config=st.config, **_biased(st),
+                                       **({"made": MadeBefore(**core)} if core else {}))
         return MoEGrads(out[0], dtw, *out[1:4], d_shared, d_gate, tuple(out[4:]) or None)
 
     def _unfused_backward(self, st, dy, dy_s, gate):

@@ -42,7 +42,7 @@ import torch
 from mok_cute.config import ForwardPath
 from mok_cute.layers import launch, paths
 from mok_cute.layers.common import (
-    ExpertGroup, check_biases, contiguous_group, expert_sums, gate_up_bias_grads, mlp_backward, mlp_forward,
+    ExpertGroup, MadeBefore, check_biases, contiguous_group, expert_sums, gate_up_bias_grads, mlp_backward, mlp_forward,
     ring_chunks, shared_backward, shared_launch_operands, whole_backward_operands, whole_offsets,
 )
 from mok_cute.dsl.host import halves_of, offsets_i32, tma_weight
@@ -154,8 +154,8 @@ class Sm90ExpertMLP:
     strided_weights = True  # weights in place when TMA addresses them (dsl.host.tma_weight), no copy
     precisions = ("bf16", "mxfp8", "fp8_block")
     fused_mx_prologue = True  # BackwardPath.FUSED at MXFP8 after the fused forward: mx_prologue first
-    gathers_x = True  # BackwardPath.FUSED at BF16: backward_tokens(x_tok=) gathers x's rows in its launch
-    down_grad_first = True  # BackwardPath.FUSED at BF16: down_weight_grad, then backward_tokens(dwd=) without h
+    gathers_x = True  # BackwardPath.FUSED at BF16: backward_tokens(made.x_tok) gathers x's rows in its launch
+    down_grad_first = True  # BackwardPath.FUSED at BF16: down_weight_grad, then backward_tokens(made.dwd) without h
 
     def __init__(self):
         self.weights = WeightCache()
@@ -271,7 +271,7 @@ class Sm90ExpertMLP:
         return mlp_backward(*kernels, g, dy_rows, w_gate, w_up, w_down, limit, biased)
 
     def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume: bool = False,
-                        config=None, mx_dyt=None, biased: bool = False, x_tok=None, dwd=None):
+                        config=None, biased: bool = False, made: MadeBefore = MadeBefore()):
         """``(dx [T, H], dWg, dWu, dWd)``: :meth:`backward` with the dx rows summed into their tokens
         in the same launch (``fused_bwd.fused_backward_core(tokens=...)``; ``tokens`` = ``(order,
         topk_idx, dx_shared, dx_add)``: ``order`` [M+] grouped row -> t*k + j, ``topk_idx`` [T, k],
@@ -279,19 +279,21 @@ class Sm90ExpertMLP:
         bitwise the unfused scatter and slot sum: the backward path FUSED, BF16 or MXFP8.
         ``consume``: the caller gives up ``dy_rows``, ``g.x``, ``g.gu`` and ``g.h`` (dgu is written
         over gu; MXFP8: their round trips are made in place). ``config``: the call's (its ``trace``
-        resolved by the layer), or None. ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's
-        round trips (dy_t its second output). ``biased`` (BF16, ``consume``): then also (d b_gate, d b_up,
+        resolved by the layer), or None. ``biased`` (BF16, ``consume``): then also (d b_gate, d b_up,
         d b_down): d b_down from dy_rows before the launch (which writes the dx rows over them), the others
-        from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`). ``x_tok`` (BF16 with
-        ``consume``, ``g.x`` None): the layer's x [T, H]; the launch's weight gradients gather its rows (no
-        grouped x rows are made). ``dwd`` (BF16 with ``consume``): :meth:`down_weight_grad`'s dW_down, made before
-        this launch, which then skips its dW_down tiles and reads no h (``g.h`` may be None)."""
+        from the dgu it writes over gu (:func:`~mok_cute.layers.common.bias_grads`). ``made``
+        (:class:`~mok_cute.layers.common.MadeBefore`): ``mx_dyt``: :meth:`mx_prologue` made dy_rows' and g.x's
+        round trips (dy_t its second output); ``x_tok`` (BF16 with ``consume``, ``g.x`` None): the layer's x
+        [T, H], the launch's weight gradients gather its rows (no grouped x rows are made); ``dwd`` (BF16 with
+        ``consume``): :meth:`down_weight_grad`'s dW_down, made before this launch, which then skips its dW_down
+        tiles and reads no h (``g.h`` may be None)."""
         from mok_cute.kernels.sm90 import grouped_gemm as fwd
         from mok_cute.kernels.sm90.fused_bwd import BackwardLaunch, ExpertRows, fused_backward_core
 
         if g.precision not in FUSED_CORE_PRECISIONS:
             raise ValueError(f"the sm90 fused backward core runs {FUSED_CORE_PRECISIONS}, not {g.precision!r}")
         order, topk_idx, dx_shared, dx_add = tokens
+        x_tok = made.x_tok
         g = contiguous_group(g)
         if dx_shared is not None:
             dx_shared = dx_shared.contiguous()
@@ -303,8 +305,8 @@ class Sm90ExpertMLP:
         out = fused_backward_core(ExpertRows(dy_rows, g.x, g.gu, g.h, offsets_i32(g.offsets)),
                                   self._bwd_weights(g, w_gate, w_up, w_down), limit,
                                   _core_launch(BackwardLaunch, g, config),
-                                  tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=mx_dyt,
-                                  x_tok=None if x_tok is None else x_tok.contiguous(), dwd=dwd)
+                                  tokens=(order, topk_idx, dx_shared, dx_add), consume=consume, mx_dyt=made.mx_dyt,
+                                  x_tok=None if x_tok is None else x_tok.contiguous(), dwd=made.dwd)
         if not biased:
             return out
         return (*out, *gate_up_bias_grads(g.gu, g.offsets), d_down)  # the launch wrote dgu over gu (consume)

@@ -92,8 +92,9 @@ def test_api_refusals(monkeypatch, tmp_path):
 
 def test_the_kernels_found_are_the_decided_paths(tmp_path):
     """One worker pass per problem, nothing compiled: the default sm90 paths (FUSED both ways: the fused forward,
-    route_grad and the fused backward core, the routing plan per topk_idx dtype) at two token counts reach the same
-    kernels; UNFUSED both ways reaches the grouped GEMMs instead; a shape the backend refuses is named."""
+    route_grad, the dW_down weight gradient and the fused backward core, the routing plan per topk_idx dtype) at two
+    token counts reach the same kernels; UNFUSED both ways reaches the grouped GEMMs (the weight gradients' kernel
+    too) instead; a shape the backend refuses is named."""
     unfused = {"forward_path": "unfused", "backward_path": "unfused"}
     problems = [pc.Problem(64, 128, 128, 4, 2), pc.Problem(1000, 128, 128, 4, 2),
                 pc.Problem(64, 128, 128, 4, 2, config=unfused, index_dtypes=("int32",))]
@@ -102,14 +103,16 @@ def test_the_kernels_found_are_the_decided_paths(tmp_path):
     for k in s.kernels:
         assert k.status == "listed" and "'sm_90a'" in k.key
         by.setdefault(k.label, []).append(k)
-    defaults = {"schedule.local_plan", "sm90_fused_moe_fwd", "route_grad", "sm90_fused_moe_bwd_core"}
+    defaults = {"schedule.local_plan", "sm90_fused_moe_fwd", "route_grad", "sm90_grouped_wgrad", "sm90_fused_moe_bwd_core"}
     assert defaults <= set(by) and "sm90_grouped_gemm" in by and "sm90_grouped_wgrad" in by
     assert {k.key.split(", ")[-1] for k in by["schedule.local_plan"]} == {"'i32')", "'i64')"}
     for k in s.kernels:
         if k.label.startswith("sm90_fused"):
             assert k.problems == [0, 1]  # T changes no kernel; the unfused call runs none of them
-        if k.label.startswith("sm90_grouped"):
+        if k.label == "sm90_grouped_gemm":
             assert k.problems == [2]
+        if k.label == "sm90_grouped_wgrad":  # the FUSED backward's dW_down: the unfused backward's kernel
+            assert k.problems == [0, 1, 2]
     assert not any(tmp_path.iterdir())  # nothing written
     assert "4 kernels" not in s.table() and f"{len(s.kernels)} kernels for sm_90a (listed" in s.table()
     with pytest.raises(ValueError, match="H = 96 must be a multiple of 64"):
@@ -124,9 +127,9 @@ def test_precompile_fills_the_cache_then_compiles_nothing(tmp_path):
     assert first.returncode == 0, first.stderr
     got = json.loads(first.stdout[:first.stdout.rindex("}") + 1])
     n = len(got["kernels"])
-    assert n == 4 and (got["compiled"], got["cached"], got["failed"], got["jobs"]) == (n, 0, 0, 1)
+    assert n == 5 and (got["compiled"], got["cached"], got["failed"], got["jobs"]) == (n, 0, 0, 1)
     assert {k["label"] for k in got["kernels"]} == {"schedule.local_plan", "sm90_fused_moe_fwd", "route_grad",
-                                                    "sm90_fused_moe_bwd_core"}
+                                                    "sm90_grouped_wgrad", "sm90_fused_moe_bwd_core"}
     assert all(k["compiles"] == 1 for k in got["kernels"]) and got["directory"] == str(tmp_path)
     info = dc.info(tmp_path)
     assert info["entries"] == info["current"] == n and info["temporary"] == 0

@@ -247,7 +247,7 @@ def test_fused_backward_gathers_x_where_the_mlp_does(gathers, down_first):
     ``down_weight_grad`` runs first on the forward's h and the same dy rows, then the state lets h go and
     ``backward_tokens`` gets a group without h and that dW_down as ``dwd``, returned as the layer's."""
     from conftest import make_problem
-    from mok_cute.layers.common import ExpertGroup
+    from mok_cute.layers.common import ExpertGroup, MadeBefore
     from mok_cute.layers.grouped import GroupedExpertBackend
     from mok_cute.layers.select import MoEInputs
 
@@ -268,9 +268,9 @@ def test_fused_backward_gathers_x_where_the_mlp_does(gathers, down_first):
             return seen["dwd"]
 
         def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume=False,
-                            config=None, x_tok=None, dwd=None):
-            seen.update(x=g.x, x_tok=x_tok, order=tokens[0], consume=consume, h=g.h, dy=dy_rows, got_dwd=dwd)
-            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, w_down if dwd is None else dwd
+                            config=None, made=MadeBefore()):
+            seen.update(x=g.x, x_tok=made.x_tok, order=tokens[0], consume=consume, h=g.h, dy=dy_rows, got_dwd=made.dwd)
+            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, w_down if made.dwd is None else made.dwd
 
     p, dy = make_problem(T=8, H=64, I=64, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)

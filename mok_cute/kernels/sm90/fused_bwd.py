@@ -1111,8 +1111,8 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
         else:
             dyt, h = mx_dyt, mxfp8_round_trip_tokens(h[:m].contiguous(), offsets, out=into(h[:m]))
     dgu = gu[:m].view(m, -1) if consume and gu[:m].is_contiguous() else None
-    return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt, dgu=dgu,
-                   dy_free=consume or launch.mx, dwd=dwd)
+    return _launch(ExpertRows(dy, x, gu, h, offsets), weights, limit, launch, toks, None, mx_dyt=dyt,
+                   made=_Made(dgu, dwd), dy_free=consume or launch.mx)
 
 
 def down_weight_grad(dy, h, offsets, launch: BackwardLaunch = BackwardLaunch()):
@@ -1243,16 +1243,24 @@ def _check_ep(inputs: BackwardInputs, w_rows, t: int, k: int, m: int) -> None:
 
 
 # ---------------------------------------------------------------- one launch
+class _Made(NamedTuple):
+    """Buffers a launch's caller made: ``dgu`` D2's output [M, 2I] bf16 (None: a new one), ``dwd`` dW_down
+    [E, H, I] bf16 from :func:`down_weight_grad` (None: the launch's dW_down tiles make it)."""
+
+    dgu: torch.Tensor | None = None
+    dwd: torch.Tensor | None = None
+
+
 def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: TokenSum | None,
-            gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, dgu=None,
-            dy_free: bool = False, dwd=None):
+            gather: _Gather | None, shared=None, main_grads=None, mx_dyt=None, ws=None, made: _Made = None,
+            dy_free: bool = False):
     """One launch of the variant the arguments ask for (see the entries above); with ``shared``
     returns the shared expert's (dWs_gate, dWs_up, dWs_down) after the routed ones; with
     ``main_grads`` the weight gradients are accumulated there and returned as None; ``mx_dyt``: the
     MXFP8 variant (dy's round trip along the tokens; dy, x, h already theirs; with ``gather``: its
     buffer, the launch writes it and the rows' round trips, h already its own); ``ws``: the EP > 1
-    variant over that workspace (:func:`fused_backward_ep`); ``dgu``: D2's output buffer [M, 2I] bf16
-    (None: a new one). ``tokens`` without ``gather`` or ``shared`` where ``dy_free`` (the caller gives up
+    variant over that workspace (:func:`fused_backward_ep`); ``made`` (:class:`_Made`, None: nothing): ``dgu``
+    D2's output buffer [M, 2I] bf16 (None: a new one), ``dwd`` below. ``tokens`` without ``gather`` or ``shared`` where ``dy_free`` (the caller gives up
     ``rows.dy``: consumed, or the MXFP8 round trip made for the launch) (``grouped_slots``): the dx rows
     written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after every dW_down tile, which reads dy and
     runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
@@ -1262,6 +1270,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     the dW_down tiles and gu's gate half stands in for the unread h."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
+    dgu, dwd = _Made() if made is None else made
     dwd_made = dwd is not None
     m, hid = dy.shape
     e, inter = w_gate.shape[0], w_gate.shape[1]
