@@ -273,6 +273,8 @@ class GroupedExpertBackend:
             if st.routed.x is None and st.routed.precision == "bf16" and self.mlp.gathers_x:
                 core["x_tok"] = st.x
             dy_rows, dtw = self._rows(st, dy, make_x="x_tok" not in core)
+            if "x_tok" in core:  # the order as int32 (the launch turns it into each row's token in place)
+                st.order, st.valid = st.order.to(torch.int32), None
             if "x_tok" in core and self.mlp.down_grad_first:  # dW_down first, then h goes: the launch holds none
                 core["dwd"] = self.mlp.down_weight_grad(st.routed, dy_rows, st.config)
                 st.routed = replace(st.routed, h=None)

@@ -1078,7 +1078,8 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     trip along H, ``rows.x`` along the tokens, ``mx_dyt`` [M, H] dy's along the tokens; only h's is made
     here. ``x_tok`` (BF16, with ``tokens`` and ``consume``; ``rows.x`` then None): the layer's x [T, H] bf16
     contiguous; the dW_gate / dW_up tiles gather each grouped row's token row of it in their loads (no [M, H] x
-    rows; bitwise the same). ``dwd`` (BF16 with ``tokens`` and ``consume``): dW_down [E, H, I] bf16 that
+    rows; bitwise the same); each row's token is written over ``tokens.order``'s first M entries where that is
+    int32 (consumed too), else into a new int32 tensor. ``dwd`` (BF16 with ``tokens`` and ``consume``): dW_down [E, H, I] bf16 that
     :func:`down_weight_grad` made from the same dy rows and h before this launch; the launch resumes its task list
     after the dW_down tiles (ticket and dW_down-done words start at their count), reads no h (``rows.h`` may be
     None: the caller can free h first) and returns ``dwd`` as dWd. Errors of the device waits are raised by a
@@ -1278,12 +1279,16 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     wd_first = grouped_slots and (mx_dyt is None or 2 * inter <= hid)
     if dwd is not None and not (wd_first and mx_dyt is None and main_grads is None):
         raise ValueError("dwd: only a BF16 launch whose dW_down tiles run first (grouped_slots) skips them")
-    tok = None
+    tok = inverse = None
+    if grouped_slots:  # before the big buffers, so that its temporaries stay below the launch's peak
+        inverse = grouped_rows(tokens.order, tokens.topk_idx.numel())
     x_tok = None if tokens is None else tokens.x_tok
-    if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j); the
-        # caller's check (fused_backward_core) makes this launch grouped_slots at BF16, as _check_variant wants
+    if x_tok is not None:  # each grouped row's token, from the plan's order (grouped row -> t*k + j), written over
+        # that int32 order (consumed: fused_backward_core's check makes this launch grouped_slots at BF16, whose
+        # kernel reads the inverse order made above instead)
         x = x_tok
-        tok = torch.div(tokens.order[:m], tokens.topk_idx.shape[1], rounding_mode="floor").to(torch.int32)
+        tok = tokens.order[:m]
+        torch.div(tok, tokens.topk_idx.shape[1], rounding_mode="floor", out=tok)
     dev, arch = device_arch(dy.device)
     bf = dict(dtype=torch.bfloat16, device=dy.device)
     if main_grads is None:
@@ -1302,7 +1307,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
         t, k = topk_idx.shape
         dx = torch.empty((t, hid), **bf)
         if grouped_slots:  # the slot sum reads the dx rows at dy's grouped rows, through the inverse order
-            slot, order32 = dy, grouped_rows(order32, t * k)
+            slot, order32 = dy, inverse
         else:
             slot = torch.empty((t * k, hid), **bf) if ws is None else ws.view("slots", torch.bfloat16, (t * k, hid))
         slots = SlotSum(slot, order32, topk_idx.reshape(-1).to(torch.int32), dxs, dx)

@@ -864,6 +864,13 @@ def test_host_core_x_tok(monkeypatch):
     assert a.x.data_ptr() == x_tok.data_ptr() and a.tok.dtype == torch.int32
     assert torch.equal(a.tok, (order // k).to(torch.int32))
     assert keys[-1][2].x_gather and keys[-1][2].grouped_slots
+    assert torch.equal(a_slots := _launched((fake.calls or fake.direct)[-1])["slots"].order,
+                       fused_bwd.grouped_rows(order.to(torch.int32), t * k)) and a_slots.dtype == torch.int32
+    order32 = order.to(torch.int32)  # an int32 order (the layer's, consumed): the tokens are written over it
+    fused_bwd.fused_backward_core(fused_bwd.ExpertRows(dy, None, gu, hh, offsets), weights, 4.0,
+                                  tokens=(order32, idx, None), consume=True, x_tok=x_tok)
+    a = _launched((fake.calls or fake.direct)[-1])["routed"]
+    assert a.tok.data_ptr() == order32.data_ptr() and torch.equal(order32, (order // k).to(torch.int32))
     rows = fused_bwd.ExpertRows(dy, None, gu, hh, offsets)
     for kw in (dict(tokens=(order, idx, None)), dict(consume=True),
                dict(tokens=(order, idx, None), consume=True, launch=fused_bwd.BackwardLaunch(mx=True))):
