@@ -103,7 +103,8 @@ def test_the_kernels_found_are_the_decided_paths(tmp_path):
     for k in s.kernels:
         assert k.status == "listed" and "'sm_90a'" in k.key
         by.setdefault(k.label, []).append(k)
-    defaults = {"schedule.local_plan", "sm90_fused_moe_fwd", "route_grad", "sm90_grouped_wgrad", "sm90_fused_moe_bwd_core"}
+    defaults = {"schedule.local_plan", "sm90_fused_moe_fwd", "route_grad", "sm90_grouped_wgrad",
+                "sm90_fused_moe_bwd_core"}
     assert defaults <= set(by) and "sm90_grouped_gemm" in by and "sm90_grouped_wgrad" in by
     assert {k.key.split(", ")[-1] for k in by["schedule.local_plan"]} == {"'i32')", "'i64')"}
     for k in s.kernels:

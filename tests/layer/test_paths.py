@@ -270,7 +270,8 @@ def test_fused_backward_gathers_x_where_the_mlp_does(gathers, down_first):
         def backward_tokens(self, g: ExpertGroup, dy_rows, w_gate, w_up, w_down, limit, tokens, consume=False,
                             config=None, made=MadeBefore()):
             seen.update(x=g.x, x_tok=made.x_tok, order=tokens[0], consume=consume, h=g.h, dy=dy_rows, got_dwd=made.dwd)
-            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, w_down if made.dwd is None else made.dwd
+            dwd = w_down if made.dwd is None else made.dwd
+            return torch.zeros(tokens[1].shape[0], dy_rows.shape[1]), w_gate, w_up, dwd
 
     p, dy = make_problem(T=8, H=64, I=64, E=2, k=2)
     inp = MoEInputs(p["x"], p["topk_idx"], p["topk_w"], p["w_gate"], p["w_up"], p["w_down"], None, None)
