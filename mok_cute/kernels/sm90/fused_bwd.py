@@ -1080,10 +1080,10 @@ def fused_backward_core(rows: ExpertRows, weights, limit, launch: BackwardLaunch
     contiguous; the dW_gate / dW_up tiles gather each grouped row's token row of it in their loads (no [M, H] x
     rows; bitwise the same); each row's token is written over ``tokens.order``'s first M entries where that is
     int32 (consumed too), else into a new int32 tensor. ``dwd`` (BF16 with ``tokens`` and ``consume``): dW_down
-    [E, H, I] bf16 that :func:`down_weight_grad` made from the same dy rows and h before this launch; the launch resumes its task list
-    after the dW_down tiles (ticket and dW_down-done words start at their count), reads no h (``rows.h`` may be
-    None: the caller can free h first) and returns ``dwd`` as dWd. Errors of the device waits are raised by a
-    later call (:mod:`mok_cute.dsl.deferred`)."""
+    [E, H, I] bf16 that :func:`down_weight_grad` made from the same dy rows and h before this launch; the launch
+    resumes its task list after the dW_down tiles (ticket and dW_down-done words start at their count), reads no h
+    (``rows.h`` may be None: the caller can free h first) and returns ``dwd`` as dWd. Errors of the device waits are
+    raised by a later call (:mod:`mok_cute.dsl.deferred`)."""
     dy, x, gu, h, offsets = rows
     m = dy.shape[0]
     if dwd is not None and (launch.mx or tokens is None or not consume):
@@ -1263,12 +1263,12 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     variant over that workspace (:func:`fused_backward_ep`); ``made`` (:class:`_Made`, None: nothing): ``dgu``
     D2's output buffer [M, 2I] bf16 (None: a new one), ``dwd`` below. ``tokens`` without ``gather`` or
     ``shared`` where ``dy_free`` (the caller gives up ``rows.dy``: consumed, or the MXFP8 round trip made for
-    the launch) (``grouped_slots``): the dx rows written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after every dW_down tile, which reads dy and
-    runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's round trip along the tokens
-    written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer). ``tokens.x_tok``: the layer's
-    x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up loads; needs
-    ``grouped_slots``). ``dwd``: dW_down made before the launch (BF16 ``wd_first``): the task list resumes after
-    the dW_down tiles and gu's gate half stands in for the unread h."""
+    the launch) (``grouped_slots``): the dx rows written over ``rows.dy`` (no [T*k, H] slot buffer); BF16: after
+    every dW_down tile, which reads dy and runs first (``wd_first``); MXFP8 where 2I <= H (``wd_first``): dgu's
+    round trip along the tokens written over ``mx_dyt`` once every dW_down tile has read it (no [M, 2I] buffer).
+    ``tokens.x_tok``: the layer's x [T, H], ``rows.x`` None (``x_gather``: x's rows gathered in the dW_gate / dW_up
+    loads; needs ``grouped_slots``). ``dwd``: dW_down made before the launch (BF16 ``wd_first``): the task list
+    resumes after the dW_down tiles and gu's gate half stands in for the unread h."""
     dy, x, gu, h, offsets = rows
     w_gate, w_up, w_down = weights
     dgu, dwd = _Made() if made is None else made
