@@ -1,7 +1,7 @@
 """Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (one GPU,
 EP = 1): a torch.profiler kernel table of ``--calls`` calls (CUDA time per kernel name, per call),
-the GPU time between kernels (idle), and the host time per call (pipelined calls, one sync at the
-end); ``--graph``: the wall time per replay of one forward captured in a CUDA graph; ``--tasks``: one
+the GPU time between kernels (idle), the host time per call (pipelined calls, one sync at the
+end) and mok_cute's launches per call by path (graph replays, captures of new argument sets, DSL calls); ``--graph``: the wall time per replay of one forward captured in a CUDA graph; ``--tasks``: one
 traced call more, then each fused kernel's tasks by kind (count, p10 / p50 / p90 / max us, CTA time:
 :func:`mok_cute.trace.kind_stats`).
 
@@ -148,6 +148,21 @@ def task_lines(traces: dict) -> list[str]:
     return out
 
 
+def launch_stats() -> dict[str, int]:
+    """The mok_cute kernels' launch counts so far (:func:`mok_cute.dsl.launch.stats`)."""
+    from mok_cute.dsl import launch
+
+    return launch.stats()
+
+
+def launch_line(before: dict[str, int], after: dict[str, int], calls: int) -> str:
+    """Per call, the mok_cute launches between two :func:`launch_stats`: CUDA-graph replays, captures (an argument
+    set seen for the first time: a stream capture and a graph instantiation on the host) and DSL launches."""
+    per = {k: (after[k] - before.get(k, 0)) / calls for k in after}
+    return (f"mok_cute launches per call: {per['graph']:.1f} graph replays, {per['capture']:.1f} captures (new "
+            f"argument sets), {per['dsl']:.1f} DSL calls")
+
+
 def layer_step(s, precision: str, bwd: bool, config: dict):
     """A callable running one layer call of shape ``s`` on the GPU (the benchmark's inputs, seed 11;
     ``MoKConfig(precision=..., validate_routing=False, **config)``, or the MoKConfig ``step(cfg)`` is given):
@@ -223,12 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
             fwd()
         torch.cuda.synchronize()
+        before = launch_stats()
         t0 = time.perf_counter()
         for _ in range(20):
             fwd()
         host = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 20 * 1e6
+        launches = launch_line(before, launch_stats(), 20)
         acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host or args.who else [])
         with profile(activities=acts, with_stack=bool(args.who)) as prof:
             for _ in range(args.calls):
@@ -252,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         by_name[ev.name][1] += ev.device_time
     st = call_stats([(ev.name, ev.time_range.start, ev.time_range.end) for ev in evs], args.calls)
     print(f"{s.dims} {args.precision}: host time per call {host:.0f} us (enqueue, pipelined); wall per call {wall:.0f} us")
+    print(launches)
     print(f"GPU per call (the last {st['calls_counted']} of {args.calls} profiled calls): span {st['span']:.0f} us, "
           f"kernels {st['busy']:.0f} us, idle between kernels {st['idle']:.0f} us, {st['events']:.0f} kernels")
     if args.host:

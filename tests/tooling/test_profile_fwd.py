@@ -68,3 +68,11 @@ def test_synchronizing_calls_are_the_sync_debug_warnings(monkeypatch):
     found = profile_fwd.synchronizing_calls(step)
     assert len(found) == 1 and "test_profile_fwd.py:" in found[0] and "synchronizing CUDA operation" in found[0]
     assert modes == ["warn", 0]
+
+
+def test_launch_line_counts_per_call():
+    """The launch line divides each path's count between two snapshots by the calls: steady-state steps should show
+    captures 0 (every launch a replay of a graph captured before)."""
+    line = profile_fwd.launch_line({"graph": 10, "capture": 4, "dsl": 1}, {"graph": 70, "capture": 24, "dsl": 1}, 20)
+    assert line == "mok_cute launches per call: 3.0 graph replays, 1.0 captures (new argument sets), 0.0 DSL calls"
+    assert set(profile_fwd.launch_stats()) == {"graph", "capture", "dsl"}
