@@ -1,9 +1,9 @@
-"""Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (one GPU,
-EP = 1): a torch.profiler kernel table of ``--calls`` calls (CUDA time per kernel name, per call),
-the GPU time between kernels (idle), the host time per call (pipelined calls, one sync at the
-end) and mok_cute's launches per call by path (graph replays, captures of new argument sets, DSL calls); ``--graph``: the wall time per replay of one forward captured in a CUDA graph; ``--tasks``: one
-traced call more, then each fused kernel's tasks by kind (count, p10 / p50 / p90 / max us, CTA time:
-:func:`mok_cute.trace.kind_stats`).
+"""Where one forward (``--bwd``: forward + backward) of the layer spends its time on the GPU (one GPU, EP = 1): a
+torch.profiler kernel table of ``--calls`` calls (CUDA time per kernel name, per call), the GPU time between
+kernels (idle), the host time per call (pipelined calls, one sync at the end) and mok_cute's launches per call
+by path (graph replays, captures of new argument sets, DSL calls); ``--graph``: the wall time per replay of one
+forward captured in a CUDA graph; ``--tasks``: one traced call more, then each fused kernel's tasks by kind
+(count, p10 / p50 / p90 / max us, CTA time: :func:`mok_cute.trace.kind_stats`).
 
     python -m tools.profile_fwd [--shape NAME | T,H,I,E,k] [--precision bf16] [--comm 16]
         [--forward-path fused|unfused] [--backward-path fused|fused_whole|unfused] [--bwd]
