@@ -57,7 +57,9 @@ def cases(t: int, h: int, i: int, e: int, k: int, device: str = "cuda") -> dict:
 def ktile_us(ms: float, m_tiles: int, n: int, depth: int) -> float:
     """Microseconds per 128 x 256 x 64 k-tile on each of :data:`SM_COUNT_REF` SMs, for a GEMM of ``m_tiles``
     128-row tiles, N = ``n`` and K = ``depth`` taking ``ms``."""
-    k_tiles = m_tiles * -(-n // 256) * (depth // 64)
+    from mok_cute.schedule.group_tiles import mtiles
+
+    k_tiles = m_tiles * mtiles(0, n, 256) * (depth // 64)
     return ms * 1e3 * SM_COUNT_REF / k_tiles
 
 

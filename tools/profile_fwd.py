@@ -23,6 +23,7 @@ import torch
 
 from mok_cute.bench.cli import parse_config
 from mok_cute.config import BackwardPath, ForwardPath
+from mok_cute.dsl.launch import stats as launch_stats
 from tools.mem_peak import parse_shape
 
 
@@ -148,17 +149,10 @@ def task_lines(traces: dict) -> list[str]:
     return out
 
 
-def launch_stats() -> dict[str, int]:
-    """The mok_cute kernels' launch counts so far (:func:`mok_cute.dsl.launch.stats`)."""
-    from mok_cute.dsl import launch
-
-    return launch.stats()
-
-
 def launch_line(before: dict[str, int], after: dict[str, int], calls: int) -> str:
     """Per call, the mok_cute launches between two :func:`launch_stats`: CUDA-graph replays, captures (an argument
     set seen for the first time: a stream capture and a graph instantiation on the host) and DSL launches."""
-    per = {k: (after[k] - before.get(k, 0)) / calls for k in after}
+    per = {k: (after[k] - before[k]) / calls for k in after}
     return (f"mok_cute launches per call: {per['graph']:.1f} graph replays, {per['capture']:.1f} captures (new "
             f"argument sets), {per['dsl']:.1f} DSL calls")
 

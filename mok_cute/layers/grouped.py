@@ -275,9 +275,9 @@ class GroupedExpertBackend:
             dy_rows, dtw = self._rows(st, dy, make_x="x_tok" not in core)
             if "x_tok" in core:  # the order as int32 (the launch turns it into each row's token in place)
                 st.order, st.valid = st.order.to(torch.int32), None
-            if "x_tok" in core and self.mlp.down_grad_first:  # dW_down first, then h goes: the launch holds none
-                core["dwd"] = self.mlp.down_weight_grad(st.routed, dy_rows, st.config)
-                st.routed = replace(st.routed, h=None)
+                if self.mlp.down_grad_first:  # dW_down first, then h goes: the launch holds none
+                    core["dwd"] = self.mlp.down_weight_grad(st.routed, dy_rows, st.config)
+                    st.routed = replace(st.routed, h=None)
         dxs, d_shared = shared_backward(self.mlp, st.shared_group, dy_s, st.shared, st.limit, True, st.config)
         out = self.mlp.backward_tokens(st.routed, dy_rows, *st.weights, st.limit, (st.order, st.topk_idx, dxs, dx_gate),
                                        consume=True, config=st.config, **_biased(st),

@@ -321,9 +321,7 @@ class Sm90ExpertMLP:
 
         if g.precision != "bf16" or g.h is None:
             raise ValueError(f"down_weight_grad: a BF16 group with its h, got {g.precision!r}, h={g.h is not None}")
-        fwd._check_tensor("dy", dy_rows, 2, (torch.bfloat16,))
-        if tuple(dy_rows.shape) != (g.h.shape[0], dy_rows.shape[1]) or not dy_rows.is_contiguous():
-            raise ValueError(f"dy must be contiguous [M = {g.h.shape[0]}, H], got {tuple(dy_rows.shape)}")
+        _check_dy(fwd, g, dy_rows)
         return down_weight_grad(dy_rows, g.h.contiguous(), offsets_i32(g.offsets),
                                 _core_launch(BackwardLaunch, g, config))
 
@@ -517,10 +515,15 @@ def _check_mlp(fwd, x_rows, offsets, w_gate, w_up, w_down, limit, mult: int):
 
 def _check_dy(fwd, g: ExpertGroup, dy_rows, x_tok=None):
     """The backward's one new input: dy [M, H] bf16 contiguous, 16-byte aligned, x's device (M: g.x's rows, or
-    with ``x_tok``, the layer's x [T, H] whose rows the launch gathers, gu's)."""
+    with ``x_tok``, the layer's x [T, H] whose rows the launch gathers, gu's; with neither, M gu's rows and the
+    device gu's)."""
     fwd._check_tensor("dy", dy_rows, 2, (torch.bfloat16,))
     x = g.x if x_tok is None else x_tok
-    want = tuple(x.shape) if x_tok is None else (g.gu.shape[0], x_tok.shape[1])
+    if x is None:
+        x = g.gu
+        want = (g.gu.shape[0], dy_rows.shape[1])
+    else:
+        want = tuple(x.shape) if x_tok is None else (g.gu.shape[0], x_tok.shape[1])
     if tuple(dy_rows.shape) != want or not dy_rows.is_contiguous() or dy_rows.data_ptr() % 16:
         raise ValueError(f"dy must be contiguous {want} and 16-byte aligned, got {tuple(dy_rows.shape)}")
     fwd._check_devices(x=x, dy=dy_rows)

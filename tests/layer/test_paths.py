@@ -290,3 +290,23 @@ def test_fused_backward_gathers_x_where_the_mlp_does(gathers, down_first):
     else:
         assert seen["x_tok"] is None
         assert torch.equal(seen["x"][:16], p["x"][seen["order"][:16] // 2])
+
+
+def test_sm90_down_weight_grad_checks_before_any_launch():
+    """Sm90ExpertMLP.down_weight_grad (the FUSED backward's dW_down before its launch) refuses, before any launch,
+    dy rows of the wrong count, non-contiguous or not bf16 (the backward's dy check, with M from gu where the group
+    keeps no x rows), and a group that is not BF16 or keeps no h."""
+    from mok_cute.layers.common import ExpertGroup
+    from mok_cute.layers.sm90 import Sm90ExpertMLP
+
+    bf = torch.bfloat16
+    g = ExpertGroup(None, torch.tensor([0, 3, 8], dtype=torch.int32), torch.randn(8, 128).to(bf),
+                    torch.randn(8, 64).to(bf))
+    mlp = Sm90ExpertMLP()
+    for dy, err in ((torch.randn(7, 64).to(bf), ValueError), (torch.randn(64, 8).to(bf).t(), ValueError),
+                    (torch.randn(8, 64), TypeError)):
+        with pytest.raises(err, match="dy must"):
+            mlp.down_weight_grad(g, dy)
+    for bad in (ExpertGroup(None, g.offsets, g.gu, g.h, "mxfp8"), ExpertGroup(None, g.offsets, g.gu, None)):
+        with pytest.raises(ValueError, match="down_weight_grad: a BF16 group with its h"):
+            mlp.down_weight_grad(bad, torch.randn(8, 64).to(bf))
