@@ -63,7 +63,7 @@ from mok_cute.kernels.sm90.mainloop import (
 from mok_cute.schedule import fused_bwd_tasks as tasks
 from mok_cute.schedule.fused_bwd_tasks import D1, D2, WD, WG
 from mok_cute.schedule.fused_tasks import routed_mtiles
-from mok_cute.schedule.group_tiles import tiles_over
+from mok_cute.schedule.group_tiles import mtiles, tiles_over
 
 D2_READY, D1_DONE, ROWS_READY, WD_DONE = 24, 25, 26, 27  # status channels: the waits on d2[mt], on the D1 tiles (slot sum),
 #                                             on the gathered rows of m-tile mt
@@ -1316,7 +1316,7 @@ def _launch(rows: ExpertRows, weights, limit, launch: BackwardLaunch, tokens: To
     counters = torch.zeros(2 * mt_cap + COUNTER_WORDS, dtype=torch.int32, device=dy.device)
     d2, gdy, words = counters[:mt_cap], counters[mt_cap:2 * mt_cap], counters[2 * mt_cap:]
     if dwd_made:  # the list's first E * (dW_down tiles per expert) tasks ran in that launch: claimed and done
-        words[0] = words[WD_WORD] = e * -(-hid // cfg.tile_m) * -(-inter // cfg.tile_n)
+        words[0] = words[WD_WORD] = e * mtiles(0, hid, cfg.tile_m) * mtiles(0, inter, cfg.tile_n)
         h = gu[:m].view(m, 2, inter)[:, 0]  # an [M, I] view the launch's h operand never reads
     row_args = GatherRows(None, None, None, None, None, None)
     if gather is not None:
